@@ -117,7 +117,7 @@ pub(crate) mod check {
     use super::*;
 
     pub fn elements(rank: usize, bytes: usize, dtype: DType, what: &str) -> Result<usize> {
-        if bytes % dtype.size() != 0 {
+        if !bytes.is_multiple_of(dtype.size()) {
             return Err(CommError::InvalidArgument {
                 rank,
                 message: format!(
@@ -133,7 +133,9 @@ pub(crate) mod check {
         if peer >= size {
             return Err(CommError::InvalidArgument {
                 rank,
-                message: format!("{what} {peer} is out of range for a {size}-rank group (0..{size})"),
+                message: format!(
+                    "{what} {peer} is out of range for a {size}-rank group (0..{size})"
+                ),
             });
         }
         Ok(())
@@ -157,8 +159,7 @@ pub(crate) mod check {
         counts: &[usize],
         mine: usize,
         total: usize,
-        mine_what: &str,
-        total_what: &str,
+        (mine_what, total_what): (&str, &str),
     ) -> Result<()> {
         let bad = |message: String| {
             Err(CommError::InvalidArgument {

@@ -84,7 +84,13 @@ fn all_reduce_case<T: Small>(g: &Group, count: usize, op: ReduceOp) -> Result<()
 
 fn counts_for(n: usize, base: usize, uneven: bool) -> Vec<usize> {
     (0..n)
-        .map(|j| if uneven { (base + j * 5) % (base + 3) } else { base })
+        .map(|j| {
+            if uneven {
+                (base + j * 5) % (base + 3)
+            } else {
+                base
+            }
+        })
         .collect()
 }
 
@@ -161,7 +167,7 @@ pub fn run(world: &Group) -> Report {
     match world.split(Some((world.rank() % 2) as u32), world.rank()) {
         Ok(Some(half)) => {
             let label = format!("parity-{} group", world.rank() % 2);
-            if world.rank() % 2 == 0 {
+            if world.rank().is_multiple_of(2) {
                 run_on(&mut rep, &half, &label);
             } else {
                 // A different sequence of calls than the even group: isolation means it
@@ -173,7 +179,11 @@ pub fn run(world: &Group) -> Report {
                     );
                 }
             }
-            let expect = if world.rank() % 2 == 0 { n.div_ceil(2) } else { n / 2 };
+            let expect = if world.rank().is_multiple_of(2) {
+                n.div_ceil(2)
+            } else {
+                n / 2
+            };
             rep.check(&format!("{label}: size"), {
                 if half.size() == expect {
                     Ok(())
@@ -220,9 +230,13 @@ pub fn run(world: &Group) -> Report {
 
 fn mesh_checks(rep: &mut Report, world: &Group) {
     let n = world.size();
-    for tp in (1..=n).filter(|t| n % t == 0) {
-        for pp in (1..=n / tp).filter(|p| (n / tp) % p == 0) {
-            let dims = ParallelDims { tp, pp, dp: n / tp / pp };
+    for tp in (1..=n).filter(|t| n.is_multiple_of(*t)) {
+        for pp in (1..=n / tp).filter(|p| (n / tp).is_multiple_of(*p)) {
+            let dims = ParallelDims {
+                tp,
+                pp,
+                dp: n / tp / pp,
+            };
             let name = format!("mesh tp={tp} pp={pp} dp={}", dims.dp);
             let r = ProcessGroups::new(world.clone(), dims).map_err(|e| e.to_string());
             rep.check(&name, r.and_then(|pg| mesh_sums(&pg)));
@@ -234,12 +248,20 @@ fn mesh_checks(rep: &mut Report, world: &Group) {
 fn mesh_sums(pg: &ProcessGroups) -> Result<(), String> {
     let d = pg.dims;
     let me = pg.world.rank();
-    for (label, g, len) in [("tp", &pg.tp, d.tp), ("pp", &pg.pp, d.pp), ("dp", &pg.dp, d.dp)] {
+    for (label, g, len) in [
+        ("tp", &pg.tp, d.tp),
+        ("pp", &pg.pp, d.pp),
+        ("dp", &pg.dp, d.dp),
+    ] {
         if g.size() != len {
-            return Err(format!("{label} group has {} ranks, expected {len}", g.size()));
+            return Err(format!(
+                "{label} group has {} ranks, expected {len}",
+                g.size()
+            ));
         }
         let mut x = [me as u64];
-        g.all_reduce(&mut x, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        g.all_reduce(&mut x, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
         let mut want = 0u64;
         for k in 0..len {
             let mut c = pg.coords;
@@ -251,7 +273,10 @@ fn mesh_sums(pg: &ProcessGroups) -> Result<(), String> {
             want += d.world_rank(c) as u64;
         }
         if x[0] != want {
-            return Err(format!("{label} group sums world ranks to {}, expected {want}", x[0]));
+            return Err(format!(
+                "{label} group sums world ranks to {}, expected {want}",
+                x[0]
+            ));
         }
     }
     Ok(())
@@ -264,9 +289,18 @@ fn run_on(rep: &mut Report, g: &Group, label: &str) {
         for uneven in [false, true] {
             let counts = counts_for(n, count / n.max(1), uneven);
             let desc = format!("{label}: counts={counts:?}");
-            rep.check(&format!("all_gather f32 {desc}"), all_gather_case::<f32>(g, &counts));
-            rep.check(&format!("all_gather u8 {desc}"), all_gather_case::<u8>(g, &counts));
-            rep.check(&format!("all_gather bf16 {desc}"), all_gather_case::<bf16>(g, &counts));
+            rep.check(
+                &format!("all_gather f32 {desc}"),
+                all_gather_case::<f32>(g, &counts),
+            );
+            rep.check(
+                &format!("all_gather u8 {desc}"),
+                all_gather_case::<u8>(g, &counts),
+            );
+            rep.check(
+                &format!("all_gather bf16 {desc}"),
+                all_gather_case::<bf16>(g, &counts),
+            );
             for op in [ReduceOp::Sum, ReduceOp::Max] {
                 rep.check(
                     &format!("reduce_scatter f32 {} {desc}", op.name()),
@@ -284,7 +318,10 @@ fn run_on(rep: &mut Report, g: &Group, label: &str) {
                 broadcast_case::<f32>(g, count, root),
             );
         }
-        rep.check(&format!("{label}: broadcast u8 count={count}"), broadcast_case::<u8>(g, count, n - 1));
+        rep.check(
+            &format!("{label}: broadcast u8 count={count}"),
+            broadcast_case::<u8>(g, count, n - 1),
+        );
         rep.check(
             &format!("{label}: ring send/recv f32 count={count}"),
             ring_case::<f32>(g, count, 5),
@@ -294,5 +331,8 @@ fn run_on(rep: &mut Report, g: &Group, label: &str) {
             ring_case::<i32>(g, count, 6),
         );
     }
-    rep.check(&format!("{label}: barrier"), g.barrier().map_err(|e| e.to_string()));
+    rep.check(
+        &format!("{label}: barrier"),
+        g.barrier().map_err(|e| e.to_string()),
+    );
 }

@@ -51,7 +51,11 @@ impl FlightRecorder {
     pub fn finish(&self, group_id: u64, ok: bool) {
         let mut e = self.entries.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(last) = e.iter_mut().rev().find(|x| x.group_id == group_id) {
-            last.state = if ok { CallState::Done } else { CallState::Failed };
+            last.state = if ok {
+                CallState::Done
+            } else {
+                CallState::Failed
+            };
             last.finished = Some(Instant::now());
         }
     }

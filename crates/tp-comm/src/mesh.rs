@@ -101,12 +101,37 @@ mod tests {
 
     #[test]
     fn coordinates_round_trip_with_tp_innermost() {
-        let d = ParallelDims { tp: 2, pp: 3, dp: 2 };
+        let d = ParallelDims {
+            tp: 2,
+            pp: 3,
+            dp: 2,
+        };
         for r in 0..d.world_size() {
             assert_eq!(d.world_rank(d.coords(r)), r);
         }
-        assert_eq!(d.coords(1), MeshCoords { tp_rank: 1, pp_rank: 0, dp_rank: 0 });
-        assert_eq!(d.coords(2), MeshCoords { tp_rank: 0, pp_rank: 0, dp_rank: 1 });
-        assert_eq!(d.coords(4), MeshCoords { tp_rank: 0, pp_rank: 1, dp_rank: 0 });
+        assert_eq!(
+            d.coords(1),
+            MeshCoords {
+                tp_rank: 1,
+                pp_rank: 0,
+                dp_rank: 0
+            }
+        );
+        assert_eq!(
+            d.coords(2),
+            MeshCoords {
+                tp_rank: 0,
+                pp_rank: 0,
+                dp_rank: 1
+            }
+        );
+        assert_eq!(
+            d.coords(4),
+            MeshCoords {
+                tp_rank: 0,
+                pp_rank: 1,
+                dp_rank: 0
+            }
+        );
     }
 }

@@ -130,11 +130,26 @@ mod tests {
         let b = [0.5f32, 4.0, -3.5];
         let mut out = [0f32; 3];
         let srcs = [bytemuck::cast_slice(&a), bytemuck::cast_slice(&b)];
-        reduce_into(bytemuck::cast_slice_mut(&mut out), &srcs, DType::F32, ReduceOp::Sum);
+        reduce_into(
+            bytemuck::cast_slice_mut(&mut out),
+            &srcs,
+            DType::F32,
+            ReduceOp::Sum,
+        );
         assert_eq!(out, [1.5, 2.0, 0.0]);
-        reduce_into(bytemuck::cast_slice_mut(&mut out), &srcs, DType::F32, ReduceOp::Max);
+        reduce_into(
+            bytemuck::cast_slice_mut(&mut out),
+            &srcs,
+            DType::F32,
+            ReduceOp::Max,
+        );
         assert_eq!(out, [1.0, 4.0, 3.5]);
-        reduce_into(bytemuck::cast_slice_mut(&mut out), &srcs, DType::F32, ReduceOp::Min);
+        reduce_into(
+            bytemuck::cast_slice_mut(&mut out),
+            &srcs,
+            DType::F32,
+            ReduceOp::Min,
+        );
         assert_eq!(out, [0.5, -2.0, -3.5]);
     }
 
@@ -144,7 +159,12 @@ mod tests {
         let b = [f16::from_f32(3.0), f16::from_f32(-5.0)];
         let mut out = [f16::ZERO; 2];
         let srcs = [bytemuck::cast_slice(&a), bytemuck::cast_slice(&b)];
-        reduce_into(bytemuck::cast_slice_mut(&mut out), &srcs, DType::F16, ReduceOp::Sum);
+        reduce_into(
+            bytemuck::cast_slice_mut(&mut out),
+            &srcs,
+            DType::F16,
+            ReduceOp::Sum,
+        );
         assert_eq!(out, [f16::from_f32(4.0), f16::from_f32(-3.0)]);
     }
 }

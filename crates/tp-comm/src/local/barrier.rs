@@ -127,7 +127,8 @@ impl PoisonBarrier {
 
     pub fn cause(&self) -> String {
         let c = self.cause.lock().unwrap_or_else(|p| p.into_inner());
-        c.clone().unwrap_or_else(|| "an earlier failure".to_string())
+        c.clone()
+            .unwrap_or_else(|| "an earlier failure".to_string())
     }
 }
 

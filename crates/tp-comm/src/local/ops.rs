@@ -390,7 +390,15 @@ impl Communicator for LocalComm {
         let me = self.world_rank();
         let mine = check::elements(me, send.len(), dtype, "the send buffer")?;
         let total = check::elements(me, recv.len(), dtype, "the receive buffer")?;
-        check::counts(me, self.rank, self.size(), counts, mine, total, "the send buffer", "the receive buffer")?;
+        check::counts(
+            me,
+            self.rank,
+            self.size(),
+            counts,
+            mine,
+            total,
+            ("the send buffer", "the receive buffer"),
+        )?;
         let es = dtype.size();
         let largest = counts.iter().copied().max().unwrap_or(0) * es;
         let path = if largest <= SMALL_BYTES {
@@ -433,7 +441,15 @@ impl Communicator for LocalComm {
         let me = self.world_rank();
         let total = check::elements(me, send.len(), dtype, "the send buffer")?;
         let mine = check::elements(me, recv.len(), dtype, "the receive buffer")?;
-        check::counts(me, self.rank, self.size(), counts, mine, total, "the receive buffer", "the send buffer")?;
+        check::counts(
+            me,
+            self.rank,
+            self.size(),
+            counts,
+            mine,
+            total,
+            ("the receive buffer", "the send buffer"),
+        )?;
         let es = dtype.size();
         let path = if send.len() <= SMALL_BYTES {
             Path::Scratch

@@ -105,7 +105,7 @@ impl WorldShared {
                 return Ok(());
             }
             spins = spins.wrapping_add(1);
-            if spins % 64 == 0 {
+            if spins.is_multiple_of(64) {
                 if let Some((m, why)) = self.lost_member(members) {
                     return Err(WaitFailure::Lost(m, why));
                 }

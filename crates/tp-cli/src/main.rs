@@ -1,0 +1,53 @@
+//! `tp`: the tensor-parallel command line. Parses arguments, then calls down into the crates.
+
+mod bench_collectives;
+mod launch;
+mod selftest;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "tp",
+    version,
+    about = "Tensor-parallel transformers: split every layer over N ranks"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        what: Bench,
+    },
+    /// Runs the collectives conformance suite on this backend (use it to check a cluster).
+    Selftest(selftest::SelftestArgs),
+}
+
+#[derive(Subcommand)]
+enum Bench {
+    /// nccl-tests-style sweep of all_reduce, all_gather, reduce_scatter and broadcast.
+    Collectives(bench_collectives::BenchArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Bench {
+            what: Bench::Collectives(args),
+        } => bench_collectives::run(&args),
+        Command::Selftest(args) => selftest::run(&args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
