@@ -220,13 +220,18 @@ fn check(g: &Group, op: Op, buf: &mut Buffers) -> Result<u64, CommError> {
     Ok(wrong as u64)
 }
 
-/// Times one size: warm-up, an iteration count agreed by all ranks (rank 0 picks it so a
-/// sample takes ~20 ms), then `samples` timed runs; each sample is the slowest rank's time.
+/// Times one size: fixed warm-up calls, an iteration count agreed by all ranks (rank 0 picks
+/// it from 5 trial calls so a sample takes ~20 ms), then `samples` timed runs; each sample is
+/// the slowest rank's time. Every rank makes the same number of calls.
 fn time_size(g: &Group, op: Op, buf: &mut Buffers, samples: usize) -> Result<f64, CommError> {
-    call(g, op, buf)?;
+    for _ in 0..3 {
+        call(g, op, buf)?;
+    }
     let t = Instant::now();
-    call(g, op, buf)?;
-    let one = t.elapsed().as_secs_f64().max(1e-7);
+    for _ in 0..5 {
+        call(g, op, buf)?;
+    }
+    let one = (t.elapsed().as_secs_f64() / 5.0).max(1e-7);
     let mut iters = [((0.02 / one) as u64).clamp(1, 20_000)];
     g.broadcast(&mut iters, 0)?;
     let mut times = Vec::with_capacity(samples);
