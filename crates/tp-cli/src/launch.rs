@@ -30,28 +30,27 @@ pub fn run_ranks<T: Send>(
             anyhow::ensure!(ranks >= 1, "--ranks must be at least 1");
             let outcomes = local::run(ranks, LocalOptions { timeout }, work)?;
             let mut first = None;
-            let mut failed = false;
-            let mut flight_printed = false;
+            let mut errors: Vec<(usize, CommError)> = Vec::new();
+            let mut panics: Vec<(usize, String)> = Vec::new();
             for (rank, outcome) in outcomes.into_iter().enumerate() {
                 match outcome {
-                    Ok(Ok(v)) => {
-                        if rank == 0 {
-                            first = Some(v);
-                        }
-                    }
-                    Ok(Err(e)) => {
-                        failed = true;
-                        eprintln!("rank {rank}: error: {e}");
-                        if let (false, Some(f)) = (flight_printed, e.flight_record()) {
-                            eprint!("{f}");
-                            flight_printed = true;
-                        }
-                    }
-                    Err(panic) => {
-                        failed = true;
-                        eprintln!("rank {rank}: {panic}");
-                    }
+                    Ok(Ok(v)) if rank == 0 => first = Some(v),
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => errors.push((rank, e)),
+                    Err(panic) => panics.push((rank, panic)),
                 }
+            }
+            let failed = !errors.is_empty() || !panics.is_empty();
+            for (rank, panic) in &panics {
+                eprintln!("rank {rank}: {panic}");
+            }
+            // The cause first: ranks that only found the group poisoned come last.
+            errors.sort_by_key(|(_, e)| matches!(e, CommError::Poisoned { .. }));
+            for (rank, e) in &errors {
+                eprintln!("rank {rank}: error: {e}");
+            }
+            if let Some(f) = errors.iter().find_map(|(_, e)| e.flight_record()) {
+                eprint!("{f}");
             }
             Ok(if failed {
                 Err(ExitCode::from(1))
