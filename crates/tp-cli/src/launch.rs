@@ -28,7 +28,16 @@ pub fn run_ranks<T: Send>(
     match backend {
         Backend::Local => {
             anyhow::ensure!(ranks >= 1, "--ranks must be at least 1");
-            let outcomes = local::run(ranks, LocalOptions { timeout }, work)?;
+            let watchdog = Watchdog::start();
+            let outcomes = local::run(ranks, LocalOptions { timeout }, |g| {
+                let rank = g.rank();
+                let out = work(g);
+                if let Err(e) = &out {
+                    watchdog.failed(rank, e);
+                }
+                out
+            })?;
+            watchdog.finished();
             let mut first = None;
             let mut errors: Vec<(usize, CommError)> = Vec::new();
             let mut panics: Vec<(usize, String)> = Vec::new();
@@ -59,6 +68,75 @@ pub fn run_ranks<T: Send>(
             })
         }
         Backend::Mpi => run_mpi(timeout, work),
+    }
+}
+
+/// Ends the process shortly after a rank fails if other rank threads are still stuck in code
+/// that cannot be interrupted (a straggler asleep in its own work): the error is printed
+/// within a grace period instead of whenever the straggler wakes.
+struct Watchdog {
+    state: std::sync::Arc<(std::sync::Mutex<WatchState>, std::sync::Condvar)>,
+}
+
+#[derive(Default)]
+struct WatchState {
+    errors: Vec<String>,
+    flight_record: Option<String>,
+    finished: bool,
+}
+
+/// How long the other ranks get to finish after the first failure.
+const GRACE: Duration = Duration::from_secs(2);
+
+impl Watchdog {
+    fn start() -> Self {
+        let state = std::sync::Arc::new((
+            std::sync::Mutex::new(WatchState::default()),
+            std::sync::Condvar::new(),
+        ));
+        let s = std::sync::Arc::clone(&state);
+        std::thread::spawn(move || {
+            let (lock, cv) = &*s;
+            let mut st = lock.lock().unwrap_or_else(|p| p.into_inner());
+            while st.errors.is_empty() && !st.finished {
+                st = cv.wait(st).unwrap_or_else(|p| p.into_inner());
+            }
+            if st.finished {
+                return;
+            }
+            let (st2, _) = cv
+                .wait_timeout_while(st, GRACE, |st| !st.finished)
+                .unwrap_or_else(|p| p.into_inner());
+            if !st2.finished {
+                for e in &st2.errors {
+                    eprintln!("{e}");
+                }
+                if let Some(f) = &st2.flight_record {
+                    eprint!("{f}");
+                }
+                eprintln!(
+                    "some ranks are still busy {GRACE:?} after the first failure; exiting without them"
+                );
+                std::process::exit(1);
+            }
+        });
+        Watchdog { state }
+    }
+
+    fn failed(&self, rank: usize, e: &CommError) {
+        let (lock, cv) = &*self.state;
+        let mut st = lock.lock().unwrap_or_else(|p| p.into_inner());
+        st.errors.push(format!("rank {rank}: error: {e}"));
+        if st.flight_record.is_none() {
+            st.flight_record = e.flight_record().map(str::to_string);
+        }
+        cv.notify_all();
+    }
+
+    fn finished(&self) {
+        let (lock, cv) = &*self.state;
+        lock.lock().unwrap_or_else(|p| p.into_inner()).finished = true;
+        cv.notify_all();
     }
 }
 

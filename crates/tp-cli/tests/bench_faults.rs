@@ -62,8 +62,11 @@ fn a_desync_prints_both_fingerprints() {
 
 #[test]
 fn a_straggler_is_a_timeout_within_the_deadline() {
-    let f = drill("slow:1@5:8", "2", "1");
+    // The straggler sleeps 20 s; the command must not wait for it.
+    let f = drill("slow:1@5:20", "2", "1");
     assert_eq!(f.code, Some(1), "{}", f.output);
+    assert!(f.took < Duration::from_secs(8), "took {:?}", f.took);
+    assert!(f.output.contains("flight record"), "{}", f.output);
     assert!(f.output.contains("timed out after 1s"), "{}", f.output);
     assert!(
         f.output.contains("still waiting for ranks [1]"),
