@@ -67,11 +67,14 @@ pub struct MegatronComparison {
     pub row: MegatronRow,
     /// Best micro-batch (≤ 8) for the paper's (t, p, d) under our model.
     pub micro_batch: u64,
+    /// Predicted step time of the paper's layout, seconds.
+    pub predicted_step_s: f64,
     pub predicted_tflops_per_gpu: f64,
     pub relative_error: f64,
-    pub planner_top_tp: u64,
-    pub planner_top_pp: u64,
-    pub planner_top_tflops_per_gpu: f64,
+    /// The planner's own best layout on the same cluster and batch.
+    pub planner_top: ParallelConfig,
+    pub planner_top_mfu: f64,
+    pub planner_top_step_s: f64,
 }
 
 impl MegatronComparison {
@@ -142,11 +145,12 @@ pub fn compare_with_table1() -> Result<Vec<MegatronComparison>, PlanError> {
             Ok(MegatronComparison {
                 row: *row,
                 micro_batch: best.config.micro_batch,
+                predicted_step_s: best.step_s,
                 predicted_tflops_per_gpu: predicted,
                 relative_error: predicted / row.reported_tflops_per_gpu - 1.0,
-                planner_top_tp: top.config.tp,
-                planner_top_pp: top.config.pp,
-                planner_top_tflops_per_gpu: top.hardware_tflops_per_device,
+                planner_top: top.config,
+                planner_top_mfu: top.mfu,
+                planner_top_step_s: top.step_s,
             })
         })
         .collect()
@@ -156,12 +160,12 @@ pub fn compare_with_table1() -> Result<Vec<MegatronComparison>, PlanError> {
 /// checks the document still matches).
 pub fn render_markdown(rows: &[MegatronComparison]) -> String {
     let mut out = String::from(
-        "| model | t | p | GPUs | batch | reported TFLOP/s/GPU | predicted (b) | error | planner top (t, p): executed TFLOP/s/GPU |\n\
-         |---|---|---|---|---|---|---|---|---|\n",
+        "| model | t | p | GPUs | batch | reported TFLOP/s/GPU | predicted (b) | error | planner top (t, p, b, recompute, SP) | its speed-up | its MFU |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for c in rows {
         out.push_str(&format!(
-            "| {} ({:.1}B) | {} | {} | {} | {} | {:.0} | {:.1} (b={}) | {:+.1}%{} | ({}, {}): {:.1} |\n",
+            "| {} ({:.1}B) | {} | {} | {} | {} | {:.0} | {:.1} (b={}) | {:+.1}%{} | ({}, {}, {}, {:?}, {}) | {:.2}x | {:.1}% |\n",
             c.row.preset,
             c.row.params_billion,
             c.row.tp,
@@ -173,9 +177,13 @@ pub fn render_markdown(rows: &[MegatronComparison]) -> String {
             c.micro_batch,
             c.relative_error * 100.0,
             if c.within_tolerance() { "" } else { " (outside 15%)" },
-            c.planner_top_tp,
-            c.planner_top_pp,
-            c.planner_top_tflops_per_gpu,
+            c.planner_top.tp,
+            c.planner_top.pp,
+            c.planner_top.micro_batch,
+            c.planner_top.recompute,
+            if c.planner_top.sequence_parallel { "SP" } else { "no SP" },
+            c.predicted_step_s / c.planner_top_step_s,
+            c.planner_top_mfu * 100.0,
         ));
     }
     let within = rows.iter().filter(|c| c.within_tolerance()).count();
