@@ -2,6 +2,7 @@
 //! resolves presets/files, plans, and returns the text or JSON to print.
 
 use crate::cluster_file::load_cluster_file;
+use crate::gguf::load_gguf;
 use crate::hardware::{accelerator_preset, accelerator_preset_names, ClusterSpec};
 use crate::hf_config::load_hf_config;
 use crate::megatron_table::{compare_with_table1, render_markdown};
@@ -16,7 +17,7 @@ use std::path::{Path, PathBuf};
 /// Arguments of `tp plan`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct PlanArgs {
-    /// Model preset name or path to a Hugging Face config.json.
+    /// Model preset name, or a path to a Hugging Face config.json or a .gguf file.
     #[arg(long)]
     pub model: Option<String>,
     /// Total devices (GPUs, or machines for a CPU preset).
@@ -120,16 +121,13 @@ impl Default for PlanArgs {
     }
 }
 
-/// A preset name, or a config.json path (anything ending in `.json` or naming
-/// an existing file).
+/// A preset name, a `.gguf` file (header only), or a config.json path
+/// (anything else ending in `.json` or naming an existing file).
 pub fn resolve_model(spec: &str) -> Result<ModelSpec, PlanError> {
     let path = Path::new(spec);
     let lower = spec.to_ascii_lowercase();
     if lower.ends_with(".gguf") {
-        return Err(PlanError::InvalidModel {
-            name: spec.to_string(),
-            message: "GGUF files are not supported yet; pass the model's config.json".to_string(),
-        });
+        return load_gguf(path);
     }
     if lower.ends_with(".json") || path.is_file() {
         return load_hf_config(path);

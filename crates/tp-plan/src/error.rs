@@ -24,6 +24,8 @@ pub enum PlanError {
     },
     #[error("malformed model config `{path}`: {message}")]
     MalformedModelConfig { path: PathBuf, message: String },
+    #[error("malformed GGUF file `{path}`: {message}")]
+    MalformedGguf { path: PathBuf, message: String },
     #[error("malformed cluster file `{path}`: {message}")]
     MalformedClusterFile { path: PathBuf, message: String },
     #[error("invalid model `{name}`: {message}")]

@@ -8,6 +8,7 @@ pub mod cluster_file;
 pub mod collectives;
 pub mod error;
 pub mod flops;
+pub mod gguf;
 pub mod hardware;
 pub mod hf_config;
 pub mod megatron_table;

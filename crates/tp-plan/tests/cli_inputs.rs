@@ -135,8 +135,11 @@ fn config_json_files() {
     let e = run(&args("/nonexistent/dir/config.json", 2)).unwrap_err();
     assert!(matches!(e, PlanError::FileRead { .. }), "{e}");
 
-    let e = run(&args("model.gguf", 2)).unwrap_err();
-    assert!(e.to_string().contains("GGUF"));
+    let e = run(&args("/nonexistent/model.gguf", 2)).unwrap_err();
+    assert!(matches!(e, PlanError::FileRead { .. }), "{e}");
+    let junk = temp_file("junk.gguf", "GGUF\x03");
+    let e = run(&args(junk.to_str().unwrap(), 2)).unwrap_err();
+    assert!(matches!(e, PlanError::MalformedGguf { .. }), "{e}");
 }
 
 #[test]
