@@ -104,6 +104,9 @@ pub fn accelerator_preset(name: &str) -> Result<AcceleratorSpec, PlanError> {
         })
 }
 
+/// Largest cluster the planner enumerates.
+pub const MAX_DEVICES: u64 = 1 << 20;
+
 /// A homogeneous cluster.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ClusterSpec {
@@ -151,6 +154,11 @@ impl ClusterSpec {
         }
         if self.devices_per_node == 0 {
             return Err(PlanError::ZeroGpusPerNode);
+        }
+        if self.num_devices > MAX_DEVICES {
+            return Err(PlanError::InvalidCluster(format!(
+                "at most {MAX_DEVICES} devices are supported"
+            )));
         }
         if self.num_devices % self.devices_per_node != 0 && self.num_devices > self.devices_per_node
         {

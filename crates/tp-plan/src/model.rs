@@ -5,6 +5,11 @@
 use crate::PlanError;
 use serde::Serialize;
 
+/// Largest accepted value of any single model dimension.
+pub const MAX_DIMENSION: u64 = 1 << 24;
+/// Largest accepted parameter count.
+pub const MAX_PARAMS: u128 = 1_000_000_000_000_000;
+
 /// The shape of a decoder-only transformer. Biases and learned position
 /// embeddings are ignored (they are < 0.1% of the parameters of every preset).
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -66,11 +71,27 @@ impl ModelSpec {
         if sizes.contains(&0) {
             return Err(bad("every size must be positive"));
         }
+        if sizes.iter().any(|&v| v > MAX_DIMENSION) {
+            return Err(bad("a size exceeds 2^24"));
+        }
         if self.num_query_heads % self.num_kv_heads != 0 {
             return Err(bad("query heads must be a multiple of kv heads"));
         }
         if self.experts_per_token > self.num_experts {
             return Err(bad("experts per token exceeds the number of experts"));
+        }
+        // Checked in u128 so the u64 arithmetic elsewhere cannot overflow.
+        let (h, l, e) = (
+            u128::from(self.hidden_size),
+            u128::from(self.num_layers),
+            u128::from(self.num_experts),
+        );
+        let per_layer = 2 * h * u128::from(self.query_dim() + self.kv_dim())
+            + e * u128::from(self.mlp_matrices()) * h * u128::from(self.ffn_hidden_size)
+            + h * (e + 2);
+        let total = l * per_layer + 2 * u128::from(self.vocab_size) * h + h;
+        if total > MAX_PARAMS {
+            return Err(bad("more than 10^15 parameters"));
         }
         Ok(())
     }
@@ -165,6 +186,16 @@ mod tests {
         let m = crate::model_presets::model_preset("llama-2-7b").unwrap();
         let p = m.total_params() as f64;
         assert!((p / 6.738e9 - 1.0).abs() < 0.005, "{p}");
+    }
+
+    #[test]
+    fn validate_rejects_absurd_sizes() {
+        let mut m = ModelSpec::gpt("t", 2, 1024, 16, 1000);
+        m.num_layers = 1 << 30;
+        assert!(m.validate().is_err());
+        let mut m = ModelSpec::gpt("t", 1 << 20, 1 << 20, 16, 1000);
+        m.ffn_hidden_size = 1 << 24;
+        assert!(m.validate().unwrap_err().to_string().contains("10^15"));
     }
 
     #[test]

@@ -114,9 +114,28 @@ pub struct ServingPlan {
     pub rejected: Rejections,
 }
 
+/// Divisors of `n` in increasing order (O(√n)).
 fn divisors(n: u64) -> Vec<u64> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    let mut small = Vec::new();
+    let mut large = Vec::new();
+    let mut d = 1;
+    while d * d <= n {
+        if n % d == 0 {
+            small.push(d);
+            if d * d != n {
+                large.push(n / d);
+            }
+        }
+        d += 1;
+    }
+    small.extend(large.into_iter().rev());
+    small
 }
+
+/// Upper bounds on workload sizes (keep every product far from u64 overflow).
+const MAX_TOKENS_PER_SEQUENCE: u64 = 1 << 24;
+const MAX_BATCH: u64 = 1 << 32;
+const MAX_MICRO_BATCH: u64 = 1 << 16;
 
 /// Tensor sizes worth enumerating, with the shape rejections of the others.
 /// Returns (tp, devices one tensor group occupies).
@@ -190,6 +209,14 @@ pub fn plan_training(
         return Err(PlanError::InvalidWorkload(
             "global batch, sequence length and max micro-batch must be positive".to_string(),
         ));
+    }
+    if workload.seq_len > MAX_TOKENS_PER_SEQUENCE
+        || workload.global_batch > MAX_BATCH
+        || workload.max_micro_batch > MAX_MICRO_BATCH
+    {
+        return Err(PlanError::InvalidWorkload(format!(
+            "limits: sequence ≤ {MAX_TOKENS_PER_SEQUENCE}, global batch ≤ {MAX_BATCH}, micro-batch ≤ {MAX_MICRO_BATCH}"
+        )));
     }
     let mut rejected = Rejections::default();
     let mut ranked = Vec::new();
@@ -301,6 +328,11 @@ pub fn plan_serving(
             "context length and concurrency must be positive".to_string(),
         ));
     }
+    if workload.context_len > MAX_TOKENS_PER_SEQUENCE || workload.concurrency > MAX_BATCH {
+        return Err(PlanError::InvalidWorkload(format!(
+            "limits: context ≤ {MAX_TOKENS_PER_SEQUENCE}, concurrency ≤ {MAX_BATCH}"
+        )));
+    }
     if let Some(t) = workload.target_time_per_token_s {
         if !(t.is_finite() && t > 0.0) {
             return Err(PlanError::InvalidWorkload(
@@ -379,6 +411,13 @@ mod tests {
             flash_attention: true,
             max_micro_batch: 4,
         }
+    }
+
+    #[test]
+    fn divisors_in_order() {
+        assert_eq!(divisors(36), vec![1, 2, 3, 4, 6, 9, 12, 18, 36]);
+        assert_eq!(divisors(1), vec![1]);
+        assert_eq!(divisors(3072).len(), 22);
     }
 
     #[test]

@@ -126,7 +126,7 @@ pub fn estimate_serving(
             0.0
         };
         let flops = 2.0 * seqs as f64 * rank_matmul_per_layer * l
-            + 4.0 * (seqs * ctx) as f64 * (shard.max_query_heads as f64 * d) * l
+            + 4.0 * seqs as f64 * ctx as f64 * (shard.max_query_heads as f64 * d) * l
             + logits;
         let read_s = (weights_read + kv) / rank_bw;
         let flop_s = flops / rank_flops;
@@ -177,7 +177,7 @@ pub fn estimate_serving(
         let weights = (largest_stage as f64 * per_layer
             + embeddings * model.embedding_params() as f64)
             * w_bytes;
-        let kv = 2.0 * largest_stage as f64 * held_kv * d * (ctx * seqs) as f64 * kv_bytes;
+        let kv = 2.0 * largest_stage as f64 * held_kv * d * ctx as f64 * seqs as f64 * kv_bytes;
         weights + kv + tp * memory.activations
     } else {
         memory.total()
@@ -191,7 +191,7 @@ pub fn estimate_serving(
     let tokens_per_s_replica = seqs as f64 / token_s;
     let prefill_flops =
         2.0 * ctx as f64 * model.active_matmul_params_per_layer() as f64 * model.num_layers as f64
-            + 2.0 * (ctx * ctx) as f64 * model.query_dim() as f64 * model.num_layers as f64;
+            + 2.0 * ctx as f64 * ctx as f64 * model.query_dim() as f64 * model.num_layers as f64;
     let replica_flops = match acc.kind {
         AcceleratorKind::Gpu => rank_flops * tp / shard.head_imbalance,
         AcceleratorKind::CpuMachine { .. } => rank_flops * tp,
