@@ -192,10 +192,8 @@ pub fn estimate_serving(
     let prefill_flops =
         2.0 * ctx as f64 * model.active_matmul_params_per_layer() as f64 * model.num_layers as f64
             + 2.0 * ctx as f64 * ctx as f64 * model.query_dim() as f64 * model.num_layers as f64;
-    let replica_flops = match acc.kind {
-        AcceleratorKind::Gpu => rank_flops * tp / shard.head_imbalance,
-        AcceleratorKind::CpuMachine { .. } => rank_flops * tp,
-    };
+    // The most loaded rank (ceil(a/t) heads) finishes last.
+    let replica_flops = rank_flops * tp / shard.head_imbalance;
     ServingEstimate {
         config: *config,
         sequences_per_replica: seqs,
