@@ -288,8 +288,13 @@ pub fn estimate_training(
         bandwidth: bw,
         latency_s: lat,
     };
-    let data_parallel_comm_s = ring_all_reduce_s(heaviest.dense * element, config.dp, dp_link)
-        + ring_all_reduce_s(heaviest.expert * element, expert_dp as u64, dp_link);
+    let expert_comm_s = if heaviest.expert > 0.0 {
+        ring_all_reduce_s(heaviest.expert * element, expert_dp as u64, dp_link)
+    } else {
+        0.0
+    };
+    let data_parallel_comm_s =
+        ring_all_reduce_s(heaviest.dense * element, config.dp, dp_link) + expert_comm_s;
     // Optimizer update streams weights, grads and state through memory (read + write).
     let optimizer_step_s =
         2.0 * (memory.weights + memory.gradients + memory.optimizer_state) / res.memory_bandwidth;
@@ -370,6 +375,33 @@ mod tests {
         let per_micro =
             (e.time.compute_s + e.time.tensor_parallel_comm_s + e.time.pipeline_p2p_s) / 96.0;
         assert!((e.time.pipeline_bubble_s / (96.0 * per_micro) - 7.0 / 96.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn tensor_parallel_all_reduces_hand_computed() {
+        // 145B, t=8, p=8 (10 layers per stage), b=1, m=96, full recompute → 6 all-reduces
+        // per layer of b·s·h·2 = 50_331_648 B over 8 ranks at 300 GB/s, α = 5 µs:
+        // 2·7/8·50_331_648/300e9 + 14·5e-6 = 2.936013e-4 + 7e-5 = 3.636013e-4 s.
+        // Step total: 6 · 10 layers · 96 micro-batches · 3.636013e-4 = 2.0943435 s.
+        let m = model_preset("megatron-145b").unwrap();
+        let c = ClusterSpec::new(accelerator_preset("a100-80").unwrap(), 1536, 8).unwrap();
+        let e = estimate_training(&m, &c, &workload(2304), &config(8, 8, 24, 1));
+        let per = 2.0 * 7.0 / 8.0 * 50_331_648.0 / 300e9 + 14.0 * 5e-6;
+        assert!((e.time.tensor_parallel_comm_s / (6.0 * 10.0 * 96.0 * per) - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn data_parallel_all_reduce_hand_computed() {
+        // 1.7B on 32 GPUs, t=p=1: dp=32 spans 4 nodes → 25 GB/s NIC, α = 10 µs.
+        // Params: 24·(12·2304² + 2·2304) + 51200·2304 + 2304
+        //   = 24·63_705_600 + 117_964_800 + 2304 = 1_646_901_504; bf16 grads ×2 B.
+        // Ring: 2·31/32·3_293_803_008/25e9 + 62·10e-6 = 0.255270 + 0.00062 s.
+        let m = model_preset("megatron-1.7b").unwrap();
+        assert_eq!(m.total_params(), 1_646_901_504);
+        let c = ClusterSpec::new(accelerator_preset("a100-80").unwrap(), 32, 8).unwrap();
+        let e = estimate_training(&m, &c, &workload(512), &config(1, 1, 32, 1));
+        let expected = 2.0 * 31.0 / 32.0 * 3_293_803_008.0 / 25e9 + 62.0 * 10e-6;
+        assert!((e.time.data_parallel_comm_s / expected - 1.0).abs() < 1e-12);
     }
 
     #[test]

@@ -87,14 +87,6 @@ pub struct ServingWorkload {
     pub kv_precision: Precision,
 }
 
-/// Either kind of workload.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Workload {
-    Training(TrainingWorkload),
-    Serving(ServingWorkload),
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
