@@ -1,0 +1,493 @@
+//! Enumerates every (tp, pp, dp, ep, micro-batch, sequence parallel, recompute)
+//! layout, rejects the invalid ones with a reason, and ranks the rest: training
+//! by predicted step time, serving by device-seconds per token under the
+//! latency target.
+
+use crate::hardware::{AcceleratorKind, ClusterSpec};
+use crate::model::ModelSpec;
+use crate::serving_model::{estimate_serving, ServingConfig, ServingEstimate};
+use crate::sharding::ParallelConfig;
+use crate::training_model::{estimate_training, TrainingEstimate};
+use crate::workload::{Recompute, ServingWorkload, TrainingWorkload};
+use crate::PlanError;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// Why a layout cannot be used.
+#[derive(Debug, Clone, PartialEq, Serialize, thiserror::Error)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum RejectReason {
+    #[error("tp={tp} crosses the node boundary ({per_node} devices per node)")]
+    TpCrossesNode { tp: u64, per_node: u64 },
+    #[error("tp={tp} exceeds the {cores} cores of the machine")]
+    TpExceedsCores { tp: u64, cores: u64 },
+    #[error("{devices} devices are not a multiple of {per_replica} per model replica")]
+    DevicesNotDivisible { devices: u64, per_replica: u64 },
+    #[error("pp={pp} exceeds the {layers} layers")]
+    PpExceedsLayers { pp: u64, layers: u64 },
+    #[error("global batch {batch} is not divisible by dp={dp}")]
+    BatchNotDivisible { batch: u64, dp: u64 },
+    #[error("out of memory: needs {need_gib:.1} GiB of {usable_gib:.1} GiB usable")]
+    OutOfMemory { need_gib: f64, usable_gib: f64 },
+    #[error("time per output token {tpot_ms:.2} ms exceeds the {target_ms:.2} ms target")]
+    LatencyTargetMissed { tpot_ms: f64, target_ms: f64 },
+}
+
+impl RejectReason {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RejectReason::TpCrossesNode { .. } => "tp_crosses_node",
+            RejectReason::TpExceedsCores { .. } => "tp_exceeds_cores",
+            RejectReason::DevicesNotDivisible { .. } => "devices_not_divisible",
+            RejectReason::PpExceedsLayers { .. } => "pp_exceeds_layers",
+            RejectReason::BatchNotDivisible { .. } => "batch_not_divisible",
+            RejectReason::OutOfMemory { .. } => "out_of_memory",
+            RejectReason::LatencyTargetMissed { .. } => "latency_target_missed",
+        }
+    }
+}
+
+/// A rejected layout; fields a rejection did not get to are `None`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Rejection {
+    pub tp: u64,
+    pub pp: Option<u64>,
+    pub dp: Option<u64>,
+    pub ep: Option<u64>,
+    pub micro_batch: Option<u64>,
+    pub sequence_parallel: Option<bool>,
+    pub recompute: Option<Recompute>,
+    pub reason: RejectReason,
+}
+
+impl Rejection {
+    fn shape(tp: u64, pp: Option<u64>, dp: Option<u64>, reason: RejectReason) -> Self {
+        Rejection {
+            tp,
+            pp,
+            dp,
+            ep: None,
+            micro_batch: None,
+            sequence_parallel: None,
+            recompute: None,
+            reason,
+        }
+    }
+}
+
+/// All rejections, with counts per reason kind.
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
+pub struct Rejections {
+    pub total: u64,
+    pub by_kind: BTreeMap<String, u64>,
+    pub list: Vec<Rejection>,
+}
+
+impl Rejections {
+    fn push(&mut self, rejection: Rejection) {
+        self.total += 1;
+        *self
+            .by_kind
+            .entry(rejection.reason.kind().to_string())
+            .or_default() += 1;
+        self.list.push(rejection);
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrainingPlan {
+    pub model: ModelSpec,
+    pub cluster: ClusterSpec,
+    pub workload: TrainingWorkload,
+    /// Fastest first.
+    pub ranked: Vec<TrainingEstimate>,
+    pub rejected: Rejections,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ServingPlan {
+    pub model: ModelSpec,
+    pub cluster: ClusterSpec,
+    pub workload: ServingWorkload,
+    /// Cheapest (device-seconds per token) first, all within the latency target.
+    pub ranked: Vec<ServingEstimate>,
+    pub rejected: Rejections,
+}
+
+/// Divisors of `n` in increasing order (O(√n)).
+fn divisors(n: u64) -> Vec<u64> {
+    let mut small = Vec::new();
+    let mut large = Vec::new();
+    let mut d = 1;
+    while d * d <= n {
+        if n % d == 0 {
+            small.push(d);
+            if d * d != n {
+                large.push(n / d);
+            }
+        }
+        d += 1;
+    }
+    small.extend(large.into_iter().rev());
+    small
+}
+
+/// Upper bounds on workload sizes (keep every product far from u64 overflow).
+const MAX_TOKENS_PER_SEQUENCE: u64 = 1 << 24;
+const MAX_BATCH: u64 = 1 << 32;
+const MAX_MICRO_BATCH: u64 = 1 << 16;
+
+/// Tensor sizes worth enumerating, with the shape rejections of the others.
+/// Returns (tp, devices one tensor group occupies).
+fn tensor_candidates(
+    model: &ModelSpec,
+    cluster: &ClusterSpec,
+    rejected: &mut Rejections,
+) -> Vec<u64> {
+    let mut out = Vec::new();
+    let cap = match cluster.accelerator.kind {
+        AcceleratorKind::Gpu => cluster.num_devices,
+        AcceleratorKind::CpuMachine { cores } => cores + 1,
+    };
+    for tp in 1..=model.num_query_heads.min(cap) {
+        let reason = match cluster.accelerator.kind {
+            AcceleratorKind::Gpu if tp > cluster.devices_per_node => {
+                Some(RejectReason::TpCrossesNode {
+                    tp,
+                    per_node: cluster.devices_per_node,
+                })
+            }
+            AcceleratorKind::Gpu if cluster.num_devices % tp != 0 => {
+                Some(RejectReason::DevicesNotDivisible {
+                    devices: cluster.num_devices,
+                    per_replica: tp,
+                })
+            }
+            AcceleratorKind::CpuMachine { cores } if tp > cores => {
+                Some(RejectReason::TpExceedsCores { tp, cores })
+            }
+            _ => None,
+        };
+        match reason {
+            Some(r) => rejected.push(Rejection::shape(tp, None, None, r)),
+            None => out.push(tp),
+        }
+    }
+    out
+}
+
+/// Devices a tensor group occupies: tp GPUs, or one CPU machine.
+fn devices_per_tensor_group(cluster: &ClusterSpec, tp: u64) -> u64 {
+    if cluster.is_cpu() {
+        1
+    } else {
+        tp
+    }
+}
+
+/// Memory a device must hold for a per-rank footprint: CPU machines host every
+/// tensor thread.
+fn device_memory_need(cluster: &ClusterSpec, tp: u64, per_rank: f64) -> f64 {
+    if cluster.is_cpu() {
+        per_rank * tp as f64
+    } else {
+        per_rank
+    }
+}
+
+const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+
+/// Ranks every training layout by predicted step time.
+pub fn plan_training(
+    model: &ModelSpec,
+    cluster: &ClusterSpec,
+    workload: &TrainingWorkload,
+) -> Result<TrainingPlan, PlanError> {
+    model.validate()?;
+    cluster.validate()?;
+    if workload.global_batch == 0 || workload.seq_len == 0 || workload.max_micro_batch == 0 {
+        return Err(PlanError::InvalidWorkload(
+            "global batch, sequence length and max micro-batch must be positive".to_string(),
+        ));
+    }
+    if workload.seq_len > MAX_TOKENS_PER_SEQUENCE
+        || workload.global_batch > MAX_BATCH
+        || workload.max_micro_batch > MAX_MICRO_BATCH
+    {
+        return Err(PlanError::InvalidWorkload(format!(
+            "limits: sequence ≤ {MAX_TOKENS_PER_SEQUENCE}, global batch ≤ {MAX_BATCH}, micro-batch ≤ {MAX_MICRO_BATCH}"
+        )));
+    }
+    let mut rejected = Rejections::default();
+    let mut ranked = Vec::new();
+    let usable = cluster.usable_memory_bytes();
+    for tp in tensor_candidates(model, cluster, &mut rejected) {
+        let groups = cluster.num_devices / devices_per_tensor_group(cluster, tp);
+        for pp in divisors(groups) {
+            let dp = groups / pp;
+            if pp > model.num_layers {
+                rejected.push(Rejection::shape(
+                    tp,
+                    Some(pp),
+                    Some(dp),
+                    RejectReason::PpExceedsLayers {
+                        pp,
+                        layers: model.num_layers,
+                    },
+                ));
+                continue;
+            }
+            if workload.global_batch % dp != 0 {
+                rejected.push(Rejection::shape(
+                    tp,
+                    Some(pp),
+                    Some(dp),
+                    RejectReason::BatchNotDivisible {
+                        batch: workload.global_batch,
+                        dp,
+                    },
+                ));
+                continue;
+            }
+            let per_replica_batch = workload.global_batch / dp;
+            let expert_options: Vec<u64> = if model.is_moe() {
+                divisors(dp)
+                    .into_iter()
+                    .filter(|ep| model.num_experts % ep == 0)
+                    .collect()
+            } else {
+                vec![1]
+            };
+            for &ep in &expert_options {
+                for micro_batch in divisors(per_replica_batch)
+                    .into_iter()
+                    .filter(|b| *b <= workload.max_micro_batch)
+                {
+                    let sp_options: &[bool] = if tp > 1 { &[false, true] } else { &[false] };
+                    for &sequence_parallel in sp_options {
+                        for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+                            let config = ParallelConfig {
+                                tp,
+                                pp,
+                                dp,
+                                ep,
+                                micro_batch,
+                                sequence_parallel,
+                                recompute,
+                            };
+                            let estimate = estimate_training(model, cluster, workload, &config);
+                            let need = device_memory_need(cluster, tp, estimate.memory.total());
+                            if need > usable {
+                                rejected.push(Rejection {
+                                    tp,
+                                    pp: Some(pp),
+                                    dp: Some(dp),
+                                    ep: Some(ep),
+                                    micro_batch: Some(micro_batch),
+                                    sequence_parallel: Some(sequence_parallel),
+                                    recompute: Some(recompute),
+                                    reason: RejectReason::OutOfMemory {
+                                        need_gib: need / GIB,
+                                        usable_gib: usable / GIB,
+                                    },
+                                });
+                            } else {
+                                ranked.push(estimate);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    ranked.sort_by(|a, b| {
+        a.step_s
+            .total_cmp(&b.step_s)
+            .then(a.memory.total().total_cmp(&b.memory.total()))
+    });
+    Ok(TrainingPlan {
+        model: model.clone(),
+        cluster: cluster.clone(),
+        workload: workload.clone(),
+        ranked,
+        rejected,
+    })
+}
+
+/// Ranks every serving layout by device-seconds per output token among those
+/// meeting the latency target (ties: lower latency first).
+pub fn plan_serving(
+    model: &ModelSpec,
+    cluster: &ClusterSpec,
+    workload: &ServingWorkload,
+) -> Result<ServingPlan, PlanError> {
+    model.validate()?;
+    cluster.validate()?;
+    if workload.context_len == 0 || workload.concurrency == 0 {
+        return Err(PlanError::InvalidWorkload(
+            "context length and concurrency must be positive".to_string(),
+        ));
+    }
+    if workload.context_len > MAX_TOKENS_PER_SEQUENCE || workload.concurrency > MAX_BATCH {
+        return Err(PlanError::InvalidWorkload(format!(
+            "limits: context ≤ {MAX_TOKENS_PER_SEQUENCE}, concurrency ≤ {MAX_BATCH}"
+        )));
+    }
+    if let Some(t) = workload.target_time_per_token_s {
+        if !(t.is_finite() && t > 0.0) {
+            return Err(PlanError::InvalidWorkload(
+                "the time-per-token target must be positive".to_string(),
+            ));
+        }
+    }
+    let mut rejected = Rejections::default();
+    let mut ranked = Vec::new();
+    let usable = cluster.usable_memory_bytes();
+    for tp in tensor_candidates(model, cluster, &mut rejected) {
+        let groups = cluster.num_devices / devices_per_tensor_group(cluster, tp);
+        for pp in divisors(groups) {
+            let dp = groups / pp;
+            if pp > model.num_layers {
+                let reason = RejectReason::PpExceedsLayers {
+                    pp,
+                    layers: model.num_layers,
+                };
+                rejected.push(Rejection::shape(tp, Some(pp), Some(dp), reason));
+                continue;
+            }
+            let config = ServingConfig { tp, pp, dp };
+            let estimate = estimate_serving(model, cluster, workload, &config);
+            let reason = if estimate.memory_budget_bytes > usable {
+                Some(RejectReason::OutOfMemory {
+                    need_gib: estimate.memory_budget_bytes / GIB,
+                    usable_gib: usable / GIB,
+                })
+            } else {
+                workload
+                    .target_time_per_token_s
+                    .filter(|target| estimate.time_per_output_token_s > *target)
+                    .map(|target| RejectReason::LatencyTargetMissed {
+                        tpot_ms: estimate.time_per_output_token_s * 1e3,
+                        target_ms: target * 1e3,
+                    })
+            };
+            match reason {
+                Some(r) => rejected.push(Rejection::shape(tp, Some(pp), Some(dp), r)),
+                None => ranked.push(estimate),
+            }
+        }
+    }
+    ranked.sort_by(|a, b| {
+        a.device_seconds_per_token
+            .total_cmp(&b.device_seconds_per_token)
+            .then(
+                a.time_per_output_token_s
+                    .total_cmp(&b.time_per_output_token_s),
+            )
+    });
+    Ok(ServingPlan {
+        model: model.clone(),
+        cluster: cluster.clone(),
+        workload: workload.clone(),
+        ranked,
+        rejected,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hardware::accelerator_preset;
+    use crate::model_presets::model_preset;
+    use crate::workload::{Optimizer, Precision};
+
+    fn training(batch: u64) -> TrainingWorkload {
+        TrainingWorkload {
+            global_batch: batch,
+            seq_len: 4096,
+            precision: Precision::Bf16,
+            optimizer: Optimizer::Adam,
+            distributed_optimizer: false,
+            flash_attention: true,
+            max_micro_batch: 4,
+        }
+    }
+
+    #[test]
+    fn divisors_in_order() {
+        assert_eq!(divisors(36), vec![1, 2, 3, 4, 6, 9, 12, 18, 36]);
+        assert_eq!(divisors(1), vec![1]);
+        assert_eq!(divisors(3072).len(), 22);
+    }
+
+    #[test]
+    fn llama3_70b_on_64_h100_keeps_tp_in_node_and_lists_rejections() {
+        let m = model_preset("llama-3-70b").unwrap();
+        let c = ClusterSpec::new(accelerator_preset("h100").unwrap(), 64, 8).unwrap();
+        let plan = plan_training(&m, &c, &training(512)).unwrap();
+        let best = &plan.ranked[0];
+        assert!(best.config.tp <= 8 && best.config.tp * best.config.pp * best.config.dp == 64);
+        assert!(plan.rejected.by_kind.contains_key("tp_crosses_node"));
+        assert!(plan.rejected.by_kind.contains_key("out_of_memory"));
+        // 70B with Adam (16 B/param = 1.1 TB) cannot fit unsharded on one 80 GB GPU.
+        assert!(plan.ranked.iter().all(|e| e.config.tp * e.config.pp > 1));
+        // Sorted by step time.
+        assert!(plan.ranked.windows(2).all(|w| w[0].step_s <= w[1].step_s));
+    }
+
+    #[test]
+    fn uneven_tp_is_allowed_for_smollm2() {
+        // 9 heads: tp=2 (5/4 heads) is a valid, reported layout on 2 GPUs.
+        let m = model_preset("smollm2-135m").unwrap();
+        let c = ClusterSpec::new(accelerator_preset("a100-80").unwrap(), 2, 2).unwrap();
+        let plan = plan_training(&m, &c, &training(8)).unwrap();
+        let uneven = plan.ranked.iter().find(|e| e.config.tp == 2).unwrap();
+        assert!(uneven.head_imbalance > 1.1);
+    }
+
+    #[test]
+    fn mixtral_enumerates_expert_parallelism() {
+        let m = model_preset("mixtral-8x7b").unwrap();
+        let c = ClusterSpec::new(accelerator_preset("h100").unwrap(), 32, 8).unwrap();
+        let plan = plan_training(&m, &c, &training(256)).unwrap();
+        assert!(plan.ranked.iter().any(|e| e.config.ep > 1));
+    }
+
+    #[test]
+    fn serving_respects_the_latency_target() {
+        let m = model_preset("llama-2-70b").unwrap();
+        let c = ClusterSpec::new(accelerator_preset("h100").unwrap(), 8, 8).unwrap();
+        let w = ServingWorkload {
+            context_len: 4096,
+            concurrency: 32,
+            target_time_per_token_s: Some(0.030),
+            weight_precision: Precision::Bf16,
+            kv_precision: Precision::Bf16,
+        };
+        let plan = plan_serving(&m, &c, &w).unwrap();
+        assert!(!plan.ranked.is_empty());
+        assert!(plan
+            .ranked
+            .iter()
+            .all(|e| e.time_per_output_token_s <= 0.030));
+        assert!(plan.rejected.by_kind.contains_key("out_of_memory"));
+    }
+
+    #[test]
+    fn cpu_box_recommends_a_tp_within_its_cores() {
+        let m = model_preset("smollm2-135m").unwrap();
+        let c = ClusterSpec::new(accelerator_preset("cpu-2core").unwrap(), 1, 1).unwrap();
+        let w = ServingWorkload {
+            context_len: 2048,
+            concurrency: 1,
+            target_time_per_token_s: None,
+            weight_precision: Precision::Fp32,
+            kv_precision: Precision::Fp32,
+        };
+        let plan = plan_serving(&m, &c, &w).unwrap();
+        let best = &plan.ranked[0];
+        assert!(best.config.tp <= 2);
+        assert!(best.memory_budget_bytes < 24.0 * GIB);
+        assert_eq!(plan.rejected.by_kind.get("tp_exceeds_cores"), Some(&1));
+    }
+}

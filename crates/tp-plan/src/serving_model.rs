@@ -1,0 +1,297 @@
+//! Predicted decode latency, throughput, cost and memory of one serving layout.
+//! Decode is a roofline: each step streams the rank's weights and the KV cache
+//! (time ≥ bytes / bandwidth, so tokens/s ≤ bandwidth / bytes per token) or is
+//! bound by FLOPs; tensor ranks add 2 all-reduces per layer (Shoeybi et al. 2019
+//! §3); pipeline stages run one after another for a given token.
+
+use crate::collectives::{ring_all_reduce_s, send_s, Link};
+use crate::hardware::{AcceleratorKind, ClusterSpec};
+use crate::model::ModelSpec;
+use crate::sharding::{stage_layer_counts, TensorShard};
+use crate::state_memory::{kv_cache_bytes, stage_rank_params, MemoryBreakdown};
+use crate::workload::{Precision, ServingWorkload};
+use serde::Serialize;
+
+/// A serving layout: tp ranks per stage, pp stages, dp independent replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ServingConfig {
+    pub tp: u64,
+    pub pp: u64,
+    pub dp: u64,
+}
+
+/// What bounds a decode step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecodeBound {
+    MemoryBandwidth,
+    Compute,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ServingEstimate {
+    pub config: ServingConfig,
+    pub sequences_per_replica: u64,
+    /// Most loaded device (GPU) or one tensor rank (CPU thread).
+    pub memory: MemoryBreakdown,
+    /// Memory one device must provide: per GPU, or the whole CPU machine
+    /// (all its tensor-rank threads together, replicated KV heads included).
+    pub memory_budget_bytes: f64,
+    pub time_per_output_token_s: f64,
+    /// Part of the token time spent streaming weights + KV cache.
+    pub memory_read_s: f64,
+    pub compute_s: f64,
+    pub tensor_parallel_comm_s: f64,
+    pub pipeline_p2p_s: f64,
+    pub bound: DecodeBound,
+    pub tokens_per_s: f64,
+    /// Device-seconds (GPU-seconds, or machine-seconds for CPU) per output token.
+    pub device_seconds_per_token: f64,
+    /// Prefill of one full context on an idle replica.
+    pub time_to_first_token_s: f64,
+    pub head_imbalance: f64,
+    pub kv_replication: f64,
+}
+
+/// Expected number of distinct experts that `tokens` top-k tokens touch:
+/// E·(1 - (1 - k/E)^tokens) (uniform routing).
+pub fn expected_experts_touched(experts: u64, top_k: u64, tokens: u64) -> f64 {
+    let e = experts as f64;
+    e * (1.0 - (1.0 - top_k as f64 / e).powf(tokens as f64))
+}
+
+pub fn estimate_serving(
+    model: &ModelSpec,
+    cluster: &ClusterSpec,
+    workload: &ServingWorkload,
+    config: &ServingConfig,
+) -> ServingEstimate {
+    let shard = TensorShard::new(model, config.tp);
+    let acc = &cluster.accelerator;
+    let tp = config.tp as f64;
+    let (rank_flops, rank_bw) = match acc.kind {
+        AcceleratorKind::Gpu => (acc.peak_flops * acc.gemm_efficiency, acc.memory_bandwidth),
+        AcceleratorKind::CpuMachine { cores } => (
+            acc.peak_flops * acc.gemm_efficiency / cores as f64,
+            acc.memory_bandwidth / tp,
+        ),
+    };
+    let seqs = workload.concurrency.div_ceil(config.dp).max(1);
+    let w_bytes = workload.weight_precision.bytes();
+    let kv_bytes = workload.kv_precision.bytes();
+    let act_bytes = if workload.weight_precision == Precision::Fp32 {
+        4.0
+    } else {
+        2.0
+    };
+    let h = model.hidden_size as f64;
+    let d = model.head_dim as f64;
+    let ctx = workload.context_len;
+
+    let params = stage_rank_params(model, &shard, 1, config.pp);
+    let counts = stage_layer_counts(model.num_layers, config.pp);
+    let expert_fraction_read = if model.is_moe() {
+        expected_experts_touched(model.num_experts, model.experts_per_token, seqs)
+            / model.num_experts as f64
+    } else {
+        1.0
+    };
+    let (tp_bw, tp_lat) = cluster.link_for_span(config.tp);
+    let tp_link = Link {
+        bandwidth: tp_bw,
+        latency_s: tp_lat,
+    };
+    let vocab_rank = model.vocab_size.div_ceil(config.tp) as f64;
+    let rank_matmul_per_layer = 2.0 * h * d * (shard.max_query_heads + shard.max_kv_heads) as f64
+        + (model.experts_per_token
+            * model.mlp_matrices()
+            * model.hidden_size
+            * shard.max_ffn_columns) as f64;
+    let last = counts.len() - 1;
+
+    let mut memory_read_s = 0.0;
+    let mut compute_s = 0.0;
+    let mut tensor_parallel_comm_s = 0.0;
+    let mut token_s = 0.0;
+    let mut memory = MemoryBreakdown::default();
+    for (i, &layers) in counts.iter().enumerate() {
+        let p = &params[i];
+        let weights = (p.dense + p.expert) * w_bytes;
+        let weights_read = (p.dense + p.expert * expert_fraction_read) * w_bytes;
+        let kv = kv_cache_bytes(model, &shard, layers, ctx, seqs, kv_bytes);
+        let l = layers as f64;
+        let logits = if i == last {
+            2.0 * seqs as f64 * h * vocab_rank
+        } else {
+            0.0
+        };
+        let flops = 2.0 * seqs as f64 * rank_matmul_per_layer * l
+            + 4.0 * seqs as f64 * ctx as f64 * (shard.max_query_heads as f64 * d) * l
+            + logits;
+        let read_s = (weights_read + kv) / rank_bw;
+        let flop_s = flops / rank_flops;
+        let comm = 2.0 * l * ring_all_reduce_s(seqs as f64 * h * act_bytes, config.tp, tp_link);
+        memory_read_s += read_s;
+        compute_s += flop_s;
+        tensor_parallel_comm_s += comm;
+        token_s += read_s.max(flop_s) + comm;
+        let stage_memory = MemoryBreakdown {
+            weights,
+            kv_cache: kv,
+            activations: 4.0 * seqs as f64 * vocab_rank + 2.0 * seqs as f64 * h * act_bytes,
+            ..MemoryBreakdown::default()
+        };
+        if stage_memory.total() > memory.total() {
+            memory = stage_memory;
+        }
+    }
+    let pipeline_p2p_s = if config.pp > 1 {
+        let (bw, lat) = cluster.link_for_span(2 * config.tp);
+        (config.pp - 1) as f64
+            * send_s(
+                seqs as f64 * h * act_bytes,
+                Link {
+                    bandwidth: bw,
+                    latency_s: lat,
+                },
+            )
+    } else {
+        0.0
+    };
+    token_s += pipeline_p2p_s;
+
+    let memory_budget_bytes = if cluster.is_cpu() {
+        // All tensor threads of a stage share the machine: count every rank's
+        // weights (replicated kv projections included) and KV cache.
+        let largest_stage = counts.iter().copied().max().unwrap_or(0);
+        let held_kv = shard.total_kv_heads_held as f64;
+        let attention = 2.0 * h * d * (model.num_query_heads as f64 + held_kv);
+        let per_layer = attention
+            + model.mlp_params_per_layer() as f64
+            + tp * model.norm_params_per_layer() as f64;
+        let embeddings = if model.tied_embeddings && config.pp == 1 {
+            1.0
+        } else {
+            2.0
+        };
+        let weights = (largest_stage as f64 * per_layer
+            + embeddings * model.embedding_params() as f64)
+            * w_bytes;
+        let kv = 2.0 * largest_stage as f64 * held_kv * d * ctx as f64 * seqs as f64 * kv_bytes;
+        weights + kv + tp * memory.activations
+    } else {
+        memory.total()
+    };
+
+    let devices_per_replica = if cluster.is_cpu() {
+        config.pp
+    } else {
+        config.tp * config.pp
+    };
+    let tokens_per_s_replica = seqs as f64 / token_s;
+    let prefill_flops =
+        2.0 * ctx as f64 * model.active_matmul_params_per_layer() as f64 * model.num_layers as f64
+            + 2.0 * ctx as f64 * ctx as f64 * model.query_dim() as f64 * model.num_layers as f64;
+    // The most loaded rank (ceil(a/t) heads) finishes last.
+    let replica_flops = rank_flops * tp / shard.head_imbalance;
+    ServingEstimate {
+        config: *config,
+        sequences_per_replica: seqs,
+        memory,
+        memory_budget_bytes,
+        time_per_output_token_s: token_s,
+        memory_read_s,
+        compute_s,
+        tensor_parallel_comm_s,
+        pipeline_p2p_s,
+        bound: if memory_read_s >= compute_s {
+            DecodeBound::MemoryBandwidth
+        } else {
+            DecodeBound::Compute
+        },
+        tokens_per_s: tokens_per_s_replica * config.dp as f64,
+        device_seconds_per_token: devices_per_replica as f64 / tokens_per_s_replica,
+        time_to_first_token_s: prefill_flops / replica_flops,
+        head_imbalance: shard.head_imbalance,
+        kv_replication: shard.total_kv_heads_held as f64 / model.num_kv_heads as f64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hardware::accelerator_preset;
+    use crate::model_presets::model_preset;
+
+    fn serve(concurrency: u64, precision: Precision) -> ServingWorkload {
+        ServingWorkload {
+            context_len: 1024,
+            concurrency,
+            target_time_per_token_s: None,
+            weight_precision: precision,
+            kv_precision: precision,
+        }
+    }
+
+    #[test]
+    fn single_stream_decode_is_bandwidth_bound() {
+        // Llama-2-7B bf16 on one H100: ~13.5 GB of weights at 3.35 TB/s ≈ 4.0 ms/token
+        // (+ 0.5 GB of KV cache at 1024 tokens ≈ 0.16 ms). Tolerance 5%.
+        let m = model_preset("llama-2-7b").unwrap();
+        let c = ClusterSpec::new(accelerator_preset("h100").unwrap(), 1, 8).unwrap();
+        let e = estimate_serving(
+            &m,
+            &c,
+            &serve(1, Precision::Bf16),
+            &ServingConfig {
+                tp: 1,
+                pp: 1,
+                dp: 1,
+            },
+        );
+        assert_eq!(e.bound, DecodeBound::MemoryBandwidth);
+        let bytes = 2.0 * m.total_params() as f64 + 2.0 * 32.0 * 4096.0 * 1024.0 * 2.0;
+        let expected = bytes / 3350e9;
+        assert!((e.time_per_output_token_s / expected - 1.0).abs() < 0.05);
+    }
+
+    #[test]
+    fn cpu_threads_share_bandwidth_so_tp_does_not_speed_up_memory_bound_decode() {
+        // SmolLM2-135M f32: 538 MB weights / 25 GB/s ≈ 21.5 ms per token at any tp.
+        let m = model_preset("smollm2-135m").unwrap();
+        let c = ClusterSpec::new(accelerator_preset("cpu-2core").unwrap(), 1, 1).unwrap();
+        let w = serve(1, Precision::Fp32);
+        let t1 = estimate_serving(
+            &m,
+            &c,
+            &w,
+            &ServingConfig {
+                tp: 1,
+                pp: 1,
+                dp: 1,
+            },
+        );
+        let t2 = estimate_serving(
+            &m,
+            &c,
+            &w,
+            &ServingConfig {
+                tp: 2,
+                pp: 1,
+                dp: 1,
+            },
+        );
+        let floor = 4.0 * m.total_params() as f64 / 25e9;
+        assert!(t1.time_per_output_token_s >= floor);
+        assert!(t2.memory_read_s >= t1.memory_read_s * 0.99);
+        // tp=2 replicates one kv head (4 held of 3): the machine budget grows.
+        assert!(t2.memory_budget_bytes > t1.memory_budget_bytes);
+    }
+
+    #[test]
+    fn expert_touch_expectation() {
+        // One token touches exactly k experts; many tokens touch nearly all.
+        assert!((expected_experts_touched(8, 2, 1) - 2.0).abs() < 1e-12);
+        assert!(expected_experts_touched(8, 2, 64) > 7.99);
+    }
+}
