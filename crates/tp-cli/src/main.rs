@@ -27,6 +27,8 @@ enum Command {
     },
     /// Runs the collectives conformance suite on this backend (use it to check a cluster).
     Selftest(selftest::SelftestArgs),
+    /// Chooses tp, pp, dp (and micro-batch, recompute, ...) for a model on a cluster.
+    Plan(tp_plan::cli::PlanArgs),
 }
 
 #[derive(Subcommand)]
@@ -42,6 +44,12 @@ fn main() -> ExitCode {
             what: Bench::Collectives(args),
         } => bench_collectives::run(&args),
         Command::Selftest(args) => selftest::run(&args),
+        Command::Plan(args) => tp_plan::cli::run(&args)
+            .map(|text| {
+                println!("{text}");
+                ExitCode::SUCCESS
+            })
+            .map_err(anyhow::Error::from),
     };
     match result {
         Ok(code) => code,

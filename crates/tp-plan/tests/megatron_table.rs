@@ -39,6 +39,6 @@ fn docs_show_the_generated_table() {
     let doc = std::fs::read_to_string(doc_path).unwrap();
     assert!(
         doc.contains(&table),
-        "docs/planner.md is stale; regenerate with `cargo run -p tp-plan --example plan -- --megatron-table`:\n{table}"
+        "docs/planner.md is stale; regenerate with `cargo run --release --bin tp -- plan --megatron-table`:\n{table}"
     );
 }
