@@ -66,6 +66,22 @@ fn load<T: bytemuck::Pod>(bytes: &[u8], i: usize) -> T {
     bytemuck::pod_read_unaligned(&bytes[i * n..(i + 1) * n])
 }
 
+/// `d[i] = f(d[i], s[i])`: one monomorphized loop per op, so the compiler vectorizes it.
+#[inline(always)]
+fn zip_apply<T: Copy>(d: &mut [T], s: &[T], f: impl Fn(T, T) -> T) {
+    for (a, b) in d.iter_mut().zip(s) {
+        *a = f(*a, *b);
+    }
+}
+
+fn combine_slices<T: Combine>(d: &mut [T], s: &[T], op: ReduceOp) {
+    match op {
+        ReduceOp::Sum => zip_apply(d, s, |a, b| a.combine(b, ReduceOp::Sum)),
+        ReduceOp::Max => zip_apply(d, s, |a, b| a.combine(b, ReduceOp::Max)),
+        ReduceOp::Min => zip_apply(d, s, |a, b| a.combine(b, ReduceOp::Min)),
+    }
+}
+
 fn typed<T: bytemuck::Pod + Combine>(dst: &mut [u8], srcs: &[&[u8]], op: ReduceOp) {
     let n = std::mem::size_of::<T>();
     let count = dst.len() / n;
@@ -73,23 +89,17 @@ fn typed<T: bytemuck::Pod + Combine>(dst: &mut [u8], srcs: &[&[u8]], op: ReduceO
         return;
     };
     // Fast path: aligned slices reinterpret in place (the common case: Vec<f32> buffers).
-    if let (Ok(d), Ok(f)) = (
-        bytemuck::try_cast_slice_mut::<u8, T>(dst),
-        bytemuck::try_cast_slice::<u8, T>(first),
-    ) {
-        d.copy_from_slice(f);
-        for s in rest {
-            if let Ok(s) = bytemuck::try_cast_slice::<u8, T>(s) {
-                for (a, b) in d.iter_mut().zip(s) {
-                    *a = a.combine(*b, op);
-                }
-            } else {
-                for (i, a) in d.iter_mut().enumerate() {
-                    *a = a.combine(load::<T>(s, i), op);
-                }
+    if let Ok(d) = bytemuck::try_cast_slice_mut::<u8, T>(dst) {
+        let all_aligned = srcs
+            .iter()
+            .all(|s| bytemuck::try_cast_slice::<u8, T>(s).is_ok());
+        if all_aligned {
+            d.copy_from_slice(bytemuck::cast_slice(first));
+            for s in rest {
+                combine_slices(d, bytemuck::cast_slice(s), op);
             }
+            return;
         }
-        return;
     }
     for i in 0..count {
         let mut acc: T = load(first, i);

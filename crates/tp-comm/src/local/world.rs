@@ -41,7 +41,7 @@ impl WorldShared {
         // Spinning only pays when every rank has a core; otherwise it steals the core the
         // awaited rank needs, so oversubscribed worlds park almost at once.
         let spin = if size <= cores {
-            Duration::from_micros(200)
+            Duration::from_micros(50)
         } else {
             Duration::from_micros(5)
         };
