@@ -248,11 +248,35 @@ fn time_size(g: &Group, op: Op, buf: &mut Buffers, samples: usize) -> Result<f64
     Ok(median(&mut times).unwrap_or(f64::NAN))
 }
 
-fn sweep(world: Group, args: &BenchArgs, memcpy: f64) -> Result<Vec<Row>, CommError> {
+/// Rank 0 measures the copy bandwidth while the others wait, then shares it and prints the
+/// header.
+fn measure_and_announce(world: &Group, json: bool) -> Result<f64, CommError> {
+    let mut memcpy = [0.0f64];
+    if world.rank() == 0 {
+        memcpy[0] = memcpy_bandwidth();
+    }
+    world.broadcast(&mut memcpy, 0)?;
+    if world.rank() == 0 {
+        if json {
+            println!("{}", serde_json::json!({"memcpy_gbs": memcpy[0] / 1e9}));
+        } else {
+            println!(
+                "# tp bench collectives: memcpy bandwidth of this machine (1 thread, 64 MiB): {:.2} GB/s copied",
+                memcpy[0] / 1e9
+            );
+            println!("# busbw/cp = busbw as a fraction of that copy bandwidth");
+        }
+    }
+    Ok(memcpy[0])
+}
+
+fn sweep(world: Group, args: &BenchArgs) -> Result<Vec<Row>, CommError> {
+    // Wrapped first, so a fault's CALL index is the group's sequence number in errors.
     let g = match &args.fault {
         Some(plan) => Faulty::wrap(world, plan.clone()),
         None => world,
     };
+    let memcpy = measure_and_announce(&g, args.json)?;
     let n = g.size();
     let mut rows = Vec::new();
     for &op in &args.ops {
@@ -342,19 +366,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    let memcpy = memcpy_bandwidth();
-    if !args.json {
-        println!(
-            "# tp bench collectives: memcpy bandwidth of this machine (1 thread, 64 MiB): {:.2} GB/s copied",
-            memcpy / 1e9
-        );
-        println!("# busbw/cp = busbw as a fraction of that copy bandwidth");
-    } else {
-        println!("{}", serde_json::json!({"memcpy_gbs": memcpy / 1e9}));
-    }
-    let args2 = args.clone();
-    match run_ranks(args.backend, args.ranks, timeout, move |world| {
-        sweep(world, &args2, memcpy)
+    match run_ranks(args.backend, args.ranks, timeout, |world| {
+        sweep(world, args)
     })? {
         Ok(_) => Ok(ExitCode::SUCCESS),
         Err(code) => Ok(code),

@@ -1,0 +1,114 @@
+//! `tp` under mpirun: the sweep and the selftest pass at 2 and 3 processes, and a panicking
+//! rank ends the job within seconds with an error that names it (R1 across processes).
+#![cfg(feature = "mpi")]
+
+mod common;
+use std::time::Duration;
+
+const TP: &str = env!("CARGO_BIN_EXE_tp");
+
+fn mpirun(n: usize, args: &[&str], deadline: Duration) -> common::Finished {
+    let found = std::process::Command::new("mpirun")
+        .arg("--version")
+        .output();
+    assert!(
+        found.is_ok_and(|o| o.status.success()),
+        "mpirun is not on PATH: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev)"
+    );
+    let n = n.to_string();
+    let mut all = vec!["--allow-run-as-root", "--oversubscribe", "-n", &n, TP];
+    all.extend_from_slice(args);
+    common::run_with_deadline("mpirun", &all, deadline)
+}
+
+#[test]
+fn selftest_passes_under_mpirun() {
+    for n in [2, 3] {
+        let f = mpirun(
+            n,
+            &["selftest", "--backend", "mpi"],
+            Duration::from_secs(120),
+        );
+        assert_eq!(f.code, Some(0), "{}", f.output);
+        assert!(f.output.contains(" passed, 0 failed"), "{}", f.output);
+    }
+}
+
+#[test]
+fn a_small_sweep_is_correct_under_mpirun() {
+    let args = [
+        "bench",
+        "collectives",
+        "--backend",
+        "mpi",
+        "--max-bytes",
+        "256K",
+        "--factor",
+        "8",
+        "--samples",
+        "1",
+        "--json",
+    ];
+    let f = mpirun(3, &args, Duration::from_secs(120));
+    assert_eq!(f.code, Some(0), "{}", f.output);
+    let rows: Vec<serde_json::Value> = f
+        .output
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter(|v: &serde_json::Value| v.get("op").is_some())
+        .collect();
+    assert_eq!(rows.len(), 24, "{}", f.output);
+    assert!(
+        rows.iter()
+            .all(|r| r["wrong"] == 0 && r["backend"] == "mpi"),
+        "{}",
+        f.output
+    );
+}
+
+#[test]
+fn a_panicking_process_is_named_and_the_job_ends() {
+    let args = [
+        "bench",
+        "collectives",
+        "--backend",
+        "mpi",
+        "--max-bytes",
+        "4K",
+        "--samples",
+        "1",
+        "--timeout",
+        "20",
+        "--fault",
+        "panic:1@6",
+    ];
+    let f = mpirun(3, &args, Duration::from_secs(40));
+    assert_ne!(f.code, Some(0), "{}", f.output);
+    assert!(f.took < Duration::from_secs(25), "took {:?}", f.took);
+    assert!(
+        f.output.contains("rank 1 is gone (panicked"),
+        "{}",
+        f.output
+    );
+}
+
+#[test]
+fn a_desync_across_processes_shows_both_fingerprints() {
+    let args = [
+        "bench",
+        "collectives",
+        "--backend",
+        "mpi",
+        "--max-bytes",
+        "4K",
+        "--samples",
+        "1",
+        "--timeout",
+        "20",
+        "--fault",
+        "mismatch:1@5",
+    ];
+    let f = mpirun(2, &args, Duration::from_secs(40));
+    assert_ne!(f.code, Some(0), "{}", f.output);
+    assert!(f.output.contains("collective mismatch"), "{}", f.output);
+}
