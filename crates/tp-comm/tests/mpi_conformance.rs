@@ -75,8 +75,8 @@ fn mpi(k: usize, extra: &[&str], limit: Duration) -> Run {
     run(&mpirun(), &args, limit)
 }
 
-fn conformance(k: usize) {
-    let r = mpi(k, &[], Duration::from_secs(60));
+fn conformance(k: usize, extra: &[&str]) {
+    let r = mpi(k, extra, Duration::from_secs(60));
     assert_eq!(
         r.code,
         Some(0),
@@ -107,17 +107,22 @@ fn conformance(k: usize) {
 
 #[test]
 fn conformance_2_ranks() {
-    conformance(2);
+    conformance(2, &[]);
 }
 
 #[test]
 fn conformance_3_ranks() {
-    conformance(3);
+    conformance(3, &[]);
 }
 
 #[test]
 fn conformance_4_ranks() {
-    conformance(4);
+    conformance(4, &[]);
+}
+
+#[test]
+fn conformance_2_ranks_without_fingerprint_exchange() {
+    conformance(2, &["--no-verify"]);
 }
 
 fn drill(name: &str, expect: &[&str]) {
@@ -190,7 +195,7 @@ fn init_twice_is_an_error_and_a_singleton_world_works() {
     assert_eq!(x, [1.5, 2.0]);
     let err = MpiRuntime::init(MpiOptions::default()).expect_err("second init must fail");
     assert!(err.to_string().contains("already"), "{err}");
-    let mut big = vec![0u8; 8];
+    let mut big = [0u8; 8];
     world.send(&big[..4], 0, 9).expect("send to self");
     let e = world
         .recv(&mut big[..3], 0, 9)

@@ -1,22 +1,26 @@
 //! `tp-comm-mpi-check`: runs the conformance suite on the MPI world (under `mpirun`), or a
 //! failure drill (`--drill panic|mismatch|slow`) that shows R1-R3 errors on the survivors.
 
+use std::io::Write;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 use tp_comm::mpi::{MpiOptions, MpiRuntime};
 use tp_comm::{CommExt, ReduceOp};
 
-const USAGE: &str = "usage: tp-comm-mpi-check [--drill panic|mismatch|slow] [--bench]";
+const USAGE: &str =
+    "usage: tp-comm-mpi-check [--drill panic|mismatch|slow] [--bench] [--no-verify]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut drill = None;
     let mut bench = false;
+    let mut verify = true;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--drill" => drill = it.next().cloned(),
             "--bench" => bench = true,
+            "--no-verify" => verify = false,
             _ => {
                 eprintln!("{USAGE}");
                 return ExitCode::from(2);
@@ -35,6 +39,7 @@ fn main() -> ExitCode {
         } else {
             Duration::from_secs(60)
         },
+        verify,
         ..MpiOptions::default()
     };
     let rt = match MpiRuntime::init(opts) {
@@ -122,10 +127,16 @@ fn run_drill(rt: &MpiRuntime, drill: &str) -> ExitCode {
         }
         let mut x = vec![me as f32; len];
         if let Err(e) = world.all_reduce(&mut x, ReduceOp::Sum) {
-            eprintln!("rank {me}: drill {drill}: {e}");
+            // One write per rank, staggered by rank: mpirun interleaves concurrent output.
+            let mut text = format!("rank {me}: drill {drill}: {e}\n");
             if let Some(fr) = e.flight_record() {
-                eprintln!("rank {me}: flight record:\n{fr}");
+                text.push_str(&format!("rank {me}: flight record:\n{fr}"));
             }
+            std::thread::sleep(Duration::from_millis(60 * me as u64));
+            let mut err = std::io::stderr().lock();
+            let _ = err.write_all(text.as_bytes());
+            let _ = err.flush();
+            drop(err);
             // Give the other survivors a moment to print theirs, then end the job.
             std::thread::sleep(Duration::from_millis(300));
             rt.abort(3);

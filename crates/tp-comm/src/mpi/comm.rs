@@ -899,23 +899,37 @@ impl MpiComm {
     }
 }
 
-impl Drop for MpiComm {
-    fn drop(&mut self) {
-        if self.g.finalized.load(Ordering::SeqCst) {
-            return;
-        }
-        let others = self.others();
-        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+impl MpiComm {
+    /// Waits (with the deadline) for this handle's buffered sends to complete; returns
+    /// whether they all did. Sends that did not are leaked, since MPI may still read them.
+    pub(crate) fn drain_sends(&self) -> bool {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let mut reqs: Vec<ffi::MPI_Request> = st.sends.iter().map(|p| p.req).collect();
         let drained = reqs.is_empty()
             || matches!(
-                wait::poll(self.g, &mut reqs, &others, Instant::now() + self.g.timeout),
+                wait::poll(
+                    self.g,
+                    &mut reqs,
+                    &self.others(),
+                    Instant::now() + self.g.timeout
+                ),
                 Ok(Outcome::Done)
             );
         let sends = std::mem::take(&mut st.sends);
-        if !drained || st.poisoned.is_some() {
-            // MPI may still read these buffers or use these communicators.
+        if drained {
+            drop(sends);
+        } else {
             std::mem::forget(sends);
+        }
+        drained && st.poisoned.is_none()
+    }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        if self.g.finalized.load(Ordering::SeqCst) || !self.drain_sends() {
+            // After MPI_Finalize nothing may be freed; after a failure MPI may still use
+            // these communicators and buffers.
             return;
         }
         let _l = raw::lock();

@@ -50,7 +50,7 @@ static INIT_CALLED: AtomicBool = AtomicBool::new(false);
 /// `MPI_Finalize` on drop.
 pub struct MpiRuntime {
     g: &'static notice::Global,
-    world: Group,
+    world: Arc<MpiComm>,
 }
 
 impl std::fmt::Debug for MpiRuntime {
@@ -120,7 +120,7 @@ impl MpiRuntime {
             &opts,
         ));
         drop(_l);
-        let world: Group = Arc::new(MpiComm::new(g, data)?);
+        let world = Arc::new(MpiComm::new(g, data)?);
         if opts.install_panic_hook {
             notice::install_panic_hook();
         }
@@ -129,7 +129,7 @@ impl MpiRuntime {
 
     /// The world group (every process of the job).
     pub fn world(&self) -> Group {
-        Arc::clone(&self.world)
+        Arc::clone(&self.world) as Group
     }
 
     /// This process's rank in the world.
@@ -150,6 +150,8 @@ impl MpiRuntime {
 
 impl Drop for MpiRuntime {
     fn drop(&mut self) {
+        // Buffered sends of groups still alive must reach their receivers before MPI goes.
+        self.world.drain_sends();
         self.g.notify(&Departure::Exited(
             "its work returned and it shut MPI down".into(),
         ));
