@@ -1,0 +1,147 @@
+//! `tp-comm-mpi-check`: runs the conformance suite on the MPI world (under `mpirun`), or a
+//! failure drill (`--drill panic|mismatch|slow`) that shows R1-R3 errors on the survivors.
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+use tp_comm::mpi::{MpiOptions, MpiRuntime};
+use tp_comm::{CommExt, ReduceOp};
+
+const USAGE: &str =
+    "usage: tp-comm-mpi-check [--drill panic|mismatch|slow] [--bench] [--no-verify]";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut drill = None;
+    let mut bench = false;
+    let mut verify = true;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--drill" => drill = it.next().cloned(),
+            "--bench" => bench = true,
+            "--no-verify" => verify = false,
+            _ => {
+                eprintln!("{USAGE}");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    if let Some(d) = &drill {
+        if !["panic", "mismatch", "slow"].contains(&d.as_str()) {
+            eprintln!("unknown drill {d:?}; {USAGE}");
+            return ExitCode::from(2);
+        }
+    }
+    let opts = MpiOptions {
+        timeout: if drill.is_some() {
+            Duration::from_secs(2)
+        } else {
+            Duration::from_secs(60)
+        },
+        verify,
+        ..MpiOptions::default()
+    };
+    let rt = match MpiRuntime::init(opts) {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("tp-comm-mpi-check: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match (drill, bench) {
+        (Some(d), _) => run_drill(&rt, &d),
+        (None, true) => run_bench(&rt),
+        (None, false) => run_conformance(&rt),
+    }
+}
+
+fn run_conformance(rt: &MpiRuntime) -> ExitCode {
+    let world = rt.world();
+    let t0 = Instant::now();
+    let rep = tp_comm::conformance::run(&world);
+    println!(
+        "rank {}/{}: {} passed, {} failed in {:.2} s",
+        world.rank(),
+        world.size(),
+        rep.passed,
+        rep.failed.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    for f in rep.failed.iter().take(20) {
+        println!("rank {}: FAILED {f}", world.rank());
+    }
+    let mut totals = [rep.passed as u64, rep.failed.len() as u64];
+    if let Err(e) = world.all_reduce(&mut totals, ReduceOp::Sum) {
+        eprintln!("rank {}: could not add up the results: {e}", world.rank());
+        return ExitCode::FAILURE;
+    }
+    if world.rank() == 0 {
+        println!("{} passed, {} failed", totals[0], totals[1]);
+    }
+    if totals[1] == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// Medians of all_reduce times at 8 B and 64 MiB of f32.
+fn run_bench(rt: &MpiRuntime) -> ExitCode {
+    let world = rt.world();
+    for (bytes, iters) in [(8usize, 2000usize), (64 << 20, 9)] {
+        let mut buf = vec![1.0f32; bytes / 4];
+        let mut times = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t = Instant::now();
+            if let Err(e) = world.all_reduce(&mut buf, ReduceOp::Sum) {
+                eprintln!("rank {}: {e}", world.rank());
+                return ExitCode::FAILURE;
+            }
+            times.push(t.elapsed().as_secs_f64());
+        }
+        times.sort_by(f64::total_cmp);
+        if world.rank() == 0 {
+            println!(
+                "all_reduce {bytes} B x{} ranks: median {:.1} us over {iters} calls",
+                world.size(),
+                times[iters / 2] * 1e6
+            );
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+/// Rank 1 misbehaves at its 3rd all_reduce; every rank prints its error, then the job aborts.
+fn run_drill(rt: &MpiRuntime, drill: &str) -> ExitCode {
+    let world = rt.world();
+    let me = world.rank();
+    for call in 0..5 {
+        let mut len = 4;
+        if me == 1 && call == 2 {
+            match drill {
+                "panic" => panic!("drill: rank 1 panics before its 3rd all_reduce"),
+                "mismatch" => len = 5,
+                _ => std::thread::sleep(Duration::from_secs(4)),
+            }
+        }
+        let mut x = vec![me as f32; len];
+        if let Err(e) = world.all_reduce(&mut x, ReduceOp::Sum) {
+            // One write per rank, staggered by rank: mpirun interleaves concurrent output.
+            let mut text = format!("rank {me}: drill {drill}: {e}\n");
+            if let Some(fr) = e.flight_record() {
+                text.push_str(&format!("rank {me}: flight record:\n{fr}"));
+            }
+            std::thread::sleep(Duration::from_millis(60 * me as u64));
+            let mut err = std::io::stderr().lock();
+            let _ = err.write_all(text.as_bytes());
+            let _ = err.flush();
+            drop(err);
+            // Give the other survivors a moment to print theirs, then end the job.
+            std::thread::sleep(Duration::from_millis(300));
+            rt.abort(3);
+        }
+    }
+    println!("rank {me}: drill {drill} finished without an error");
+    ExitCode::FAILURE
+}

@@ -1,0 +1,942 @@
+//! `MpiComm`: one rank's handle on an MPI group. Every call posts a non-blocking MPI
+//! operation on communicator-owned scratch buffers and polls it with the deadline (R3), after
+//! a fingerprint exchange on the group's control communicator (R2) when `verify` is on.
+
+use super::notice::{Departed, Global};
+use super::raw::{self, Comm, Scratch};
+use super::wait::{self, Outcome};
+use crate::communicator::{check, Communicator, Group};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{CommError, Departure, Fingerprint, OpKind, Result};
+use half::{bf16, f16};
+use mpi::ffi;
+use std::os::raw::c_int;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, TryLockError};
+use std::time::Instant;
+
+/// Tag of fingerprint messages on a group's control communicator.
+const FP_TAG: c_int = 3;
+/// Words of a packed fingerprint.
+const FP_WORDS: usize = 5;
+
+static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(0);
+
+/// A buffered send still in flight: MPI reads `data` until the request completes.
+struct PendingSend {
+    req: ffi::MPI_Request,
+    /// Never read here: owned so it outlives the request.
+    _data: Vec<u8>,
+}
+
+/// Mutable per-handle state; its lock also rejects concurrent calls on one handle.
+#[derive(Default)]
+struct State {
+    seq: u64,
+    poisoned: Option<String>,
+    send: Scratch,
+    recv: Scratch,
+    sends: Vec<PendingSend>,
+    sent: Vec<u64>,
+    received: Vec<u64>,
+}
+
+/// One rank's handle on an MPI group (the world or a split of it).
+pub struct MpiComm {
+    g: &'static Global,
+    comm: Comm,
+    ctl: Comm,
+    rank: usize,
+    members: Vec<usize>,
+    id: u64,
+    state: Mutex<State>,
+}
+
+// SAFETY: the raw pointers inside `State` (requests) are only used under the state lock and
+// the MPI lock, as MPI_THREAD_SERIALIZED requires.
+unsafe impl Send for State {}
+
+impl std::fmt::Debug for MpiComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "MpiComm(group {}, rank {}/{})",
+            self.id,
+            self.rank,
+            self.members.len()
+        )
+    }
+}
+
+impl MpiComm {
+    /// Wraps `comm` (this handle's own; a control dup is made here). Collective over `comm`.
+    pub(crate) fn new(g: &'static Global, comm: Comm) -> Result<MpiComm> {
+        let _l = raw::lock();
+        let (mut rank, mut size): (c_int, c_int) = (0, 0);
+        let mut ctl = Comm(comm.0);
+        // SAFETY: `comm` is a live communicator; the out-params are valid.
+        unsafe {
+            raw::check(ffi::MPI_Comm_rank(comm.0, &mut rank), "MPI_Comm_rank")?;
+            raw::check(ffi::MPI_Comm_size(comm.0, &mut size), "MPI_Comm_size")?;
+            raw::check(ffi::MPI_Comm_dup(comm.0, &mut ctl.0), "MPI_Comm_dup")?;
+        }
+        let size = usize::try_from(size).map_err(|_| CommError::Backend("negative size".into()))?;
+        let members = world_ranks(comm, size)?;
+        Ok(MpiComm {
+            g,
+            comm,
+            ctl,
+            rank: usize::try_from(rank).map_err(|_| CommError::Backend("negative rank".into()))?,
+            members,
+            id: NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed),
+            state: Mutex::new(State {
+                sent: vec![0; size],
+                received: vec![0; size],
+                ..State::default()
+            }),
+        })
+    }
+
+    fn me(&self) -> usize {
+        self.g.world_rank
+    }
+
+    fn peers(&self) -> Vec<usize> {
+        (0..self.members.len())
+            .filter(|&j| j != self.rank)
+            .collect()
+    }
+
+    fn others(&self) -> Vec<usize> {
+        self.peers().into_iter().map(|j| self.members[j]).collect()
+    }
+
+    fn invalid(&self, message: String) -> CommError {
+        CommError::InvalidArgument {
+            rank: self.me(),
+            message,
+        }
+    }
+
+    fn state(&self) -> Result<std::sync::MutexGuard<'_, State>> {
+        match self.state.try_lock() {
+            Ok(s) => Ok(s),
+            Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+            Err(TryLockError::WouldBlock) => Err(self.invalid(
+                "two threads called the same MPI group handle at once; give each thread its \
+                 own group (split) or serialize the calls"
+                    .into(),
+            )),
+        }
+    }
+
+    fn lost(&self, fp: &Fingerprint, lost_rank: usize, d: Departed) -> CommError {
+        let suffix = match d.last {
+            Some((op, seq)) => format!(" (its last call: {op} #{seq})"),
+            None => String::new(),
+        };
+        let why = match d.why {
+            Departure::Panicked(m) => Departure::Panicked(format!("{m}{suffix}")),
+            Departure::Exited(m) => Departure::Exited(format!("{m}{suffix}")),
+        };
+        CommError::PeerLost {
+            rank: self.me(),
+            lost_rank,
+            why,
+            op: fp.op,
+            seq: fp.seq,
+            group_size: self.members.len(),
+            flight_record: self.g.flight_record(),
+        }
+    }
+
+    fn timeout(&self, fp: &Fingerprint, missing: Vec<usize>) -> CommError {
+        CommError::Timeout {
+            rank: self.me(),
+            op: fp.op,
+            seq: fp.seq,
+            waited: self.g.timeout,
+            missing,
+            group_size: self.members.len(),
+            flight_record: self.g.flight_record(),
+        }
+    }
+
+    /// Runs one collective: bookkeeping, fingerprint exchange, the op, poisoning on failure.
+    fn collective<R>(
+        &self,
+        op: OpKind,
+        dtype: DType,
+        count: usize,
+        detail: u64,
+        body: impl FnOnce(&mut State, &Fingerprint, Instant) -> Result<R>,
+    ) -> Result<R> {
+        let mut st = self.state()?;
+        let seq = st.seq;
+        st.seq += 1;
+        let fp = Fingerprint {
+            op,
+            seq,
+            dtype,
+            count: count as u64,
+            detail,
+        };
+        self.g.flight.start(self.id, self.members.len(), fp);
+        self.g.set_last(op, seq);
+        if let Some(cause) = &st.poisoned {
+            self.g.flight.finish(self.id, false);
+            return Err(CommError::Poisoned {
+                rank: self.me(),
+                op,
+                seq,
+                cause: cause.clone(),
+                flight_record: self.g.flight_record(),
+            });
+        }
+        let deadline = Instant::now() + self.g.timeout;
+        let out = reap(&mut st)
+            .and_then(|()| {
+                if self.g.verify {
+                    self.exchange(&fp, deadline)
+                } else {
+                    Ok(())
+                }
+            })
+            .and_then(|()| body(&mut st, &fp, deadline));
+        if let Err(e) = &out {
+            if matches!(
+                e,
+                CommError::PeerLost { .. } | CommError::Timeout { .. } | CommError::Mismatch { .. }
+            ) {
+                st.poisoned = Some(format!("rank {} failed {op} #{seq}", self.me()));
+            }
+        }
+        self.g.flight.finish(self.id, out.is_ok());
+        out
+    }
+
+    /// R2: sends this call's fingerprint to every peer and compares theirs with it.
+    fn exchange(&self, fp: &Fingerprint, deadline: Instant) -> Result<()> {
+        let peers = self.peers();
+        if peers.is_empty() {
+            return Ok(());
+        }
+        let mine: Vec<u64> = pack(fp).to_vec();
+        let mut theirs = vec![0u64; FP_WORDS * peers.len()];
+        let mut reqs = vec![raw::null_request(); 2 * peers.len()];
+        {
+            let _l = raw::lock();
+            for (k, &j) in peers.iter().enumerate() {
+                let peer = j as c_int;
+                // SAFETY: `theirs[k*5..]` and `mine` hold FP_WORDS u64s each and stay alive
+                // until the requests complete, or are leaked below if they do not.
+                unsafe {
+                    raw::check(
+                        ffi::MPI_Irecv(
+                            theirs.as_mut_ptr().add(k * FP_WORDS).cast(),
+                            FP_WORDS as c_int,
+                            raw::u64_type(),
+                            peer,
+                            FP_TAG,
+                            self.ctl.0,
+                            &mut reqs[k],
+                        ),
+                        "MPI_Irecv",
+                    )?;
+                    raw::check(
+                        ffi::MPI_Isend(
+                            mine.as_ptr().cast(),
+                            FP_WORDS as c_int,
+                            raw::u64_type(),
+                            peer,
+                            FP_TAG,
+                            self.ctl.0,
+                            &mut reqs[peers.len() + k],
+                        ),
+                        "MPI_Isend",
+                    )?;
+                }
+            }
+        }
+        match wait::poll(self.g, &mut reqs, &self.others(), deadline)? {
+            Outcome::Done => {}
+            other => {
+                let missing: Vec<usize> = wait::pending(&reqs)
+                    .into_iter()
+                    .filter(|&i| i < peers.len())
+                    .map(|i| self.members[peers[i]])
+                    .collect();
+                std::mem::forget(mine);
+                std::mem::forget(theirs);
+                return Err(match other {
+                    Outcome::Lost(r, d) => self.lost(fp, r, d),
+                    _ => self.timeout(fp, missing),
+                });
+            }
+        }
+        for (k, &j) in peers.iter().enumerate() {
+            let w = &theirs[k * FP_WORDS..(k + 1) * FP_WORDS];
+            if w != mine.as_slice() {
+                let other_rank = self.members[j];
+                let theirs = unpack(w).ok_or_else(|| {
+                    CommError::Backend(format!(
+                        "rank {other_rank} sent an unreadable fingerprint {w:?}"
+                    ))
+                })?;
+                return Err(CommError::Mismatch {
+                    rank: self.me(),
+                    other_rank,
+                    mine: *fp,
+                    theirs,
+                    group_size: self.members.len(),
+                    flight_record: self.g.flight_record(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts a non-blocking op on the scratch buffers and waits for it; on failure the
+    /// request and both scratch buffers are leaked, since MPI may still use them.
+    fn run(
+        &self,
+        st: &mut State,
+        fp: &Fingerprint,
+        deadline: Instant,
+        start: impl FnOnce(&mut ffi::MPI_Request) -> c_int,
+        what: &str,
+    ) -> Result<()> {
+        let mut req = [raw::null_request()];
+        {
+            let _l = raw::lock();
+            raw::check(start(&mut req[0]), what)?;
+        }
+        match wait::poll(self.g, &mut req, &self.others(), deadline)? {
+            Outcome::Done => Ok(()),
+            other => {
+                st.send.leak();
+                st.recv.leak();
+                Err(match other {
+                    Outcome::Lost(r, d) => self.lost(fp, r, d),
+                    _ => self.timeout(fp, self.others()),
+                })
+            }
+        }
+    }
+}
+
+/// Tests the pending buffered sends and drops the completed ones.
+fn reap(st: &mut State) -> Result<()> {
+    if st.sends.is_empty() {
+        return Ok(());
+    }
+    let _l = raw::lock();
+    let mut err = Ok(());
+    st.sends.retain_mut(|p| {
+        let mut flag: c_int = 0;
+        // SAFETY: `p.req` is a send request (or null once complete); `p.data` is alive.
+        let rc = unsafe { ffi::MPI_Test(&mut p.req, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+        if rc != ffi::MPI_SUCCESS as c_int {
+            err = raw::check(rc, "MPI_Test");
+        }
+        flag == 0
+    });
+    err
+}
+
+/// World ranks of every rank of `comm`.
+fn world_ranks(comm: Comm, size: usize) -> Result<Vec<usize>> {
+    let ranks: Vec<c_int> = (0..size as c_int).collect();
+    let mut out = vec![0 as c_int; size];
+    // SAFETY: reading an immutable handle constant.
+    let mut grp = unsafe { ffi::RSMPI_GROUP_NULL };
+    let mut wgrp = grp;
+    // SAFETY: live communicators, out-params sized `size`; the groups are freed again.
+    unsafe {
+        raw::check(ffi::MPI_Comm_group(comm.0, &mut grp), "MPI_Comm_group")?;
+        raw::check(
+            ffi::MPI_Comm_group(ffi::RSMPI_COMM_WORLD, &mut wgrp),
+            "MPI_Comm_group",
+        )?;
+        raw::check(
+            ffi::MPI_Group_translate_ranks(
+                grp,
+                size as c_int,
+                ranks.as_ptr(),
+                wgrp,
+                out.as_mut_ptr(),
+            ),
+            "MPI_Group_translate_ranks",
+        )?;
+        ffi::MPI_Group_free(&mut grp);
+        ffi::MPI_Group_free(&mut wgrp);
+    }
+    out.into_iter()
+        .map(|r| {
+            usize::try_from(r).map_err(|_| CommError::Backend("rank outside the world".into()))
+        })
+        .collect()
+}
+
+fn pack(fp: &Fingerprint) -> [u64; FP_WORDS] {
+    [
+        u64::from(fp.op.code()),
+        fp.seq,
+        u64::from(fp.dtype.code()),
+        fp.count,
+        fp.detail,
+    ]
+}
+
+fn unpack(w: &[u64]) -> Option<Fingerprint> {
+    Some(Fingerprint {
+        op: OpKind::from_code(u8::try_from(*w.first()?).ok()?)?,
+        seq: *w.get(1)?,
+        dtype: DType::from_code(u8::try_from(*w.get(2)?).ok()?)?,
+        count: *w.get(3)?,
+        detail: *w.get(4)?,
+    })
+}
+
+fn is_half(d: DType) -> bool {
+    matches!(d, DType::F16 | DType::BF16)
+}
+
+/// Widens f16/bf16 bytes into f32 bytes (`out` holds 2x the bytes).
+fn widen(src: &[u8], dtype: DType, out: &mut [u8]) {
+    for (s, o) in src.chunks_exact(2).zip(out.chunks_exact_mut(4)) {
+        let bits = u16::from_le_bytes([s[0], s[1]]);
+        let v = if dtype == DType::F16 {
+            f16::from_bits(bits).to_f32()
+        } else {
+            bf16::from_bits(bits).to_f32()
+        };
+        o.copy_from_slice(&v.to_le_bytes());
+    }
+}
+
+/// Rounds f32 bytes back into f16/bf16 bytes.
+fn narrow(src: &[u8], dtype: DType, out: &mut [u8]) {
+    for (s, o) in src.chunks_exact(4).zip(out.chunks_exact_mut(2)) {
+        let v = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+        let bits = if dtype == DType::F16 {
+            f16::from_f32(v).to_bits()
+        } else {
+            bf16::from_f32(v).to_bits()
+        };
+        o.copy_from_slice(&bits.to_le_bytes());
+    }
+}
+
+fn prefix(counts: &[c_int]) -> Vec<c_int> {
+    let mut acc = 0;
+    counts
+        .iter()
+        .map(|c| {
+            let o = acc;
+            acc += c;
+            o
+        })
+        .collect()
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn backend(&self) -> &'static str {
+        "mpi"
+    }
+
+    fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        let count = check::elements(self.me(), buf.len(), dtype, "the buffer")?;
+        let n = raw::int_count(self.me(), count, "the buffer")?;
+        self.collective(
+            OpKind::AllReduce,
+            dtype,
+            count,
+            u64::from(op.code()),
+            |st, fp, dl| {
+                let (wire, dt) = if is_half(dtype) {
+                    (count * 4, raw::datatype(DType::F32))
+                } else {
+                    (buf.len(), raw::datatype(dtype))
+                };
+                let s = st.send.bytes(wire);
+                if is_half(dtype) {
+                    widen(buf, dtype, s);
+                } else {
+                    s.copy_from_slice(buf);
+                }
+                let sp = s.as_ptr();
+                let rp = st.recv.bytes(wire).as_mut_ptr();
+                let comm = self.comm.0;
+                // SAFETY: both scratch buffers hold `wire` bytes = `n` elements of `dt` and are
+                // leaked by `run` if the request does not complete.
+                self.run(
+                    st,
+                    fp,
+                    dl,
+                    |req| unsafe {
+                        ffi::MPI_Iallreduce(sp.cast(), rp.cast(), n, dt, raw::op(op), comm, req)
+                    },
+                    "MPI_Iallreduce",
+                )?;
+                let r = st.recv.bytes(wire);
+                if is_half(dtype) {
+                    narrow(r, dtype, buf);
+                } else {
+                    buf.copy_from_slice(r);
+                }
+                Ok(())
+            },
+        )
+    }
+
+    fn all_gather_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        counts: &[usize],
+    ) -> Result<()> {
+        let me = self.me();
+        let mine = check::elements(me, send.len(), dtype, "the send buffer")?;
+        let total = check::elements(me, recv.len(), dtype, "the receive buffer")?;
+        check::counts(
+            me,
+            self.rank,
+            self.size(),
+            counts,
+            mine,
+            total,
+            "the send buffer",
+            "the receive buffer",
+        )?;
+        raw::int_count(me, total, "the receive buffer")?;
+        let icounts: Vec<c_int> = counts
+            .iter()
+            .map(|&c| raw::int_count(me, c, "a count"))
+            .collect::<Result<_>>()?;
+        let displs = prefix(&icounts);
+        self.collective(
+            OpKind::AllGather,
+            dtype,
+            total,
+            check::counts_hash(counts),
+            |st, fp, dl| {
+                let s = st.send.bytes(send.len());
+                s.copy_from_slice(send);
+                let sp = s.as_ptr();
+                let rp = st.recv.bytes(recv.len()).as_mut_ptr();
+                let (comm, dt) = (self.comm.0, raw::datatype(dtype));
+                let my = icounts[self.rank];
+                // SAFETY: send scratch holds counts[rank] elements, recv scratch the total; the
+                // count and displacement arrays outlive the call (MPI copies them at post time
+                // in OpenMPI, and they live until this closure's caller returns anyway).
+                self.run(
+                    st,
+                    fp,
+                    dl,
+                    |req| unsafe {
+                        ffi::MPI_Iallgatherv(
+                            sp.cast(),
+                            my,
+                            dt,
+                            rp.cast(),
+                            icounts.as_ptr(),
+                            displs.as_ptr(),
+                            dt,
+                            comm,
+                            req,
+                        )
+                    },
+                    "MPI_Iallgatherv",
+                )?;
+                recv.copy_from_slice(st.recv.bytes(recv.len()));
+                Ok(())
+            },
+        )
+    }
+
+    fn reduce_scatter_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let me = self.me();
+        let total = check::elements(me, send.len(), dtype, "the send buffer")?;
+        let mine = check::elements(me, recv.len(), dtype, "the receive buffer")?;
+        check::counts(
+            me,
+            self.rank,
+            self.size(),
+            counts,
+            mine,
+            total,
+            "the receive buffer",
+            "the send buffer",
+        )?;
+        raw::int_count(me, total, "the send buffer")?;
+        let icounts: Vec<c_int> = counts
+            .iter()
+            .map(|&c| raw::int_count(me, c, "a count"))
+            .collect::<Result<_>>()?;
+        let detail = check::counts_hash(counts) ^ (u64::from(op.code()) << 56);
+        self.collective(OpKind::ReduceScatter, dtype, total, detail, |st, fp, dl| {
+            let half = is_half(dtype);
+            let (swire, rwire, dt) = if half {
+                (total * 4, mine * 4, raw::datatype(DType::F32))
+            } else {
+                (send.len(), recv.len(), raw::datatype(dtype))
+            };
+            let s = st.send.bytes(swire);
+            if half {
+                widen(send, dtype, s);
+            } else {
+                s.copy_from_slice(send);
+            }
+            let sp = s.as_ptr();
+            let rp = st.recv.bytes(rwire).as_mut_ptr();
+            let comm = self.comm.0;
+            // SAFETY: the scratch buffers hold the total and this rank's part in `dt`
+            // elements and are leaked by `run` on failure; `icounts` outlives the wait.
+            self.run(
+                st,
+                fp,
+                dl,
+                |req| unsafe {
+                    ffi::MPI_Ireduce_scatter(
+                        sp.cast(),
+                        rp.cast(),
+                        icounts.as_ptr(),
+                        dt,
+                        raw::op(op),
+                        comm,
+                        req,
+                    )
+                },
+                "MPI_Ireduce_scatter",
+            )?;
+            let r = st.recv.bytes(rwire);
+            if half {
+                narrow(r, dtype, recv);
+            } else {
+                recv.copy_from_slice(r);
+            }
+            Ok(())
+        })
+    }
+
+    fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize) -> Result<()> {
+        let me = self.me();
+        let count = check::elements(me, buf.len(), dtype, "the buffer")?;
+        check::peer(me, self.size(), root, "root")?;
+        let n = raw::int_count(me, count, "the buffer")?;
+        self.collective(
+            OpKind::Broadcast,
+            dtype,
+            count,
+            root as u64,
+            |st, fp, dl| {
+                let s = st.send.bytes(buf.len());
+                if self.rank == root {
+                    s.copy_from_slice(buf);
+                }
+                let sp = s.as_mut_ptr();
+                let (comm, dt) = (self.comm.0, raw::datatype(dtype));
+                // SAFETY: the scratch holds `n` elements of `dt`; leaked by `run` on failure.
+                self.run(
+                    st,
+                    fp,
+                    dl,
+                    |req| unsafe { ffi::MPI_Ibcast(sp.cast(), n, dt, root as c_int, comm, req) },
+                    "MPI_Ibcast",
+                )?;
+                if self.rank != root {
+                    buf.copy_from_slice(st.send.bytes(buf.len()));
+                }
+                Ok(())
+            },
+        )
+    }
+
+    fn send_bytes(&self, buf: &[u8], dtype: DType, dst: usize, tag: u32) -> Result<()> {
+        let me = self.me();
+        let count = check::elements(me, buf.len(), dtype, "the send buffer")?;
+        check::peer(me, self.size(), dst, "destination")?;
+        check::tag(me, tag)?;
+        let len = raw::int_count(me, buf.len(), "the send buffer (bytes)")?;
+        let mut st = self.state()?;
+        let seq = st.sent[dst];
+        let fp = Fingerprint {
+            op: OpKind::Send,
+            seq,
+            dtype,
+            count: count as u64,
+            detail: u64::from(tag),
+        };
+        self.g.flight.start(self.id, self.size(), fp);
+        self.g.set_last(OpKind::Send, seq);
+        let out = (|| {
+            reap(&mut st)?;
+            {
+                let _l = raw::lock();
+                self.g.drain_notices();
+            }
+            if let Some((r, d)) = self.g.lost_member(&[self.members[dst]]) {
+                return Err(self.lost(&fp, r, d));
+            }
+            let data = buf.to_vec();
+            let mut req = raw::null_request();
+            let mpi_tag = (tag * 16 + u32::from(dtype.code())) as c_int;
+            {
+                let _l = raw::lock();
+                // SAFETY: `data` moves into `st.sends` with the request and lives until the
+                // request completes (or is leaked at drop).
+                raw::check(
+                    unsafe {
+                        ffi::MPI_Isend(
+                            data.as_ptr().cast(),
+                            len,
+                            raw::byte_type(),
+                            dst as c_int,
+                            mpi_tag,
+                            self.comm.0,
+                            &mut req,
+                        )
+                    },
+                    "MPI_Isend",
+                )?;
+            }
+            st.sends.push(PendingSend { req, _data: data });
+            st.sent[dst] += 1;
+            Ok(())
+        })();
+        self.g.flight.finish(self.id, out.is_ok());
+        out
+    }
+
+    fn recv_bytes(&self, buf: &mut [u8], dtype: DType, src: usize, tag: u32) -> Result<()> {
+        let me = self.me();
+        let count = check::elements(me, buf.len(), dtype, "the receive buffer")?;
+        check::peer(me, self.size(), src, "source")?;
+        check::tag(me, tag)?;
+        let mut st = self.state()?;
+        let seq = st.received[src];
+        let fp = Fingerprint {
+            op: OpKind::Recv,
+            seq,
+            dtype,
+            count: count as u64,
+            detail: u64::from(tag),
+        };
+        self.g.flight.start(self.id, self.size(), fp);
+        self.g.set_last(OpKind::Recv, seq);
+        let out = self.recv_inner(&mut st, buf, &fp, src, tag);
+        if out.is_ok() {
+            st.received[src] += 1;
+        }
+        self.g.flight.finish(self.id, out.is_ok());
+        out
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.collective(OpKind::Barrier, DType::U8, 0, 0, |st, fp, dl| {
+            reap(st)?;
+            let comm = self.comm.0;
+            // SAFETY: a barrier request on a live communicator; no buffers.
+            self.run(
+                st,
+                fp,
+                dl,
+                |req| unsafe { ffi::MPI_Ibarrier(comm, req) },
+                "MPI_Ibarrier",
+            )
+        })
+    }
+
+    fn split(&self, color: Option<u32>, key: usize) -> Result<Option<Group>> {
+        let me = self.me();
+        let icolor = match color {
+            None => {
+                // SAFETY: reading an immutable constant.
+                unsafe { ffi::RSMPI_UNDEFINED }
+            }
+            Some(c) => c_int::try_from(c)
+                .map_err(|_| self.invalid(format!("color {c} is above {}", c_int::MAX)))?,
+        };
+        let ikey = c_int::try_from(key)
+            .map_err(|_| self.invalid(format!("key {key} is above {}", c_int::MAX)))?;
+        let newcomm = self.collective(OpKind::Split, DType::U8, 0, 0, |st, fp, dl| {
+            // Everyone is present once this barrier completes, so the blocking
+            // MPI_Comm_split below cannot wait on an absent rank.
+            let comm = self.comm.0;
+            // SAFETY: a barrier request on a live communicator; no buffers.
+            self.run(
+                st,
+                fp,
+                dl,
+                |req| unsafe { ffi::MPI_Ibarrier(comm, req) },
+                "MPI_Ibarrier",
+            )?;
+            let _l = raw::lock();
+            let mut out = Comm(comm);
+            // SAFETY: collective over `comm`, which every member has entered.
+            raw::check(
+                unsafe { ffi::MPI_Comm_split(comm, icolor, ikey, &mut out.0) },
+                "MPI_Comm_split",
+            )?;
+            Ok(out)
+        })?;
+        if color.is_none() {
+            return Ok(None);
+        }
+        let _ = me;
+        Ok(Some(Arc::new(MpiComm::new(self.g, newcomm)?)))
+    }
+}
+
+impl MpiComm {
+    fn recv_inner(
+        &self,
+        st: &mut State,
+        buf: &mut [u8],
+        fp: &Fingerprint,
+        src: usize,
+        tag: u32,
+    ) -> Result<()> {
+        let want_tag = (tag * 16 + u32::from(fp.dtype.code())) as c_int;
+        let deadline = Instant::now() + self.g.timeout;
+        let mut status = raw::empty_status();
+        let src_world = self.members[src];
+        let comm = self.comm.0;
+        let probed = wait::poll_until(self.g, &[src_world], deadline, || {
+            let mut flag: c_int = 0;
+            // SAFETY: live communicator; valid out-params.
+            let rc = unsafe {
+                ffi::MPI_Iprobe(
+                    src as c_int,
+                    ffi::RSMPI_ANY_TAG,
+                    comm,
+                    &mut flag,
+                    &mut status,
+                )
+            };
+            raw::check(rc, "MPI_Iprobe")?;
+            Ok(flag != 0)
+        })?;
+        match probed {
+            Outcome::Done => {}
+            Outcome::Lost(r, d) => return Err(self.lost(fp, r, d)),
+            Outcome::TimedOut => return Err(self.timeout(fp, vec![src_world])),
+        }
+        let mut bytes: c_int = 0;
+        // SAFETY: `status` was filled by the successful probe.
+        unsafe { ffi::MPI_Get_count(&status, raw::byte_type(), &mut bytes) };
+        let got_tag = status.MPI_TAG;
+        if got_tag != want_tag || usize::try_from(bytes).ok() != Some(buf.len()) {
+            let tdt = DType::from_code((got_tag & 15) as u8).unwrap_or(DType::U8);
+            return Err(CommError::Mismatch {
+                rank: self.me(),
+                other_rank: src_world,
+                mine: *fp,
+                theirs: Fingerprint {
+                    op: OpKind::Send,
+                    seq: fp.seq,
+                    dtype: tdt,
+                    count: (bytes.max(0) as usize / tdt.size()) as u64,
+                    detail: (got_tag / 16) as u64,
+                },
+                group_size: self.size(),
+                flight_record: self.g.flight_record(),
+            });
+        }
+        let r = st.recv.bytes(buf.len());
+        let rp = r.as_mut_ptr();
+        let mut req = [raw::null_request()];
+        {
+            let _l = raw::lock();
+            // SAFETY: the probed message (first from `src` with this tag) has exactly
+            // `bytes` bytes and the scratch holds as many; leaked below on failure.
+            raw::check(
+                unsafe {
+                    ffi::MPI_Irecv(
+                        rp.cast(),
+                        bytes,
+                        raw::byte_type(),
+                        src as c_int,
+                        want_tag,
+                        comm,
+                        &mut req[0],
+                    )
+                },
+                "MPI_Irecv",
+            )?;
+        }
+        match wait::poll(self.g, &mut req, &[src_world], deadline)? {
+            Outcome::Done => {
+                buf.copy_from_slice(st.recv.bytes(buf.len()));
+                Ok(())
+            }
+            other => {
+                st.recv.leak();
+                st.poisoned = Some(format!("rank {} failed recv #{}", self.me(), fp.seq));
+                Err(match other {
+                    Outcome::Lost(r, d) => self.lost(fp, r, d),
+                    _ => self.timeout(fp, vec![src_world]),
+                })
+            }
+        }
+    }
+}
+
+impl MpiComm {
+    /// Waits (with the deadline) for this handle's buffered sends to complete; returns
+    /// whether they all did. Sends that did not are leaked, since MPI may still read them.
+    pub(crate) fn drain_sends(&self) -> bool {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut reqs: Vec<ffi::MPI_Request> = st.sends.iter().map(|p| p.req).collect();
+        let drained = reqs.is_empty()
+            || matches!(
+                wait::poll(
+                    self.g,
+                    &mut reqs,
+                    &self.others(),
+                    Instant::now() + self.g.timeout
+                ),
+                Ok(Outcome::Done)
+            );
+        let sends = std::mem::take(&mut st.sends);
+        if drained {
+            drop(sends);
+        } else {
+            std::mem::forget(sends);
+        }
+        drained && st.poisoned.is_none()
+    }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        if self.g.finalized.load(Ordering::SeqCst) || !self.drain_sends() {
+            // After MPI_Finalize nothing may be freed; after a failure MPI may still use
+            // these communicators and buffers.
+            return;
+        }
+        let _l = raw::lock();
+        // SAFETY: no request of this handle is pending any more; the handles are ours.
+        unsafe {
+            ffi::MPI_Comm_free(&mut self.comm.0);
+            ffi::MPI_Comm_free(&mut self.ctl.0);
+        }
+    }
+}

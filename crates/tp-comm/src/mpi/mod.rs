@@ -1,0 +1,164 @@
+//! The `mpi` backend: one rank per process, started by `mpirun`; collectives over MPI.
+//!
+//! Start with [`MpiRuntime::init`] (once per process) and take [`MpiRuntime::world`]. Every
+//! wait polls a non-blocking MPI call with the deadline of [`MpiOptions::timeout`] (R3), a
+//! fingerprint exchange before each collective catches desyncs (R2, [`MpiOptions::verify`]),
+//! and departure notices from panicking or exiting ranks turn waits into `PeerLost` (R1).
+//! A rank killed by a signal (SIGKILL, OOM killer) sends no notice: then `mpirun` notices the
+//! dead process and tears the whole job down, and peers see no `CommError` at all.
+//! A binary started without `mpirun` is a world of one (MPI singleton init).
+
+mod comm;
+mod notice;
+mod raw;
+mod wait;
+
+pub use comm::MpiComm;
+
+use crate::communicator::Group;
+use crate::error::{CommError, Departure, Result};
+use mpi::ffi;
+use std::os::raw::c_int;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Options of the MPI runtime.
+#[derive(Clone, Debug)]
+pub struct MpiOptions {
+    /// Deadline of every call, from the moment it is entered.
+    pub timeout: Duration,
+    /// Exchange fingerprints with every peer before each collective (R2).
+    pub verify: bool,
+    /// Chain a panic hook that tells every other rank this one is gone (R1).
+    pub install_panic_hook: bool,
+}
+
+impl Default for MpiOptions {
+    fn default() -> Self {
+        MpiOptions {
+            timeout: Duration::from_secs(60),
+            verify: true,
+            install_panic_hook: true,
+        }
+    }
+}
+
+static INIT_CALLED: AtomicBool = AtomicBool::new(false);
+
+/// This process's MPI session: `MPI_Init` on creation, an "exited" notice and
+/// `MPI_Finalize` on drop.
+pub struct MpiRuntime {
+    g: &'static notice::Global,
+    world: Arc<MpiComm>,
+}
+
+impl std::fmt::Debug for MpiRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "MpiRuntime(rank {} of {})",
+            self.g.world_rank, self.g.world_size
+        )
+    }
+}
+
+impl MpiRuntime {
+    /// Initializes MPI; a second call in the same process is an error.
+    pub fn init(opts: MpiOptions) -> Result<MpiRuntime> {
+        if INIT_CALLED.swap(true, Ordering::SeqCst) {
+            return Err(CommError::Backend(
+                "MpiRuntime::init was already called in this process; MPI can be initialized \
+                 once per process: keep the first runtime and clone its world()"
+                    .into(),
+            ));
+        }
+        let _l = raw::lock();
+        let mut flag: c_int = 0;
+        // SAFETY: MPI_Initialized may be called at any time.
+        raw::check(
+            unsafe { ffi::MPI_Initialized(&mut flag) },
+            "MPI_Initialized",
+        )?;
+        if flag != 0 {
+            return Err(CommError::Backend(
+                "MPI was already initialized by other code".into(),
+            ));
+        }
+        let mut provided: c_int = 0;
+        let (mut rank, mut size): (c_int, c_int) = (0, 0);
+        // SAFETY: reading an immutable handle constant.
+        let mut control = raw::Comm(unsafe { ffi::RSMPI_COMM_NULL });
+        let mut data = control;
+        // SAFETY: first and only MPI_Init_thread of the process (guarded above); null
+        // argc/argv are allowed; the out-params are valid.
+        unsafe {
+            raw::check(
+                ffi::MPI_Init_thread(
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    ffi::RSMPI_THREAD_SERIALIZED,
+                    &mut provided,
+                ),
+                "MPI_Init_thread",
+            )?;
+            let world = ffi::RSMPI_COMM_WORLD;
+            raw::check(
+                ffi::MPI_Comm_set_errhandler(world, ffi::RSMPI_ERRORS_RETURN),
+                "MPI_Comm_set_errhandler",
+            )?;
+            raw::check(ffi::MPI_Comm_rank(world, &mut rank), "MPI_Comm_rank")?;
+            raw::check(ffi::MPI_Comm_size(world, &mut size), "MPI_Comm_size")?;
+            raw::check(ffi::MPI_Comm_dup(world, &mut control.0), "MPI_Comm_dup")?;
+            raw::check(ffi::MPI_Comm_dup(world, &mut data.0), "MPI_Comm_dup")?;
+        }
+        let bad = |_| CommError::Backend("MPI reported a negative rank or size".into());
+        let g = notice::install(notice::Global::new(
+            usize::try_from(rank).map_err(bad)?,
+            usize::try_from(size).map_err(bad)?,
+            control,
+            &opts,
+        ));
+        drop(_l);
+        let world = Arc::new(MpiComm::new(g, data)?);
+        if opts.install_panic_hook {
+            notice::install_panic_hook();
+        }
+        Ok(MpiRuntime { g, world })
+    }
+
+    /// The world group (every process of the job).
+    pub fn world(&self) -> Group {
+        Arc::clone(&self.world) as Group
+    }
+
+    /// This process's rank in the world.
+    pub fn world_rank(&self) -> usize {
+        self.g.world_rank
+    }
+
+    /// Kills the whole job (`MPI_Abort` on the world) after a fatal error.
+    pub fn abort(&self, code: i32) -> ! {
+        {
+            let _l = raw::try_lock_for(Duration::from_millis(200));
+            // SAFETY: MPI is initialized and not finalized (we hold the runtime).
+            unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code) };
+        }
+        std::process::exit(code)
+    }
+}
+
+impl Drop for MpiRuntime {
+    fn drop(&mut self) {
+        // Buffered sends of groups still alive must reach their receivers before MPI goes.
+        self.world.drain_sends();
+        self.g.notify(&Departure::Exited(
+            "its work returned and it shut MPI down".into(),
+        ));
+        let _l = raw::lock();
+        self.g.finalized.store(true, Ordering::SeqCst);
+        // SAFETY: MPI is initialized; after this no call of this crate touches MPI
+        // (every path checks `finalized`).
+        unsafe { ffi::MPI_Finalize() };
+    }
+}

@@ -1,0 +1,207 @@
+//! The MPI backend under `mpirun`: the conformance suite at 2, 3 and 4 ranks, and the three
+//! failure drills (R1 lost peer, R2 desync, R3 deadline) at 3 ranks. Needs `mpirun` on PATH
+//! (Debian/Ubuntu: `apt-get install openmpi-bin libopenmpi-dev`); without it the tests fail.
+#![cfg(feature = "mpi")]
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const CHECK: &str = env!("CARGO_BIN_EXE_tp-comm-mpi-check");
+
+fn mpirun() -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|d| d.join("mpirun"))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "mpirun is not on PATH: install Open MPI (apt-get install openmpi-bin \
+                 libopenmpi-dev) to run the MPI backend tests"
+            )
+        })
+}
+
+struct Run {
+    code: Option<i32>,
+    output: String,
+    took: Duration,
+}
+
+/// Runs `program args`, killing it and failing the test if it outlives `limit`.
+fn run(program: &std::path::Path, args: &[&str], limit: Duration) -> Run {
+    let dir = std::env::temp_dir();
+    let stem = format!(
+        "tp-comm-mpi-{}-{}",
+        std::process::id(),
+        args.join("_").replace('/', "_")
+    );
+    let out_path = dir.join(format!("{stem}.log"));
+    let out = std::fs::File::create(&out_path).expect("create the log file");
+    let err = out.try_clone().expect("clone the log file");
+    let start = Instant::now();
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .spawn()
+        .expect("start the child");
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait for the child") {
+            break s;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            let output = std::fs::read_to_string(&out_path).unwrap_or_default();
+            panic!("{program:?} {args:?} ran past {limit:?} and was killed; output:\n{output}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let output = std::fs::read_to_string(&out_path).unwrap_or_default();
+    let _ = std::fs::remove_file(&out_path);
+    Run {
+        code: status.code(),
+        output,
+        took: start.elapsed(),
+    }
+}
+
+fn mpi(k: usize, extra: &[&str], limit: Duration) -> Run {
+    let n = k.to_string();
+    let mut args = vec!["--allow-run-as-root", "--oversubscribe", "-n", &n, CHECK];
+    args.extend_from_slice(extra);
+    run(&mpirun(), &args, limit)
+}
+
+fn conformance(k: usize, extra: &[&str]) {
+    let r = mpi(k, extra, Duration::from_secs(60));
+    assert_eq!(
+        r.code,
+        Some(0),
+        "conformance at {k} ranks failed:\n{}",
+        r.output
+    );
+    let last = r
+        .output
+        .lines()
+        .rev()
+        .find(|l| l.ends_with(" failed") && !l.starts_with("rank "))
+        .unwrap_or_else(|| panic!("no summary line in:\n{}", r.output));
+    assert!(
+        last.ends_with(" passed, 0 failed"),
+        "summary {last:?}:\n{}",
+        r.output
+    );
+    assert_eq!(
+        r.output
+            .lines()
+            .filter(|l| l.starts_with("rank ") && l.contains(" passed, "))
+            .count(),
+        k,
+        "one summary line per rank expected:\n{}",
+        r.output
+    );
+}
+
+#[test]
+fn conformance_2_ranks() {
+    conformance(2, &[]);
+}
+
+#[test]
+fn conformance_3_ranks() {
+    conformance(3, &[]);
+}
+
+#[test]
+fn conformance_4_ranks() {
+    conformance(4, &[]);
+}
+
+#[test]
+fn conformance_2_ranks_without_fingerprint_exchange() {
+    conformance(2, &["--no-verify"]);
+}
+
+fn drill(name: &str, expect: &[&str]) {
+    let r = mpi(3, &["--drill", name], Duration::from_secs(30));
+    assert_ne!(r.code, Some(0), "drill {name} exited 0:\n{}", r.output);
+    assert!(
+        r.took < Duration::from_secs(30),
+        "drill {name} took {:?}",
+        r.took
+    );
+    for e in expect {
+        assert!(
+            r.output.contains(e),
+            "drill {name}: {e:?} missing from:\n{}",
+            r.output
+        );
+    }
+}
+
+#[test]
+fn drill_panic_names_the_lost_rank_op_and_seq() {
+    drill(
+        "panic",
+        &[
+            "rank 1 is gone (panicked: drill: rank 1 panics",
+            "waited in all_reduce #2",
+        ],
+    );
+}
+
+#[test]
+fn drill_mismatch_shows_both_fingerprints() {
+    drill(
+        "mismatch",
+        &[
+            "collective mismatch",
+            "all_reduce #2 dtype=f32 count=5",
+            "all_reduce #2 dtype=f32 count=4",
+        ],
+    );
+}
+
+#[test]
+fn drill_slow_times_out_naming_the_missing_rank() {
+    drill(
+        "slow",
+        &[
+            "timed out after 2s in all_reduce #2",
+            "still waiting for ranks [1]",
+        ],
+    );
+}
+
+#[test]
+fn without_mpirun_the_binary_is_a_world_of_one() {
+    let r = run(std::path::Path::new(CHECK), &[], Duration::from_secs(60));
+    assert_eq!(r.code, Some(0), "{}", r.output);
+    assert!(r.output.contains("rank 0/1: "), "{}", r.output);
+}
+
+#[test]
+fn init_twice_is_an_error_and_a_singleton_world_works() {
+    use tp_comm::mpi::{MpiOptions, MpiRuntime};
+    use tp_comm::{CommExt, ReduceOp};
+    let rt = MpiRuntime::init(MpiOptions::default()).expect("first init");
+    let world = rt.world();
+    assert_eq!((world.rank(), world.size(), world.backend()), (0, 1, "mpi"));
+    let mut x = [1.5f32, 2.0];
+    world.all_reduce(&mut x, ReduceOp::Sum).expect("all_reduce");
+    assert_eq!(x, [1.5, 2.0]);
+    let err = MpiRuntime::init(MpiOptions::default()).expect_err("second init must fail");
+    assert!(err.to_string().contains("already"), "{err}");
+    let mut big = [0u8; 8];
+    world.send(&big[..4], 0, 9).expect("send to self");
+    let e = world
+        .recv(&mut big[..3], 0, 9)
+        .expect_err("length mismatch");
+    assert!(e.to_string().contains("mismatch"), "{e}");
+    world
+        .recv(&mut big[..4], 0, 9)
+        .expect("the message was not consumed");
+}
