@@ -152,6 +152,7 @@ pub(crate) mod check {
     }
 
     /// Checks a counts vector against the group size and this rank's buffers.
+    #[allow(clippy::too_many_arguments)] // each is a distinct fact the message names
     pub fn counts(
         world_rank: usize,
         rank: usize,
@@ -159,7 +160,8 @@ pub(crate) mod check {
         counts: &[usize],
         mine: usize,
         total: usize,
-        (mine_what, total_what): (&str, &str),
+        mine_what: &str,
+        total_what: &str,
     ) -> Result<()> {
         let bad = |message: String| {
             Err(CommError::InvalidArgument {

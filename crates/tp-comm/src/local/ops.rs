@@ -397,7 +397,8 @@ impl Communicator for LocalComm {
             counts,
             mine,
             total,
-            ("the send buffer", "the receive buffer"),
+            "the send buffer",
+            "the receive buffer",
         )?;
         let es = dtype.size();
         let largest = counts.iter().copied().max().unwrap_or(0) * es;
@@ -448,7 +449,8 @@ impl Communicator for LocalComm {
             counts,
             mine,
             total,
-            ("the receive buffer", "the send buffer"),
+            "the receive buffer",
+            "the send buffer",
         )?;
         let es = dtype.size();
         let path = if send.len() <= SMALL_BYTES {
