@@ -5,7 +5,7 @@ use tp_comm::local::{run, LocalOptions};
 use tp_comm::Group;
 use tp_nn::Placement;
 
-pub const TOL: f32 = 1e-4;
+pub const TOL: f32 = 1e-5;
 
 pub fn dev() -> Device {
     Device::Cpu
