@@ -4,14 +4,15 @@
 
 use crate::block::{BlockConfig, BlockWeights};
 use crate::error::Result;
-use crate::rope::{Rope, RopeLayout};
+use crate::rope::RopeLayout;
 use candle_core::{Tensor, Var, D};
 
 #[derive(Debug)]
 pub struct DenseBlock {
     cfg: BlockConfig,
     vars: Vec<(&'static str, Var)>,
-    rope: Rope,
+    cos: Tensor, // [max_seq, head_dim / 2]
+    sin: Tensor, // [max_seq, head_dim / 2]
 }
 
 impl DenseBlock {
@@ -29,17 +30,22 @@ impl DenseBlock {
             ("w_up", v(&w.w_up)?),
             ("w_down", v(&w.w_down)?),
         ];
-        let rope = Rope::new(
-            cfg.head_dim,
-            cfg.max_seq,
-            cfg.rope_theta,
-            cfg.rope_layout,
-            w.wq.device(),
-        )?;
+        // Frequencies theta^(-2i/d), computed here as a tensor expression (not shared with
+        // the parallel path's table builder).
+        let half = cfg.head_dim / 2;
+        let dev = w.wq.device();
+        let f64_ = candle_core::DType::F64;
+        let i = Tensor::arange(0u32, half as u32, dev)?.to_dtype(f64_)?; // [half]
+        let inv_freq = (i * (-2.0 * cfg.rope_theta.ln() / cfg.head_dim as f64))?.exp()?; // [half]
+        let pos = Tensor::arange(0u32, cfg.max_seq as u32, dev)?.to_dtype(f64_)?; // [max_seq]
+        let ang = pos.unsqueeze(1)?.broadcast_mul(&inv_freq.unsqueeze(0)?)?; // [max_seq, half]
+        let cos = ang.cos()?.to_dtype(candle_core::DType::F32)?.contiguous()?; // [max_seq, half]
+        let sin = ang.sin()?.to_dtype(candle_core::DType::F32)?.contiguous()?; // [max_seq, half]
         Ok(DenseBlock {
             cfg: cfg.clone(),
             vars,
-            rope,
+            cos,
+            sin,
         })
     }
 
@@ -70,7 +76,7 @@ impl DenseBlock {
             .reshape((b, s, c.kv_heads, c.head_dim))?
             .transpose(1, 2)?
             .contiguous()?; // [b, kv, s, hd]
-        let (cos, sin) = self.rope.tables();
+        let (cos, sin) = (&self.cos, &self.sin);
         let rope = |x: &Tensor| match c.rope_layout {
             RopeLayout::RotateHalf => candle_nn::rotary_emb::rope_slow(x, cos, sin),
             RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i_slow(x, cos, sin),

@@ -9,5 +9,6 @@
 //! errors of O(1e-1..1) relative, which mutation runs confirmed fail these tests.
 
 mod block;
+mod end_to_end;
 mod layers;
 mod support;
