@@ -176,6 +176,10 @@ impl ParallelBlock {
         })
     }
 
+    pub fn config(&self) -> &BlockConfig {
+        &self.cfg
+    }
+
     /// Every parameter shard with its name and where it sits in the global tensor.
     pub fn params(&self) -> Vec<(&'static str, &Var, Placement)> {
         let hd = self.cfg.head_dim;

@@ -12,6 +12,7 @@ pub mod block;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod error;
+pub mod grads;
 mod host;
 pub mod linear;
 pub mod mappings;

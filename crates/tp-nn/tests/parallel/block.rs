@@ -44,7 +44,10 @@ fn eight_two() -> BlockConfig {
 struct RankOut {
     out: Tensor,
     h_grad: Tensor,
+    /// Raw gradients, as backward leaves them: (name, grad, placement).
     grads: Vec<(&'static str, Tensor, Placement)>,
+    /// After `reduce_shared_grads`: every rank's grad should equal its dense slice.
+    reduced: Vec<Tensor>,
 }
 
 /// Runs the dense reference and the parallel block at `tp`, and compares everything.
@@ -87,7 +90,7 @@ fn check_block(
         } else {
             block.forward(h_var.as_tensor(), &g)?
         };
-        let grads = (&out * &r_in)?.sum_all()?.backward()?;
+        let mut grads = (&out * &r_in)?.sum_all()?.backward()?;
         let h_grad = grads
             .get(h_var.as_tensor())
             .expect("input gradient")
@@ -102,10 +105,17 @@ fn check_block(
                 (n, gr.clone(), p)
             })
             .collect();
+        block.reduce_shared_grads(&mut grads, &g, seq_parallel)?;
+        let reduced = block
+            .params()
+            .iter()
+            .map(|(_, v, _)| grads.get(v.as_tensor()).expect("reduced grad").clone())
+            .collect();
         Ok(RankOut {
             out,
             h_grad,
             grads: params,
+            reduced,
         })
     });
 
@@ -160,19 +170,20 @@ fn check_block(
                 want_g,
             );
         }
-        // Disjoint shards: also compare each rank's shard with its slice directly.
-        let disjoint = !name.starts_with("wk") && !name.starts_with("wv");
-        if disjoint {
-            for (rank, o) in outs.iter().enumerate() {
-                if let Placement::Sharded { dim, range } = &o.grads[i].2 {
-                    let slice = want_g.narrow(*dim, range.start, range.len()).unwrap();
-                    assert_close(
-                        &label(&format!("rank {rank} {name} grad slice")),
-                        &o.grads[i].1,
-                        &slice,
-                    );
+        // After completing shared gradients, every rank's shard equals its dense slice and
+        // every replicated parameter's grad equals the dense grad.
+        for (rank, o) in outs.iter().enumerate() {
+            let want_slice = match &o.grads[i].2 {
+                Placement::Sharded { dim, range } => {
+                    want_g.narrow(*dim, range.start, range.len()).unwrap()
                 }
-            }
+                Placement::Replicated => want_g.clone(),
+            };
+            assert_close(
+                &label(&format!("rank {rank} {name} completed grad")),
+                &o.reduced[i],
+                &want_slice,
+            );
         }
     }
 }
