@@ -15,7 +15,8 @@
 use crate::error::{Result, TpError};
 use crate::host;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
-use tp_comm::{Group, ReduceOp};
+use std::sync::Mutex;
+use tp_comm::{CommError, Group, ReduceOp};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
@@ -39,6 +40,9 @@ struct Mapping {
     dim: usize,
     /// Each rank's extent along `dim`.
     sizes: Vec<usize>,
+    /// The forward result, computed before entering candle so that a failed collective
+    /// surfaces as a typed [`TpError::Comm`] rather than a stringly candle error.
+    precomputed: Mutex<Option<(Vec<f32>, Vec<usize>)>>,
 }
 
 fn cerr(e: tp_comm::CommError) -> candle_core::Error {
@@ -64,21 +68,21 @@ impl Mapping {
         x: &[f32],
         dims: &[usize],
         fwd: bool,
-    ) -> candle_core::Result<(Vec<f32>, Vec<usize>)> {
+    ) -> std::result::Result<(Vec<f32>, Vec<usize>), CommError> {
         let comm = self.group.as_ref();
         let (outer, inner) = around(dims, self.dim);
         let total: usize = self.sizes.iter().sum();
         let mut out_dims = dims.to_vec();
-        let gather = |out_dims: &mut Vec<usize>| -> candle_core::Result<Vec<f32>> {
+        let gather = |out_dims: &mut Vec<usize>| {
             out_dims[self.dim] = total;
-            host::gather_dim(comm, x, outer, inner, &self.sizes).map_err(cerr)
+            host::gather_dim(comm, x, outer, inner, &self.sizes)
         };
         let own = self.sizes[self.rank()];
         let out = match (self.kind, fwd) {
             (Kind::Copy, true) | (Kind::Reduce, false) => x.to_vec(),
             (Kind::Copy, false) | (Kind::Reduce, true) => {
                 let mut v = x.to_vec();
-                host::all_reduce(comm, &mut v, ReduceOp::Sum).map_err(cerr)?;
+                host::all_reduce(comm, &mut v, ReduceOp::Sum)?;
                 v
             }
             (Kind::GatherSplitBwd | Kind::GatherReduceScatterBwd, true)
@@ -89,7 +93,7 @@ impl Mapping {
             }
             (Kind::GatherReduceScatterBwd, false) | (Kind::ReduceScatter, true) => {
                 out_dims[self.dim] = own;
-                host::reduce_scatter_dim(comm, x, outer, inner, &self.sizes).map_err(cerr)?
+                host::reduce_scatter_dim(comm, x, outer, inner, &self.sizes)?
             }
         };
         Ok((out, out_dims))
@@ -117,7 +121,13 @@ impl CustomOp1 for Mapping {
         let (start, end) = layout.contiguous_offsets().ok_or_else(|| {
             candle_core::Error::msg(format!("{}: input must be contiguous", self.name()))
         })?;
-        let (out, dims) = self.apply(&data[start..end], layout.dims(), true)?;
+        let pre = self.precomputed.lock().ok().and_then(|mut p| p.take());
+        let (out, dims) = match pre {
+            Some(done) => done,
+            None => self
+                .apply(&data[start..end], layout.dims(), true)
+                .map_err(cerr)?,
+        };
         Ok((CpuStorage::F32(out), Shape::from(dims)))
     }
 
@@ -129,7 +139,7 @@ impl CustomOp1 for Mapping {
     ) -> candle_core::Result<Option<Tensor>> {
         let grad = grad.to_dtype(DType::F32)?.contiguous()?;
         let x = grad.flatten_all()?.to_vec1::<f32>()?;
-        let (out, dims) = self.apply(&x, grad.dims(), false)?;
+        let (out, dims) = self.apply(&x, grad.dims(), false).map_err(cerr)?;
         Ok(Some(Tensor::from_vec(out, dims, grad.device())?))
     }
 }
@@ -158,7 +168,8 @@ fn run(
     what: &str,
 ) -> Result<Tensor> {
     check(x, what)?;
-    if dim >= x.rank() {
+    let elementwise = matches!(kind, Kind::Copy | Kind::Reduce);
+    if !elementwise && dim >= x.rank() {
         return Err(TpError::Shape(format!(
             "{what}: dim {dim} out of range for a rank-{} tensor",
             x.rank()
@@ -171,13 +182,22 @@ fn run(
             group.size()
         )));
     }
+    let x = x.contiguous()?;
     let op = Mapping {
         kind,
         group: group.clone(),
         dim,
         sizes,
+        precomputed: Mutex::new(None),
     };
-    Ok(x.contiguous()?.apply_op1(op)?)
+    // Run the collective here, with a typed error; the custom op then only hands the result
+    // to candle (and records the backward).
+    let host_x = x.flatten_all()?.to_vec1::<f32>()?;
+    let done = op.apply(&host_x, x.dims(), true)?;
+    if let Ok(mut p) = op.precomputed.lock() {
+        *p = Some(done);
+    }
+    Ok(x.apply_op1(op)?)
 }
 
 fn expect_extent(x: &Tensor, dim: usize, want: usize, what: &str) -> Result<()> {

@@ -218,3 +218,18 @@ fn a_group_of_the_wrong_size_is_rejected() {
     });
     assert!(errs.iter().all(|&b| b));
 }
+
+#[test]
+fn a_failed_collective_is_a_typed_comm_error() {
+    // Ranks disagree on the length of an all-reduce: a desync, reported as TpError::Comm.
+    let outs = world(2, |g| {
+        let n = 3 + g.rank();
+        let x = Tensor::zeros(n, candle_core::DType::F32, &dev())?;
+        Ok(match tp_nn::reduce_from_tp(&x, &g) {
+            Err(TpError::Comm(_)) => "comm",
+            Err(_) => "other error",
+            Ok(_) => "ok",
+        })
+    });
+    assert!(outs.iter().all(|o| *o == "comm"), "{outs:?}");
+}
