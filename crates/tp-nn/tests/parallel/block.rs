@@ -203,6 +203,15 @@ fn smollm2_heads_tp_1_to_4() {
 }
 
 #[test]
+fn smollm2_heads_every_tp_up_to_nine() {
+    // Every tp from 1 to the number of query heads works; tp 1..4 are covered above.
+    for tp in 5..=9 {
+        check_block(&smol(), tp, 1, 4, 13, false);
+    }
+    check_block(&smol(), 9, 1, 10, 14, true);
+}
+
+#[test]
 fn eight_heads_two_kv_tp_4_and_8() {
     for tp in [4, 8] {
         check_block(&eight_two(), tp, 1, 9, 3, false);
