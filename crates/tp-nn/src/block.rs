@@ -1,0 +1,261 @@
+//! The pre-norm transformer block composed of the parallel layers (Megatron §3, Fig. 4:
+//! two all-reduces forward and two backward), plus its sequence-parallel variant
+//! (Korthikanti et al. §4.2.2: all-gather before and reduce-scatter after each half).
+
+use crate::attention::ParallelAttention;
+use crate::error::{Result, TpError};
+use crate::linear::check_group;
+use crate::mappings::{copy_to_tp, gather_from_sequence_parallel};
+use crate::mlp::ParallelMlp;
+use crate::norm::RmsNorm;
+use crate::partition::Partition;
+use crate::rope::{Rope, RopeLayout};
+use candle_core::{Device, Tensor, Var};
+use std::ops::Range;
+use tp_comm::Group;
+
+/// Whole-model sizes of one Llama-style block.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockConfig {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub rope_theta: f64,
+    pub rope_layout: RopeLayout,
+    pub rms_eps: f64,
+    pub max_seq: usize,
+}
+
+/// The GLOBAL weights of a block (candle layout `[out, in]`).
+#[derive(Clone, Debug)]
+pub struct BlockWeights {
+    pub attn_norm: Tensor, // [hidden]
+    pub wq: Tensor,        // [heads * head_dim, hidden]
+    pub wk: Tensor,        // [kv_heads * head_dim, hidden]
+    pub wv: Tensor,        // [kv_heads * head_dim, hidden]
+    pub wo: Tensor,        // [hidden, heads * head_dim]
+    pub mlp_norm: Tensor,  // [hidden]
+    pub w_gate: Tensor,    // [ffn, hidden]
+    pub w_up: Tensor,      // [ffn, hidden]
+    pub w_down: Tensor,    // [hidden, ffn]
+}
+
+/// Deterministic xorshift64* stream, so tests and examples are reproducible everywhere.
+#[derive(Clone, Debug)]
+pub struct SeededRng(u64);
+
+impl SeededRng {
+    pub fn new(seed: u64) -> Self {
+        SeededRng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    /// Uniform in `[-1, 1)`.
+    pub fn next_f32(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let v = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40; // 24 bits
+        v as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    pub fn next_below(&mut self, n: usize) -> usize {
+        (((self.next_f32() + 1.0) * 0.5 * n as f32) as usize).min(n.saturating_sub(1))
+    }
+    /// A tensor of uniform values in `[center - scale, center + scale)`.
+    pub fn tensor(
+        &mut self,
+        dims: &[usize],
+        center: f32,
+        scale: f32,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let n: usize = dims.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| center + scale * self.next_f32()).collect();
+        Ok(Tensor::from_vec(v, dims, device)?)
+    }
+}
+
+impl BlockConfig {
+    pub fn validate(&self) -> Result<()> {
+        if self.heads == 0 || self.kv_heads == 0 || self.heads % self.kv_heads != 0 {
+            return Err(TpError::Config(format!(
+                "{} heads must be a positive multiple of {} KV heads",
+                self.heads, self.kv_heads
+            )));
+        }
+        if self.hidden == 0 || self.ffn == 0 || self.head_dim == 0 {
+            return Err(TpError::Config(
+                "hidden, ffn and head_dim must be positive".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Random weights scaled like a fresh init (1/sqrt(fan_in)), norms near 1.
+    pub fn random_weights(&self, seed: u64, device: &Device) -> Result<BlockWeights> {
+        self.validate()?;
+        let mut rng = SeededRng::new(seed);
+        let (h, q, kv, f) = (
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+            self.ffn,
+        );
+        let s = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+        Ok(BlockWeights {
+            attn_norm: rng.tensor(&[h], 1.0, 0.2, device)?,
+            wq: rng.tensor(&[q, h], 0.0, s(h), device)?,
+            wk: rng.tensor(&[kv, h], 0.0, s(h), device)?,
+            wv: rng.tensor(&[kv, h], 0.0, s(h), device)?,
+            wo: rng.tensor(&[h, q], 0.0, s(q), device)?,
+            mlp_norm: rng.tensor(&[h], 1.0, 0.2, device)?,
+            w_gate: rng.tensor(&[f, h], 0.0, s(h), device)?,
+            w_up: rng.tensor(&[f, h], 0.0, s(h), device)?,
+            w_down: rng.tensor(&[h, f], 0.0, s(f), device)?,
+        })
+    }
+}
+
+/// Where a parameter shard sits in its global tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Every rank holds the whole tensor (norm weights).
+    Replicated,
+    /// The rank holds `range` of `dim` (element indices, not units). Shards of different
+    /// ranks may overlap (replicated KV heads): their gradients then add up to the dense one.
+    Sharded { dim: usize, range: Range<usize> },
+}
+
+/// One rank's slice of a transformer block.
+#[derive(Debug)]
+pub struct ParallelBlock {
+    cfg: BlockConfig,
+    attn_norm: RmsNorm,
+    attn: ParallelAttention,
+    mlp_norm: RmsNorm,
+    mlp: ParallelMlp,
+    rope: Rope,
+    tp_rank: usize,
+    tp: usize,
+}
+
+impl ParallelBlock {
+    pub fn from_global(
+        cfg: &BlockConfig,
+        w: &BlockWeights,
+        tp_rank: usize,
+        tp: usize,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let rope = Rope::new(
+            cfg.head_dim,
+            cfg.max_seq,
+            cfg.rope_theta,
+            cfg.rope_layout,
+            w.wq.device(),
+        )?;
+        Ok(ParallelBlock {
+            cfg: cfg.clone(),
+            attn_norm: RmsNorm::from_global(&w.attn_norm, cfg.rms_eps)?,
+            attn: ParallelAttention::from_global(
+                &w.wq,
+                &w.wk,
+                &w.wv,
+                &w.wo,
+                cfg.heads,
+                cfg.kv_heads,
+                cfg.head_dim,
+                tp_rank,
+                tp,
+            )?,
+            mlp_norm: RmsNorm::from_global(&w.mlp_norm, cfg.rms_eps)?,
+            mlp: ParallelMlp::from_global(&w.w_gate, &w.w_up, &w.w_down, tp_rank, tp)?,
+            rope,
+            tp_rank,
+            tp,
+        })
+    }
+
+    pub fn config(&self) -> &BlockConfig {
+        &self.cfg
+    }
+
+    /// Every parameter shard with its name and where it sits in the global tensor.
+    pub fn params(&self) -> Vec<(&'static str, &Var, Placement)> {
+        let hd = self.cfg.head_dim;
+        let q = self.attn.plan().q_range();
+        let kv = self.attn.plan().kv_range();
+        let f = self.mlp.partition().range(self.tp_rank);
+        let rows = |r: &Range<usize>, k: usize| Placement::Sharded {
+            dim: 0,
+            range: r.start * k..r.end * k,
+        };
+        let cols = |r: &Range<usize>, k: usize| Placement::Sharded {
+            dim: 1,
+            range: r.start * k..r.end * k,
+        };
+        let [(nq, wq), (nk, wk), (nv, wv), (no, wo)] = self.attn.vars();
+        let [(ng, wg), (nu, wu), (nd, wd)] = self.mlp.vars();
+        vec![
+            ("attn_norm", self.attn_norm.weight(), Placement::Replicated),
+            (nq, wq, rows(&q, hd)),
+            (nk, wk, rows(&kv, hd)),
+            (nv, wv, rows(&kv, hd)),
+            (no, wo, cols(&q, hd)),
+            ("mlp_norm", self.mlp_norm.weight(), Placement::Replicated),
+            (ng, wg, rows(&f, 1)),
+            (nu, wu, rows(&f, 1)),
+            (nd, wd, cols(&f, 1)),
+        ]
+    }
+
+    /// Replicated `h [batch, seq, hidden]` -> replicated `[batch, seq, hidden]`.
+    /// Two all-reduces forward (the g's), two backward (the f's).
+    pub fn forward(&self, h: &Tensor, group: &Group) -> Result<Tensor> {
+        check_group(group, self.tp_rank, self.tp)?;
+        let n = self.attn_norm.forward(h)?; // [b, s, hidden]
+        let x_par = copy_to_tp(&n, group)?; // [b, s, hidden]
+        let a = self
+            .attn
+            .forward_local(&x_par, &self.rope, 0, group)?
+            .reduce()?; // [b, s, hidden]
+        let h = (h + a)?; // [b, s, hidden]
+        let n = self.mlp_norm.forward(&h)?; // [b, s, hidden]
+        let x_par = copy_to_tp(&n, group)?; // [b, s, hidden]
+        let m = self.mlp.forward_local(&x_par, group)?.reduce()?; // [b, s, hidden]
+        Ok((h + m)?)
+    }
+
+    /// The sequence positions each rank holds under sequence parallelism.
+    pub fn seq_partition(seq: usize, tp: usize) -> Result<Partition> {
+        Partition::new(seq, tp, "sequence positions", "sequence position")
+    }
+
+    /// Sequence parallel: `h_local [batch, seq_local, hidden]` (rank r holds positions
+    /// `seq_partition(seq, tp).range(r)`) -> `[batch, seq_local, hidden]`. Two all-gathers
+    /// and two reduce-scatters each way. Norm weights then get only this rank's part of
+    /// their gradient: sum them over the tp group before an optimizer step.
+    pub fn forward_sequence_parallel(
+        &self,
+        h_local: &Tensor,
+        seq: usize,
+        group: &Group,
+    ) -> Result<Tensor> {
+        check_group(group, self.tp_rank, self.tp)?;
+        let sizes = Self::seq_partition(seq, self.tp)?.sizes();
+        let n = self.attn_norm.forward(h_local)?; // [b, seq_local, hidden]
+        let x_par = gather_from_sequence_parallel(&n, group, 1, &sizes)?; // [b, seq, hidden]
+        let a = self
+            .attn
+            .forward_local(&x_par, &self.rope, 0, group)?
+            .reduce_scatter_seq(1, &sizes)?; // [b, seq_local, hidden]
+        let h = (h_local + a)?; // [b, seq_local, hidden]
+        let n = self.mlp_norm.forward(&h)?; // [b, seq_local, hidden]
+        let x_par = gather_from_sequence_parallel(&n, group, 1, &sizes)?; // [b, seq, hidden]
+        let m = self
+            .mlp
+            .forward_local(&x_par, group)?
+            .reduce_scatter_seq(1, &sizes)?; // [b, seq_local, hidden]
+        Ok((h + m)?)
+    }
+}

@@ -1,0 +1,57 @@
+//! Parallel SwiGLU MLP (Megatron §3, Fig. 3a; SwiGLU after Shazeer 2020): gate and up are
+//! column-parallel over FFN columns, down is row-parallel, so the output is a [`PartialSum`].
+
+use crate::error::Result;
+use crate::linear::{ColumnParallelLinear, PartialSum, RowParallelLinear};
+use crate::partition::Partition;
+use candle_core::{Tensor, Var};
+use tp_comm::Group;
+
+#[derive(Debug)]
+pub struct ParallelMlp {
+    gate: ColumnParallelLinear,
+    up: ColumnParallelLinear,
+    down: RowParallelLinear,
+    ffn: Partition,
+}
+
+impl ParallelMlp {
+    /// Global `w_gate`, `w_up [ffn, hidden]` and `w_down [hidden, ffn]`.
+    pub fn from_global(
+        w_gate: &Tensor,
+        w_up: &Tensor,
+        w_down: &Tensor,
+        tp_rank: usize,
+        tp: usize,
+    ) -> Result<Self> {
+        let (ffn_global, _) = w_gate.dims2()?;
+        let ffn = Partition::new(ffn_global, tp, "FFN columns", "FFN column")?;
+        Ok(ParallelMlp {
+            gate: ColumnParallelLinear::from_global_units(w_gate, &ffn, 1, tp_rank)?,
+            up: ColumnParallelLinear::from_global_units(w_up, &ffn, 1, tp_rank)?,
+            down: RowParallelLinear::from_global_units(w_down, &ffn, 1, tp_rank)?,
+            ffn,
+        })
+    }
+
+    pub fn partition(&self) -> &Partition {
+        &self.ffn
+    }
+
+    /// `(name, var)` of every weight shard: w_gate, w_up, w_down.
+    pub fn vars(&self) -> [(&'static str, &Var); 3] {
+        [
+            ("w_gate", self.gate.weight()),
+            ("w_up", self.up.weight()),
+            ("w_down", self.down.weight()),
+        ]
+    }
+
+    /// `x_par [.., hidden]` inside the parallel region -> this rank's partial `[.., hidden]`.
+    pub fn forward_local(&self, x_par: &Tensor, group: &Group) -> Result<PartialSum> {
+        let g = self.gate.forward_local(x_par)?; // [.., ffn_local]
+        let u = self.up.forward_local(x_par)?; // [.., ffn_local]
+        let h = (g.silu()? * u)?; // [.., ffn_local]
+        self.down.forward(&h, group)
+    }
+}
