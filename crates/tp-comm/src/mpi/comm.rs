@@ -208,7 +208,7 @@ impl MpiComm {
                 e,
                 CommError::PeerLost { .. } | CommError::Timeout { .. } | CommError::Mismatch { .. }
             ) {
-                st.poisoned = Some(format!("rank {} failed {op} #{seq}", self.me()));
+                st.poisoned = Some(e.to_string());
             }
         }
         self.g.flight.finish(self.id, out.is_ok());
