@@ -940,3 +940,59 @@ impl Drop for MpiComm {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fingerprints_pack_and_unpack() {
+        let fp = Fingerprint {
+            op: OpKind::ReduceScatter,
+            seq: 41,
+            dtype: DType::BF16,
+            count: 1 << 40,
+            detail: u64::MAX,
+        };
+        assert_eq!(unpack(&pack(&fp)), Some(fp));
+        assert_eq!(unpack(&[99, 0, 1, 0, 0]), None);
+        assert_eq!(unpack(&[1, 0, 1]), None);
+    }
+
+    #[test]
+    fn halves_widen_and_round_back_exactly() {
+        for dtype in [DType::F16, DType::BF16] {
+            let vals = [0.0f32, 1.0, -3.0, 108.0, 0.5];
+            let src: Vec<u8> = vals
+                .iter()
+                .flat_map(|&v| {
+                    if dtype == DType::F16 {
+                        f16::from_f32(v).to_bits().to_le_bytes()
+                    } else {
+                        bf16::from_f32(v).to_bits().to_le_bytes()
+                    }
+                })
+                .collect();
+            let mut wide = vec![0u8; src.len() * 2];
+            widen(&src, dtype, &mut wide);
+            let back: Vec<f32> = wide
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            assert_eq!(back, vals);
+            let mut narrow_out = vec![0u8; src.len()];
+            narrow(&wide, dtype, &mut narrow_out);
+            assert_eq!(narrow_out, src);
+        }
+    }
+
+    #[test]
+    fn counts_above_i32_max_are_invalid_arguments() {
+        assert!(raw::int_count(0, c_int::MAX as usize, "x").is_ok());
+        let e = raw::int_count(3, c_int::MAX as usize + 1, "the buffer").unwrap_err();
+        assert!(
+            matches!(e, CommError::InvalidArgument { rank: 3, .. }),
+            "{e}"
+        );
+    }
+}

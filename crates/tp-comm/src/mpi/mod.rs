@@ -137,7 +137,9 @@ impl MpiRuntime {
         self.g.world_rank
     }
 
-    /// Kills the whole job (`MPI_Abort` on the world) after a fatal error.
+    /// Kills the whole job (`MPI_Abort` on the world) after a fatal error. Open MPI 4.1's
+    /// `mpirun` can hang in its teardown when an abort races another rank's exit; when a peer
+    /// is already gone, exiting non-zero without finalizing is the more reliable way out.
     pub fn abort(&self, code: i32) -> ! {
         {
             let _l = raw::try_lock_for(Duration::from_millis(200));
