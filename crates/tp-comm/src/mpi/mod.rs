@@ -9,6 +9,7 @@
 //! A binary started without `mpirun` is a world of one (MPI singleton init).
 
 mod comm;
+mod convert;
 mod notice;
 mod raw;
 mod wait;
@@ -75,8 +76,8 @@ impl MpiRuntime {
         }
         let _l = raw::lock();
         let mut flag: c_int = 0;
-        // SAFETY: MPI_Initialized may be called at any time.
         raw::check(
+            // SAFETY: MPI_Initialized may be called at any time.
             unsafe { ffi::MPI_Initialized(&mut flag) },
             "MPI_Initialized",
         )?;
