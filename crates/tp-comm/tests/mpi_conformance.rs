@@ -1,5 +1,5 @@
 //! The MPI backend under `mpirun`: the conformance suite at 2, 3 and 4 ranks, and the three
-//! failure drills (R1 lost peer, R2 desync, R3 deadline) at 3 ranks. Needs `mpirun` on PATH
+//! failure drills (R1 lost peer: panic and early exit, R2 desync, R3 deadline) at 3 ranks. Needs `mpirun` on PATH
 //! (Debian/Ubuntu: `apt-get install openmpi-bin libopenmpi-dev`); without it the tests fail.
 #![cfg(feature = "mpi")]
 
@@ -133,6 +133,12 @@ fn drill(name: &str, expect: &[&str]) {
         "drill {name} took {:?}",
         r.took
     );
+    let poisoned = "this group is unusable after an earlier failure";
+    assert!(
+        r.output.contains(poisoned),
+        "drill {name}: the call after the failure was not refused:\n{}",
+        r.output
+    );
     for e in expect {
         assert!(
             r.output.contains(e),
@@ -172,6 +178,17 @@ fn drill_slow_times_out_naming_the_missing_rank() {
         &[
             "timed out after 2s in all_reduce #2",
             "still waiting for ranks [1]",
+        ],
+    );
+}
+
+#[test]
+fn drill_exit_names_the_rank_that_returned() {
+    drill(
+        "exit",
+        &[
+            "rank 1 is gone (exited: its work returned",
+            "waited in all_reduce #2",
         ],
     );
 }

@@ -1,5 +1,6 @@
 //! `tp-comm-mpi-check`: runs the conformance suite on the MPI world (under `mpirun`), or a
-//! failure drill (`--drill panic|mismatch|slow`) that shows R1-R3 errors on the survivors.
+//! failure drill (`--drill panic|mismatch|slow|exit`) that shows R1-R3 errors on the
+//! survivors; `--bench` times all_reduce, `--no-verify` turns the fingerprint exchange off.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -8,7 +9,7 @@ use tp_comm::mpi::{MpiOptions, MpiRuntime};
 use tp_comm::{CommExt, ReduceOp};
 
 const USAGE: &str =
-    "usage: tp-comm-mpi-check [--drill panic|mismatch|slow] [--bench] [--no-verify]";
+    "usage: tp-comm-mpi-check [--drill panic|mismatch|slow|exit] [--bench] [--no-verify]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -28,7 +29,7 @@ fn main() -> ExitCode {
         }
     }
     if let Some(d) = &drill {
-        if !["panic", "mismatch", "slow"].contains(&d.as_str()) {
+        if !["panic", "mismatch", "slow", "exit"].contains(&d.as_str()) {
             eprintln!("unknown drill {d:?}; {USAGE}");
             return ExitCode::from(2);
         }
@@ -112,7 +113,9 @@ fn run_bench(rt: &MpiRuntime) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Rank 1 misbehaves at its 3rd all_reduce; every rank prints its error, then the job aborts.
+/// Rank 1 misbehaves at its 3rd all_reduce (panics, calls it with 5 elements instead of 4,
+/// sleeps past the 2 s deadline, or returns from main); every other rank prints its error
+/// and the result of one more call (refused: the group is poisoned), then the job aborts.
 fn run_drill(rt: &MpiRuntime, drill: &str) -> ExitCode {
     let world = rt.world();
     let me = world.rank();
@@ -122,6 +125,7 @@ fn run_drill(rt: &MpiRuntime, drill: &str) -> ExitCode {
             match drill {
                 "panic" => panic!("drill: rank 1 panics before its 3rd all_reduce"),
                 "mismatch" => len = 5,
+                "exit" => return ExitCode::SUCCESS,
                 _ => std::thread::sleep(Duration::from_secs(4)),
             }
         }
@@ -132,14 +136,20 @@ fn run_drill(rt: &MpiRuntime, drill: &str) -> ExitCode {
             if let Some(fr) = e.flight_record() {
                 text.push_str(&format!("rank {me}: flight record:\n{fr}"));
             }
+            let mut y = [0f32; 4];
+            if let Err(next) = world.all_reduce(&mut y, ReduceOp::Sum) {
+                text.push_str(&format!("rank {me}: the next call: {next}\n"));
+            }
             std::thread::sleep(Duration::from_millis(60 * me as u64));
             let mut err = std::io::stderr().lock();
             let _ = err.write_all(text.as_bytes());
             let _ = err.flush();
             drop(err);
-            // Give the other survivors a moment to print theirs, then end the job.
+            // Exit without MPI_Finalize (a peer is gone or desynced, so finalize could
+            // hang); mpirun reports the non-zero exit. No MPI_Abort: when an abort races a
+            // peer's exit, Open MPI 4.1's mpirun teardown hangs now and then.
             std::thread::sleep(Duration::from_millis(300));
-            rt.abort(3);
+            std::process::exit(3);
         }
     }
     println!("rank {me}: drill {drill} finished without an error");

@@ -9,6 +9,7 @@
 //! A binary started without `mpirun` is a world of one (MPI singleton init).
 
 mod comm;
+mod convert;
 mod notice;
 mod raw;
 mod wait;
@@ -75,8 +76,8 @@ impl MpiRuntime {
         }
         let _l = raw::lock();
         let mut flag: c_int = 0;
-        // SAFETY: MPI_Initialized may be called at any time.
         raw::check(
+            // SAFETY: MPI_Initialized may be called at any time.
             unsafe { ffi::MPI_Initialized(&mut flag) },
             "MPI_Initialized",
         )?;
@@ -137,7 +138,9 @@ impl MpiRuntime {
         self.g.world_rank
     }
 
-    /// Kills the whole job (`MPI_Abort` on the world) after a fatal error.
+    /// Kills the whole job (`MPI_Abort` on the world) after a fatal error. Open MPI 4.1's
+    /// `mpirun` can hang in its teardown when an abort races another rank's exit; when a peer
+    /// is already gone, exiting non-zero without finalizing is the more reliable way out.
     pub fn abort(&self, code: i32) -> ! {
         {
             let _l = raw::try_lock_for(Duration::from_millis(200));
