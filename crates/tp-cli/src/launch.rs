@@ -160,9 +160,12 @@ fn run_mpi<T>(
             if let Some(f) = e.flight_record() {
                 eprint!("{f}");
             }
-            // Give peers a moment to report their side, then end the whole job.
+            // Give peers a moment to report their side, then end this process without
+            // finalizing: mpirun then ends the job. (MPI_Abort while a peer is exiting can
+            // hang Open MPI 4.1's mpirun; a plain exit never did in our drills.)
             std::thread::sleep(Duration::from_millis(500));
-            runtime.abort(1)
+            std::mem::forget(runtime);
+            std::process::exit(1)
         }
     }
 }

@@ -77,7 +77,7 @@ impl SeededRng {
 
 impl BlockConfig {
     pub fn validate(&self) -> Result<()> {
-        if self.heads == 0 || self.kv_heads == 0 || self.heads % self.kv_heads != 0 {
+        if self.heads == 0 || self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
             return Err(TpError::Config(format!(
                 "{} heads must be a positive multiple of {} KV heads",
                 self.heads, self.kv_heads

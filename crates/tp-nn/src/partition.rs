@@ -84,7 +84,7 @@ pub struct HeadPlan {
 
 impl HeadPlan {
     pub fn new(heads: usize, kv_heads: usize, tp_rank: usize, tp: usize) -> Result<Self> {
-        if kv_heads == 0 || heads % kv_heads != 0 {
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(TpError::Config(format!(
                 "{heads} query heads are not a multiple of {kv_heads} KV heads; use a KV head count that divides the query heads"
             )));

@@ -28,7 +28,7 @@ impl Rope {
         layout: RopeLayout,
         device: &Device,
     ) -> Result<Self> {
-        if head_dim % 2 != 0 || head_dim == 0 {
+        if !head_dim.is_multiple_of(2) || head_dim == 0 {
             return Err(TpError::Config(format!(
                 "RoPE needs an even head_dim, got {head_dim}"
             )));

@@ -160,7 +160,8 @@ impl ClusterSpec {
                 "at most {MAX_DEVICES} devices are supported"
             )));
         }
-        if self.num_devices % self.devices_per_node != 0 && self.num_devices > self.devices_per_node
+        if !self.num_devices.is_multiple_of(self.devices_per_node)
+            && self.num_devices > self.devices_per_node
         {
             return Err(PlanError::GpusNotDivisibleByNode {
                 gpus: self.num_devices,

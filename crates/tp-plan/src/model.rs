@@ -74,7 +74,7 @@ impl ModelSpec {
         if sizes.iter().any(|&v| v > MAX_DIMENSION) {
             return Err(bad("a size exceeds 2^24"));
         }
-        if self.num_query_heads % self.num_kv_heads != 0 {
+        if !self.num_query_heads.is_multiple_of(self.num_kv_heads) {
             return Err(bad("query heads must be a multiple of kv heads"));
         }
         if self.experts_per_token > self.num_experts {

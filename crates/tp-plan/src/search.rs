@@ -120,7 +120,7 @@ fn divisors(n: u64) -> Vec<u64> {
     let mut large = Vec::new();
     let mut d = 1;
     while d * d <= n {
-        if n % d == 0 {
+        if n.is_multiple_of(d) {
             small.push(d);
             if d * d != n {
                 large.push(n / d);
@@ -157,7 +157,7 @@ fn tensor_candidates(
                     per_node: cluster.devices_per_node,
                 })
             }
-            AcceleratorKind::Gpu if cluster.num_devices % tp != 0 => {
+            AcceleratorKind::Gpu if !cluster.num_devices.is_multiple_of(tp) => {
                 Some(RejectReason::DevicesNotDivisible {
                     devices: cluster.num_devices,
                     per_replica: tp,
@@ -237,7 +237,7 @@ pub fn plan_training(
                 ));
                 continue;
             }
-            if workload.global_batch % dp != 0 {
+            if !workload.global_batch.is_multiple_of(dp) {
                 rejected.push(Rejection::shape(
                     tp,
                     Some(pp),
@@ -253,7 +253,7 @@ pub fn plan_training(
             let expert_options: Vec<u64> = if model.is_moe() {
                 divisors(dp)
                     .into_iter()
-                    .filter(|ep| model.num_experts % ep == 0)
+                    .filter(|ep| model.num_experts.is_multiple_of(*ep))
                     .collect()
             } else {
                 vec![1]
