@@ -1,0 +1,99 @@
+//! Under mpirun: the SmolLM2-shaped block (9 heads, 3 KV heads), sharded over the MPI world
+//! (tp = number of processes, uneven at 2 and 4), forward and sequence-parallel forward,
+//! against the dense reference on every rank. Rank 0 prints `N passed, N failed`.
+
+use candle_core::Device;
+use std::process::ExitCode;
+use std::time::Duration;
+use tp_comm::mpi::{MpiOptions, MpiRuntime};
+use tp_comm::{CommExt, ReduceOp};
+use tp_nn::{BlockConfig, DenseBlock, ParallelBlock, RopeLayout, SeededRng};
+
+/// Relative tolerance: f32 with a different summation order (the unit tests measure < 1e-6).
+const TOLERANCE: f32 = 1e-5;
+
+fn max_rel_diff(got: &candle_core::Tensor, want: &candle_core::Tensor) -> tp_nn::Result<f32> {
+    let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-2);
+    Ok(diff / scale)
+}
+
+fn check(world: &tp_comm::Group) -> tp_nn::Result<Vec<(String, f32)>> {
+    let cfg = BlockConfig {
+        hidden: 48,
+        heads: 9,
+        kv_heads: 3,
+        head_dim: 8,
+        ffn: 80,
+        rope_theta: 10_000.0,
+        rope_layout: RopeLayout::RotateHalf,
+        rms_eps: 1e-5,
+        max_seq: 16,
+    };
+    let dev = Device::Cpu;
+    let w = cfg.random_weights(7, &dev)?;
+    let (batch, seq) = (2, 7);
+    let h = SeededRng::new(11).tensor(&[batch, seq, cfg.hidden], 0.0, 1.0, &dev)?; // [b, s, hidden]
+    let want = DenseBlock::new(&cfg, &w)?.forward(&h)?; // [b, s, hidden]
+    let (rank, tp) = (world.rank(), world.size());
+    let block = ParallelBlock::from_global(&cfg, &w, rank, tp)?;
+    let got = block.forward(&h, world)?; // [b, s, hidden]
+    let mut out = vec![(format!("block forward tp={tp}"), max_rel_diff(&got, &want)?)];
+    let part = ParallelBlock::seq_partition(seq, tp)?;
+    let r = part.range(rank);
+    let h_local = h.narrow(1, r.start, r.len())?; // [b, s_local, hidden]
+    let got_local = block.forward_sequence_parallel(&h_local, seq, world)?; // [b, s_local, hidden]
+    let want_local = want.narrow(1, r.start, r.len())?;
+    out.push((
+        format!("sequence-parallel block forward tp={tp}"),
+        max_rel_diff(&got_local, &want_local)?,
+    ));
+    Ok(out)
+}
+
+fn main() -> ExitCode {
+    let runtime = match MpiRuntime::init(MpiOptions {
+        timeout: Duration::from_secs(60),
+        ..MpiOptions::default()
+    }) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let world = runtime.world();
+    let rank = world.rank();
+    let (mut passed, mut failed) = (0u64, 0u64);
+    match check(&world) {
+        Ok(results) => {
+            for (name, d) in results {
+                if d <= TOLERANCE {
+                    passed += 1;
+                } else {
+                    failed += 1;
+                    eprintln!(
+                        "rank {rank}: FAILED {name}: relative difference {d:e} > {TOLERANCE:e}"
+                    );
+                }
+            }
+        }
+        Err(e) => {
+            failed += 1;
+            eprintln!("rank {rank}: error: {e}");
+        }
+    }
+    let mut counts = [passed, failed];
+    if let Err(e) = world.all_reduce(&mut counts, ReduceOp::Sum) {
+        eprintln!("rank {rank}: error: {e}");
+        return ExitCode::from(1);
+    }
+    if rank == 0 {
+        println!("{} passed, {} failed", counts[0], counts[1]);
+    }
+    if counts[1] == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
