@@ -190,6 +190,56 @@ pub(crate) mod check {
         Ok(())
     }
 
+    /// All-gather arguments: `send` holds this rank's `counts[rank]` elements, `recv` their
+    /// sum. Returns (elements sent, elements received).
+    pub fn gather_args(
+        world_rank: usize,
+        rank: usize,
+        size: usize,
+        (send, recv): (usize, usize),
+        dtype: DType,
+        counts: &[usize],
+    ) -> Result<(usize, usize)> {
+        let mine = elements(world_rank, send, dtype, "the send buffer")?;
+        let total = elements(world_rank, recv, dtype, "the receive buffer")?;
+        self::counts(
+            world_rank,
+            rank,
+            size,
+            counts,
+            mine,
+            total,
+            "the send buffer",
+            "the receive buffer",
+        )?;
+        Ok((mine, total))
+    }
+
+    /// Reduce-scatter arguments: `send` holds the sum of `counts`, `recv` this rank's part.
+    /// Returns (elements sent, elements received).
+    pub fn scatter_args(
+        world_rank: usize,
+        rank: usize,
+        size: usize,
+        (send, recv): (usize, usize),
+        dtype: DType,
+        counts: &[usize],
+    ) -> Result<(usize, usize)> {
+        let total = elements(world_rank, send, dtype, "the send buffer")?;
+        let mine = elements(world_rank, recv, dtype, "the receive buffer")?;
+        self::counts(
+            world_rank,
+            rank,
+            size,
+            counts,
+            mine,
+            total,
+            "the receive buffer",
+            "the send buffer",
+        )?;
+        Ok((total, mine))
+    }
+
     /// An order-sensitive hash of the counts, so ranks that disagree on them are caught.
     pub fn counts_hash(counts: &[usize]) -> u64 {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;

@@ -388,17 +388,13 @@ impl Communicator for LocalComm {
         counts: &[usize],
     ) -> Result<()> {
         let me = self.world_rank();
-        let mine = check::elements(me, send.len(), dtype, "the send buffer")?;
-        let total = check::elements(me, recv.len(), dtype, "the receive buffer")?;
-        check::counts(
+        let (_, total) = check::gather_args(
             me,
             self.rank,
             self.size(),
+            (send.len(), recv.len()),
+            dtype,
             counts,
-            mine,
-            total,
-            "the send buffer",
-            "the receive buffer",
         )?;
         let es = dtype.size();
         let largest = counts.iter().copied().max().unwrap_or(0) * es;
@@ -440,17 +436,13 @@ impl Communicator for LocalComm {
         op: ReduceOp,
     ) -> Result<()> {
         let me = self.world_rank();
-        let total = check::elements(me, send.len(), dtype, "the send buffer")?;
-        let mine = check::elements(me, recv.len(), dtype, "the receive buffer")?;
-        check::counts(
+        let (total, _) = check::scatter_args(
             me,
             self.rank,
             self.size(),
+            (send.len(), recv.len()),
+            dtype,
             counts,
-            mine,
-            total,
-            "the receive buffer",
-            "the send buffer",
         )?;
         let es = dtype.size();
         let path = if send.len() <= SMALL_BYTES {

@@ -91,17 +91,13 @@ impl Communicator for MpiComm {
         counts: &[usize],
     ) -> Result<()> {
         let me = self.me();
-        let mine = check::elements(me, send.len(), dtype, "the send buffer")?;
-        let total = check::elements(me, recv.len(), dtype, "the receive buffer")?;
-        check::counts(
+        let (_, total) = check::gather_args(
             me,
             self.rank,
             self.size(),
+            (send.len(), recv.len()),
+            dtype,
             counts,
-            mine,
-            total,
-            "the send buffer",
-            "the receive buffer",
         )?;
         raw::int_count(me, total, "the receive buffer")?;
         let icounts: Vec<c_int> = counts
@@ -158,17 +154,13 @@ impl Communicator for MpiComm {
         op: ReduceOp,
     ) -> Result<()> {
         let me = self.me();
-        let total = check::elements(me, send.len(), dtype, "the send buffer")?;
-        let mine = check::elements(me, recv.len(), dtype, "the receive buffer")?;
-        check::counts(
+        let (total, mine) = check::scatter_args(
             me,
             self.rank,
             self.size(),
+            (send.len(), recv.len()),
+            dtype,
             counts,
-            mine,
-            total,
-            "the receive buffer",
-            "the send buffer",
         )?;
         raw::int_count(me, total, "the send buffer")?;
         let icounts: Vec<c_int> = counts
