@@ -1,0 +1,199 @@
+//! Checkpoint access by canonical weight name, handing out only the requested rows or columns
+//! (design.md "Loading": each rank materializes only its own byte ranges).
+
+use crate::config::ModelConfig;
+use crate::error::Result;
+use candle_core::quantized::GgmlDType;
+use std::ops::Range;
+
+/// A weight of the Llama family, independent of the file format's naming.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightName {
+    Embed,
+    Output,
+    OutputNorm,
+    AttnNorm(usize),
+    Q(usize),
+    K(usize),
+    V(usize),
+    QBias(usize),
+    KBias(usize),
+    VBias(usize),
+    O(usize),
+    FfnNorm(usize),
+    Gate(usize),
+    Up(usize),
+    Down(usize),
+}
+
+/// How a 2-D weight is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Storage {
+    /// ggml blocks along each row (`block_size` elements in `type_size` bytes).
+    Quant(GgmlDType),
+    /// Plain floats of `bytes` each (f32 4, f16/bf16 2).
+    Float { bytes: usize },
+}
+
+impl Storage {
+    /// Elements per storage block along a row (1 for plain floats).
+    pub fn block(self) -> usize {
+        match self {
+            Storage::Quant(t) => t.block_size(),
+            Storage::Float { .. } => 1,
+        }
+    }
+
+    /// Bytes of `cols` elements of one row (`cols` a multiple of [`Storage::block`]).
+    pub fn row_bytes(self, cols: usize) -> usize {
+        match self {
+            Storage::Quant(t) => cols / t.block_size() * t.type_size(),
+            Storage::Float { bytes } => cols * bytes,
+        }
+    }
+}
+
+/// Shape `[rows, cols]` (`[len, 1]` for vectors) and storage of a weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorMeta {
+    pub rows: usize,
+    pub cols: usize,
+    pub storage: Storage,
+}
+
+/// Rows and columns of a weight as read from the file.
+#[derive(Clone, Debug)]
+pub enum WeightSlice {
+    /// ggml blocks, `rows` rows of `cols` elements, row-major.
+    Quant {
+        dtype: GgmlDType,
+        rows: usize,
+        cols: usize,
+        bytes: Vec<u8>,
+    },
+    /// `[rows, cols]` row-major f32.
+    Dense {
+        rows: usize,
+        cols: usize,
+        values: Vec<f32>,
+    },
+}
+
+impl WeightSlice {
+    pub fn rows(&self) -> usize {
+        match self {
+            WeightSlice::Quant { rows, .. } | WeightSlice::Dense { rows, .. } => *rows,
+        }
+    }
+    pub fn cols(&self) -> usize {
+        match self {
+            WeightSlice::Quant { cols, .. } | WeightSlice::Dense { cols, .. } => *cols,
+        }
+    }
+    /// Bytes held in memory.
+    pub fn bytes(&self) -> usize {
+        match self {
+            WeightSlice::Quant { bytes, .. } => bytes.len(),
+            WeightSlice::Dense { values, .. } => values.len() * 4,
+        }
+    }
+}
+
+/// A model file (or directory) that can hand out any weight's row or column range.
+pub trait Checkpoint: Send + Sync {
+    fn config(&self) -> &ModelConfig;
+    /// Where the checkpoint came from, for messages.
+    fn source(&self) -> &str;
+    /// Shape and storage of `name`, or a MissingTensor error.
+    fn meta(&self, name: WeightName) -> Result<TensorMeta>;
+    /// Whether the weight exists (e.g. the untied output head).
+    fn has(&self, name: WeightName) -> bool {
+        self.meta(name).is_ok()
+    }
+    /// Rows `rows` with all columns, kept in the file's storage.
+    fn rows(&self, name: WeightName, rows: Range<usize>) -> Result<WeightSlice>;
+    /// All rows, columns `cols`. Quantized blocks are kept when `cols` is block aligned,
+    /// otherwise the result is dequantized.
+    fn cols(&self, name: WeightName, cols: Range<usize>) -> Result<WeightSlice>;
+    /// A 1-D weight (norm scale, bias) or its range, as f32.
+    fn vector(&self, name: WeightName, range: Option<Range<usize>>) -> Result<Vec<f32>>;
+}
+
+/// Rows from raw row-major bytes: dequantized to f32 when the storage is plain floats.
+pub(crate) fn slice_from_bytes(
+    storage: Storage,
+    rows: usize,
+    cols: usize,
+    bytes: Vec<u8>,
+    float_kind: FloatKind,
+) -> WeightSlice {
+    match storage {
+        Storage::Quant(dtype) => WeightSlice::Quant {
+            dtype,
+            rows,
+            cols,
+            bytes,
+        },
+        Storage::Float { .. } => WeightSlice::Dense {
+            rows,
+            cols,
+            values: float_kind.decode(&bytes),
+        },
+    }
+}
+
+/// Plain float encodings found in checkpoints.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FloatKind {
+    F32,
+    F16,
+    BF16,
+}
+
+impl FloatKind {
+    pub fn bytes(self) -> usize {
+        match self {
+            FloatKind::F32 => 4,
+            FloatKind::F16 | FloatKind::BF16 => 2,
+        }
+    }
+
+    /// Little-endian bytes to f32 values.
+    pub fn decode(self, bytes: &[u8]) -> Vec<f32> {
+        match self {
+            FloatKind::F32 => bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            FloatKind::F16 => bytes
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            FloatKind::BF16 => bytes
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        }
+    }
+}
+
+/// Copies rows `rows` (all columns) or columns `cols` (all rows) out of a row-major region.
+pub(crate) fn copy_region(
+    data: &[u8],
+    meta: &TensorMeta,
+    rows: Range<usize>,
+    cols: Range<usize>,
+) -> Vec<u8> {
+    let row_bytes = meta.storage.row_bytes(meta.cols);
+    if cols.start == 0 && cols.end == meta.cols {
+        return data[rows.start * row_bytes..rows.end * row_bytes].to_vec();
+    }
+    let c0 = meta.storage.row_bytes(cols.start);
+    let c1 = meta.storage.row_bytes(cols.end);
+    let mut out = Vec::with_capacity(rows.len() * (c1 - c0));
+    for r in rows {
+        let base = r * row_bytes;
+        out.extend_from_slice(&data[base + c0..base + c1]);
+    }
+    out
+}

@@ -1,0 +1,223 @@
+//! Model hyper-parameters of the Llama family, read from GGUF metadata or an HF config.json.
+
+use crate::error::{ModelError, Result};
+use candle_core::quantized::gguf_file::Value;
+use std::collections::HashMap;
+
+/// Architectures with the Llama block (RMSNorm, RoPE, GQA attention, SwiGLU MLP).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    /// Qwen2: Llama plus biases on Q, K and V.
+    Qwen2,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+        }
+    }
+}
+
+/// How RoPE pairs the dimensions of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs (x0,x1),(x2,x3): llama.cpp's permuted Q/K rows of `llama` GGUFs.
+    Interleaved,
+    /// First half with second half: HF checkpoints and qwen2 GGUFs.
+    RotateHalf,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub layers: usize,
+    pub hidden: usize,
+    pub ffn: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub rms_eps: f64,
+    pub rope_theta: f64,
+    pub rope_style: RopeStyle,
+    pub context: usize,
+    /// Q/K/V projections carry biases.
+    pub qkv_bias: bool,
+    /// The LM head reuses the token embedding.
+    pub tied_embeddings: bool,
+}
+
+impl ModelConfig {
+    /// Checks relations a loader relies on, so a bad file fails here with a clear message.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(ModelError::Config(m));
+        if self.layers == 0 || self.hidden == 0 || self.ffn == 0 || self.vocab == 0 {
+            return bad(format!(
+                "layers {}, hidden {}, ffn {} and vocab {} must all be positive",
+                self.layers, self.hidden, self.ffn, self.vocab
+            ));
+        }
+        if self.heads == 0 || self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
+            return bad(format!(
+                "{} query heads must be a positive multiple of {} KV heads",
+                self.heads, self.kv_heads
+            ));
+        }
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return bad(format!("head_dim {} must be even and positive", self.head_dim));
+        }
+        if !(self.rms_eps > 0.0 && self.rope_theta > 0.0) {
+            return bad("rms epsilon and rope theta must be positive".into());
+        }
+        Ok(())
+    }
+
+    /// Parameters of the whole model (embedding counted once when tied).
+    pub fn parameter_count(&self) -> usize {
+        let q = self.heads * self.head_dim;
+        let kv = self.kv_heads * self.head_dim;
+        let attn = self.hidden * (q + 2 * kv) + q * self.hidden;
+        let bias = if self.qkv_bias { q + 2 * kv } else { 0 };
+        let mlp = 3 * self.hidden * self.ffn;
+        let block = attn + bias + mlp + 2 * self.hidden;
+        let embed = self.vocab * self.hidden;
+        let head = if self.tied_embeddings { 0 } else { embed };
+        self.layers * block + embed + head + self.hidden
+    }
+
+    /// From GGUF metadata (`general.architecture` and its `<arch>.*` keys).
+    pub fn from_gguf(md: &HashMap<String, Value>, embed_rows: Option<usize>, has_output: bool) -> Result<Self> {
+        let arch_name = md
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .ok_or_else(|| missing("general.architecture", "not a model GGUF"))?
+            .clone();
+        let arch = match arch_name.as_str() {
+            "llama" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            other => return Err(ModelError::UnsupportedArch(other.to_string())),
+        };
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let int = |k: &str| -> Result<usize> {
+            let full = key(k);
+            md.get(&full)
+                .and_then(gguf_uint)
+                .ok_or_else(|| missing(&full, "the GGUF lacks a required hyper-parameter"))
+        };
+        let float = |k: &str, default: f64| -> f64 {
+            md.get(&key(k))
+                .and_then(|v| v.to_f32().ok().map(f64::from).or_else(|| v.to_f64().ok()))
+                .unwrap_or(default)
+        };
+        let hidden = int("embedding_length")?;
+        let heads = int("attention.head_count")?;
+        let kv_heads = int("attention.head_count_kv").unwrap_or(heads);
+        let head_dim = int("attention.key_length")
+            .or_else(|_| int("rope.dimension_count"))
+            .unwrap_or(if heads > 0 { hidden / heads } else { 0 });
+        let vocab = match (int("vocab_size"), embed_rows) {
+            (Ok(v), _) => v,
+            (Err(_), Some(rows)) => rows,
+            (Err(e), None) => return Err(e),
+        };
+        let cfg = ModelConfig {
+            arch,
+            layers: int("block_count")?,
+            hidden,
+            ffn: int("feed_forward_length")?,
+            heads,
+            kv_heads,
+            head_dim,
+            vocab,
+            rms_eps: float("attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta: float("rope.freq_base", 10_000.0),
+            rope_style: match arch {
+                Arch::Llama => RopeStyle::Interleaved,
+                Arch::Qwen2 => RopeStyle::RotateHalf,
+            },
+            context: int("context_length").unwrap_or(2048),
+            qkv_bias: arch == Arch::Qwen2,
+            tied_embeddings: !has_output,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// From an HF `config.json` (`LlamaForCausalLM`, `Qwen2ForCausalLM`, or their model_type).
+    pub fn from_hf_json(text: &str) -> Result<Self> {
+        let v: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| ModelError::Config(format!("config.json is not valid JSON: {e}")))?;
+        let model_type = v.get("model_type").and_then(|m| m.as_str()).unwrap_or("");
+        let arch_list: Vec<&str> = v
+            .get("architectures")
+            .and_then(|a| a.as_array())
+            .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
+            .unwrap_or_default();
+        let arch = if model_type == "llama" || arch_list.contains(&"LlamaForCausalLM") {
+            Arch::Llama
+        } else if model_type == "qwen2" || arch_list.contains(&"Qwen2ForCausalLM") {
+            Arch::Qwen2
+        } else {
+            let what = if model_type.is_empty() {
+                arch_list.join(",")
+            } else {
+                model_type.to_string()
+            };
+            return Err(ModelError::UnsupportedArch(what));
+        };
+        let int = |k: &str| -> Result<usize> {
+            v.get(k)
+                .and_then(|x| x.as_u64())
+                .map(|x| x as usize)
+                .ok_or_else(|| missing(k, "config.json lacks a required field"))
+        };
+        let float = |k: &str, d: f64| v.get(k).and_then(|x| x.as_f64()).unwrap_or(d);
+        let hidden = int("hidden_size")?;
+        let heads = int("num_attention_heads")?;
+        let cfg = ModelConfig {
+            arch,
+            layers: int("num_hidden_layers")?,
+            hidden,
+            ffn: int("intermediate_size")?,
+            heads,
+            kv_heads: int("num_key_value_heads").unwrap_or(heads),
+            head_dim: int("head_dim").unwrap_or(if heads > 0 { hidden / heads } else { 0 }),
+            vocab: int("vocab_size")?,
+            rms_eps: float("rms_norm_eps", 1e-5),
+            rope_theta: float("rope_theta", 10_000.0),
+            rope_style: RopeStyle::RotateHalf,
+            context: int("max_position_embeddings").unwrap_or(2048),
+            qkv_bias: arch == Arch::Qwen2 || v.get("attention_bias").and_then(|b| b.as_bool()) == Some(true),
+            tied_embeddings: v
+                .get("tie_word_embeddings")
+                .and_then(|b| b.as_bool())
+                .unwrap_or(false),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+fn missing(key: &str, hint: &str) -> ModelError {
+    ModelError::MissingMetadata {
+        key: key.to_string(),
+        hint: hint.to_string(),
+    }
+}
+
+fn gguf_uint(v: &Value) -> Option<usize> {
+    match v {
+        Value::U8(x) => Some(*x as usize),
+        Value::U16(x) => Some(*x as usize),
+        Value::U32(x) => Some(*x as usize),
+        Value::U64(x) => usize::try_from(*x).ok(),
+        Value::I8(x) => usize::try_from(*x).ok(),
+        Value::I16(x) => usize::try_from(*x).ok(),
+        Value::I32(x) => usize::try_from(*x).ok(),
+        Value::I64(x) => usize::try_from(*x).ok(),
+        _ => None,
+    }
+}

@@ -1,0 +1,27 @@
+//! tp-models: Llama-family models (llama, qwen2) sharded over tensor-parallel ranks: configs,
+//! checkpoint readers that hand each rank only its slice, and the sharded forward pass.
+
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod gguf;
+pub mod hf;
+pub mod kv_cache;
+pub mod matrix;
+pub mod model;
+pub mod open;
+pub mod ops;
+pub mod profile;
+pub mod shard;
+
+pub use checkpoint::{Checkpoint, WeightName, WeightSlice};
+pub use config::{Arch, ModelConfig, RopeStyle};
+pub use error::{ModelError, Result};
+pub use gguf::GgufCheckpoint;
+pub use hf::HfCheckpoint;
+pub use kv_cache::SeqCache;
+pub use matrix::{DenseDType, LoadOptions, Matrix};
+pub use open::open_checkpoint;
+pub use model::{Chunk, ShardedModel};
+pub use profile::Profile;
+pub use shard::{rank_memory, RankMemory, ShardPlan};

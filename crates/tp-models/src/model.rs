@@ -1,0 +1,408 @@
+//! The Llama-family model sharded over a tensor-parallel group for inference (Megatron §3):
+//! vocab-parallel embedding, attention split by heads (GQA-aware, KV cache of local heads),
+//! SwiGLU MLP split by FFN columns, LM head split by vocab rows. Two all-reduces per layer.
+
+use crate::checkpoint::{Checkpoint, WeightName};
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::kv_cache::SeqCache;
+use crate::matrix::{LoadOptions, Matrix, Projection};
+use crate::ops::{axpy, dot, rms_norm, silu_mul, softmax, RopeTable};
+use crate::profile::Profile;
+use crate::shard::ShardPlan;
+use tp_comm::{CommExt, Group, ReduceOp};
+
+/// One transformer block's local weights.
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Vec<f32>, // [hidden]
+    qkv: Projection,     // [q_local*hd + 2*kv_local*hd, hidden]
+    o: Matrix,           // [hidden, q_local*hd]
+    ffn_norm: Vec<f32>,  // [hidden]
+    gate_up: Projection, // [2*ffn_local, hidden]
+    down: Matrix,        // [hidden, ffn_local]
+}
+
+/// A sequence's share of one forward call.
+#[derive(Debug)]
+pub struct Chunk<'a> {
+    /// New tokens, at positions `cache.len()..cache.len() + tokens.len()`.
+    pub tokens: &'a [u32],
+    pub cache: &'a mut SeqCache,
+    /// Logits for every new token (perplexity) instead of only the last one (generation).
+    pub all_logits: bool,
+}
+
+/// One rank's shard of the model.
+#[derive(Debug)]
+pub struct ShardedModel {
+    cfg: ModelConfig,
+    plan: ShardPlan,
+    embed: Matrix,        // [vocab_local, hidden]
+    head: Option<Matrix>, // [vocab_local, hidden]; None when tied to `embed`
+    norm: Vec<f32>,       // [hidden]
+    layers: Vec<Layer>,
+    rope: RopeTable,
+    /// For each local query head, its KV head's index among the local KV heads.
+    kv_of_q: Vec<usize>,
+}
+
+impl ShardedModel {
+    /// Reads rank `tp_rank`'s slices of `ckpt` (and nothing else) into memory. `max_pos` is the
+    /// longest context any sequence may reach (RoPE table size).
+    pub fn load(
+        ckpt: &dyn Checkpoint,
+        tp_rank: usize,
+        tp: usize,
+        opts: LoadOptions,
+        max_pos: usize,
+    ) -> Result<Self> {
+        let cfg = ckpt.config().clone();
+        let plan = ShardPlan::for_checkpoint(ckpt, tp_rank, tp)?;
+        let hd = cfg.head_dim;
+        let q_rows = plan.q_heads().start * hd..plan.q_heads().end * hd;
+        let kv_rows = plan.kv_heads().start * hd..plan.kv_heads().end * hd;
+        let ffn = plan.ffn_cols();
+        let vocab = plan.vocab_rows();
+        check_vector(ckpt, WeightName::OutputNorm, cfg.hidden)?;
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for l in 0..cfg.layers {
+            check_matrix(ckpt, WeightName::Q(l), cfg.heads * hd, cfg.hidden)?;
+            check_matrix(ckpt, WeightName::K(l), cfg.kv_heads * hd, cfg.hidden)?;
+            check_matrix(ckpt, WeightName::V(l), cfg.kv_heads * hd, cfg.hidden)?;
+            check_matrix(ckpt, WeightName::O(l), cfg.hidden, cfg.heads * hd)?;
+            check_matrix(ckpt, WeightName::Gate(l), cfg.ffn, cfg.hidden)?;
+            check_matrix(ckpt, WeightName::Up(l), cfg.ffn, cfg.hidden)?;
+            check_matrix(ckpt, WeightName::Down(l), cfg.hidden, cfg.ffn)?;
+            check_vector(ckpt, WeightName::AttnNorm(l), cfg.hidden)?;
+            check_vector(ckpt, WeightName::FfnNorm(l), cfg.hidden)?;
+            let bias = |name: WeightName, range: std::ops::Range<usize>| -> Result<Option<Vec<f32>>> {
+                if cfg.qkv_bias {
+                    Ok(Some(ckpt.vector(name, Some(range))?))
+                } else {
+                    Ok(None)
+                }
+            };
+            let qkv = Projection::new(
+                vec![
+                    (ckpt.rows(WeightName::Q(l), q_rows.clone())?, bias(WeightName::QBias(l), q_rows.clone())?),
+                    (ckpt.rows(WeightName::K(l), kv_rows.clone())?, bias(WeightName::KBias(l), kv_rows.clone())?),
+                    (ckpt.rows(WeightName::V(l), kv_rows.clone())?, bias(WeightName::VBias(l), kv_rows.clone())?),
+                ],
+                opts,
+            )?;
+            let gate_up = Projection::new(
+                vec![
+                    (ckpt.rows(WeightName::Gate(l), ffn.clone())?, None),
+                    (ckpt.rows(WeightName::Up(l), ffn.clone())?, None),
+                ],
+                opts,
+            )?;
+            layers.push(Layer {
+                attn_norm: ckpt.vector(WeightName::AttnNorm(l), None)?,
+                qkv,
+                o: Matrix::from_slice(ckpt.cols(WeightName::O(l), q_rows.clone())?, opts)?,
+                ffn_norm: ckpt.vector(WeightName::FfnNorm(l), None)?,
+                gate_up,
+                down: Matrix::from_slice(ckpt.cols(WeightName::Down(l), ffn.clone())?, opts)?,
+            });
+        }
+        check_matrix(ckpt, WeightName::Embed, cfg.vocab, cfg.hidden)?;
+        let embed = Matrix::from_slice(ckpt.rows(WeightName::Embed, vocab.clone())?, opts)?;
+        let head = if cfg.tied_embeddings {
+            None
+        } else {
+            check_matrix(ckpt, WeightName::Output, cfg.vocab, cfg.hidden)?;
+            Some(Matrix::from_slice(ckpt.rows(WeightName::Output, vocab)?, opts)?)
+        };
+        let kv_of_q = plan.heads.local_kv_of_q().into_iter().map(|k| k as usize).collect();
+        Ok(ShardedModel {
+            rope: RopeTable::new(hd, max_pos, cfg.rope_theta, cfg.rope_style),
+            norm: ckpt.vector(WeightName::OutputNorm, None)?,
+            cfg,
+            plan,
+            embed,
+            head,
+            layers,
+            kv_of_q,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn plan(&self) -> &ShardPlan {
+        &self.plan
+    }
+
+    /// Longest context a sequence may reach (the RoPE table's size).
+    pub fn max_positions(&self) -> usize {
+        self.rope.max_pos()
+    }
+
+    /// Floats cached per position per layer on this rank (`kv_local * head_dim`).
+    pub fn kv_width(&self) -> usize {
+        self.plan.kv_heads().len() * self.cfg.head_dim
+    }
+
+    /// An empty KV cache for a sequence of at most `capacity` positions.
+    pub fn new_cache(&self, capacity: usize) -> SeqCache {
+        SeqCache::new(self.cfg.layers, self.kv_width(), capacity.min(self.max_positions()))
+    }
+
+    /// Bytes of weights this rank holds.
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes() + (l.attn_norm.len() + l.ffn_norm.len()) * 4
+            })
+            .sum();
+        layers + self.embed.bytes() + self.head.as_ref().map_or(0, Matrix::bytes) + self.norm.len() * 4
+    }
+
+    /// Bytes of weights streamed for one decode step (every matrix once; embedding rows are
+    /// negligible, the tied head is read once).
+    pub fn streamed_bytes_per_token(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes())
+            .sum();
+        layers + self.head.as_ref().unwrap_or(&self.embed).bytes()
+    }
+
+    /// Storage format of the block weights and of the LM head ("Q4_1", "Q8_0", "f32", ...).
+    pub fn formats(&self) -> (String, String) {
+        let block = self
+            .layers
+            .first()
+            .and_then(|l| l.qkv.matrices().first())
+            .map_or_else(String::new, |m| m.format().to_string());
+        (block, self.head.as_ref().unwrap_or(&self.embed).format().to_string())
+    }
+
+    /// Runs `chunks` through the model (one batched pass over all their tokens) and returns
+    /// this rank's logits `[rows, vocab_local]`: one row per chunk, or one per token for chunks
+    /// that ask for all logits. Caches advance only when the whole pass succeeds.
+    pub fn forward(&self, chunks: &mut [Chunk<'_>], group: &Group, prof: &mut Profile) -> Result<Vec<f32>> {
+        let start_lens: Vec<usize> = chunks.iter().map(|c| c.cache.len()).collect();
+        let out = self.forward_inner(chunks, group, prof);
+        for (c, len) in chunks.iter_mut().zip(start_lens) {
+            match &out {
+                Ok(_) => c.cache.commit(c.tokens.len()),
+                Err(_) => c.cache.truncate(len),
+            }
+        }
+        out
+    }
+
+    fn forward_inner(&self, chunks: &mut [Chunk<'_>], group: &Group, prof: &mut Profile) -> Result<Vec<f32>> {
+        let cfg = &self.cfg;
+        let (hidden, hd) = (cfg.hidden, cfg.head_dim);
+        for c in chunks.iter() {
+            if c.tokens.is_empty() {
+                return Err(ModelError::Input("a sequence chunk has no tokens".into()));
+            }
+            c.cache.check_room(c.tokens.len())?;
+            if c.cache.len() + c.tokens.len() > self.max_positions() {
+                return Err(ModelError::ContextFull {
+                    pos: c.cache.len(),
+                    len: c.tokens.len(),
+                    cap: self.max_positions(),
+                });
+            }
+            if let Some(&id) = c.tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
+                return Err(ModelError::TokenOutOfRange { id, vocab: cfg.vocab });
+            }
+        }
+        let n: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+        prof.start_compute();
+
+        // Embedding: own vocab rows, zeros elsewhere, summed over ranks.
+        let mut h = vec![0f32; n * hidden]; // [n, hidden]
+        let vocab = self.plan.vocab_rows();
+        for (t, id) in chunks.iter().flat_map(|c| c.tokens.iter()).enumerate() {
+            let id = *id as usize;
+            if vocab.contains(&id) {
+                self.embed.row_into(id - vocab.start, &mut h[t * hidden..(t + 1) * hidden])?;
+            }
+        }
+        all_reduce(&mut h, group, prof)?;
+
+        let q_w = self.plan.q_heads().len() * hd;
+        let kv_w = self.kv_width();
+        let qkv_w = q_w + 2 * kv_w;
+        let ffn_w = self.plan.ffn_cols().len();
+        let eps = cfg.rms_eps as f32;
+        let mut xn = vec![0f32; n * hidden]; // [n, hidden]
+        let mut qkv = vec![0f32; n * qkv_w]; // [n, q_w + 2 kv_w]
+        let mut ctx = vec![0f32; n * q_w]; // [n, q_w]
+        let mut partial = vec![0f32; n * hidden]; // [n, hidden]
+        let mut gu = vec![0f32; n * 2 * ffn_w]; // [n, 2 ffn_w]
+        let mut act = vec![0f32; n * ffn_w]; // [n, ffn_w]
+        for (li, layer) in self.layers.iter().enumerate() {
+            // Attention half: f, local heads, row-parallel output, g.
+            rms_norm(&h, &layer.attn_norm, eps, &mut xn);
+            layer.qkv.forward(&xn, n, &mut qkv)?;
+            let mut t0 = 0;
+            for c in chunks.iter_mut() {
+                let len = c.tokens.len();
+                let pos0 = c.cache.len();
+                let rows = &mut qkv[t0 * qkv_w..(t0 + len) * qkv_w];
+                let mut k_new = Vec::with_capacity(len * kv_w); // [len, kv_w]
+                let mut v_new = Vec::with_capacity(len * kv_w); // [len, kv_w]
+                for (i, row) in rows.chunks_exact_mut(qkv_w).enumerate() {
+                    let (q, kv) = row.split_at_mut(q_w);
+                    self.rope.apply(q, pos0 + i);
+                    let (k, v) = kv.split_at_mut(kv_w);
+                    self.rope.apply(k, pos0 + i);
+                    k_new.extend_from_slice(k);
+                    v_new.extend_from_slice(v);
+                }
+                c.cache.append(li, &k_new, &v_new);
+                let (keys, values) = c.cache.layer(li); // [pos0 + len, kv_w] each
+                attend(
+                    &qkv[t0 * qkv_w..(t0 + len) * qkv_w],
+                    qkv_w,
+                    keys,
+                    values,
+                    kv_w,
+                    hd,
+                    &self.kv_of_q,
+                    pos0,
+                    &mut ctx[t0 * q_w..(t0 + len) * q_w],
+                );
+                t0 += len;
+            }
+            layer.o.matmul(&ctx, n, &mut partial)?;
+            all_reduce(&mut partial, group, prof)?;
+            for (a, b) in h.iter_mut().zip(&partial) {
+                *a += b;
+            }
+            // MLP half: f, gate/up column-parallel, SiLU locally, down row-parallel, g.
+            rms_norm(&h, &layer.ffn_norm, eps, &mut xn);
+            layer.gate_up.forward(&xn, n, &mut gu)?;
+            for (t, row) in gu.chunks_exact_mut(2 * ffn_w).enumerate() {
+                let (g, u) = row.split_at_mut(ffn_w);
+                silu_mul(g, u);
+                act[t * ffn_w..(t + 1) * ffn_w].copy_from_slice(g);
+            }
+            layer.down.matmul(&act, n, &mut partial)?;
+            all_reduce(&mut partial, group, prof)?;
+            for (a, b) in h.iter_mut().zip(&partial) {
+                *a += b;
+            }
+        }
+
+        // Final norm and the vocab-parallel head over the rows asked for.
+        let mut picked: Vec<f32> = Vec::new(); // [rows, hidden]
+        let mut t0 = 0;
+        for c in chunks.iter() {
+            let len = c.tokens.len();
+            let first = if c.all_logits { t0 } else { t0 + len - 1 };
+            picked.extend_from_slice(&h[first * hidden..(t0 + len) * hidden]);
+            t0 += len;
+        }
+        let rows = picked.len() / hidden;
+        let mut normed = vec![0f32; picked.len()]; // [rows, hidden]
+        rms_norm(&picked, &self.norm, eps, &mut normed);
+        let head = self.head.as_ref().unwrap_or(&self.embed);
+        let mut logits = vec![0f32; rows * head.rows()]; // [rows, vocab_local]
+        head.matmul(&normed, rows, &mut logits)?;
+        prof.stop_compute();
+        Ok(logits)
+    }
+
+    /// Every rank's `[rows, vocab_local]` logits -> the full `[rows, vocab]` on every rank.
+    pub fn gather_logits(&self, local: &[f32], rows: usize, group: &Group, prof: &mut Profile) -> Result<Vec<f32>> {
+        let sizes = self.plan.vocab.sizes();
+        if group.size() == 1 {
+            return Ok(local.to_vec());
+        }
+        let counts: Vec<usize> = sizes.iter().map(|s| s * rows).collect();
+        let mut blocks = vec![0f32; counts.iter().sum()]; // [rank][rows, vocab_r]
+        prof.time_comm(|| group.all_gather_v(local, &mut blocks, &counts))?;
+        let vocab = self.cfg.vocab;
+        let mut out = vec![0f32; rows * vocab]; // [rows, vocab]
+        let (mut block, mut col) = (0, 0);
+        for &s in &sizes {
+            for r in 0..rows {
+                out[r * vocab + col..r * vocab + col + s].copy_from_slice(&blocks[block + r * s..block + (r + 1) * s]);
+            }
+            block += rows * s;
+            col += s;
+        }
+        Ok(out)
+    }
+}
+
+/// g: sums a partial result over the tp group (nothing to do at tp 1).
+fn all_reduce(x: &mut [f32], group: &Group, prof: &mut Profile) -> Result<()> {
+    if group.size() > 1 {
+        prof.all_reduce(group, |g| g.all_reduce(x, ReduceOp::Sum))?;
+    }
+    Ok(())
+}
+
+/// Causal attention of `len` new tokens (rows of `qkv`, queries first) over the cache.
+/// `keys`/`values` hold positions `0..pos0 + len`; token `i` sees positions `0..=pos0 + i`.
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    qkv: &[f32],
+    qkv_w: usize,
+    keys: &[f32],
+    values: &[f32],
+    kv_w: usize,
+    hd: usize,
+    kv_of_q: &[usize],
+    pos0: usize,
+    ctx: &mut [f32],
+) {
+    let scale = 1.0 / (hd as f32).sqrt();
+    let q_w = kv_of_q.len() * hd;
+    let mut scores = Vec::with_capacity(pos0 + qkv.len() / qkv_w);
+    for (i, row) in qkv.chunks_exact(qkv_w).enumerate() {
+        let seen = pos0 + i + 1;
+        for (h, &kvh) in kv_of_q.iter().enumerate() {
+            let q = &row[h * hd..(h + 1) * hd]; // [hd]
+            scores.clear();
+            for p in 0..seen {
+                let k = &keys[p * kv_w + kvh * hd..p * kv_w + (kvh + 1) * hd]; // [hd]
+                scores.push(dot(q, k) * scale);
+            }
+            softmax(&mut scores);
+            let out = &mut ctx[i * q_w + h * hd..i * q_w + (h + 1) * hd]; // [hd]
+            out.fill(0.0);
+            for (p, &w) in scores.iter().enumerate() {
+                axpy(out, w, &values[p * kv_w + kvh * hd..p * kv_w + (kvh + 1) * hd]);
+            }
+        }
+    }
+}
+
+fn check_matrix(ckpt: &dyn Checkpoint, name: WeightName, rows: usize, cols: usize) -> Result<()> {
+    let m = ckpt.meta(name)?;
+    if m.rows != rows || m.cols != cols {
+        return Err(ModelError::TensorShape {
+            name: format!("{name:?} in {}", ckpt.source()),
+            found: vec![m.rows, m.cols],
+            expected: vec![rows, cols],
+        });
+    }
+    Ok(())
+}
+
+fn check_vector(ckpt: &dyn Checkpoint, name: WeightName, len: usize) -> Result<()> {
+    let m = ckpt.meta(name)?;
+    if m.rows * m.cols != len || m.rows.min(m.cols) != 1 {
+        return Err(ModelError::TensorShape {
+            name: format!("{name:?} in {}", ckpt.source()),
+            found: vec![m.rows, m.cols],
+            expected: vec![len],
+        });
+    }
+    Ok(())
+}

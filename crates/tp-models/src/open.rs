@@ -1,0 +1,31 @@
+//! Opens whatever `--model` names: a GGUF file, an HF directory, or a `.safetensors` file
+//! inside one.
+
+use crate::checkpoint::Checkpoint;
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufCheckpoint;
+use crate::hf::HfCheckpoint;
+use std::path::Path;
+
+/// The checkpoint at `path`, with a clear error when it is neither format.
+pub fn open_checkpoint(path: &Path) -> Result<Box<dyn Checkpoint>> {
+    if path.is_dir() {
+        return Ok(Box::new(HfCheckpoint::open(path)?));
+    }
+    if !path.exists() {
+        return Err(ModelError::Input(format!(
+            "model {} does not exist; pass a GGUF file or an HF directory (config.json + *.safetensors) to --model",
+            path.display()
+        )));
+    }
+    if path.extension().is_some_and(|e| e == "safetensors") {
+        if let Some(dir) = path.parent().filter(|d| d.join("config.json").is_file()) {
+            return Ok(Box::new(HfCheckpoint::open(dir)?));
+        }
+        return Err(ModelError::Input(format!(
+            "{} is a safetensors file without a config.json beside it; pass its directory with config.json to --model",
+            path.display()
+        )));
+    }
+    Ok(Box::new(GgufCheckpoint::open(path)?))
+}

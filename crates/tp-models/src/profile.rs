@@ -1,0 +1,82 @@
+//! Where a rank's forward time goes: compute, all-reduce, and waiting for the slowest rank.
+//!
+//! With `barriers` on, each all-reduce is preceded by a barrier: time in the barrier is time
+//! spent waiting for the slowest rank to arrive, time in the all-reduce after it is the
+//! reduction itself. Off (the default) costs nothing but the clock reads.
+
+use std::time::{Duration, Instant};
+use tp_comm::{CommError, Group};
+
+#[derive(Clone, Debug, Default)]
+pub struct Profile {
+    /// Insert a barrier before every all-reduce to separate waiting from reducing.
+    pub barriers: bool,
+    /// Wall time inside forward passes, communication included.
+    pub total: Duration,
+    /// Time inside all-reduces and gathers (after the barrier when `barriers`).
+    pub comm: Duration,
+    /// Time in the barriers (waiting for the slowest rank).
+    pub wait: Duration,
+    pub all_reduces: usize,
+    started: Option<Instant>,
+}
+
+impl Profile {
+    pub fn with_barriers() -> Self {
+        Profile {
+            barriers: true,
+            ..Profile::default()
+        }
+    }
+
+    /// Compute time: total minus communication and waiting.
+    pub fn compute(&self) -> Duration {
+        self.total.saturating_sub(self.comm + self.wait)
+    }
+
+    pub(crate) fn start_compute(&mut self) {
+        self.started = Some(Instant::now());
+    }
+
+    pub(crate) fn stop_compute(&mut self) {
+        if let Some(s) = self.started.take() {
+            self.total += s.elapsed();
+        }
+    }
+
+    /// Runs an all-reduce (with its barrier when profiling).
+    pub(crate) fn all_reduce(
+        &mut self,
+        group: &Group,
+        op: impl FnOnce(&Group) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        if self.barriers {
+            let t = Instant::now();
+            group.barrier()?;
+            self.wait += t.elapsed();
+        }
+        let t = Instant::now();
+        let out = op(group);
+        self.comm += t.elapsed();
+        self.all_reduces += 1;
+        out
+    }
+
+    /// Times a communication call made outside the forward pass (logit gathers).
+    pub fn time_comm<T>(&mut self, op: impl FnOnce() -> Result<T, CommError>) -> Result<T, CommError> {
+        let t = Instant::now();
+        let out = op();
+        let e = t.elapsed();
+        self.comm += e;
+        self.total += e;
+        out
+    }
+
+    /// Adds another profile's figures (e.g. per-step into per-run).
+    pub fn add(&mut self, other: &Profile) {
+        self.total += other.total;
+        self.comm += other.comm;
+        self.wait += other.wait;
+        self.all_reduces += other.all_reduces;
+    }
+}

@@ -1,0 +1,141 @@
+//! Which heads, FFN columns and vocabulary rows each rank holds, and what that costs in
+//! memory (design.md "Uneven and head-granular shards").
+
+use crate::checkpoint::{Checkpoint, Storage, WeightName};
+use crate::config::ModelConfig;
+use crate::error::Result;
+use std::ops::Range;
+use tp_nn::{HeadPlan, Partition};
+
+/// One rank's share of a model.
+#[derive(Clone, Debug)]
+pub struct ShardPlan {
+    pub tp_rank: usize,
+    pub tp: usize,
+    pub heads: HeadPlan,
+    /// FFN columns in units of `ffn_unit` (the down projection's quant block, so shards of
+    /// quantized weights stay block aligned).
+    pub ffn: Partition,
+    pub ffn_unit: usize,
+    pub vocab: Partition,
+}
+
+impl ShardPlan {
+    pub fn new(cfg: &ModelConfig, ffn_unit: usize, tp_rank: usize, tp: usize) -> Result<Self> {
+        let heads = HeadPlan::new(cfg.heads, cfg.kv_heads, tp_rank, tp)?;
+        let unit = if ffn_unit > 0 && cfg.ffn.is_multiple_of(ffn_unit) && cfg.ffn / ffn_unit >= tp {
+            ffn_unit
+        } else {
+            1
+        };
+        let ffn = Partition::new(cfg.ffn / unit, tp, "FFN columns", "FFN column")?;
+        let vocab = Partition::new(cfg.vocab, tp, "vocabulary rows", "vocabulary row")?;
+        Ok(ShardPlan {
+            tp_rank,
+            tp,
+            heads,
+            ffn,
+            ffn_unit: unit,
+            vocab,
+        })
+    }
+
+    /// For a checkpoint: the FFN unit is the quant block of its down projection.
+    pub fn for_checkpoint(ckpt: &dyn Checkpoint, tp_rank: usize, tp: usize) -> Result<Self> {
+        let unit = ckpt.meta(WeightName::Down(0))?.storage.block();
+        Self::new(ckpt.config(), unit, tp_rank, tp)
+    }
+
+    pub fn q_heads(&self) -> Range<usize> {
+        self.heads.q_range()
+    }
+    pub fn kv_heads(&self) -> Range<usize> {
+        self.heads.kv_range()
+    }
+    pub fn ffn_cols(&self) -> Range<usize> {
+        let r = self.ffn.range(self.tp_rank);
+        r.start * self.ffn_unit..r.end * self.ffn_unit
+    }
+    pub fn vocab_rows(&self) -> Range<usize> {
+        self.vocab.range(self.tp_rank)
+    }
+}
+
+/// Bytes one rank holds, by kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RankMemory {
+    /// Weights split across ranks (including KV heads it shares with a neighbour).
+    pub sharded: usize,
+    /// Weights every rank holds whole (norms).
+    pub replicated: usize,
+    /// KV cache at the context length.
+    pub kv_cache: usize,
+}
+
+impl RankMemory {
+    pub fn total(&self) -> usize {
+        self.sharded + self.replicated + self.kv_cache
+    }
+}
+
+/// Bytes a weight slice will occupy once loaded: quantized shards keep their blocks when
+/// aligned, everything else becomes `dense_bytes` per element.
+fn slice_bytes(storage: Storage, rows: usize, cols: usize, col_start: usize, dense_bytes: usize) -> usize {
+    match storage {
+        Storage::Quant(t) => {
+            let b = t.block_size();
+            if col_start.is_multiple_of(b) && cols.is_multiple_of(b) {
+                rows * (cols / b) * t.type_size()
+            } else {
+                rows * cols * dense_bytes
+            }
+        }
+        Storage::Float { .. } => rows * cols * dense_bytes,
+    }
+}
+
+/// What rank `plan.tp_rank` needs for the weights of `ckpt` and a KV cache of `ctx` positions.
+/// `dense_bytes` is the element size of unquantized weights (4 for f32, 2 for f16/bf16);
+/// `quantized` false means every weight is dequantized.
+pub fn rank_memory(
+    ckpt: &dyn Checkpoint,
+    plan: &ShardPlan,
+    ctx: usize,
+    dense_bytes: usize,
+    quantized: bool,
+) -> Result<RankMemory> {
+    let cfg = ckpt.config();
+    let hd = cfg.head_dim;
+    let q_rows = plan.q_heads().len() * hd;
+    let kv_rows = plan.kv_heads().len() * hd;
+    let ffn = plan.ffn_cols();
+    let vocab = plan.vocab_rows().len();
+    let mut m = RankMemory::default();
+    let size = |name: WeightName, rows: usize, cols: usize, col_start: usize| -> Result<usize> {
+        let meta = ckpt.meta(name)?;
+        let storage = if quantized {
+            meta.storage
+        } else {
+            Storage::Float { bytes: dense_bytes }
+        };
+        Ok(slice_bytes(storage, rows, cols, col_start, dense_bytes))
+    };
+    for l in 0..cfg.layers {
+        m.sharded += size(WeightName::Q(l), q_rows, cfg.hidden, 0)?;
+        m.sharded += 2 * size(WeightName::K(l), kv_rows, cfg.hidden, 0)?;
+        m.sharded += size(WeightName::O(l), cfg.hidden, q_rows, plan.q_heads().start * hd)?;
+        m.sharded += 2 * size(WeightName::Gate(l), ffn.len(), cfg.hidden, 0)?;
+        m.sharded += size(WeightName::Down(l), cfg.hidden, ffn.len(), ffn.start)?;
+        if cfg.qkv_bias {
+            m.sharded += (q_rows + 2 * kv_rows) * 4;
+        }
+        m.replicated += 2 * cfg.hidden * 4;
+    }
+    m.sharded += size(WeightName::Embed, vocab, cfg.hidden, 0)?;
+    if !cfg.tied_embeddings {
+        m.sharded += size(WeightName::Output, vocab, cfg.hidden, 0)?;
+    }
+    m.replicated += cfg.hidden * 4;
+    m.kv_cache = cfg.layers * 2 * kv_rows * ctx * 4;
+    Ok(m)
+}
