@@ -55,7 +55,7 @@ pub struct Case {
 
 #[derive(serde::Deserialize)]
 pub struct Fixture {
-    pub model_file: String,
+    pub model_file: Option<String>,
     pub pre_override: Option<String>,
     pub cases: Vec<Case>,
 }
