@@ -8,9 +8,6 @@ use serde_json::{Map, Value};
 use crate::json::{self, BpeOptions};
 use crate::{specials, Settings, Tokenizer};
 
-/// Special-token names taken as beginning-of-sequence (never added by `encode`).
-const BOS_NAMES: &[&str] = &["<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>"];
-
 /// The byte tokenizer with `specials` at ids 256.. in order (a repeated name keeps its first id).
 pub(crate) fn tokenizer(specials: &[&str]) -> Tokenizer {
     let mut unique: Vec<&str> = Vec::new();
@@ -48,7 +45,11 @@ pub(crate) fn tokenizer(specials: &[&str]) -> Tokenizer {
         .filter(|s| specials::is_end_of_generation_name(s))
         .filter_map(|s| id_of(s))
         .collect();
-    let bos_id = BOS_NAMES.iter().find_map(|name| id_of(name));
+    // A special named like a BOS token is the BOS id (never added by `encode`).
+    let bos_id = unique
+        .iter()
+        .find(|s| specials::is_begin_of_sequence_name(s))
+        .and_then(|s| id_of(s));
     let settings = Settings {
         vocab_size: Some(256 + unique.len()),
         bos_id,

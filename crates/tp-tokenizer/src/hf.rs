@@ -3,7 +3,9 @@
 //! `tokenizer.json` is required. When present: `tokenizer_config.json` gives the chat template,
 //! the BOS/EOS tokens and `add_bos_token`; `chat_template.jinja` (newer exports) the template;
 //! `generation_config.json` more end-of-generation ids. Tokens named like end markers
-//! (`<|im_end|>`, `<|endoftext|>`, ...) that are added tokens also end generation.
+//! (`<|im_end|>`, `<|endoftext|>`, ...) that are special added tokens also end generation.
+//! The tokenizer.json post-processor decides whether BOS is added; `add_bos_token: true` adds
+//! it only where the post-processor does not. The file's truncation and padding are ignored.
 
 use std::path::{Path, PathBuf};
 
@@ -102,12 +104,17 @@ pub(crate) fn from_dir(dir: &Path) -> Result<Tokenizer, TokenizerError> {
             })
         }
     };
-    let inner: tokenizers::Tokenizer =
+    let mut inner: tokenizers::Tokenizer =
         text.parse()
             .map_err(|e: tokenizers::Error| TokenizerError::InvalidFile {
                 path: path.clone(),
                 reason: e.to_string(),
             })?;
+    // Encoding returns every id of the text: the file's truncation and padding are dropped.
+    inner
+        .with_truncation(None)
+        .map_err(|e| TokenizerError::backend("rejected disabling truncation", e))?;
+    inner.with_padding(None);
     let config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
     let generation = read_json(&dir.join("generation_config.json"))?.unwrap_or(Value::Null);
     let jinja = read(
@@ -118,27 +125,38 @@ pub(crate) fn from_dir(dir: &Path) -> Result<Tokenizer, TokenizerError> {
     let bos_token = token_text(config.get("bos_token"));
     let eos_token = token_text(config.get("eos_token"));
     let id = |t: &Option<String>| t.as_deref().and_then(|t| inner.token_to_id(t));
-    // What the post-processor puts around text: its first token is taken as BOS when nothing else names one.
+    let mut added: Vec<(u32, String)> = inner
+        .get_added_tokens_decoder()
+        .into_iter()
+        .filter(|(_, t)| t.special)
+        .map(|(id, t)| (id, t.content))
+        .collect();
+    added.sort_unstable();
+    // What the post-processor puts around text: its first token is taken as BOS when the configs
+    // name none; failing that, a special token named like one (`<s>`, `<|begin_of_text|>` ...).
     let framing: Vec<u32> = inner
         .encode("", true)
         .map(|e| e.get_ids().to_vec())
         .unwrap_or_default();
     let bos_id = id(&bos_token)
         .or_else(|| ids_of(generation.get("bos_token_id")).first().copied())
-        .or_else(|| framing.first().copied());
-
-    let mut added: Vec<(u32, String)> = inner
-        .get_added_tokens_decoder()
-        .into_iter()
-        .filter(|(_, t)| t.special && specials::is_end_of_generation_name(&t.content))
-        .map(|(id, t)| (id, t.content))
-        .collect();
-    added.sort_unstable();
+        .or_else(|| framing.first().copied())
+        .or_else(|| {
+            added
+                .iter()
+                .find(|(_, t)| specials::is_begin_of_sequence_name(t))
+                .map(|(id, _)| *id)
+        });
     let eos_ids = specials::dedup(
         id(&eos_token)
             .into_iter()
             .chain(ids_of(generation.get("eos_token_id")))
-            .chain(added.into_iter().map(|(id, _)| id)),
+            .chain(
+                added
+                    .iter()
+                    .filter(|(_, t)| specials::is_end_of_generation_name(t))
+                    .map(|(id, _)| *id),
+            ),
     );
 
     // add_bos_token asks for BOS; the tokenizer.json post-processor may already add it.

@@ -1,4 +1,4 @@
-//! Which special tokens end generation, recognised by name as llama.cpp does.
+//! Special tokens recognised by name: those that end generation (as llama.cpp does) and those that begin a sequence.
 
 /// Token texts that end a turn or a document in the models we know (llama.cpp's list of
 /// end-of-generation markers, trimmed to the common ones).
@@ -12,7 +12,17 @@ const END_OF_GENERATION: &[&str] = &[
     "<end_of_turn>",
     "<EOT>",
     "<|return|>",
+    "</s>",
+    "<eos>",
 ];
+
+/// Token texts that begin a sequence, used when nothing else names BOS.
+const BEGIN_OF_SEQUENCE: &[&str] = &["<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>"];
+
+/// Whether a token with this text begins a sequence.
+pub(crate) fn is_begin_of_sequence_name(token: &str) -> bool {
+    BEGIN_OF_SEQUENCE.contains(&token)
+}
 
 /// Whether a token with this text ends generation.
 pub(crate) fn is_end_of_generation_name(token: &str) -> bool {
@@ -43,5 +53,7 @@ mod tests {
     fn names() {
         assert!(is_end_of_generation_name("<|im_end|>"));
         assert!(!is_end_of_generation_name("<|im_start|>"));
+        assert!(is_begin_of_sequence_name("<s>"));
+        assert!(!is_begin_of_sequence_name("</s>"));
     }
 }

@@ -442,3 +442,32 @@ fn bytes_tokenizer_is_self_contained() {
     assert_eq!(back.token_to_id("<|im_end|>"), Some(258));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn bytes_tokenizer_bos_and_eos_survive_tokenizer_json() {
+    let tok = Tokenizer::bytes(&["<s>", "</s>", "<pad>", "<s>"]);
+    assert_eq!(
+        tok.vocab_size(),
+        259,
+        "a repeated special keeps its first id"
+    );
+    assert_eq!(tok.bos_id(), Some(256));
+    assert_eq!(tok.eos_ids(), &[257]);
+    assert_eq!(
+        tok.encode("a").expect("encode"),
+        vec![97],
+        "BOS is not added"
+    );
+    let dir = temp_dir("bytes-bos-json");
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        tok.to_tokenizer_json().expect("json"),
+    )
+    .expect("write");
+    let back = Tokenizer::from_hf_dir(&dir).expect("load back");
+    assert_eq!(back.bos_id(), Some(256));
+    assert_eq!(back.eos_ids(), &[257]);
+    assert_eq!(back.encode("<s>a</s>").expect("encode"), vec![256, 97, 257]);
+    assert_eq!(back.encode("a").expect("encode"), vec![97]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
