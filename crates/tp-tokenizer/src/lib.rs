@@ -15,6 +15,7 @@ mod gguf;
 mod hf;
 mod json;
 mod pretok;
+mod pyjson;
 mod specials;
 mod spm;
 mod stream;

@@ -3,11 +3,14 @@
 //! Like transformers: `trim_blocks` and `lstrip_blocks` on; variables `messages`,
 //! `add_generation_prompt`, `bos_token`, `eos_token`; functions `raise_exception(msg)` (fails the
 //! render with `msg`) and `strftime_now(fmt)` (current time, UTC here); Python string/dict methods
-//! (`.strip()`, `.startswith()`, `.items()` ...) through minijinja-contrib's pycompat. `tojson`,
-//! `trim`, `namespace` and `loop` are minijinja built-ins.
+//! (`.strip()`, `.startswith()`, `.items()` ...) through minijinja-contrib's pycompat; `tojson`
+//! writes JSON as transformers' does (Python's `json.dumps`: `", "` and `": "` separators,
+//! non-ASCII kept, optional `indent`). `trim`, `namespace` and `loop` are minijinja built-ins.
 
+use minijinja::value::{Kwargs, Value};
 use minijinja::{context, Environment, Error, ErrorKind};
 
+use crate::pyjson;
 use crate::strftime::DateTime;
 use crate::{ChatMessage, TokenizerError};
 
@@ -27,6 +30,17 @@ fn raise_exception(message: String) -> Result<String, Error> {
         ErrorKind::InvalidOperation,
         format!("template raised: {message}"),
     ))
+}
+
+/// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=indent)`; the other
+/// keyword arguments it knows (`ensure_ascii`, `separators`, `sort_keys`) are accepted and ignored.
+fn tojson(value: Value, kwargs: Kwargs) -> Result<String, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    for ignored in ["ensure_ascii", "separators", "sort_keys"] {
+        let _: Option<Value> = kwargs.get(ignored)?;
+    }
+    kwargs.assert_all_used()?;
+    pyjson::dumps(&value, indent)
 }
 
 fn strftime_now(format: String) -> String {
@@ -52,6 +66,7 @@ fn environment() -> Environment<'static> {
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
+    env.add_filter("tojson", tojson);
     env
 }
 
@@ -113,8 +128,19 @@ mod tests {
         let out = render(source, &ctx(&chat(), false)).ok();
         assert_eq!(
             out.as_deref(),
-            Some("<s>[SYSTEM]Be brief.|Be brief.|{\"role\":\"system\",\"content\":\"Be brief.\"};Hi|Hi|{\"role\":\"user\",\"content\":\"  Hi  \"}2</s>")
+            Some("<s>[SYSTEM]Be brief.|Be brief.|{\"role\": \"system\", \"content\": \"Be brief.\"};Hi|Hi|{\"role\": \"user\", \"content\": \"  Hi  \"}2</s>")
         );
+    }
+
+    #[test]
+    fn tojson_with_indent_and_loop_controls() {
+        let source = "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m | tojson(indent=2) }}{% endfor %}";
+        assert_eq!(
+            render(source, &ctx(&chat(), false)).ok().as_deref(),
+            Some("{\n  \"role\": \"system\",\n  \"content\": \"Be brief.\"\n}")
+        );
+        let err = render("{{ messages | tojson(colour=1) }}", &ctx(&chat(), false));
+        assert!(matches!(err, Err(TokenizerError::Template { .. })));
     }
 
     #[test]
