@@ -65,8 +65,12 @@ pub(crate) fn tokenizer(specials: &[&str]) -> Tokenizer {
     };
     // The document is fixed apart from the special names, which the library takes as they are,
     // so loading it cannot fail; should it ever, fall back to the same vocabulary without specials.
-    match json::load(&doc, "the byte-level description")
-        .and_then(|inner| Tokenizer::assemble(inner, settings.clone()))
+    match json::load(
+        &doc,
+        "the byte-level description",
+        "this is a bug in tp-tokenizer",
+    )
+    .and_then(|inner| Tokenizer::assemble(inner, settings.clone()))
     {
         Ok(tokenizer) => tokenizer,
         Err(_) => fallback(settings),

@@ -44,7 +44,7 @@ pub enum TokenizerError {
 
     /// The chat template failed to parse or render, or called `raise_exception`.
     #[error(
-        "chat template: {message}; check the messages (roles, order) or pass a different template"
+        "chat template: {message}; check the messages (roles, their order) against what the model's template accepts"
     )]
     Template { message: String },
 }

@@ -348,7 +348,7 @@ fn byte_level_bpe(meta: &Meta<'_>) -> Result<Tokenizer, TokenizerError> {
             },
         ),
     );
-    let inner = json::load(&doc, "GGUF metadata (tokenizer.ggml.*)")?;
+    let inner = json::load(&doc, "GGUF metadata (tokenizer.ggml.*)", "re-export the model with a current llama.cpp converter, or load its HF directory (tokenizer.json)")?;
     Tokenizer::assemble(inner, common.settings(spec.add_bos_default))
 }
 

@@ -150,12 +150,20 @@ pub(crate) fn document(
     })
 }
 
-/// Loads a document into the `tokenizers` library; `what` names the source in errors.
-pub(crate) fn load(doc: &Value, what: &str) -> Result<tokenizers::Tokenizer, TokenizerError> {
-    let text = serde_json::to_string(doc)
-        .map_err(|e| TokenizerError::backend(&format!("built from {what}"), e))?;
+/// Loads a document into the `tokenizers` library; `what` names the source and `hint` says
+/// what to do when the library refuses it.
+pub(crate) fn load(
+    doc: &Value,
+    what: &str,
+    hint: &str,
+) -> Result<tokenizers::Tokenizer, TokenizerError> {
+    let refused = |e: &dyn std::fmt::Display| TokenizerError::Backend {
+        context: format!("built from {what} was rejected"),
+        reason: format!("{e}; {hint}"),
+    };
+    let text = serde_json::to_string(doc).map_err(|e| refused(&e))?;
     text.parse::<tokenizers::Tokenizer>()
-        .map_err(|e| TokenizerError::backend(&format!("built from {what} was rejected"), e))
+        .map_err(|e| refused(&e))
 }
 
 /// GPT-2's reversible map from bytes to printable characters: printable Latin-1 bytes map to

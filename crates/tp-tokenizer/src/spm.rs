@@ -114,7 +114,7 @@ pub(crate) fn from_gguf(
             },
         ),
     );
-    let inner = json::load(&doc, "GGUF metadata (tokenizer.ggml.*, SentencePiece)")?;
+    let inner = json::load(&doc, "GGUF metadata (tokenizer.ggml.*, SentencePiece)", "re-export the model with a current llama.cpp converter, or load its HF directory (tokenizer.json)")?;
     Tokenizer::assemble(inner, common.settings(true))
 }
 
