@@ -1,1 +1,258 @@
 //! tp-tokenizer: a model's tokenizer and chat template from GGUF metadata or tokenizer.json.
+//!
+//! [`Tokenizer`] wraps the HF `tokenizers` library. Every source is turned into a tokenizer.json
+//! document first (GGUF metadata in [`gguf`], raw bytes in [`bytes`], an HF directory in
+//! [`hf`]), so any tokenizer can be written back out with [`Tokenizer::to_tokenizer_json`].
+//! Chat templates are rendered with minijinja ([`template`]); [`TextStream`] turns generated ids
+//! into text piece by piece.
+//!
+//! A model without a chat template gets ChatML (`<|im_start|>role\ncontent<|im_end|>\n` per
+//! message, and `<|im_start|>assistant\n` for the generation prompt).
+
+mod bytes;
+mod error;
+mod gguf;
+mod hf;
+mod json;
+mod pretok;
+mod pyjson;
+mod specials;
+mod spm;
+mod stream;
+mod strftime;
+mod template;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+pub use error::TokenizerError;
+pub use stream::TextStream;
+
+/// One message of a chat: `role` is "system", "user", "assistant" (or what the template knows).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message with the given role and content.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// What a source says beyond the tokenizer.json document.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Settings {
+    /// Number of ids; `None`: one more than the largest id the tokenizer knows.
+    pub vocab_size: Option<usize>,
+    pub bos_id: Option<u32>,
+    pub pad_id: Option<u32>,
+    pub eos_ids: Vec<u32>,
+    /// Texts of BOS/EOS, given to the chat template as `bos_token` / `eos_token`.
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    pub chat_template: Option<String>,
+    /// Put BOS in front of encoded text when the tokenizer.json post-processor does not.
+    pub prepend_bos: bool,
+    /// Encoded text starts with BOS (by the post-processor or `prepend_bos`).
+    pub adds_bos: bool,
+}
+
+/// A model's tokenizer: text <-> ids, its special tokens and its chat template.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    vocab_size: usize,
+    settings: Settings,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size)
+            .field("bos_id", &self.settings.bos_id)
+            .field("eos_ids", &self.settings.eos_ids)
+            .field("adds_bos", &self.settings.adds_bos)
+            .field("has_chat_template", &self.settings.chat_template.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tokenizer {
+    /// From GGUF metadata: `tokenizer.ggml.{model,pre,tokens,merges,scores,token_type,
+    /// bos_token_id,eos_token_id,eot_token_id,eom_token_id,unknown_token_id,padding_token_id,
+    /// add_bos_token,add_eos_token}` and `tokenizer.chat_template`.
+    ///
+    /// Supports model `gpt2` (byte-level BPE) with the pre-tokenizers gpt2, smollm, qwen2,
+    /// llama-bpe (llama3) and a few aliases of each, and model `llama` (SentencePiece BPE with
+    /// byte fallback, e.g. TinyLlama).
+    pub fn from_gguf(
+        metadata: &HashMap<String, candle_core::quantized::gguf_file::Value>,
+    ) -> Result<Self, TokenizerError> {
+        gguf::from_metadata(metadata)
+    }
+
+    /// From an HF model directory: `tokenizer.json`, plus `tokenizer_config.json` (chat_template,
+    /// bos/eos tokens, add_bos_token), `chat_template.jinja` and `generation_config.json` (eos ids)
+    /// when present.
+    pub fn from_hf_dir(dir: &Path) -> Result<Self, TokenizerError> {
+        hf::from_dir(dir)
+    }
+
+    /// A byte-level tokenizer: ids 0..256 are the bytes, then `specials` in order (for models
+    /// trained on raw bytes). Specials named like end markers (`<|endoftext|>`, `<|im_end|>`, ...)
+    /// end generation. [`Tokenizer::to_tokenizer_json`] writes it out for [`Tokenizer::from_hf_dir`].
+    pub fn bytes(specials: &[&str]) -> Self {
+        bytes::tokenizer(specials)
+    }
+
+    /// The tokenizer as a tokenizer.json document (load it back with [`Tokenizer::from_hf_dir`]).
+    /// BOS added by this tokenizer is part of the document's post-processor; the chat template
+    /// and extra end ids are not (write tokenizer_config.json / generation_config.json for those).
+    pub fn to_tokenizer_json(&self) -> Result<String, TokenizerError> {
+        self.inner
+            .to_string(true)
+            .map_err(|e| TokenizerError::backend("could not be written as tokenizer.json", e))
+    }
+
+    /// Assembles a tokenizer from a loaded `tokenizers` document and what its source said.
+    pub(crate) fn assemble(
+        mut inner: tokenizers::Tokenizer,
+        settings: Settings,
+    ) -> Result<Self, TokenizerError> {
+        // Encoding always returns every id of the text: no truncation, no padding.
+        inner
+            .with_truncation(None)
+            .map_err(|e| TokenizerError::backend("rejected disabling truncation", e))?;
+        inner.with_padding(None);
+        let largest = inner
+            .get_vocab(true)
+            .into_values()
+            .max()
+            .map_or(0, |id| id as usize + 1);
+        let vocab_size = settings.vocab_size.unwrap_or(largest).max(largest);
+        Ok(Self {
+            inner,
+            vocab_size,
+            settings,
+        })
+    }
+
+    /// Text -> ids. Adds BOS when the model asks for it, but never a second one: text that
+    /// already starts with the BOS token (a chat template that renders `bos_token`) keeps just that.
+    /// Special-token strings in `text` (such as `<|im_start|>` in a rendered chat prompt) become
+    /// those special tokens; other text never does.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let encoding = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| TokenizerError::backend("could not encode the text", e))?;
+        let mut ids = encoding.get_ids().to_vec();
+        if let (Some(bos), true) = (self.settings.bos_id, self.settings.adds_bos) {
+            if self.settings.prepend_bos && ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+            if ids.len() >= 2 && ids[0] == bos && ids[1] == bos {
+                ids.remove(0);
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Ids -> text, special tokens skipped. An id outside the vocabulary is an error.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        self.check_ids(ids)?;
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| TokenizerError::backend("could not decode the ids", e))
+    }
+
+    pub(crate) fn check_ids(&self, ids: &[u32]) -> Result<(), TokenizerError> {
+        match ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+            Some(&id) => Err(TokenizerError::IdOutOfRange {
+                id,
+                vocab_size: self.vocab_size,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Number of ids (the embedding rows a model needs).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The beginning-of-sequence id, if the model has one (whether or not `encode` adds it).
+    pub fn bos_id(&self) -> Option<u32> {
+        self.settings.bos_id
+    }
+
+    /// The padding id, if the model names one.
+    pub fn pad_id(&self) -> Option<u32> {
+        self.settings.pad_id
+    }
+
+    /// Every id that ends generation (eos, eot such as `<|im_end|>`, `<|endoftext|>`), no duplicates, eos first.
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.settings.eos_ids
+    }
+
+    /// The id of a token given by its vocabulary text (e.g. `"<|im_end|>"`).
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Whether the model ships a chat template (otherwise ChatML is used).
+    pub fn has_chat_template(&self) -> bool {
+        self.settings.chat_template.is_some()
+    }
+
+    /// The model's chat template source, if it has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.settings.chat_template.as_deref()
+    }
+
+    /// Renders the model's chat template (or ChatML when it has none) for `messages`;
+    /// `add_generation_prompt` appends the opening of the assistant's turn.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        let source = self
+            .settings
+            .chat_template
+            .as_deref()
+            .unwrap_or(template::CHATML);
+        template::render(
+            source,
+            &template::Context {
+                messages,
+                add_generation_prompt,
+                bos_token: self.settings.bos_token.as_deref().unwrap_or(""),
+                eos_token: self.settings.eos_token.as_deref().unwrap_or(""),
+            },
+        )
+    }
+
+    /// An incremental detokenizer for streaming generated ids.
+    pub fn stream(&self) -> TextStream<'_> {
+        TextStream::new(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokenizer_is_send_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<Tokenizer>();
+        check::<TextStream<'static>>();
+    }
+}
