@@ -67,7 +67,10 @@ impl ModelConfig {
             ));
         }
         if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
-            return bad(format!("head_dim {} must be even and positive", self.head_dim));
+            return bad(format!(
+                "head_dim {} must be even and positive",
+                self.head_dim
+            ));
         }
         if !(self.rms_eps > 0.0 && self.rope_theta > 0.0) {
             return bad("rms epsilon and rope theta must be positive".into());
@@ -89,7 +92,11 @@ impl ModelConfig {
     }
 
     /// From GGUF metadata (`general.architecture` and its `<arch>.*` keys).
-    pub fn from_gguf(md: &HashMap<String, Value>, embed_rows: Option<usize>, has_output: bool) -> Result<Self> {
+    pub fn from_gguf(
+        md: &HashMap<String, Value>,
+        embed_rows: Option<usize>,
+        has_output: bool,
+    ) -> Result<Self> {
         let arch_name = md
             .get("general.architecture")
             .and_then(|v| v.to_string().ok())
@@ -190,7 +197,8 @@ impl ModelConfig {
             rope_theta: float("rope_theta", 10_000.0),
             rope_style: RopeStyle::RotateHalf,
             context: int("max_position_embeddings").unwrap_or(2048),
-            qkv_bias: arch == Arch::Qwen2 || v.get("attention_bias").and_then(|b| b.as_bool()) == Some(true),
+            qkv_bias: arch == Arch::Qwen2
+                || v.get("attention_bias").and_then(|b| b.as_bool()) == Some(true),
             tied_embeddings: v
                 .get("tie_word_embeddings")
                 .and_then(|b| b.as_bool())

@@ -84,7 +84,9 @@ impl GgufCheckpoint {
             if !elems.is_multiple_of(block) {
                 return Err(ModelError::Corrupt {
                     path: shown,
-                    reason: format!("tensor {name} has {elems} elements, not whole blocks of {block}"),
+                    reason: format!(
+                        "tensor {name} has {elems} elements, not whole blocks of {block}"
+                    ),
                 });
             }
             let size = (elems / block * info.ggml_dtype.type_size()) as u64;
@@ -125,7 +127,10 @@ impl GgufCheckpoint {
         self.map.len()
     }
 
-    fn info(&self, name: WeightName) -> Result<(&candle_core::quantized::gguf_file::TensorInfo, String)> {
+    fn info(
+        &self,
+        name: WeightName,
+    ) -> Result<(&candle_core::quantized::gguf_file::TensorInfo, String)> {
         let key = gguf_name(name);
         match self.content.tensor_infos.get(&key) {
             Some(info) => Ok((info, key)),

@@ -136,15 +136,22 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
         let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::Corrupt {
-            path: index.display().to_string(),
-            reason: format!("not valid JSON ({e})"),
-        })?;
-        let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| ModelError::Corrupt {
-            path: index.display().to_string(),
-            reason: "it has no weight_map object".into(),
-        })?;
-        let mut files: Vec<String> = map.values().filter_map(|f| f.as_str().map(str::to_string)).collect();
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| ModelError::Corrupt {
+                path: index.display().to_string(),
+                reason: format!("not valid JSON ({e})"),
+            })?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| ModelError::Corrupt {
+                path: index.display().to_string(),
+                reason: "it has no weight_map object".into(),
+            })?;
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(|f| f.as_str().map(str::to_string))
+            .collect();
         files.sort();
         files.dedup();
         let mut out = Vec::with_capacity(files.len());
@@ -175,10 +182,11 @@ fn map_shard(path: &Path, index: usize) -> Result<(Shard, Vec<(String, Entry)>)>
     // SAFETY: the map is read-only and every access is bounds-checked against the header,
     // which `read_metadata` validated against the file length.
     let map = unsafe { Mmap::map(&file) }.map_err(io_err(path))?;
-    let (header_len, metadata) = SafeTensors::read_metadata(&map).map_err(|e| ModelError::Corrupt {
-        path: shown.clone(),
-        reason: format!("safetensors header rejected ({e})"),
-    })?;
+    let (header_len, metadata) =
+        SafeTensors::read_metadata(&map).map_err(|e| ModelError::Corrupt {
+            path: shown.clone(),
+            reason: format!("safetensors header rejected ({e})"),
+        })?;
     let mut entries = Vec::new();
     for (name, info) in metadata.tensors() {
         let kind = match info.dtype {
@@ -251,7 +259,11 @@ impl Checkpoint for HfCheckpoint {
         if e.offsets.1 - e.offsets.0 != rows * cols * bytes {
             return Err(ModelError::Corrupt {
                 path: self.shards[e.shard].path.clone(),
-                reason: format!("tensor {key} holds {} bytes for shape {:?}", e.offsets.1 - e.offsets.0, e.shape),
+                reason: format!(
+                    "tensor {key} holds {} bytes for shape {:?}",
+                    e.offsets.1 - e.offsets.0,
+                    e.shape
+                ),
             });
         }
         Ok(TensorMeta {

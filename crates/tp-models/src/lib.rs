@@ -21,7 +21,7 @@ pub use gguf::GgufCheckpoint;
 pub use hf::HfCheckpoint;
 pub use kv_cache::SeqCache;
 pub use matrix::{DenseDType, LoadOptions, Matrix};
-pub use open::open_checkpoint;
 pub use model::{Chunk, ShardedModel};
+pub use open::open_checkpoint;
 pub use profile::Profile;
 pub use shard::{rank_memory, RankMemory, ShardPlan};

@@ -58,7 +58,10 @@ impl Default for LoadOptions {
 #[derive(Debug)]
 enum Store {
     /// ggml blocks through candle's quantized matmul.
-    Quant { q: QMatMul, qt: std::sync::Arc<QTensor> },
+    Quant {
+        q: QMatMul,
+        qt: std::sync::Arc<QTensor>,
+    },
     /// `[rows, cols]` in the dense dtype.
     Dense(Tensor),
 }
@@ -80,7 +83,8 @@ impl Matrix {
         let dev = Device::Cpu;
         match slice {
             WeightSlice::Quant { dtype, bytes, .. } if opts.keep_quantized => {
-                let qt = std::sync::Arc::new(qtensor_from_ggml(dtype, &bytes, vec![rows, cols], &dev)?);
+                let qt =
+                    std::sync::Arc::new(qtensor_from_ggml(dtype, &bytes, vec![rows, cols], &dev)?);
                 let q = QMatMul::from_arc(qt.clone())?;
                 Ok(Matrix {
                     store: Store::Quant { q, qt },
@@ -227,7 +231,8 @@ impl Projection {
     }
 
     pub fn bytes(&self) -> usize {
-        self.parts.iter().map(Matrix::bytes).sum::<usize>() + self.bias.as_ref().map_or(0, |b| b.len() * 4)
+        self.parts.iter().map(Matrix::bytes).sum::<usize>()
+            + self.bias.as_ref().map_or(0, |b| b.len() * 4)
     }
 
     pub fn matrices(&self) -> &[Matrix] {
@@ -246,7 +251,8 @@ impl Projection {
                 let mut part = vec![0f32; n * w]; // [n, w]
                 m.matmul(x, n, &mut part)?;
                 for t in 0..n {
-                    y[t * width + start..t * width + start + w].copy_from_slice(&part[t * w..(t + 1) * w]);
+                    y[t * width + start..t * width + start + w]
+                        .copy_from_slice(&part[t * w..(t + 1) * w]);
                 }
                 start += w;
             }
@@ -273,9 +279,12 @@ fn concat_rows(parts: &[WeightSlice]) -> Option<WeightSlice> {
             let mut bytes = Vec::new();
             for p in parts {
                 match p {
-                    WeightSlice::Quant { dtype: d, bytes: b, cols: c, .. } if d == dtype && *c == cols => {
-                        bytes.extend_from_slice(b)
-                    }
+                    WeightSlice::Quant {
+                        dtype: d,
+                        bytes: b,
+                        cols: c,
+                        ..
+                    } if d == dtype && *c == cols => bytes.extend_from_slice(b),
                     _ => return None,
                 }
             }
@@ -290,7 +299,9 @@ fn concat_rows(parts: &[WeightSlice]) -> Option<WeightSlice> {
             let mut values = Vec::new();
             for p in parts {
                 match p {
-                    WeightSlice::Dense { values: v, cols: c, .. } if *c == cols => values.extend_from_slice(v),
+                    WeightSlice::Dense {
+                        values: v, cols: c, ..
+                    } if *c == cols => values.extend_from_slice(v),
                     _ => return None,
                 }
             }

@@ -76,18 +76,28 @@ impl ShardedModel {
             check_matrix(ckpt, WeightName::Down(l), cfg.hidden, cfg.ffn)?;
             check_vector(ckpt, WeightName::AttnNorm(l), cfg.hidden)?;
             check_vector(ckpt, WeightName::FfnNorm(l), cfg.hidden)?;
-            let bias = |name: WeightName, range: std::ops::Range<usize>| -> Result<Option<Vec<f32>>> {
-                if cfg.qkv_bias {
-                    Ok(Some(ckpt.vector(name, Some(range))?))
-                } else {
-                    Ok(None)
-                }
-            };
+            let bias =
+                |name: WeightName, range: std::ops::Range<usize>| -> Result<Option<Vec<f32>>> {
+                    if cfg.qkv_bias {
+                        Ok(Some(ckpt.vector(name, Some(range))?))
+                    } else {
+                        Ok(None)
+                    }
+                };
             let qkv = Projection::new(
                 vec![
-                    (ckpt.rows(WeightName::Q(l), q_rows.clone())?, bias(WeightName::QBias(l), q_rows.clone())?),
-                    (ckpt.rows(WeightName::K(l), kv_rows.clone())?, bias(WeightName::KBias(l), kv_rows.clone())?),
-                    (ckpt.rows(WeightName::V(l), kv_rows.clone())?, bias(WeightName::VBias(l), kv_rows.clone())?),
+                    (
+                        ckpt.rows(WeightName::Q(l), q_rows.clone())?,
+                        bias(WeightName::QBias(l), q_rows.clone())?,
+                    ),
+                    (
+                        ckpt.rows(WeightName::K(l), kv_rows.clone())?,
+                        bias(WeightName::KBias(l), kv_rows.clone())?,
+                    ),
+                    (
+                        ckpt.rows(WeightName::V(l), kv_rows.clone())?,
+                        bias(WeightName::VBias(l), kv_rows.clone())?,
+                    ),
                 ],
                 opts,
             )?;
@@ -113,9 +123,17 @@ impl ShardedModel {
             None
         } else {
             check_matrix(ckpt, WeightName::Output, cfg.vocab, cfg.hidden)?;
-            Some(Matrix::from_slice(ckpt.rows(WeightName::Output, vocab)?, opts)?)
+            Some(Matrix::from_slice(
+                ckpt.rows(WeightName::Output, vocab)?,
+                opts,
+            )?)
         };
-        let kv_of_q = plan.heads.local_kv_of_q().into_iter().map(|k| k as usize).collect();
+        let kv_of_q = plan
+            .heads
+            .local_kv_of_q()
+            .into_iter()
+            .map(|k| k as usize)
+            .collect();
         Ok(ShardedModel {
             rope: RopeTable::new(hd, max_pos, cfg.rope_theta, cfg.rope_style),
             norm: ckpt.vector(WeightName::OutputNorm, None)?,
@@ -148,7 +166,11 @@ impl ShardedModel {
 
     /// An empty KV cache for a sequence of at most `capacity` positions.
     pub fn new_cache(&self, capacity: usize) -> SeqCache {
-        SeqCache::new(self.cfg.layers, self.kv_width(), capacity.min(self.max_positions()))
+        SeqCache::new(
+            self.cfg.layers,
+            self.kv_width(),
+            capacity.min(self.max_positions()),
+        )
     }
 
     /// Bytes of weights this rank holds.
@@ -157,10 +179,17 @@ impl ShardedModel {
             .layers
             .iter()
             .map(|l| {
-                l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes() + (l.attn_norm.len() + l.ffn_norm.len()) * 4
+                l.qkv.bytes()
+                    + l.o.bytes()
+                    + l.gate_up.bytes()
+                    + l.down.bytes()
+                    + (l.attn_norm.len() + l.ffn_norm.len()) * 4
             })
             .sum();
-        layers + self.embed.bytes() + self.head.as_ref().map_or(0, Matrix::bytes) + self.norm.len() * 4
+        layers
+            + self.embed.bytes()
+            + self.head.as_ref().map_or(0, Matrix::bytes)
+            + self.norm.len() * 4
     }
 
     /// Bytes of weights streamed for one decode step (every matrix once; embedding rows are
@@ -181,13 +210,25 @@ impl ShardedModel {
             .first()
             .and_then(|l| l.qkv.matrices().first())
             .map_or_else(String::new, |m| m.format().to_string());
-        (block, self.head.as_ref().unwrap_or(&self.embed).format().to_string())
+        (
+            block,
+            self.head
+                .as_ref()
+                .unwrap_or(&self.embed)
+                .format()
+                .to_string(),
+        )
     }
 
     /// Runs `chunks` through the model (one batched pass over all their tokens) and returns
     /// this rank's logits `[rows, vocab_local]`: one row per chunk, or one per token for chunks
     /// that ask for all logits. Caches advance only when the whole pass succeeds.
-    pub fn forward(&self, chunks: &mut [Chunk<'_>], group: &Group, prof: &mut Profile) -> Result<Vec<f32>> {
+    pub fn forward(
+        &self,
+        chunks: &mut [Chunk<'_>],
+        group: &Group,
+        prof: &mut Profile,
+    ) -> Result<Vec<f32>> {
         let start_lens: Vec<usize> = chunks.iter().map(|c| c.cache.len()).collect();
         let out = self.forward_inner(chunks, group, prof);
         for (c, len) in chunks.iter_mut().zip(start_lens) {
@@ -199,7 +240,12 @@ impl ShardedModel {
         out
     }
 
-    fn forward_inner(&self, chunks: &mut [Chunk<'_>], group: &Group, prof: &mut Profile) -> Result<Vec<f32>> {
+    fn forward_inner(
+        &self,
+        chunks: &mut [Chunk<'_>],
+        group: &Group,
+        prof: &mut Profile,
+    ) -> Result<Vec<f32>> {
         let cfg = &self.cfg;
         let (hidden, hd) = (cfg.hidden, cfg.head_dim);
         for c in chunks.iter() {
@@ -215,7 +261,10 @@ impl ShardedModel {
                 });
             }
             if let Some(&id) = c.tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
-                return Err(ModelError::TokenOutOfRange { id, vocab: cfg.vocab });
+                return Err(ModelError::TokenOutOfRange {
+                    id,
+                    vocab: cfg.vocab,
+                });
             }
         }
         let n: usize = chunks.iter().map(|c| c.tokens.len()).sum();
@@ -227,7 +276,8 @@ impl ShardedModel {
         for (t, id) in chunks.iter().flat_map(|c| c.tokens.iter()).enumerate() {
             let id = *id as usize;
             if vocab.contains(&id) {
-                self.embed.row_into(id - vocab.start, &mut h[t * hidden..(t + 1) * hidden])?;
+                self.embed
+                    .row_into(id - vocab.start, &mut h[t * hidden..(t + 1) * hidden])?;
             }
         }
         all_reduce(&mut h, group, prof)?;
@@ -317,7 +367,13 @@ impl ShardedModel {
     }
 
     /// Every rank's `[rows, vocab_local]` logits -> the full `[rows, vocab]` on every rank.
-    pub fn gather_logits(&self, local: &[f32], rows: usize, group: &Group, prof: &mut Profile) -> Result<Vec<f32>> {
+    pub fn gather_logits(
+        &self,
+        local: &[f32],
+        rows: usize,
+        group: &Group,
+        prof: &mut Profile,
+    ) -> Result<Vec<f32>> {
         let sizes = self.plan.vocab.sizes();
         if group.size() == 1 {
             return Ok(local.to_vec());
@@ -330,7 +386,8 @@ impl ShardedModel {
         let (mut block, mut col) = (0, 0);
         for &s in &sizes {
             for r in 0..rows {
-                out[r * vocab + col..r * vocab + col + s].copy_from_slice(&blocks[block + r * s..block + (r + 1) * s]);
+                out[r * vocab + col..r * vocab + col + s]
+                    .copy_from_slice(&blocks[block + r * s..block + (r + 1) * s]);
             }
             block += rows * s;
             col += s;
@@ -377,7 +434,11 @@ fn attend(
             let out = &mut ctx[i * q_w + h * hd..i * q_w + (h + 1) * hd]; // [hd]
             out.fill(0.0);
             for (p, &w) in scores.iter().enumerate() {
-                axpy(out, w, &values[p * kv_w + kvh * hd..p * kv_w + (kvh + 1) * hd]);
+                axpy(
+                    out,
+                    w,
+                    &values[p * kv_w + kvh * hd..p * kv_w + (kvh + 1) * hd],
+                );
             }
         }
     }

@@ -63,7 +63,10 @@ impl Profile {
     }
 
     /// Times a communication call made outside the forward pass (logit gathers).
-    pub fn time_comm<T>(&mut self, op: impl FnOnce() -> Result<T, CommError>) -> Result<T, CommError> {
+    pub fn time_comm<T>(
+        &mut self,
+        op: impl FnOnce() -> Result<T, CommError>,
+    ) -> Result<T, CommError> {
         let t = Instant::now();
         let out = op();
         let e = t.elapsed();

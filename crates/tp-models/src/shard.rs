@@ -80,7 +80,13 @@ impl RankMemory {
 
 /// Bytes a weight slice will occupy once loaded: quantized shards keep their blocks when
 /// aligned, everything else becomes `dense_bytes` per element.
-fn slice_bytes(storage: Storage, rows: usize, cols: usize, col_start: usize, dense_bytes: usize) -> usize {
+fn slice_bytes(
+    storage: Storage,
+    rows: usize,
+    cols: usize,
+    col_start: usize,
+    dense_bytes: usize,
+) -> usize {
     match storage {
         Storage::Quant(t) => {
             let b = t.block_size();
@@ -123,7 +129,12 @@ pub fn rank_memory(
     for l in 0..cfg.layers {
         m.sharded += size(WeightName::Q(l), q_rows, cfg.hidden, 0)?;
         m.sharded += 2 * size(WeightName::K(l), kv_rows, cfg.hidden, 0)?;
-        m.sharded += size(WeightName::O(l), cfg.hidden, q_rows, plan.q_heads().start * hd)?;
+        m.sharded += size(
+            WeightName::O(l),
+            cfg.hidden,
+            q_rows,
+            plan.q_heads().start * hd,
+        )?;
         m.sharded += 2 * size(WeightName::Gate(l), ffn.len(), cfg.hidden, 0)?;
         m.sharded += size(WeightName::Down(l), cfg.hidden, ffn.len(), ffn.start)?;
         if cfg.qkv_bias {

@@ -1,0 +1,14 @@
+//! tp-engine: inference over a tensor-parallel group. Rank 0 (the leader) decides every step
+//! and broadcasts it; the other ranks (followers) execute the same step on their shards.
+
+pub mod error;
+pub mod generate;
+pub mod protocol;
+pub mod sampling;
+pub mod worker;
+
+pub use error::{EngineError, Result};
+pub use generate::{generate, FinishReason, Flow, GenerateOptions, GenerationStats};
+pub use protocol::{ChunkSpec, Command};
+pub use sampling::{argmax, Sampler, SamplingParams};
+pub use worker::Worker;

@@ -1,0 +1,193 @@
+//! The step protocol: rank 0 (the leader) broadcasts each command to the other ranks (the
+//! followers), then every rank executes it. Commands are a fixed header of four u32 words
+//! plus an optional u32 payload; followers validate everything they receive.
+
+use crate::error::{EngineError, Result};
+use tp_comm::{CommExt, Group};
+
+/// Longest payload a follower accepts (words): bounds memory on a corrupted header.
+const MAX_PAYLOAD: usize = 1 << 24;
+
+/// One sequence's part of a forward step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkSpec {
+    pub slot: u32,
+    pub tokens: Vec<u32>,
+    /// Return logits for every token (perplexity), not only the last.
+    pub all_logits: bool,
+}
+
+/// What every rank does next.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Command {
+    /// Create an empty KV cache for `slot` holding at most `capacity` positions.
+    Open { slot: u32, capacity: u32 },
+    /// Free `slot`'s cache.
+    Close { slot: u32 },
+    /// Keep only the first `len` positions of `slot`'s cache (reuse a shared prefix).
+    Truncate { slot: u32, len: u32 },
+    /// One batched forward pass over the chunks; logits are gathered on every rank.
+    Forward(Vec<ChunkSpec>),
+    /// Nothing to do: keeps followers' waits bounded while the leader waits for input.
+    Idle,
+    /// Followers return.
+    Exit,
+}
+
+const OP_OPEN: u32 = 1;
+const OP_CLOSE: u32 = 2;
+const OP_TRUNCATE: u32 = 3;
+const OP_FORWARD: u32 = 4;
+const OP_IDLE: u32 = 5;
+const OP_EXIT: u32 = 6;
+
+impl Command {
+    /// `(header, payload)`.
+    fn encode(&self) -> ([u32; 4], Vec<u32>) {
+        match self {
+            Command::Open { slot, capacity } => ([OP_OPEN, *slot, *capacity, 0], Vec::new()),
+            Command::Close { slot } => ([OP_CLOSE, *slot, 0, 0], Vec::new()),
+            Command::Truncate { slot, len } => ([OP_TRUNCATE, *slot, *len, 0], Vec::new()),
+            Command::Forward(chunks) => {
+                let mut payload = Vec::new();
+                for c in chunks {
+                    payload.extend([c.slot, c.tokens.len() as u32, u32::from(c.all_logits)]);
+                }
+                for c in chunks {
+                    payload.extend_from_slice(&c.tokens);
+                }
+                (
+                    [OP_FORWARD, chunks.len() as u32, 0, payload.len() as u32],
+                    payload,
+                )
+            }
+            Command::Idle => ([OP_IDLE, 0, 0, 0], Vec::new()),
+            Command::Exit => ([OP_EXIT, 0, 0, 0], Vec::new()),
+        }
+    }
+
+    fn decode(header: [u32; 4], payload: &[u32], rank: usize) -> Result<Command> {
+        let bad = |message: String| EngineError::Protocol { rank, message };
+        Ok(match header[0] {
+            OP_OPEN => Command::Open {
+                slot: header[1],
+                capacity: header[2],
+            },
+            OP_CLOSE => Command::Close { slot: header[1] },
+            OP_TRUNCATE => Command::Truncate {
+                slot: header[1],
+                len: header[2],
+            },
+            OP_FORWARD => {
+                let n = header[1] as usize;
+                if n == 0 || payload.len() < 3 * n {
+                    return Err(bad(format!(
+                        "forward with {n} chunks and a payload of {} words",
+                        payload.len()
+                    )));
+                }
+                let (specs, mut tokens) = payload.split_at(3 * n);
+                let mut chunks = Vec::with_capacity(n);
+                for s in specs.chunks_exact(3) {
+                    let len = s[1] as usize;
+                    if len == 0 || len > tokens.len() || s[2] > 1 {
+                        return Err(bad(format!("forward chunk {s:?} does not fit the payload")));
+                    }
+                    let (mine, rest) = tokens.split_at(len);
+                    chunks.push(ChunkSpec {
+                        slot: s[0],
+                        tokens: mine.to_vec(),
+                        all_logits: s[2] == 1,
+                    });
+                    tokens = rest;
+                }
+                if !tokens.is_empty() {
+                    return Err(bad(format!("{} payload words left over", tokens.len())));
+                }
+                Command::Forward(chunks)
+            }
+            OP_IDLE => Command::Idle,
+            OP_EXIT => Command::Exit,
+            op => return Err(bad(format!("unknown op {op}"))),
+        })
+    }
+}
+
+/// Leader: sends `cmd` to every follower.
+pub fn send(group: &Group, cmd: &Command) -> Result<()> {
+    if group.size() == 1 {
+        return Ok(());
+    }
+    let (mut header, mut payload) = cmd.encode();
+    group.broadcast(&mut header, 0)?;
+    if !payload.is_empty() {
+        group.broadcast(&mut payload, 0)?;
+    }
+    Ok(())
+}
+
+/// Follower: the next command from the leader.
+pub fn receive(group: &Group) -> Result<Command> {
+    let mut header = [0u32; 4];
+    group.broadcast(&mut header, 0)?;
+    let len = header[3] as usize;
+    if len > MAX_PAYLOAD {
+        return Err(EngineError::Protocol {
+            rank: group.rank(),
+            message: format!("payload of {len} words exceeds {MAX_PAYLOAD}"),
+        });
+    }
+    let mut payload = vec![0u32; len];
+    if len > 0 {
+        group.broadcast(&mut payload, 0)?;
+    }
+    Command::decode(header, &payload, group.rank())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands_round_trip() {
+        let cmds = [
+            Command::Open {
+                slot: 3,
+                capacity: 100,
+            },
+            Command::Close { slot: 3 },
+            Command::Truncate { slot: 1, len: 7 },
+            Command::Forward(vec![
+                ChunkSpec {
+                    slot: 0,
+                    tokens: vec![5, 6, 7],
+                    all_logits: false,
+                },
+                ChunkSpec {
+                    slot: 9,
+                    tokens: vec![1],
+                    all_logits: true,
+                },
+            ]),
+            Command::Idle,
+            Command::Exit,
+        ];
+        for c in cmds {
+            let (h, p) = c.encode();
+            assert_eq!(Command::decode(h, &p, 1).unwrap(), c);
+        }
+    }
+
+    #[test]
+    fn malformed_commands_are_errors() {
+        assert!(Command::decode([99, 0, 0, 0], &[], 1).is_err());
+        assert!(Command::decode([OP_FORWARD, 0, 0, 0], &[], 1).is_err());
+        // A chunk claiming more tokens than the payload has.
+        assert!(Command::decode([OP_FORWARD, 1, 0, 4], &[0, 5, 0, 1], 1).is_err());
+        // Leftover words.
+        assert!(Command::decode([OP_FORWARD, 1, 0, 5], &[0, 1, 0, 1, 2], 1).is_err());
+        // Zero-length chunk and a bad flag.
+        assert!(Command::decode([OP_FORWARD, 1, 0, 4], &[0, 0, 0, 1], 1).is_err());
+        assert!(Command::decode([OP_FORWARD, 1, 0, 4], &[0, 1, 2, 1], 1).is_err());
+    }
+}

@@ -1,0 +1,179 @@
+//! A rank's executor: its model shard, the KV caches of open sequences, and the loop that
+//! followers run. Rank 0 drives the same executor through [`Worker::submit`].
+
+use crate::error::{EngineError, Result};
+use crate::protocol::{self, ChunkSpec, Command};
+use std::collections::HashMap;
+use tp_comm::Group;
+use tp_models::{Chunk, Profile, SeqCache, ShardedModel};
+
+/// One rank's model shard and caches.
+#[derive(Debug)]
+pub struct Worker {
+    model: ShardedModel,
+    group: Group,
+    caches: HashMap<u32, SeqCache>,
+    /// Time split of every forward pass so far (reset freely).
+    pub profile: Profile,
+}
+
+impl Worker {
+    pub fn new(model: ShardedModel, group: Group) -> Self {
+        Worker {
+            model,
+            group,
+            caches: HashMap::new(),
+            profile: Profile::default(),
+        }
+    }
+
+    pub fn model(&self) -> &ShardedModel {
+        &self.model
+    }
+
+    pub fn group(&self) -> &Group {
+        &self.group
+    }
+
+    pub fn is_leader(&self) -> bool {
+        self.group.rank() == 0
+    }
+
+    /// Positions cached for `slot` (0 when it is not open).
+    pub fn cached_len(&self, slot: u32) -> usize {
+        self.caches.get(&slot).map_or(0, SeqCache::len)
+    }
+
+    /// Capacity of `slot`'s cache (0 when it is not open).
+    pub fn capacity(&self, slot: u32) -> usize {
+        self.caches.get(&slot).map_or(0, SeqCache::capacity)
+    }
+
+    /// Bytes held by every open cache on this rank.
+    pub fn cache_bytes(&self) -> usize {
+        self.caches.values().map(SeqCache::bytes).sum()
+    }
+
+    /// Leader only: checks `cmd` against the local state (identical on every rank), sends it to
+    /// the followers and executes it. Returns the full `[rows, vocab]` logits of a forward.
+    pub fn submit(&mut self, cmd: Command) -> Result<Option<Vec<f32>>> {
+        if !self.is_leader() {
+            return Err(EngineError::Internal("only rank 0 submits commands".into()));
+        }
+        self.check(&cmd)?;
+        protocol::send(&self.group, &cmd)?;
+        self.execute(cmd)
+    }
+
+    /// Follower loop: executes the leader's commands until `Exit`.
+    pub fn follow(&mut self) -> Result<()> {
+        loop {
+            let cmd = protocol::receive(&self.group)?;
+            if cmd == Command::Exit {
+                return Ok(());
+            }
+            self.check(&cmd).map_err(|e| EngineError::Protocol {
+                rank: self.group.rank(),
+                message: format!("rejected {cmd:?}: {e}"),
+            })?;
+            self.execute(cmd)?;
+        }
+    }
+
+    /// Input checks that must pass before any rank starts a collective.
+    fn check(&self, cmd: &Command) -> Result<()> {
+        let max = self.model.max_positions();
+        match cmd {
+            Command::Open { slot, capacity } => {
+                if self.caches.contains_key(slot) {
+                    return Err(EngineError::Internal(format!(
+                        "slot {slot} is already open"
+                    )));
+                }
+                if *capacity as usize > max || *capacity == 0 {
+                    return Err(EngineError::Param {
+                        name: "capacity",
+                        message: format!("{capacity} positions; this model allows 1..={max}"),
+                    });
+                }
+            }
+            Command::Close { slot } | Command::Truncate { slot, .. } => {
+                if !self.caches.contains_key(slot) {
+                    return Err(EngineError::Internal(format!("slot {slot} is not open")));
+                }
+            }
+            Command::Forward(chunks) => {
+                let vocab = self.model.config().vocab;
+                for (i, c) in chunks.iter().enumerate() {
+                    let cache = self.caches.get(&c.slot).ok_or_else(|| {
+                        EngineError::Internal(format!("slot {} is not open", c.slot))
+                    })?;
+                    cache.check_room(c.tokens.len())?;
+                    if chunks[..i].iter().any(|o| o.slot == c.slot) {
+                        return Err(EngineError::Internal(format!(
+                            "slot {} appears twice in one step",
+                            c.slot
+                        )));
+                    }
+                    if let Some(&id) = c.tokens.iter().find(|&&t| t as usize >= vocab) {
+                        return Err(tp_models::ModelError::TokenOutOfRange { id, vocab }.into());
+                    }
+                }
+            }
+            Command::Idle | Command::Exit => {}
+        }
+        Ok(())
+    }
+
+    fn execute(&mut self, cmd: Command) -> Result<Option<Vec<f32>>> {
+        match cmd {
+            Command::Open { slot, capacity } => {
+                let cache = self.model.new_cache(capacity as usize);
+                self.caches.insert(slot, cache);
+            }
+            Command::Close { slot } => {
+                self.caches.remove(&slot);
+            }
+            Command::Truncate { slot, len } => {
+                if let Some(c) = self.caches.get_mut(&slot) {
+                    c.truncate(len as usize);
+                }
+            }
+            Command::Forward(chunks) => return self.forward(chunks).map(Some),
+            Command::Idle | Command::Exit => {}
+        }
+        Ok(None)
+    }
+
+    fn forward(&mut self, specs: Vec<ChunkSpec>) -> Result<Vec<f32>> {
+        // Take the caches out so each chunk can borrow its own mutably.
+        let mut taken: Vec<(u32, SeqCache)> = specs
+            .iter()
+            .filter_map(|s| self.caches.remove(&s.slot).map(|c| (s.slot, c)))
+            .collect();
+        let rows: usize = specs
+            .iter()
+            .map(|s| if s.all_logits { s.tokens.len() } else { 1 })
+            .sum();
+        let result = {
+            let mut chunks: Vec<Chunk<'_>> = specs
+                .iter()
+                .zip(taken.iter_mut())
+                .map(|(s, (_, cache))| Chunk {
+                    tokens: &s.tokens,
+                    cache,
+                    all_logits: s.all_logits,
+                })
+                .collect();
+            self.model
+                .forward(&mut chunks, &self.group, &mut self.profile)
+        };
+        for (slot, cache) in taken {
+            self.caches.insert(slot, cache);
+        }
+        let local = result?;
+        Ok(self
+            .model
+            .gather_logits(&local, rows, &self.group, &mut self.profile)?)
+    }
+}
