@@ -14,16 +14,43 @@ pub enum Backend {
     Mpi,
 }
 
-/// How a rank's work ended.
-pub type RankResult<T> = Result<T, CommError>;
+/// An error a rank's work can end with: printed per rank, with a flight record when the
+/// failure was a collective's.
+pub trait RankError: std::fmt::Display + Send {
+    fn flight_record(&self) -> Option<&str>;
+    /// The rank only found the group poisoned by another rank's failure (printed last).
+    fn is_poisoned(&self) -> bool;
+}
+
+impl RankError for CommError {
+    fn flight_record(&self) -> Option<&str> {
+        CommError::flight_record(self)
+    }
+    fn is_poisoned(&self) -> bool {
+        matches!(self, CommError::Poisoned { .. })
+    }
+}
+
+impl RankError for anyhow::Error {
+    fn flight_record(&self) -> Option<&str> {
+        self.chain()
+            .find_map(|e| e.downcast_ref::<CommError>())
+            .and_then(CommError::flight_record)
+    }
+    fn is_poisoned(&self) -> bool {
+        self.chain()
+            .find_map(|e| e.downcast_ref::<CommError>())
+            .is_some_and(|e| matches!(e, CommError::Poisoned { .. }))
+    }
+}
 
 /// Runs `work` on every rank and returns rank 0's value, or prints each failing rank's error
 /// (with one flight record) and returns the exit code 1.
-pub fn run_ranks<T: Send>(
+pub fn run_ranks<T: Send, E: RankError>(
     backend: Backend,
     ranks: usize,
     timeout: Duration,
-    work: impl Fn(Group) -> RankResult<T> + Sync,
+    work: impl Fn(Group) -> Result<T, E> + Sync,
 ) -> anyhow::Result<Result<Option<T>, ExitCode>> {
     match backend {
         Backend::Local => {
@@ -39,7 +66,7 @@ pub fn run_ranks<T: Send>(
             })?;
             watchdog.finished();
             let mut first = None;
-            let mut errors: Vec<(usize, CommError)> = Vec::new();
+            let mut errors: Vec<(usize, E)> = Vec::new();
             let mut panics: Vec<(usize, String)> = Vec::new();
             for (rank, outcome) in outcomes.into_iter().enumerate() {
                 match outcome {
@@ -54,7 +81,7 @@ pub fn run_ranks<T: Send>(
                 eprintln!("rank {rank}: {panic}");
             }
             // The cause first: ranks that only found the group poisoned come last.
-            errors.sort_by_key(|(_, e)| matches!(e, CommError::Poisoned { .. }));
+            errors.sort_by_key(|(_, e)| e.is_poisoned());
             for (rank, e) in &errors {
                 eprintln!("rank {rank}: error: {e}");
             }
@@ -123,7 +150,7 @@ impl Watchdog {
         Watchdog { state }
     }
 
-    fn failed(&self, rank: usize, e: &CommError) {
+    fn failed(&self, rank: usize, e: &dyn RankError) {
         let (lock, cv) = &*self.state;
         let mut st = lock.lock().unwrap_or_else(|p| p.into_inner());
         st.errors.push(format!("rank {rank}: error: {e}"));
@@ -141,9 +168,9 @@ impl Watchdog {
 }
 
 #[cfg(feature = "mpi")]
-fn run_mpi<T>(
+fn run_mpi<T, E: RankError>(
     timeout: Duration,
-    work: impl Fn(Group) -> RankResult<T>,
+    work: impl Fn(Group) -> Result<T, E>,
 ) -> anyhow::Result<Result<Option<T>, ExitCode>> {
     use tp_comm::mpi::{MpiOptions, MpiRuntime};
     let runtime = MpiRuntime::init(MpiOptions {
@@ -171,9 +198,9 @@ fn run_mpi<T>(
 }
 
 #[cfg(not(feature = "mpi"))]
-fn run_mpi<T>(
+fn run_mpi<T, E: RankError>(
     _timeout: Duration,
-    _work: impl Fn(Group) -> RankResult<T>,
+    _work: impl Fn(Group) -> Result<T, E>,
 ) -> anyhow::Result<Result<Option<T>, ExitCode>> {
     anyhow::bail!(
         "this tp was built without MPI; rebuild with `cargo build --release --features mpi` \

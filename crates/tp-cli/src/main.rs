@@ -1,8 +1,15 @@
 //! `tp`: the tensor-parallel command line. Parses arguments, then calls down into the crates.
 
 mod bench_collectives;
+mod chat;
+mod fetch;
+mod generate;
+mod inspect;
 mod launch;
+mod model_run;
+mod perplexity;
 mod selftest;
+mod units;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -20,6 +27,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Continues a prompt with a model sharded over --tp ranks, streaming the text.
+    Generate(generate::GenerateArgs),
+    /// Interactive multi-turn chat (the model's chat template applied).
+    Chat(chat::ChatArgs),
+    /// Shapes of a model and the shard each rank gets at --tp.
+    Inspect(inspect::InspectArgs),
+    /// Mean negative log-likelihood and perplexity of a text file.
+    Perplexity(perplexity::PerplexityArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -40,6 +55,10 @@ enum Bench {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Generate(args) => generate::run(&args),
+        Command::Chat(args) => chat::run(&args),
+        Command::Inspect(args) => inspect::run(&args),
+        Command::Perplexity(args) => perplexity::run(&args),
         Command::Bench {
             what: Bench::Collectives(args),
         } => bench_collectives::run(&args),

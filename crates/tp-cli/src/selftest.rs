@@ -27,7 +27,7 @@ pub fn run(args: &SelftestArgs) -> anyhow::Result<ExitCode> {
         }
         let mut counts = [report.passed as u64, report.failed.len() as u64];
         world.all_reduce(&mut counts, ReduceOp::Sum)?;
-        Ok((world.size(), counts))
+        Ok::<_, tp_comm::CommError>((world.size(), counts))
     })?;
     match out {
         Ok(Some((size, [passed, failed]))) => {

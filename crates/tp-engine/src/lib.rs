@@ -5,10 +5,12 @@ pub mod error;
 pub mod generate;
 pub mod protocol;
 pub mod sampling;
+pub mod stop;
 pub mod worker;
 
 pub use error::{EngineError, Result};
 pub use generate::{generate, FinishReason, Flow, GenerateOptions, GenerationStats};
 pub use protocol::{ChunkSpec, Command};
 pub use sampling::{argmax, Sampler, SamplingParams};
+pub use stop::StopMatcher;
 pub use worker::Worker;

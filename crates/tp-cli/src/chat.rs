@@ -1,0 +1,133 @@
+//! `tp chat`: an interactive, multi-turn conversation with the chat template applied. The KV
+//! cache keeps the conversation; each turn feeds only the tokens the cache does not hold.
+
+use crate::generate::{report, stream_reply, SamplingArgs};
+use crate::model_run::{run_model, ModelArgs, Session};
+use std::io::{BufRead, Write};
+use std::process::ExitCode;
+use std::sync::mpsc;
+use std::time::Duration;
+use tp_engine::Command;
+use tp_tokenizer::ChatMessage;
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// A system message that opens the conversation.
+    #[arg(long)]
+    pub system: Option<String>,
+}
+
+/// How often the leader tells waiting followers it is still there.
+const HEARTBEAT: Duration = Duration::from_secs(1);
+
+pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
+    args.sampling.params().validate()?;
+    let out = run_model(&args.model, |s| {
+        let lines = stdin_lines();
+        eprintln!(
+            "# chat: type a message and press Enter; /reset starts over, /exit or Ctrl-D quits"
+        );
+        let mut messages: Vec<ChatMessage> = args
+            .system
+            .iter()
+            .map(|m| ChatMessage::new("system", m.clone()))
+            .collect();
+        let mut cached: Vec<u32> = Vec::new();
+        loop {
+            print!("> ");
+            std::io::stdout().flush()?;
+            let Some(line) = next_line(s, &lines)? else {
+                println!();
+                break;
+            };
+            let line = line.trim();
+            match line {
+                "" => continue,
+                "/exit" | "/quit" => break,
+                "/reset" => {
+                    messages.retain(|m| m.role == "system");
+                    rewind(s, &mut cached, 0)?;
+                    eprintln!("# conversation cleared");
+                    continue;
+                }
+                _ => {}
+            }
+            messages.push(ChatMessage::new("user", line));
+            let prompt = s.tokenizer.apply_chat_template(&messages, true)?;
+            let ids = s.tokenizer.encode(&prompt)?;
+            if ids.len() + 1 >= s.ctx_size {
+                eprintln!(
+                    "# the conversation ({} tokens) no longer fits the context of {}; /reset to start over or raise --ctx-size",
+                    ids.len(),
+                    s.ctx_size
+                );
+                messages.pop();
+                continue;
+            }
+            // Keep the cached prefix the new prompt shares; at least one token must be new.
+            let common = cached.iter().zip(&ids).take_while(|(a, b)| a == b).count();
+            rewind(s, &mut cached, common.min(ids.len() - 1))?;
+            let reply = stream_reply(s, 0, &ids, &args.sampling, &mut std::io::stdout())?;
+            println!();
+            if !args.model.quiet {
+                report(&reply);
+            }
+            // The cache holds the prompt and the reply tokens fed back so far.
+            cached = ids;
+            cached.extend_from_slice(&reply.tokens);
+            cached.truncate(s.worker.cached_len(0));
+            let reply_text = reply.text;
+            messages.push(ChatMessage::new("assistant", reply_text));
+        }
+        Ok(())
+    })?;
+    Ok(match out {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(code) => code,
+    })
+}
+
+/// Drops cached positions past `len`.
+fn rewind(s: &mut Session, cached: &mut Vec<u32>, len: usize) -> anyhow::Result<()> {
+    if s.worker.capacity(0) > 0 && s.worker.cached_len(0) > len {
+        s.worker.submit(Command::Truncate {
+            slot: 0,
+            len: len as u32,
+        })?;
+    }
+    cached.truncate(len);
+    Ok(())
+}
+
+/// Lines of stdin from a reader thread, so the leader can keep followers alive while it waits.
+fn stdin_lines() -> mpsc::Receiver<std::io::Result<String>> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// The next line, sending an idle heartbeat to the followers every second meanwhile.
+fn next_line(
+    s: &mut Session,
+    lines: &mpsc::Receiver<std::io::Result<String>>,
+) -> anyhow::Result<Option<String>> {
+    loop {
+        match lines.recv_timeout(HEARTBEAT) {
+            Ok(line) => return Ok(Some(line?)),
+            Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(None),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                s.worker.submit(Command::Idle)?;
+            }
+        }
+    }
+}

