@@ -1,4 +1,4 @@
-//! Benchmark of the kernels on SmolLM2-135M shapes against this machine's single-thread read
+//! Benchmark of the kernels on SmolLM2-135M (and Qwen2.5) shapes against this machine's single-thread read
 //! bandwidth and candle-core's QMatMul (also pinned to one thread). Run: `cargo bench -p tp-kernels`.
 //!
 //! Every figure is the median of repeated timed samples. "hot": the same matrix over and over
@@ -71,6 +71,9 @@ fn ggml_dtype(q: QuantType) -> GgmlDType {
         QuantType::Q4_0 => GgmlDType::Q4_0,
         QuantType::Q4_1 => GgmlDType::Q4_1,
         QuantType::Q8_0 => GgmlDType::Q8_0,
+        QuantType::Q5_0 => GgmlDType::Q5_0,
+        QuantType::Q4_K => GgmlDType::Q4K,
+        QuantType::Q6_K => GgmlDType::Q6K,
     }
 }
 
@@ -187,6 +190,11 @@ fn main() {
         (QuantType::Q8_0, 49152, 576),
         (QuantType::Q8_0, 1536, 576),
         (QuantType::Q4_0, 1536, 576),
+        // Qwen2.5 shapes for the other formats (0.5B: hidden 896; 1.5B: hidden 1536, FFN 8960).
+        (QuantType::Q5_0, 896, 896),
+        (QuantType::Q4_K, 1536, 1536),
+        (QuantType::Q4_K, 8960, 1536),
+        (QuantType::Q6_K, 1536, 8960),
     ];
     let mut rows = Vec::new();
     for n in [1usize, 128] {

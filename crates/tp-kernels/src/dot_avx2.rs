@@ -10,6 +10,8 @@
 //!   below 8 * 2 * 15 * 127 = 30480 < 32767. Q4_0's `-8` is `-8 * sum(x)` per block, in i32.
 //! - Q8_0: signed times signed, so `|w|` is the unsigned side and `x` takes `w`'s sign;
 //!   each pair sum is at most 2 * 128 * 127 = 32512 and goes to i32 at once.
+//! - Q5_0: nibbles plus the fifth bit (0..=31) are the unsigned side; four products per i16
+//!   stay below 4 * 2 * 31 * 127 = 31496; the `-16` is `-16 * sum(x)` per block, in i32.
 
 use crate::format::QuantType;
 use crate::pack::{group_block_bytes, group_scale_bytes, GROUP_ROWS};
@@ -54,6 +56,12 @@ pub(crate) unsafe fn group_dot(
             (QuantType::Q8_0, 2) => q8::<2>(g, nb, [p(0), p(1)], out),
             (QuantType::Q8_0, 3) => q8::<3>(g, nb, [p(0), p(1), p(2)], out),
             (QuantType::Q8_0, _) => q8::<4>(g, nb, [p(0), p(1), p(2), p(3)], out),
+            (QuantType::Q5_0, 1) => q5::<1>(g, nb, [p(0)], out),
+            (QuantType::Q5_0, 2) => q5::<2>(g, nb, [p(0), p(1)], out),
+            (QuantType::Q5_0, 3) => q5::<3>(g, nb, [p(0), p(1), p(2)], out),
+            (QuantType::Q5_0, _) => q5::<4>(g, nb, [p(0), p(1), p(2), p(3)], out),
+            // K-quants have their own kernels (`dot_avx2_k`).
+            (QuantType::Q4_K | QuantType::Q6_K, _) => {}
         }
     }
 }
@@ -170,6 +178,80 @@ unsafe fn q8<const T: usize>(
                 let x = &*acts[t].add(b);
                 let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[t]), scale, acc[t]);
+            }
+        }
+        for t in 0..T {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+        }
+    }
+}
+
+/// The fifth bits of 4 columns per row: byte `j` of lane `r` becomes 0x10 when bit `j` of
+/// lane `r` of `bits` is set (bits above 3 are ignored).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn fifth_bits(bits: __m256i) -> __m256i {
+    {
+        let low_byte = _mm256_setr_epi8(
+            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8,
+            12, 12, 12, 12,
+        );
+        let select = _mm256_set1_epi32(0x0804_0201);
+        let b = _mm256_and_si256(_mm256_shuffle_epi8(bits, low_byte), select);
+        _mm256_and_si256(_mm256_cmpeq_epi8(b, select), _mm256_set1_epi8(0x10))
+    }
+}
+
+/// Q5_0 group against `T` tokens.
+///
+/// # Safety
+/// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5<const T: usize>(
+    group: *const u8,
+    nb: usize,
+    acts: [*const ActBlock; T],
+    out: &mut [[f32; GROUP_ROWS]; MAX_TILE],
+) {
+    let gb = group_block_bytes(QuantType::Q5_0);
+    let sb = group_scale_bytes(QuantType::Q5_0);
+    // SAFETY: every load reads inside group block `b < nb` (scales at 0, `qh` words at `sb`,
+    // nibble words at `sb + 32 * (1 + l)` for l < 4, ending at `gb`) or inside activation
+    // block `b` of a token.
+    unsafe {
+        let low4 = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); T];
+        for b in 0..nb {
+            let blk = group.add(b * gb);
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+            let qh = _mm256_loadu_si256(blk.add(sb) as *const __m256i);
+            let mut s32 = [_mm256_setzero_si256(); T];
+            for half in 0..2 {
+                let mut s16 = [_mm256_setzero_si256(); T];
+                for l in 2 * half..2 * half + 2 {
+                    let v = _mm256_loadu_si256(blk.add(sb + 32 * (1 + l)) as *const __m256i);
+                    let hl = fifth_bits(_mm256_srl_epi32(qh, _mm_cvtsi32_si128(4 * l as i32)));
+                    let hh = fifth_bits(_mm256_srl_epi32(qh, _mm_cvtsi32_si128(16 + 4 * l as i32)));
+                    let lo = _mm256_or_si256(_mm256_and_si256(v, low4), hl);
+                    let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(v), low4), hh);
+                    for t in 0..T {
+                        let xq = (*acts[t].add(b)).qs.as_ptr();
+                        let pl = _mm256_maddubs_epi16(lo, bcast4(xq, 4 * l));
+                        let ph = _mm256_maddubs_epi16(hi, bcast4(xq, 16 + 4 * l));
+                        s16[t] = _mm256_add_epi16(s16[t], _mm256_add_epi16(pl, ph));
+                    }
+                }
+                for t in 0..T {
+                    s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s16[t], ones));
+                }
+            }
+            for t in 0..T {
+                let x = &*acts[t].add(b);
+                let s = _mm256_sub_epi32(s32[t], _mm256_set1_epi32(16 * x.sum));
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[t]);
             }
         }
         for t in 0..T {

@@ -31,6 +31,26 @@ pub(crate) fn group_dot(qtype: QuantType, group: &[u8], acts: &[ActBlock]) -> [f
                         s
                     }
                 }
+                QuantType::Q5_0 => {
+                    let qh = u32::from_le_bytes([
+                        qs[lane * 4],
+                        qs[lane * 4 + 1],
+                        qs[lane * 4 + 2],
+                        qs[lane * 4 + 3],
+                    ]);
+                    let mut s = 0i32;
+                    for l in 0..4 {
+                        let word = &qs[((1 + l) * GROUP_ROWS + lane) * 4..][..4];
+                        for (j, &byte) in word.iter().enumerate() {
+                            let e = 4 * l + j;
+                            let h0 = ((qh >> e) & 1) as i32;
+                            let h1 = ((qh >> (e + 16)) & 1) as i32;
+                            s += ((byte & 0x0F) as i32 | (h0 << 4)) * a.qs[e] as i32;
+                            s += ((byte >> 4) as i32 | (h1 << 4)) * a.qs[e + QK / 2] as i32;
+                        }
+                    }
+                    s - 16 * a.sum
+                }
                 QuantType::Q8_0 => {
                     let mut s = 0i32;
                     for c in 0..QK / 4 {
@@ -41,6 +61,8 @@ pub(crate) fn group_dot(qtype: QuantType, group: &[u8], acts: &[ActBlock]) -> [f
                     }
                     s
                 }
+                // K-quants have their own kernels (`dot_scalar_k`).
+                QuantType::Q4_K | QuantType::Q6_K => 0,
             };
             acc[lane] += isum as f32 * (f16_at(blk, 2 * lane) * a.d);
             if qtype == QuantType::Q4_1 {

@@ -3,9 +3,10 @@
 
 use crate::cpu::{self, Simd};
 use crate::error::KernelError;
-use crate::format::{dequantize_ggml_block, QuantType, QK};
+use crate::format::{dequantize_ggml_block, QuantType};
 use crate::pack::{self, group_block_bytes, GROUP_ROWS};
 use crate::quantize::{self, ActBlock};
+use crate::quantize_k::{self, ActBlockK};
 use std::cell::RefCell;
 use std::fmt;
 
@@ -16,6 +17,8 @@ thread_local! {
     /// Quantized activations of the current call, kept between calls so the hot path does
     /// not allocate once it has grown to the largest `n * cols / 32` seen on this thread.
     static SCRATCH: RefCell<Vec<ActBlock>> = const { RefCell::new(Vec::new()) };
+    /// The same for the K-quants' Q8_K blocks.
+    static SCRATCH_K: RefCell<Vec<ActBlockK>> = const { RefCell::new(Vec::new()) };
 }
 
 /// A `[rows, cols]` row-major matrix of ggml blocks (rows = output features, cols = input
@@ -25,7 +28,7 @@ pub struct QuantMatrix {
     qtype: QuantType,
     rows: usize,
     cols: usize,
-    /// `pack::groups(rows) * cols / 32` group blocks (see `pack`).
+    /// `pack::groups(rows) * cols / block_len` group blocks (see `pack`, `pack_k`).
     packed: Vec<u8>,
 }
 
@@ -40,21 +43,23 @@ impl fmt::Debug for QuantMatrix {
     }
 }
 
-/// `rows * cols / 32 * block_bytes`, checked: the ggml byte size of a matrix.
+/// `rows * cols / block_len * block_bytes`, checked: the ggml byte size of a matrix.
 fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Result<usize, KernelError> {
-    if !cols.is_multiple_of(QK) {
+    let block_len = qtype.block_len();
+    if !cols.is_multiple_of(block_len) {
         return Err(KernelError::ColsNotBlockAligned {
             qtype,
             cols,
-            block_len: QK,
+            block_len,
         });
     }
-    rows.checked_mul(cols / QK)
+    let nb = cols / block_len;
+    rows.checked_mul(nb)
         .and_then(|blocks| blocks.checked_mul(qtype.block_bytes()))
-        // The packed form pads up to 7 rows more; keep that addressable too.
+        // The packed form pads up to 7 rows more (and Q4_K grows by 3%); stay addressable.
         .filter(|&b| {
-            b.checked_add(GROUP_ROWS * (cols / QK) * qtype.block_bytes())
-                .is_some()
+            let packed = pack::groups(rows).checked_mul(nb * group_block_bytes(qtype));
+            packed.is_some_and(|p| p.checked_add(b).is_some())
         })
         .ok_or(KernelError::ShapeOverflow { rows, cols })
 }
@@ -92,8 +97,9 @@ pub(crate) fn check_matmul_args(
 }
 
 impl QuantMatrix {
-    /// Takes raw ggml blocks (row-major, `rows * cols / 32` blocks as stored in a GGUF file).
-    /// Validates `cols % 32 == 0` and `bytes.len() == rows * cols / 32 * block_bytes`.
+    /// Takes raw ggml blocks (row-major, `rows * cols / block_len` blocks as stored in a GGUF
+    /// file). Validates `cols % block_len == 0` (32, or 256 for K-quants) and
+    /// `bytes.len() == rows * cols / block_len * block_bytes`.
     pub fn from_ggml_bytes(
         qtype: QuantType,
         rows: usize,
@@ -110,7 +116,7 @@ impl QuantMatrix {
                 got: bytes.len(),
             });
         }
-        let packed = pack::pack(qtype, rows, cols / QK, &bytes);
+        let packed = pack::pack(qtype, rows, cols / qtype.block_len(), &bytes);
         Ok(QuantMatrix {
             qtype,
             rows,
@@ -134,20 +140,21 @@ impl QuantMatrix {
         self.cols
     }
 
-    /// Bytes of weight storage held (the ggml size, plus zero padding up to a multiple of
-    /// 8 rows).
+    /// Bytes of weight storage held: the ggml size, plus zero padding up to a multiple of
+    /// 8 rows (and, for Q4_K, 4 bytes per row and super-block of unpacked scales).
     pub fn storage_bytes(&self) -> usize {
         self.packed.len()
     }
 
     /// The row-major ggml bytes this matrix was built from.
     pub fn to_ggml_bytes(&self) -> Vec<u8> {
-        pack::unpack(self.qtype, self.rows, self.cols / QK, &self.packed)
+        pack::unpack(self.qtype, self.rows, self.nb(), &self.packed)
     }
 
     /// `y [n, rows] = x [n, cols] · Wᵀ` on the calling thread only. Activations are quantized
-    /// per 32-block to 8 bits as llama.cpp does (Q8_1 for Q4_1 weights, Q8_0 otherwise), then
-    /// the products are integer dot products scaled per block.
+    /// to 8 bits as llama.cpp does (per 32-block as Q8_1 for Q4_1 weights, Q8_0 for Q4_0,
+    /// Q8_0 and Q5_0; per 256-block as Q8_K for Q4_K and Q6_K), then the products are integer
+    /// dot products scaled per block.
     pub fn matmul(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
         self.matmul_with(cpu::simd(), x, n, y)
     }
@@ -164,36 +171,52 @@ impl QuantMatrix {
         if n == 0 || self.rows == 0 {
             return Ok(());
         }
-        let nb = self.cols / QK;
-        let blocks = n * nb; // cannot overflow: n * cols did not
+        let blocks = n * self.nb(); // cannot overflow: n * cols did not
+        if self.qtype.is_k_quant() {
+            SCRATCH_K.with(|cell| match cell.try_borrow_mut() {
+                Ok(mut scratch) => {
+                    if scratch.len() < blocks {
+                        scratch.resize(blocks, ActBlockK::default());
+                    }
+                    quantize_k::quantize(x, &mut scratch[..blocks]);
+                    self.run_tiles(simd, &scratch[..blocks], n, y);
+                }
+                // Only reachable through re-entrancy, which nothing here does.
+                Err(_) => {
+                    let mut local = vec![ActBlockK::default(); blocks];
+                    quantize_k::quantize(x, &mut local);
+                    self.run_tiles(simd, &local, n, y);
+                }
+            });
+            return Ok(());
+        }
         SCRATCH.with(|cell| match cell.try_borrow_mut() {
             Ok(mut scratch) => {
                 if scratch.len() < blocks {
                     scratch.resize(blocks, ActBlock::default());
                 }
-                self.quantized_matmul(simd, x, n, &mut scratch[..blocks], y);
+                quantize::quantize(simd, x, &mut scratch[..blocks]);
+                self.run_tiles(simd, &scratch[..blocks], n, y);
             }
             // Only reachable through re-entrancy, which nothing here does; stay correct anyway.
             Err(_) => {
                 let mut local = vec![ActBlock::default(); blocks];
-                self.quantized_matmul(simd, x, n, &mut local, y);
+                quantize::quantize(simd, x, &mut local);
+                self.run_tiles(simd, &local, n, y);
             }
         });
         Ok(())
     }
 
-    /// Quantizes `x` into `acts` (`n * nb` blocks), then runs the tiles. Lengths are checked.
-    fn quantized_matmul(
-        &self,
-        simd: Simd,
-        x: &[f32],
-        n: usize,
-        acts: &mut [ActBlock],
-        y: &mut [f32],
-    ) {
-        quantize::quantize(simd, x, acts);
-        let acts: &[ActBlock] = acts;
-        let nb = self.cols / QK;
+    /// Blocks per row.
+    fn nb(&self) -> usize {
+        self.cols / self.qtype.block_len()
+    }
+
+    /// Runs all groups against tiles of up to 4 tokens of quantized activations
+    /// (`acts.len() == n * nb`).
+    fn run_tiles<A: Activation>(&self, simd: Simd, acts: &[A], n: usize, y: &mut [f32]) {
+        let nb = self.nb();
         let group_len = nb * group_block_bytes(self.qtype);
         let mut tile_out = [[0.0f32; GROUP_ROWS]; TILE];
         for g in 0..pack::groups(self.rows) {
@@ -204,39 +227,12 @@ impl QuantMatrix {
             while t0 < n {
                 let tile = TILE.min(n - t0);
                 let tile_acts = &acts[t0 * nb..(t0 + tile) * nb];
-                self.group_tile(simd, group, nb, tile_acts, tile, &mut tile_out);
+                A::group_tile(self.qtype, simd, group, nb, tile_acts, tile, &mut tile_out);
                 for (t, out) in tile_out[..tile].iter().enumerate() {
                     let at = (t0 + t) * self.rows + row0;
                     y[at..at + valid].copy_from_slice(&out[..valid]);
                 }
                 t0 += tile;
-            }
-        }
-    }
-
-    /// One group against one tile of tokens (`tile_acts.len() == tile * nb`).
-    fn group_tile(
-        &self,
-        simd: Simd,
-        group: &[u8],
-        nb: usize,
-        tile_acts: &[ActBlock],
-        tile: usize,
-        out: &mut [[f32; GROUP_ROWS]; TILE],
-    ) {
-        match simd {
-            #[cfg(target_arch = "x86_64")]
-            Simd::Avx2 => {
-                // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
-                // F16C; `group` holds `nb` group blocks of this format and `tile_acts` holds
-                // `tile` (1..=4) tokens of `nb` blocks, as sliced by the caller.
-                unsafe { crate::dot_avx2::group_dot(self.qtype, group, nb, tile_acts, tile, out) }
-            }
-            _ => {
-                for (t, o) in out[..tile].iter_mut().enumerate() {
-                    let acts = &tile_acts[t * nb..(t + 1) * nb];
-                    *o = crate::dot_scalar::group_dot(self.qtype, group, acts);
-                }
             }
         }
     }
@@ -257,10 +253,10 @@ impl QuantMatrix {
                 got: out.len(),
             });
         }
-        let nb = self.cols / QK;
-        let mut block = [0u8; 34];
+        let nb = self.nb();
+        let mut block = [0u8; 256];
         let block = &mut block[..self.qtype.block_bytes()];
-        for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
+        for (b, chunk) in out.chunks_exact_mut(self.qtype.block_len()).enumerate() {
             pack::unpack_block(self.qtype, &self.packed, nb, row, b, block);
             dequantize_ggml_block(self.qtype, block, chunk);
         }
@@ -306,7 +302,7 @@ impl QuantMatrix {
                 packed,
             });
         }
-        let mut bytes = Vec::with_capacity(rows * (cols / QK) * qtype.block_bytes());
+        let mut bytes = Vec::with_capacity(rows * (cols / qtype.block_len()) * qtype.block_bytes());
         for p in &parts {
             bytes.extend_from_slice(&p.to_ggml_bytes());
         }
@@ -314,8 +310,78 @@ impl QuantMatrix {
     }
 }
 
+/// Quantized activation blocks with kernels: `ActBlock` (32-wide formats) and `ActBlockK`
+/// (K-quants).
+trait Activation: Sized {
+    /// One group against one tile of tokens (`tile_acts.len() == tile * nb`, `tile <= 4`).
+    fn group_tile(
+        qtype: QuantType,
+        simd: Simd,
+        group: &[u8],
+        nb: usize,
+        tile_acts: &[Self],
+        tile: usize,
+        out: &mut [[f32; GROUP_ROWS]; TILE],
+    );
+}
+
+impl Activation for ActBlock {
+    fn group_tile(
+        qtype: QuantType,
+        simd: Simd,
+        group: &[u8],
+        nb: usize,
+        tile_acts: &[Self],
+        tile: usize,
+        out: &mut [[f32; GROUP_ROWS]; TILE],
+    ) {
+        match simd {
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 => {
+                // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
+                // F16C; `group` holds `nb` group blocks of this format and `tile_acts` holds
+                // `tile` (1..=4) tokens of `nb` blocks, as sliced by `run_tiles`.
+                unsafe { crate::dot_avx2::group_dot(qtype, group, nb, tile_acts, tile, out) }
+            }
+            _ => {
+                for (t, o) in out[..tile].iter_mut().enumerate() {
+                    let acts = &tile_acts[t * nb..(t + 1) * nb];
+                    *o = crate::dot_scalar::group_dot(qtype, group, acts);
+                }
+            }
+        }
+    }
+}
+
+impl Activation for ActBlockK {
+    fn group_tile(
+        qtype: QuantType,
+        simd: Simd,
+        group: &[u8],
+        nb: usize,
+        tile_acts: &[Self],
+        tile: usize,
+        out: &mut [[f32; GROUP_ROWS]; TILE],
+    ) {
+        match simd {
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 => {
+                // SAFETY: as for `ActBlock`, with K-quant group super-blocks.
+                unsafe { crate::dot_avx2_k::group_dot(qtype, group, nb, tile_acts, tile, out) }
+            }
+            _ => {
+                for (t, o) in out[..tile].iter_mut().enumerate() {
+                    let acts = &tile_acts[t * nb..(t + 1) * nb];
+                    *o = crate::dot_scalar_k::group_dot(qtype, group, acts);
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+
     use super::*;
     use half::f16;
 
@@ -328,9 +394,21 @@ mod tests {
             s ^= s << 17;
             s
         };
-        let blocks = rows * cols / QK;
+        let blocks = rows * cols / qtype.block_len();
         let mut out = Vec::with_capacity(blocks * qtype.block_bytes());
         for _ in 0..blocks {
+            if qtype.is_k_quant() {
+                let mut b: Vec<u8> = (0..qtype.block_bytes()).map(|_| next() as u8).collect();
+                let d = f16::from_f32(((next() % 1000) as f32 + 1.0) * 1e-5).to_le_bytes();
+                let at = if qtype == QuantType::Q6_K { 208 } else { 0 };
+                b[at..at + 2].copy_from_slice(&d);
+                if qtype == QuantType::Q4_K {
+                    let dmin = f16::from_f32(((next() % 1000) as f32) * 1e-5).to_le_bytes();
+                    b[2..4].copy_from_slice(&dmin);
+                }
+                out.extend_from_slice(&b);
+                continue;
+            }
             let d = f16::from_f32(((next() % 1000) as f32 + 1.0) * 1e-4);
             out.extend_from_slice(&d.to_le_bytes());
             if qtype == QuantType::Q4_1 {
@@ -364,8 +442,9 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX2+FMA+F16C, only the scalar path exists");
             return;
         }
-        for qtype in [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q8_0] {
-            for (rows, cols) in [(1, 32), (3, 64), (8, 32), (17, 2048), (24, 576)] {
+        use QuantType::*;
+        for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+            for (rows, cols) in [(1, 256), (3, 512), (8, 256), (17, 2048), (24, 1536)] {
                 for n in [1usize, 2, 3, 4, 5, 9] {
                     let seed = (rows * 1000 + cols + n) as u64;
                     let bytes = random_ggml(qtype, rows, cols, seed);
@@ -377,7 +456,7 @@ mod tests {
                     m.matmul_with(Simd::Scalar, &x, n, &mut ys).unwrap();
                     for (i, (a, s)) in ya.iter().zip(&ys).enumerate() {
                         // Same integer sums; only the f32 accumulation order and FMA differ.
-                        let tol = 1e-5 * (1.0 + s.abs()) * (cols / QK) as f32;
+                        let tol = 1e-5 * (1.0 + s.abs()) * (cols / 32) as f32;
                         assert!(
                             (a - s).abs() <= tol,
                             "{qtype} [{rows},{cols}] n={n} out {i}: avx2 {a} scalar {s}"
@@ -391,15 +470,19 @@ mod tests {
     #[test]
     fn results_do_not_depend_on_the_tile_a_token_lands_in() {
         // Token 5 of a 6-token call lands in a tile of 2; alone it is a tile of 1.
-        for simd in [Simd::Scalar, cpu::detect_hardware()] {
-            let (rows, cols, n) = (9, 96, 6);
-            let m = QuantMatrix::from_ggml_bytes(
-                QuantType::Q4_1,
-                rows,
-                cols,
-                random_ggml(QuantType::Q4_1, rows, cols, 7),
-            )
-            .unwrap();
+        let kinds = [
+            QuantType::Q4_1,
+            QuantType::Q5_0,
+            QuantType::Q4_K,
+            QuantType::Q6_K,
+        ];
+        for (simd, qtype) in [Simd::Scalar, cpu::detect_hardware()]
+            .into_iter()
+            .flat_map(|s| kinds.map(|q| (s, q)))
+        {
+            let (rows, cols, n) = (9, 512, 6);
+            let bytes = random_ggml(qtype, rows, cols, 7);
+            let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
             let x = random_x(n * cols, 3);
             let mut y = vec![0.0; n * rows];
             m.matmul_with(simd, &x, n, &mut y).unwrap();
@@ -410,7 +493,7 @@ mod tests {
                 assert_eq!(
                     &y[t * rows..(t + 1) * rows],
                     &y1[..],
-                    "token {t} ({simd:?})"
+                    "token {t} ({simd:?} {qtype})"
                 );
             }
         }

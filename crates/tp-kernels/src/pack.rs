@@ -9,17 +9,25 @@
 //! - quants: for each 4-byte word `w` of a ggml block's quants, the word of rows 0..8 in turn
 //!   (`offset = (w * 8 + row) * 4`).
 //!
+//! Q5_0 is stored as Q4_0 with its `qh` as quant word 0. K-quants have their own group
+//! layout (see `pack_k`); groups and blocks are ordered the same way.
+//!
 //! Groups are laid out one after the other, each with all its blocks along the columns. When
 //! `rows` is not a multiple of 8 the last group is padded with zero rows (scale 0).
 
 use crate::format::QuantType;
+use crate::pack_k;
 
 /// Rows per interleaved group (one f32 lane per row in a 256-bit register).
 pub(crate) const GROUP_ROWS: usize = 8;
 
-/// Bytes of one group block (8 rows x 32 columns).
+/// Bytes of one group block (8 rows x one block of columns: 32, or 256 for K-quants).
 pub(crate) fn group_block_bytes(qtype: QuantType) -> usize {
-    GROUP_ROWS * qtype.block_bytes()
+    match qtype {
+        QuantType::Q4_K => pack_k::q4k::BYTES,
+        QuantType::Q6_K => pack_k::q6k::BYTES,
+        _ => GROUP_ROWS * qtype.block_bytes(),
+    }
 }
 
 /// Bytes of the scale region at the start of a group block.
@@ -43,7 +51,8 @@ fn word_offset(qtype: QuantType, w: usize, lane: usize) -> usize {
     group_scale_bytes(qtype) + (w * GROUP_ROWS + lane) * 4
 }
 
-/// Repacks row-major ggml blocks (`rows * nb` blocks, already length-checked) into groups.
+/// Repacks row-major ggml blocks (`rows * nb` blocks of `block_len` columns, already
+/// length-checked) into groups.
 pub(crate) fn pack(qtype: QuantType, rows: usize, nb: usize, ggml: &[u8]) -> Vec<u8> {
     let bb = qtype.block_bytes();
     let gb = group_block_bytes(qtype);
@@ -53,6 +62,10 @@ pub(crate) fn pack(qtype: QuantType, rows: usize, nb: usize, ggml: &[u8]) -> Vec
         for b in 0..nb {
             let src = &ggml[(row * nb + b) * bb..][..bb];
             let dst = &mut packed[(g * nb + b) * gb..][..gb];
+            if qtype.is_k_quant() {
+                pack_k::pack_block(qtype, lane, src, dst);
+                continue;
+            }
             for s in 0..qtype.scale_bytes() / 2 {
                 let at = scale_offset(s, lane);
                 dst[at..at + 2].copy_from_slice(&src[2 * s..2 * s + 2]);
@@ -79,6 +92,10 @@ pub(crate) fn unpack_block(
     let gb = group_block_bytes(qtype);
     let (g, lane) = (row / GROUP_ROWS, row % GROUP_ROWS);
     let src = &packed[(g * nb + b) * gb..][..gb];
+    if qtype.is_k_quant() {
+        pack_k::unpack_block(qtype, lane, src, out);
+        return;
+    }
     for s in 0..qtype.scale_bytes() / 2 {
         let at = scale_offset(s, lane);
         out[2 * s..2 * s + 2].copy_from_slice(&src[at..at + 2]);
@@ -115,11 +132,12 @@ mod tests {
 
     #[test]
     fn pack_unpack_round_trips_for_every_format_and_ragged_rows() {
-        for qtype in [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q8_0] {
+        use QuantType::*;
+        for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
             for rows in [1usize, 3, 8, 9, 17] {
                 let nb = 3;
                 let bytes: Vec<u8> = (0..rows * nb * qtype.block_bytes())
-                    .map(|i| (i * 7 + 3) as u8)
+                    .map(|i| (i * 7 + 3 + i / 251) as u8)
                     .collect();
                 let packed = pack(qtype, rows, nb, &bytes);
                 assert_eq!(packed.len(), groups(rows) * nb * group_block_bytes(qtype));

@@ -93,7 +93,7 @@ mod avx2 {
     /// Rounds each lane to the nearest integer, halves away from zero (like `f32::round`).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn round_half_away(v: __m256) -> __m256 {
+    fn round_half_away(v: __m256) -> __m256 {
         let sign = _mm256_set1_ps(-0.0);
         let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(v);
         // v - trunc(v) is exact for |v| < 2^23.

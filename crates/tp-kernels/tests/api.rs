@@ -273,7 +273,7 @@ fn dense_concat_rows_stacks_rows() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(32))]
+    #![proptest_config(ProptestConfig { cases: 32, failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn dense_random_shapes(rows in 1usize..30, cols in 1usize..300, n in 1usize..8, seed in any::<u64>()) {
