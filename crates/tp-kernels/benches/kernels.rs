@@ -127,6 +127,10 @@ fn bench_quant(qtype: QuantType, rows: usize, cols: usize, n: usize) -> Row {
                 QMatMul::from_qtensor(t.expect("qtensor")).expect("qmatmul")
             })
             .collect();
+        // candle repacks some formats lazily on first use: do that before timing.
+        for m in &many {
+            drop(black_box(m.forward(&xt).expect("fwd")));
+        }
         candle_stream = Some(time_per_call(
             |i| drop(black_box(many[i % copies].forward(&xt).expect("fwd"))),
             budget,
@@ -196,13 +200,22 @@ fn main() {
         (QuantType::Q4_K, 8960, 1536),
         (QuantType::Q6_K, 1536, 8960),
     ];
+    // `TP_BENCH_ONLY=Q6_K` (any substring of the row names) runs a subset.
+    let only = std::env::var("TP_BENCH_ONLY").unwrap_or_default();
+    let want = |name: &str| name.contains(only.as_str());
     let mut rows = Vec::new();
     for n in [1usize, 128] {
         for &(q, r, c) in &shapes {
-            rows.push(bench_quant(q, r, c, n));
+            if want(&format!("{} {r}x{c}", q.name())) {
+                rows.push(bench_quant(q, r, c, n));
+            }
         }
-        rows.push(bench_dense(false, 576, 1536, n));
-        rows.push(bench_dense(true, 576, 1536, n));
+        for f16 in [false, true] {
+            let name = format!("{} 576x1536", if f16 { "F16" } else { "F32" });
+            if want(&name) {
+                rows.push(bench_dense(f16, 576, 1536, n));
+            }
+        }
     }
 
     // The machine is shared: probe again at the end and keep the less disturbed figure.

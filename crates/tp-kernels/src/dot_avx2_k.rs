@@ -50,6 +50,20 @@ pub(crate) unsafe fn group_dot(
     }
 }
 
+/// Asks for the next group super-block (`bytes` long, right after `blk`) to be brought into
+/// cache while this one is computed: the hardware prefetchers alone leave these kernels
+/// waiting on memory. A prefetch never faults, even past the end of the matrix.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn prefetch_next(blk: *const u8, bytes: usize) {
+    let next = blk.wrapping_add(bytes);
+    let mut off = 0;
+    while off < bytes {
+        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(off) as *const i8);
+        off += 64;
+    }
+}
+
 /// Broadcasts the 4 bytes at `p` (activation quants or a pair of i16 sums) to all lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -93,6 +107,73 @@ fn dup_half<const HI: bool>(v: __m256i) -> __m256i {
     }
 }
 
+/// The 6-bit values of quarters 0..4 of Q6_K word `i` of half `h` (8 rows x 4 columns each).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_quarters(blk: *const u8, h: usize, i: usize) -> [__m256i; 4] {
+    // SAFETY: the caller passes a group super-block; the words are inside it.
+    unsafe {
+        let t = blk.add(q6k::triple(h, i));
+        let a = load(t);
+        let b = load(t.add(32));
+        let hb = load(t.add(64));
+        [
+            six_bits(a, _mm256_slli_epi16::<4>(hb)),
+            six_bits(b, _mm256_slli_epi16::<2>(hb)),
+            six_bits(_mm256_srli_epi16::<4>(a), hb),
+            six_bits(_mm256_srli_epi16::<4>(b), _mm256_srli_epi16::<2>(hb)),
+        ]
+    }
+}
+
+/// Words `i` and `i + 1` of half `h` of Q6_K super-block `b` against `T` tokens: per quarter,
+/// two `maddubs` summed in i16, then `madd` with the quarter's sub-block scales.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_words<const T: usize>(
+    blk: *const u8,
+    h: usize,
+    i: usize,
+    sc: &[__m256i; 4],
+    acts: &[*const ActBlockK; T],
+    b: usize,
+    s32: &mut [__m256i; T],
+) {
+    // SAFETY: weight words are inside the group super-block; activation reads are at
+    // `128h + 32k + 4i + 0..8 < 256` inside block `b` of each token.
+    unsafe {
+        let q0 = q6_quarters(blk, h, i);
+        let q1 = q6_quarters(blk, h, i + 1);
+        for t in 0..T {
+            let xq = (*acts[t].add(b)).qs.as_ptr().add(128 * h + 4 * i);
+            let mut s = s32[t];
+            macro_rules! quarter {
+                ($k:literal) => {
+                    let p0 = _mm256_maddubs_epi16(q0[$k], bcast4(xq.add(32 * $k)));
+                    let p1 = _mm256_maddubs_epi16(q1[$k], bcast4(xq.add(32 * $k + 4)));
+                    let p = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), sc[$k]);
+                    s = _mm256_add_epi32(s, p);
+                };
+            }
+            quarter!(0);
+            quarter!(1);
+            quarter!(2);
+            quarter!(3);
+            s32[t] = s;
+        }
+    }
+}
+
+/// Q6_K values: the low nibble of each byte of `low` with bits 4..6 of each byte of `high`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn six_bits(low: __m256i, high: __m256i) -> __m256i {
+    _mm256_or_si256(
+        _mm256_and_si256(low, _mm256_set1_epi8(0x0F)),
+        _mm256_and_si256(high, _mm256_set1_epi8(0x30)),
+    )
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn load(p: *const u8) -> __m256i {
@@ -119,6 +200,7 @@ unsafe fn q4k<const T: usize>(
         let mut acc = [_mm256_setzero_ps(); T];
         for b in 0..nb {
             let blk = group.add(b * q4k::BYTES);
+            prefetch_next(blk, q4k::BYTES);
             let mut s32 = [_mm256_setzero_si256(); T];
             for c in 0..4 {
                 let scp = pairs_u8(blk.add(q4k::SC + 16 * c));
@@ -183,51 +265,26 @@ unsafe fn q6k<const T: usize>(
     // SAFETY: all weight reads are inside group super-block `b < nb` (offsets from `pack_k`
     // ending at `q6k::BYTES`); activation reads are inside block `b` of each token.
     unsafe {
-        let low4 = _mm256_set1_epi8(0x0F);
-        let bits45 = _mm256_set1_epi8(0x30);
         let mut acc = [_mm256_setzero_ps(); T];
         for b in 0..nb {
             let blk = group.add(b * q6k::BYTES);
+            prefetch_next(blk, q6k::BYTES);
             let mut s32 = [_mm256_setzero_si256(); T];
             for h in 0..2 {
-                for k in 0..4 {
-                    let scp = pairs_i8(blk.add(q6k::SC + 16 * (4 * h + k)));
-                    for half in 0..2 {
-                        let sc = if half == 1 {
+                for half in 0..2 {
+                    // Scales of sub-blocks 8h + 2k + half (quarter k, 16 columns each).
+                    let mut sc = [_mm256_setzero_si256(); 4];
+                    for (k, sck) in sc.iter_mut().enumerate() {
+                        let scp = pairs_i8(blk.add(q6k::SC + 16 * (4 * h + k)));
+                        *sck = if half == 1 {
                             dup_half::<true>(scp)
                         } else {
                             dup_half::<false>(scp)
                         };
-                        for ip in 0..2 {
-                            let mut q = [_mm256_setzero_si256(); 2];
-                            for (e, qe) in q.iter_mut().enumerate() {
-                                let i = 4 * half + 2 * ip + e;
-                                let ql_word = 16 * h + 8 * (k & 1) + i;
-                                let l = load(blk.add(q6k::QL + 32 * ql_word));
-                                let hb = load(blk.add(q6k::QH + 32 * (8 * h + i)));
-                                let low = if k < 2 {
-                                    _mm256_and_si256(l, low4)
-                                } else {
-                                    _mm256_and_si256(_mm256_srli_epi16::<4>(l), low4)
-                                };
-                                let high = match k {
-                                    0 => _mm256_slli_epi16::<4>(hb),
-                                    1 => _mm256_slli_epi16::<2>(hb),
-                                    2 => hb,
-                                    _ => _mm256_srli_epi16::<2>(hb),
-                                };
-                                *qe = _mm256_or_si256(low, _mm256_and_si256(high, bits45));
-                            }
-                            let at = 128 * h + 32 * k + 4 * (4 * half + 2 * ip);
-                            for t in 0..T {
-                                let xq = (*acts[t].add(b)).qs.as_ptr().add(at);
-                                let p0 = _mm256_maddubs_epi16(q[0], bcast4(xq));
-                                let p1 = _mm256_maddubs_epi16(q[1], bcast4(xq.add(4)));
-                                let p = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), sc);
-                                s32[t] = _mm256_add_epi32(s32[t], p);
-                            }
-                        }
                     }
+                    let i0 = 4 * half;
+                    q6_words::<T>(blk, h, i0, &sc, &acts, b, &mut s32);
+                    q6_words::<T>(blk, h, i0 + 2, &sc, &acts, b, &mut s32);
                 }
             }
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q6k::D) as *const __m128i));

@@ -54,9 +54,9 @@ pub(crate) fn group_dot(qtype: QuantType, group: &[u8], acts: &[ActBlockK]) -> [
                     let mut isum = 0i32;
                     for h in 0..2 {
                         for i in 0..8 {
-                            let wa = word(q6k::QL, 16 * h + i, lane);
-                            let wb = word(q6k::QL, 16 * h + 8 + i, lane);
-                            let wh = word(q6k::QH, 8 * h + i, lane);
+                            let wa = q6k::ql_word(16 * h + i) + 4 * lane;
+                            let wb = q6k::ql_word(16 * h + 8 + i) + 4 * lane;
+                            let wh = q6k::qh_word(8 * h + i) + 4 * lane;
                             for j in 0..4 {
                                 let (a8, b8, h8) = (blk[wa + j], blk[wb + j], blk[wh + j]);
                                 let q = [

@@ -7,7 +7,8 @@
 //!   `[pair p < 4][row][2]` u8 (sub-blocks `2p`, `2p + 1`), mins in the same layout, then the
 //!   128 quant bytes of each row as 32 words `[w][row][4]`.
 //! - Q6_K, 1680 bytes (same as ggml): `d` x 8 (f16), scales as `[pair p < 8][row][2]` i8,
-//!   then `ql` as 32 words `[w][row][4]` and `qh` as 16 words `[w][row][4]`.
+//!   then the `ql` and `qh` words (each `[row][4]`) in the order the kernel reads them (see
+//!   `q6k::triple`), so the weights stream sequentially.
 //!
 //! Both directions are exact, so the ggml bytes can always be rebuilt.
 
@@ -28,9 +29,31 @@ pub(crate) mod q4k {
 pub(crate) mod q6k {
     pub const D: usize = 0;
     pub const SC: usize = 16;
-    pub const QL: usize = 144;
-    pub const QH: usize = 144 + 1024;
+    /// Quants, in the order the kernels read them: for half `h < 2` and `i < 8`, the
+    /// 96-byte triple (`ql` word `16h + i`, `ql` word `16h + 8 + i`, `qh` word `8h + i`),
+    /// each word as 8 rows x 4 bytes.
+    pub const Q: usize = 144;
     pub const BYTES: usize = 144 + 1024 + 512;
+
+    /// Offset of the triple holding half `h`, word `i`.
+    pub const fn triple(h: usize, i: usize) -> usize {
+        Q + (8 * h + i) * 96
+    }
+
+    /// Offset of ggml `ql` word `w` (0..32) for row 0 of the group.
+    pub const fn ql_word(w: usize) -> usize {
+        let (h, r) = (w / 16, w % 16);
+        if r < 8 {
+            triple(h, r)
+        } else {
+            triple(h, r - 8) + 32
+        }
+    }
+
+    /// Offset of ggml `qh` word `w` (0..16) for row 0 of the group.
+    pub const fn qh_word(w: usize) -> usize {
+        triple(w / 8, w % 8) + 64
+    }
 }
 
 #[inline]
@@ -64,10 +87,10 @@ pub(crate) fn pack_block(qtype: QuantType, lane: usize, src: &[u8], dst: &mut [u
                 dst[pair(q6k::SC, j / 2, lane) + j % 2] = src[192 + j];
             }
             for w in 0..32 {
-                dst[word(q6k::QL, w, lane)..][..4].copy_from_slice(&src[4 * w..][..4]);
+                dst[q6k::ql_word(w) + 4 * lane..][..4].copy_from_slice(&src[4 * w..][..4]);
             }
             for w in 0..16 {
-                dst[word(q6k::QH, w, lane)..][..4].copy_from_slice(&src[128 + 4 * w..][..4]);
+                dst[q6k::qh_word(w) + 4 * lane..][..4].copy_from_slice(&src[128 + 4 * w..][..4]);
             }
         }
         _ => {}
@@ -97,10 +120,10 @@ pub(crate) fn unpack_block(qtype: QuantType, lane: usize, src: &[u8], out: &mut 
                 out[192 + j] = src[pair(q6k::SC, j / 2, lane) + j % 2];
             }
             for w in 0..32 {
-                out[4 * w..][..4].copy_from_slice(&src[word(q6k::QL, w, lane)..][..4]);
+                out[4 * w..][..4].copy_from_slice(&src[q6k::ql_word(w) + 4 * lane..][..4]);
             }
             for w in 0..16 {
-                out[128 + 4 * w..][..4].copy_from_slice(&src[word(q6k::QH, w, lane)..][..4]);
+                out[128 + 4 * w..][..4].copy_from_slice(&src[q6k::qh_word(w) + 4 * lane..][..4]);
             }
         }
         _ => {}

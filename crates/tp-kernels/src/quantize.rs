@@ -127,7 +127,11 @@ mod avx2 {
                 let m = _mm_max_ss(m, _mm_movehdup_ps(m));
                 let (d, id) = scale_of(_mm_cvtss_f32(m));
                 let vid = _mm256_set1_ps(id);
-                let q = v.map(|vk| _mm256_cvtps_epi32(round_half_away(_mm256_mul_ps(vk, vid))));
+                // (A loop, not a closure: closures do not inherit the target features.)
+                let mut q = [_mm256_setzero_si256(); 4];
+                for (qk, &vk) in q.iter_mut().zip(&v) {
+                    *qk = _mm256_cvtps_epi32(round_half_away(_mm256_mul_ps(vk, vid)));
+                }
                 // Sum of the 32 quants.
                 let s =
                     _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
