@@ -5,16 +5,20 @@ use proptest::prelude::*;
 use tp_kernels::{simd_level, DenseMatrix, KernelError, QuantMatrix, QuantType};
 
 fn zeros_q(qtype: QuantType, rows: usize, cols: usize) -> QuantMatrix {
-    let bytes = vec![0u8; rows * cols / 32 * qtype.block_bytes()];
+    let bytes = vec![0u8; rows * cols / qtype.block_len() * qtype.block_bytes()];
     QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap()
 }
 
 #[test]
 fn quant_type_constants() {
-    let t = [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q8_0];
-    assert_eq!(t.map(|q| q.block_len()), [32, 32, 32]);
-    assert_eq!(t.map(|q| q.block_bytes()), [18, 20, 34]);
-    assert_eq!(t.map(|q| q.name()), ["Q4_0", "Q4_1", "Q8_0"]);
+    use QuantType::*;
+    let t = [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K];
+    assert_eq!(t.map(|q| q.block_len()), [32, 32, 32, 32, 256, 256]);
+    assert_eq!(t.map(|q| q.block_bytes()), [18, 20, 34, 22, 144, 210]);
+    assert_eq!(
+        t.map(|q| q.name()),
+        ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"]
+    );
     assert!(["avx2+fma", "scalar"].contains(&simd_level()));
 }
 
@@ -33,6 +37,23 @@ fn from_ggml_bytes_rejects_bad_shapes_with_typed_errors() {
             KernelError::ByteLength {
                 expected: 136,
                 got: 135,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = QuantMatrix::from_ggml_bytes(QuantType::Q4_K, 1, 288, vec![0; 162]).unwrap_err();
+    assert!(
+        matches!(e, KernelError::ColsNotBlockAligned { block_len: 256, .. }),
+        "{e}"
+    );
+    let e = QuantMatrix::from_ggml_bytes(QuantType::Q6_K, 2, 256, vec![0; 421]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            KernelError::ByteLength {
+                expected: 420,
+                got: 421,
                 ..
             }
         ),
@@ -130,6 +151,20 @@ fn zero_sized_calls_are_fine() {
     let mut y = [f32::NAN; 3];
     nocols.matmul(&[], 1, &mut y).unwrap();
     assert_eq!(y, [0.0; 3]);
+    for m in [
+        DenseMatrix::from_f32(3, 0, vec![]).unwrap(),
+        DenseMatrix::from_f32_as_f16(3, 0, &[]).unwrap(),
+    ] {
+        let mut y = [f32::NAN; 6];
+        m.matmul(&[], 2, &mut y).unwrap();
+        assert_eq!(y, [0.0; 6]);
+    }
+    DenseMatrix::from_f32(0, 4, vec![])
+        .unwrap()
+        .matmul(&[1.0; 8], 2, &mut [])
+        .unwrap();
+    let k = zeros_q(QuantType::Q6_K, 2, 0);
+    k.matmul(&[], 1, &mut [f32::NAN; 2]).unwrap();
 }
 
 #[test]
@@ -139,6 +174,14 @@ fn storage_bytes_is_the_ggml_size_padded_to_8_rows() {
         576 * 18 * 20
     );
     assert_eq!(zeros_q(QuantType::Q8_0, 3, 64).storage_bytes(), 8 * 2 * 34);
+    assert_eq!(
+        zeros_q(QuantType::Q6_K, 8, 512).storage_bytes(),
+        8 * 2 * 210
+    );
+    assert_eq!(
+        zeros_q(QuantType::Q4_K, 8, 512).storage_bytes(),
+        8 * 2 * 148
+    );
     assert_eq!(
         DenseMatrix::from_f32(3, 5, vec![0.0; 15])
             .unwrap()
