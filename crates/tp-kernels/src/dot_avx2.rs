@@ -78,7 +78,12 @@ fn prefetch_ahead(blk: *const u8, gb: usize) {
     let ahead = blk.wrapping_add(PREFETCH_DISTANCE);
     let mut off = 0;
     while off < gb + 64 {
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off) as *const i8);
+        // Newer toolchains treat this intrinsic as safe here; older ones may not.
+        #[allow(unused_unsafe)]
+        // SAFETY: a prefetch is only a hint: it never faults, whatever the address.
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off) as *const i8)
+        };
         off += 64;
     }
 }

@@ -59,7 +59,12 @@ fn prefetch_next(blk: *const u8, bytes: usize) {
     let next = blk.wrapping_add(bytes);
     let mut off = 0;
     while off < bytes {
-        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(off) as *const i8);
+        // Newer toolchains treat this intrinsic as safe here; older ones may not.
+        #[allow(unused_unsafe)]
+        // SAFETY: a prefetch is only a hint: it never faults, whatever the address.
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(off) as *const i8)
+        };
         off += 64;
     }
 }

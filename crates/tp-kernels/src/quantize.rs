@@ -127,7 +127,6 @@ mod avx2 {
                 let m = _mm_max_ss(m, _mm_movehdup_ps(m));
                 let (d, id) = scale_of(_mm_cvtss_f32(m));
                 let vid = _mm256_set1_ps(id);
-                // (A loop, not a closure: closures do not inherit the target features.)
                 let mut q = [_mm256_setzero_si256(); 4];
                 for (qk, &vk) in q.iter_mut().zip(&v) {
                     *qk = _mm256_cvtps_epi32(round_half_away(_mm256_mul_ps(vk, vid)));
