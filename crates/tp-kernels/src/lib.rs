@@ -1,1 +1,29 @@
-//! tp-kernels: matrix-vector and small matrix-matrix products over GGUF quantized blocks.
+//! tp-kernels: single-threaded CPU matrix-vector and small matrix-matrix products over GGUF
+//! quantized blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K) and dense f32/f16 weights, with
+//! AVX2+FMA kernels chosen at run time and a portable scalar fallback.
+//!
+//! Every product runs on the calling thread only: a tensor-parallel rank is one thread.
+
+mod cpu;
+mod dense;
+#[cfg(target_arch = "x86_64")]
+mod dense_avx2;
+#[cfg(target_arch = "x86_64")]
+mod dot_avx2;
+#[cfg(target_arch = "x86_64")]
+mod dot_avx2_k;
+mod dot_scalar;
+mod dot_scalar_k;
+mod error;
+mod format;
+mod matrix;
+mod pack;
+mod pack_k;
+mod quantize;
+mod quantize_k;
+
+pub use cpu::simd_level;
+pub use dense::{DenseData, DenseMatrix};
+pub use error::KernelError;
+pub use format::QuantType;
+pub use matrix::QuantMatrix;

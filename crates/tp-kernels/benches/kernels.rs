@@ -1,0 +1,301 @@
+//! Benchmark of the kernels on SmolLM2-135M (and Qwen2.5) shapes against this machine's single-thread read
+//! bandwidth and candle-core's QMatMul (also pinned to one thread). Run: `cargo bench -p tp-kernels`.
+//!
+//! Every figure is the median of repeated timed samples. "hot": the same matrix over and over
+//! (it may sit in cache); "stream": calls cycle through copies of the matrix totalling at least
+//! 128 MiB, so weights come from DRAM as in real decode, where a token touches every weight once.
+
+use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+use tp_kernels::{simd_level, DenseMatrix, QuantMatrix, QuantType};
+
+const STREAM_BYTES: usize = 128 << 20;
+
+/// Median seconds per call of `f`, from samples of several calls each.
+fn time_per_call(mut f: impl FnMut(usize), budget: Duration) -> f64 {
+    f(0);
+    let t = Instant::now();
+    f(1);
+    let once = t.elapsed().as_secs_f64().max(1e-7);
+    let per_sample = ((0.01 / once).ceil() as usize).max(1);
+    let samples = ((budget.as_secs_f64() / (once * per_sample as f64)) as usize).clamp(5, 41);
+    let mut times = Vec::with_capacity(samples);
+    let mut i = 2;
+    for _ in 0..samples {
+        let t = Instant::now();
+        for _ in 0..per_sample {
+            f(i);
+            i += 1;
+        }
+        times.push(t.elapsed().as_secs_f64() / per_sample as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+/// Single-thread read bandwidth: sum of a 256 MiB f32 array (16 independent accumulators).
+fn read_bandwidth() -> f64 {
+    let data = vec![1.0f32; (256 << 20) / 4];
+    let mut times = Vec::new();
+    for _ in 0..7 {
+        let t = Instant::now();
+        let mut acc = [0.0f32; 16];
+        for c in black_box(&data).chunks_exact(16) {
+            for (a, v) in acc.iter_mut().zip(c) {
+                *a += v;
+            }
+        }
+        black_box(acc);
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    (256 << 20) as f64 / times[times.len() / 2] / 1e9
+}
+
+fn values(len: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
+        })
+        .collect()
+}
+
+fn ggml_dtype(q: QuantType) -> GgmlDType {
+    match q {
+        QuantType::Q4_0 => GgmlDType::Q4_0,
+        QuantType::Q4_1 => GgmlDType::Q4_1,
+        QuantType::Q8_0 => GgmlDType::Q8_0,
+        QuantType::Q5_0 => GgmlDType::Q5_0,
+        QuantType::Q4_K => GgmlDType::Q4K,
+        QuantType::Q6_K => GgmlDType::Q6K,
+    }
+}
+
+struct Row {
+    name: String,
+    n: usize,
+    macs: f64,
+    bytes: f64,
+    ours_hot: f64,
+    ours_stream: Option<f64>,
+    candle_hot: Option<f64>,
+    candle_stream: Option<f64>,
+}
+
+fn bench_quant(qtype: QuantType, rows: usize, cols: usize, n: usize) -> Row {
+    let cpu = Device::Cpu;
+    let w = Tensor::from_vec(
+        values(rows * cols, (rows + cols) as u64),
+        (rows, cols),
+        &cpu,
+    )
+    .expect("tensor");
+    let q = QTensor::quantize(&w, ggml_dtype(qtype)).expect("quantize");
+    let bytes = q.data().expect("data").into_owned();
+    let ours = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes.clone()).expect("matrix");
+    let x = values(n * cols, 7);
+    let mut y = vec![0.0f32; n * rows];
+    let budget = Duration::from_millis(if n == 1 { 400 } else { 1500 });
+    let ours_hot = time_per_call(
+        |_| ours.matmul(black_box(&x), n, &mut y).expect("matmul"),
+        budget,
+    );
+    let copies = STREAM_BYTES.div_ceil(bytes.len()).max(2);
+    let xt = Tensor::from_vec(x.clone(), (n, cols), &cpu).expect("x");
+    let candle = QMatMul::from_qtensor(q).expect("qmatmul");
+    let candle_hot = time_per_call(
+        |_| drop(black_box(candle.forward(&xt).expect("fwd"))),
+        budget,
+    );
+    let (mut ours_stream, mut candle_stream) = (None, None);
+    if n == 1 {
+        let many: Vec<QuantMatrix> = (0..copies).map(|_| ours.clone()).collect();
+        ours_stream = Some(time_per_call(
+            |i| many[i % copies].matmul(&x, n, &mut y).expect("matmul"),
+            budget,
+        ));
+        drop(many);
+        let many: Vec<QMatMul> = (0..copies)
+            .map(|_| {
+                let t = qtensor_from_ggml(ggml_dtype(qtype), &bytes, vec![rows, cols], &cpu);
+                QMatMul::from_qtensor(t.expect("qtensor")).expect("qmatmul")
+            })
+            .collect();
+        // candle repacks some formats lazily on first use: do that before timing.
+        for m in &many {
+            drop(black_box(m.forward(&xt).expect("fwd")));
+        }
+        candle_stream = Some(time_per_call(
+            |i| drop(black_box(many[i % copies].forward(&xt).expect("fwd"))),
+            budget,
+        ));
+    }
+    Row {
+        name: format!("{} {rows}x{cols}", qtype.name()),
+        n,
+        macs: (rows * cols * n) as f64,
+        bytes: ours.storage_bytes() as f64,
+        ours_hot,
+        ours_stream,
+        candle_hot: Some(candle_hot),
+        candle_stream,
+    }
+}
+
+fn bench_dense(f16: bool, rows: usize, cols: usize, n: usize) -> Row {
+    let w = values(rows * cols, 3);
+    let m = if f16 {
+        DenseMatrix::from_f32_as_f16(rows, cols, &w)
+    } else {
+        DenseMatrix::from_f32(rows, cols, w)
+    }
+    .expect("dense");
+    let x = values(n * cols, 9);
+    let mut y = vec![0.0f32; n * rows];
+    let budget = Duration::from_millis(600);
+    let ours_hot = time_per_call(|_| m.matmul(black_box(&x), n, &mut y).expect("mm"), budget);
+    let copies = STREAM_BYTES.div_ceil(m.storage_bytes()).max(2);
+    let ours_stream = (n == 1).then(|| {
+        let many: Vec<DenseMatrix> = (0..copies).map(|_| m.clone()).collect();
+        time_per_call(
+            |i| many[i % copies].matmul(&x, n, &mut y).expect("mm"),
+            budget,
+        )
+    });
+    Row {
+        name: format!("{} {rows}x{cols}", if f16 { "F16" } else { "F32" }),
+        n,
+        macs: (rows * cols * n) as f64,
+        bytes: m.storage_bytes() as f64,
+        ours_hot,
+        ours_stream,
+        candle_hot: None,
+        candle_stream: None,
+    }
+}
+
+fn main() {
+    // candle must run on one thread like our kernels: set before its first use.
+    std::env::set_var("RAYON_NUM_THREADS", "1");
+    std::env::set_var("CANDLE_NUM_THREADS", "1");
+    let bw_start = read_bandwidth();
+
+    let shapes = [
+        (QuantType::Q4_1, 576, 576),
+        (QuantType::Q4_1, 192, 576),
+        (QuantType::Q4_1, 1536, 576),
+        (QuantType::Q4_1, 576, 1536),
+        (QuantType::Q8_0, 49152, 576),
+        (QuantType::Q8_0, 1536, 576),
+        (QuantType::Q4_0, 1536, 576),
+        // Qwen2.5 shapes for the other formats (0.5B: hidden 896; 1.5B: hidden 1536, FFN 8960).
+        (QuantType::Q5_0, 896, 896),
+        (QuantType::Q4_K, 1536, 1536),
+        (QuantType::Q4_K, 8960, 1536),
+        (QuantType::Q6_K, 1536, 8960),
+    ];
+    // `TP_BENCH_ONLY=Q6_K` (any substring of the row names) runs a subset.
+    let only = std::env::var("TP_BENCH_ONLY").unwrap_or_default();
+    let want = |name: &str| name.contains(only.as_str());
+    let mut rows = Vec::new();
+    for n in [1usize, 128] {
+        for &(q, r, c) in &shapes {
+            if want(&format!("{} {r}x{c}", q.name())) {
+                rows.push(bench_quant(q, r, c, n));
+            }
+        }
+        for f16 in [false, true] {
+            let name = format!("{} 576x1536", if f16 { "F16" } else { "F32" });
+            if want(&name) {
+                rows.push(bench_dense(f16, 576, 1536, n));
+            }
+        }
+    }
+
+    // The machine is shared: probe again at the end and keep the less disturbed figure.
+    let bw_end = read_bandwidth();
+    let bw = bw_start.max(bw_end);
+    println!(
+        "tp-kernels bench: simd = {}, single-thread read bandwidth = {bw:.1} GB/s \
+         (start {bw_start:.1}, end {bw_end:.1}; sum of a 256 MiB f32 array)",
+        simd_level()
+    );
+    println!("GB/s = weight bytes per call / time (n = 1 only; at n = 128 weights are reused)\n");
+    println!(
+        "| weights | n | ours hot | GMAC/s | stream | GMAC/s | GB/s (x read bw) | candle hot | candle stream | ours/candle |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    let ms = |t: f64| format!("{:.3} ms", t * 1e3);
+    for r in &rows {
+        let stream = r.ours_stream.map_or("-".into(), ms);
+        let stream_gmac = r
+            .ours_stream
+            .map_or("-".into(), |t| format!("{:.1}", r.macs / t / 1e9));
+        let gbs = r.bytes / r.ours_stream.unwrap_or(r.ours_hot) / 1e9;
+        let gbs = if r.n == 1 {
+            format!("{gbs:.1} ({:.2})", gbs / bw)
+        } else {
+            "-".into()
+        };
+        let ch = r.candle_hot.map_or("-".into(), ms);
+        let cs = r.candle_stream.map_or("-".into(), ms);
+        let speedup = match (r.candle_stream, r.ours_stream, r.candle_hot) {
+            (Some(c), Some(o), _) => format!("{:.1}x", c / o),
+            (_, _, Some(c)) => format!("{:.1}x", c / r.ours_hot),
+            _ => "-".into(),
+        };
+        println!(
+            "| {} | {} | {} | {:.1} | {} | {} | {} | {} | {} | {} |",
+            r.name,
+            r.n,
+            ms(r.ours_hot),
+            r.macs / r.ours_hot / 1e9,
+            stream,
+            stream_gmac,
+            gbs,
+            ch,
+            cs,
+            speedup
+        );
+    }
+
+    // Decode estimate: one SmolLM2-135M token = 30 layers x (q, k, v, o, gate, up, down) + LM head.
+    let find = |name: &str| rows.iter().find(|r| r.n == 1 && r.name == name);
+    let layer = [
+        ("Q4_1 576x576", 2.0),
+        ("Q4_1 192x576", 2.0),
+        ("Q4_1 1536x576", 2.0),
+        ("Q4_1 576x1536", 1.0),
+    ];
+    let mut ours = 0.0;
+    let mut candle = 0.0;
+    let mut macs = 0.0;
+    for (name, count) in layer {
+        if let Some(r) = find(name) {
+            ours += 30.0 * count * r.ours_stream.unwrap_or(r.ours_hot);
+            candle += 30.0 * count * r.candle_stream.or(r.candle_hot).unwrap_or(0.0);
+            macs += 30.0 * count * r.macs;
+        }
+    }
+    if let Some(head) = find("Q8_0 49152x576") {
+        ours += head.ours_stream.unwrap_or(head.ours_hot);
+        candle += head.candle_stream.or(head.candle_hot).unwrap_or(0.0);
+        macs += head.macs;
+    }
+    println!(
+        "\nSmolLM2-135M decode, matmuls only, weights streamed ({:.0} M MAC/token): ours {:.2} ms \
+         ({:.0} tok/s, {:.1} GMAC/s), candle {:.2} ms ({:.0} tok/s)",
+        macs / 1e6,
+        ours * 1e3,
+        1.0 / ours,
+        macs / ours / 1e9,
+        candle * 1e3,
+        1.0 / candle
+    );
+}

@@ -1,0 +1,294 @@
+//! `DenseMatrix`: f32 or f16 weight matrices and their single-threaded matmul driver
+//! (f32 accumulation; AVX2+FMA with F16C widening, or portable code).
+
+use crate::cpu::{self, Simd};
+use crate::error::KernelError;
+use crate::matrix::check_matmul_args;
+use half::f16;
+
+/// Row-major `[rows, cols]` values of one element type. Built through [`DenseMatrix`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct DenseData<T> {
+    rows: usize,
+    cols: usize,
+    values: Vec<T>,
+}
+
+impl<T> DenseData<T> {
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The `rows * cols` values, row-major.
+    pub fn values(&self) -> &[T] {
+        &self.values
+    }
+}
+
+/// f32 or f16 weights, `[rows, cols]` row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DenseMatrix {
+    /// f32 weights.
+    F32(DenseData<f32>),
+    /// f16 weights (half the bytes to stream), widened to f32 in the kernels.
+    F16(DenseData<f16>),
+}
+
+/// Row-major element count of `[rows, cols]`, checked.
+fn element_count(rows: usize, cols: usize) -> Result<usize, KernelError> {
+    rows.checked_mul(cols)
+        .filter(|c| c.checked_mul(4).is_some())
+        .ok_or(KernelError::ShapeOverflow { rows, cols })
+}
+
+impl DenseMatrix {
+    /// f32 weights; `values.len()` must be `rows * cols`.
+    pub fn from_f32(rows: usize, cols: usize, values: Vec<f32>) -> Result<Self, KernelError> {
+        let expected = element_count(rows, cols)?;
+        if values.len() != expected {
+            return Err(KernelError::ValueCount {
+                rows,
+                cols,
+                expected,
+                got: values.len(),
+            });
+        }
+        Ok(DenseMatrix::F32(DenseData { rows, cols, values }))
+    }
+
+    /// Weights given as f32, stored as f16 (round to nearest even).
+    pub fn from_f32_as_f16(rows: usize, cols: usize, values: &[f32]) -> Result<Self, KernelError> {
+        let expected = element_count(rows, cols)?;
+        if values.len() != expected {
+            return Err(KernelError::ValueCount {
+                rows,
+                cols,
+                expected,
+                got: values.len(),
+            });
+        }
+        let values = values.iter().map(|&v| f16::from_f32(v)).collect();
+        Ok(DenseMatrix::F16(DenseData { rows, cols, values }))
+    }
+
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        match self {
+            DenseMatrix::F32(d) => d.rows,
+            DenseMatrix::F16(d) => d.rows,
+        }
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        match self {
+            DenseMatrix::F32(d) => d.cols,
+            DenseMatrix::F16(d) => d.cols,
+        }
+    }
+
+    /// Bytes of weight storage held.
+    pub fn storage_bytes(&self) -> usize {
+        match self {
+            DenseMatrix::F32(d) => d.values.len() * 4,
+            DenseMatrix::F16(d) => d.values.len() * 2,
+        }
+    }
+
+    /// `y [n, rows] = x [n, cols] · Wᵀ` with f32 accumulation, on the calling thread only.
+    pub fn matmul(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
+        self.matmul_with(cpu::simd(), x, n, y)
+    }
+
+    /// [`DenseMatrix::matmul`] with an explicit kernel family (tests compare them).
+    pub(crate) fn matmul_with(
+        &self,
+        simd: Simd,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let (rows, cols) = (self.rows(), self.cols());
+        check_matmul_args(rows, cols, x, n, y)?;
+        match (simd, self) {
+            #[cfg(target_arch = "x86_64")]
+            (Simd::Avx2, DenseMatrix::F32(d)) => {
+                // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
+                // F16C; the lengths of `w`, `x` and `y` were checked above.
+                unsafe { crate::dense_avx2::matmul(&d.values, rows, cols, x, n, y) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            (Simd::Avx2, DenseMatrix::F16(d)) => {
+                // SAFETY: as above.
+                unsafe { crate::dense_avx2::matmul(&d.values, rows, cols, x, n, y) }
+            }
+            (_, DenseMatrix::F32(d)) => scalar_matmul(&d.values, |v| v, rows, cols, x, y),
+            (_, DenseMatrix::F16(d)) => scalar_matmul(&d.values, f16::to_f32, rows, cols, x, y),
+        }
+        Ok(())
+    }
+
+    /// Row `row` of W as f32 into `out` (`cols` long).
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        let (rows, cols) = (self.rows(), self.cols());
+        if row >= rows {
+            return Err(KernelError::RowOutOfRange { row, rows });
+        }
+        if out.len() != cols {
+            return Err(KernelError::SliceLength {
+                what: "out (cols)",
+                expected: cols,
+                got: out.len(),
+            });
+        }
+        match self {
+            DenseMatrix::F32(d) => out.copy_from_slice(&d.values[row * cols..(row + 1) * cols]),
+            DenseMatrix::F16(d) => {
+                for (o, v) in out.iter_mut().zip(&d.values[row * cols..(row + 1) * cols]) {
+                    *o = v.to_f32();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Stacks matrices of the same element type and column count along rows.
+    pub fn concat_rows(parts: Vec<DenseMatrix>) -> Result<DenseMatrix, KernelError> {
+        let first = parts.first().ok_or(KernelError::EmptyConcat)?;
+        let describe = |m: &DenseMatrix| {
+            let kind = match m {
+                DenseMatrix::F32(_) => "f32",
+                DenseMatrix::F16(_) => "f16",
+            };
+            format!("{kind} with {} cols", m.cols())
+        };
+        let cols = first.cols();
+        let mut rows = 0usize;
+        for (index, p) in parts.iter().enumerate() {
+            let same_kind = matches!(
+                (first, p),
+                (DenseMatrix::F32(_), DenseMatrix::F32(_))
+                    | (DenseMatrix::F16(_), DenseMatrix::F16(_))
+            );
+            if !same_kind || p.cols() != cols {
+                return Err(KernelError::ConcatMismatch {
+                    index,
+                    expected: describe(first),
+                    found: describe(p),
+                });
+            }
+            rows = rows
+                .checked_add(p.rows())
+                .ok_or(KernelError::ShapeOverflow {
+                    rows: usize::MAX,
+                    cols,
+                })?;
+        }
+        element_count(rows, cols)?;
+        Ok(match first {
+            DenseMatrix::F32(_) => DenseMatrix::F32(DenseData {
+                rows,
+                cols,
+                values: parts
+                    .iter()
+                    .flat_map(|p| match p {
+                        DenseMatrix::F32(d) => d.values.as_slice(),
+                        DenseMatrix::F16(_) => &[],
+                    })
+                    .copied()
+                    .collect(),
+            }),
+            DenseMatrix::F16(_) => DenseMatrix::F16(DenseData {
+                rows,
+                cols,
+                values: parts
+                    .iter()
+                    .flat_map(|p| match p {
+                        DenseMatrix::F16(d) => d.values.as_slice(),
+                        DenseMatrix::F32(_) => &[],
+                    })
+                    .copied()
+                    .collect(),
+            }),
+        })
+    }
+}
+
+/// Portable `y = x · Wᵀ`: one f32 dot product per output, 8 partial sums each.
+fn scalar_matmul<T: Copy>(
+    w: &[T],
+    to_f32: impl Fn(T) -> f32,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    y: &mut [f32],
+) {
+    if cols == 0 {
+        y.fill(0.0);
+        return;
+    }
+    for (xt, yt) in x.chunks_exact(cols).zip(y.chunks_exact_mut(rows.max(1))) {
+        for (yr, wr) in yt.iter_mut().zip(w.chunks_exact(cols)) {
+            let mut part = [0.0f32; 8];
+            let (xc, wc) = (xt.chunks_exact(8), wr.chunks_exact(8));
+            let (xtail, wtail) = (xc.remainder(), wc.remainder());
+            for (xs, ws) in xc.zip(wc) {
+                for i in 0..8 {
+                    part[i] += xs[i] * to_f32(ws[i]);
+                }
+            }
+            let mut sum = part.iter().sum::<f32>();
+            for (&a, &b) in xtail.iter().zip(wtail) {
+                sum += a * to_f32(b);
+            }
+            *yr = sum;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed;
+        (0..len)
+            .map(|_| {
+                s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+                (s >> 8) as f32 / (1 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
+    #[test]
+    fn avx2_and_scalar_dense_paths_agree() {
+        if cpu::detect_hardware() != Simd::Avx2 {
+            eprintln!("skipped: no AVX2+FMA+F16C on this CPU");
+            return;
+        }
+        for (rows, cols) in [(1, 1), (3, 7), (17, 33), (25, 576), (50, 100)] {
+            for n in [1usize, 2, 3, 4, 5, 9] {
+                let w = values(rows * cols, (rows + cols) as u32);
+                let x = values(n * cols, n as u32);
+                for m in [
+                    DenseMatrix::from_f32(rows, cols, w.clone()).unwrap(),
+                    DenseMatrix::from_f32_as_f16(rows, cols, &w).unwrap(),
+                ] {
+                    let mut ya = vec![0.0; n * rows];
+                    let mut ys = vec![0.0; n * rows];
+                    m.matmul_with(Simd::Avx2, &x, n, &mut ya).unwrap();
+                    m.matmul_with(Simd::Scalar, &x, n, &mut ys).unwrap();
+                    for (a, s) in ya.iter().zip(&ys) {
+                        assert!((a - s).abs() <= 1e-5 * cols as f32, "{a} vs {s}");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! AVX2+FMA dense kernels: register tiles of T tokens x R rows of f32 dot products (f16
+//! weights widened with F16C), blocked over rows so a block of W stays in L2 across tiles.
+
+use half::f16;
+use std::arch::x86_64::*;
+
+/// A weight element the kernel can load 8 of as f32 lanes.
+pub(crate) trait Weight: Copy {
+    /// # Safety
+    /// AVX2/F16C enabled; `p` valid for 8 reads.
+    unsafe fn load8(p: *const Self) -> __m256;
+    fn to_f32(self) -> f32;
+}
+
+impl Weight for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable f32 and AVX.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Weight for f16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f16) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable f16 (16 bytes) and F16C; `f16` is a
+        // transparent u16.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+/// Rows per block of W kept hot in L2 while every token tile passes over it.
+fn row_block(cols: usize, elem_bytes: usize) -> usize {
+    let rows = (256 * 1024) / (cols * elem_bytes).max(1);
+    (rows / 24).max(1) * 24
+}
+
+/// `y [n, rows] = x [n, cols] · Wᵀ`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `w.len() == rows * cols`,
+/// `x.len() == n * cols`, `y.len() == n * rows`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn matmul<W: Weight>(
+    w: &[W],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+) {
+    let rb = row_block(cols, std::mem::size_of::<W>());
+    let mut r0 = 0;
+    while r0 < rows {
+        let r_end = rows.min(r0 + rb);
+        let mut t0 = 0;
+        while t0 < n {
+            let t = (n - t0).min(4);
+            // SAFETY: rows r0..r_end and tokens t0..t0+t are in range; the caller guarantees
+            // the features and slice lengths.
+            unsafe { rows_for_tile(w, cols, x, t0, t, r0, r_end, rows, y) };
+            t0 += t;
+        }
+        r0 = r_end;
+    }
+}
+
+/// All rows `r0..r_end` for tokens `t0..t0 + t`.
+///
+/// # Safety
+/// As for [`matmul`], with `1 <= t <= 4`, `t0 + t <= n`, `r_end <= rows`.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_for_tile<W: Weight>(
+    w: &[W],
+    cols: usize,
+    x: &[f32],
+    t0: usize,
+    t: usize,
+    r0: usize,
+    r_end: usize,
+    rows: usize,
+    y: &mut [f32],
+) {
+    let xp = x.as_ptr().wrapping_add(t0 * cols);
+    let yp = y.as_mut_ptr().wrapping_add(t0 * rows);
+    let wp = w.as_ptr();
+    // SAFETY: each call reads rows r..r+R (< r_end <= rows) of W and tokens t0..t0+t of x,
+    // and writes y[(t0 + i) * rows + r + j] for i < t, j < R: all inside the slices.
+    unsafe {
+        let step = match t {
+            1 => 8,
+            2 => 6,
+            3 => 4,
+            _ => 3,
+        };
+        let mut r = r0;
+        while r + step <= r_end {
+            let wr = wp.add(r * cols);
+            let yr = yp.add(r);
+            match t {
+                1 => tile::<W, 1, 8>(wr, xp, cols, yr, rows),
+                2 => tile::<W, 2, 6>(wr, xp, cols, yr, rows),
+                3 => tile::<W, 3, 4>(wr, xp, cols, yr, rows),
+                _ => tile::<W, 4, 3>(wr, xp, cols, yr, rows),
+            }
+            r += step;
+        }
+        while r < r_end {
+            let wr = wp.add(r * cols);
+            let yr = yp.add(r);
+            match t {
+                1 => tile::<W, 1, 1>(wr, xp, cols, yr, rows),
+                2 => tile::<W, 2, 1>(wr, xp, cols, yr, rows),
+                3 => tile::<W, 3, 1>(wr, xp, cols, yr, rows),
+                _ => tile::<W, 4, 1>(wr, xp, cols, yr, rows),
+            }
+            r += 1;
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// `T` tokens (rows of `x`, stride `cols`) against `R` rows of W (stride `cols`), written to
+/// `y[t * y_stride + r]`.
+///
+/// # Safety
+/// Features enabled; `w` valid for `R * cols` reads, `x` for `T * cols`, and `y` for writes
+/// at `t * y_stride + r` (t < T, r < R).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<W: Weight, const T: usize, const R: usize>(
+    w: *const W,
+    x: *const f32,
+    cols: usize,
+    y: *mut f32,
+    y_stride: usize,
+) {
+    // SAFETY: all offsets stay below `R * cols` for w, `T * cols` for x (k + 8 <= cols in the
+    // vector loop, k < cols in the tail), and at the promised y positions.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); R]; T];
+        let mut k = 0;
+        while k + 8 <= cols {
+            let mut wv = [_mm256_setzero_ps(); R];
+            for (r, v) in wv.iter_mut().enumerate() {
+                *v = W::load8(w.add(r * cols + k));
+            }
+            for (ti, acc_t) in acc.iter_mut().enumerate() {
+                let xv = _mm256_loadu_ps(x.add(ti * cols + k));
+                for (a, &wr) in acc_t.iter_mut().zip(&wv) {
+                    *a = _mm256_fmadd_ps(xv, wr, *a);
+                }
+            }
+            k += 8;
+        }
+        for (ti, acc_t) in acc.iter().enumerate() {
+            for (r, &a) in acc_t.iter().enumerate() {
+                let mut s = hsum(a);
+                for kk in k..cols {
+                    s += *x.add(ti * cols + kk) * (*w.add(r * cols + kk)).to_f32();
+                }
+                *y.add(ti * y_stride + r) = s;
+            }
+        }
+    }
+}

@@ -1,0 +1,286 @@
+//! AVX2 integer dot products of one 8-row group of packed weights with 1 to 4 tokens'
+//! quantized activations: each 32-byte weight load serves all 8 rows (one 32-bit lane per
+//! row) and every token of the tile, so a block is unpacked once per tile.
+//!
+//! The trick: `maddubs` multiplies unsigned bytes by signed bytes and adds adjacent pairs to
+//! i16; a second `madd` with ones adds pairs of i16 to i32. With the packed layout each 32-bit
+//! lane holds 4 consecutive columns of one row, and the matching 4 activation bytes are
+//! broadcast to every lane, so lane `r` accumulates row `r`'s dot product.
+//! - Q4_0/Q4_1: nibbles (0..=15) are the unsigned side. Eight products summed in i16 stay
+//!   below 8 * 2 * 15 * 127 = 30480 < 32767. Q4_0's `-8` is `-8 * sum(x)` per block, in i32.
+//! - Q8_0: signed times signed, so `|w|` is the unsigned side and `x` takes `w`'s sign;
+//!   each pair sum is at most 2 * 128 * 127 = 32512 and goes to i32 at once.
+//! - Q5_0: nibbles plus the fifth bit (0..=31) are the unsigned side; four products per i16
+//!   stay below 4 * 2 * 31 * 127 = 31496; the `-16` is `-16 * sum(x)` per block, in i32.
+
+use crate::format::QuantType;
+use crate::pack::{group_block_bytes, group_scale_bytes, GROUP_ROWS};
+use crate::quantize::ActBlock;
+use std::arch::x86_64::*;
+
+/// Most tokens a tile handles at once.
+pub(crate) const MAX_TILE: usize = 4;
+
+/// Outputs of one group for `tile` tokens into `out[..tile]`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `group.len() >= nb * group_block_bytes(qtype)`;
+/// `acts.len() >= tile * nb` (token `t`'s blocks are `acts[t * nb..(t + 1) * nb]`);
+/// `1 <= tile <= MAX_TILE`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn group_dot(
+    qtype: QuantType,
+    group: &[u8],
+    nb: usize,
+    acts: &[ActBlock],
+    tile: usize,
+    out: &mut [[f32; GROUP_ROWS]; MAX_TILE],
+) {
+    let g = group.as_ptr();
+    let a = acts.as_ptr();
+    // SAFETY: the caller guarantees the CPU features, that the group holds `nb` group
+    // blocks and that `acts` holds `tile` tokens of `nb` blocks; the pointers below stay
+    // inside those slices.
+    unsafe {
+        let p = |t: usize| a.add(t * nb);
+        match (qtype, tile) {
+            (QuantType::Q4_0, 1) => q4::<1, false>(g, nb, [p(0)], out),
+            (QuantType::Q4_0, 2) => q4::<2, false>(g, nb, [p(0), p(1)], out),
+            (QuantType::Q4_0, 3) => q4::<3, false>(g, nb, [p(0), p(1), p(2)], out),
+            (QuantType::Q4_0, _) => q4::<4, false>(g, nb, [p(0), p(1), p(2), p(3)], out),
+            (QuantType::Q4_1, 1) => q4::<1, true>(g, nb, [p(0)], out),
+            (QuantType::Q4_1, 2) => q4::<2, true>(g, nb, [p(0), p(1)], out),
+            (QuantType::Q4_1, 3) => q4::<3, true>(g, nb, [p(0), p(1), p(2)], out),
+            (QuantType::Q4_1, _) => q4::<4, true>(g, nb, [p(0), p(1), p(2), p(3)], out),
+            (QuantType::Q8_0, 1) => q8::<1>(g, nb, [p(0)], out),
+            (QuantType::Q8_0, 2) => q8::<2>(g, nb, [p(0), p(1)], out),
+            (QuantType::Q8_0, 3) => q8::<3>(g, nb, [p(0), p(1), p(2)], out),
+            (QuantType::Q8_0, _) => q8::<4>(g, nb, [p(0), p(1), p(2), p(3)], out),
+            (QuantType::Q5_0, 1) => q5::<1>(g, nb, [p(0)], out),
+            (QuantType::Q5_0, 2) => q5::<2>(g, nb, [p(0), p(1)], out),
+            (QuantType::Q5_0, 3) => q5::<3>(g, nb, [p(0), p(1), p(2)], out),
+            (QuantType::Q5_0, _) => q5::<4>(g, nb, [p(0), p(1), p(2), p(3)], out),
+            // K-quants have their own kernels (`dot_avx2_k`).
+            (QuantType::Q4_K | QuantType::Q6_K, _) => {}
+        }
+    }
+}
+
+/// Bytes ahead of the current block that `prefetch_ahead` asks for.
+const PREFETCH_DISTANCE: usize = 1024;
+
+/// Asks for the group block `PREFETCH_DISTANCE` bytes ahead (`gb` bytes, one prefetch per
+/// cache line it may touch) to be brought into cache: the hardware prefetchers alone leave
+/// a streamed matvec waiting on memory. A prefetch never faults, even past the end.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn prefetch_ahead(blk: *const u8, gb: usize) {
+    let ahead = blk.wrapping_add(PREFETCH_DISTANCE);
+    let mut off = 0;
+    while off < gb + 64 {
+        // Newer toolchains treat this intrinsic as safe here; older ones may not.
+        #[allow(unused_unsafe)]
+        // SAFETY: a prefetch is only a hint: it never faults, whatever the address.
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off) as *const i8)
+        };
+        off += 64;
+    }
+}
+
+/// Broadcasts the 4 activation bytes starting at `qs + at` to all 8 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bcast4(qs: *const i8, at: usize) -> __m256i {
+    // SAFETY: the caller keeps `at + 4 <= 32` inside a block's quants.
+    unsafe { _mm256_set1_epi32((qs.add(at) as *const i32).read_unaligned()) }
+}
+
+/// Q4_0 (`MIN = false`) or Q4_1 (`MIN = true`) group against `T` tokens.
+///
+/// # Safety
+/// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4<const T: usize, const MIN: bool>(
+    group: *const u8,
+    nb: usize,
+    acts: [*const ActBlock; T],
+    out: &mut [[f32; GROUP_ROWS]; MAX_TILE],
+) {
+    let qtype = if MIN {
+        QuantType::Q4_1
+    } else {
+        QuantType::Q4_0
+    };
+    let gb = group_block_bytes(qtype);
+    let sb = group_scale_bytes(qtype);
+    // SAFETY: every load reads inside group block `b < nb` (scales at 0 and 16, quants at
+    // `sb + 32 * l` for l < 4, ending at `gb`) or inside activation block `b < nb` of a token.
+    unsafe {
+        let low4 = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut acc_min = [_mm256_setzero_ps(); T];
+        for b in 0..nb {
+            let blk = group.add(b * gb);
+            prefetch_ahead(blk, gb);
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+            let q = blk.add(sb);
+            let mut s16 = [_mm256_setzero_si256(); T];
+            for l in 0..4 {
+                let v = _mm256_loadu_si256(q.add(32 * l) as *const __m256i);
+                let lo = _mm256_and_si256(v, low4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4);
+                for t in 0..T {
+                    let xq = (*acts[t].add(b)).qs.as_ptr();
+                    let pl = _mm256_maddubs_epi16(lo, bcast4(xq, 4 * l));
+                    let ph = _mm256_maddubs_epi16(hi, bcast4(xq, 16 + 4 * l));
+                    s16[t] = _mm256_add_epi16(s16[t], _mm256_add_epi16(pl, ph));
+                }
+            }
+            let mw = if MIN {
+                _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i))
+            } else {
+                _mm256_setzero_ps()
+            };
+            for t in 0..T {
+                let x = &*acts[t].add(b);
+                let mut s32 = _mm256_madd_epi16(s16[t], ones);
+                if !MIN {
+                    s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32(8 * x.sum));
+                }
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), scale, acc[t]);
+                if MIN {
+                    acc_min[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s), acc_min[t]);
+                }
+            }
+        }
+        for t in 0..T {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), _mm256_add_ps(acc[t], acc_min[t]));
+        }
+    }
+}
+
+/// Q8_0 group against `T` tokens.
+///
+/// # Safety
+/// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8<const T: usize>(
+    group: *const u8,
+    nb: usize,
+    acts: [*const ActBlock; T],
+    out: &mut [[f32; GROUP_ROWS]; MAX_TILE],
+) {
+    let gb = group_block_bytes(QuantType::Q8_0);
+    let sb = group_scale_bytes(QuantType::Q8_0);
+    // SAFETY: every load reads inside group block `b < nb` (scales at 0, quants at
+    // `sb + 32 * c` for c < 8, ending at `gb`) or inside activation block `b` of a token.
+    unsafe {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); T];
+        for b in 0..nb {
+            let blk = group.add(b * gb);
+            prefetch_ahead(blk, gb);
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+            let q = blk.add(sb);
+            let mut s32 = [_mm256_setzero_si256(); T];
+            for c in 0..8 {
+                let w = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
+                let aw = _mm256_abs_epi8(w);
+                for t in 0..T {
+                    let xq = (*acts[t].add(b)).qs.as_ptr();
+                    let sx = _mm256_sign_epi8(bcast4(xq, 4 * c), w);
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
+                    s32[t] = _mm256_add_epi32(s32[t], p);
+                }
+            }
+            for t in 0..T {
+                let x = &*acts[t].add(b);
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[t]), scale, acc[t]);
+            }
+        }
+        for t in 0..T {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+        }
+    }
+}
+
+/// The fifth bits of 4 columns per row: byte `j` of lane `r` becomes 0x10 when bit `j` of
+/// lane `r` of `bits` is set (bits above 3 are ignored).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn fifth_bits(bits: __m256i) -> __m256i {
+    {
+        let low_byte = _mm256_setr_epi8(
+            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8,
+            12, 12, 12, 12,
+        );
+        let select = _mm256_set1_epi32(0x0804_0201);
+        let b = _mm256_and_si256(_mm256_shuffle_epi8(bits, low_byte), select);
+        _mm256_and_si256(_mm256_cmpeq_epi8(b, select), _mm256_set1_epi8(0x10))
+    }
+}
+
+/// Q5_0 group against `T` tokens.
+///
+/// # Safety
+/// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5<const T: usize>(
+    group: *const u8,
+    nb: usize,
+    acts: [*const ActBlock; T],
+    out: &mut [[f32; GROUP_ROWS]; MAX_TILE],
+) {
+    let gb = group_block_bytes(QuantType::Q5_0);
+    let sb = group_scale_bytes(QuantType::Q5_0);
+    // SAFETY: every load reads inside group block `b < nb` (scales at 0, `qh` words at `sb`,
+    // nibble words at `sb + 32 * (1 + l)` for l < 4, ending at `gb`) or inside activation
+    // block `b` of a token.
+    unsafe {
+        let low4 = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); T];
+        for b in 0..nb {
+            let blk = group.add(b * gb);
+            prefetch_ahead(blk, gb);
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+            let qh = _mm256_loadu_si256(blk.add(sb) as *const __m256i);
+            let mut s32 = [_mm256_setzero_si256(); T];
+            for half in 0..2 {
+                let mut s16 = [_mm256_setzero_si256(); T];
+                for l in 2 * half..2 * half + 2 {
+                    let v = _mm256_loadu_si256(blk.add(sb + 32 * (1 + l)) as *const __m256i);
+                    let hl = fifth_bits(_mm256_srl_epi32(qh, _mm_cvtsi32_si128(4 * l as i32)));
+                    let hh = fifth_bits(_mm256_srl_epi32(qh, _mm_cvtsi32_si128(16 + 4 * l as i32)));
+                    let lo = _mm256_or_si256(_mm256_and_si256(v, low4), hl);
+                    let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(v), low4), hh);
+                    for t in 0..T {
+                        let xq = (*acts[t].add(b)).qs.as_ptr();
+                        let pl = _mm256_maddubs_epi16(lo, bcast4(xq, 4 * l));
+                        let ph = _mm256_maddubs_epi16(hi, bcast4(xq, 16 + 4 * l));
+                        s16[t] = _mm256_add_epi16(s16[t], _mm256_add_epi16(pl, ph));
+                    }
+                }
+                for t in 0..T {
+                    s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s16[t], ones));
+                }
+            }
+            for t in 0..T {
+                let x = &*acts[t].add(b);
+                let s = _mm256_sub_epi32(s32[t], _mm256_set1_epi32(16 * x.sum));
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[t]);
+            }
+        }
+        for t in 0..T {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+        }
+    }
+}

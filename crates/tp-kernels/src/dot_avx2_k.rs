@@ -1,0 +1,313 @@
+//! AVX2 integer dot products of one 8-row group of packed K-quant weights (Q4_K, Q6_K) with
+//! 1 to 4 tokens' Q8_K activations; the same one-row-per-32-bit-lane scheme as `dot_avx2`.
+//!
+//! Per-sub-block scales are applied in the integer domain: the i16 pair sums of a sub-block
+//! are `madd`-ed with the row's scale replicated in both i16 halves of its lane.
+//! - Q4_K: 8 nibble products per i16 stay below 8 * 2 * 15 * 127; the minimums contribute
+//!   `sum_s m_s * bsum32_s`, one `madd` per pair of sub-blocks against the broadcast sums.
+//! - Q6_K: 6-bit values (0..=63) are the unsigned side; two products per i16 stay below
+//!   2 * 2 * 63 * 128 = 32256; the `-32` offset is `-32 * sum_s sc_s * bsum16_s`.
+
+use crate::format::QuantType;
+use crate::pack::GROUP_ROWS;
+use crate::pack_k::{q4k, q6k};
+use crate::quantize_k::ActBlockK;
+use std::arch::x86_64::*;
+
+use crate::dot_avx2::MAX_TILE;
+
+/// Outputs of one group for `tile` tokens into `out[..tile]`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `group.len() >= nb * group_block_bytes(qtype)`
+/// for a K-quant `qtype`; `acts.len() >= tile * nb`; `1 <= tile <= MAX_TILE`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn group_dot(
+    qtype: QuantType,
+    group: &[u8],
+    nb: usize,
+    acts: &[ActBlockK],
+    tile: usize,
+    out: &mut [[f32; GROUP_ROWS]; MAX_TILE],
+) {
+    let g = group.as_ptr();
+    let a = acts.as_ptr();
+    // SAFETY: the caller guarantees the CPU features, that the group holds `nb` group
+    // super-blocks and that `acts` holds `tile` tokens of `nb` blocks.
+    unsafe {
+        let p = |t: usize| a.add(t * nb);
+        match (qtype, tile) {
+            (QuantType::Q4_K, 1) => q4k::<1>(g, nb, [p(0)], out),
+            (QuantType::Q4_K, 2) => q4k::<2>(g, nb, [p(0), p(1)], out),
+            (QuantType::Q4_K, 3) => q4k::<3>(g, nb, [p(0), p(1), p(2)], out),
+            (QuantType::Q4_K, _) => q4k::<4>(g, nb, [p(0), p(1), p(2), p(3)], out),
+            (QuantType::Q6_K, 1) => q6k::<1>(g, nb, [p(0)], out),
+            (QuantType::Q6_K, 2) => q6k::<2>(g, nb, [p(0), p(1)], out),
+            (QuantType::Q6_K, 3) => q6k::<3>(g, nb, [p(0), p(1), p(2)], out),
+            (QuantType::Q6_K, _) => q6k::<4>(g, nb, [p(0), p(1), p(2), p(3)], out),
+            _ => {}
+        }
+    }
+}
+
+/// Asks for the next group super-block (`bytes` long, right after `blk`) to be brought into
+/// cache while this one is computed: the hardware prefetchers alone leave these kernels
+/// waiting on memory. A prefetch never faults, even past the end of the matrix.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn prefetch_next(blk: *const u8, bytes: usize) {
+    let next = blk.wrapping_add(bytes);
+    let mut off = 0;
+    while off < bytes {
+        // Newer toolchains treat this intrinsic as safe here; older ones may not.
+        #[allow(unused_unsafe)]
+        // SAFETY: a prefetch is only a hint: it never faults, whatever the address.
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(off) as *const i8)
+        };
+        off += 64;
+    }
+}
+
+/// Broadcasts the 4 bytes at `p` (activation quants or a pair of i16 sums) to all lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bcast4<T>(p: *const T) -> __m256i {
+    // SAFETY: the caller keeps the 4 bytes inside an activation block.
+    unsafe { _mm256_set1_epi32((p as *const i32).read_unaligned()) }
+}
+
+/// 16 bytes at `p` widened to 16 i16 (8 rows x a pair of scales), unsigned or signed.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pairs_u8(p: *const u8) -> __m256i {
+    // SAFETY: the caller keeps the 16 bytes inside a group super-block.
+    unsafe { _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i)) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pairs_i8(p: *const u8) -> __m256i {
+    // SAFETY: as for `pairs_u8`.
+    unsafe { _mm256_cvtepi8_epi16(_mm_loadu_si128(p as *const __m128i)) }
+}
+
+/// From lanes holding an i16 pair `(a, b)`: lanes `(a, a)` (`HI = false`) or `(b, b)`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dup_half<const HI: bool>(v: __m256i) -> __m256i {
+    {
+        let idx = if HI {
+            _mm256_setr_epi8(
+                2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10,
+                11, 10, 11, 14, 15, 14, 15,
+            )
+        } else {
+            _mm256_setr_epi8(
+                0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9,
+                8, 9, 12, 13, 12, 13,
+            )
+        };
+        _mm256_shuffle_epi8(v, idx)
+    }
+}
+
+/// The 6-bit values of quarters 0..4 of Q6_K word `i` of half `h` (8 rows x 4 columns each).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_quarters(blk: *const u8, h: usize, i: usize) -> [__m256i; 4] {
+    // SAFETY: the caller passes a group super-block; the words are inside it.
+    unsafe {
+        let t = blk.add(q6k::triple(h, i));
+        let a = load(t);
+        let b = load(t.add(32));
+        let hb = load(t.add(64));
+        [
+            six_bits(a, _mm256_slli_epi16::<4>(hb)),
+            six_bits(b, _mm256_slli_epi16::<2>(hb)),
+            six_bits(_mm256_srli_epi16::<4>(a), hb),
+            six_bits(_mm256_srli_epi16::<4>(b), _mm256_srli_epi16::<2>(hb)),
+        ]
+    }
+}
+
+/// Words `i` and `i + 1` of half `h` of Q6_K super-block `b` against `T` tokens: per quarter,
+/// two `maddubs` summed in i16, then `madd` with the quarter's sub-block scales.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_words<const T: usize>(
+    blk: *const u8,
+    h: usize,
+    i: usize,
+    sc: &[__m256i; 4],
+    acts: &[*const ActBlockK; T],
+    b: usize,
+    s32: &mut [__m256i; T],
+) {
+    // SAFETY: weight words are inside the group super-block; activation reads are at
+    // `128h + 32k + 4i + 0..8 < 256` inside block `b` of each token.
+    unsafe {
+        let q0 = q6_quarters(blk, h, i);
+        let q1 = q6_quarters(blk, h, i + 1);
+        for t in 0..T {
+            let xq = (*acts[t].add(b)).qs.as_ptr().add(128 * h + 4 * i);
+            let mut s = s32[t];
+            macro_rules! quarter {
+                ($k:literal) => {
+                    let p0 = _mm256_maddubs_epi16(q0[$k], bcast4(xq.add(32 * $k)));
+                    let p1 = _mm256_maddubs_epi16(q1[$k], bcast4(xq.add(32 * $k + 4)));
+                    let p = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), sc[$k]);
+                    s = _mm256_add_epi32(s, p);
+                };
+            }
+            quarter!(0);
+            quarter!(1);
+            quarter!(2);
+            quarter!(3);
+            s32[t] = s;
+        }
+    }
+}
+
+/// Q6_K values: the low nibble of each byte of `low` with bits 4..6 of each byte of `high`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn six_bits(low: __m256i, high: __m256i) -> __m256i {
+    _mm256_or_si256(
+        _mm256_and_si256(low, _mm256_set1_epi8(0x0F)),
+        _mm256_and_si256(high, _mm256_set1_epi8(0x30)),
+    )
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load(p: *const u8) -> __m256i {
+    // SAFETY: the caller keeps the 32 bytes inside a group super-block.
+    unsafe { _mm256_loadu_si256(p as *const __m256i) }
+}
+
+/// Q4_K group against `T` tokens.
+///
+/// # Safety
+/// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4k<const T: usize>(
+    group: *const u8,
+    nb: usize,
+    acts: [*const ActBlockK; T],
+    out: &mut [[f32; GROUP_ROWS]; MAX_TILE],
+) {
+    // SAFETY: all weight reads are inside group super-block `b < nb` (offsets from `pack_k`
+    // ending at `q4k::BYTES`); activation reads are inside block `b` of each token.
+    unsafe {
+        let low4 = _mm256_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); T];
+        for b in 0..nb {
+            let blk = group.add(b * q4k::BYTES);
+            prefetch_next(blk, q4k::BYTES);
+            let mut s32 = [_mm256_setzero_si256(); T];
+            for c in 0..4 {
+                let scp = pairs_u8(blk.add(q4k::SC + 16 * c));
+                for hi in [false, true] {
+                    let sc = if hi {
+                        dup_half::<true>(scp)
+                    } else {
+                        dup_half::<false>(scp)
+                    };
+                    let mut s16 = [_mm256_setzero_si256(); T];
+                    for w8 in 0..8 {
+                        let v = load(blk.add(q4k::QS + 32 * (8 * c + w8)));
+                        let q = if hi {
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4)
+                        } else {
+                            _mm256_and_si256(v, low4)
+                        };
+                        let at = 64 * c + 32 * hi as usize + 4 * w8;
+                        for t in 0..T {
+                            let x = bcast4((*acts[t].add(b)).qs.as_ptr().add(at));
+                            s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(q, x));
+                        }
+                    }
+                    for t in 0..T {
+                        s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s16[t], sc));
+                    }
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q4k::D) as *const __m128i));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q4k::DMIN) as *const __m128i));
+            for t in 0..T {
+                let x = &*acts[t].add(b);
+                let mut m32 = _mm256_setzero_si256();
+                for c in 0..4 {
+                    let mp = pairs_u8(blk.add(q4k::MIN + 16 * c));
+                    let bs = bcast4(x.bsum32.as_ptr().add(2 * c));
+                    m32 = _mm256_add_epi32(m32, _mm256_madd_epi16(mp, bs));
+                }
+                let mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m32));
+                let v = _mm256_fmsub_ps(dw, _mm256_cvtepi32_ps(s32[t]), mins);
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(x.d), v, acc[t]);
+            }
+        }
+        for t in 0..T {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+        }
+    }
+}
+
+/// Q6_K group against `T` tokens.
+///
+/// # Safety
+/// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k<const T: usize>(
+    group: *const u8,
+    nb: usize,
+    acts: [*const ActBlockK; T],
+    out: &mut [[f32; GROUP_ROWS]; MAX_TILE],
+) {
+    // SAFETY: all weight reads are inside group super-block `b < nb` (offsets from `pack_k`
+    // ending at `q6k::BYTES`); activation reads are inside block `b` of each token.
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); T];
+        for b in 0..nb {
+            let blk = group.add(b * q6k::BYTES);
+            prefetch_next(blk, q6k::BYTES);
+            let mut s32 = [_mm256_setzero_si256(); T];
+            for h in 0..2 {
+                for half in 0..2 {
+                    // Scales of sub-blocks 8h + 2k + half (quarter k, 16 columns each).
+                    let mut sc = [_mm256_setzero_si256(); 4];
+                    for (k, sck) in sc.iter_mut().enumerate() {
+                        let scp = pairs_i8(blk.add(q6k::SC + 16 * (4 * h + k)));
+                        *sck = if half == 1 {
+                            dup_half::<true>(scp)
+                        } else {
+                            dup_half::<false>(scp)
+                        };
+                    }
+                    let i0 = 4 * half;
+                    q6_words::<T>(blk, h, i0, &sc, &acts, b, &mut s32);
+                    q6_words::<T>(blk, h, i0 + 2, &sc, &acts, b, &mut s32);
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q6k::D) as *const __m128i));
+            for t in 0..T {
+                let x = &*acts[t].add(b);
+                let mut o32 = _mm256_setzero_si256();
+                for p in 0..8 {
+                    let scp = pairs_i8(blk.add(q6k::SC + 16 * p));
+                    let bs = bcast4(x.bsum16.as_ptr().add(2 * p));
+                    o32 = _mm256_add_epi32(o32, _mm256_madd_epi16(scp, bs));
+                }
+                let isum = _mm256_sub_epi32(s32[t], _mm256_slli_epi32::<5>(o32));
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[t]);
+            }
+        }
+        for t in 0..T {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+        }
+    }
+}

@@ -1,0 +1,204 @@
+//! ggml block formats: sizes, names, and the scalar decoding of one ggml block.
+//!
+//! Layouts (little endian, 32 weights per block, `d`/`m` are IEEE f16):
+//! - Q4_0, 18 bytes: `d`, then 16 bytes of nibbles. Byte `j` holds weight `j` in its low nibble
+//!   and weight `j + 16` in its high nibble; weight = `d * (q - 8)`.
+//! - Q4_1, 20 bytes: `d`, `m`, then the same 16 bytes of nibbles; weight = `d * q + m`.
+//! - Q8_0, 34 bytes: `d`, then 32 signed bytes; weight = `d * q`.
+//! - Q5_0, 22 bytes: `d`, a little-endian u32 `qh` of fifth bits (bit `j` for weight `j`),
+//!   then nibbles as in Q4_0; weight = `d * ((nibble | fifth bit << 4) - 16)`.
+//!
+//! K-quants, 256 weights per super-block:
+//! - Q4_K, 144 bytes: `d`, `dmin`, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32
+//!   (see [`scale_min_k4`]), 128 bytes of nibbles: bytes `32c..32c + 32` hold sub-block `2c`
+//!   in their low nibbles and sub-block `2c + 1` in their high nibbles;
+//!   weight = `d * sc * q - dmin * m`.
+//! - Q6_K, 210 bytes: 128 bytes `ql` (low 4 bits), 64 bytes `qh` (high 2 bits), 16 signed
+//!   8-bit scales (one per 16 weights), then `d`; weight = `d * sc * (q - 32)`, for half
+//!   `h`, `l < 32`: weights `128h + l + 32k` (k = 0..4) take the low nibble of `ql[64h + l]`,
+//!   of `ql[64h + 32 + l]`, the high nibble of `ql[64h + l]`, of `ql[64h + 32 + l]`, and bits
+//!   `2k..2k + 2` of `qh[32h + l]`, with scale `sc[8h + 2k + l / 16]`.
+use half::f16;
+use std::fmt;
+
+/// Elements per ggml block for the 32-wide formats.
+pub(crate) const QK: usize = 32;
+/// Elements per K-quant super-block.
+pub(crate) const QK_K: usize = 256;
+
+/// Weight formats with kernels here (ggml block layouts: 32 elements per block, 256 per
+/// super-block for the K-quants).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
+pub enum QuantType {
+    /// 4-bit, symmetric: `d * (q - 8)`.
+    Q4_0,
+    /// 4-bit with a per-block minimum: `d * q + m`.
+    Q4_1,
+    /// 8-bit, symmetric: `d * q`.
+    Q8_0,
+    /// 5-bit, symmetric: `d * (q - 16)`.
+    Q5_0,
+    /// 4-bit K-quant: 256-element super-blocks of 8 sub-blocks with 6-bit scales and mins.
+    Q4_K,
+    /// 6-bit K-quant: 256-element super-blocks with a signed 8-bit scale per 16 elements.
+    Q6_K,
+}
+
+impl QuantType {
+    /// Weights per block: 32, or 256 for the K-quants.
+    pub fn block_len(self) -> usize {
+        if self.is_k_quant() {
+            QK_K
+        } else {
+            QK
+        }
+    }
+
+    /// Bytes per ggml block: 18 (Q4_0), 20 (Q4_1), 34 (Q8_0), 22 (Q5_0), 144 (Q4_K),
+    /// 210 (Q6_K).
+    pub fn block_bytes(self) -> usize {
+        match self {
+            QuantType::Q4_0 => 2 + QK / 2,
+            QuantType::Q4_1 => 4 + QK / 2,
+            QuantType::Q8_0 => 2 + QK,
+            QuantType::Q5_0 => 2 + 4 + QK / 2,
+            QuantType::Q4_K => 2 + 2 + 12 + QK_K / 2,
+            QuantType::Q6_K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
+        }
+    }
+
+    /// Q4_K and Q6_K: 256-element super-blocks, activations quantized as Q8_K.
+    pub(crate) fn is_k_quant(self) -> bool {
+        matches!(self, QuantType::Q4_K | QuantType::Q6_K)
+    }
+
+    /// The ggml name, e.g. `"Q4_1"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantType::Q4_0 => "Q4_0",
+            QuantType::Q4_1 => "Q4_1",
+            QuantType::Q8_0 => "Q8_0",
+            QuantType::Q5_0 => "Q5_0",
+            QuantType::Q4_K => "Q4_K",
+            QuantType::Q6_K => "Q6_K",
+        }
+    }
+
+    /// Bytes of f16 scales at the start of a 32-wide ggml block (`d`, plus `m` for Q4_1).
+    pub(crate) fn scale_bytes(self) -> usize {
+        match self {
+            QuantType::Q4_1 => 4,
+            _ => 2,
+        }
+    }
+
+    /// Bytes after the f16 scales of a 32-wide ggml block (Q5_0: `qh`, then the nibbles).
+    pub(crate) fn quant_bytes(self) -> usize {
+        self.block_bytes() - self.scale_bytes()
+    }
+}
+
+impl fmt::Display for QuantType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Reads the little-endian f16 at `bytes[at..at + 2]` as f32.
+#[inline]
+pub(crate) fn f16_at(bytes: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
+}
+
+/// Q4_K's packed 6-bit (scale, min) of sub-block `j` (0..8) from its 12 scale bytes.
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// The inverse of [`scale_min_k4`]: packs 8 (scale, min) pairs of 6 bits into 12 bytes.
+pub(crate) fn pack_scale_min_k4(sc: &[u8; 8], m: &[u8; 8], q: &mut [u8]) {
+    for j in 0..4 {
+        q[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6);
+        q[j + 4] = (m[j] & 63) | ((m[j + 4] >> 4) << 6);
+        q[j + 8] = (sc[j + 4] & 0x0F) | ((m[j + 4] & 0x0F) << 4);
+    }
+}
+
+/// Decodes one ggml block (`block.len() == qtype.block_bytes()`) into `block_len` weights,
+/// with the same arithmetic as ggml's reference `dequantize_row_*` (bit-identical results).
+pub(crate) fn dequantize_ggml_block(qtype: QuantType, block: &[u8], out: &mut [f32]) {
+    let d = f16_at(block, 0);
+    match qtype {
+        QuantType::Q4_0 => {
+            for (j, &byte) in block[2..2 + QK / 2].iter().enumerate() {
+                out[j] = ((byte & 0x0F) as i32 - 8) as f32 * d;
+                out[j + QK / 2] = ((byte >> 4) as i32 - 8) as f32 * d;
+            }
+        }
+        QuantType::Q4_1 => {
+            let m = f16_at(block, 2);
+            for (j, &byte) in block[4..4 + QK / 2].iter().enumerate() {
+                out[j] = (byte & 0x0F) as f32 * d + m;
+                out[j + QK / 2] = (byte >> 4) as f32 * d + m;
+            }
+        }
+        QuantType::Q8_0 => {
+            for (o, &byte) in out[..QK].iter_mut().zip(&block[2..2 + QK]) {
+                *o = byte as i8 as f32 * d;
+            }
+        }
+        QuantType::Q5_0 => {
+            let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
+            for (j, &byte) in block[6..6 + QK / 2].iter().enumerate() {
+                let h0 = ((qh >> j) & 1) as u8;
+                let h1 = ((qh >> (j + 16)) & 1) as u8;
+                out[j] = (((byte & 0x0F) | (h0 << 4)) as i32 - 16) as f32 * d;
+                out[j + QK / 2] = (((byte >> 4) | (h1 << 4)) as i32 - 16) as f32 * d;
+            }
+        }
+        QuantType::Q4_K => {
+            let dmin = f16_at(block, 2);
+            let scales = &block[4..16];
+            for c in 0..4 {
+                let qs = &block[16 + 32 * c..16 + 32 * c + 32];
+                let (sc0, m0) = scale_min_k4(2 * c, scales);
+                let (sc1, m1) = scale_min_k4(2 * c + 1, scales);
+                let (d0, min0) = (d * sc0 as f32, dmin * m0 as f32);
+                let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
+                for (l, &byte) in qs.iter().enumerate() {
+                    out[64 * c + l] = d0 * (byte & 0x0F) as f32 - min0;
+                    out[64 * c + 32 + l] = d1 * (byte >> 4) as f32 - min1;
+                }
+            }
+        }
+        QuantType::Q6_K => {
+            let d = f16_at(block, 208);
+            let (ql, qh, sc) = (&block[..128], &block[128..192], &block[192..208]);
+            for h in 0..2 {
+                for l in 0..32 {
+                    let a = ql[64 * h + l];
+                    let b = ql[64 * h + 32 + l];
+                    let hb = qh[32 * h + l];
+                    let q = [
+                        (a & 0x0F) | ((hb & 3) << 4),
+                        (b & 0x0F) | (((hb >> 2) & 3) << 4),
+                        (a >> 4) | (((hb >> 4) & 3) << 4),
+                        (b >> 4) | (((hb >> 6) & 3) << 4),
+                    ];
+                    for (k, &qk) in q.iter().enumerate() {
+                        let s = sc[8 * h + 2 * k + l / 16] as i8;
+                        out[128 * h + 32 * k + l] = d * s as f32 * (qk as i8 - 32) as f32;
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,525 @@
+//! `QuantMatrix`: a quantized weight matrix in the packed layout, and its matmul driver
+//! (activation quantization into a reusable per-thread buffer, then 8-row x 4-token tiles).
+
+use crate::cpu::{self, Simd};
+use crate::error::KernelError;
+use crate::format::{dequantize_ggml_block, QuantType};
+use crate::pack::{self, group_block_bytes, GROUP_ROWS};
+use crate::quantize::{self, ActBlock};
+use crate::quantize_k::{self, ActBlockK};
+use std::cell::RefCell;
+use std::fmt;
+
+/// Tokens per tile: each weight block is unpacked once per tile of this many tokens.
+const TILE: usize = 4;
+
+thread_local! {
+    /// Quantized activations of the current call, kept between calls so the hot path does
+    /// not allocate once it has grown to the largest `n * cols / 32` seen on this thread.
+    static SCRATCH: RefCell<Vec<ActBlock>> = const { RefCell::new(Vec::new()) };
+    /// The same for the K-quants' Q8_K blocks.
+    static SCRATCH_K: RefCell<Vec<ActBlockK>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A `[rows, cols]` row-major matrix of ggml blocks (rows = output features, cols = input
+/// features), held in an interleaved layout (8 rows per group) built once at load.
+#[derive(Clone)]
+pub struct QuantMatrix {
+    qtype: QuantType,
+    rows: usize,
+    cols: usize,
+    /// `pack::groups(rows) * cols / block_len` group blocks (see `pack`, `pack_k`).
+    packed: Vec<u8>,
+}
+
+impl fmt::Debug for QuantMatrix {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QuantMatrix")
+            .field("qtype", &self.qtype)
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .field("storage_bytes", &self.packed.len())
+            .finish()
+    }
+}
+
+/// `rows * cols / block_len * block_bytes`, checked: the ggml byte size of a matrix.
+fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Result<usize, KernelError> {
+    let block_len = qtype.block_len();
+    if !cols.is_multiple_of(block_len) {
+        return Err(KernelError::ColsNotBlockAligned {
+            qtype,
+            cols,
+            block_len,
+        });
+    }
+    let nb = cols / block_len;
+    rows.checked_mul(nb)
+        .and_then(|blocks| blocks.checked_mul(qtype.block_bytes()))
+        // The packed form pads up to 7 rows more (and Q4_K grows by 3%); stay addressable.
+        .filter(|&b| {
+            let packed = pack::groups(rows).checked_mul(nb * group_block_bytes(qtype));
+            packed.is_some_and(|p| p.checked_add(b).is_some())
+        })
+        .ok_or(KernelError::ShapeOverflow { rows, cols })
+}
+
+/// Checks that `x` is `[n, cols]` and `y` is `[n, rows]`.
+pub(crate) fn check_matmul_args(
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    y: &[f32],
+) -> Result<(), KernelError> {
+    let overflow = KernelError::ShapeOverflow { rows: n, cols };
+    let want_x = n.checked_mul(cols).ok_or(overflow)?;
+    if x.len() != want_x {
+        return Err(KernelError::SliceLength {
+            what: "x (n * cols)",
+            expected: want_x,
+            got: x.len(),
+        });
+    }
+    let overflow = KernelError::ShapeOverflow {
+        rows: n,
+        cols: rows,
+    };
+    let want_y = n.checked_mul(rows).ok_or(overflow)?;
+    if y.len() != want_y {
+        return Err(KernelError::SliceLength {
+            what: "y (n * rows)",
+            expected: want_y,
+            got: y.len(),
+        });
+    }
+    Ok(())
+}
+
+impl QuantMatrix {
+    /// Takes raw ggml blocks (row-major, `rows * cols / block_len` blocks as stored in a GGUF
+    /// file). Validates `cols % block_len == 0` (32, or 256 for K-quants) and
+    /// `bytes.len() == rows * cols / block_len * block_bytes`.
+    pub fn from_ggml_bytes(
+        qtype: QuantType,
+        rows: usize,
+        cols: usize,
+        bytes: Vec<u8>,
+    ) -> Result<Self, KernelError> {
+        let expected = ggml_bytes(qtype, rows, cols)?;
+        if bytes.len() != expected {
+            return Err(KernelError::ByteLength {
+                qtype,
+                rows,
+                cols,
+                expected,
+                got: bytes.len(),
+            });
+        }
+        let packed = pack::pack(qtype, rows, cols / qtype.block_len(), &bytes);
+        Ok(QuantMatrix {
+            qtype,
+            rows,
+            cols,
+            packed,
+        })
+    }
+
+    /// The weight format.
+    pub fn qtype(&self) -> QuantType {
+        self.qtype
+    }
+
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes of weight storage held: the ggml size, plus zero padding up to a multiple of
+    /// 8 rows (and, for Q4_K, 4 bytes per row and super-block of unpacked scales).
+    pub fn storage_bytes(&self) -> usize {
+        self.packed.len()
+    }
+
+    /// The row-major ggml bytes this matrix was built from.
+    pub fn to_ggml_bytes(&self) -> Vec<u8> {
+        pack::unpack(self.qtype, self.rows, self.nb(), &self.packed)
+    }
+
+    /// `y [n, rows] = x [n, cols] · Wᵀ` on the calling thread only. Activations are quantized
+    /// to 8 bits as llama.cpp does (per 32-block as Q8_1 for Q4_1 weights, Q8_0 for Q4_0,
+    /// Q8_0 and Q5_0; per 256-block as Q8_K for Q4_K and Q6_K), then the products are integer
+    /// dot products scaled per block.
+    pub fn matmul(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
+        self.matmul_with(cpu::simd(), x, n, y)
+    }
+
+    /// [`QuantMatrix::matmul`] with an explicit kernel family (tests compare them).
+    pub(crate) fn matmul_with(
+        &self,
+        simd: Simd,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check_matmul_args(self.rows, self.cols, x, n, y)?;
+        if n == 0 || self.rows == 0 {
+            return Ok(());
+        }
+        let blocks = n * self.nb(); // cannot overflow: n * cols did not
+        if self.qtype.is_k_quant() {
+            SCRATCH_K.with(|cell| match cell.try_borrow_mut() {
+                Ok(mut scratch) => {
+                    if scratch.len() < blocks {
+                        scratch.resize(blocks, ActBlockK::default());
+                    }
+                    quantize_k::quantize(x, &mut scratch[..blocks]);
+                    self.run_tiles(simd, &scratch[..blocks], n, y);
+                }
+                // Only reachable through re-entrancy, which nothing here does.
+                Err(_) => {
+                    let mut local = vec![ActBlockK::default(); blocks];
+                    quantize_k::quantize(x, &mut local);
+                    self.run_tiles(simd, &local, n, y);
+                }
+            });
+            return Ok(());
+        }
+        SCRATCH.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut scratch) => {
+                if scratch.len() < blocks {
+                    scratch.resize(blocks, ActBlock::default());
+                }
+                quantize::quantize(simd, x, &mut scratch[..blocks]);
+                self.run_tiles(simd, &scratch[..blocks], n, y);
+            }
+            // Only reachable through re-entrancy, which nothing here does; stay correct anyway.
+            Err(_) => {
+                let mut local = vec![ActBlock::default(); blocks];
+                quantize::quantize(simd, x, &mut local);
+                self.run_tiles(simd, &local, n, y);
+            }
+        });
+        Ok(())
+    }
+
+    /// Blocks per row.
+    fn nb(&self) -> usize {
+        self.cols / self.qtype.block_len()
+    }
+
+    /// Runs all groups against tiles of up to 4 tokens of quantized activations
+    /// (`acts.len() == n * nb`).
+    fn run_tiles<A: Activation>(&self, simd: Simd, acts: &[A], n: usize, y: &mut [f32]) {
+        let nb = self.nb();
+        let group_len = nb * group_block_bytes(self.qtype);
+        let mut tile_out = [[0.0f32; GROUP_ROWS]; TILE];
+        for g in 0..pack::groups(self.rows) {
+            let group = &self.packed[g * group_len..(g + 1) * group_len];
+            let row0 = g * GROUP_ROWS;
+            let valid = GROUP_ROWS.min(self.rows - row0);
+            let mut t0 = 0;
+            while t0 < n {
+                let tile = TILE.min(n - t0);
+                let tile_acts = &acts[t0 * nb..(t0 + tile) * nb];
+                A::group_tile(self.qtype, simd, group, nb, tile_acts, tile, &mut tile_out);
+                for (t, out) in tile_out[..tile].iter().enumerate() {
+                    let at = (t0 + t) * self.rows + row0;
+                    y[at..at + valid].copy_from_slice(&out[..valid]);
+                }
+                t0 += tile;
+            }
+        }
+    }
+
+    /// Row `row` of W, dequantized to f32 into `out` (`cols` long), bit-identical to ggml's
+    /// reference dequantization (used for embedding lookup).
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        if row >= self.rows {
+            return Err(KernelError::RowOutOfRange {
+                row,
+                rows: self.rows,
+            });
+        }
+        if out.len() != self.cols {
+            return Err(KernelError::SliceLength {
+                what: "out (cols)",
+                expected: self.cols,
+                got: out.len(),
+            });
+        }
+        let nb = self.nb();
+        let mut block = [0u8; 256];
+        let block = &mut block[..self.qtype.block_bytes()];
+        for (b, chunk) in out.chunks_exact_mut(self.qtype.block_len()).enumerate() {
+            pack::unpack_block(self.qtype, &self.packed, nb, row, b, block);
+            dequantize_ggml_block(self.qtype, block, chunk);
+        }
+        Ok(())
+    }
+
+    /// Stacks matrices of the same format and column count along rows (fused QKV, gate+up).
+    pub fn concat_rows(parts: Vec<QuantMatrix>) -> Result<QuantMatrix, KernelError> {
+        let first = parts.first().ok_or(KernelError::EmptyConcat)?;
+        let (qtype, cols) = (first.qtype, first.cols);
+        let describe = |m: &QuantMatrix| format!("{} with {} cols", m.qtype, m.cols);
+        for (index, p) in parts.iter().enumerate() {
+            if p.qtype != qtype || p.cols != cols {
+                return Err(KernelError::ConcatMismatch {
+                    index,
+                    expected: describe(first),
+                    found: describe(p),
+                });
+            }
+        }
+        let rows = parts
+            .iter()
+            .try_fold(0usize, |acc, p| acc.checked_add(p.rows))
+            .ok_or(KernelError::ShapeOverflow {
+                rows: usize::MAX,
+                cols,
+            })?;
+        ggml_bytes(qtype, rows, cols)?;
+        let last = parts.len() - 1;
+        if parts[..last]
+            .iter()
+            .all(|p| p.rows.is_multiple_of(GROUP_ROWS))
+        {
+            // Whole groups only (but maybe the last): the packed bytes simply follow each other.
+            let mut packed = Vec::with_capacity(parts.iter().map(|p| p.packed.len()).sum());
+            for p in &parts {
+                packed.extend_from_slice(&p.packed);
+            }
+            return Ok(QuantMatrix {
+                qtype,
+                rows,
+                cols,
+                packed,
+            });
+        }
+        let mut bytes = Vec::with_capacity(rows * (cols / qtype.block_len()) * qtype.block_bytes());
+        for p in &parts {
+            bytes.extend_from_slice(&p.to_ggml_bytes());
+        }
+        QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes)
+    }
+}
+
+/// Quantized activation blocks with kernels: `ActBlock` (32-wide formats) and `ActBlockK`
+/// (K-quants).
+trait Activation: Sized {
+    /// One group against one tile of tokens (`tile_acts.len() == tile * nb`, `tile <= 4`).
+    fn group_tile(
+        qtype: QuantType,
+        simd: Simd,
+        group: &[u8],
+        nb: usize,
+        tile_acts: &[Self],
+        tile: usize,
+        out: &mut [[f32; GROUP_ROWS]; TILE],
+    );
+}
+
+impl Activation for ActBlock {
+    fn group_tile(
+        qtype: QuantType,
+        simd: Simd,
+        group: &[u8],
+        nb: usize,
+        tile_acts: &[Self],
+        tile: usize,
+        out: &mut [[f32; GROUP_ROWS]; TILE],
+    ) {
+        match simd {
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 => {
+                // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
+                // F16C; `group` holds `nb` group blocks of this format and `tile_acts` holds
+                // `tile` (1..=4) tokens of `nb` blocks, as sliced by `run_tiles`.
+                unsafe { crate::dot_avx2::group_dot(qtype, group, nb, tile_acts, tile, out) }
+            }
+            _ => {
+                for (t, o) in out[..tile].iter_mut().enumerate() {
+                    let acts = &tile_acts[t * nb..(t + 1) * nb];
+                    *o = crate::dot_scalar::group_dot(qtype, group, acts);
+                }
+            }
+        }
+    }
+}
+
+impl Activation for ActBlockK {
+    fn group_tile(
+        qtype: QuantType,
+        simd: Simd,
+        group: &[u8],
+        nb: usize,
+        tile_acts: &[Self],
+        tile: usize,
+        out: &mut [[f32; GROUP_ROWS]; TILE],
+    ) {
+        match simd {
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 => {
+                // SAFETY: as for `ActBlock`, with K-quant group super-blocks.
+                unsafe { crate::dot_avx2_k::group_dot(qtype, group, nb, tile_acts, tile, out) }
+            }
+            _ => {
+                for (t, o) in out[..tile].iter_mut().enumerate() {
+                    let acts = &tile_acts[t * nb..(t + 1) * nb];
+                    *o = crate::dot_scalar_k::group_dot(qtype, group, acts);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+
+    use super::*;
+    use half::f16;
+
+    /// Deterministic pseudo-random ggml bytes with sane f16 scales.
+    pub(crate) fn random_ggml(qtype: QuantType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let blocks = rows * cols / qtype.block_len();
+        let mut out = Vec::with_capacity(blocks * qtype.block_bytes());
+        for _ in 0..blocks {
+            if qtype.is_k_quant() {
+                let mut b: Vec<u8> = (0..qtype.block_bytes()).map(|_| next() as u8).collect();
+                let d = f16::from_f32(((next() % 1000) as f32 + 1.0) * 1e-5).to_le_bytes();
+                let at = if qtype == QuantType::Q6_K { 208 } else { 0 };
+                b[at..at + 2].copy_from_slice(&d);
+                if qtype == QuantType::Q4_K {
+                    let dmin = f16::from_f32(((next() % 1000) as f32) * 1e-5).to_le_bytes();
+                    b[2..4].copy_from_slice(&dmin);
+                }
+                out.extend_from_slice(&b);
+                continue;
+            }
+            let d = f16::from_f32(((next() % 1000) as f32 + 1.0) * 1e-4);
+            out.extend_from_slice(&d.to_le_bytes());
+            if qtype == QuantType::Q4_1 {
+                let m = f16::from_f32(-((next() % 1000) as f32) * 1e-3);
+                out.extend_from_slice(&m.to_le_bytes());
+            }
+            for _ in 0..qtype.quant_bytes() {
+                let mut b = next() as u8;
+                if qtype == QuantType::Q8_0 && b == 0x80 {
+                    b = 0x81; // ggml never writes -128
+                }
+                out.push(b);
+            }
+        }
+        out
+    }
+
+    fn random_x(len: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed as u32 ^ 0xDEAD_BEEF;
+        (0..len)
+            .map(|_| {
+                s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+                ((s >> 8) as f32 / (1 << 24) as f32 - 0.5) * 4.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn avx2_and_scalar_paths_agree() {
+        if cpu::detect_hardware() != Simd::Avx2 {
+            eprintln!("skipped: this CPU has no AVX2+FMA+F16C, only the scalar path exists");
+            return;
+        }
+        use QuantType::*;
+        for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+            for (rows, cols) in [(1, 256), (3, 512), (8, 256), (17, 2048), (24, 1536)] {
+                for n in [1usize, 2, 3, 4, 5, 9] {
+                    let seed = (rows * 1000 + cols + n) as u64;
+                    let bytes = random_ggml(qtype, rows, cols, seed);
+                    let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
+                    let x = random_x(n * cols, seed);
+                    let mut ya = vec![0.0; n * rows];
+                    let mut ys = vec![0.0; n * rows];
+                    m.matmul_with(Simd::Avx2, &x, n, &mut ya).unwrap();
+                    m.matmul_with(Simd::Scalar, &x, n, &mut ys).unwrap();
+                    for (i, (a, s)) in ya.iter().zip(&ys).enumerate() {
+                        // Same integer sums; only the f32 accumulation order and FMA differ.
+                        let tol = 1e-5 * (1.0 + s.abs()) * (cols / 32) as f32;
+                        assert!(
+                            (a - s).abs() <= tol,
+                            "{qtype} [{rows},{cols}] n={n} out {i}: avx2 {a} scalar {s}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn results_do_not_depend_on_the_tile_a_token_lands_in() {
+        // Token 5 of a 6-token call lands in a tile of 2; alone it is a tile of 1.
+        let kinds = [
+            QuantType::Q4_1,
+            QuantType::Q5_0,
+            QuantType::Q4_K,
+            QuantType::Q6_K,
+        ];
+        for (simd, qtype) in [Simd::Scalar, cpu::detect_hardware()]
+            .into_iter()
+            .flat_map(|s| kinds.map(|q| (s, q)))
+        {
+            let (rows, cols, n) = (9, 512, 6);
+            let bytes = random_ggml(qtype, rows, cols, 7);
+            let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
+            let x = random_x(n * cols, 3);
+            let mut y = vec![0.0; n * rows];
+            m.matmul_with(simd, &x, n, &mut y).unwrap();
+            for t in 0..n {
+                let mut y1 = vec![0.0; rows];
+                m.matmul_with(simd, &x[t * cols..(t + 1) * cols], 1, &mut y1)
+                    .unwrap();
+                assert_eq!(
+                    &y[t * rows..(t + 1) * rows],
+                    &y1[..],
+                    "token {t} ({simd:?} {qtype})"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn concat_rows_fast_and_repacking_paths_match_the_ggml_concatenation() {
+        for split in [[8usize, 16, 5], [3, 8, 6]] {
+            let qtype = QuantType::Q8_0;
+            let cols = 64;
+            let parts: Vec<Vec<u8>> = split
+                .iter()
+                .enumerate()
+                .map(|(i, &r)| random_ggml(qtype, r, cols, i as u64 + 11))
+                .collect();
+            let mats = parts
+                .iter()
+                .zip(split)
+                .map(|(b, r)| QuantMatrix::from_ggml_bytes(qtype, r, cols, b.clone()).unwrap())
+                .collect();
+            let cat = QuantMatrix::concat_rows(mats).unwrap();
+            let all: Vec<u8> = parts.concat();
+            let direct =
+                QuantMatrix::from_ggml_bytes(qtype, split.iter().sum(), cols, all.clone()).unwrap();
+            assert_eq!(cat.to_ggml_bytes(), all);
+            assert_eq!(cat.packed, direct.packed);
+        }
+    }
+}
