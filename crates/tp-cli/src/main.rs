@@ -1,6 +1,7 @@
 //! `tp`: the tensor-parallel command line. Parses arguments, then calls down into the crates.
 
 mod bench_collectives;
+mod bench_decode;
 mod chat;
 mod fetch;
 mod generate;
@@ -50,6 +51,8 @@ enum Command {
 enum Bench {
     /// nccl-tests-style sweep of all_reduce, all_gather, reduce_scatter and broadcast.
     Collectives(bench_collectives::BenchArgs),
+    /// Batch-1 prefill and decode speed per tp, time split and bandwidth limit.
+    Decode(bench_decode::BenchDecodeArgs),
 }
 
 fn main() -> ExitCode {
@@ -62,6 +65,9 @@ fn main() -> ExitCode {
         Command::Bench {
             what: Bench::Collectives(args),
         } => bench_collectives::run(&args),
+        Command::Bench {
+            what: Bench::Decode(args),
+        } => bench_decode::run(&args),
         Command::Selftest(args) => selftest::run(&args),
         Command::Plan(args) => tp_plan::cli::run(&args)
             .map(|text| {

@@ -13,4 +13,4 @@ pub use generate::{generate, FinishReason, Flow, GenerateOptions, GenerationStat
 pub use protocol::{ChunkSpec, Command};
 pub use sampling::{argmax, Sampler, SamplingParams};
 pub use stop::StopMatcher;
-pub use worker::Worker;
+pub use worker::{RankProfile, Worker};

@@ -30,6 +30,10 @@ pub enum Command {
     Forward(Vec<ChunkSpec>),
     /// Nothing to do: keeps followers' waits bounded while the leader waits for input.
     Idle,
+    /// Reset every rank's time profile; `barriers` separates waiting from reducing.
+    ProfileStart { barriers: bool },
+    /// Every rank's profile, gathered on every rank.
+    ProfileReport,
     /// Followers return.
     Exit,
 }
@@ -40,6 +44,8 @@ const OP_TRUNCATE: u32 = 3;
 const OP_FORWARD: u32 = 4;
 const OP_IDLE: u32 = 5;
 const OP_EXIT: u32 = 6;
+const OP_PROFILE_START: u32 = 7;
+const OP_PROFILE_REPORT: u32 = 8;
 
 impl Command {
     /// `(header, payload)`.
@@ -62,6 +68,10 @@ impl Command {
                 )
             }
             Command::Idle => ([OP_IDLE, 0, 0, 0], Vec::new()),
+            Command::ProfileStart { barriers } => {
+                ([OP_PROFILE_START, u32::from(*barriers), 0, 0], Vec::new())
+            }
+            Command::ProfileReport => ([OP_PROFILE_REPORT, 0, 0, 0], Vec::new()),
             Command::Exit => ([OP_EXIT, 0, 0, 0], Vec::new()),
         }
     }
@@ -107,6 +117,10 @@ impl Command {
                 Command::Forward(chunks)
             }
             OP_IDLE => Command::Idle,
+            OP_PROFILE_START => Command::ProfileStart {
+                barriers: header[1] == 1,
+            },
+            OP_PROFILE_REPORT => Command::ProfileReport,
             OP_EXIT => Command::Exit,
             op => return Err(bad(format!("unknown op {op}"))),
         })
@@ -170,6 +184,8 @@ mod tests {
                 },
             ]),
             Command::Idle,
+            Command::ProfileStart { barriers: true },
+            Command::ProfileReport,
             Command::Exit,
         ];
         for c in cmds {

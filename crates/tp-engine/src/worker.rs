@@ -4,7 +4,7 @@
 use crate::error::{EngineError, Result};
 use crate::protocol::{self, ChunkSpec, Command};
 use std::collections::HashMap;
-use tp_comm::Group;
+use tp_comm::{CommExt, Group};
 use tp_models::{Chunk, Profile, SeqCache, ShardedModel};
 
 /// One rank's model shard and caches.
@@ -15,6 +15,25 @@ pub struct Worker {
     caches: HashMap<u32, SeqCache>,
     /// Time split of every forward pass so far (reset freely).
     pub profile: Profile,
+    rank_profiles: Vec<RankProfile>,
+}
+
+/// One rank's time split, in seconds.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RankProfile {
+    /// Inside forward passes and logit gathers.
+    pub total_s: f64,
+    /// In all-reduces and gathers (after the barrier when profiling with barriers).
+    pub comm_s: f64,
+    /// In the barriers: waiting for the slowest rank.
+    pub wait_s: f64,
+    pub all_reduces: u64,
+}
+
+impl RankProfile {
+    pub fn compute_s(&self) -> f64 {
+        (self.total_s - self.comm_s - self.wait_s).max(0.0)
+    }
 }
 
 impl Worker {
@@ -24,6 +43,7 @@ impl Worker {
             group,
             caches: HashMap::new(),
             profile: Profile::default(),
+            rank_profiles: Vec::new(),
         }
     }
 
@@ -120,7 +140,10 @@ impl Worker {
                     }
                 }
             }
-            Command::Idle | Command::Exit => {}
+            Command::Idle
+            | Command::Exit
+            | Command::ProfileStart { .. }
+            | Command::ProfileReport => {}
         }
         Ok(())
     }
@@ -140,9 +163,48 @@ impl Worker {
                 }
             }
             Command::Forward(chunks) => return self.forward(chunks).map(Some),
+            Command::ProfileStart { barriers } => {
+                self.profile = if barriers {
+                    Profile::with_barriers()
+                } else {
+                    Profile::default()
+                };
+            }
+            Command::ProfileReport => self.rank_profiles = self.report()?,
             Command::Idle | Command::Exit => {}
         }
         Ok(None)
+    }
+
+    /// Every rank's profile as of the last [`Command::ProfileReport`].
+    pub fn rank_profiles(&self) -> &[RankProfile] {
+        &self.rank_profiles
+    }
+
+    /// Every rank's profile, gathered.
+    fn report(&mut self) -> Result<Vec<RankProfile>> {
+        let p = &self.profile;
+        let mine = [
+            p.total.as_secs_f64(),
+            p.comm.as_secs_f64(),
+            p.wait.as_secs_f64(),
+            p.all_reduces as f64,
+        ];
+        let mut all = vec![0f64; 4 * self.group.size()];
+        if self.group.size() == 1 {
+            all.copy_from_slice(&mine);
+        } else {
+            self.group.all_gather(&mine, &mut all)?;
+        }
+        Ok(all
+            .chunks_exact(4)
+            .map(|c| RankProfile {
+                total_s: c[0],
+                comm_s: c[1],
+                wait_s: c[2],
+                all_reduces: c[3] as u64,
+            })
+            .collect())
     }
 
     fn forward(&mut self, specs: Vec<ChunkSpec>) -> Result<Vec<f32>> {

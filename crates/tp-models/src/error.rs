@@ -32,6 +32,8 @@ pub enum ModelError {
     Tp(#[from] tp_nn::TpError),
     #[error("collective failed: {0}")]
     Comm(#[from] tp_comm::CommError),
+    #[error("kernel: {0}")]
+    Kernel(#[from] tp_kernels::KernelError),
     #[error("tensor op failed: {0}")]
     Candle(#[from] candle_core::Error),
     #[error("context full: position {pos} + {len} tokens exceeds the KV cache of {cap} positions; raise --ctx-size or shorten the input")]

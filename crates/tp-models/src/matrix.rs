@@ -5,6 +5,7 @@ use crate::checkpoint::WeightSlice;
 use crate::error::{ModelError, Result};
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
+use tp_kernels::{DenseMatrix, QuantMatrix, QuantType};
 
 /// Element type for weights that are not kept quantized.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,13 +58,30 @@ impl Default for LoadOptions {
 
 #[derive(Debug)]
 enum Store {
-    /// ggml blocks through candle's quantized matmul.
-    Quant {
+    /// ggml blocks through our kernels (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K).
+    Quant(QuantMatrix),
+    /// Other ggml types through candle's quantized matmul.
+    CandleQuant {
         q: QMatMul,
         qt: std::sync::Arc<QTensor>,
     },
-    /// `[rows, cols]` in the dense dtype.
-    Dense(Tensor),
+    /// f32 or f16 through our kernels.
+    Dense(DenseMatrix),
+    /// bf16 through candle (no native bf16 on most CPUs: slow, kept for memory).
+    CandleDense(Tensor),
+}
+
+/// Our kernel's type for a ggml type, where there is one.
+fn kernel_type(t: GgmlDType) -> Option<QuantType> {
+    Some(match t {
+        GgmlDType::Q4_0 => QuantType::Q4_0,
+        GgmlDType::Q4_1 => QuantType::Q4_1,
+        GgmlDType::Q8_0 => QuantType::Q8_0,
+        GgmlDType::Q5_0 => QuantType::Q5_0,
+        GgmlDType::Q4K => QuantType::Q4_K,
+        GgmlDType::Q6K => QuantType::Q6_K,
+        _ => return None,
+    })
 }
 
 /// One rank's weight matrix.
@@ -83,33 +101,49 @@ impl Matrix {
         let dev = Device::Cpu;
         match slice {
             WeightSlice::Quant { dtype, bytes, .. } if opts.keep_quantized => {
+                let format = format!("{dtype:?}");
+                if let Some(t) = kernel_type(dtype) {
+                    let m = QuantMatrix::from_ggml_bytes(t, rows, cols, bytes)?;
+                    return Ok(Matrix {
+                        bytes: m.storage_bytes(),
+                        store: Store::Quant(m),
+                        rows,
+                        cols,
+                        format,
+                    });
+                }
                 let qt =
                     std::sync::Arc::new(qtensor_from_ggml(dtype, &bytes, vec![rows, cols], &dev)?);
-                let q = QMatMul::from_arc(qt.clone())?;
                 Ok(Matrix {
-                    store: Store::Quant { q, qt },
+                    store: Store::CandleQuant {
+                        q: QMatMul::from_arc(qt.clone())?,
+                        qt,
+                    },
                     rows,
                     cols,
                     bytes: bytes.len(),
-                    format: format!("{dtype:?}"),
+                    format,
                 })
             }
             WeightSlice::Quant { dtype, bytes, .. } => {
                 let q = qtensor_from_ggml(dtype, &bytes, vec![rows, cols], &dev)?;
-                let t = q.dequantize(&dev)?; // [rows, cols] f32
-                Self::dense(t, opts.dense)
+                let values = q.dequantize(&dev)?.flatten_all()?.to_vec1::<f32>()?; // [rows * cols]
+                Self::dense(rows, cols, values, opts.dense)
             }
-            WeightSlice::Dense { values, .. } => {
-                let t = Tensor::from_vec(values, (rows, cols), &dev)?; // [rows, cols]
-                Self::dense(t, opts.dense)
-            }
+            WeightSlice::Dense { values, .. } => Self::dense(rows, cols, values, opts.dense),
         }
     }
 
-    fn dense(t: Tensor, dtype: DenseDType) -> Result<Self> {
-        let (rows, cols) = t.dims2()?;
+    fn dense(rows: usize, cols: usize, values: Vec<f32>, dtype: DenseDType) -> Result<Self> {
+        let store = match dtype {
+            DenseDType::F32 => Store::Dense(DenseMatrix::from_f32(rows, cols, values)?),
+            DenseDType::F16 => Store::Dense(DenseMatrix::from_f32_as_f16(rows, cols, &values)?),
+            DenseDType::BF16 => Store::CandleDense(
+                Tensor::from_vec(values, (rows, cols), &Device::Cpu)?.to_dtype(DType::BF16)?,
+            ),
+        };
         Ok(Matrix {
-            store: Store::Dense(t.to_dtype(dtype.candle())?),
+            store,
             rows,
             cols,
             bytes: rows * cols * dtype.bytes(),
@@ -132,10 +166,10 @@ impl Matrix {
         &self.format
     }
     pub fn is_quantized(&self) -> bool {
-        matches!(self.store, Store::Quant { .. })
+        matches!(self.store, Store::Quant(_) | Store::CandleQuant { .. })
     }
 
-    /// `y [n, rows] = x [n, cols] · Wᵀ`.
+    /// `y [n, rows] = x [n, cols] · Wᵀ`, on the calling thread for our kernels.
     pub fn matmul(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<()> {
         if x.len() != n * self.cols || y.len() != n * self.rows {
             return Err(ModelError::Input(format!(
@@ -146,17 +180,23 @@ impl Matrix {
                 y.len()
             )));
         }
-        let xt = Tensor::from_slice(x, (n, self.cols), &Device::Cpu)?; // [n, cols]
-        let out = match &self.store {
-            Store::Quant { q, .. } => q.forward(&xt)?, // [n, rows]
-            Store::Dense(w) => xt
-                .to_dtype(w.dtype())?
-                .matmul(&w.t()?)?
-                .to_dtype(DType::F32)?, // [n, rows]
-        };
-        let values = out.flatten_all()?.to_vec1::<f32>()?;
-        y.copy_from_slice(&values);
-        Ok(())
+        match &self.store {
+            Store::Quant(m) => Ok(m.matmul(x, n, y)?),
+            Store::Dense(m) => Ok(m.matmul(x, n, y)?),
+            Store::CandleQuant { q, .. } => {
+                let xt = Tensor::from_slice(x, (n, self.cols), &Device::Cpu)?; // [n, cols]
+                copy_out(&q.forward(&xt)?, y)
+            }
+            Store::CandleDense(w) => {
+                let xt = Tensor::from_slice(x, (n, self.cols), &Device::Cpu)?; // [n, cols]
+                copy_out(
+                    &xt.to_dtype(w.dtype())?
+                        .matmul(&w.t()?)?
+                        .to_dtype(DType::F32)?, // [n, rows]
+                    y,
+                )
+            }
+        }
     }
 
     /// Row `row` as f32 into `out [cols]` (embedding lookup).
@@ -169,16 +209,30 @@ impl Matrix {
                 out.len()
             )));
         }
-        let values = match &self.store {
-            Store::Quant { qt, .. } => {
+        match &self.store {
+            Store::Quant(m) => Ok(m.dequantize_row(row, out)?),
+            Store::Dense(m) => Ok(m.dequantize_row(row, out)?),
+            Store::CandleQuant { qt, .. } => {
                 let idx = Tensor::new(&[row as u32], &Device::Cpu)?;
-                qt.embedding(&idx)?.flatten_all()?.to_vec1::<f32>()?
+                copy_out(&qt.embedding(&idx)?, out)
             }
-            Store::Dense(w) => w.get(row)?.to_dtype(DType::F32)?.to_vec1::<f32>()?,
-        };
-        out.copy_from_slice(&values);
-        Ok(())
+            Store::CandleDense(w) => copy_out(&w.get(row)?.to_dtype(DType::F32)?, out),
+        }
     }
+}
+
+/// Copies a candle tensor's f32 values into `out` (same element count).
+fn copy_out(t: &Tensor, out: &mut [f32]) -> Result<()> {
+    let values = t.flatten_all()?.to_vec1::<f32>()?;
+    if values.len() != out.len() {
+        return Err(ModelError::Input(format!(
+            "a product gave {} values for {} outputs",
+            values.len(),
+            out.len()
+        )));
+    }
+    out.copy_from_slice(&values);
+    Ok(())
 }
 
 /// Several projections of the same input (Q, K, V or gate, up) computed into one
