@@ -72,10 +72,8 @@ impl ModelConfig {
                 self.head_dim
             ));
         }
-        if !(self.rms_eps > 0.0 && self.rope_theta > 0.0)
-            || !self.rms_eps.is_finite()
-            || !self.rope_theta.is_finite()
-        {
+        let positive = |x: f64| x > 0.0 && x.is_finite();
+        if !positive(self.rms_eps) || !positive(self.rope_theta) {
             return bad(format!(
                 "rms epsilon {} and rope theta {} must be positive and finite",
                 self.rms_eps, self.rope_theta
@@ -166,7 +164,7 @@ impl ModelConfig {
         let kv_heads = int("attention.head_count_kv").unwrap_or(heads);
         let head_dim = int("attention.key_length")
             .or_else(|_| int("rope.dimension_count"))
-            .unwrap_or(if heads > 0 { hidden / heads } else { 0 });
+            .unwrap_or(hidden.checked_div(heads).unwrap_or(0));
         let vocab = match (int("vocab_size"), embed_rows) {
             (Ok(v), _) => v,
             (Err(_), Some(rows)) => rows,
@@ -242,7 +240,7 @@ impl ModelConfig {
             ffn: int("intermediate_size")?,
             heads,
             kv_heads: int("num_key_value_heads").unwrap_or(heads),
-            head_dim: int("head_dim").unwrap_or(if heads > 0 { hidden / heads } else { 0 }),
+            head_dim: int("head_dim").unwrap_or(hidden.checked_div(heads).unwrap_or(0)),
             vocab: int("vocab_size")?,
             rms_eps: float("rms_norm_eps", 1e-5),
             rope_theta: float("rope_theta", 10_000.0),

@@ -163,12 +163,14 @@ impl Checkpoint for GgufCheckpoint {
         let (rows, cols) = match info.shape.as_slice() {
             [n] => (*n, 1),
             [r, c] => (*r, *c),
-            dims => return Err(ModelError::Corrupt {
-                path: self.path.clone(),
-                reason: format!(
+            dims => {
+                return Err(ModelError::Corrupt {
+                    path: self.path.clone(),
+                    reason: format!(
                     "tensor {key} has shape {dims:?}; a Llama-family weight has 1 or 2 dimensions"
                 ),
-            }),
+                })
+            }
         };
         let storage = match float_kind(info.dtype) {
             Some(k) => Storage::Float { bytes: k.bytes() },

@@ -349,12 +349,14 @@ impl Checkpoint for HfCheckpoint {
         let (rows, cols) = match e.shape.as_slice() {
             [n] => (*n, 1),
             [r, c] => (*r, *c),
-            dims => return Err(ModelError::Corrupt {
-                path: self.shards[e.shard].path.clone(),
-                reason: format!(
+            dims => {
+                return Err(ModelError::Corrupt {
+                    path: self.shards[e.shard].path.clone(),
+                    reason: format!(
                     "tensor {key} has shape {dims:?}; a Llama-family weight has 1 or 2 dimensions"
                 ),
-            }),
+                })
+            }
         };
         let bytes = kind.bytes();
         if rows
