@@ -2,7 +2,7 @@
 //! (design.md "Loading": each rank materializes only its own byte ranges).
 
 use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use candle_core::quantized::GgmlDType;
 use std::ops::Range;
 
@@ -117,6 +117,83 @@ pub trait Checkpoint: Send + Sync {
     fn cols(&self, name: WeightName, cols: Range<usize>) -> Result<WeightSlice>;
     /// A 1-D weight (norm scale, bias) or its range, as f32.
     fn vector(&self, name: WeightName, range: Option<Range<usize>>) -> Result<Vec<f32>>;
+    /// The weight's tensor name in the file and the file, for messages.
+    fn describe(&self, name: WeightName) -> String {
+        format!("{name:?} in {}", self.source())
+    }
+}
+
+/// Every weight the config calls for: a matrix `[rows, cols]` or a vector of `len`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expected {
+    Matrix { rows: usize, cols: usize },
+    Vector { len: usize },
+}
+
+/// The weights a checkpoint of `cfg` must hold, with their shapes (biases only when the
+/// config has them, the output head only when untied).
+pub fn expected_weights(cfg: &ModelConfig) -> impl Iterator<Item = (WeightName, Expected)> + '_ {
+    let hd = cfg.head_dim;
+    let (q, kv) = (cfg.heads * hd, cfg.kv_heads * hd);
+    let m = |rows, cols| Expected::Matrix { rows, cols };
+    let v = |len| Expected::Vector { len };
+    let global = [
+        Some((WeightName::Embed, m(cfg.vocab, cfg.hidden))),
+        (!cfg.tied_embeddings).then_some((WeightName::Output, m(cfg.vocab, cfg.hidden))),
+        Some((WeightName::OutputNorm, v(cfg.hidden))),
+    ];
+    let layers = (0..cfg.layers).flat_map(move |l| {
+        let bias = cfg.qkv_bias;
+        [
+            Some((WeightName::AttnNorm(l), v(cfg.hidden))),
+            Some((WeightName::Q(l), m(q, cfg.hidden))),
+            Some((WeightName::K(l), m(kv, cfg.hidden))),
+            Some((WeightName::V(l), m(kv, cfg.hidden))),
+            bias.then_some((WeightName::QBias(l), v(q))),
+            bias.then_some((WeightName::KBias(l), v(kv))),
+            bias.then_some((WeightName::VBias(l), v(kv))),
+            Some((WeightName::O(l), m(cfg.hidden, q))),
+            Some((WeightName::FfnNorm(l), v(cfg.hidden))),
+            Some((WeightName::Gate(l), m(cfg.ffn, cfg.hidden))),
+            Some((WeightName::Up(l), m(cfg.ffn, cfg.hidden))),
+            Some((WeightName::Down(l), m(cfg.hidden, cfg.ffn))),
+        ]
+        .into_iter()
+        .flatten()
+    });
+    global.into_iter().flatten().chain(layers)
+}
+
+/// Checks at open that every weight the config calls for is present with its shape, so a
+/// file that does not match its config fails with the tensor and file named before any
+/// rank allocates (R4). Needs a config that passed [`ModelConfig::validate`] (no overflow).
+pub fn validate_weights(ckpt: &dyn Checkpoint) -> Result<()> {
+    for (name, want) in expected_weights(ckpt.config()) {
+        let meta = ckpt.meta(name)?;
+        let ok = match want {
+            Expected::Matrix { rows, cols } => meta.rows == rows && meta.cols == cols,
+            Expected::Vector { len } => {
+                meta.rows.min(meta.cols) == 1 && meta.rows * meta.cols == len
+            }
+        };
+        if !ok {
+            let expected = match want {
+                Expected::Matrix { rows, cols } => vec![rows, cols],
+                Expected::Vector { len } => vec![len],
+            };
+            let found = if meta.cols == 1 {
+                vec![meta.rows]
+            } else {
+                vec![meta.rows, meta.cols]
+            };
+            return Err(ModelError::TensorShape {
+                name: ckpt.describe(name),
+                found,
+                expected,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Rows from raw row-major bytes: dequantized to f32 when the storage is plain floats.

@@ -72,23 +72,53 @@ impl ModelConfig {
                 self.head_dim
             ));
         }
-        if !(self.rms_eps > 0.0 && self.rope_theta > 0.0) {
-            return bad("rms epsilon and rope theta must be positive".into());
+        let positive = |x: f64| x > 0.0 && x.is_finite();
+        if !positive(self.rms_eps) || !positive(self.rope_theta) {
+            return bad(format!(
+                "rms epsilon {} and rope theta {} must be positive and finite",
+                self.rms_eps, self.rope_theta
+            ));
+        }
+        if self.context == 0 {
+            return bad("the context length must be positive".into());
+        }
+        if self.checked_parameter_count().is_none() {
+            return bad(format!(
+                "sizes overflow: {} layers of hidden {}, ffn {}, {} heads of {} and vocab {}",
+                self.layers, self.hidden, self.ffn, self.heads, self.head_dim, self.vocab
+            ));
         }
         Ok(())
     }
 
-    /// Parameters of the whole model (embedding counted once when tied).
-    pub fn parameter_count(&self) -> usize {
-        let q = self.heads * self.head_dim;
-        let kv = self.kv_heads * self.head_dim;
-        let attn = self.hidden * (q + 2 * kv) + q * self.hidden;
-        let bias = if self.qkv_bias { q + 2 * kv } else { 0 };
-        let mlp = 3 * self.hidden * self.ffn;
-        let block = attn + bias + mlp + 2 * self.hidden;
-        let embed = self.vocab * self.hidden;
+    /// [`ModelConfig::parameter_count`], or `None` when a product overflows (a corrupt file).
+    fn checked_parameter_count(&self) -> Option<usize> {
+        let q = self.heads.checked_mul(self.head_dim)?;
+        let kv = self.kv_heads.checked_mul(self.head_dim)?;
+        let qkv = kv.checked_mul(2)?.checked_add(q)?;
+        let attn = self
+            .hidden
+            .checked_mul(qkv)?
+            .checked_add(q.checked_mul(self.hidden)?)?;
+        let bias = if self.qkv_bias { qkv } else { 0 };
+        let mlp = self.hidden.checked_mul(self.ffn)?.checked_mul(3)?;
+        let block = attn
+            .checked_add(bias)?
+            .checked_add(mlp)?
+            .checked_add(self.hidden.checked_mul(2)?)?;
+        let embed = self.vocab.checked_mul(self.hidden)?;
         let head = if self.tied_embeddings { 0 } else { embed };
-        self.layers * block + embed + head + self.hidden
+        self.layers
+            .checked_mul(block)?
+            .checked_add(embed)?
+            .checked_add(head)?
+            .checked_add(self.hidden)
+    }
+
+    /// Parameters of the whole model (embedding counted once when tied); saturates for sizes
+    /// that [`ModelConfig::validate`] rejects.
+    pub fn parameter_count(&self) -> usize {
+        self.checked_parameter_count().unwrap_or(usize::MAX)
     }
 
     /// From GGUF metadata (`general.architecture` and its `<arch>.*` keys).
@@ -100,19 +130,29 @@ impl ModelConfig {
         let arch_name = md
             .get("general.architecture")
             .and_then(|v| v.to_string().ok())
-            .ok_or_else(|| missing("general.architecture", "not a model GGUF"))?
+            .ok_or_else(|| {
+                missing(
+                    "general.architecture",
+                    "it is not a model GGUF; pass a llama or qwen2 GGUF converted by llama.cpp",
+                )
+            })?
             .clone();
         let arch = match arch_name.as_str() {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
-            other => return Err(ModelError::UnsupportedArch(other.to_string())),
+            other => {
+                return Err(ModelError::UnsupportedArch {
+                    arch: other.to_string(),
+                    path: String::new(),
+                })
+            }
         };
         let key = |k: &str| format!("{arch_name}.{k}");
         let int = |k: &str| -> Result<usize> {
             let full = key(k);
             md.get(&full)
                 .and_then(gguf_uint)
-                .ok_or_else(|| missing(&full, "the GGUF lacks a required hyper-parameter"))
+                .ok_or_else(|| missing(&full, "the GGUF lacks a required hyper-parameter; convert the model again with a current llama.cpp"))
         };
         let float = |k: &str, default: f64| -> f64 {
             md.get(&key(k))
@@ -124,7 +164,7 @@ impl ModelConfig {
         let kv_heads = int("attention.head_count_kv").unwrap_or(heads);
         let head_dim = int("attention.key_length")
             .or_else(|_| int("rope.dimension_count"))
-            .unwrap_or(if heads > 0 { hidden / heads } else { 0 });
+            .unwrap_or(hidden.checked_div(heads).unwrap_or(0));
         let vocab = match (int("vocab_size"), embed_rows) {
             (Ok(v), _) => v,
             (Err(_), Some(rows)) => rows,
@@ -168,18 +208,27 @@ impl ModelConfig {
         } else if model_type == "qwen2" || arch_list.contains(&"Qwen2ForCausalLM") {
             Arch::Qwen2
         } else {
+            if model_type.is_empty() && arch_list.is_empty() {
+                return Err(missing(
+                    "model_type",
+                    "config.json names no model_type or architectures; it is not a transformers model config",
+                ));
+            }
             let what = if model_type.is_empty() {
                 arch_list.join(",")
             } else {
                 model_type.to_string()
             };
-            return Err(ModelError::UnsupportedArch(what));
+            return Err(ModelError::UnsupportedArch {
+                arch: what,
+                path: String::new(),
+            });
         };
         let int = |k: &str| -> Result<usize> {
             v.get(k)
                 .and_then(|x| x.as_u64())
-                .map(|x| x as usize)
-                .ok_or_else(|| missing(k, "config.json lacks a required field"))
+                .and_then(|x| usize::try_from(x).ok())
+                .ok_or_else(|| missing(k, "config.json lacks a required field; use the config.json that came with the model"))
         };
         let float = |k: &str, d: f64| v.get(k).and_then(|x| x.as_f64()).unwrap_or(d);
         let hidden = int("hidden_size")?;
@@ -191,7 +240,7 @@ impl ModelConfig {
             ffn: int("intermediate_size")?,
             heads,
             kv_heads: int("num_key_value_heads").unwrap_or(heads),
-            head_dim: int("head_dim").unwrap_or(if heads > 0 { hidden / heads } else { 0 }),
+            head_dim: int("head_dim").unwrap_or(hidden.checked_div(heads).unwrap_or(0)),
             vocab: int("vocab_size")?,
             rms_eps: float("rms_norm_eps", 1e-5),
             rope_theta: float("rope_theta", 10_000.0),
@@ -213,6 +262,7 @@ fn missing(key: &str, hint: &str) -> ModelError {
     ModelError::MissingMetadata {
         key: key.to_string(),
         hint: hint.to_string(),
+        path: String::new(),
     }
 }
 

@@ -4,7 +4,7 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum ModelError {
-    #[error("cannot open model file {path}: {source}")]
+    #[error("cannot read {path}: {source}; check the path and its permissions")]
     Io {
         path: String,
         #[source]
@@ -12,19 +12,23 @@ pub enum ModelError {
     },
     #[error("{path} is not a readable model file: {reason}. Check that the download completed (compare its sha256) or pass another --model")]
     Corrupt { path: String, reason: String },
-    #[error("model architecture {0:?} is not supported; supported: llama, qwen2 (GGUF) and LlamaForCausalLM, Qwen2ForCausalLM (config.json)")]
-    UnsupportedArch(String),
-    #[error("model metadata lacks {key}: {hint}")]
-    MissingMetadata { key: String, hint: String },
-    #[error("tensor {name} is missing from the checkpoint; the file is incomplete or not a {arch} model")]
+    #[error("{}model architecture {arch:?} is not supported; pass a llama or qwen2 GGUF, or an HF directory of a LlamaForCausalLM or Qwen2ForCausalLM model, to --model", located(path))]
+    UnsupportedArch { arch: String, path: String },
+    #[error("{}model metadata lacks {key}: {hint}", located(path))]
+    MissingMetadata {
+        key: String,
+        hint: String,
+        path: String,
+    },
+    #[error("tensor {name} is missing from the checkpoint; the file is incomplete or not a {arch} model: download or convert it again")]
     MissingTensor { name: String, arch: String },
-    #[error("tensor {name} has shape {found:?}, expected {expected:?}; the checkpoint does not match its config")]
+    #[error("tensor {name} has shape {found:?}, expected {expected:?} from the model's config; the checkpoint does not match its config: re-export it or fix the config")]
     TensorShape {
         name: String,
         found: Vec<usize>,
         expected: Vec<usize>,
     },
-    #[error("tensor {name} has unsupported type {dtype}; re-export the model with F32, F16, BF16 or a ggml quantization")]
+    #[error("tensor {name} has unsupported type {dtype}; re-export the model with F32, F16, BF16 or a ggml quantization (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K)")]
     UnsupportedDType { name: String, dtype: String },
     #[error("invalid model config: {0}")]
     Config(String),
@@ -42,6 +46,39 @@ pub enum ModelError {
     TokenOutOfRange { id: u32, vocab: usize },
     #[error("{0}")]
     Input(String),
+}
+
+/// `"PATH: "`, or nothing when the path is not known yet.
+fn located(path: &str) -> String {
+    if path.is_empty() {
+        String::new()
+    } else {
+        format!("{path}: ")
+    }
+}
+
+impl ModelError {
+    /// Names the file a config-level error came from (errors of `ModelConfig` parsing do not
+    /// know it); other errors are returned unchanged.
+    pub fn in_file(self, file: &str) -> Self {
+        match self {
+            ModelError::Config(m) => ModelError::Config(format!("{file}: {m}")),
+            ModelError::UnsupportedArch { arch, path } if path.is_empty() => {
+                ModelError::UnsupportedArch {
+                    arch,
+                    path: file.to_string(),
+                }
+            }
+            ModelError::MissingMetadata { key, hint, path } if path.is_empty() => {
+                ModelError::MissingMetadata {
+                    key,
+                    hint,
+                    path: file.to_string(),
+                }
+            }
+            other => other,
+        }
+    }
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;

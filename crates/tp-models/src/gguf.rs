@@ -1,12 +1,13 @@
 //! GGUF checkpoints: the file is memory-mapped and a rank copies out only its byte ranges.
 
 use crate::checkpoint::{
-    copy_region, slice_from_bytes, Checkpoint, FloatKind, Storage, TensorMeta, WeightName,
-    WeightSlice,
+    copy_region, slice_from_bytes, validate_weights, Checkpoint, FloatKind, Storage, TensorMeta,
+    WeightName, WeightSlice,
 };
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use candle_core::quantized::gguf_file::{Content, Value};
+use crate::gguf_header::{GgufHeader, GgufTensor};
+use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
 use candle_core::Device;
 use memmap2::Mmap;
@@ -15,11 +16,11 @@ use std::fs::File;
 use std::ops::Range;
 use std::path::Path;
 
-/// An opened GGUF model: header parsed, tensor data mapped (not read).
+/// An opened GGUF model: header parsed and validated, tensor data mapped (not read).
 pub struct GgufCheckpoint {
     path: String,
     map: Mmap,
-    content: Content,
+    header: GgufHeader,
     config: ModelConfig,
 }
 
@@ -27,7 +28,7 @@ impl std::fmt::Debug for GgufCheckpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GgufCheckpoint")
             .field("path", &self.path)
-            .field("tensors", &self.content.tensor_infos.len())
+            .field("tensors", &self.header.tensors.len())
             .finish()
     }
 }
@@ -54,72 +55,51 @@ pub fn gguf_name(name: WeightName) -> String {
 }
 
 impl GgufCheckpoint {
-    /// Maps `path`, parses the header and checks that every tensor lies inside the file.
+    /// Maps `path`, parses and validates the header (every length bounded, every tensor
+    /// inside the file and disjoint), reads the config and checks that every weight it calls
+    /// for is present with its shape.
     pub fn open(path: &Path) -> Result<Self> {
         let shown = path.display().to_string();
-        let file = File::open(path).map_err(|source| ModelError::Io {
+        let io = |source| ModelError::Io {
             path: shown.clone(),
             source,
-        })?;
-        // SAFETY: the map is read-only; a file truncated under us would fault, which the
-        // size checks below make unlikely for a file not being rewritten while we run.
-        let map = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {
-            path: shown.clone(),
-            source,
-        })?;
-        if map.len() < 4 || &map[..4] != b"GGUF" {
+        };
+        let file = File::open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        if len == 0 {
             return Err(ModelError::Corrupt {
                 path: shown,
-                reason: "it does not start with the GGUF magic".into(),
+                reason: "the file is empty".into(),
             });
         }
-        let mut cursor = std::io::Cursor::new(&map[..]);
-        let content = Content::read(&mut cursor).map_err(|e| ModelError::Corrupt {
-            path: shown.clone(),
-            reason: format!("header unreadable ({e})"),
-        })?;
-        for (name, info) in &content.tensor_infos {
-            let elems = info.shape.elem_count();
-            let block = info.ggml_dtype.block_size();
-            if !elems.is_multiple_of(block) {
-                return Err(ModelError::Corrupt {
-                    path: shown,
-                    reason: format!(
-                        "tensor {name} has {elems} elements, not whole blocks of {block}"
-                    ),
-                });
-            }
-            let size = (elems / block * info.ggml_dtype.type_size()) as u64;
-            let end = content
-                .tensor_data_offset
-                .checked_add(info.offset)
-                .and_then(|s| s.checked_add(size));
-            if end.is_none_or(|e| e > map.len() as u64) {
-                return Err(ModelError::Corrupt {
-                    path: shown,
-                    reason: format!(
-                        "tensor {name} ends past the end of the file ({} bytes): the file is truncated",
-                        map.len()
-                    ),
-                });
-            }
-        }
-        let embed_rows = content
-            .tensor_infos
-            .get("token_embd.weight")
-            .and_then(|i| i.shape.dims().first().copied());
-        let has_output = content.tensor_infos.contains_key("output.weight");
-        let config = ModelConfig::from_gguf(&content.metadata, embed_rows, has_output)?;
-        Ok(GgufCheckpoint {
+        // SAFETY: the map is read-only and every access goes through ranges that
+        // `GgufHeader::parse` checked against the mapped length. A file truncated by another
+        // process while mapped would fault; models are not rewritten while being served.
+        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        let header = GgufHeader::parse(&map, &shown)?;
+        let embed_rows = header
+            .tensor("token_embd.weight")
+            .and_then(|t| t.shape.first().copied());
+        let has_output = header.tensor("output.weight").is_some();
+        let config = ModelConfig::from_gguf(&header.metadata, embed_rows, has_output)
+            .map_err(|e| e.in_file(&shown))?;
+        let ckpt = GgufCheckpoint {
             path: shown,
             map,
-            content,
+            header,
             config,
-        })
+        };
+        validate_weights(&ckpt)?;
+        Ok(ckpt)
     }
 
     pub fn metadata(&self) -> &HashMap<String, Value> {
-        &self.content.metadata
+        &self.header.metadata
+    }
+
+    /// The validated header (tensor infos, alignment, data offset).
+    pub fn header(&self) -> &GgufHeader {
+        &self.header
     }
 
     /// Size of the mapped file in bytes.
@@ -127,15 +107,12 @@ impl GgufCheckpoint {
         self.map.len()
     }
 
-    fn info(
-        &self,
-        name: WeightName,
-    ) -> Result<(&candle_core::quantized::gguf_file::TensorInfo, String)> {
+    fn info(&self, name: WeightName) -> Result<(&GgufTensor, String)> {
         let key = gguf_name(name);
-        match self.content.tensor_infos.get(&key) {
+        match self.header.tensor(&key) {
             Some(info) => Ok((info, key)),
             None => Err(ModelError::MissingTensor {
-                name: key,
+                name: format!("{key} in {}", self.path),
                 arch: self.config.arch.name().into(),
             }),
         }
@@ -145,9 +122,7 @@ impl GgufCheckpoint {
     fn data(&self, name: WeightName) -> Result<(&[u8], TensorMeta, GgmlDType)> {
         let meta = self.meta(name)?;
         let (info, _) = self.info(name)?;
-        let start = (self.content.tensor_data_offset + info.offset) as usize;
-        let len = meta.rows * meta.storage.row_bytes(meta.cols);
-        Ok((&self.map[start..start + len], meta, info.ggml_dtype))
+        Ok((&self.map[self.header.data_range(info)], meta, info.dtype))
     }
 }
 
@@ -179,23 +154,27 @@ impl Checkpoint for GgufCheckpoint {
         &self.path
     }
 
+    fn describe(&self, name: WeightName) -> String {
+        format!("{} in {}", gguf_name(name), self.path)
+    }
+
     fn meta(&self, name: WeightName) -> Result<TensorMeta> {
         let (info, key) = self.info(name)?;
-        let dims = info.shape.dims();
-        let (rows, cols) = match dims {
+        let (rows, cols) = match info.shape.as_slice() {
             [n] => (*n, 1),
             [r, c] => (*r, *c),
-            _ => {
-                return Err(ModelError::TensorShape {
-                    name: key,
-                    found: dims.to_vec(),
-                    expected: vec![0, 0],
+            dims => {
+                return Err(ModelError::Corrupt {
+                    path: self.path.clone(),
+                    reason: format!(
+                    "tensor {key} has shape {dims:?}; a Llama-family weight has 1 or 2 dimensions"
+                ),
                 })
             }
         };
-        let storage = match float_kind(info.ggml_dtype) {
+        let storage = match float_kind(info.dtype) {
             Some(k) => Storage::Float { bytes: k.bytes() },
-            None => Storage::Quant(info.ggml_dtype),
+            None => Storage::Quant(info.dtype),
         };
         Ok(TensorMeta {
             rows,

@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod gguf;
+pub mod gguf_header;
 pub mod hf;
 pub mod kv_cache;
 pub mod matrix;
@@ -13,11 +14,14 @@ pub mod open;
 pub mod ops;
 pub mod profile;
 pub mod shard;
+#[cfg(feature = "test-support")]
+pub mod synthetic;
 
 pub use checkpoint::{Checkpoint, WeightName, WeightSlice};
 pub use config::{Arch, ModelConfig, RopeStyle};
 pub use error::{ModelError, Result};
 pub use gguf::GgufCheckpoint;
+pub use gguf_header::{GgufHeader, GgufTensor};
 pub use hf::HfCheckpoint;
 pub use kv_cache::SeqCache;
 pub use matrix::{DenseDType, LoadOptions, Matrix};

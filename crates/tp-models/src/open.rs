@@ -1,5 +1,5 @@
 //! Opens whatever `--model` names: a GGUF file, an HF directory, or a `.safetensors` file
-//! inside one.
+//! inside one; every failure is a typed error naming the path and what to pass instead.
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{ModelError, Result};
@@ -26,6 +26,11 @@ pub fn open_checkpoint(path: &Path) -> Result<Box<dyn Checkpoint>> {
             "{} is a safetensors file without a config.json beside it; pass its directory with config.json to --model",
             path.display()
         )));
+    }
+    if path.file_name().is_some_and(|n| n == "config.json") {
+        if let Some(dir) = path.parent() {
+            return Ok(Box::new(HfCheckpoint::open(dir)?));
+        }
     }
     Ok(Box::new(GgufCheckpoint::open(path)?))
 }

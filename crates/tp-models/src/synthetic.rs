@@ -1,0 +1,455 @@
+//! Small random Llama-family checkpoints for tests (feature `test-support`): one set of
+//! weights written as a GGUF file (candle's writer; f32 or ggml-quantized) or as an HF
+//! directory (config.json + safetensors, optionally sharded with an index).
+//!
+//! Weights are kept in HF layout (rotate-half RoPE). A `llama` GGUF stores Q and K rows in
+//! llama.cpp's permuted order (interleaved RoPE), so the same model written both ways must
+//! give the same logits; `qwen2` GGUFs are not permuted.
+
+use crate::checkpoint::WeightName;
+use crate::config::{Arch, ModelConfig, RopeStyle};
+use crate::error::{ModelError, Result};
+use crate::gguf::gguf_name;
+use crate::hf::hf_name;
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// SplitMix64: a tiny deterministic generator (no dependency, same stream everywhere).
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    pub fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+}
+
+/// Element type of the tensors of a synthetic HF directory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HfDType {
+    F32,
+    F16,
+    BF16,
+}
+
+/// ggml types of a synthetic GGUF: `linear` for the block projections, `embed` for the
+/// embedding and the untied head. Norms and biases are always F32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GgufTypes {
+    pub linear: GgmlDType,
+    pub embed: GgmlDType,
+}
+
+impl GgufTypes {
+    pub const F32: GgufTypes = GgufTypes {
+        linear: GgmlDType::F32,
+        embed: GgmlDType::F32,
+    };
+}
+
+/// A random model: its config (HF semantics: rotate-half RoPE) and weights.
+#[derive(Clone, Debug)]
+pub struct SyntheticModel {
+    pub cfg: ModelConfig,
+    /// `(name, shape, values)`, matrices `[out, in]` row-major, in HF layout.
+    weights: Vec<(WeightName, Vec<usize>, Vec<f32>)>,
+}
+
+impl SyntheticModel {
+    /// The test shape: 2 layers, hidden 256, 8 query / 2 KV heads of 32 (tp 4 > KV heads),
+    /// FFN 544 (17 quant blocks: uneven at tp 2, 3, 4), vocab 1000 (divisible by neither 3
+    /// nor 16), context 128. `llama` ties the head to the embedding; `qwen2` has QKV biases
+    /// and an untied head.
+    pub fn small(arch: Arch, seed: u64) -> Self {
+        let cfg = ModelConfig {
+            arch,
+            layers: 2,
+            hidden: 256,
+            ffn: 544,
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 32,
+            vocab: 1000,
+            rms_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_style: RopeStyle::RotateHalf,
+            context: 128,
+            qkv_bias: arch == Arch::Qwen2,
+            tied_embeddings: arch == Arch::Llama,
+        };
+        Self::new(cfg, seed)
+    }
+
+    /// Random weights for `cfg` (uniform, scaled so activations stay of order one).
+    pub fn new(cfg: ModelConfig, seed: u64) -> Self {
+        let mut rng = Rng::new(seed);
+        let mut weights = Vec::new();
+        let hd = cfg.head_dim;
+        let (q, kv) = (cfg.heads * hd, cfg.kv_heads * hd);
+        let matrix = |rng: &mut Rng, name, rows: usize, cols: usize, scale: f32| {
+            let values = (0..rows * cols).map(|_| rng.uniform() * scale).collect();
+            (name, vec![rows, cols], values)
+        };
+        let lin = |fan_in: usize| (3.0 / fan_in as f32).sqrt();
+        let vector = |rng: &mut Rng, name, len: usize, center: f32, spread: f32| {
+            let values = (0..len).map(|_| center + spread * rng.uniform()).collect();
+            (name, vec![len], values)
+        };
+        weights.push(matrix(
+            &mut rng,
+            WeightName::Embed,
+            cfg.vocab,
+            cfg.hidden,
+            1.0,
+        ));
+        for l in 0..cfg.layers {
+            weights.push(vector(
+                &mut rng,
+                WeightName::AttnNorm(l),
+                cfg.hidden,
+                1.0,
+                0.2,
+            ));
+            weights.push(matrix(
+                &mut rng,
+                WeightName::Q(l),
+                q,
+                cfg.hidden,
+                lin(cfg.hidden),
+            ));
+            weights.push(matrix(
+                &mut rng,
+                WeightName::K(l),
+                kv,
+                cfg.hidden,
+                lin(cfg.hidden),
+            ));
+            weights.push(matrix(
+                &mut rng,
+                WeightName::V(l),
+                kv,
+                cfg.hidden,
+                lin(cfg.hidden),
+            ));
+            if cfg.qkv_bias {
+                weights.push(vector(&mut rng, WeightName::QBias(l), q, 0.0, 0.3));
+                weights.push(vector(&mut rng, WeightName::KBias(l), kv, 0.0, 0.3));
+                weights.push(vector(&mut rng, WeightName::VBias(l), kv, 0.0, 0.3));
+            }
+            weights.push(matrix(&mut rng, WeightName::O(l), cfg.hidden, q, lin(q)));
+            weights.push(vector(
+                &mut rng,
+                WeightName::FfnNorm(l),
+                cfg.hidden,
+                1.0,
+                0.2,
+            ));
+            weights.push(matrix(
+                &mut rng,
+                WeightName::Gate(l),
+                cfg.ffn,
+                cfg.hidden,
+                lin(cfg.hidden),
+            ));
+            weights.push(matrix(
+                &mut rng,
+                WeightName::Up(l),
+                cfg.ffn,
+                cfg.hidden,
+                lin(cfg.hidden),
+            ));
+            weights.push(matrix(
+                &mut rng,
+                WeightName::Down(l),
+                cfg.hidden,
+                cfg.ffn,
+                lin(cfg.ffn),
+            ));
+        }
+        weights.push(vector(
+            &mut rng,
+            WeightName::OutputNorm,
+            cfg.hidden,
+            1.0,
+            0.2,
+        ));
+        if !cfg.tied_embeddings {
+            weights.push(matrix(
+                &mut rng,
+                WeightName::Output,
+                cfg.vocab,
+                cfg.hidden,
+                0.5,
+            ));
+        }
+        SyntheticModel { cfg, weights }
+    }
+
+    /// Shape and values of a weight in HF layout.
+    pub fn weight(&self, name: WeightName) -> Option<(&[usize], &[f32])> {
+        self.weights
+            .iter()
+            .find(|(n, ..)| *n == name)
+            .map(|(_, s, v)| (s.as_slice(), v.as_slice()))
+    }
+
+    fn arch_name(&self) -> &'static str {
+        self.cfg.arch.name()
+    }
+
+    /// GGUF metadata: the hyper-parameters candle's and our readers need, plus one key of
+    /// every GGUF value type (nested and empty arrays included) to exercise header parsers.
+    pub fn gguf_metadata(&self) -> Vec<(String, Value)> {
+        let a = self.arch_name();
+        let c = &self.cfg;
+        let u = |x: usize| Value::U32(x as u32);
+        let mut md = vec![
+            ("general.architecture".to_string(), Value::String(a.into())),
+            ("general.name".into(), Value::String("synthetic".into())),
+            ("general.alignment".into(), Value::U32(32)),
+            (format!("{a}.context_length"), u(c.context)),
+            (format!("{a}.embedding_length"), u(c.hidden)),
+            (format!("{a}.feed_forward_length"), u(c.ffn)),
+            (format!("{a}.block_count"), u(c.layers)),
+            (format!("{a}.attention.head_count"), u(c.heads)),
+            (format!("{a}.attention.head_count_kv"), u(c.kv_heads)),
+            (format!("{a}.rope.dimension_count"), u(c.head_dim)),
+            (
+                format!("{a}.attention.layer_norm_rms_epsilon"),
+                Value::F32(c.rms_eps as f32),
+            ),
+            (
+                format!("{a}.rope.freq_base"),
+                Value::F32(c.rope_theta as f32),
+            ),
+        ];
+        let tokens = (0..c.vocab).map(|i| Value::String(format!("tok{i}")));
+        md.extend([
+            ("synthetic.tokens".into(), Value::Array(tokens.collect())),
+            (
+                "synthetic.scores".into(),
+                Value::Array((0..c.vocab).map(|i| Value::F32(-(i as f32))).collect()),
+            ),
+            ("synthetic.u8".into(), Value::U8(200)),
+            ("synthetic.i8".into(), Value::I8(-100)),
+            ("synthetic.u16".into(), Value::U16(60_000)),
+            ("synthetic.i16".into(), Value::I16(-30_000)),
+            ("synthetic.i32".into(), Value::I32(-2_000_000_000)),
+            ("synthetic.u64".into(), Value::U64(u64::MAX - 1)),
+            ("synthetic.i64".into(), Value::I64(i64::MIN + 1)),
+            ("synthetic.f64".into(), Value::F64(std::f64::consts::PI)),
+            ("synthetic.bool".into(), Value::Bool(true)),
+            ("synthetic.empty".into(), Value::Array(vec![])),
+            (
+                "synthetic.nested".into(),
+                Value::Array(vec![
+                    Value::Array(vec![Value::I16(1), Value::I16(-2)]),
+                    Value::Array(vec![Value::I16(3)]),
+                ]),
+            ),
+        ]);
+        md
+    }
+
+    /// The GGUF tensors: ggml-typed, named as llama.cpp names them, Q/K permuted for llama.
+    pub fn gguf_tensors(&self, types: GgufTypes) -> Result<Vec<(String, QTensor)>> {
+        let dev = Device::Cpu;
+        let mut out = Vec::with_capacity(self.weights.len());
+        for (name, shape, values) in &self.weights {
+            let mut values = values.clone();
+            if self.cfg.arch == Arch::Llama {
+                if let WeightName::Q(_)
+                | WeightName::K(_)
+                | WeightName::QBias(_)
+                | WeightName::KBias(_) = name
+                {
+                    values = permute_rows_for_interleaved(&values, shape, self.cfg.head_dim);
+                }
+            }
+            let dtype = match (name, shape.len()) {
+                (_, 1) => GgmlDType::F32,
+                (WeightName::Embed | WeightName::Output, _) => types.embed,
+                _ => types.linear,
+            };
+            let t = Tensor::from_vec(values, shape.as_slice(), &dev)?;
+            out.push((gguf_name(*name), QTensor::quantize(&t, dtype)?));
+        }
+        Ok(out)
+    }
+
+    /// Writes the model as a GGUF file.
+    pub fn write_gguf(&self, path: &Path, types: GgufTypes) -> Result<()> {
+        write_gguf(path, &self.gguf_metadata(), &self.gguf_tensors(types)?)
+    }
+
+    /// `config.json` of the HF directory.
+    pub fn hf_config_json(&self) -> serde_json::Value {
+        let c = &self.cfg;
+        let mut v = serde_json::json!({
+            "architectures": [match c.arch { Arch::Llama => "LlamaForCausalLM", Arch::Qwen2 => "Qwen2ForCausalLM" }],
+            "model_type": self.arch_name(),
+            "hidden_size": c.hidden,
+            "intermediate_size": c.ffn,
+            "num_hidden_layers": c.layers,
+            "num_attention_heads": c.heads,
+            "num_key_value_heads": c.kv_heads,
+            "head_dim": c.head_dim,
+            "vocab_size": c.vocab,
+            "rms_norm_eps": c.rms_eps,
+            "rope_theta": c.rope_theta,
+            "max_position_embeddings": c.context,
+            "tie_word_embeddings": c.tied_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        });
+        if c.arch == Arch::Qwen2 {
+            v["sliding_window"] = c.context.into();
+            v["max_window_layers"] = c.layers.into();
+            v["use_sliding_window"] = false.into();
+        }
+        v
+    }
+
+    /// HF tensors `(name, shape, values)`.
+    pub fn hf_tensors(&self) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        self.weights
+            .iter()
+            .map(|(n, s, v)| (hf_name(*n), s.clone(), v.clone()))
+            .collect()
+    }
+
+    /// Writes `config.json` and the weights into `dir`: `model.safetensors` for one shard,
+    /// else `model-0000i-of-0000n.safetensors` files and `model.safetensors.index.json`.
+    pub fn write_hf(&self, dir: &Path, shards: usize, dtype: HfDType) -> Result<()> {
+        let io = |p: &Path| {
+            let shown = p.display().to_string();
+            move |source| ModelError::Io {
+                path: shown,
+                source,
+            }
+        };
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let config = dir.join("config.json");
+        let text = serde_json::to_string_pretty(&self.hf_config_json())
+            .map_err(|e| ModelError::Input(e.to_string()))?;
+        std::fs::write(&config, text).map_err(io(&config))?;
+        let tensors = self.hf_tensors();
+        let shards = shards.clamp(1, tensors.len());
+        if shards == 1 {
+            return write_safetensors(&dir.join("model.safetensors"), &tensors, dtype);
+        }
+        let per = tensors.len().div_ceil(shards);
+        let mut weight_map = serde_json::Map::new();
+        for (i, part) in tensors.chunks(per).enumerate() {
+            let file = format!("model-{:05}-of-{shards:05}.safetensors", i + 1);
+            write_safetensors(&dir.join(&file), part, dtype)?;
+            for (name, ..) in part {
+                weight_map.insert(name.clone(), file.clone().into());
+            }
+        }
+        let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+        let path = dir.join("model.safetensors.index.json");
+        std::fs::write(&path, index.to_string()).map_err(io(&path))?;
+        Ok(())
+    }
+}
+
+/// llama.cpp's Q/K permutation (`convert_hf_to_gguf.py`): within each head, HF row
+/// `j * hd/2 + i` (rotate-half pairs i and i + hd/2) becomes row `2i + j` (adjacent pairs).
+pub fn permute_rows_for_interleaved(values: &[f32], shape: &[usize], head_dim: usize) -> Vec<f32> {
+    let rows = shape[0];
+    let cols = if shape.len() > 1 { shape[1] } else { 1 };
+    let half = head_dim / 2;
+    let mut out = vec![0f32; values.len()];
+    for r in 0..rows {
+        let (head, within) = (r / head_dim, r % head_dim);
+        let (j, i) = (within / half, within % half);
+        let dst = head * head_dim + 2 * i + j;
+        out[dst * cols..(dst + 1) * cols].copy_from_slice(&values[r * cols..(r + 1) * cols]);
+    }
+    out
+}
+
+/// Writes a GGUF file with candle's writer (version 2, alignment 32).
+pub fn write_gguf(
+    path: &Path,
+    metadata: &[(String, Value)],
+    tensors: &[(String, QTensor)],
+) -> Result<()> {
+    let mut file = std::fs::File::create(path).map_err(|source| ModelError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    gguf_file::write(&mut file, &md, &ts)?;
+    Ok(())
+}
+
+/// Writes `(name, shape, values)` as a safetensors file of `dtype`.
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    dtype: HfDType,
+) -> Result<()> {
+    use safetensors::tensor::TensorView;
+    use safetensors::Dtype;
+    let encoded: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, s, v)| {
+            let bytes = match dtype {
+                HfDType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                HfDType::F16 => v
+                    .iter()
+                    .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+                    .collect(),
+                HfDType::BF16 => v
+                    .iter()
+                    .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                    .collect(),
+            };
+            (n.clone(), s.clone(), bytes)
+        })
+        .collect();
+    let st = match dtype {
+        HfDType::F32 => Dtype::F32,
+        HfDType::F16 => Dtype::F16,
+        HfDType::BF16 => Dtype::BF16,
+    };
+    let bad = |e: safetensors::SafeTensorError| ModelError::Input(format!("safetensors: {e}"));
+    let mut views = Vec::with_capacity(encoded.len());
+    for (n, s, b) in &encoded {
+        views.push((n.clone(), TensorView::new(st, s.clone(), b).map_err(bad)?));
+    }
+    let bytes = safetensors::serialize(views, None).map_err(bad)?;
+    std::fs::write(path, bytes).map_err(|source| ModelError::Io {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// Metadata as a map, as readers return it.
+pub fn metadata_map(md: &[(String, Value)]) -> HashMap<String, Value> {
+    md.iter().cloned().collect()
+}
