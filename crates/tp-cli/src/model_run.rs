@@ -201,58 +201,86 @@ pub fn run_model<T: Send>(
     if ctx == 0 {
         bail!("--ctx-size must be at least 1");
     }
+    // With local ranks the layout is known now: check it once, before starting any rank.
     let world = match args.backend {
-        Backend::Local => args.tp_for(1)?,
+        Backend::Local => {
+            let tp = args.tp_for(1)?;
+            plan_and_check(args, &*ckpt, &path, tp, ctx, true)?;
+            tp
+        }
         Backend::Mpi => 0, // decided by mpirun
     };
-    run_ranks(args.backend, world, args.timeout()?, |g| -> anyhow::Result<Option<T>> {
-        let tp = args.tp_for(g.size())?;
-        let rank = g.rank();
-        let plan = memory_plan(&*ckpt, tp, ctx, opts)?;
-        if rank == 0 && !args.quiet {
-            eprintln!(
-                "# {}: {} {} layers, hidden {}, {} heads / {} KV heads, vocab {}; tp {tp} ({:?} backend)",
-                path.display(),
-                cfg.arch.name(),
-                cfg.layers,
-                cfg.hidden,
-                cfg.heads,
-                cfg.kv_heads,
-                cfg.vocab,
-                args.backend
-            );
-            for (r, m) in plan.iter().enumerate() {
-                eprintln!("# {}", describe_rank(&*ckpt, r, tp, m, ctx));
+    run_ranks(
+        args.backend,
+        world,
+        args.timeout()?,
+        |g| -> anyhow::Result<Option<T>> {
+            let tp = args.tp_for(g.size())?;
+            let rank = g.rank();
+            if args.backend == Backend::Mpi {
+                plan_and_check(args, &*ckpt, &path, tp, ctx, rank == 0)?;
             }
-        }
-        if let Some(budget) = args.max_rank_memory {
-            check_budget(&*ckpt, tp, ctx, opts, budget, &plan)?;
-        }
-        let model = ShardedModel::load(&*ckpt, rank, tp, opts, ctx)
-            .with_context(|| format!("rank {rank} cannot load its shard of {}", path.display()))?;
-        let mut worker = Worker::new(model, g.clone());
-        if rank != 0 {
-            worker.follow()?;
-            return Ok(None);
-        }
-        let tokenizer = match load_tokenizer(&path, &*ckpt) {
-            Ok(t) => t,
-            Err(e) => {
-                let _ = worker.submit(Command::Exit);
-                return Err(e);
+            let model = ShardedModel::load(&*ckpt, rank, tp, opts, ctx).with_context(|| {
+                format!("rank {rank} cannot load its shard of {}", path.display())
+            })?;
+            let mut worker = Worker::new(model, g.clone());
+            if rank != 0 {
+                worker.follow()?;
+                return Ok(None);
             }
-        };
-        let mut session = Session {
-            worker,
-            tokenizer,
-            ctx_size: ctx,
-        };
-        let out = lead(&mut session);
-        // Release the followers whatever happened (a broken group fails here too, harmlessly).
-        let _ = session.worker.submit(Command::Exit);
-        out.map(Some)
-    })
+            let tokenizer = match load_tokenizer(&path, &*ckpt) {
+                Ok(t) => t,
+                Err(e) => {
+                    let _ = worker.submit(Command::Exit);
+                    return Err(e);
+                }
+            };
+            let mut session = Session {
+                worker,
+                tokenizer,
+                ctx_size: ctx,
+            };
+            let out = lead(&mut session);
+            // Release the followers whatever happened (a broken group fails here too, harmlessly).
+            let _ = session.worker.submit(Command::Exit);
+            out.map(Some)
+        },
+    )
     .map(|r| r.map(Option::flatten))
+}
+
+/// Prints the per-rank memory plan (when `show`) and refuses a layout over the budget.
+fn plan_and_check(
+    args: &ModelArgs,
+    ckpt: &dyn Checkpoint,
+    path: &Path,
+    tp: usize,
+    ctx: usize,
+    show: bool,
+) -> anyhow::Result<()> {
+    let opts = args.load_options();
+    let cfg = ckpt.config();
+    let plan = memory_plan(ckpt, tp, ctx, opts)?;
+    if show && !args.quiet {
+        eprintln!(
+            "# {}: {} {} layers, hidden {}, {} heads / {} KV heads, vocab {}; tp {tp} ({:?} backend)",
+            path.display(),
+            cfg.arch.name(),
+            cfg.layers,
+            cfg.hidden,
+            cfg.heads,
+            cfg.kv_heads,
+            cfg.vocab,
+            args.backend
+        );
+        for (r, m) in plan.iter().enumerate() {
+            eprintln!("# {}", describe_rank(ckpt, r, tp, m, ctx));
+        }
+    }
+    if let Some(budget) = args.max_rank_memory {
+        check_budget(ckpt, tp, ctx, opts, budget, &plan)?;
+    }
+    Ok(())
 }
 
 /// The tokenizer of a GGUF (from its metadata) or an HF directory (tokenizer.json).

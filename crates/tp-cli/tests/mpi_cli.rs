@@ -112,3 +112,35 @@ fn a_desync_across_processes_shows_both_fingerprints() {
     assert_ne!(f.code, Some(0), "{}", f.output);
     assert!(f.output.contains("collective mismatch"), "{}", f.output);
 }
+
+/// `mpirun -n 3 tp generate --backend mpi` gives the same greedy text as 3 local rank threads.
+#[test]
+fn generate_under_mpirun_matches_local_ranks() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let model = model.to_string_lossy().to_string();
+    let prompt = "The three primary colors are";
+    let args = [
+        "generate",
+        "--model",
+        &model,
+        "--greedy",
+        "--max-tokens",
+        "32",
+        "-q",
+    ];
+    let mut local: Vec<&str> = args.to_vec();
+    local.extend(["--tp", "3", prompt]);
+    let want = common::run_with_deadline(TP, &local, Duration::from_secs(300));
+    assert_eq!(want.code, Some(0), "{}", want.output);
+    let mut mpi: Vec<&str> = args.to_vec();
+    mpi.extend(["--backend", "mpi", prompt]);
+    let got = mpirun(3, &mpi, Duration::from_secs(300));
+    assert_eq!(got.code, Some(0), "{}", got.output);
+    assert_eq!(
+        got.stdout, want.stdout,
+        "mpirun -n 3 differs from --tp 3 local"
+    );
+    assert!(want.stdout.trim().len() > 20, "{:?}", want.stdout);
+}

