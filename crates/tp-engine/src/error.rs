@@ -4,16 +4,29 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum EngineError {
+    /// Boxed: model and collective errors carry flight records and would bloat every `Result`.
     #[error(transparent)]
-    Model(#[from] tp_models::ModelError),
+    Model(Box<tp_models::ModelError>),
     #[error("collective failed: {0}")]
-    Comm(#[from] tp_comm::CommError),
+    Comm(Box<tp_comm::CommError>),
     #[error("invalid {name}: {message}")]
     Param { name: &'static str, message: String },
     #[error("rank {rank} received a malformed command from rank 0: {message}")]
     Protocol { rank: usize, message: String },
     #[error("{0}")]
     Internal(String),
+}
+
+impl From<tp_models::ModelError> for EngineError {
+    fn from(e: tp_models::ModelError) -> Self {
+        EngineError::Model(Box::new(e))
+    }
+}
+
+impl From<tp_comm::CommError> for EngineError {
+    fn from(e: tp_comm::CommError) -> Self {
+        EngineError::Comm(Box::new(e))
+    }
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;

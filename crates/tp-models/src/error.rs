@@ -35,7 +35,7 @@ pub enum ModelError {
     #[error("tensor parallelism: {0}")]
     Tp(#[from] tp_nn::TpError),
     #[error("collective failed: {0}")]
-    Comm(#[from] tp_comm::CommError),
+    Comm(Box<tp_comm::CommError>),
     #[error("kernel: {0}")]
     Kernel(#[from] tp_kernels::KernelError),
     #[error("tensor op failed: {0}")]
@@ -82,3 +82,10 @@ impl ModelError {
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;
+
+/// Boxed: a collective's error carries every rank's flight record.
+impl From<tp_comm::CommError> for ModelError {
+    fn from(e: tp_comm::CommError) -> Self {
+        ModelError::Comm(Box::new(e))
+    }
+}
