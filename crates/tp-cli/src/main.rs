@@ -1,8 +1,10 @@
 //! `tp`: the tensor-parallel command line. Parses arguments, then calls down into the crates.
 
 mod bench_collectives;
+mod bench_train;
 mod launch;
 mod selftest;
+mod train;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -29,12 +31,16 @@ enum Command {
     Selftest(selftest::SelftestArgs),
     /// Chooses tp, pp, dp (and micro-batch, recompute, ...) for a model on a cluster.
     Plan(tp_plan::cli::PlanArgs),
+    /// Trains a Llama-style model with tensor, pipeline and data parallelism.
+    Train(Box<train::TrainArgs>),
 }
 
 #[derive(Subcommand)]
 enum Bench {
     /// nccl-tests-style sweep of all_reduce, all_gather, reduce_scatter and broadcast.
     Collectives(bench_collectives::BenchArgs),
+    /// Training step time, tokens/s and MFU at several tp x pp x dp layouts.
+    Train(bench_train::BenchTrainArgs),
 }
 
 fn main() -> ExitCode {
@@ -43,7 +49,11 @@ fn main() -> ExitCode {
         Command::Bench {
             what: Bench::Collectives(args),
         } => bench_collectives::run(&args),
+        Command::Bench {
+            what: Bench::Train(args),
+        } => bench_train::run(&args),
         Command::Selftest(args) => selftest::run(&args),
+        Command::Train(args) => train::run(&args),
         Command::Plan(args) => tp_plan::cli::run(&args)
             .map(|text| {
                 println!("{text}");
