@@ -16,6 +16,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod fixtures;
 pub mod flops;
 pub mod grads;
 pub mod init;

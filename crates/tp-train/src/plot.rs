@@ -111,18 +111,27 @@ pub fn loss_svg(points: &[(u64, f64)], title: &str) -> String {
         r##"<polyline fill="none" stroke="#9ecae1" stroke-width="1" points="{}"/>"##,
         line(&pts)
     );
-    // Exponential moving average, the trend through the noise.
+    // Debiased exponential moving average (as TensorBoard smooths), about n/10 steps wide.
+    let beta = (1.0 - 10.0 / pts.len().max(1) as f64).clamp(0.0, 0.98);
     let mut ema = Vec::with_capacity(pts.len());
-    let mut acc = None;
+    let (mut acc, mut weight) = (0f64, 0f64);
     for &(x, y) in &pts {
-        let a: f64 = acc.map_or(y, |a: f64| 0.9 * a + 0.1 * y);
-        acc = Some(a);
-        ema.push((x, a));
+        acc = beta * acc + (1.0 - beta) * y;
+        weight = beta * weight + (1.0 - beta);
+        ema.push((x, acc / weight));
     }
     let _ = writeln!(
         s,
         r##"<polyline fill="none" stroke="#08519c" stroke-width="2" points="{}"/>"##,
         line(&ema)
+    );
+    let _ = writeln!(
+        s,
+        r##"<text x="{:.1}" y="{:.1}" text-anchor="end" fill="#6baed6">per step</text><text x="{:.1}" y="{:.1}" text-anchor="end" fill="#08519c">smoothed</text>"##,
+        w - right - 8.0,
+        top + 16.0,
+        w - right - 8.0,
+        top + 32.0
     );
     s.push_str("</svg>\n");
     s

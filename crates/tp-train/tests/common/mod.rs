@@ -1,65 +1,23 @@
-//! Shared helpers of the training tests: a small model whose heads, FFN and vocabulary split
-//! unevenly at tp 3, a slice of the built-in corpus, and running a layout on rank threads.
+//! Shared helpers of the training tests: the small model and corpus of
+//! `tp_train::fixtures` (uneven at tp 3), and running a layout on rank threads.
 #![allow(dead_code)] // each test binary uses a subset
 
 use std::path::PathBuf;
 use tp_comm::local::{run, LocalOptions};
 use tp_comm::{ParallelDims, ProcessGroups};
-use tp_train::{
-    AdamWConfig, Checkpoint, Corpus, ModelConfig, StepReport, TrainOptions, TrainSpec, Trainer,
-};
+use tp_train::{Checkpoint, Corpus, StepReport, TrainOptions, TrainSpec, Trainer};
 
 /// Relative tolerance of a layout's loss against tp1's at the same step.
 pub const LOSS_TOL: f64 = 1e-4;
 
-/// 4 heads (2 KV heads), FFN 64, vocabulary 256: at tp 3 the heads split 2/1/1, the KV head
-/// 1 is shared by two ranks, FFN 22/21/21 and vocab 86/85/85.
-pub fn model() -> ModelConfig {
-    ModelConfig {
-        vocab_size: 256,
-        hidden_size: 32,
-        intermediate_size: 64,
-        num_hidden_layers: 4,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        max_position_embeddings: 64,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10_000.0,
-        tie_word_embeddings: false,
-    }
-}
+pub use tp_train::fixtures::{model, spec};
 
 pub fn corpus() -> Corpus {
-    let text = &tp_train::data::DEFAULT_CORPUS[..40_000];
-    Corpus::new(text.iter().map(|&b| u32::from(b)).collect(), 16, 7).expect("corpus")
+    tp_train::fixtures::corpus().expect("corpus")
 }
 
 pub fn dims(tp: usize, pp: usize, dp: usize) -> ParallelDims {
     ParallelDims { tp, pp, dp }
-}
-
-pub fn spec(d: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
-    TrainSpec {
-        model: model(),
-        dims: d,
-        steps,
-        global_batch: 4,
-        micro_batches,
-        seq: 16,
-        seed: 5,
-        optim: AdamWConfig {
-            lr: 1e-2,
-            min_lr: 1e-3,
-            warmup_steps: 3,
-            ..AdamWConfig::default()
-        },
-        bucket_elems: 5000,
-        save_dir: None,
-        save_every: 0,
-        keep: 0,
-        data_name: "test corpus".into(),
-    }
 }
 
 pub fn tokenizer_json() -> String {
