@@ -2,10 +2,9 @@
 //! ranks) each rank's update of its shards, with the clipping factor from the global norm
 //! assembled from the ranks' owned elements, is exactly the slice of the dense update.
 
-mod common;
-use common::*;
 use tp_nn::SeededRng;
 use tp_train::checkpoint::shards::slice_global;
+use tp_train::fixtures::model;
 use tp_train::grads::{clip_coefficient, FlatLayout, NormOwnership};
 use tp_train::layout::{all_params, stage_params, ParamSpec};
 use tp_train::optim::{AdamW, AdamWConfig};
