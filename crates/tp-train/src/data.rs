@@ -237,6 +237,31 @@ mod tests {
     }
 
     #[test]
+    fn a_tokenizer_json_file_tokenizes_like_bytes_when_it_is_the_byte_level_one() {
+        let dir = std::env::temp_dir().join(format!("tp-train-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("tokenizer.json"),
+            crate::tokenizer_json::byte_level_tokenizer_json(),
+        )
+        .unwrap();
+        let tok = TextTokenizer::from_file(&dir).unwrap(); // a model directory
+        assert!(matches!(tok, TextTokenizer::Hf { .. }));
+        assert_eq!(tok.vocab_size(), 256);
+        let text = b"Let there be light.\n";
+        let want: Vec<u32> = text.iter().map(|&b| u32::from(b)).collect();
+        assert_eq!(tok.encode(text).unwrap(), want);
+        assert!(tok
+            .encode(&[0xff, 0xfe])
+            .unwrap_err()
+            .to_string()
+            .contains("not UTF-8"));
+        let e = TextTokenizer::from_file(&dir.join("missing.json")).unwrap_err();
+        assert!(e.to_string().contains("cannot load it"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn bad_data_says_what_to_do() {
         let e = Corpus::new(vec![], 8, 0).unwrap_err().to_string();
         assert!(e.contains("the data is empty"), "{e}");

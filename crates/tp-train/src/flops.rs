@@ -37,6 +37,32 @@ pub fn measure_matmul_peak(n: usize, reps: usize) -> Result<f64> {
     Ok(best)
 }
 
+/// Mean per-thread peak when `threads` threads each run [`measure_matmul_peak`] at the same
+/// time: what one rank can expect while the others compute too (shared memory bandwidth,
+/// caches, and whatever else the machine is running).
+pub fn measure_concurrent_peak(n: usize, reps: usize, threads: usize) -> Result<f64> {
+    let peaks: Vec<Result<f64>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads.max(1))
+            .map(|_| s.spawn(|| measure_matmul_peak(n, reps)))
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(crate::error::TrainError::Config(
+                        "the matmul probe thread panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    });
+    let mut sum = 0.0;
+    let count = peaks.len() as f64;
+    for p in peaks {
+        sum += p?;
+    }
+    Ok(sum / count)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -48,5 +74,6 @@ mod tests {
         let got = mfu(&c, 1000.0, 2, 1e9);
         assert!((got - 6.0 * p * 1000.0 / 2e9).abs() < 1e-12);
         assert!(measure_matmul_peak(64, 2).unwrap() > 0.0);
+        assert!(measure_concurrent_peak(64, 2, 2).unwrap() > 0.0);
     }
 }
