@@ -111,8 +111,8 @@ pub fn loss_svg(points: &[(u64, f64)], title: &str) -> String {
         r##"<polyline fill="none" stroke="#9ecae1" stroke-width="1" points="{}"/>"##,
         line(&pts)
     );
-    // Debiased exponential moving average (as TensorBoard smooths), about n/10 steps wide.
-    let beta = (1.0 - 10.0 / pts.len().max(1) as f64).clamp(0.0, 0.98);
+    // Debiased exponential moving average (as TensorBoard smooths), about n/20 steps wide.
+    let beta = (1.0 - 20.0 / pts.len().max(1) as f64).clamp(0.0, 0.98);
     let mut ema = Vec::with_capacity(pts.len());
     let (mut acc, mut weight) = (0f64, 0f64);
     for &(x, y) in &pts {
