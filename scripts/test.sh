@@ -12,4 +12,4 @@ fi
 # mpirun refuses root unless told; CI and containers run as root.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
-cargo test --workspace --features tp-comm/mpi,tp-cli/mpi,tp-nn/mpi "$@"
+cargo test --workspace --features tp-comm/mpi,tp-cli/mpi,tp-nn/mpi,tp-train/mpi "$@"

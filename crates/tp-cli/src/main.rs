@@ -2,6 +2,7 @@
 
 mod bench_collectives;
 mod bench_decode;
+mod bench_train;
 mod chat;
 mod fetch;
 mod generate;
@@ -10,6 +11,7 @@ mod launch;
 mod model_run;
 mod perplexity;
 mod selftest;
+mod train;
 mod units;
 
 use clap::{Parser, Subcommand};
@@ -45,6 +47,8 @@ enum Command {
     Selftest(selftest::SelftestArgs),
     /// Chooses tp, pp, dp (and micro-batch, recompute, ...) for a model on a cluster.
     Plan(tp_plan::cli::PlanArgs),
+    /// Trains a Llama-style model with tensor, pipeline and data parallelism.
+    Train(Box<train::TrainArgs>),
 }
 
 #[derive(Subcommand)]
@@ -53,6 +57,8 @@ enum Bench {
     Collectives(bench_collectives::BenchArgs),
     /// Batch-1 prefill and decode speed per tp, time split and bandwidth limit.
     Decode(bench_decode::BenchDecodeArgs),
+    /// Training step time, tokens/s and MFU at several tp x pp x dp layouts.
+    Train(bench_train::BenchTrainArgs),
 }
 
 fn main() -> ExitCode {
@@ -68,7 +74,11 @@ fn main() -> ExitCode {
         Command::Bench {
             what: Bench::Decode(args),
         } => bench_decode::run(&args),
+        Command::Bench {
+            what: Bench::Train(args),
+        } => bench_train::run(&args),
         Command::Selftest(args) => selftest::run(&args),
+        Command::Train(args) => train::run(&args),
         Command::Plan(args) => tp_plan::cli::run(&args)
             .map(|text| {
                 println!("{text}");

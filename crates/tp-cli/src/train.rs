@@ -1,0 +1,514 @@
+//! `tp train`: trains a Llama-style model with tensor, pipeline and data parallelism
+//! (tp-train). Validates everything on the main thread first (data, config, layout,
+//! checkpoint checksums), then starts the ranks; rank 0 shows progress with loss, tokens/s
+//! and MFU, and the run ends with a checkpoint and a loss curve beside it.
+
+use crate::launch::{run_ranks, Backend};
+use anyhow::{bail, Context};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+use tp_comm::{Group, ParallelDims, ProcessGroups};
+use tp_train::checkpoint::{SaveHook, SavePoint};
+use tp_train::{
+    flops, AdamWConfig, Checkpoint, Corpus, ModelConfig, StepReport, TextTokenizer, TrainError,
+    TrainOptions, TrainSpec, Trainer,
+};
+
+#[derive(clap::Args, Clone)]
+pub struct TrainArgs {
+    /// Tensor-parallel ranks: every layer is split over them.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Pipeline stages: the layers are split into this many consecutive groups.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// Data-parallel replicas: each takes a share of every batch.
+    #[arg(long, default_value_t = 1)]
+    pub dp: usize,
+    /// Model: a preset (tiny, small, bench) or an HF Llama config.json [default: tiny, or
+    /// the checkpoint's model with --resume].
+    #[arg(long)]
+    pub config: Option<String>,
+    /// Training text (any file) [default: the built-in public-domain corpus].
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// A tokenizer.json (or a model directory holding one) [default: bytes, vocab 256].
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Train until this many optimizer steps are done (a resumed run counts its earlier steps).
+    #[arg(long, default_value_t = 300)]
+    pub steps: u64,
+    /// Sequences per step over all replicas [default: 8, or the checkpoint's].
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Micro-batches per step on each replica (pipeline depth) [default: 1 without a
+    /// pipeline, else about 2 x pp].
+    #[arg(long)]
+    pub micro_batches: Option<usize>,
+    /// Tokens per sequence [default: 128, or the checkpoint's].
+    #[arg(long)]
+    pub seq: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    pub lr: f64,
+    /// Final learning rate of the cosine decay [default: lr / 10].
+    #[arg(long)]
+    pub min_lr: Option<f64>,
+    /// Linear warm-up steps.
+    #[arg(long, default_value_t = 20)]
+    pub warmup: u64,
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f64,
+    /// Clip gradients to this global L2 norm (0 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub clip: f64,
+    /// Seed of the initialization and the data order [default: 0, or the checkpoint's].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Directory for checkpoints and the loss curve.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Save every N steps (0 = only at the end).
+    #[arg(long, default_value_t = 0)]
+    pub save_every: u64,
+    /// Step directories to keep (0 = all).
+    #[arg(long, default_value_t = 2)]
+    pub keep: usize,
+    /// Continue from a checkpoint (a --save directory or one of its step directories), at
+    /// any tp, pp or dp.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = Backend::Local)]
+    pub backend: Backend,
+    /// Deadline of each collective, in seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub timeout: f64,
+    /// Compute threads per rank [default: the cores shared out among the ranks].
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Data-parallel all-reduce bucket size, MiB.
+    #[arg(long, default_value_t = 16.0)]
+    pub bucket_mib: f64,
+    /// Print one JSON object per step on stdout instead of the progress bar.
+    #[arg(long)]
+    pub json: bool,
+    /// Drill: abort the process at a point of the save of a step (STEP:part:FILE,
+    /// STEP:file:FILE, STEP:renamed), to check that the previous checkpoint survives.
+    #[arg(long, hide = true)]
+    pub crash_during_save: Option<String>,
+}
+
+/// A validated run: everything the ranks need.
+pub struct Prepared {
+    pub spec: TrainSpec,
+    pub corpus: Corpus,
+    pub tokenizer_json: String,
+    pub resume: Option<Checkpoint>,
+    pub data_desc: String,
+}
+
+/// Default micro-batches: 1 without a pipeline; else the largest divisor of the per-replica
+/// batch up to 2 x pp (keeps the 1F1B bubble (pp-1)/(M+pp-1) small).
+pub fn default_micro_batches(batch_per_replica: usize, pp: usize) -> usize {
+    if pp == 1 {
+        return 1;
+    }
+    (1..=(2 * pp).min(batch_per_replica.max(1)))
+        .rev()
+        .find(|m| batch_per_replica.is_multiple_of(*m))
+        .unwrap_or(1)
+}
+
+/// Reads and checks everything before any rank starts.
+pub fn prepare(a: &TrainArgs) -> anyhow::Result<Prepared> {
+    let resume = match &a.resume {
+        Some(p) => Some(Checkpoint::open(p)?),
+        None => None,
+    };
+    if let Some(ck) = &resume {
+        if a.steps <= ck.state.step {
+            bail!(
+                "the checkpoint is at step {} and --steps is {}: nothing to train; pass a \
+                 --steps above {}",
+                ck.state.step,
+                a.steps,
+                ck.state.step
+            );
+        }
+    }
+    let tokenizer = match (&a.tokenizer, &resume) {
+        (Some(p), _) => TextTokenizer::from_file(p)?,
+        (None, Some(ck))
+            if ck.tokenizer_json != tp_train::tokenizer_json::byte_level_tokenizer_json() =>
+        {
+            let path = ck.dir.join("tokenizer.json");
+            TextTokenizer::from_file(&path)?
+        }
+        (None, _) => TextTokenizer::Bytes,
+    };
+    let model = match (&a.config, &resume) {
+        (Some(c), Some(ck)) => {
+            let m = ModelConfig::from_arg(c)?;
+            if m != ck.config {
+                bail!(
+                    "--config {c} differs from the checkpoint's model; leave --config out to \
+                     resume it"
+                );
+            }
+            m
+        }
+        (None, Some(ck)) => ck.config.clone(),
+        (c, None) => {
+            let name = c.as_deref().unwrap_or("tiny");
+            let m = ModelConfig::from_arg(name)?;
+            if ModelConfig::preset(name).is_some() {
+                m.with_vocab(tokenizer.vocab_size())
+            } else {
+                m
+            }
+        }
+    };
+    let text = tp_train::data::read_text(a.data.as_deref())?;
+    let data_desc = match &a.data {
+        Some(p) => format!("{} ({} bytes)", p.display(), text.len()),
+        None => tp_train::data::DEFAULT_CORPUS_NAME.to_string(),
+    };
+    let tokens = tokenizer.encode(&text)?;
+    let seed = a
+        .seed
+        .or(resume.as_ref().map(|c| c.state.seed))
+        .unwrap_or(0);
+    let seq = a
+        .seq
+        .or(resume.as_ref().map(|c| c.state.seq))
+        .unwrap_or(128);
+    let batch = a
+        .batch
+        .or(resume.as_ref().map(|c| c.state.global_batch))
+        .unwrap_or(8);
+    let corpus = Corpus::new(tokens, seq, seed)?;
+    let dims = ParallelDims {
+        tp: a.tp,
+        pp: a.pp,
+        dp: a.dp,
+    };
+    let micro_batches = a
+        .micro_batches
+        .unwrap_or_else(|| default_micro_batches(batch / a.dp.max(1), a.pp));
+    if !(a.lr > 0.0 && a.lr.is_finite()) {
+        bail!("--lr must be a positive number");
+    }
+    if !(a.bucket_mib > 0.0 && a.bucket_mib.is_finite()) {
+        bail!("--bucket-mib must be a positive number");
+    }
+    let spec = TrainSpec {
+        model,
+        dims,
+        steps: a.steps,
+        global_batch: batch,
+        micro_batches,
+        seq,
+        seed,
+        optim: AdamWConfig {
+            lr: a.lr,
+            min_lr: a.min_lr.unwrap_or(a.lr / 10.0),
+            warmup_steps: a.warmup,
+            weight_decay: a.weight_decay,
+            clip_norm: a.clip,
+            ..AdamWConfig::default()
+        },
+        bucket_elems: ((a.bucket_mib * (1 << 20) as f64) / 4.0).max(1.0) as usize,
+        save_dir: a.save.clone(),
+        save_every: a.save_every,
+        keep: a.keep,
+        data_name: format!(
+            "{data_desc}, {}",
+            match &tokenizer {
+                TextTokenizer::Bytes => "bytes".to_string(),
+                TextTokenizer::Hf { path, .. } => path.display().to_string(),
+            }
+        ),
+    };
+    spec.validate()?;
+    let max = corpus.max_token() as usize;
+    if max >= spec.model.vocab_size {
+        bail!(
+            "the data has token id {max} but the model's vocabulary is {}; use the tokenizer the \
+             model was made for",
+            spec.model.vocab_size
+        );
+    }
+    Ok(Prepared {
+        tokenizer_json: tokenizer.json()?,
+        spec,
+        corpus,
+        resume,
+        data_desc,
+    })
+}
+
+/// Gives each rank `threads` compute threads (candle's matmul reads RAYON_NUM_THREADS), or
+/// shares the cores out among the ranks of this process. Returns the per-rank count.
+pub fn set_compute_threads(threads: Option<usize>, local_ranks: usize) -> usize {
+    let n = threads.unwrap_or_else(|| {
+        if let Some(n) = std::env::var("RAYON_NUM_THREADS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|n| *n > 0)
+        {
+            return n;
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // Under mpirun, the processes on this node share its cores.
+        let procs = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(1);
+        (cores / (local_ranks * procs).max(1)).max(1)
+    });
+    // Set before any rank starts; candle reads it at every matmul.
+    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    n
+}
+
+fn crash_hook(spec: &str) -> anyhow::Result<SaveHook> {
+    let (step, point) = spec
+        .split_once(':')
+        .context("--crash-during-save takes STEP:POINT, e.g. 10:part:model.safetensors")?;
+    let step: u64 = step.parse().context("--crash-during-save: bad step")?;
+    let point = point.to_string();
+    Ok(Arc::new(move |s: u64, p: SavePoint<'_>| {
+        let here = match p {
+            SavePoint::PartWritten { file } => format!("part:{file}"),
+            SavePoint::FileWritten { file } => format!("file:{file}"),
+            SavePoint::Renamed => "renamed".into(),
+            SavePoint::LatestWritten => "latest".into(),
+        };
+        if s == step && here == point {
+            eprintln!("drill: aborting the process during the save of step {s} at {here}");
+            std::process::abort();
+        }
+        Ok::<(), TrainError>(())
+    }))
+}
+
+/// How a rank's run ended.
+struct Summary {
+    reports: Vec<StepReport>,
+    checkpoint: Option<PathBuf>,
+}
+
+/// One rank: build the groups and the trainer, train, report on rank 0.
+fn rank_main(
+    world: Group,
+    p: &Prepared,
+    opts: &TrainOptions,
+    progress: &(dyn Fn(&StepReport) + Sync),
+) -> Result<Summary, TrainError> {
+    let rank = world.rank();
+    let groups = ProcessGroups::new(world, p.spec.dims)?;
+    let mut t = Trainer::new(
+        &p.spec,
+        groups,
+        &p.corpus,
+        &p.tokenizer_json,
+        p.resume.as_ref(),
+        opts.clone(),
+    )?;
+    let mut reports = Vec::new();
+    t.run(&mut |r| {
+        if rank == 0 {
+            progress(r);
+        }
+        reports.push(r.clone());
+    })?;
+    let checkpoint = p
+        .spec
+        .save_dir
+        .as_ref()
+        .map(|d| d.join(tp_train::checkpoint::step_dir_name(t.step_count())));
+    Ok(Summary {
+        reports,
+        checkpoint,
+    })
+}
+
+/// Runs `rank_main`-like work on the backend, turning training errors into output: a
+/// collective error goes back to the launcher (with its flight record); any other error is
+/// printed by its rank.
+pub fn launch<T: Send>(
+    backend: Backend,
+    ranks: usize,
+    timeout: Duration,
+    work: impl Fn(Group) -> Result<T, TrainError> + Sync,
+) -> anyhow::Result<Result<Option<T>, ExitCode>> {
+    let out = run_ranks(backend, ranks, timeout, |world| {
+        let rank = world.rank();
+        match work(world) {
+            Ok(v) => Ok(Ok(v)),
+            Err(e) => match e.into_comm() {
+                Ok(comm) => Err(comm),
+                Err(other) => {
+                    eprintln!("rank {rank}: error: {other}");
+                    if backend == Backend::Mpi {
+                        // Other processes may wait on this one: end the job.
+                        std::thread::sleep(Duration::from_millis(300));
+                        std::process::exit(1);
+                    }
+                    Ok(Err(()))
+                }
+            },
+        }
+    })?;
+    Ok(match out {
+        Ok(Some(Ok(v))) => Ok(Some(v)),
+        Ok(Some(Err(()))) => Err(ExitCode::from(1)),
+        Ok(None) => Ok(None),
+        Err(code) => Err(code),
+    })
+}
+
+fn fmt_rate(x: f64) -> String {
+    if x >= 1e6 {
+        format!("{:.2}M", x / 1e6)
+    } else if x >= 1e3 {
+        format!("{:.1}k", x / 1e3)
+    } else {
+        format!("{x:.0}")
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
+    let timeout = Duration::try_from_secs_f64(a.timeout)
+        .map_err(|_| anyhow::anyhow!("--timeout must be a positive number of seconds"))?;
+    let p = prepare(a)?;
+    let world = p.spec.dims.world_size();
+    let local_ranks = if a.backend == Backend::Local {
+        world
+    } else {
+        1
+    };
+    let threads = set_compute_threads(a.threads, local_ranks);
+    let peak = flops::measure_matmul_peak(512, 5)?;
+    let cfg = &p.spec.model;
+    let lead =
+        a.backend == Backend::Local || std::env::var("OMPI_COMM_WORLD_RANK").as_deref() == Ok("0");
+    if lead {
+        eprintln!(
+            "tp train: {:.2}M parameters (hidden {}, {} layers, {} heads / {} KV, vocab {}) on {}",
+            cfg.num_params() as f64 / 1e6,
+            cfg.hidden_size,
+            cfg.num_hidden_layers,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.vocab_size,
+            p.data_desc
+        );
+        eprintln!(
+            "  tp={} pp={} dp={} ({world} ranks, {threads} compute thread(s) each); batch {} x {} \
+             tokens in {} micro-batch(es) per replica; matmul peak {:.1} GFLOP/s per rank{}",
+            a.tp,
+            a.pp,
+            a.dp,
+            p.spec.global_batch,
+            p.spec.seq,
+            p.spec.micro_batches,
+            peak / 1e9,
+            match &p.resume {
+                Some(ck) => format!("; resuming {} at step {}", ck.dir.display(), ck.state.step),
+                None => String::new(),
+            }
+        );
+    }
+    let opts = TrainOptions {
+        save_hook: a.crash_during_save.as_deref().map(crash_hook).transpose()?,
+    };
+    let start = p.resume.as_ref().map_or(0, |c| c.state.step);
+    let tty = std::io::stderr().is_terminal() && !a.json;
+    let bar = tty.then(|| {
+        let b = indicatif::ProgressBar::new(p.spec.steps);
+        b.set_position(start);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "step {pos}/{len} [{bar:30.cyan/blue}] {msg} (eta {eta})",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        b
+    });
+    let every = (p.spec.steps / 20).max(1);
+    let progress = |r: &StepReport| {
+        let tps = r.tokens as f64 / r.seconds.max(1e-9);
+        let mfu = flops::mfu(cfg, tps, world, peak);
+        let line = format!(
+            "loss {:.4} | {} tok/s | MFU {:.1}% | lr {:.2e}",
+            r.loss,
+            fmt_rate(tps),
+            100.0 * mfu,
+            r.lr
+        );
+        if a.json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
+                    "tokens": r.tokens, "seconds": r.seconds, "tokens_per_s": tps, "mfu": mfu,
+                })
+            );
+        } else if let Some(b) = &bar {
+            b.set_position(r.step);
+            b.set_message(line);
+        } else if r.step.is_multiple_of(every) || r.step == p.spec.steps {
+            println!("step {}/{} {line}", r.step, p.spec.steps);
+        }
+    };
+    let out = launch(a.backend, world, timeout, |w| {
+        rank_main(w, &p, &opts, &progress)
+    })?;
+    if let Some(b) = &bar {
+        b.finish();
+    }
+    let summary = match out {
+        Ok(Some(s)) => s,
+        Ok(None) => return Ok(ExitCode::SUCCESS),
+        Err(code) => return Ok(code),
+    };
+    let r = &summary.reports;
+    if let (Some(first), Some(last)) = (r.first(), r.last()) {
+        // The first step pays for warming up; the median is the steady state.
+        let tps = median(
+            r.iter()
+                .map(|x| x.tokens as f64 / x.seconds.max(1e-9))
+                .collect(),
+        );
+        println!(
+            "done: steps {}..{}, loss {:.4} -> {:.4}, median {} tokens/s, MFU {:.1}% of {:.1} \
+             GFLOP/s x {world} rank(s)",
+            first.step,
+            last.step,
+            first.loss,
+            last.loss,
+            fmt_rate(tps),
+            100.0 * flops::mfu(cfg, tps, world, peak),
+            peak / 1e9
+        );
+    }
+    if let (Some(ck), Some(dir)) = (&summary.checkpoint, &p.spec.save_dir) {
+        println!(
+            "checkpoint {} (an HF Llama directory: config.json, model.safetensors, \
+             tokenizer.json); loss curve {}",
+            ck.display(),
+            dir.join(tp_train::plot::PLOT_FILE).display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

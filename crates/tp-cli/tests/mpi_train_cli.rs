@@ -1,0 +1,63 @@
+//! `tp train` under mpirun (one rank per process): the loss curve matches the same layout on
+//! the local backend, and a checkpoint saved under MPI resumes on the local backend at
+//! another tp onto the same curve.
+#![cfg(feature = "mpi")]
+
+mod common;
+use std::time::Duration;
+
+const TP: &str = env!("CARGO_BIN_EXE_tp");
+
+fn losses(out: &str) -> Vec<(u64, f64)> {
+    out.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| Some((v.get("step")?.as_u64()?, v.get("loss")?.as_f64()?)))
+        .collect()
+}
+
+fn close(got: &[(u64, f64)], want: &[(u64, f64)]) {
+    assert_eq!(got.len(), want.len(), "{got:?} vs {want:?}");
+    for (g, w) in got.iter().zip(want) {
+        assert_eq!(g.0, w.0);
+        assert!(
+            (g.1 - w.1).abs() <= 1e-4 * w.1.abs(),
+            "step {}: {} vs {}",
+            g.0,
+            g.1,
+            w.1
+        );
+    }
+}
+
+#[test]
+fn train_under_mpirun_matches_local_and_resumes_locally_at_another_tp() {
+    // Constant learning rate, so runs of different lengths share the schedule.
+    let base = [
+        "train", "--tp", "2", "--seq", "32", "--batch", "4", "--json", "--warmup", "0", "--lr",
+        "3e-3", "--min-lr", "3e-3",
+    ];
+    let mut local_args = base.to_vec();
+    local_args.extend(["--steps", "6"]);
+    let local = common::run_with_deadline(TP, &local_args, Duration::from_secs(120));
+    assert_eq!(local.code, Some(0), "{}", local.output);
+    let want = losses(&local.output);
+    assert_eq!(want.len(), 6, "{}", local.output);
+
+    let dir = std::env::temp_dir().join(format!("tp-cli-mpi-train-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().unwrap();
+    let mut mpi_args = vec!["--allow-run-as-root", "--oversubscribe", "-n", "2", TP];
+    mpi_args.extend(base);
+    mpi_args.extend(["--backend", "mpi", "--steps", "4", "--save", d]);
+    let mpi = common::run_with_deadline("mpirun", &mpi_args, Duration::from_secs(180));
+    assert_eq!(mpi.code, Some(0), "{}", mpi.output);
+    close(&losses(&mpi.output), &want[..4]);
+
+    let mut resume = base.to_vec();
+    resume[2] = "1";
+    resume.extend(["--steps", "6", "--resume", d]);
+    let resumed = common::run_with_deadline(TP, &resume, Duration::from_secs(120));
+    assert_eq!(resumed.code, Some(0), "{}", resumed.output);
+    close(&losses(&resumed.output), &want[4..]);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,147 @@
+//! `tp train` end to end on the local backend: it learns and writes a checkpoint with a loss
+//! curve; a process aborted in the middle of a save resumes from the previous checkpoint
+//! and continues the same loss curve; bad inputs end with a clear error, never a panic.
+
+mod common;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+const TP: &str = env!("CARGO_BIN_EXE_tp");
+
+fn tp(args: &[&str]) -> common::Finished {
+    common::run_with_deadline(TP, args, Duration::from_secs(300))
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tp-cli-train-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// (step, loss) of each JSON line of the output.
+fn losses(out: &str) -> Vec<(u64, f64)> {
+    out.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| Some((v.get("step")?.as_u64()?, v.get("loss")?.as_f64()?)))
+        .collect()
+}
+
+const RUN: [&str; 10] = [
+    "train", "--tp", "2", "--steps", "12", "--seq", "32", "--batch", "4", "--json",
+];
+
+fn with(extra: &[&str]) -> Vec<String> {
+    RUN.iter().chain(extra).map(|s| s.to_string()).collect()
+}
+
+fn run(args: &[String]) -> common::Finished {
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    tp(&refs)
+}
+
+#[test]
+fn trains_saves_and_survives_an_abort_during_save() {
+    let dir = scratch("full");
+    let d = dir.to_str().unwrap();
+    let full = run(&with(&["--save", d, "--save-every", "4"]));
+    assert_eq!(full.code, Some(0), "{}", full.output);
+    let want = losses(&full.output);
+    assert_eq!(want.len(), 12, "{}", full.output);
+    assert!(want[11].1 < want[0].1 - 0.3, "did not learn: {want:?}");
+    let step = dir.join("step-00000012");
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "optimizer.safetensors",
+        "trainer.json",
+        "manifest.json",
+    ] {
+        assert!(step.join(f).exists(), "{f} missing");
+    }
+    assert!(std::fs::read_to_string(dir.join("loss.svg"))
+        .unwrap()
+        .contains("<polyline"));
+    assert!(full.output.contains("checkpoint "), "{}", full.output);
+
+    // The same run, aborted (SIGABRT, no cleanup) half-way through writing step 8's weights.
+    let crash = scratch("crash");
+    let c = crash.to_str().unwrap();
+    let died = run(&with(&[
+        "--save",
+        c,
+        "--save-every",
+        "4",
+        "--crash-during-save",
+        "8:part:model.safetensors",
+    ]));
+    assert_ne!(died.code, Some(0), "{}", died.output);
+    assert!(
+        died.output.contains("aborting the process"),
+        "{}",
+        died.output
+    );
+    assert_eq!(latest(&crash), "step-00000004");
+    let before: Vec<_> = losses(&died.output);
+    assert_eq!(before, want[..8].to_vec());
+
+    let resumed = run(&with(&["--save", c, "--save-every", "4", "--resume", c]));
+    assert_eq!(resumed.code, Some(0), "{}", resumed.output);
+    assert_eq!(
+        losses(&resumed.output),
+        want[4..].to_vec(),
+        "the curve must continue exactly"
+    );
+    assert_eq!(latest(&crash), "step-00000012");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&crash);
+}
+
+fn latest(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("latest"))
+        .unwrap()
+        .trim()
+        .to_string()
+}
+
+#[test]
+fn bad_inputs_get_clear_errors() {
+    let dir = scratch("bad");
+    let empty = dir.join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    let short = dir.join("short.txt");
+    std::fs::write(&short, "In the beginning was a short file.").unwrap();
+    let bad_config = dir.join("config.json");
+    std::fs::write(&bad_config, "{\"hidden_size\": \"big\"}").unwrap();
+    let (e, s, b) = (
+        empty.to_str().unwrap(),
+        short.to_str().unwrap(),
+        bad_config.to_str().unwrap(),
+    );
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--data", "/no/such/corpus.txt"], "does not exist"),
+        (vec!["--data", e], "the data is empty"),
+        (vec!["--data", s, "--seq", "64"], "use --seq 33 or less"),
+        (vec!["--tp", "5"], "use 1 <= tp <= 4"),
+        (vec!["--pp", "5"], "use 1 <= pp <= 4"),
+        (vec!["--dp", "3"], "multiple of 3"),
+        (vec!["--config", "enormous"], "no such preset or file"),
+        (vec!["--config", b], "not a Llama config.json"),
+        (vec!["--resume", "/no/such/checkpoint"], "does not exist"),
+        (vec!["--seq", "4096"], "max_position_embeddings"),
+    ];
+    for (extra, want) in cases {
+        let mut args = vec!["train", "--steps", "2", "--batch", "4"];
+        args.extend(&extra);
+        let f = tp(&args);
+        assert_eq!(f.code, Some(2), "{extra:?}: {}", f.output);
+        assert!(
+            f.output.contains(want),
+            "{extra:?}: wanted '{want}' in: {}",
+            f.output
+        );
+        assert!(!f.output.contains("panicked"), "{extra:?}: {}", f.output);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,134 @@
+//! Under mpirun: 20 training steps of the fixture model at every layout whose size is the
+//! number of processes (tp2 x pp2, tp2 x dp2, pp2 x dp2, tp4, pp4, dp4 at 4 processes), one rank
+//! per process, each against the tp1 loss curve computed inside this process on the local
+//! backend. Every rank checks every step; rank 0 prints `N passed, N failed`.
+
+use std::process::ExitCode;
+use std::time::Duration;
+use tp_comm::local::{self, LocalOptions};
+use tp_comm::mpi::{MpiOptions, MpiRuntime};
+use tp_comm::{CommExt, Group, ParallelDims, ProcessGroups, ReduceOp};
+use tp_train::{fixtures, tokenizer_json, TrainError, TrainOptions, Trainer};
+
+/// Relative tolerance of the issue (see tests/parity.rs for why it holds).
+const TOLERANCE: f64 = 1e-4;
+const STEPS: u64 = 20;
+
+fn losses(world: Group, dims: ParallelDims, micro: usize) -> Result<Vec<f64>, TrainError> {
+    let spec = fixtures::spec(dims, STEPS, micro);
+    let corpus = fixtures::corpus()?;
+    let tok = tokenizer_json::byte_level_tokenizer_json();
+    let groups = ProcessGroups::new(world, dims)?;
+    let mut t = Trainer::new(&spec, groups, &corpus, &tok, None, TrainOptions::default())?;
+    let mut out = Vec::new();
+    t.run(&mut |r| out.push(r.loss))?;
+    Ok(out)
+}
+
+/// Layouts of `n` ranks, with micro-batches that divide the 4-sequence batch.
+fn layouts(n: usize) -> Vec<(ParallelDims, usize)> {
+    let mut out = Vec::new();
+    for tp in 1..=n {
+        for pp in 1..=n {
+            for dp in [1, 2, 4] {
+                if tp * pp * dp == n && tp <= 4 && pp <= 4 && (tp, pp, dp) != (1, 1, 1) {
+                    let per_replica = 4 / dp;
+                    let micro = if pp > 1 { per_replica } else { 1 };
+                    out.push((ParallelDims { tp, pp, dp }, micro));
+                }
+            }
+        }
+    }
+    out
+}
+
+fn main() -> ExitCode {
+    let runtime = match MpiRuntime::init(MpiOptions {
+        timeout: Duration::from_secs(60),
+        ..MpiOptions::default()
+    }) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let world = runtime.world();
+    let rank = world.rank();
+    // The oracle: tp1 in this process, on a one-rank local world.
+    let reference = match local::run(1, LocalOptions::default(), |w| {
+        losses(
+            w,
+            ParallelDims {
+                tp: 1,
+                pp: 1,
+                dp: 1,
+            },
+            1,
+        )
+    }) {
+        Ok(mut v) => match v.pop() {
+            Some(Ok(Ok(l))) => l,
+            other => {
+                eprintln!("rank {rank}: the tp1 reference failed: {other:?}");
+                return ExitCode::from(1);
+            }
+        },
+        Err(e) => {
+            eprintln!("rank {rank}: error: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let (mut passed, mut failed) = (0u64, 0u64);
+    for (dims, micro) in layouts(world.size()) {
+        match losses(world.clone(), dims, micro) {
+            Ok(got) => {
+                let worst = got
+                    .iter()
+                    .zip(&reference)
+                    .map(|(g, w)| (g - w).abs() / w.abs())
+                    .fold(0.0, f64::max);
+                if got.len() == reference.len() && worst <= TOLERANCE {
+                    passed += 1;
+                    if rank == 0 {
+                        println!(
+                            "tp={} pp={} dp={}: {STEPS} steps, max relative loss difference {worst:.2e}",
+                            dims.tp, dims.pp, dims.dp
+                        );
+                    }
+                } else {
+                    failed += 1;
+                    eprintln!(
+                        "rank {rank}: FAILED tp={} pp={} dp={}: {} steps, max relative \
+                         difference {worst:e} > {TOLERANCE:e}",
+                        dims.tp,
+                        dims.pp,
+                        dims.dp,
+                        got.len()
+                    );
+                }
+            }
+            Err(e) => {
+                eprintln!("rank {rank}: error at {dims:?}: {e}");
+                if let Some(f) = e.as_comm().and_then(|c| c.flight_record()) {
+                    eprint!("{f}");
+                }
+                failed += 1;
+                break; // the world may be unusable now
+            }
+        }
+    }
+    let mut counts = [passed, failed];
+    if let Err(e) = world.all_reduce(&mut counts, ReduceOp::Sum) {
+        eprintln!("rank {rank}: error: {e}");
+        return ExitCode::from(1);
+    }
+    if rank == 0 {
+        println!("{} passed, {} failed", counts[0], counts[1]);
+    }
+    if counts[1] == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}

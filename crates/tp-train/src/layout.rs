@@ -1,0 +1,292 @@
+//! Where every parameter lives under a (tp, pp, dp) layout: pipeline stages own contiguous
+//! layers (Narayanan et al. 2021, §2.2), tensor-parallel ranks own contiguous slices of each
+//! weight (Megatron §3, split by heads / FFN columns / vocab rows), data-parallel replicas
+//! hold everything of their stage. Pure functions of the config, so any rank (or a
+//! checkpoint loader) can compute any other rank's shards.
+
+use crate::config::ModelConfig;
+use crate::error::{Result, TrainError};
+use std::ops::Range;
+use tp_comm::ParallelDims;
+use tp_nn::{HeadPlan, Partition, Placement};
+
+/// One parameter shard as a rank holds it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamSpec {
+    /// Hugging Face tensor name (`model.layers.3.self_attn.q_proj.weight`).
+    pub name: String,
+    /// Global shape, `[out, in]` for linears.
+    pub shape: Vec<usize>,
+    pub placement: Placement,
+    /// Whether AdamW's weight decay applies (matrices yes, norm weights no).
+    pub decay: bool,
+}
+
+impl ParamSpec {
+    /// Shape of this rank's shard.
+    pub fn local_shape(&self) -> Vec<usize> {
+        let mut s = self.shape.clone();
+        if let Placement::Sharded { dim, range } = &self.placement {
+            s[*dim] = range.len();
+        }
+        s
+    }
+
+    pub fn local_len(&self) -> usize {
+        self.local_shape().iter().product()
+    }
+
+    pub fn global_len(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// The layers of pipeline stage `pp_rank`: a balanced contiguous range.
+pub fn stage_layers(layers: usize, pp: usize, pp_rank: usize) -> Result<Range<usize>> {
+    Ok(Partition::new(layers, pp, "layers", "layer")
+        .map_err(|_| pp_error(layers, pp))?
+        .range(pp_rank))
+}
+
+fn pp_error(layers: usize, pp: usize) -> TrainError {
+    TrainError::Config(format!(
+        "{layers} layers cannot give each of {pp} pipeline stages a layer; use 1 <= pp <= {layers}"
+    ))
+}
+
+/// The tp sizes at which this model can be split (every one from 1 to the head count, the
+/// FFN width and the vocabulary, whichever is smallest).
+pub fn max_tp(cfg: &ModelConfig) -> usize {
+    cfg.num_attention_heads
+        .min(cfg.intermediate_size)
+        .min(cfg.vocab_size)
+}
+
+/// Checks a layout against the model before any rank starts; errors name the valid sizes.
+pub fn validate(cfg: &ModelConfig, dims: ParallelDims) -> Result<()> {
+    cfg.validate()?;
+    if dims.tp == 0 || dims.pp == 0 || dims.dp == 0 {
+        return Err(TrainError::Config(
+            "--tp, --pp and --dp must each be at least 1".into(),
+        ));
+    }
+    let max = max_tp(cfg);
+    if dims.tp > max {
+        return Err(TrainError::Config(format!(
+            "tp={} is more than this model can split: {} heads, {} FFN columns, {} vocab rows; \
+             use 1 <= tp <= {max} (uneven splits are fine)",
+            dims.tp, cfg.num_attention_heads, cfg.intermediate_size, cfg.vocab_size
+        )));
+    }
+    if dims.pp > cfg.num_hidden_layers {
+        return Err(pp_error(cfg.num_hidden_layers, dims.pp));
+    }
+    Ok(())
+}
+
+/// HF names of a block's tensors, paired with tp-nn's names for them.
+pub const BLOCK_NAMES: [(&str, &str); 9] = [
+    ("attn_norm", "input_layernorm.weight"),
+    ("wq", "self_attn.q_proj.weight"),
+    ("wk", "self_attn.k_proj.weight"),
+    ("wv", "self_attn.v_proj.weight"),
+    ("wo", "self_attn.o_proj.weight"),
+    ("mlp_norm", "post_attention_layernorm.weight"),
+    ("w_gate", "mlp.gate_proj.weight"),
+    ("w_up", "mlp.up_proj.weight"),
+    ("w_down", "mlp.down_proj.weight"),
+];
+
+pub const EMBED: &str = "model.embed_tokens.weight";
+pub const FINAL_NORM: &str = "model.norm.weight";
+pub const LM_HEAD: &str = "lm_head.weight";
+
+/// The HF name of tp-nn block tensor `short` in layer `layer`.
+pub fn block_tensor_name(layer: usize, short: &str) -> Option<String> {
+    BLOCK_NAMES
+        .iter()
+        .find(|(s, _)| *s == short)
+        .map(|(_, hf)| format!("model.layers.{layer}.{hf}"))
+}
+
+/// The vocabulary split of the embedding and the LM head.
+pub fn vocab_partition(cfg: &ModelConfig, tp: usize) -> Result<Partition> {
+    Ok(Partition::new(
+        cfg.vocab_size,
+        tp,
+        "vocab rows",
+        "vocab row",
+    )?)
+}
+
+/// Every parameter shard of stage `pp_rank` on `tp_rank`, in model order (embedding, then
+/// each layer's tensors, then final norm and LM head).
+pub fn stage_params(
+    cfg: &ModelConfig,
+    pp_rank: usize,
+    pp: usize,
+    tp_rank: usize,
+    tp: usize,
+) -> Result<Vec<ParamSpec>> {
+    let layers = stage_layers(cfg.num_hidden_layers, pp, pp_rank)?;
+    let (h, hd, v) = (cfg.hidden_size, cfg.head_dim, cfg.vocab_size);
+    let q_rows = cfg.num_attention_heads * hd;
+    let kv_rows = cfg.num_key_value_heads * hd;
+    let ffn = cfg.intermediate_size;
+    let heads = HeadPlan::new(
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        tp_rank,
+        tp,
+    )?;
+    let f = Partition::new(ffn, tp, "FFN columns", "FFN column")?.range(tp_rank);
+    let vocab = vocab_partition(cfg, tp)?.range(tp_rank);
+    let q = heads.q_range();
+    let kv = heads.kv_range();
+    let shard = |dim: usize, r: &Range<usize>, k: usize| Placement::Sharded {
+        dim,
+        range: r.start * k..r.end * k,
+    };
+    let spec = |name: String, shape: Vec<usize>, placement: Placement| ParamSpec {
+        decay: shape.len() > 1,
+        name,
+        shape,
+        placement,
+    };
+    let mut out = Vec::new();
+    if pp_rank == 0 {
+        out.push(spec(EMBED.into(), vec![v, h], shard(0, &vocab, 1)));
+    }
+    for layer in layers {
+        let n = |short: &str| block_tensor_name(layer, short).unwrap_or_default();
+        out.push(spec(n("attn_norm"), vec![h], Placement::Replicated));
+        out.push(spec(n("wq"), vec![q_rows, h], shard(0, &q, hd)));
+        out.push(spec(n("wk"), vec![kv_rows, h], shard(0, &kv, hd)));
+        out.push(spec(n("wv"), vec![kv_rows, h], shard(0, &kv, hd)));
+        out.push(spec(n("wo"), vec![h, q_rows], shard(1, &q, hd)));
+        out.push(spec(n("mlp_norm"), vec![h], Placement::Replicated));
+        out.push(spec(n("w_gate"), vec![ffn, h], shard(0, &f, 1)));
+        out.push(spec(n("w_up"), vec![ffn, h], shard(0, &f, 1)));
+        out.push(spec(n("w_down"), vec![h, ffn], shard(1, &f, 1)));
+    }
+    if pp_rank + 1 == pp {
+        out.push(spec(FINAL_NORM.into(), vec![h], Placement::Replicated));
+        out.push(spec(LM_HEAD.into(), vec![v, h], shard(0, &vocab, 1)));
+    }
+    Ok(out)
+}
+
+/// Every parameter of the whole model with its global shape, in model order.
+pub fn all_params(cfg: &ModelConfig) -> Result<Vec<ParamSpec>> {
+    stage_params(cfg, 0, 1, 0, 1)
+}
+
+/// Which local indices along the sharded dim this rank counts when a quantity must count
+/// each global element once (the gradient norm): replicated tensors count on tp rank 0 only;
+/// rows that several ranks hold (replicated KV heads) count on the lowest of them.
+/// `placements[r]` is tp rank r's placement of the same tensor.
+pub fn owned_local(placements: &[Placement], tp_rank: usize) -> Option<Range<usize>> {
+    match placements.get(tp_rank)? {
+        Placement::Replicated => Some(if tp_rank == 0 { 0..usize::MAX } else { 0..0 }),
+        Placement::Sharded { range, .. } => {
+            let lower_end = placements[..tp_rank]
+                .iter()
+                .filter_map(|p| match p {
+                    Placement::Sharded { range, .. } => Some(range.end),
+                    Placement::Replicated => None,
+                })
+                .max()
+                .unwrap_or(0);
+            let start = range.start.max(lower_end).min(range.end);
+            Some(start - range.start..range.end - range.start)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> ModelConfig {
+        ModelConfig {
+            vocab_size: 11,
+            hidden_size: 16,
+            intermediate_size: 10,
+            num_hidden_layers: 3,
+            num_attention_heads: 6,
+            num_key_value_heads: 2,
+            head_dim: 4,
+            max_position_embeddings: 8,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            tie_word_embeddings: false,
+        }
+    }
+
+    #[test]
+    fn stages_cover_every_layer_once_and_pp_is_bounded() {
+        let c = cfg();
+        let names: Vec<String> = (0..2)
+            .flat_map(|p| stage_params(&c, p, 2, 0, 1).unwrap())
+            .map(|s| s.name)
+            .collect();
+        let all: Vec<String> = all_params(&c)
+            .unwrap()
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        assert_eq!(names, all);
+        assert_eq!(all.len(), 1 + 9 * 3 + 2);
+        let e = validate(
+            &c,
+            ParallelDims {
+                tp: 1,
+                pp: 4,
+                dp: 1,
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("use 1 <= pp <= 3"), "{e}");
+        let e = validate(
+            &c,
+            ParallelDims {
+                tp: 7,
+                pp: 1,
+                dp: 1,
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("use 1 <= tp <= 6"), "{e}");
+    }
+
+    #[test]
+    fn shards_tile_each_tensor_and_ownership_counts_each_row_once() {
+        let c = cfg();
+        for tp in 1..=6 {
+            let per_rank: Vec<Vec<ParamSpec>> = (0..tp)
+                .map(|r| stage_params(&c, 0, 1, r, tp).unwrap())
+                .collect();
+            for i in 0..per_rank[0].len() {
+                let places: Vec<Placement> =
+                    per_rank.iter().map(|s| s[i].placement.clone()).collect();
+                let spec = &per_rank[0][i];
+                let mut counted = 0;
+                for r in 0..tp {
+                    let own = owned_local(&places, r).unwrap();
+                    match &places[r] {
+                        Placement::Replicated => {
+                            counted += if own.is_empty() { 0 } else { spec.global_len() }
+                        }
+                        Placement::Sharded { dim, range } => {
+                            let per_index = spec.global_len() / spec.shape[*dim];
+                            counted += own.len().min(range.len()) * per_index;
+                        }
+                    }
+                }
+                assert_eq!(counted, spec.global_len(), "tp={tp} {}", spec.name);
+            }
+        }
+    }
+}

@@ -1,0 +1,37 @@
+//! tp-train: training a Llama-style transformer with tensor, pipeline and data parallelism
+//! (3D parallelism after Narayanan et al. 2021, "Efficient Large-Scale Language Model
+//! Training on GPU Clusters Using Megatron-LM").
+//!
+//! - [`model`]: one pipeline stage on one tp rank, built from tp-nn's layers.
+//! - [`pipeline`] and [`schedule`]: micro-batches on the 1F1B schedule over send/recv.
+//! - [`grads`]: the flat gradient buffer, tp completion, bucketed dp all-reduce, global norm.
+//! - [`optim`]: AdamW with state sharded like the weights; learning-rate schedule.
+//! - [`data`]: text to token windows; [`checkpoint`]: atomic, checksummed, any-layout resume.
+//! - [`trainer`]: the loop that ties them together.
+//!
+//! Conventions: every tensor is f32 on the CPU; the tp1 run is the oracle every layout is
+//! tested against.
+
+pub mod checkpoint;
+pub mod config;
+pub mod data;
+pub mod error;
+pub mod fixtures;
+pub mod flops;
+pub mod grads;
+pub mod init;
+pub mod layout;
+pub mod model;
+pub mod optim;
+pub mod pipeline;
+pub mod plot;
+pub mod schedule;
+pub mod tokenizer_json;
+pub mod trainer;
+
+pub use checkpoint::{Checkpoint, SaveHook, SavePoint};
+pub use config::ModelConfig;
+pub use data::{Corpus, TextTokenizer};
+pub use error::{Result, TrainError};
+pub use optim::AdamWConfig;
+pub use trainer::{StepReport, TrainOptions, TrainSpec, Trainer};

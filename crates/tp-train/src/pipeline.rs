@@ -1,0 +1,123 @@
+//! Runs one training step's forwards and backwards of a stage on the 1F1B schedule
+//! ([`crate::schedule`]), with activations sent to the next stage and input gradients sent
+//! back over the pipeline group (Narayanan et al. 2021, §2.2). Each tp rank of a stage
+//! talks to the same tp rank of its neighbours: activations are replicated across tp.
+
+use crate::error::{Result, TrainError};
+use crate::grads::{accumulate, FlatLayout};
+use crate::model::{StageInput, StageModel};
+use crate::schedule::{one_f_one_b, Action};
+use candle_core::{Device, Tensor, Var};
+use std::collections::VecDeque;
+use tp_comm::{CommExt, ProcessGroups};
+
+/// Tag of activations (stage p -> p+1) and of their gradients (p+1 -> p).
+const TAG_ACTIVATION: u32 = 1;
+const TAG_GRADIENT: u32 = 2;
+
+/// One micro-batch's tokens.
+#[derive(Clone, Debug)]
+pub struct MicroBatch {
+    pub ids: Tensor,     // [batch, seq] u32
+    pub targets: Tensor, // [batch * seq] u32
+}
+
+impl MicroBatch {
+    pub fn new(ids: Vec<u32>, targets: Vec<u32>, batch: usize, seq: usize) -> Result<Self> {
+        let dev = Device::Cpu;
+        Ok(MicroBatch {
+            ids: Tensor::from_vec(ids, (batch, seq), &dev)?,
+            targets: Tensor::from_vec(targets, batch * seq, &dev)?,
+        })
+    }
+}
+
+/// A forward whose backward has not run yet.
+struct InFlight {
+    micro: usize,
+    input: Option<Var>, // [b, s, hidden] on stages after the first
+    output: Tensor,     // [b, s, hidden], or the scalar loss on the last stage
+}
+
+/// Runs the stage's forwards and backwards for all `micro` batches, adding the gradients of
+/// `loss * loss_scale` into `grads`. Returns the sum of the micro-batch losses on the last
+/// stage (0 elsewhere).
+pub fn run_micro_batches(
+    model: &StageModel,
+    groups: &ProcessGroups,
+    micro: &[MicroBatch],
+    hidden: usize,
+    loss_scale: f64,
+    grads: &mut [f32],
+    layout: &FlatLayout,
+) -> Result<f64> {
+    let (pp_rank, pp) = (groups.coords.pp_rank, groups.dims.pp);
+    let (first, last) = (pp_rank == 0, pp_rank + 1 == pp);
+    let params = model.params();
+    let mut in_flight: VecDeque<InFlight> = VecDeque::new();
+    let mut loss_sum = 0f64;
+    for action in one_f_one_b(pp_rank, pp, micro.len()) {
+        match action {
+            Action::Forward(m) => {
+                let mb = &micro[m];
+                let (b, s) = mb.ids.dims2()?;
+                let input = if first {
+                    None
+                } else {
+                    let mut buf = vec![0f32; b * s * hidden];
+                    groups.pp.recv(&mut buf, pp_rank - 1, TAG_ACTIVATION)?;
+                    let t = Tensor::from_vec(buf, (b, s, hidden), &Device::Cpu)?; // [b, s, hidden]
+                    Some(Var::from_tensor(&t)?)
+                };
+                let stage_in = match &input {
+                    Some(v) => StageInput::Hidden(v.as_tensor()),
+                    None => StageInput::Tokens(&mb.ids),
+                };
+                let output = model.forward(stage_in, last.then_some(&mb.targets), &groups.tp)?;
+                if last {
+                    loss_sum += f64::from(output.to_scalar::<f32>()?);
+                } else {
+                    let out = output.flatten_all()?.to_vec1::<f32>()?; // [b * s * hidden]
+                    groups.pp.send(&out, pp_rank + 1, TAG_ACTIVATION)?;
+                }
+                in_flight.push_back(InFlight {
+                    micro: m,
+                    input,
+                    output,
+                });
+            }
+            Action::Backward(m) => {
+                let f = in_flight
+                    .pop_front()
+                    .filter(|f| f.micro == m)
+                    .ok_or_else(|| {
+                        TrainError::Config(format!(
+                            "internal: backward of micro-batch {m} out of schedule order"
+                        ))
+                    })?;
+                let store = if last {
+                    (f.output * loss_scale)?.backward()?
+                } else {
+                    let dims = f.output.dims().to_vec(); // [b, s, hidden]
+                    let mut buf = vec![0f32; dims.iter().product()];
+                    groups.pp.recv(&mut buf, pp_rank + 1, TAG_GRADIENT)?;
+                    let dy = Tensor::from_vec(buf, dims, &Device::Cpu)?; // [b, s, hidden]
+                                                                         // d/dx of sum(y * dy) with dy constant is dy^T dy/dx: the vector-Jacobian
+                                                                         // product that backpropagates dy through this stage.
+                    (f.output * dy)?.sum_all()?.backward()?
+                };
+                accumulate(grads, layout, &params, &store)?;
+                if let Some(input) = &f.input {
+                    let gx = store.get(input.as_tensor()).ok_or_else(|| {
+                        TrainError::Config(
+                            "internal: the stage input received no gradient".to_string(),
+                        )
+                    })?;
+                    let gx = gx.flatten_all()?.to_vec1::<f32>()?; // [b * s * hidden]
+                    groups.pp.send(&gx, pp_rank - 1, TAG_GRADIENT)?;
+                }
+            }
+        }
+    }
+    Ok(loss_sum)
+}

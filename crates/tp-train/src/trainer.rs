@@ -1,0 +1,382 @@
+//! The training loop of one rank: micro-batches of the global batch on the 1F1B schedule,
+//! gradient completion over tp, the bucketed dp all-reduce, clipping by the global norm,
+//! sharded AdamW, and periodic atomic checkpoints (Megatron-LM's `train_step`, in order).
+
+use crate::checkpoint::{self, Checkpoint, SaveHook, SaveInputs, TrainerState};
+use crate::config::ModelConfig;
+use crate::data::Corpus;
+use crate::error::{Result, TrainError};
+use crate::grads::{self, FlatLayout, NormOwnership, SharedRows};
+use crate::init::SeededInit;
+use crate::layout::{self, stage_params, ParamSpec};
+use crate::model::StageModel;
+use crate::optim::{AdamW, AdamWConfig};
+use crate::pipeline::{run_micro_batches, MicroBatch};
+use candle_core::{Device, Tensor};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use tp_comm::{CommExt, ParallelDims, ProcessGroups, ReduceOp};
+
+/// Everything that defines a run; identical on every rank.
+#[derive(Clone, Debug)]
+pub struct TrainSpec {
+    pub model: ModelConfig,
+    pub dims: ParallelDims,
+    /// Train until this many steps are done (counting those of a resumed checkpoint).
+    pub steps: u64,
+    /// Sequences per optimizer step, over all data-parallel replicas.
+    pub global_batch: usize,
+    /// Micro-batches per step on each data-parallel replica (the pipeline's M).
+    pub micro_batches: usize,
+    pub seq: usize,
+    pub seed: u64,
+    pub optim: AdamWConfig,
+    /// Elements per data-parallel all-reduce bucket.
+    pub bucket_elems: usize,
+    /// Where checkpoints go (`None`: no checkpoints).
+    pub save_dir: Option<PathBuf>,
+    /// Save every this many steps (0: only at the end).
+    pub save_every: u64,
+    /// Step directories to keep (0: all).
+    pub keep: usize,
+    /// Description of the data, recorded in checkpoints.
+    pub data_name: String,
+}
+
+impl TrainSpec {
+    /// Sequences in one micro-batch.
+    pub fn micro_batch_size(&self) -> usize {
+        self.global_batch / (self.dims.dp * self.micro_batches).max(1)
+    }
+
+    /// Checks everything that can be checked before a rank starts.
+    pub fn validate(&self) -> Result<()> {
+        layout::validate(&self.model, self.dims)?;
+        let bad = |m: String| Err(TrainError::Config(m));
+        if self.micro_batches == 0 || self.global_batch == 0 {
+            return bad("--batch and --micro-batches must be at least 1".into());
+        }
+        let per = self.dims.dp * self.micro_batches;
+        if !self.global_batch.is_multiple_of(per) {
+            return bad(format!(
+                "a global batch of {} sequences cannot be split into dp={} x {} micro-batches; \
+                 use a --batch that is a multiple of {per}, or other --micro-batches",
+                self.global_batch, self.dims.dp, self.micro_batches
+            ));
+        }
+        if self.seq == 0 || self.seq > self.model.max_position_embeddings {
+            return bad(format!(
+                "--seq {} must be between 1 and the model's max_position_embeddings ({})",
+                self.seq, self.model.max_position_embeddings
+            ));
+        }
+        if self.bucket_elems == 0 {
+            return bad("the all-reduce bucket must hold at least one element".into());
+        }
+        Ok(())
+    }
+}
+
+/// Test and drill hooks.
+#[derive(Clone, Default)]
+pub struct TrainOptions {
+    /// Called on the writing rank during each save (fault injection).
+    pub save_hook: Option<SaveHook>,
+}
+
+/// What one step did (identical on every rank).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepReport {
+    /// Steps completed, this one included.
+    pub step: u64,
+    /// Mean cross-entropy over the global batch, before this step's update.
+    pub loss: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    pub lr: f64,
+    /// Tokens in this step's global batch.
+    pub tokens: u64,
+    /// Wall time of the step on this rank.
+    pub seconds: f64,
+}
+
+/// One rank's training state.
+pub struct Trainer<'a> {
+    spec: &'a TrainSpec,
+    groups: ProcessGroups,
+    corpus: &'a Corpus,
+    tokenizer_json: &'a str,
+    model: StageModel,
+    specs: Vec<ParamSpec>,
+    layout: FlatLayout,
+    params: Vec<f32>,
+    grads: Vec<f32>,
+    adam: AdamW,
+    shared: SharedRows,
+    norm: NormOwnership,
+    step: u64,
+    data_position: u64,
+    history: Vec<(u64, f64)>,
+    opts: TrainOptions,
+}
+
+impl<'a> Trainer<'a> {
+    /// Builds this rank's stage, fresh from the seed or from `resume`.
+    pub fn new(
+        spec: &'a TrainSpec,
+        groups: ProcessGroups,
+        corpus: &'a Corpus,
+        tokenizer_json: &'a str,
+        resume: Option<&Checkpoint>,
+        opts: TrainOptions,
+    ) -> Result<Trainer<'a>> {
+        spec.validate()?;
+        if groups.dims != spec.dims {
+            return Err(TrainError::Config(format!(
+                "the groups are {:?} but the run is {:?}",
+                groups.dims, spec.dims
+            )));
+        }
+        let max = corpus.max_token() as usize;
+        if max >= spec.model.vocab_size {
+            return Err(TrainError::Data(format!(
+                "token id {max} is outside the model's vocabulary of {}; use the tokenizer the \
+                 model was made for",
+                spec.model.vocab_size
+            )));
+        }
+        let c = groups.coords;
+        let (tp, pp) = (spec.dims.tp, spec.dims.pp);
+        let model = match resume {
+            Some(ck) => {
+                if ck.config != spec.model {
+                    return Err(TrainError::checkpoint(
+                        &ck.dir,
+                        "its config.json differs from the model to train; resume with the \
+                         checkpoint's own config (leave --config out)",
+                    ));
+                }
+                StageModel::new(&spec.model, c.pp_rank, pp, c.tp_rank, tp, ck)?
+            }
+            None => StageModel::new(
+                &spec.model,
+                c.pp_rank,
+                pp,
+                c.tp_rank,
+                tp,
+                &SeededInit::new(&spec.model, spec.seed),
+            )?,
+        };
+        let specs = model.specs().to_vec();
+        let layout = FlatLayout::new(&specs);
+        let mut params = Vec::with_capacity(layout.total());
+        for (_, var) in model.params() {
+            params.extend(var.flatten_all()?.to_vec1::<f32>()?);
+        }
+        let all_tp: Vec<Vec<ParamSpec>> = (0..tp)
+            .map(|t| stage_params(&spec.model, c.pp_rank, pp, t, tp))
+            .collect::<Result<_>>()?;
+        let mut adam = AdamW::new(layout.total());
+        let (mut step, mut data_position, mut history) = (0, 0, Vec::new());
+        if let Some(ck) = resume {
+            let (m, v) = ck.optimizer_shards(&specs)?;
+            adam.exp_avg = m;
+            adam.exp_avg_sq = v;
+            adam.step = ck.state.step;
+            step = ck.state.step;
+            data_position = ck.state.data_position;
+            history = ck.state.loss_history.clone();
+        }
+        Ok(Trainer {
+            spec,
+            corpus,
+            tokenizer_json,
+            grads: vec![0.0; layout.total()],
+            shared: SharedRows::plan(&all_tp, c.tp_rank)?,
+            norm: NormOwnership::plan(&all_tp, c.tp_rank),
+            groups,
+            model,
+            specs,
+            layout,
+            params,
+            adam,
+            step,
+            data_position,
+            history,
+            opts,
+        })
+    }
+
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    pub fn data_position(&self) -> u64 {
+        self.data_position
+    }
+
+    pub fn history(&self) -> &[(u64, f64)] {
+        &self.history
+    }
+
+    pub fn groups(&self) -> &ProcessGroups {
+        &self.groups
+    }
+
+    pub fn model(&self) -> &StageModel {
+        &self.model
+    }
+
+    /// This rank's shard specs and its flat buffers (weights, last step's gradients).
+    pub fn specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+    pub fn flat_layout(&self) -> &FlatLayout {
+        &self.layout
+    }
+    pub fn params_flat(&self) -> &[f32] {
+        &self.params
+    }
+    pub fn grads_flat(&self) -> &[f32] {
+        &self.grads
+    }
+
+    /// Forward and backward of the next global batch, without the update: afterwards
+    /// [`Trainer::grads_flat`] holds this rank's complete, dp-summed gradient shards.
+    /// Returns (loss, global gradient norm).
+    pub fn compute_gradients(&mut self) -> Result<(f64, f64)> {
+        let s = self.spec;
+        let (m, dp) = (s.micro_batches, s.dims.dp);
+        let mbs = s.micro_batch_size();
+        let first = self.data_position + (self.groups.coords.dp_rank * m * mbs) as u64;
+        let micro = (0..m)
+            .map(|i| {
+                let (ids, tgt) = self.corpus.batch(first + (i * mbs) as u64, mbs);
+                MicroBatch::new(ids, tgt, mbs, s.seq)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.grads.fill(0.0);
+        let loss_sum = run_micro_batches(
+            &self.model,
+            &self.groups,
+            &micro,
+            s.model.hidden_size,
+            1.0 / (m * dp) as f64,
+            &mut self.grads,
+            &self.layout,
+        )?;
+        self.shared
+            .complete(&mut self.grads, &self.layout, &self.groups.tp)?;
+        grads::all_reduce_buckets(&mut self.grads, &self.groups.dp, s.bucket_elems)?;
+        let sq = self.norm.sum_sq(&self.grads, &self.layout, &self.specs);
+        let norm = grads::global_norm(sq, &self.groups.tp, &self.groups.pp)?;
+        // The loss lives on the last stage: sum over stages (the others add 0), mean over dp.
+        let mut loss = [loss_sum / m as f64];
+        if s.dims.pp > 1 {
+            self.groups.pp.all_reduce(&mut loss, ReduceOp::Sum)?;
+        }
+        if dp > 1 {
+            self.groups.dp.all_reduce(&mut loss, ReduceOp::Sum)?;
+            loss[0] /= dp as f64;
+        }
+        Ok((loss[0], norm))
+    }
+
+    /// One optimizer step on the next global batch.
+    pub fn step(&mut self) -> Result<StepReport> {
+        let t0 = Instant::now();
+        let s = self.spec;
+        let (loss, norm) = self.compute_gradients()?;
+        let coef = grads::clip_coefficient(norm, s.optim.clip_norm);
+        let lr = s.optim.lr_at(self.step, s.steps);
+        self.adam.update(
+            &mut self.params,
+            &self.grads,
+            &self.layout,
+            &self.specs,
+            &s.optim,
+            lr,
+            coef,
+        );
+        for (i, (spec, var)) in self.model.params().into_iter().enumerate() {
+            let data = &self.params[self.layout.range(i)];
+            var.set(&Tensor::from_slice(data, spec.local_shape(), &Device::Cpu)?)?;
+        }
+        self.step += 1;
+        self.data_position += s.global_batch as u64;
+        self.history.push((self.step, loss));
+        Ok(StepReport {
+            step: self.step,
+            loss,
+            grad_norm: norm,
+            lr,
+            tokens: (s.global_batch * s.seq) as u64,
+            seconds: t0.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// Steps until `spec.steps`, saving every `save_every` steps and at the end.
+    pub fn run(&mut self, on_step: &mut dyn FnMut(&StepReport)) -> Result<()> {
+        let every = self.spec.save_every;
+        while self.step < self.spec.steps {
+            let report = self.step()?;
+            on_step(&report);
+            let due = every > 0 && self.step.is_multiple_of(every);
+            if self.spec.save_dir.is_some() && (due || self.step == self.spec.steps) {
+                self.save()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The checkpoint state of now.
+    pub fn state(&self) -> Result<TrainerState> {
+        let s = self.spec;
+        Ok(TrainerState {
+            format: checkpoint::FORMAT.into(),
+            step: self.step,
+            data_position: self.data_position,
+            seed: s.seed,
+            global_batch: s.global_batch,
+            seq: s.seq,
+            steps_target: s.steps,
+            optim: s.optim.clone(),
+            data: s.data_name.clone(),
+            loss_history: self.history.clone(),
+            saved_layout: checkpoint::saved_layout(&s.model, s.dims.tp, s.dims.pp, s.dims.dp)?,
+        })
+    }
+
+    /// Collective: writes a checkpoint of now into `spec.save_dir` (and the loss curve
+    /// beside it). Returns the step directory on world rank 0.
+    pub fn save(&mut self) -> Result<Option<PathBuf>> {
+        let Some(dir) = self.spec.save_dir.as_deref() else {
+            return Ok(None);
+        };
+        self.save_to(dir)
+    }
+
+    /// Like [`Trainer::save`], into `dir`.
+    pub fn save_to(&mut self, dir: &Path) -> Result<Option<PathBuf>> {
+        let state = self.state()?;
+        let out = checkpoint::save(&SaveInputs {
+            dir,
+            state: &state,
+            config: &self.spec.model,
+            tokenizer_json: self.tokenizer_json,
+            groups: &self.groups,
+            specs: &self.specs,
+            layout: &self.layout,
+            params: &self.params,
+            exp_avg: &self.adam.exp_avg,
+            exp_avg_sq: &self.adam.exp_avg_sq,
+            keep: self.spec.keep,
+            hook: self.opts.save_hook.as_ref(),
+        })?;
+        if out.is_some() {
+            let svg = crate::plot::loss_svg(&self.history, &self.spec.data_name);
+            checkpoint::replace_file(dir, crate::plot::PLOT_FILE, &svg)?;
+        }
+        Ok(out)
+    }
+}

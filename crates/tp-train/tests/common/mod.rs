@@ -1,0 +1,84 @@
+//! Shared helpers of the training tests: the small model and corpus of
+//! `tp_train::fixtures` (uneven at tp 3), and running a layout on rank threads.
+#![allow(dead_code)] // each test binary uses a subset
+
+use std::path::PathBuf;
+use tp_comm::local::{run, LocalOptions};
+use tp_comm::{ParallelDims, ProcessGroups};
+use tp_train::{Checkpoint, Corpus, StepReport, TrainOptions, TrainSpec, Trainer};
+
+/// Relative tolerance of a layout's loss against tp1's at the same step.
+pub const LOSS_TOL: f64 = 1e-4;
+
+pub use tp_train::fixtures::spec;
+
+pub fn corpus() -> Corpus {
+    tp_train::fixtures::corpus().expect("corpus")
+}
+
+pub fn dims(tp: usize, pp: usize, dp: usize) -> ParallelDims {
+    ParallelDims { tp, pp, dp }
+}
+
+pub fn tokenizer_json() -> String {
+    tp_train::tokenizer_json::byte_level_tokenizer_json()
+}
+
+/// Runs `f` with a trainer on every rank of `spec.dims`; returns each rank's value.
+pub fn with_trainers<R: Send>(
+    spec: &TrainSpec,
+    resume: Option<&Checkpoint>,
+    opts: TrainOptions,
+    f: impl Fn(&mut Trainer<'_>) -> tp_train::Result<R> + Sync,
+) -> Vec<Result<R, String>> {
+    let corpus = corpus();
+    let tok = tokenizer_json();
+    let outs = run(spec.dims.world_size(), LocalOptions::default(), |world| {
+        let groups = ProcessGroups::new(world, spec.dims)?;
+        let mut t = Trainer::new(spec, groups, &corpus, &tok, resume, opts.clone())?;
+        f(&mut t)
+    })
+    .expect("world starts");
+    outs.into_iter()
+        .map(|o| match o {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(panic) => Err(format!("panicked: {panic}")),
+        })
+        .collect()
+}
+
+/// Trains `spec` (fresh or resumed) to `spec.steps`; rank 0's step reports.
+pub fn train(spec: &TrainSpec, resume: Option<&Checkpoint>) -> Vec<StepReport> {
+    let mut outs = with_trainers(spec, resume, TrainOptions::default(), |t| {
+        let mut reports = Vec::new();
+        t.run(&mut |r| reports.push(r.clone()))?;
+        Ok(reports)
+    });
+    for (rank, o) in outs.iter().enumerate() {
+        if let Err(e) = o {
+            panic!("{:?} rank {rank}: {e}", spec.dims);
+        }
+    }
+    outs.swap_remove(0).unwrap_or_default()
+}
+
+/// Largest relative difference of the losses, step by step (steps must line up).
+pub fn max_rel_loss_diff(got: &[StepReport], want: &[StepReport]) -> f64 {
+    assert_eq!(got.len(), want.len(), "step counts differ");
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| {
+            assert_eq!(g.step, w.step);
+            (g.loss - w.loss).abs() / w.loss.abs()
+        })
+        .fold(0.0, f64::max)
+}
+
+/// A fresh scratch directory for one test.
+pub fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tp-train-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("scratch dir");
+    d
+}
