@@ -1,0 +1,92 @@
+//! A checkpoint written by `tp train` is a model `tp generate` and `tp perplexity` load at any
+//! tp: the same greedy text at tp 1, 2 and 4, and an inference NLL on the training text close
+//! to the trainer's own loss (two independent code paths: tp-nn training layers vs the
+//! inference forward).
+
+mod common;
+use std::time::Duration;
+
+const TP: &str = env!("CARGO_BIN_EXE_tp");
+
+fn tp(args: &[&str]) -> common::Finished {
+    let f = common::run_with_deadline(TP, args, Duration::from_secs(300));
+    assert_eq!(f.code, Some(0), "{args:?}: {}", f.output);
+    f
+}
+
+#[test]
+fn trained_checkpoint_generates_identically_at_every_tp() {
+    let dir = std::env::temp_dir().join(format!("tp-train-gen-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_string_lossy().to_string();
+    let train = tp(&[
+        "train", "--tp", "2", "--steps", "30", "--seq", "64", "--batch", "8", "--json", "--save",
+        &d,
+    ]);
+    let last_loss = train
+        .stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v.get("loss")?.as_f64())
+        .last()
+        .expect("no loss lines");
+    let ckpt = dir.join("step-00000030");
+    let ckpt = ckpt.to_string_lossy();
+    let text = |tp_size: &str| {
+        tp(&[
+            "generate",
+            "--model",
+            &ckpt,
+            "--tp",
+            tp_size,
+            "--greedy",
+            "--max-tokens",
+            "48",
+            "-q",
+            "And God said",
+        ])
+        .stdout
+    };
+    let one = text("1");
+    assert!(one.len() > 10, "{one:?}");
+    assert_eq!(text("2"), one);
+    assert_eq!(text("4"), one);
+
+    // Score a slice of the corpus it trained on.
+    let corpus = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tp-train/data/kjv-pentateuch.txt"
+    ))
+    .unwrap();
+    let sample = dir.join("sample.txt");
+    std::fs::write(&sample, &corpus[..6000]).unwrap();
+    let s = sample.to_string_lossy();
+    let ppl = |tp_size: &str| {
+        tp(&[
+            "perplexity",
+            "--model",
+            &ckpt,
+            "--tp",
+            tp_size,
+            "--window",
+            "64",
+            "-q",
+            &s,
+        ])
+        .stdout
+    };
+    let p1 = ppl("1");
+    assert_eq!(ppl("4"), p1);
+    let nll: f64 = p1
+        .split("mean NLL ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no NLL in {p1:?}"));
+    // Same data distribution and sequence length; different batches, so a loose band.
+    assert!(
+        (nll - last_loss).abs() < 0.35,
+        "inference NLL {nll} vs training loss {last_loss}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
