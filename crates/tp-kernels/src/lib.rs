@@ -22,7 +22,7 @@ mod pack_k;
 mod quantize;
 mod quantize_k;
 
-pub use cpu::simd_level;
+pub use cpu::{force_scalar, simd_level};
 pub use dense::{DenseData, DenseMatrix};
 pub use error::KernelError;
 pub use format::QuantType;
