@@ -29,6 +29,8 @@ pub(crate) fn simd() -> Simd {
 /// the best ones this CPU supports again (`false`), for debugging and comparisons. The
 /// library reads no environment variables; a binary that wants a switch calls this. Calls
 /// already running finish on the family they started with.
+///
+/// `matmul_wide_acc` gives the same bits on either family; `matmul` agrees to f32 rounding.
 pub fn force_scalar(on: bool) {
     FORCE_SCALAR.store(on, Ordering::Relaxed);
 }
