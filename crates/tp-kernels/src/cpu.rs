@@ -1,5 +1,7 @@
-//! Runtime CPU feature detection, done once per process and cached.
+//! Runtime CPU feature detection, done once per process and cached, and the process-wide
+//! switch that forces the portable kernels.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 /// Which kernel family runs on this machine.
@@ -11,19 +13,26 @@ pub(crate) enum Simd {
     Avx2,
 }
 
-static LEVEL: OnceLock<Simd> = OnceLock::new();
+static HARDWARE: OnceLock<Simd> = OnceLock::new();
+static FORCE_SCALAR: AtomicBool = AtomicBool::new(false);
 
-/// The kernel family chosen for this process. Set `TP_KERNELS_SIMD=scalar` in the environment
-/// before the first kernel call to force the portable path (for debugging and comparisons).
+/// The kernel family for the next kernel call: the portable one while [`force_scalar`] is on,
+/// otherwise the best this CPU supports (detected once).
 pub(crate) fn simd() -> Simd {
-    *LEVEL.get_or_init(detect)
-}
-
-fn detect() -> Simd {
-    if std::env::var("TP_KERNELS_SIMD").is_ok_and(|v| v.eq_ignore_ascii_case("scalar")) {
+    if FORCE_SCALAR.load(Ordering::Relaxed) {
         return Simd::Scalar;
     }
-    detect_hardware()
+    *HARDWARE.get_or_init(detect_hardware)
+}
+
+/// Makes every later kernel call in this process use the portable scalar kernels (`true`) or
+/// the best ones this CPU supports again (`false`), for debugging and comparisons. The
+/// library reads no environment variables; a binary that wants a switch calls this. Calls
+/// already running finish on the family they started with.
+///
+/// `matmul_wide_acc` gives the same bits on either family; `matmul` agrees to f32 rounding.
+pub fn force_scalar(on: bool) {
+    FORCE_SCALAR.store(on, Ordering::Relaxed);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -43,7 +52,8 @@ pub(crate) fn detect_hardware() -> Simd {
     Simd::Scalar
 }
 
-/// `"avx2+fma"` or `"scalar"`: the kernels this process uses (for logs and benchmarks).
+/// `"avx2+fma"` or `"scalar"`: the kernels the next call in this process will use (for logs
+/// and benchmarks).
 pub fn simd_level() -> &'static str {
     match simd() {
         Simd::Avx2 => "avx2+fma",

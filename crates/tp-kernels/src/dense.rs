@@ -1,9 +1,11 @@
-//! `DenseMatrix`: f32 or f16 weight matrices and their single-threaded matmul driver
-//! (f32 accumulation; AVX2+FMA with F16C widening, or portable code).
+//! `DenseMatrix`: f32 or f16 weight matrices and their single-threaded matmul drivers (f32
+//! accumulation, or split-invariant f64 accumulation of 32-column chunks; AVX2+FMA with F16C
+//! widening, or portable code).
 
 use crate::cpu::{self, Simd};
 use crate::error::KernelError;
 use crate::matrix::check_matmul_args;
+use crate::wide;
 use half::f16;
 
 /// Row-major `[rows, cols]` values of one element type. Built through [`DenseMatrix`].
@@ -115,7 +117,7 @@ impl DenseMatrix {
         y: &mut [f32],
     ) -> Result<(), KernelError> {
         let (rows, cols) = (self.rows(), self.cols());
-        check_matmul_args(rows, cols, x, n, y)?;
+        check_matmul_args(rows, cols, x, n, y.len())?;
         match (simd, self) {
             #[cfg(target_arch = "x86_64")]
             (Simd::Avx2, DenseMatrix::F32(d)) => {
@@ -130,6 +132,50 @@ impl DenseMatrix {
             }
             (_, DenseMatrix::F32(d)) => scalar_matmul(&d.values, |v| v, rows, cols, x, y),
             (_, DenseMatrix::F16(d)) => scalar_matmul(&d.values, f16::to_f32, rows, cols, x, y),
+        }
+        Ok(())
+    }
+
+    /// `y [n, rows] += x [n, cols] · Wᵀ` accumulated in f64 across fixed 32-column chunks
+    /// counted from column 0 of this matrix: each chunk's dot product is formed in f32 by a
+    /// fixed formula of that chunk's weights and activations only (8 lanes of FMA chains, then
+    /// a fixed tree of sums; see the crate's `wide` module), then added to the f64 `y`. So
+    /// splitting the columns at multiples of 32 and summing the parts' `y` in f64 gives the
+    /// same values up to f64 rounding, in practice the same bits. AVX2 and scalar kernels
+    /// give the same bits. Callers zero `y` first, or accumulate several matrices into it.
+    pub fn matmul_wide_acc(&self, x: &[f32], n: usize, y: &mut [f64]) -> Result<(), KernelError> {
+        self.matmul_wide_acc_with(cpu::simd(), x, n, y)
+    }
+
+    /// [`DenseMatrix::matmul_wide_acc`] with an explicit kernel family (tests compare them).
+    pub(crate) fn matmul_wide_acc_with(
+        &self,
+        simd: Simd,
+        x: &[f32],
+        n: usize,
+        y: &mut [f64],
+    ) -> Result<(), KernelError> {
+        let (rows, cols) = (self.rows(), self.cols());
+        check_matmul_args(rows, cols, x, n, y.len())?;
+        if rows == 0 || cols == 0 || n == 0 {
+            return Ok(());
+        }
+        match (simd, self) {
+            #[cfg(target_arch = "x86_64")]
+            (Simd::Avx2, DenseMatrix::F32(d)) => {
+                // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
+                // F16C; the lengths of `w`, `x` and `y` were checked above.
+                unsafe { crate::dense_avx2::matmul_wide(&d.values, rows, cols, x, n, y) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            (Simd::Avx2, DenseMatrix::F16(d)) => {
+                // SAFETY: as above.
+                unsafe { crate::dense_avx2::matmul_wide(&d.values, rows, cols, x, n, y) }
+            }
+            (_, DenseMatrix::F32(d)) => scalar_matmul_wide(&d.values, |v| v, rows, cols, x, y),
+            (_, DenseMatrix::F16(d)) => {
+                scalar_matmul_wide(&d.values, f16::to_f32, rows, cols, x, y)
+            }
         }
         Ok(())
     }
@@ -252,6 +298,32 @@ fn scalar_matmul<T: Copy>(
     }
 }
 
+/// Portable `y += x · Wᵀ` by the wide formula (`wide`): per 32-column chunk, lane `k % 8`
+/// takes `fma(x_k, w_k, lane)` in column order, the lanes are summed in a fixed tree, and the
+/// chunk sums are added in f64. `rows`, `cols` > 0.
+fn scalar_matmul_wide<T: Copy>(
+    w: &[T],
+    to_f32: impl Fn(T) -> f32,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    y: &mut [f64],
+) {
+    for (xt, yt) in x.chunks_exact(cols).zip(y.chunks_exact_mut(rows)) {
+        for (yr, wr) in yt.iter_mut().zip(w.chunks_exact(cols)) {
+            let mut acc = 0.0f64;
+            for (xc, wc) in xt.chunks(32).zip(wr.chunks(32)) {
+                let mut lanes = [0.0f32; 8];
+                for (k, (&a, &b)) in xc.iter().zip(wc).enumerate() {
+                    lanes[k % 8] = a.mul_add(to_f32(b), lanes[k % 8]);
+                }
+                acc += wide::chunk_sum(&lanes) as f64;
+            }
+            *yr += acc;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -286,6 +358,126 @@ mod tests {
                     m.matmul_with(Simd::Scalar, &x, n, &mut ys).unwrap();
                     for (a, s) in ya.iter().zip(&ys) {
                         assert!((a - s).abs() <= 1e-5 * cols as f32, "{a} vs {s}");
+                    }
+                }
+            }
+        }
+    }
+
+    fn families() -> Vec<Simd> {
+        let mut f = vec![Simd::Scalar];
+        if cpu::detect_hardware() == Simd::Avx2 {
+            f.push(Simd::Avx2);
+        }
+        f
+    }
+
+    fn both_kinds(rows: usize, cols: usize, w: &[f32]) -> [DenseMatrix; 2] {
+        [
+            DenseMatrix::from_f32(rows, cols, w.to_vec()).unwrap(),
+            DenseMatrix::from_f32_as_f16(rows, cols, w).unwrap(),
+        ]
+    }
+
+    #[test]
+    fn wide_avx2_and_scalar_dense_paths_give_the_same_bits() {
+        if cpu::detect_hardware() != Simd::Avx2 {
+            eprintln!("skipped: no AVX2+FMA+F16C on this CPU");
+            return;
+        }
+        for (rows, cols) in [
+            (1, 1),
+            (3, 7),
+            (17, 33),
+            (25, 576),
+            (50, 100),
+            (9, 64),
+            (12, 1536),
+        ] {
+            for n in [1usize, 2, 3, 4, 5, 9] {
+                let w = values(rows * cols, (rows + cols) as u32);
+                let x = values(n * cols, n as u32);
+                for m in both_kinds(rows, cols, &w) {
+                    let y0: Vec<f64> = (0..n * rows).map(|i| i as f64 * 0.5 - 1.0).collect();
+                    let (mut ya, mut ys) = (y0.clone(), y0);
+                    m.matmul_wide_acc_with(Simd::Avx2, &x, n, &mut ya).unwrap();
+                    m.matmul_wide_acc_with(Simd::Scalar, &x, n, &mut ys)
+                        .unwrap();
+                    for (i, (a, s)) in ya.iter().zip(&ys).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            s.to_bits(),
+                            "[{rows},{cols}] n={n} {i}: {a} vs {s}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn wide_dense_results_do_not_depend_on_the_column_split() {
+        for simd in families() {
+            // 100 and 33 end in a partial chunk, which stays in the last part.
+            for (rows, cols) in [(13, 576), (10, 100), (4, 33), (9, 1536)] {
+                let w = values(rows * cols, cols as u32);
+                let chunks = cols.div_ceil(32);
+                for n in [1usize, 2, 5, 128] {
+                    let x = values(n * cols, 77 + n as u32);
+                    for m in both_kinds(rows, cols, &w) {
+                        let mut want = vec![0.0f64; n * rows];
+                        m.matmul_wide_acc_with(simd, &x, n, &mut want).unwrap();
+                        for cuts in crate::matrix::tests::splits(chunks) {
+                            let mut sum = vec![0.0f64; n * rows];
+                            for p in cuts.windows(2) {
+                                let (c0, c1) = (32 * p[0], (32 * p[1]).min(cols));
+                                let wp: Vec<f32> = w
+                                    .chunks_exact(cols)
+                                    .flat_map(|r| &r[c0..c1])
+                                    .copied()
+                                    .collect();
+                                let part = match m {
+                                    DenseMatrix::F32(_) => DenseMatrix::from_f32(rows, c1 - c0, wp),
+                                    DenseMatrix::F16(_) => {
+                                        DenseMatrix::from_f32_as_f16(rows, c1 - c0, &wp)
+                                    }
+                                }
+                                .unwrap();
+                                let xp = crate::matrix::tests::x_columns(&x, cols, c0, c1);
+                                let mut yp = vec![0.0f64; n * rows];
+                                part.matmul_wide_acc_with(simd, &xp, n, &mut yp).unwrap();
+                                for (s, v) in sum.iter_mut().zip(&yp) {
+                                    *s += v;
+                                }
+                            }
+                            for (i, (a, b)) in sum.iter().zip(&want).enumerate() {
+                                assert_eq!(
+                                    (*a as f32).to_bits(),
+                                    (*b as f32).to_bits(),
+                                    "{simd:?} [{rows},{cols}] n={n} cuts {cuts:?} {i}: {a} vs {b}"
+                                );
+                                assert_eq!(a.to_bits(), b.to_bits(), "f64 bits");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn wide_dense_stays_close_to_the_f32_product() {
+        for simd in families() {
+            for (rows, cols, n) in [(17, 33, 3), (25, 576, 5), (8, 2048, 2)] {
+                let w = values(rows * cols, 5);
+                let x = values(n * cols, 6);
+                for m in both_kinds(rows, cols, &w) {
+                    let mut y32 = vec![0.0f32; n * rows];
+                    let mut y64 = vec![0.0f64; n * rows];
+                    m.matmul_with(simd, &x, n, &mut y32).unwrap();
+                    m.matmul_wide_acc_with(simd, &x, n, &mut y64).unwrap();
+                    for (a, b) in y32.iter().zip(&y64) {
+                        assert!((*a as f64 - b).abs() <= 1e-5 * cols as f64, "{a} vs {b}");
                     }
                 }
             }

@@ -14,14 +14,13 @@
 //!   stay below 4 * 2 * 31 * 127 = 31496; the `-16` is `-16 * sum(x)` per block, in i32.
 
 use crate::format::QuantType;
-use crate::pack::{group_block_bytes, group_scale_bytes, GROUP_ROWS};
+use crate::pack::{group_block_bytes, group_scale_bytes};
 use crate::quantize::ActBlock;
+use crate::tile::TileOut;
 use std::arch::x86_64::*;
 
-/// Most tokens a tile handles at once.
-pub(crate) const MAX_TILE: usize = 4;
-
-/// Outputs of one group for `tile` tokens into `out[..tile]`.
+/// Outputs of one group for `tile` tokens into `out.f32s[..tile]` or, when `wide`, the f64
+/// sums of the block contributions into `out.f64s[..tile]`.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `group.len() >= nb * group_block_bytes(qtype)`;
@@ -34,7 +33,8 @@ pub(crate) unsafe fn group_dot(
     nb: usize,
     acts: &[ActBlock],
     tile: usize,
-    out: &mut [[f32; GROUP_ROWS]; MAX_TILE],
+    wide: bool,
+    out: &mut TileOut,
 ) {
     let g = group.as_ptr();
     let a = acts.as_ptr();
@@ -43,26 +43,60 @@ pub(crate) unsafe fn group_dot(
     // inside those slices.
     unsafe {
         let p = |t: usize| a.add(t * nb);
-        match (qtype, tile) {
-            (QuantType::Q4_0, 1) => q4::<1, false>(g, nb, [p(0)], out),
-            (QuantType::Q4_0, 2) => q4::<2, false>(g, nb, [p(0), p(1)], out),
-            (QuantType::Q4_0, 3) => q4::<3, false>(g, nb, [p(0), p(1), p(2)], out),
-            (QuantType::Q4_0, _) => q4::<4, false>(g, nb, [p(0), p(1), p(2), p(3)], out),
-            (QuantType::Q4_1, 1) => q4::<1, true>(g, nb, [p(0)], out),
-            (QuantType::Q4_1, 2) => q4::<2, true>(g, nb, [p(0), p(1)], out),
-            (QuantType::Q4_1, 3) => q4::<3, true>(g, nb, [p(0), p(1), p(2)], out),
-            (QuantType::Q4_1, _) => q4::<4, true>(g, nb, [p(0), p(1), p(2), p(3)], out),
-            (QuantType::Q8_0, 1) => q8::<1>(g, nb, [p(0)], out),
-            (QuantType::Q8_0, 2) => q8::<2>(g, nb, [p(0), p(1)], out),
-            (QuantType::Q8_0, 3) => q8::<3>(g, nb, [p(0), p(1), p(2)], out),
-            (QuantType::Q8_0, _) => q8::<4>(g, nb, [p(0), p(1), p(2), p(3)], out),
-            (QuantType::Q5_0, 1) => q5::<1>(g, nb, [p(0)], out),
-            (QuantType::Q5_0, 2) => q5::<2>(g, nb, [p(0), p(1)], out),
-            (QuantType::Q5_0, 3) => q5::<3>(g, nb, [p(0), p(1), p(2)], out),
-            (QuantType::Q5_0, _) => q5::<4>(g, nb, [p(0), p(1), p(2), p(3)], out),
-            // K-quants have their own kernels (`dot_avx2_k`).
-            (QuantType::Q4_K | QuantType::Q6_K, _) => {}
+        // `k::<tile, c.., wide>` for the tile size and `wide` of this call.
+        macro_rules! by_tile {
+            ($k:ident $(, $c:literal)*) => {
+                match (tile, wide) {
+                    (1, false) => $k::<1, $($c,)* false>(g, nb, [p(0)], out),
+                    (2, false) => $k::<2, $($c,)* false>(g, nb, [p(0), p(1)], out),
+                    (3, false) => $k::<3, $($c,)* false>(g, nb, [p(0), p(1), p(2)], out),
+                    (_, false) => $k::<4, $($c,)* false>(g, nb, [p(0), p(1), p(2), p(3)], out),
+                    (1, true) => $k::<1, $($c,)* true>(g, nb, [p(0)], out),
+                    (2, true) => $k::<2, $($c,)* true>(g, nb, [p(0), p(1)], out),
+                    (3, true) => $k::<3, $($c,)* true>(g, nb, [p(0), p(1), p(2)], out),
+                    (_, true) => $k::<4, $($c,)* true>(g, nb, [p(0), p(1), p(2), p(3)], out),
+                }
+            };
         }
+        match qtype {
+            QuantType::Q4_0 => by_tile!(q4, false),
+            QuantType::Q4_1 => by_tile!(q4, true),
+            QuantType::Q8_0 => by_tile!(q8),
+            QuantType::Q5_0 => by_tile!(q5),
+            // K-quants have their own kernels (`dot_avx2_k`).
+            QuantType::Q4_K | QuantType::Q6_K => {}
+        }
+    }
+}
+
+/// Widens the 8 f32 block contributions `c` (one per row) to f64 and adds them to `acc`
+/// (rows 0..4, 4..8).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn add_wide(acc: &mut [__m256d; 2], c: __m256) {
+    acc[0] = _mm256_add_pd(acc[0], _mm256_cvtps_pd(_mm256_castps256_ps128(c)));
+    acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(c)));
+}
+
+/// Stores token `t`'s results: `acc` into `out.f32s[t]`, or (`WIDE`) `wide` into `out.f64s[t]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn store<const WIDE: bool>(
+    out: &mut TileOut,
+    t: usize,
+    acc: __m256,
+    wide: [__m256d; 2],
+) {
+    if WIDE {
+        let o = &mut out.f64s[t];
+        // SAFETY: `o` is 8 f64: two unaligned 4-lane stores fill it.
+        unsafe {
+            _mm256_storeu_pd(o.as_mut_ptr(), wide[0]);
+            _mm256_storeu_pd(o.as_mut_ptr().add(4), wide[1]);
+        }
+    } else {
+        // SAFETY: `out.f32s[t]` is 8 f32: one unaligned store fills it.
+        unsafe { _mm256_storeu_ps(out.f32s[t].as_mut_ptr(), acc) }
     }
 }
 
@@ -102,11 +136,11 @@ unsafe fn bcast4(qs: *const i8, at: usize) -> __m256i {
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4<const T: usize, const MIN: bool>(
+unsafe fn q4<const T: usize, const MIN: bool, const WIDE: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlock; T],
-    out: &mut [[f32; GROUP_ROWS]; MAX_TILE],
+    out: &mut TileOut,
 ) {
     let qtype = if MIN {
         QuantType::Q4_1
@@ -122,6 +156,7 @@ unsafe fn q4<const T: usize, const MIN: bool>(
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); T];
         let mut acc_min = [_mm256_setzero_ps(); T];
+        let mut wide = [[_mm256_setzero_pd(); 2]; T];
         for b in 0..nb {
             let blk = group.add(b * gb);
             prefetch_ahead(blk, gb);
@@ -151,14 +186,22 @@ unsafe fn q4<const T: usize, const MIN: bool>(
                     s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32(8 * x.sum));
                 }
                 let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), scale, acc[t]);
-                if MIN {
-                    acc_min[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s), acc_min[t]);
+                if WIDE {
+                    let mut c = _mm256_mul_ps(_mm256_cvtepi32_ps(s32), scale);
+                    if MIN {
+                        c = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s), c);
+                    }
+                    add_wide(&mut wide[t], c);
+                } else {
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), scale, acc[t]);
+                    if MIN {
+                        acc_min[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s), acc_min[t]);
+                    }
                 }
             }
         }
         for t in 0..T {
-            _mm256_storeu_ps(out[t].as_mut_ptr(), _mm256_add_ps(acc[t], acc_min[t]));
+            store::<WIDE>(out, t, _mm256_add_ps(acc[t], acc_min[t]), wide[t]);
         }
     }
 }
@@ -169,11 +212,11 @@ unsafe fn q4<const T: usize, const MIN: bool>(
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8<const T: usize>(
+unsafe fn q8<const T: usize, const WIDE: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlock; T],
-    out: &mut [[f32; GROUP_ROWS]; MAX_TILE],
+    out: &mut TileOut,
 ) {
     let gb = group_block_bytes(QuantType::Q8_0);
     let sb = group_scale_bytes(QuantType::Q8_0);
@@ -182,6 +225,7 @@ unsafe fn q8<const T: usize>(
     unsafe {
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); T];
+        let mut wide = [[_mm256_setzero_pd(); 2]; T];
         for b in 0..nb {
             let blk = group.add(b * gb);
             prefetch_ahead(blk, gb);
@@ -201,11 +245,18 @@ unsafe fn q8<const T: usize>(
             for t in 0..T {
                 let x = &*acts[t].add(b);
                 let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[t]), scale, acc[t]);
+                if WIDE {
+                    add_wide(
+                        &mut wide[t],
+                        _mm256_mul_ps(_mm256_cvtepi32_ps(s32[t]), scale),
+                    );
+                } else {
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[t]), scale, acc[t]);
+                }
             }
         }
         for t in 0..T {
-            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+            store::<WIDE>(out, t, acc[t], wide[t]);
         }
     }
 }
@@ -232,11 +283,11 @@ fn fifth_bits(bits: __m256i) -> __m256i {
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5<const T: usize>(
+unsafe fn q5<const T: usize, const WIDE: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlock; T],
-    out: &mut [[f32; GROUP_ROWS]; MAX_TILE],
+    out: &mut TileOut,
 ) {
     let gb = group_block_bytes(QuantType::Q5_0);
     let sb = group_scale_bytes(QuantType::Q5_0);
@@ -247,6 +298,7 @@ unsafe fn q5<const T: usize>(
         let low4 = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); T];
+        let mut wide = [[_mm256_setzero_pd(); 2]; T];
         for b in 0..nb {
             let blk = group.add(b * gb);
             prefetch_ahead(blk, gb);
@@ -276,11 +328,15 @@ unsafe fn q5<const T: usize>(
                 let x = &*acts[t].add(b);
                 let s = _mm256_sub_epi32(s32[t], _mm256_set1_epi32(16 * x.sum));
                 let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[t]);
+                if WIDE {
+                    add_wide(&mut wide[t], _mm256_mul_ps(_mm256_cvtepi32_ps(s), scale));
+                } else {
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[t]);
+                }
             }
         }
         for t in 0..T {
-            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+            store::<WIDE>(out, t, acc[t], wide[t]);
         }
     }
 }

@@ -1,5 +1,6 @@
 //! AVX2 integer dot products of one 8-row group of packed K-quant weights (Q4_K, Q6_K) with
-//! 1 to 4 tokens' Q8_K activations; the same one-row-per-32-bit-lane scheme as `dot_avx2`.
+//! 1 to 4 tokens' Q8_K activations; the same one-row-per-32-bit-lane scheme, and the same
+//! f32 (`WIDE = false`) and wide (`WIDE = true`) forms, as `dot_avx2`.
 //!
 //! Per-sub-block scales are applied in the integer domain: the i16 pair sums of a sub-block
 //! are `madd`-ed with the row's scale replicated in both i16 halves of its lane.
@@ -8,15 +9,15 @@
 //! - Q6_K: 6-bit values (0..=63) are the unsigned side; two products per i16 stay below
 //!   2 * 2 * 63 * 128 = 32256; the `-32` offset is `-32 * sum_s sc_s * bsum16_s`.
 
+use crate::dot_avx2::{add_wide, store};
 use crate::format::QuantType;
-use crate::pack::GROUP_ROWS;
 use crate::pack_k::{q4k, q6k};
 use crate::quantize_k::ActBlockK;
+use crate::tile::TileOut;
 use std::arch::x86_64::*;
 
-use crate::dot_avx2::MAX_TILE;
-
-/// Outputs of one group for `tile` tokens into `out[..tile]`.
+/// Outputs of one group for `tile` tokens into `out.f32s[..tile]` or, when `wide`, the f64
+/// sums of the super-block contributions into `out.f64s[..tile]`.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `group.len() >= nb * group_block_bytes(qtype)`
@@ -28,7 +29,8 @@ pub(crate) unsafe fn group_dot(
     nb: usize,
     acts: &[ActBlockK],
     tile: usize,
-    out: &mut [[f32; GROUP_ROWS]; MAX_TILE],
+    wide: bool,
+    out: &mut TileOut,
 ) {
     let g = group.as_ptr();
     let a = acts.as_ptr();
@@ -36,15 +38,23 @@ pub(crate) unsafe fn group_dot(
     // super-blocks and that `acts` holds `tile` tokens of `nb` blocks.
     unsafe {
         let p = |t: usize| a.add(t * nb);
-        match (qtype, tile) {
-            (QuantType::Q4_K, 1) => q4k::<1>(g, nb, [p(0)], out),
-            (QuantType::Q4_K, 2) => q4k::<2>(g, nb, [p(0), p(1)], out),
-            (QuantType::Q4_K, 3) => q4k::<3>(g, nb, [p(0), p(1), p(2)], out),
-            (QuantType::Q4_K, _) => q4k::<4>(g, nb, [p(0), p(1), p(2), p(3)], out),
-            (QuantType::Q6_K, 1) => q6k::<1>(g, nb, [p(0)], out),
-            (QuantType::Q6_K, 2) => q6k::<2>(g, nb, [p(0), p(1)], out),
-            (QuantType::Q6_K, 3) => q6k::<3>(g, nb, [p(0), p(1), p(2)], out),
-            (QuantType::Q6_K, _) => q6k::<4>(g, nb, [p(0), p(1), p(2), p(3)], out),
+        macro_rules! by_tile {
+            ($k:ident) => {
+                match (tile, wide) {
+                    (1, false) => $k::<1, false>(g, nb, [p(0)], out),
+                    (2, false) => $k::<2, false>(g, nb, [p(0), p(1)], out),
+                    (3, false) => $k::<3, false>(g, nb, [p(0), p(1), p(2)], out),
+                    (_, false) => $k::<4, false>(g, nb, [p(0), p(1), p(2), p(3)], out),
+                    (1, true) => $k::<1, true>(g, nb, [p(0)], out),
+                    (2, true) => $k::<2, true>(g, nb, [p(0), p(1)], out),
+                    (3, true) => $k::<3, true>(g, nb, [p(0), p(1), p(2)], out),
+                    (_, true) => $k::<4, true>(g, nb, [p(0), p(1), p(2), p(3)], out),
+                }
+            };
+        }
+        match qtype {
+            QuantType::Q4_K => by_tile!(q4k),
+            QuantType::Q6_K => by_tile!(q6k),
             _ => {}
         }
     }
@@ -192,17 +202,18 @@ unsafe fn load(p: *const u8) -> __m256i {
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4k<const T: usize>(
+unsafe fn q4k<const T: usize, const WIDE: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlockK; T],
-    out: &mut [[f32; GROUP_ROWS]; MAX_TILE],
+    out: &mut TileOut,
 ) {
     // SAFETY: all weight reads are inside group super-block `b < nb` (offsets from `pack_k`
     // ending at `q4k::BYTES`); activation reads are inside block `b` of each token.
     unsafe {
         let low4 = _mm256_set1_epi8(0x0F);
         let mut acc = [_mm256_setzero_ps(); T];
+        let mut wide = [[_mm256_setzero_pd(); 2]; T];
         for b in 0..nb {
             let blk = group.add(b * q4k::BYTES);
             prefetch_next(blk, q4k::BYTES);
@@ -246,11 +257,15 @@ unsafe fn q4k<const T: usize>(
                 }
                 let mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m32));
                 let v = _mm256_fmsub_ps(dw, _mm256_cvtepi32_ps(s32[t]), mins);
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(x.d), v, acc[t]);
+                if WIDE {
+                    add_wide(&mut wide[t], _mm256_mul_ps(_mm256_set1_ps(x.d), v));
+                } else {
+                    acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(x.d), v, acc[t]);
+                }
             }
         }
         for t in 0..T {
-            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+            store::<WIDE>(out, t, acc[t], wide[t]);
         }
     }
 }
@@ -261,16 +276,17 @@ unsafe fn q4k<const T: usize>(
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6k<const T: usize>(
+unsafe fn q6k<const T: usize, const WIDE: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlockK; T],
-    out: &mut [[f32; GROUP_ROWS]; MAX_TILE],
+    out: &mut TileOut,
 ) {
     // SAFETY: all weight reads are inside group super-block `b < nb` (offsets from `pack_k`
     // ending at `q6k::BYTES`); activation reads are inside block `b` of each token.
     unsafe {
         let mut acc = [_mm256_setzero_ps(); T];
+        let mut wide = [[_mm256_setzero_pd(); 2]; T];
         for b in 0..nb {
             let blk = group.add(b * q6k::BYTES);
             prefetch_next(blk, q6k::BYTES);
@@ -303,11 +319,15 @@ unsafe fn q6k<const T: usize>(
                 }
                 let isum = _mm256_sub_epi32(s32[t], _mm256_slli_epi32::<5>(o32));
                 let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[t]);
+                if WIDE {
+                    add_wide(&mut wide[t], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), scale));
+                } else {
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[t]);
+                }
             }
         }
         for t in 0..T {
-            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+            store::<WIDE>(out, t, acc[t], wide[t]);
         }
     }
 }

@@ -3,6 +3,8 @@
 //! AVX2+FMA kernels chosen at run time and a portable scalar fallback.
 //!
 //! Every product runs on the calling thread only: a tensor-parallel rank is one thread.
+//! `matmul_wide_acc` accumulates in f64 from per-block f32 contributions, so a product split
+//! by input columns across ranks (at block boundaries) sums to the same bits at every split.
 
 mod cpu;
 mod dense;
@@ -21,8 +23,10 @@ mod pack;
 mod pack_k;
 mod quantize;
 mod quantize_k;
+mod tile;
+mod wide;
 
-pub use cpu::simd_level;
+pub use cpu::{force_scalar, simd_level};
 pub use dense::{DenseData, DenseMatrix};
 pub use error::KernelError;
 pub use format::QuantType;

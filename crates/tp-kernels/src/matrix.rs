@@ -1,5 +1,6 @@
 //! `QuantMatrix`: a quantized weight matrix in the packed layout, and its matmul driver
-//! (activation quantization into a reusable per-thread buffer, then 8-row x 4-token tiles).
+//! (activation quantization into a reusable per-thread buffer, then 8-row x 4-token tiles),
+//! for f32 accumulation (`matmul`) and split-invariant f64 accumulation (`matmul_wide_acc`).
 
 use crate::cpu::{self, Simd};
 use crate::error::KernelError;
@@ -7,11 +8,9 @@ use crate::format::{dequantize_ggml_block, QuantType};
 use crate::pack::{self, group_block_bytes, GROUP_ROWS};
 use crate::quantize::{self, ActBlock};
 use crate::quantize_k::{self, ActBlockK};
+use crate::tile::{TileOut, MAX_TILE};
 use std::cell::RefCell;
 use std::fmt;
-
-/// Tokens per tile: each weight block is unpacked once per tile of this many tokens.
-const TILE: usize = 4;
 
 thread_local! {
     /// Quantized activations of the current call, kept between calls so the hot path does
@@ -64,13 +63,13 @@ fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Result<usize, Kerne
         .ok_or(KernelError::ShapeOverflow { rows, cols })
 }
 
-/// Checks that `x` is `[n, cols]` and `y` is `[n, rows]`.
+/// Checks that `x` is `[n, cols]` and `y` (`y_len` long) is `[n, rows]`.
 pub(crate) fn check_matmul_args(
     rows: usize,
     cols: usize,
     x: &[f32],
     n: usize,
-    y: &[f32],
+    y_len: usize,
 ) -> Result<(), KernelError> {
     let overflow = KernelError::ShapeOverflow { rows: n, cols };
     let want_x = n.checked_mul(cols).ok_or(overflow)?;
@@ -86,14 +85,41 @@ pub(crate) fn check_matmul_args(
         cols: rows,
     };
     let want_y = n.checked_mul(rows).ok_or(overflow)?;
-    if y.len() != want_y {
+    if y_len != want_y {
         return Err(KernelError::SliceLength {
             what: "y (n * rows)",
             expected: want_y,
-            got: y.len(),
+            got: y_len,
         });
     }
     Ok(())
+}
+
+/// What the driver produces per output: `f32` outputs written by `matmul`, or `f64` sums
+/// added by `matmul_wide_acc`.
+pub(crate) trait OutElem: Copy {
+    /// Whether the kernels run their wide form.
+    const WIDE: bool;
+    /// Puts token `t`'s results of a group (`y.len() <= 8` rows) from `tile` into `y`.
+    fn put(y: &mut [Self], tile: &TileOut, t: usize);
+}
+
+impl OutElem for f32 {
+    const WIDE: bool = false;
+    fn put(y: &mut [f32], tile: &TileOut, t: usize) {
+        for (o, &v) in y.iter_mut().zip(&tile.f32s[t]) {
+            *o = v;
+        }
+    }
+}
+
+impl OutElem for f64 {
+    const WIDE: bool = true;
+    fn put(y: &mut [f64], tile: &TileOut, t: usize) {
+        for (o, &v) in y.iter_mut().zip(&tile.f64s[t]) {
+            *o += v;
+        }
+    }
 }
 
 impl QuantMatrix {
@@ -156,10 +182,27 @@ impl QuantMatrix {
     /// Q8_0 and Q5_0; per 256-block as Q8_K for Q4_K and Q6_K), then the products are integer
     /// dot products scaled per block.
     pub fn matmul(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
-        self.matmul_with(cpu::simd(), x, n, y)
+        self.product(cpu::simd(), x, n, y)
+    }
+
+    /// `y [n, rows] += x [n, cols] · Wᵀ` accumulated in f64 across blocks: each block's (or,
+    /// for K-quants, each super-block's) contribution is formed in f32 exactly as a function
+    /// of that block's weights and activations only (never of an accumulator), then added to
+    /// the f64 `y`. So splitting the columns at block boundaries and summing the parts' `y` in
+    /// f64 gives the same f64 values up to f64 rounding — in practice exactly the same bits,
+    /// because sums of a few hundred f32 values whose magnitudes lie within a factor 2^20 of
+    /// each other are exact in f64 (details in the crate's `wide` module).
+    ///
+    /// Activations are quantized per block exactly as in [`QuantMatrix::matmul`], so a
+    /// column range's blocks see the same activation blocks. The AVX2 and scalar kernels give
+    /// the same bits (formulas in the crate's `wide` module). Callers zero `y` first, or
+    /// accumulate several matrices into it.
+    pub fn matmul_wide_acc(&self, x: &[f32], n: usize, y: &mut [f64]) -> Result<(), KernelError> {
+        self.product(cpu::simd(), x, n, y)
     }
 
     /// [`QuantMatrix::matmul`] with an explicit kernel family (tests compare them).
+    #[cfg(test)]
     pub(crate) fn matmul_with(
         &self,
         simd: Simd,
@@ -167,7 +210,30 @@ impl QuantMatrix {
         n: usize,
         y: &mut [f32],
     ) -> Result<(), KernelError> {
-        check_matmul_args(self.rows, self.cols, x, n, y)?;
+        self.product(simd, x, n, y)
+    }
+
+    /// [`QuantMatrix::matmul_wide_acc`] with an explicit kernel family (tests compare them).
+    #[cfg(test)]
+    pub(crate) fn matmul_wide_acc_with(
+        &self,
+        simd: Simd,
+        x: &[f32],
+        n: usize,
+        y: &mut [f64],
+    ) -> Result<(), KernelError> {
+        self.product(simd, x, n, y)
+    }
+
+    /// The driver of both products: checks, quantizes the activations, runs the tiles.
+    fn product<E: OutElem>(
+        &self,
+        simd: Simd,
+        x: &[f32],
+        n: usize,
+        y: &mut [E],
+    ) -> Result<(), KernelError> {
+        check_matmul_args(self.rows, self.cols, x, n, y.len())?;
         if n == 0 || self.rows == 0 {
             return Ok(());
         }
@@ -215,22 +281,23 @@ impl QuantMatrix {
 
     /// Runs all groups against tiles of up to 4 tokens of quantized activations
     /// (`acts.len() == n * nb`).
-    fn run_tiles<A: Activation>(&self, simd: Simd, acts: &[A], n: usize, y: &mut [f32]) {
+    fn run_tiles<A: Activation, E: OutElem>(&self, simd: Simd, acts: &[A], n: usize, y: &mut [E]) {
         let nb = self.nb();
         let group_len = nb * group_block_bytes(self.qtype);
-        let mut tile_out = [[0.0f32; GROUP_ROWS]; TILE];
+        let mut tile_out = TileOut::default();
         for g in 0..pack::groups(self.rows) {
             let group = &self.packed[g * group_len..(g + 1) * group_len];
             let row0 = g * GROUP_ROWS;
             let valid = GROUP_ROWS.min(self.rows - row0);
             let mut t0 = 0;
             while t0 < n {
-                let tile = TILE.min(n - t0);
+                let tile = MAX_TILE.min(n - t0);
                 let tile_acts = &acts[t0 * nb..(t0 + tile) * nb];
-                A::group_tile(self.qtype, simd, group, nb, tile_acts, tile, &mut tile_out);
-                for (t, out) in tile_out[..tile].iter().enumerate() {
+                let (qtype, wide) = (self.qtype, E::WIDE);
+                A::group_tile(qtype, simd, group, nb, tile_acts, tile, wide, &mut tile_out);
+                for t in 0..tile {
                     let at = (t0 + t) * self.rows + row0;
-                    y[at..at + valid].copy_from_slice(&out[..valid]);
+                    E::put(&mut y[at..at + valid], &tile_out, t);
                 }
                 t0 += tile;
             }
@@ -313,7 +380,9 @@ impl QuantMatrix {
 /// Quantized activation blocks with kernels: `ActBlock` (32-wide formats) and `ActBlockK`
 /// (K-quants).
 trait Activation: Sized {
-    /// One group against one tile of tokens (`tile_acts.len() == tile * nb`, `tile <= 4`).
+    /// One group against one tile of tokens (`tile_acts.len() == tile * nb`, `tile <= 4`),
+    /// into `out.f32s`, or with the wide kernels (`wide`) into `out.f64s`.
+    #[allow(clippy::too_many_arguments)]
     fn group_tile(
         qtype: QuantType,
         simd: Simd,
@@ -321,7 +390,8 @@ trait Activation: Sized {
         nb: usize,
         tile_acts: &[Self],
         tile: usize,
-        out: &mut [[f32; GROUP_ROWS]; TILE],
+        wide: bool,
+        out: &mut TileOut,
     );
 }
 
@@ -333,7 +403,8 @@ impl Activation for ActBlock {
         nb: usize,
         tile_acts: &[Self],
         tile: usize,
-        out: &mut [[f32; GROUP_ROWS]; TILE],
+        wide: bool,
+        out: &mut TileOut,
     ) {
         match simd {
             #[cfg(target_arch = "x86_64")]
@@ -341,12 +412,16 @@ impl Activation for ActBlock {
                 // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
                 // F16C; `group` holds `nb` group blocks of this format and `tile_acts` holds
                 // `tile` (1..=4) tokens of `nb` blocks, as sliced by `run_tiles`.
-                unsafe { crate::dot_avx2::group_dot(qtype, group, nb, tile_acts, tile, out) }
+                unsafe { crate::dot_avx2::group_dot(qtype, group, nb, tile_acts, tile, wide, out) }
             }
             _ => {
-                for (t, o) in out[..tile].iter_mut().enumerate() {
+                for t in 0..tile {
                     let acts = &tile_acts[t * nb..(t + 1) * nb];
-                    *o = crate::dot_scalar::group_dot(qtype, group, acts);
+                    if wide {
+                        out.f64s[t] = crate::dot_scalar::group_dot_wide(qtype, group, acts);
+                    } else {
+                        out.f32s[t] = crate::dot_scalar::group_dot(qtype, group, acts);
+                    }
                 }
             }
         }
@@ -361,18 +436,25 @@ impl Activation for ActBlockK {
         nb: usize,
         tile_acts: &[Self],
         tile: usize,
-        out: &mut [[f32; GROUP_ROWS]; TILE],
+        wide: bool,
+        out: &mut TileOut,
     ) {
         match simd {
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2 => {
                 // SAFETY: as for `ActBlock`, with K-quant group super-blocks.
-                unsafe { crate::dot_avx2_k::group_dot(qtype, group, nb, tile_acts, tile, out) }
+                unsafe {
+                    crate::dot_avx2_k::group_dot(qtype, group, nb, tile_acts, tile, wide, out)
+                }
             }
             _ => {
-                for (t, o) in out[..tile].iter_mut().enumerate() {
+                for t in 0..tile {
                     let acts = &tile_acts[t * nb..(t + 1) * nb];
-                    *o = crate::dot_scalar_k::group_dot(qtype, group, acts);
+                    if wide {
+                        out.f64s[t] = crate::dot_scalar_k::group_dot_wide(qtype, group, acts);
+                    } else {
+                        out.f32s[t] = crate::dot_scalar_k::group_dot(qtype, group, acts);
+                    }
                 }
             }
         }
@@ -380,7 +462,7 @@ impl Activation for ActBlockK {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
 
     use super::*;
     use half::f16;
@@ -520,6 +602,222 @@ mod tests {
                 QuantMatrix::from_ggml_bytes(qtype, split.iter().sum(), cols, all.clone()).unwrap();
             assert_eq!(cat.to_ggml_bytes(), all);
             assert_eq!(cat.packed, direct.packed);
+        }
+    }
+
+    /// Ways to split `nb` blocks among 1 to 4 ranks: block boundaries `0 = c0 < .. < ck = nb`,
+    /// balanced as tensor parallelism splits them, and uneven (one block alone at either end,
+    /// pseudo-random cuts). Only splits with non-empty parts.
+    pub(crate) fn splits(nb: usize) -> Vec<Vec<usize>> {
+        let mut out: Vec<Vec<usize>> = vec![vec![0, nb]];
+        for parts in 2..=4usize.min(nb) {
+            let balanced: Vec<usize> = (0..=parts).map(|p| p * nb / parts).collect();
+            let mut first = vec![0];
+            first.extend(1..parts);
+            first.push(nb);
+            let mut last: Vec<usize> = (0..parts).map(|p| nb + p + 1 - parts).collect();
+            last.insert(0, 0);
+            last.truncate(parts);
+            last.push(nb);
+            let mut s = (nb * 31 + parts * 7) as u64 | 1;
+            let mut random = vec![0];
+            while random.len() < parts {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                random.push(1 + (s % (nb as u64 - 1)) as usize);
+                random.sort_unstable();
+                random.dedup();
+            }
+            random.push(nb);
+            out.extend([balanced, first, last, random]);
+        }
+        out.retain(|c| c.windows(2).all(|w| w[0] < w[1]));
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// The ggml bytes of columns `[b0, b1)` (in blocks) of a row-major `[rows, nb]`-block matrix.
+    pub(crate) fn column_range(
+        bytes: &[u8],
+        bb: usize,
+        rows: usize,
+        nb: usize,
+        b0: usize,
+        b1: usize,
+    ) -> Vec<u8> {
+        (0..rows)
+            .flat_map(|r| &bytes[(r * nb + b0) * bb..(r * nb + b1) * bb])
+            .copied()
+            .collect()
+    }
+
+    /// Columns `[c0, c1)` of each of the `n` rows of `x` (`cols` wide).
+    pub(crate) fn x_columns(x: &[f32], cols: usize, c0: usize, c1: usize) -> Vec<f32> {
+        x.chunks_exact(cols)
+            .flat_map(|t| &t[c0..c1])
+            .copied()
+            .collect()
+    }
+
+    fn families() -> Vec<Simd> {
+        let mut f = vec![Simd::Scalar];
+        if cpu::detect_hardware() == Simd::Avx2 {
+            f.push(Simd::Avx2);
+        }
+        f
+    }
+
+    #[test]
+    fn wide_avx2_and_scalar_give_the_same_bits() {
+        if cpu::detect_hardware() != Simd::Avx2 {
+            eprintln!("skipped: this CPU has no AVX2+FMA+F16C, only the scalar path exists");
+            return;
+        }
+        use QuantType::*;
+        for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+            for (rows, cols) in [(1, 256), (3, 512), (8, 256), (17, 2048), (24, 1536)] {
+                for n in [1usize, 2, 3, 4, 5, 9] {
+                    let seed = (rows * 1000 + cols + n) as u64;
+                    let bytes = random_ggml(qtype, rows, cols, seed);
+                    let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
+                    let x = random_x(n * cols, seed);
+                    // `+=`: start from non-zero values.
+                    let y0: Vec<f64> = (0..n * rows).map(|i| i as f64 * 0.25 - 3.0).collect();
+                    let (mut ya, mut ys) = (y0.clone(), y0);
+                    m.matmul_wide_acc_with(Simd::Avx2, &x, n, &mut ya).unwrap();
+                    m.matmul_wide_acc_with(Simd::Scalar, &x, n, &mut ys)
+                        .unwrap();
+                    for (i, (a, s)) in ya.iter().zip(&ys).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            s.to_bits(),
+                            "{qtype} [{rows},{cols}] n={n} out {i}: avx2 {a} scalar {s}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn wide_results_do_not_depend_on_the_column_split() {
+        use QuantType::*;
+        let mut checked = 0;
+        let mut f64_differ = 0;
+        for simd in families() {
+            for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+                let (rows, cols) = if qtype.is_k_quant() {
+                    (17, 1536)
+                } else {
+                    (17, 576)
+                };
+                let nb = cols / qtype.block_len();
+                let bytes = random_ggml(qtype, rows, cols, 99);
+                let full = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes.clone()).unwrap();
+                for n in [1usize, 2, 5, 128] {
+                    let x = random_x(n * cols, n as u64 + 5);
+                    let mut want = vec![0.0f64; n * rows];
+                    full.matmul_wide_acc_with(simd, &x, n, &mut want).unwrap();
+                    for cuts in splits(nb) {
+                        let mut sum = vec![0.0f64; n * rows];
+                        for w in cuts.windows(2) {
+                            let (b0, b1) = (w[0], w[1]);
+                            let part = column_range(&bytes, qtype.block_bytes(), rows, nb, b0, b1);
+                            let pc = (b1 - b0) * qtype.block_len();
+                            let m = QuantMatrix::from_ggml_bytes(qtype, rows, pc, part).unwrap();
+                            let bl = qtype.block_len();
+                            let xp = x_columns(&x, cols, b0 * bl, b1 * bl);
+                            let mut yp = vec![0.0f64; n * rows];
+                            m.matmul_wide_acc_with(simd, &xp, n, &mut yp).unwrap();
+                            for (s, p) in sum.iter_mut().zip(&yp) {
+                                *s += p;
+                            }
+                        }
+                        for (i, (s, w)) in sum.iter().zip(&want).enumerate() {
+                            assert_eq!(
+                                (*s as f32).to_bits(),
+                                (*w as f32).to_bits(),
+                                "{simd:?} {qtype} n={n} cuts {cuts:?} out {i}: {s} vs {w}"
+                            );
+                            f64_differ += (s.to_bits() != w.to_bits()) as usize;
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+        eprintln!("{checked} outputs equal as f32; {f64_differ} differ in their f64 bits");
+        assert_eq!(f64_differ, 0);
+    }
+
+    #[test]
+    fn wide_stays_close_to_the_f32_product() {
+        use QuantType::*;
+        for simd in families() {
+            for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+                let (rows, cols, n) = (9, 2048, 5);
+                let m = QuantMatrix::from_ggml_bytes(
+                    qtype,
+                    rows,
+                    cols,
+                    random_ggml(qtype, rows, cols, 4),
+                )
+                .unwrap();
+                let x = random_x(n * cols, 8);
+                let mut y32 = vec![0.0f32; n * rows];
+                let mut y64 = vec![0.0f64; n * rows];
+                m.matmul_with(simd, &x, n, &mut y32).unwrap();
+                m.matmul_wide_acc_with(simd, &x, n, &mut y64).unwrap();
+                let mut w = vec![0.0f32; cols];
+                for r in 0..rows {
+                    m.dequantize_row(r, &mut w).unwrap();
+                    for t in 0..n {
+                        let xt = &x[t * cols..(t + 1) * cols];
+                        let mag: f64 = xt
+                            .iter()
+                            .zip(&w)
+                            .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                            .sum();
+                        let (a, b) = (y32[t * rows + r] as f64, y64[t * rows + r]);
+                        // The f32 accumulation bound of the oracle tests.
+                        let tol = 4.0 * cols as f64 * f32::EPSILON as f64 * mag + 1e-6;
+                        assert!(
+                            (a - b).abs() <= tol,
+                            "{simd:?} {qtype} t={t} r={r}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn column_range_copies_build_matrices_that_hold_those_columns() {
+        use QuantType::*;
+        for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+            let (rows, nb) = (11, 5);
+            let (bl, bb) = (qtype.block_len(), qtype.block_bytes());
+            let cols = nb * bl;
+            let bytes = random_ggml(qtype, rows, cols, 21);
+            let full = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes.clone()).unwrap();
+            let (mut wf, mut wp) = (vec![0.0f32; cols], vec![0.0f32; cols]);
+            for (b0, b1) in [(0, 1), (1, 3), (2, 5), (4, 5), (0, 5)] {
+                let part = column_range(&bytes, bb, rows, nb, b0, b1);
+                let m = QuantMatrix::from_ggml_bytes(qtype, rows, (b1 - b0) * bl, part.clone())
+                    .unwrap();
+                assert_eq!(m.to_ggml_bytes(), part, "{qtype} blocks {b0}..{b1}");
+                for r in 0..rows {
+                    full.dequantize_row(r, &mut wf).unwrap();
+                    m.dequantize_row(r, &mut wp[..(b1 - b0) * bl]).unwrap();
+                    assert_eq!(
+                        &wp[..(b1 - b0) * bl],
+                        &wf[b0 * bl..b1 * bl],
+                        "{qtype} row {r}"
+                    );
+                }
+            }
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Checks the quantized kernels against candle-core 0.11.1, an independent implementation of
 //! the same ggml formats: exact dequantization, matmul against the f32 product within a
-//! derived bound, and matmul against candle's own quantized matmul within a much tighter one.
+//! derived bound, and matmul against candle's own quantized matmul within a much tighter one;
+//! `matmul_wide_acc` against llama.cpp's arithmetic written out in f64.
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
@@ -224,16 +225,20 @@ fn dot64(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Runs one shape through every check; returns the largest error relative to `sum |x w|`
-/// seen against the f32 product, candle's quantized matmul and llama.cpp's arithmetic.
-fn check_shape(qtype: QuantType, rows: usize, cols: usize, n: usize, seed: u64) -> [f64; 3] {
+/// seen against the f32 product, candle's quantized matmul and llama.cpp's arithmetic, and
+/// of `matmul_wide_acc` against llama.cpp's arithmetic.
+fn check_shape(qtype: QuantType, rows: usize, cols: usize, n: usize, seed: u64) -> [f64; 4] {
     let o = oracle(qtype, rows, cols, seed);
     let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, o.bytes.clone()).unwrap();
     let x = values(n * cols, seed ^ 0xABCD, 1.0);
     let mut y = vec![f32::NAN; n * rows];
     m.matmul(&x, n, &mut y).unwrap();
+    let mut yw = vec![0.0f64; n * rows];
+    m.matmul_wide_acc(&x, n, &mut yw).unwrap();
     let yc = candle_matmul(&o, &x, n, cols);
     let eps = f32::EPSILON as f64;
     let (mut worst_f32, mut worst_candle, mut worst_llama) = (0.0f64, 0.0f64, 0.0f64);
+    let mut worst_wide = 0.0f64;
     for t in 0..n {
         let xt = &x[t * cols..(t + 1) * cols];
         for r in 0..rows {
@@ -280,9 +285,18 @@ fn check_shape(qtype: QuantType, rows: usize, cols: usize, n: usize, seed: u64) 
                 "{qtype} [{rows},{cols}] n={n} t={t} r={r}: ours {got}, llama.cpp arithmetic {l}"
             );
             worst_llama = worst_llama.max(diff / k.mag.max(1e-30));
+
+            // The wide variant: same integer sums, f32 rounding per block only.
+            let wide = yw[t * rows + r];
+            let diff = (wide - l).abs();
+            assert!(
+                diff <= accum + 1e-7,
+                "{qtype} [{rows},{cols}] n={n} t={t} r={r}: wide {wide}, llama.cpp arithmetic {l}"
+            );
+            worst_wide = worst_wide.max(diff / k.mag.max(1e-30));
         }
     }
-    [worst_f32, worst_candle, worst_llama]
+    [worst_f32, worst_candle, worst_llama, worst_wide]
 }
 
 #[test]
@@ -321,7 +335,7 @@ fn dequantize_row_equals_candle_dequantize_exactly() {
 fn matmul_matches_f32_product_and_candle_qmatmul_on_odd_sizes() {
     let mut report = Vec::new();
     for qtype in QTYPES {
-        let mut worst = [0.0f64; 3];
+        let mut worst = [0.0f64; 4];
         for rows in [1usize, 3, 17] {
             for cols in [qtype.block_len(), 2048] {
                 for n in [1usize, 2, 5] {
@@ -333,10 +347,10 @@ fn matmul_matches_f32_product_and_candle_qmatmul_on_odd_sizes() {
                 }
             }
         }
-        let [f, c, l] = worst;
+        let [f, c, l, w] = worst;
         report.push(format!(
             "{qtype}: max |err| / sum|x w|: vs f32 product {f:.2e}, vs candle QMatMul {c:.2e}, \
-             vs llama.cpp arithmetic {l:.2e}"
+             vs llama.cpp arithmetic {l:.2e}; wide vs llama.cpp arithmetic {w:.2e}"
         ));
     }
     println!("{}", report.join("\n"));
