@@ -199,6 +199,25 @@ impl Matrix {
         }
     }
 
+    /// `y [n, rows] += x [n, cols] · Wᵀ` with each block's contribution formed in f32 and the
+    /// blocks summed in f64, so that splitting the columns at block boundaries over ranks and
+    /// adding the parts in f64 gives the same bits as the whole (row-parallel layers).
+    /// Formats without our kernels compute in f32 and widen (not split-invariant).
+    pub fn matmul_wide_acc(&self, x: &[f32], n: usize, y: &mut [f64]) -> Result<()> {
+        match &self.store {
+            Store::Quant(m) => Ok(m.matmul_wide_acc(x, n, y)?),
+            Store::Dense(m) => Ok(m.matmul_wide_acc(x, n, y)?),
+            Store::CandleQuant { .. } | Store::CandleDense(_) => {
+                let mut narrow = vec![0f32; y.len()]; // [n, rows]
+                self.matmul(x, n, &mut narrow)?;
+                for (w, v) in y.iter_mut().zip(narrow) {
+                    *w += f64::from(v);
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// Row `row` as f32 into `out [cols]` (embedding lookup).
     pub fn row_into(&self, row: usize, out: &mut [f32]) -> Result<()> {
         if row >= self.rows || out.len() != self.cols {

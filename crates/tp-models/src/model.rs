@@ -290,7 +290,7 @@ impl ShardedModel {
         let mut xn = vec![0f32; n * hidden]; // [n, hidden]
         let mut qkv = vec![0f32; n * qkv_w]; // [n, q_w + 2 kv_w]
         let mut ctx = vec![0f32; n * q_w]; // [n, q_w]
-        let mut partial = vec![0f32; n * hidden]; // [n, hidden]
+        let mut partial = vec![0f64; n * hidden]; // [n, hidden], f64 partial sums
         let mut gu = vec![0f32; n * 2 * ffn_w]; // [n, 2 ffn_w]
         let mut act = vec![0f32; n * ffn_w]; // [n, ffn_w]
         for (li, layer) in self.layers.iter().enumerate() {
@@ -327,10 +327,9 @@ impl ShardedModel {
                 );
                 t0 += len;
             }
-            layer.o.matmul(&ctx, n, &mut partial)?;
-            all_reduce(&mut partial, group, prof)?;
+            row_parallel(&layer.o, &ctx, n, &mut partial, group, prof)?;
             for (a, b) in h.iter_mut().zip(&partial) {
-                *a += b;
+                *a += *b as f32;
             }
             // MLP half: f, gate/up column-parallel, SiLU locally, down row-parallel, g.
             rms_norm(&h, &layer.ffn_norm, eps, &mut xn);
@@ -340,10 +339,9 @@ impl ShardedModel {
                 silu_mul(g, u);
                 act[t * ffn_w..(t + 1) * ffn_w].copy_from_slice(g);
             }
-            layer.down.matmul(&act, n, &mut partial)?;
-            all_reduce(&mut partial, group, prof)?;
+            row_parallel(&layer.down, &act, n, &mut partial, group, prof)?;
             for (a, b) in h.iter_mut().zip(&partial) {
-                *a += b;
+                *a += *b as f32;
             }
         }
 
@@ -397,11 +395,29 @@ impl ShardedModel {
 }
 
 /// g: sums a partial result over the tp group (nothing to do at tp 1).
-fn all_reduce(x: &mut [f32], group: &Group, prof: &mut Profile) -> Result<()> {
+fn all_reduce<T: tp_comm::Elem>(x: &mut [T], group: &Group, prof: &mut Profile) -> Result<()> {
     if group.size() > 1 {
         prof.all_reduce(group, |g| g.all_reduce(x, ReduceOp::Sum))?;
     }
     Ok(())
+}
+
+/// A row-parallel product and its g, tp-invariant: this rank's blocks summed in f64, the
+/// ranks' partial sums added in f64 (in rank order), rounded to f32 only by the caller. Sums
+/// of block contributions are exact in f64 for realistic magnitudes, so the result has the
+/// same bits however the input columns are split over ranks: greedy text does not change
+/// with tp (R10), even though the next layer re-quantizes its activations to 8 bits.
+fn row_parallel(
+    w: &Matrix,
+    x: &[f32],
+    n: usize,
+    out: &mut [f64],
+    group: &Group,
+    prof: &mut Profile,
+) -> Result<()> {
+    out.fill(0.0);
+    w.matmul_wide_acc(x, n, out)?;
+    all_reduce(out, group, prof)
 }
 
 /// Causal attention of `len` new tokens (rows of `qkv`, queries first) over the cache.

@@ -7,6 +7,9 @@ use crate::error::Result;
 use std::ops::Range;
 use tp_nn::{HeadPlan, Partition};
 
+/// Columns a dense row-parallel product sums in f32 before widening to f64.
+pub const DENSE_CHUNK: usize = 32;
+
 /// One rank's share of a model.
 #[derive(Clone, Debug)]
 pub struct ShardPlan {
@@ -40,9 +43,15 @@ impl ShardPlan {
         })
     }
 
-    /// For a checkpoint: the FFN unit is the quant block of its down projection.
+    /// For a checkpoint: the FFN unit is the quant block of its down projection (32 columns
+    /// for float weights: the chunk the f64-accumulating product sums in f32, so shards of
+    /// dense weights also split at chunk boundaries and stay tp-invariant).
     pub fn for_checkpoint(ckpt: &dyn Checkpoint, tp_rank: usize, tp: usize) -> Result<Self> {
-        let unit = ckpt.meta(WeightName::Down(0))?.storage.block();
+        let unit = ckpt
+            .meta(WeightName::Down(0))?
+            .storage
+            .block()
+            .max(DENSE_CHUNK);
         Self::new(ckpt.config(), unit, tp_rank, tp)
     }
 

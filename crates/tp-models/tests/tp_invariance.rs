@@ -1,0 +1,117 @@
+//! R10: the logits do not depend on tp. Row-parallel products sum their blocks in f64 and the
+//! ranks' partial sums are added in f64, so tp 2, 3 and 4 give the SAME BITS as tp 1 whenever
+//! every shard boundary falls on a quant block (32-element formats, dense weights split at
+//! 32-column chunks) — on synthetic models of every such type and on the real SmolLM2.
+
+mod common;
+
+use candle_core::quantized::GgmlDType;
+use tp_comm::local::{self, LocalOptions};
+use tp_models::synthetic::{GgufTypes, HfDType, SyntheticModel};
+use tp_models::{open_checkpoint, Arch, Checkpoint, Chunk, LoadOptions, Profile, ShardedModel};
+
+/// Full logits of a prompt (every position) and of 3 decode steps, at `tp`.
+fn logits(ckpt: &dyn Checkpoint, tp: usize, prompt: &[u32]) -> Vec<Vec<f32>> {
+    let out = local::run(tp, LocalOptions::default(), |g| {
+        let m = ShardedModel::load(ckpt, g.rank(), tp, LoadOptions::default(), 64).unwrap();
+        let mut prof = Profile::default();
+        let mut cache = m.new_cache(64);
+        let mut rows = Vec::new();
+        let local = m
+            .forward(
+                &mut [Chunk {
+                    tokens: prompt,
+                    cache: &mut cache,
+                    all_logits: true,
+                }],
+                &g,
+                &mut prof,
+            )
+            .unwrap();
+        rows.push(
+            m.gather_logits(&local, prompt.len(), &g, &mut prof)
+                .unwrap(),
+        );
+        for t in [7u32, 300, 42] {
+            let local = m
+                .forward(
+                    &mut [Chunk {
+                        tokens: &[t],
+                        cache: &mut cache,
+                        all_logits: false,
+                    }],
+                    &g,
+                    &mut prof,
+                )
+                .unwrap();
+            rows.push(m.gather_logits(&local, 1, &g, &mut prof).unwrap());
+        }
+        rows
+    })
+    .unwrap();
+    out.into_iter().next().unwrap().unwrap()
+}
+
+fn assert_tp_invariant(ckpt: &dyn Checkpoint, what: &str, prompt: &[u32]) {
+    let want = logits(ckpt, 1, prompt);
+    for tp in 2..=4 {
+        let got = logits(ckpt, tp, prompt);
+        for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+            let differ = g
+                .iter()
+                .zip(w)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(
+                differ,
+                0,
+                "{what}: tp {tp} step {step}: {differ} of {} logits differ from tp 1",
+                w.len()
+            );
+        }
+    }
+}
+
+#[test]
+fn synthetic_models_give_the_same_bits_at_tp_1_to_4() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompt: Vec<u32> = vec![1, 17, 256, 999, 3, 512, 64, 8];
+    use GgmlDType::*;
+    for (i, (arch, linear, embed)) in [
+        (Arch::Llama, Q4_0, Q8_0),
+        (Arch::Llama, Q4_1, Q8_0),
+        (Arch::Llama, Q8_0, Q8_0),
+        (Arch::Llama, F32, F32),
+        (Arch::Qwen2, Q8_0, Q4_1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let model = SyntheticModel::small(arch, 100 + i as u64);
+        let path = dir.path().join(format!("m{i}.gguf"));
+        model
+            .write_gguf(&path, GgufTypes { linear, embed })
+            .unwrap();
+        let ckpt = open_checkpoint(&path).unwrap();
+        assert_tp_invariant(&*ckpt, &format!("{arch:?} GGUF {linear:?}"), &prompt);
+    }
+    for (i, dtype) in [HfDType::F32, HfDType::F16].into_iter().enumerate() {
+        let model = SyntheticModel::small(Arch::Qwen2, 200 + i as u64);
+        let d = dir.path().join(format!("hf{i}"));
+        model.write_hf(&d, 1, dtype).unwrap();
+        let ckpt = open_checkpoint(&d).unwrap();
+        assert_tp_invariant(&*ckpt, &format!("HF {dtype:?}"), &prompt);
+    }
+}
+
+#[test]
+fn smollm2_gives_the_same_bits_at_tp_1_to_4() {
+    let Some(path) = common::smollm2() else {
+        return;
+    };
+    let ckpt = open_checkpoint(&path).unwrap();
+    let prompt = [
+        1u32, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308,
+    ];
+    assert_tp_invariant(&*ckpt, "SmolLM2 Q4_1", &prompt);
+}
