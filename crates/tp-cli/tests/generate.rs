@@ -35,7 +35,7 @@ const PROMPTS: [&str; 4] = [
     "Once upon a time, there was a little",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "The three primary colors are",
-    "Question: What is the capital of France?\nAnswer:",
+    "Photosynthesis is the process by which",
 ];
 
 #[test]
