@@ -2,6 +2,7 @@
 
 mod bench_collectives;
 mod bench_decode;
+mod bench_serve;
 mod chat;
 mod fetch;
 mod generate;
@@ -10,6 +11,7 @@ mod launch;
 mod model_run;
 mod perplexity;
 mod selftest;
+mod serve;
 mod units;
 
 use clap::{Parser, Subcommand};
@@ -32,6 +34,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Interactive multi-turn chat (the model's chat template applied).
     Chat(chat::ChatArgs),
+    /// OpenAI-compatible HTTP server (chat and text completions, streaming, continuous batching).
+    Serve(serve::ServeArgs),
     /// Shapes of a model and the shard each rank gets at --tp.
     Inspect(inspect::InspectArgs),
     /// Mean negative log-likelihood and perplexity of a text file.
@@ -53,6 +57,9 @@ enum Bench {
     Collectives(bench_collectives::BenchArgs),
     /// Batch-1 prefill and decode speed per tp, time split and bandwidth limit.
     Decode(bench_decode::BenchDecodeArgs),
+    /// `tp serve` under load: throughput, time to first token and per output token at each
+    /// concurrency and tp.
+    Serve(bench_serve::BenchServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -60,6 +67,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => generate::run(&args),
         Command::Chat(args) => chat::run(&args),
+        Command::Serve(args) => serve::run(&args),
         Command::Inspect(args) => inspect::run(&args),
         Command::Perplexity(args) => perplexity::run(&args),
         Command::Bench {
@@ -68,6 +76,9 @@ fn main() -> ExitCode {
         Command::Bench {
             what: Bench::Decode(args),
         } => bench_decode::run(&args),
+        Command::Bench {
+            what: Bench::Serve(args),
+        } => bench_serve::run(&args),
         Command::Selftest(args) => selftest::run(&args),
         Command::Plan(args) => tp_plan::cli::run(&args)
             .map(|text| {
