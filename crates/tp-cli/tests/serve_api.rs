@@ -143,7 +143,7 @@ fn eight_concurrent_clients_get_what_a_lone_request_gets() {
         b
     };
     let ask = |client: &tp_serve::client::Client, i: usize| -> String {
-        if i % 2 == 0 {
+        if i.is_multiple_of(2) {
             let mut b = body(i);
             b["stream"] = json!(true);
             read_stream(client, "/v1/chat/completions", &b).text
@@ -174,6 +174,33 @@ fn eight_concurrent_clients_get_what_a_lone_request_gets() {
     assert!(
         batched_steps(&server) > batched_before,
         "no step ran more than one sequence: the requests were not batched"
+    );
+
+    // A new request joins a running one without waiting for it to finish.
+    let long = chat_body(
+        "Write a long essay about the sea.",
+        300,
+        json!({"stream": true, "ignore_eos": true}),
+    );
+    let mut stream = server.client.stream("/v1/chat/completions", &long).unwrap();
+    for _ in 0..3 {
+        stream
+            .next_data()
+            .unwrap()
+            .expect("a chunk of the long answer");
+    }
+    let short = server
+        .client
+        .post_json("/v1/chat/completions", &chat_body(prompts[1], 4, json!({})))
+        .unwrap();
+    assert_eq!(short.status, 200);
+    let more = stream
+        .next_data()
+        .unwrap()
+        .expect("the long answer goes on");
+    assert!(
+        more.contains("chat.completion.chunk") && !more.contains("finish_reason\":\"length"),
+        "{more}"
     );
 }
 

@@ -496,7 +496,7 @@ fn check_unsupported(r: &Reader<'_>, endpoint: Endpoint) -> Result<(), ApiError>
     for name in ["presence_penalty", "frequency_penalty"] {
         if let Some(v) = r.get(name) {
             match v.as_f64() {
-                Some(x) if x == 0.0 => {}
+                Some(0.0) => {}
                 Some(_) => return unsupported(name, "only 0 is accepted"),
                 None => return Err(ApiError::wrong_type(name, "a number", v)),
             }

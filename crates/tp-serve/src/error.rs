@@ -144,14 +144,25 @@ pub enum ServeError {
     },
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    /// Boxed: the engine's errors carry flight records and are large.
     #[error(transparent)]
-    Engine(#[from] tp_engine::EngineError),
-    #[error(transparent)]
-    Tokenizer(#[from] tp_tokenizer::TokenizerError),
+    Engine(Box<tp_engine::EngineError>),
     #[error("invalid setting {name}: {message}")]
     Config { name: &'static str, message: String },
     #[error("the HTTP server thread failed: {0}")]
     Server(String),
+}
+
+impl From<tp_engine::EngineError> for ServeError {
+    fn from(e: tp_engine::EngineError) -> Self {
+        ServeError::Engine(Box::new(e))
+    }
+}
+
+impl From<Box<tp_engine::EngineError>> for ServeError {
+    fn from(e: Box<tp_engine::EngineError>) -> Self {
+        ServeError::Engine(e)
+    }
 }
 
 pub type Result<T> = std::result::Result<T, ServeError>;

@@ -121,6 +121,9 @@ enum Outcome {
     Failed(String),
 }
 
+/// Engine errors are boxed: they carry flight records and are large.
+type StepResult<T> = std::result::Result<T, Box<EngineError>>;
+
 /// Runs until [`Control::Shutdown`] or until every sender is gone. An engine error (a lost
 /// rank, a timeout) ends it: every request gets [`Event::Failed`] and the error is returned.
 pub fn run(
@@ -130,7 +133,7 @@ pub fn run(
     rx: &Receiver<Control>,
     load: &Load,
     metrics: &Metrics,
-) -> Result<(), EngineError> {
+) -> crate::error::Result<()> {
     let mut s = Scheduler {
         cfg,
         tokenizer,
@@ -153,7 +156,7 @@ pub fn run(
         Err(e) => Event::failed(format!("the inference engine failed: {e}")),
     };
     s.abandon_all(worker, &end);
-    out
+    Ok(out?)
 }
 
 struct Scheduler<'a, 't> {
@@ -169,7 +172,7 @@ struct Scheduler<'a, 't> {
 }
 
 impl<'t> Scheduler<'_, 't> {
-    fn run(&mut self, worker: &mut Worker, rx: &Receiver<Control>) -> Result<(), EngineError> {
+    fn run(&mut self, worker: &mut Worker, rx: &Receiver<Control>) -> StepResult<()> {
         loop {
             if self.running.is_empty() && self.waiting.is_empty() {
                 match rx.recv_timeout(self.cfg.heartbeat) {
@@ -199,7 +202,7 @@ impl<'t> Scheduler<'_, 't> {
     }
 
     /// Frees the slots of requests whose client went away (the event receiver was dropped).
-    fn drop_abandoned(&mut self, worker: &mut Worker) -> Result<(), EngineError> {
+    fn drop_abandoned(&mut self, worker: &mut Worker) -> StepResult<()> {
         let before = self.waiting.len();
         self.waiting.retain(|j| !j.events.is_closed());
         let gone = before - self.waiting.len();
@@ -219,7 +222,7 @@ impl<'t> Scheduler<'_, 't> {
     }
 
     /// Admits queued requests in arrival order while their reservations fit.
-    fn admit(&mut self, worker: &mut Worker) -> Result<(), EngineError> {
+    fn admit(&mut self, worker: &mut Worker) -> StepResult<()> {
         while let Some(front) = self.waiting.front() {
             let need = SchedulerConfig::reservation(front.prompt.len(), front.max_tokens);
             if need > self.cfg.kv_budget_positions {
@@ -254,7 +257,7 @@ impl<'t> Scheduler<'_, 't> {
             }) {
                 self.free_slots.push(slot);
                 let _ = job.events.send(Event::failed(e.to_string()));
-                return Err(e);
+                return Err(Box::new(e));
             }
             let now = Instant::now();
             self.metrics
@@ -287,7 +290,7 @@ impl<'t> Scheduler<'_, 't> {
 
     /// One batched forward: a decode token per running request that has one, then prefill
     /// chunks in admission order within the per-step token cap.
-    fn step(&mut self, worker: &mut Worker) -> Result<(), EngineError> {
+    fn step(&mut self, worker: &mut Worker) -> StepResult<()> {
         let mut chunks: Vec<ChunkSpec> = Vec::with_capacity(self.running.len());
         // (index into running, tokens fed by this chunk, sample its row)
         let mut rows: Vec<(usize, usize, bool)> = Vec::with_capacity(self.running.len());
@@ -340,10 +343,10 @@ impl<'t> Scheduler<'_, 't> {
         self.metrics.step_rows.record(n_rows as f64);
         let vocab = logits.len() / n_rows.max(1);
         if vocab == 0 || logits.len() != n_rows * vocab {
-            return Err(EngineError::Internal(format!(
+            return Err(Box::new(EngineError::Internal(format!(
                 "{} logits for {n_rows} rows",
                 logits.len()
-            )));
+            ))));
         }
         let mut finished: Vec<(usize, Outcome)> = Vec::new();
         for (row, &(i, fed, sample)) in rows.iter().enumerate() {
@@ -379,7 +382,7 @@ impl<'t> Scheduler<'_, 't> {
     }
 
     /// Closes a request's sequence on every rank and returns its reservation.
-    fn release(&mut self, worker: &mut Worker, r: Running<'t>) -> Result<(), EngineError> {
+    fn release(&mut self, worker: &mut Worker, r: Running<'t>) -> StepResult<()> {
         self.reserved -= r.reserved;
         self.free_slots.push(r.slot);
         worker.submit(Command::Close { slot: r.slot })?;

@@ -579,10 +579,7 @@ fn checked_max_tokens(
             ),
         )),
     }
-    .map(|m| {
-        debug_assert!(SchedulerConfig::reservation(prompt, m) <= room);
-        m
-    })
+    .inspect(|&m| debug_assert!(SchedulerConfig::reservation(prompt, m) <= room))
 }
 
 /// Waits for the whole answer of a non-streaming request.
