@@ -24,8 +24,8 @@ pub struct BenchServeArgs {
     /// Concurrent clients per level, e.g. 1,4,16.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     pub concurrency: Vec<usize>,
-    /// Requests per level: this many times the concurrency (at least 4).
-    #[arg(long, default_value_t = 2)]
+    /// Requests per level: this many times the concurrency (at least 8).
+    #[arg(long, default_value_t = 4)]
     pub rounds: usize,
     /// Approximate prompt length in tokens.
     #[arg(long, default_value_t = 64)]
@@ -90,7 +90,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
         one_request(&client, 0, args.prompt_tokens, 4).context("warm-up request")?;
         let mut levels = Vec::new();
         for &c in &args.concurrency {
-            let level = drive(&client, c, (args.rounds * c).max(4), args)
+            let level = drive(&client, c, (args.rounds * c).max(8), args)
                 .with_context(|| format!("tp {tp}, concurrency {c}"))?;
             if args.json {
                 println!("{}", level_json(tp, &level, args));
@@ -250,7 +250,7 @@ fn level_json(tp: usize, l: &Level, args: &BenchServeArgs) -> String {
 
 fn print_table(all: &[(usize, Vec<Level>)], args: &BenchServeArgs) {
     println!(
-        "# tp bench serve: streaming completions, ~{} prompt + {} generated tokens each (EOS ignored), greedy; requests per level = {} x concurrency (at least 4)",
+        "# tp bench serve: streaming completions, ~{} prompt + {} generated tokens each (EOS ignored), greedy; requests per level = {} x concurrency (at least 8)",
         args.prompt_tokens, args.gen_tokens, args.rounds
     );
     println!(

@@ -160,8 +160,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
             );
         }
         println!(
-            "listening on http://{} (model '{model_name}', tp {tp})",
-            server.addr
+            "listening on http://{} (model '{model_name}', tp {tp}, pid {})",
+            server.addr,
+            std::process::id()
         );
         std::io::stdout().flush()?;
         let result = tp_serve::scheduler::run(

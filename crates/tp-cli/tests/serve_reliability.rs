@@ -287,15 +287,24 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     assert_eq!(status.code(), Some(0), "{}", idle.stderr());
 }
 
-/// A KV budget that holds one request at a time: concurrent requests queue and all succeed;
-/// one that could never fit is refused by name.
+/// A KV budget that holds one request at a time: concurrent requests queue and all succeed,
+/// with prompts prefilled 7 tokens per step and still the answer `tp generate` gives; one
+/// that could never fit is refused by name.
 #[test]
 fn requests_beyond_the_kv_budget_queue_and_never_crash() {
     // SmolLM2 at tp 2: the busiest rank caches 2 KV heads x 64 x 30 layers x K,V x 4 B =
     // 30 KiB per position, so 3 MiB hold 102 positions.
-    let Some(server) =
-        ServerProc::start(&["--tp", "2", "--ctx-size", "512", "--max-kv-memory", "3MiB"])
-    else {
+    // Prompts also go in chunks of 7 tokens per step (--max-batch-tokens 7).
+    let Some(server) = ServerProc::start(&[
+        "--tp",
+        "2",
+        "--ctx-size",
+        "512",
+        "--max-kv-memory",
+        "3MiB",
+        "--max-batch-tokens",
+        "7",
+    ]) else {
         return;
     };
     let c = &server.client;
@@ -331,6 +340,27 @@ fn requests_beyond_the_kv_budget_queue_and_never_crash() {
         assert_eq!(*status, 200);
         assert_eq!(text, &alone[i]);
     }
+    // Chunked prefill gives what `tp generate` gives (one prefill pass, then decode).
+    let model = serve_util::smollm2().unwrap();
+    let generated = std::process::Command::new(serve_util::TP)
+        .arg("generate")
+        .arg("--model")
+        .arg(&model)
+        .args([
+            "--tp",
+            "2",
+            "--ctx-size",
+            "512",
+            "--greedy",
+            "--chat",
+            "--quiet",
+        ])
+        .args(["--max-tokens", "30", "Say the number 0."])
+        .output()
+        .expect("tp generate");
+    assert!(generated.status.success());
+    let reference = String::from_utf8_lossy(&generated.stdout);
+    assert_eq!(reference.strip_suffix('\n').unwrap_or(&reference), alone[0]);
     let text = server.wait_metrics(Duration::ZERO, |_| true);
     let budget = metric_value(&text, "tp_kv_budget_positions").unwrap();
     assert_eq!(budget, 102.0, "{text}");

@@ -35,6 +35,8 @@ pub fn smollm2() -> Option<PathBuf> {
 pub struct ServerProc {
     pub child: Child,
     pub addr: SocketAddr,
+    /// The pid printed with the address (rank 0's process; under mpirun not the child's).
+    pub rank0_pid: Option<u32>,
     pub client: Client,
     /// Everything it wrote to stderr so far.
     pub stderr: Arc<Mutex<String>>,
@@ -122,6 +124,7 @@ impl ServerProc {
         ServerProc {
             child,
             addr,
+            rank0_pid,
             client,
             stderr,
         }
