@@ -97,15 +97,19 @@ impl ServerProc {
             }
         });
         let t0 = Instant::now();
-        let addr = loop {
+        let (addr, rank0_pid) = loop {
             let left = STARTUP.saturating_sub(t0.elapsed());
             match rx.recv_timeout(left) {
                 Ok(line) => {
                     if let Some(rest) = line.strip_prefix("listening on http://") {
                         let addr = rest.split_whitespace().next().unwrap_or("");
-                        break addr
+                        let addr = addr
                             .parse::<SocketAddr>()
                             .unwrap_or_else(|e| panic!("bad address in {line:?}: {e}"));
+                        let pid = line
+                            .rsplit_once("pid ")
+                            .and_then(|(_, p)| p.trim_end_matches(')').parse().ok());
+                        break (addr, pid);
                     }
                 }
                 Err(_) => {
