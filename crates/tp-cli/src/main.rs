@@ -3,6 +3,7 @@
 mod bench_collectives;
 mod bench_decode;
 mod bench_train;
+mod bench_serve;
 mod chat;
 mod fetch;
 mod generate;
@@ -12,6 +13,7 @@ mod model_run;
 mod perplexity;
 mod selftest;
 mod train;
+mod serve;
 mod units;
 
 use clap::{Parser, Subcommand};
@@ -34,6 +36,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Interactive multi-turn chat (the model's chat template applied).
     Chat(chat::ChatArgs),
+    /// OpenAI-compatible HTTP server (chat and text completions, streaming, continuous batching).
+    Serve(serve::ServeArgs),
     /// Shapes of a model and the shard each rank gets at --tp.
     Inspect(inspect::InspectArgs),
     /// Mean negative log-likelihood and perplexity of a text file.
@@ -59,6 +63,9 @@ enum Bench {
     Decode(bench_decode::BenchDecodeArgs),
     /// Training step time, tokens/s and MFU at several tp x pp x dp layouts.
     Train(bench_train::BenchTrainArgs),
+    /// `tp serve` under load: throughput, time to first token and per output token at each
+    /// concurrency and tp.
+    Serve(bench_serve::BenchServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -66,6 +73,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => generate::run(&args),
         Command::Chat(args) => chat::run(&args),
+        Command::Serve(args) => serve::run(&args),
         Command::Inspect(args) => inspect::run(&args),
         Command::Perplexity(args) => perplexity::run(&args),
         Command::Bench {
@@ -77,6 +85,9 @@ fn main() -> ExitCode {
         Command::Bench {
             what: Bench::Train(args),
         } => bench_train::run(&args),
+        Command::Bench {
+            what: Bench::Serve(args),
+        } => bench_serve::run(&args),
         Command::Selftest(args) => selftest::run(&args),
         Command::Train(args) => train::run(&args),
         Command::Plan(args) => tp_plan::cli::run(&args)

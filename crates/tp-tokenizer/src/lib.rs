@@ -64,6 +64,7 @@ pub(crate) struct Settings {
 }
 
 /// A model's tokenizer: text <-> ids, its special tokens and its chat template.
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     vocab_size: usize,

@@ -1,0 +1,386 @@
+//! `tp bench serve`: starts `tp serve` as a child process per tp, drives it with streaming
+//! completion requests at each concurrency (a bounded number of requests per level), and
+//! reports output throughput, time to first token and time per output token (p50/p99), and
+//! how throughput grows with concurrency (continuous batching).
+
+use crate::model_run::ModelArgs;
+use anyhow::{bail, Context};
+use serde_json::json;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+use tp_serve::client::Client;
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct BenchServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// tp sizes to measure, e.g. 1,2.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    pub tps: Vec<usize>,
+    /// Concurrent clients per level, e.g. 1,4,16.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    pub concurrency: Vec<usize>,
+    /// Requests per level: this many times the concurrency (at least 8).
+    #[arg(long, default_value_t = 4)]
+    pub rounds: usize,
+    /// Approximate prompt length in tokens.
+    #[arg(long, default_value_t = 64)]
+    pub prompt_tokens: usize,
+    /// Tokens generated per request (end-of-sequence ignored).
+    #[arg(long, default_value_t = 64)]
+    pub gen_tokens: usize,
+    /// Print one JSON object per (tp, concurrency) on stdout instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One request's timings.
+struct Sample {
+    ttft: f64,
+    tpot: Option<f64>,
+    tokens: usize,
+}
+
+/// One level's figures.
+struct Level {
+    concurrency: usize,
+    requests: usize,
+    tokens: usize,
+    wall: f64,
+    ttft: Vec<f64>,
+    tpot: Vec<f64>,
+}
+
+impl Level {
+    fn throughput(&self) -> f64 {
+        self.tokens as f64 / self.wall.max(1e-9)
+    }
+}
+
+const WORDS: &[&str] = &[
+    "river", "market", "city", "song", "letter", "harbor", "mountain", "garden", "lantern",
+    "engine", "forest", "bridge", "window", "story", "winter", "island",
+];
+
+pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
+    if args.tps.is_empty() || args.tps.contains(&0) {
+        bail!("--tps needs tp sizes of at least 1, e.g. --tps 1,2");
+    }
+    if args.concurrency.is_empty() || args.concurrency.contains(&0) {
+        bail!("--concurrency needs levels of at least 1, e.g. --concurrency 1,4,16");
+    }
+    if args.gen_tokens < 2 || args.prompt_tokens == 0 || args.rounds == 0 {
+        bail!("--gen-tokens >= 2, --prompt-tokens >= 1 and --rounds >= 1 are needed");
+    }
+    if args.model.backend != crate::launch::Backend::Local {
+        bail!("tp bench serve starts its servers with the local backend; drop --backend");
+    }
+    let model = args.model.model_path()?;
+    let max_c = args.concurrency.iter().copied().max().unwrap_or(1);
+    let ctx = args.prompt_tokens * 2 + args.gen_tokens + 64;
+    let mut all: Vec<(usize, Vec<Level>)> = Vec::new();
+    for &tp in &args.tps {
+        let mut server = ChildServer::start(&model, tp, ctx, max_c, &args.model)?;
+        let client = Client::new(server.addr);
+        // Warm-up (first touches of weights and caches).
+        one_request(&client, 0, args.prompt_tokens, 4).context("warm-up request")?;
+        let mut levels = Vec::new();
+        for &c in &args.concurrency {
+            let level = drive(&client, c, (args.rounds * c).max(8), args)
+                .with_context(|| format!("tp {tp}, concurrency {c}"))?;
+            if args.json {
+                println!("{}", level_json(tp, &level, args));
+            } else {
+                eprintln!("# tp {tp} concurrency {c}: {:.1} tok/s", level.throughput());
+            }
+            levels.push(level);
+        }
+        server.stop()?;
+        all.push((tp, levels));
+    }
+    if !args.json {
+        print_table(&all, args);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Runs `requests` streaming requests with `c` clients at a time.
+fn drive(
+    client: &Client,
+    c: usize,
+    requests: usize,
+    args: &BenchServeArgs,
+) -> anyhow::Result<Level> {
+    let next = AtomicUsize::new(0);
+    let t0 = Instant::now();
+    let results: Vec<anyhow::Result<Vec<Sample>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..c)
+            .map(|_| {
+                let client = client.clone();
+                let next = &next;
+                s.spawn(move || -> anyhow::Result<Vec<Sample>> {
+                    let mut out = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= requests {
+                            return Ok(out);
+                        }
+                        out.push(one_request(
+                            &client,
+                            i + 1,
+                            args.prompt_tokens,
+                            args.gen_tokens,
+                        )?);
+                    }
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a client thread panicked")))
+            })
+            .collect()
+    });
+    let wall = t0.elapsed().as_secs_f64();
+    let mut level = Level {
+        concurrency: c,
+        requests,
+        tokens: 0,
+        wall,
+        ttft: Vec::new(),
+        tpot: Vec::new(),
+    };
+    for r in results {
+        for s in r? {
+            level.tokens += s.tokens;
+            level.ttft.push(s.ttft);
+            level.tpot.extend(s.tpot);
+        }
+    }
+    Ok(level)
+}
+
+/// One streamed completion of a distinct prompt of about `prompt_tokens` tokens.
+fn one_request(
+    client: &Client,
+    i: usize,
+    prompt_tokens: usize,
+    gen: usize,
+) -> anyhow::Result<Sample> {
+    // About one token per word with a leading space.
+    let mut prompt = format!("Request {i}:");
+    for k in 0..prompt_tokens.saturating_sub(3) {
+        prompt.push(' ');
+        prompt.push_str(WORDS[(i * 7 + k * 3) % WORDS.len()]);
+    }
+    let body = json!({
+        "prompt": prompt,
+        "max_tokens": gen,
+        "temperature": 0,
+        "ignore_eos": true,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let t0 = Instant::now();
+    let mut s = client.stream("/v1/completions", &body)?;
+    if s.status != 200 {
+        bail!("the server answered {}", s.status);
+    }
+    let mut first: Option<Instant> = None;
+    let mut last = t0;
+    let mut tokens = 0;
+    while let Some(data) = s.next_data()? {
+        if data == "[DONE]" {
+            break;
+        }
+        let v: serde_json::Value = serde_json::from_str(&data)?;
+        if let Some(e) = v.get("error") {
+            bail!("the server failed the request: {e}");
+        }
+        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+            tokens = n as usize;
+        }
+        if v["choices"][0]["text"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty())
+        {
+            let now = Instant::now();
+            first.get_or_insert(now);
+            last = now;
+        }
+    }
+    let first = first.context("the stream carried no text")?;
+    Ok(Sample {
+        ttft: first.duration_since(t0).as_secs_f64(),
+        tpot: (tokens >= 2).then(|| last.duration_since(first).as_secs_f64() / (tokens - 1) as f64),
+        tokens,
+    })
+}
+
+fn percentile(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let idx = ((p / 100.0) * (s.len() - 1) as f64).round() as usize;
+    s[idx.min(s.len() - 1)]
+}
+
+fn level_json(tp: usize, l: &Level, args: &BenchServeArgs) -> String {
+    json!({
+        "tp": tp,
+        "concurrency": l.concurrency,
+        "requests": l.requests,
+        "prompt_tokens": args.prompt_tokens,
+        "gen_tokens": args.gen_tokens,
+        "output_tok_s": (l.throughput() * 10.0).round() / 10.0,
+        "ttft_p50_ms": percentile(&l.ttft, 50.0) * 1e3,
+        "ttft_p99_ms": percentile(&l.ttft, 99.0) * 1e3,
+        "tpot_p50_ms": percentile(&l.tpot, 50.0) * 1e3,
+        "tpot_p99_ms": percentile(&l.tpot, 99.0) * 1e3,
+    })
+    .to_string()
+}
+
+fn print_table(all: &[(usize, Vec<Level>)], args: &BenchServeArgs) {
+    println!(
+        "# tp bench serve: streaming completions, ~{} prompt + {} generated tokens each (EOS ignored), greedy; requests per level = {} x concurrency (at least 8)",
+        args.prompt_tokens, args.gen_tokens, args.rounds
+    );
+    println!(
+        "{:>3}  {:>5}  {:>8}  {:>12}  {:>13}  {:>13}  {:>13}  {:>13}  {:>8}",
+        "tp",
+        "conc",
+        "requests",
+        "output t/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "TPOT p50 ms",
+        "TPOT p99 ms",
+        "vs c=1"
+    );
+    for (tp, levels) in all {
+        let base = levels
+            .iter()
+            .find(|l| l.concurrency == 1)
+            .map(Level::throughput);
+        for l in levels {
+            let ratio = base.map_or(String::from("-"), |b| format!("{:.2}x", l.throughput() / b));
+            println!(
+                "{:>3}  {:>5}  {:>8}  {:>12.1}  {:>13.1}  {:>13.1}  {:>13.2}  {:>13.2}  {:>8}",
+                tp,
+                l.concurrency,
+                l.requests,
+                l.throughput(),
+                percentile(&l.ttft, 50.0) * 1e3,
+                percentile(&l.ttft, 99.0) * 1e3,
+                percentile(&l.tpot, 50.0) * 1e3,
+                percentile(&l.tpot, 99.0) * 1e3,
+                ratio
+            );
+        }
+    }
+}
+
+/// A `tp serve` child process on a free loopback port; killed if still running when dropped.
+struct ChildServer {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl ChildServer {
+    fn start(
+        model: &std::path::Path,
+        tp: usize,
+        ctx: usize,
+        max_seqs: usize,
+        margs: &ModelArgs,
+    ) -> anyhow::Result<ChildServer> {
+        let exe = std::env::current_exe().context("cannot find the tp binary")?;
+        let mut cmd = Command::new(exe);
+        cmd.arg("serve")
+            .arg("--model")
+            .arg(model)
+            .args(["--tp", &tp.to_string()])
+            .args(["--ctx-size", &ctx.to_string()])
+            .args(["--max-seqs", &max_seqs.to_string()])
+            .args(["--timeout", &margs.timeout.to_string()])
+            .args(["--port", "0", "--quiet"])
+            .arg("--dtype")
+            .arg(format!("{:?}", margs.dtype).to_lowercase());
+        if margs.dequantize {
+            cmd.arg("--dequantize");
+        }
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("cannot start tp serve")?;
+        let stdout = child.stdout.take().context("no stdout")?;
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(300);
+        let addr = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(rest) = line.strip_prefix("listening on http://") {
+                        let a = rest.split_whitespace().next().unwrap_or("");
+                        break a
+                            .parse()
+                            .with_context(|| format!("bad address in {line:?}"))?;
+                    }
+                }
+                Err(_) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    bail!("tp serve --tp {tp} did not start within 300 s");
+                }
+            }
+        };
+        Ok(ChildServer { child, addr })
+    }
+
+    /// SIGTERM, then wait (bounded) for a clean exit.
+    fn stop(&mut self) -> anyhow::Result<()> {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(s) = self.child.try_wait()? {
+                if !s.success() {
+                    bail!("tp serve exited with {s}");
+                }
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("tp serve did not exit within 60 s of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for ChildServer {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}

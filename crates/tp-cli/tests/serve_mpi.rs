@@ -1,0 +1,77 @@
+//! `tp serve --backend mpi` under mpirun (2 processes): answers what the local backend's
+//! `tp generate --tp 2` gives, and SIGTERM to rank 0 drains, releases the follower process
+//! and ends the job with exit code 0.
+#![cfg(feature = "mpi")]
+
+mod serve_util;
+
+use serde_json::json;
+use serve_util::{chat_body, read_stream, ServerProc, TP};
+use std::time::Duration;
+
+#[test]
+fn serve_under_mpirun_answers_and_stops_cleanly() {
+    let Some(model) = serve_util::smollm2() else {
+        return;
+    };
+    let found = std::process::Command::new("mpirun")
+        .arg("--version")
+        .output();
+    assert!(
+        found.is_ok_and(|o| o.status.success()),
+        "mpirun is not on PATH: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev)"
+    );
+    let mut server = ServerProc::start_with(
+        "mpirun",
+        &["--allow-run-as-root", "--oversubscribe", "-n", "2", TP],
+        &model,
+        &["--backend", "mpi", "--ctx-size", "256"],
+    );
+    let prompt = "Name a primary color.";
+    let r = server
+        .client
+        .post_json("/v1/chat/completions", &chat_body(prompt, 12, json!({})))
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let text = r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let s = read_stream(
+        &server.client,
+        "/v1/chat/completions",
+        &chat_body(prompt, 12, json!({"stream": true})),
+    );
+    assert_eq!(s.text, text);
+    let generated = std::process::Command::new(TP)
+        .arg("generate")
+        .arg("--model")
+        .arg(&model)
+        .args([
+            "--tp",
+            "2",
+            "--ctx-size",
+            "256",
+            "--greedy",
+            "--chat",
+            "--quiet",
+        ])
+        .args(["--max-tokens", "12", prompt])
+        .output()
+        .expect("tp generate");
+    assert!(generated.status.success());
+    let reference = String::from_utf8_lossy(&generated.stdout);
+    assert_eq!(reference.strip_suffix('\n').unwrap_or(&reference), text);
+
+    // SIGTERM to rank 0 (its pid is printed with the address), not to mpirun.
+    let pid = server
+        .rank0_pid
+        .expect("the pid of rank 0 in the listening line");
+    let ok = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok);
+    let status = server.wait(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(0), "{}", server.stderr());
+}

@@ -1,0 +1,387 @@
+//! `tp serve` under bad input and faults (reliability.md R9): every bad request gets 400 (413
+//! for an oversized body) with an OpenAI error body naming the parameter, and leaves KV cache
+//! and memory at baseline; a client gone mid-stream frees its slot at once; the API key is
+//! required on every request; SIGTERM/SIGINT drain in-flight requests and exit 0; requests
+//! beyond the KV budget queue instead of failing.
+
+mod serve_util;
+
+use serde_json::json;
+use serve_util::{chat_body, metric_value, read_stream, ServerProc};
+use std::time::{Duration, Instant};
+
+/// `(body, expected status, expected param)`.
+fn bad_requests() -> Vec<(Vec<u8>, u16, Option<&'static str>)> {
+    let user = |extra: &str| {
+        format!(r#"{{"messages":[{{"role":"user","content":"hi"}}]{extra}}}"#).into_bytes()
+    };
+    let huge_prompt = "word ".repeat(2000);
+    vec![
+        (user(r#","max_tokens":0"#), 400, Some("max_tokens")),
+        (user(r#","max_tokens":-3"#), 400, Some("max_tokens")),
+        (user(r#","max_tokens":100000"#), 400, Some("max_tokens")),
+        (user(r#","max_tokens":"many""#), 400, Some("max_tokens")),
+        (
+            user(r#","max_completion_tokens":0"#),
+            400,
+            Some("max_completion_tokens"),
+        ),
+        (user(r#","temperature":3"#), 400, Some("temperature")),
+        (user(r#","temperature":-1"#), 400, Some("temperature")),
+        (user(r#","temperature":"warm""#), 400, Some("temperature")),
+        (user(r#","top_p":0"#), 400, Some("top_p")),
+        (user(r#","top_p":1.5"#), 400, Some("top_p")),
+        (user(r#","n":2"#), 400, Some("n")),
+        (user(r#","n":0"#), 400, Some("n")),
+        (user(r#","stop":7"#), 400, Some("stop")),
+        (user(r#","stream":"yes""#), 400, Some("stream")),
+        (user(r#","seed":"abc""#), 400, Some("seed")),
+        (user(r#","model":"gpt-4""#), 404, Some("model")),
+        (br#"{"messages":[]}"#.to_vec(), 400, Some("messages")),
+        (br#"{"messages":"hello"}"#.to_vec(), 400, Some("messages")),
+        (
+            br#"{"messages":[{"role":"user","content":""}]}"#.to_vec(),
+            400,
+            Some("messages"),
+        ),
+        (
+            br#"{"messages":[{"role":"user","content":5}]}"#.to_vec(),
+            400,
+            Some("messages[0].content"),
+        ),
+        (br#"{"max_tokens":5}"#.to_vec(), 400, Some("messages")),
+        (
+            json!({"messages":[{"role":"user","content": huge_prompt}]})
+                .to_string()
+                .into_bytes(),
+            400,
+            Some("messages"),
+        ),
+        (
+            json!({"messages":[{"role":"user","content":"hi"}],"max_tokens":505})
+                .to_string()
+                .into_bytes(),
+            400,
+            Some("max_tokens"),
+        ),
+        (b"{\"messages\": [".to_vec(), 400, None),
+        (b"not json at all".to_vec(), 400, None),
+        (b"".to_vec(), 400, None),
+        (b"[1, 2, 3]".to_vec(), 400, None),
+        (
+            b"{\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}".to_vec(),
+            400,
+            None,
+        ),
+        (vec![b' '; 2 << 20], 413, None),
+    ]
+}
+
+#[test]
+fn bad_requests_are_refused_by_name_and_leave_no_trace() {
+    let Some(server) = ServerProc::start(&["--tp", "2", "--ctx-size", "512"]) else {
+        return;
+    };
+    let c = &server.client;
+    // Warm up, then take the baseline.
+    let good = chat_body("Say one word.", 4, json!({}));
+    assert_eq!(
+        c.post_json("/v1/chat/completions", &good).unwrap().status,
+        200
+    );
+    let rss0 = server.rss_bytes();
+    for (body, status, param) in bad_requests() {
+        let r = c.post("/v1/chat/completions", &body).unwrap();
+        let shown = String::from_utf8_lossy(&body[..body.len().min(80)]).into_owned();
+        assert_eq!(r.status, status, "{shown}: {}", r.text());
+        let err = &r.json()["error"];
+        assert!(
+            err["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{shown}: {}",
+            r.text()
+        );
+        assert!(err["type"].is_string(), "{shown}: {}", r.text());
+        assert_eq!(err["param"].as_str(), param, "{shown}: {}", r.text());
+    }
+    // Completions: an empty prompt, a batch, ids out of range.
+    for (body, param) in [
+        (json!({"prompt": ""}), "prompt"),
+        (json!({"prompt": ["a", "b"]}), "prompt"),
+        (json!({"prompt": [1, 99999999]}), "prompt"),
+        (json!({"prompt": "hi", "max_tokens": 0}), "max_tokens"),
+        (json!({"prompt": "hi", "n": 3}), "n"),
+    ] {
+        let r = c.post_json("/v1/completions", &body).unwrap();
+        assert_eq!(r.status, 400, "{body}: {}", r.text());
+        assert_eq!(r.json()["error"]["param"], param, "{body}");
+    }
+    // A burst of bad requests, concurrent, then the baseline holds and a good one is served.
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for (body, status, _) in bad_requests().into_iter().take(28).cycle().take(100) {
+                    assert_eq!(
+                        c.post("/v1/chat/completions", &body).unwrap().status,
+                        status
+                    );
+                }
+            });
+        }
+    });
+    let text = server.wait_metrics(Duration::from_secs(5), |t| {
+        metric_value(t, "tp_kv_cache_bytes") == Some(0.0)
+    });
+    for (name, want) in [
+        ("tp_kv_cache_bytes", 0.0),
+        ("tp_kv_reserved_positions", 0.0),
+        ("tp_running_requests", 0.0),
+        ("tp_queue_length", 0.0),
+    ] {
+        assert_eq!(metric_value(&text, name), Some(want), "{name}:\n{text}");
+    }
+    if let (Some(a), Some(b)) = (rss0, server.rss_bytes()) {
+        assert!(
+            b < a + (64 << 20),
+            "resident memory grew from {a} to {b} bytes over a burst of bad requests"
+        );
+    }
+    let r = c.post_json("/v1/chat/completions", &good).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    // Unknown routes and methods answer in the same error format.
+    let r = c.get("/v1/nothing").unwrap();
+    assert_eq!(r.status, 404);
+    assert!(r.json()["error"]["message"].is_string());
+    let r = c.get("/v1/chat/completions").unwrap();
+    assert_eq!(r.status, 405);
+}
+
+#[test]
+fn a_client_gone_mid_stream_frees_its_slot_at_once() {
+    let Some(server) = ServerProc::start(&["--tp", "2", "--ctx-size", "512"]) else {
+        return;
+    };
+    let c = &server.client;
+    let body = chat_body(
+        "Tell me a long story about a dragon.",
+        400,
+        json!({"stream": true, "ignore_eos": true}),
+    );
+    let mut s = c.stream("/v1/chat/completions", &body).unwrap();
+    assert_eq!(s.status, 200);
+    for _ in 0..4 {
+        s.next_data().unwrap().expect("a chunk");
+    }
+    let running = server.metric("tp_running_requests");
+    assert_eq!(running, Some(1.0));
+    let t0 = Instant::now();
+    drop(s);
+    let text = server.wait_metrics(Duration::from_secs(10), |t| {
+        metric_value(t, "tp_running_requests") == Some(0.0)
+            && metric_value(t, "tp_kv_cache_bytes") == Some(0.0)
+    });
+    assert_eq!(
+        metric_value(&text, "tp_running_requests"),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric_value(&text, "tp_kv_cache_bytes"),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric_value(&text, "tp_requests_cancelled_total"),
+        Some(1.0),
+        "{text}"
+    );
+    let generated = metric_value(&text, "tp_generation_tokens_total").unwrap_or(0.0);
+    assert!(
+        generated < 400.0,
+        "the request ran to the end: {generated} tokens"
+    );
+    eprintln!("slot freed {:?} after the disconnect", t0.elapsed());
+    // The server goes on serving.
+    let r = c
+        .post_json("/v1/chat/completions", &chat_body("Hi", 3, json!({})))
+        .unwrap();
+    assert_eq!(r.status, 200);
+}
+
+#[test]
+fn the_api_key_is_required_on_every_request() {
+    let Some(server) =
+        ServerProc::start(&["--tp", "1", "--ctx-size", "256", "--api-key", "s3cret"])
+    else {
+        return;
+    };
+    let anon = &server.client;
+    let body = chat_body("Hi", 2, json!({}));
+    for (method, path) in [
+        ("GET", "/health"),
+        ("GET", "/v1/models"),
+        ("GET", "/metrics"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("GET", "/nowhere"),
+    ] {
+        let b = body.to_string();
+        let r = anon
+            .request(method, path, (method == "POST").then_some(b.as_bytes()))
+            .unwrap();
+        assert_eq!(r.status, 401, "{method} {path}: {}", r.text());
+        assert_eq!(r.json()["error"]["code"], "invalid_api_key");
+    }
+    let wrong = anon.clone().with_api_key("s3cre");
+    assert_eq!(wrong.get("/health").unwrap().status, 401);
+    let wrong = anon.clone().with_api_key("s3cret2");
+    assert_eq!(wrong.get("/health").unwrap().status, 401);
+    let right = anon.clone().with_api_key("s3cret");
+    assert_eq!(right.get("/health").unwrap().status, 200);
+    let r = right.post_json("/v1/chat/completions", &body).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+#[test]
+fn sigterm_drains_in_flight_requests_then_exits_zero() {
+    let Some(mut server) = ServerProc::start(&["--tp", "2", "--ctx-size", "256"]) else {
+        return;
+    };
+    let c = server.client.clone();
+    let body = chat_body(
+        "Count from one to twenty.",
+        24,
+        json!({"stream": true, "ignore_eos": true}),
+    );
+    let mut s = c.stream("/v1/chat/completions", &body).unwrap();
+    assert_eq!(s.status, 200);
+    s.next_data().unwrap().expect("the role chunk");
+    s.next_data().unwrap().expect("a text chunk");
+    server.signal("TERM");
+    // The in-flight stream runs to its end.
+    let mut finish = None;
+    let mut done = false;
+    while let Some(data) = s.next_data().unwrap() {
+        if data == "[DONE]" {
+            done = true;
+            break;
+        }
+        let v: serde_json::Value = serde_json::from_str(&data).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+            finish = Some(f.to_string());
+        }
+    }
+    assert!(done, "the stream was cut: {}", server.stderr());
+    assert_eq!(finish.as_deref(), Some("length"));
+    let status = server.wait(Duration::from_secs(30));
+    assert_eq!(status.code(), Some(0), "{}", server.stderr());
+    // Nothing listens any more.
+    assert!(c.get("/health").is_err());
+
+    // SIGINT (Ctrl-C) on an idle server exits 0 too.
+    let Some(mut idle) = ServerProc::start(&["--tp", "2", "--ctx-size", "256"]) else {
+        return;
+    };
+    idle.signal("INT");
+    let status = idle.wait(Duration::from_secs(30));
+    assert_eq!(status.code(), Some(0), "{}", idle.stderr());
+}
+
+/// A KV budget that holds one request at a time: concurrent requests queue and all succeed,
+/// with prompts prefilled 7 tokens per step and still the answer `tp generate` gives; one
+/// that could never fit is refused by name.
+#[test]
+fn requests_beyond_the_kv_budget_queue_and_never_crash() {
+    // SmolLM2 at tp 2: the busiest rank caches 2 KV heads x 64 x 30 layers x K,V x 4 B =
+    // 30 KiB per position, so 3 MiB hold 102 positions.
+    // Prompts also go in chunks of 7 tokens per step (--max-batch-tokens 7).
+    let Some(server) = ServerProc::start(&[
+        "--tp",
+        "2",
+        "--ctx-size",
+        "512",
+        "--max-kv-memory",
+        "3MiB",
+        "--max-batch-tokens",
+        "7",
+    ]) else {
+        return;
+    };
+    let c = &server.client;
+    let body = |i: usize| chat_body(&format!("Say the number {i}."), 30, json!({}));
+    // Prompt (~30 tokens) + 30 > 102 / 2: only one request fits at a time.
+    let alone: Vec<String> = (0..3)
+        .map(|i| {
+            c.post_json("/v1/chat/completions", &body(i))
+                .unwrap()
+                .json()["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    let together: Vec<(u16, String)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|i| {
+                let c = c.clone();
+                s.spawn(move || {
+                    let r = c.post_json("/v1/chat/completions", &body(i)).unwrap();
+                    let text = r.json()["choices"][0]["message"]["content"]
+                        .as_str()
+                        .unwrap_or("")
+                        .to_string();
+                    (r.status, text)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (status, text)) in together.iter().enumerate() {
+        assert_eq!(*status, 200);
+        assert_eq!(text, &alone[i]);
+    }
+    // Chunked prefill gives what `tp generate` gives (one prefill pass, then decode).
+    let model = serve_util::smollm2().unwrap();
+    let generated = std::process::Command::new(serve_util::TP)
+        .arg("generate")
+        .arg("--model")
+        .arg(&model)
+        .args([
+            "--tp",
+            "2",
+            "--ctx-size",
+            "512",
+            "--greedy",
+            "--chat",
+            "--quiet",
+        ])
+        .args(["--max-tokens", "30", "Say the number 0."])
+        .output()
+        .expect("tp generate");
+    assert!(generated.status.success());
+    let reference = String::from_utf8_lossy(&generated.stdout);
+    assert_eq!(reference.strip_suffix('\n').unwrap_or(&reference), alone[0]);
+    let text = server.wait_metrics(Duration::ZERO, |_| true);
+    let budget = metric_value(&text, "tp_kv_budget_positions").unwrap();
+    assert_eq!(budget, 102.0, "{text}");
+    // One request at a time fits: no step ever carried two sequences.
+    let steps = metric_value(&text, "tp_step_rows_count").unwrap();
+    let single = text
+        .lines()
+        .find(|l| l.starts_with(r#"tp_step_rows_bucket{le="1"}"#))
+        .and_then(|l| l.rsplit_once(' '))
+        .and_then(|(_, v)| v.parse::<f64>().ok());
+    assert_eq!(single, Some(steps), "{text}");
+    // More than the whole budget: refused, naming max_tokens.
+    let r = c
+        .post_json("/v1/chat/completions", &chat_body("Hi", 200, json!({})))
+        .unwrap();
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["param"], "max_tokens");
+    let s = read_stream(
+        c,
+        "/v1/chat/completions",
+        &chat_body("Hi", 3, json!({"stream": true})),
+    );
+    assert!(!s.finish_reason.is_empty());
+}

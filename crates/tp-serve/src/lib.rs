@@ -1,0 +1,15 @@
+//! tp-serve: an OpenAI-compatible HTTP server over the tensor-parallel engine. Rank 0 runs
+//! the [`scheduler`] (continuous batching over the step protocol) on its own thread and the
+//! [`server`] (axum) on a tokio runtime thread; they talk through channels.
+
+pub mod api;
+pub mod client;
+pub mod error;
+pub mod metrics;
+pub mod scheduler;
+pub mod server;
+
+pub use error::{ApiError, Result, ServeError};
+pub use metrics::Metrics;
+pub use scheduler::{Control, Event, Job, Load, SchedulerConfig, SchedulerHandle};
+pub use server::{Server, ServerConfig, DEFAULT_MAX_BODY_BYTES};

@@ -1,0 +1,193 @@
+//! Prometheus metrics of the server (`GET /metrics`): requests, tokens, time to first token,
+//! time per output token, queue length, KV cache use and time in collectives per step.
+//!
+//! The recorder is this server's own (not installed as the process-wide `metrics` recorder),
+//! so several servers in one process, as in tests, keep separate figures.
+
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Label, Metadata, Recorder, SharedString};
+use metrics_exporter_prometheus::{
+    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
+};
+
+const META: Metadata<'static> = Metadata::new("tp_serve", metrics::Level::INFO, None);
+
+/// Latency buckets in seconds (1 ms .. 60 s).
+const LATENCY: &[f64] = &[
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
+];
+/// Per-token and per-step buckets in seconds (0.1 ms .. 5 s).
+const FINE: &[f64] = &[
+    0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0,
+];
+/// Rows (sequences) per forward step.
+const ROWS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0];
+
+/// Every metric the server records.
+pub struct Metrics {
+    recorder: PrometheusRecorder,
+    handle: PrometheusHandle,
+    pub prompt_tokens: Counter,
+    pub generation_tokens: Counter,
+    pub time_to_first_token: Histogram,
+    pub time_per_output_token: Histogram,
+    pub request_latency: Histogram,
+    pub queue_time: Histogram,
+    pub waiting: Gauge,
+    pub running: Gauge,
+    pub kv_reserved_positions: Gauge,
+    pub kv_budget_positions: Gauge,
+    pub kv_cache_bytes: Gauge,
+    pub step_seconds: Histogram,
+    pub step_collective_seconds: Histogram,
+    pub step_rows: Histogram,
+    pub cancelled: Counter,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut builder = PrometheusBuilder::new();
+        for (name, buckets) in [
+            ("tp_time_to_first_token_seconds", LATENCY),
+            ("tp_request_latency_seconds", LATENCY),
+            ("tp_queue_time_seconds", LATENCY),
+            ("tp_time_per_output_token_seconds", FINE),
+            ("tp_step_seconds", FINE),
+            ("tp_step_collective_seconds", FINE),
+            ("tp_step_rows", ROWS),
+        ] {
+            builder = builder
+                .set_buckets_for_metric(Matcher::Full(name.into()), buckets)
+                .expect("bucket lists are non-empty constants");
+        }
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        let r = &recorder;
+        let describe = |name: &'static str, help: &'static str| {
+            r.describe_counter(KeyName::from(name), None, SharedString::const_str(help));
+        };
+        describe("tp_requests_total", "HTTP requests by endpoint and status");
+        describe("tp_prompt_tokens_total", "Prompt tokens processed");
+        describe("tp_generation_tokens_total", "Tokens generated");
+        describe(
+            "tp_requests_cancelled_total",
+            "Requests whose client went away before the end",
+        );
+        let h = |name: &'static str, help: &'static str| {
+            r.describe_histogram(KeyName::from(name), None, SharedString::const_str(help));
+            r.register_histogram(&Key::from_static_name(name), &META)
+        };
+        let g = |name: &'static str, help: &'static str| {
+            r.describe_gauge(KeyName::from(name), None, SharedString::const_str(help));
+            r.register_gauge(&Key::from_static_name(name), &META)
+        };
+        let c = |name: &'static str| r.register_counter(&Key::from_static_name(name), &META);
+        Metrics {
+            prompt_tokens: c("tp_prompt_tokens_total"),
+            generation_tokens: c("tp_generation_tokens_total"),
+            cancelled: c("tp_requests_cancelled_total"),
+            time_to_first_token: h(
+                "tp_time_to_first_token_seconds",
+                "From the request's arrival to its first generated token",
+            ),
+            time_per_output_token: h(
+                "tp_time_per_output_token_seconds",
+                "Mean time between generated tokens of a request, after the first",
+            ),
+            request_latency: h(
+                "tp_request_latency_seconds",
+                "From arrival to the last token",
+            ),
+            queue_time: h(
+                "tp_queue_time_seconds",
+                "From arrival to admission (KV cache reserved)",
+            ),
+            waiting: g(
+                "tp_queue_length",
+                "Requests waiting for KV cache room or a sequence slot",
+            ),
+            running: g("tp_running_requests", "Requests being generated"),
+            kv_reserved_positions: g(
+                "tp_kv_reserved_positions",
+                "KV cache positions reserved by admitted requests (per rank)",
+            ),
+            kv_budget_positions: g(
+                "tp_kv_budget_positions",
+                "KV cache positions the server may reserve (per rank)",
+            ),
+            kv_cache_bytes: g(
+                "tp_kv_cache_bytes",
+                "Bytes held by open KV caches on rank 0",
+            ),
+            step_seconds: h(
+                "tp_step_seconds",
+                "Duration of one batched forward step (all ranks, logits gathered)",
+            ),
+            step_collective_seconds: h(
+                "tp_step_collective_seconds",
+                "Time rank 0 spent in collectives (all-reduces, logit gather, waiting for peers) per step",
+            ),
+            step_rows: h(
+                "tp_step_rows",
+                "Sequences (prefill chunks and decode tokens) per forward step",
+            ),
+            recorder,
+            handle,
+        }
+    }
+
+    /// Counts one answered HTTP request.
+    pub fn request(&self, endpoint: &'static str, status: u16) {
+        let key = Key::from_parts(
+            "tp_requests_total",
+            vec![
+                Label::new("endpoint", endpoint),
+                Label::new("status", status.to_string()),
+            ],
+        );
+        self.recorder.register_counter(&key, &META).increment(1);
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        self.handle.run_upkeep();
+        self.handle.render()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_gauges_and_histograms() {
+        let m = Metrics::new();
+        m.request("chat", 200);
+        m.request("chat", 400);
+        m.generation_tokens.increment(5);
+        m.waiting.set(3.0);
+        m.time_to_first_token.record(0.03);
+        let text = m.render();
+        assert!(
+            text.contains(r#"tp_requests_total{endpoint="chat",status="400"} 1"#),
+            "{text}"
+        );
+        assert!(text.contains("tp_generation_tokens_total 5"), "{text}");
+        assert!(text.contains("tp_queue_length 3"), "{text}");
+        assert!(
+            text.contains(r#"tp_time_to_first_token_seconds_bucket{le="0.05"} 1"#),
+            "{text}"
+        );
+    }
+}

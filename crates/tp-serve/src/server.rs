@@ -1,0 +1,816 @@
+//! The HTTP front end (axum on its own tokio runtime thread): routes, API-key check, request
+//! validation and tokenization, server-sent events, and graceful shutdown on SIGINT/SIGTERM.
+//! It talks to the scheduler (on rank 0's thread) only through channels.
+
+use crate::api::{self, Endpoint, GenRequest, Prompt, ResponseMeta, Usage};
+use crate::error::{ApiError, Result, ServeError};
+use crate::metrics::Metrics;
+use crate::scheduler::{Control, Event, Job, SchedulerConfig, SchedulerHandle};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr, TcpListener as StdListener};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::sync::Notify;
+use tp_engine::{FinishReason, SamplingParams};
+use tp_tokenizer::Tokenizer;
+
+/// Settings of the HTTP side.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub host: IpAddr,
+    /// 0: any free port (the bound address is in [`Server::addr`]).
+    pub port: u16,
+    pub api_key: Option<String>,
+    /// The name clients pass as `model` (or omit).
+    pub model_name: String,
+    /// Most positions of one sequence (prompt + generated).
+    pub ctx_size: usize,
+    /// KV positions the scheduler may reserve in all (a request must fit alone).
+    pub kv_budget_positions: usize,
+    /// Token ids must be below this (`prompt` as ids).
+    pub vocab: usize,
+    /// Largest request body accepted; larger ones get 413.
+    pub max_body_bytes: usize,
+    /// Requests waiting for admission beyond which new ones get 429.
+    pub max_queue: usize,
+    /// After SIGINT/SIGTERM, how long in-flight requests may take before they are ended.
+    pub drain_timeout: Duration,
+    /// Longest wait for a request's next token before it is failed (a stuck engine).
+    pub event_timeout: Duration,
+    /// One line per request on stderr.
+    pub log: bool,
+}
+
+/// Largest body by default: 1 MiB, far more than the longest prompt a context holds.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
+
+struct AppState {
+    cfg: ServerConfig,
+    tokenizer: Arc<Tokenizer>,
+    sched: SchedulerHandle,
+    metrics: Arc<Metrics>,
+    next_id: AtomicU64,
+    seeds: AtomicU64,
+    started: u64,
+}
+
+/// A running HTTP server thread.
+#[derive(Debug)]
+pub struct Server {
+    pub addr: SocketAddr,
+    stop: Arc<Notify>,
+    thread: std::thread::JoinHandle<Result<()>>,
+}
+
+impl Server {
+    /// Binds the listener (errors come back here) and serves on a new thread. When the
+    /// server ends (signal or [`Server::stop`], then drained), it sends
+    /// [`Control::Shutdown`] to the scheduler.
+    pub fn start(
+        cfg: ServerConfig,
+        tokenizer: Arc<Tokenizer>,
+        sched: SchedulerHandle,
+        metrics: Arc<Metrics>,
+    ) -> Result<Server> {
+        let addr = SocketAddr::new(cfg.host, cfg.port);
+        let listener = StdListener::bind(addr).map_err(|source| ServeError::Bind {
+            addr: addr.to_string(),
+            source,
+        })?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let stop = Arc::new(Notify::new());
+        let state = Arc::new(AppState {
+            cfg,
+            tokenizer,
+            sched,
+            metrics,
+            next_id: AtomicU64::new(1),
+            seeds: AtomicU64::new(1),
+            started: unix_now(),
+        });
+        let stop2 = Arc::clone(&stop);
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("tp-http-worker")
+            .enable_all()
+            .build()?;
+        let signals = {
+            let _in_runtime = rt.enter();
+            Signals::register()
+        };
+        let thread = std::thread::Builder::new()
+            .name("tp-http".into())
+            .spawn(move || serve_thread(rt, listener, state, signals, stop2))?;
+        Ok(Server { addr, stop, thread })
+    }
+
+    /// Starts a graceful shutdown, as SIGTERM would.
+    pub fn stop(&self) {
+        self.stop.notify_one();
+    }
+
+    /// Waits for the server thread (it ends after draining, bounded by the drain timeout).
+    pub fn join(self) -> Result<()> {
+        self.thread
+            .join()
+            .map_err(|_| ServeError::Server("the HTTP thread panicked".into()))?
+    }
+}
+
+fn serve_thread(
+    rt: tokio::runtime::Runtime,
+    listener: StdListener,
+    state: Arc<AppState>,
+    signals: Signals,
+    stop: Arc<Notify>,
+) -> Result<()> {
+    let control = state.sched.control.clone();
+    let drain = state.cfg.drain_timeout;
+    let log = state.cfg.log;
+    let out = rt.block_on(async move {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let app = router(state);
+        let began = Arc::new(Notify::new());
+        let began2 = Arc::clone(&began);
+        let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
+            let why = signals.wait(&stop).await;
+            if log {
+                eprintln!(
+                    "# tp serve: {why}: no new connections; finishing in-flight requests (at most {:.0} s)",
+                    drain.as_secs_f64()
+                );
+            }
+            began2.notify_one();
+        });
+        let serve = std::future::IntoFuture::into_future(serve);
+        tokio::select! {
+            r = serve => r.map_err(ServeError::Io),
+            _ = async { began.notified().await; tokio::time::sleep(drain).await } => {
+                eprintln!("# tp serve: in-flight requests did not finish within {:.0} s; ending them", drain.as_secs_f64());
+                Ok(())
+            }
+        }
+    });
+    // Whatever is left (nothing after a clean drain) is cancelled by the scheduler.
+    let _ = control.send(Control::Shutdown);
+    rt.shutdown_timeout(Duration::from_secs(2));
+    out
+}
+
+/// SIGINT and SIGTERM, registered before the address is printed so that a signal sent as
+/// soon as the server is up is never lost (or left to kill the process).
+struct Signals {
+    #[cfg(unix)]
+    int: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    term: Option<tokio::signal::unix::Signal>,
+}
+
+impl Signals {
+    /// Must run inside the runtime (`Runtime::enter`).
+    fn register() -> Signals {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Signals {
+                int: signal(SignalKind::interrupt()).ok(),
+                term: signal(SignalKind::terminate()).ok(),
+            }
+        }
+        #[cfg(not(unix))]
+        Signals {}
+    }
+
+    /// Resolves on SIGINT, SIGTERM or [`Server::stop`]; says which.
+    async fn wait(mut self, stop: &Notify) -> &'static str {
+        #[cfg(unix)]
+        {
+            async fn recv(s: &mut Option<tokio::signal::unix::Signal>) {
+                match s {
+                    Some(s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            }
+            let why = tokio::select! {
+                _ = recv(&mut self.int) => "interrupted (SIGINT)",
+                _ = recv(&mut self.term) => "terminated (SIGTERM)",
+                _ = stop.notified() => "stopping",
+            };
+            // A second Ctrl-C ends the process at once.
+            if let Some(mut int) = self.int.take() {
+                tokio::spawn(async move {
+                    int.recv().await;
+                    eprintln!("# tp serve: second interrupt; exiting now");
+                    std::process::exit(130);
+                });
+            }
+            why
+        }
+        #[cfg(not(unix))]
+        {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => "interrupted (Ctrl-C)",
+                _ = stop.notified() => "stopping",
+            }
+        }
+    }
+}
+
+fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
+        .route("/metrics", get(metrics))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
+        .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
+        .with_state(state)
+}
+
+fn error_response(e: &ApiError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut resp = (status, Json(e.body())).into_response();
+    if e.status == 401 {
+        resp.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            header::HeaderValue::from_static("Bearer"),
+        );
+    }
+    resp
+}
+
+/// Endpoint label for metrics.
+fn label(path: &str) -> &'static str {
+    match path {
+        "/v1/chat/completions" => "chat",
+        "/v1/completions" => "completions",
+        "/v1/models" => "models",
+        "/health" => "health",
+        "/metrics" => "metrics",
+        p if p.starts_with("/v1/models/") => "models",
+        _ => "other",
+    }
+}
+
+/// With `--api-key`, every request needs `Authorization: Bearer KEY` (compared in constant time).
+async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &st.cfg.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        let ok = given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes()));
+        if !ok {
+            st.metrics.request(label(req.uri().path()), 401);
+            return error_response(&ApiError::unauthorized());
+        }
+    }
+    next.run(req).await
+}
+
+/// Equal bytes, in a time that depends only on the lengths.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len().max(b.len());
+    let mut diff = (a.len() ^ b.len()) as u64;
+    for i in 0..n {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0);
+        diff |= u64::from(x ^ y);
+    }
+    std::hint::black_box(diff) == 0
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    st.metrics.request("health", 200);
+    Json(json!({"status": "ok"})).into_response()
+}
+
+fn model_card(st: &AppState) -> Value {
+    json!({
+        "id": st.cfg.model_name,
+        "object": "model",
+        "created": st.started,
+        "owned_by": "tensor-parallel",
+        "max_model_len": st.cfg.ctx_size,
+    })
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Response {
+    st.metrics.request("models", 200);
+    Json(json!({"object": "list", "data": [model_card(&st)]})).into_response()
+}
+
+async fn model(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    if id == st.cfg.model_name {
+        st.metrics.request("models", 200);
+        Json(model_card(&st)).into_response()
+    } else {
+        st.metrics.request("models", 404);
+        error_response(&ApiError {
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+            ..ApiError::not_found(format!(
+                "the model '{id}' does not exist on this server; it serves '{}'",
+                st.cfg.model_name
+            ))
+        })
+    }
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    st.metrics.request("metrics", 200);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        st.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn not_found(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    st.metrics.request("other", 404);
+    error_response(&ApiError::not_found(format!(
+        "no route {} {}; this server has POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health and GET /metrics",
+        req.method(),
+        req.uri().path()
+    )))
+}
+
+async fn method_not_allowed(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    st.metrics.request(label(req.uri().path()), 405);
+    error_response(&ApiError {
+        status: 405,
+        code: Some("method_not_allowed"),
+        ..ApiError::not_found(format!(
+            "{} is not allowed on {}",
+            req.method(),
+            req.uri().path()
+        ))
+    })
+}
+
+async fn chat(
+    State(st): State<Arc<AppState>>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(st, Endpoint::Chat, body).await
+}
+
+async fn completions(
+    State(st): State<Arc<AppState>>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(st, Endpoint::Completions, body).await
+}
+
+async fn generate(
+    st: Arc<AppState>,
+    endpoint: Endpoint,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> Response {
+    let arrived = Instant::now();
+    match start_request(&st, endpoint, body, arrived).await {
+        Ok((req, prompt_tokens, rx)) => {
+            st.metrics.request(endpoint.label(), 200);
+            let meta = ResponseMeta {
+                id: response_id(&st, endpoint),
+                created: unix_now(),
+                model: st.cfg.model_name.clone(),
+                endpoint,
+            };
+            if req.stream {
+                stream_response(st, meta, req.include_usage, rx, arrived).into_response()
+            } else {
+                match collect(&st, rx).await {
+                    Ok((text, finish, usage)) => {
+                        log_done(&st, endpoint, &meta.id, finish, usage, arrived);
+                        Json(meta.full(&text, finish.as_str(), usage)).into_response()
+                    }
+                    Err(e) => {
+                        if st.cfg.log {
+                            eprintln!(
+                                "# {} failed after {prompt_tokens} prompt tokens: {}",
+                                meta.id, e.message
+                            );
+                        }
+                        error_response(&e)
+                    }
+                }
+            }
+        }
+        Err(e) => {
+            st.metrics.request(endpoint.label(), e.status);
+            error_response(&e)
+        }
+    }
+}
+
+/// Validates, tokenizes and queues a request: its parsed form, prompt length and events.
+async fn start_request(
+    st: &Arc<AppState>,
+    endpoint: Endpoint,
+    body: std::result::Result<Bytes, BytesRejection>,
+    arrived: Instant,
+) -> std::result::Result<(GenRequest, usize, UnboundedReceiver<Event>), ApiError> {
+    let body = body.map_err(|r| {
+        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large(st.cfg.max_body_bytes)
+        } else {
+            ApiError::bad_body("invalid_body", r.body_text())
+        }
+    })?;
+    let req = api::parse_request(endpoint, &body, &st.cfg.model_name)?;
+    drop(body);
+    let tokenizer = Arc::clone(&st.tokenizer);
+    let prompt = req.prompt.clone();
+    let vocab = st.cfg.vocab;
+    let ids = tokio::task::spawn_blocking(move || prompt_ids(&tokenizer, &prompt, vocab))
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??;
+    let max_tokens = checked_max_tokens(&st.cfg, &req, ids.len())?;
+    if st.sched.load.pending.load(Ordering::Relaxed) >= st.cfg.max_queue {
+        return Err(ApiError::unavailable(
+            429,
+            "queue_full",
+            format!(
+                "{} requests are already waiting; retry later",
+                st.cfg.max_queue
+            ),
+        ));
+    }
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let prompt_tokens = ids.len();
+    let job = Job {
+        prompt: ids,
+        max_tokens,
+        sampling: SamplingParams {
+            temperature: req.temperature,
+            top_k: req.top_k,
+            top_p: req.top_p,
+            seed: req.seed.unwrap_or_else(|| random_seed(st)),
+        },
+        stop: req.stop.clone(),
+        ignore_eos: req.ignore_eos,
+        events: tx,
+        arrived,
+    };
+    st.sched.load.pending.fetch_add(1, Ordering::Relaxed);
+    if st.sched.control.send(Control::Submit(job)).is_err() {
+        st.sched.load.pending.fetch_sub(1, Ordering::Relaxed);
+        return Err(ApiError::unavailable(
+            503,
+            "shutting_down",
+            "the server is shutting down",
+        ));
+    }
+    Ok((req, prompt_tokens, rx))
+}
+
+/// The prompt's token ids: the chat template rendered and encoded, text encoded, or ids checked.
+fn prompt_ids(
+    tokenizer: &Tokenizer,
+    prompt: &Prompt,
+    vocab: usize,
+) -> std::result::Result<Vec<u32>, ApiError> {
+    let (ids, param) = match prompt {
+        Prompt::Chat(messages) => {
+            let text = tokenizer.apply_chat_template(messages, true).map_err(|e| {
+                ApiError::invalid(
+                    "messages",
+                    "invalid_value",
+                    format!("the model's chat template refused these messages: {e}"),
+                )
+            })?;
+            (encode(tokenizer, &text, "messages")?, "messages")
+        }
+        Prompt::Text(text) => (encode(tokenizer, text, "prompt")?, "prompt"),
+        Prompt::Tokens(ids) => {
+            if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+                return Err(ApiError::invalid(
+                    "prompt",
+                    "invalid_value",
+                    format!("token id {bad} is out of range; this model's ids are 0..{vocab}"),
+                ));
+            }
+            (ids.clone(), "prompt")
+        }
+    };
+    if ids.is_empty() {
+        return Err(ApiError::invalid(
+            param,
+            "invalid_value",
+            format!("'{param}' gives no tokens; give some text"),
+        ));
+    }
+    Ok(ids)
+}
+
+fn encode(
+    tokenizer: &Tokenizer,
+    text: &str,
+    param: &str,
+) -> std::result::Result<Vec<u32>, ApiError> {
+    tokenizer.encode(text).map_err(|e| {
+        ApiError::invalid(
+            param,
+            "invalid_value",
+            format!("cannot tokenize '{param}': {e}"),
+        )
+    })
+}
+
+/// `max_tokens` checked against the context and the KV budget (or the default that fits).
+fn checked_max_tokens(
+    cfg: &ServerConfig,
+    req: &GenRequest,
+    prompt: usize,
+) -> std::result::Result<usize, ApiError> {
+    let prompt_param = match req.endpoint {
+        Endpoint::Chat => "messages",
+        Endpoint::Completions => "prompt",
+    };
+    // A sequence holds at most ctx positions and at most the whole KV budget.
+    let room = cfg.ctx_size.min(cfg.kv_budget_positions);
+    if prompt >= room {
+        return Err(ApiError::invalid(
+            prompt_param,
+            "context_length_exceeded",
+            format!(
+                "the prompt has {prompt} tokens but this server's context holds {room} (prompt and completion together); shorten the prompt"
+            ),
+        ));
+    }
+    let left = room - prompt;
+    match req.max_tokens {
+        None => Ok(match req.endpoint {
+            Endpoint::Chat => left,
+            Endpoint::Completions => left.min(16),
+        }),
+        Some(m) if m <= left => Ok(m),
+        Some(m) => Err(ApiError::invalid(
+            req.max_tokens_param,
+            "context_length_exceeded",
+            format!(
+                "{} is {m} but the prompt has {prompt} tokens and this server's context holds {room}; set {} to at most {left}",
+                req.max_tokens_param, req.max_tokens_param
+            ),
+        )),
+    }
+    .inspect(|&m| debug_assert!(SchedulerConfig::reservation(prompt, m) <= room))
+}
+
+/// Waits for the whole answer of a non-streaming request.
+async fn collect(
+    st: &AppState,
+    mut rx: UnboundedReceiver<Event>,
+) -> std::result::Result<(String, FinishReason, Usage), ApiError> {
+    let mut text = String::new();
+    loop {
+        match next_event(st, &mut rx).await? {
+            Event::Text(t) => text.push_str(&t),
+            Event::Done { finish, usage, .. } => return Ok((text, finish, usage)),
+            Event::Failed {
+                message,
+                shutting_down,
+            } => return Err(failure(message, shutting_down)),
+        }
+    }
+}
+
+fn failure(msg: String, shutting_down: bool) -> ApiError {
+    if shutting_down {
+        ApiError::unavailable(503, "shutting_down", msg)
+    } else {
+        ApiError::internal(msg)
+    }
+}
+
+/// The next event, bounded by the event deadline.
+async fn next_event(
+    st: &AppState,
+    rx: &mut UnboundedReceiver<Event>,
+) -> std::result::Result<Event, ApiError> {
+    match tokio::time::timeout(st.cfg.event_timeout, rx.recv()).await {
+        Ok(Some(e)) => Ok(e),
+        Ok(None) => Err(ApiError::internal(
+            "the scheduler stopped before the request finished",
+        )),
+        Err(_) => Err(ApiError::internal(format!(
+            "no progress on this request for {:.0} s; the server is overloaded or stuck",
+            st.cfg.event_timeout.as_secs_f64()
+        ))),
+    }
+}
+
+/// What the SSE stream does next.
+enum Phase {
+    Start,
+    Body,
+    /// The finish chunk went out; the usage chunk (if asked) and `[DONE]` follow.
+    Usage(Usage),
+    Done,
+    End,
+}
+
+struct StreamState {
+    st: Arc<AppState>,
+    meta: ResponseMeta,
+    include_usage: bool,
+    rx: UnboundedReceiver<Event>,
+    phase: Phase,
+    arrived: Instant,
+}
+
+/// Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. Dropping the
+/// stream (the client went away) drops the receiver, which the scheduler sees at its next step.
+fn stream_response(
+    st: Arc<AppState>,
+    meta: ResponseMeta,
+    include_usage: bool,
+    rx: UnboundedReceiver<Event>,
+    arrived: Instant,
+) -> Sse<impl futures_util::Stream<Item = std::result::Result<SseEvent, Infallible>>> {
+    let state = StreamState {
+        st,
+        meta,
+        include_usage,
+        rx,
+        phase: Phase::Start,
+        arrived,
+    };
+    let stream = futures_util::stream::unfold(state, |mut s| async move {
+        let data = match std::mem::replace(&mut s.phase, Phase::Body) {
+            Phase::Start => match s.meta.endpoint {
+                Endpoint::Chat => s.meta.chunk(true, Some(""), None).to_string(),
+                Endpoint::Completions => return next_body(s).await,
+            },
+            Phase::Body => return next_body(s).await,
+            Phase::Usage(usage) => {
+                s.phase = Phase::Done;
+                if s.include_usage {
+                    s.meta.usage_chunk(usage).to_string()
+                } else {
+                    s.phase = Phase::End;
+                    "[DONE]".to_string()
+                }
+            }
+            Phase::Done => {
+                s.phase = Phase::End;
+                "[DONE]".to_string()
+            }
+            Phase::End => return None,
+        };
+        Some((Ok(SseEvent::default().data(data)), s))
+    });
+    Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+}
+
+async fn next_body(
+    mut s: StreamState,
+) -> Option<(std::result::Result<SseEvent, Infallible>, StreamState)> {
+    let data = match next_event(&s.st, &mut s.rx).await {
+        Ok(Event::Text(t)) => {
+            s.phase = Phase::Body;
+            s.meta.chunk(false, Some(&t), None).to_string()
+        }
+        Ok(Event::Done { finish, usage, .. }) => {
+            log_done(&s.st, s.meta.endpoint, &s.meta.id, finish, usage, s.arrived);
+            s.phase = Phase::Usage(usage);
+            s.meta.chunk(false, None, Some(finish.as_str())).to_string()
+        }
+        Ok(Event::Failed {
+            message,
+            shutting_down,
+        }) => {
+            s.phase = Phase::Done;
+            failure(message, shutting_down).body().to_string()
+        }
+        Err(e) => {
+            s.phase = Phase::Done;
+            e.body().to_string()
+        }
+    };
+    Some((Ok(SseEvent::default().data(data)), s))
+}
+
+fn log_done(
+    st: &AppState,
+    endpoint: Endpoint,
+    id: &str,
+    finish: FinishReason,
+    usage: Usage,
+    arrived: Instant,
+) {
+    if st.cfg.log {
+        eprintln!(
+            "# {id} {}: {} prompt + {} generated tokens in {:.3} s, finish {}",
+            endpoint.label(),
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            arrived.elapsed().as_secs_f64(),
+            finish.as_str()
+        );
+    }
+}
+
+fn response_id(st: &AppState, endpoint: Endpoint) -> String {
+    let n = st.next_id.fetch_add(1, Ordering::Relaxed);
+    let prefix = match endpoint {
+        Endpoint::Chat => "chatcmpl",
+        Endpoint::Completions => "cmpl",
+    };
+    format!("{prefix}-{:x}{n:06x}", st.started)
+}
+
+/// A seed for requests that give none: differs per request and per server start.
+fn random_seed(st: &AppState) -> u64 {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    nanos ^ st.seeds.fetch_add(1, Ordering::Relaxed).rotate_left(32)
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constant_time_eq_compares_whole_keys() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+        assert!(!constant_time_eq(b"", b"x"));
+        assert!(constant_time_eq(b"", b""));
+    }
+
+    fn cfg() -> ServerConfig {
+        ServerConfig {
+            host: IpAddr::from([127, 0, 0, 1]),
+            port: 0,
+            api_key: None,
+            model_name: "m".into(),
+            ctx_size: 100,
+            kv_budget_positions: 1000,
+            vocab: 10,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_queue: 8,
+            drain_timeout: Duration::from_secs(1),
+            event_timeout: Duration::from_secs(1),
+            log: false,
+        }
+    }
+
+    #[test]
+    fn max_tokens_is_checked_against_the_context() {
+        let mut req = api::parse_request(
+            Endpoint::Completions,
+            br#"{"prompt":"x","max_tokens":60}"#,
+            "m",
+        )
+        .unwrap();
+        assert_eq!(checked_max_tokens(&cfg(), &req, 40), Ok(60));
+        let e = checked_max_tokens(&cfg(), &req, 41).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        assert!(e.message.contains("at most 59"), "{}", e.message);
+        let e = checked_max_tokens(&cfg(), &req, 100).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("prompt"));
+        req.max_tokens = None;
+        assert_eq!(checked_max_tokens(&cfg(), &req, 90), Ok(10));
+        assert_eq!(checked_max_tokens(&cfg(), &req, 10), Ok(16));
+        let small = ServerConfig {
+            kv_budget_positions: 50,
+            ..cfg()
+        };
+        req.endpoint = Endpoint::Chat;
+        assert_eq!(checked_max_tokens(&small, &req, 10), Ok(40));
+    }
+}
