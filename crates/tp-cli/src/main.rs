@@ -2,8 +2,8 @@
 
 mod bench_collectives;
 mod bench_decode;
-mod bench_train;
 mod bench_serve;
+mod bench_train;
 mod chat;
 mod fetch;
 mod generate;
@@ -12,8 +12,8 @@ mod launch;
 mod model_run;
 mod perplexity;
 mod selftest;
-mod train;
 mod serve;
+mod train;
 mod units;
 
 use clap::{Parser, Subcommand};

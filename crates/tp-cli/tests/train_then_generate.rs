@@ -28,7 +28,7 @@ fn trained_checkpoint_generates_identically_at_every_tp() {
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter_map(|v| v.get("loss")?.as_f64())
-        .last()
+        .next_back()
         .expect("no loss lines");
     let ckpt = dir.join("step-00000030");
     let ckpt = ckpt.to_string_lossy();
