@@ -5,7 +5,8 @@ use crate::PlanError;
 use serde::Serialize;
 
 /// GPUs are one tensor-parallel rank per device; a CPU machine runs its
-/// tensor-parallel ranks as threads that share its cores, memory and bandwidth.
+/// tensor-parallel ranks as threads on its cores, sharing its memory and its
+/// machine-wide bandwidth (see [`AcceleratorSpec::rank_memory_bandwidth`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AcceleratorKind {
@@ -21,8 +22,14 @@ pub struct AcceleratorSpec {
     /// Peak dense bf16 FLOP/s (f32 GEMM FLOP/s for CPU machines).
     pub peak_flops: f64,
     pub memory_bytes: f64,
-    /// Main-memory (HBM/DRAM) read bandwidth, bytes/s.
+    /// Main-memory (HBM/DRAM) read bandwidth, bytes/s: of the device, or of the
+    /// whole CPU machine with all its cores streaming.
     pub memory_bandwidth: f64,
+    /// CPU machines: read bandwidth one core draws on its own, bytes/s (one core
+    /// cannot saturate memory). `None` means `memory_bandwidth / cores`, each
+    /// core's share of the machine; GPUs leave it `None` and ignore it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_bandwidth_per_core: Option<f64>,
     /// Fraction of peak a large GEMM reaches (calibrated, see docs/planner.md).
     pub gemm_efficiency: f64,
     /// Default intra-node (NVLink / shared memory) bandwidth per device, bytes/s.
@@ -50,6 +57,7 @@ fn gpu(
         peak_flops: tflops * TFLOPS,
         memory_bytes: mem_gib * GIB,
         memory_bandwidth: hbm_gbs * GB,
+        memory_bandwidth_per_core: None,
         gemm_efficiency: 0.70,
         default_intra_node_bandwidth: intra_gbs * GB,
         default_inter_node_bandwidth: inter_gbs * GB,
@@ -70,18 +78,64 @@ fn accelerator_presets() -> Vec<AcceleratorSpec> {
         // MI300X: 7 Infinity Fabric links x 64 GB/s, 400 Gb/s NIC.
         gpu("mi300x", 1307.0, 192.0, 5300.0, 448.0, 50.0),
         // The 2-core development box: measured ~160 GFLOP/s f32 GEMM, 24 GiB,
-        // ~25 GB/s read bandwidth, 10 GbE between machines.
+        // 10 GbE between machines. One core cannot saturate its memory: read
+        // streaming measured ~25 GB/s with 1 core and ~50 GB/s with 2 (STREAM
+        // triad ~20 and ~34 GB/s), so each rank thread gets 25 GB/s at tp 1 and
+        // tp 2 (the engine's batch-1 SmolLM2 decode at tp 2 is 1.67x tp 1).
         AcceleratorSpec {
             name: "cpu-2core".to_string(),
             kind: AcceleratorKind::CpuMachine { cores: 2 },
             peak_flops: 160e9,
             memory_bytes: 24.0 * GIB,
-            memory_bandwidth: 25.0 * GB,
+            memory_bandwidth: 50.0 * GB,
+            memory_bandwidth_per_core: Some(25.0 * GB),
             gemm_efficiency: 1.0,
             default_intra_node_bandwidth: 25.0 * GB,
             default_inter_node_bandwidth: 1.25 * GB,
         },
     ]
+}
+
+impl AcceleratorSpec {
+    /// Compute one tensor rank gets, FLOP/s: a GPU's calibrated peak, or on a
+    /// CPU machine one core's share (fewer when `tp` threads outnumber the cores).
+    pub fn rank_flops(&self, tp: u64) -> f64 {
+        let flops = self.peak_flops * self.gemm_efficiency;
+        match self.kind {
+            AcceleratorKind::Gpu => flops,
+            AcceleratorKind::CpuMachine { cores } => flops / cores.max(tp).max(1) as f64,
+        }
+    }
+
+    /// Read bandwidth of one core of a CPU machine (`None` for a GPU).
+    pub fn per_core_memory_bandwidth(&self) -> Option<f64> {
+        match self.kind {
+            AcceleratorKind::Gpu => None,
+            AcceleratorKind::CpuMachine { cores } => Some(
+                self.memory_bandwidth_per_core
+                    .unwrap_or(self.memory_bandwidth / cores.max(1) as f64),
+            ),
+        }
+    }
+
+    /// Memory bandwidth each of `tp` concurrently streaming tensor ranks gets,
+    /// bytes/s. A GPU rank owns its device's HBM. On a CPU machine the `tp`
+    /// threads run on `min(tp, cores)` cores, which together draw
+    /// `min(cores used × per-core, machine)`, split evenly: for `tp ≤ cores`
+    /// each thread gets `min(per-core, machine / tp)`.
+    pub fn rank_memory_bandwidth(&self, tp: u64) -> f64 {
+        match self.kind {
+            AcceleratorKind::Gpu => self.memory_bandwidth,
+            AcceleratorKind::CpuMachine { cores } => {
+                let tp = tp.max(1);
+                let per_core = self
+                    .per_core_memory_bandwidth()
+                    .unwrap_or(self.memory_bandwidth);
+                let drawn = (per_core * tp.min(cores.max(1)) as f64).min(self.memory_bandwidth);
+                drawn / tp as f64
+            }
+        }
+    }
 }
 
 pub fn accelerator_preset_names() -> String {
@@ -182,6 +236,25 @@ impl ClusterSpec {
                 "bandwidths, FLOP/s, memory and efficiencies must be positive".to_string(),
             ));
         }
+        if let Some(per_core) = self.accelerator.memory_bandwidth_per_core {
+            if !self.is_cpu() {
+                return Err(PlanError::InvalidCluster(
+                    "a per-core memory bandwidth is only meaningful for a CPU machine".to_string(),
+                ));
+            }
+            if !(per_core.is_finite() && per_core > 0.0) {
+                return Err(PlanError::InvalidCluster(
+                    "the per-core memory bandwidth must be positive".to_string(),
+                ));
+            }
+            if per_core > self.accelerator.memory_bandwidth {
+                return Err(PlanError::InvalidCluster(format!(
+                    "per-core memory bandwidth {:.1} GB/s exceeds the machine's {:.1} GB/s",
+                    per_core / 1e9,
+                    self.accelerator.memory_bandwidth / 1e9
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -234,6 +307,53 @@ mod tests {
     fn unknown_accelerator_lists_names() {
         let e = accelerator_preset("tpu-v9").unwrap_err().to_string();
         assert!(e.contains("tpu-v9") && e.contains("h100") && e.contains("cpu-2core"));
+    }
+
+    #[test]
+    fn cpu_rank_bandwidth_is_per_core_up_to_the_machine() {
+        let cpu = accelerator_preset("cpu-2core").unwrap();
+        assert_eq!(cpu.memory_bandwidth, 50e9);
+        assert_eq!(cpu.per_core_memory_bandwidth(), Some(25e9));
+        // tp 1: one core, 25 GB/s; tp 2: both cores, 25 GB/s each = the machine's 50.
+        assert_eq!(cpu.rank_memory_bandwidth(1), 25e9);
+        assert_eq!(cpu.rank_memory_bandwidth(2), 25e9);
+        // Threads beyond the cores share them: the machine total over 4 threads.
+        assert_eq!(cpu.rank_memory_bandwidth(4), 12.5e9);
+        assert_eq!(cpu.rank_flops(2), 80e9);
+        assert_eq!(cpu.rank_flops(4), 40e9);
+
+        // 8 cores of 10 GB/s each on a 40 GB/s machine: saturated from tp 4 on.
+        let mut big = cpu.clone();
+        big.kind = AcceleratorKind::CpuMachine { cores: 8 };
+        big.memory_bandwidth = 40e9;
+        big.memory_bandwidth_per_core = Some(10e9);
+        assert_eq!(big.rank_memory_bandwidth(2), 10e9);
+        assert_eq!(big.rank_memory_bandwidth(4), 10e9);
+        assert_eq!(big.rank_memory_bandwidth(8), 5e9);
+        // Without a per-core figure each core gets its share of the machine.
+        big.memory_bandwidth_per_core = None;
+        assert_eq!(big.per_core_memory_bandwidth(), Some(5e9));
+        assert_eq!(big.rank_memory_bandwidth(1), 5e9);
+
+        // GPUs own their HBM at any tp and have no per-core figure.
+        let gpu = accelerator_preset("h100").unwrap();
+        assert_eq!(gpu.rank_memory_bandwidth(8), 3350e9);
+        assert_eq!(gpu.per_core_memory_bandwidth(), None);
+    }
+
+    #[test]
+    fn per_core_bandwidth_is_validated() {
+        let mut cpu = accelerator_preset("cpu-2core").unwrap();
+        cpu.memory_bandwidth_per_core = Some(60e9);
+        assert!(matches!(
+            ClusterSpec::new(cpu.clone(), 1, 1),
+            Err(PlanError::InvalidCluster(_))
+        ));
+        cpu.memory_bandwidth_per_core = Some(0.0);
+        assert!(ClusterSpec::new(cpu, 1, 1).is_err());
+        let mut gpu = accelerator_preset("h100").unwrap();
+        gpu.memory_bandwidth_per_core = Some(1e9);
+        assert!(ClusterSpec::new(gpu, 8, 8).is_err());
     }
 
     #[test]

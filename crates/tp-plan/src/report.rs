@@ -1,7 +1,7 @@
 //! Renders plans as aligned text tables or as JSON (top layouts, rejection
 //! counts by reason and a sample of rejections).
 
-use crate::hardware::ClusterSpec;
+use crate::hardware::{AcceleratorKind, ClusterSpec};
 use crate::model::ModelSpec;
 use crate::search::{Rejection, ServingPlan, TrainingPlan};
 use crate::serving_model::{DecodeBound, ServingEstimate};
@@ -89,15 +89,23 @@ fn header(out: &mut String, model: &ModelSpec, cluster: &ClusterSpec) {
             String::new()
         }
     );
+    let a = &cluster.accelerator;
+    let memory = match (a.kind, a.per_core_memory_bandwidth()) {
+        (AcceleratorKind::CpuMachine { cores }, Some(per_core)) => format!(
+            "{cores} cores, memory {:.0} GB/s per core, {:.0} GB/s machine",
+            per_core / 1e9,
+            a.memory_bandwidth / 1e9
+        ),
+        _ => format!("{:.0} GB/s memory", a.memory_bandwidth / 1e9),
+    };
     let _ = writeln!(
         out,
-        "cluster {} x {} ({} per node): {:.1} TFLOP/s, {:.1} GiB, {:.0} GB/s memory; links {:.0} GB/s intra, {:.2} GB/s inter",
+        "cluster {} x {} ({} per node): {:.1} TFLOP/s, {:.1} GiB, {memory}; links {:.0} GB/s intra, {:.2} GB/s inter",
         cluster.num_devices,
-        cluster.accelerator.name,
+        a.name,
         cluster.devices_per_node,
-        cluster.accelerator.peak_flops / 1e12,
-        cluster.accelerator.memory_bytes / GIB,
-        cluster.accelerator.memory_bandwidth / 1e9,
+        a.peak_flops / 1e12,
+        a.memory_bytes / GIB,
         cluster.intra_node_bandwidth / 1e9,
         cluster.inter_node_bandwidth / 1e9,
     );
@@ -290,7 +298,10 @@ pub fn serving_text(plan: &ServingPlan, limits: ReportLimits) -> String {
     match plan.ranked.first() {
         None => out.push_str("  no layout fits and meets the target; see the rejections below\n"),
         Some(best) if plan.cluster.is_cpu() => {
-            let bytes_per_token = best.memory_read_s * plan.cluster.accelerator.memory_bandwidth;
+            // The tp threads together draw tp x their rank bandwidth.
+            let tp = best.config.tp;
+            let bandwidth = tp as f64 * plan.cluster.accelerator.rank_memory_bandwidth(tp);
+            let bytes_per_token = best.memory_read_s * bandwidth;
             let _ = writeln!(
                 out,
                 "\nrecommendation for this machine: tp={} (threads), memory budget {:.2} GiB of {:.1} GiB; decode is {}-bound: {:.1} tokens/s (bandwidth bound {:.1} tokens/s = {:.0} GB/s / {:.1} MB per step of {} sequence(s))",
@@ -302,8 +313,8 @@ pub fn serving_text(plan: &ServingPlan, limits: ReportLimits) -> String {
                     DecodeBound::Compute => "compute",
                 },
                 best.tokens_per_s,
-                best.sequences_per_replica as f64 * plan.cluster.accelerator.memory_bandwidth / bytes_per_token,
-                plan.cluster.accelerator.memory_bandwidth / 1e9,
+                best.sequences_per_replica as f64 * bandwidth / bytes_per_token,
+                bandwidth / 1e9,
                 bytes_per_token / 1e6,
                 best.sequences_per_replica,
             );

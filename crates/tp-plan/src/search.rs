@@ -486,7 +486,8 @@ mod tests {
         };
         let plan = plan_serving(&m, &c, &w).unwrap();
         let best = &plan.ranked[0];
-        assert!(best.config.tp <= 2);
+        // Each core streams 25 GB/s of the machine's 50: two threads decode faster.
+        assert_eq!(best.config.tp, 2);
         assert!(best.memory_budget_bytes < 24.0 * GIB);
         assert_eq!(plan.rejected.by_kind.get("tp_exceeds_cores"), Some(&1));
     }

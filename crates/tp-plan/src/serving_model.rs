@@ -5,7 +5,7 @@
 //! §3); pipeline stages run one after another for a given token.
 
 use crate::collectives::{ring_all_reduce_s, send_s, Link};
-use crate::hardware::{AcceleratorKind, ClusterSpec};
+use crate::hardware::ClusterSpec;
 use crate::model::ModelSpec;
 use crate::sharding::{stage_layer_counts, TensorShard};
 use crate::state_memory::{kv_cache_bytes, stage_rank_params, MemoryBreakdown};
@@ -69,13 +69,10 @@ pub fn estimate_serving(
     let shard = TensorShard::new(model, config.tp);
     let acc = &cluster.accelerator;
     let tp = config.tp as f64;
-    let (rank_flops, rank_bw) = match acc.kind {
-        AcceleratorKind::Gpu => (acc.peak_flops * acc.gemm_efficiency, acc.memory_bandwidth),
-        AcceleratorKind::CpuMachine { cores } => (
-            acc.peak_flops * acc.gemm_efficiency / cores as f64,
-            acc.memory_bandwidth / tp,
-        ),
-    };
+    // GPU ranks own a device; CPU rank threads get a core each and
+    // min(per-core, machine / tp) of the memory bandwidth.
+    let rank_flops = acc.rank_flops(config.tp);
+    let rank_bw = acc.rank_memory_bandwidth(config.tp);
     let seqs = workload.concurrency.div_ceil(config.dp).max(1);
     let w_bytes = workload.weight_precision.bytes();
     let kv_bytes = workload.kv_precision.bytes();
@@ -255,37 +252,56 @@ mod tests {
         assert!((e.time_per_output_token_s / expected - 1.0).abs() < 0.05);
     }
 
+    fn tp1_and_tp2(c: &ClusterSpec, w: &ServingWorkload) -> (ServingEstimate, ServingEstimate) {
+        let m = model_preset("smollm2-135m").unwrap();
+        let at = |tp| estimate_serving(&m, c, w, &ServingConfig { tp, pp: 1, dp: 1 });
+        (at(1), at(2))
+    }
+
     #[test]
-    fn cpu_threads_share_bandwidth_so_tp_does_not_speed_up_memory_bound_decode() {
-        // SmolLM2-135M f32: 538 MB weights / 25 GB/s ≈ 21.5 ms per token at any tp.
+    fn cpu_rank_threads_each_stream_at_per_core_bandwidth_so_tp2_nearly_halves_decode() {
+        // cpu-2core: 25 GB/s per core, 50 GB/s for the machine, so each rank thread
+        // streams its shard at 25 GB/s at tp 1 and at tp 2. SmolLM2-135M f32 at tp 1:
+        // 538 MB of weights + 47 MB of KV (1024 tokens) / 25 GB/s ≈ 23.4 ms per token.
         let m = model_preset("smollm2-135m").unwrap();
         let c = ClusterSpec::new(accelerator_preset("cpu-2core").unwrap(), 1, 1).unwrap();
-        let w = serve(1, Precision::Fp32);
-        let t1 = estimate_serving(
-            &m,
-            &c,
-            &w,
-            &ServingConfig {
-                tp: 1,
-                pp: 1,
-                dp: 1,
-            },
-        );
-        let t2 = estimate_serving(
-            &m,
-            &c,
-            &w,
-            &ServingConfig {
-                tp: 2,
-                pp: 1,
-                dp: 1,
-            },
-        );
+        let (t1, t2) = tp1_and_tp2(&c, &serve(1, Precision::Fp32));
+        for e in [&t1, &t2] {
+            assert_eq!(e.bound, DecodeBound::MemoryBandwidth);
+            let rank_bytes = e.memory.weights + e.memory.kv_cache;
+            assert!((e.memory_read_s * 25e9 / rank_bytes - 1.0).abs() < 1e-12);
+        }
         let floor = 4.0 * m.total_params() as f64 / 25e9;
         assert!(t1.time_per_output_token_s >= floor);
-        assert!(t2.memory_read_s >= t1.memory_read_s * 0.99);
-        // tp=2 replicates one kv head (4 held of 3): the machine budget grows.
+        // The largest tp-2 shard is a bit over half of the model: 5 of 9 query heads,
+        // 2 of 3 kv heads (one replicated: 4 held of 3), half the MLP and vocabulary.
+        let share =
+            (t2.memory.weights + t2.memory.kv_cache) / (t1.memory.weights + t1.memory.kv_cache);
+        assert!(share > 0.5 && share < 0.55, "{share}");
+        assert!((t2.memory_read_s / t1.memory_read_s - share).abs() < 1e-12);
+        // So tp 2 is nearly 2x faster: short of it by the larger shard and the
+        // 2 all-reduces per layer.
+        assert!(t2.tensor_parallel_comm_s > 0.0);
+        let speedup = t1.time_per_output_token_s / t2.time_per_output_token_s;
+        assert!(speedup > 1.75 && speedup < 1.0 / share, "{speedup}");
+        assert!(t2.tokens_per_s > t1.tokens_per_s);
+        // tp=2 replicates one kv head: the machine's memory budget grows.
         assert!(t2.memory_budget_bytes > t1.memory_budget_bytes);
+    }
+
+    #[test]
+    fn cpu_whose_one_core_saturates_memory_gains_nothing_from_tp() {
+        // Hypothetical: one core already draws the machine's 25 GB/s, so 2 threads
+        // get 12.5 GB/s each and tp 2 streams the same bytes (plus the replicated
+        // kv head) no faster, then pays for its all-reduces.
+        let mut a = accelerator_preset("cpu-2core").unwrap();
+        a.memory_bandwidth = 25e9;
+        a.memory_bandwidth_per_core = Some(25e9);
+        let c = ClusterSpec::new(a, 1, 1).unwrap();
+        let (t1, t2) = tp1_and_tp2(&c, &serve(1, Precision::Fp32));
+        assert_eq!(t2.bound, DecodeBound::MemoryBandwidth);
+        assert!(t2.memory_read_s >= t1.memory_read_s);
+        assert!(t2.time_per_output_token_s > t1.time_per_output_token_s);
     }
 
     #[test]

@@ -7,7 +7,7 @@
 use crate::activation_memory::{layer_activation_bytes, ActivationShape};
 use crate::collectives::{all_to_all_s, ring_all_reduce_s, send_s, Link};
 use crate::flops::{attention_score_forward_flops, training_flops_per_iteration};
-use crate::hardware::{AcceleratorKind, ClusterSpec};
+use crate::hardware::ClusterSpec;
 use crate::model::ModelSpec;
 use crate::sharding::{stage_layer_counts, ParallelConfig, TensorShard};
 use crate::state_memory::{stage_rank_params, MemoryBreakdown, RankParams};
@@ -62,7 +62,7 @@ pub struct TrainingEstimate {
 }
 
 /// Per-rank compute resources: GPUs own a device each; CPU tensor ranks are
-/// threads that split the machine's cores and bandwidth.
+/// threads with a core each and min(per-core, machine / tp) of the bandwidth.
 struct RankResources {
     flops: f64,
     memory_bandwidth: f64,
@@ -70,15 +70,9 @@ struct RankResources {
 
 fn rank_resources(cluster: &ClusterSpec, tp: u64) -> RankResources {
     let a = &cluster.accelerator;
-    match a.kind {
-        AcceleratorKind::Gpu => RankResources {
-            flops: a.peak_flops * a.gemm_efficiency,
-            memory_bandwidth: a.memory_bandwidth,
-        },
-        AcceleratorKind::CpuMachine { cores } => RankResources {
-            flops: a.peak_flops * a.gemm_efficiency / cores as f64,
-            memory_bandwidth: a.memory_bandwidth / tp as f64,
-        },
+    RankResources {
+        flops: a.rank_flops(tp),
+        memory_bandwidth: a.rank_memory_bandwidth(tp),
     }
 }
 
