@@ -298,13 +298,13 @@ pub fn serving_text(plan: &ServingPlan, limits: ReportLimits) -> String {
     match plan.ranked.first() {
         None => out.push_str("  no layout fits and meets the target; see the rejections below\n"),
         Some(best) if plan.cluster.is_cpu() => {
-            // The tp threads together draw tp x their rank bandwidth.
+            // The busiest thread's reads bound the step; each thread reads at its rank bandwidth.
             let tp = best.config.tp;
-            let bandwidth = tp as f64 * plan.cluster.accelerator.rank_memory_bandwidth(tp);
-            let bytes_per_token = best.memory_read_s * bandwidth;
+            let rank_bandwidth = plan.cluster.accelerator.rank_memory_bandwidth(tp);
+            let busiest_rank_bytes = best.memory_read_s * rank_bandwidth;
             let _ = writeln!(
                 out,
-                "\nrecommendation for this machine: tp={} (threads), memory budget {:.2} GiB of {:.1} GiB; decode is {}-bound: {:.1} tokens/s (bandwidth bound {:.1} tokens/s = {:.0} GB/s / {:.1} MB per step of {} sequence(s))",
+                "\nrecommendation for this machine: tp={} (threads), memory budget {:.2} GiB of {:.1} GiB; decode is {}-bound: {:.1} tokens/s (bandwidth bound {:.1} tokens/s: the busiest of {} thread(s) reads {:.1} MB per step of {} sequence(s) at {:.0} GB/s)",
                 best.config.tp,
                 best.memory_budget_bytes / GIB,
                 plan.cluster.accelerator.memory_bytes / GIB,
@@ -313,10 +313,11 @@ pub fn serving_text(plan: &ServingPlan, limits: ReportLimits) -> String {
                     DecodeBound::Compute => "compute",
                 },
                 best.tokens_per_s,
-                best.sequences_per_replica as f64 * bandwidth / bytes_per_token,
-                bandwidth / 1e9,
-                bytes_per_token / 1e6,
+                best.sequences_per_replica as f64 * rank_bandwidth / busiest_rank_bytes,
+                tp,
+                busiest_rank_bytes / 1e6,
                 best.sequences_per_replica,
+                rank_bandwidth / 1e9,
             );
         }
         Some(_) => {}
