@@ -10,8 +10,8 @@ mod common;
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
-use tp_comm::local::{self, LocalOptions};
-use tp_models::{Chunk, GgufCheckpoint, LoadOptions, Profile, ShardedModel};
+use common::{argmax, spread};
+use tp_models::{GgufCheckpoint, LoadOptions};
 
 /// Arbitrary token ids spread over the vocabulary (ids, not text: no tokenizer involved here).
 const PROMPT: [u32; 12] = [
@@ -63,64 +63,14 @@ fn oracle_logits(path: &std::path::Path, tokens: &[u32]) -> Vec<Vec<f32>> {
     out
 }
 
+/// The sharded model's logits, every weight dequantized to f32 like the oracle's.
 fn ours(path: &std::path::Path, tokens: &[u32], tp: usize) -> Vec<Vec<f32>> {
     let ckpt = GgufCheckpoint::open(path).unwrap();
     let opts = LoadOptions {
         keep_quantized: false,
         ..LoadOptions::default()
     };
-    let results = local::run(tp, LocalOptions::default(), |g| {
-        let model = ShardedModel::load(&ckpt, g.rank(), tp, opts, 64).unwrap();
-        let mut prof = Profile::default();
-        let mut out = Vec::new();
-        // Whole prompt in one pass: the last row.
-        let mut cache = model.new_cache(64);
-        let local = model
-            .forward(
-                &mut [Chunk {
-                    tokens,
-                    cache: &mut cache,
-                    all_logits: false,
-                }],
-                &g,
-                &mut prof,
-            )
-            .unwrap();
-        out.push(model.gather_logits(&local, 1, &g, &mut prof).unwrap());
-        // Token by token through a fresh cache.
-        let mut cache = model.new_cache(64);
-        for t in tokens {
-            let local = model
-                .forward(
-                    &mut [Chunk {
-                        tokens: std::slice::from_ref(t),
-                        cache: &mut cache,
-                        all_logits: false,
-                    }],
-                    &g,
-                    &mut prof,
-                )
-                .unwrap();
-            out.push(model.gather_logits(&local, 1, &g, &mut prof).unwrap());
-        }
-        out
-    })
-    .unwrap();
-    results.into_iter().next().unwrap().unwrap()
-}
-
-fn spread(v: &[f32]) -> f32 {
-    let max = v.iter().copied().fold(f32::MIN, f32::max);
-    let min = v.iter().copied().fold(f32::MAX, f32::min);
-    max - min
-}
-
-fn argmax(v: &[f32]) -> usize {
-    v.iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .map(|(i, _)| i)
-        .unwrap()
+    common::sharded_logits(&ckpt, tokens, tp, opts)
 }
 
 #[test]
