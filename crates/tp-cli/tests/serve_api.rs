@@ -216,3 +216,223 @@ fn batched_steps(server: &ServerProc) -> f64 {
         .unwrap_or(0.0);
     count - single
 }
+
+/// Concatenated `bytes` of chat logprob entries.
+fn entry_bytes(entries: &[serde_json::Value]) -> Vec<u8> {
+    entries
+        .iter()
+        .flat_map(|e| {
+            e["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8)
+                .collect::<Vec<u8>>()
+        })
+        .collect()
+}
+
+/// Log-probabilities (chat and completions, streamed and not, with a stop sequence) and the
+/// presence/frequency penalties.
+#[test]
+fn logprobs_and_penalties() {
+    let Some(server) = ServerProc::start(&["--tp", "2", "--ctx-size", "512"]) else {
+        return;
+    };
+    let c = &server.client;
+
+    // Greedy chat with 3 alternatives per token.
+    let body = chat_body(
+        "What is the capital of France?",
+        12,
+        json!({"logprobs": true, "top_logprobs": 3}),
+    );
+    let r = c.post_json("/v1/chat/completions", &body).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    let entries = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(
+        entries.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().unwrap(),
+        "{v}"
+    );
+    // The tokens make up the text exactly (no stop sequence here).
+    assert_eq!(entry_bytes(&entries), content.as_bytes(), "{v}");
+    let strings: String = entries
+        .iter()
+        .map(|e| e["token"].as_str().unwrap())
+        .collect();
+    if !strings.contains('\u{FFFD}') {
+        assert_eq!(strings, content);
+    }
+    for e in &entries {
+        let lp = e["logprob"].as_f64().unwrap();
+        assert!(lp <= 0.0, "{e}");
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{e}");
+        let tops: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        assert!(tops.windows(2).all(|w| w[0] >= w[1]), "{e}");
+        assert!(tops.iter().all(|&t| t <= 0.0), "{e}");
+        // Greedy: the chosen token is the most likely one.
+        let max = tops.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        assert_eq!(lp, max, "{e}");
+        assert_eq!(e["token"], top[0]["token"], "{e}");
+        assert!(top[0]["bytes"].is_array(), "{e}");
+    }
+    // Streamed: each text chunk carries its tokens; together the same entries.
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let s = read_stream(c, "/v1/chat/completions", &sbody);
+    assert_eq!(s.text, content);
+    let streamed: Vec<serde_json::Value> = s
+        .logprobs
+        .iter()
+        .flat_map(|l| l["content"].as_array().unwrap().clone())
+        .collect();
+    assert_eq!(streamed, entries);
+    // Without top_logprobs: the chosen tokens only.
+    let r = c
+        .post_json(
+            "/v1/chat/completions",
+            &chat_body(
+                "What is the capital of France?",
+                12,
+                json!({"logprobs": true}),
+            ),
+        )
+        .unwrap()
+        .json();
+    let plain = r["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(plain.len(), entries.len());
+    assert_eq!(plain[0]["top_logprobs"], json!([]));
+    assert_eq!(plain[0]["logprob"], entries[0]["logprob"]);
+    // Not asked for: null.
+    let r = c
+        .post_json(
+            "/v1/chat/completions",
+            &chat_body("What is the capital of France?", 4, json!({})),
+        )
+        .unwrap()
+        .json();
+    assert!(r["choices"][0]["logprobs"].is_null(), "{r}");
+
+    // Completions, logprobs=2, streamed and not: the same tokens and numbers.
+    let cbody = json!({"prompt": "Once upon a time", "temperature": 0, "max_tokens": 16,
+                       "logprobs": 2});
+    let v = c.post_json("/v1/completions", &cbody).unwrap().json();
+    let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+    let lp = v["choices"][0]["logprobs"].clone();
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    let n = tokens.len();
+    assert_eq!(n as u64, v["usage"]["completion_tokens"].as_u64().unwrap());
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), n);
+    assert_eq!(lp["top_logprobs"].as_array().unwrap().len(), n);
+    assert_eq!(lp["text_offset"].as_array().unwrap().len(), n);
+    let joined: String = tokens.concat();
+    let mut offset = 0;
+    for (i, t) in tokens.iter().enumerate() {
+        let chosen = lp["token_logprobs"][i].as_f64().unwrap();
+        assert!(chosen <= 0.0);
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        // The two alternatives and the chosen token, which greedy makes the first of them.
+        assert!((1..=3).contains(&top.len()), "{lp}");
+        assert_eq!(top.get(*t).and_then(|x| x.as_f64()), Some(chosen), "{lp}");
+        let best = top
+            .values()
+            .map(|x| x.as_f64().unwrap())
+            .fold(f64::NEG_INFINITY, f64::max);
+        assert_eq!(chosen, best, "{lp}");
+        if !joined.contains('\u{FFFD}') {
+            assert_eq!(lp["text_offset"][i].as_u64(), Some(offset as u64), "{lp}");
+            offset += t.chars().count();
+        }
+    }
+    if !joined.contains('\u{FFFD}') {
+        assert_eq!(joined, text);
+    }
+    let mut sc = cbody.clone();
+    sc["stream"] = json!(true);
+    let s = read_stream(c, "/v1/completions", &sc);
+    assert_eq!(s.text, text);
+    let mut merged = json!({"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []});
+    for chunk in &s.logprobs {
+        for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+            let items = chunk[key].as_array().unwrap().clone();
+            merged[key].as_array_mut().unwrap().extend(items);
+        }
+    }
+    assert_eq!(merged, lp);
+
+    // With a stop sequence: the reported tokens cover the text and end within the stop.
+    let words: Vec<&str> = text.split_whitespace().collect();
+    if words.len() >= 3 && !joined.contains('\u{FFFD}') {
+        let mut sb = cbody.clone();
+        sb["stop"] = json!([words[2]]);
+        let v = c.post_json("/v1/completions", &sb).unwrap().json();
+        let cut = v["choices"][0]["text"].as_str().unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        let tokens: Vec<&str> = v["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap())
+            .collect();
+        let covered: String = tokens.concat();
+        assert!(covered.starts_with(cut), "{covered:?} vs {cut:?}");
+        let last = tokens.last().map_or(0, |t| t.len());
+        assert!(
+            covered.len() < cut.len() + last.max(1),
+            "{covered:?} vs {cut:?}"
+        );
+        assert!(tokens.len() as u64 <= v["usage"]["completion_tokens"].as_u64().unwrap());
+    }
+
+    // Penalties: a prompt the model answers by repeating itself, the same length either way.
+    let repeat = |extra: serde_json::Value| -> (String, usize) {
+        let mut b = json!({"prompt": "la la la la la la la la la la la la la la la la",
+                           "temperature": 0, "max_tokens": 24, "ignore_eos": true,
+                           "logprobs": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        let r = c.post_json("/v1/completions", &b).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        let tokens: Vec<String> = v["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap().to_string())
+            .collect();
+        let distinct: std::collections::HashSet<&String> = tokens.iter().collect();
+        let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+        (text, tokens.len() - distinct.len())
+    };
+    let (plain_text, plain_repeats) = repeat(json!({}));
+    let (pen_text, pen_repeats) = repeat(json!({"frequency_penalty": 2}));
+    let (pres_text, _) = repeat(json!({"presence_penalty": 2}));
+    eprintln!(
+        "repeated tokens: {plain_repeats} without a penalty ({plain_text:?}), {pen_repeats} with frequency_penalty 2 ({pen_text:?}); presence_penalty 2: {pres_text:?}"
+    );
+    assert!(
+        plain_repeats >= 12,
+        "the prompt should make the model repeat: {plain_text:?}"
+    );
+    assert!(
+        pen_repeats < plain_repeats,
+        "{pen_text:?} vs {plain_text:?}"
+    );
+    assert_ne!(pres_text, plain_text);
+    // The same penalized request is deterministic.
+    assert_eq!(repeat(json!({"frequency_penalty": 2})).0, pen_text);
+}

@@ -36,6 +36,33 @@ fn bad_requests() -> Vec<(Vec<u8>, u16, Option<&'static str>)> {
         (user(r#","stop":7"#), 400, Some("stop")),
         (user(r#","stream":"yes""#), 400, Some("stream")),
         (user(r#","seed":"abc""#), 400, Some("seed")),
+        (
+            user(r#","presence_penalty":2.5"#),
+            400,
+            Some("presence_penalty"),
+        ),
+        (
+            user(r#","frequency_penalty":-3"#),
+            400,
+            Some("frequency_penalty"),
+        ),
+        (
+            user(r#","frequency_penalty":"high""#),
+            400,
+            Some("frequency_penalty"),
+        ),
+        (user(r#","logprobs":3"#), 400, Some("logprobs")),
+        (
+            user(r#","logprobs":true,"top_logprobs":21"#),
+            400,
+            Some("top_logprobs"),
+        ),
+        (
+            user(r#","logprobs":true,"top_logprobs":-1"#),
+            400,
+            Some("top_logprobs"),
+        ),
+        (user(r#","top_logprobs":2"#), 400, Some("top_logprobs")),
         (user(r#","model":"gpt-4""#), 404, Some("model")),
         (br#"{"messages":[]}"#.to_vec(), 400, Some("messages")),
         (br#"{"messages":"hello"}"#.to_vec(), 400, Some("messages")),
@@ -110,6 +137,12 @@ fn bad_requests_are_refused_by_name_and_leave_no_trace() {
         (json!({"prompt": [1, 99999999]}), "prompt"),
         (json!({"prompt": "hi", "max_tokens": 0}), "max_tokens"),
         (json!({"prompt": "hi", "n": 3}), "n"),
+        (json!({"prompt": "hi", "logprobs": 21}), "logprobs"),
+        (json!({"prompt": "hi", "logprobs": true}), "logprobs"),
+        (
+            json!({"prompt": "hi", "presence_penalty": -2.1}),
+            "presence_penalty",
+        ),
     ] {
         let r = c.post_json("/v1/completions", &body).unwrap();
         assert_eq!(r.status, 400, "{body}: {}", r.text());
@@ -119,7 +152,10 @@ fn bad_requests_are_refused_by_name_and_leave_no_trace() {
     std::thread::scope(|s| {
         for _ in 0..4 {
             s.spawn(|| {
-                for (body, status, _) in bad_requests().into_iter().take(28).cycle().take(100) {
+                // All but the oversized body.
+                let bad = bad_requests();
+                let n = bad.len() - 1;
+                for (body, status, _) in bad.into_iter().take(n).cycle().take(100) {
                     assert_eq!(
                         c.post("/v1/chat/completions", &body).unwrap().status,
                         status

@@ -3,6 +3,7 @@
 
 pub mod error;
 pub mod generate;
+pub mod logits;
 pub mod protocol;
 pub mod sampling;
 pub mod stop;
@@ -10,6 +11,7 @@ pub mod worker;
 
 pub use error::{EngineError, Result};
 pub use generate::{generate, FinishReason, Flow, GenerateOptions, GenerationStats};
+pub use logits::{log_softmax, log_sum_exp, top_logprobs, Penalties, TokenLogprobs};
 pub use protocol::{ChunkSpec, Command};
 pub use sampling::{argmax, Sampler, SamplingParams};
 pub use stop::StopMatcher;

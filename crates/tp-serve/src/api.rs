@@ -4,6 +4,10 @@
 //!
 //! Requests are read as a `serde_json::Value` and then walked by hand rather than derived
 //! with serde: a derived reader reports "invalid type at line 1 column 40", not the parameter.
+//!
+//! Log-probabilities ([`LogprobEntry`]) are written in OpenAI's two shapes: per-token objects
+//! under `logprobs.content` for chat, and the legacy parallel arrays (`tokens`,
+//! `token_logprobs`, `top_logprobs`, `text_offset`) for completions.
 
 use crate::error::{json_kind, ApiError};
 use serde_json::{json, Map, Value};
@@ -55,10 +59,24 @@ pub struct GenRequest {
     pub include_usage: bool,
     /// Keep generating past end-of-sequence tokens (an extension, as in vLLM; for benchmarks).
     pub ignore_eos: bool,
+    /// Report log-probabilities: `Some(k)` with the `k` most likely alternatives per token
+    /// (chat: `logprobs: true` and `top_logprobs: k`; completions: `logprobs: k`).
+    pub logprobs: Option<usize>,
+    /// OpenAI's penalties in [-2, 2], over the tokens generated so far.
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
 }
 
 /// Most stop sequences a request may give (OpenAI's limit).
 pub const MAX_STOPS: usize = 4;
+
+/// Most alternatives per token: chat `top_logprobs` (OpenAI's limit) and completions
+/// `logprobs` (OpenAI allows 5; 20 is accepted as vLLM does).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// What is reported for a log-probability that is not a finite number (a token the model
+/// rules out with a logit of -inf): OpenAI's stand-in for minus infinity.
+pub const LOGPROB_FLOOR: f64 = -9999.0;
 
 /// Reads a request body: UTF-8, JSON, an object, then each parameter.
 pub fn parse_request(
@@ -188,6 +206,13 @@ pub fn parse_request(
         Some(v) => return Err(ApiError::wrong_type("stream_options", "an object", v)),
     };
     let ignore_eos = r.boolean("ignore_eos")?.unwrap_or(false);
+    let presence_penalty = r
+        .number_in("presence_penalty", -2.0, 2.0, true, "[-2, 2]")?
+        .unwrap_or(0.0);
+    let frequency_penalty = r
+        .number_in("frequency_penalty", -2.0, 2.0, true, "[-2, 2]")?
+        .unwrap_or(0.0);
+    let logprobs = read_logprobs(&r, endpoint)?;
     check_unsupported(&r, endpoint)?;
     Ok(GenRequest {
         endpoint,
@@ -202,7 +227,49 @@ pub fn parse_request(
         stream,
         include_usage,
         ignore_eos,
+        logprobs,
+        presence_penalty,
+        frequency_penalty,
     })
+}
+
+/// `logprobs` and `top_logprobs`: `None` when no log-probabilities are asked for.
+fn read_logprobs(r: &Reader<'_>, endpoint: Endpoint) -> Result<Option<usize>, ApiError> {
+    let count = |name: &str, v: &Value| match (v.as_u64(), v.as_i64()) {
+        (Some(k), _) if k <= MAX_TOP_LOGPROBS as u64 => Ok(k as usize),
+        (Some(k), _) => Err(ApiError::invalid(
+            name,
+            "invalid_value",
+            format!("{name} is {k}; it must be in [0, {MAX_TOP_LOGPROBS}]"),
+        )),
+        (None, Some(k)) => Err(ApiError::invalid(
+            name,
+            "invalid_value",
+            format!("{name} is {k}; it must be in [0, {MAX_TOP_LOGPROBS}]"),
+        )),
+        _ => Err(ApiError::wrong_type(name, "an integer", v)),
+    };
+    match endpoint {
+        Endpoint::Chat => {
+            let on = r.boolean("logprobs")?.unwrap_or(false);
+            let top = match r.get("top_logprobs") {
+                None => None,
+                Some(v) => Some(count("top_logprobs", v)?),
+            };
+            if top.is_some() && !on {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    "invalid_value",
+                    "top_logprobs needs logprobs: true",
+                ));
+            }
+            Ok(on.then(|| top.unwrap_or(0)))
+        }
+        Endpoint::Completions => match r.get("logprobs") {
+            None => Ok(None),
+            Some(v) => count("logprobs", v).map(Some),
+        },
+    }
 }
 
 /// Field access with errors that name the field. `null` counts as absent, as in OpenAI's API.
@@ -493,28 +560,11 @@ fn check_unsupported(r: &Reader<'_>, endpoint: Endpoint) -> Result<(), ApiError>
             format!("'{name}' is not supported by this server: {why}"),
         ))
     };
-    for name in ["presence_penalty", "frequency_penalty"] {
-        if let Some(v) = r.get(name) {
-            match v.as_f64() {
-                Some(0.0) => {}
-                Some(_) => return unsupported(name, "only 0 is accepted"),
-                None => return Err(ApiError::wrong_type(name, "a number", v)),
-            }
-        }
-    }
-    match (endpoint, r.get("logprobs")) {
-        (_, None) | (Endpoint::Chat, Some(Value::Bool(false))) => {}
-        (Endpoint::Chat, Some(Value::Bool(true)))
-        | (Endpoint::Completions, Some(Value::Number(_))) => {
-            return unsupported("logprobs", "log probabilities are not returned")
-        }
-        (Endpoint::Chat, Some(v)) => return Err(ApiError::wrong_type("logprobs", "a boolean", v)),
-        (Endpoint::Completions, Some(v)) => {
-            return Err(ApiError::wrong_type("logprobs", "an integer", v))
-        }
-    }
-    if r.has("top_logprobs") {
-        return unsupported("top_logprobs", "log probabilities are not returned");
+    if endpoint == Endpoint::Completions && r.has("top_logprobs") {
+        return unsupported(
+            "top_logprobs",
+            "for completions, give the number of alternatives as 'logprobs'",
+        );
     }
     if let Some(Value::Object(o)) = r.get("logit_bias") {
         if !o.is_empty() {
@@ -565,6 +615,86 @@ impl Usage {
     }
 }
 
+/// One token as log-probability reports show it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenInfo {
+    /// The token's own text (lossy when `bytes` is part of a UTF-8 character).
+    pub token: String,
+    /// Its exact bytes.
+    pub bytes: Vec<u8>,
+    /// Of the model's raw distribution (before penalties, temperature, top-k and top-p).
+    pub logprob: f64,
+}
+
+impl TokenInfo {
+    pub fn new(bytes: Vec<u8>, logprob: f64) -> Self {
+        TokenInfo {
+            token: String::from_utf8_lossy(&bytes).into_owned(),
+            bytes,
+            logprob,
+        }
+    }
+
+    /// The log-probability as reported: finite, [`LOGPROB_FLOOR`] at worst.
+    pub fn reported(&self) -> f64 {
+        if self.logprob.is_finite() {
+            self.logprob.max(LOGPROB_FLOOR)
+        } else {
+            LOGPROB_FLOOR
+        }
+    }
+
+    fn chat_json(&self) -> Value {
+        json!({"token": self.token, "logprob": self.reported(), "bytes": self.bytes})
+    }
+}
+
+/// A generated token's log-probability report.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LogprobEntry {
+    pub chosen: TokenInfo,
+    /// The most likely tokens, highest first (ties by id).
+    pub top: Vec<TokenInfo>,
+    /// Where the token's text starts in the returned text, in characters.
+    pub text_offset: usize,
+}
+
+/// The `logprobs` object of a choice for `entries`, in the endpoint's shape.
+pub fn logprobs_json(endpoint: Endpoint, entries: &[LogprobEntry]) -> Value {
+    match endpoint {
+        Endpoint::Chat => {
+            let content: Vec<Value> = entries
+                .iter()
+                .map(|e| {
+                    let mut v = e.chosen.chat_json();
+                    v["top_logprobs"] = e.top.iter().map(TokenInfo::chat_json).collect();
+                    v
+                })
+                .collect();
+            json!({ "content": content })
+        }
+        Endpoint::Completions => {
+            let top: Vec<Value> = entries
+                .iter()
+                .map(|e| {
+                    // As OpenAI: the alternatives and the chosen token (up to k + 1 entries).
+                    let mut m = Map::new();
+                    for t in e.top.iter().chain(std::iter::once(&e.chosen)) {
+                        m.entry(t.token.clone()).or_insert(json!(t.reported()));
+                    }
+                    Value::Object(m)
+                })
+                .collect();
+            json!({
+                "tokens": entries.iter().map(|e| e.chosen.token.as_str()).collect::<Vec<_>>(),
+                "token_logprobs": entries.iter().map(|e| e.chosen.reported()).collect::<Vec<_>>(),
+                "top_logprobs": top,
+                "text_offset": entries.iter().map(|e| e.text_offset).collect::<Vec<_>>(),
+            })
+        }
+    }
+}
+
 /// Identity of one response: its id, creation time and model name.
 #[derive(Clone, Debug)]
 pub struct ResponseMeta {
@@ -583,19 +713,29 @@ impl ResponseMeta {
         }
     }
 
-    /// The whole answer (non-streaming).
-    pub fn full(&self, text: &str, finish_reason: &str, usage: Usage) -> Value {
+    fn logprobs(&self, entries: Option<&[LogprobEntry]>) -> Value {
+        entries.map_or(Value::Null, |e| logprobs_json(self.endpoint, e))
+    }
+
+    /// The whole answer (non-streaming); `logprobs` when they were asked for.
+    pub fn full(
+        &self,
+        text: &str,
+        finish_reason: &str,
+        usage: Usage,
+        logprobs: Option<&[LogprobEntry]>,
+    ) -> Value {
         let choice = match self.endpoint {
             Endpoint::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": self.logprobs(logprobs),
                 "finish_reason": finish_reason,
             }),
             Endpoint::Completions => json!({
                 "index": 0,
                 "text": text,
-                "logprobs": null,
+                "logprobs": self.logprobs(logprobs),
                 "finish_reason": finish_reason,
             }),
         };
@@ -609,9 +749,16 @@ impl ResponseMeta {
         })
     }
 
-    /// A streamed piece: the opening role chunk (chat, `text` None and `role`), a text delta,
-    /// or the closing chunk with `finish_reason`.
-    pub fn chunk(&self, role: bool, text: Option<&str>, finish_reason: Option<&str>) -> Value {
+    /// A streamed piece: the opening role chunk (chat, `text` None and `role`), a text delta
+    /// (with the log-probabilities of its tokens when they were asked for), or the closing
+    /// chunk with `finish_reason`.
+    pub fn chunk(
+        &self,
+        role: bool,
+        text: Option<&str>,
+        finish_reason: Option<&str>,
+        logprobs: Option<&[LogprobEntry]>,
+    ) -> Value {
         let choice = match self.endpoint {
             Endpoint::Chat => {
                 let mut delta = Map::new();
@@ -624,14 +771,14 @@ impl ResponseMeta {
                 json!({
                     "index": 0,
                     "delta": delta,
-                    "logprobs": null,
+                    "logprobs": self.logprobs(logprobs),
                     "finish_reason": finish_reason,
                 })
             }
             Endpoint::Completions => json!({
                 "index": 0,
                 "text": text.unwrap_or(""),
-                "logprobs": null,
+                "logprobs": self.logprobs(logprobs),
                 "finish_reason": finish_reason,
             }),
         };
@@ -755,8 +902,16 @@ mod tests {
             ),
             (r#""model":"other""#, "model"),
             (r#""model":7"#, "model"),
-            (r#""presence_penalty":1"#, "presence_penalty"),
-            (r#""logprobs":true"#, "logprobs"),
+            (r#""presence_penalty":2.01"#, "presence_penalty"),
+            (r#""presence_penalty":"x""#, "presence_penalty"),
+            (r#""frequency_penalty":-3"#, "frequency_penalty"),
+            (r#""frequency_penalty":[]"#, "frequency_penalty"),
+            (r#""logprobs":1"#, "logprobs"),
+            (r#""top_logprobs":2"#, "top_logprobs"),
+            (r#""logprobs":false,"top_logprobs":2"#, "top_logprobs"),
+            (r#""logprobs":true,"top_logprobs":21"#, "top_logprobs"),
+            (r#""logprobs":true,"top_logprobs":-1"#, "top_logprobs"),
+            (r#""logprobs":true,"top_logprobs":1.5"#, "top_logprobs"),
             (r#""top_k":-3"#, "top_k"),
         ] {
             let body = format!("{{{m},{extra}}}");
@@ -798,7 +953,7 @@ mod tests {
             model: "m".into(),
             endpoint: Endpoint::Chat,
         };
-        let c = meta.chunk(true, Some(""), None);
+        let c = meta.chunk(true, Some(""), None, None);
         assert_eq!(c["object"], "chat.completion.chunk");
         assert_eq!(c["choices"][0]["delta"]["role"], "assistant");
         let f = meta.full(
@@ -808,8 +963,109 @@ mod tests {
                 prompt_tokens: 2,
                 completion_tokens: 1,
             },
+            None,
         );
         assert_eq!(f["choices"][0]["message"]["content"], "hi");
+        assert_eq!(f["choices"][0]["logprobs"], Value::Null);
         assert_eq!(f["usage"]["total_tokens"], 3);
+    }
+
+    fn entries() -> Vec<LogprobEntry> {
+        vec![
+            LogprobEntry {
+                chosen: TokenInfo::new(b"h".to_vec(), -0.5),
+                top: vec![
+                    TokenInfo::new(b"h".to_vec(), -0.5),
+                    TokenInfo::new(vec![0xe2], -1.5),
+                ],
+                text_offset: 0,
+            },
+            LogprobEntry {
+                chosen: TokenInfo::new(b"i".to_vec(), f64::NEG_INFINITY),
+                top: vec![],
+                text_offset: 1,
+            },
+        ]
+    }
+
+    #[test]
+    fn chat_logprobs_have_the_openai_shape() {
+        let v = logprobs_json(Endpoint::Chat, &entries());
+        let c = &v["content"];
+        assert_eq!(c[0]["token"], "h");
+        assert_eq!(c[0]["logprob"], -0.5);
+        assert_eq!(c[0]["bytes"], json!([104]));
+        assert_eq!(c[0]["top_logprobs"][1]["token"], "\u{FFFD}");
+        assert_eq!(c[0]["top_logprobs"][1]["bytes"], json!([0xe2]));
+        assert_eq!(c[1]["logprob"], LOGPROB_FLOOR);
+        assert_eq!(c[1]["top_logprobs"], json!([]));
+        let meta = ResponseMeta {
+            id: "x".into(),
+            created: 1,
+            model: "m".into(),
+            endpoint: Endpoint::Chat,
+        };
+        let e = entries();
+        let chunk = meta.chunk(false, Some("hi"), None, Some(&e));
+        assert_eq!(chunk["choices"][0]["logprobs"], v);
+        let empty = meta.full("", "stop", Usage::default(), Some(&[]));
+        assert_eq!(empty["choices"][0]["logprobs"], json!({"content": []}));
+    }
+
+    #[test]
+    fn completion_logprobs_have_the_legacy_shape() {
+        let v = logprobs_json(Endpoint::Completions, &entries());
+        assert_eq!(v["tokens"], json!(["h", "i"]));
+        assert_eq!(v["token_logprobs"], json!([-0.5, LOGPROB_FLOOR]));
+        assert_eq!(v["text_offset"], json!([0, 1]));
+        assert_eq!(v["top_logprobs"][0], json!({"h": -0.5, "\u{FFFD}": -1.5}));
+        // The chosen token is always among the alternatives.
+        assert_eq!(v["top_logprobs"][1], json!({"i": LOGPROB_FLOOR}));
+    }
+
+    #[test]
+    fn logprobs_and_penalties_are_read() {
+        let m = r#""messages":[{"role":"user","content":"hi"}]"#;
+        let r = chat(&format!("{{{m}}}")).unwrap();
+        assert_eq!(r.logprobs, None);
+        assert_eq!((r.presence_penalty, r.frequency_penalty), (0.0, 0.0));
+        let r = chat(&format!(r#"{{{m},"logprobs":true}}"#)).unwrap();
+        assert_eq!(r.logprobs, Some(0));
+        let r = chat(&format!(
+            r#"{{{m},"logprobs":true,"top_logprobs":20,"presence_penalty":-2,"frequency_penalty":1.5}}"#
+        ))
+        .unwrap();
+        assert_eq!(r.logprobs, Some(20));
+        assert_eq!((r.presence_penalty, r.frequency_penalty), (-2.0, 1.5));
+        let r = chat(&format!(r#"{{{m},"logprobs":false,"top_logprobs":null}}"#)).unwrap();
+        assert_eq!(r.logprobs, None);
+        assert_eq!(completion(r#"{"prompt":"a"}"#).unwrap().logprobs, None);
+        assert_eq!(
+            completion(r#"{"prompt":"a","logprobs":0}"#)
+                .unwrap()
+                .logprobs,
+            Some(0)
+        );
+        assert_eq!(
+            completion(r#"{"prompt":"a","logprobs":5}"#)
+                .unwrap()
+                .logprobs,
+            Some(5)
+        );
+        for (body, param) in [
+            (r#"{"prompt":"a","logprobs":21}"#, "logprobs"),
+            (r#"{"prompt":"a","logprobs":-1}"#, "logprobs"),
+            (r#"{"prompt":"a","logprobs":true}"#, "logprobs"),
+            (
+                r#"{"prompt":"a","logprobs":1,"top_logprobs":1}"#,
+                "top_logprobs",
+            ),
+            (
+                r#"{"prompt":"a","frequency_penalty":-2.5}"#,
+                "frequency_penalty",
+            ),
+        ] {
+            assert_eq!(param_of(completion(body)).as_deref(), Some(param), "{body}");
+        }
     }
 }

@@ -8,8 +8,18 @@
 //! Every row of a batched forward is computed independently of the others (per-row
 //! activation quantization, per-sequence attention), so a greedy request gets the same
 //! tokens alone or batched with any others; the end-to-end tests check it.
+//!
+//! Rank 0 holds every request's full row of logits, so presence/frequency penalties
+//! (applied to a copy of the row before sampling) and log-probabilities (of the raw row) are
+//! rank-0-only work: nothing changes in the step protocol.
+//!
+//! A token's log-probabilities are reported with the text that shows it: once some of its
+//! text has passed the [`StopMatcher`]. Tokens whose text lies wholly inside a matched stop
+//! sequence (or after it) are never reported; the last reported token may reach into the
+//! stop sequence. Tokens that add no text of their own (the first bytes of a character split
+//! over tokens, skipped special tokens) go with the text of the token that completes it.
 
-use crate::api::Usage;
+use crate::api::{LogprobEntry, TokenInfo, Usage};
 use crate::metrics::Metrics;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,7 +28,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 use tp_engine::{
-    ChunkSpec, Command, EngineError, FinishReason, Sampler, SamplingParams, StopMatcher, Worker,
+    top_logprobs, ChunkSpec, Command, EngineError, FinishReason, Penalties, Sampler,
+    SamplingParams, StopMatcher, Worker,
 };
 use tp_tokenizer::{TextStream, Tokenizer};
 
@@ -49,6 +60,10 @@ pub struct Job {
     /// At least 1; `prompt.len() + max_tokens` fits the context and the KV budget.
     pub max_tokens: usize,
     pub sampling: SamplingParams,
+    /// Presence and frequency penalties (inactive when both are 0).
+    pub penalties: Penalties,
+    /// Report log-probabilities with this many alternatives per token.
+    pub logprobs: Option<usize>,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     /// Where text goes; the request is cancelled at the next step once it is closed.
@@ -59,8 +74,12 @@ pub struct Job {
 /// What a request's handler receives.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
-    /// Text to show next (complete UTF-8, stop sequences held back).
-    Text(String),
+    /// Text to show next (complete UTF-8, stop sequences held back) and, when asked for, the
+    /// log-probabilities of the tokens it shows (the text may be empty when only they remain).
+    Text {
+        text: String,
+        logprobs: Vec<LogprobEntry>,
+    },
     Done {
         finish: FinishReason,
         usage: Usage,
@@ -109,9 +128,74 @@ struct Running<'t> {
     last: Option<u32>,
     generated: usize,
     sampler: Sampler,
+    /// The request's penalties, with counts of its generated tokens.
+    penalties: Penalties,
+    /// The penalized copy of the row (reused).
+    scratch: Vec<f32>,
     stop: StopMatcher,
     text: TextStream<'t>,
+    /// Log-probabilities not yet shown (when asked for).
+    logprobs: Option<LogprobTrack>,
     first_token: Option<Instant>,
+}
+
+/// Log-probability entries waiting for their text to pass the stop matcher.
+#[derive(Debug, Default)]
+struct LogprobTrack {
+    /// Alternatives per token.
+    k: usize,
+    /// In generation order: each with the byte offset where its text starts in the text given
+    /// to the stop matcher (`None` while its text has not come out of the detokenizer).
+    pending: VecDeque<(LogprobEntry, Option<usize>)>,
+    /// Text given to the stop matcher so far: bytes and characters.
+    pushed_bytes: usize,
+    pushed_chars: usize,
+    /// Bytes the stop matcher let through so far.
+    shown_bytes: usize,
+}
+
+impl LogprobTrack {
+    /// Gives every token still without text a place at the start of `piece`.
+    fn place(&mut self, piece: &str) {
+        for (entry, start) in self.pending.iter_mut().rev() {
+            if start.is_some() {
+                break;
+            }
+            *start = Some(self.pushed_bytes);
+            entry.text_offset = self.pushed_chars;
+        }
+        self.pushed_bytes += piece.len();
+        self.pushed_chars += piece.chars().count();
+    }
+
+    /// Takes the entries of tokens some of whose text is now shown.
+    fn release(&mut self, shown: &str) -> Vec<LogprobEntry> {
+        self.shown_bytes += shown.len();
+        let mut out = Vec::new();
+        while let Some((_, Some(start))) = self.pending.front() {
+            if *start >= self.shown_bytes {
+                break;
+            }
+            if let Some((entry, _)) = self.pending.pop_front() {
+                out.push(entry);
+            }
+        }
+        out
+    }
+
+    /// Generation ended without a stop sequence: everything left is part of the answer.
+    fn release_all(&mut self) -> Vec<LogprobEntry> {
+        let chars = self.pushed_chars;
+        self.pending
+            .drain(..)
+            .map(|(mut entry, start)| {
+                if start.is_none() {
+                    entry.text_offset = chars;
+                }
+                entry
+            })
+            .collect()
+    }
 }
 
 /// What happened to a running request after its row was sampled.
@@ -243,6 +327,11 @@ impl<'t> Scheduler<'_, 't> {
             };
             let job = self.waiting.pop_front().expect("front exists");
             self.load.pending.fetch_sub(1, Ordering::Relaxed);
+            let penalties = job.penalties.clone();
+            let logprobs = job.logprobs.map(|k| LogprobTrack {
+                k,
+                ..LogprobTrack::default()
+            });
             let sampler = match Sampler::new(job.sampling.clone()) {
                 Ok(s) => s,
                 Err(e) => {
@@ -273,7 +362,10 @@ impl<'t> Scheduler<'_, 't> {
                 last: None,
                 generated: 0,
                 sampler,
+                penalties,
+                scratch: Vec::new(),
                 text: self.tokenizer.stream(),
+                logprobs,
                 first_token: None,
             });
         }
@@ -408,7 +500,15 @@ impl<'t> Scheduler<'_, 't> {
 impl Running<'_> {
     /// Samples this request's next token from its row and streams what it adds.
     fn advance(&mut self, logits: &[f32], tokenizer: &Tokenizer) -> Outcome {
-        let token = match self.sampler.sample(logits) {
+        let sampled = if self.penalties.is_active() {
+            self.scratch.clear();
+            self.scratch.extend_from_slice(logits);
+            self.penalties.apply(&mut self.scratch);
+            self.sampler.sample(&self.scratch)
+        } else {
+            self.sampler.sample(logits)
+        };
+        let token = match sampled {
             Ok(t) => t,
             Err(e) => return Outcome::Failed(e.to_string()),
         };
@@ -419,14 +519,31 @@ impl Running<'_> {
             return Outcome::Finished(FinishReason::Eos);
         }
         self.generated += 1;
+        self.penalties.observe(token);
+        if let Some(track) = &mut self.logprobs {
+            match logprob_entry(logits, token, track.k, tokenizer) {
+                Ok(entry) => track.pending.push_back((entry, None)),
+                Err(e) => return Outcome::Failed(e),
+            }
+        }
         let piece = match self.text.push(token) {
             Ok(p) => p,
             Err(e) => return Outcome::Failed(format!("cannot decode token {token}: {e}")),
         };
         if let Some(piece) = piece {
+            if let Some(track) = &mut self.logprobs {
+                track.place(&piece);
+            }
             let shown = self.stop.push(&piece);
-            if !shown.is_empty() {
-                let _ = self.job.events.send(Event::Text(shown));
+            let logprobs = match &mut self.logprobs {
+                Some(track) => track.release(&shown),
+                None => Vec::new(),
+            };
+            if !shown.is_empty() || !logprobs.is_empty() {
+                let _ = self.job.events.send(Event::Text {
+                    text: shown,
+                    logprobs,
+                });
             }
         }
         if self.stop.is_stopped() {
@@ -444,6 +561,9 @@ impl Running<'_> {
         let mut tail = String::new();
         if !self.stop.is_stopped() {
             if let Ok(Some(piece)) = self.text.finish() {
+                if let Some(track) = &mut self.logprobs {
+                    track.place(&piece);
+                }
                 tail.push_str(&self.stop.push(&piece));
             }
             if self.stop.is_stopped() {
@@ -452,8 +572,20 @@ impl Running<'_> {
                 tail.push_str(&self.stop.finish());
             }
         }
-        if !tail.is_empty() {
-            let _ = self.job.events.send(Event::Text(tail));
+        let logprobs = match &mut self.logprobs {
+            Some(track) if self.stop.is_stopped() => track.release(&tail),
+            Some(track) => {
+                let mut out = track.release(&tail);
+                out.extend(track.release_all());
+                out
+            }
+            None => Vec::new(),
+        };
+        if !tail.is_empty() || !logprobs.is_empty() {
+            let _ = self.job.events.send(Event::Text {
+                text: tail,
+                logprobs,
+            });
         }
         let now = Instant::now();
         let first = self.first_token.unwrap_or(now);
@@ -477,9 +609,117 @@ impl Running<'_> {
     }
 }
 
+/// The log-probability report of `token` sampled from the raw row `logits`.
+fn logprob_entry(
+    logits: &[f32],
+    token: u32,
+    k: usize,
+    tokenizer: &Tokenizer,
+) -> std::result::Result<LogprobEntry, String> {
+    let lp = top_logprobs(logits, token, k).map_err(|e| e.to_string())?;
+    let info = |id: u32, logprob: f64| {
+        tokenizer
+            .token_bytes(id)
+            .map(|b| TokenInfo::new(b, logprob))
+            .map_err(|e| format!("cannot decode token {id}: {e}"))
+    };
+    Ok(LogprobEntry {
+        chosen: info(lp.token, lp.logprob)?,
+        top: lp
+            .top
+            .iter()
+            .map(|&(id, l)| info(id, l))
+            .collect::<std::result::Result<_, _>>()?,
+        text_offset: 0,
+    })
+}
+
 /// A cheap handle the HTTP side keeps: the control channel and the shared queue counter.
 #[derive(Clone, Debug)]
 pub struct SchedulerHandle {
     pub control: std::sync::mpsc::Sender<Control>,
     pub load: Arc<Load>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(tag: u8) -> LogprobEntry {
+        LogprobEntry {
+            chosen: TokenInfo::new(vec![tag], -1.0),
+            top: Vec::new(),
+            text_offset: usize::MAX,
+        }
+    }
+
+    /// Feeds `(tag, piece)` tokens through a track and a stop matcher as `advance` and
+    /// `finish` do; returns the shown text and the tags and offsets of the reported tokens.
+    fn run(stops: &[&str], tokens: &[(u8, Option<&str>)]) -> (String, Vec<(u8, usize)>) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut stop = StopMatcher::new(&stops);
+        let mut track = LogprobTrack::default();
+        let mut text = String::new();
+        let mut reported = Vec::new();
+        for &(tag, piece) in tokens {
+            if stop.is_stopped() {
+                break;
+            }
+            track.pending.push_back((entry(tag), None));
+            if let Some(piece) = piece {
+                track.place(piece);
+                let shown = stop.push(piece);
+                reported.extend(track.release(&shown));
+                text.push_str(&shown);
+            }
+        }
+        let tail = stop.finish();
+        reported.extend(track.release(&tail));
+        if !stop.is_stopped() {
+            reported.extend(track.release_all());
+        }
+        text.push_str(&tail);
+        let tags = reported
+            .iter()
+            .map(|e| (e.chosen.bytes[0], e.text_offset))
+            .collect();
+        (text, tags)
+    }
+
+    #[test]
+    fn tokens_are_reported_with_their_text() {
+        // No stop: every token, offsets in characters.
+        let (text, tags) = run(
+            &[],
+            &[(1, Some("é")), (2, None), (3, Some("ab")), (4, None)],
+        );
+        assert_eq!(text, "éab");
+        assert_eq!(tags, vec![(1, 0), (2, 1), (3, 1), (4, 3)]);
+    }
+
+    #[test]
+    fn tokens_inside_a_stop_sequence_are_dropped() {
+        // "abc E" reaches into the stop "END": reported; "ND" and later: not.
+        let (text, tags) = run(
+            &["END"],
+            &[(1, Some("abc E")), (2, Some("ND")), (3, Some("x"))],
+        );
+        assert_eq!(text, "abc ");
+        assert_eq!(tags, vec![(1, 0)]);
+        // A token that starts the stop sequence is not reported.
+        let (text, tags) = run(
+            &["END"],
+            &[(1, Some("ab")), (2, Some("E")), (3, Some("ND"))],
+        );
+        assert_eq!(text, "ab");
+        assert_eq!(tags, vec![(1, 0)]);
+        // A near miss releases the held-back tokens.
+        let (text, tags) = run(&["END"], &[(1, Some("a")), (2, Some("E")), (3, Some("x"))]);
+        assert_eq!(text, "aEx");
+        assert_eq!(tags, vec![(1, 0), (2, 1), (3, 2)]);
+        // Held back at the end without a match: reported at finish.
+        let (text, tags) = run(&["END"], &[(1, Some("a")), (2, Some("EN"))]);
+        assert_eq!(text, "aEN");
+        assert_eq!(tags, vec![(1, 0), (2, 1)]);
+    }
 }

@@ -2,7 +2,7 @@
 //! validation and tokenization, server-sent events, and graceful shutdown on SIGINT/SIGTERM.
 //! It talks to the scheduler (on rank 0's thread) only through channels.
 
-use crate::api::{self, Endpoint, GenRequest, Prompt, ResponseMeta, Usage};
+use crate::api::{self, Endpoint, GenRequest, LogprobEntry, Prompt, ResponseMeta, Usage};
 use crate::error::{ApiError, Result, ServeError};
 use crate::metrics::Metrics;
 use crate::scheduler::{Control, Event, Job, SchedulerConfig, SchedulerHandle};
@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::Notify;
-use tp_engine::{FinishReason, SamplingParams};
+use tp_engine::{FinishReason, Penalties, SamplingParams};
 use tp_tokenizer::Tokenizer;
 
 /// Settings of the HTTP side.
@@ -401,13 +401,15 @@ async fn generate(
                 model: st.cfg.model_name.clone(),
                 endpoint,
             };
+            let logprobs = req.logprobs.is_some();
             if req.stream {
-                stream_response(st, meta, req.include_usage, rx, arrived).into_response()
+                stream_response(st, meta, req.include_usage, logprobs, rx, arrived).into_response()
             } else {
                 match collect(&st, rx).await {
-                    Ok((text, finish, usage)) => {
+                    Ok((text, entries, finish, usage)) => {
                         log_done(&st, endpoint, &meta.id, finish, usage, arrived);
-                        Json(meta.full(&text, finish.as_str(), usage)).into_response()
+                        let entries = logprobs.then_some(entries.as_slice());
+                        Json(meta.full(&text, finish.as_str(), usage, entries)).into_response()
                     }
                     Err(e) => {
                         if st.cfg.log {
@@ -461,6 +463,14 @@ async fn start_request(
             ),
         ));
     }
+    // The parser checked the ranges already; this names the parameter should that change.
+    let penalties = Penalties::new(req.presence_penalty, req.frequency_penalty).map_err(|e| {
+        let name = match &e {
+            tp_engine::EngineError::Param { name, .. } => *name,
+            _ => "presence_penalty",
+        };
+        ApiError::invalid(name, "invalid_value", e.to_string())
+    })?;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let prompt_tokens = ids.len();
     let job = Job {
@@ -472,6 +482,8 @@ async fn start_request(
             top_p: req.top_p,
             seed: req.seed.unwrap_or_else(|| random_seed(st)),
         },
+        penalties,
+        logprobs: req.logprobs,
         stop: req.stop.clone(),
         ignore_eos: req.ignore_eos,
         events: tx,
@@ -582,16 +594,23 @@ fn checked_max_tokens(
     .inspect(|&m| debug_assert!(SchedulerConfig::reservation(prompt, m) <= room))
 }
 
+/// The whole answer of a non-streaming request: text, log-probabilities, finish and usage.
+type Collected = (String, Vec<LogprobEntry>, FinishReason, Usage);
+
 /// Waits for the whole answer of a non-streaming request.
 async fn collect(
     st: &AppState,
     mut rx: UnboundedReceiver<Event>,
-) -> std::result::Result<(String, FinishReason, Usage), ApiError> {
+) -> std::result::Result<Collected, ApiError> {
     let mut text = String::new();
+    let mut entries = Vec::new();
     loop {
         match next_event(st, &mut rx).await? {
-            Event::Text(t) => text.push_str(&t),
-            Event::Done { finish, usage, .. } => return Ok((text, finish, usage)),
+            Event::Text { text: t, logprobs } => {
+                text.push_str(&t);
+                entries.extend(logprobs);
+            }
+            Event::Done { finish, usage, .. } => return Ok((text, entries, finish, usage)),
             Event::Failed {
                 message,
                 shutting_down,
@@ -639,6 +658,8 @@ struct StreamState {
     st: Arc<AppState>,
     meta: ResponseMeta,
     include_usage: bool,
+    /// Text chunks carry the log-probabilities of their tokens.
+    logprobs: bool,
     rx: UnboundedReceiver<Event>,
     phase: Phase,
     arrived: Instant,
@@ -650,6 +671,7 @@ fn stream_response(
     st: Arc<AppState>,
     meta: ResponseMeta,
     include_usage: bool,
+    logprobs: bool,
     rx: UnboundedReceiver<Event>,
     arrived: Instant,
 ) -> Sse<impl futures_util::Stream<Item = std::result::Result<SseEvent, Infallible>>> {
@@ -657,6 +679,7 @@ fn stream_response(
         st,
         meta,
         include_usage,
+        logprobs,
         rx,
         phase: Phase::Start,
         arrived,
@@ -664,7 +687,7 @@ fn stream_response(
     let stream = futures_util::stream::unfold(state, |mut s| async move {
         let data = match std::mem::replace(&mut s.phase, Phase::Body) {
             Phase::Start => match s.meta.endpoint {
-                Endpoint::Chat => s.meta.chunk(true, Some(""), None).to_string(),
+                Endpoint::Chat => s.meta.chunk(true, Some(""), None, None).to_string(),
                 Endpoint::Completions => return next_body(s).await,
             },
             Phase::Body => return next_body(s).await,
@@ -692,14 +715,17 @@ async fn next_body(
     mut s: StreamState,
 ) -> Option<(std::result::Result<SseEvent, Infallible>, StreamState)> {
     let data = match next_event(&s.st, &mut s.rx).await {
-        Ok(Event::Text(t)) => {
+        Ok(Event::Text { text, logprobs }) => {
             s.phase = Phase::Body;
-            s.meta.chunk(false, Some(&t), None).to_string()
+            let entries = s.logprobs.then_some(logprobs.as_slice());
+            s.meta.chunk(false, Some(&text), None, entries).to_string()
         }
         Ok(Event::Done { finish, usage, .. }) => {
             log_done(&s.st, s.meta.endpoint, &s.meta.id, finish, usage, s.arrived);
             s.phase = Phase::Usage(usage);
-            s.meta.chunk(false, None, Some(finish.as_str())).to_string()
+            s.meta
+                .chunk(false, None, Some(finish.as_str()), None)
+                .to_string()
         }
         Ok(Event::Failed {
             message,

@@ -95,6 +95,10 @@ fn fallback(settings: Settings) -> Tokenizer {
         false, false, false,
     )));
     Tokenizer {
+        pieces: crate::pieces::Pieces {
+            kind: crate::pieces::byte_level(),
+            added: Default::default(),
+        },
         inner,
         vocab_size: 256,
         settings: Settings {

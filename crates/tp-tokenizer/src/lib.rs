@@ -14,6 +14,7 @@ mod error;
 mod gguf;
 mod hf;
 mod json;
+mod pieces;
 mod pretok;
 mod pyjson;
 mod specials;
@@ -69,6 +70,8 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     vocab_size: usize,
     settings: Settings,
+    /// How ids map to their exact bytes ([`Tokenizer::token_bytes`]).
+    pieces: pieces::Pieces,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -136,10 +139,12 @@ impl Tokenizer {
             .max()
             .map_or(0, |id| id as usize + 1);
         let vocab_size = settings.vocab_size.unwrap_or(largest).max(largest);
+        let pieces = pieces::Pieces::of(&inner);
         Ok(Self {
             inner,
             vocab_size,
             settings,
+            pieces,
         })
     }
 
@@ -179,6 +184,24 @@ impl Tokenizer {
                 vocab_size: self.vocab_size,
             }),
             None => Ok(()),
+        }
+    }
+
+    /// The exact bytes token `id` stands for on its own (what it adds to the text, before a
+    /// decoder's context rules such as SentencePiece dropping the space that starts the text).
+    /// May be part of a UTF-8 character. Special tokens give their text (`<|im_end|>`), though
+    /// `decode` skips them; an id in range that the vocabulary lacks gives no bytes.
+    pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>, TokenizerError> {
+        self.check_ids(&[id])?;
+        if let Some(content) = self.pieces.added.get(&id) {
+            return Ok(content.as_bytes().to_vec());
+        }
+        let Some(piece) = self.inner.id_to_token(id) else {
+            return Ok(Vec::new());
+        };
+        match self.pieces.bytes(&piece) {
+            Some(bytes) => Ok(bytes),
+            None => Ok(self.decode(&[id])?.into_bytes()),
         }
     }
 
@@ -255,5 +278,23 @@ mod tests {
         fn check<T: Send + Sync>() {}
         check::<Tokenizer>();
         check::<TextStream<'static>>();
+    }
+
+    #[test]
+    fn token_bytes_are_exact() {
+        let t = Tokenizer::bytes(&["<|endoftext|>", "<|im_end|>"]);
+        for b in 0..=255u8 {
+            assert_eq!(t.token_bytes(u32::from(b)).ok(), Some(vec![b]), "byte {b}");
+        }
+        assert_eq!(t.token_bytes(257).ok(), Some(b"<|im_end|>".to_vec()));
+        assert!(t.token_bytes(258).is_err());
+        // The bytes of a text's ids are the text, a character split over tokens included.
+        let text = "é🙂 x";
+        let ids = t.encode(text).unwrap_or_default();
+        let bytes: Vec<u8> = ids
+            .iter()
+            .flat_map(|&id| t.token_bytes(id).unwrap_or_default())
+            .collect();
+        assert_eq!(bytes, text.as_bytes());
     }
 }

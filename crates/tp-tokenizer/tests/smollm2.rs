@@ -197,3 +197,27 @@ fn tokenizer_json_round_trip() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn token_bytes_concatenate_to_the_text() {
+    let Some((tok, _)) = smollm2() else { return };
+    for text in [
+        "Hello world",
+        " leading space",
+        "caf\u{e9} \u{1F642}!\n\tend",
+        "<|im_start|>user",
+    ] {
+        let ids = tok.encode(text).expect("encode");
+        let bytes: Vec<u8> = ids
+            .iter()
+            .flat_map(|&id| tok.token_bytes(id).expect("token bytes"))
+            .collect();
+        assert_eq!(String::from_utf8_lossy(&bytes), text, "{ids:?}");
+    }
+    // A byte token standing for part of a character has that byte alone.
+    let ids = tok.encode("\u{1F642}").expect("encode");
+    if ids.len() > 1 {
+        let first = tok.token_bytes(ids[0]).expect("token bytes");
+        assert!(std::str::from_utf8(&first).is_err(), "{first:?}");
+    }
+}

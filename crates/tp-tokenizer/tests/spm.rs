@@ -107,6 +107,17 @@ fn decode_and_stream() {
             "case {}",
             case.name
         );
+        // Token bytes: the text with the space SentencePiece put in front.
+        let bytes: Vec<u8> = ids[1..]
+            .iter()
+            .flat_map(|&id| tok.token_bytes(id).expect("token bytes"))
+            .collect();
+        assert_eq!(
+            bytes.strip_prefix(b" ").unwrap_or(&bytes),
+            case.text.as_bytes(),
+            "case {}",
+            case.name
+        );
         let (streamed, pieces) = stream_all(&mut tok.stream(), &ids);
         assert_eq!(streamed, case.text, "case {}", case.name);
         assert!(

@@ -230,6 +230,8 @@ pub struct Streamed {
     pub finish_reason: String,
     pub usage: Option<serde_json::Value>,
     pub chunks: usize,
+    /// The `logprobs` object of every chunk that had one (not null), in order.
+    pub logprobs: Vec<serde_json::Value>,
 }
 
 pub fn read_stream(client: &Client, path: &str, body: &serde_json::Value) -> Streamed {
@@ -240,6 +242,7 @@ pub fn read_stream(client: &Client, path: &str, body: &serde_json::Value) -> Str
         finish_reason: String::new(),
         usage: None,
         chunks: 0,
+        logprobs: Vec::new(),
     };
     loop {
         let data = s
@@ -267,6 +270,9 @@ pub fn read_stream(client: &Client, path: &str, body: &serde_json::Value) -> Str
             .or_else(|| choice["text"].as_str())
             .unwrap_or("");
         out.text.push_str(piece);
+        if !choice["logprobs"].is_null() {
+            out.logprobs.push(choice["logprobs"].clone());
+        }
         if let Some(f) = choice["finish_reason"].as_str() {
             out.finish_reason = f.to_string();
         }

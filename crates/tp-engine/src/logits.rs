@@ -1,0 +1,247 @@
+//! Work on one row of logits besides sampling: OpenAI's presence and frequency penalties
+//! ([`Penalties`], applied before the [`crate::Sampler`] sees the row) and log-probabilities
+//! of the model's own distribution ([`log_softmax`], [`top_logprobs`]).
+//!
+//! Log-probabilities are computed from the raw logits (before penalties, temperature, top-k
+//! or top-p), in f64 so that a row of 150k logits still sums to one within 1e-9.
+
+use crate::error::{EngineError, Result};
+use std::collections::HashMap;
+
+/// Presence and frequency penalties over the tokens a sequence generated so far (OpenAI's
+/// definition): `logit[j] -= count[j] * frequency + (count[j] > 0) * presence`.
+#[derive(Clone, Debug, Default)]
+pub struct Penalties {
+    presence: f32,
+    frequency: f32,
+    /// How often each generated id occurred.
+    counts: HashMap<u32, u32>,
+}
+
+/// Largest magnitude of either penalty (OpenAI's range is [-2, 2]).
+pub const MAX_PENALTY: f32 = 2.0;
+
+impl Penalties {
+    /// Penalties in `[-2, 2]`; anything else (NaN included) is refused, naming the parameter.
+    pub fn new(presence: f32, frequency: f32) -> Result<Self> {
+        for (name, v) in [
+            ("presence_penalty", presence),
+            ("frequency_penalty", frequency),
+        ] {
+            if !v.is_finite() || v.abs() > MAX_PENALTY {
+                return Err(EngineError::Param {
+                    name,
+                    message: format!("{v} is not in [-2, 2]"),
+                });
+            }
+        }
+        Ok(Penalties {
+            presence,
+            frequency,
+            counts: HashMap::new(),
+        })
+    }
+
+    /// Whether [`Penalties::apply`] changes anything at all.
+    pub fn is_active(&self) -> bool {
+        self.presence != 0.0 || self.frequency != 0.0
+    }
+
+    /// Counts one generated token.
+    pub fn observe(&mut self, token: u32) {
+        if self.is_active() {
+            *self.counts.entry(token).or_insert(0) += 1;
+        }
+    }
+
+    /// Penalizes `logits [vocab]` in place; ids beyond the row are ignored.
+    pub fn apply(&self, logits: &mut [f32]) {
+        if !self.is_active() {
+            return;
+        }
+        for (&id, &n) in &self.counts {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l -= n as f32 * self.frequency + self.presence;
+            }
+        }
+    }
+}
+
+/// `ln(sum(exp(logits)))`, in f64, shifted by the maximum so it never overflows. NaN in, NaN out.
+pub fn log_sum_exp(logits: &[f32]) -> f64 {
+    let max = logits
+        .iter()
+        .fold(f64::NEG_INFINITY, |m, &l| m.max(f64::from(l)));
+    if !max.is_finite() {
+        // All -inf (or +inf somewhere): the shift would give NaN; the max is the answer.
+        return max;
+    }
+    let sum: f64 = logits.iter().map(|&l| (f64::from(l) - max).exp()).sum();
+    max + sum.ln()
+}
+
+/// The log-probability of every id: `logit - log_sum_exp(logits)`.
+pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let lse = log_sum_exp(logits);
+    logits.iter().map(|&l| f64::from(l) - lse).collect()
+}
+
+/// The log-probabilities of one generated token: its own and those of the `k` most likely
+/// ids (highest first, ties by id), all of the raw distribution of `logits`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f64,
+    pub top: Vec<(u32, f64)>,
+}
+
+/// Log-probabilities of `token` and of the `k` most likely ids of `logits [vocab]`. NaN logits
+/// and a token outside the row are errors.
+pub fn top_logprobs(logits: &[f32], token: u32, k: usize) -> Result<TokenLogprobs> {
+    let Some(&chosen) = logits.get(token as usize) else {
+        return Err(EngineError::Internal(format!(
+            "token {token} is outside a row of {} logits",
+            logits.len()
+        )));
+    };
+    if logits.iter().any(|v| v.is_nan()) {
+        return Err(EngineError::Internal(
+            "the model produced NaN logits; check the model file and --dtype".into(),
+        ));
+    }
+    let lse = log_sum_exp(logits);
+    let k = k.min(logits.len());
+    let mut top: Vec<(f32, u32)> = Vec::new();
+    if k > 0 {
+        // Highest first, ties by id: a total order, so the result never depends on the
+        // selection algorithm.
+        let order = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+        top = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (l, i as u32))
+            .collect();
+        if k < top.len() {
+            top.select_nth_unstable_by(k - 1, order);
+            top.truncate(k);
+        }
+        top.sort_unstable_by(order);
+    }
+    Ok(TokenLogprobs {
+        token,
+        logprob: f64::from(chosen) - lse,
+        top: top
+            .into_iter()
+            .map(|(l, id)| (id, f64::from(l) - lse))
+            .collect(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deterministic row with a wide spread and repeated values.
+    fn row(n: usize) -> Vec<f32> {
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        (0..n)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                if i % 97 == 0 {
+                    5.0
+                } else {
+                    (x % 4000) as f32 / 100.0 - 20.0
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn log_softmax_is_a_distribution() {
+        for n in [1, 2, 1000, 151_936] {
+            let lp = log_softmax(&row(n));
+            let total: f64 = lp.iter().map(|l| l.exp()).sum();
+            assert!((total - 1.0).abs() < 1e-9, "n={n}: {total}");
+            assert!(lp.iter().all(|&l| l <= 0.0));
+        }
+        // Huge logits neither overflow nor lose the distribution.
+        let lp = log_softmax(&[1000.0, 1000.0, f32::NEG_INFINITY]);
+        assert!((lp[0] - 0.5f64.ln()).abs() < 1e-12);
+        assert_eq!(lp[2], f64::NEG_INFINITY);
+    }
+
+    #[test]
+    fn top_k_is_sorted_with_ties_by_id() {
+        let logits = [1.0f32, 3.0, 3.0, -2.0, 3.0, 0.5];
+        let t = top_logprobs(&logits, 3, 4).unwrap();
+        let ids: Vec<u32> = t.top.iter().map(|&(id, _)| id).collect();
+        assert_eq!(ids, vec![1, 2, 4, 0]);
+        let lp = log_softmax(&logits);
+        assert_eq!(t.logprob, lp[3]);
+        for &(id, l) in &t.top {
+            assert_eq!(l, lp[id as usize]);
+        }
+        assert!(t.top.windows(2).all(|w| w[0].1 >= w[1].1));
+        // k beyond the row, and k = 0.
+        assert_eq!(top_logprobs(&logits, 0, 50).unwrap().top.len(), 6);
+        assert!(top_logprobs(&logits, 0, 0).unwrap().top.is_empty());
+        // On a big row the selection agrees with a full sort.
+        let big = row(5000);
+        let t = top_logprobs(&big, 7, 20).unwrap();
+        let mut all: Vec<(f32, u32)> = big
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (l, i as u32))
+            .collect();
+        all.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let want: Vec<u32> = all[..20].iter().map(|&(_, id)| id).collect();
+        let got: Vec<u32> = t.top.iter().map(|&(id, _)| id).collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn bad_rows_are_errors() {
+        assert!(top_logprobs(&[0.0, 1.0], 2, 1).is_err());
+        assert!(top_logprobs(&[f32::NAN, 1.0], 1, 1).is_err());
+        assert!(top_logprobs(&[], 0, 0).is_err());
+    }
+
+    #[test]
+    fn penalties_follow_openai() {
+        let mut p = Penalties::new(0.5, 1.0).unwrap();
+        for t in [2, 2, 5, 9] {
+            p.observe(t);
+        }
+        let mut logits = vec![0.0f32; 6];
+        p.apply(&mut logits);
+        // id 2: twice (2 * 1.0 + 0.5); id 5: once (1.0 + 0.5); id 9 is outside the row.
+        assert_eq!(logits, vec![0.0, 0.0, -2.5, 0.0, 0.0, -1.5]);
+        // Negative penalties encourage repeats.
+        let mut p = Penalties::new(-1.0, 0.0).unwrap();
+        p.observe(1);
+        p.observe(1);
+        let mut logits = vec![0.0f32; 3];
+        p.apply(&mut logits);
+        assert_eq!(logits, vec![0.0, 1.0, 0.0]);
+        // Zero penalties change nothing and count nothing.
+        let mut p = Penalties::new(0.0, 0.0).unwrap();
+        p.observe(0);
+        assert!(!p.is_active() && p.counts.is_empty());
+    }
+
+    #[test]
+    fn penalties_out_of_range_are_named() {
+        for (pres, freq, name) in [
+            (2.5, 0.0, "presence_penalty"),
+            (0.0, -2.01, "frequency_penalty"),
+            (f32::NAN, 0.0, "presence_penalty"),
+            (0.0, f32::INFINITY, "frequency_penalty"),
+        ] {
+            let e = Penalties::new(pres, freq).unwrap_err().to_string();
+            assert!(e.contains(name), "{e}");
+        }
+        assert!(Penalties::new(-2.0, 2.0).is_ok());
+    }
+}
