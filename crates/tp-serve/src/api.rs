@@ -1,17 +1,18 @@
-//! The OpenAI wire format: requests of `/v1/chat/completions` and `/v1/completions` checked
-//! field by field (every refusal names its parameter, as vLLM and OpenAI do), and the
-//! response bodies, streamed chunks included.
+//! The OpenAI wire format, requests: bodies of `/v1/chat/completions` and `/v1/completions`
+//! checked field by field (every refusal names its parameter, as vLLM and OpenAI do).
 //!
 //! Requests are read as a `serde_json::Value` and then walked by hand rather than derived
 //! with serde: a derived reader reports "invalid type at line 1 column 40", not the parameter.
 //!
-//! Log-probabilities ([`LogprobEntry`]) are written in OpenAI's two shapes: per-token objects
-//! under `logprobs.content` for chat, and the legacy parallel arrays (`tokens`,
-//! `token_logprobs`, `top_logprobs`, `text_offset`) for completions.
+//! The response bodies are built in [`crate::response`], re-exported here.
 
 use crate::error::{json_kind, ApiError};
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 use tp_tokenizer::ChatMessage;
+
+pub use crate::response::{
+    logprobs_json, LogprobEntry, ResponseMeta, TokenInfo, Usage, LOGPROB_FLOOR,
+};
 
 /// Which endpoint a request came to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,10 +74,6 @@ pub const MAX_STOPS: usize = 4;
 /// Most alternatives per token: chat `top_logprobs` (OpenAI's limit) and completions
 /// `logprobs` (OpenAI allows 5; 20 is accepted as vLLM does).
 pub const MAX_TOP_LOGPROBS: usize = 20;
-
-/// What is reported for a log-probability that is not a finite number (a token the model
-/// rules out with a logit of -inf): OpenAI's stand-in for minus infinity.
-pub const LOGPROB_FLOOR: f64 = -9999.0;
 
 /// Reads a request body: UTF-8, JSON, an object, then each parameter.
 pub fn parse_request(
@@ -598,212 +595,6 @@ fn check_unsupported(r: &Reader<'_>, endpoint: Endpoint) -> Result<(), ApiError>
     Ok(())
 }
 
-/// Token counts of a finished request.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
-}
-
-impl Usage {
-    pub fn json(&self) -> Value {
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        })
-    }
-}
-
-/// One token as log-probability reports show it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenInfo {
-    /// The token's own text (lossy when `bytes` is part of a UTF-8 character).
-    pub token: String,
-    /// Its exact bytes.
-    pub bytes: Vec<u8>,
-    /// Of the model's raw distribution (before penalties, temperature, top-k and top-p).
-    pub logprob: f64,
-}
-
-impl TokenInfo {
-    pub fn new(bytes: Vec<u8>, logprob: f64) -> Self {
-        TokenInfo {
-            token: String::from_utf8_lossy(&bytes).into_owned(),
-            bytes,
-            logprob,
-        }
-    }
-
-    /// The log-probability as reported: finite, [`LOGPROB_FLOOR`] at worst.
-    pub fn reported(&self) -> f64 {
-        if self.logprob.is_finite() {
-            self.logprob.max(LOGPROB_FLOOR)
-        } else {
-            LOGPROB_FLOOR
-        }
-    }
-
-    fn chat_json(&self) -> Value {
-        json!({"token": self.token, "logprob": self.reported(), "bytes": self.bytes})
-    }
-}
-
-/// A generated token's log-probability report.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LogprobEntry {
-    pub chosen: TokenInfo,
-    /// The most likely tokens, highest first (ties by id).
-    pub top: Vec<TokenInfo>,
-    /// Where the token's text starts in the returned text, in characters.
-    pub text_offset: usize,
-}
-
-/// The `logprobs` object of a choice for `entries`, in the endpoint's shape.
-pub fn logprobs_json(endpoint: Endpoint, entries: &[LogprobEntry]) -> Value {
-    match endpoint {
-        Endpoint::Chat => {
-            let content: Vec<Value> = entries
-                .iter()
-                .map(|e| {
-                    let mut v = e.chosen.chat_json();
-                    v["top_logprobs"] = e.top.iter().map(TokenInfo::chat_json).collect();
-                    v
-                })
-                .collect();
-            json!({ "content": content })
-        }
-        Endpoint::Completions => {
-            let top: Vec<Value> = entries
-                .iter()
-                .map(|e| {
-                    // As OpenAI: the alternatives and the chosen token (up to k + 1 entries).
-                    let mut m = Map::new();
-                    for t in e.top.iter().chain(std::iter::once(&e.chosen)) {
-                        m.entry(t.token.clone()).or_insert(json!(t.reported()));
-                    }
-                    Value::Object(m)
-                })
-                .collect();
-            json!({
-                "tokens": entries.iter().map(|e| e.chosen.token.as_str()).collect::<Vec<_>>(),
-                "token_logprobs": entries.iter().map(|e| e.chosen.reported()).collect::<Vec<_>>(),
-                "top_logprobs": top,
-                "text_offset": entries.iter().map(|e| e.text_offset).collect::<Vec<_>>(),
-            })
-        }
-    }
-}
-
-/// Identity of one response: its id, creation time and model name.
-#[derive(Clone, Debug)]
-pub struct ResponseMeta {
-    pub id: String,
-    pub created: u64,
-    pub model: String,
-    pub endpoint: Endpoint,
-}
-
-impl ResponseMeta {
-    fn object(&self, chunk: bool) -> &'static str {
-        match (self.endpoint, chunk) {
-            (Endpoint::Chat, false) => "chat.completion",
-            (Endpoint::Chat, true) => "chat.completion.chunk",
-            (Endpoint::Completions, _) => "text_completion",
-        }
-    }
-
-    fn logprobs(&self, entries: Option<&[LogprobEntry]>) -> Value {
-        entries.map_or(Value::Null, |e| logprobs_json(self.endpoint, e))
-    }
-
-    /// The whole answer (non-streaming); `logprobs` when they were asked for.
-    pub fn full(
-        &self,
-        text: &str,
-        finish_reason: &str,
-        usage: Usage,
-        logprobs: Option<&[LogprobEntry]>,
-    ) -> Value {
-        let choice = match self.endpoint {
-            Endpoint::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": self.logprobs(logprobs),
-                "finish_reason": finish_reason,
-            }),
-            Endpoint::Completions => json!({
-                "index": 0,
-                "text": text,
-                "logprobs": self.logprobs(logprobs),
-                "finish_reason": finish_reason,
-            }),
-        };
-        json!({
-            "id": self.id,
-            "object": self.object(false),
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": usage.json(),
-        })
-    }
-
-    /// A streamed piece: the opening role chunk (chat, `text` None and `role`), a text delta
-    /// (with the log-probabilities of its tokens when they were asked for), or the closing
-    /// chunk with `finish_reason`.
-    pub fn chunk(
-        &self,
-        role: bool,
-        text: Option<&str>,
-        finish_reason: Option<&str>,
-        logprobs: Option<&[LogprobEntry]>,
-    ) -> Value {
-        let choice = match self.endpoint {
-            Endpoint::Chat => {
-                let mut delta = Map::new();
-                if role {
-                    delta.insert("role".into(), json!("assistant"));
-                }
-                if let Some(t) = text {
-                    delta.insert("content".into(), json!(t));
-                }
-                json!({
-                    "index": 0,
-                    "delta": delta,
-                    "logprobs": self.logprobs(logprobs),
-                    "finish_reason": finish_reason,
-                })
-            }
-            Endpoint::Completions => json!({
-                "index": 0,
-                "text": text.unwrap_or(""),
-                "logprobs": self.logprobs(logprobs),
-                "finish_reason": finish_reason,
-            }),
-        };
-        json!({
-            "id": self.id,
-            "object": self.object(true),
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        })
-    }
-
-    /// The usage chunk sent last when `stream_options.include_usage` is set.
-    pub fn usage_chunk(&self, usage: Usage) -> Value {
-        json!({
-            "id": self.id,
-            "object": self.object(true),
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": usage.json(),
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -943,84 +734,6 @@ mod tests {
         }
         let e = parse_request(Endpoint::Chat, b"\xc3\x28", "m").unwrap_err();
         assert!(e.message.contains("UTF-8"), "{}", e.message);
-    }
-
-    #[test]
-    fn chunks_have_the_openai_shape() {
-        let meta = ResponseMeta {
-            id: "x".into(),
-            created: 1,
-            model: "m".into(),
-            endpoint: Endpoint::Chat,
-        };
-        let c = meta.chunk(true, Some(""), None, None);
-        assert_eq!(c["object"], "chat.completion.chunk");
-        assert_eq!(c["choices"][0]["delta"]["role"], "assistant");
-        let f = meta.full(
-            "hi",
-            "stop",
-            Usage {
-                prompt_tokens: 2,
-                completion_tokens: 1,
-            },
-            None,
-        );
-        assert_eq!(f["choices"][0]["message"]["content"], "hi");
-        assert_eq!(f["choices"][0]["logprobs"], Value::Null);
-        assert_eq!(f["usage"]["total_tokens"], 3);
-    }
-
-    fn entries() -> Vec<LogprobEntry> {
-        vec![
-            LogprobEntry {
-                chosen: TokenInfo::new(b"h".to_vec(), -0.5),
-                top: vec![
-                    TokenInfo::new(b"h".to_vec(), -0.5),
-                    TokenInfo::new(vec![0xe2], -1.5),
-                ],
-                text_offset: 0,
-            },
-            LogprobEntry {
-                chosen: TokenInfo::new(b"i".to_vec(), f64::NEG_INFINITY),
-                top: vec![],
-                text_offset: 1,
-            },
-        ]
-    }
-
-    #[test]
-    fn chat_logprobs_have_the_openai_shape() {
-        let v = logprobs_json(Endpoint::Chat, &entries());
-        let c = &v["content"];
-        assert_eq!(c[0]["token"], "h");
-        assert_eq!(c[0]["logprob"], -0.5);
-        assert_eq!(c[0]["bytes"], json!([104]));
-        assert_eq!(c[0]["top_logprobs"][1]["token"], "\u{FFFD}");
-        assert_eq!(c[0]["top_logprobs"][1]["bytes"], json!([0xe2]));
-        assert_eq!(c[1]["logprob"], LOGPROB_FLOOR);
-        assert_eq!(c[1]["top_logprobs"], json!([]));
-        let meta = ResponseMeta {
-            id: "x".into(),
-            created: 1,
-            model: "m".into(),
-            endpoint: Endpoint::Chat,
-        };
-        let e = entries();
-        let chunk = meta.chunk(false, Some("hi"), None, Some(&e));
-        assert_eq!(chunk["choices"][0]["logprobs"], v);
-        let empty = meta.full("", "stop", Usage::default(), Some(&[]));
-        assert_eq!(empty["choices"][0]["logprobs"], json!({"content": []}));
-    }
-
-    #[test]
-    fn completion_logprobs_have_the_legacy_shape() {
-        let v = logprobs_json(Endpoint::Completions, &entries());
-        assert_eq!(v["tokens"], json!(["h", "i"]));
-        assert_eq!(v["token_logprobs"], json!([-0.5, LOGPROB_FLOOR]));
-        assert_eq!(v["text_offset"], json!([0, 1]));
-        assert_eq!(v["top_logprobs"][0], json!({"h": -0.5, "\u{FFFD}": -1.5}));
-        // The chosen token is always among the alternatives.
-        assert_eq!(v["top_logprobs"][1], json!({"i": LOGPROB_FLOOR}));
     }
 
     #[test]

@@ -6,6 +6,7 @@ pub mod api;
 pub mod client;
 pub mod error;
 pub mod metrics;
+pub mod response;
 pub mod scheduler;
 pub mod server;
 
