@@ -1,15 +1,22 @@
 //! Training under mpirun, one rank per process: at 4 processes every layout (tp2 x pp2,
-//! tp2 x dp2, pp2 x dp2, tp4, pp4, dp4) follows the tp1 loss curve within 1e-4 for 20 steps.
+//! tp2 x dp2, pp2 x dp2, tp4, pp4, dp4) and at 3 processes the uneven ones (tp3: heads 2/1/1,
+//! a KV head on two ranks, FFN and vocabulary split unevenly; pp3: 4 layers over 3 stages)
+//! follow the tp1 loss curve within 1e-4 for 20 steps.
 #![cfg(feature = "mpi")]
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[test]
-fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
+/// Runs `tp-train-mpi-check` under `mpirun -n n` (deadline 300 s); its whole output.
+fn mpi_check(n: usize) -> String {
     let t0 = Instant::now();
     let mut child = Command::new("mpirun")
-        .args(["--allow-run-as-root", "--oversubscribe", "-n", "4"])
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-n",
+            &n.to_string(),
+        ])
         .arg(env!("CARGO_BIN_EXE_tp-train-mpi-check"))
         .env("RAYON_NUM_THREADS", "1")
         .stdout(Stdio::piped())
@@ -22,7 +29,7 @@ fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
         }
         if t0.elapsed() > Duration::from_secs(300) {
             let _ = child.kill();
-            panic!("mpirun -n 4 tp-train-mpi-check hung");
+            panic!("mpirun -n {n} tp-train-mpi-check hung");
         }
         std::thread::sleep(Duration::from_millis(50));
     };
@@ -30,6 +37,12 @@ fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
     let text =
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(status.success(), "{text}");
+    text
+}
+
+#[test]
+fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
+    let text = mpi_check(4);
     // 6 layouts, checked by each of the 4 ranks.
     assert!(text.contains("24 passed, 0 failed"), "{text}");
     for l in [
@@ -40,6 +53,16 @@ fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
         "tp=1 pp=4 dp=1",
         "tp=1 pp=1 dp=4",
     ] {
+        assert!(text.contains(l), "{l} missing: {text}");
+    }
+}
+
+#[test]
+fn uneven_layouts_match_tp1_under_mpirun_with_3_processes() {
+    let text = mpi_check(3);
+    // tp3 and pp3, checked by each of the 3 ranks.
+    assert!(text.contains("6 passed, 0 failed"), "{text}");
+    for l in ["tp=3 pp=1 dp=1", "tp=1 pp=3 dp=1"] {
         assert!(text.contains(l), "{l} missing: {text}");
     }
 }
