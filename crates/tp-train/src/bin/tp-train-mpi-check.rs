@@ -1,7 +1,8 @@
 //! Under mpirun: 20 training steps of the fixture model at every layout whose size is the
 //! number of processes (tp2 x pp2, tp2 x dp2, pp2 x dp2, tp4, pp4, dp4 at 4 processes; tp3
-//! and pp3 at 3), one rank per process, each against the tp1 loss curve computed inside this process on the local
-//! backend. Every rank checks every step; rank 0 prints `N passed, N failed`.
+//! and pp3 at 3), one rank per process, each against the tp1 loss curve computed inside this
+//! process on the local backend. Every rank checks every step; rank 0 prints `N passed, N
+//! failed`.
 
 use std::process::ExitCode;
 use std::time::Duration;
