@@ -9,8 +9,12 @@
 //! on the row-parallel shapes, timing the two alternately so that both see the same machine
 //! load; `TP_BENCH_ONLY=wide` runs only that table.
 
-use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QMatMul, QTensor};
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use candle_core::quantized::{ggml_file::qtensor_from_ggml, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
+use common::ggml_dtype;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 use tp_kernels::{simd_level, DenseMatrix, QuantMatrix, QuantType};
@@ -58,27 +62,12 @@ fn read_bandwidth() -> f64 {
     (256 << 20) as f64 / times[times.len() / 2] / 1e9
 }
 
+/// Small weights and activations: [`common::uniform_values`] scaled by 0.1.
 fn values(len: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
-        })
+    common::uniform_values(len, seed)
+        .into_iter()
+        .map(|v| v * 0.1)
         .collect()
-}
-
-fn ggml_dtype(q: QuantType) -> GgmlDType {
-    match q {
-        QuantType::Q4_0 => GgmlDType::Q4_0,
-        QuantType::Q4_1 => GgmlDType::Q4_1,
-        QuantType::Q8_0 => GgmlDType::Q8_0,
-        QuantType::Q5_0 => GgmlDType::Q5_0,
-        QuantType::Q4_K => GgmlDType::Q4K,
-        QuantType::Q6_K => GgmlDType::Q6K,
-    }
 }
 
 struct Row {

@@ -1,6 +1,9 @@
 //! Public API behaviour that needs no oracle: typed errors on bad inputs, zero-size edge
 //! cases, and the dense f32/f16 matrices against an f64 reference.
 
+mod common;
+
+use common::uniform_values;
 use proptest::prelude::*;
 use tp_kernels::{simd_level, DenseMatrix, KernelError, QuantMatrix, QuantType};
 
@@ -229,23 +232,11 @@ fn dense_constructors_and_calls_reject_wrong_lengths() {
     assert!(m.dequantize_row(1, &mut [0.0; 2]).is_err());
 }
 
-fn values(len: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect()
-}
-
 /// Dense matmul against an f64 reference: f32 accumulation of `cols` products errs by at most
 /// about `cols * eps * sum |x w|` (a loose, always-valid bound).
 fn check_dense(rows: usize, cols: usize, n: usize, seed: u64) {
-    let w = values(rows * cols, seed);
-    let x = values(n * cols, seed + 1);
+    let w = uniform_values(rows * cols, seed);
+    let x = uniform_values(n * cols, seed + 1);
     let f32m = DenseMatrix::from_f32(rows, cols, w.clone()).unwrap();
     let f16m = DenseMatrix::from_f32_as_f16(rows, cols, &w).unwrap();
     for (m, is_f16) in [(f32m, false), (f16m, true)] {

@@ -3,8 +3,11 @@
 //! derived bound, and matmul against candle's own quantized matmul within a much tighter one;
 //! `matmul_wide_acc` against llama.cpp's arithmetic written out in f64.
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+mod common;
+
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
+use common::{ggml_dtype, Uniform};
 use proptest::prelude::*;
 use tp_kernels::{QuantMatrix, QuantType};
 
@@ -17,17 +20,6 @@ const QTYPES: [QuantType; 6] = [
     QuantType::Q6_K,
 ];
 
-fn ggml_dtype(q: QuantType) -> GgmlDType {
-    match q {
-        QuantType::Q4_0 => GgmlDType::Q4_0,
-        QuantType::Q4_1 => GgmlDType::Q4_1,
-        QuantType::Q8_0 => GgmlDType::Q8_0,
-        QuantType::Q5_0 => GgmlDType::Q5_0,
-        QuantType::Q4_K => GgmlDType::Q4K,
-        QuantType::Q6_K => GgmlDType::Q6K,
-    }
-}
-
 /// Keeps candle on its ggml-style kernels (Q8_0/Q8_1 activation blocks of 32). On AVX-512
 /// VNNI machines candle 0.11.1 otherwise routes some Q8_0 shapes (rows % 16 == 0 and
 /// cols % 256 == 0) through repacked kernels with 256-wide activation blocks, a different
@@ -39,13 +31,8 @@ fn pin_candle_kernels() {
 /// Deterministic values: a xorshift stream mapped to roughly N(0, 1) (sum of 4 uniforms),
 /// with the per-32-block magnitude varying by up to 16x so blocks get different scales.
 fn values(len: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut uniform = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    };
+    let mut u = Uniform::new(seed);
+    let mut uniform = move || u.sample();
     let mut block_mag = 1.0;
     (0..len)
         .map(|i| {

@@ -3,31 +3,18 @@
 //! of the input columns, each rank's f64 part summed in rank order, rounds to the same f32
 //! bits as the unsplit product, for 1 to 4 ranks and balanced or uneven splits.
 
-use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{Device, Tensor};
-use tp_kernels::{DenseMatrix, QuantMatrix, QuantType};
+mod common;
 
-fn ggml_dtype(q: QuantType) -> GgmlDType {
-    match q {
-        QuantType::Q4_0 => GgmlDType::Q4_0,
-        QuantType::Q4_1 => GgmlDType::Q4_1,
-        QuantType::Q8_0 => GgmlDType::Q8_0,
-        QuantType::Q5_0 => GgmlDType::Q5_0,
-        QuantType::Q4_K => GgmlDType::Q4K,
-        QuantType::Q6_K => GgmlDType::Q6K,
-    }
-}
+use candle_core::quantized::QTensor;
+use candle_core::{Device, Tensor};
+use common::{ggml_dtype, Uniform};
+use tp_kernels::{DenseMatrix, QuantMatrix, QuantType};
 
 /// Roughly N(0, 1) values whose magnitude changes per 32-block by up to 16x, with an
 /// occasional outlier 20x larger (activations of real models have such columns).
 fn values(len: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut uniform = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    };
+    let mut u = Uniform::new(seed);
+    let mut uniform = move || u.sample();
     let mut block_mag = 1.0;
     (0..len)
         .map(|i| {
