@@ -338,11 +338,8 @@ impl ChildServer {
             let left = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(left) {
                 Ok(line) => {
-                    if let Some(rest) = line.strip_prefix("listening on http://") {
-                        let a = rest.split_whitespace().next().unwrap_or("");
-                        break a
-                            .parse()
-                            .with_context(|| format!("bad address in {line:?}"))?;
+                    if let Some(banner) = tp_serve::banner::parse_listening_line(&line) {
+                        break banner.map_err(anyhow::Error::msg)?.addr;
                     }
                 }
                 Err(_) => {

@@ -160,9 +160,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
             );
         }
         println!(
-            "listening on http://{} (model '{model_name}', tp {tp}, pid {})",
-            server.addr,
-            std::process::id()
+            "{}",
+            tp_serve::banner::listening_line(server.addr, &model_name, tp, std::process::id())
         );
         std::io::stdout().flush()?;
         let result = tp_serve::scheduler::run(

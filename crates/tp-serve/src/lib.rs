@@ -3,6 +3,7 @@
 //! [`server`] (axum) on a tokio runtime thread; they talk through channels.
 
 pub mod api;
+pub mod banner;
 pub mod client;
 pub mod error;
 pub mod metrics;

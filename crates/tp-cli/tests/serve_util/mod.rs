@@ -101,15 +101,9 @@ impl ServerProc {
             let left = STARTUP.saturating_sub(t0.elapsed());
             match rx.recv_timeout(left) {
                 Ok(line) => {
-                    if let Some(rest) = line.strip_prefix("listening on http://") {
-                        let addr = rest.split_whitespace().next().unwrap_or("");
-                        let addr = addr
-                            .parse::<SocketAddr>()
-                            .unwrap_or_else(|e| panic!("bad address in {line:?}: {e}"));
-                        let pid = line
-                            .rsplit_once("pid ")
-                            .and_then(|(_, p)| p.trim_end_matches(')').parse().ok());
-                        break (addr, pid);
+                    if let Some(banner) = tp_serve::banner::parse_listening_line(&line) {
+                        let banner = banner.unwrap_or_else(|e| panic!("{e}"));
+                        break (banner.addr, banner.pid);
                     }
                 }
                 Err(_) => {
