@@ -18,6 +18,7 @@
 #   scripts/cluster.sh status                hosts, addresses, rate, processes inside
 #   scripts/cluster.sh addr K                host K's address
 #   scripts/cluster.sh exec K COMMAND...     run COMMAND inside host K's namespace
+#   scripts/cluster.sh pids K                ids of the processes running on host K
 #   scripts/cluster.sh link K down|up        cut or reconnect host K's cable (in the bridge namespace)
 #
 # Environment:
@@ -27,6 +28,8 @@
 #                             only inside the namespaces (no route out, the root namespace untouched)
 #   TP_CLUSTER_BIND_K="SRC:DST ..."  (test aid, read by `run`) processes on host K see SRC at DST
 #                             (bind mounts private to that host), e.g. another model file or binary
+#   TP_CLUSTER_PROBE=0        (drill aid) `run` skips the ping of every host, so that mpirun itself
+#                             meets an unreachable host
 #   TP_*, RUST_BACKTRACE, RUST_LOG   set when calling `run`: forwarded to every rank (mpirun -x),
 #                             as a real cluster needs (ranks on other hosts start from a clean
 #                             environment, as over ssh: PATH, HOME, TP_HOST)
@@ -267,6 +270,7 @@ cmd_run() {
     [[ -r $hostfile ]] || die "cannot read the hostfile $hostfile"
     local addr
     for addr in $(sed -e 's/#.*//' "$hostfile" | awk 'NF {print $1}'); do
+        [[ ${TP_CLUSTER_PROBE:-1} == 0 ]] && break
         probe "$addr" || die "host $addr (in $hostfile) does not answer from host 1 ($(host_addr 1)); is it up, is its link cut? ($0 status)"
     done
     local fwd=() v
@@ -318,7 +322,7 @@ main() {
     local cmd=${1:-}
     check_name
     case $cmd in
-        up | down | run | exec | link | status)
+        up | down | run | exec | link | status | pids)
             need_root "$@"
             ;;
     esac
@@ -346,6 +350,10 @@ main() {
             shift 2
             [[ $# -gt 0 ]] || die "exec $k: no command"
             exec ip netns exec "$(host_ns "$k")" "$@"
+            ;;
+        pids)
+            check_host_arg "${2:-}"
+            ip netns pids "$(host_ns "$2")"
             ;;
         link)
             check_host_arg "${2:-}"

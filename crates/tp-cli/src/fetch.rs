@@ -55,6 +55,25 @@ pub fn ensure(model: &PinnedModel) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
+/// Path of `model` in the cache without fetching it: under mpirun every host must already hold
+/// the model (a download from every host at once, or from a host without network, is no
+/// way to start a job).
+pub fn cached(model: &PinnedModel) -> anyhow::Result<PathBuf> {
+    let dir = cache_dir()?;
+    let path = dir.join(model.folder).join(model.file);
+    if !path.is_file() {
+        bail!(
+            "the default model {} is not in the cache ({}) on this host; under mpirun every \
+             host needs it: run `tp generate \"hi\"` once on each host (it downloads the \
+             model), copy the file there, or pass --model",
+            model.name,
+            path.display()
+        );
+    }
+    verify_once(&path, model)?;
+    Ok(path)
+}
+
 /// Checks the checksum the first time a file is used, then remembers size and mtime in a
 /// marker beside it so later runs start at once.
 fn verify_once(path: &Path, model: &PinnedModel) -> anyhow::Result<()> {

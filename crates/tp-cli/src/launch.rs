@@ -2,6 +2,7 @@
 //! rank of an `mpirun` job (`mpi`), and reporting how each rank ended.
 
 use std::process::ExitCode;
+use std::sync::OnceLock;
 use std::time::Duration;
 use tp_comm::local::{self, LocalOptions};
 use tp_comm::{CommError, Group};
@@ -12,6 +13,30 @@ pub enum Backend {
     Local,
     /// One rank per process under mpirun (build with `--features mpi`).
     Mpi,
+}
+
+/// Each world rank's host under mpirun, as the ranks told each other at start.
+static HOSTS: OnceLock<Vec<String>> = OnceLock::new();
+
+/// The host of world rank `rank` for messages: under mpirun the name it reported at start
+/// (`$TP_HOST`, else its hostname); with local ranks "this host".
+pub fn host_of(rank: usize) -> String {
+    HOSTS
+        .get()
+        .and_then(|h| h.get(rank))
+        .cloned()
+        .unwrap_or_else(|| "this host".into())
+}
+
+/// "rank 0 = a, rank 1 = b" for every rank of the MPI job (empty with local ranks).
+fn host_map() -> String {
+    HOSTS.get().map_or(String::new(), |h| {
+        h.iter()
+            .enumerate()
+            .map(|(r, h)| format!("rank {r} = {h}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    })
 }
 
 /// An error a rank's work can end with: printed per rank, with a flight record when the
@@ -178,12 +203,14 @@ fn run_mpi<T, E: RankError>(
         verify: true,
         install_panic_hook: true,
     })?;
+    let _ = HOSTS.set(runtime.hosts().to_vec());
     let world = runtime.world();
     let rank = world.rank();
     match work(world) {
         Ok(v) => Ok(Ok((rank == 0).then_some(v))),
         Err(e) => {
-            eprintln!("rank {rank}: error: {e}");
+            eprintln!("rank {rank} on {}: error: {e}", host_of(rank));
+            eprintln!("rank {rank}: the job's hosts: {}", host_map());
             if let Some(f) = e.flight_record() {
                 eprint!("{f}");
             }

@@ -9,6 +9,8 @@ mod fetch;
 mod generate;
 mod inspect;
 mod launch;
+mod load_report;
+mod model_check;
 mod model_run;
 mod perplexity;
 mod selftest;

@@ -3,12 +3,13 @@
 
 use crate::fetch;
 use crate::launch::{run_ranks, Backend};
+use crate::load_report::{self, Counting, LoadStats};
+use crate::model_check::{check_same_model, open_and_identify};
 use crate::units::{parse_bytes, show_bytes};
 use anyhow::{bail, Context};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tp_engine::{Command, Worker};
 use tp_models::{
     open_checkpoint, rank_memory, Checkpoint, DenseDType, LoadOptions, RankMemory, ShardPlan,
@@ -186,67 +187,125 @@ fn describe_rank(
 }
 
 /// Loads the model on every rank and runs `lead` on rank 0 while the others follow its steps.
+/// Under mpirun every rank opens the model on its own host and the ranks check, before
+/// loading, that all hosts hold the same file (`model_check`). Rank 0 prints what each rank
+/// read and how long its load took.
 pub fn run_model<T: Send>(
     args: &ModelArgs,
     lead: impl Fn(&mut Session) -> anyhow::Result<T> + Sync,
 ) -> anyhow::Result<Result<Option<T>, ExitCode>> {
-    let path = args.model_path()?;
-    let ckpt: Arc<dyn Checkpoint> = Arc::from(
-        open_checkpoint(&path)
-            .with_context(|| format!("cannot load the model {}", path.display()))?,
-    );
-    let opts = args.load_options();
-    let cfg = ckpt.config().clone();
-    let ctx = args.ctx_size.unwrap_or(cfg.context);
-    if ctx == 0 {
+    let timeout = args.timeout()?;
+    if args.ctx_size == Some(0) {
         bail!("--ctx-size must be at least 1");
     }
-    // With local ranks the layout is known now: check it once, before starting any rank.
-    let world = match args.backend {
+    match args.backend {
         Backend::Local => {
+            // The layout is known now: check it once, before starting any rank.
+            let path = args.model_path()?;
+            let ckpt = open_checkpoint(&path)
+                .with_context(|| format!("cannot load the model {}", path.display()))?;
+            let ctx = args.ctx_size.unwrap_or(ckpt.config().context);
             let tp = args.tp_for(1)?;
             plan_and_check(args, &*ckpt, &path, tp, ctx, true)?;
-            tp
+            let file_bytes = std::fs::metadata(&path)
+                .ok()
+                .filter(|m| m.is_file())
+                .map(|m| m.len());
+            let model = Opened {
+                path: &path,
+                ckpt: &*ckpt,
+                ctx,
+                file_bytes,
+            };
+            run_ranks(Backend::Local, tp, timeout, |g| {
+                run_rank(args, &model, g, &lead)
+            })
         }
-        Backend::Mpi => 0, // decided by mpirun
-    };
-    run_ranks(
-        args.backend,
-        world,
-        args.timeout()?,
-        |g| -> anyhow::Result<Option<T>> {
+        Backend::Mpi => run_ranks(Backend::Mpi, 0, timeout, |g| {
+            // Each host's own copy; every rank learns whether all hosts have the same.
+            let path = match &args.model {
+                Some(p) => Ok(p.clone()),
+                None => fetch::cached(&fetch::SMOLLM2),
+            };
+            let opened = path.and_then(|p| open_and_identify(&p).map(|(c, id)| (p, c, id)));
+            let mine = opened
+                .as_ref()
+                .map(|(_, _, id)| *id)
+                .map_err(|e| format!("{e:#}"));
+            let shown = args
+                .model
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("(the default model)"));
+            check_same_model(&g, &shown, &mine)?;
+            // Every rank opened the same file: an error here cannot happen on one rank alone.
+            let (path, ckpt, id) = opened?;
+            let ctx = args.ctx_size.unwrap_or(ckpt.config().context);
             let tp = args.tp_for(g.size())?;
-            let rank = g.rank();
-            if args.backend == Backend::Mpi {
-                plan_and_check(args, &*ckpt, &path, tp, ctx, rank == 0)?;
-            }
-            let model = ShardedModel::load(&*ckpt, rank, tp, opts, ctx).with_context(|| {
-                format!("rank {rank} cannot load its shard of {}", path.display())
-            })?;
-            let mut worker = Worker::new(model, g.clone());
-            if rank != 0 {
-                worker.follow()?;
-                return Ok(None);
-            }
-            let tokenizer = match load_tokenizer(&path, &*ckpt) {
-                Ok(t) => t,
-                Err(e) => {
-                    let _ = worker.submit(Command::Exit);
-                    return Err(e);
-                }
+            plan_and_check(args, &*ckpt, &path, tp, ctx, g.rank() == 0)?;
+            let model = Opened {
+                path: &path,
+                ckpt: &*ckpt,
+                ctx,
+                file_bytes: Some(id.bytes),
             };
-            let mut session = Session {
-                worker,
-                tokenizer,
-                ctx_size: ctx,
-            };
-            let out = lead(&mut session);
-            // Release the followers whatever happened (a broken group fails here too, harmlessly).
-            let _ = session.worker.submit(Command::Exit);
-            out.map(Some)
-        },
-    )
+            run_rank(args, &model, g, &lead)
+        }),
+    }
     .map(|r| r.map(Option::flatten))
+}
+
+/// The model as a rank sees it, once opened and checked.
+struct Opened<'a> {
+    path: &'a Path,
+    ckpt: &'a dyn Checkpoint,
+    ctx: usize,
+    file_bytes: Option<u64>,
+}
+
+/// One rank: load its shard (timed, bytes counted, reported by rank 0), then lead or follow.
+fn run_rank<T>(
+    args: &ModelArgs,
+    m: &Opened<'_>,
+    g: tp_comm::Group,
+    lead: &(impl Fn(&mut Session) -> anyhow::Result<T> + Sync),
+) -> anyhow::Result<Option<T>> {
+    let tp = args.tp_for(g.size())?;
+    let rank = g.rank();
+    let counting = Counting::new(m.ckpt);
+    let started = Instant::now();
+    let model = ShardedModel::load(&counting, rank, tp, args.load_options(), m.ctx)
+        .with_context(|| format!("rank {rank} cannot load its shard of {}", m.path.display()))?;
+    let mine = LoadStats {
+        bytes: counting.bytes(),
+        time: started.elapsed(),
+    };
+    let all = load_report::gather(&g, mine)?;
+    if rank == 0 && !args.quiet {
+        for line in load_report::table(&all, m.file_bytes) {
+            eprintln!("# {line}");
+        }
+    }
+    let mut worker = Worker::new(model, g.clone());
+    if rank != 0 {
+        worker.follow()?;
+        return Ok(None);
+    }
+    let tokenizer = match load_tokenizer(m.path, m.ckpt) {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = worker.submit(Command::Exit);
+            return Err(e);
+        }
+    };
+    let mut session = Session {
+        worker,
+        tokenizer,
+        ctx_size: m.ctx,
+    };
+    let out = lead(&mut session);
+    // Release the followers whatever happened (a broken group fails here too, harmlessly).
+    let _ = session.worker.submit(Command::Exit);
+    out.map(Some)
 }
 
 /// Prints the per-rank memory plan (when `show`) and refuses a layout over the budget.

@@ -163,6 +163,16 @@ pub enum CommError {
         seq: u64,
         what: String,
     },
+    #[error(
+        "{differing} of {world} ranks run another build than rank 0 ({details}); every host \
+         must run the same build of the program: copy rank 0's to the others"
+    )]
+    BuildMismatch {
+        differing: usize,
+        world: usize,
+        /// Rank 0's and each differing rank's host and fingerprint.
+        details: String,
+    },
     #[error("MPI error: {0}")]
     Backend(String),
 }

@@ -20,6 +20,7 @@
 //! # Ok::<(), tp_comm::CommError>(())
 //! ```
 
+pub mod build;
 pub mod communicator;
 pub mod conformance;
 pub mod dtype;

@@ -12,6 +12,7 @@ mod comm;
 mod convert;
 mod notice;
 mod raw;
+mod startup;
 mod wait;
 
 pub use comm::MpiComm;
@@ -52,6 +53,8 @@ static INIT_CALLED: AtomicBool = AtomicBool::new(false);
 pub struct MpiRuntime {
     g: &'static notice::Global,
     world: Arc<MpiComm>,
+    /// Each world rank's host name, from the start-up exchange.
+    hosts: Vec<String>,
 }
 
 impl std::fmt::Debug for MpiRuntime {
@@ -65,7 +68,10 @@ impl std::fmt::Debug for MpiRuntime {
 }
 
 impl MpiRuntime {
-    /// Initializes MPI; a second call in the same process is an error.
+    /// Initializes MPI and checks that every rank runs this build (crate version and the
+    /// executable's build id, exchanged with every rank together with its host name);
+    /// a mismatch is [`CommError::BuildMismatch`] naming the hosts. A second call in the
+    /// same process is an error.
     pub fn init(opts: MpiOptions) -> Result<MpiRuntime> {
         if INIT_CALLED.swap(true, Ordering::SeqCst) {
             return Err(CommError::Backend(
@@ -125,12 +131,21 @@ impl MpiRuntime {
         if opts.install_panic_hook {
             notice::install_panic_hook();
         }
-        Ok(MpiRuntime { g, world })
+        let peers = startup::exchange(g)?;
+        let hosts = peers.iter().map(|p| p.host.clone()).collect();
+        let rt = MpiRuntime { g, world, hosts };
+        startup::check_same_build(&peers)?;
+        Ok(rt)
     }
 
     /// The world group (every process of the job).
     pub fn world(&self) -> Group {
         Arc::clone(&self.world) as Group
+    }
+
+    /// Each world rank's host name (`$TP_HOST` where set, else its hostname), by rank.
+    pub fn hosts(&self) -> &[String] {
+        &self.hosts
     }
 
     /// This process's rank in the world.
