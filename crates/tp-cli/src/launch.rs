@@ -39,6 +39,16 @@ fn host_map() -> String {
     })
 }
 
+/// Set by commands that handle SIGTERM themselves (`tp serve` drains its requests).
+static COMMAND_HANDLES_SIGTERM: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Called before [`run_ranks`] by a command with its own SIGTERM handling: under mpirun the
+/// ranks then keep the default (no last word on SIGTERM, see `sigterm`).
+pub fn command_handles_sigterm() {
+    COMMAND_HANDLES_SIGTERM.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
 /// An error a rank's work can end with: printed per rank, with a flight record when the
 /// failure was a collective's.
 pub trait RankError: std::fmt::Display + Send {
@@ -206,6 +216,9 @@ fn run_mpi<T, E: RankError>(
     let _ = HOSTS.set(runtime.hosts().to_vec());
     let world = runtime.world();
     let rank = world.rank();
+    if !COMMAND_HANDLES_SIGTERM.load(std::sync::atomic::Ordering::SeqCst) {
+        sigterm::report_and_exit(rank, host_of(rank), host_map());
+    }
     match work(world) {
         Ok(v) => Ok(Ok((rank == 0).then_some(v))),
         Err(e) => {
@@ -233,4 +246,54 @@ fn run_mpi<T, E: RankError>(
         "this tp was built without MPI; rebuild with `cargo build --release --features mpi` \
          (needs Debian's libopenmpi-dev and libclang-dev) and start it under mpirun"
     )
+}
+
+/// A last word under mpirun. When one process of the job dies (killed, or cut off from
+/// mpirun), mpirun ends every other with SIGTERM (then SIGKILL a second later); the rank
+/// that was waiting for the dead one would vanish without saying where it was. With this,
+/// it prints the call it was in (op, sequence number, how long it waited) and its host,
+/// then exits 143 as SIGTERM's default would.
+#[cfg(feature = "mpi")]
+mod sigterm {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    static RECEIVED: AtomicBool = AtomicBool::new(false);
+
+    pub fn report_and_exit(rank: usize, host: String, hosts: String) {
+        // SAFETY: the action only stores to an atomic, which is async-signal-safe.
+        let registered = unsafe {
+            signal_hook_registry::register(libc::SIGTERM, || RECEIVED.store(true, Ordering::SeqCst))
+        };
+        if registered.is_err() {
+            return; // SIGTERM keeps its default: the process ends without a word.
+        }
+        let watcher = std::thread::Builder::new()
+            .name("sigterm".into())
+            .spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(10));
+                if RECEIVED.load(Ordering::SeqCst) {
+                    let doing = match tp_comm::mpi::call_in_progress() {
+                        Some((fp, size, waited)) => format!(
+                            "while in {} #{} of a {size}-rank group for {:.1} s",
+                            fp.op,
+                            fp.seq,
+                            waited.as_secs_f64()
+                        ),
+                        None => "outside any collective".into(),
+                    };
+                    eprintln!(
+                        "rank {rank} on {host}: ended by SIGTERM {doing} (mpirun ends every \
+                         process when one fails; its message names the failed one); the job's \
+                         hosts: {hosts}"
+                    );
+                    std::process::exit(143);
+                }
+            });
+        if watcher.is_err() {
+            // Without the watcher nobody would act on the flag: restore the default.
+            // SAFETY: plain libc call resetting a signal disposition.
+            unsafe { libc::signal(libc::SIGTERM, libc::SIG_DFL) };
+        }
+    }
 }

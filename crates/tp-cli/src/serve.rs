@@ -56,6 +56,8 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
+    // SIGTERM drains the server (tp-serve's handler); no last-word exit under mpirun.
+    crate::launch::command_handles_sigterm();
     if args.max_seqs == 0 || args.max_batch_tokens == 0 {
         bail!("--max-seqs and --max-batch-tokens must be at least 1");
     }

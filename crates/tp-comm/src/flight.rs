@@ -3,7 +3,7 @@
 use crate::error::Fingerprint;
 use std::collections::VecDeque;
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// How many recent calls each rank keeps.
 pub const FLIGHT_DEPTH: usize = 16;
@@ -60,6 +60,15 @@ impl FlightRecorder {
         }
     }
 
+    /// The newest call still running: its fingerprint, group size and time so far.
+    pub fn in_progress(&self) -> Option<(Fingerprint, usize, Duration)> {
+        let e = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        e.iter()
+            .rev()
+            .find(|x| x.state == CallState::Started)
+            .map(|x| (x.fp, x.group_size, x.started.elapsed()))
+    }
+
     /// Renders this rank's calls, oldest first, times relative to `epoch`.
     pub fn render(&self, label: &str, epoch: Instant) -> String {
         let e = self.entries.lock().unwrap_or_else(|p| p.into_inner());
@@ -76,5 +85,36 @@ impl FlightRecorder {
             ));
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+    use crate::error::OpKind;
+
+    fn fp(seq: u64) -> Fingerprint {
+        Fingerprint {
+            op: OpKind::AllReduce,
+            seq,
+            dtype: DType::F32,
+            count: 4,
+            detail: 0,
+        }
+    }
+
+    #[test]
+    fn the_call_in_progress_is_the_newest_unfinished_one() {
+        let f = FlightRecorder::default();
+        assert!(f.in_progress().is_none());
+        f.start(1, 2, fp(0));
+        f.finish(1, true);
+        assert!(f.in_progress().is_none());
+        f.start(1, 2, fp(1));
+        let (got, size, _) = f.in_progress().expect("one running");
+        assert_eq!((got.seq, size), (1, 2));
+        f.finish(1, false);
+        assert!(f.in_progress().is_none());
     }
 }

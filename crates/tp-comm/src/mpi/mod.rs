@@ -18,12 +18,18 @@ mod wait;
 pub use comm::MpiComm;
 
 use crate::communicator::Group;
-use crate::error::{CommError, Departure, Result};
+use crate::error::{CommError, Departure, Fingerprint, Result};
 use mpi::ffi;
 use std::os::raw::c_int;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// The call this process is in right now, if any: fingerprint, group size and time so far
+/// (for a last word when the process is being ended from outside).
+pub fn call_in_progress() -> Option<(Fingerprint, usize, Duration)> {
+    notice::global()?.flight.in_progress()
+}
 
 /// Options of the MPI runtime.
 #[derive(Clone, Debug)]
