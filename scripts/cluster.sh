@@ -160,6 +160,17 @@ write_agent() {
         done
         echo "    *) echo \"cluster agent: \$host is no host of the cluster $NAME (hosts $(host_addr 1)..$(host_addr "$n")); fix the hostfile\" >&2; exit 255 ;;"
         echo 'esac'
+        echo '# Like ssh, fail when HOST does not answer from here (host 1): otherwise the daemon would'
+        echo '# start and wait forever to reach mpirun.'
+        echo 'if command -v ping >/dev/null; then'
+        echo '    ping -c 1 -W 2 -q "$host" >/dev/null 2>&1 && up=1'
+        echo 'else'
+        echo '    timeout 2 bash -c "exec 3<>/dev/tcp/$host/9" 2>&1 | grep -q refused && up=1'
+        echo 'fi'
+        echo 'if [ -z "${up:-}" ]; then'
+        echo "    echo \"cluster agent: cannot reach \$host from $(host_addr 1): no answer (as ssh: connect to host \$host: No route to host)\" >&2"
+        echo '    exit 255'
+        echo 'fi'
         echo 'binds=$(eval "printf %s \"\${TP_CLUSTER_BIND_$k:-}\"")'
         echo "exec ip netns exec $NAME-h\$k env -i PATH=\"\$PATH\" HOME=\"\$HOME\" TP_HOST=\"\$host\" BINDS=\"\$binds\" \\"
         echo "    sh -c 'for b in \$BINDS; do mount --bind \"\${b%%:*}\" \"\${b#*:}\" || exit 1; done; unset BINDS; eval \"\$1\"' sh \"\$*\""

@@ -9,9 +9,10 @@
 #                            while it generates; tp runs with --timeout 5
 #   other-build-on-a-host    host 2 runs a binary with another build id
 #   model-missing-on-a-host  host 2 has no file at the --model path
-#   model-differs-on-a-host  host 2's file is 4 KiB longer
+#   model-differs-on-a-host  host 2's file differs in one header byte (same size)
+#   model-size-differs       host 2's file is 4 KiB longer
 #   unreachable-host         a hostfile names an address nobody answers: refused by the ping
-#   unreachable-host-mpirun  the same without the ping: what mpirun says
+#   unreachable-host-mpirun  host 2's cable cut and no ping first: mpirun's agent (as ssh) cannot reach it
 #
 # Usage: sudo scripts/multihost-faults.sh [DRILL...]   (default: all)
 # Environment: as scripts/test-multihost.sh (TP_BIN, TP_MODEL, TP_CLUSTER, default tpdrill).
@@ -28,11 +29,12 @@ declare -A DRILLS=(
     [other-build-on-a-host]=mh_drill_other_build
     [model-missing-on-a-host]=mh_drill_model_missing
     [model-differs-on-a-host]=mh_drill_model_differs
+    [model-size-differs]=mh_drill_model_size_differs
     [unreachable-host]=mh_drill_unreachable_host
     [unreachable-host-mpirun]=mh_drill_unreachable_host_mpirun
 )
 ORDER=(rank-killed-mid-decode link-cut-mid-decode other-build-on-a-host model-missing-on-a-host
-    model-differs-on-a-host unreachable-host unreachable-host-mpirun)
+    model-differs-on-a-host model-size-differs unreachable-host unreachable-host-mpirun)
 selected=("$@")
 [[ ${#selected[@]} -gt 0 ]] || selected=("${ORDER[@]}")
 for d in "${selected[@]}"; do

@@ -6,7 +6,8 @@
 #   - the collectives conformance suite (`tp selftest --backend mpi`) passes across hosts;
 #   - kill -9 of host 2's rank mid-decode ends the job within seconds, naming its host;
 #   - start-up checks: host 2 runs another build, lacks the model, has a different model,
-#     and a hostfile names an unreachable host: each fails in seconds naming the host;
+#     a hostfile names an unreachable host (refused by the ping; and, without it, host 2 cut
+#     off: mpirun cannot start there): each fails in seconds naming the host;
 #   after each failure nothing (mpirun, orted, tp) is left on the hosts.
 # Ends with "multihost: N passed, M failed"; exits non-zero when any failed. Where network
 # namespaces cannot be made (not root, no CAP_NET_ADMIN) it says so and skips (exit 0).
@@ -57,6 +58,7 @@ mh_case other-build-on-a-host mh_drill_other_build
 mh_case model-missing-on-a-host mh_drill_model_missing
 mh_case model-differs-on-a-host mh_drill_model_differs
 mh_case unreachable-host mh_drill_unreachable_host
+mh_case unreachable-host-mpirun mh_drill_unreachable_host_mpirun
 
 mh_log "took $(($(date +%s) - t0)) s"
 mh_summary
