@@ -29,6 +29,7 @@ pub fn host_of(rank: usize) -> String {
 }
 
 /// "rank 0 = a, rank 1 = b" for every rank of the MPI job (empty with local ranks).
+#[cfg(feature = "mpi")]
 fn host_map() -> String {
     HOSTS.get().map_or(String::new(), |h| {
         h.iter()
