@@ -311,37 +311,48 @@ impl MpiComm {
         self.g.count_sent(len * np);
         // Per peer: the bytes its message carried, or None while it has not arrived.
         let mut got: Vec<Option<usize>> = vec![None; np];
+        let mut idx = vec![0 as c_int; 2 * np];
+        let mut statuses = vec![raw::empty_status(); 2 * np];
         let null = raw::null_request();
         let out = wait::poll_until(self.g, &self.others(), deadline, || {
-            let mut all = true;
-            for (i, r) in reqs.iter_mut().enumerate() {
-                if *r == null {
-                    continue;
-                }
-                let mut flag: c_int = 0;
-                let mut status = raw::empty_status();
-                // SAFETY: `r` is a live request started above.
-                let rc = unsafe { ffi::MPI_Test(r, &mut flag, &mut status) };
+            // One MPI_Testsome per pass: one run of MPI's progress engine, as in MPI_Wait.
+            let mut outcount: c_int = 0;
+            // SAFETY: `reqs` holds live requests or MPI_REQUEST_NULL; `idx` and `statuses`
+            // have room for every request.
+            let rc = unsafe {
+                ffi::MPI_Testsome(
+                    (2 * np) as c_int,
+                    reqs.as_mut_ptr(),
+                    &mut outcount,
+                    idx.as_mut_ptr(),
+                    statuses.as_mut_ptr(),
+                )
+            };
+            let in_status = rc == ffi::MPI_ERR_IN_STATUS as c_int;
+            if !in_status {
+                raw::check(rc, "MPI_Testsome")?;
+            }
+            let done = usize::try_from(outcount).unwrap_or(0).min(idx.len());
+            for (&i, status) in idx[..done].iter().zip(&statuses) {
+                let Ok(i) = usize::try_from(i) else { continue };
+                let failed = in_status && status.MPI_ERROR != ffi::MPI_SUCCESS as c_int;
                 if i >= np {
-                    raw::check(rc, "MPI_Test")?;
-                    all &= flag != 0;
-                    continue;
-                }
-                if rc != ffi::MPI_SUCCESS as c_int {
+                    if failed {
+                        raw::check(status.MPI_ERROR, "MPI_Isend")?;
+                    }
+                } else if failed {
                     // A longer message than ours (MPI_ERR_TRUNCATE): its first `len` bytes,
                     // the fingerprint among them, are in the slot.
-                    *r = null;
+                    reqs[i] = null;
                     got[i] = Some(usize::MAX);
-                } else if flag != 0 {
+                } else {
                     let mut n: c_int = 0;
                     // SAFETY: `status` was filled by the completed receive.
-                    unsafe { ffi::MPI_Get_count(&status, raw::byte_type(), &mut n) };
+                    unsafe { ffi::MPI_Get_count(status, raw::byte_type(), &mut n) };
                     got[i] = Some(usize::try_from(n).unwrap_or(0));
-                } else {
-                    all = false;
                 }
             }
-            Ok(all)
+            Ok(reqs.iter().all(|r| *r == null))
         })?;
         if !matches!(out, Outcome::Done) {
             st.send.leak();

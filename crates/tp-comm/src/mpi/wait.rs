@@ -11,15 +11,15 @@ use std::time::{Duration, Instant};
 /// How long a wait keeps going after a member's departure notice: the departed rank may have
 /// finished its side of this very call before it left, and the call can still complete.
 const DEPARTURE_GRACE: Duration = Duration::from_millis(300);
-/// How long a wait tests and yields the core between tests (as MPI's own blocking calls do
-/// under `mpi_yield_when_idle`) before it starts sleeping between tests. Sleeping at once
-/// cost every small collective ~70 us of timer slack; yielding keeps its latency that of a
-/// plain `MPI_Allreduce` while still letting a rank that shares the core run.
+/// How long a wait tests back to back, as MPI's own blocking calls do (each test runs MPI's
+/// progress engine, which yields the core when idle under `mpi_yield_when_idle`), before it
+/// starts sleeping between tests. Sleeping at once cost every small collective ~70 us of
+/// timer slack; an extra yield per test gave the core away more often than MPI itself does.
 const YIELD_FOR: Duration = Duration::from_millis(5);
 /// Sleep between tests of a long wait (a slow peer): keeps an idle rank off the core.
 const LONG_WAIT_SLEEP: Duration = Duration::from_micros(100);
-/// Departure notices are probed on every test during the first part of a wait, then at most
-/// this often (each probe is a call into MPI's progress engine).
+/// Departure notices are probed on the first test of a wait and then every this many tests
+/// (each probe is one more pass of MPI's progress engine).
 const NOTICE_EVERY: u32 = 16;
 
 /// How a wait ended.
@@ -80,7 +80,7 @@ pub(crate) fn poll_until(
             if test()? {
                 return Ok(Outcome::Done);
             }
-            if round < NOTICE_EVERY || round.is_multiple_of(NOTICE_EVERY) {
+            if round.is_multiple_of(NOTICE_EVERY) {
                 g.drain_notices();
             }
         }
@@ -100,7 +100,7 @@ pub(crate) fn poll_until(
         if now - start > YIELD_FOR {
             std::thread::sleep(LONG_WAIT_SLEEP);
         } else {
-            std::thread::yield_now();
+            std::hint::spin_loop();
         }
     }
 }
