@@ -1,9 +1,10 @@
 //! The `mpi` backend: one rank per process, started by `mpirun`; collectives over MPI.
 //!
 //! Start with [`MpiRuntime::init`] (once per process) and take [`MpiRuntime::world`]. Every
-//! wait polls a non-blocking MPI call with the deadline of [`MpiOptions::timeout`] (R3), a
-//! fingerprint exchange before each collective catches desyncs (R2, [`MpiOptions::verify`]),
-//! and departure notices from panicking or exiting ranks turn waits into `PeerLost` (R1).
+//! wait polls non-blocking MPI calls with the deadline of [`MpiOptions::timeout`] (R3), each
+//! collective's first message to every peer carries its fingerprint, checked on receipt (R2,
+//! [`MpiOptions::verify`]), and departure notices from panicking or exiting ranks turn waits
+//! into `PeerLost` (R1). `TP_NET_DELAY_US` (a test aid) delays each message step.
 //! A rank killed by a signal (SIGKILL, OOM killer) sends no notice: then `mpirun` notices the
 //! dead process and tears the whole job down, and peers see no `CommError` at all.
 //! A binary started without `mpirun` is a world of one (MPI singleton init).
@@ -31,7 +32,8 @@ use std::time::Duration;
 pub struct MpiOptions {
     /// Deadline of every call, from the moment it is entered.
     pub timeout: Duration,
-    /// Exchange fingerprints with every peer before each collective (R2).
+    /// Check every peer's fingerprint on each collective (R2): small all_reduces carry it in
+    /// their one message, other collectives exchange it first.
     pub verify: bool,
     /// Chain a panic hook that tells every other rank this one is gone (R1).
     pub install_panic_hook: bool,
