@@ -272,7 +272,12 @@ fn time_calls(
 
 /// The plain `MPI_Allreduce` time of an all_reduce row (mpi backend on the world only).
 #[cfg(feature = "mpi")]
-fn reference(g: &Group, op: Op, buf: &mut Buffers, samples: usize) -> Result<Option<f64>, CommError> {
+fn reference(
+    g: &Group,
+    op: Op,
+    buf: &mut Buffers,
+    samples: usize,
+) -> Result<Option<f64>, CommError> {
     if op != Op::AllReduce || g.backend() != "mpi" {
         return Ok(None);
     }
@@ -399,7 +404,10 @@ fn print_row(row: &Row, json: bool, first_of_op: bool) {
             "size(B)", "count", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "busbw/cp", "wrong"
         );
         if row.ref_time_us.is_some() {
-            print!(" | {:>12} {:>11} {:>7}", "MPI time(us)", "MPI busbw", "vs MPI");
+            print!(
+                " | {:>12} {:>11} {:>7}",
+                "MPI time(us)", "MPI busbw", "vs MPI"
+            );
         }
         println!();
     }

@@ -91,7 +91,11 @@ fn run_conformance(rt: &MpiRuntime) -> ExitCode {
 /// MPI_Allreduce on the same buffers, interleaved in rounds so both see the same load.
 fn run_bench(rt: &MpiRuntime) -> ExitCode {
     let world = rt.world();
-    for (bytes, rounds, per) in [(4usize, 20usize, 100usize), (4096, 20, 100), (64 << 20, 3, 1)] {
+    for (bytes, rounds, per) in [
+        (4usize, 20usize, 100usize),
+        (4096, 20, 100),
+        (64 << 20, 3, 1),
+    ] {
         let mut buf = vec![1.0f32; bytes / 4];
         let mut out = vec![0.0f32; bytes / 4];
         let (mut ours, mut plain) = (Vec::new(), Vec::new());
@@ -110,7 +114,11 @@ fn run_bench(rt: &MpiRuntime) -> ExitCode {
                     }
                 }
                 let us = t.elapsed().as_secs_f64() / per as f64 * 1e6;
-                if which == 0 { ours.push(us) } else { plain.push(us) }
+                if which == 0 {
+                    ours.push(us)
+                } else {
+                    plain.push(us)
+                }
             }
         }
         ours.sort_by(f64::total_cmp);

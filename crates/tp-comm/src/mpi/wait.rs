@@ -51,14 +51,8 @@ pub(crate) fn test_all(reqs: &mut [ffi::MPI_Request]) -> Result<bool> {
     let n = c_int::try_from(reqs.len()).unwrap_or(c_int::MAX);
     // SAFETY: `reqs` holds live requests started by the caller or MPI_REQUEST_NULL; `n` does
     // not exceed its length.
-    let rc = unsafe {
-        ffi::MPI_Testall(
-            n,
-            reqs.as_mut_ptr(),
-            &mut flag,
-            ffi::RSMPI_STATUSES_IGNORE,
-        )
-    };
+    let rc =
+        unsafe { ffi::MPI_Testall(n, reqs.as_mut_ptr(), &mut flag, ffi::RSMPI_STATUSES_IGNORE) };
     raw::check(rc, "MPI_Testall")?;
     Ok(flag != 0)
 }
