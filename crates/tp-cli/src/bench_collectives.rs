@@ -2,6 +2,10 @@
 //! all_gather, reduce_scatter and broadcast, with time, algbw, busbw, a count of wrong
 //! results per size, and this machine's memcpy bandwidth measured in the same run.
 //!
+//! Under `--backend mpi`, all_reduce rows also time a plain blocking `MPI_Allreduce` (sum of
+//! f32, straight through MPI's FFI, same process, same sizes and input buffer) as the
+//! reference column, with our busbw as a fraction of its busbw.
+//!
 //! Definitions follow nccl-tests (doc/PERFORMANCE.md): size is the full buffer (all_gather:
 //! the gathered output; reduce_scatter: the input), algbw = size / time, busbw = algbw x
 //! 2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for broadcast.
@@ -107,6 +111,14 @@ struct Row {
     busbw_gbs: f64,
     busbw_vs_memcpy: f64,
     wrong: u64,
+    /// The plain `MPI_Allreduce` reference (mpi backend, all_reduce only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ref_time_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ref_busbw_gbs: Option<f64>,
+    /// Our busbw / the reference's (1.0 = as fast as plain MPI).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    vs_ref: Option<f64>,
 }
 
 /// f32 elements per rank buffer for a size, rounded so every rank gets an equal part.
@@ -224,12 +236,22 @@ fn check(g: &Group, op: Op, buf: &mut Buffers) -> Result<u64, CommError> {
 /// it from 5 trial calls so a sample takes ~20 ms), then `samples` timed runs; each sample is
 /// the slowest rank's time. Every rank makes the same number of calls.
 fn time_size(g: &Group, op: Op, buf: &mut Buffers, samples: usize) -> Result<f64, CommError> {
+    time_calls(g, buf, samples, |b| call(g, op, b))
+}
+
+/// [`time_size`] for any call made by every rank (the reference column uses it too).
+fn time_calls(
+    g: &Group,
+    buf: &mut Buffers,
+    samples: usize,
+    mut call: impl FnMut(&mut Buffers) -> Result<(), CommError>,
+) -> Result<f64, CommError> {
     for _ in 0..3 {
-        call(g, op, buf)?;
+        call(buf)?;
     }
     let t = Instant::now();
     for _ in 0..5 {
-        call(g, op, buf)?;
+        call(buf)?;
     }
     let one = (t.elapsed().as_secs_f64() / 5.0).max(1e-7);
     let mut iters = [((0.02 / one) as u64).clamp(1, 20_000)];
@@ -239,13 +261,53 @@ fn time_size(g: &Group, op: Op, buf: &mut Buffers, samples: usize) -> Result<f64
         g.barrier()?;
         let t = Instant::now();
         for _ in 0..iters[0] {
-            call(g, op, buf)?;
+            call(buf)?;
         }
         let mut el = [t.elapsed().as_secs_f64()];
         g.all_reduce(&mut el, ReduceOp::Max)?;
         times.push(el[0] / iters[0] as f64);
     }
     Ok(median(&mut times).unwrap_or(f64::NAN))
+}
+
+/// The plain `MPI_Allreduce` time of an all_reduce row (mpi backend on the world only).
+#[cfg(feature = "mpi")]
+fn reference(
+    g: &Group,
+    op: Op,
+    buf: &mut Buffers,
+    samples: usize,
+) -> Result<Option<f64>, CommError> {
+    if op != Op::AllReduce || g.backend() != "mpi" {
+        return Ok(None);
+    }
+    let mut ref_buf = Buffers {
+        b: vec![0.0; buf.a.len()],
+        a: std::mem::take(&mut buf.a),
+    };
+    let t = time_calls(g, &mut ref_buf, samples, |b| {
+        tp_comm::mpi::plain_all_reduce_f32(&b.a, &mut b.b)
+    });
+    buf.a = ref_buf.a;
+    t.map(Some)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn reference(_: &Group, _: Op, _: &mut Buffers, _: usize) -> Result<Option<f64>, CommError> {
+    Ok(None)
+}
+
+/// This machine's CPU model (first "model name" of /proc/cpuinfo), for the header.
+pub fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into())
 }
 
 /// Rank 0 measures the copy bandwidth while the others wait, then shares it and prints the
@@ -260,6 +322,7 @@ fn measure_and_announce(world: &Group, json: bool) -> Result<f64, CommError> {
         if json {
             println!("{}", serde_json::json!({"memcpy_gbs": memcpy[0] / 1e9}));
         } else {
+            println!("# CPU: {}", cpu_model());
             println!(
                 "# tp bench collectives: memcpy bandwidth of this machine (1 thread, 64 MiB): {:.2} GB/s copied",
                 memcpy[0] / 1e9
@@ -287,9 +350,15 @@ fn sweep(world: Group, args: &BenchArgs) -> Result<Vec<Row>, CommError> {
             let mut wrong = [check(&g, op, &mut buf)?];
             g.all_reduce(&mut wrong, ReduceOp::Sum)?;
             let time = time_size(&g, op, &mut buf, args.samples)?;
+            // Not under an injected fault: the plain call has no deadline.
+            let ref_time = match args.fault {
+                None => reference(&g, op, &mut buf, args.samples)?,
+                Some(_) => None,
+            };
             let size = count * 4;
             let algbw = size as f64 / time / 1e9;
             let busbw = algbw * op.bus_factor(n);
+            let ref_busbw = ref_time.map(|t| size as f64 / t / 1e9 * op.bus_factor(n));
             let row = Row {
                 op,
                 ranks: n,
@@ -301,6 +370,9 @@ fn sweep(world: Group, args: &BenchArgs) -> Result<Vec<Row>, CommError> {
                 busbw_gbs: busbw,
                 busbw_vs_memcpy: busbw * 1e9 / memcpy,
                 wrong: wrong[0],
+                ref_time_us: ref_time.map(|t| t * 1e6),
+                ref_busbw_gbs: ref_busbw,
+                vs_ref: ref_busbw.map(|r| busbw / r),
             };
             if g.rank() == 0 {
                 print_row(&row, args.json, rows.iter().all(|r: &Row| r.op != op));
@@ -327,12 +399,19 @@ fn print_row(row: &Row, json: bool, first_of_op: bool) {
             row.ranks,
             row.backend
         );
-        println!(
+        print!(
             "# {:>12} {:>10} {:>11} {:>11} {:>11} {:>9} {:>6}",
             "size(B)", "count", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "busbw/cp", "wrong"
         );
+        if row.ref_time_us.is_some() {
+            print!(
+                " | {:>12} {:>11} {:>7}",
+                "MPI time(us)", "MPI busbw", "vs MPI"
+            );
+        }
+        println!();
     }
-    println!(
+    print!(
         "  {:>12} {:>10} {:>11.2} {:>11.3} {:>11.3} {:>9.3} {:>6}",
         row.bytes,
         row.count,
@@ -342,6 +421,10 @@ fn print_row(row: &Row, json: bool, first_of_op: bool) {
         row.busbw_vs_memcpy,
         row.wrong
     );
+    if let (Some(t), Some(b), Some(v)) = (row.ref_time_us, row.ref_busbw_gbs, row.vs_ref) {
+        print!(" | {t:>12.2} {b:>11.3} {v:>7.2}");
+    }
+    println!();
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {

@@ -1,7 +1,8 @@
 //! `tp bench decode`: batch-1 prefill and decode speed at each tp, with the time per token
 //! split into compute, all-reduce and waiting for the slowest rank, and decode speed set
 //! against the memory-bandwidth limit (weight bytes streamed per token / measured read
-//! bandwidth with as many threads as ranks).
+//! bandwidth with as many threads as ranks). Under `--backend mpi` it also reports the bytes
+//! rank 0 hands to MPI per decoded token (all-reduce payloads, fingerprints, commands).
 
 use crate::model_run::{run_model, ModelArgs, Session};
 use crate::units::show_bytes;
@@ -40,6 +41,18 @@ struct Run {
     compute: f64,
     all_reduce: f64,
     wait: f64,
+    /// Bytes rank 0 sent per decode token (mpi backend only).
+    sent_per_token: Option<f64>,
+}
+
+/// Bytes this process has sent through MPI so far (None without MPI).
+fn mpi_bytes_sent(s: &Session) -> Option<u64> {
+    #[cfg(feature = "mpi")]
+    if s.worker.group().backend() == "mpi" {
+        return Some(tp_comm::mpi::bytes_sent());
+    }
+    let _ = s;
+    None
 }
 
 const TEXT: &str = "The history of the world is a story of people, places and ideas. \
@@ -89,18 +102,23 @@ pub fn run(args: &BenchDecodeArgs) -> anyhow::Result<ExitCode> {
         };
         let med = |f: fn(&Run) -> f64| median(runs.iter().map(f).collect());
         let decode = med(|r| r.decode_tok_s);
+        let sent = runs
+            .iter()
+            .all(|r| r.sent_per_token.is_some())
+            .then(|| med(|r| r.sent_per_token.unwrap_or(0.0)));
         // Every rank streams about the same bytes (balanced shards); the total per token is
         // what the whole machine must read.
         let total_bytes = rank0_bytes as f64 * tp as f64;
         let limit = bw / total_bytes;
         if args.json {
             println!(
-                "{{\"tp\":{tp},\"prefill_tok_s\":{:.1},\"decode_tok_s\":{decode:.1},\"compute_ms\":{:.3},\"all_reduce_ms\":{:.3},\"wait_ms\":{:.3},\"bytes_per_token\":{total_bytes:.0},\"read_gb_s\":{:.2},\"bandwidth_limit_tok_s\":{limit:.1}}}",
+                "{{\"tp\":{tp},\"prefill_tok_s\":{:.1},\"decode_tok_s\":{decode:.1},\"compute_ms\":{:.3},\"all_reduce_ms\":{:.3},\"wait_ms\":{:.3},\"bytes_per_token\":{total_bytes:.0},\"read_gb_s\":{:.2},\"bandwidth_limit_tok_s\":{limit:.1},\"sent_bytes_per_token_per_rank\":{}}}",
                 med(|r| r.prefill_tok_s),
                 med(|r| r.compute) * 1e3,
                 med(|r| r.all_reduce) * 1e3,
                 med(|r| r.wait) * 1e3,
-                bw / 1e9
+                bw / 1e9,
+                sent.map_or_else(|| "null".to_string(), |b| format!("{b:.0}"))
             );
             continue;
         }
@@ -109,11 +127,12 @@ pub fn run(args: &BenchDecodeArgs) -> anyhow::Result<ExitCode> {
                 "# tp bench decode: batch 1, {} prompt + {} generated tokens, median of {} runs, one thread per rank ({} weights, {} head)",
                 args.prompt_tokens, args.gen_tokens, args.repeats, formats.0, formats.1
             );
+            println!("# CPU: {}", crate::bench_collectives::cpu_model());
             println!(
                 "# limit = read bandwidth with tp threads / weight bytes streamed per token; per-token times are per decode step"
             );
             println!(
-                "{:>3}  {:>12}  {:>11}  {:>10}  {:>13}  {:>10}  {:>13}  {:>10}  {:>11}  {:>8}",
+                "{:>3}  {:>12}  {:>11}  {:>10}  {:>13}  {:>10}  {:>13}  {:>10}  {:>11}  {:>8}  {:>15}",
                 "tp",
                 "prefill t/s",
                 "decode t/s",
@@ -123,11 +142,12 @@ pub fn run(args: &BenchDecodeArgs) -> anyhow::Result<ExitCode> {
                 "bytes/token",
                 "read GB/s",
                 "limit t/s",
-                "of limit"
+                "of limit",
+                "sent/token/rank"
             );
         }
         println!(
-            "{:>3}  {:>12.1}  {:>11.1}  {:>10.3}  {:>13.3}  {:>10.3}  {:>13}  {:>10.2}  {:>11.1}  {:>7.0}%",
+            "{:>3}  {:>12.1}  {:>11.1}  {:>10.3}  {:>13.3}  {:>10.3}  {:>13}  {:>10.2}  {:>11.1}  {:>7.0}%  {:>15}",
             tp,
             med(|r| r.prefill_tok_s),
             decode,
@@ -137,7 +157,8 @@ pub fn run(args: &BenchDecodeArgs) -> anyhow::Result<ExitCode> {
             show_bytes(total_bytes as u64),
             bw / 1e9,
             limit,
-            decode / limit * 100.0
+            decode / limit * 100.0,
+            sent.map_or_else(|| "-".to_string(), |b| show_bytes(b as u64))
         );
     }
     Ok(ExitCode::SUCCESS)
@@ -149,6 +170,7 @@ pub fn run(args: &BenchDecodeArgs) -> anyhow::Result<ExitCode> {
 fn one_run(s: &mut Session, ids: &[u32], gen: usize) -> anyhow::Result<Run> {
     let mut speeds = (0.0, 0.0);
     let mut split = (0.0, 0.0, 0.0);
+    let mut sent = None;
     for barriers in [false, true] {
         s.worker.submit(Command::Open {
             slot: 0,
@@ -158,11 +180,18 @@ fn one_run(s: &mut Session, ids: &[u32], gen: usize) -> anyhow::Result<Run> {
         let mut token = argmax(&forward(s, ids.to_vec())?);
         let prefill = t.elapsed().as_secs_f64();
         s.worker.submit(Command::ProfileStart { barriers })?;
+        let sent0 = mpi_bytes_sent(s);
         let t = Instant::now();
         for _ in 1..gen {
             token = argmax(&forward(s, vec![token])?);
         }
         let decode = t.elapsed().as_secs_f64();
+        if !barriers {
+            sent = match (sent0, mpi_bytes_sent(s)) {
+                (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / (gen - 1) as f64),
+                _ => None,
+            };
+        }
         s.worker.submit(Command::ProfileReport)?;
         s.worker.submit(Command::Close { slot: 0 })?;
         let steps = (gen - 1) as f64;
@@ -196,6 +225,7 @@ fn one_run(s: &mut Session, ids: &[u32], gen: usize) -> anyhow::Result<Run> {
         compute: split.0,
         all_reduce: split.1,
         wait: split.2,
+        sent_per_token: sent,
     })
 }
 

@@ -1,5 +1,6 @@
 //! The MPI backend under `mpirun`: the conformance suite at 2, 3 and 4 ranks, and the three
-//! failure drills (R1 lost peer: panic and early exit, R2 desync, R3 deadline) at 3 ranks. Needs `mpirun` on PATH
+//! failure drills (R1 lost peer: panic and early exit, R2 desync, R3 deadline) at 3 ranks, and the
+//! `TP_NET_DELAY_US` hook (bad values refused, results right with it on). Needs `mpirun` on PATH
 //! (Debian/Ubuntu: `apt-get install openmpi-bin libopenmpi-dev`); without it the tests fail.
 #![cfg(feature = "mpi")]
 
@@ -221,4 +222,36 @@ fn init_twice_is_an_error_and_a_singleton_world_works() {
     world
         .recv(&mut big[..4], 0, 9)
         .expect("the message was not consumed");
+}
+
+/// Runs `mpirun -n k -x TP_NET_DELAY_US=delay CHECK` (the variable set in the ranks only, so
+/// tests running at the same time are not affected).
+fn mpi_delayed(k: usize, delay: &str, limit: Duration) -> Run {
+    let n = k.to_string();
+    let var = format!("TP_NET_DELAY_US={delay}");
+    let args = [
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-x",
+        &var,
+        "-n",
+        &n,
+        CHECK,
+    ];
+    run(&mpirun(), &args, limit)
+}
+
+#[test]
+fn a_bad_net_delay_is_refused_at_init_and_a_delay_keeps_results_right() {
+    let r = mpi_delayed(2, "2ms", Duration::from_secs(60));
+    assert_ne!(r.code, Some(0), "{}", r.output);
+    assert!(
+        r.output.contains("TP_NET_DELAY_US=\"2ms\"") && r.output.contains("microseconds"),
+        "{}",
+        r.output
+    );
+    // With the hook on (1 us per message step) the whole suite still passes.
+    let r = mpi_delayed(2, "1", Duration::from_secs(60));
+    assert_eq!(r.code, Some(0), "{}", r.output);
+    assert!(r.output.contains(" passed, 0 failed"), "{}", r.output);
 }

@@ -87,26 +87,48 @@ fn run_conformance(rt: &MpiRuntime) -> ExitCode {
     }
 }
 
-/// Medians of all_reduce times at 8 B and 64 MiB of f32.
+/// Medians of all_reduce times at 4 B, 4 KiB and 64 MiB of f32, ours and a plain blocking
+/// MPI_Allreduce on the same buffers, interleaved in rounds so both see the same load.
 fn run_bench(rt: &MpiRuntime) -> ExitCode {
     let world = rt.world();
-    for (bytes, iters) in [(8usize, 2000usize), (64 << 20, 9)] {
+    for (bytes, rounds, per) in [
+        (4usize, 20usize, 100usize),
+        (4096, 20, 100),
+        (64 << 20, 3, 1),
+    ] {
         let mut buf = vec![1.0f32; bytes / 4];
-        let mut times = Vec::with_capacity(iters);
-        for _ in 0..iters {
-            let t = Instant::now();
-            if let Err(e) = world.all_reduce(&mut buf, ReduceOp::Sum) {
-                eprintln!("rank {}: {e}", world.rank());
-                return ExitCode::FAILURE;
+        let mut out = vec![0.0f32; bytes / 4];
+        let (mut ours, mut plain) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            for which in 0..2 {
+                let t = Instant::now();
+                for _ in 0..per {
+                    let r = if which == 0 {
+                        world.all_reduce(&mut buf, ReduceOp::Max)
+                    } else {
+                        tp_comm::mpi::plain_all_reduce_f32(&buf, &mut out)
+                    };
+                    if let Err(e) = r {
+                        eprintln!("rank {}: {e}", world.rank());
+                        return ExitCode::FAILURE;
+                    }
+                }
+                let us = t.elapsed().as_secs_f64() / per as f64 * 1e6;
+                if which == 0 {
+                    ours.push(us)
+                } else {
+                    plain.push(us)
+                }
             }
-            times.push(t.elapsed().as_secs_f64());
         }
-        times.sort_by(f64::total_cmp);
+        ours.sort_by(f64::total_cmp);
+        plain.sort_by(f64::total_cmp);
         if world.rank() == 0 {
             println!(
-                "all_reduce {bytes} B x{} ranks: median {:.1} us over {iters} calls",
+                "all_reduce {bytes} B x{} ranks: median {:.1} us, plain MPI_Allreduce {:.1} us ({rounds} rounds of {per})",
                 world.size(),
-                times[iters / 2] * 1e6
+                ours[rounds / 2],
+                plain[rounds / 2]
             );
         }
     }

@@ -13,12 +13,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, TryLockError};
 use std::time::Instant;
 
+mod allreduce;
 mod ops;
+
+/// Waits the `TP_NET_DELAY_US` delay (if any) before a message step's sends.
+pub(super) fn wait_net_delay(g: &Global) {
+    super::delay::wait(g.net_delay);
+}
 
 /// Tag of fingerprint messages on a group's control communicator.
 const FP_TAG: c_int = 3;
 /// Words of a packed fingerprint.
 const FP_WORDS: usize = 5;
+/// Bytes of a packed fingerprint at the head of a fingerprint message.
+pub(super) const HDR: usize = FP_WORDS * 8;
 
 static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(0);
 
@@ -171,6 +179,20 @@ impl MpiComm {
         detail: u64,
         body: impl FnOnce(&mut State, &Fingerprint, Instant) -> Result<R>,
     ) -> Result<R> {
+        self.collective_with(op, dtype, count, detail, self.g.verify, body)
+    }
+
+    /// [`Self::collective`], with the separate fingerprint exchange before the op only when
+    /// `exchange_first` (all_reduce carries the fingerprint in its own first message).
+    fn collective_with<R>(
+        &self,
+        op: OpKind,
+        dtype: DType,
+        count: usize,
+        detail: u64,
+        exchange_first: bool,
+        body: impl FnOnce(&mut State, &Fingerprint, Instant) -> Result<R>,
+    ) -> Result<R> {
         let mut st = self.state()?;
         let seq = st.seq;
         st.seq += 1;
@@ -196,8 +218,8 @@ impl MpiComm {
         let deadline = Instant::now() + self.g.timeout;
         let out = reap(&mut st)
             .and_then(|()| {
-                if self.g.verify {
-                    self.exchange(&fp, deadline)
+                if exchange_first {
+                    self.exchange(&mut st, &fp, deadline)
                 } else {
                     Ok(())
                 }
@@ -215,28 +237,56 @@ impl MpiComm {
         out
     }
 
-    /// R2: sends this call's fingerprint to every peer and compares theirs with it.
-    fn exchange(&self, fp: &Fingerprint, deadline: Instant) -> Result<()> {
+    /// R2 without a payload: [`Self::swap`] of the bare fingerprint, always checked.
+    fn exchange(&self, st: &mut State, fp: &Fingerprint, deadline: Instant) -> Result<()> {
+        self.swap(st, fp, &[], deadline, true)
+    }
+
+    /// Sends `fingerprint ++ payload` (one message on the control communicator) to every
+    /// peer and receives theirs, each of the same length, into `st.recv` (peer `k` of
+    /// [`Self::peers`] at `k * (HDR + payload.len())`). A peer whose message is shorter or
+    /// longer (a different call) or whose fingerprint differs (`check`) is a `Mismatch`
+    /// naming both fingerprints. Desynced calls of any kind meet here: every collective's
+    /// first message is one of these.
+    fn swap(
+        &self,
+        st: &mut State,
+        fp: &Fingerprint,
+        payload: &[u8],
+        deadline: Instant,
+        check: bool,
+    ) -> Result<()> {
         let peers = self.peers();
         if peers.is_empty() {
             return Ok(());
         }
-        let mine: Vec<u64> = pack(fp).to_vec();
-        let mut theirs = vec![0u64; FP_WORDS * peers.len()];
-        let mut reqs = vec![raw::null_request(); 2 * peers.len()];
+        let np = peers.len();
+        let len = HDR + payload.len();
+        let ilen = raw::int_count(self.me(), len, "the message (bytes)")?;
+        let mine = pack(fp);
+        {
+            let s = st.send.bytes(len);
+            for (w, o) in mine.iter().zip(s.chunks_exact_mut(8)) {
+                o.copy_from_slice(&w.to_le_bytes());
+            }
+            s[HDR..].copy_from_slice(payload);
+        }
+        let sp = st.send.bytes(len).as_ptr();
+        let rp = st.recv.bytes(len * np).as_mut_ptr();
+        let mut reqs = vec![raw::null_request(); 2 * np];
+        wait_net_delay(self.g);
         {
             let _l = raw::lock();
             for (k, &j) in peers.iter().enumerate() {
-                let peer = j as c_int;
-                // SAFETY: `theirs[k*5..]` and `mine` hold FP_WORDS u64s each and stay alive
-                // until the requests complete, or are leaked below if they do not.
+                // SAFETY: the receive scratch holds `np` slots of `len` bytes and the send
+                // scratch `len` bytes; both are leaked below if a request does not complete.
                 unsafe {
                     raw::check(
                         ffi::MPI_Irecv(
-                            theirs.as_mut_ptr().add(k * FP_WORDS).cast(),
-                            FP_WORDS as c_int,
-                            raw::u64_type(),
-                            peer,
+                            rp.add(k * len).cast(),
+                            ilen,
+                            raw::byte_type(),
+                            j as c_int,
                             FP_TAG,
                             self.ctl.0,
                             &mut reqs[k],
@@ -245,53 +295,117 @@ impl MpiComm {
                     )?;
                     raw::check(
                         ffi::MPI_Isend(
-                            mine.as_ptr().cast(),
-                            FP_WORDS as c_int,
-                            raw::u64_type(),
-                            peer,
+                            sp.cast(),
+                            ilen,
+                            raw::byte_type(),
+                            j as c_int,
                             FP_TAG,
                             self.ctl.0,
-                            &mut reqs[peers.len() + k],
+                            &mut reqs[np + k],
                         ),
                         "MPI_Isend",
                     )?;
                 }
             }
         }
-        match wait::poll(self.g, &mut reqs, &self.others(), deadline)? {
-            Outcome::Done => {}
-            other => {
-                let missing: Vec<usize> = wait::pending(&reqs)
-                    .into_iter()
-                    .filter(|&i| i < peers.len())
-                    .map(|i| self.members[peers[i]])
-                    .collect();
-                std::mem::forget(mine);
-                std::mem::forget(theirs);
-                return Err(match other {
-                    Outcome::Lost(r, d) => self.lost(fp, r, d),
-                    _ => self.timeout(fp, missing),
-                });
+        self.g.count_sent(len * np);
+        // Per peer: the bytes its message carried, or None while it has not arrived.
+        let mut got: Vec<Option<usize>> = vec![None; np];
+        let mut idx = vec![0 as c_int; 2 * np];
+        let mut statuses = vec![raw::empty_status(); 2 * np];
+        let null = raw::null_request();
+        let out = wait::poll_until(self.g, &self.others(), deadline, || {
+            // One MPI_Testsome per pass: one run of MPI's progress engine, as in MPI_Wait.
+            let mut outcount: c_int = 0;
+            // SAFETY: `reqs` holds live requests or MPI_REQUEST_NULL; `idx` and `statuses`
+            // have room for every request.
+            let rc = unsafe {
+                ffi::MPI_Testsome(
+                    (2 * np) as c_int,
+                    reqs.as_mut_ptr(),
+                    &mut outcount,
+                    idx.as_mut_ptr(),
+                    statuses.as_mut_ptr(),
+                )
+            };
+            let in_status = rc == ffi::MPI_ERR_IN_STATUS as c_int;
+            if !in_status {
+                raw::check(rc, "MPI_Testsome")?;
             }
+            let done = usize::try_from(outcount).unwrap_or(0).min(idx.len());
+            for (&i, status) in idx[..done].iter().zip(&statuses) {
+                let Ok(i) = usize::try_from(i) else { continue };
+                let failed = in_status && status.MPI_ERROR != ffi::MPI_SUCCESS as c_int;
+                if i >= np {
+                    if failed {
+                        raw::check(status.MPI_ERROR, "MPI_Isend")?;
+                    }
+                } else if failed {
+                    // A longer message than ours (MPI_ERR_TRUNCATE): its first `len` bytes,
+                    // the fingerprint among them, are in the slot.
+                    reqs[i] = null;
+                    got[i] = Some(usize::MAX);
+                } else {
+                    let mut n: c_int = 0;
+                    // SAFETY: `status` was filled by the completed receive.
+                    unsafe { ffi::MPI_Get_count(status, raw::byte_type(), &mut n) };
+                    got[i] = Some(usize::try_from(n).unwrap_or(0));
+                }
+            }
+            Ok(reqs.iter().all(|r| *r == null))
+        })?;
+        if !matches!(out, Outcome::Done) {
+            st.send.leak();
+            st.recv.leak();
+            let missing: Vec<usize> = (0..np)
+                .filter(|&k| got[k].is_none())
+                .map(|k| self.members[peers[k]])
+                .collect();
+            return Err(match out {
+                Outcome::Lost(r, d) => self.lost(fp, r, d),
+                _ => self.timeout(fp, missing),
+            });
         }
+        let recv = st.recv.bytes(len * np);
         for (k, &j) in peers.iter().enumerate() {
-            let w = &theirs[k * FP_WORDS..(k + 1) * FP_WORDS];
-            if w != mine.as_slice() {
-                let other_rank = self.members[j];
-                let theirs = unpack(w).ok_or_else(|| {
-                    CommError::Backend(format!(
-                        "rank {other_rank} sent an unreadable fingerprint {w:?}"
-                    ))
-                })?;
-                return Err(CommError::Mismatch {
+            let bytes = got[k].unwrap_or(0);
+            let slot = &recv[k * len..(k + 1) * len];
+            let words: Vec<u64> = slot[..HDR]
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                .collect();
+            let readable = bytes >= HDR;
+            if bytes == len && (!check || words == mine) {
+                continue;
+            }
+            let other_rank = self.members[j];
+            let theirs = readable.then(|| unpack(&words)).flatten();
+            return Err(match theirs {
+                Some(theirs) if theirs != *fp => CommError::Mismatch {
                     rank: self.me(),
                     other_rank,
                     mine: *fp,
                     theirs,
                     group_size: self.members.len(),
                     flight_record: self.g.flight_record(),
-                });
-            }
+                },
+                _ => CommError::Backend(format!(
+                    "rank {other_rank} sent a message of {} for {} #{} where {len} bytes were \
+                     expected, with {}; are both ranks running the same build of tp?",
+                    if bytes == usize::MAX {
+                        "more bytes".to_string()
+                    } else {
+                        format!("{bytes} bytes")
+                    },
+                    fp.op,
+                    fp.seq,
+                    if readable {
+                        format!("fingerprint words {words:?}")
+                    } else {
+                        "no readable fingerprint".to_string()
+                    }
+                )),
+            });
         }
         Ok(())
     }
@@ -307,6 +421,7 @@ impl MpiComm {
         what: &str,
     ) -> Result<()> {
         let mut req = [raw::null_request()];
+        wait_net_delay(self.g);
         {
             let _l = raw::lock();
             raw::check(start(&mut req[0]), what)?;

@@ -1,21 +1,24 @@
 //! The `mpi` backend: one rank per process, started by `mpirun`; collectives over MPI.
 //!
 //! Start with [`MpiRuntime::init`] (once per process) and take [`MpiRuntime::world`]. Every
-//! wait polls a non-blocking MPI call with the deadline of [`MpiOptions::timeout`] (R3), a
-//! fingerprint exchange before each collective catches desyncs (R2, [`MpiOptions::verify`]),
-//! and departure notices from panicking or exiting ranks turn waits into `PeerLost` (R1).
+//! wait polls non-blocking MPI calls with the deadline of [`MpiOptions::timeout`] (R3), each
+//! collective's first message to every peer carries its fingerprint, checked on receipt (R2,
+//! [`MpiOptions::verify`]), and departure notices from panicking or exiting ranks turn waits
+//! into `PeerLost` (R1). `TP_NET_DELAY_US` (a test aid) delays each message step.
 //! A rank killed by a signal (SIGKILL, OOM killer) sends no notice: then `mpirun` notices the
 //! dead process and tears the whole job down, and peers see no `CommError` at all.
 //! A binary started without `mpirun` is a world of one (MPI singleton init).
 
 mod comm;
 mod convert;
+mod delay;
 mod notice;
 mod raw;
 mod startup;
 mod wait;
 
 pub use comm::MpiComm;
+pub use delay::VAR as NET_DELAY_VAR;
 
 use crate::communicator::Group;
 use crate::error::{CommError, Departure, Fingerprint, Result};
@@ -36,7 +39,8 @@ pub fn call_in_progress() -> Option<(Fingerprint, usize, Duration)> {
 pub struct MpiOptions {
     /// Deadline of every call, from the moment it is entered.
     pub timeout: Duration,
-    /// Exchange fingerprints with every peer before each collective (R2).
+    /// Check every peer's fingerprint on each collective (R2): small all_reduces carry it in
+    /// their one message, other collectives exchange it first.
     pub verify: bool,
     /// Chain a panic hook that tells every other rank this one is gone (R1).
     pub install_panic_hook: bool,
@@ -79,6 +83,7 @@ impl MpiRuntime {
     /// a mismatch is [`CommError::BuildMismatch`] naming the hosts. A second call in the
     /// same process is an error.
     pub fn init(opts: MpiOptions) -> Result<MpiRuntime> {
+        let net_delay = delay::from_env()?;
         if INIT_CALLED.swap(true, Ordering::SeqCst) {
             return Err(CommError::Backend(
                 "MpiRuntime::init was already called in this process; MPI can be initialized \
@@ -131,6 +136,7 @@ impl MpiRuntime {
             usize::try_from(size).map_err(bad)?,
             control,
             &opts,
+            net_delay,
         ));
         drop(_l);
         let world = Arc::new(MpiComm::new(g, data)?);
@@ -185,4 +191,55 @@ impl Drop for MpiRuntime {
         // (every path checks `finalized`).
         unsafe { ffi::MPI_Finalize() };
     }
+}
+
+/// Bytes this process has handed to MPI sends since `MpiRuntime::init`: payloads and
+/// fingerprints of its collectives and point-to-point sends. For the collectives MPI runs
+/// itself (all_gather, reduce_scatter, broadcast) it counts the bytes a bandwidth-optimal
+/// algorithm sends from one rank ((n-1)/n of the gathered or scattered buffer; the whole
+/// buffer from a broadcast root). Zero before init.
+pub fn bytes_sent() -> u64 {
+    notice::global().map_or(0, |g| g.sent.load(Ordering::Relaxed))
+}
+
+/// A plain blocking `MPI_Allreduce` (sum of f32) on the world, straight through the FFI:
+/// the reference column of `tp bench collectives`. Benchmark aid only: no deadline, no
+/// fingerprint, no departure notices (a lost peer makes mpirun end the job). Call it on
+/// every rank with equal lengths, outside any other collective.
+pub fn plain_all_reduce_f32(send: &[f32], recv: &mut [f32]) -> Result<()> {
+    if send.len() != recv.len() {
+        return Err(CommError::InvalidArgument {
+            rank: notice::global().map_or(0, |g| g.world_rank),
+            message: format!(
+                "the send buffer has {} elements and the receive buffer {}; give both the same length",
+                send.len(),
+                recv.len()
+            ),
+        });
+    }
+    let Some(g) = notice::global() else {
+        return Err(CommError::Backend(
+            "plain_all_reduce_f32 needs MpiRuntime::init first".into(),
+        ));
+    };
+    if g.finalized.load(Ordering::SeqCst) {
+        return Err(CommError::Backend("MPI was already finalized".into()));
+    }
+    let n = raw::int_count(g.world_rank, send.len(), "the buffer")?;
+    let _l = raw::lock();
+    raw::check(
+        // SAFETY: both buffers hold `n` f32s and outlive this blocking call; MPI is
+        // initialized and not finalized (checked above, under the runtime's lifetime).
+        unsafe {
+            ffi::MPI_Allreduce(
+                send.as_ptr().cast(),
+                recv.as_mut_ptr().cast(),
+                n,
+                ffi::RSMPI_FLOAT,
+                ffi::RSMPI_SUM,
+                ffi::RSMPI_COMM_WORLD,
+            )
+        },
+        "MPI_Allreduce",
+    )
 }

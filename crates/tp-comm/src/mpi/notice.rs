@@ -11,7 +11,7 @@ use crate::flight::FlightRecorder;
 use mpi::ffi;
 use std::collections::HashMap;
 use std::os::raw::c_int;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -38,6 +38,10 @@ pub(crate) struct Global {
     pub control: Comm,
     pub timeout: Duration,
     pub verify: bool,
+    /// `TP_NET_DELAY_US`: waited before each message step's sends (zero: none).
+    pub net_delay: Duration,
+    /// Bytes this process handed to MPI sends for collectives and sends (see `bytes_sent`).
+    pub sent: AtomicU64,
     pub flight: FlightRecorder,
     pub epoch: Instant,
     pub finalized: AtomicBool,
@@ -62,6 +66,7 @@ impl Global {
         world_size: usize,
         control: Comm,
         opts: &super::MpiOptions,
+        net_delay: Duration,
     ) -> Self {
         Global {
             world_rank,
@@ -69,6 +74,8 @@ impl Global {
             control,
             timeout: opts.timeout,
             verify: opts.verify,
+            net_delay,
+            sent: AtomicU64::new(0),
             flight: FlightRecorder::default(),
             epoch: Instant::now(),
             finalized: AtomicBool::new(false),
@@ -83,6 +90,11 @@ impl Global {
             &format!("rank {} (this process)", self.world_rank),
             self.epoch,
         )
+    }
+
+    /// Counts `bytes` handed to MPI sends.
+    pub fn count_sent(&self, bytes: usize) {
+        self.sent.fetch_add(bytes as u64, Ordering::Relaxed);
     }
 
     pub fn set_last(&self, op: OpKind, seq: u64) {

@@ -89,11 +89,6 @@ pub(crate) fn byte_type() -> ffi::MPI_Datatype {
     unsafe { ffi::RSMPI_UINT8_T }
 }
 
-pub(crate) fn u64_type() -> ffi::MPI_Datatype {
-    // SAFETY: reading an immutable datatype handle constant.
-    unsafe { ffi::RSMPI_UINT64_T }
-}
-
 pub(crate) fn op(op: ReduceOp) -> ffi::MPI_Op {
     // SAFETY: reading immutable op handle constants exported by the MPI shim.
     unsafe {

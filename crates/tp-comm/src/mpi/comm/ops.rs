@@ -40,46 +40,14 @@ impl Communicator for MpiComm {
 
     fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         let count = check::elements(self.me(), buf.len(), dtype, "the buffer")?;
-        let n = raw::int_count(self.me(), count, "the buffer")?;
-        self.collective(
+        raw::int_count(self.me(), count, "the buffer")?;
+        self.collective_with(
             OpKind::AllReduce,
             dtype,
             count,
             u64::from(op.code()),
-            |st, fp, dl| {
-                let (wire, dt) = if is_half(dtype) {
-                    (count * 4, raw::datatype(DType::F32))
-                } else {
-                    (buf.len(), raw::datatype(dtype))
-                };
-                let s = st.send.bytes(wire);
-                if is_half(dtype) {
-                    widen(buf, dtype, s);
-                } else {
-                    s.copy_from_slice(buf);
-                }
-                let sp = s.as_ptr();
-                let rp = st.recv.bytes(wire).as_mut_ptr();
-                let comm = self.comm.0;
-                self.run(
-                    st,
-                    fp,
-                    dl,
-                    // SAFETY: both scratch buffers hold `wire` bytes = `n` elements of `dt` and are
-                    // leaked by `run` if the request does not complete.
-                    |req| unsafe {
-                        ffi::MPI_Iallreduce(sp.cast(), rp.cast(), n, dt, raw::op(op), comm, req)
-                    },
-                    "MPI_Iallreduce",
-                )?;
-                let r = st.recv.bytes(wire);
-                if is_half(dtype) {
-                    narrow(r, dtype, buf);
-                } else {
-                    buf.copy_from_slice(r);
-                }
-                Ok(())
-            },
+            false,
+            |st, fp, dl| self.all_reduce_body(st, buf, dtype, op, fp, dl),
         )
     }
 
@@ -140,6 +108,8 @@ impl Communicator for MpiComm {
                     "MPI_Iallgatherv",
                 )?;
                 recv.copy_from_slice(st.recv.bytes(recv.len()));
+                let n = self.size();
+                self.g.count_sent(recv.len() / n * (n - 1));
                 Ok(())
             },
         )
@@ -203,6 +173,8 @@ impl Communicator for MpiComm {
                 },
                 "MPI_Ireduce_scatter",
             )?;
+            let n = self.size();
+            self.g.count_sent(send.len() / n * (n - 1));
             let r = st.recv.bytes(rwire);
             if half {
                 narrow(r, dtype, recv);
@@ -240,6 +212,8 @@ impl Communicator for MpiComm {
                 )?;
                 if self.rank != root {
                     buf.copy_from_slice(st.send.bytes(buf.len()));
+                } else {
+                    self.g.count_sent(buf.len());
                 }
                 Ok(())
             },
@@ -275,6 +249,8 @@ impl Communicator for MpiComm {
             let data = buf.to_vec();
             let mut req = raw::null_request();
             let mpi_tag = (tag * 16 + u32::from(dtype.code())) as c_int;
+            super::wait_net_delay(self.g);
+            self.g.count_sent(buf.len());
             {
                 let _l = raw::lock();
                 raw::check(
