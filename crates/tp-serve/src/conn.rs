@@ -128,9 +128,11 @@ impl Watch {
 
     fn on_read(&self) {
         let mut s = self.lock();
-        if let Phase::Waiting { .. } = s.phase {
+        if let Phase::Waiting { since, fresh } = s.phase {
+            // A new connection's headers are due a header timeout after it was accepted,
+            // however late its first byte comes.
             s.phase = Phase::Head {
-                since: Instant::now(),
+                since: if fresh { since } else { Instant::now() },
             };
             drop(s);
             self.changed.notify_one();
@@ -532,7 +534,13 @@ mod tests {
     async fn deadlines_follow_the_phase() {
         let w = Watch::new(limits());
         let t0 = Instant::now();
-        // A new connection: the header deadline.
+        // A new connection: the header deadline, which a late first byte does not move.
+        assert_eq!(
+            w.deadline(),
+            Some((t0 + Duration::from_secs(10), Expiry::Header))
+        );
+        tokio::time::advance(Duration::from_secs(9)).await;
+        w.on_read();
         assert_eq!(
             w.deadline(),
             Some((t0 + Duration::from_secs(10), Expiry::Header))
