@@ -23,7 +23,7 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Address to listen on. Loopback by default; anything else is reachable from the network
-    /// (use --api-key then).
+    /// (set an API key then: $TP_API_KEY or --api-key).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: IpAddr,
     /// Port to listen on (0: any free port; the address is printed).
@@ -255,7 +255,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         }
         if !args.host.is_loopback() && api_key.is_none() {
             eprintln!(
-                "warning: listening on {} without --api-key: anyone who can reach this port can use the model",
+                "warning: listening on {} without an API key ($TP_API_KEY or --api-key): anyone who can reach this port can use the model",
                 args.host
             );
         }
