@@ -12,7 +12,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 use tp_models::{open_checkpoint, SeqCache, ShardPlan};
-use tp_serve::{Load, Metrics, SchedulerConfig, SchedulerHandle, Server, ServerConfig};
+use tp_serve::fdlimit::{default_max_connections, fd_reserve};
+use tp_serve::{ConnLimits, Load, Metrics, SchedulerConfig, SchedulerHandle, Server, ServerConfig};
 
 /// KV budget per rank when neither --max-kv-memory nor --max-rank-memory is given.
 const DEFAULT_KV_BYTES: u64 = 1 << 30;
@@ -22,15 +23,21 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Address to listen on. Loopback by default; anything else is reachable from the network
-    /// (use --api-key then).
+    /// (set an API key then: $TP_API_KEY or --api-key).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: IpAddr,
     /// Port to listen on (0: any free port; the address is printed).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Require `Authorization: Bearer KEY` on every request (or set $TP_API_KEY).
-    #[arg(long)]
+    /// Require `Authorization: Bearer KEY` on every request. Prefer setting $TP_API_KEY
+    /// instead: a flag's value is visible to every user of the machine in `ps`. An empty key
+    /// (flag or variable) is refused rather than serving without authentication.
+    #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,
+    /// With an API key: answer GET /health without it (for load-balancer probes); every
+    /// other route still needs the key.
+    #[arg(long)]
+    pub public_health: bool,
     /// The model name clients pass (default: the model file's name without extension).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -50,9 +57,91 @@ pub struct ServeArgs {
     /// Largest request body, e.g. 1MiB; larger bodies get 413.
     #[arg(long, value_parser = parse_bytes, default_value = "1MiB")]
     pub max_body: u64,
-    /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
+    /// Seconds in-flight requests get to finish after SIGINT/SIGTERM; streams still running
+    /// then end with an error event and `[DONE]`, other requests get 503.
     #[arg(long, default_value_t = 30.0)]
     pub drain_timeout: f64,
+    /// Seconds a client has to send a request's headers (from connecting, or from the
+    /// request's first byte), and then again its body; slower connections are closed.
+    #[arg(long, default_value_t = 10.0, value_name = "SECS")]
+    pub header_timeout: f64,
+    /// Seconds a kept-alive connection may wait for its next request, and a response write
+    /// may stall (a client that stopped reading), before the connection is closed. Requests
+    /// being answered (long generations, streams) are never cut by it.
+    #[arg(long, default_value_t = 60.0, value_name = "SECS")]
+    pub idle_timeout: f64,
+    /// Connections served at once; more get `503` with `Retry-After: 1` and
+    /// `Connection: close`. Default: the open-file limit (raised to its hard limit at start)
+    /// less a reserve of an eighth (at least 32), at most 8192.
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<usize>,
+}
+
+/// The API key from --api-key or $TP_API_KEY (the flag wins); an empty one is an error.
+fn api_key(flag: Option<&str>) -> anyhow::Result<Option<String>> {
+    let (key, source) = match flag {
+        Some(k) => (k.to_string(), "--api-key"),
+        None => match std::env::var_os("TP_API_KEY") {
+            None => return Ok(None),
+            Some(v) => match v.into_string() {
+                Ok(k) => (k, "$TP_API_KEY"),
+                Err(_) => bail!("$TP_API_KEY is not valid UTF-8; set it to the key (printable ASCII) or unset it"),
+            },
+        },
+    };
+    if key.trim().is_empty() {
+        bail!(
+            "{source} is {}: refusing to serve without authentication by accident. Set {source} to the key, or leave it {} to serve without one",
+            if key.is_empty() { "empty" } else { "only whitespace" },
+            if source == "--api-key" { "out" } else { "unset" }
+        );
+    }
+    tp_serve::check_api_key(&key).map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
+    Ok(Some(key))
+}
+
+/// A positive number of seconds for `flag`.
+fn seconds(flag: &str, v: f64) -> anyhow::Result<Duration> {
+    match Duration::try_from_secs_f64(v) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        _ => bail!("{flag} must be a positive number of seconds, got {v}"),
+    }
+}
+
+/// Raises the soft open-file limit to the hard one (a warning if it cannot) and returns the
+/// connection cap: --max-connections, or derived from the limit.
+fn connection_cap(flag: Option<usize>, quiet: bool) -> anyhow::Result<(usize, Option<u64>)> {
+    let limit = match tp_serve::fdlimit::raise_open_file_limit() {
+        Ok((before, after)) => {
+            if !quiet && after.soft > before.soft {
+                eprintln!(
+                    "# open-file limit raised from {} to {}",
+                    before.soft, after.soft
+                );
+            }
+            Some(after.soft)
+        }
+        Err(e) => {
+            eprintln!(
+                "warning: cannot raise the open-file limit to its hard limit: {e}; connections beyond the current limit will wait"
+            );
+            tp_serve::fdlimit::open_file_limit().ok().map(|l| l.soft)
+        }
+    };
+    let cap = match flag {
+        Some(0) => bail!("--max-connections must be at least 1"),
+        Some(n) => {
+            if let Some(l) = limit.filter(|&l| n as u64 > l.saturating_sub(fd_reserve(l))) {
+                eprintln!(
+                    "warning: --max-connections {n} leaves fewer than {} of the {l} open files this process may have for itself; connections beyond what the limit allows wait in the kernel's queue",
+                    fd_reserve(l)
+                );
+            }
+            n
+        }
+        None => default_max_connections(limit.unwrap_or(1024)),
+    };
+    Ok((cap, limit))
 }
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
@@ -64,11 +153,10 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let drain = Duration::try_from_secs_f64(args.drain_timeout)
         .ok()
         .context("--drain-timeout must be a non-negative number of seconds")?;
-    let api_key = args
-        .api_key
-        .clone()
-        .or_else(|| std::env::var("TP_API_KEY").ok())
-        .filter(|k| !k.is_empty());
+    let api_key = api_key(args.api_key.as_deref())?;
+    let header_timeout = seconds("--header-timeout", args.header_timeout)?;
+    let idle_timeout = seconds("--idle-timeout", args.idle_timeout)?;
+    let (max_connections, fd_limit) = connection_cap(args.max_connections, args.model.quiet)?;
     let path = args.model.model_path()?;
     let model_name = match &args.served_model_name {
         Some(n) => n.clone(),
@@ -122,6 +210,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
             host: args.host,
             port: args.port,
             api_key: api_key.clone(),
+            public_health: args.public_health,
             model_name: model_name.clone(),
             ctx_size: s.ctx_size,
             kv_budget_positions: positions,
@@ -130,6 +219,11 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
             max_queue: args.max_queue,
             drain_timeout: drain,
             event_timeout: Duration::from_secs(120).max(args.model.timeout()? * 2),
+            connections: ConnLimits {
+                header_timeout,
+                idle_timeout,
+                max_connections,
+            },
             log: !quiet,
         };
         let metrics = Arc::new(Metrics::new());
@@ -154,10 +248,16 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
                 args.max_seqs,
                 args.max_batch_tokens
             );
+            eprintln!(
+                "# connections: at most {max_connections} at once ({}); request headers within {} s, idle keep-alive {} s",
+                fd_limit.map_or("open-file limit unknown".to_string(), |l| format!("open-file limit {l}")),
+                header_timeout.as_secs_f64(),
+                idle_timeout.as_secs_f64()
+            );
         }
         if !args.host.is_loopback() && api_key.is_none() {
             eprintln!(
-                "warning: listening on {} without --api-key: anyone who can reach this port can use the model",
+                "warning: listening on {} without an API key ($TP_API_KEY or --api-key): anyone who can reach this port can use the model",
                 args.host
             );
         }

@@ -1,8 +1,11 @@
 //! `tp serve` under bad input and faults (reliability.md R9): every bad request gets 400 (413
 //! for an oversized body) with an OpenAI error body naming the parameter, and leaves KV cache
 //! and memory at baseline; a client gone mid-stream frees its slot at once; the API key is
-//! required on every request; SIGTERM/SIGINT drain in-flight requests and exit 0; requests
-//! beyond the KV budget queue instead of failing.
+//! required on every request (any case of `Bearer`; /health exempt only with
+//! --public-health), and an empty key is refused; SIGTERM/SIGINT drain in-flight requests and
+//! exit 0, and those the drain timeout cuts end with an error (an SSE error event and
+//! `[DONE]` for streams, 503 otherwise); requests beyond the KV budget queue instead of
+//! failing.
 
 mod serve_util;
 
@@ -275,6 +278,150 @@ fn the_api_key_is_required_on_every_request() {
     assert_eq!(right.get("/health").unwrap().status, 200);
     let r = right.post_json("/v1/chat/completions", &body).unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
+    // The scheme is case-insensitive (RFC 9110); the key is not; other schemes are refused.
+    for (value, status) in [
+        ("bearer s3cret", 200),
+        ("BEARER s3cret", 200),
+        ("bEaReR   s3cret", 200),
+        ("Bearer S3CRET", 401),
+        ("Basic s3cret", 401),
+        ("Bearers3cret", 401),
+        ("s3cret", 401),
+    ] {
+        let mut c = anon.clone();
+        c.headers.push(("Authorization".into(), value.into()));
+        assert_eq!(c.get("/v1/models").unwrap().status, status, "{value}");
+    }
+}
+
+/// `tp serve` with an empty API key from the flag or $TP_API_KEY exits at once with an
+/// error naming where the key came from, instead of serving without authentication.
+#[test]
+fn an_empty_api_key_is_refused() {
+    // The key is checked before the model is opened: no model is needed.
+    let serve = |key_flag: Option<&str>, env: Option<&str>| {
+        let mut cmd = std::process::Command::new(serve_util::TP);
+        cmd.args(["serve", "--model", "/nonexistent/model.gguf", "--port", "0"])
+            .env_remove("TP_API_KEY");
+        if let Some(k) = key_flag {
+            cmd.args(["--api-key", k]);
+        }
+        if let Some(v) = env {
+            cmd.env("TP_API_KEY", v);
+        }
+        let out = cmd.output().expect("run tp serve");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for (flag, env, needle) in [
+        (Some(""), None, "--api-key is empty"),
+        (Some("   "), None, "--api-key is only whitespace"),
+        (Some(""), Some("fine-key"), "--api-key is empty"),
+        (None, Some(""), "$TP_API_KEY is empty"),
+        (None, Some(" \t"), "$TP_API_KEY is only whitespace"),
+        (Some("two words"), None, "printable ASCII without spaces"),
+    ] {
+        let (code, stderr) = serve(flag, env);
+        assert_ne!(code, Some(0), "{flag:?} {env:?}: {stderr}");
+        assert!(stderr.contains(needle), "{flag:?} {env:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
+
+/// With $TP_API_KEY and --public-health, /health answers anyone and the rest needs the key;
+/// a stream the drain timeout cuts ends with an error event and `[DONE]`, and a whole
+/// answer still being generated gets 503.
+#[test]
+fn the_drain_timeout_ends_requests_with_an_error() {
+    let Some(mut server) = ServerProc::start_configured(
+        &[
+            "--tp",
+            "1",
+            "--ctx-size",
+            "2048",
+            "--drain-timeout",
+            "1",
+            "--public-health",
+        ],
+        |cmd| {
+            cmd.env("TP_API_KEY", "k-77");
+        },
+    ) else {
+        return;
+    };
+    let anon = server.client.clone();
+    assert_eq!(anon.get("/health").unwrap().status, 200);
+    for path in ["/metrics", "/v1/models", "/v1/models/x"] {
+        assert_eq!(anon.get(path).unwrap().status, 401, "{path}");
+    }
+    let mut c = anon.clone();
+    c.headers
+        .push(("Authorization".into(), "bearer k-77".into()));
+    assert_eq!(c.get("/metrics").unwrap().status, 200);
+
+    let long = |stream: bool| {
+        chat_body(
+            "Tell me a very long story.",
+            1500,
+            json!({"stream": stream, "ignore_eos": true}),
+        )
+    };
+    let mut s = c.stream("/v1/chat/completions", &long(true)).unwrap();
+    assert_eq!(s.status, 200);
+    for _ in 0..3 {
+        s.next_data().unwrap().expect("a chunk");
+    }
+    let whole = {
+        let c = c.clone();
+        let body = long(false);
+        std::thread::spawn(move || c.post_json("/v1/chat/completions", &body).unwrap())
+    };
+    let t0 = Instant::now();
+    loop {
+        let text = c.get("/metrics").unwrap().text();
+        if metric_value(&text, "tp_running_requests") == Some(2.0) {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "{text}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    server.signal("TERM");
+    let term = Instant::now();
+    let mut tail = Vec::new();
+    while let Some(data) = s.next_data().unwrap() {
+        tail.push(data);
+    }
+    let cut = term.elapsed();
+    let n = tail.len();
+    assert!(n >= 2, "{tail:?}");
+    assert_eq!(tail[n - 1], "[DONE]", "{tail:?}");
+    let err: serde_json::Value = serde_json::from_str(&tail[n - 2]).unwrap();
+    assert_eq!(err["error"]["code"], "shutting_down", "{err}");
+    assert_eq!(err["error"]["type"], "server_error", "{err}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("drain timeout (1 s)")),
+        "{err}"
+    );
+    for d in &tail[..n - 2] {
+        let v: serde_json::Value = serde_json::from_str(d).unwrap();
+        assert!(
+            v.get("error").is_none() && v["choices"][0]["finish_reason"].is_null(),
+            "{v}"
+        );
+    }
+    assert!(
+        cut >= Duration::from_millis(900) && cut < Duration::from_secs(10),
+        "the stream ended {cut:?} after SIGTERM"
+    );
+    let r = whole.join().unwrap();
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "shutting_down", "{}", r.text());
+    let status = server.wait(Duration::from_secs(15));
+    assert_eq!(status.code(), Some(0), "{}", server.stderr());
 }
 
 #[test]

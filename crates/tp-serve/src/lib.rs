@@ -5,13 +5,16 @@
 pub mod api;
 pub mod banner;
 pub mod client;
+pub mod conn;
 pub mod error;
+pub mod fdlimit;
 pub mod metrics;
 pub mod response;
 pub mod scheduler;
 pub mod server;
 
+pub use conn::ConnLimits;
 pub use error::{ApiError, Result, ServeError};
 pub use metrics::Metrics;
 pub use scheduler::{Control, Event, Job, Load, SchedulerConfig, SchedulerHandle};
-pub use server::{Server, ServerConfig, DEFAULT_MAX_BODY_BYTES};
+pub use server::{check_api_key, Server, ServerConfig, DEFAULT_MAX_BODY_BYTES};

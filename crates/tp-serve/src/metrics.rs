@@ -41,6 +41,10 @@ pub struct Metrics {
     pub step_collective_seconds: Histogram,
     pub step_rows: Histogram,
     pub cancelled: Counter,
+    pub connections_open: Gauge,
+    pub connections_max: Gauge,
+    pub connections_refused: Counter,
+    pub connections_dropped: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -84,6 +88,18 @@ impl Metrics {
             "tp_requests_cancelled_total",
             "Requests whose client went away before the end",
         );
+        describe(
+            "tp_connections_refused_total",
+            "Connections answered 503 because the connection cap was reached",
+        );
+        describe(
+            "tp_connections_dropped_total",
+            "Connections over the connection cap whose 503 could not be written (closed unanswered)",
+        );
+        describe(
+            "tp_connections_timed_out_total",
+            "Connections closed by a deadline: header (request headers too slow), idle (keep-alive), write_stall (the client stopped reading)",
+        );
         let h = |name: &'static str, help: &'static str| {
             r.describe_histogram(KeyName::from(name), None, SharedString::const_str(help));
             r.register_histogram(&Key::from_static_name(name), &META)
@@ -97,6 +113,13 @@ impl Metrics {
             prompt_tokens: c("tp_prompt_tokens_total"),
             generation_tokens: c("tp_generation_tokens_total"),
             cancelled: c("tp_requests_cancelled_total"),
+            connections_refused: c("tp_connections_refused_total"),
+            connections_dropped: c("tp_connections_dropped_total"),
+            connections_open: g("tp_connections_open", "HTTP connections open (served)"),
+            connections_max: g(
+                "tp_connections_max",
+                "HTTP connections served at once; more are refused with 503",
+            ),
             time_to_first_token: h(
                 "tp_time_to_first_token_seconds",
                 "From the request's arrival to its first generated token",
@@ -155,6 +178,15 @@ impl Metrics {
                 Label::new("endpoint", endpoint),
                 Label::new("status", status.to_string()),
             ],
+        );
+        self.recorder.register_counter(&key, &META).increment(1);
+    }
+
+    /// Counts a connection closed by its watchdog (`why`: header, idle, write_stall).
+    pub fn connection_timed_out(&self, why: &'static str) {
+        let key = Key::from_parts(
+            "tp_connections_timed_out_total",
+            vec![Label::new("reason", why)],
         );
         self.recorder.register_counter(&key, &META).increment(1);
     }

@@ -1,14 +1,16 @@
 //! The HTTP front end (axum on its own tokio runtime thread): routes, API-key check, request
 //! validation and tokenization, server-sent events, and graceful shutdown on SIGINT/SIGTERM.
-//! It talks to the scheduler (on rank 0's thread) only through channels.
+//! Connections (cap, timeouts) are [`crate::conn`]'s. It talks to the scheduler (on rank 0's
+//! thread) only through channels.
 
 use crate::api::{self, Endpoint, GenRequest, LogprobEntry, Prompt, ResponseMeta, Usage};
+use crate::conn::{Acceptor, ConnLimits};
 use crate::error::{ApiError, Result, ServeError};
 use crate::metrics::Metrics;
 use crate::scheduler::{Control, Event, Job, SchedulerConfig, SchedulerHandle};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -22,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::UnboundedReceiver;
-use tokio::sync::Notify;
+use tokio::sync::{watch, Notify};
 use tp_engine::{FinishReason, Penalties, SamplingParams};
 use tp_tokenizer::Tokenizer;
 
@@ -32,7 +34,10 @@ pub struct ServerConfig {
     pub host: IpAddr,
     /// 0: any free port (the bound address is in [`Server::addr`]).
     pub port: u16,
+    /// Every request needs `Authorization: Bearer KEY` (see [`check_api_key`]).
     pub api_key: Option<String>,
+    /// With a key, `GET /health` answers without it (load-balancer probes).
+    pub public_health: bool,
     /// The name clients pass as `model` (or omit).
     pub model_name: String,
     /// Most positions of one sequence (prompt + generated).
@@ -49,8 +54,56 @@ pub struct ServerConfig {
     pub drain_timeout: Duration,
     /// Longest wait for a request's next token before it is failed (a stuck engine).
     pub event_timeout: Duration,
+    /// Connection cap and deadlines.
+    pub connections: ConnLimits,
     /// One line per request on stderr.
     pub log: bool,
+}
+
+/// What is wrong with an API key, if anything: it must be non-empty and printable ASCII
+/// without spaces (it travels in an HTTP header as a Bearer token). An empty key would
+/// otherwise turn authentication off without a word.
+pub fn check_api_key(key: &str) -> std::result::Result<(), String> {
+    if key.trim().is_empty() {
+        return Err("the API key is empty; an empty key would serve without authentication. Give a non-empty key, or none to serve without one".into());
+    }
+    if let Some(c) = key.chars().find(|c| !c.is_ascii_graphic()) {
+        return Err(format!(
+            "the API key contains {c:?}; a key must be printable ASCII without spaces (clients send it in an HTTP header)"
+        ));
+    }
+    Ok(())
+}
+
+impl ServerConfig {
+    /// Refuses settings the server cannot run with.
+    pub fn validate(&self) -> Result<()> {
+        if let Some(key) = &self.api_key {
+            check_api_key(key).map_err(|message| ServeError::Config {
+                name: "api key",
+                message,
+            })?;
+        }
+        let c = &self.connections;
+        for (name, d) in [
+            ("header timeout", c.header_timeout),
+            ("idle timeout", c.idle_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(ServeError::Config {
+                    name,
+                    message: "must be more than 0 seconds".into(),
+                });
+            }
+        }
+        if c.max_connections == 0 {
+            return Err(ServeError::Config {
+                name: "connection cap",
+                message: "must be at least 1".into(),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// Largest body by default: 1 MiB, far more than the longest prompt a context holds.
@@ -58,6 +111,8 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
 
 struct AppState {
     cfg: ServerConfig,
+    /// Becomes true when the drain timeout has passed: handlers end what they still hold.
+    drain_expired: watch::Receiver<bool>,
     tokenizer: Arc<Tokenizer>,
     sched: SchedulerHandle,
     metrics: Arc<Metrics>,
@@ -84,6 +139,7 @@ impl Server {
         sched: SchedulerHandle,
         metrics: Arc<Metrics>,
     ) -> Result<Server> {
+        cfg.validate()?;
         let addr = SocketAddr::new(cfg.host, cfg.port);
         let listener = StdListener::bind(addr).map_err(|source| ServeError::Bind {
             addr: addr.to_string(),
@@ -92,8 +148,10 @@ impl Server {
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(Notify::new());
+        let (drain_tx, drain_expired) = watch::channel(false);
         let state = Arc::new(AppState {
             cfg,
+            drain_expired,
             tokenizer,
             sched,
             metrics,
@@ -113,7 +171,7 @@ impl Server {
         };
         let thread = std::thread::Builder::new()
             .name("tp-http".into())
-            .spawn(move || serve_thread(rt, listener, state, signals, stop2))?;
+            .spawn(move || serve_thread(rt, listener, state, signals, stop2, drain_tx))?;
         Ok(Server { addr, stop, thread })
     }
 
@@ -130,39 +188,59 @@ impl Server {
     }
 }
 
+/// After the drain timeout has ended the requests still in flight, how long their
+/// connections get to send the closing error (and `[DONE]`) before the runtime stops.
+const FINAL_FLUSH: Duration = Duration::from_secs(2);
+
 fn serve_thread(
     rt: tokio::runtime::Runtime,
     listener: StdListener,
     state: Arc<AppState>,
     signals: Signals,
     stop: Arc<Notify>,
+    drain_expired: watch::Sender<bool>,
 ) -> Result<()> {
     let control = state.sched.control.clone();
     let drain = state.cfg.drain_timeout;
     let log = state.cfg.log;
     let out = rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
-        let app = router(state);
-        let began = Arc::new(Notify::new());
-        let began2 = Arc::clone(&began);
-        let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
-            let why = signals.wait(&stop).await;
-            if log {
-                eprintln!(
-                    "# tp serve: {why}: no new connections; finishing in-flight requests (at most {:.0} s)",
-                    drain.as_secs_f64()
-                );
-            }
-            began2.notify_one();
-        });
-        let serve = std::future::IntoFuture::into_future(serve);
-        tokio::select! {
-            r = serve => r.map_err(ServeError::Io),
-            _ = async { began.notified().await; tokio::time::sleep(drain).await } => {
-                eprintln!("# tp serve: in-flight requests did not finish within {:.0} s; ending them", drain.as_secs_f64());
-                Ok(())
-            }
+        let (closing_tx, closing) = watch::channel(false);
+        let open = Arc::new(watch::Sender::new(0usize));
+        let mut open_rx = open.subscribe();
+        let acceptor = Acceptor {
+            listener,
+            app: router(Arc::clone(&state)),
+            limits: state.cfg.connections,
+            metrics: Arc::clone(&state.metrics),
+            closing,
+            open,
+            log,
+        };
+        let accepting = tokio::spawn(acceptor.run());
+        let why = signals.wait(&stop).await;
+        if log {
+            eprintln!(
+                "# tp serve: {why}: no new connections; finishing in-flight requests (at most {:.0} s)",
+                drain.as_secs_f64()
+            );
         }
+        // Stops accepting (the listener is dropped) and closes idle connections; busy ones
+        // close once their response is written.
+        let _ = closing_tx.send(true);
+        let _ = accepting.await;
+        let drained = tokio::time::timeout(drain, open_rx.wait_for(|n| *n == 0))
+            .await
+            .is_ok();
+        if !drained {
+            eprintln!(
+                "# tp serve: in-flight requests did not finish within {:.0} s; ending them with an error",
+                drain.as_secs_f64()
+            );
+            let _ = drain_expired.send(true);
+            let _ = tokio::time::timeout(FINAL_FLUSH, open_rx.wait_for(|n| *n == 0)).await;
+        }
+        Ok(())
     });
     // Whatever is left (nothing after a clean drain) is cancelled by the scheduler.
     let _ = control.send(Control::Shutdown);
@@ -271,22 +349,31 @@ fn label(path: &str) -> &'static str {
     }
 }
 
-/// With `--api-key`, every request needs `Authorization: Bearer KEY` (compared in constant time).
+/// With an API key, every request needs `Authorization: Bearer KEY` (the scheme in any case,
+/// the key compared in constant time); `/health` is exempt when `public_health` is set.
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.cfg.api_key {
+        let exempt = st.cfg.public_health && req.uri().path() == "/health";
         let given = req
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
+            .and_then(bearer_token);
         let ok = given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes()));
-        if !ok {
+        if !ok && !exempt {
             st.metrics.request(label(req.uri().path()), 401);
             return error_response(&ApiError::unauthorized());
         }
     }
     next.run(req).await
+}
+
+/// The token of an `Authorization: Bearer TOKEN` value; the scheme is case-insensitive
+/// (RFC 9110 section 11.1).
+pub fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim().split_once([' ', '\t'])?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
 }
 
 /// Equal bytes, in a time that depends only on the lengths.
@@ -372,18 +459,64 @@ async fn method_not_allowed(State(st): State<Arc<AppState>>, req: Request) -> Re
     })
 }
 
-async fn chat(
-    State(st): State<Arc<AppState>>,
-    body: std::result::Result<Bytes, BytesRejection>,
-) -> Response {
-    generate(st, Endpoint::Chat, body).await
+async fn chat(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    match read_body(&st, req).await {
+        Ok(body) => generate(st, Endpoint::Chat, body).await,
+        Err(e) => {
+            st.metrics.request(Endpoint::Chat.label(), e.status);
+            error_response(&e)
+        }
+    }
 }
 
-async fn completions(
-    State(st): State<Arc<AppState>>,
-    body: std::result::Result<Bytes, BytesRejection>,
-) -> Response {
-    generate(st, Endpoint::Completions, body).await
+async fn completions(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    match read_body(&st, req).await {
+        Ok(body) => generate(st, Endpoint::Completions, body).await,
+        Err(e) => {
+            st.metrics.request(Endpoint::Completions.label(), e.status);
+            error_response(&e)
+        }
+    }
+}
+
+/// The request body, which must arrive within the header timeout (as the headers must).
+async fn read_body(
+    st: &AppState,
+    req: Request,
+) -> std::result::Result<std::result::Result<Bytes, BytesRejection>, ApiError> {
+    let limit = st.cfg.connections.header_timeout;
+    tokio::time::timeout(limit, Bytes::from_request(req, &()))
+        .await
+        .map_err(|_| ApiError {
+            status: 408,
+            message: format!(
+                "the request body did not arrive within {} s; send it at once after the headers",
+                limit.as_secs_f64()
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_timeout"),
+        })
+}
+
+/// Resolves once the drain timeout has passed (never, while the server runs).
+async fn drain_expired(st: &AppState) {
+    let mut rx = st.drain_expired.clone();
+    if rx.wait_for(|expired| *expired).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// What a request still in flight when the drain timeout passes is ended with.
+fn drain_error(st: &AppState) -> ApiError {
+    ApiError::unavailable(
+        503,
+        "shutting_down",
+        format!(
+            "the server is shutting down and this request did not finish within its drain timeout ({} s); retry it",
+            st.cfg.drain_timeout.as_secs_f64()
+        ),
+    )
 }
 
 async fn generate(
@@ -605,7 +738,11 @@ async fn collect(
     let mut text = String::new();
     let mut entries = Vec::new();
     loop {
-        match next_event(st, &mut rx).await? {
+        let event = tokio::select! {
+            e = next_event(st, &mut rx) => e?,
+            _ = drain_expired(st) => return Err(drain_error(st)),
+        };
+        match event {
             Event::Text { text: t, logprobs } => {
                 text.push_str(&t);
                 entries.extend(logprobs);
@@ -714,7 +851,11 @@ fn stream_response(
 async fn next_body(
     mut s: StreamState,
 ) -> Option<(std::result::Result<SseEvent, Infallible>, StreamState)> {
-    let data = match next_event(&s.st, &mut s.rx).await {
+    let event = tokio::select! {
+        e = next_event(&s.st, &mut s.rx) => e,
+        _ = drain_expired(&s.st) => Err(drain_error(&s.st)),
+    };
+    let data = match event {
         Ok(Event::Text { text, logprobs }) => {
             s.phase = Phase::Body;
             let entries = s.logprobs.then_some(logprobs.as_slice());
@@ -803,6 +944,7 @@ mod tests {
             host: IpAddr::from([127, 0, 0, 1]),
             port: 0,
             api_key: None,
+            public_health: false,
             model_name: "m".into(),
             ctx_size: 100,
             kv_budget_positions: 1000,
@@ -811,8 +953,56 @@ mod tests {
             max_queue: 8,
             drain_timeout: Duration::from_secs(1),
             event_timeout: Duration::from_secs(1),
+            connections: ConnLimits {
+                header_timeout: Duration::from_secs(10),
+                idle_timeout: Duration::from_secs(60),
+                max_connections: 10,
+            },
             log: false,
         }
+    }
+
+    #[test]
+    fn bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer_token("Bearer k1"), Some("k1"));
+        assert_eq!(bearer_token("bearer k1"), Some("k1"));
+        assert_eq!(bearer_token("BEARER   k1 "), Some("k1"));
+        assert_eq!(bearer_token("Bearer\tk1"), Some("k1"));
+        assert_eq!(bearer_token("Basic k1"), None);
+        assert_eq!(bearer_token("Bearer"), None);
+        assert_eq!(bearer_token("Bearer  "), None);
+        assert_eq!(bearer_token("Bearerk1"), None);
+    }
+
+    #[test]
+    fn empty_and_unsendable_keys_are_refused() {
+        for bad in ["", " ", "\t\n", "two words", "caf\u{e9}"] {
+            assert!(check_api_key(bad).is_err(), "{bad:?}");
+            let c = ServerConfig {
+                api_key: Some(bad.into()),
+                ..cfg()
+            };
+            assert!(
+                matches!(
+                    c.validate(),
+                    Err(ServeError::Config {
+                        name: "api key",
+                        ..
+                    })
+                ),
+                "{bad:?}"
+            );
+        }
+        assert!(check_api_key("sk-1234_abc").is_ok());
+        let zero = ServerConfig {
+            connections: ConnLimits {
+                max_connections: 0,
+                ..cfg().connections
+            },
+            ..cfg()
+        };
+        assert!(zero.validate().is_err());
+        assert!(cfg().validate().is_ok());
     }
 
     #[test]

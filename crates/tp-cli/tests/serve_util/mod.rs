@@ -52,12 +52,32 @@ impl ServerProc {
         Some(Self::start_with(TP, &[], &model, extra))
     }
 
+    /// As [`ServerProc::start`], with `configure` applied to the command before it starts
+    /// (environment, resource limits).
+    pub fn start_configured(
+        extra: &[&str],
+        configure: impl FnOnce(&mut Command),
+    ) -> Option<ServerProc> {
+        let model = smollm2()?;
+        Some(Self::start_command(TP, &[], &model, extra, configure))
+    }
+
     /// Starts `program pre_args... serve --model M --port 0 extra...` (mpirun uses pre_args).
     pub fn start_with(
         program: &str,
         pre: &[&str],
         model: &std::path::Path,
         extra: &[&str],
+    ) -> ServerProc {
+        Self::start_command(program, pre, model, extra, |_| {})
+    }
+
+    fn start_command(
+        program: &str,
+        pre: &[&str],
+        model: &std::path::Path,
+        extra: &[&str],
+        configure: impl FnOnce(&mut Command),
     ) -> ServerProc {
         let mut cmd = Command::new(program);
         cmd.args(pre)
@@ -69,6 +89,7 @@ impl ServerProc {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        configure(&mut cmd);
         let mut child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {program}: {e}"));
