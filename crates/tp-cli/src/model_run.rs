@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use tp_engine::{Command, Worker};
 use tp_models::{
     open_checkpoint, rank_memory, Checkpoint, DenseDType, LoadOptions, RankMemory, ShardPlan,
-    ShardedModel,
+    ShardedModel, SyncMode,
 };
 use tp_tokenizer::Tokenizer;
 
@@ -30,6 +30,24 @@ impl DTypeArg {
             DTypeArg::F32 => DenseDType::F32,
             DTypeArg::F16 => DenseDType::F16,
             DTypeArg::Bf16 => DenseDType::BF16,
+        }
+    }
+}
+
+/// How the tensor-parallel all-reduces of partial sums travel (`--sync`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SyncArg {
+    /// f64 partial sums: exact, the same logits at every tp.
+    Exact,
+    /// 8-bit blocks (~7x fewer bytes): for slow links between hosts; lossy.
+    Q8,
+}
+
+impl SyncArg {
+    fn mode(self) -> SyncMode {
+        match self {
+            SyncArg::Exact => SyncMode::Exact,
+            SyncArg::Q8 => SyncMode::Q8,
         }
     }
 }
@@ -62,6 +80,10 @@ pub struct ModelArgs {
     /// Deadline of every collective, in seconds.
     #[arg(long, default_value_t = 60.0)]
     pub timeout: f64,
+    /// How ranks sum partial results: exact (f64) or q8 (8-bit blocks, ~7x fewer bytes per
+    /// all-reduce, for slow links between hosts; perplexity changes slightly, see the README).
+    #[arg(long, value_enum, default_value_t = SyncArg::Exact)]
+    pub sync: SyncArg,
     /// Print only the generated text (no model and speed report on stderr).
     #[arg(long, short)]
     pub quiet: bool,
@@ -273,8 +295,9 @@ fn run_rank<T>(
     let rank = g.rank();
     let counting = Counting::new(m.ckpt);
     let started = Instant::now();
-    let model = ShardedModel::load(&counting, rank, tp, args.load_options(), m.ctx)
+    let mut model = ShardedModel::load(&counting, rank, tp, args.load_options(), m.ctx)
         .with_context(|| format!("rank {rank} cannot load its shard of {}", m.path.display()))?;
+    model.set_sync(args.sync.mode());
     let mine = LoadStats {
         bytes: counting.bytes(),
         time: started.elapsed(),
@@ -322,7 +345,7 @@ fn plan_and_check(
     let plan = memory_plan(ckpt, tp, ctx, opts)?;
     if show && !args.quiet {
         eprintln!(
-            "# {}: {} {} layers, hidden {}, {} heads / {} KV heads, vocab {}; tp {tp} ({:?} backend)",
+            "# {}: {} {} layers, hidden {}, {} heads / {} KV heads, vocab {}; tp {tp} ({:?} backend{})",
             path.display(),
             cfg.arch.name(),
             cfg.layers,
@@ -330,7 +353,11 @@ fn plan_and_check(
             cfg.heads,
             cfg.kv_heads,
             cfg.vocab,
-            args.backend
+            args.backend,
+            match args.sync {
+                SyncArg::Exact => "",
+                SyncArg::Q8 => ", q8 sync",
+            }
         );
         for (r, m) in plan.iter().enumerate() {
             eprintln!("# {}", describe_rank(ckpt, r, tp, m, ctx));

@@ -14,6 +14,7 @@ pub mod open;
 pub mod ops;
 pub mod profile;
 pub mod shard;
+pub mod sync;
 #[cfg(feature = "test-support")]
 pub mod synthetic;
 
@@ -29,3 +30,4 @@ pub use model::{Chunk, ShardedModel};
 pub use open::open_checkpoint;
 pub use profile::Profile;
 pub use shard::{rank_memory, RankMemory, ShardPlan};
+pub use sync::SyncMode;

@@ -10,6 +10,7 @@ use crate::matrix::{LoadOptions, Matrix, Projection};
 use crate::ops::{axpy, dot, rms_norm, silu_mul, softmax, RopeTable};
 use crate::profile::Profile;
 use crate::shard::ShardPlan;
+use crate::sync::{sum_partials, SyncMode};
 use tp_comm::{CommExt, Group, ReduceOp};
 
 /// One transformer block's local weights.
@@ -45,6 +46,8 @@ pub struct ShardedModel {
     rope: RopeTable,
     /// For each local query head, its KV head's index among the local KV heads.
     kv_of_q: Vec<usize>,
+    /// How row-parallel partial sums are summed over the group.
+    sync: SyncMode,
 }
 
 impl ShardedModel {
@@ -143,7 +146,19 @@ impl ShardedModel {
             head,
             layers,
             kv_of_q,
+            sync: SyncMode::Exact,
         })
+    }
+
+    /// Sets how row-parallel partial sums are summed; every rank of the group must use the
+    /// same mode (a mismatch is a desync the collectives report).
+    pub fn set_sync(&mut self, mode: SyncMode) {
+        self.sync = mode;
+    }
+
+    /// How row-parallel partial sums are summed.
+    pub fn sync(&self) -> SyncMode {
+        self.sync
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -327,7 +342,7 @@ impl ShardedModel {
                 );
                 t0 += len;
             }
-            row_parallel(&layer.o, &ctx, n, &mut partial, group, prof)?;
+            row_parallel(&layer.o, &ctx, n, self.sync, &mut partial, group, prof)?;
             for (a, b) in h.iter_mut().zip(&partial) {
                 *a += *b as f32;
             }
@@ -339,7 +354,7 @@ impl ShardedModel {
                 silu_mul(g, u);
                 act[t * ffn_w..(t + 1) * ffn_w].copy_from_slice(g);
             }
-            row_parallel(&layer.down, &act, n, &mut partial, group, prof)?;
+            row_parallel(&layer.down, &act, n, self.sync, &mut partial, group, prof)?;
             for (a, b) in h.iter_mut().zip(&partial) {
                 *a += *b as f32;
             }
@@ -407,17 +422,19 @@ fn all_reduce<T: tp_comm::Elem>(x: &mut [T], group: &Group, prof: &mut Profile) 
 /// of block contributions are exact in f64 for realistic magnitudes, so the result has the
 /// same bits however the input columns are split over ranks: greedy text does not change
 /// with tp (R10), even though the next layer re-quantizes its activations to 8 bits.
+/// `SyncMode::Q8` trades that invariance for ~7x fewer bytes on the wire (`sync.rs`).
 fn row_parallel(
     w: &Matrix,
     x: &[f32],
     n: usize,
+    sync: SyncMode,
     out: &mut [f64],
     group: &Group,
     prof: &mut Profile,
 ) -> Result<()> {
     out.fill(0.0);
     w.matmul_wide_acc(x, n, out)?;
-    all_reduce(out, group, prof)
+    sum_partials(sync, out, group, prof)
 }
 
 /// Causal attention of `len` new tokens (rows of `qkv`, queries first) over the cache.
