@@ -736,6 +736,7 @@ fn issue18_context_lengths_too_large_to_hold_are_refused_with_their_cost() {
         let e = ShardedModel::load(&ckpt, 0, 1, LoadOptions::default(), ctx).unwrap_err();
         assert!(matches!(e, ModelError::TooLarge { .. }), "{ctx}: {e:?}");
         let m = e.to_string();
+        eprintln!("ctx {ctx}: {m}");
         assert!(m.contains(&ctx.to_string()) && m.contains("bytes"), "{m}");
         let plan = ShardPlan::for_checkpoint(&ckpt, 0, 1).unwrap();
         let e = tp_models::rank_memory(&ckpt, &plan, ctx, 4, true).unwrap_err();
