@@ -43,16 +43,19 @@ pub fn check_bytes(
     value: impl std::fmt::Display,
     bytes: Option<u128>,
     limit: u64,
-    hint: &str,
+    hint: &'static str,
 ) -> Result<u64> {
     match bytes {
         Some(b) if b <= u128::from(limit) => Ok(b as u64),
         _ => Err(ModelError::TooLarge {
             what: what.to_string(),
             value: value.to_string(),
-            bytes: show(bytes),
-            limit: show(Some(u128::from(limit))),
-            hint: hint.to_string(),
+            cost: format!(
+                "{}, more than the {} this machine has",
+                show(bytes),
+                show(Some(u128::from(limit)))
+            ),
+            hint,
         }),
     }
 }
