@@ -26,7 +26,7 @@ pub struct InspectArgs {
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     let path = match &args.model {
-        Some(p) => p.clone(),
+        Some(p) => crate::model_run::resolve_model_path(p)?,
         None => crate::fetch::ensure(&crate::fetch::SMOLLM2)?,
     };
     let ckpt = open_checkpoint(&path).with_context(|| format!("cannot load {}", path.display()))?;

@@ -104,10 +104,11 @@ impl ModelArgs {
             .context("--timeout must be a positive number of seconds")
     }
 
-    /// The model path: `--model`, or the default model (fetched when missing).
+    /// The model path: `--model` (a training checkpoint verified and resolved, see
+    /// [`resolve_model_path`]), or the default model (fetched when missing).
     pub fn model_path(&self) -> anyhow::Result<PathBuf> {
         match &self.model {
-            Some(p) => Ok(p.clone()),
+            Some(p) => resolve_model_path(p),
             None => fetch::ensure(&fetch::SMOLLM2),
         }
     }
@@ -123,6 +124,24 @@ impl ModelArgs {
             (Backend::Local, tp) => Ok(tp.unwrap_or(1)),
         }
     }
+}
+
+/// `path` itself, unless it is a `tp train` checkpoint: a step directory (it holds
+/// `manifest.json`) or a run directory (it holds `latest`, which is followed). Those are
+/// verified against their manifest (size and SHA-256 of every file, tp-train's own check, as
+/// `tp train --resume` does) and the step directory is returned.
+pub fn resolve_model_path(path: &Path) -> anyhow::Result<PathBuf> {
+    use tp_train::checkpoint::{
+        find_step_dir, Manifest, CONFIG_FILE, LATEST, MANIFEST, MODEL_FILE,
+    };
+    if !path.is_dir() || !(path.join(MANIFEST).is_file() || path.join(LATEST).is_file()) {
+        return Ok(path.to_path_buf());
+    }
+    let dir = find_step_dir(path)?;
+    Manifest::read(&dir)
+        .and_then(|m| m.verify_all(&dir, &[CONFIG_FILE, MODEL_FILE]))
+        .with_context(|| format!("the checkpoint {} fails verification", dir.display()))?;
+    Ok(dir)
 }
 
 /// What rank 0 has besides its worker.
@@ -246,7 +265,7 @@ pub fn run_model<T: Send>(
         Backend::Mpi => run_ranks(Backend::Mpi, 0, timeout, |g| {
             // Each host's own copy; every rank learns whether all hosts have the same.
             let path = match &args.model {
-                Some(p) => Ok(p.clone()),
+                Some(p) => resolve_model_path(p),
                 None => fetch::cached(&fetch::SMOLLM2),
             };
             let opened = path.and_then(|p| open_and_identify(&p).map(|(c, id)| (p, c, id)));
@@ -340,9 +359,18 @@ fn plan_and_check(
     ctx: usize,
     show: bool,
 ) -> anyhow::Result<()> {
+    // The step protocol carries a sequence's capacity as a u32.
+    if u32::try_from(ctx).is_err() {
+        bail!(
+            "a context of {ctx} positions is more than the {} a sequence can hold; lower --ctx-size",
+            u32::MAX
+        );
+    }
     let opts = args.load_options();
     let cfg = ckpt.config();
-    let plan = memory_plan(ckpt, tp, ctx, opts)?;
+    let plan = memory_plan(ckpt, tp, ctx, opts)
+        .with_context(|| format!("a context of {ctx} positions does not fit (--ctx-size, default: the model's context length)"))?;
+    check_machine_memory(args.backend, tp, ctx, &plan)?;
     if show && !args.quiet {
         eprintln!(
             "# {}: {} {} layers, hidden {}, {} heads / {} KV heads, vocab {}; tp {tp} ({:?} backend{})",
@@ -365,6 +393,35 @@ fn plan_and_check(
     }
     if let Some(budget) = args.max_rank_memory {
         check_budget(ckpt, tp, ctx, opts, budget, &plan)?;
+    }
+    Ok(())
+}
+
+/// Refuses a plan that exceeds this machine's memory before any rank allocates: all ranks
+/// together with the local backend (threads of this process), the busiest rank under MPI.
+fn check_machine_memory(
+    backend: Backend,
+    tp: usize,
+    ctx: usize,
+    plan: &[RankMemory],
+) -> anyhow::Result<()> {
+    let Some(machine) = tp_models::limits::physical_memory() else {
+        return Ok(());
+    };
+    let need: u128 = match backend {
+        Backend::Local => plan.iter().map(|m| m.total() as u128).sum(),
+        Backend::Mpi => plan.iter().map(|m| m.total() as u128).max().unwrap_or(0),
+    };
+    if need > u128::from(machine) {
+        let who = match backend {
+            Backend::Local => format!("the {tp} ranks of this process"),
+            Backend::Mpi => "the busiest rank".to_string(),
+        };
+        bail!(
+            "{who} would need {} (weights, RoPE table and a KV cache of {ctx} positions), more than this machine's {}; lower --ctx-size, or use more machines",
+            tp_models::limits::show(Some(need)),
+            tp_models::limits::show(Some(u128::from(machine)))
+        );
     }
     Ok(())
 }

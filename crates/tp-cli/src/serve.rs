@@ -190,6 +190,15 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
             }
             (None, None) => DEFAULT_KV_BYTES,
         };
+        // A budget is reserved as requests arrive; one larger than the machine would let
+        // admissions outrun memory instead of queueing.
+        if let Some(machine) = tp_models::limits::physical_memory().filter(|&m| budget > m) {
+            bail!(
+                "a KV budget of {} per rank is more than this machine's {}; lower --max-kv-memory or --max-rank-memory",
+                show_bytes(budget),
+                show_bytes(machine)
+            );
+        }
         let positions = (budget / per_position.max(1) as u64) as usize;
         if positions < 2 {
             bail!(

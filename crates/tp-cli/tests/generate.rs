@@ -159,6 +159,23 @@ fn bad_inputs_get_clear_errors() {
             ],
             "context",
         );
+        // Issue 18: contexts too large to hold are refused with their cost, before any rank
+        // allocates (4e9 used to abort allocating the RoPE table, u64::MAX to panic).
+        for ctx in ["4000000000", "18446744073709551615"] {
+            let start = std::time::Instant::now();
+            let f = tp(&["generate", "--model", &m, "--ctx-size", ctx, "hi"]);
+            assert!(
+                f.code == Some(1) && f.output.contains(ctx) && f.output.contains("bytes"),
+                "--ctx-size {ctx}: {}",
+                f.output
+            );
+            assert!(!f.output.contains("panicked"), "{}", f.output);
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "{:?}",
+                start.elapsed()
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -88,5 +88,38 @@ fn trained_checkpoint_generates_identically_at_every_tp() {
         (nll - last_loss).abs() < 0.35,
         "inference NLL {nll} vs training loss {last_loss}"
     );
+
+    // Issue 18: the run directory follows `latest`; a checkpoint whose file no longer matches
+    // manifest.json is refused naming the file, whether named directly or through the run.
+    let via_run = tp(&[
+        "generate",
+        "--model",
+        &d,
+        "--greedy",
+        "--max-tokens",
+        "48",
+        "-q",
+        "And God said",
+    ])
+    .stdout;
+    assert_eq!(via_run, one);
+    let weights = dir.join("step-00000030/model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&weights, &bytes).unwrap();
+    for model in [&*ckpt, &*d] {
+        let f = common::run_with_deadline(
+            TP,
+            &["generate", "--model", model, "-q", "hi"],
+            Duration::from_secs(60),
+        );
+        assert_eq!(f.code, Some(1), "{}", f.output);
+        assert!(
+            f.output.contains("model.safetensors") && f.output.contains("verification"),
+            "{}",
+            f.output
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

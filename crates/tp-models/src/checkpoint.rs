@@ -4,6 +4,7 @@
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use candle_core::quantized::GgmlDType;
+use std::collections::HashMap;
 use std::ops::Range;
 
 /// A weight of the Llama family, independent of the file format's naming.
@@ -164,16 +165,76 @@ pub fn expected_weights(cfg: &ModelConfig) -> impl Iterator<Item = (WeightName, 
     global.into_iter().flatten().chain(layers)
 }
 
+/// Fewest tensors a layer has (two norms, Q, K, V, O, gate, up, down).
+pub const TENSORS_PER_LAYER: usize = 9;
+
+/// Refuses a config that declares more layers than `tensors` (the file's tensor count) can
+/// hold, before anything loops over the layers: a config.json claiming 10^12 layers fails at
+/// once instead of walking 10^12 missing tensors.
+pub fn check_layer_count(cfg: &ModelConfig, tensors: usize, source: &str) -> Result<()> {
+    let most = tensors / TENSORS_PER_LAYER;
+    if cfg.layers > most {
+        return Err(ModelError::Inconsistent {
+            path: source.to_string(),
+            reason: format!(
+                "the config declares {} layers, but the file holds {tensors} tensors, enough for at most {most} ({TENSORS_PER_LAYER} per layer)",
+                cfg.layers
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The weights of `cfg` by their name in a file format (`name_of`), with their shapes. Call
+/// after [`check_layer_count`], which bounds its size by the file's tensor count.
+pub fn expected_by_name(
+    cfg: &ModelConfig,
+    name_of: impl Fn(WeightName) -> String,
+) -> HashMap<String, (WeightName, Expected)> {
+    expected_weights(cfg)
+        .map(|(w, e)| (name_of(w), (w, e)))
+        .collect()
+}
+
+/// Why a tensor the config does not call for is refused: a layer beyond the layer count, or
+/// a name the architecture does not use (both would be silently ignored).
+pub fn unused_tensor_reason(cfg: &ModelConfig, tensor: &str, layer: Option<usize>) -> String {
+    match layer {
+        Some(l) if l >= cfg.layers => format!(
+            "tensor {tensor} belongs to layer {l}, but the config declares {} layers (the layer count was lowered, or tensors were added)",
+            cfg.layers
+        ),
+        _ => format!(
+            "tensor {tensor} is not a weight of a {} model with this config (qkv bias {}, tied embeddings {}); it would be ignored",
+            cfg.arch.name(),
+            cfg.qkv_bias,
+            cfg.tied_embeddings
+        ),
+    }
+}
+
 /// Checks at open that every weight the config calls for is present with its shape, so a
 /// file that does not match its config fails with the tensor and file named before any
 /// rank allocates (R4). Needs a config that passed [`ModelConfig::validate`] (no overflow).
 pub fn validate_weights(ckpt: &dyn Checkpoint) -> Result<()> {
-    for (name, want) in expected_weights(ckpt.config()) {
-        let meta = ckpt.meta(name)?;
+    validate_shapes(ckpt.config(), &|name| ckpt.meta(name), &|name| {
+        ckpt.describe(name)
+    })
+}
+
+/// [`validate_weights`] over a shape lookup `meta` and a namer `describe`; stops at the
+/// first missing or misshapen weight.
+pub fn validate_shapes(
+    cfg: &ModelConfig,
+    meta: &dyn Fn(WeightName) -> Result<TensorMeta>,
+    describe: &dyn Fn(WeightName) -> String,
+) -> Result<()> {
+    for (name, want) in expected_weights(cfg) {
+        let meta = meta(name)?;
         let ok = match want {
             Expected::Matrix { rows, cols } => meta.rows == rows && meta.cols == cols,
             Expected::Vector { len } => {
-                meta.rows.min(meta.cols) == 1 && meta.rows * meta.cols == len
+                meta.rows.min(meta.cols) == 1 && meta.rows.checked_mul(meta.cols) == Some(len)
             }
         };
         if !ok {
@@ -187,7 +248,7 @@ pub fn validate_weights(ckpt: &dyn Checkpoint) -> Result<()> {
                 vec![meta.rows, meta.cols]
             };
             return Err(ModelError::TensorShape {
-                name: ckpt.describe(name),
+                name: describe(name),
                 found,
                 expected,
             });

@@ -148,27 +148,45 @@ impl ModelConfig {
             }
         };
         let key = |k: &str| format!("{arch_name}.{k}");
-        let int = |k: &str| -> Result<usize> {
+        // A key that is present must be valid: a mistyped value is an error, not the default.
+        let opt_int = |k: &str| -> Result<Option<usize>> {
             let full = key(k);
-            md.get(&full)
-                .and_then(gguf_uint)
-                .ok_or_else(|| missing(&full, "the GGUF lacks a required hyper-parameter; convert the model again with a current llama.cpp"))
+            match md.get(&full) {
+                None => Ok(None),
+                Some(v) => gguf_uint(v).map(Some).ok_or_else(|| {
+                    ModelError::Config(format!("{full} is {v:?}, not a non-negative integer"))
+                }),
+            }
         };
-        let float = |k: &str, default: f64| -> f64 {
-            md.get(&key(k))
-                .and_then(|v| v.to_f32().ok().map(f64::from).or_else(|| v.to_f64().ok()))
-                .unwrap_or(default)
+        let int = |k: &str| -> Result<usize> {
+            opt_int(k)?.ok_or_else(|| missing(&key(k), "the GGUF lacks a required hyper-parameter; convert the model again with a current llama.cpp"))
+        };
+        let float = |k: &str, default: f64| -> Result<f64> {
+            let full = key(k);
+            match md.get(&full) {
+                None => Ok(default),
+                Some(v) => v
+                    .to_f32()
+                    .ok()
+                    .map(f64::from)
+                    .or_else(|| v.to_f64().ok())
+                    .or_else(|| gguf_uint(v).map(|x| x as f64))
+                    .ok_or_else(|| ModelError::Config(format!("{full} is {v:?}, not a number"))),
+            }
         };
         let hidden = int("embedding_length")?;
         let heads = int("attention.head_count")?;
-        let kv_heads = int("attention.head_count_kv").unwrap_or(heads);
-        let head_dim = int("attention.key_length")
-            .or_else(|_| int("rope.dimension_count"))
-            .unwrap_or(hidden.checked_div(heads).unwrap_or(0));
-        let vocab = match (int("vocab_size"), embed_rows) {
-            (Ok(v), _) => v,
-            (Err(_), Some(rows)) => rows,
-            (Err(e), None) => return Err(e),
+        let kv_heads = opt_int("attention.head_count_kv")?.unwrap_or(heads);
+        let head_dim = match opt_int("attention.key_length")? {
+            Some(d) => d,
+            None => {
+                opt_int("rope.dimension_count")?.unwrap_or(hidden.checked_div(heads).unwrap_or(0))
+            }
+        };
+        let vocab = match (opt_int("vocab_size")?, embed_rows) {
+            (Some(v), _) => v,
+            (None, Some(rows)) => rows,
+            (None, None) => int("vocab_size")?,
         };
         let cfg = ModelConfig {
             arch,
@@ -179,13 +197,13 @@ impl ModelConfig {
             kv_heads,
             head_dim,
             vocab,
-            rms_eps: float("attention.layer_norm_rms_epsilon", 1e-5),
-            rope_theta: float("rope.freq_base", 10_000.0),
+            rms_eps: float("attention.layer_norm_rms_epsilon", 1e-5)?,
+            rope_theta: float("rope.freq_base", 10_000.0)?,
             rope_style: match arch {
                 Arch::Llama => RopeStyle::Interleaved,
                 Arch::Qwen2 => RopeStyle::RotateHalf,
             },
-            context: int("context_length").unwrap_or(2048),
+            context: opt_int("context_length")?.unwrap_or(2048),
             qkv_bias: arch == Arch::Qwen2,
             tied_embeddings: !has_output,
         };
@@ -224,13 +242,30 @@ impl ModelConfig {
                 path: String::new(),
             });
         };
-        let int = |k: &str| -> Result<usize> {
-            v.get(k)
-                .and_then(|x| x.as_u64())
-                .and_then(|x| usize::try_from(x).ok())
-                .ok_or_else(|| missing(k, "config.json lacks a required field; use the config.json that came with the model"))
+        // Absent or null: the default; present: must be valid (never silently the default).
+        let opt_int = |k: &str| -> Result<Option<usize>> {
+            match v.get(k) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(x) => x
+                    .as_u64()
+                    .and_then(|x| usize::try_from(x).ok())
+                    .map(Some)
+                    .ok_or_else(|| {
+                        ModelError::Config(format!("{k} is {x}, not a non-negative integer"))
+                    }),
+            }
         };
-        let float = |k: &str, d: f64| v.get(k).and_then(|x| x.as_f64()).unwrap_or(d);
+        let int = |k: &str| -> Result<usize> {
+            opt_int(k)?.ok_or_else(|| missing(k, "config.json lacks a required field; use the config.json that came with the model"))
+        };
+        let float = |k: &str, d: f64| -> Result<f64> {
+            match v.get(k) {
+                None | Some(serde_json::Value::Null) => Ok(d),
+                Some(x) => x
+                    .as_f64()
+                    .ok_or_else(|| ModelError::Config(format!("{k} is {x}, not a number"))),
+            }
+        };
         let hidden = int("hidden_size")?;
         let heads = int("num_attention_heads")?;
         let cfg = ModelConfig {
@@ -239,13 +274,13 @@ impl ModelConfig {
             hidden,
             ffn: int("intermediate_size")?,
             heads,
-            kv_heads: int("num_key_value_heads").unwrap_or(heads),
-            head_dim: int("head_dim").unwrap_or(hidden.checked_div(heads).unwrap_or(0)),
+            kv_heads: opt_int("num_key_value_heads")?.unwrap_or(heads),
+            head_dim: opt_int("head_dim")?.unwrap_or(hidden.checked_div(heads).unwrap_or(0)),
             vocab: int("vocab_size")?,
-            rms_eps: float("rms_norm_eps", 1e-5),
-            rope_theta: float("rope_theta", 10_000.0),
+            rms_eps: float("rms_norm_eps", 1e-5)?,
+            rope_theta: float("rope_theta", 10_000.0)?,
             rope_style: RopeStyle::RotateHalf,
-            context: int("max_position_embeddings").unwrap_or(2048),
+            context: opt_int("max_position_embeddings")?.unwrap_or(2048),
             qkv_bias: arch == Arch::Qwen2
                 || v.get("attention_bias").and_then(|b| b.as_bool()) == Some(true),
             tied_embeddings: v

@@ -44,6 +44,16 @@ pub enum ModelError {
     ContextFull { pos: usize, len: usize, cap: usize },
     #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
     TokenOutOfRange { id: u32, vocab: usize },
+    #[error("{what} {value} would take {cost}; {hint}")]
+    TooLarge {
+        what: String,
+        value: String,
+        /// `N bytes (..), more than the M bytes (..) this machine has`.
+        cost: String,
+        hint: &'static str,
+    },
+    #[error("{path}: {reason}; the file does not match the model its metadata describes: download or convert it again")]
+    Inconsistent { path: String, reason: String },
     #[error("{0}")]
     Input(String),
 }

@@ -1,8 +1,8 @@
 //! GGUF checkpoints: the file is memory-mapped and a rank copies out only its byte ranges.
 
 use crate::checkpoint::{
-    copy_region, slice_from_bytes, validate_weights, Checkpoint, FloatKind, Storage, TensorMeta,
-    WeightName, WeightSlice,
+    check_layer_count, copy_region, expected_by_name, slice_from_bytes, unused_tensor_reason,
+    validate_shapes, Checkpoint, Expected, FloatKind, Storage, TensorMeta, WeightName, WeightSlice,
 };
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -55,9 +55,7 @@ pub fn gguf_name(name: WeightName) -> String {
 }
 
 impl GgufCheckpoint {
-    /// Maps `path`, parses and validates the header (every length bounded, every tensor
-    /// inside the file and disjoint), reads the config and checks that every weight it calls
-    /// for is present with its shape.
+    /// Maps `path` and runs every check of [`check_gguf`] on it.
     pub fn open(path: &Path) -> Result<Self> {
         let shown = path.display().to_string();
         let io = |source| ModelError::Io {
@@ -76,21 +74,13 @@ impl GgufCheckpoint {
         // `GgufHeader::parse` checked against the mapped length. A file truncated by another
         // process while mapped would fault; models are not rewritten while being served.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let header = GgufHeader::parse(&map, &shown)?;
-        let embed_rows = header
-            .tensor("token_embd.weight")
-            .and_then(|t| t.shape.first().copied());
-        let has_output = header.tensor("output.weight").is_some();
-        let config = ModelConfig::from_gguf(&header.metadata, embed_rows, has_output)
-            .map_err(|e| e.in_file(&shown))?;
-        let ckpt = GgufCheckpoint {
+        let (header, config) = check_gguf(&map, &shown)?;
+        Ok(GgufCheckpoint {
             path: shown,
             map,
             header,
             config,
-        };
-        validate_weights(&ckpt)?;
-        Ok(ckpt)
+        })
     }
 
     pub fn metadata(&self) -> &HashMap<String, Value> {
@@ -108,14 +98,7 @@ impl GgufCheckpoint {
     }
 
     fn info(&self, name: WeightName) -> Result<(&GgufTensor, String)> {
-        let key = gguf_name(name);
-        match self.header.tensor(&key) {
-            Some(info) => Ok((info, key)),
-            None => Err(ModelError::MissingTensor {
-                name: format!("{key} in {}", self.path),
-                arch: self.config.arch.name().into(),
-            }),
-        }
+        info(&self.header, &self.path, self.config.arch.name(), name)
     }
 
     /// The tensor's bytes in the map (bounds checked at open).
@@ -124,6 +107,111 @@ impl GgufCheckpoint {
         let (info, _) = self.info(name)?;
         Ok((&self.map[self.header.data_range(info)], meta, info.dtype))
     }
+}
+
+/// Everything [`GgufCheckpoint::open`] checks, on the file's bytes: the header (every length
+/// bounded, tensors inside the file, tiling the data section without gap or overlap), the
+/// config, a layer count the tensor count can hold, every tensor one the config uses (no
+/// layer beyond the layer count, no unknown name), norm and bias vectors stored as floats,
+/// and every weight present with its shape. Stops at the first inconsistency.
+pub fn check_gguf(file: &[u8], path: &str) -> Result<(GgufHeader, ModelConfig)> {
+    let header = GgufHeader::parse(file, path)?;
+    let embed_rows = header
+        .tensor("token_embd.weight")
+        .and_then(|t| t.shape.first().copied());
+    let has_output = header.tensor("output.weight").is_some();
+    let config = ModelConfig::from_gguf(&header.metadata, embed_rows, has_output)
+        .map_err(|e| e.in_file(path))?;
+    check_layer_count(&config, header.tensors.len(), path)?;
+    let expected = expected_by_name(&config, gguf_name);
+    for t in &header.tensors {
+        match expected.get(&t.name) {
+            None => {
+                let layer = t
+                    .name
+                    .strip_prefix("blk.")
+                    .and_then(|r| r.split('.').next())
+                    .and_then(|n| n.parse().ok());
+                return Err(ModelError::Inconsistent {
+                    path: path.to_string(),
+                    reason: unused_tensor_reason(&config, &t.name, layer),
+                });
+            }
+            Some((_, Expected::Vector { .. })) if t.shape.len() != 1 => {
+                return Err(ModelError::Inconsistent {
+                    path: path.to_string(),
+                    reason: format!(
+                        "tensor {} has shape {:?}; norm and bias vectors are 1-dimensional",
+                        t.name, t.shape
+                    ),
+                });
+            }
+            Some((_, Expected::Vector { .. })) if float_kind(t.dtype).is_none() => {
+                return Err(ModelError::Inconsistent {
+                    path: path.to_string(),
+                    reason: format!(
+                        "tensor {} is stored as {:?}, but norm and bias vectors are F32, F16 or BF16",
+                        t.name, t.dtype
+                    ),
+                });
+            }
+            Some(_) => {}
+        }
+    }
+    let arch = config.arch.name();
+    validate_shapes(
+        &config,
+        &|name| tensor_meta(&header, path, arch, name),
+        &|name| format!("{} in {path}", gguf_name(name)),
+    )?;
+    Ok((header, config))
+}
+
+fn info<'h>(
+    header: &'h GgufHeader,
+    path: &str,
+    arch: &str,
+    name: WeightName,
+) -> Result<(&'h GgufTensor, String)> {
+    let key = gguf_name(name);
+    match header.tensor(&key) {
+        Some(info) => Ok((info, key)),
+        None => Err(ModelError::MissingTensor {
+            name: format!("{key} in {path}"),
+            arch: arch.into(),
+        }),
+    }
+}
+
+/// Shape `[rows, cols]` and storage of a weight from its tensor info.
+fn tensor_meta(
+    header: &GgufHeader,
+    path: &str,
+    arch: &str,
+    name: WeightName,
+) -> Result<TensorMeta> {
+    let (info, key) = info(header, path, arch, name)?;
+    let (rows, cols) = match info.shape.as_slice() {
+        [n] => (*n, 1),
+        [r, c] => (*r, *c),
+        dims => {
+            return Err(ModelError::Corrupt {
+                path: path.to_string(),
+                reason: format!(
+                    "tensor {key} has shape {dims:?}; a Llama-family weight has 1 or 2 dimensions"
+                ),
+            })
+        }
+    };
+    let storage = match float_kind(info.dtype) {
+        Some(k) => Storage::Float { bytes: k.bytes() },
+        None => Storage::Quant(info.dtype),
+    };
+    Ok(TensorMeta {
+        rows,
+        cols,
+        storage,
+    })
 }
 
 fn float_kind(t: GgmlDType) -> Option<FloatKind> {
@@ -159,28 +247,7 @@ impl Checkpoint for GgufCheckpoint {
     }
 
     fn meta(&self, name: WeightName) -> Result<TensorMeta> {
-        let (info, key) = self.info(name)?;
-        let (rows, cols) = match info.shape.as_slice() {
-            [n] => (*n, 1),
-            [r, c] => (*r, *c),
-            dims => {
-                return Err(ModelError::Corrupt {
-                    path: self.path.clone(),
-                    reason: format!(
-                    "tensor {key} has shape {dims:?}; a Llama-family weight has 1 or 2 dimensions"
-                ),
-                })
-            }
-        };
-        let storage = match float_kind(info.dtype) {
-            Some(k) => Storage::Float { bytes: k.bytes() },
-            None => Storage::Quant(info.dtype),
-        };
-        Ok(TensorMeta {
-            rows,
-            cols,
-            storage,
-        })
+        tensor_meta(&self.header, &self.path, self.config.arch.name(), name)
     }
 
     fn rows(&self, name: WeightName, rows: Range<usize>) -> Result<WeightSlice> {

@@ -1,6 +1,6 @@
 //! GGUF header parser that trusts no field of the file (reliability.md R4): every length is
 //! bounded by the bytes that remain before anything is allocated, all offset arithmetic is
-//! checked, and every tensor must lie inside the file without overlapping another.
+//! checked, and the tensors' data must tile the data section: no overlap, no gap.
 //!
 //! Layout (GGUF v2/v3, little-endian; ggml `docs/gguf.md`):
 //! `"GGUF" u32:version u64:tensor_count u64:kv_count`, then `kv_count` metadata pairs
@@ -14,7 +14,8 @@
 //! On a valid file the result equals candle's `Content::read` (tested on SmolLM2); it is
 //! stricter where candle trusts the file: duplicate keys or tensor names, `general.alignment`
 //! that is not a power of two of at least 8, tensor offsets off the alignment, overlapping
-//! tensors, tensors without dimensions or with a zero one, and ggml types candle cannot load
+//! tensors, gaps between tensors' data (or unused bytes after the last), tensors without
+//! dimensions or with a zero one, and ggml types candle cannot load
 //! (Q8_1, Q8_K, IQ*, ...) are errors here.
 
 use crate::error::{ModelError, Result};
@@ -489,18 +490,7 @@ fn parse(file: &[u8]) -> Parse<GgufHeader> {
             ));
         }
     }
-    let mut order: Vec<&GgufTensor> = tensors.iter().collect();
-    order.sort_by_key(|t| t.offset);
-    for pair in order.windows(2) {
-        let (a, b) = (pair[0], pair[1]);
-        // In bounds above, so the sum cannot overflow.
-        if a.offset + a.bytes > b.offset {
-            return corrupt(format!(
-                "tensors {} and {} overlap (data offsets {} + {} bytes and {})",
-                a.name, b.name, a.offset, a.bytes, b.offset
-            ));
-        }
-    }
+    check_packing(&tensors, alignment, data_offset, file_len)?;
 
     Ok(GgufHeader {
         version,
@@ -511,6 +501,60 @@ fn parse(file: &[u8]) -> Parse<GgufHeader> {
         data_offset,
         header_bytes,
     })
+}
+
+/// Tensor data must tile the data section: sorted by offset, the first starts at 0 and each
+/// next one at the previous end rounded up to the alignment (what every writer produces), and
+/// the file ends within one alignment of the last tensor. An overlap means two tensors share
+/// bytes; a gap means bytes no tensor accounts for, which is how a retyped or reshaped tensor
+/// (say a norm relabelled F32 -> Q4_0) shows up: both are refused.
+fn check_packing(
+    tensors: &[GgufTensor],
+    alignment: u64,
+    data_offset: u64,
+    file_len: u64,
+) -> Parse<()> {
+    let mut order: Vec<&GgufTensor> = tensors.iter().collect();
+    order.sort_by_key(|t| t.offset);
+    let mut expected = 0u64;
+    let mut prev: Option<&GgufTensor> = None;
+    for t in order {
+        // Every tensor is in bounds (checked by the caller), so these sums cannot overflow.
+        if t.offset < expected {
+            let p = prev.map_or("", |p| p.name.as_str());
+            return corrupt(format!(
+                "tensors {p} and {} overlap (data offsets {} and {}, the first ends at {expected})",
+                t.name,
+                prev.map_or(0, |p| p.offset),
+                t.offset
+            ));
+        }
+        if t.offset > expected {
+            let after = prev.map_or("the start of the data".to_string(), |p| {
+                format!("tensor {}", p.name)
+            });
+            return corrupt(format!(
+                "{} unused bytes between {after} and tensor {} (data offset {}, expected {expected}): a tensor's type or shape does not match its data",
+                t.offset - expected,
+                t.name,
+                t.offset
+            ));
+        }
+        let end = t.offset + t.bytes;
+        expected = end.next_multiple_of(alignment);
+        prev = Some(t);
+    }
+    if let Some(last) = prev {
+        let padded = data_offset + expected;
+        if file_len > padded {
+            return corrupt(format!(
+                "{} unused bytes after the last tensor ({}): a tensor's type or shape does not match its data, or bytes were appended",
+                file_len - padded,
+                last.name
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The rest of a tensor info after its name: dims, type, offset; sizes checked.

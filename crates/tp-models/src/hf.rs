@@ -2,8 +2,9 @@
 //! `model.safetensors.index.json`. Files are memory-mapped; a rank copies out only its slices.
 
 use crate::checkpoint::{
-    copy_region, expected_weights, slice_from_bytes, validate_weights, Checkpoint, FloatKind,
-    Storage, TensorMeta, WeightName, WeightSlice,
+    check_layer_count, copy_region, expected_by_name, expected_weights, slice_from_bytes,
+    unused_tensor_reason, validate_weights, Checkpoint, FloatKind, Storage, TensorMeta, WeightName,
+    WeightSlice,
 };
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -141,6 +142,8 @@ impl HfCheckpoint {
         if !tensors.contains_key("lm_head.weight") {
             config.tied_embeddings = true;
         }
+        check_layer_count(&config, tensors.len(), &shown)?;
+        check_unused(&config, &tensors, &shown)?;
         let ckpt = HfCheckpoint {
             dir: shown,
             shards,
@@ -193,6 +196,31 @@ impl HfCheckpoint {
         let end = shard.data_start + e.offsets.1;
         Ok((&shard.map[start..end], meta, kind))
     }
+}
+
+/// Refuses tensors the config does not use (they would be ignored), except RoPE's
+/// `rotary_emb.inv_freq` buffers (recomputed from `rope_theta`) and `lm_head.weight` of a
+/// tied model (transformers ties it to the embedding on load, ignoring the stored copy).
+fn check_unused(cfg: &ModelConfig, tensors: &HashMap<String, Entry>, dir: &str) -> Result<()> {
+    let expected = expected_by_name(cfg, hf_name);
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort_unstable();
+    for name in names {
+        let ignorable = name.ends_with("rotary_emb.inv_freq")
+            || (cfg.tied_embeddings && name == "lm_head.weight");
+        if expected.contains_key(name) || ignorable {
+            continue;
+        }
+        let layer = name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|n| n.parse().ok());
+        return Err(ModelError::Inconsistent {
+            path: dir.to_string(),
+            reason: unused_tensor_reason(cfg, name, layer),
+        });
+    }
+    Ok(())
 }
 
 /// A shard index: its path and `tensor -> file name`.

@@ -56,9 +56,17 @@ impl SeqCache {
             .sum()
     }
 
-    /// Bytes a cache of `positions` takes on a rank with `kv_width` cached floats per position.
+    /// Bytes a cache of `positions` takes on a rank with `kv_width` cached floats per position
+    /// (saturating at `usize::MAX`; [`SeqCache::checked_bytes_for`] tells overflow apart).
     pub fn bytes_for(layers: usize, kv_width: usize, positions: usize) -> usize {
-        layers * 2 * kv_width * positions * 4
+        Self::checked_bytes_for(layers, kv_width, positions)
+            .and_then(|b| usize::try_from(b).ok())
+            .unwrap_or(usize::MAX)
+    }
+
+    /// [`SeqCache::bytes_for`] in u128 (`None`: more than 2^128).
+    pub fn checked_bytes_for(layers: usize, kv_width: usize, positions: usize) -> Option<u128> {
+        crate::limits::product(&[layers as u64, 2, kv_width as u64, positions as u64, 4])
     }
 
     /// Errors unless `n` more positions fit.

@@ -8,6 +8,7 @@ pub mod gguf;
 pub mod gguf_header;
 pub mod hf;
 pub mod kv_cache;
+pub mod limits;
 pub mod matrix;
 pub mod model;
 pub mod open;

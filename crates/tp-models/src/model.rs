@@ -63,6 +63,8 @@ impl ShardedModel {
         let cfg = ckpt.config().clone();
         let plan = ShardPlan::for_checkpoint(ckpt, tp_rank, tp)?;
         let hd = cfg.head_dim;
+        // Checked (and built) first: a context too long to hold fails before any weight is read.
+        let rope = RopeTable::new(hd, max_pos, cfg.rope_theta, cfg.rope_style)?;
         let q_rows = plan.q_heads().start * hd..plan.q_heads().end * hd;
         let kv_rows = plan.kv_heads().start * hd..plan.kv_heads().end * hd;
         let ffn = plan.ffn_cols();
@@ -138,7 +140,7 @@ impl ShardedModel {
             .map(|k| k as usize)
             .collect();
         Ok(ShardedModel {
-            rope: RopeTable::new(hd, max_pos, cfg.rope_theta, cfg.rope_style),
+            rope,
             norm: ckpt.vector(WeightName::OutputNorm, None)?,
             cfg,
             plan,

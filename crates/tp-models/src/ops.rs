@@ -46,7 +46,27 @@ pub struct RopeTable {
 }
 
 impl RopeTable {
-    pub fn new(head_dim: usize, max_pos: usize, theta: f64, style: RopeStyle) -> Self {
+    /// Bytes of the table for `max_pos` positions (`None`: more than 2^128).
+    pub fn bytes_for(head_dim: usize, max_pos: usize) -> Option<u128> {
+        // cos and sin, [max_pos, head_dim / 2] f32 each.
+        crate::limits::product(&[max_pos as u64, (head_dim / 2) as u64, 2, 4])
+    }
+
+    /// The table, after checking its size against the machine's memory: a context length
+    /// too large to hold is a [`crate::ModelError::TooLarge`] naming it, not an abort.
+    pub fn new(
+        head_dim: usize,
+        max_pos: usize,
+        theta: f64,
+        style: RopeStyle,
+    ) -> crate::Result<Self> {
+        crate::limits::check_bytes(
+            "a RoPE table for a context length of",
+            max_pos,
+            Self::bytes_for(head_dim, max_pos),
+            crate::limits::memory_limit(),
+            "ask for a shorter context",
+        )?;
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(max_pos * half);
         let mut sin = Vec::with_capacity(max_pos * half);
@@ -60,12 +80,12 @@ impl RopeTable {
                 sin.push(a.sin() as f32);
             }
         }
-        RopeTable {
+        Ok(RopeTable {
             cos,
             sin,
             half,
             style,
-        }
+        })
     }
 
     /// Positions the table covers.
@@ -145,8 +165,8 @@ mod tests {
 
     #[test]
     fn rope_layouts_rotate_the_same_pairs_differently() {
-        let t_i = RopeTable::new(4, 8, 10_000.0, RopeStyle::Interleaved);
-        let t_h = RopeTable::new(4, 8, 10_000.0, RopeStyle::RotateHalf);
+        let t_i = RopeTable::new(4, 8, 10_000.0, RopeStyle::Interleaved).unwrap();
+        let t_h = RopeTable::new(4, 8, 10_000.0, RopeStyle::RotateHalf).unwrap();
         // Position 0 is the identity in both layouts.
         let mut x = [1.0, 2.0, 3.0, 4.0];
         t_i.apply(&mut x, 0);

@@ -4,6 +4,7 @@
 use crate::checkpoint::{Checkpoint, Storage, WeightName};
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::kv_cache::SeqCache;
 use std::ops::Range;
 use tp_nn::{HeadPlan, Partition};
 
@@ -75,7 +76,7 @@ impl ShardPlan {
 pub struct RankMemory {
     /// Weights split across ranks (including KV heads it shares with a neighbour).
     pub sharded: usize,
-    /// Weights every rank holds whole (norms).
+    /// What every rank holds whole: norm weights and the RoPE table of the context.
     pub replicated: usize,
     /// KV cache at the context length.
     pub kv_cache: usize,
@@ -110,6 +111,8 @@ fn slice_bytes(
 }
 
 /// What rank `plan.tp_rank` needs for the weights of `ckpt` and a KV cache of `ctx` positions.
+/// Sizes that depend on `ctx` are checked: one that cannot be computed or exceeds the
+/// machine's memory is a [`crate::ModelError::TooLarge`] naming `ctx` and the bytes.
 /// `dense_bytes` is the element size of unquantized weights (4 for f32, 2 for f16/bf16);
 /// `quantized` false means every weight is dequantized.
 pub fn rank_memory(
@@ -156,6 +159,22 @@ pub fn rank_memory(
         m.sharded += size(WeightName::Output, vocab, cfg.hidden, 0)?;
     }
     m.replicated += cfg.hidden * 4;
-    m.kv_cache = cfg.layers * 2 * kv_rows * ctx * 4;
+    let limit = crate::limits::memory_limit();
+    let hint = "ask for a shorter context";
+    // Every rank builds the RoPE table whole (replicated).
+    m.replicated += crate::limits::check_bytes(
+        "a RoPE table for a context length of",
+        ctx,
+        crate::ops::RopeTable::bytes_for(hd, ctx),
+        limit,
+        hint,
+    )? as usize;
+    m.kv_cache = crate::limits::check_bytes(
+        "a KV cache for a context length of",
+        ctx,
+        SeqCache::checked_bytes_for(cfg.layers, kv_rows, ctx),
+        limit,
+        hint,
+    )? as usize;
     Ok(m)
 }

@@ -206,8 +206,8 @@ fn gguf_missing_metadata_tensors_or_wrong_shapes_name_key_tensor_and_file() {
         ],
     );
 
-    // A layer count past the tensors: the first missing layer is named, nothing is allocated
-    // for the claimed 2^40 layers.
+    // A layer count past the tensors: refused at once from the tensor count, before any loop
+    // over the claimed 2^40 layers.
     let p = write_model(dir.path(), Arch::Llama, |md| {
         for (k, v) in md.iter_mut() {
             if k == "llama.block_count" {
@@ -216,7 +216,8 @@ fn gguf_missing_metadata_tensors_or_wrong_shapes_name_key_tensor_and_file() {
         }
     });
     let e = open_err(&p);
-    says(&e, &p, &["blk.2.attn_norm.weight"]);
+    assert!(matches!(e, ModelError::Inconsistent { .. }), "{e:?}");
+    says(&e, &p, &["1099511627776 layers", "at most 2"]);
 
     // Sizes whose products overflow.
     let p = write_model(dir.path(), Arch::Llama, |md| {
@@ -544,4 +545,221 @@ fn synthetic_checkpoints_open_through_every_entry_point() {
     }
     let h = HfCheckpoint::open(&d).unwrap();
     assert_eq!(h.config().arch, Arch::Qwen2);
+}
+
+/// Patches the ggml type of tensor `name` in a GGUF file's header.
+fn retype(bytes: &mut [u8], name: &str, ty: u32) {
+    let needle = [&(name.len() as u64).to_le_bytes()[..], name.as_bytes()].concat();
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle.as_slice())
+        .expect("tensor name in the header");
+    let p = at + needle.len();
+    let n_dims = u32::from_le_bytes(bytes[p..p + 4].try_into().unwrap()) as usize;
+    let t = p + 4 + 8 * n_dims;
+    bytes[t..t + 4].copy_from_slice(&ty.to_le_bytes());
+}
+
+/// Sets metadata key `key` of a synthetic model's GGUF.
+fn with_key(dir: &Path, arch: Arch, key: &str, v: Value) -> std::path::PathBuf {
+    let key = key.to_string();
+    write_model(dir, arch, move |md| {
+        md.retain(|(k, _)| *k != key);
+        md.push((key, v));
+    })
+}
+
+#[test]
+fn issue18_lowered_block_count_is_refused_naming_the_ignored_layer() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = with_key(dir.path(), Arch::Llama, "llama.block_count", Value::U32(1));
+    let e = open_err(&p);
+    assert!(matches!(e, ModelError::Inconsistent { .. }), "{e:?}");
+    says(&e, &p, &["blk.1.", "layer 1", "declares 1 layers"]);
+}
+
+#[test]
+fn issue18_retyped_norm_leaves_a_gap_and_a_quantized_norm_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    // The issue's edit: F32 -> Q4_0 in the header only, so the data no longer tiles.
+    let p = write_model(dir.path(), Arch::Llama, |_| {});
+    let mut bytes = std::fs::read(&p).unwrap();
+    retype(&mut bytes, "blk.0.attn_norm.weight", 2);
+    std::fs::write(&p, &bytes).unwrap();
+    let e = open_err(&p);
+    assert!(matches!(e, ModelError::Corrupt { .. }), "{e:?}");
+    says(&e, &p, &["unused bytes", "blk.0.attn_norm.weight"]);
+
+    // A norm written consistently as Q8_0 (no gap): a type a norm cannot have.
+    let m = SyntheticModel::small(Arch::Llama, 3);
+    let mut tensors = m.gguf_tensors(GgufTypes::F32).unwrap();
+    let i = tensors
+        .iter()
+        .position(|(n, _)| n == "output_norm.weight")
+        .unwrap();
+    let deq = tensors[i].1.dequantize(&candle_core::Device::Cpu).unwrap();
+    tensors[i].1 =
+        candle_core::quantized::QTensor::quantize(&deq, candle_core::quantized::GgmlDType::Q8_0)
+            .unwrap();
+    let p = dir.path().join("q8norm.gguf");
+    synthetic::write_gguf(&p, &m.gguf_metadata(), &tensors).unwrap();
+    let e = open_err(&p);
+    assert!(matches!(e, ModelError::Inconsistent { .. }), "{e:?}");
+    says(&e, &p, &["output_norm.weight", "Q8_0", "F32, F16 or BF16"]);
+}
+
+#[test]
+fn issue18_tensors_the_architecture_does_not_use_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = SyntheticModel::small(Arch::Llama, 3);
+    let extra = |name: &str| {
+        let mut tensors = m.gguf_tensors(GgufTypes::F32).unwrap();
+        let norm = tensors
+            .iter()
+            .find(|(n, _)| n == "blk.0.attn_norm.weight")
+            .unwrap()
+            .1
+            .dequantize(&candle_core::Device::Cpu)
+            .unwrap();
+        let t = candle_core::quantized::QTensor::quantize(
+            &norm,
+            candle_core::quantized::GgmlDType::F32,
+        )
+        .unwrap();
+        tensors.push((name.to_string(), t));
+        let p = dir.path().join(format!("{name}.gguf"));
+        synthetic::write_gguf(&p, &m.gguf_metadata(), &tensors).unwrap();
+        p
+    };
+    for (name, says_what) in [
+        ("rope_freqs.weight", "not a weight of a llama model"),
+        ("blk.0.attn_q.bias", "qkv bias false"),
+        ("blk.7.attn_norm.weight", "layer 7"),
+    ] {
+        let p = extra(name);
+        let e = open_err(&p);
+        assert!(
+            matches!(e, ModelError::Inconsistent { .. }),
+            "{name}: {e:?}"
+        );
+        says(&e, &p, &[name, says_what]);
+    }
+
+    // HF: an extra layer, and a stray tensor; RoPE's inv_freq buffers stay allowed.
+    let root = tempfile::tempdir().unwrap();
+    let d = hf_dir(root.path(), "extra_layer", 1);
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
+    cfg["num_hidden_layers"] = 1.into();
+    std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+    let e = open_err(&d);
+    assert!(matches!(e, ModelError::Inconsistent { .. }), "{e:?}");
+    says(&e, &d, &["model.layers.1.", "layer 1"]);
+
+    let d = root.path().join("stray");
+    let sm = SyntheticModel::small(Arch::Qwen2, 5);
+    sm.write_hf(&d, 1, HfDType::F32).unwrap();
+    let mut tensors = sm.hf_tensors();
+    tensors.push(("model.rotary_emb.inv_freq".into(), vec![4], vec![1.0; 4]));
+    synthetic::write_safetensors(&d.join("model.safetensors"), &tensors, HfDType::F32).unwrap();
+    assert!(open_checkpoint(&d).is_ok(), "inv_freq buffers are allowed");
+    tensors.push(("model.vision_tower.weight".into(), vec![4], vec![1.0; 4]));
+    synthetic::write_safetensors(&d.join("model.safetensors"), &tensors, HfDType::F32).unwrap();
+    let e = open_err(&d);
+    says(&e, &d, &["model.vision_tower.weight", "would be ignored"]);
+}
+
+#[test]
+fn issue18_huge_layer_count_in_config_json_fails_at_once() {
+    let root = tempfile::tempdir().unwrap();
+    let d = hf_dir(root.path(), "layers", 1);
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
+    cfg["num_hidden_layers"] = 1_000_000_000_000u64.into();
+    std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+    let start = std::time::Instant::now();
+    let e = open_err(&d);
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(1),
+        "{:?}",
+        start.elapsed()
+    );
+    assert!(matches!(e, ModelError::Inconsistent { .. }), "{e:?}");
+    says(&e, &d, &["1000000000000 layers", "at most 3"]);
+}
+
+#[test]
+fn issue18_mistyped_optional_keys_are_errors_not_defaults() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = with_key(
+        dir.path(),
+        Arch::Llama,
+        "llama.context_length",
+        Value::F32(8192.0),
+    );
+    let e = open_err(&p);
+    assert!(matches!(e, ModelError::Config(_)), "{e:?}");
+    says(
+        &e,
+        &p,
+        &["llama.context_length", "not a non-negative integer"],
+    );
+    let p = with_key(
+        dir.path(),
+        Arch::Llama,
+        "llama.attention.head_count_kv",
+        Value::I32(-1),
+    );
+    says(&open_err(&p), &p, &["llama.attention.head_count_kv"]);
+    let root = tempfile::tempdir().unwrap();
+    let d = hf_dir(root.path(), "kv", 1);
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
+    cfg["num_key_value_heads"] = "two".into();
+    std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+    says(
+        &open_err(&d),
+        &d.join("config.json"),
+        &["num_key_value_heads"],
+    );
+}
+
+/// The context sizes of the issue: each refused before anything is allocated, naming the
+/// value and the bytes it would take.
+#[test]
+fn issue18_context_lengths_too_large_to_hold_are_refused_with_their_cost() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_model(dir.path(), Arch::Llama, |_| {});
+    let ckpt = GgufCheckpoint::open(&p).unwrap();
+    for ctx in [4_000_000_000usize, usize::MAX, (1 << 31) - 1] {
+        let start = std::time::Instant::now();
+        let e = ShardedModel::load(&ckpt, 0, 1, LoadOptions::default(), ctx).unwrap_err();
+        assert!(matches!(e, ModelError::TooLarge { .. }), "{ctx}: {e:?}");
+        let m = e.to_string();
+        eprintln!("ctx {ctx}: {m}");
+        assert!(m.contains(&ctx.to_string()) && m.contains("bytes"), "{m}");
+        let plan = ShardPlan::for_checkpoint(&ckpt, 0, 1).unwrap();
+        let e = tp_models::rank_memory(&ckpt, &plan, ctx, 4, true).unwrap_err();
+        assert!(matches!(e, ModelError::TooLarge { .. }), "{ctx}: {e:?}");
+        let e = tp_models::limits::check_context(ckpt.config(), ctx).unwrap_err();
+        assert!(e.to_string().contains(&ctx.to_string()), "{e}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(1));
+    }
+    // A GGUF context_length of 2^31-1 opens (a file may declare a long context) and is
+    // refused when that context is asked for.
+    let p = with_key(
+        dir.path(),
+        Arch::Llama,
+        "llama.context_length",
+        Value::U32((1 << 31) - 1),
+    );
+    let ckpt = GgufCheckpoint::open(&p).unwrap();
+    let ctx = ckpt.config().context;
+    assert_eq!(ctx, (1 << 31) - 1);
+    let e = ShardedModel::load(&ckpt, 0, 1, LoadOptions::default(), ctx).unwrap_err();
+    says(
+        &e,
+        Path::new(""),
+        &["2147483647", "bytes", "shorter context"],
+    );
 }

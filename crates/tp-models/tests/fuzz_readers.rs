@@ -454,3 +454,179 @@ fn unmutated_bases_open_and_pass_the_accessor_checks() {
     tiny(Arch::Qwen2, 8).write_hf(&h, 2, HfDType::BF16).unwrap();
     exercise(open_checkpoint(&h).unwrap().as_ref(), false).unwrap();
 }
+
+/// The size and count fields of the config, one or two at a time.
+const GGUF_SIZE_KEYS: [&str; 9] = [
+    "block_count",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "rope.dimension_count",
+    "context_length",
+    "vocab_size",
+    "attention.key_length",
+];
+const HF_SIZE_KEYS: [&str; 8] = [
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "vocab_size",
+];
+
+/// Sizes and counts as large files and users give them: tiny, off by one, powers of two
+/// around 2^31, 2^32 and 2^64, and arbitrary.
+fn size() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        interesting(),
+        Just((1 << 31) - 1),
+        Just(1 << 31),
+        Just(1_000_000_000_000),
+        Just(4_000_000_000),
+        (0u64..64),
+    ]
+}
+
+/// After an open: the memory plan, the context check and the model at `ctx` (built only
+/// where its RoPE table is small or must be refused, so a case never allocates gigabytes).
+fn plan_and_load(ckpt: &dyn Checkpoint, ctx: usize) -> Result<(), TestCaseError> {
+    let _ = tp_models::limits::check_context(ckpt.config(), ctx);
+    for (rank, tp) in [(0, 1), (1, 2)] {
+        if let Ok(plan) = tp_models::ShardPlan::for_checkpoint(ckpt, rank, tp) {
+            let _ = tp_models::rank_memory(ckpt, &plan, ctx, 4, true);
+        }
+    }
+    let limit = u128::from(tp_models::limits::memory_limit());
+    let rope_refused =
+        tp_models::ops::RopeTable::bytes_for(ckpt.config().head_dim, ctx).is_none_or(|b| b > limit);
+    if rope_refused || ctx <= 1 << 12 {
+        let r = ShardedModel::load(ckpt, 0, 1, LoadOptions::default(), ctx);
+        check(!rope_refused || r.is_err(), || {
+            format!("the model loaded with a RoPE table of ctx {ctx} over the memory limit")
+        })?;
+    }
+    Ok(())
+}
+
+/// Times one case: error or success, never a panic (proptest reports those), within a second.
+fn timed(
+    what: &str,
+    f: impl FnOnce() -> Result<bool, TestCaseError>,
+) -> Result<bool, TestCaseError> {
+    let start = std::time::Instant::now();
+    let r = f();
+    let took = start.elapsed();
+    check(took < std::time::Duration::from_secs(1), || {
+        format!("{what} took {took:?}")
+    })?;
+    r
+}
+
+/// Random sizes and counts in GGUF metadata, config.json and the context length: every
+/// loader errs or succeeds, never aborts, within a second (issue 18, classes 4 and 5).
+#[test]
+fn random_sizes_and_counts_error_or_load_within_a_second() {
+    use candle_core::quantized::gguf_file::Value;
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(Arch::Llama, 11);
+    let tensors = model
+        .gguf_tensors(GgufTypes {
+            linear: candle_core::quantized::GgmlDType::Q8_0,
+            embed: candle_core::quantized::GgmlDType::F32,
+        })
+        .unwrap();
+    let mut runner = TestRunner::new(Config {
+        cases: cases(256),
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let (opened, failed) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let edits = proptest::collection::vec((0..GGUF_SIZE_KEYS.len(), size()), 1..3);
+    runner
+        .run(&(edits, size()), |(edits, ctx)| {
+            let mut md = model.gguf_metadata();
+            for (k, v) in &edits {
+                let key = format!("llama.{}", GGUF_SIZE_KEYS[*k]);
+                md.retain(|(name, _)| *name != key);
+                md.push((key, Value::U64(*v)));
+            }
+            let path = dir.path().join(format!(
+                "sizes{}.gguf",
+                FILE_ID.fetch_add(1, Ordering::Relaxed)
+            ));
+            tp_models::synthetic::write_gguf(&path, &md, &tensors).unwrap();
+            let ok = timed(
+                &format!("GGUF {edits:?}, ctx {ctx}"),
+                || match open_checkpoint(&path) {
+                    Ok(ckpt) => {
+                        let ctx = usize::try_from(ctx).unwrap_or(usize::MAX);
+                        plan_and_load(ckpt.as_ref(), ctx)?;
+                        plan_and_load(ckpt.as_ref(), ckpt.config().context)?;
+                        Ok(true)
+                    }
+                    Err(e) => {
+                        check(!e.to_string().is_empty(), || "empty error".into())?;
+                        Ok(false)
+                    }
+                },
+            )?;
+            let n = if ok { &opened } else { &failed };
+            n.fetch_add(1, Ordering::Relaxed);
+            std::fs::remove_file(&path).unwrap();
+            Ok(())
+        })
+        .unwrap();
+    eprintln!(
+        "GGUF sizes: {} opened, {} typed errors",
+        opened.load(Ordering::Relaxed),
+        failed.load(Ordering::Relaxed)
+    );
+
+    let hf = dir.path().join("hf");
+    tiny(Arch::Qwen2, 12)
+        .write_hf(&hf, 1, HfDType::F32)
+        .unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    let (opened, failed) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let mut runner = TestRunner::new(Config {
+        cases: cases(256),
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let edits = proptest::collection::vec((0..HF_SIZE_KEYS.len(), size()), 1..3);
+    runner
+        .run(&(edits, size()), |(edits, ctx)| {
+            let mut cfg = config.clone();
+            for (k, v) in &edits {
+                cfg[HF_SIZE_KEYS[*k]] = (*v).into();
+            }
+            std::fs::write(hf.join("config.json"), cfg.to_string()).unwrap();
+            let ok = timed(
+                &format!("config.json {edits:?}, ctx {ctx}"),
+                || match open_checkpoint(&hf) {
+                    Ok(ckpt) => {
+                        plan_and_load(ckpt.as_ref(), usize::try_from(ctx).unwrap_or(usize::MAX))?;
+                        Ok(true)
+                    }
+                    Err(e) => {
+                        check(!e.to_string().is_empty(), || "empty error".into())?;
+                        Ok(false)
+                    }
+                },
+            )?;
+            let n = if ok { &opened } else { &failed };
+            n.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        })
+        .unwrap();
+    eprintln!(
+        "config.json sizes: {} opened, {} typed errors",
+        opened.load(Ordering::Relaxed),
+        failed.load(Ordering::Relaxed)
+    );
+}

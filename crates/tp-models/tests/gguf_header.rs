@@ -332,11 +332,13 @@ fn general_alignment_must_be_a_power_of_two_of_at_least_8() {
         (8, true),
         (64, true),
     ] {
+        // The data (16 bytes) starts at the header rounded up to the alignment; for a bad
+        // alignment any layout does, since the key is refused first.
         let mut r = Raw::new(3, 1, 1);
         r.kv_u32("general.alignment", v)
             .tensor("a", &[4], 0, 0)
-            .pad(64)
-            .zeros(64);
+            .pad(if ok { v as usize } else { 64 })
+            .zeros(16);
         match GgufHeader::parse(&r.0, "bad.gguf") {
             Ok(h) => {
                 assert!(ok, "alignment {v} accepted");

@@ -38,7 +38,8 @@ pub fn parse_hf_config(text: &str, path: &Path) -> Result<ModelSpec, PlanError> 
     let heads = require(&["num_attention_heads", "n_head"])?;
     let vocab = require(&["vocab_size"])?;
     let kv_heads = read_u64(&["num_key_value_heads", "num_kv_heads"])?.unwrap_or(heads);
-    let ffn = read_u64(&["intermediate_size", "n_inner", "ffn_dim"])?.unwrap_or(4 * hidden);
+    let ffn =
+        read_u64(&["intermediate_size", "n_inner", "ffn_dim"])?.unwrap_or(hidden.saturating_mul(4));
     let experts = read_u64(&["num_local_experts", "num_experts"])?.unwrap_or(1);
     let experts_per_token = read_u64(&["num_experts_per_tok"])?.unwrap_or(1);
     if heads == 0 {

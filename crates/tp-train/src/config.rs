@@ -187,6 +187,24 @@ impl ModelConfig {
         if !(self.rms_norm_eps > 0.0 && self.rope_theta > 0.0) {
             return bad("rms_norm_eps and rope_theta must be positive".into());
         }
+        // Weights, gradients and two AdamW moments, f32 each: sizes whose bytes cannot even
+        // be computed are refused before anything is allocated.
+        let bytes = self
+            .checked_num_params()
+            .and_then(|p| p.checked_mul(16))
+            .filter(|&b| b <= isize::MAX as usize);
+        if bytes.is_none() {
+            return bad(format!(
+                "{} layers of hidden_size {}, intermediate_size {}, {} heads of {} and vocab_size {} need more than {} bytes of weights and optimizer state; use smaller sizes",
+                self.num_hidden_layers,
+                self.hidden_size,
+                self.intermediate_size,
+                self.num_attention_heads,
+                self.head_dim,
+                self.vocab_size,
+                isize::MAX
+            ));
+        }
         Ok(())
     }
 
@@ -206,13 +224,29 @@ impl ModelConfig {
         }
     }
 
-    /// Trainable parameters of the whole model.
+    /// Trainable parameters of the whole model (saturating; [`ModelConfig::validate`]
+    /// refuses sizes whose count overflows).
     pub fn num_params(&self) -> usize {
+        self.checked_num_params().unwrap_or(usize::MAX)
+    }
+
+    /// [`ModelConfig::num_params`], or `None` when a product overflows.
+    fn checked_num_params(&self) -> Option<usize> {
         let (h, v, f) = (self.hidden_size, self.vocab_size, self.intermediate_size);
-        let q = self.num_attention_heads * self.head_dim;
-        let kv = self.num_key_value_heads * self.head_dim;
-        let layer = 2 * h + q * h + 2 * kv * h + h * q + 3 * f * h;
-        2 * v * h + h + self.num_hidden_layers * layer
+        let q = self.num_attention_heads.checked_mul(self.head_dim)?;
+        let kv = self.num_key_value_heads.checked_mul(self.head_dim)?;
+        let layer = [
+            h.checked_mul(2)?,
+            q.checked_mul(h)?.checked_mul(2)?,
+            kv.checked_mul(h)?.checked_mul(2)?,
+            f.checked_mul(h)?.checked_mul(3)?,
+        ]
+        .into_iter()
+        .try_fold(0usize, |a, x| a.checked_add(x))?;
+        v.checked_mul(h)?
+            .checked_mul(2)?
+            .checked_add(h)?
+            .checked_add(self.num_hidden_layers.checked_mul(layer)?)
     }
 
     /// The HF `config.json` text of this model.

@@ -74,6 +74,22 @@ impl Manifest {
         }
         Ok(bytes)
     }
+
+    /// Checks every file the manifest lists ([`Manifest::read_verified`], one at a time) and
+    /// that it lists each of `required`: a checkpoint loaded elsewhere than by `--resume`
+    /// (for inference) is verified whole, as a resume is, before anything is loaded.
+    pub fn verify_all(&self, dir: &Path, required: &[&str]) -> Result<()> {
+        if let Some(name) = required.iter().find(|n| !self.files.contains_key(**n)) {
+            return Err(TrainError::checkpoint(
+                dir.join(MANIFEST),
+                format!("lists no {name}; the checkpoint is incomplete: use another one"),
+            ));
+        }
+        for name in self.files.keys() {
+            self.read_verified(dir, name)?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -97,6 +113,12 @@ mod tests {
         let e = m.read_verified(&dir, "a.bin").unwrap_err();
         assert!(matches!(e, TrainError::Checksum { .. }), "{e}");
         assert!(e.to_string().contains("a.bin is corrupt"), "{e}");
+        let e = m.verify_all(&dir, &["a.bin"]).unwrap_err();
+        assert!(matches!(e, TrainError::Checksum { .. }), "{e}");
+        std::fs::write(dir.join("a.bin"), b"hello").unwrap();
+        m.verify_all(&dir, &["a.bin"]).unwrap();
+        let e = m.verify_all(&dir, &["b.bin"]).unwrap_err();
+        assert!(e.to_string().contains("lists no b.bin"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
