@@ -333,12 +333,34 @@ fn measure_and_announce(world: &Group, json: bool) -> Result<f64, CommError> {
     Ok(memcpy[0])
 }
 
-fn sweep(world: Group, args: &BenchArgs) -> Result<Vec<Row>, CommError> {
+fn sweep(world: Group, args: &BenchArgs) -> anyhow::Result<Vec<Row>> {
     // Wrapped first, so a fault's CALL index is the group's sequence number in errors.
-    let g = match &args.fault {
-        Some(plan) => Faulty::wrap(world, plan.clone()),
-        None => world,
+    let (g, watch) = match &args.fault {
+        Some(plan) => {
+            let (g, watch) = Faulty::wrap_watched(world, plan.clone());
+            (g, Some((plan, watch)))
+        }
+        None => (world, None),
     };
+    let rows = sweep_on(&g, args)?;
+    // A drill whose fault never fired tested nothing: that is a failure, not a success.
+    if let Some((plan, watch)) = watch {
+        if g.rank() == plan.rank && !watch.reached() {
+            anyhow::bail!(
+                "--fault never fired: the sweep made {} collective calls on rank {} and ended before call {}; \
+                 give a CALL below {} (or more sizes with --max-bytes)",
+                watch.calls(),
+                plan.rank,
+                plan.at_call,
+                watch.calls()
+            );
+        }
+    }
+    Ok(rows)
+}
+
+fn sweep_on(g: &Group, args: &BenchArgs) -> Result<Vec<Row>, CommError> {
+    let g = g.clone();
     let memcpy = measure_and_announce(&g, args.json)?;
     let n = g.size();
     let mut rows = Vec::new();

@@ -40,9 +40,18 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
         loop {
             print!("> ");
             std::io::stdout().flush()?;
-            let Some(line) = next_line(s, &lines)? else {
-                println!();
-                break;
+            let line = match next_line(s, &lines)? {
+                Input::Line(line) => line,
+                Input::NotUtf8 => {
+                    eprintln!(
+                        "# that line is not valid UTF-8 text and was not sent; type it again"
+                    );
+                    continue;
+                }
+                Input::End => {
+                    println!();
+                    break;
+                }
             };
             let line = line.trim();
             match line {
@@ -57,8 +66,15 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
                 _ => {}
             }
             messages.push(ChatMessage::new("user", line));
-            let prompt = s.tokenizer.apply_chat_template(&messages, true)?;
-            let ids = s.tokenizer.encode(&prompt)?;
+            // Message text stays plain text: typed special-token text cannot open a turn.
+            let ids = match s.tokenizer.encode_chat(&messages, true) {
+                Ok(ids) => ids,
+                Err(e) => {
+                    eprintln!("# this message cannot be sent: {e}");
+                    messages.pop();
+                    continue;
+                }
+            };
             if ids.len() + 1 >= s.ctx_size {
                 eprintln!(
                     "# the conversation ({} tokens) no longer fits the context of {}; /reset to start over or raise --ctx-size",
@@ -103,12 +119,42 @@ fn rewind(s: &mut Session, cached: &mut Vec<u32>, len: usize) -> anyhow::Result<
     Ok(())
 }
 
+/// One line of stdin.
+enum Input {
+    Line(String),
+    /// A line that is not UTF-8: refused, the conversation goes on.
+    NotUtf8,
+    /// End of input.
+    End,
+}
+
 /// Lines of stdin from a reader thread, so the leader can keep followers alive while it waits.
-fn stdin_lines() -> mpsc::Receiver<std::io::Result<String>> {
+/// Lines are read as bytes, so one line that is not UTF-8 does not end the input.
+fn stdin_lines() -> mpsc::Receiver<std::io::Result<Input>> {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
-        for line in std::io::stdin().lock().lines() {
-            if tx.send(line).is_err() {
+        let mut stdin = std::io::stdin().lock();
+        let mut buf = Vec::new();
+        loop {
+            buf.clear();
+            let item = match stdin.read_until(b'\n', &mut buf) {
+                Ok(0) => return,
+                Ok(_) => {
+                    if buf.last() == Some(&b'\n') {
+                        buf.pop();
+                        if buf.last() == Some(&b'\r') {
+                            buf.pop();
+                        }
+                    }
+                    Ok(match String::from_utf8(std::mem::take(&mut buf)) {
+                        Ok(line) => Input::Line(line),
+                        Err(_) => Input::NotUtf8,
+                    })
+                }
+                Err(e) => Err(e),
+            };
+            let failed = item.is_err();
+            if tx.send(item).is_err() || failed {
                 return;
             }
         }
@@ -119,12 +165,12 @@ fn stdin_lines() -> mpsc::Receiver<std::io::Result<String>> {
 /// The next line, sending an idle heartbeat to the followers every second meanwhile.
 fn next_line(
     s: &mut Session,
-    lines: &mpsc::Receiver<std::io::Result<String>>,
-) -> anyhow::Result<Option<String>> {
+    lines: &mpsc::Receiver<std::io::Result<Input>>,
+) -> anyhow::Result<Input> {
     loop {
         match lines.recv_timeout(HEARTBEAT) {
-            Ok(line) => return Ok(Some(line?)),
-            Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(None),
+            Ok(item) => return Ok(item?),
+            Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(Input::End),
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 s.worker.submit(Command::Idle)?;
             }

@@ -65,13 +65,14 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     }
     args.sampling.params().validate()?;
     let out = run_model(&args.model, |s| {
-        let text = if args.chat {
+        // A --chat prompt is message text: special-token text in it stays plain text. Without
+        // --chat the prompt is raw model input, special tokens included (as /v1/completions).
+        let ids = if args.chat {
             s.tokenizer
-                .apply_chat_template(&[ChatMessage::new("user", args.prompt.clone())], true)?
+                .encode_chat(&[ChatMessage::new("user", args.prompt.clone())], true)?
         } else {
-            args.prompt.clone()
+            s.tokenizer.encode(&args.prompt)?
         };
-        let ids = s.tokenizer.encode(&text)?;
         let reply = stream_reply(s, 0, &ids, &args.sampling, &mut std::io::stdout())?;
         let _ = s.worker.submit(Command::Close { slot: 0 });
         println!();

@@ -11,7 +11,11 @@ use tp_models::{open_checkpoint, Checkpoint, DenseDType, LoadOptions, ShardPlan,
 #[derive(clap::Args, Clone, Debug)]
 pub struct InspectArgs {
     /// GGUF file or HF directory (default: the default model, fetched when missing).
+    #[arg(value_name = "MODEL", conflicts_with = "model_flag")]
     pub model: Option<PathBuf>,
+    /// The same as the positional MODEL, spelled as every other command takes it.
+    #[arg(long = "model", id = "model_flag", value_name = "MODEL")]
+    pub model_flag: Option<PathBuf>,
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
     /// KV cache positions to budget per rank (default: the model's context).
@@ -25,7 +29,7 @@ pub struct InspectArgs {
 }
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
-    let path = match &args.model {
+    let path = match args.model_flag.as_ref().or(args.model.as_ref()) {
         Some(p) => crate::model_run::resolve_model_path(p)?,
         None => crate::fetch::ensure(&crate::fetch::SMOLLM2)?,
     };

@@ -53,12 +53,17 @@ pub fn command_handles_sigterm() {
 /// An error a rank's work can end with: printed per rank, with a flight record when the
 /// failure was a collective's.
 pub trait RankError: std::fmt::Display + Send {
+    /// The error and its causes, each once ([`crate::errors::chain`]).
+    fn report(&self) -> String;
     fn flight_record(&self) -> Option<&str>;
     /// The rank only found the group poisoned by another rank's failure (printed last).
     fn is_poisoned(&self) -> bool;
 }
 
 impl RankError for CommError {
+    fn report(&self) -> String {
+        crate::errors::chain(self)
+    }
     fn flight_record(&self) -> Option<&str> {
         CommError::flight_record(self)
     }
@@ -68,6 +73,9 @@ impl RankError for CommError {
 }
 
 impl RankError for anyhow::Error {
+    fn report(&self) -> String {
+        crate::errors::chain(self.as_ref())
+    }
     fn flight_record(&self) -> Option<&str> {
         self.chain()
             .find_map(|e| e.downcast_ref::<CommError>())
@@ -119,7 +127,7 @@ pub fn run_ranks<T: Send, E: RankError>(
             // The cause first: ranks that only found the group poisoned come last.
             errors.sort_by_key(|(_, e)| e.is_poisoned());
             for (rank, e) in &errors {
-                eprintln!("rank {rank}: error: {e}");
+                eprintln!("rank {rank}: error: {}", e.report());
             }
             if let Some(f) = errors.iter().find_map(|(_, e)| e.flight_record()) {
                 eprint!("{f}");
@@ -189,7 +197,8 @@ impl Watchdog {
     fn failed(&self, rank: usize, e: &dyn RankError) {
         let (lock, cv) = &*self.state;
         let mut st = lock.lock().unwrap_or_else(|p| p.into_inner());
-        st.errors.push(format!("rank {rank}: error: {e}"));
+        st.errors
+            .push(format!("rank {rank}: error: {}", e.report()));
         if st.flight_record.is_none() {
             st.flight_record = e.flight_record().map(str::to_string);
         }
@@ -223,7 +232,7 @@ fn run_mpi<T, E: RankError>(
     match work(world) {
         Ok(v) => Ok(Ok((rank == 0).then_some(v))),
         Err(e) => {
-            eprintln!("rank {rank} on {}: error: {e}", host_of(rank));
+            eprintln!("rank {rank} on {}: error: {}", host_of(rank), e.report());
             eprintln!("rank {rank}: the job's hosts: {}", host_map());
             if let Some(f) = e.flight_record() {
                 eprint!("{f}");

@@ -5,6 +5,7 @@ mod bench_decode;
 mod bench_serve;
 mod bench_train;
 mod chat;
+mod errors;
 mod fetch;
 mod generate;
 mod inspect;
@@ -18,7 +19,7 @@ mod serve;
 mod train;
 mod units;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -70,8 +71,23 @@ enum Bench {
     Serve(bench_serve::BenchServeArgs),
 }
 
+/// Lets every option that takes a value accept one that starts with `-` and looks like a
+/// number (`--temperature -1`), so the command's own range check explains what is allowed,
+/// instead of clap reading `-1` as an unknown option.
+fn negative_numbers_are_values(cmd: clap::Command) -> clap::Command {
+    let cmd = cmd.mut_args(|a| {
+        if a.get_action().takes_values() {
+            a.allow_negative_numbers(true)
+        } else {
+            a
+        }
+    });
+    cmd.mut_subcommands(negative_numbers_are_values)
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = negative_numbers_are_values(Cli::command()).get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
         Command::Generate(args) => generate::run(&args),
         Command::Chat(args) => chat::run(&args),
@@ -102,7 +118,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", errors::chain(&*e));
             ExitCode::from(2)
         }
     }

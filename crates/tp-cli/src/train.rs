@@ -352,7 +352,7 @@ pub fn launch<T: Send>(
             Err(e) => match e.into_comm() {
                 Ok(comm) => Err(comm),
                 Err(other) => {
-                    eprintln!("rank {rank}: error: {other}");
+                    eprintln!("rank {rank}: error: {}", crate::errors::chain(&other));
                     if backend == Backend::Mpi {
                         // Other processes may wait on this one: end the job.
                         std::thread::sleep(Duration::from_millis(300));

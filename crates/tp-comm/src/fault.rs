@@ -94,16 +94,41 @@ impl std::str::FromStr for FaultPlan {
 pub struct Faulty {
     inner: Group,
     plan: FaultPlan,
-    calls: AtomicU64,
+    calls: Arc<AtomicU64>,
+}
+
+/// How many calls a [`Faulty`] handle has seen, to tell whether its fault was ever reached.
+#[derive(Clone, Debug)]
+pub struct FaultWatch {
+    calls: Arc<AtomicU64>,
+    at_call: u64,
+}
+
+impl FaultWatch {
+    /// Calls made through the handle so far.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
+    }
+
+    /// Whether the planned call was reached (on the planned rank the fault fired).
+    pub fn reached(&self) -> bool {
+        self.calls() > self.at_call
+    }
 }
 
 impl Faulty {
     pub fn wrap(inner: Group, plan: FaultPlan) -> Group {
-        Arc::new(Faulty {
-            inner,
-            plan,
-            calls: AtomicU64::new(0),
-        })
+        Self::wrap_watched(inner, plan).0
+    }
+
+    /// [`Faulty::wrap`], with a watch that tells afterwards whether the fault's call was reached.
+    pub fn wrap_watched(inner: Group, plan: FaultPlan) -> (Group, FaultWatch) {
+        let calls = Arc::new(AtomicU64::new(0));
+        let watch = FaultWatch {
+            calls: Arc::clone(&calls),
+            at_call: plan.at_call,
+        };
+        (Arc::new(Faulty { inner, plan, calls }), watch)
     }
 
     /// Runs the fault if this call is the chosen one; `Some(result)` replaces the call.

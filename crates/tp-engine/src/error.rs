@@ -7,7 +7,7 @@ pub enum EngineError {
     /// Boxed: model and collective errors carry flight records and would bloat every `Result`.
     #[error(transparent)]
     Model(Box<tp_models::ModelError>),
-    #[error("collective failed: {0}")]
+    #[error(transparent)]
     Comm(Box<tp_comm::CommError>),
     #[error("invalid {name}: {message}")]
     Param { name: &'static str, message: String },

@@ -4,7 +4,7 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum ModelError {
-    #[error("cannot read {path}: {source}; check the path and its permissions")]
+    #[error("cannot read {path} (check the path and its permissions)")]
     Io {
         path: String,
         #[source]
@@ -32,13 +32,13 @@ pub enum ModelError {
     UnsupportedDType { name: String, dtype: String },
     #[error("invalid model config: {0}")]
     Config(String),
-    #[error("tensor parallelism: {0}")]
+    #[error(transparent)]
     Tp(#[from] tp_nn::TpError),
-    #[error("collective failed: {0}")]
+    #[error(transparent)]
     Comm(Box<tp_comm::CommError>),
-    #[error("kernel: {0}")]
+    #[error(transparent)]
     Kernel(#[from] tp_kernels::KernelError),
-    #[error("tensor op failed: {0}")]
+    #[error(transparent)]
     Candle(#[from] candle_core::Error),
     #[error("context full: position {pos} + {len} tokens exceeds the KV cache of {cap} positions; raise --ctx-size or shorten the input")]
     ContextFull { pos: usize, len: usize, cap: usize },

@@ -16,7 +16,7 @@ pub enum PlanError {
     ZeroGpusPerNode,
     #[error("{gpus} GPUs cannot be split into whole nodes of {per_node} GPUs")]
     GpusNotDivisibleByNode { gpus: u64, per_node: u64 },
-    #[error("cannot read `{path}`: {source}")]
+    #[error("cannot read `{path}`")]
     FileRead {
         path: PathBuf,
         #[source]
@@ -34,6 +34,6 @@ pub enum PlanError {
     InvalidWorkload(String),
     #[error("invalid cluster: {0}")]
     InvalidCluster(String),
-    #[error("cannot serialize the plan to JSON: {0}")]
+    #[error("cannot serialize the plan to JSON")]
     Json(#[from] serde_json::Error),
 }

@@ -137,12 +137,12 @@ pub fn json_kind(v: &Value) -> &'static str {
 /// What starting or running the server can fail with.
 #[derive(Debug, Error)]
 pub enum ServeError {
-    #[error("cannot listen on {addr}: {source}; pick another --port or --host")]
+    #[error("cannot listen on {addr} (pick another --port or --host)")]
     Bind {
         addr: String,
         source: std::io::Error,
     },
-    #[error("{0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
     /// Boxed: the engine's errors carry flight records and are large.
     #[error(transparent)]

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::{watch, Notify};
 use tp_engine::{FinishReason, Penalties, SamplingParams};
-use tp_tokenizer::Tokenizer;
+use tp_tokenizer::{Tokenizer, TokenizerError};
 
 /// Settings of the HTTP side.
 #[derive(Clone, Debug)]
@@ -641,15 +641,22 @@ fn prompt_ids(
     vocab: usize,
 ) -> std::result::Result<Vec<u32>, ApiError> {
     let (ids, param) = match prompt {
+        // Message text is encoded as plain text (special tokens only where the template puts
+        // them); a plain prompt may hold special tokens, as llama.cpp and vLLM allow.
         Prompt::Chat(messages) => {
-            let text = tokenizer.apply_chat_template(messages, true).map_err(|e| {
-                ApiError::invalid(
+            let ids = tokenizer.encode_chat(messages, true).map_err(|e| match e {
+                TokenizerError::UnknownRole { index, .. } => ApiError::invalid(
+                    format!("messages[{index}].role"),
+                    "invalid_value",
+                    format!("messages[{index}].role: {e}"),
+                ),
+                _ => ApiError::invalid(
                     "messages",
                     "invalid_value",
                     format!("the model's chat template refused these messages: {e}"),
-                )
+                ),
             })?;
-            (encode(tokenizer, &text, "messages")?, "messages")
+            (ids, "messages")
         }
         Prompt::Text(text) => (encode(tokenizer, text, "prompt")?, "prompt"),
         Prompt::Tokens(ids) => {

@@ -95,6 +95,8 @@ fn fallback(settings: Settings) -> Tokenizer {
         false, false, false,
     )));
     Tokenizer {
+        plain: std::sync::Arc::new(inner.clone()),
+        specials: Default::default(),
         pieces: crate::pieces::Pieces {
             kind: crate::pieces::byte_level(),
             added: Default::default(),

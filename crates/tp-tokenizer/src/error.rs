@@ -1,4 +1,7 @@
 //! The error type of tp-tokenizer: every message names the key or file involved and says what to do.
+//!
+//! A variant wrapping another error returns it from `source()` and does not repeat it in its
+//! message (ARCHITECTURE.md, "Errors"); print the chain to see both.
 
 use std::path::PathBuf;
 
@@ -22,7 +25,7 @@ pub enum TokenizerError {
     UnsupportedPreTokenizer { pre: String, supported: String },
 
     /// A file of an HF model directory could not be read.
-    #[error("cannot read {}: {source}; {hint}", path.display())]
+    #[error("cannot read {} ({hint})", path.display())]
     Io {
         path: PathBuf,
         hint: String,
@@ -47,6 +50,19 @@ pub enum TokenizerError {
         "chat template: {message}; check the messages (roles, their order) against what the model's template accepts"
     )]
     Template { message: String },
+
+    /// A chat message has a role the chat template does not know.
+    #[error("message {index} has the role {role:?}, which the chat template does not know; use one of {known}")]
+    UnknownRole {
+        index: usize,
+        role: String,
+        known: String,
+    },
+
+    /// The chat template rewrites message text so that it cannot be kept apart from the
+    /// template's own text (and special tokens).
+    #[error("chat template: cannot keep message text apart from the template's special tokens: {reason}; remove special-token text (such as <|im_start|>) from the messages")]
+    Inseparable { reason: String },
 }
 
 impl TokenizerError {

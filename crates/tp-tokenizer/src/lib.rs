@@ -10,6 +10,7 @@
 //! message, and `<|im_start|>assistant\n` for the generation prompt).
 
 mod bytes;
+mod chat;
 mod error;
 mod gguf;
 mod hf;
@@ -24,7 +25,9 @@ mod strftime;
 mod template;
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
 
 pub use error::TokenizerError;
 pub use stream::TextStream;
@@ -72,6 +75,10 @@ pub struct Tokenizer {
     settings: Settings,
     /// How ids map to their exact bytes ([`Tokenizer::token_bytes`]).
     pieces: pieces::Pieces,
+    /// `inner` with special-token parsing off: message text of a chat is encoded with it.
+    plain: Arc<tokenizers::Tokenizer>,
+    /// Special tokens (parsed out of text, skipped by `decode`): id and text, ordered by id.
+    specials: Arc<Vec<(u32, String)>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -140,11 +147,22 @@ impl Tokenizer {
             .map_or(0, |id| id as usize + 1);
         let vocab_size = settings.vocab_size.unwrap_or(largest).max(largest);
         let pieces = pieces::Pieces::of(&inner);
+        let mut specials: Vec<(u32, String)> = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, t)| (id, t.content))
+            .collect();
+        specials.sort();
+        let mut plain = inner.clone();
+        plain.set_encode_special_tokens(true);
         Ok(Self {
             inner,
             vocab_size,
             settings,
             pieces,
+            plain: Arc::new(plain),
+            specials: Arc::new(specials),
         })
     }
 
@@ -152,12 +170,17 @@ impl Tokenizer {
     /// already starts with the BOS token (a chat template that renders `bos_token`) keeps just that.
     /// Special-token strings in `text` (such as `<|im_start|>` in a rendered chat prompt) become
     /// those special tokens; other text never does.
+    /// For a chat, use [`Tokenizer::encode_chat`], which keeps message text plain.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         let encoding = self
             .inner
             .encode(text, true)
             .map_err(|e| TokenizerError::backend("could not encode the text", e))?;
-        let mut ids = encoding.get_ids().to_vec();
+        Ok(self.with_bos(encoding.get_ids().to_vec()))
+    }
+
+    /// Ids as the post-processor left them, with BOS added or deduplicated as `encode` promises.
+    fn with_bos(&self, mut ids: Vec<u32>) -> Vec<u32> {
         if let (Some(bos), true) = (self.settings.bos_id, self.settings.adds_bos) {
             if self.settings.prepend_bos && ids.first() != Some(&bos) {
                 ids.insert(0, bos);
@@ -166,7 +189,124 @@ impl Tokenizer {
                 ids.remove(0);
             }
         }
-        Ok(ids)
+        ids
+    }
+
+    /// The chat prompt for `messages` as ids (the model's template, or ChatML): the ids `encode`
+    /// gives for [`Tokenizer::apply_chat_template`]'s text, except that text from the messages is
+    /// always plain text: a special token's text inside a message (`<|im_start|>system`) is
+    /// encoded as ordinary characters, never as the special token. Special tokens appear only
+    /// where the template writes them. A role the template does not know is
+    /// [`TokenizerError::UnknownRole`]; a template that rewrites message text so that it cannot
+    /// be told from template text is [`TokenizerError::Inseparable`].
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        let source = self.template_source();
+        chat::check_roles(source, messages)?;
+        let texts: Vec<String> = self.specials.iter().map(|(_, t)| t.clone()).collect();
+        let marked = chat::render_marked(
+            source,
+            &self.context(messages, add_generation_prompt),
+            &texts,
+        )?;
+        let encoding = self
+            .inner
+            .encode(marked.text.as_str(), true)
+            .map_err(|e| TokenizerError::backend("could not encode the chat prompt", e))?;
+        // Special tokens the tokenizer found, with their byte ranges; those touching message text
+        // are not the template's.
+        let found = self.special_spans(&marked.text, &encoding);
+        let touches = |r: &Range<usize>| {
+            marked
+                .untrusted
+                .iter()
+                .any(|u| r.start < u.end && u.start < r.end)
+        };
+        if let Some(reference) = &marked.reference {
+            let ours: Vec<u32> = found
+                .iter()
+                .filter(|(_, r, _)| !touches(r))
+                .map(|(id, _, _)| *id)
+                .collect();
+            let expected = self
+                .inner
+                .encode(reference.as_str(), false)
+                .map_err(|e| TokenizerError::backend("could not encode the chat prompt", e))?;
+            let template_only: Vec<u32> = self
+                .special_spans(reference, &expected)
+                .into_iter()
+                .map(|(id, _, _)| id)
+                .collect();
+            if ours != template_only {
+                return Err(TokenizerError::Inseparable {
+                    reason: "the template rewrites message text, and the special tokens of the result are not the ones the template writes".into(),
+                });
+            }
+        }
+        if !found.iter().any(|(_, r, _)| touches(r)) {
+            return Ok(self.with_bos(encoding.get_ids().to_vec()));
+        }
+        // Some message text looks like a special token: encode the text between the template's
+        // own special tokens with special-token parsing off.
+        let backend = |e| TokenizerError::backend("could not encode the chat prompt", e);
+        let mut parts = Vec::new();
+        let mut at = 0;
+        for (_, _, whole) in found.iter().filter(|(_, r, _)| !touches(r)) {
+            if at < whole.start {
+                parts.push(
+                    self.plain
+                        .encode(&marked.text[at..whole.start], false)
+                        .map_err(backend)?,
+                );
+            }
+            parts.push(
+                self.inner
+                    .encode(&marked.text[whole.clone()], false)
+                    .map_err(backend)?,
+            );
+            at = whole.end;
+        }
+        if at < marked.text.len() {
+            parts.push(
+                self.plain
+                    .encode(&marked.text[at..], false)
+                    .map_err(backend)?,
+            );
+        }
+        let merged = tokenizers::Encoding::merge(parts, false);
+        let done = self
+            .inner
+            .post_process(merged, None, true)
+            .map_err(backend)?;
+        Ok(self.with_bos(done.get_ids().to_vec()))
+    }
+
+    /// The special tokens of `encoding` (of `text`): id, the byte range of the token's own text,
+    /// and the whole range it consumed (with whitespace an `lstrip`/`rstrip` token takes).
+    fn special_spans(
+        &self,
+        text: &str,
+        encoding: &tokenizers::Encoding,
+    ) -> Vec<(u32, Range<usize>, Range<usize>)> {
+        let mut out = Vec::new();
+        for (&id, &(a, b)) in encoding.get_ids().iter().zip(encoding.get_offsets()) {
+            let Ok(k) = self.specials.binary_search_by_key(&id, |(i, _)| *i) else {
+                continue;
+            };
+            if a >= b {
+                continue; // added by the post-processor, not found in the text
+            }
+            let token = &self.specials[k].1;
+            let exact = text
+                .get(a..b)
+                .and_then(|s| s.find(token.as_str()))
+                .map_or(a..b, |i| a + i..a + i + token.len());
+            out.push((id, exact, a..b));
+        }
+        out
     }
 
     /// Ids -> text, special tokens skipped. An id outside the vocabulary is an error.
@@ -230,6 +370,12 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// The special tokens (control tokens: parsed out of raw text by `encode`, skipped by
+    /// `decode`) as (id, text), by id.
+    pub fn special_tokens(&self) -> &[(u32, String)] {
+        &self.specials
+    }
+
     /// Whether the model ships a chat template (otherwise ChatML is used).
     pub fn has_chat_template(&self) -> bool {
         self.settings.chat_template.is_some()
@@ -242,25 +388,43 @@ impl Tokenizer {
 
     /// Renders the model's chat template (or ChatML when it has none) for `messages`;
     /// `add_generation_prompt` appends the opening of the assistant's turn.
+    /// This is the text only: encoding it with [`Tokenizer::encode`] would parse special-token
+    /// text inside messages; [`Tokenizer::encode_chat`] does not.
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
-        let source = self
-            .settings
+        template::render(
+            self.template_source(),
+            &self.context(messages, add_generation_prompt),
+        )
+    }
+
+    /// The roles the chat template knows: system, user, assistant, and tool (or ipython,
+    /// function, developer) when the template names it.
+    pub fn chat_roles(&self) -> Vec<&'static str> {
+        chat::known_roles(self.template_source())
+    }
+
+    fn template_source(&self) -> &str {
+        self.settings
             .chat_template
             .as_deref()
-            .unwrap_or(template::CHATML);
-        template::render(
-            source,
-            &template::Context {
-                messages,
-                add_generation_prompt,
-                bos_token: self.settings.bos_token.as_deref().unwrap_or(""),
-                eos_token: self.settings.eos_token.as_deref().unwrap_or(""),
-            },
-        )
+            .unwrap_or(template::CHATML)
+    }
+
+    fn context<'a>(
+        &'a self,
+        messages: &'a [ChatMessage],
+        add_generation_prompt: bool,
+    ) -> template::Context<'a> {
+        template::Context {
+            messages,
+            add_generation_prompt,
+            bos_token: self.settings.bos_token.as_deref().unwrap_or(""),
+            eos_token: self.settings.eos_token.as_deref().unwrap_or(""),
+        }
     }
 
     /// An incremental detokenizer for streaming generated ids.

@@ -60,6 +60,11 @@ fn specials_and_template() {
         tok.apply_chat_template(&messages, true).expect("render"),
         expected
     );
+    // Benign messages: the same ids as encoding the rendered text (llama.cpp's way).
+    assert_eq!(
+        tok.encode_chat(&messages, true).expect("encode_chat"),
+        tok.encode(expected).expect("encode")
+    );
     let user_only = tok
         .apply_chat_template(&messages[1..2], true)
         .expect("render");

@@ -126,6 +126,11 @@ fn chat_template_renders_chatml() {
         .expect("chat_prompt case");
     assert_eq!(case.text, expected);
     assert_eq!(tok.encode(&prompt).expect("encode"), case.ids);
+    // Encoding the chat with message text kept plain gives llama.cpp's ids too.
+    assert_eq!(
+        tok.encode_chat(&chat(), true).expect("encode_chat"),
+        case.ids
+    );
 
     // Without a system message SmolLM2's template adds its own.
     let user_only = tok

@@ -23,7 +23,7 @@ pub enum TrainError {
     Data(String),
     #[error("tokenizer {path}: {message}")]
     Tokenizer { path: PathBuf, message: String },
-    #[error("cannot {action} {path}: {source}")]
+    #[error("cannot {action} {path}")]
     Io {
         action: &'static str,
         path: PathBuf,
