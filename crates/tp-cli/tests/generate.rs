@@ -165,7 +165,7 @@ fn bad_inputs_get_clear_errors() {
             let start = std::time::Instant::now();
             let f = tp(&["generate", "--model", &m, "--ctx-size", ctx, "hi"]);
             assert!(
-                f.code == Some(1) && f.output.contains(ctx) && f.output.contains("bytes"),
+                f.code == Some(2) && f.output.contains(ctx) && f.output.contains("bytes"),
                 "--ctx-size {ctx}: {}",
                 f.output
             );

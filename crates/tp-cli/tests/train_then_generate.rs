@@ -114,7 +114,7 @@ fn trained_checkpoint_generates_identically_at_every_tp() {
             &["generate", "--model", model, "-q", "hi"],
             Duration::from_secs(60),
         );
-        assert_eq!(f.code, Some(1), "{}", f.output);
+        assert_eq!(f.code, Some(2), "{}", f.output);
         assert!(
             f.output.contains("model.safetensors") && f.output.contains("verification"),
             "{}",
