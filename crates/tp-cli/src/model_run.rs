@@ -359,17 +359,17 @@ fn plan_and_check(
     ctx: usize,
     show: bool,
 ) -> anyhow::Result<()> {
-    // The step protocol carries a sequence's capacity as a u32.
+    let opts = args.load_options();
+    let cfg = ckpt.config();
+    let plan = memory_plan(ckpt, tp, ctx, opts)
+        .with_context(|| format!("a context of {ctx} positions does not fit (--ctx-size, default: the model's context length)"))?;
+    // The memory plan names the cost of huge contexts first; the step protocol carries a sequence's capacity as a u32.
     if u32::try_from(ctx).is_err() {
         bail!(
             "a context of {ctx} positions is more than the {} a sequence can hold; lower --ctx-size",
             u32::MAX
         );
     }
-    let opts = args.load_options();
-    let cfg = ckpt.config();
-    let plan = memory_plan(ckpt, tp, ctx, opts)
-        .with_context(|| format!("a context of {ctx} positions does not fit (--ctx-size, default: the model's context length)"))?;
     check_machine_memory(args.backend, tp, ctx, &plan)?;
     if show && !args.quiet {
         eprintln!(

@@ -117,13 +117,13 @@ fn a_fault_that_never_fires_is_a_failure() {
             "--samples",
             "1",
             "--fault",
-            "panic:1@100000",
+            "panic:1@1000000000",
         ],
         Duration::from_secs(30),
     );
     assert_eq!(f.code, Some(1), "{}", f.output);
     assert!(f.stderr.contains("never fired"), "{}", f.stderr);
-    assert!(f.stderr.contains("call 100000"), "{}", f.stderr);
+    assert!(f.stderr.contains("call 1000000000"), "{}", f.stderr);
 }
 
 #[test]
