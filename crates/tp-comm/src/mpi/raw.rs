@@ -89,6 +89,42 @@ pub(crate) fn byte_type() -> ffi::MPI_Datatype {
     unsafe { ffi::RSMPI_UINT8_T }
 }
 
+/// Posts a non-blocking receive of `len` bytes at `ptr` from group rank `peer` with `tag`.
+///
+/// # Safety
+/// `ptr..ptr + len` must stay valid and untouched by others until `req` completes (or be
+/// leaked with it); the caller holds the MPI lock.
+pub(crate) unsafe fn irecv_bytes(
+    ptr: *mut u8,
+    len: c_int,
+    peer: usize,
+    tag: c_int,
+    comm: ffi::MPI_Comm,
+    req: &mut ffi::MPI_Request,
+) -> Result<()> {
+    // SAFETY: the caller's contract above.
+    let rc = unsafe { ffi::MPI_Irecv(ptr.cast(), len, byte_type(), peer as c_int, tag, comm, req) };
+    check(rc, "MPI_Irecv")
+}
+
+/// Posts a non-blocking send of the `len` bytes at `ptr` to group rank `peer` with `tag`.
+///
+/// # Safety
+/// `ptr..ptr + len` must stay valid and unwritten until `req` completes (or be leaked with
+/// it); the caller holds the MPI lock.
+pub(crate) unsafe fn isend_bytes(
+    ptr: *const u8,
+    len: c_int,
+    peer: usize,
+    tag: c_int,
+    comm: ffi::MPI_Comm,
+    req: &mut ffi::MPI_Request,
+) -> Result<()> {
+    // SAFETY: the caller's contract above.
+    let rc = unsafe { ffi::MPI_Isend(ptr.cast(), len, byte_type(), peer as c_int, tag, comm, req) };
+    check(rc, "MPI_Isend")
+}
+
 pub(crate) fn op(op: ReduceOp) -> ffi::MPI_Op {
     // SAFETY: reading immutable op handle constants exported by the MPI shim.
     unsafe {

@@ -134,38 +134,30 @@ impl MpiComm {
                     let at = rs_base + k * piece + (r.start - my_shard.start);
                     // SAFETY: `at + r.len()` is within the receive scratch (sized above); it
                     // is leaked if the request does not complete.
-                    raw::check(
-                        unsafe {
-                            ffi::MPI_Irecv(
-                                rp.add(at).cast(),
-                                to_int(r.len())?,
-                                raw::byte_type(),
-                                j as c_int,
-                                RS_TAG,
-                                comm,
-                                &mut rs_recv[k * mc + c],
-                            )
-                        },
-                        "MPI_Irecv",
-                    )?;
+                    unsafe {
+                        raw::irecv_bytes(
+                            rp.add(at),
+                            to_int(r.len())?,
+                            j,
+                            RS_TAG,
+                            comm,
+                            &mut rs_recv[k * mc + c],
+                        )?
+                    };
                 }
             }
             for (i, (j, r)) in ag_chunks.iter().enumerate() {
                 // SAFETY: `r` lies within the all-gather area (the first `total` bytes).
-                raw::check(
-                    unsafe {
-                        ffi::MPI_Irecv(
-                            rp.add(r.start).cast(),
-                            to_int(r.len())?,
-                            raw::byte_type(),
-                            *j as c_int,
-                            AG_TAG,
-                            comm,
-                            &mut ag_recv[i],
-                        )
-                    },
-                    "MPI_Irecv",
-                )?;
+                unsafe {
+                    raw::irecv_bytes(
+                        rp.add(r.start),
+                        to_int(r.len())?,
+                        *j,
+                        AG_TAG,
+                        comm,
+                        &mut ag_recv[i],
+                    )?
+                };
             }
         }
         wait_net_delay(self.g);
@@ -178,22 +170,18 @@ impl MpiComm {
                 // SAFETY: `r` is within both `buf` and the send scratch (`total` bytes each),
                 // and no request reads or writes this range of the send scratch yet.
                 unsafe { std::ptr::copy_nonoverlapping(bp.add(r.start), sp.add(r.start), r.len()) };
-                raw::check(
-                    // SAFETY: the send scratch range stays untouched until the request
-                    // completes; it is leaked on failure.
-                    unsafe {
-                        ffi::MPI_Isend(
-                            sp.add(r.start).cast(),
-                            to_int(r.len())?,
-                            raw::byte_type(),
-                            *j as c_int,
-                            RS_TAG,
-                            comm,
-                            &mut rs_send[next],
-                        )
-                    },
-                    "MPI_Isend",
-                )?;
+                // SAFETY: the send scratch range stays untouched until the request
+                // completes; it is leaked on failure.
+                unsafe {
+                    raw::isend_bytes(
+                        sp.add(r.start).cast_const(),
+                        to_int(r.len())?,
+                        *j,
+                        RS_TAG,
+                        comm,
+                        &mut rs_send[next],
+                    )?
+                };
                 self.g.count_sent(r.len());
                 next += 1;
                 inflight += 1;
@@ -238,22 +226,18 @@ impl MpiComm {
                     wait_net_delay(self.g);
                 }
                 for (k, &j) in peers.iter().enumerate() {
-                    raw::check(
-                        // SAFETY: the result range is never written again in this call; it
-                        // is leaked with the scratch on failure.
-                        unsafe {
-                            ffi::MPI_Isend(
-                                rp.add(res_base + off).cast(),
-                                to_int(r.len())?,
-                                raw::byte_type(),
-                                j as c_int,
-                                AG_TAG,
-                                comm,
-                                &mut ag_send[k * mc + c],
-                            )
-                        },
-                        "MPI_Isend",
-                    )?;
+                    // SAFETY: the result range is never written again in this call; it
+                    // is leaked with the scratch on failure.
+                    unsafe {
+                        raw::isend_bytes(
+                            rp.add(res_base + off).cast_const(),
+                            to_int(r.len())?,
+                            j,
+                            AG_TAG,
+                            comm,
+                            &mut ag_send[k * mc + c],
+                        )?
+                    };
                     self.g.count_sent(r.len());
                 }
                 reduced += 1;
