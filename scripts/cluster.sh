@@ -28,6 +28,8 @@
 #                             only inside the namespaces (no route out, the root namespace untouched)
 #   TP_CLUSTER_BIND_K="SRC:DST ..."  (test aid, read by `run`) processes on host K see SRC at DST
 #                             (bind mounts private to that host), e.g. another model file or binary
+#   TP_CLUSTER_PIN=0          leave the hosts unpinned; by default host K runs on cores of its own
+#                             (nproc / N each, as separate machines would), see host_cpus
 #   TP_CLUSTER_PROBE=0        (drill aid) `run` skips the ping of every host, so that mpirun itself
 #                             meets an unreachable host
 #   TP_*, RUST_BACKTRACE, RUST_LOG   set when calling `run`: forwarded to every rank (mpirun -x),
@@ -55,6 +57,25 @@ die() {
 
 host_ns() { echo "$NAME-h$1"; }
 host_addr() { echo "$SUBNET.$1"; }
+
+# The CPUs host K of N runs on: a share of this machine's cores of its own, as a real host has
+# (nproc / N cores each, at least one; hosts share cores only when N exceeds them). Without
+# this every host's orted binds its one rank to core 0 and all "hosts" share one core.
+# TP_CLUSTER_PIN=0 leaves the hosts unpinned (the scheduler places them).
+host_cpus() {
+    local k=$1 n=$2 cores per first
+    cores=$(nproc)
+    per=$((cores / n))
+    ((per >= 1)) || per=1
+    first=$((((k - 1) * per) % cores))
+    if ((per == 1)); then echo "$first"; else echo "$first-$((first + per - 1))"; fi
+}
+
+# The command prefix that pins host K of N (empty with TP_CLUSTER_PIN=0).
+pin_prefix() {
+    [[ ${TP_CLUSTER_PIN:-1} == 0 ]] && return 0
+    echo "taskset -c $(host_cpus "$1" "$2")"
+}
 
 check_name() {
     [[ $NAME =~ ^[a-z][a-z0-9]{0,7}$ ]] ||
@@ -156,7 +177,7 @@ write_agent() {
         echo 'host=$1; shift'
         echo 'case $host in'
         for k in $(seq 1 "$n"); do
-            echo "    $(host_addr "$k")) k=$k ;;"
+            echo "    $(host_addr "$k")) k=$k; pin=\"$(pin_prefix "$k" "$n")\" ;;"
         done
         echo "    *) echo \"cluster agent: \$host is no host of the cluster $NAME (hosts $(host_addr 1)..$(host_addr "$n")); fix the hostfile\" >&2; exit 255 ;;"
         echo 'esac'
@@ -172,7 +193,7 @@ write_agent() {
         echo '    exit 255'
         echo 'fi'
         echo 'binds=$(eval "printf %s \"\${TP_CLUSTER_BIND_$k:-}\"")'
-        echo "exec ip netns exec $NAME-h\$k env -i PATH=\"\$PATH\" HOME=\"\$HOME\" TP_HOST=\"\$host\" BINDS=\"\$binds\" \\"
+        echo "exec \$pin ip netns exec $NAME-h\$k env -i PATH=\"\$PATH\" HOME=\"\$HOME\" TP_HOST=\"\$host\" BINDS=\"\$binds\" \\"
         echo "    sh -c 'for b in \$BINDS; do mount --bind \"\${b%%:*}\" \"\${b#*:}\" || exit 1; done; unset BINDS; eval \"\$1\"' sh \"\$*\""
     } >"$STATE/agent"
     chmod 755 "$STATE/agent"
@@ -294,9 +315,13 @@ cmd_run() {
     local binds
     binds=${TP_CLUSTER_BIND_1:-}
     # mpirun runs on host 1 (its rank 0 is a child of it); the agent starts orted on the others.
-    exec ip netns exec "$(host_ns 1)" env TP_HOST="$(host_addr 1)" BINDS="$binds" sh -c \
+    # Each host runs on its own cores (pin_prefix); --bind-to none keeps OpenMPI from binding
+    # every host's rank to the first core of the machine they all share.
+    local pin
+    pin=$(pin_prefix 1 "$(hosts_up)")
+    exec $pin ip netns exec "$(host_ns 1)" env TP_HOST="$(host_addr 1)" BINDS="$binds" sh -c \
         'for b in $BINDS; do mount --bind "${b%%:*}" "${b#*:}" || exit 1; done; unset BINDS; exec "$@"' sh \
-        mpirun --allow-run-as-root -n "$n" \
+        mpirun --allow-run-as-root -n "$n" --bind-to none \
         --mca plm_rsh_agent "$STATE/agent" --mca plm_rsh_no_tree_spawn 1 \
         --mca btl tcp,self --mca btl_tcp_if_include "$SUBNET.0/24" \
         --mca oob_tcp_if_include "$SUBNET.0/24" --mca mpi_yield_when_idle 1 \

@@ -196,6 +196,30 @@ mh_check_greedy_text() {
     echo "same $(wc -w <<<"$want") words; $(grep -F '# load:' "$WORK/greedy.err" | sed 's/^# //')"
 }
 
+# Each host's rank runs on CPUs of its own (cluster.sh pins hosts; without it every host's
+# orted binds its rank to core 0 and the "hosts" share one core: slower, not faster, at 2).
+mh_check_hosts_own_cpus() {
+    local cores
+    cores=$(nproc)
+    mh_run cpus 30 -- 2 -- sh -c 'echo "$TP_HOST $(grep Cpus_allowed_list /proc/self/status | cut -f2)"'
+    if [[ $RC -ne 0 ]]; then
+        echo "cluster run exited $RC"
+        return 1
+    fi
+    local a b
+    a=$(awk -v h="$A1" '$1 == h {print $2}' "$WORK/cpus.out")
+    b=$(awk -v h="$A2" '$1 == h {print $2}' "$WORK/cpus.out")
+    [[ -n $a && -n $b ]] || {
+        echo "no CPU list from both hosts: $(cat "$WORK/cpus.out")"
+        return 1
+    }
+    if ((cores >= 2)) && [[ $a == "$b" ]]; then
+        echo "both hosts' ranks run on CPUs $a of this $cores-core machine"
+        return 1
+    fi
+    echo "host $A1 on CPUs $a, host $A2 on CPUs $b"
+}
+
 mh_check_conformance() {
     mh_run selftest 180 -- 2 -- "$TP" selftest --backend mpi
     [[ $RC -eq 0 ]] || {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The multi-host test CI runs after scripts/test.sh (.ci/run): a cluster of 2 hosts made of
 # network namespaces (scripts/cluster.sh), then
+#   - each host's rank runs on CPUs of its own (as on separate machines);
 #   - greedy text of `tp generate --backend mpi` over the 2 hosts equals 2 local rank threads,
 #     and rank 0 prints a load line (bytes read, time) per host;
 #   - the collectives conformance suite (`tp selftest --backend mpi`) passes across hosts;
@@ -51,6 +52,7 @@ trap 'exit 130' INT TERM
 mh_setup "$TP_BIN" "$TP_MODEL" || { mh_log "error: could not set up the cluster"; exit 1; }
 mh_log "cluster of $MH_HOSTS hosts ($A1, $A2), binary $TP, model $MODEL"
 
+mh_case hosts-on-their-own-cpus mh_check_hosts_own_cpus
 mh_case greedy-text-matches-local mh_check_greedy_text
 mh_case conformance-across-hosts mh_check_conformance
 mh_case rank-killed-mid-decode mh_drill_rank_killed

@@ -256,35 +256,54 @@ impl MpiComm {
         deadline: Instant,
         check: bool,
     ) -> Result<()> {
+        self.swap_v(st, fp, payload, |_| payload.len(), deadline, check)
+            .map(|_| ())
+    }
+
+    /// [`Self::swap`] where peer `j` (group rank) sends `theirs(j)` payload bytes: every
+    /// peer's message lands in a slot of `HDR + max` bytes (`max` the largest payload, ours
+    /// included), peer `k` of [`Self::peers`] at `k * slot` of `st.recv`. Returns `slot`.
+    fn swap_v(
+        &self,
+        st: &mut State,
+        fp: &Fingerprint,
+        payload: &[u8],
+        theirs: impl Fn(usize) -> usize,
+        deadline: Instant,
+        check: bool,
+    ) -> Result<usize> {
         let peers = self.peers();
         if peers.is_empty() {
-            return Ok(());
+            return Ok(HDR + payload.len());
         }
         let np = peers.len();
-        let len = HDR + payload.len();
-        let ilen = raw::int_count(self.me(), len, "the message (bytes)")?;
+        let mine_len = HDR + payload.len();
+        let expect: Vec<usize> = peers.iter().map(|&j| HDR + theirs(j)).collect();
+        let slot = expect.iter().copied().fold(mine_len, usize::max);
+        let ilen = raw::int_count(self.me(), mine_len, "the message (bytes)")?;
+        let islot = raw::int_count(self.me(), slot, "the message (bytes)")?;
         let mine = pack(fp);
         {
-            let s = st.send.bytes(len);
+            let s = st.send.bytes(mine_len);
             for (w, o) in mine.iter().zip(s.chunks_exact_mut(8)) {
                 o.copy_from_slice(&w.to_le_bytes());
             }
             s[HDR..].copy_from_slice(payload);
         }
-        let sp = st.send.bytes(len).as_ptr();
-        let rp = st.recv.bytes(len * np).as_mut_ptr();
+        let sp = st.send.bytes(mine_len).as_ptr();
+        let rp = st.recv.bytes(slot * np).as_mut_ptr();
         let mut reqs = vec![raw::null_request(); 2 * np];
         wait_net_delay(self.g);
         {
             let _l = raw::lock();
             for (k, &j) in peers.iter().enumerate() {
-                // SAFETY: the receive scratch holds `np` slots of `len` bytes and the send
-                // scratch `len` bytes; both are leaked below if a request does not complete.
+                // SAFETY: the receive scratch holds `np` slots of `slot` bytes and the send
+                // scratch `mine_len` bytes; both are leaked below if a request does not complete.
                 unsafe {
                     raw::check(
                         ffi::MPI_Irecv(
-                            rp.add(k * len).cast(),
-                            ilen,
+                            rp.add(k * slot).cast(),
+                            islot,
                             raw::byte_type(),
                             j as c_int,
                             FP_TAG,
@@ -308,7 +327,7 @@ impl MpiComm {
                 }
             }
         }
-        self.g.count_sent(len * np);
+        self.g.count_sent(mine_len * np);
         // Per peer: the bytes its message carried, or None while it has not arrived.
         let mut got: Vec<Option<usize>> = vec![None; np];
         let mut idx = vec![0 as c_int; 2 * np];
@@ -366,11 +385,12 @@ impl MpiComm {
                 _ => self.timeout(fp, missing),
             });
         }
-        let recv = st.recv.bytes(len * np);
+        let recv = st.recv.bytes(slot * np);
         for (k, &j) in peers.iter().enumerate() {
             let bytes = got[k].unwrap_or(0);
-            let slot = &recv[k * len..(k + 1) * len];
-            let words: Vec<u64> = slot[..HDR]
+            let len = expect[k];
+            let at = &recv[k * slot..(k + 1) * slot];
+            let words: Vec<u64> = at[..HDR]
                 .chunks_exact(8)
                 .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
                 .collect();
@@ -407,7 +427,7 @@ impl MpiComm {
                 )),
             });
         }
-        Ok(())
+        Ok(slot)
     }
 
     /// Starts a non-blocking op on the scratch buffers and waits for it; on failure the

@@ -22,7 +22,7 @@ use std::os::raw::c_int;
 use std::time::Instant;
 
 /// Buffers whose bytes sent per rank, (n-1) x size, stay within this go in one message.
-const DIRECT_MAX: usize = 256 << 10;
+pub(super) const DIRECT_MAX: usize = 256 << 10;
 /// Bytes per pipelined message.
 const CHUNK: usize = 512 << 10;
 /// Reduce-scatter messages a rank keeps in flight per peer.

@@ -1,7 +1,8 @@
 //! The `Communicator` operations of [`MpiComm`](super::MpiComm): argument checks, scratch
 //! staging and the non-blocking MPI call of each collective; buffered send and probed recv.
 
-use super::{reap, MpiComm, PendingSend, State};
+use super::allreduce::DIRECT_MAX;
+use super::{reap, MpiComm, PendingSend, State, HDR};
 use crate::communicator::{check, Communicator, Group};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CommError, Fingerprint, OpKind, Result};
@@ -12,6 +13,9 @@ use mpi::ffi;
 use std::os::raw::c_int;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// Groups up to this size run a barrier as one all-to-all fingerprint exchange.
+const SWAP_BARRIER_MAX: usize = 8;
 
 fn prefix(counts: &[c_int]) -> Vec<c_int> {
     let mut acc = 0;
@@ -68,6 +72,41 @@ impl Communicator for MpiComm {
             counts,
         )?;
         raw::int_count(me, total, "the receive buffer")?;
+        let n = self.size();
+        let elem = dtype.size();
+        let widest = counts
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .saturating_mul(elem);
+        if widest.saturating_mul(n - 1) <= DIRECT_MAX {
+            // One message per peer with the fingerprint in front (one round trip).
+            let bytes: Vec<usize> = counts.iter().map(|&c| c * elem).collect();
+            return self.collective_with(
+                OpKind::AllGather,
+                dtype,
+                total,
+                check::counts_hash(counts),
+                false,
+                |st, fp, dl| {
+                    let slot = self.swap_v(st, fp, send, |j| bytes[j], dl, self.g.verify)?;
+                    let got = st.recv.bytes(slot * (n - 1));
+                    let mut at = 0;
+                    for (j, &b) in bytes.iter().enumerate() {
+                        let piece = if j == self.rank {
+                            send
+                        } else {
+                            let k = if j < self.rank { j } else { j - 1 };
+                            &got[k * slot + HDR..k * slot + HDR + b]
+                        };
+                        recv[at..at + b].copy_from_slice(piece);
+                        at += b;
+                    }
+                    Ok(())
+                },
+            );
+        }
         let icounts: Vec<c_int> = counts
             .iter()
             .map(|&c| raw::int_count(me, c, "a count"))
@@ -190,6 +229,36 @@ impl Communicator for MpiComm {
         let count = check::elements(me, buf.len(), dtype, "the buffer")?;
         check::peer(me, self.size(), root, "root")?;
         let n = raw::int_count(me, count, "the buffer")?;
+        let peers = self.size() - 1;
+        if buf.len().saturating_mul(peers) <= DIRECT_MAX {
+            // The root's message carries the fingerprint and the buffer, the others' the
+            // fingerprint alone (one round trip, desyncs still caught).
+            return self.collective_with(
+                OpKind::Broadcast,
+                dtype,
+                count,
+                root as u64,
+                false,
+                |st, fp, dl| {
+                    let len = buf.len();
+                    let payload: &[u8] = if self.rank == root { buf } else { &[] };
+                    let slot = self.swap_v(
+                        st,
+                        fp,
+                        payload,
+                        |j| if j == root { len } else { 0 },
+                        dl,
+                        self.g.verify,
+                    )?;
+                    if self.rank != root {
+                        let k = if root < self.rank { root } else { root - 1 };
+                        let got = st.recv.bytes(slot * peers);
+                        buf.copy_from_slice(&got[k * slot + HDR..k * slot + HDR + len]);
+                    }
+                    Ok(())
+                },
+            );
+        }
         self.collective(
             OpKind::Broadcast,
             dtype,
@@ -303,6 +372,14 @@ impl Communicator for MpiComm {
     }
 
     fn barrier(&self) -> Result<()> {
+        if self.size() <= SWAP_BARRIER_MAX {
+            // Every rank's fingerprint to every peer: no rank leaves before all have arrived
+            // (one round trip; MPI_Ibarrier takes two on two ranks over TCP).
+            return self.collective_with(OpKind::Barrier, DType::U8, 0, 0, false, |st, fp, dl| {
+                reap(st)?;
+                self.swap(st, fp, &[], dl, true)
+            });
+        }
         self.collective(OpKind::Barrier, DType::U8, 0, 0, |st, fp, dl| {
             reap(st)?;
             let comm = self.comm.0;
