@@ -5,6 +5,8 @@
 # with an error naming the host, and that nothing (mpirun, orted, tp) is left afterwards.
 #
 #   rank-killed-mid-decode   kill -9 of host 2's tp process while it generates
+#   serve-rank-killed        the same while `tp serve` streams a reply: the client gets an error
+#                            event and [DONE]
 #   link-cut-mid-decode      host 2's cable cut (`ip link set h2 down` in the bridge namespace)
 #                            while it generates; tp runs with --timeout 5
 #   other-build-on-a-host    host 2 runs a binary with another build id
@@ -25,6 +27,7 @@ MH_SHOW=1
 
 declare -A DRILLS=(
     [rank-killed-mid-decode]=mh_drill_rank_killed
+    [serve-rank-killed]=mh_drill_serve_rank_killed
     [link-cut-mid-decode]=mh_drill_link_cut
     [other-build-on-a-host]=mh_drill_other_build
     [model-missing-on-a-host]=mh_drill_model_missing
@@ -33,7 +36,7 @@ declare -A DRILLS=(
     [unreachable-host]=mh_drill_unreachable_host
     [unreachable-host-mpirun]=mh_drill_unreachable_host_mpirun
 )
-ORDER=(rank-killed-mid-decode link-cut-mid-decode other-build-on-a-host model-missing-on-a-host
+ORDER=(rank-killed-mid-decode serve-rank-killed link-cut-mid-decode other-build-on-a-host model-missing-on-a-host
     model-differs-on-a-host model-size-differs unreachable-host unreachable-host-mpirun)
 selected=("$@")
 [[ ${#selected[@]} -gt 0 ]] || selected=("${ORDER[@]}")

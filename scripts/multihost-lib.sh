@@ -276,6 +276,48 @@ mh_drill_rank_killed() {
     echo "ended $TOOK s after the kill: $(grep -m1 -o "rank 0 on $A1: ended by SIGTERM while in [^(]*" <<<"$OUT")"
 }
 
+# tp serve over 2 hosts, a request streaming: kill -9 of host 2's rank. The client's stream ends
+# with an SSE error event and [DONE] (not a cut connection), and the job ends in seconds.
+mh_drill_serve_rank_killed() {
+    local port=18080 url
+    url=http://127.0.0.1:$port
+    mh_start serve 120 -- 2 -- "$TP" serve --backend mpi --model "$MODEL" --port "$port"
+    local up=0
+    for _ in $(seq 1 300); do
+        $CLUSTER exec 1 curl -sf -o /dev/null "$url/health" 2>/dev/null && { up=1; break; }
+        kill -0 "$JOB" 2>/dev/null || break
+        sleep 0.1
+    done
+    ((up)) || { echo "the server never answered /health"; mh_wait; return 1; }
+    $CLUSTER exec 1 curl -sN --max-time 60 "$url/v1/completions" -H 'content-type: application/json' \
+        -d '{"prompt":"Count from one to one thousand: one, two,","max_tokens":3000,"stream":true,"temperature":0}' \
+        >"$WORK/serve-client.out" 2>&1 &
+    local client=$! got=0
+    for _ in $(seq 1 300); do
+        [[ $(grep -c '^data: {"choices"' "$WORK/serve-client.out") -ge 5 ]] && { got=1; break; }
+        sleep 0.1
+    done
+    ((got)) || { echo "no tokens streamed: $(head -c 300 "$WORK/serve-client.out")"; kill "$client"; mh_wait; return 1; }
+    local pid mark
+    pid=$(tp_pid_on 2) || { echo "no tp process on host 2"; kill "$client"; mh_wait; return 1; }
+    mark=$(now)
+    kill -9 "$pid"
+    mh_wait "$mark"
+    wait "$client"
+    local crc=$?
+    expect_failed_within 15 || return 1
+    expect_text "process rank 1 with PID $pid on node $A2 exited on signal 9" || return 1
+    local tail2
+    tail2=$(grep -v '^$' "$WORK/serve-client.out" | tail -n 2)
+    if ! grep -q '^data: {"error"' <<<"$tail2" || [[ $(tail -n 1 <<<"$tail2") != "data: [DONE]" ]]; then
+        echo "the stream did not end with an error event and [DONE] (curl exit $crc); its end:"
+        tail -c 400 "$WORK/serve-client.out"
+        return 1
+    fi
+    expect_nothing_left || return 1
+    echo "stream ended with: $(grep -o '"message":"[^"]*"' <<<"$tail2" | head -1); job ended $TOOK s after the kill"
+}
+
 # The link of host 2 is cut mid-decode (in the bridge's namespace): both sides time out.
 mh_drill_link_cut() {
     start_long_decode cut 120 --timeout 5 || { mh_wait; return 1; }

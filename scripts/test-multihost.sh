@@ -6,6 +6,8 @@
 #     and rank 0 prints a load line (bytes read, time) per host;
 #   - the collectives conformance suite (`tp selftest --backend mpi`) passes across hosts;
 #   - kill -9 of host 2's rank mid-decode ends the job within seconds, naming its host;
+#   - the same under `tp serve` with a request streaming: the client's stream ends with an
+#     error event and [DONE], the job in seconds;
 #   - start-up checks: host 2 runs another build, lacks the model, has a different model,
 #     a hostfile names an unreachable host (refused by the ping; and, without it, host 2 cut
 #     off: mpirun cannot start there): each fails in seconds naming the host;
@@ -56,6 +58,7 @@ mh_case hosts-on-their-own-cpus mh_check_hosts_own_cpus
 mh_case greedy-text-matches-local mh_check_greedy_text
 mh_case conformance-across-hosts mh_check_conformance
 mh_case rank-killed-mid-decode mh_drill_rank_killed
+mh_case serve-rank-killed mh_drill_serve_rank_killed
 mh_case other-build-on-a-host mh_drill_other_build
 mh_case model-missing-on-a-host mh_drill_model_missing
 mh_case model-differs-on-a-host mh_drill_model_differs

@@ -3,6 +3,7 @@
 //! other ranks follow its steps. The KV budget comes from --max-kv-memory, or from
 //! --max-rank-memory minus the weights, or defaults to 1 GiB per rank.
 
+use crate::launch::Backend;
 use crate::model_run::{memory_plan, run_model, ModelArgs};
 use crate::units::{parse_bytes, show_bytes};
 use anyhow::{bail, Context};
@@ -17,6 +18,8 @@ use tp_serve::{ConnLimits, Load, Metrics, SchedulerConfig, SchedulerHandle, Serv
 
 /// KV budget per rank when neither --max-kv-memory nor --max-rank-memory is given.
 const DEFAULT_KV_BYTES: u64 = 1 << 30;
+/// Drain after SIGTERM under mpirun: short enough to finish before mpirun's SIGKILL.
+const MPI_TERM_DRAIN: Duration = Duration::from_millis(200);
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct ServeArgs {
@@ -227,6 +230,13 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
             max_body_bytes: usize::try_from(args.max_body).unwrap_or(usize::MAX),
             max_queue: args.max_queue,
             drain_timeout: drain,
+            // mpirun answers a failed rank with SIGTERM to the others and SIGKILL about a
+            // second later (Open MPI's odls_base_sigkill_timeout): end in-flight requests
+            // with an error while the connections can still carry it.
+            term_drain_timeout: match args.model.backend {
+                Backend::Mpi => drain.min(MPI_TERM_DRAIN),
+                Backend::Local => drain,
+            },
             event_timeout: Duration::from_secs(120).max(args.model.timeout()? * 2),
             connections: ConnLimits {
                 header_timeout,

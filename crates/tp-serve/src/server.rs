@@ -52,6 +52,10 @@ pub struct ServerConfig {
     pub max_queue: usize,
     /// After SIGINT/SIGTERM, how long in-flight requests may take before they are ended.
     pub drain_timeout: Duration,
+    /// The same after SIGTERM, where it differs: when ranks run under mpirun, a SIGTERM means
+    /// the job is being torn down (a rank failed or mpirun was stopped) and SIGKILL follows
+    /// within about a second, so in-flight requests are best ended with an error at once.
+    pub term_drain_timeout: Duration,
     /// Longest wait for a request's next token before it is failed (a stuck engine).
     pub event_timeout: Duration,
     /// Connection cap and deadlines.
@@ -111,8 +115,9 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
 
 struct AppState {
     cfg: ServerConfig,
-    /// Becomes true when the drain timeout has passed: handlers end what they still hold.
-    drain_expired: watch::Receiver<bool>,
+    /// Becomes the drain timeout that applied once it has passed: handlers end what they
+    /// still hold.
+    drain_expired: watch::Receiver<Option<Duration>>,
     tokenizer: Arc<Tokenizer>,
     sched: SchedulerHandle,
     metrics: Arc<Metrics>,
@@ -148,7 +153,7 @@ impl Server {
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(Notify::new());
-        let (drain_tx, drain_expired) = watch::channel(false);
+        let (drain_tx, drain_expired) = watch::channel(None);
         let state = Arc::new(AppState {
             cfg,
             drain_expired,
@@ -198,10 +203,9 @@ fn serve_thread(
     state: Arc<AppState>,
     signals: Signals,
     stop: Arc<Notify>,
-    drain_expired: watch::Sender<bool>,
+    drain_expired: watch::Sender<Option<Duration>>,
 ) -> Result<()> {
     let control = state.sched.control.clone();
-    let drain = state.cfg.drain_timeout;
     let log = state.cfg.log;
     let out = rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
@@ -218,7 +222,12 @@ fn serve_thread(
             log,
         };
         let accepting = tokio::spawn(acceptor.run());
-        let why = signals.wait(&stop).await;
+        let (why, term) = signals.wait(&stop).await;
+        let drain = if term {
+            state.cfg.term_drain_timeout
+        } else {
+            state.cfg.drain_timeout
+        };
         if log {
             eprintln!(
                 "# tp serve: {why}: no new connections; finishing in-flight requests (at most {:.0} s)",
@@ -237,7 +246,7 @@ fn serve_thread(
                 "# tp serve: in-flight requests did not finish within {:.0} s; ending them with an error",
                 drain.as_secs_f64()
             );
-            let _ = drain_expired.send(true);
+            let _ = drain_expired.send(Some(drain));
             let _ = tokio::time::timeout(FINAL_FLUSH, open_rx.wait_for(|n| *n == 0)).await;
         }
         Ok(())
@@ -272,8 +281,8 @@ impl Signals {
         Signals {}
     }
 
-    /// Resolves on SIGINT, SIGTERM or [`Server::stop`]; says which.
-    async fn wait(mut self, stop: &Notify) -> &'static str {
+    /// Resolves on SIGINT, SIGTERM or [`Server::stop`]; says which, and whether it was SIGTERM.
+    async fn wait(mut self, stop: &Notify) -> (&'static str, bool) {
         #[cfg(unix)]
         {
             async fn recv(s: &mut Option<tokio::signal::unix::Signal>) {
@@ -285,9 +294,9 @@ impl Signals {
                 }
             }
             let why = tokio::select! {
-                _ = recv(&mut self.int) => "interrupted (SIGINT)",
-                _ = recv(&mut self.term) => "terminated (SIGTERM)",
-                _ = stop.notified() => "stopping",
+                _ = recv(&mut self.int) => ("interrupted (SIGINT)", false),
+                _ = recv(&mut self.term) => ("terminated (SIGTERM)", true),
+                _ = stop.notified() => ("stopping", false),
             };
             // A second Ctrl-C ends the process at once.
             if let Some(mut int) = self.int.take() {
@@ -302,8 +311,8 @@ impl Signals {
         #[cfg(not(unix))]
         {
             tokio::select! {
-                _ = tokio::signal::ctrl_c() => "interrupted (Ctrl-C)",
-                _ = stop.notified() => "stopping",
+                _ = tokio::signal::ctrl_c() => ("interrupted (Ctrl-C)", false),
+                _ = stop.notified() => ("stopping", false),
             }
         }
     }
@@ -502,7 +511,7 @@ async fn read_body(
 /// Resolves once the drain timeout has passed (never, while the server runs).
 async fn drain_expired(st: &AppState) {
     let mut rx = st.drain_expired.clone();
-    if rx.wait_for(|expired| *expired).await.is_err() {
+    if rx.wait_for(|expired| expired.is_some()).await.is_err() {
         std::future::pending::<()>().await;
     }
 }
@@ -514,7 +523,10 @@ fn drain_error(st: &AppState) -> ApiError {
         "shutting_down",
         format!(
             "the server is shutting down and this request did not finish within its drain timeout ({} s); retry it",
-            st.cfg.drain_timeout.as_secs_f64()
+            st.drain_expired
+                .borrow()
+                .unwrap_or(st.cfg.drain_timeout)
+                .as_secs_f64()
         ),
     )
 }
@@ -959,6 +971,7 @@ mod tests {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_queue: 8,
             drain_timeout: Duration::from_secs(1),
+            term_drain_timeout: Duration::from_secs(1),
             event_timeout: Duration::from_secs(1),
             connections: ConnLimits {
                 header_timeout: Duration::from_secs(10),
