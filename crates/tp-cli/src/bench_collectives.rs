@@ -6,7 +6,7 @@
 //! f32, straight through MPI's FFI, same process, same sizes and input buffer) as the
 //! reference column, with our busbw as a fraction of its busbw.
 //!
-//! Definitions follow nccl-tests (doc/PERFORMANCE.md): size is the full buffer (all_gather:
+//! Definitions follow nccl-tests (its doc/PERFORMANCE.md, github.com/NVIDIA/nccl-tests): size is the full buffer (all_gather:
 //! the gathered output; reduce_scatter: the input), algbw = size / time, busbw = algbw x
 //! 2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for broadcast.
 

@@ -1,5 +1,5 @@
 //! `tp bench train`: step time, tokens/s and MFU of training at several (tp, pp, dp)
-//! layouts with a fixed global batch (performance.md "train"), against a matmul peak
+//! layouts with a fixed global batch (docs/performance.md "train"), against a matmul peak
 //! measured in the same run with the same gemm and one thread per rank. Layouts are visited
 //! in rounds and each is preceded by a peak probe on as many threads as it has ranks, so a
 //! shared, noisy machine shows up in the figures instead of skewing one layout.

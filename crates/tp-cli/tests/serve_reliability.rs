@@ -1,4 +1,4 @@
-//! `tp serve` under bad input and faults (reliability.md R9): every bad request gets 400 (413
+//! `tp serve` under bad input and faults (docs/reliability.md R9): every bad request gets 400 (413
 //! for an oversized body) with an OpenAI error body naming the parameter, and leaves KV cache
 //! and memory at baseline; a client gone mid-stream frees its slot at once; the API key is
 //! required on every request (any case of `Bearer`; /health exempt only with

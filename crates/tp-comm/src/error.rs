@@ -1,6 +1,6 @@
 //! Typed errors of the collectives layer, and the fingerprint each collective call carries.
 //!
-//! Reliability.md R1-R3: a lost rank, a mismatched call and a missed deadline are each an
+//! docs/reliability.md R1-R3: a lost rank, a mismatched call and a missed deadline are each an
 //! error that names the op and its sequence number, with the flight record of recent calls.
 
 use crate::dtype::DType;

@@ -1,5 +1,5 @@
 //! Fault injection for drills and tests: a [`Communicator`] wrapper that, on one rank and at
-//! one call, panics, exits, desyncs, stalls or kills its process (reliability.md R1-R3).
+//! one call, panics, exits, desyncs, stalls or kills its process (docs/reliability.md R1-R3).
 //!
 //! Spec syntax (as `tp bench collectives --fault` takes it): `KIND:RANK@CALL[:SECS]`, e.g.
 //! `panic:1@5`, `exit:2@3`, `mismatch:1@4`, `slow:1@3:10`, `kill:1@5`. CALL counts this

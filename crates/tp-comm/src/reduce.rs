@@ -1,7 +1,7 @@
 //! Element-wise reduction kernels over raw bytes, dispatched on [`DType`].
 //!
 //! Every backend reduces in rank order 0..n, so all ranks get bitwise identical results
-//! and a run is deterministic (reliability.md R10). Half types accumulate in f32 and round once.
+//! and a run is deterministic (docs/reliability.md R10). Half types accumulate in f32 and round once.
 
 use crate::dtype::{DType, ReduceOp};
 use half::{bf16, f16};

@@ -1,5 +1,5 @@
 //! Checkpoint access by canonical weight name, handing out only the requested rows or columns
-//! (design.md "Loading": each rank materializes only its own byte ranges).
+//! (docs/design.md "Loading": each rank materializes only its own byte ranges).
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};

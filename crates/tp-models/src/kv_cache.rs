@@ -1,4 +1,4 @@
-//! Per-sequence KV cache holding only this rank's KV heads (design.md "One forward pass").
+//! Per-sequence KV cache holding only this rank's KV heads (docs/design.md "One forward pass").
 //!
 //! Layout is position-major, `[pos, kv_local * head_dim]` per layer, so appending a token is a
 //! plain `extend` and the cache grows up to its capacity without re-layout.

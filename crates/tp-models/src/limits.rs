@@ -1,5 +1,5 @@
 //! Sizes derived from user input or file contents, computed with checked arithmetic and
-//! compared with the machine's memory before anything is allocated (reliability.md R4).
+//! compared with the machine's memory before anything is allocated (docs/reliability.md R4).
 //!
 //! A size that cannot be held is a [`ModelError::TooLarge`] naming the value and the bytes it
 //! would take, never an allocation that aborts the process or a multiplication that wraps.

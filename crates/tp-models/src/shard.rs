@@ -1,5 +1,5 @@
 //! Which heads, FFN columns and vocabulary rows each rank holds, and what that costs in
-//! memory (design.md "Uneven and head-granular shards").
+//! memory (docs/design.md "Uneven and head-granular shards").
 
 use crate::checkpoint::{Checkpoint, Storage, WeightName};
 use crate::config::ModelConfig;

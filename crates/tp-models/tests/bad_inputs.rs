@@ -1,4 +1,4 @@
-//! Bad model inputs of every kind (reliability.md R4, R7): each is a typed error whose
+//! Bad model inputs of every kind (docs/reliability.md R4, R7): each is a typed error whose
 //! message names the file (and tensor or key) and says what to do; none panics.
 
 mod common;

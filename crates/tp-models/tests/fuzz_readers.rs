@@ -1,4 +1,4 @@
-//! Fuzzing the readers (reliability.md R4): random bit flips, truncations and overwrites of
+//! Fuzzing the readers (docs/reliability.md R4): random bit flips, truncations and overwrites of
 //! length, type, dimension and offset fields of GGUF files (a small synthetic model, and the
 //! real SmolLM2 header over a sparse file of the real size), and of safetensors files,
 //! config.json and shard indexes of synthetic HF directories.

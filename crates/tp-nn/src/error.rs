@@ -1,4 +1,4 @@
-//! Typed errors of the parallel layers (design.md "Style": messages say what to do).
+//! Typed errors of the parallel layers (docs/design.md "Style": messages say what to do).
 
 use tp_comm::CommError;
 

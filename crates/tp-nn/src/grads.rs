@@ -1,4 +1,4 @@
-//! Completing the gradients of parameters that several ranks hold (design.md "Uneven and
+//! Completing the gradients of parameters that several ranks hold (docs/design.md "Uneven and
 //! head-granular shards": replicated KV heads; Korthikanti et al. §4.2.2: norm weights under
 //! sequence parallelism). Each holder computes only its share; the dense gradient is the sum.
 //! Call once per step before the optimizer; it is not part of a block's pinned forward and

@@ -1,5 +1,5 @@
 //! Balanced contiguous shards of units (heads, FFN columns, vocab rows) and the GQA head plan
-//! (design.md "Uneven and head-granular shards"; Megatron §3 splits by heads).
+//! (docs/design.md "Uneven and head-granular shards"; Megatron §3 splits by heads).
 
 use crate::error::{Result, TpError};
 use std::ops::Range;

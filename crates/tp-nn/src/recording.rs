@@ -1,5 +1,5 @@
 //! A communicator wrapper that counts calls by op, so tests can pin the collectives a layer
-//! issues (design.md "Tests": collective counts per layer pinned by a recording communicator).
+//! issues (docs/design.md "Tests": collective counts per layer pinned by a recording communicator).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

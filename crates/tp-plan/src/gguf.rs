@@ -1,5 +1,5 @@
 //! Reads the model shape from a GGUF file's metadata header (GGUF v2/v3 spec,
-//! ggml docs/gguf.md): magic, version, counts, key/value pairs and tensor infos.
+//! the ggml repository's docs/gguf.md, github.com/ggml-org/ggml): magic, version, counts, key/value pairs and tensor infos.
 //! Only the header is read; every length is bounds-checked, and truncated or
 //! malformed files are typed errors.
 

@@ -1,4 +1,4 @@
-//! Typed errors of training (design.md "Style": every message says what to do).
+//! Typed errors of training (docs/design.md "Style": every message says what to do).
 
 use std::path::PathBuf;
 use tp_comm::CommError;

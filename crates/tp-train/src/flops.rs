@@ -1,4 +1,4 @@
-//! Model FLOPs and utilization (performance.md): MFU = 6 x params x tokens/s over
+//! Model FLOPs and utilization (docs/performance.md): MFU = 6 x params x tokens/s over
 //! (ranks x measured matmul peak), with the peak measured in the same process by the same
 //! matmul the model uses (candle's gemm), so the ratio is honest on a noisy machine.
 

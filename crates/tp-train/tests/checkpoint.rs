@@ -1,4 +1,4 @@
-//! Checkpoints (reliability.md R4-R6): resume at another tp, pp and dp continues the loss
+//! Checkpoints (docs/reliability.md R4-R6): resume at another tp, pp and dp continues the loss
 //! curve; a crash at any point of a save leaves the previous checkpoint as `latest` and the
 //! resumed run reproduces the uninterrupted one bit for bit; corrupt or inconsistent files
 //! are refused with a typed error naming the file (and tensor).

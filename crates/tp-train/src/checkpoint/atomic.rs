@@ -1,4 +1,4 @@
-//! Crash-safe writing (reliability.md R5): files go into a temporary directory and are
+//! Crash-safe writing (docs/reliability.md R5): files go into a temporary directory and are
 //! fsynced, the directory is fsynced and renamed into place, and the `latest` marker is
 //! replaced (temporary file, fsync, rename, fsync of the parent) only after that. A crash at
 //! any moment leaves `latest` naming the previous complete checkpoint.

@@ -1,4 +1,4 @@
-//! Moving between a tensor's global layout and one rank's shard of it (design.md "Loading":
+//! Moving between a tensor's global layout and one rank's shard of it (docs/design.md "Loading":
 //! checkpoints hold global shapes, so any tp can slice its part).
 
 use std::ops::Range;
