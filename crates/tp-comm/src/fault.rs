@@ -5,9 +5,10 @@
 //! `panic:1@5`, `exit:2@3`, `mismatch:1@4`, `slow:1@3:10`, `kill:1@5`. CALL counts this
 //! handle's calls from 0.
 
-use crate::communicator::{Communicator, Group};
+use crate::communicator::Group;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CommError, OpKind, Result};
+use crate::intercept::Intercept;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -172,75 +173,17 @@ impl Faulty {
     }
 }
 
-impl Communicator for Faulty {
-    fn rank(&self) -> usize {
-        self.inner.rank()
+impl Intercept for Faulty {
+    fn inner(&self) -> &Group {
+        &self.inner
     }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-    fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-        match self.fire(OpKind::AllReduce) {
-            Some(r) => r,
-            None => self.inner.all_reduce_bytes(buf, dtype, op),
+    /// Faults fire on the numbered collective and point-to-point calls; `split` is not
+    /// counted (it is not a call a fault plan can name).
+    fn before(&self, op: OpKind) -> Option<Result<()>> {
+        if op == OpKind::Split {
+            return None;
         }
-    }
-    fn all_gather_bytes(
-        &self,
-        send: &[u8],
-        recv: &mut [u8],
-        dtype: DType,
-        counts: &[usize],
-    ) -> Result<()> {
-        match self.fire(OpKind::AllGather) {
-            Some(r) => r,
-            None => self.inner.all_gather_bytes(send, recv, dtype, counts),
-        }
-    }
-    fn reduce_scatter_bytes(
-        &self,
-        send: &[u8],
-        recv: &mut [u8],
-        dtype: DType,
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> Result<()> {
-        match self.fire(OpKind::ReduceScatter) {
-            Some(r) => r,
-            None => self
-                .inner
-                .reduce_scatter_bytes(send, recv, dtype, counts, op),
-        }
-    }
-    fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize) -> Result<()> {
-        match self.fire(OpKind::Broadcast) {
-            Some(r) => r,
-            None => self.inner.broadcast_bytes(buf, dtype, root),
-        }
-    }
-    fn send_bytes(&self, buf: &[u8], dtype: DType, dst: usize, tag: u32) -> Result<()> {
-        match self.fire(OpKind::Send) {
-            Some(r) => r,
-            None => self.inner.send_bytes(buf, dtype, dst, tag),
-        }
-    }
-    fn recv_bytes(&self, buf: &mut [u8], dtype: DType, src: usize, tag: u32) -> Result<()> {
-        match self.fire(OpKind::Recv) {
-            Some(r) => r,
-            None => self.inner.recv_bytes(buf, dtype, src, tag),
-        }
-    }
-    fn barrier(&self) -> Result<()> {
-        match self.fire(OpKind::Barrier) {
-            Some(r) => r,
-            None => self.inner.barrier(),
-        }
-    }
-    fn split(&self, color: Option<u32>, key: usize) -> Result<Option<Group>> {
-        self.inner.split(color, key)
+        self.fire(op)
     }
 }
 

@@ -27,6 +27,7 @@ pub mod dtype;
 pub mod error;
 pub mod fault;
 pub mod flight;
+pub mod intercept;
 pub mod local;
 pub mod mesh;
 #[cfg(feature = "mpi")]
@@ -36,5 +37,6 @@ pub mod reduce;
 pub use communicator::{CommExt, Communicator, Group};
 pub use dtype::{DType, Elem, ReduceOp};
 pub use error::{CommError, Departure, Fingerprint, OpKind, Result};
+pub use intercept::Intercept;
 
 pub use mesh::{MeshCoords, ParallelDims, ProcessGroups};

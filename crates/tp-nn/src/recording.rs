@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use tp_comm::{Communicator, DType, Group, OpKind, ReduceOp, Result};
+use tp_comm::{Group, Intercept, OpKind, Result};
 
 #[derive(Debug)]
 pub struct RecordingComm {
@@ -48,60 +48,12 @@ impl RecordingComm {
     }
 }
 
-impl Communicator for RecordingComm {
-    fn rank(&self) -> usize {
-        self.inner.rank()
+impl Intercept for RecordingComm {
+    fn inner(&self) -> &Group {
+        &self.inner
     }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-    fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-        self.record(OpKind::AllReduce);
-        self.inner.all_reduce_bytes(buf, dtype, op)
-    }
-    fn all_gather_bytes(
-        &self,
-        send: &[u8],
-        recv: &mut [u8],
-        dtype: DType,
-        counts: &[usize],
-    ) -> Result<()> {
-        self.record(OpKind::AllGather);
-        self.inner.all_gather_bytes(send, recv, dtype, counts)
-    }
-    fn reduce_scatter_bytes(
-        &self,
-        send: &[u8],
-        recv: &mut [u8],
-        dtype: DType,
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.record(OpKind::ReduceScatter);
-        self.inner
-            .reduce_scatter_bytes(send, recv, dtype, counts, op)
-    }
-    fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize) -> Result<()> {
-        self.record(OpKind::Broadcast);
-        self.inner.broadcast_bytes(buf, dtype, root)
-    }
-    fn send_bytes(&self, buf: &[u8], dtype: DType, dst: usize, tag: u32) -> Result<()> {
-        self.record(OpKind::Send);
-        self.inner.send_bytes(buf, dtype, dst, tag)
-    }
-    fn recv_bytes(&self, buf: &mut [u8], dtype: DType, src: usize, tag: u32) -> Result<()> {
-        self.record(OpKind::Recv);
-        self.inner.recv_bytes(buf, dtype, src, tag)
-    }
-    fn barrier(&self) -> Result<()> {
-        self.record(OpKind::Barrier);
-        self.inner.barrier()
-    }
-    fn split(&self, color: Option<u32>, key: usize) -> Result<Option<Group>> {
-        self.record(OpKind::Split);
-        self.inner.split(color, key)
+    fn before(&self, op: OpKind) -> Option<Result<()>> {
+        self.record(op);
+        None
     }
 }
