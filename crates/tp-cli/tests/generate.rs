@@ -116,7 +116,7 @@ fn bad_inputs_get_clear_errors() {
         "prompt is empty",
     );
     refuses(&["generate", "--temperature=-1", "hi"], "temperature");
-    refuses(&["generate", "--top-p", "0", "hi"], "top_p");
+    refuses(&["generate", "--top-p", "0", "hi"], "--top-p");
     if let Some(model) = common::smollm2() {
         let m = model.to_string_lossy();
         // A truncated copy of the real file.
