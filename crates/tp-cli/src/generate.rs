@@ -83,6 +83,17 @@ fn flag_error(e: EngineError) -> anyhow::Error {
     }
 }
 
+/// An engine error during generation, with what to do in terms of the command line.
+fn engine_error(e: EngineError) -> anyhow::Error {
+    let hint = match &e {
+        EngineError::PromptTooLong { .. } => "shorten the prompt or raise --ctx-size",
+        EngineError::NanLogits => "check the model file, or try another --dtype",
+        EngineError::Param { .. } => return flag_error(e),
+        _ => return e.into(),
+    };
+    anyhow::Error::new(e).context(hint)
+}
+
 #[derive(clap::Args, Clone, Debug)]
 pub struct GenerateArgs {
     #[command(flatten)]
@@ -170,12 +181,7 @@ pub fn stream_reply(
             }
         }
     })
-    .map_err(|e| match e {
-        EngineError::PromptTooLong { .. } => {
-            anyhow::Error::new(e).context("shorten the prompt or raise --ctx-size")
-        }
-        other => other.into(),
-    })?;
+    .map_err(engine_error)?;
     if let Some(e) = failure {
         return Err(anyhow::Error::new(e).context("cannot write the output"));
     }

@@ -619,7 +619,10 @@ mod tests {
             }
         }
         let mut d = SequenceDecoder::new(&tok, DecodeParams::greedy(5)).unwrap();
-        assert!(d.step(&[f32::NAN; 257]).is_err());
+        assert!(matches!(
+            d.step(&[f32::NAN; 257]),
+            Err(EngineError::NanLogits)
+        ));
         // A token the tokenizer does not know (the row is wider than the vocabulary).
         let mut d = SequenceDecoder::new(&tok, DecodeParams::greedy(5)).unwrap();
         let mut wide = vec![0.0f32; 300];

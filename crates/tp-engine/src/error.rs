@@ -20,6 +20,9 @@ pub enum EngineError {
         cached: usize,
         capacity: usize,
     },
+    /// The model's logits hold NaN: a broken model file or a dtype that overflows.
+    #[error("the model produced NaN logits; check the model file and the weights' dtype")]
+    NanLogits,
     /// A sampled token the tokenizer cannot turn into text.
     #[error("cannot decode token {token}")]
     Decode {
