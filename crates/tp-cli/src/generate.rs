@@ -75,10 +75,20 @@ impl SamplingArgs {
 
 /// An engine error about a parameter, in terms of the command line's flags.
 fn flag_error(e: EngineError) -> anyhow::Error {
+    let flag = match &e {
+        EngineError::Param { name, .. } => match *name {
+            "max_tokens" => "--max-tokens",
+            "temperature" => "--temperature",
+            "top_p" => "--top-p",
+            "presence_penalty" => "--presence-penalty",
+            "frequency_penalty" => "--frequency-penalty",
+            "logprobs" => "--logprobs",
+            _ => return e.into(),
+        },
+        _ => return e.into(),
+    };
     match e {
-        EngineError::Param { name, message } => {
-            anyhow!("--{} is invalid: {message}", name.replace('_', "-"))
-        }
+        EngineError::Param { message, .. } => anyhow!("{flag} is invalid: {message}"),
         other => other.into(),
     }
 }
@@ -255,4 +265,67 @@ pub fn logprobs_table(entries: &[LogprobEntry], k: usize) -> String {
         out.push('\n');
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tp_engine::TokenInfo;
+
+    #[test]
+    fn parameter_errors_name_their_flag() {
+        let e = |name| EngineError::Param {
+            name,
+            message: "bad".into(),
+        };
+        assert_eq!(
+            flag_error(e("top_p")).to_string(),
+            "--top-p is invalid: bad"
+        );
+        assert_eq!(
+            flag_error(e("frequency_penalty")).to_string(),
+            "--frequency-penalty is invalid: bad"
+        );
+        // A parameter without a flag keeps the engine's words.
+        assert_eq!(flag_error(e("prompt")).to_string(), "invalid prompt: bad");
+        let long = EngineError::PromptTooLong {
+            tokens: 9,
+            cached: 0,
+            capacity: 4,
+        };
+        let chain = format!("{:#}", engine_error(long));
+        assert!(
+            chain.starts_with("shorten the prompt or raise --ctx-size: "),
+            "{chain}"
+        );
+        assert!(chain.contains("9 tokens"), "{chain}");
+    }
+
+    #[test]
+    fn the_logprobs_table_quotes_tokens() {
+        let entries = [LogprobEntry {
+            chosen: TokenInfo::new(b"a b\n".to_vec(), -0.25),
+            top: vec![
+                TokenInfo::new(b"x".to_vec(), -0.125),
+                TokenInfo::new(b"a b\n".to_vec(), -0.25),
+            ],
+            text_offset: 0,
+        }];
+        let table = logprobs_table(&entries, 2);
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 3, "{table}");
+        assert!(lines[0].starts_with("# logprobs:") && lines[0].ends_with("top 2 alternatives"));
+        assert_eq!(
+            lines[2].split_whitespace().collect::<Vec<_>>(),
+            vec![
+                "0",
+                "\"a",
+                "b\\n\"",
+                "-0.2500",
+                "\"x\"=-0.1250",
+                "\"a",
+                "b\\n\"=-0.2500"
+            ]
+        );
+    }
 }
