@@ -1,7 +1,7 @@
 //! `tp chat`: an interactive, multi-turn conversation with the chat template applied. The KV
 //! cache keeps the conversation; each turn feeds only the tokens the cache does not hold.
 
-use crate::generate::{report, stream_reply, SamplingArgs};
+use crate::generate::{print_logprobs, report, stream_reply, SamplingArgs};
 use crate::model_run::{run_model, ModelArgs, Session};
 use std::io::{BufRead, Write};
 use std::process::ExitCode;
@@ -25,7 +25,7 @@ pub struct ChatArgs {
 const HEARTBEAT: Duration = Duration::from_secs(1);
 
 pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
-    args.sampling.params().validate()?;
+    let params = args.sampling.params()?;
     let out = run_model(&args.model, |s| {
         let lines = stdin_lines();
         eprintln!(
@@ -87,8 +87,9 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
             // Keep the cached prefix the new prompt shares; at least one token must be new.
             let common = cached.iter().zip(&ids).take_while(|(a, b)| a == b).count();
             rewind(s, &mut cached, common.min(ids.len() - 1))?;
-            let reply = stream_reply(s, 0, &ids, &args.sampling, &mut std::io::stdout())?;
+            let reply = stream_reply(s, 0, &ids, &params, &mut std::io::stdout())?;
             println!();
+            print_logprobs(&reply);
             if !args.model.quiet {
                 report(&reply);
             }

@@ -69,6 +69,109 @@ fn known_continuation_of_the_smoke_prompt() {
     );
 }
 
+/// One row of the `--logprobs` table: the token's text, its log-probability and the
+/// alternatives with theirs.
+type LogprobRow = (String, f64, Vec<(String, f64)>);
+
+/// A JSON string at the start of `s` and the rest after it.
+fn json_string(s: &str) -> (String, &str) {
+    let mut it = serde_json::Deserializer::from_str(s).into_iter::<String>();
+    let text = it.next().expect("a token").expect("a JSON string");
+    (text, &s[it.byte_offset()..])
+}
+
+/// The rows of the `--logprobs` table on stderr.
+fn logprob_rows(stderr: &str) -> Vec<LogprobRow> {
+    let mut rows = Vec::new();
+    let mut lines = stderr.lines().skip_while(|l| !l.starts_with("# logprobs:"));
+    assert!(lines.next().is_some(), "no logprobs table in: {stderr}");
+    for line in lines {
+        let line = line.trim_start();
+        let Some((index, rest)) = line.split_once("  ") else {
+            continue;
+        };
+        if index.parse::<usize>() != Ok(rows.len()) {
+            continue;
+        }
+        let (token, rest) = json_string(rest.trim_start());
+        let rest = rest.trim_start();
+        let (logprob, mut rest) = rest.split_once(' ').unwrap_or((rest, ""));
+        let logprob: f64 = logprob.parse().expect("a logprob");
+        let mut alternatives = Vec::new();
+        loop {
+            rest = rest.trim_start();
+            if rest.is_empty() {
+                break;
+            }
+            let (alt, after) = json_string(rest);
+            let after = after.strip_prefix('=').expect("token=logprob");
+            let (value, after) = after.split_once(' ').unwrap_or((after, ""));
+            alternatives.push((alt, value.parse().expect("an alternative's logprob")));
+            rest = after;
+        }
+        rows.push((token, logprob, alternatives));
+    }
+    rows
+}
+
+#[test]
+fn logprobs_and_penalties_on_smollm2() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let m = model.to_string_lossy().to_string();
+    let prompt = "Repeat after me: cat cat cat cat cat cat cat cat";
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            &m,
+            "--greedy",
+            "--max-tokens",
+            "24",
+            "-q",
+        ];
+        args.extend_from_slice(extra);
+        args.push(prompt);
+        let f = tp(&args);
+        assert_eq!(f.code, Some(0), "{extra:?}: {}", f.output);
+        f
+    };
+    let plain = run(&["--logprobs", "3"]);
+    let penalized = run(&["--logprobs", "3", "--frequency-penalty", "0.5"]);
+    assert_ne!(
+        plain.stdout, penalized.stdout,
+        "a frequency penalty of 0.5 left the text of a repeating prompt unchanged"
+    );
+    for (f, penalty) in [(&plain, false), (&penalized, true)] {
+        let rows = logprob_rows(&f.stderr);
+        assert_eq!(rows.len(), 24, "{}", f.stderr);
+        // The tokens' texts are the answer's text.
+        let text: String = rows.iter().map(|r| r.0.as_str()).collect();
+        assert_eq!(text, f.stdout.trim_end_matches('\n'), "{}", f.stderr);
+        for (token, logprob, alternatives) in &rows {
+            assert!(*logprob <= 0.0, "{token:?}: {logprob}");
+            assert_eq!(alternatives.len(), 3, "{token:?}");
+            assert!(alternatives.windows(2).all(|w| w[0].1 >= w[1].1));
+            assert!(alternatives.iter().all(|a| a.1 <= 0.0));
+            // Greedy on the raw distribution picks its top token; with a penalty the most
+            // likely raw token is at least as likely as the one picked.
+            assert!(alternatives[0].1 >= *logprob, "{token:?}");
+            if !penalty {
+                assert_eq!(&alternatives[0].0, token);
+            }
+        }
+        if penalty {
+            // The penalty made the decoder pass over the raw favourite at least once.
+            assert!(
+                rows.iter().any(|(t, _, alts)| &alts[0].0 != t),
+                "{}",
+                f.stderr
+            );
+        }
+    }
+}
+
 /// Runs a command that must fail cleanly (exit code 2 for a refusal before any rank starts, 1
 /// for one found by a rank) with an error containing `want`.
 fn refuses(args: &[&str], want: &str) {
@@ -116,7 +219,16 @@ fn bad_inputs_get_clear_errors() {
         "prompt is empty",
     );
     refuses(&["generate", "--temperature=-1", "hi"], "temperature");
-    refuses(&["generate", "--top-p", "0", "hi"], "top_p");
+    refuses(&["generate", "--top-p", "0", "hi"], "--top-p");
+    refuses(
+        &["generate", "--presence-penalty", "2.5", "hi"],
+        "--presence-penalty",
+    );
+    refuses(
+        &["generate", "--frequency-penalty=-3", "hi"],
+        "--frequency-penalty",
+    );
+    refuses(&["generate", "--logprobs", "21", "hi"], "--logprobs");
     if let Some(model) = common::smollm2() {
         let m = model.to_string_lossy();
         // A truncated copy of the real file.

@@ -151,7 +151,7 @@ fn negative_numbers_reach_the_range_checks() {
             &["generate", "--temperature", "-1", "hi"][..],
             "temperature",
         ),
-        (&["generate", "--top-p", "-0.5", "hi"][..], "top_p"),
+        (&["generate", "--top-p", "-0.5", "hi"][..], "--top-p"),
         (
             &["generate", "--max-tokens", "-1", "hi"][..],
             "--max-tokens",

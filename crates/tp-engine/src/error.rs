@@ -13,6 +13,23 @@ pub enum EngineError {
     Param { name: &'static str, message: String },
     #[error("rank {rank} received a malformed command from rank 0: {message}")]
     Protocol { rank: usize, message: String },
+    /// A prompt that does not fit its sequence's KV cache.
+    #[error("the prompt's {tokens} tokens after {cached} cached do not fit the context of {capacity} positions")]
+    PromptTooLong {
+        tokens: usize,
+        cached: usize,
+        capacity: usize,
+    },
+    /// The model's logits hold NaN: a broken model file or a dtype that overflows.
+    #[error("the model produced NaN logits; check the model file and the weights' dtype")]
+    NanLogits,
+    /// A sampled token the tokenizer cannot turn into text.
+    #[error("cannot decode token {token}")]
+    Decode {
+        token: u32,
+        #[source]
+        source: tp_tokenizer::TokenizerError,
+    },
     #[error("{0}")]
     Internal(String),
 }

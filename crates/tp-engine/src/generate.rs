@@ -1,10 +1,11 @@
 //! Generation on the leader: one batched prefill pass over the prompt, then one decode step
-//! per token, each step a [`Command::Forward`] that every rank executes.
+//! per token, each step a [`Command::Forward`] that every rank executes. What each row's
+//! logits mean (sampling, penalties, stop strings, text) is the [`SequenceDecoder`]'s work.
 
+use crate::decoder::{Emitted, SequenceDecoder};
 use crate::error::{EngineError, Result};
+use crate::executor::StepExecutor;
 use crate::protocol::{ChunkSpec, Command};
-use crate::sampling::{Sampler, SamplingParams};
-use crate::worker::Worker;
 use std::time::{Duration, Instant};
 
 /// Why generation stopped.
@@ -12,9 +13,11 @@ use std::time::{Duration, Instant};
 pub enum FinishReason {
     /// The model produced an end-of-sequence token.
     Eos,
-    /// `max_tokens` reached, or the sequence's cache is full.
+    /// `max_tokens` reached.
     Length,
-    /// The caller asked to stop (a stop sequence matched).
+    /// The sequence's KV cache is full: the last token could not be fed back.
+    ContextFull,
+    /// The caller asked to stop (a stop string matched, or the text callback said so).
     Stop,
 }
 
@@ -23,24 +26,16 @@ impl FinishReason {
     pub fn as_str(self) -> &'static str {
         match self {
             FinishReason::Eos | FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
+            FinishReason::Length | FinishReason::ContextFull => "length",
         }
     }
 }
 
-/// What the caller's token callback wants next.
+/// What the caller's text callback wants next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Flow {
     Continue,
     Stop,
-}
-
-#[derive(Clone, Debug)]
-pub struct GenerateOptions {
-    pub max_tokens: usize,
-    /// Tokens that end generation (not passed to the callback).
-    pub eos_ids: Vec<u32>,
-    pub sampling: SamplingParams,
 }
 
 #[derive(Clone, Debug)]
@@ -63,72 +58,191 @@ impl GenerationStats {
 }
 
 /// Leader: feeds `new_tokens` to `slot` (already open; they follow whatever it holds), then
-/// samples up to `opts.max_tokens` tokens, passing each to `on_token`. Returns the generated
-/// tokens (EOS excluded) and timings. The last generated token is not in the cache.
+/// decodes with `decoder` until it finishes, passing everything it shows to `on_text` (which
+/// may end generation early with [`Flow::Stop`], reported as [`FinishReason::Stop`]). The
+/// generated tokens are `decoder.generated()`; the last one is not in the cache.
 pub fn generate(
-    worker: &mut Worker,
+    exec: &mut dyn StepExecutor,
     slot: u32,
     new_tokens: &[u32],
-    opts: &GenerateOptions,
-    mut on_token: impl FnMut(u32) -> Flow,
-) -> Result<(Vec<u32>, GenerationStats)> {
+    decoder: &mut SequenceDecoder<'_>,
+    mut on_text: impl FnMut(&Emitted) -> Flow,
+) -> Result<GenerationStats> {
     if new_tokens.is_empty() {
         return Err(EngineError::Param {
             name: "prompt",
             message: "it has no tokens; give some text".into(),
         });
     }
-    let capacity = worker.capacity(slot);
-    let cached = worker.cached_len(slot);
+    let capacity = exec.capacity(slot);
+    let cached = exec.cached_len(slot);
     if cached + new_tokens.len() > capacity {
-        return Err(EngineError::Param {
-            name: "prompt",
-            message: format!(
-                "{} tokens after {cached} cached do not fit the context of {capacity}; shorten it or raise --ctx-size",
-                new_tokens.len()
-            ),
+        return Err(EngineError::PromptTooLong {
+            tokens: new_tokens.len(),
+            cached,
+            capacity,
         });
     }
-    let mut sampler = Sampler::new(opts.sampling.clone())?;
-    let mut out = Vec::new();
+    decoder.set_context_room(capacity - cached - new_tokens.len());
     let t0 = Instant::now();
-    let mut logits = step(worker, slot, new_tokens.to_vec())?;
+    let mut logits = step(exec, slot, new_tokens.to_vec())?;
     let prefill = t0.elapsed();
     let t1 = Instant::now();
-    let mut finish = FinishReason::Length;
-    while out.len() < opts.max_tokens {
-        let token = sampler.sample(&logits)?;
-        if opts.eos_ids.contains(&token) {
-            finish = FinishReason::Eos;
-            break;
+    let finish = loop {
+        let out = decoder.step(&logits)?;
+        let flow = if out.shown.is_empty() {
+            Flow::Continue
+        } else {
+            on_text(&out.shown)
+        };
+        if let Some(done) = out.finished {
+            if !done.tail.is_empty() {
+                on_text(&done.tail);
+            }
+            break done.reason;
         }
-        out.push(token);
-        if on_token(token) == Flow::Stop {
-            finish = FinishReason::Stop;
-            break;
+        if flow == Flow::Stop {
+            // The caller has what it wants; nothing held back is shown.
+            break decoder.finish(crate::FinishReason::Stop)?.reason;
         }
-        if out.len() == opts.max_tokens || worker.cached_len(slot) + 1 > worker.capacity(slot) {
-            break;
-        }
-        logits = step(worker, slot, vec![token])?;
-    }
-    let stats = GenerationStats {
+        let Some(token) = decoder.next_input() else {
+            return Err(EngineError::Internal(
+                "the decoder goes on without a token to feed".into(),
+            ));
+        };
+        logits = step(exec, slot, vec![token])?;
+    };
+    Ok(GenerationStats {
         prompt_tokens: new_tokens.len(),
-        generated_tokens: out.len(),
+        generated_tokens: decoder.generated().len(),
         prefill,
         decode: t1.elapsed(),
         finish,
-    };
-    Ok((out, stats))
+    })
 }
 
 /// One forward of `tokens` on `slot`: the last position's full logits.
-fn step(worker: &mut Worker, slot: u32, tokens: Vec<u32>) -> Result<Vec<f32>> {
-    worker
-        .submit(Command::Forward(vec![ChunkSpec {
-            slot,
-            tokens,
-            all_logits: false,
-        }]))?
-        .ok_or_else(|| EngineError::Internal("forward returned no logits".into()))
+fn step(exec: &mut dyn StepExecutor, slot: u32, tokens: Vec<u32>) -> Result<Vec<f32>> {
+    exec.submit(Command::Forward(vec![ChunkSpec {
+        slot,
+        tokens,
+        all_logits: false,
+    }]))?
+    .ok_or_else(|| EngineError::Internal("forward returned no logits".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decoder::DecodeParams;
+    use crate::executor::ScriptedExecutor;
+    use tp_tokenizer::Tokenizer;
+
+    /// A byte "model" that continues with the next byte of `text` after the prompt's length
+    /// `prompt`, then the end token (256).
+    fn exec(text: &'static [u8], prompt: usize) -> ScriptedExecutor {
+        ScriptedExecutor::new(
+            257,
+            64,
+            Box::new(move |_, held| {
+                let mut row = vec![0.0f32; 257];
+                let next = text.get(held.len() - prompt).map_or(256, |&b| b as usize);
+                row[next] = 10.0;
+                row
+            }),
+        )
+    }
+
+    fn run(
+        text: &'static [u8],
+        capacity: u32,
+        params: DecodeParams,
+    ) -> (String, GenerationStats, ScriptedExecutor) {
+        let tok = Tokenizer::bytes(&["<|endoftext|>"]);
+        let mut ex = exec(text, 3);
+        ex.submit(Command::Open { slot: 7, capacity }).unwrap();
+        let mut d = SequenceDecoder::new(&tok, params).unwrap();
+        let mut shown = String::new();
+        let stats = generate(&mut ex, 7, b"abc".map(u32::from).as_slice(), &mut d, |e| {
+            shown.push_str(&e.text);
+            Flow::Continue
+        })
+        .unwrap();
+        assert_eq!(stats.generated_tokens, d.generated().len());
+        (shown, stats, ex)
+    }
+
+    #[test]
+    fn the_loop_feeds_back_every_token_but_the_last() {
+        let (text, stats, ex) = run(b"hello", 64, DecodeParams::greedy(100));
+        assert_eq!((text.as_str(), stats.finish), ("hello", FinishReason::Eos));
+        // Prompt, then "hello" fed back; the end token never is.
+        assert_eq!(ex.tokens(7), b"abchello".map(u32::from).as_slice());
+        let (text, stats, ex) = run(b"hello", 64, DecodeParams::greedy(2));
+        assert_eq!((text.as_str(), stats.finish), ("he", FinishReason::Length));
+        assert_eq!(ex.tokens(7).len(), 4);
+    }
+
+    #[test]
+    fn a_full_cache_ends_generation() {
+        // Capacity 5: the prompt takes 3, two tokens are fed back, a third is sampled.
+        let (text, stats, ex) = run(b"hello", 5, DecodeParams::greedy(100));
+        assert_eq!(
+            (text.as_str(), stats.finish),
+            ("hel", FinishReason::ContextFull)
+        );
+        assert_eq!(ex.tokens(7).len(), 5);
+    }
+
+    #[test]
+    fn a_prompt_that_does_not_fit_is_a_typed_error() {
+        let tok = Tokenizer::bytes(&["<|endoftext|>"]);
+        let mut ex = exec(b"x", 3);
+        ex.submit(Command::Open {
+            slot: 0,
+            capacity: 2,
+        })
+        .unwrap();
+        let mut d = SequenceDecoder::new(&tok, DecodeParams::greedy(1)).unwrap();
+        let e = generate(&mut ex, 0, &[1, 2, 3], &mut d, |_| Flow::Continue).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                EngineError::PromptTooLong {
+                    tokens: 3,
+                    cached: 0,
+                    capacity: 2
+                }
+            ),
+            "{e:?}"
+        );
+        let e = generate(&mut ex, 0, &[], &mut d, |_| Flow::Continue).unwrap_err();
+        assert!(
+            matches!(e, EngineError::Param { name: "prompt", .. }),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn the_callback_can_stop_early() {
+        let tok = Tokenizer::bytes(&["<|endoftext|>"]);
+        let mut ex = exec(b"hello", 3);
+        ex.submit(Command::Open {
+            slot: 0,
+            capacity: 64,
+        })
+        .unwrap();
+        let mut d = SequenceDecoder::new(&tok, DecodeParams::greedy(100)).unwrap();
+        let mut calls = 0;
+        let stats = generate(&mut ex, 0, &[1, 2, 3], &mut d, |_| {
+            calls += 1;
+            if calls == 2 {
+                Flow::Stop
+            } else {
+                Flow::Continue
+            }
+        })
+        .unwrap();
+        assert_eq!((stats.finish, d.generated().len()), (FinishReason::Stop, 2));
+    }
 }

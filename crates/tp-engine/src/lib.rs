@@ -1,7 +1,9 @@
 //! tp-engine: inference over a tensor-parallel group. Rank 0 (the leader) decides every step
 //! and broadcasts it; the other ranks (followers) execute the same step on their shards.
 
+pub mod decoder;
 pub mod error;
+pub mod executor;
 pub mod generate;
 pub mod logits;
 pub mod protocol;
@@ -9,8 +11,13 @@ pub mod sampling;
 pub mod stop;
 pub mod worker;
 
+pub use decoder::{
+    DecodeParams, Emitted, Finished, LogprobEntry, SequenceDecoder, Step, TokenInfo,
+    MAX_TOP_LOGPROBS,
+};
 pub use error::{EngineError, Result};
-pub use generate::{generate, FinishReason, Flow, GenerateOptions, GenerationStats};
+pub use executor::{ScriptedExecutor, StepExecutor};
+pub use generate::{generate, FinishReason, Flow, GenerationStats};
 pub use logits::{log_softmax, log_sum_exp, top_logprobs, Penalties, TokenLogprobs};
 pub use protocol::{ChunkSpec, Command};
 pub use sampling::{argmax, Sampler, SamplingParams};

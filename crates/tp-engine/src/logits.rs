@@ -105,9 +105,7 @@ pub fn top_logprobs(logits: &[f32], token: u32, k: usize) -> Result<TokenLogprob
         )));
     };
     if logits.iter().any(|v| v.is_nan()) {
-        return Err(EngineError::Internal(
-            "the model produced NaN logits; check the model file and --dtype".into(),
-        ));
+        return Err(EngineError::NanLogits);
     }
     let lse = log_sum_exp(logits);
     let k = k.min(logits.len());

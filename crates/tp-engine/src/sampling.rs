@@ -101,9 +101,7 @@ impl Sampler {
             return Err(EngineError::Internal("no logits to sample from".into()));
         }
         if logits.iter().any(|v| v.is_nan()) {
-            return Err(EngineError::Internal(
-                "the model produced NaN logits; check the model file and --dtype".into(),
-            ));
+            return Err(EngineError::NanLogits);
         }
         if self.params.temperature == 0.0 {
             return Ok(argmax(logits));
@@ -271,6 +269,9 @@ mod tests {
             assert!(e.contains(name), "{e}");
         }
         let mut s = Sampler::new(SamplingParams::default()).unwrap();
-        assert!(s.sample(&[f32::NAN, 1.0]).is_err());
+        assert!(matches!(
+            s.sample(&[f32::NAN, 1.0]),
+            Err(EngineError::NanLogits)
+        ));
     }
 }

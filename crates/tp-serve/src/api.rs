@@ -73,7 +73,7 @@ pub const MAX_STOPS: usize = 4;
 
 /// Most alternatives per token: chat `top_logprobs` (OpenAI's limit) and completions
 /// `logprobs` (OpenAI allows 5; 20 is accepted as vLLM does).
-pub const MAX_TOP_LOGPROBS: usize = 20;
+pub const MAX_TOP_LOGPROBS: usize = tp_engine::MAX_TOP_LOGPROBS;
 
 /// Reads a request body: UTF-8, JSON, an object, then each parameter.
 pub fn parse_request(

@@ -27,48 +27,19 @@ impl Usage {
     }
 }
 
-/// One token as log-probability reports show it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenInfo {
-    /// The token's own text (lossy when `bytes` is part of a UTF-8 character).
-    pub token: String,
-    /// Its exact bytes.
-    pub bytes: Vec<u8>,
-    /// Of the model's raw distribution (before penalties, temperature, top-k and top-p).
-    pub logprob: f64,
-}
+pub use tp_engine::{LogprobEntry, TokenInfo};
 
-impl TokenInfo {
-    pub fn new(bytes: Vec<u8>, logprob: f64) -> Self {
-        TokenInfo {
-            token: String::from_utf8_lossy(&bytes).into_owned(),
-            bytes,
-            logprob,
-        }
-    }
-
-    /// The log-probability as reported: finite, [`LOGPROB_FLOOR`] at worst.
-    pub fn reported(&self) -> f64 {
-        if self.logprob.is_finite() {
-            self.logprob.max(LOGPROB_FLOOR)
-        } else {
-            LOGPROB_FLOOR
-        }
-    }
-
-    fn chat_json(&self) -> Value {
-        json!({"token": self.token, "logprob": self.reported(), "bytes": self.bytes})
+/// A token's log-probability as reported: finite, [`LOGPROB_FLOOR`] at worst.
+pub fn reported(t: &TokenInfo) -> f64 {
+    if t.logprob.is_finite() {
+        t.logprob.max(LOGPROB_FLOOR)
+    } else {
+        LOGPROB_FLOOR
     }
 }
 
-/// A generated token's log-probability report.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LogprobEntry {
-    pub chosen: TokenInfo,
-    /// The most likely tokens, highest first (ties by id).
-    pub top: Vec<TokenInfo>,
-    /// Where the token's text starts in the returned text, in characters.
-    pub text_offset: usize,
+fn chat_json(t: &TokenInfo) -> Value {
+    json!({"token": t.token, "logprob": reported(t), "bytes": t.bytes})
 }
 
 /// The `logprobs` object of a choice for `entries`, in the endpoint's shape.
@@ -78,8 +49,8 @@ pub fn logprobs_json(endpoint: Endpoint, entries: &[LogprobEntry]) -> Value {
             let content: Vec<Value> = entries
                 .iter()
                 .map(|e| {
-                    let mut v = e.chosen.chat_json();
-                    v["top_logprobs"] = e.top.iter().map(TokenInfo::chat_json).collect();
+                    let mut v = chat_json(&e.chosen);
+                    v["top_logprobs"] = e.top.iter().map(chat_json).collect();
                     v
                 })
                 .collect();
@@ -92,14 +63,14 @@ pub fn logprobs_json(endpoint: Endpoint, entries: &[LogprobEntry]) -> Value {
                     // As OpenAI: the alternatives and the chosen token (up to k + 1 entries).
                     let mut m = Map::new();
                     for t in e.top.iter().chain(std::iter::once(&e.chosen)) {
-                        m.entry(t.token.clone()).or_insert(json!(t.reported()));
+                        m.entry(t.token.clone()).or_insert(json!(reported(t)));
                     }
                     Value::Object(m)
                 })
                 .collect();
             json!({
                 "tokens": entries.iter().map(|e| e.chosen.token.as_str()).collect::<Vec<_>>(),
-                "token_logprobs": entries.iter().map(|e| e.chosen.reported()).collect::<Vec<_>>(),
+                "token_logprobs": entries.iter().map(|e| reported(&e.chosen)).collect::<Vec<_>>(),
                 "top_logprobs": top,
                 "text_offset": entries.iter().map(|e| e.text_offset).collect::<Vec<_>>(),
             })

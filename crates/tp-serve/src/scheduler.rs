@@ -9,17 +9,15 @@
 //! activation quantization, per-sequence attention), so a greedy request gets the same
 //! tokens alone or batched with any others; the end-to-end tests check it.
 //!
-//! Rank 0 holds every request's full row of logits, so presence/frequency penalties
-//! (applied to a copy of the row before sampling) and log-probabilities (of the raw row) are
-//! rank-0-only work: nothing changes in the step protocol.
+//! Rank 0 holds every request's full row of logits, so each request's
+//! [`SequenceDecoder`] (penalties, sampling, log-probabilities, stop strings, text; the same
+//! one `tp generate` and `tp chat` use) is rank-0-only work: nothing changes in the step
+//! protocol.
 //!
-//! A token's log-probabilities are reported with the text that shows it: once some of its
-//! text has passed the [`StopMatcher`]. Tokens whose text lies wholly inside a matched stop
-//! sequence (or after it) are never reported; the last reported token may reach into the
-//! stop sequence. Tokens that add no text of their own (the first bytes of a character split
-//! over tokens, skipped special tokens) go with the text of the token that completes it.
+//! The scheduler drives a [`StepExecutor`]: rank 0's [`tp_engine::Worker`] in the server, a
+//! [`tp_engine::ScriptedExecutor`] in the unit tests below.
 
-use crate::api::{LogprobEntry, TokenInfo, Usage};
+use crate::api::{LogprobEntry, Usage};
 use crate::metrics::Metrics;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -28,10 +26,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 use tp_engine::{
-    top_logprobs, ChunkSpec, Command, EngineError, FinishReason, Penalties, Sampler,
-    SamplingParams, StopMatcher, Worker,
+    ChunkSpec, Command, DecodeParams, Emitted, EngineError, FinishReason, Finished,
+    SequenceDecoder, StepExecutor,
 };
-use tp_tokenizer::{TextStream, Tokenizer};
+use tp_tokenizer::Tokenizer;
 
 /// Limits of the scheduler.
 #[derive(Clone, Debug)]
@@ -57,15 +55,8 @@ impl SchedulerConfig {
 #[derive(Debug)]
 pub struct Job {
     pub prompt: Vec<u32>,
-    /// At least 1; `prompt.len() + max_tokens` fits the context and the KV budget.
-    pub max_tokens: usize,
-    pub sampling: SamplingParams,
-    /// Presence and frequency penalties (inactive when both are 0).
-    pub penalties: Penalties,
-    /// Report log-probabilities with this many alternatives per token.
-    pub logprobs: Option<usize>,
-    pub stop: Vec<String>,
-    pub ignore_eos: bool,
+    /// How to decode; `prompt.len() + params.max_tokens` fits the context and the KV budget.
+    pub params: DecodeParams,
     /// Where text goes; the request is cancelled at the next step once it is closed.
     pub events: UnboundedSender<Event>,
     pub arrived: Instant,
@@ -124,84 +115,14 @@ struct Running<'t> {
     reserved: usize,
     /// Prompt tokens fed so far.
     fed: usize,
-    /// Sampled, not yet fed (the next decode input).
-    last: Option<u32>,
-    generated: usize,
-    sampler: Sampler,
-    /// The request's penalties, with counts of its generated tokens.
-    penalties: Penalties,
-    /// The penalized copy of the row (reused).
-    scratch: Vec<f32>,
-    stop: StopMatcher,
-    text: TextStream<'t>,
-    /// Log-probabilities not yet shown (when asked for).
-    logprobs: Option<LogprobTrack>,
+    decoder: SequenceDecoder<'t>,
     first_token: Option<Instant>,
-}
-
-/// Log-probability entries waiting for their text to pass the stop matcher.
-#[derive(Debug, Default)]
-struct LogprobTrack {
-    /// Alternatives per token.
-    k: usize,
-    /// In generation order: each with the byte offset where its text starts in the text given
-    /// to the stop matcher (`None` while its text has not come out of the detokenizer).
-    pending: VecDeque<(LogprobEntry, Option<usize>)>,
-    /// Text given to the stop matcher so far: bytes and characters.
-    pushed_bytes: usize,
-    pushed_chars: usize,
-    /// Bytes the stop matcher let through so far.
-    shown_bytes: usize,
-}
-
-impl LogprobTrack {
-    /// Gives every token still without text a place at the start of `piece`.
-    fn place(&mut self, piece: &str) {
-        for (entry, start) in self.pending.iter_mut().rev() {
-            if start.is_some() {
-                break;
-            }
-            *start = Some(self.pushed_bytes);
-            entry.text_offset = self.pushed_chars;
-        }
-        self.pushed_bytes += piece.len();
-        self.pushed_chars += piece.chars().count();
-    }
-
-    /// Takes the entries of tokens some of whose text is now shown.
-    fn release(&mut self, shown: &str) -> Vec<LogprobEntry> {
-        self.shown_bytes += shown.len();
-        let mut out = Vec::new();
-        while let Some((_, Some(start))) = self.pending.front() {
-            if *start >= self.shown_bytes {
-                break;
-            }
-            if let Some((entry, _)) = self.pending.pop_front() {
-                out.push(entry);
-            }
-        }
-        out
-    }
-
-    /// Generation ended without a stop sequence: everything left is part of the answer.
-    fn release_all(&mut self) -> Vec<LogprobEntry> {
-        let chars = self.pushed_chars;
-        self.pending
-            .drain(..)
-            .map(|(mut entry, start)| {
-                if start.is_none() {
-                    entry.text_offset = chars;
-                }
-                entry
-            })
-            .collect()
-    }
 }
 
 /// What happened to a running request after its row was sampled.
 enum Outcome {
     Continue,
-    Finished(FinishReason),
+    Finished(Finished),
     Failed(String),
 }
 
@@ -211,7 +132,7 @@ type StepResult<T> = std::result::Result<T, Box<EngineError>>;
 /// Runs until [`Control::Shutdown`] or until every sender is gone. An engine error (a lost
 /// rank, a timeout) ends it: every request gets [`Event::Failed`] and the error is returned.
 pub fn run(
-    worker: &mut Worker,
+    exec: &mut dyn StepExecutor,
     tokenizer: &Tokenizer,
     cfg: &SchedulerConfig,
     rx: &Receiver<Control>,
@@ -231,7 +152,7 @@ pub fn run(
     metrics
         .kv_budget_positions
         .set(cfg.kv_budget_positions as f64);
-    let out = s.run(worker, rx);
+    let out = s.run(exec, rx);
     let end = match &out {
         Ok(()) => Event::Failed {
             message: "the server is shutting down".into(),
@@ -239,7 +160,7 @@ pub fn run(
         },
         Err(e) => Event::failed(format!("the inference engine failed: {e}")),
     };
-    s.abandon_all(worker, &end);
+    s.abandon_all(exec, &end);
     Ok(out?)
 }
 
@@ -256,14 +177,14 @@ struct Scheduler<'a, 't> {
 }
 
 impl<'t> Scheduler<'_, 't> {
-    fn run(&mut self, worker: &mut Worker, rx: &Receiver<Control>) -> StepResult<()> {
+    fn run(&mut self, exec: &mut dyn StepExecutor, rx: &Receiver<Control>) -> StepResult<()> {
         loop {
             if self.running.is_empty() && self.waiting.is_empty() {
                 match rx.recv_timeout(self.cfg.heartbeat) {
                     Ok(Control::Submit(job)) => self.waiting.push_back(job),
                     Ok(Control::Shutdown) | Err(RecvTimeoutError::Disconnected) => return Ok(()),
                     Err(RecvTimeoutError::Timeout) => {
-                        worker.submit(Command::Idle)?;
+                        exec.submit(Command::Idle)?;
                         continue;
                     }
                 }
@@ -275,18 +196,18 @@ impl<'t> Scheduler<'_, 't> {
                     Err(TryRecvError::Empty) => break,
                 }
             }
-            self.drop_abandoned(worker)?;
-            self.admit(worker)?;
-            self.publish(worker);
+            self.drop_abandoned(exec)?;
+            self.admit(exec)?;
+            self.publish(exec);
             if self.running.is_empty() {
                 continue;
             }
-            self.step(worker)?;
+            self.step(exec)?;
         }
     }
 
     /// Frees the slots of requests whose client went away (the event receiver was dropped).
-    fn drop_abandoned(&mut self, worker: &mut Worker) -> StepResult<()> {
+    fn drop_abandoned(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
         let before = self.waiting.len();
         self.waiting.retain(|j| !j.events.is_closed());
         let gone = before - self.waiting.len();
@@ -297,7 +218,7 @@ impl<'t> Scheduler<'_, 't> {
             if self.running[i].job.events.is_closed() {
                 let r = self.running.swap_remove(i);
                 self.metrics.cancelled.increment(1);
-                self.release(worker, r)?;
+                self.release(exec, r)?;
             } else {
                 i += 1;
             }
@@ -306,12 +227,14 @@ impl<'t> Scheduler<'_, 't> {
     }
 
     /// Admits queued requests in arrival order while their reservations fit.
-    fn admit(&mut self, worker: &mut Worker) -> StepResult<()> {
+    fn admit(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
         while let Some(front) = self.waiting.front() {
-            let need = SchedulerConfig::reservation(front.prompt.len(), front.max_tokens);
+            let need = SchedulerConfig::reservation(front.prompt.len(), front.params.max_tokens);
             if need > self.cfg.kv_budget_positions {
                 // The HTTP side checks this; never let one request block the queue forever.
-                let job = self.waiting.pop_front().expect("front exists");
+                let Some(job) = self.waiting.pop_front() else {
+                    break;
+                };
                 self.load.pending.fetch_sub(1, Ordering::Relaxed);
                 let _ = job.events.send(Event::failed(format!(
                     "the request needs {need} KV positions but the server's budget is {}",
@@ -325,22 +248,20 @@ impl<'t> Scheduler<'_, 't> {
             let Some(slot) = self.free_slots.pop() else {
                 break;
             };
-            let job = self.waiting.pop_front().expect("front exists");
+            let Some(job) = self.waiting.pop_front() else {
+                self.free_slots.push(slot);
+                break;
+            };
             self.load.pending.fetch_sub(1, Ordering::Relaxed);
-            let penalties = job.penalties.clone();
-            let logprobs = job.logprobs.map(|k| LogprobTrack {
-                k,
-                ..LogprobTrack::default()
-            });
-            let sampler = match Sampler::new(job.sampling.clone()) {
-                Ok(s) => s,
+            let decoder = match SequenceDecoder::new(self.tokenizer, job.params.clone()) {
+                Ok(d) => d,
                 Err(e) => {
                     self.free_slots.push(slot);
                     let _ = job.events.send(Event::failed(e.to_string()));
                     continue;
                 }
             };
-            if let Err(e) = worker.submit(Command::Open {
+            if let Err(e) = exec.submit(Command::Open {
                 slot,
                 capacity: need as u32,
             }) {
@@ -354,40 +275,33 @@ impl<'t> Scheduler<'_, 't> {
                 .record(now.duration_since(job.arrived).as_secs_f64());
             self.reserved += need;
             self.running.push(Running {
-                stop: StopMatcher::new(&job.stop),
                 job,
                 slot,
                 reserved: need,
                 fed: 0,
-                last: None,
-                generated: 0,
-                sampler,
-                penalties,
-                scratch: Vec::new(),
-                text: self.tokenizer.stream(),
-                logprobs,
+                decoder,
                 first_token: None,
             });
         }
         Ok(())
     }
 
-    fn publish(&self, worker: &Worker) {
+    fn publish(&self, exec: &dyn StepExecutor) {
         let m = self.metrics;
         m.waiting.set(self.waiting.len() as f64);
         m.running.set(self.running.len() as f64);
         m.kv_reserved_positions.set(self.reserved as f64);
-        m.kv_cache_bytes.set(worker.cache_bytes() as f64);
+        m.kv_cache_bytes.set(exec.cache_bytes() as f64);
     }
 
     /// One batched forward: a decode token per running request that has one, then prefill
     /// chunks in admission order within the per-step token cap.
-    fn step(&mut self, worker: &mut Worker) -> StepResult<()> {
+    fn step(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
         let mut chunks: Vec<ChunkSpec> = Vec::with_capacity(self.running.len());
         // (index into running, tokens fed by this chunk, sample its row)
         let mut rows: Vec<(usize, usize, bool)> = Vec::with_capacity(self.running.len());
         for (i, r) in self.running.iter().enumerate() {
-            if let Some(t) = r.last {
+            if let Some(t) = r.decoder.next_input() {
                 chunks.push(ChunkSpec {
                     slot: r.slot,
                     tokens: vec![t],
@@ -418,20 +332,16 @@ impl<'t> Scheduler<'_, 't> {
         if chunks.is_empty() {
             return Ok(());
         }
-        let comm_before = worker.profile.comm;
+        let comm_before = exec.comm_time();
         let t0 = Instant::now();
         let n_rows = chunks.len();
-        let logits = worker
+        let logits = exec
             .submit(Command::Forward(chunks))?
             .ok_or_else(|| EngineError::Internal("a forward step returned no logits".into()))?;
         self.metrics.step_seconds.record(t0.elapsed().as_secs_f64());
-        self.metrics.step_collective_seconds.record(
-            worker
-                .profile
-                .comm
-                .saturating_sub(comm_before)
-                .as_secs_f64(),
-        );
+        self.metrics
+            .step_collective_seconds
+            .record(exec.comm_time().saturating_sub(comm_before).as_secs_f64());
         self.metrics.step_rows.record(n_rows as f64);
         let vocab = logits.len() / n_rows.max(1);
         if vocab == 0 || logits.len() != n_rows * vocab {
@@ -450,7 +360,7 @@ impl<'t> Scheduler<'_, 't> {
             if !sample {
                 continue;
             }
-            let outcome = r.advance(&logits[row * vocab..(row + 1) * vocab], self.tokenizer);
+            let outcome = r.advance(&logits[row * vocab..(row + 1) * vocab]);
             if let Outcome::Continue = outcome {
                 continue;
             }
@@ -461,28 +371,28 @@ impl<'t> Scheduler<'_, 't> {
         for (i, outcome) in finished {
             let mut r = self.running.swap_remove(i);
             match outcome {
-                Outcome::Finished(why) => r.finish(why, self.metrics),
+                Outcome::Finished(done) => r.finish(done, self.metrics),
                 Outcome::Failed(msg) => {
                     let _ = r.job.events.send(Event::failed(msg));
                 }
                 Outcome::Continue => {}
             }
-            self.release(worker, r)?;
+            self.release(exec, r)?;
         }
-        self.publish(worker);
+        self.publish(exec);
         Ok(())
     }
 
     /// Closes a request's sequence on every rank and returns its reservation.
-    fn release(&mut self, worker: &mut Worker, r: Running<'t>) -> StepResult<()> {
+    fn release(&mut self, exec: &mut dyn StepExecutor, r: Running<'t>) -> StepResult<()> {
         self.reserved -= r.reserved;
         self.free_slots.push(r.slot);
-        worker.submit(Command::Close { slot: r.slot })?;
+        exec.submit(Command::Close { slot: r.slot })?;
         Ok(())
     }
 
     /// Tells every request still held that it ends now, and closes what can be closed.
-    fn abandon_all(&mut self, worker: &mut Worker, end: &Event) {
+    fn abandon_all(&mut self, exec: &mut dyn StepExecutor, end: &Event) {
         for job in self.waiting.drain(..) {
             self.load.pending.fetch_sub(1, Ordering::Relaxed);
             let _ = job.events.send(end.clone());
@@ -490,148 +400,75 @@ impl<'t> Scheduler<'_, 't> {
         for r in std::mem::take(&mut self.running) {
             let _ = r.job.events.send(end.clone());
             // After an engine failure this fails too; nothing more can be done then.
-            let _ = worker.submit(Command::Close { slot: r.slot });
+            let _ = exec.submit(Command::Close { slot: r.slot });
         }
         self.reserved = 0;
-        self.publish(worker);
+        self.publish(exec);
     }
 }
 
 impl Running<'_> {
-    /// Samples this request's next token from its row and streams what it adds.
-    fn advance(&mut self, logits: &[f32], tokenizer: &Tokenizer) -> Outcome {
-        let sampled = if self.penalties.is_active() {
-            self.scratch.clear();
-            self.scratch.extend_from_slice(logits);
-            self.penalties.apply(&mut self.scratch);
-            self.sampler.sample(&self.scratch)
-        } else {
-            self.sampler.sample(logits)
-        };
-        let token = match sampled {
-            Ok(t) => t,
-            Err(e) => return Outcome::Failed(e.to_string()),
-        };
+    /// Samples this request's next token from its row and streams what it shows.
+    fn advance(&mut self, logits: &[f32]) -> Outcome {
         if self.first_token.is_none() {
             self.first_token = Some(Instant::now());
         }
-        if !self.job.ignore_eos && tokenizer.eos_ids().contains(&token) {
-            return Outcome::Finished(FinishReason::Eos);
-        }
-        self.generated += 1;
-        self.penalties.observe(token);
-        if let Some(track) = &mut self.logprobs {
-            match logprob_entry(logits, token, track.k, tokenizer) {
-                Ok(entry) => track.pending.push_back((entry, None)),
-                Err(e) => return Outcome::Failed(e),
-            }
-        }
-        let piece = match self.text.push(token) {
-            Ok(p) => p,
-            Err(e) => return Outcome::Failed(format!("cannot decode token {token}: {e}")),
+        let step = match self.decoder.step(logits) {
+            Ok(s) => s,
+            Err(e) => return Outcome::Failed(chain(&e)),
         };
-        if let Some(piece) = piece {
-            if let Some(track) = &mut self.logprobs {
-                track.place(&piece);
-            }
-            let shown = self.stop.push(&piece);
-            let logprobs = match &mut self.logprobs {
-                Some(track) => track.release(&shown),
-                None => Vec::new(),
-            };
-            if !shown.is_empty() || !logprobs.is_empty() {
-                let _ = self.job.events.send(Event::Text {
-                    text: shown,
-                    logprobs,
-                });
-            }
+        self.send(step.shown);
+        match step.finished {
+            Some(done) => Outcome::Finished(done),
+            None => Outcome::Continue,
         }
-        if self.stop.is_stopped() {
-            return Outcome::Finished(FinishReason::Stop);
-        }
-        if self.generated >= self.job.max_tokens {
-            return Outcome::Finished(FinishReason::Length);
-        }
-        self.last = Some(token);
-        Outcome::Continue
     }
 
-    /// Flushes held-back text, reports the end and records the request's figures.
-    fn finish(&mut self, mut why: FinishReason, m: &Metrics) {
-        let mut tail = String::new();
-        if !self.stop.is_stopped() {
-            if let Ok(Some(piece)) = self.text.finish() {
-                if let Some(track) = &mut self.logprobs {
-                    track.place(&piece);
-                }
-                tail.push_str(&self.stop.push(&piece));
-            }
-            if self.stop.is_stopped() {
-                why = FinishReason::Stop;
-            } else {
-                tail.push_str(&self.stop.finish());
-            }
-        }
-        let logprobs = match &mut self.logprobs {
-            Some(track) if self.stop.is_stopped() => track.release(&tail),
-            Some(track) => {
-                let mut out = track.release(&tail);
-                out.extend(track.release_all());
-                out
-            }
-            None => Vec::new(),
-        };
-        if !tail.is_empty() || !logprobs.is_empty() {
+    fn send(&self, shown: Emitted) {
+        if !shown.is_empty() {
             let _ = self.job.events.send(Event::Text {
-                text: tail,
-                logprobs,
+                text: shown.text,
+                logprobs: shown.logprobs,
             });
         }
+    }
+
+    /// Sends what the end released, reports the end and records the request's figures.
+    fn finish(&mut self, done: Finished, m: &Metrics) {
+        self.send(done.tail);
+        let generated = self.decoder.generated().len();
         let now = Instant::now();
         let first = self.first_token.unwrap_or(now);
         let ttft = first.duration_since(self.job.arrived);
-        m.generation_tokens.increment(self.generated as u64);
+        m.generation_tokens.increment(generated as u64);
         m.time_to_first_token.record(ttft.as_secs_f64());
         m.request_latency
             .record(now.duration_since(self.job.arrived).as_secs_f64());
-        if self.generated >= 2 {
-            let per = now.duration_since(first).as_secs_f64() / (self.generated - 1) as f64;
+        if generated >= 2 {
+            let per = now.duration_since(first).as_secs_f64() / (generated - 1) as f64;
             m.time_per_output_token.record(per);
         }
         let _ = self.job.events.send(Event::Done {
-            finish: why,
+            finish: done.reason,
             usage: Usage {
                 prompt_tokens: self.job.prompt.len(),
-                completion_tokens: self.generated,
+                completion_tokens: generated,
             },
             time_to_first_token: ttft,
         });
     }
 }
 
-/// The log-probability report of `token` sampled from the raw row `logits`.
-fn logprob_entry(
-    logits: &[f32],
-    token: u32,
-    k: usize,
-    tokenizer: &Tokenizer,
-) -> std::result::Result<LogprobEntry, String> {
-    let lp = top_logprobs(logits, token, k).map_err(|e| e.to_string())?;
-    let info = |id: u32, logprob: f64| {
-        tokenizer
-            .token_bytes(id)
-            .map(|b| TokenInfo::new(b, logprob))
-            .map_err(|e| format!("cannot decode token {id}: {e}"))
-    };
-    Ok(LogprobEntry {
-        chosen: info(lp.token, lp.logprob)?,
-        top: lp
-            .top
-            .iter()
-            .map(|&(id, l)| info(id, l))
-            .collect::<std::result::Result<_, _>>()?,
-        text_offset: 0,
-    })
+/// An error's message followed by its causes (`a: b: c`).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
 }
 
 /// A cheap handle the HTTP side keeps: the control channel and the shared queue counter.
@@ -644,82 +481,261 @@ pub struct SchedulerHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::mpsc;
+    use tp_engine::ScriptedExecutor;
 
-    fn entry(tag: u8) -> LogprobEntry {
-        LogprobEntry {
-            chosen: TokenInfo::new(vec![tag], -1.0),
-            top: Vec::new(),
-            text_offset: usize::MAX,
+    const VOCAB: usize = 257;
+    const EOS: usize = 256;
+
+    /// A byte "model": after a lowercase letter the next one, after `z` the end token; after
+    /// anything else `a`. With `endless`, `z` is followed by `a` instead.
+    fn alphabet(endless: bool) -> ScriptedExecutor {
+        slow_alphabet(endless, Duration::ZERO)
+    }
+
+    /// [`alphabet`], taking `delay` per row.
+    fn slow_alphabet(endless: bool, delay: Duration) -> ScriptedExecutor {
+        ScriptedExecutor::new(
+            VOCAB,
+            100_000,
+            Box::new(move |_, held| {
+                std::thread::sleep(delay);
+                let mut row = vec![0.0f32; VOCAB];
+                let next = match held.last().map(|&t| t as u8) {
+                    Some(b'z') if !endless => EOS,
+                    Some(c @ b'a'..=b'y') => (c + 1) as usize,
+                    _ => b'a' as usize,
+                };
+                row[next] = 10.0;
+                row
+            }),
+        )
+    }
+
+    fn cfg(kv: usize, batch: usize) -> SchedulerConfig {
+        SchedulerConfig {
+            max_seqs: 4,
+            kv_budget_positions: kv,
+            max_batch_tokens: batch,
+            heartbeat: Duration::from_millis(5),
         }
     }
 
-    /// Feeds `(tag, piece)` tokens through a track and a stop matcher as `advance` and
-    /// `finish` do; returns the shown text and the tags and offsets of the reported tokens.
-    fn run(stops: &[&str], tokens: &[(u8, Option<&str>)]) -> (String, Vec<(u8, usize)>) {
-        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
-        let mut stop = StopMatcher::new(&stops);
-        let mut track = LogprobTrack::default();
+    fn job(
+        prompt: &str,
+        params: DecodeParams,
+    ) -> (Job, tokio::sync::mpsc::UnboundedReceiver<Event>) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let job = Job {
+            prompt: prompt.bytes().map(u32::from).collect(),
+            params,
+            events: tx,
+            arrived: Instant::now(),
+        };
+        (job, rx)
+    }
+
+    /// A request's events up to its end: the text, and the end event.
+    fn collect(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Event>) -> (String, Event) {
         let mut text = String::new();
-        let mut reported = Vec::new();
-        for &(tag, piece) in tokens {
-            if stop.is_stopped() {
-                break;
-            }
-            track.pending.push_back((entry(tag), None));
-            if let Some(piece) = piece {
-                track.place(piece);
-                let shown = stop.push(piece);
-                reported.extend(track.release(&shown));
-                text.push_str(&shown);
+        loop {
+            match rx.blocking_recv() {
+                Some(Event::Text { text: t, .. }) => text.push_str(&t),
+                Some(end) => return (text, end),
+                None => panic!("the scheduler dropped a request without an end event"),
             }
         }
-        let tail = stop.finish();
-        reported.extend(track.release(&tail));
-        if !stop.is_stopped() {
-            reported.extend(track.release_all());
+    }
+
+    /// Runs the scheduler on its own thread, with `initial` queued before it starts, while
+    /// `drive` talks to it; then shuts it down.
+    fn with_scheduler<T>(
+        exec: &mut ScriptedExecutor,
+        cfg: &SchedulerConfig,
+        initial: Vec<Job>,
+        drive: impl FnOnce(&mpsc::Sender<Control>) -> T,
+    ) -> (T, crate::error::Result<()>) {
+        let tok = Tokenizer::bytes(&["<|endoftext|>"]);
+        let load = Load::default();
+        let metrics = Metrics::new();
+        let (tx, rx) = mpsc::channel();
+        for job in initial {
+            load.pending.fetch_add(1, Ordering::Relaxed);
+            submit(&tx, job);
         }
-        text.push_str(&tail);
-        let tags = reported
+        std::thread::scope(|s| {
+            let sched = s.spawn(move || run(exec, &tok, cfg, &rx, &load, &metrics));
+            let out = drive(&tx);
+            let _ = tx.send(Control::Shutdown);
+            let result = sched.join().expect("the scheduler thread panicked");
+            (out, result)
+        })
+    }
+
+    fn submit(tx: &mpsc::Sender<Control>, job: Job) {
+        tx.send(Control::Submit(job))
+            .expect("the scheduler is running");
+    }
+
+    /// Forward steps that carry `slot`, with the number of tokens each fed it.
+    fn fed(exec: &ScriptedExecutor, slot: u32) -> Vec<usize> {
+        exec.log
             .iter()
-            .map(|e| (e.chosen.bytes[0], e.text_offset))
+            .filter_map(|c| match c {
+                Command::Forward(chunks) => chunks
+                    .iter()
+                    .find(|c| c.slot == slot)
+                    .map(|c| c.tokens.len()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn requests_finish_by_eos_length_and_stop() {
+        let mut exec = alphabet(false);
+        let (a, mut ra) = job("w", DecodeParams::greedy(100));
+        let (b, mut rb) = job("a", DecodeParams::greedy(3));
+        let stop = DecodeParams {
+            stop: vec!["ef".into()],
+            ..DecodeParams::greedy(100)
+        };
+        let (c, mut rc) = job("a", stop);
+        let (ends, result) = with_scheduler(&mut exec, &cfg(1000, 64), vec![a, b, c], |_| {
+            [collect(&mut ra), collect(&mut rb), collect(&mut rc)]
+        });
+        result.unwrap();
+        let want = [
+            ("xyz", FinishReason::Eos, 3),
+            ("bcd", FinishReason::Length, 3),
+            ("bcd", FinishReason::Stop, 5),
+        ];
+        for ((text, end), (want_text, want_finish, tokens)) in ends.iter().zip(want) {
+            assert_eq!(text, want_text);
+            match end {
+                Event::Done { finish, usage, .. } => {
+                    assert_eq!((*finish, usage.completion_tokens), (want_finish, tokens));
+                    assert_eq!(usage.prompt_tokens, 1);
+                }
+                other => panic!("{want_text}: {other:?}"),
+            }
+        }
+        // Every sequence was closed.
+        assert!(exec.open_slots().is_empty(), "{:?}", exec.open_slots());
+    }
+
+    #[test]
+    fn admission_waits_for_the_kv_budget() {
+        // Each request reserves 1 + 10 positions; the budget holds one at a time.
+        let mut exec = alphabet(true);
+        let (a, mut ra) = job("a", DecodeParams::greedy(10));
+        let (b, mut rb) = job("a", DecodeParams::greedy(10));
+        let (c, mut rc) = job("a", DecodeParams::greedy(20));
+        let ((one, two, too_big), result) =
+            with_scheduler(&mut exec, &cfg(15, 64), vec![a, b, c], |_| {
+                (collect(&mut ra), collect(&mut rb), collect(&mut rc))
+            });
+        result.unwrap();
+        assert_eq!(one.0, "bcdefghijk");
+        assert_eq!(two.0, "bcdefghijk");
+        match too_big.1 {
+            Event::Failed { message, .. } => assert!(message.contains("KV positions"), "{message}"),
+            other => panic!("{other:?}"),
+        }
+        // The second request was opened only after the first was closed.
+        let opens_and_closes: Vec<&Command> = exec
+            .log
+            .iter()
+            .filter(|c| matches!(c, Command::Open { .. } | Command::Close { .. }))
             .collect();
-        (text, tags)
+        assert_eq!(
+            opens_and_closes,
+            vec![
+                &Command::Open {
+                    slot: 0,
+                    capacity: 11
+                },
+                &Command::Close { slot: 0 },
+                &Command::Open {
+                    slot: 0,
+                    capacity: 11
+                },
+                &Command::Close { slot: 0 },
+            ]
+        );
     }
 
     #[test]
-    fn tokens_are_reported_with_their_text() {
-        // No stop: every token, offsets in characters.
-        let (text, tags) = run(
-            &[],
-            &[(1, Some("é")), (2, None), (3, Some("ab")), (4, None)],
-        );
-        assert_eq!(text, "éab");
-        assert_eq!(tags, vec![(1, 0), (2, 1), (3, 1), (4, 3)]);
+    fn long_prompts_are_prefilled_in_chunks_beside_decoders() {
+        let mut exec = alphabet(true);
+        let (a, mut ra) = job("a", DecodeParams::greedy(6));
+        let (b, mut rb) = job("abcdefghij", DecodeParams::greedy(2));
+        let (ends, result) = with_scheduler(&mut exec, &cfg(1000, 4), vec![a, b], |_| {
+            (collect(&mut ra), collect(&mut rb))
+        });
+        result.unwrap();
+        assert_eq!((ends.0 .0.as_str(), ends.1 .0.as_str()), ("bcdefg", "kl"));
+        // No step carries more than 4 tokens: the long prompt goes in pieces that fill what
+        // the other request's one decode token leaves.
+        for c in &exec.log {
+            if let Command::Forward(chunks) = c {
+                let n: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+                assert!(n <= 4, "{chunks:?}");
+            }
+        }
+        assert_eq!(fed(&exec, 0), vec![1, 1, 1, 1, 1, 1]);
+        // 3 (beside the first prompt), 3, 3, 1 (beside decodes), then its own decode token.
+        assert_eq!(fed(&exec, 1), vec![3, 3, 3, 1, 1]);
     }
 
     #[test]
-    fn tokens_inside_a_stop_sequence_are_dropped() {
-        // "abc E" reaches into the stop "END": reported; "ND" and later: not.
-        let (text, tags) = run(
-            &["END"],
-            &[(1, Some("abc E")), (2, Some("ND")), (3, Some("x"))],
-        );
-        assert_eq!(text, "abc ");
-        assert_eq!(tags, vec![(1, 0)]);
-        // A token that starts the stop sequence is not reported.
-        let (text, tags) = run(
-            &["END"],
-            &[(1, Some("ab")), (2, Some("E")), (3, Some("ND"))],
-        );
-        assert_eq!(text, "ab");
-        assert_eq!(tags, vec![(1, 0)]);
-        // A near miss releases the held-back tokens.
-        let (text, tags) = run(&["END"], &[(1, Some("a")), (2, Some("E")), (3, Some("x"))]);
-        assert_eq!(text, "aEx");
-        assert_eq!(tags, vec![(1, 0), (2, 1), (3, 2)]);
-        // Held back at the end without a match: reported at finish.
-        let (text, tags) = run(&["END"], &[(1, Some("a")), (2, Some("EN"))]);
-        assert_eq!(text, "aEN");
-        assert_eq!(tags, vec![(1, 0), (2, 1)]);
+    fn a_request_whose_client_left_is_cancelled() {
+        // 1 ms per row: 5000 tokens would take 5 s.
+        let mut exec = slow_alphabet(true, Duration::from_millis(1));
+        let (second, result) = with_scheduler(&mut exec, &cfg(10_000, 64), vec![], |tx| {
+            let (a, mut ra) = job("a", DecodeParams::greedy(5000));
+            submit(tx, a);
+            match ra.blocking_recv() {
+                Some(Event::Text { .. }) => {}
+                other => panic!("{other:?}"),
+            }
+            drop(ra);
+            let (b, mut rb) = job("a", DecodeParams::greedy(3));
+            submit(tx, b);
+            collect(&mut rb)
+        });
+        result.unwrap();
+        assert_eq!(second.0, "bcd");
+        assert!(exec.log.contains(&Command::Close { slot: 0 }));
+        // The abandoned request stopped long before its 5000 tokens.
+        assert!(fed(&exec, 0).len() < 1000, "{}", fed(&exec, 0).len());
+    }
+
+    #[test]
+    fn an_idle_scheduler_sends_heartbeats() {
+        let mut exec = alphabet(false);
+        let (_, result) = with_scheduler(&mut exec, &cfg(100, 64), vec![], |_| {
+            std::thread::sleep(Duration::from_millis(60));
+        });
+        result.unwrap();
+        let idles = exec.log.iter().filter(|c| **c == Command::Idle).count();
+        assert!(idles >= 3, "{idles} heartbeats in 60 ms at 5 ms");
+        assert!(exec.forwards == 0);
+    }
+
+    #[test]
+    fn an_engine_failure_fails_every_request() {
+        let mut exec = alphabet(true);
+        exec.fail_forward = Some(2);
+        let (a, mut ra) = job("a", DecodeParams::greedy(50));
+        let (end, result) = with_scheduler(&mut exec, &cfg(100, 64), vec![a], |_| collect(&mut ra));
+        assert!(result.is_err());
+        match end.1 {
+            Event::Failed {
+                message,
+                shutting_down: false,
+            } => assert!(message.contains("scripted"), "{message}"),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::{watch, Notify};
-use tp_engine::{FinishReason, Penalties, SamplingParams};
+use tp_engine::{DecodeParams, FinishReason, SamplingParams};
 use tp_tokenizer::{Tokenizer, TokenizerError};
 
 /// Settings of the HTTP side.
@@ -608,8 +608,22 @@ async fn start_request(
             ),
         ));
     }
+    let params = DecodeParams {
+        sampling: SamplingParams {
+            temperature: req.temperature,
+            top_k: req.top_k,
+            top_p: req.top_p,
+            seed: req.seed.unwrap_or_else(|| random_seed(st)),
+        },
+        presence_penalty: req.presence_penalty,
+        frequency_penalty: req.frequency_penalty,
+        logprobs: req.logprobs,
+        stop: req.stop.clone(),
+        max_tokens,
+        ignore_eos: req.ignore_eos,
+    };
     // The parser checked the ranges already; this names the parameter should that change.
-    let penalties = Penalties::new(req.presence_penalty, req.frequency_penalty).map_err(|e| {
+    params.validate().map_err(|e| {
         let name = match &e {
             tp_engine::EngineError::Param { name, .. } => *name,
             _ => "presence_penalty",
@@ -620,17 +634,7 @@ async fn start_request(
     let prompt_tokens = ids.len();
     let job = Job {
         prompt: ids,
-        max_tokens,
-        sampling: SamplingParams {
-            temperature: req.temperature,
-            top_k: req.top_k,
-            top_p: req.top_p,
-            seed: req.seed.unwrap_or_else(|| random_seed(st)),
-        },
-        penalties,
-        logprobs: req.logprobs,
-        stop: req.stop.clone(),
-        ignore_eos: req.ignore_eos,
+        params,
         events: tx,
         arrived,
     };
