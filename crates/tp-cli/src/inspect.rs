@@ -1,7 +1,7 @@
 //! `tp inspect`: a model's shapes and the shard each rank would get at a given tp (heads, KV
 //! heads and whether they are shared, FFN columns, vocab rows, bytes), without loading weights.
 
-use crate::model_run::{memory_plan, DTypeArg};
+use crate::model_run::{memory_plan, DTypeArg, KvDtypeArg};
 use crate::units::show_bytes;
 use anyhow::Context;
 use std::path::PathBuf;
@@ -26,6 +26,9 @@ pub struct InspectArgs {
     pub dtype: DTypeArg,
     #[arg(long)]
     pub dequantize: bool,
+    /// Element type of the KV cache.
+    #[arg(long, value_enum, default_value_t = KvDtypeArg::F16)]
+    pub kv_dtype: KvDtypeArg,
 }
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
@@ -42,6 +45,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     let opts = LoadOptions {
         keep_quantized: !args.dequantize,
         dense,
+        kv_dtype: args.kv_dtype.kv_dtype(),
     };
     print!("{}", describe(&*ckpt, args.tp, args.ctx_size, opts)?);
     Ok(ExitCode::SUCCESS)
@@ -111,7 +115,12 @@ pub fn describe(
         },
     )?;
     let plan = memory_plan(ckpt, tp, ctx, opts)?;
-    writeln!(s, "\ntp {tp}: per rank (KV cache for {ctx} positions)")?;
+    writeln!(
+        s,
+        "\ntp {tp}: per rank (KV cache for {ctx} positions, {}; taken in blocks of {} as tokens arrive)",
+        opts.kv_dtype,
+        tp_models::BLOCK_POSITIONS
+    )?;
     writeln!(
         s,
         "{:>4}  {:>9}  {:>9}  {:>11}  {:>13}  {:>10}  {:>10}  {:>10}  {:>10}",
@@ -151,6 +160,17 @@ pub fn describe(
     {
         writeln!(s, "* KV heads shared with a neighbouring rank (replicated: their weights and cache are held twice)")?;
     }
+    let per_token = (0..tp)
+        .filter_map(|r| ShardPlan::for_checkpoint(ckpt, r, tp).ok())
+        .map(|p| cfg.layers * 2 * p.kv_heads().len() * cfg.head_dim * opts.kv_dtype.size())
+        .max()
+        .unwrap_or(0);
+    writeln!(
+        s,
+        "kv cache   {} per token held on the busiest rank ({})",
+        show_bytes(per_token as u64),
+        opts.kv_dtype
+    )?;
     let total: usize = plan.iter().map(|m| m.total()).sum();
     let max = plan.iter().map(|m| m.total()).max().unwrap_or(0);
     let mean = total as f64 / plan.len().max(1) as f64;

@@ -12,7 +12,7 @@ use std::net::IpAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
-use tp_models::{open_checkpoint, SeqCache, ShardPlan};
+use tp_models::{open_checkpoint, ShardPlan};
 use tp_serve::fdlimit::{default_max_connections, fd_reserve};
 use tp_serve::{ConnLimits, Load, Metrics, SchedulerConfig, SchedulerHandle, Server, ServerConfig};
 
@@ -177,7 +177,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         for r in 0..tp {
             let plan = ShardPlan::new(&cfg, 1, r, tp)?;
             let width = plan.kv_heads().len() * cfg.head_dim;
-            per_position = per_position.max(SeqCache::bytes_for(cfg.layers, width, 1));
+            per_position =
+                per_position.max(cfg.layers * 2 * width * s.worker.model().kv_dtype().size());
         }
         let budget = match (args.max_kv_memory, args.model.max_rank_memory) {
             (Some(b), _) => b,

@@ -42,6 +42,8 @@ pub enum ModelError {
     Candle(#[from] candle_core::Error),
     #[error("context full: position {pos} + {len} tokens exceeds the KV cache of {cap} positions; raise --ctx-size or shorten the input")]
     ContextFull { pos: usize, len: usize, cap: usize },
+    #[error("unknown KV cache dtype {0:?}; choose f16, bf16 or f32")]
+    UnknownKvDtype(String),
     #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
     TokenOutOfRange { id: u32, vocab: usize },
     #[error("{what} {value} would take {cost}; {hint}")]

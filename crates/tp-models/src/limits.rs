@@ -62,7 +62,8 @@ pub fn check_bytes(
 
 /// Refuses a context of `ctx` positions for `cfg` when one sequence's RoPE table and KV
 /// cache (all KV heads, as at tp 1) would exceed the machine's memory: what a context length
-/// from a file or the user costs, checked before anything is allocated.
+/// from a file or the user costs (an f32 cache, the largest), checked before anything is
+/// allocated.
 pub fn check_context(cfg: &crate::ModelConfig, ctx: usize) -> Result<u64> {
     let hint = "ask for a shorter context";
     let limit = memory_limit();
@@ -71,6 +72,7 @@ pub fn check_context(cfg: &crate::ModelConfig, ctx: usize) -> Result<u64> {
         cfg.layers,
         cfg.kv_heads.saturating_mul(cfg.head_dim),
         ctx,
+        crate::KvDtype::F32,
     );
     let both = rope.zip(kv).and_then(|(r, k)| r.checked_add(k));
     check_bytes(

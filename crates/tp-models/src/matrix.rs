@@ -45,6 +45,8 @@ pub struct LoadOptions {
     pub keep_quantized: bool,
     /// Element type of every weight that is not kept quantized.
     pub dense: DenseDType,
+    /// How the KV cache stores keys and values.
+    pub kv_dtype: crate::KvDtype,
 }
 
 impl Default for LoadOptions {
@@ -52,6 +54,7 @@ impl Default for LoadOptions {
         LoadOptions {
             keep_quantized: true,
             dense: DenseDType::F32,
+            kv_dtype: crate::KvDtype::F32,
         }
     }
 }

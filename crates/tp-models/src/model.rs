@@ -5,7 +5,7 @@
 use crate::checkpoint::{Checkpoint, WeightName};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::kv_cache::SeqCache;
+use crate::kv_cache::{KvDtype, LayerKv, SeqCache};
 use crate::matrix::{LoadOptions, Matrix, Projection};
 use crate::ops::{axpy, dot, rms_norm, silu_mul, softmax, RopeTable};
 use crate::profile::Profile;
@@ -48,6 +48,8 @@ pub struct ShardedModel {
     kv_of_q: Vec<usize>,
     /// How row-parallel partial sums are summed over the group.
     sync: SyncMode,
+    /// How new caches store keys and values.
+    kv_dtype: KvDtype,
 }
 
 impl ShardedModel {
@@ -149,6 +151,7 @@ impl ShardedModel {
             layers,
             kv_of_q,
             sync: SyncMode::Exact,
+            kv_dtype: opts.kv_dtype,
         })
     }
 
@@ -176,7 +179,12 @@ impl ShardedModel {
         self.rope.max_pos()
     }
 
-    /// Floats cached per position per layer on this rank (`kv_local * head_dim`).
+    /// How this model's caches store keys and values.
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.kv_dtype
+    }
+
+    /// Values cached per position per layer on this rank (`kv_local * head_dim`).
     pub fn kv_width(&self) -> usize {
         self.plan.kv_heads().len() * self.cfg.head_dim
     }
@@ -185,8 +193,10 @@ impl ShardedModel {
     pub fn new_cache(&self, capacity: usize) -> SeqCache {
         SeqCache::new(
             self.cfg.layers,
-            self.kv_width(),
+            self.plan.kv_heads().len(),
+            self.cfg.head_dim,
             capacity.min(self.max_positions()),
+            self.kv_dtype,
         )
     }
 
@@ -330,13 +340,10 @@ impl ShardedModel {
                     v_new.extend_from_slice(v);
                 }
                 c.cache.append(li, &k_new, &v_new);
-                let (keys, values) = c.cache.layer(li); // [pos0 + len, kv_w] each
                 attend(
                     &qkv[t0 * qkv_w..(t0 + len) * qkv_w],
                     qkv_w,
-                    keys,
-                    values,
-                    kv_w,
+                    c.cache.layer(li), // [pos0 + len, kv_w] keys and values
                     hd,
                     &self.kv_of_q,
                     pos0,
@@ -440,14 +447,13 @@ fn row_parallel(
 }
 
 /// Causal attention of `len` new tokens (rows of `qkv`, queries first) over the cache.
-/// `keys`/`values` hold positions `0..pos0 + len`; token `i` sees positions `0..=pos0 + i`.
-#[allow(clippy::too_many_arguments)]
+/// `kv` holds positions `0..pos0 + len`; token `i` sees positions `0..=pos0 + i`. Each KV
+/// head's keys and values are widened to f32 once for all the query heads and tokens that use
+/// it; the arithmetic is then the same, in the same order, whatever the cache's dtype.
 fn attend(
     qkv: &[f32],
     qkv_w: usize,
-    keys: &[f32],
-    values: &[f32],
-    kv_w: usize,
+    kv: &LayerKv,
     hd: usize,
     kv_of_q: &[usize],
     pos0: usize,
@@ -455,25 +461,31 @@ fn attend(
 ) {
     let scale = 1.0 / (hd as f32).sqrt();
     let q_w = kv_of_q.len() * hd;
-    let mut scores = Vec::with_capacity(pos0 + qkv.len() / qkv_w);
-    for (i, row) in qkv.chunks_exact(qkv_w).enumerate() {
-        let seen = pos0 + i + 1;
-        for (h, &kvh) in kv_of_q.iter().enumerate() {
-            let q = &row[h * hd..(h + 1) * hd]; // [hd]
-            scores.clear();
-            for p in 0..seen {
-                let k = &keys[p * kv_w + kvh * hd..p * kv_w + (kvh + 1) * hd]; // [hd]
-                scores.push(dot(q, k) * scale);
-            }
-            softmax(&mut scores);
-            let out = &mut ctx[i * q_w + h * hd..i * q_w + (h + 1) * hd]; // [hd]
-            out.fill(0.0);
-            for (p, &w) in scores.iter().enumerate() {
-                axpy(
-                    out,
-                    w,
-                    &values[p * kv_w + kvh * hd..p * kv_w + (kvh + 1) * hd],
-                );
+    let seen_all = pos0 + qkv.len() / qkv_w;
+    let mut scores = Vec::with_capacity(seen_all);
+    let mut keys = vec![0f32; seen_all * hd]; // [seen_all, hd] of one KV head
+    let mut values = vec![0f32; seen_all * hd]; // [seen_all, hd]
+    let kv_heads = kv_of_q.iter().copied().max().map_or(0, |m| m + 1);
+    for kvh in 0..kv_heads {
+        if !kv_of_q.contains(&kvh) {
+            continue;
+        }
+        kv.keys(kvh, &mut keys);
+        kv.values(kvh, &mut values);
+        for (h, _) in kv_of_q.iter().enumerate().filter(|(_, &k)| k == kvh) {
+            for (i, row) in qkv.chunks_exact(qkv_w).enumerate() {
+                let seen = pos0 + i + 1;
+                let q = &row[h * hd..(h + 1) * hd]; // [hd]
+                scores.clear();
+                for k in keys[..seen * hd].chunks_exact(hd) {
+                    scores.push(dot(q, k) * scale);
+                }
+                softmax(&mut scores);
+                let out = &mut ctx[i * q_w + h * hd..i * q_w + (h + 1) * hd]; // [hd]
+                out.fill(0.0);
+                for (&w, v) in scores.iter().zip(values.chunks_exact(hd)) {
+                    axpy(out, w, v);
+                }
             }
         }
     }
@@ -501,4 +513,88 @@ fn check_vector(ckpt: &dyn Checkpoint, name: WeightName, len: usize) -> Result<(
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The attention of the original contiguous layout: `keys`/`values` `[positions, kv_w]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_contiguous(
+        qkv: &[f32],
+        qkv_w: usize,
+        keys: &[f32],
+        values: &[f32],
+        kv_w: usize,
+        hd: usize,
+        kv_of_q: &[usize],
+        pos0: usize,
+        ctx: &mut [f32],
+    ) {
+        let scale = 1.0 / (hd as f32).sqrt();
+        let q_w = kv_of_q.len() * hd;
+        for (i, row) in qkv.chunks_exact(qkv_w).enumerate() {
+            for (h, &kvh) in kv_of_q.iter().enumerate() {
+                let q = &row[h * hd..(h + 1) * hd];
+                let mut scores: Vec<f32> = (0..pos0 + i + 1)
+                    .map(|p| dot(q, &keys[p * kv_w + kvh * hd..p * kv_w + (kvh + 1) * hd]) * scale)
+                    .collect();
+                softmax(&mut scores);
+                let out = &mut ctx[i * q_w + h * hd..i * q_w + (h + 1) * hd];
+                out.fill(0.0);
+                for (p, &w) in scores.iter().enumerate() {
+                    axpy(
+                        out,
+                        w,
+                        &values[p * kv_w + kvh * hd..p * kv_w + (kvh + 1) * hd],
+                    );
+                }
+            }
+        }
+    }
+
+    /// An f32 cache in blocks gives exactly the bits of the contiguous layout, for chunks that
+    /// start and end anywhere in a block (GQA: 4 query heads over 2 KV heads).
+    #[test]
+    fn blocked_f32_attention_equals_contiguous_bit_for_bit() {
+        let (hd, kv_of_q) = (8, vec![0usize, 0, 1, 1]);
+        let (q_w, kv_w) = (kv_of_q.len() * hd, 2 * hd);
+        let qkv_w = q_w + 2 * kv_w;
+        let mut cache = SeqCache::new(1, 2, hd, 200, KvDtype::F32);
+        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        let mut seed = 7u64;
+        let mut next = move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 33) as f32 / (1u64 << 31) as f32) * 4.0 - 2.0
+        };
+        let mut pos0 = 0;
+        for len in [1usize, 30, 3, 33, 1, 64] {
+            let qkv: Vec<f32> = (0..len * qkv_w).map(|_| next()).collect(); // [len, qkv_w]
+            let (mut k_new, mut v_new) = (Vec::new(), Vec::new());
+            for row in qkv.chunks_exact(qkv_w) {
+                k_new.extend_from_slice(&row[q_w..q_w + kv_w]);
+                v_new.extend_from_slice(&row[q_w + kv_w..]);
+            }
+            keys.extend_from_slice(&k_new);
+            values.extend_from_slice(&v_new);
+            cache.append(0, &k_new, &v_new);
+            let mut got = vec![0f32; len * q_w];
+            attend(&qkv, qkv_w, cache.layer(0), hd, &kv_of_q, pos0, &mut got);
+            let mut want = vec![0f32; len * q_w];
+            attend_contiguous(
+                &qkv, qkv_w, &keys, &values, kv_w, hd, &kv_of_q, pos0, &mut want,
+            );
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "chunk of {len} at position {pos0}");
+            cache.commit(len);
+            pos0 += len;
+        }
+        assert_eq!(cache.len(), 132);
+    }
 }

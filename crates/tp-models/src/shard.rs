@@ -4,7 +4,7 @@
 use crate::checkpoint::{Checkpoint, Storage, WeightName};
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::kv_cache::SeqCache;
+use crate::kv_cache::{KvDtype, SeqCache};
 use std::ops::Range;
 use tp_nn::{HeadPlan, Partition};
 
@@ -114,13 +114,16 @@ fn slice_bytes(
 /// Sizes that depend on `ctx` are checked: one that cannot be computed or exceeds the
 /// machine's memory is a [`crate::ModelError::TooLarge`] naming `ctx` and the bytes.
 /// `dense_bytes` is the element size of unquantized weights (4 for f32, 2 for f16/bf16);
-/// `quantized` false means every weight is dequantized.
+/// `quantized` false means every weight is dequantized; `kv_dtype` is the KV cache's element
+/// type (a cache of `ctx` positions is the most one sequence can hold; blocks are taken as
+/// tokens arrive).
 pub fn rank_memory(
     ckpt: &dyn Checkpoint,
     plan: &ShardPlan,
     ctx: usize,
     dense_bytes: usize,
     quantized: bool,
+    kv_dtype: KvDtype,
 ) -> Result<RankMemory> {
     let cfg = ckpt.config();
     let hd = cfg.head_dim;
@@ -172,7 +175,7 @@ pub fn rank_memory(
     m.kv_cache = crate::limits::check_bytes(
         "a KV cache for a context length of",
         ctx,
-        SeqCache::checked_bytes_for(cfg.layers, kv_rows, ctx),
+        SeqCache::checked_bytes_for(cfg.layers, kv_rows, ctx, kv_dtype),
         limit,
         hint,
     )? as usize;

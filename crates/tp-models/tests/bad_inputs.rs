@@ -739,7 +739,8 @@ fn issue18_context_lengths_too_large_to_hold_are_refused_with_their_cost() {
         eprintln!("ctx {ctx}: {m}");
         assert!(m.contains(&ctx.to_string()) && m.contains("bytes"), "{m}");
         let plan = ShardPlan::for_checkpoint(&ckpt, 0, 1).unwrap();
-        let e = tp_models::rank_memory(&ckpt, &plan, ctx, 4, true).unwrap_err();
+        let e = tp_models::rank_memory(&ckpt, &plan, ctx, 4, true, tp_models::KvDtype::F32)
+            .unwrap_err();
         assert!(matches!(e, ModelError::TooLarge { .. }), "{ctx}: {e:?}");
         let e = tp_models::limits::check_context(ckpt.config(), ctx).unwrap_err();
         assert!(e.to_string().contains(&ctx.to_string()), "{e}");

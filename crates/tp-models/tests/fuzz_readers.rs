@@ -497,7 +497,7 @@ fn plan_and_load(ckpt: &dyn Checkpoint, ctx: usize) -> Result<(), TestCaseError>
     let _ = tp_models::limits::check_context(ckpt.config(), ctx);
     for (rank, tp) in [(0, 1), (1, 2)] {
         if let Ok(plan) = tp_models::ShardPlan::for_checkpoint(ckpt, rank, tp) {
-            let _ = tp_models::rank_memory(ckpt, &plan, ctx, 4, true);
+            let _ = tp_models::rank_memory(ckpt, &plan, ctx, 4, true, tp_models::KvDtype::F32);
         }
     }
     let limit = u128::from(tp_models::limits::memory_limit());

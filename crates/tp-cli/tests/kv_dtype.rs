@@ -1,0 +1,106 @@
+//! `--kv-dtype` quality gate: perplexity on the held-out text with an f16 KV cache within
+//! 0.5% of an f32 cache and with bf16 within 2% (the real SmolLM2), the same value at tp 1 and
+//! 3 for each dtype, and `tp inspect` pricing the cache by the dtype. Measured 2026-12: f32
+//! 28.000, f16 27.939 (-0.22%), bf16 27.881 (-0.43%). Deterministic, so the gate cannot flake.
+
+mod common;
+use std::time::Duration;
+
+const TP: &str = env!("CARGO_BIN_EXE_tp");
+
+fn tp(args: &[&str]) -> String {
+    let f = common::run_with_deadline(TP, args, Duration::from_secs(300));
+    assert_eq!(f.code, Some(0), "{}", f.output);
+    f.stdout
+}
+
+fn perplexity(model: &str, tp_size: &str, kv: &str) -> f64 {
+    let text = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/heldout.txt");
+    let out = tp(&[
+        "perplexity",
+        "--model",
+        model,
+        "--tp",
+        tp_size,
+        "--kv-dtype",
+        kv,
+        "--window",
+        "256",
+        "-q",
+        text,
+    ]);
+    out.rsplit("perplexity ")
+        .next()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no perplexity in {out:?}"))
+}
+
+#[test]
+fn two_byte_kv_caches_keep_perplexity_within_the_gate() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let m = model.to_string_lossy();
+    let exact = perplexity(&m, "1", "f32");
+    assert!(
+        (2.0..100.0).contains(&exact),
+        "implausible perplexity {exact}"
+    );
+    for (kv, gate) in [("f16", 0.005), ("bf16", 0.02)] {
+        let got = perplexity(&m, "1", kv);
+        let delta = (got - exact) / exact;
+        eprintln!("{kv}: {got:.3} vs f32 {exact:.3} ({:+.2}%)", delta * 100.0);
+        assert!(
+            delta.abs() < gate,
+            "{kv} KV cache: perplexity {got} is {:+.2}% from f32's {exact}",
+            delta * 100.0
+        );
+        assert_ne!(
+            got, exact,
+            "{kv}: the same perplexity as f32: is the dtype applied?"
+        );
+        assert_eq!(perplexity(&m, "3", kv), got, "{kv} KV cache at tp 3");
+    }
+}
+
+#[test]
+fn inspect_prices_the_cache_by_its_dtype() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let m = model.to_string_lossy();
+    let per_token = |kv: &str| {
+        let out = tp(&[
+            "inspect",
+            &m,
+            "--tp",
+            "2",
+            "--ctx-size",
+            "1024",
+            "--kv-dtype",
+            kv,
+        ]);
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("kv cache"))
+            .unwrap_or_else(|| panic!("no kv cache line in {out}"));
+        assert!(line.contains(kv), "{line}");
+        line.to_string()
+    };
+    // SmolLM2 at tp 2: 30 layers x 2 (K, V) x 2 KV heads (one shared) x 64 x bytes.
+    let f32 = per_token("f32");
+    assert!(f32.contains("30.7 kB"), "{f32}");
+    let f16 = per_token("f16");
+    assert!(f16.contains("15.4 kB"), "{f16}");
+    let e = common::run_with_deadline(
+        TP,
+        &["inspect", &m, "--kv-dtype", "q3"],
+        Duration::from_secs(60),
+    );
+    assert_ne!(e.code, Some(0));
+    assert!(
+        e.output.contains("f16"),
+        "the error lists the choices: {}",
+        e.output
+    );
+}
