@@ -255,7 +255,7 @@ fn bad_inputs_get_clear_errors() {
                 "--tp",
                 "1",
                 "--max-rank-memory",
-                "350MB",
+                "250MB",
                 "hi",
             ],
             "the smallest tp that fits is 2",

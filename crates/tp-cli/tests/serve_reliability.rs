@@ -475,8 +475,8 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
 /// that could never fit is refused by name.
 #[test]
 fn requests_beyond_the_kv_budget_queue_and_never_crash() {
-    // SmolLM2 at tp 2: the busiest rank caches 2 KV heads x 64 x 30 layers x K,V x 4 B =
-    // 30 KiB per position, so 3 MiB hold 102 positions.
+    // SmolLM2 at tp 2: the busiest rank caches 2 KV heads x 64 x 30 layers x K,V x 2 B (the
+    // default f16 cache) = 15 KiB per position, so 1.5 MiB hold 102 positions.
     // Prompts also go in chunks of 7 tokens per step (--max-batch-tokens 7).
     let Some(server) = ServerProc::start(&[
         "--tp",
@@ -484,7 +484,7 @@ fn requests_beyond_the_kv_budget_queue_and_never_crash() {
         "--ctx-size",
         "512",
         "--max-kv-memory",
-        "3MiB",
+        "1536KiB",
         "--max-batch-tokens",
         "7",
     ]) else {
