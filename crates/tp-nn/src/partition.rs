@@ -15,7 +15,16 @@ pub const MAX_RANK_WEIGHT: u32 = 1000;
 /// larger host gets a larger contiguous shard). Validated once: at least one rank, every
 /// weight in `1..=MAX_RANK_WEIGHT`.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RankWeights(Vec<u32>);
+pub struct RankWeights(Weights);
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Weights {
+    /// Weight 1 for each of this many ranks, stored as a count: a tp from user input is
+    /// refused by the split ([`TpError::InvalidTp`]) before anything of its size is allocated.
+    Even(usize),
+    /// Validated weights, one per rank.
+    Given(Vec<u32>),
+}
 
 impl RankWeights {
     pub fn new(weights: Vec<u32>) -> Result<Self> {
@@ -34,26 +43,37 @@ impl RankWeights {
                 });
             }
         }
-        Ok(RankWeights(weights))
+        Ok(RankWeights(Weights::Given(weights)))
     }
 
-    /// Weight 1 for each of `tp` ranks: the balanced split of [`Partition::new`].
-    pub fn even(tp: usize) -> Result<Self> {
-        RankWeights::new(vec![1; tp])
+    /// Weight 1 for each of `tp` ranks: exactly the balanced split of [`Partition::new`]
+    /// (whose checks refuse a `tp` of 0 or above the units).
+    pub fn even(tp: usize) -> Self {
+        RankWeights(Weights::Even(tp))
     }
 
     /// The number of ranks.
     pub fn tp(&self) -> usize {
-        self.0.len()
+        match &self.0 {
+            Weights::Even(tp) => *tp,
+            Weights::Given(w) => w.len(),
+        }
     }
 
-    pub fn as_slice(&self) -> &[u32] {
-        &self.0
+    /// Rank `rank`'s weight (0 for a rank out of range).
+    pub fn weight(&self, rank: usize) -> u32 {
+        match &self.0 {
+            Weights::Even(tp) => u32::from(rank < *tp),
+            Weights::Given(w) => w.get(rank).copied().unwrap_or(0),
+        }
     }
 
     /// Every rank has the same weight (the split is the balanced one).
     pub fn is_even(&self) -> bool {
-        self.0.iter().all(|&w| w == self.0[0])
+        match &self.0 {
+            Weights::Even(_) => true,
+            Weights::Given(w) => w.iter().all(|&x| x == w[0]),
+        }
     }
 
     /// Refuses weights that are not one per rank of a `tp`-rank group.
@@ -69,15 +89,20 @@ impl RankWeights {
 }
 
 impl fmt::Display for RankWeights {
-    /// `2,1`: the form [`FromStr`] reads.
+    /// `2,1`: the form [`FromStr`] reads (given weights).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (i, w) in self.0.iter().enumerate() {
-            if i > 0 {
-                f.write_str(",")?;
+        match &self.0 {
+            Weights::Even(tp) => write!(f, "even over {tp} ranks"),
+            Weights::Given(w) => {
+                for (i, x) in w.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(",")?;
+                    }
+                    write!(f, "{x}")?;
+                }
+                Ok(())
             }
-            write!(f, "{w}")?;
         }
-        Ok(())
     }
 }
 
@@ -144,14 +169,19 @@ impl Partition {
     /// the weights), then the units left over go one each to the ranks with the largest
     /// remainders `units * w_r mod W`, lower rank first on ties. Deterministic, and equal
     /// weights give exactly [`Partition::new`]'s ranges. A rank whose share rounds to no unit
-    /// is [`TpError::EmptyWeightedShare`], naming it.
+    /// is [`TpError::EmptyWeightedShare`], naming it. [`RankWeights::even`] is
+    /// [`Partition::new`].
     pub fn weighted(
         units: usize,
         weights: &RankWeights,
         what: &'static str,
         unit: &'static str,
     ) -> Result<Self> {
-        let tp = weights.tp();
+        let w = match &weights.0 {
+            Weights::Even(tp) => return Partition::new(units, *tp, what, unit),
+            Weights::Given(w) => w,
+        };
+        let tp = w.len();
         if tp > units {
             return Err(TpError::InvalidTp {
                 units,
@@ -160,16 +190,12 @@ impl Partition {
                 tp,
             });
         }
-        let total: u128 = weights.as_slice().iter().map(|&w| u128::from(w)).sum();
-        let share = |w: u32| (units as u128) * u128::from(w);
-        let mut sizes: Vec<usize> = weights
-            .as_slice()
-            .iter()
-            .map(|&w| (share(w) / total) as usize)
-            .collect();
+        let total: u128 = w.iter().map(|&x| u128::from(x)).sum();
+        let share = |x: u32| (units as u128) * u128::from(x);
+        let mut sizes: Vec<usize> = w.iter().map(|&x| (share(x) / total) as usize).collect();
         let left = units - sizes.iter().sum::<usize>(); // < tp
         let mut by_remainder: Vec<usize> = (0..tp).collect();
-        by_remainder.sort_by_key(|&r| (std::cmp::Reverse(share(weights.as_slice()[r]) % total), r));
+        by_remainder.sort_by_key(|&r| (std::cmp::Reverse(share(w[r]) % total), r));
         for &r in &by_remainder[..left] {
             sizes[r] += 1;
         }
@@ -180,7 +206,7 @@ impl Partition {
                 units,
                 what,
                 unit,
-                share: share(weights.as_slice()[rank]) as f64 / total as f64,
+                share: share(w[rank]) as f64 / total as f64,
             });
         }
         let mut bounds = Vec::with_capacity(tp + 1);
@@ -396,7 +422,16 @@ mod tests {
                 }
             }
         }
-        assert!(RankWeights::even(3).unwrap().is_even());
+        assert!(RankWeights::even(3).is_even());
+        assert_eq!(
+            Partition::weighted(9, &RankWeights::even(4), "u", "u").unwrap(),
+            Partition::new(9, 4, "u", "u").unwrap()
+        );
+        // A huge tp from user input is refused, never allocated.
+        let e = Partition::weighted(9, &RankWeights::even(1 << 60), "heads", "head")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("use 1 <= tp <= 9"), "{e}");
         assert!(!weights(&[2, 1]).is_even());
     }
 
@@ -459,7 +494,7 @@ mod tests {
     #[test]
     fn rank_weights_are_validated_and_parsed() {
         let w: RankWeights = " 2, 1".parse().unwrap();
-        assert_eq!(w.as_slice(), &[2, 1]);
+        assert_eq!((w.weight(0), w.weight(1), w.weight(2)), (2, 1, 0));
         assert_eq!(w.to_string(), "2,1");
         assert_eq!(w.tp(), 2);
         w.check_tp(2).unwrap();
