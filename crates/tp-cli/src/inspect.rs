@@ -24,7 +24,7 @@ pub struct InspectArgs {
     pub tp: Option<usize>,
     /// One weight per rank (e.g. 2,1): shards in proportion to them, as the model commands'
     /// --rank-weights.
-    #[arg(long, value_name = "W0,W1,..", value_parser = crate::model_run::parse_rank_weights)]
+    #[arg(long, value_name = "W0,W1,..", value_parser = crate::model_run::parse_rank_weights, allow_hyphen_values = true)]
     pub rank_weights: Option<RankWeights>,
     /// KV cache positions to budget per rank (default: the model's context).
     #[arg(long)]

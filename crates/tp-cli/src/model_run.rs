@@ -64,7 +64,7 @@ pub struct ModelArgs {
     pub tp: Option<usize>,
     /// Uneven hosts: one weight per rank, e.g. 2,1 gives rank 0 two thirds of the heads, FFN
     /// blocks and vocabulary (contiguous shards; same logits as even shards). Default: even.
-    #[arg(long, value_name = "W0,W1,..", value_parser = parse_rank_weights)]
+    #[arg(long, value_name = "W0,W1,..", value_parser = parse_rank_weights, allow_hyphen_values = true)]
     pub rank_weights: Option<RankWeights>,
     /// Ranks as threads of this process (local) or as processes under mpirun (mpi).
     #[arg(long, value_enum, default_value_t = Backend::Local)]
