@@ -1,9 +1,11 @@
 //! `--rank-weights` (uneven hosts) end to end on the real SmolLM2: `tp inspect` shows the larger
 //! shard on the heavier rank, greedy text is the same as tp 1 at 2,1, 1,2 and 3,2,1 (local
 //! threads and under mpirun), the start-up report prints each rank's own shard and bytes, and
-//! every bad value is a clear error before anything loads.
+//! every bad value is a clear error before anything loads; `tp serve`'s KV budget fits the
+//! heavier rank.
 
 mod common;
+mod serve_util;
 use std::time::Duration;
 
 const TP: &str = env!("CARGO_BIN_EXE_tp");
@@ -219,6 +221,62 @@ fn busiest_weighted_rank_is_named_by_the_memory_check() {
         f.stderr.contains("rank 1 (--rank-weights 1,2) needs"),
         "{}",
         f.stderr
+    );
+}
+
+/// The `= N positions` of `tp serve`'s KV budget line.
+fn budget_positions(stderr: &str) -> usize {
+    stderr
+        .lines()
+        .find(|l| l.starts_with("# KV budget:"))
+        .and_then(|l| l.split("= ").nth(1))
+        .and_then(|l| l.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no KV budget line in {stderr}"))
+}
+
+#[test]
+fn serve_budgets_kv_for_the_heavier_rank_and_answers_as_tp_1() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let m = model.to_string_lossy().to_string();
+    let want = greedy(&m, &["-q"]);
+    assert_eq!(want.code, Some(0), "{}", want.output);
+    let mut positions = Vec::new();
+    for weights in ["1,1", "2,1"] {
+        let mut server = serve_util::ServerProc::start_with(
+            serve_util::TP,
+            &[],
+            &model,
+            &[
+                "--rank-weights",
+                weights,
+                "--ctx-size",
+                "2048",
+                "--max-rank-memory",
+                "200MB",
+            ],
+        );
+        let body = serde_json::json!({"prompt": PROMPT, "max_tokens": 12, "temperature": 0});
+        let r = server.client.post_json("/v1/completions", &body).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        let text = r.json()["choices"][0]["text"].as_str().unwrap().to_string();
+        // 12 of tp 1's 32 greedy tokens.
+        assert!(
+            text.len() > 10 && want.stdout.starts_with(&text),
+            "--rank-weights {weights}: {text:?} is not how {:?} starts",
+            want.stdout
+        );
+        positions.push(budget_positions(&server.stderr()));
+        server.signal("TERM");
+        server.wait(Duration::from_secs(60));
+    }
+    // 2,1: rank 0 holds 2 of 3 KV heads and two thirds of the weights, so fewer positions fit
+    // its 200 MB than either rank's at 1,1.
+    assert!(
+        positions[1] < positions[0],
+        "KV positions at 1,1 and 2,1: {positions:?}"
     );
 }
 
