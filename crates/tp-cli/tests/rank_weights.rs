@@ -367,3 +367,27 @@ fn rank_weights_under_mpirun_give_the_local_text() {
         bad.output
     );
 }
+
+#[test]
+fn plan_turns_host_speeds_into_rank_weights() {
+    let f = tp(&["plan", "--host-speeds", "25,12"]);
+    assert_eq!(f.code, Some(0), "{}", f.output);
+    assert!(
+        f.stdout
+            .contains("--rank-weights 2,1: shares 66.7%,33.3% (largest difference 0.9 points)"),
+        "{}",
+        f.stdout
+    );
+    let f = tp(&["plan", "--host-speeds", "10,7,3.4"]);
+    assert_eq!(f.code, Some(0), "{}", f.output);
+    assert!(f.stdout.contains("--rank-weights 3,2,1:"), "{}", f.stdout);
+    for bad in ["25,0", "-3,1", "x"] {
+        let f = tp(&["plan", "--host-speeds", bad]);
+        assert_ne!(f.code, Some(0), "{bad}: {}", f.output);
+        assert!(
+            f.stderr.contains("give one positive number per host"),
+            "{bad}: {}",
+            f.stderr
+        );
+    }
+}
