@@ -317,6 +317,9 @@ impl ChildServer {
         if margs.dequantize {
             cmd.arg("--dequantize");
         }
+        if let Some(w) = &margs.rank_weights {
+            cmd.arg("--rank-weights").arg(w.to_string());
+        }
         let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -1,12 +1,15 @@
 //! `tp inspect`: a model's shapes and the shard each rank would get at a given tp (heads, KV
 //! heads and whether they are shared, FFN columns, vocab rows, bytes), without loading weights.
 
-use crate::model_run::{memory_plan, DTypeArg, KvDtypeArg};
+use crate::launch::Backend;
+use crate::model_run::{memory_plan, rank_weights_for, DTypeArg, KvDtypeArg};
 use crate::units::show_bytes;
 use anyhow::Context;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use tp_models::{open_checkpoint, Checkpoint, DenseDType, LoadOptions, ShardPlan, WeightName};
+use tp_models::{
+    open_checkpoint, Checkpoint, DenseDType, LoadOptions, RankWeights, ShardPlan, WeightName,
+};
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct InspectArgs {
@@ -16,8 +19,13 @@ pub struct InspectArgs {
     /// The same as the positional MODEL, spelled as every other command takes it.
     #[arg(long = "model", id = "model_flag", value_name = "MODEL")]
     pub model_flag: Option<PathBuf>,
-    #[arg(long, default_value_t = 1)]
-    pub tp: usize,
+    /// Ranks (default 1, or the count of --rank-weights).
+    #[arg(long)]
+    pub tp: Option<usize>,
+    /// One weight per rank (e.g. 2,1): shards in proportion to them, as the model commands'
+    /// --rank-weights.
+    #[arg(long, value_name = "W0,W1,..", value_parser = crate::model_run::parse_rank_weights, allow_hyphen_values = true)]
+    pub rank_weights: Option<RankWeights>,
     /// KV cache positions to budget per rank (default: the model's context).
     #[arg(long)]
     pub ctx_size: Option<usize>,
@@ -47,7 +55,26 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         dense,
         kv_dtype: args.kv_dtype.kv_dtype(),
     };
-    print!("{}", describe(&*ckpt, args.tp, args.ctx_size, opts)?);
+    let tp = match (args.tp, &args.rank_weights) {
+        (Some(tp), _) => tp,
+        (None, Some(w)) => w.tp(),
+        (None, None) => 1,
+    };
+    let weights = rank_weights_for(args.rank_weights.as_ref(), tp, Backend::Local)?;
+    let text = match describe(&*ckpt, &weights, args.ctx_size, opts) {
+        Err(e)
+            if args.rank_weights.is_some()
+                && e.downcast_ref::<tp_models::ModelError>()
+                    .is_some_and(|e| e.is_split_error()) =>
+        {
+            return Err(e.context(format!(
+                "--rank-weights {weights} cannot split {}",
+                path.display()
+            )))
+        }
+        r => r?,
+    };
+    print!("{text}");
     Ok(ExitCode::SUCCESS)
 }
 
@@ -64,11 +91,12 @@ fn format_of(ckpt: &dyn Checkpoint, name: WeightName) -> String {
 /// The report `tp inspect` prints.
 pub fn describe(
     ckpt: &dyn Checkpoint,
-    tp: usize,
+    weights: &RankWeights,
     ctx_size: Option<usize>,
     opts: LoadOptions,
 ) -> anyhow::Result<String> {
     use std::fmt::Write;
+    let tp = weights.tp();
     let cfg = ckpt.config();
     let ctx = ctx_size.unwrap_or(cfg.context);
     let mut s = String::new();
@@ -114,10 +142,15 @@ pub fn describe(
             format_of(ckpt, WeightName::Output)
         },
     )?;
-    let plan = memory_plan(ckpt, tp, ctx, opts)?;
+    let plan = memory_plan(ckpt, weights, ctx, opts)?;
+    let weighted = if weights.is_even() {
+        String::new()
+    } else {
+        format!(", rank weights {weights}")
+    };
     writeln!(
         s,
-        "\ntp {tp}: per rank (KV cache for {ctx} positions, {}; taken in blocks of {} as tokens arrive)",
+        "\ntp {tp}{weighted}: per rank (KV cache for {ctx} positions, {}; taken in blocks of {} as tokens arrive)",
         opts.kv_dtype,
         tp_models::BLOCK_POSITIONS
     )?;
@@ -135,7 +168,7 @@ pub fn describe(
         "total"
     )?;
     for (r, m) in plan.iter().enumerate() {
-        let p = ShardPlan::for_checkpoint(ckpt, r, tp)?;
+        let p = ShardPlan::for_checkpoint_weighted(ckpt, r, weights)?;
         let kv = p.kv_heads();
         let shared = kv.len() * cfg.heads / cfg.kv_heads > p.q_heads().len();
         writeln!(
@@ -154,7 +187,7 @@ pub fn describe(
     }
     if tp > cfg.kv_heads
         || (0..tp).any(|r| {
-            ShardPlan::for_checkpoint(ckpt, r, tp)
+            ShardPlan::for_checkpoint_weighted(ckpt, r, weights)
                 .is_ok_and(|p| p.kv_heads().len() * cfg.heads / cfg.kv_heads > p.q_heads().len())
         })
     {

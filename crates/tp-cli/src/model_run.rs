@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use tp_engine::{Command, Worker};
 use tp_models::{
     open_checkpoint, rank_memory, Checkpoint, DenseDType, KvDtype, LoadOptions, RankMemory,
-    ShardPlan, ShardedModel, SyncMode,
+    RankWeights, ShardPlan, ShardedModel, SyncMode,
 };
 use tp_tokenizer::Tokenizer;
 
@@ -76,9 +76,14 @@ pub struct ModelArgs {
     /// downloaded on first use into the cache directory ($TP_CACHE_DIR or ~/.cache/tensor-parallel).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Tensor-parallel ranks (default 1; under mpirun, the number of processes).
+    /// Tensor-parallel ranks (default 1, or the count of --rank-weights; under mpirun, the
+    /// number of processes).
     #[arg(long)]
     pub tp: Option<usize>,
+    /// Uneven hosts: one weight per rank, e.g. 2,1 gives rank 0 two thirds of the heads, FFN
+    /// blocks and vocabulary (contiguous shards; same logits as even shards). Default: even.
+    #[arg(long, value_name = "W0,W1,..", value_parser = parse_rank_weights, allow_hyphen_values = true)]
+    pub rank_weights: Option<RankWeights>,
     /// Ranks as threads of this process (local) or as processes under mpirun (mpi).
     #[arg(long, value_enum, default_value_t = Backend::Local)]
     pub backend: Backend,
@@ -136,6 +141,11 @@ impl ModelArgs {
         }
     }
 
+    /// Each rank's weight at `tp`: `--rank-weights` (one per rank), else even.
+    pub fn weights_for(&self, tp: usize) -> anyhow::Result<RankWeights> {
+        rank_weights_for(self.rank_weights.as_ref(), tp, self.backend)
+    }
+
     /// The tp size for `world` ranks: under MPI the world, else `--tp` (default 1).
     fn tp_for(&self, world: usize) -> anyhow::Result<usize> {
         match (self.backend, self.tp) {
@@ -144,7 +154,9 @@ impl ModelArgs {
             ),
             (Backend::Mpi, _) => Ok(world),
             (Backend::Local, Some(0)) => bail!("--tp must be at least 1"),
-            (Backend::Local, tp) => Ok(tp.unwrap_or(1)),
+            // --rank-weights alone sets the rank count.
+            (Backend::Local, None) => Ok(self.rank_weights.as_ref().map_or(1, RankWeights::tp)),
+            (Backend::Local, Some(tp)) => Ok(tp),
         }
     }
 }
@@ -167,6 +179,33 @@ pub fn resolve_model_path(path: &Path) -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
+/// `--rank-weights`' value: whole numbers separated by commas, each 1..=1000.
+pub fn parse_rank_weights(s: &str) -> Result<RankWeights, String> {
+    s.parse::<RankWeights>().map_err(|e| e.to_string())
+}
+
+/// `weights` checked against `tp` (one per rank), or even weights when none were given.
+pub fn rank_weights_for(
+    weights: Option<&RankWeights>,
+    tp: usize,
+    backend: Backend,
+) -> anyhow::Result<RankWeights> {
+    match weights {
+        None => Ok(RankWeights::even(tp)),
+        Some(w) if w.tp() != tp => {
+            let what = match backend {
+                Backend::Mpi => format!("mpirun started {tp} processes"),
+                Backend::Local => format!("tp is {tp}"),
+            };
+            bail!(
+                "--rank-weights {w} has {} weights but {what}; give exactly one weight per rank",
+                w.tp()
+            )
+        }
+        Some(w) => Ok(w.clone()),
+    }
+}
+
 /// What rank 0 has besides its worker.
 pub struct Session {
     pub worker: Worker,
@@ -174,16 +213,17 @@ pub struct Session {
     pub ctx_size: usize,
 }
 
-/// Every rank's memory at `tp` with a KV cache of `ctx` positions.
+/// Every rank's memory with shares in proportion to `weights` (one per rank) and a KV cache
+/// of `ctx` positions.
 pub fn memory_plan(
     ckpt: &dyn Checkpoint,
-    tp: usize,
+    weights: &RankWeights,
     ctx: usize,
     opts: LoadOptions,
 ) -> tp_models::Result<Vec<RankMemory>> {
-    (0..tp)
+    (0..weights.tp())
         .map(|r| {
-            let plan = ShardPlan::for_checkpoint(ckpt, r, tp)?;
+            let plan = ShardPlan::for_checkpoint_weighted(ckpt, r, weights)?;
             rank_memory(
                 ckpt,
                 &plan,
@@ -196,22 +236,38 @@ pub fn memory_plan(
         .collect()
 }
 
-/// Refuses a layout whose busiest rank exceeds `budget`, naming the smallest tp that fits.
-fn check_budget(
+/// `memory_plan` with even shares over `tp` ranks.
+fn even_memory_plan(
     ckpt: &dyn Checkpoint,
     tp: usize,
+    ctx: usize,
+    opts: LoadOptions,
+) -> tp_models::Result<Vec<RankMemory>> {
+    memory_plan(ckpt, &RankWeights::even(tp), ctx, opts)
+}
+
+/// Refuses a layout whose busiest rank exceeds `budget`, naming the smallest tp that fits
+/// (and, with uneven weights, the rank over it).
+fn check_budget(
+    ckpt: &dyn Checkpoint,
+    weights: &RankWeights,
     ctx: usize,
     opts: LoadOptions,
     budget: u64,
     plan: &[RankMemory],
 ) -> anyhow::Result<()> {
+    let tp = weights.tp();
     let need = plan.iter().map(RankMemory::total).max().unwrap_or(0) as u64;
     if need <= budget {
         return Ok(());
     }
+    let busiest = plan
+        .iter()
+        .position(|m| m.total() as u64 == need)
+        .unwrap_or(0);
     let heads = ckpt.config().heads;
     let fits = (1..=heads).find(|&t| {
-        memory_plan(ckpt, t, ctx, opts)
+        even_memory_plan(ckpt, t, ctx, opts)
             .map(|p| p.iter().all(|m| m.total() as u64 <= budget))
             .unwrap_or(false)
     });
@@ -221,8 +277,16 @@ fn check_budget(
             "no tp up to {heads} (the head count) fits; lower --ctx-size, or keep weights quantized"
         ),
     };
+    let (who, hint) = if weights.is_even() {
+        ("a rank".to_string(), hint)
+    } else {
+        (
+            format!("rank {busiest} (--rank-weights {weights})"),
+            format!("lower its weight, or with even shards {hint}"),
+        )
+    };
     bail!(
-        "a rank needs {} at tp {tp} (weights and a KV cache of {ctx} positions) but --max-rank-memory is {}; {hint}",
+        "{who} needs {} at tp {tp} (weights and a KV cache of {ctx} positions) but --max-rank-memory is {}; {hint}",
         show_bytes(need),
         show_bytes(budget)
     )
@@ -231,11 +295,11 @@ fn check_budget(
 fn describe_rank(
     ckpt: &dyn Checkpoint,
     rank: usize,
-    tp: usize,
+    weights: &RankWeights,
     m: &RankMemory,
     ctx: usize,
 ) -> String {
-    let Ok(plan) = ShardPlan::for_checkpoint(ckpt, rank, tp) else {
+    let Ok(plan) = ShardPlan::for_checkpoint_weighted(ckpt, rank, weights) else {
         return format!("rank {rank}: no shard");
     };
     let cfg = ckpt.config();
@@ -277,7 +341,8 @@ pub fn run_model<T: Send>(
                 .with_context(|| format!("cannot load the model {}", path.display()))?;
             let ctx = args.ctx_size.unwrap_or(ckpt.config().context);
             let tp = args.tp_for(1)?;
-            plan_and_check(args, &*ckpt, &path, tp, ctx, true)?;
+            let weights = args.weights_for(tp)?;
+            plan_and_check(args, &*ckpt, &path, &weights, ctx, true)?;
             let file_bytes = std::fs::metadata(&path)
                 .ok()
                 .filter(|m| m.is_file())
@@ -312,7 +377,8 @@ pub fn run_model<T: Send>(
             let (path, ckpt, id) = opened?;
             let ctx = args.ctx_size.unwrap_or(ckpt.config().context);
             let tp = args.tp_for(g.size())?;
-            plan_and_check(args, &*ckpt, &path, tp, ctx, g.rank() == 0)?;
+            let weights = args.weights_for(tp)?;
+            plan_and_check(args, &*ckpt, &path, &weights, ctx, g.rank() == 0)?;
             let model = Opened {
                 path: &path,
                 ckpt: &*ckpt,
@@ -341,11 +407,15 @@ fn run_rank<T>(
     lead: &(impl Fn(&mut Session) -> anyhow::Result<T> + Sync),
 ) -> anyhow::Result<Option<T>> {
     let tp = args.tp_for(g.size())?;
+    let weights = args.weights_for(tp)?;
     let rank = g.rank();
     let counting = Counting::new(m.ckpt);
     let started = Instant::now();
-    let mut model = ShardedModel::load(&counting, rank, tp, args.load_options(), m.ctx)
-        .with_context(|| format!("rank {rank} cannot load its shard of {}", m.path.display()))?;
+    let mut model =
+        ShardedModel::load_weighted(&counting, rank, &weights, args.load_options(), m.ctx)
+            .with_context(|| {
+                format!("rank {rank} cannot load its shard of {}", m.path.display())
+            })?;
     model.set_sync(args.sync.mode());
     let mine = LoadStats {
         bytes: counting.bytes(),
@@ -385,14 +455,23 @@ fn plan_and_check(
     args: &ModelArgs,
     ckpt: &dyn Checkpoint,
     path: &Path,
-    tp: usize,
+    weights: &RankWeights,
     ctx: usize,
     show: bool,
 ) -> anyhow::Result<()> {
+    let tp = weights.tp();
     let opts = args.load_options();
     let cfg = ckpt.config();
-    let plan = memory_plan(ckpt, tp, ctx, opts)
-        .with_context(|| format!("a context of {ctx} positions does not fit (--ctx-size, default: the model's context length)"))?;
+    let plan = match memory_plan(ckpt, weights, ctx, opts) {
+        Ok(plan) => plan,
+        Err(e) if args.rank_weights.is_some() && e.is_split_error() => {
+            return Err(anyhow::Error::new(e).context(format!(
+                "--rank-weights {weights} cannot split {}",
+                path.display()
+            )))
+        }
+        Err(e) => return Err(anyhow::Error::new(e).context(format!("a context of {ctx} positions does not fit (--ctx-size, default: the model's context length)"))),
+    };
     // The memory plan names the cost of huge contexts first; the step protocol carries a sequence's capacity as a u32.
     if u32::try_from(ctx).is_err() {
         bail!(
@@ -403,7 +482,7 @@ fn plan_and_check(
     check_machine_memory(args.backend, tp, ctx, &plan)?;
     if show && !args.quiet {
         eprintln!(
-            "# {}: {} {} layers, hidden {}, {} heads / {} KV heads, vocab {}; tp {tp} ({:?} backend{})",
+            "# {}: {} {} layers, hidden {}, {} heads / {} KV heads, vocab {}; tp {tp}{} ({:?} backend{})",
             path.display(),
             cfg.arch.name(),
             cfg.layers,
@@ -411,6 +490,10 @@ fn plan_and_check(
             cfg.heads,
             cfg.kv_heads,
             cfg.vocab,
+            match &args.rank_weights {
+                Some(w) => format!(", rank weights {w}"),
+                None => String::new(),
+            },
             args.backend,
             match args.sync {
                 SyncArg::Exact => "",
@@ -418,11 +501,11 @@ fn plan_and_check(
             }
         );
         for (r, m) in plan.iter().enumerate() {
-            eprintln!("# {}", describe_rank(ckpt, r, tp, m, ctx));
+            eprintln!("# {}", describe_rank(ckpt, r, weights, m, ctx));
         }
     }
     if let Some(budget) = args.max_rank_memory {
-        check_budget(ckpt, tp, ctx, opts, budget, &plan)?;
+        check_budget(ckpt, weights, ctx, opts, budget, &plan)?;
     }
     Ok(())
 }

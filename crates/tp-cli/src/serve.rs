@@ -172,28 +172,37 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let out = run_model(&args.model, |s| {
         let tp = s.worker.group().size();
         let cfg = s.worker.model().config().clone();
-        // The busiest rank's KV bytes per position bound how many positions fit.
-        let mut per_position = 0;
-        for r in 0..tp {
-            let plan = ShardPlan::new(&cfg, 1, r, tp)?;
-            let width = plan.kv_heads().len() * cfg.head_dim;
-            per_position =
-                per_position.max(cfg.layers * 2 * width * s.worker.model().kv_dtype().size());
-        }
-        let budget = match (args.max_kv_memory, args.model.max_rank_memory) {
-            (Some(b), _) => b,
-            (None, Some(rank)) => {
+        // Every rank must hold every position: the budget is the positions of the rank that
+        // holds the fewest (KV bytes per position and weights differ by rank under
+        // --rank-weights).
+        let weights = args.model.weights_for(tp)?;
+        let weight_bytes: Vec<u64> = match (args.max_kv_memory, args.model.max_rank_memory) {
+            (None, Some(_)) => {
                 let ckpt = open_checkpoint(&path)?;
-                let plan = memory_plan(&*ckpt, tp, s.ctx_size, args.model.load_options())?;
-                let weights = plan
+                memory_plan(&*ckpt, &weights, s.ctx_size, args.model.load_options())?
                     .iter()
                     .map(|m| (m.sharded + m.replicated) as u64)
-                    .max()
-                    .unwrap_or(0);
-                rank.saturating_sub(weights)
+                    .collect()
             }
-            (None, None) => DEFAULT_KV_BYTES,
+            _ => vec![0; tp],
         };
+        // (positions, budget, bytes per position) of the limiting rank.
+        let mut limiting: Option<(u64, u64, usize)> = None;
+        for (r, weight_bytes) in weight_bytes.iter().enumerate() {
+            let plan = ShardPlan::weighted(&cfg, 1, r, &weights)?;
+            let width = plan.kv_heads().len() * cfg.head_dim;
+            let per_position = cfg.layers * 2 * width * s.worker.model().kv_dtype().size();
+            let budget = match (args.max_kv_memory, args.model.max_rank_memory) {
+                (Some(b), _) => b,
+                (None, Some(rank)) => rank.saturating_sub(*weight_bytes),
+                (None, None) => DEFAULT_KV_BYTES,
+            };
+            let positions = budget / per_position.max(1) as u64;
+            if limiting.is_none_or(|(p, _, _)| positions < p) {
+                limiting = Some((positions, budget, per_position));
+            }
+        }
+        let (positions, budget, per_position) = limiting.unwrap_or((0, 0, 1));
         // A budget is reserved as requests arrive; one larger than the machine would let
         // admissions outrun memory instead of queueing.
         if let Some(machine) = tp_models::limits::physical_memory().filter(|&m| budget > m) {
@@ -203,7 +212,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
                 show_bytes(machine)
             );
         }
-        let positions = (budget / per_position.max(1) as u64) as usize;
+        let positions = usize::try_from(positions).unwrap_or(usize::MAX);
         if positions < 2 {
             bail!(
                 "a KV budget of {} per rank holds {positions} positions ({} each); raise --max-kv-memory or --max-rank-memory",

@@ -91,6 +91,17 @@ impl ModelError {
             other => other,
         }
     }
+
+    /// The split itself failed: more ranks than units, or rank weights that leave a rank
+    /// without a unit (the tp or the weights are what to change, not the context).
+    pub fn is_split_error(&self) -> bool {
+        matches!(
+            self,
+            ModelError::Tp(
+                tp_nn::TpError::EmptyWeightedShare { .. } | tp_nn::TpError::InvalidTp { .. }
+            )
+        )
+    }
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;

@@ -32,3 +32,4 @@ pub use open::open_checkpoint;
 pub use profile::Profile;
 pub use shard::{rank_memory, RankMemory, ShardPlan};
 pub use sync::SyncMode;
+pub use tp_nn::RankWeights;

@@ -12,6 +12,7 @@ use crate::profile::Profile;
 use crate::shard::ShardPlan;
 use crate::sync::{sum_partials, SyncMode};
 use tp_comm::{CommExt, Group, ReduceOp};
+use tp_nn::RankWeights;
 
 /// One transformer block's local weights.
 #[derive(Debug)]
@@ -62,8 +63,30 @@ impl ShardedModel {
         opts: LoadOptions,
         max_pos: usize,
     ) -> Result<Self> {
-        let cfg = ckpt.config().clone();
         let plan = ShardPlan::for_checkpoint(ckpt, tp_rank, tp)?;
+        Self::load_plan(ckpt, plan, opts, max_pos)
+    }
+
+    /// [`ShardedModel::load`] with shares in proportion to `weights` (one per rank of the
+    /// group, [`ShardPlan::weighted`]); every rank of the group must pass the same weights.
+    pub fn load_weighted(
+        ckpt: &dyn Checkpoint,
+        tp_rank: usize,
+        weights: &RankWeights,
+        opts: LoadOptions,
+        max_pos: usize,
+    ) -> Result<Self> {
+        let plan = ShardPlan::for_checkpoint_weighted(ckpt, tp_rank, weights)?;
+        Self::load_plan(ckpt, plan, opts, max_pos)
+    }
+
+    fn load_plan(
+        ckpt: &dyn Checkpoint,
+        plan: ShardPlan,
+        opts: LoadOptions,
+        max_pos: usize,
+    ) -> Result<Self> {
+        let cfg = ckpt.config().clone();
         let hd = cfg.head_dim;
         // Checked (and built) first: a context too long to hold fails before any weight is read.
         let rope = RopeTable::new(hd, max_pos, cfg.rope_theta, cfg.rope_style)?;

@@ -6,7 +6,7 @@ use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::kv_cache::{KvDtype, SeqCache};
 use std::ops::Range;
-use tp_nn::{HeadPlan, Partition};
+use tp_nn::{HeadPlan, Partition, RankWeights};
 
 /// Columns a dense row-parallel product sums in f32 before widening to f64.
 pub const DENSE_CHUNK: usize = 32;
@@ -25,6 +25,7 @@ pub struct ShardPlan {
 }
 
 impl ShardPlan {
+    /// The balanced split over `tp` ranks.
     pub fn new(cfg: &ModelConfig, ffn_unit: usize, tp_rank: usize, tp: usize) -> Result<Self> {
         let heads = HeadPlan::new(cfg.heads, cfg.kv_heads, tp_rank, tp)?;
         let unit = if ffn_unit > 0 && cfg.ffn.is_multiple_of(ffn_unit) && cfg.ffn / ffn_unit >= tp {
@@ -44,16 +45,61 @@ impl ShardPlan {
         })
     }
 
+    /// Every split (query heads, FFN blocks, vocabulary rows) in proportion to `weights`, one
+    /// per rank ([`Partition::weighted`]); equal weights give [`ShardPlan::new`]'s plan. The
+    /// FFN stays in units of `ffn_unit` when every rank's share is at least one unit, as in
+    /// the balanced plan; KV heads follow the query heads.
+    pub fn weighted(
+        cfg: &ModelConfig,
+        ffn_unit: usize,
+        tp_rank: usize,
+        weights: &RankWeights,
+    ) -> Result<Self> {
+        let tp = weights.tp();
+        let heads = HeadPlan::weighted(cfg.heads, cfg.kv_heads, tp_rank, weights)?;
+        let in_blocks = (ffn_unit > 0 && cfg.ffn.is_multiple_of(ffn_unit))
+            .then(|| Partition::weighted(cfg.ffn / ffn_unit, weights, "FFN blocks", "FFN block"))
+            .and_then(|p| p.ok());
+        let (ffn, unit) = match in_blocks {
+            Some(p) => (p, ffn_unit),
+            None => (
+                Partition::weighted(cfg.ffn, weights, "FFN columns", "FFN column")?,
+                1,
+            ),
+        };
+        let vocab = Partition::weighted(cfg.vocab, weights, "vocabulary rows", "vocabulary row")?;
+        Ok(ShardPlan {
+            tp_rank,
+            tp,
+            heads,
+            ffn,
+            ffn_unit: unit,
+            vocab,
+        })
+    }
+
     /// For a checkpoint: the FFN unit is the quant block of its down projection (32 columns
     /// for float weights: the chunk the f64-accumulating product sums in f32, so shards of
     /// dense weights also split at chunk boundaries and stay tp-invariant).
     pub fn for_checkpoint(ckpt: &dyn Checkpoint, tp_rank: usize, tp: usize) -> Result<Self> {
-        let unit = ckpt
+        Self::new(ckpt.config(), Self::ffn_unit_of(ckpt)?, tp_rank, tp)
+    }
+
+    /// [`ShardPlan::for_checkpoint`] with shares in proportion to `weights`.
+    pub fn for_checkpoint_weighted(
+        ckpt: &dyn Checkpoint,
+        tp_rank: usize,
+        weights: &RankWeights,
+    ) -> Result<Self> {
+        Self::weighted(ckpt.config(), Self::ffn_unit_of(ckpt)?, tp_rank, weights)
+    }
+
+    fn ffn_unit_of(ckpt: &dyn Checkpoint) -> Result<usize> {
+        Ok(ckpt
             .meta(WeightName::Down(0))?
             .storage
             .block()
-            .max(DENSE_CHUNK);
-        Self::new(ckpt.config(), unit, tp_rank, tp)
+            .max(DENSE_CHUNK))
     }
 
     pub fn q_heads(&self) -> Range<usize> {

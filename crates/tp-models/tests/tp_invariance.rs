@@ -1,7 +1,9 @@
 //! R10: the logits do not depend on tp. Row-parallel products sum their blocks in f64 and the
 //! ranks' partial sums are added in f64, so tp 2, 3 and 4 give the SAME BITS as tp 1 whenever
 //! every shard boundary falls on a quant block (32-element formats, dense weights split at
-//! 32-column chunks) — on synthetic models of every such type and on the real SmolLM2.
+//! 32-column chunks) — on synthetic models of every such type and on the real SmolLM2. Weighted
+//! shards (`ShardPlan::weighted`: rank weights 2,1, 1,2, 3,2,1, ...) keep those boundaries, so
+//! they give the same bits too.
 
 mod common;
 
@@ -9,17 +11,33 @@ use candle_core::quantized::GgmlDType;
 use tp_comm::local::{self, LocalOptions};
 use tp_models::synthetic::{GgufTypes, HfDType, SyntheticModel};
 use tp_models::{
-    open_checkpoint, Arch, Checkpoint, Chunk, KvDtype, LoadOptions, Profile, ShardedModel,
+    open_checkpoint, Arch, Checkpoint, Chunk, KvDtype, LoadOptions, Profile, RankWeights,
+    ShardPlan, ShardedModel,
 };
 
-/// Full logits of a prompt (every position) and of 3 decode steps, at `tp`, with a `kv` cache.
-fn logits_with(ckpt: &dyn Checkpoint, tp: usize, prompt: &[u32], kv: KvDtype) -> Vec<Vec<f32>> {
+/// Full logits of a prompt (every position) and of 3 decode steps, at `tp` (balanced shards).
+fn logits(ckpt: &dyn Checkpoint, tp: usize, prompt: &[u32]) -> Vec<Vec<f32>> {
+    logits_with(ckpt, tp, None, prompt, KvDtype::F32)
+}
+
+/// [`logits`] with shards in proportion to `weights` when given (`tp` = their count) and a
+/// `kv` cache.
+fn logits_with(
+    ckpt: &dyn Checkpoint,
+    tp: usize,
+    weights: Option<&RankWeights>,
+    prompt: &[u32],
+    kv: KvDtype,
+) -> Vec<Vec<f32>> {
     let opts = LoadOptions {
         kv_dtype: kv,
         ..LoadOptions::default()
     };
     let out = local::run(tp, LocalOptions::default(), |g| {
-        let m = ShardedModel::load(ckpt, g.rank(), tp, opts, 64).unwrap();
+        let m = match weights {
+            Some(w) => ShardedModel::load_weighted(ckpt, g.rank(), w, opts, 64).unwrap(),
+            None => ShardedModel::load(ckpt, g.rank(), tp, opts, 64).unwrap(),
+        };
         let mut prof = Profile::default();
         let mut cache = m.new_cache(64);
         let mut rows = Vec::new();
@@ -58,27 +76,65 @@ fn logits_with(ckpt: &dyn Checkpoint, tp: usize, prompt: &[u32], kv: KvDtype) ->
     out.into_iter().next().unwrap().unwrap()
 }
 
-fn assert_tp_invariant(ckpt: &dyn Checkpoint, what: &str, prompt: &[u32]) {
-    assert_tp_invariant_with(ckpt, what, prompt, KvDtype::F32)
+fn assert_same_bits(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (step, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.len(), w.len(), "{what}: step {step}");
+        let differ = g
+            .iter()
+            .zip(w)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differ,
+            0,
+            "{what}: step {step}: {differ} of {} logits differ from tp 1",
+            w.len()
+        );
+    }
 }
 
-fn assert_tp_invariant_with(ckpt: &dyn Checkpoint, what: &str, prompt: &[u32], kv: KvDtype) {
-    let want = logits_with(ckpt, 1, prompt, kv);
+fn assert_tp_invariant(ckpt: &dyn Checkpoint, what: &str, prompt: &[u32]) {
+    let want = logits(ckpt, 1, prompt);
     for tp in 2..=4 {
-        let got = logits_with(ckpt, tp, prompt, kv);
-        for (step, (g, w)) in got.iter().zip(&want).enumerate() {
-            let differ = g
-                .iter()
-                .zip(w)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
-            assert_eq!(
-                differ,
-                0,
-                "{what}: tp {tp} step {step}: {differ} of {} logits differ from tp 1",
-                w.len()
-            );
-        }
+        let got = logits(ckpt, tp, prompt);
+        assert_same_bits(&got, &want, &format!("{what}: tp {tp}"));
+    }
+}
+
+/// Weighted shards give tp 1's bits; the shards really are uneven (checked on the plan, so a
+/// weighted load that silently fell back to the balanced split would fail here).
+fn assert_weighted_invariant(ckpt: &dyn Checkpoint, what: &str, prompt: &[u32], all: &[&[u32]]) {
+    let want = logits(ckpt, 1, prompt);
+    for w in all {
+        let weights = RankWeights::new(w.to_vec()).unwrap();
+        let tp = weights.tp();
+        let heads: Vec<usize> = (0..tp)
+            .map(|r| {
+                ShardPlan::for_checkpoint_weighted(ckpt, r, &weights)
+                    .unwrap()
+                    .q_heads()
+                    .len()
+            })
+            .collect();
+        let even: Vec<usize> = (0..tp)
+            .map(|r| {
+                ShardPlan::for_checkpoint(ckpt, r, tp)
+                    .unwrap()
+                    .q_heads()
+                    .len()
+            })
+            .collect();
+        assert_ne!(
+            heads, even,
+            "{what}: weights {weights} give the balanced heads"
+        );
+        let got = logits_with(ckpt, tp, Some(&weights), prompt, KvDtype::F32);
+        assert_same_bits(
+            &got,
+            &want,
+            &format!("{what}: weights {weights} (heads {heads:?})"),
+        );
     }
 }
 
@@ -126,6 +182,73 @@ fn smollm2_gives_the_same_bits_at_tp_1_to_4() {
     assert_tp_invariant(&*ckpt, "SmolLM2 Q4_1", &prompt);
 }
 
+#[test]
+fn synthetic_models_give_the_same_bits_with_rank_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompt: Vec<u32> = vec![1, 17, 256, 999, 3, 512, 64, 8];
+    let weights: [&[u32]; 4] = [&[2, 1], &[1, 2], &[3, 2, 1], &[1, 3, 1, 2]];
+    use GgmlDType::*;
+    for (i, (arch, linear, embed)) in [
+        (Arch::Llama, Q4_1, Q8_0),
+        (Arch::Llama, F32, F32),
+        (Arch::Qwen2, Q8_0, Q4_1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let model = SyntheticModel::small(arch, 300 + i as u64);
+        let path = dir.path().join(format!("w{i}.gguf"));
+        model
+            .write_gguf(&path, GgufTypes { linear, embed })
+            .unwrap();
+        let ckpt = open_checkpoint(&path).unwrap();
+        assert_weighted_invariant(
+            &*ckpt,
+            &format!("{arch:?} GGUF {linear:?}"),
+            &prompt,
+            &weights,
+        );
+    }
+    let model = SyntheticModel::small(Arch::Qwen2, 400);
+    let d = dir.path().join("hf");
+    model.write_hf(&d, 1, HfDType::F16).unwrap();
+    let ckpt = open_checkpoint(&d).unwrap();
+    assert_weighted_invariant(&*ckpt, "HF F16", &prompt, &weights);
+}
+
+#[test]
+fn smollm2_gives_the_same_bits_with_rank_weights() {
+    let Some(path) = common::smollm2() else {
+        return;
+    };
+    let ckpt = open_checkpoint(&path).unwrap();
+    let prompt = [
+        1u32, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308,
+    ];
+    // 2,1: two thirds of the heads, FFN blocks (48 of 32 columns) and vocabulary on rank 0.
+    let w = RankWeights::new(vec![2, 1]).unwrap();
+    let plans: Vec<_> = (0..2)
+        .map(|r| ShardPlan::for_checkpoint_weighted(&*ckpt, r, &w).unwrap())
+        .collect();
+    let shown: Vec<_> = plans
+        .iter()
+        .map(|p| (p.q_heads(), p.kv_heads(), p.ffn_cols(), p.vocab_rows()))
+        .collect();
+    assert_eq!(
+        shown,
+        vec![
+            (0..6, 0..2, 0..1024, 0..32768),
+            (6..9, 2..3, 1024..1536, 32768..49152)
+        ]
+    );
+    assert_weighted_invariant(
+        &*ckpt,
+        "SmolLM2 Q4_1",
+        &prompt,
+        &[&[2, 1], &[1, 2], &[3, 2, 1]],
+    );
+}
+
 /// A 2-byte KV cache rounds every key and value the same way at every tp (each rank rounds
 /// its own heads' values, element by element), so the logits stay tp-invariant; and they stay
 /// near the f32 cache's: within 5% of the logits' spread on SmolLM2 (measured: at most 3.3%
@@ -141,10 +264,13 @@ fn two_byte_kv_caches_keep_the_same_bits_at_every_tp() {
     let prompt = [
         1u32, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308,
     ];
-    let exact = logits_with(&*ckpt, 1, &prompt, KvDtype::F32);
+    let exact = logits(&*ckpt, 1, &prompt);
     for (kv, bound) in [(KvDtype::F16, 0.05), (KvDtype::Bf16, 0.05)] {
-        assert_tp_invariant_with(&*ckpt, &format!("SmolLM2 Q4_1, {kv} KV"), &prompt, kv);
-        let got = logits_with(&*ckpt, 1, &prompt, kv);
+        let got = logits_with(&*ckpt, 1, None, &prompt, kv);
+        for tp in 2..=4 {
+            let other = logits_with(&*ckpt, tp, None, &prompt, kv);
+            assert_same_bits(&other, &got, &format!("SmolLM2 Q4_1, {kv} KV: tp {tp}"));
+        }
         for (step, (g, w)) in got.iter().zip(&exact).enumerate() {
             let spread = w.iter().fold(f32::MIN, |a, &b| a.max(b))
                 - w.iter().fold(f32::MAX, |a, &b| a.min(b));

@@ -18,6 +18,25 @@ pub enum TpError {
         unit: &'static str,
         tp: usize,
     },
+    /// Rank weights that are not one per rank (`tp` is `None` when none were given at all).
+    #[error("{count} rank weight(s) {}; give exactly one weight per rank", match tp { Some(tp) => format!("for {tp} ranks"), None => "given".to_string() })]
+    RankWeightCount { count: usize, tp: Option<usize> },
+    #[error("rank {rank} has weight 0; every rank's weight must be at least 1")]
+    RankWeightZero { rank: usize },
+    #[error("rank {rank} has weight {weight}, more than the largest allowed ({max}); weights are ratios, so scale them down (2,1 is the same split as 200,100)")]
+    RankWeightTooLarge { rank: usize, weight: u64, max: u32 },
+    #[error("rank weights '{text}' are not whole numbers separated by commas, like 2,1")]
+    RankWeightSyntax { text: String },
+    /// A weighted split that would leave a rank without a unit.
+    #[error("with rank weights {weights}, rank {rank}'s share of the {units} {what} is {share:.2}, less than one {unit}; raise its weight, lower the others' or use fewer ranks")]
+    EmptyWeightedShare {
+        rank: usize,
+        weights: String,
+        units: usize,
+        what: &'static str,
+        unit: &'static str,
+        share: f64,
+    },
     #[error("tp_rank {tp_rank} is out of range for tp={tp}; use 0 <= tp_rank < {tp}")]
     InvalidRank { tp_rank: usize, tp: usize },
     #[error("layer was built for tp_rank {built_rank} of tp={built_tp} but the group is rank {rank} of {size}; pass the tp group the layer was sliced for")]

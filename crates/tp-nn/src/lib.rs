@@ -35,7 +35,7 @@ pub use mappings::{
 };
 pub use mlp::ParallelMlp;
 pub use norm::RmsNorm;
-pub use partition::{HeadPlan, Partition};
+pub use partition::{HeadPlan, Partition, RankWeights, MAX_RANK_WEIGHT};
 pub use recording::RecordingComm;
 pub use reference::DenseBlock;
 pub use rope::{Rope, RopeLayout};

@@ -88,6 +88,10 @@ pub struct PlanArgs {
     /// List model and accelerator presets and exit.
     #[arg(long)]
     pub list_presets: bool,
+    /// Uneven hosts: each host's measured speed in rank order (e.g. decode tokens/s of
+    /// `tp bench decode` at tp 1 on each, 25,12); prints the `--rank-weights` to use and exits.
+    #[arg(long, value_name = "S0,S1,..", allow_hyphen_values = true)]
+    pub host_speeds: Option<String>,
 }
 
 impl Default for PlanArgs {
@@ -117,6 +121,7 @@ impl Default for PlanArgs {
             json: false,
             megatron_table: false,
             list_presets: false,
+            host_speeds: None,
         }
     }
 }
@@ -179,6 +184,9 @@ fn list_presets() -> String {
 pub fn run(args: &PlanArgs) -> Result<String, PlanError> {
     if args.list_presets {
         return Ok(list_presets());
+    }
+    if let Some(text) = &args.host_speeds {
+        return crate::rank_weights::report(&crate::rank_weights::parse_speeds(text)?);
     }
     if args.megatron_table {
         let rows = compare_with_table1()?;

@@ -14,6 +14,7 @@ pub mod hf_config;
 pub mod megatron_table;
 pub mod model;
 pub mod model_presets;
+pub mod rank_weights;
 pub mod report;
 pub mod search;
 pub mod serving_model;
