@@ -1,11 +1,12 @@
 //! `tp inspect`: a model's shapes and the shard each rank would get at a given tp (heads, KV
 //! heads and whether they are shared, FFN columns, vocab rows, bytes), without loading weights.
 
-use crate::model_run::{memory_plan, DTypeArg};
+use crate::model_run::DTypeArg;
 use crate::units::show_bytes;
 use anyhow::Context;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use tp_engine::session::memory_plan;
 use tp_models::{open_checkpoint, Checkpoint, DenseDType, LoadOptions, ShardPlan, WeightName};
 
 #[derive(clap::Args, Clone, Debug)]

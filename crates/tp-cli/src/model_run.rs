@@ -1,21 +1,21 @@
 //! What every model command shares: the model flags, the per-rank memory plan and budget
-//! check, and starting the ranks (rank 0 leads, the others follow its steps).
+//! check (tp-engine's `session`, in flag terms here), and starting the ranks (rank 0 leads,
+//! the others follow its steps).
 
 use crate::fetch;
 use crate::launch::{run_ranks, Backend};
 use crate::load_report::{self, Counting, LoadStats};
 use crate::model_check::{check_same_model, open_and_identify};
 use crate::units::{parse_bytes, show_bytes};
-use anyhow::{bail, Context};
+use anyhow::{anyhow, bail, Context};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
+use tp_engine::session::{self, Placement, SessionError};
 use tp_engine::{Command, Worker};
 use tp_models::{
-    open_checkpoint, rank_memory, Checkpoint, DenseDType, LoadOptions, RankMemory, ShardPlan,
-    ShardedModel, SyncMode,
+    open_checkpoint, Checkpoint, DenseDType, LoadOptions, RankMemory, ShardedModel, SyncMode,
 };
-use tp_tokenizer::Tokenizer;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DTypeArg {
@@ -144,87 +144,42 @@ pub fn resolve_model_path(path: &Path) -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
-/// What rank 0 has besides its worker.
-pub struct Session {
-    pub worker: Worker,
-    pub tokenizer: Tokenizer,
-    pub ctx_size: usize,
-}
+/// What rank 0 holds to lead (tp-engine's; the memory plan travels with it).
+pub use tp_engine::Session;
 
-/// Every rank's memory at `tp` with a KV cache of `ctx` positions.
-pub fn memory_plan(
-    ckpt: &dyn Checkpoint,
-    tp: usize,
-    ctx: usize,
-    opts: LoadOptions,
-) -> tp_models::Result<Vec<RankMemory>> {
-    (0..tp)
-        .map(|r| {
-            let plan = ShardPlan::for_checkpoint(ckpt, r, tp)?;
-            rank_memory(ckpt, &plan, ctx, opts.dense.bytes(), opts.keep_quantized)
-        })
-        .collect()
-}
-
-/// Refuses a layout whose busiest rank exceeds `budget`, naming the smallest tp that fits.
-fn check_budget(
-    ckpt: &dyn Checkpoint,
-    tp: usize,
-    ctx: usize,
-    opts: LoadOptions,
-    budget: u64,
-    plan: &[RankMemory],
-) -> anyhow::Result<()> {
-    let need = plan.iter().map(RankMemory::total).max().unwrap_or(0) as u64;
-    if need <= budget {
-        return Ok(());
+/// A session error in the CLI's words: the flag to change (--ctx-size, --tp,
+/// --max-rank-memory).
+pub fn session_error(e: SessionError) -> anyhow::Error {
+    match e {
+        SessionError::Context { ctx, source } => anyhow::Error::new(*source).context(format!(
+            "a context of {ctx} positions does not fit (--ctx-size, default: the model's context length)"
+        )),
+        e @ SessionError::ContextTooLong { .. } => anyhow!("{e}; lower --ctx-size"),
+        e @ SessionError::OverMachine { .. } => {
+            anyhow!("{e}; lower --ctx-size, or use more machines")
+        }
+        SessionError::OverRankLimit {
+            tp,
+            ctx,
+            need,
+            limit,
+            fits,
+            heads,
+        } => {
+            let hint = match fits {
+                Some(t) => format!("the smallest tp that fits is {t}: use --tp {t}"),
+                None => format!(
+                    "no tp up to {heads} (the head count) fits; lower --ctx-size, or keep weights quantized"
+                ),
+            };
+            anyhow!(
+                "a rank needs {} at tp {tp} (weights and a KV cache of {ctx} positions) but --max-rank-memory is {}; {hint}",
+                show_bytes(need),
+                show_bytes(limit)
+            )
+        }
+        e => anyhow::Error::new(e),
     }
-    let heads = ckpt.config().heads;
-    let fits = (1..=heads).find(|&t| {
-        memory_plan(ckpt, t, ctx, opts)
-            .map(|p| p.iter().all(|m| m.total() as u64 <= budget))
-            .unwrap_or(false)
-    });
-    let hint = match fits {
-        Some(t) => format!("the smallest tp that fits is {t}: use --tp {t}"),
-        None => format!(
-            "no tp up to {heads} (the head count) fits; lower --ctx-size, or keep weights quantized"
-        ),
-    };
-    bail!(
-        "a rank needs {} at tp {tp} (weights and a KV cache of {ctx} positions) but --max-rank-memory is {}; {hint}",
-        show_bytes(need),
-        show_bytes(budget)
-    )
-}
-
-fn describe_rank(
-    ckpt: &dyn Checkpoint,
-    rank: usize,
-    tp: usize,
-    m: &RankMemory,
-    ctx: usize,
-) -> String {
-    let Ok(plan) = ShardPlan::for_checkpoint(ckpt, rank, tp) else {
-        return format!("rank {rank}: no shard");
-    };
-    let cfg = ckpt.config();
-    let kv = plan.kv_heads();
-    let shared = if kv.len() * cfg.heads / cfg.kv_heads > plan.q_heads().len() {
-        " (shared)"
-    } else {
-        ""
-    };
-    format!(
-        "rank {rank}: heads {:?}, KV heads {kv:?}{shared}, FFN {:?}, vocab {:?}: {} sharded + {} replicated + {} KV cache ({ctx} positions) = {}",
-        plan.q_heads(),
-        plan.ffn_cols(),
-        plan.vocab_rows(),
-        show_bytes(m.sharded as u64),
-        show_bytes(m.replicated as u64),
-        show_bytes(m.kv_cache as u64),
-        show_bytes(m.total() as u64),
-    )
 }
 
 /// Loads the model on every rank and runs `lead` on rank 0 while the others follow its steps.
@@ -247,7 +202,7 @@ pub fn run_model<T: Send>(
                 .with_context(|| format!("cannot load the model {}", path.display()))?;
             let ctx = args.ctx_size.unwrap_or(ckpt.config().context);
             let tp = args.tp_for(1)?;
-            plan_and_check(args, &*ckpt, &path, tp, ctx, true)?;
+            let memory = plan_and_check(args, &*ckpt, &path, tp, ctx, true)?;
             let file_bytes = std::fs::metadata(&path)
                 .ok()
                 .filter(|m| m.is_file())
@@ -256,6 +211,7 @@ pub fn run_model<T: Send>(
                 path: &path,
                 ckpt: &*ckpt,
                 ctx,
+                memory,
                 file_bytes,
             };
             run_ranks(Backend::Local, tp, timeout, |g| {
@@ -282,11 +238,12 @@ pub fn run_model<T: Send>(
             let (path, ckpt, id) = opened?;
             let ctx = args.ctx_size.unwrap_or(ckpt.config().context);
             let tp = args.tp_for(g.size())?;
-            plan_and_check(args, &*ckpt, &path, tp, ctx, g.rank() == 0)?;
+            let memory = plan_and_check(args, &*ckpt, &path, tp, ctx, g.rank() == 0)?;
             let model = Opened {
                 path: &path,
                 ckpt: &*ckpt,
                 ctx,
+                memory,
                 file_bytes: Some(id.bytes),
             };
             run_rank(args, &model, g, &lead)
@@ -300,6 +257,8 @@ struct Opened<'a> {
     path: &'a Path,
     ckpt: &'a dyn Checkpoint,
     ctx: usize,
+    /// Every rank's memory plan.
+    memory: Vec<RankMemory>,
     file_bytes: Option<u64>,
 }
 
@@ -332,17 +291,18 @@ fn run_rank<T>(
         worker.follow()?;
         return Ok(None);
     }
-    let tokenizer = match load_tokenizer(m.path, m.ckpt) {
+    let tokenizer = match session::load_tokenizer(m.path, m.ckpt) {
         Ok(t) => t,
         Err(e) => {
             let _ = worker.submit(Command::Exit);
-            return Err(e);
+            return Err(session_error(e));
         }
     };
     let mut session = Session {
         worker,
         tokenizer,
         ctx_size: m.ctx,
+        memory: m.memory.clone(),
     };
     let out = lead(&mut session);
     // Release the followers whatever happened (a broken group fails here too, harmlessly).
@@ -358,19 +318,15 @@ fn plan_and_check(
     tp: usize,
     ctx: usize,
     show: bool,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<RankMemory>> {
     let opts = args.load_options();
     let cfg = ckpt.config();
-    let plan = memory_plan(ckpt, tp, ctx, opts)
-        .with_context(|| format!("a context of {ctx} positions does not fit (--ctx-size, default: the model's context length)"))?;
-    // The memory plan names the cost of huge contexts first; the step protocol carries a sequence's capacity as a u32.
-    if u32::try_from(ctx).is_err() {
-        bail!(
-            "a context of {ctx} positions is more than the {} a sequence can hold; lower --ctx-size",
-            u32::MAX
-        );
-    }
-    check_machine_memory(args.backend, tp, ctx, &plan)?;
+    let placement = match args.backend {
+        Backend::Local => Placement::OneProcess,
+        Backend::Mpi => Placement::ProcessPerRank,
+    };
+    let plan =
+        session::checked_memory_plan(ckpt, tp, ctx, opts, placement).map_err(session_error)?;
     if show && !args.quiet {
         eprintln!(
             "# {}: {} {} layers, hidden {}, {} heads / {} KV heads, vocab {}; tp {tp} ({:?} backend{})",
@@ -388,65 +344,14 @@ fn plan_and_check(
             }
         );
         for (r, m) in plan.iter().enumerate() {
-            eprintln!("# {}", describe_rank(ckpt, r, tp, m, ctx));
+            eprintln!(
+                "# {}",
+                session::describe_rank(ckpt, r, tp, m, ctx, show_bytes)
+            );
         }
     }
     if let Some(budget) = args.max_rank_memory {
-        check_budget(ckpt, tp, ctx, opts, budget, &plan)?;
+        session::check_rank_limit(ckpt, tp, ctx, opts, budget, &plan).map_err(session_error)?;
     }
-    Ok(())
-}
-
-/// Refuses a plan that exceeds this machine's memory before any rank allocates: all ranks
-/// together with the local backend (threads of this process), the busiest rank under MPI.
-fn check_machine_memory(
-    backend: Backend,
-    tp: usize,
-    ctx: usize,
-    plan: &[RankMemory],
-) -> anyhow::Result<()> {
-    let Some(machine) = tp_models::limits::physical_memory() else {
-        return Ok(());
-    };
-    let need: u128 = match backend {
-        Backend::Local => plan.iter().map(|m| m.total() as u128).sum(),
-        Backend::Mpi => plan.iter().map(|m| m.total() as u128).max().unwrap_or(0),
-    };
-    if need > u128::from(machine) {
-        let who = match backend {
-            Backend::Local => format!("the {tp} ranks of this process"),
-            Backend::Mpi => "the busiest rank".to_string(),
-        };
-        bail!(
-            "{who} would need {} (weights, RoPE table and a KV cache of {ctx} positions), more than this machine's {}; lower --ctx-size, or use more machines",
-            tp_models::limits::show(Some(need)),
-            tp_models::limits::show(Some(u128::from(machine)))
-        );
-    }
-    Ok(())
-}
-
-/// The tokenizer of a GGUF (from its metadata) or an HF directory (tokenizer.json).
-fn load_tokenizer(path: &Path, ckpt: &dyn Checkpoint) -> anyhow::Result<Tokenizer> {
-    let tok = if path.is_dir() {
-        Tokenizer::from_hf_dir(path)
-    } else if let Some(dir) = path
-        .parent()
-        .filter(|_| path.extension().is_some_and(|e| e == "safetensors"))
-    {
-        Tokenizer::from_hf_dir(dir)
-    } else {
-        let gguf = tp_models::GgufCheckpoint::open(path)?;
-        Tokenizer::from_gguf(gguf.metadata())
-    };
-    let tok = tok.with_context(|| format!("cannot load the tokenizer of {}", path.display()))?;
-    let vocab = ckpt.config().vocab;
-    if tok.vocab_size() > vocab {
-        bail!(
-            "the tokenizer of {} has {} tokens but the model only {vocab}; they do not belong together",
-            path.display(),
-            tok.vocab_size()
-        );
-    }
-    Ok(tok)
+    Ok(plan)
 }
