@@ -5,6 +5,7 @@ pub mod decoder;
 pub mod error;
 pub mod executor;
 pub mod generate;
+pub mod load_stats;
 pub mod logits;
 pub mod protocol;
 pub mod sampling;
