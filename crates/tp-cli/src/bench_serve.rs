@@ -1,18 +1,19 @@
-//! `tp bench serve`: starts `tp serve` as a child process per tp, drives it with streaming
-//! completion requests at each concurrency (a bounded number of requests per level), and
+//! `tp bench serve`: starts a server in this process per tp (through `tp_serve::serve`, as
+//! `tp serve` does, with the bench's model flags), drives it with streaming completion requests at each concurrency (a bounded number of requests per level), and
 //! reports output throughput, time to first token and time per output token (p50/p99), and
 //! how throughput grows with concurrency (continuous batching).
 
-use crate::model_run::ModelArgs;
+use crate::model_run::{run_model, ModelArgs};
+use crate::serve::serve_error;
 use anyhow::{bail, Context};
 use serde_json::json;
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::net::{IpAddr, SocketAddr};
+use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use tp_serve::client::Client;
+use tp_serve::{ConnLimits, KvBudget, ServeConfig, StopHandle};
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct BenchServeArgs {
@@ -84,7 +85,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
     let ctx = args.prompt_tokens * 2 + args.gen_tokens + 64;
     let mut all: Vec<(usize, Vec<Level>)> = Vec::new();
     for &tp in &args.tps {
-        let mut server = ChildServer::start(&model, tp, ctx, max_c, &args.model)?;
+        let server = InProcessServer::start(&model, tp, ctx, max_c, &args.model)?;
         let client = Client::new(server.addr);
         // Warm-up (first touches of weights and caches).
         one_request(&client, 0, args.prompt_tokens, 4).context("warm-up request")?;
@@ -288,99 +289,112 @@ fn print_table(all: &[(usize, Vec<Level>)], args: &BenchServeArgs) {
     }
 }
 
-/// A `tp serve` child process on a free loopback port; killed if still running when dropped.
-struct ChildServer {
-    child: Child,
+/// A server in this process on a free loopback port, started through [`tp_serve::serve`] as
+/// `tp serve` starts it (its ranks are threads: the local backend), with every model flag of
+/// the bench; stopped as SIGTERM would stop `tp serve`, and when dropped.
+struct InProcessServer {
     addr: SocketAddr,
+    stop: StopHandle,
+    thread: Option<std::thread::JoinHandle<RunOutcome>>,
 }
 
-impl ChildServer {
+/// What the server's thread ends with (`run_model`'s result).
+type RunOutcome = anyhow::Result<Result<Option<()>, ExitCode>>;
+
+impl InProcessServer {
     fn start(
         model: &std::path::Path,
         tp: usize,
         ctx: usize,
         max_seqs: usize,
         margs: &ModelArgs,
-    ) -> anyhow::Result<ChildServer> {
-        let exe = std::env::current_exe().context("cannot find the tp binary")?;
-        let mut cmd = Command::new(exe);
-        cmd.arg("serve")
-            .arg("--model")
-            .arg(model)
-            .args(["--tp", &tp.to_string()])
-            .args(["--ctx-size", &ctx.to_string()])
-            .args(["--max-seqs", &max_seqs.to_string()])
-            .args(["--timeout", &margs.timeout.to_string()])
-            .args(["--port", "0", "--quiet"])
-            .arg("--dtype")
-            .arg(format!("{:?}", margs.dtype).to_lowercase());
-        if margs.dequantize {
-            cmd.arg("--dequantize");
-        }
-        if let Some(w) = &margs.rank_weights {
-            cmd.arg("--rank-weights").arg(w.to_string());
-        }
-        let mut child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .context("cannot start tp serve")?;
-        let stdout = child.stdout.take().context("no stdout")?;
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(300);
-        let addr = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(line) => {
-                    if let Some(banner) = tp_serve::banner::parse_listening_line(&line) {
-                        break banner.map_err(anyhow::Error::msg)?.addr;
-                    }
-                }
-                Err(_) => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    bail!("tp serve --tp {tp} did not start within 300 s");
-                }
-            }
+    ) -> anyhow::Result<InProcessServer> {
+        let mut m = margs.clone();
+        m.model = Some(model.to_path_buf());
+        m.tp = Some(tp);
+        m.ctx_size = Some(ctx);
+        m.quiet = true;
+        let (max_connections, _) = crate::serve::connection_cap(None, true)?;
+        let cfg = ServeConfig {
+            host: IpAddr::from([127, 0, 0, 1]),
+            port: 0,
+            api_key: None,
+            public_health: false,
+            model_name: model
+                .file_stem()
+                .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()),
+            kv_budget: match m.max_rank_memory {
+                Some(rank) => KvBudget::RankMemory(rank),
+                None => KvBudget::Default,
+            },
+            max_seqs,
+            max_batch_tokens: 256,
+            max_queue: 256,
+            max_body_bytes: tp_serve::DEFAULT_MAX_BODY_BYTES,
+            drain_timeout: Duration::from_secs(30),
+            term_drain_timeout: Duration::from_secs(30),
+            collective_timeout: m.timeout()?,
+            connections: ConnLimits {
+                header_timeout: Duration::from_secs(10),
+                idle_timeout: Duration::from_secs(60),
+                max_connections,
+            },
+            log: false,
+            auth_hint: None,
         };
-        Ok(ChildServer { child, addr })
+        let (tx, rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("bench-serve".into())
+            .spawn(move || -> RunOutcome {
+                run_model(&m, |s| {
+                    tp_serve::serve(s, &cfg, |r| {
+                        let _ = tx.send((r.addr, r.stop.clone()));
+                        Ok(())
+                    })
+                    .map_err(serve_error)
+                })
+            })
+            .context("cannot start the server thread")?;
+        match rx.recv_timeout(Duration::from_secs(300)) {
+            Ok((addr, stop)) => Ok(InProcessServer {
+                addr,
+                stop,
+                thread: Some(thread),
+            }),
+            // The thread ended without a server: its error says why.
+            Err(mpsc::RecvTimeoutError::Disconnected) => match thread.join() {
+                Ok(Err(e)) => Err(e.context(format!("the server at tp {tp} did not start"))),
+                Ok(Ok(_)) => {
+                    bail!("the server at tp {tp} did not start (its ranks failed, see above)")
+                }
+                Err(_) => bail!("the server at tp {tp} panicked while starting"),
+            },
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                bail!("the server at tp {tp} did not start within 300 s")
+            }
+        }
     }
 
-    /// SIGTERM, then wait (bounded) for a clean exit.
-    fn stop(&mut self) -> anyhow::Result<()> {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(s) = self.child.try_wait()? {
-                if !s.success() {
-                    bail!("tp serve exited with {s}");
-                }
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                bail!("tp serve did not exit within 60 s of SIGTERM");
-            }
-            std::thread::sleep(Duration::from_millis(20));
+    /// Starts the drain and waits for the server and its ranks to end.
+    fn stop(mut self) -> anyhow::Result<()> {
+        self.stop.stop();
+        let Some(thread) = self.thread.take() else {
+            return Ok(());
+        };
+        match thread.join() {
+            Ok(Ok(Ok(_))) => Ok(()),
+            Ok(Ok(Err(code))) => bail!("the server's ranks failed ({code:?}; see above)"),
+            Ok(Err(e)) => Err(e.context("the server failed")),
+            Err(_) => bail!("the server thread panicked"),
         }
     }
 }
 
-impl Drop for ChildServer {
+impl Drop for InProcessServer {
     fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+        // An error in the bench: stop serving (the process ends soon after).
+        if self.thread.is_some() {
+            self.stop.stop();
         }
     }
 }

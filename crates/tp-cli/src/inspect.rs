@@ -2,11 +2,12 @@
 //! heads and whether they are shared, FFN columns, vocab rows, bytes), without loading weights.
 
 use crate::launch::Backend;
-use crate::model_run::{memory_plan, rank_weights_for, DTypeArg, KvDtypeArg};
+use crate::model_run::{rank_weights_for, DTypeArg, KvDtypeArg};
 use crate::units::show_bytes;
 use anyhow::Context;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use tp_engine::session::memory_plan;
 use tp_models::{
     open_checkpoint, Checkpoint, DenseDType, LoadOptions, RankWeights, ShardPlan, WeightName,
 };

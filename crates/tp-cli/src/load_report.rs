@@ -1,112 +1,9 @@
-//! What each rank read at load: a checkpoint wrapper that adds up the bytes of the file every
-//! slice request covers, and the table rank 0 prints (gathered from every rank) of bytes read
-//! and load time per rank and host.
+//! The table rank 0 prints of what each rank read at load (bytes and time per rank and host,
+//! gathered from every rank by tp-engine's `load_stats`).
 
 use crate::launch::host_of;
 use crate::units::show_bytes;
-use std::ops::Range;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
-use tp_comm::{CommExt, Group};
-use tp_models::checkpoint::{Storage, TensorMeta};
-use tp_models::{Checkpoint, ModelConfig, WeightName, WeightSlice};
-
-/// A checkpoint that counts the file bytes behind every successful slice request.
-pub struct Counting<'a> {
-    inner: &'a dyn Checkpoint,
-    bytes: AtomicU64,
-}
-
-impl<'a> Counting<'a> {
-    pub fn new(inner: &'a dyn Checkpoint) -> Self {
-        Counting {
-            inner,
-            bytes: AtomicU64::new(0),
-        }
-    }
-
-    /// File bytes read so far.
-    pub fn bytes(&self) -> u64 {
-        self.bytes.load(Ordering::Relaxed)
-    }
-
-    fn add(&self, b: usize) {
-        self.bytes.fetch_add(b as u64, Ordering::Relaxed);
-    }
-}
-
-/// Bytes of columns `cols` of one row as stored: whole quant blocks around the range.
-fn stored_bytes(storage: Storage, cols: &Range<usize>) -> usize {
-    let block = storage.block().max(1);
-    let start = cols.start / block * block;
-    let end = cols.end.div_ceil(block) * block;
-    storage.row_bytes(end.saturating_sub(start))
-}
-
-impl Checkpoint for Counting<'_> {
-    fn config(&self) -> &ModelConfig {
-        self.inner.config()
-    }
-    fn source(&self) -> &str {
-        self.inner.source()
-    }
-    fn meta(&self, name: WeightName) -> tp_models::Result<TensorMeta> {
-        self.inner.meta(name)
-    }
-    fn has(&self, name: WeightName) -> bool {
-        self.inner.has(name)
-    }
-    fn rows(&self, name: WeightName, rows: Range<usize>) -> tp_models::Result<WeightSlice> {
-        let out = self.inner.rows(name, rows.clone())?;
-        if let Ok(m) = self.inner.meta(name) {
-            self.add(rows.len() * stored_bytes(m.storage, &(0..m.cols)));
-        }
-        Ok(out)
-    }
-    fn cols(&self, name: WeightName, cols: Range<usize>) -> tp_models::Result<WeightSlice> {
-        let out = self.inner.cols(name, cols.clone())?;
-        if let Ok(m) = self.inner.meta(name) {
-            self.add(m.rows * stored_bytes(m.storage, &cols));
-        }
-        Ok(out)
-    }
-    fn vector(&self, name: WeightName, range: Option<Range<usize>>) -> tp_models::Result<Vec<f32>> {
-        let out = self.inner.vector(name, range.clone())?;
-        if let Ok(m) = self.inner.meta(name) {
-            let r = range.unwrap_or(0..m.rows * m.cols);
-            self.add(stored_bytes(m.storage, &r));
-        }
-        Ok(out)
-    }
-    fn describe(&self, name: WeightName) -> String {
-        self.inner.describe(name)
-    }
-}
-
-/// One rank's load: file bytes read and time taken.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LoadStats {
-    pub bytes: u64,
-    pub time: Duration,
-}
-
-/// Gathers every rank's stats (one all_gather; every rank of `g` calls it) and returns them
-/// by rank.
-pub fn gather(g: &Group, mine: LoadStats) -> tp_comm::Result<Vec<LoadStats>> {
-    let send = [
-        mine.bytes,
-        u64::try_from(mine.time.as_micros()).unwrap_or(u64::MAX),
-    ];
-    let mut all = vec![0u64; 2 * g.size()];
-    g.all_gather(&send, &mut all)?;
-    Ok(all
-        .chunks_exact(2)
-        .map(|c| LoadStats {
-            bytes: c[0],
-            time: Duration::from_micros(c[1]),
-        })
-        .collect())
-}
+pub use tp_engine::load_stats::{gather, Counting, LoadStats};
 
 /// The table rank 0 prints: one line per rank, then the total against the file size.
 pub fn table(stats: &[LoadStats], file_bytes: Option<u64>) -> Vec<String> {
@@ -138,12 +35,7 @@ pub fn table(stats: &[LoadStats], file_bytes: Option<u64>) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn stored_bytes_of_plain_floats() {
-        assert_eq!(stored_bytes(Storage::Float { bytes: 2 }, &(3..7)), 8);
-        assert_eq!(stored_bytes(Storage::Float { bytes: 4 }, &(0..0)), 0);
-    }
+    use std::time::Duration;
 
     #[test]
     fn the_table_has_a_line_per_rank_and_a_total() {

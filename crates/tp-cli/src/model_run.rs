@@ -1,21 +1,22 @@
 //! What every model command shares: the model flags, the per-rank memory plan and budget
-//! check, and starting the ranks (rank 0 leads, the others follow its steps).
+//! check (tp-engine's `session`, in flag terms here), and starting the ranks (rank 0 leads,
+//! the others follow its steps).
 
 use crate::fetch;
 use crate::launch::{run_ranks, Backend};
 use crate::load_report::{self, Counting, LoadStats};
 use crate::model_check::{check_same_model, open_and_identify};
 use crate::units::{parse_bytes, show_bytes};
-use anyhow::{bail, Context};
+use anyhow::{anyhow, bail, Context};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
+use tp_engine::session::{self, Placement, SessionError};
 use tp_engine::{Command, Worker};
 use tp_models::{
-    open_checkpoint, rank_memory, Checkpoint, DenseDType, KvDtype, LoadOptions, RankMemory,
-    RankWeights, ShardPlan, ShardedModel, SyncMode,
+    open_checkpoint, Checkpoint, DenseDType, KvDtype, LoadOptions, RankMemory, RankWeights,
+    ShardedModel, SyncMode,
 };
-use tp_tokenizer::Tokenizer;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DTypeArg {
@@ -206,119 +207,53 @@ pub fn rank_weights_for(
     }
 }
 
-/// What rank 0 has besides its worker.
-pub struct Session {
-    pub worker: Worker,
-    pub tokenizer: Tokenizer,
-    pub ctx_size: usize,
-}
+/// What rank 0 holds to lead (tp-engine's; the memory plan travels with it).
+pub use tp_engine::Session;
 
-/// Every rank's memory with shares in proportion to `weights` (one per rank) and a KV cache
-/// of `ctx` positions.
-pub fn memory_plan(
-    ckpt: &dyn Checkpoint,
-    weights: &RankWeights,
-    ctx: usize,
-    opts: LoadOptions,
-) -> tp_models::Result<Vec<RankMemory>> {
-    (0..weights.tp())
-        .map(|r| {
-            let plan = ShardPlan::for_checkpoint_weighted(ckpt, r, weights)?;
-            rank_memory(
-                ckpt,
-                &plan,
-                ctx,
-                opts.dense.bytes(),
-                opts.keep_quantized,
-                opts.kv_dtype,
+/// A session error in the CLI's words: the flag to change (--ctx-size, --tp,
+/// --max-rank-memory).
+pub fn session_error(e: SessionError) -> anyhow::Error {
+    match e {
+        SessionError::Context { ctx, source } => anyhow::Error::new(*source).context(format!(
+            "a context of {ctx} positions does not fit (--ctx-size, default: the model's context length)"
+        )),
+        e @ SessionError::ContextTooLong { .. } => anyhow!("{e}; lower --ctx-size"),
+        e @ SessionError::OverMachine { .. } => {
+            anyhow!("{e}; lower --ctx-size, or use more machines")
+        }
+        SessionError::OverRankLimit {
+            tp,
+            ctx,
+            need,
+            limit,
+            uneven,
+            fits,
+            heads,
+        } => {
+            let hint = match fits {
+                Some(t) => format!("the smallest tp that fits is {t}: use --tp {t}"),
+                None => format!(
+                    "no tp up to {heads} (the head count) fits; lower --ctx-size, or keep weights quantized"
+                ),
+            };
+            let (who, hint) = match uneven {
+                None => ("a rank".to_string(), hint),
+                Some((rank, weights)) => (
+                    format!("rank {rank} (--rank-weights {weights})"),
+                    format!("lower its weight, or with even shards {hint}"),
+                ),
+            };
+            anyhow!(
+                "{who} needs {} at tp {tp} (weights and a KV cache of {ctx} positions) but --max-rank-memory is {}; {hint}",
+                show_bytes(need),
+                show_bytes(limit)
             )
-        })
-        .collect()
-}
-
-/// `memory_plan` with even shares over `tp` ranks.
-fn even_memory_plan(
-    ckpt: &dyn Checkpoint,
-    tp: usize,
-    ctx: usize,
-    opts: LoadOptions,
-) -> tp_models::Result<Vec<RankMemory>> {
-    memory_plan(ckpt, &RankWeights::even(tp), ctx, opts)
-}
-
-/// Refuses a layout whose busiest rank exceeds `budget`, naming the smallest tp that fits
-/// (and, with uneven weights, the rank over it).
-fn check_budget(
-    ckpt: &dyn Checkpoint,
-    weights: &RankWeights,
-    ctx: usize,
-    opts: LoadOptions,
-    budget: u64,
-    plan: &[RankMemory],
-) -> anyhow::Result<()> {
-    let tp = weights.tp();
-    let need = plan.iter().map(RankMemory::total).max().unwrap_or(0) as u64;
-    if need <= budget {
-        return Ok(());
+        }
+        SessionError::WeightsSplit { weights, source } => {
+            anyhow::Error::new(*source).context(format!("--rank-weights {weights} cannot split the model"))
+        }
+        e => anyhow::Error::new(e),
     }
-    let busiest = plan
-        .iter()
-        .position(|m| m.total() as u64 == need)
-        .unwrap_or(0);
-    let heads = ckpt.config().heads;
-    let fits = (1..=heads).find(|&t| {
-        even_memory_plan(ckpt, t, ctx, opts)
-            .map(|p| p.iter().all(|m| m.total() as u64 <= budget))
-            .unwrap_or(false)
-    });
-    let hint = match fits {
-        Some(t) => format!("the smallest tp that fits is {t}: use --tp {t}"),
-        None => format!(
-            "no tp up to {heads} (the head count) fits; lower --ctx-size, or keep weights quantized"
-        ),
-    };
-    let (who, hint) = if weights.is_even() {
-        ("a rank".to_string(), hint)
-    } else {
-        (
-            format!("rank {busiest} (--rank-weights {weights})"),
-            format!("lower its weight, or with even shards {hint}"),
-        )
-    };
-    bail!(
-        "{who} needs {} at tp {tp} (weights and a KV cache of {ctx} positions) but --max-rank-memory is {}; {hint}",
-        show_bytes(need),
-        show_bytes(budget)
-    )
-}
-
-fn describe_rank(
-    ckpt: &dyn Checkpoint,
-    rank: usize,
-    weights: &RankWeights,
-    m: &RankMemory,
-    ctx: usize,
-) -> String {
-    let Ok(plan) = ShardPlan::for_checkpoint_weighted(ckpt, rank, weights) else {
-        return format!("rank {rank}: no shard");
-    };
-    let cfg = ckpt.config();
-    let kv = plan.kv_heads();
-    let shared = if kv.len() * cfg.heads / cfg.kv_heads > plan.q_heads().len() {
-        " (shared)"
-    } else {
-        ""
-    };
-    format!(
-        "rank {rank}: heads {:?}, KV heads {kv:?}{shared}, FFN {:?}, vocab {:?}: {} sharded + {} replicated + {} KV cache ({ctx} positions) = {}",
-        plan.q_heads(),
-        plan.ffn_cols(),
-        plan.vocab_rows(),
-        show_bytes(m.sharded as u64),
-        show_bytes(m.replicated as u64),
-        show_bytes(m.kv_cache as u64),
-        show_bytes(m.total() as u64),
-    )
 }
 
 /// Loads the model on every rank and runs `lead` on rank 0 while the others follow its steps.
@@ -342,7 +277,7 @@ pub fn run_model<T: Send>(
             let ctx = args.ctx_size.unwrap_or(ckpt.config().context);
             let tp = args.tp_for(1)?;
             let weights = args.weights_for(tp)?;
-            plan_and_check(args, &*ckpt, &path, &weights, ctx, true)?;
+            let memory = plan_and_check(args, &*ckpt, &path, &weights, ctx, true)?;
             let file_bytes = std::fs::metadata(&path)
                 .ok()
                 .filter(|m| m.is_file())
@@ -351,6 +286,7 @@ pub fn run_model<T: Send>(
                 path: &path,
                 ckpt: &*ckpt,
                 ctx,
+                memory,
                 file_bytes,
             };
             run_ranks(Backend::Local, tp, timeout, |g| {
@@ -378,11 +314,12 @@ pub fn run_model<T: Send>(
             let ctx = args.ctx_size.unwrap_or(ckpt.config().context);
             let tp = args.tp_for(g.size())?;
             let weights = args.weights_for(tp)?;
-            plan_and_check(args, &*ckpt, &path, &weights, ctx, g.rank() == 0)?;
+            let memory = plan_and_check(args, &*ckpt, &path, &weights, ctx, g.rank() == 0)?;
             let model = Opened {
                 path: &path,
                 ckpt: &*ckpt,
                 ctx,
+                memory,
                 file_bytes: Some(id.bytes),
             };
             run_rank(args, &model, g, &lead)
@@ -396,6 +333,8 @@ struct Opened<'a> {
     path: &'a Path,
     ckpt: &'a dyn Checkpoint,
     ctx: usize,
+    /// Every rank's memory plan.
+    memory: Vec<RankMemory>,
     file_bytes: Option<u64>,
 }
 
@@ -432,17 +371,19 @@ fn run_rank<T>(
         worker.follow()?;
         return Ok(None);
     }
-    let tokenizer = match load_tokenizer(m.path, m.ckpt) {
+    let tokenizer = match session::load_tokenizer(m.path, m.ckpt) {
         Ok(t) => t,
         Err(e) => {
             let _ = worker.submit(Command::Exit);
-            return Err(e);
+            return Err(session_error(e));
         }
     };
     let mut session = Session {
         worker,
         tokenizer,
         ctx_size: m.ctx,
+        memory: m.memory.clone(),
+        weights,
     };
     let out = lead(&mut session);
     // Release the followers whatever happened (a broken group fails here too, harmlessly).
@@ -458,28 +399,16 @@ fn plan_and_check(
     weights: &RankWeights,
     ctx: usize,
     show: bool,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<RankMemory>> {
     let tp = weights.tp();
     let opts = args.load_options();
     let cfg = ckpt.config();
-    let plan = match memory_plan(ckpt, weights, ctx, opts) {
-        Ok(plan) => plan,
-        Err(e) if args.rank_weights.is_some() && e.is_split_error() => {
-            return Err(anyhow::Error::new(e).context(format!(
-                "--rank-weights {weights} cannot split {}",
-                path.display()
-            )))
-        }
-        Err(e) => return Err(anyhow::Error::new(e).context(format!("a context of {ctx} positions does not fit (--ctx-size, default: the model's context length)"))),
+    let placement = match args.backend {
+        Backend::Local => Placement::OneProcess,
+        Backend::Mpi => Placement::ProcessPerRank,
     };
-    // The memory plan names the cost of huge contexts first; the step protocol carries a sequence's capacity as a u32.
-    if u32::try_from(ctx).is_err() {
-        bail!(
-            "a context of {ctx} positions is more than the {} a sequence can hold; lower --ctx-size",
-            u32::MAX
-        );
-    }
-    check_machine_memory(args.backend, tp, ctx, &plan)?;
+    let plan =
+        session::checked_memory_plan(ckpt, weights, ctx, opts, placement).map_err(session_error)?;
     if show && !args.quiet {
         eprintln!(
             "# {}: {} {} layers, hidden {}, {} heads / {} KV heads, vocab {}; tp {tp}{} ({:?} backend{})",
@@ -501,65 +430,15 @@ fn plan_and_check(
             }
         );
         for (r, m) in plan.iter().enumerate() {
-            eprintln!("# {}", describe_rank(ckpt, r, weights, m, ctx));
+            eprintln!(
+                "# {}",
+                session::describe_rank(ckpt, r, weights, m, ctx, show_bytes)
+            );
         }
     }
     if let Some(budget) = args.max_rank_memory {
-        check_budget(ckpt, weights, ctx, opts, budget, &plan)?;
+        session::check_rank_limit(ckpt, weights, ctx, opts, budget, &plan)
+            .map_err(session_error)?;
     }
-    Ok(())
-}
-
-/// Refuses a plan that exceeds this machine's memory before any rank allocates: all ranks
-/// together with the local backend (threads of this process), the busiest rank under MPI.
-fn check_machine_memory(
-    backend: Backend,
-    tp: usize,
-    ctx: usize,
-    plan: &[RankMemory],
-) -> anyhow::Result<()> {
-    let Some(machine) = tp_models::limits::physical_memory() else {
-        return Ok(());
-    };
-    let need: u128 = match backend {
-        Backend::Local => plan.iter().map(|m| m.total() as u128).sum(),
-        Backend::Mpi => plan.iter().map(|m| m.total() as u128).max().unwrap_or(0),
-    };
-    if need > u128::from(machine) {
-        let who = match backend {
-            Backend::Local => format!("the {tp} ranks of this process"),
-            Backend::Mpi => "the busiest rank".to_string(),
-        };
-        bail!(
-            "{who} would need {} (weights, RoPE table and a KV cache of {ctx} positions), more than this machine's {}; lower --ctx-size, or use more machines",
-            tp_models::limits::show(Some(need)),
-            tp_models::limits::show(Some(u128::from(machine)))
-        );
-    }
-    Ok(())
-}
-
-/// The tokenizer of a GGUF (from its metadata) or an HF directory (tokenizer.json).
-fn load_tokenizer(path: &Path, ckpt: &dyn Checkpoint) -> anyhow::Result<Tokenizer> {
-    let tok = if path.is_dir() {
-        Tokenizer::from_hf_dir(path)
-    } else if let Some(dir) = path
-        .parent()
-        .filter(|_| path.extension().is_some_and(|e| e == "safetensors"))
-    {
-        Tokenizer::from_hf_dir(dir)
-    } else {
-        let gguf = tp_models::GgufCheckpoint::open(path)?;
-        Tokenizer::from_gguf(gguf.metadata())
-    };
-    let tok = tok.with_context(|| format!("cannot load the tokenizer of {}", path.display()))?;
-    let vocab = ckpt.config().vocab;
-    if tok.vocab_size() > vocab {
-        bail!(
-            "the tokenizer of {} has {} tokens but the model only {vocab}; they do not belong together",
-            path.display(),
-            tok.vocab_size()
-        );
-    }
-    Ok(tok)
+    Ok(plan)
 }

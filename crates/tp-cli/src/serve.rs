@@ -1,23 +1,18 @@
-//! `tp serve`: the OpenAI-compatible server. Rank 0 runs the HTTP front end (its own thread)
-//! and the continuous-batching scheduler (on the rank thread, which owns the worker); the
-//! other ranks follow its steps. The KV budget comes from --max-kv-memory, or from
-//! --max-rank-memory minus the weights, or defaults to 1 GiB per rank.
+//! `tp serve`: the OpenAI-compatible server's flags, mapped to [`tp_serve::ServeConfig`] and
+//! run by [`tp_serve::serve`] on rank 0 (HTTP front end, continuous-batching scheduler,
+//! drain); the other ranks follow its steps. The KV budget comes from --max-kv-memory, or
+//! from --max-rank-memory minus the weights, or defaults to 1 GiB per rank.
 
 use crate::launch::Backend;
-use crate::model_run::{memory_plan, run_model, ModelArgs};
+use crate::model_run::{run_model, ModelArgs};
 use crate::units::{parse_bytes, show_bytes};
 use anyhow::{bail, Context};
 use std::io::Write;
 use std::net::IpAddr;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
-use tp_models::{open_checkpoint, ShardPlan};
 use tp_serve::fdlimit::{default_max_connections, fd_reserve};
-use tp_serve::{ConnLimits, Load, Metrics, SchedulerConfig, SchedulerHandle, Server, ServerConfig};
-
-/// KV budget per rank when neither --max-kv-memory nor --max-rank-memory is given.
-const DEFAULT_KV_BYTES: u64 = 1 << 30;
+use tp_serve::{ConnLimits, KvBudget, Ready, ServeConfig, ServeError};
 /// Drain after SIGTERM under mpirun: short enough to finish before mpirun's SIGKILL.
 const MPI_TERM_DRAIN: Duration = Duration::from_millis(200);
 
@@ -113,7 +108,7 @@ fn seconds(flag: &str, v: f64) -> anyhow::Result<Duration> {
 
 /// Raises the soft open-file limit to the hard one (a warning if it cannot) and returns the
 /// connection cap: --max-connections, or derived from the limit.
-fn connection_cap(flag: Option<usize>, quiet: bool) -> anyhow::Result<(usize, Option<u64>)> {
+pub fn connection_cap(flag: Option<usize>, quiet: bool) -> anyhow::Result<(usize, Option<u64>)> {
     let limit = match tp_serve::fdlimit::raise_open_file_limit() {
         Ok((before, after)) => {
             if !quiet && after.soft > before.soft {
@@ -147,6 +142,67 @@ fn connection_cap(flag: Option<usize>, quiet: bool) -> anyhow::Result<(usize, Op
     Ok((cap, limit))
 }
 
+/// The server's settings from the flags (the model name and API key already resolved).
+fn serve_config(
+    args: &ServeArgs,
+    model_name: String,
+    api_key: Option<String>,
+    connections: ConnLimits,
+    drain: Duration,
+) -> anyhow::Result<ServeConfig> {
+    Ok(ServeConfig {
+        host: args.host,
+        port: args.port,
+        api_key,
+        public_health: args.public_health,
+        model_name,
+        kv_budget: match (args.max_kv_memory, args.model.max_rank_memory) {
+            (Some(b), _) => KvBudget::Bytes(b),
+            (None, Some(rank)) => KvBudget::RankMemory(rank),
+            (None, None) => KvBudget::Default,
+        },
+        max_seqs: args.max_seqs,
+        max_batch_tokens: args.max_batch_tokens,
+        max_queue: args.max_queue,
+        max_body_bytes: usize::try_from(args.max_body).unwrap_or(usize::MAX),
+        drain_timeout: drain,
+        // mpirun answers a failed rank with SIGTERM to the others and SIGKILL about a
+        // second later (Open MPI's odls_base_sigkill_timeout): end in-flight requests
+        // with an error while the connections can still carry it.
+        term_drain_timeout: match args.model.backend {
+            Backend::Mpi => drain.min(MPI_TERM_DRAIN),
+            Backend::Local => drain,
+        },
+        collective_timeout: args.model.timeout()?,
+        connections,
+        log: !args.model.quiet,
+        auth_hint: Some("--api-key".into()),
+    })
+}
+
+/// A server error in the CLI's words: the flags that change it.
+pub fn serve_error(e: ServeError) -> anyhow::Error {
+    match e {
+        ServeError::Bind { addr, source } => anyhow::Error::new(source)
+            .context(format!("cannot listen on {addr} (pick another --port or --host)")),
+        ServeError::KvOverMachine { budget, machine } => anyhow::anyhow!(
+            "a KV budget of {} per rank is more than this machine's {}; lower --max-kv-memory or --max-rank-memory",
+            show_bytes(budget),
+            show_bytes(machine)
+        ),
+        ServeError::KvTooSmall {
+            budget,
+            positions,
+            per_position,
+        } => anyhow::anyhow!(
+            "a KV budget of {} per rank holds {positions} positions ({} each); raise --max-kv-memory or --max-rank-memory",
+            show_bytes(budget),
+            show_bytes(per_position as u64)
+        ),
+        e => anyhow::Error::new(e),
+    }
+}
+
 pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     // SIGTERM drains the server (tp-serve's handler); no last-word exit under mpirun.
     crate::launch::command_handles_sigterm();
@@ -168,149 +224,52 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into()),
     };
+    let connections = ConnLimits {
+        header_timeout,
+        idle_timeout,
+        max_connections,
+    };
+    let cfg = serve_config(
+        args,
+        model_name.clone(),
+        api_key.clone(),
+        connections,
+        drain,
+    )?;
     let quiet = args.model.quiet;
     let out = run_model(&args.model, |s| {
-        let tp = s.worker.group().size();
-        let cfg = s.worker.model().config().clone();
-        // Every rank must hold every position: the budget is the positions of the rank that
-        // holds the fewest (KV bytes per position and weights differ by rank under
-        // --rank-weights).
-        let weights = args.model.weights_for(tp)?;
-        let weight_bytes: Vec<u64> = match (args.max_kv_memory, args.model.max_rank_memory) {
-            (None, Some(_)) => {
-                let ckpt = open_checkpoint(&path)?;
-                memory_plan(&*ckpt, &weights, s.ctx_size, args.model.load_options())?
-                    .iter()
-                    .map(|m| (m.sharded + m.replicated) as u64)
-                    .collect()
+        let ready = |r: &Ready| -> tp_serve::Result<()> {
+            if !quiet {
+                eprintln!(
+                    "# KV budget: {} per rank = {} positions ({} per position on the busiest rank; context {}); up to {} requests at once, {} tokens per step",
+                    show_bytes(r.kv.budget_bytes),
+                    r.kv.positions,
+                    show_bytes(r.kv.bytes_per_position as u64),
+                    r.ctx_size,
+                    args.max_seqs,
+                    args.max_batch_tokens
+                );
+                eprintln!(
+                    "# connections: at most {max_connections} at once ({}); request headers within {} s, idle keep-alive {} s",
+                    fd_limit.map_or("open-file limit unknown".to_string(), |l| format!("open-file limit {l}")),
+                    header_timeout.as_secs_f64(),
+                    idle_timeout.as_secs_f64()
+                );
             }
-            _ => vec![0; tp],
-        };
-        // (positions, budget, bytes per position) of the limiting rank.
-        let mut limiting: Option<(u64, u64, usize)> = None;
-        for (r, weight_bytes) in weight_bytes.iter().enumerate() {
-            let plan = ShardPlan::weighted(&cfg, 1, r, &weights)?;
-            let width = plan.kv_heads().len() * cfg.head_dim;
-            let per_position = cfg.layers * 2 * width * s.worker.model().kv_dtype().size();
-            let budget = match (args.max_kv_memory, args.model.max_rank_memory) {
-                (Some(b), _) => b,
-                (None, Some(rank)) => rank.saturating_sub(*weight_bytes),
-                (None, None) => DEFAULT_KV_BYTES,
-            };
-            let positions = budget / per_position.max(1) as u64;
-            if limiting.is_none_or(|(p, _, _)| positions < p) {
-                limiting = Some((positions, budget, per_position));
+            if !args.host.is_loopback() && api_key.is_none() {
+                eprintln!(
+                    "warning: listening on {} without an API key ($TP_API_KEY or --api-key): anyone who can reach this port can use the model",
+                    args.host
+                );
             }
-        }
-        let (positions, budget, per_position) = limiting.unwrap_or((0, 0, 1));
-        // A budget is reserved as requests arrive; one larger than the machine would let
-        // admissions outrun memory instead of queueing.
-        if let Some(machine) = tp_models::limits::physical_memory().filter(|&m| budget > m) {
-            bail!(
-                "a KV budget of {} per rank is more than this machine's {}; lower --max-kv-memory or --max-rank-memory",
-                show_bytes(budget),
-                show_bytes(machine)
+            println!(
+                "{}",
+                tp_serve::banner::listening_line(r.addr, &model_name, r.tp, std::process::id())
             );
-        }
-        let positions = usize::try_from(positions).unwrap_or(usize::MAX);
-        if positions < 2 {
-            bail!(
-                "a KV budget of {} per rank holds {positions} positions ({} each); raise --max-kv-memory or --max-rank-memory",
-                show_bytes(budget),
-                show_bytes(per_position as u64)
-            );
-        }
-        let sched_cfg = SchedulerConfig {
-            max_seqs: args.max_seqs,
-            kv_budget_positions: positions,
-            max_batch_tokens: args.max_batch_tokens,
-            heartbeat: Duration::from_secs(1)
-                .min(args.model.timeout()? / 4)
-                .max(Duration::from_millis(10)),
+            std::io::stdout().flush()?;
+            Ok(())
         };
-        let server_cfg = ServerConfig {
-            host: args.host,
-            port: args.port,
-            api_key: api_key.clone(),
-            public_health: args.public_health,
-            model_name: model_name.clone(),
-            ctx_size: s.ctx_size,
-            kv_budget_positions: positions,
-            vocab: cfg.vocab,
-            max_body_bytes: usize::try_from(args.max_body).unwrap_or(usize::MAX),
-            max_queue: args.max_queue,
-            drain_timeout: drain,
-            // mpirun answers a failed rank with SIGTERM to the others and SIGKILL about a
-            // second later (Open MPI's odls_base_sigkill_timeout): end in-flight requests
-            // with an error while the connections can still carry it.
-            term_drain_timeout: match args.model.backend {
-                Backend::Mpi => drain.min(MPI_TERM_DRAIN),
-                Backend::Local => drain,
-            },
-            event_timeout: Duration::from_secs(120).max(args.model.timeout()? * 2),
-            connections: ConnLimits {
-                header_timeout,
-                idle_timeout,
-                max_connections,
-            },
-            log: !quiet,
-        };
-        let metrics = Arc::new(Metrics::new());
-        let load = Arc::new(Load::default());
-        let (tx, rx) = std::sync::mpsc::channel();
-        let handle = SchedulerHandle {
-            control: tx,
-            load: Arc::clone(&load),
-        };
-        let server = Server::start(
-            server_cfg,
-            Arc::new(s.tokenizer.clone()),
-            handle,
-            Arc::clone(&metrics),
-        )?;
-        if !quiet {
-            eprintln!(
-                "# KV budget: {} per rank = {positions} positions ({} per position on the busiest rank; context {}); up to {} requests at once, {} tokens per step",
-                show_bytes(budget),
-                show_bytes(per_position as u64),
-                s.ctx_size,
-                args.max_seqs,
-                args.max_batch_tokens
-            );
-            eprintln!(
-                "# connections: at most {max_connections} at once ({}); request headers within {} s, idle keep-alive {} s",
-                fd_limit.map_or("open-file limit unknown".to_string(), |l| format!("open-file limit {l}")),
-                header_timeout.as_secs_f64(),
-                idle_timeout.as_secs_f64()
-            );
-        }
-        if !args.host.is_loopback() && api_key.is_none() {
-            eprintln!(
-                "warning: listening on {} without an API key ($TP_API_KEY or --api-key): anyone who can reach this port can use the model",
-                args.host
-            );
-        }
-        println!(
-            "{}",
-            tp_serve::banner::listening_line(server.addr, &model_name, tp, std::process::id())
-        );
-        std::io::stdout().flush()?;
-        let result = tp_serve::scheduler::run(
-            &mut s.worker,
-            &s.tokenizer,
-            &sched_cfg,
-            &rx,
-            &load,
-            &metrics,
-        );
-        // New requests now fail at once; the HTTP side drains what it holds.
-        drop(rx);
-        if result.is_err() {
-            server.stop();
-        }
-        let joined = server.join();
-        result?;
-        joined?;
+        tp_serve::serve(s, &cfg, ready).map_err(serve_error)?;
         if !quiet {
             eprintln!("# tp serve: stopped");
         }

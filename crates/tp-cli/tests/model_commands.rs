@@ -165,3 +165,65 @@ fn default_model_download_failures_are_explained() {
     assert!(err.contains("sha256") && err.contains("Delete it"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `tp bench serve` starts its servers in its own process through `tp_serve::serve`: it
+/// measures every level of every tp, and the bench's model flags reach the server (a
+/// --max-rank-memory too small for any tp is refused, which a server spawned with
+/// re-spelled flags never saw).
+#[test]
+fn bench_serve_measures_in_process_with_the_benchs_model_flags() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let model = model.to_string_lossy().into_owned();
+    let base = [
+        "bench",
+        "serve",
+        "--model",
+        &model,
+        "--tps",
+        "1,2",
+        "--concurrency",
+        "1,2",
+        "--rounds",
+        "1",
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "4",
+    ];
+    let mut args = base.to_vec();
+    args.push("--json");
+    let f = common::run_with_deadline(TP, &args, Duration::from_secs(600));
+    assert_eq!(f.code, Some(0), "{}", f.output);
+    let levels: Vec<serde_json::Value> = f
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let seen: Vec<(u64, u64)> = levels
+        .iter()
+        .map(|v| {
+            (
+                v["tp"].as_u64().unwrap(),
+                v["concurrency"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(seen, [(1, 1), (1, 2), (2, 1), (2, 2)], "{}", f.output);
+    for v in &levels {
+        assert_eq!(v["requests"], 8, "{v}");
+        assert!(v["output_tok_s"].as_f64().unwrap() > 0.0, "{v}");
+    }
+
+    let mut args = base.to_vec();
+    args.extend(["--max-rank-memory", "1KB"]);
+    let f = common::run_with_deadline(TP, &args, Duration::from_secs(300));
+    assert_ne!(f.code, Some(0), "{}", f.output);
+    assert!(
+        f.stderr.contains("--max-rank-memory is 1.0 kB")
+            && f.stderr.contains("(the head count) fits"),
+        "{}",
+        f.output
+    );
+}

@@ -5,9 +5,11 @@ pub mod decoder;
 pub mod error;
 pub mod executor;
 pub mod generate;
+pub mod load_stats;
 pub mod logits;
 pub mod protocol;
 pub mod sampling;
+pub mod session;
 pub mod stop;
 pub mod worker;
 
@@ -21,5 +23,6 @@ pub use generate::{generate, FinishReason, Flow, GenerationStats};
 pub use logits::{log_softmax, log_sum_exp, top_logprobs, Penalties, TokenLogprobs};
 pub use protocol::{ChunkSpec, Command};
 pub use sampling::{argmax, Sampler, SamplingParams};
+pub use session::{Placement, Session, SessionError};
 pub use stop::StopMatcher;
 pub use worker::{RankProfile, Worker};

@@ -1,5 +1,5 @@
 //! The line `tp serve` prints on stdout once it accepts connections, and its reader for the
-//! programs that start the server as a child process (`tp bench serve`, the end-to-end tests).
+//! programs that start the server as a child process (the end-to-end tests).
 
 use std::net::SocketAddr;
 

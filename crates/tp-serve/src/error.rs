@@ -56,10 +56,16 @@ impl ApiError {
         )
     }
 
-    pub fn unauthorized() -> Self {
+    /// 401; `hint` (from [`crate::ServerConfig::auth_hint`]) follows the message in
+    /// parentheses: how the key is set, in the starting program's terms.
+    pub fn unauthorized(hint: Option<&str>) -> Self {
+        let mut message = "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key the server was started with".to_string();
+        if let Some(h) = hint {
+            message.push_str(&format!(" ({h})"));
+        }
         ApiError {
             status: 401,
-            message: "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key the server was started with (--api-key)".into(),
+            message,
             kind: "authentication_error",
             param: None,
             code: Some("invalid_api_key"),
@@ -137,7 +143,8 @@ pub fn json_kind(v: &Value) -> &'static str {
 /// What starting or running the server can fail with.
 #[derive(Debug, Error)]
 pub enum ServeError {
-    #[error("cannot listen on {addr} (pick another --port or --host)")]
+    /// The address is taken or not ours; the CLI names its --port and --host flags.
+    #[error("cannot listen on {addr} (choose another port or address)")]
     Bind {
         addr: String,
         source: std::io::Error,
@@ -151,6 +158,17 @@ pub enum ServeError {
     Config { name: &'static str, message: String },
     #[error("the HTTP server thread failed: {0}")]
     Server(String),
+    /// The KV budget per rank is more than the machine has: admissions would outrun memory
+    /// instead of queueing.
+    #[error("a KV budget of {budget} bytes per rank is more than this machine's {machine} bytes")]
+    KvOverMachine { budget: u64, machine: u64 },
+    /// The KV budget per rank holds fewer than 2 positions.
+    #[error("a KV budget of {budget} bytes per rank holds {positions} positions ({per_position} bytes each); it must hold at least 2")]
+    KvTooSmall {
+        budget: u64,
+        positions: usize,
+        per_position: usize,
+    },
 }
 
 impl From<tp_engine::EngineError> for ServeError {

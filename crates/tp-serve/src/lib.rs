@@ -12,9 +12,11 @@ pub mod metrics;
 pub mod response;
 pub mod scheduler;
 pub mod server;
+pub mod service;
 
 pub use conn::ConnLimits;
 pub use error::{ApiError, Result, ServeError};
 pub use metrics::Metrics;
 pub use scheduler::{Control, Event, Job, Load, SchedulerConfig, SchedulerHandle};
-pub use server::{check_api_key, Server, ServerConfig, DEFAULT_MAX_BODY_BYTES};
+pub use server::{check_api_key, Server, ServerConfig, StopHandle, DEFAULT_MAX_BODY_BYTES};
+pub use service::{kv_plan, serve, KvBudget, KvPlan, Ready, ServeConfig};

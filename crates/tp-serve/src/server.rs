@@ -62,6 +62,8 @@ pub struct ServerConfig {
     pub connections: ConnLimits,
     /// One line per request on stderr.
     pub log: bool,
+    /// Added to the 401 message: how the key is given to the server (the CLI: `--api-key`).
+    pub auth_hint: Option<String>,
 }
 
 /// What is wrong with an API key, if anything: it must be non-empty and printable ASCII
@@ -126,6 +128,17 @@ struct AppState {
     started: u64,
 }
 
+/// Starts a graceful shutdown of a [`Server`] (as SIGTERM would) from any thread; the
+/// request is kept if the server is not waiting for it yet.
+#[derive(Clone, Debug)]
+pub struct StopHandle(Arc<Notify>);
+
+impl StopHandle {
+    pub fn stop(&self) {
+        self.0.notify_one();
+    }
+}
+
 /// A running HTTP server thread.
 #[derive(Debug)]
 pub struct Server {
@@ -183,6 +196,11 @@ impl Server {
     /// Starts a graceful shutdown, as SIGTERM would.
     pub fn stop(&self) {
         self.stop.notify_one();
+    }
+
+    /// A handle that starts the same shutdown from any thread.
+    pub fn stop_handle(&self) -> StopHandle {
+        StopHandle(Arc::clone(&self.stop))
     }
 
     /// Waits for the server thread (it ends after draining, bounded by the drain timeout).
@@ -371,7 +389,7 @@ async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Resp
         let ok = given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes()));
         if !ok && !exempt {
             st.metrics.request(label(req.uri().path()), 401);
-            return error_response(&ApiError::unauthorized());
+            return error_response(&ApiError::unauthorized(st.cfg.auth_hint.as_deref()));
         }
     }
     next.run(req).await
@@ -983,6 +1001,7 @@ mod tests {
                 max_connections: 10,
             },
             log: false,
+            auth_hint: None,
         }
     }
 

@@ -1,0 +1,360 @@
+//! Opening a model for a tensor-parallel layout, before and around the ranks: every rank's
+//! memory plan and its checks (the step protocol's context limit, this machine's memory, a
+//! per-rank memory limit with the smallest tp that fits), the tokenizer that belongs to the
+//! model, and what rank 0 holds to lead the group ([`Session`]). Errors are typed and worded
+//! without any front end's flags; the CLI adds those.
+
+use crate::worker::Worker;
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+use tp_models::limits::show;
+use tp_models::{rank_memory, Checkpoint, LoadOptions, RankMemory, RankWeights, ShardPlan};
+use tp_tokenizer::{Tokenizer, TokenizerError};
+
+/// What rank 0 holds to lead the group.
+pub struct Session {
+    pub worker: Worker,
+    pub tokenizer: Tokenizer,
+    /// Positions of one sequence's KV cache.
+    pub ctx_size: usize,
+    /// Every rank's memory at this layout, by rank (weights, RoPE table, a KV cache of
+    /// `ctx_size` positions): what the front end budgets with, without reopening the model.
+    pub memory: Vec<RankMemory>,
+    /// How the shards are split (even, or in proportion to rank weights).
+    pub weights: RankWeights,
+}
+
+/// Where the ranks of a layout live, for the machine-memory check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Every rank is a thread of this process: together they must fit this machine.
+    OneProcess,
+    /// One rank per process (possibly on other hosts): the busiest one must fit.
+    ProcessPerRank,
+}
+
+/// Why a model cannot be opened for a layout.
+#[derive(Debug, Error)]
+pub enum SessionError {
+    /// The memory plan cannot be computed for this context (a size too large to hold, or a
+    /// layout the model cannot be split into).
+    #[error("a context of {ctx} positions does not fit")]
+    Context {
+        ctx: usize,
+        #[source]
+        source: Box<tp_models::ModelError>,
+    },
+    /// The step protocol carries a sequence's capacity as a u32.
+    #[error(
+        "a context of {ctx} positions is more than the {} a sequence can hold",
+        u32::MAX
+    )]
+    ContextTooLong { ctx: usize },
+    #[error(
+        "{} would need {} (weights, RoPE table and a KV cache of {ctx} positions), more than this machine's {}",
+        match placement {
+            Placement::OneProcess => format!("the {tp} ranks of this process"),
+            Placement::ProcessPerRank => "the busiest rank".to_string(),
+        },
+        show(Some(*need)),
+        show(Some(u128::from(*machine)))
+    )]
+    OverMachine {
+        placement: Placement,
+        tp: usize,
+        ctx: usize,
+        need: u128,
+        machine: u64,
+    },
+    /// The busiest rank needs more than the per-rank limit; `fits` is the smallest tp (up to
+    /// the head count `heads`) at which every rank would fit.
+    #[error(
+        "{} needs {} at tp {tp} (weights and a KV cache of {ctx} positions) but the per-rank memory limit is {}; {}",
+        match uneven {
+            Some((rank, weights)) => format!("rank {rank} (rank weights {weights})"),
+            None => "a rank".to_string(),
+        },
+        show(Some(u128::from(*need))),
+        show(Some(u128::from(*limit))),
+        match fits {
+            Some(t) => format!("the smallest tp that fits with even shards is {t}"),
+            None => format!("no tp up to {heads} (the head count) fits"),
+        }
+    )]
+    OverRankLimit {
+        tp: usize,
+        ctx: usize,
+        need: u64,
+        limit: u64,
+        /// With uneven rank weights: the busiest rank and the weights.
+        uneven: Option<(usize, RankWeights)>,
+        /// The smallest even tp whose every rank fits.
+        fits: Option<usize>,
+        heads: usize,
+    },
+    #[error("rank weights {weights} cannot split this model")]
+    WeightsSplit {
+        weights: RankWeights,
+        #[source]
+        source: Box<tp_models::ModelError>,
+    },
+    /// Reading the GGUF file's metadata for its tokenizer failed.
+    #[error(transparent)]
+    Model(Box<tp_models::ModelError>),
+    #[error("cannot load the tokenizer of {}", path.display())]
+    Tokenizer {
+        path: PathBuf,
+        #[source]
+        source: TokenizerError,
+    },
+    #[error("the tokenizer of {} has {tokens} tokens but the model only {vocab}; they do not belong together", path.display())]
+    TokenizerVocab {
+        path: PathBuf,
+        tokens: usize,
+        vocab: usize,
+    },
+}
+
+/// Every rank's memory at `tp` with a KV cache of `ctx` positions.
+pub fn memory_plan(
+    ckpt: &dyn Checkpoint,
+    weights: &RankWeights,
+    ctx: usize,
+    opts: LoadOptions,
+) -> tp_models::Result<Vec<RankMemory>> {
+    (0..weights.tp())
+        .map(|r| {
+            let plan = ShardPlan::for_checkpoint_weighted(ckpt, r, weights)?;
+            rank_memory(
+                ckpt,
+                &plan,
+                ctx,
+                opts.dense.bytes(),
+                opts.keep_quantized,
+                opts.kv_dtype,
+            )
+        })
+        .collect()
+}
+
+/// The memory plan of a layout, refused when the context is more than a sequence can hold or
+/// the ranks would exceed this machine's memory, before any rank allocates.
+pub fn checked_memory_plan(
+    ckpt: &dyn Checkpoint,
+    weights: &RankWeights,
+    ctx: usize,
+    opts: LoadOptions,
+    placement: Placement,
+) -> Result<Vec<RankMemory>, SessionError> {
+    let tp = weights.tp();
+    let plan = memory_plan(ckpt, weights, ctx, opts).map_err(|e| {
+        if !weights.is_even() && e.is_split_error() {
+            SessionError::WeightsSplit {
+                weights: weights.clone(),
+                source: Box::new(e),
+            }
+        } else {
+            SessionError::Context {
+                ctx,
+                source: Box::new(e),
+            }
+        }
+    })?;
+    // The memory plan names the cost of huge contexts first.
+    if u32::try_from(ctx).is_err() {
+        return Err(SessionError::ContextTooLong { ctx });
+    }
+    if let Some(machine) = tp_models::limits::physical_memory() {
+        let need: u128 = match placement {
+            Placement::OneProcess => plan.iter().map(|m| m.total() as u128).sum(),
+            Placement::ProcessPerRank => plan.iter().map(|m| m.total() as u128).max().unwrap_or(0),
+        };
+        if need > u128::from(machine) {
+            return Err(SessionError::OverMachine {
+                placement,
+                tp,
+                ctx,
+                need,
+                machine,
+            });
+        }
+    }
+    Ok(plan)
+}
+
+/// Refuses a layout whose busiest rank (in `plan`) exceeds `limit` bytes, naming the
+/// smallest tp that fits.
+pub fn check_rank_limit(
+    ckpt: &dyn Checkpoint,
+    weights: &RankWeights,
+    ctx: usize,
+    opts: LoadOptions,
+    limit: u64,
+    plan: &[RankMemory],
+) -> Result<(), SessionError> {
+    let need = plan.iter().map(RankMemory::total).max().unwrap_or(0) as u64;
+    if need <= limit {
+        return Ok(());
+    }
+    let busiest = plan
+        .iter()
+        .position(|m| m.total() as u64 == need)
+        .unwrap_or(0);
+    let heads = ckpt.config().heads;
+    let fits = (1..=heads).find(|&t| {
+        memory_plan(ckpt, &RankWeights::even(t), ctx, opts)
+            .map(|p| p.iter().all(|m| m.total() as u64 <= limit))
+            .unwrap_or(false)
+    });
+    Err(SessionError::OverRankLimit {
+        tp: weights.tp(),
+        ctx,
+        need,
+        limit,
+        uneven: (!weights.is_even()).then(|| (busiest, weights.clone())),
+        fits,
+        heads,
+    })
+}
+
+/// One line on rank `rank`'s shard and memory (`show_bytes` formats sizes).
+pub fn describe_rank(
+    ckpt: &dyn Checkpoint,
+    rank: usize,
+    weights: &RankWeights,
+    m: &RankMemory,
+    ctx: usize,
+    show_bytes: impl Fn(u64) -> String,
+) -> String {
+    let Ok(plan) = ShardPlan::for_checkpoint_weighted(ckpt, rank, weights) else {
+        return format!("rank {rank}: no shard");
+    };
+    let cfg = ckpt.config();
+    let kv = plan.kv_heads();
+    let shared = if kv.len() * cfg.heads / cfg.kv_heads > plan.q_heads().len() {
+        " (shared)"
+    } else {
+        ""
+    };
+    format!(
+        "rank {rank}: heads {:?}, KV heads {kv:?}{shared}, FFN {:?}, vocab {:?}: {} sharded + {} replicated + {} KV cache ({ctx} positions) = {}",
+        plan.q_heads(),
+        plan.ffn_cols(),
+        plan.vocab_rows(),
+        show_bytes(m.sharded as u64),
+        show_bytes(m.replicated as u64),
+        show_bytes(m.kv_cache as u64),
+        show_bytes(m.total() as u64),
+    )
+}
+
+/// The tokenizer of a GGUF (from its metadata) or an HF directory (tokenizer.json, also for a
+/// `.safetensors` file inside one), refused when it has more tokens than the model.
+pub fn load_tokenizer(path: &Path, ckpt: &dyn Checkpoint) -> Result<Tokenizer, SessionError> {
+    let tok = if path.is_dir() {
+        Tokenizer::from_hf_dir(path)
+    } else if let Some(dir) = path
+        .parent()
+        .filter(|_| path.extension().is_some_and(|e| e == "safetensors"))
+    {
+        Tokenizer::from_hf_dir(dir)
+    } else {
+        let gguf =
+            tp_models::GgufCheckpoint::open(path).map_err(|e| SessionError::Model(Box::new(e)))?;
+        Tokenizer::from_gguf(gguf.metadata())
+    };
+    let tok = tok.map_err(|source| SessionError::Tokenizer {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let vocab = ckpt.config().vocab;
+    if tok.vocab_size() > vocab {
+        return Err(SessionError::TokenizerVocab {
+            path: path.to_path_buf(),
+            tokens: tok.vocab_size(),
+            vocab,
+        });
+    }
+    Ok(tok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tp_models::synthetic::{GgufTypes, SyntheticModel};
+    use tp_models::{open_checkpoint, Arch};
+
+    /// The synthetic test model as a GGUF file (8 heads, 2 KV heads, f32 weights).
+    fn tiny(name: &str) -> Box<dyn Checkpoint> {
+        let dir =
+            std::env::temp_dir().join(format!("tp-engine-session-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.gguf");
+        SyntheticModel::small(Arch::Llama, 1)
+            .write_gguf(&path, GgufTypes::F32)
+            .unwrap();
+        let ckpt = open_checkpoint(&path).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        ckpt
+    }
+
+    #[test]
+    fn a_rank_limit_names_the_smallest_tp_that_fits() {
+        let ckpt = tiny("limit");
+        let ckpt = &*ckpt;
+        let opts = LoadOptions::default();
+        let ctx = 64;
+        let one = checked_memory_plan(
+            ckpt,
+            &RankWeights::even(1),
+            ctx,
+            opts,
+            Placement::OneProcess,
+        )
+        .unwrap();
+        let two = memory_plan(ckpt, &RankWeights::even(2), ctx, opts).unwrap();
+        let need1 = one[0].total() as u64;
+        let need2 = two.iter().map(RankMemory::total).max().unwrap() as u64;
+        assert!(need2 < need1);
+        // Enough for tp 1: no error.
+        check_rank_limit(ckpt, &RankWeights::even(1), ctx, opts, need1, &one).unwrap();
+        // Enough for tp 2 only.
+        match check_rank_limit(ckpt, &RankWeights::even(1), ctx, opts, need2, &one) {
+            Err(SessionError::OverRankLimit { fits, need, .. }) => {
+                assert_eq!(fits, Some(2));
+                assert_eq!(need, need1);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Nothing fits one byte.
+        let e = check_rank_limit(ckpt, &RankWeights::even(1), ctx, opts, 1, &one).unwrap_err();
+        assert!(matches!(e, SessionError::OverRankLimit { fits: None, .. }));
+        assert!(e.to_string().contains("(the head count) fits"), "{e}");
+    }
+
+    #[test]
+    fn a_context_beyond_u32_is_refused_in_the_engines_words() {
+        let ckpt = tiny("u32");
+        let ckpt = &*ckpt;
+        let ctx = u32::MAX as usize + 1;
+        let e = checked_memory_plan(
+            ckpt,
+            &RankWeights::even(1),
+            ctx,
+            LoadOptions::default(),
+            Placement::OneProcess,
+        )
+        .unwrap_err();
+        // Either the plan names the cost first or the u32 limit refuses it; never a flag.
+        assert!(
+            matches!(
+                e,
+                SessionError::Context { .. }
+                    | SessionError::ContextTooLong { .. }
+                    | SessionError::OverMachine { .. }
+            ),
+            "{e:?}"
+        );
+        assert!(!e.to_string().contains("--"), "{e}");
+    }
+}

@@ -1,0 +1,289 @@
+//! The server as one call: [`serve`] takes rank 0's [`Session`] (a loaded model leading its
+//! tp group) and a [`ServeConfig`], and does everything `tp serve` does after its flags are
+//! read: the KV budget in positions (from the session's memory plan, without reopening the
+//! model), the HTTP front end, the continuous-batching scheduler on the calling thread, and
+//! the drain on shutdown. `tp serve` and `tp bench serve` both start servers through it.
+
+use crate::conn::ConnLimits;
+use crate::error::{Result, ServeError};
+use crate::metrics::Metrics;
+use crate::scheduler::{Load, SchedulerConfig, SchedulerHandle};
+use crate::server::{Server, ServerConfig, StopHandle};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+use tp_engine::{EngineError, Session};
+use tp_models::{KvDtype, ModelConfig, RankWeights, ShardPlan};
+
+/// KV budget per rank when neither a KV budget nor a rank memory limit is given: 1 GiB.
+pub const DEFAULT_KV_BYTES: u64 = 1 << 30;
+
+/// Where the KV budget per rank comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvBudget {
+    /// This many bytes per rank.
+    Bytes(u64),
+    /// What a rank may use in all, less that rank's weights.
+    RankMemory(u64),
+    /// [`DEFAULT_KV_BYTES`].
+    Default,
+}
+
+/// Everything a server needs besides the model.
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    pub host: IpAddr,
+    /// 0: any free port (the bound address goes to the ready callback).
+    pub port: u16,
+    pub api_key: Option<String>,
+    /// With a key, `GET /health` answers without it.
+    pub public_health: bool,
+    /// The name clients pass as `model`.
+    pub model_name: String,
+    pub kv_budget: KvBudget,
+    /// Most requests generated at once.
+    pub max_seqs: usize,
+    /// Most tokens in one forward step.
+    pub max_batch_tokens: usize,
+    /// Requests waiting for admission beyond which new ones get 429.
+    pub max_queue: usize,
+    pub max_body_bytes: usize,
+    pub drain_timeout: Duration,
+    /// The drain after SIGTERM (shorter under mpirun, see [`ServerConfig`]).
+    pub term_drain_timeout: Duration,
+    /// The group's collective deadline: the idle heartbeat is at most a quarter of it, and a
+    /// request waits at least twice it (and 120 s) for its next token.
+    pub collective_timeout: Duration,
+    pub connections: ConnLimits,
+    /// One line per request on stderr, and the shutdown lines.
+    pub log: bool,
+    /// Added to the 401 message (see [`ServerConfig::auth_hint`]).
+    pub auth_hint: Option<String>,
+}
+
+/// The KV budget of a running server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvPlan {
+    /// Bytes of the limiting rank (the one that holds the fewest positions).
+    pub budget_bytes: u64,
+    /// Bytes one position takes on the limiting rank.
+    pub bytes_per_position: usize,
+    /// Positions all requests may reserve together.
+    pub positions: usize,
+}
+
+/// What [`serve`] tells its caller once the server accepts connections.
+#[derive(Clone, Debug)]
+pub struct Ready {
+    pub addr: SocketAddr,
+    pub kv: KvPlan,
+    pub tp: usize,
+    pub ctx_size: usize,
+    /// Starts the graceful shutdown, as SIGTERM would.
+    pub stop: StopHandle,
+}
+
+/// The KV budget in positions for `cfg` split by `weights`, with `budgets[r]` bytes on rank
+/// `r` and caches of `kv_dtype`: every rank holds every position, so the rank that holds the
+/// fewest bounds them (bytes per position and weights differ by rank under uneven weights).
+pub fn kv_plan(
+    cfg: &ModelConfig,
+    weights: &RankWeights,
+    kv_dtype: KvDtype,
+    budgets: &[u64],
+) -> Result<KvPlan> {
+    let mut limiting: Option<KvPlan> = None;
+    for (r, &budget) in budgets.iter().enumerate().take(weights.tp()) {
+        let plan = ShardPlan::weighted(cfg, 1, r, weights).map_err(EngineError::from)?;
+        let per_position = cfg.layers * 2 * plan.kv_heads().len() * cfg.head_dim * kv_dtype.size();
+        // A budget is reserved as requests arrive; one larger than the machine would let
+        // admissions outrun memory instead of queueing.
+        if let Some(machine) = tp_models::limits::physical_memory().filter(|&m| budget > m) {
+            return Err(ServeError::KvOverMachine { budget, machine });
+        }
+        let positions = usize::try_from(budget / per_position.max(1) as u64).unwrap_or(usize::MAX);
+        if limiting.is_none_or(|l| positions < l.positions) {
+            limiting = Some(KvPlan {
+                budget_bytes: budget,
+                bytes_per_position: per_position,
+                positions,
+            });
+        }
+    }
+    let kv = limiting.unwrap_or(KvPlan {
+        budget_bytes: 0,
+        bytes_per_position: 1,
+        positions: 0,
+    });
+    if kv.positions < 2 {
+        return Err(ServeError::KvTooSmall {
+            budget: kv.budget_bytes,
+            positions: kv.positions,
+            per_position: kv.bytes_per_position,
+        });
+    }
+    Ok(kv)
+}
+
+/// Serves `session`'s model until shut down (a signal, or [`Ready::stop`]), then drains and
+/// returns. Binds first; `ready` runs once connections are accepted (print the address
+/// there). The scheduler runs on the calling thread, which must be the one that owns
+/// `session` (rank 0's); the caller releases the followers afterwards.
+pub fn serve(
+    session: &mut Session,
+    cfg: &ServeConfig,
+    ready: impl FnOnce(&Ready) -> Result<()>,
+) -> Result<()> {
+    if cfg.max_seqs == 0 || cfg.max_batch_tokens == 0 {
+        return Err(ServeError::Config {
+            name: if cfg.max_seqs == 0 {
+                "max_seqs"
+            } else {
+                "max_batch_tokens"
+            },
+            message: "must be at least 1".into(),
+        });
+    }
+    let tp = session.worker.group().size();
+    let model = session.worker.model().config().clone();
+    let budgets: Vec<u64> = match cfg.kv_budget {
+        KvBudget::Bytes(b) => vec![b; tp],
+        KvBudget::RankMemory(limit) => session
+            .memory
+            .iter()
+            .map(|m| limit.saturating_sub((m.sharded + m.replicated) as u64))
+            .collect(),
+        KvBudget::Default => vec![DEFAULT_KV_BYTES; tp],
+    };
+    let kv_dtype = session.worker.model().kv_dtype();
+    let kv = kv_plan(&model, &session.weights, kv_dtype, &budgets)?;
+    let sched_cfg = SchedulerConfig {
+        max_seqs: cfg.max_seqs,
+        kv_budget_positions: kv.positions,
+        max_batch_tokens: cfg.max_batch_tokens,
+        heartbeat: Duration::from_secs(1)
+            .min(cfg.collective_timeout / 4)
+            .max(Duration::from_millis(10)),
+    };
+    let server_cfg = ServerConfig {
+        host: cfg.host,
+        port: cfg.port,
+        api_key: cfg.api_key.clone(),
+        public_health: cfg.public_health,
+        model_name: cfg.model_name.clone(),
+        ctx_size: session.ctx_size,
+        kv_budget_positions: kv.positions,
+        vocab: model.vocab,
+        max_body_bytes: cfg.max_body_bytes,
+        max_queue: cfg.max_queue,
+        drain_timeout: cfg.drain_timeout,
+        term_drain_timeout: cfg.term_drain_timeout,
+        event_timeout: Duration::from_secs(120).max(cfg.collective_timeout.saturating_mul(2)),
+        connections: cfg.connections,
+        log: cfg.log,
+        auth_hint: cfg.auth_hint.clone(),
+    };
+    let metrics = Arc::new(Metrics::new());
+    let load = Arc::new(Load::default());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let handle = SchedulerHandle {
+        control: tx,
+        load: Arc::clone(&load),
+    };
+    let server = Server::start(
+        server_cfg,
+        Arc::new(session.tokenizer.clone()),
+        handle,
+        Arc::clone(&metrics),
+    )?;
+    let info = Ready {
+        addr: server.addr,
+        kv,
+        tp,
+        ctx_size: session.ctx_size,
+        stop: server.stop_handle(),
+    };
+    if let Err(e) = ready(&info) {
+        server.stop();
+        drop(rx);
+        let _ = server.join();
+        return Err(e);
+    }
+    let result = crate::scheduler::run(
+        &mut session.worker,
+        &session.tokenizer,
+        &sched_cfg,
+        &rx,
+        &load,
+        &metrics,
+    );
+    // New requests now fail at once; the HTTP side drains what it holds.
+    drop(rx);
+    if result.is_err() {
+        server.stop();
+    }
+    let joined = server.join();
+    result?;
+    joined
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tp_models::{Arch, RopeStyle};
+
+    fn cfg() -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Llama,
+            layers: 2,
+            hidden: 256,
+            ffn: 544,
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 32,
+            vocab: 1000,
+            rms_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_style: RopeStyle::RotateHalf,
+            context: 128,
+            qkv_bias: false,
+            tied_embeddings: true,
+        }
+    }
+
+    #[test]
+    fn the_budget_is_counted_in_the_busiest_ranks_positions() {
+        let c = cfg();
+        let even = |tp| RankWeights::even(tp);
+        // tp 1: 2 layers x (K and V) x 2 KV heads x 32 x 4 bytes.
+        let one = kv_plan(&c, &even(1), KvDtype::F32, &[1 << 20]).unwrap();
+        assert_eq!(one.bytes_per_position, 2 * 2 * 2 * 32 * 4);
+        assert_eq!(one.positions, (1 << 20) / one.bytes_per_position);
+        // tp 2: one KV head per rank, half the bytes, twice the positions.
+        let two = kv_plan(&c, &even(2), KvDtype::F32, &[1 << 20; 2]).unwrap();
+        assert_eq!(two.bytes_per_position * 2, one.bytes_per_position);
+        assert_eq!(two.positions, 2 * one.positions);
+        // An f16 cache: half the bytes again.
+        let f16 = kv_plan(&c, &even(2), KvDtype::F16, &[1 << 20; 2]).unwrap();
+        assert_eq!(f16.positions, 2 * two.positions);
+        // The rank with the smaller budget limits the positions.
+        let uneven = kv_plan(&c, &even(2), KvDtype::F32, &[1 << 20, 1 << 19]).unwrap();
+        assert_eq!(uneven.positions, two.positions / 2);
+        assert_eq!(uneven.budget_bytes, 1 << 19);
+    }
+
+    #[test]
+    fn a_budget_below_two_positions_is_refused_without_flag_names() {
+        let one = RankWeights::even(1);
+        let e = kv_plan(&cfg(), &one, KvDtype::F32, &[1000]).unwrap_err();
+        assert!(
+            matches!(e, ServeError::KvTooSmall { positions: 0, .. }),
+            "{e:?}"
+        );
+        assert!(!e.to_string().contains("--"), "{e}");
+        if let Some(m) = tp_models::limits::physical_memory() {
+            let e = kv_plan(&cfg(), &one, KvDtype::F32, &[m + 1]).unwrap_err();
+            assert!(matches!(e, ServeError::KvOverMachine { .. }), "{e:?}");
+        }
+    }
+}
