@@ -414,6 +414,14 @@ impl Activation for ActBlock {
                 // `tile` (1..=4) tokens of `nb` blocks, as sliced by `run_tiles`.
                 unsafe { crate::dot_avx2::group_dot(qtype, group, nb, tile_acts, tile, wide, out) }
             }
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 => {
+                // SAFETY: `Simd::Avx512` is only chosen after runtime detection of AVX2, FMA,
+                // F16C, AVX-512 F/BW/VL and VNNI; the slices are as for `Simd::Avx2`.
+                unsafe {
+                    crate::dot_avx512::group_dot(qtype, group, nb, tile_acts, tile, wide, out)
+                }
+            }
             _ => {
                 for t in 0..tile {
                     let acts = &tile_acts[t * nb..(t + 1) * nb];
@@ -445,6 +453,14 @@ impl Activation for ActBlockK {
                 // SAFETY: as for `ActBlock`, with K-quant group super-blocks.
                 unsafe {
                     crate::dot_avx2_k::group_dot(qtype, group, nb, tile_acts, tile, wide, out)
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 => {
+                // SAFETY: as for `ActBlock` under `Simd::Avx512`, with K-quant group
+                // super-blocks.
+                unsafe {
+                    crate::dot_avx512_k::group_dot(qtype, group, nb, tile_acts, tile, wide, out)
                 }
             }
             _ => {
@@ -518,32 +534,131 @@ pub(crate) mod tests {
             .collect()
     }
 
+    /// Shapes for the path comparisons: one row to several groups (ragged last group), one
+    /// block to many, odd block counts included.
+    fn shapes(qtype: QuantType) -> Vec<(usize, usize)> {
+        let bl = qtype.block_len();
+        [
+            (1, 8),
+            (3, 16),
+            (8, 8),
+            (17, 64),
+            (24, 48),
+            (5, 1),
+            (9, 3),
+            (16, 25),
+            (40, 7),
+        ]
+        .iter()
+        .map(|&(rows, nb)| (rows, nb * bl))
+        .collect()
+    }
+
+    /// The SIMD paths this CPU supports, with a printed line for each one it does not.
+    fn simd_paths() -> Vec<Simd> {
+        for s in [Simd::Avx2, Simd::Avx512] {
+            if !cpu::supports(s) {
+                eprintln!("skipped {s:?}: this CPU does not support it");
+            }
+        }
+        cpu::available().into_iter().skip(1).collect()
+    }
+
     #[test]
-    fn avx2_and_scalar_paths_agree() {
-        if cpu::detect_hardware() != Simd::Avx2 {
-            eprintln!("skipped: this CPU has no AVX2+FMA+F16C, only the scalar path exists");
+    fn simd_and_scalar_paths_agree() {
+        use QuantType::*;
+        for simd in simd_paths() {
+            for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+                for (rows, cols) in shapes(qtype) {
+                    for n in [1usize, 2, 3, 4, 5, 9] {
+                        let seed = (rows * 1000 + cols + n) as u64;
+                        let bytes = random_ggml(qtype, rows, cols, seed);
+                        let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
+                        let x = random_x(n * cols, seed);
+                        let mut ya = vec![0.0; n * rows];
+                        let mut ys = vec![0.0; n * rows];
+                        m.matmul_with(simd, &x, n, &mut ya).unwrap();
+                        m.matmul_with(Simd::Scalar, &x, n, &mut ys).unwrap();
+                        for (i, (a, s)) in ya.iter().zip(&ys).enumerate() {
+                            // Same integer sums; only the f32 accumulation and FMA differ.
+                            let tol = 1e-5 * (1.0 + s.abs()) * (cols / 32) as f32;
+                            assert!(
+                                (a - s).abs() <= tol,
+                                "{simd:?} {qtype} [{rows},{cols}] n={n} out {i}: {a} vs scalar {s}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn avx512_matmul_gives_the_avx2_bits() {
+        if !cpu::supports(Simd::Avx512) {
+            eprintln!("skipped: this CPU has no AVX-512 F/BW/VL + VNNI");
             return;
         }
         use QuantType::*;
         for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
-            for (rows, cols) in [(1, 256), (3, 512), (8, 256), (17, 2048), (24, 1536)] {
-                for n in [1usize, 2, 3, 4, 5, 9] {
-                    let seed = (rows * 1000 + cols + n) as u64;
+            for (rows, cols) in shapes(qtype) {
+                for n in [1usize, 2, 3, 4, 5, 9, 130] {
+                    let seed = (rows * 7000 + cols + n) as u64;
                     let bytes = random_ggml(qtype, rows, cols, seed);
                     let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
-                    let x = random_x(n * cols, seed);
-                    let mut ya = vec![0.0; n * rows];
-                    let mut ys = vec![0.0; n * rows];
-                    m.matmul_with(Simd::Avx2, &x, n, &mut ya).unwrap();
-                    m.matmul_with(Simd::Scalar, &x, n, &mut ys).unwrap();
-                    for (i, (a, s)) in ya.iter().zip(&ys).enumerate() {
-                        // Same integer sums; only the f32 accumulation order and FMA differ.
-                        let tol = 1e-5 * (1.0 + s.abs()) * (cols / 32) as f32;
-                        assert!(
-                            (a - s).abs() <= tol,
-                            "{qtype} [{rows},{cols}] n={n} out {i}: avx2 {a} scalar {s}"
+                    let x = random_x(n * cols, seed ^ 5);
+                    let mut y5 = vec![0.0f32; n * rows];
+                    let mut y2 = vec![0.0f32; n * rows];
+                    m.matmul_with(Simd::Avx512, &x, n, &mut y5).unwrap();
+                    m.matmul_with(Simd::Avx2, &x, n, &mut y2).unwrap();
+                    for (i, (a, b)) in y5.iter().zip(&y2).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{qtype} [{rows},{cols}] n={n} out {i}: avx512 {a} avx2 {b}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn avx512_extreme_quants_match_scalar_bits() {
+        // Every weight quant at its extremes (all bits set / all clear) and activations at
+        // +-127: the integer sums must be exact on every path.
+        if !cpu::supports(Simd::Avx512) {
+            eprintln!("skipped: this CPU has no AVX-512 F/BW/VL + VNNI");
+            return;
+        }
+        use QuantType::*;
+        for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+            let (rows, cols) = (9, 3 * qtype.block_len());
+            for fill in [0x00u8, 0xFF, 0x7F, 0x80] {
+                let mut bytes = random_ggml(qtype, rows, cols, 3);
+                let bb = qtype.block_bytes();
+                for blk in bytes.chunks_exact_mut(bb) {
+                    let q = match qtype {
+                        Q4_K => 16..bb,
+                        Q6_K => 0..208,
+                        _ => qtype.scale_bytes()..bb,
+                    };
+                    blk[q].fill(fill);
+                }
+                let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
+                for sign in [1.0f32, -1.0] {
+                    let n = 3;
+                    let x: Vec<f32> = (0..n * cols)
+                        .map(|i| if i % 3 == 0 { sign } else { -sign * 0.5 })
+                        .collect();
+                    let mut ys = vec![0.0f64; n * rows];
+                    let mut y5 = vec![0.0f64; n * rows];
+                    m.matmul_wide_acc_with(Simd::Scalar, &x, n, &mut ys)
+                        .unwrap();
+                    m.matmul_wide_acc_with(Simd::Avx512, &x, n, &mut y5)
+                        .unwrap();
+                    let bits = |v: &[f64]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&y5), bits(&ys), "{qtype} fill {fill:#x} sign {sign}");
                 }
             }
         }
@@ -558,7 +673,7 @@ pub(crate) mod tests {
             QuantType::Q4_K,
             QuantType::Q6_K,
         ];
-        for (simd, qtype) in [Simd::Scalar, cpu::detect_hardware()]
+        for (simd, qtype) in cpu::available()
             .into_iter()
             .flat_map(|s| kinds.map(|q| (s, q)))
         {
@@ -662,39 +777,33 @@ pub(crate) mod tests {
     }
 
     fn families() -> Vec<Simd> {
-        let mut f = vec![Simd::Scalar];
-        if cpu::detect_hardware() == Simd::Avx2 {
-            f.push(Simd::Avx2);
-        }
-        f
+        cpu::available()
     }
 
     #[test]
-    fn wide_avx2_and_scalar_give_the_same_bits() {
-        if cpu::detect_hardware() != Simd::Avx2 {
-            eprintln!("skipped: this CPU has no AVX2+FMA+F16C, only the scalar path exists");
-            return;
-        }
+    fn wide_simd_and_scalar_give_the_same_bits() {
         use QuantType::*;
-        for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
-            for (rows, cols) in [(1, 256), (3, 512), (8, 256), (17, 2048), (24, 1536)] {
-                for n in [1usize, 2, 3, 4, 5, 9] {
-                    let seed = (rows * 1000 + cols + n) as u64;
-                    let bytes = random_ggml(qtype, rows, cols, seed);
-                    let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
-                    let x = random_x(n * cols, seed);
-                    // `+=`: start from non-zero values.
-                    let y0: Vec<f64> = (0..n * rows).map(|i| i as f64 * 0.25 - 3.0).collect();
-                    let (mut ya, mut ys) = (y0.clone(), y0);
-                    m.matmul_wide_acc_with(Simd::Avx2, &x, n, &mut ya).unwrap();
-                    m.matmul_wide_acc_with(Simd::Scalar, &x, n, &mut ys)
-                        .unwrap();
-                    for (i, (a, s)) in ya.iter().zip(&ys).enumerate() {
-                        assert_eq!(
-                            a.to_bits(),
-                            s.to_bits(),
-                            "{qtype} [{rows},{cols}] n={n} out {i}: avx2 {a} scalar {s}"
-                        );
+        for simd in simd_paths() {
+            for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+                for (rows, cols) in shapes(qtype) {
+                    for n in [1usize, 2, 3, 4, 5, 9, 130] {
+                        let seed = (rows * 1000 + cols + n) as u64;
+                        let bytes = random_ggml(qtype, rows, cols, seed);
+                        let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
+                        let x = random_x(n * cols, seed);
+                        // `+=`: start from non-zero values.
+                        let y0: Vec<f64> = (0..n * rows).map(|i| i as f64 * 0.25 - 3.0).collect();
+                        let (mut ya, mut ys) = (y0.clone(), y0);
+                        m.matmul_wide_acc_with(simd, &x, n, &mut ya).unwrap();
+                        m.matmul_wide_acc_with(Simd::Scalar, &x, n, &mut ys)
+                            .unwrap();
+                        for (i, (a, s)) in ya.iter().zip(&ys).enumerate() {
+                            assert_eq!(
+                                a.to_bits(),
+                                s.to_bits(),
+                                "{simd:?} {qtype} [{rows},{cols}] n={n} out {i}: {a} vs scalar {s}"
+                            );
+                        }
                     }
                 }
             }
