@@ -46,35 +46,43 @@ pub(crate) fn simd() -> Simd {
     *SELECTED.get_or_init(select)
 }
 
-/// The best path this CPU supports, or the one `TP_KERNEL` names when the CPU supports it.
+/// The best path this CPU supports, or the one `TP_KERNEL` names when the CPU supports it
+/// (a warning on stderr otherwise).
 fn select() -> Simd {
+    let (simd, warning) = resolve(std::env::var("TP_KERNEL").ok().as_deref());
+    if let Some(w) = warning {
+        eprintln!("warning: {w}");
+    }
+    simd
+}
+
+/// The path for a `TP_KERNEL` value (`None`: unset), and a warning when the value is unknown
+/// or names a path this CPU cannot run (then the best supported path is used).
+fn resolve(want: Option<&str>) -> (Simd, Option<String>) {
     let best = detect_hardware();
-    let Ok(want) = std::env::var("TP_KERNEL") else {
-        return best;
-    };
-    let want = want.trim().to_ascii_lowercase();
+    let want = want.unwrap_or("").trim().to_ascii_lowercase();
     let asked = match want.as_str() {
-        "" | "auto" => return best,
+        "" | "auto" => return (best, None),
         "scalar" => Simd::Scalar,
         "avx2" => Simd::Avx2,
         "avx512" => Simd::Avx512,
         _ => {
-            eprintln!(
-                "warning: TP_KERNEL={want} is not one of scalar, avx2, avx512, auto; using {}",
+            let w = format!(
+                "TP_KERNEL={want} is not one of scalar, avx2, avx512, auto; using {}",
                 best.name()
             );
-            return best;
+            return (best, Some(w));
         }
     };
     if supports(asked) {
-        asked
+        (asked, None)
     } else {
-        eprintln!(
-            "warning: TP_KERNEL={want} but this CPU ({}) cannot run it; using {}",
+        let w = format!(
+            "TP_KERNEL={want} but this CPU ({}) cannot run it; using {}",
             cpu_model(),
             best.name()
         );
-        best
+        (best, Some(w))
     }
 }
 
@@ -184,4 +192,31 @@ pub fn kernel_report() -> String {
         path.name(),
         best.name()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tp_kernel_values_resolve_or_warn_and_fall_back() {
+        let best = detect_hardware();
+        assert_eq!(resolve(None), (best, None));
+        assert_eq!(resolve(Some(" Auto ")), (best, None));
+        assert_eq!(resolve(Some("scalar")), (Simd::Scalar, None));
+        let (s, w) = resolve(Some("avx9000"));
+        assert_eq!(s, best);
+        assert!(w.is_some_and(|w| w.contains("not one of")));
+        for simd in [Simd::Avx2, Simd::Avx512] {
+            let (s, w) = resolve(Some(simd.name()));
+            if supports(simd) {
+                assert_eq!((s, w), (simd, None));
+            } else {
+                eprintln!("{simd:?} unsupported here: checking the fallback");
+                assert_eq!(s, best);
+                assert!(w.is_some_and(|w| w.contains("cannot run it")));
+            }
+        }
+        assert!(kernel_report().contains(kernel_path()));
+    }
 }
