@@ -44,6 +44,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         dense,
     };
     print!("{}", describe(&*ckpt, args.tp, args.ctx_size, opts)?);
+    println!("kernels    {}", tp_kernels::kernel_report());
     Ok(ExitCode::SUCCESS)
 }
 
