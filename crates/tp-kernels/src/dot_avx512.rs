@@ -4,8 +4,8 @@
 //! The packed layout (see `pack`) stores quant word `w` of rows 0..8 in 32 bytes, followed by
 //! word `w + 1`; one 64-byte load therefore holds 8 columns of all 8 rows: 32-bit lane `r`
 //! holds columns `4w..4w + 4` of row `r` and lane `8 + r` columns `4w + 4..4w + 8`. The
-//! matching activation words are placed by one `vpermd` from the token's block (lanes 0..8
-//! get word `w`, lanes 8..16 word `w + 1`), and `vpdpbusd` (VNNI) multiplies the unsigned
+//! matching activation words are laid out once per call by `expand` (lanes 0..8 hold word
+//! `w`, lanes 8..16 word `w + 1`; every group reuses them), and `vpdpbusd` (VNNI) multiplies the unsigned
 //! weight bytes by the signed activation bytes and adds each group of 4 products into the
 //! lane's i32 accumulator in one instruction (AVX2 needs `maddubs`, `madd` and `add`).
 //!
@@ -20,6 +20,7 @@
 //!   through a byte mask), then `-16 * sum(x)`.
 
 use crate::dot_avx2::{add_wide, prefetch_ahead, store};
+use crate::expand::{Expanded, PER_BLOCK};
 use crate::format::QuantType;
 use crate::pack::{group_block_bytes, group_scale_bytes};
 use crate::quantize::ActBlock;
@@ -39,28 +40,31 @@ pub(crate) unsafe fn group_dot(
     group: &[u8],
     nb: usize,
     acts: &[ActBlock],
+    ex: &[Expanded],
     tile: usize,
     wide: bool,
     out: &mut TileOut,
 ) {
     let g = group.as_ptr();
     let a = acts.as_ptr();
+    let x = ex.as_ptr();
     // SAFETY: the caller guarantees the CPU features, that the group holds `nb` group
     // blocks and that `acts` holds `tile` tokens of `nb` blocks; the pointers below stay
     // inside those slices.
     unsafe {
         let p = |t: usize| a.add(t * nb);
+        let e = |t: usize| x.add(t * nb * PER_BLOCK);
         macro_rules! by_tile {
             ($k:ident $(, $c:literal)*) => {
                 match (tile, wide) {
-                    (1, false) => $k::<1, $($c,)* false>(g, nb, [p(0)], out),
-                    (2, false) => $k::<2, $($c,)* false>(g, nb, [p(0), p(1)], out),
-                    (3, false) => $k::<3, $($c,)* false>(g, nb, [p(0), p(1), p(2)], out),
-                    (_, false) => $k::<4, $($c,)* false>(g, nb, [p(0), p(1), p(2), p(3)], out),
-                    (1, true) => $k::<1, $($c,)* true>(g, nb, [p(0)], out),
-                    (2, true) => $k::<2, $($c,)* true>(g, nb, [p(0), p(1)], out),
-                    (3, true) => $k::<3, $($c,)* true>(g, nb, [p(0), p(1), p(2)], out),
-                    (_, true) => $k::<4, $($c,)* true>(g, nb, [p(0), p(1), p(2), p(3)], out),
+                    (1, false) => $k::<1, $($c,)* false>(g, nb, [p(0)], [e(0)], out),
+                    (2, false) => $k::<2, $($c,)* false>(g, nb, [p(0), p(1)], [e(0), e(1)], out),
+                    (3, false) => $k::<3, $($c,)* false>(g, nb, [p(0), p(1), p(2)], [e(0), e(1), e(2)], out),
+                    (_, false) => $k::<4, $($c,)* false>(g, nb, [p(0), p(1), p(2), p(3)], [e(0), e(1), e(2), e(3)], out),
+                    (1, true) => $k::<1, $($c,)* true>(g, nb, [p(0)], [e(0)], out),
+                    (2, true) => $k::<2, $($c,)* true>(g, nb, [p(0), p(1)], [e(0), e(1)], out),
+                    (3, true) => $k::<3, $($c,)* true>(g, nb, [p(0), p(1), p(2)], [e(0), e(1), e(2)], out),
+                    (_, true) => $k::<4, $($c,)* true>(g, nb, [p(0), p(1), p(2), p(3)], [e(0), e(1), e(2), e(3)], out),
                 }
             };
         }
@@ -90,12 +94,12 @@ pub(crate) fn fold(v: __m512i) -> __m256i {
     _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
 }
 
-/// The 32 activation quants of block `x` in the low half of a register (the high half zero).
+/// One expanded activation vector (see `expand`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn act(x: *const ActBlock) -> __m512i {
-    // SAFETY: the caller passes a valid block; `qs` is 32 bytes.
-    unsafe { _mm512_zextsi256_si512(_mm256_loadu_si256((*x).qs.as_ptr() as *const __m256i)) }
+pub(crate) unsafe fn ld(e: *const Expanded) -> __m512i {
+    // SAFETY: the caller passes a valid vector; `Expanded` is 64 bytes, 64-aligned.
+    unsafe { _mm512_load_si512(e as *const __m512i) }
 }
 
 /// 64 bytes at `p`.
@@ -116,6 +120,7 @@ unsafe fn q4<const T: usize, const MIN: bool, const WIDE: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlock; T],
+    ex: [*const Expanded; T],
     out: &mut TileOut,
 ) {
     let qtype = if MIN {
@@ -129,10 +134,6 @@ unsafe fn q4<const T: usize, const MIN: bool, const WIDE: bool>(
     // `sb + 64 * m` for m < 2, ending at `gb`) or inside activation block `b < nb` of a token.
     unsafe {
         let low4 = _mm512_set1_epi8(0x0F);
-        // Words 2m, 2m + 1 of the low nibbles (columns 8m..8m + 8) and of the high ones
-        // (columns 16 + 8m..).
-        let idx_lo = [pair_index(0, 1), pair_index(2, 3)];
-        let idx_hi = [pair_index(4, 5), pair_index(6, 7)];
         let mut acc = [_mm256_setzero_ps(); T];
         let mut acc_min = [_mm256_setzero_ps(); T];
         let mut wide = [[_mm256_setzero_pd(); 2]; T];
@@ -141,10 +142,6 @@ unsafe fn q4<const T: usize, const MIN: bool, const WIDE: bool>(
             prefetch_ahead(blk, gb);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
             let q = blk.add(sb);
-            let mut x = [_mm512_setzero_si512(); T];
-            for t in 0..T {
-                x[t] = act(acts[t].add(b));
-            }
             let mut s_lo = [_mm512_setzero_si512(); T];
             let mut s_hi = [_mm512_setzero_si512(); T];
             for m in 0..2 {
@@ -152,10 +149,11 @@ unsafe fn q4<const T: usize, const MIN: bool, const WIDE: bool>(
                 let lo = _mm512_and_si512(v, low4);
                 let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4);
                 for t in 0..T {
-                    let xl = _mm512_permutexvar_epi32(idx_lo[m], x[t]);
-                    let xh = _mm512_permutexvar_epi32(idx_hi[m], x[t]);
-                    s_lo[t] = _mm512_dpbusd_epi32(s_lo[t], lo, xl);
-                    s_hi[t] = _mm512_dpbusd_epi32(s_hi[t], hi, xh);
+                    // Words 2m, 2m + 1 of the low nibbles (columns 8m..8m + 8) and of the
+                    // high ones (columns 16 + 8m..): pairs m and 2 + m.
+                    let xe = ex[t].add(b * PER_BLOCK);
+                    s_lo[t] = _mm512_dpbusd_epi32(s_lo[t], lo, ld(xe.add(m)));
+                    s_hi[t] = _mm512_dpbusd_epi32(s_hi[t], hi, ld(xe.add(2 + m)));
                 }
             }
             let mw = if MIN {
@@ -200,6 +198,7 @@ unsafe fn q8<const T: usize, const WIDE: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlock; T],
+    ex: [*const Expanded; T],
     out: &mut TileOut,
 ) {
     let gb = group_block_bytes(QuantType::Q8_0);
@@ -208,12 +207,6 @@ unsafe fn q8<const T: usize, const WIDE: bool>(
     // `sb + 64 * m` for m < 4, ending at `gb`) or inside activation block `b` of a token.
     unsafe {
         let flip = _mm512_set1_epi8(-128);
-        let idx = [
-            pair_index(0, 1),
-            pair_index(2, 3),
-            pair_index(4, 5),
-            pair_index(6, 7),
-        ];
         let mut acc = [_mm256_setzero_ps(); T];
         let mut wide = [[_mm256_setzero_pd(); 2]; T];
         for b in 0..nb {
@@ -221,10 +214,6 @@ unsafe fn q8<const T: usize, const WIDE: bool>(
             prefetch_ahead(blk, gb);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
             let q = blk.add(sb);
-            let mut x = [_mm512_setzero_si512(); T];
-            for t in 0..T {
-                x[t] = act(acts[t].add(b));
-            }
             let mut s0 = [_mm512_setzero_si512(); T];
             let mut s1 = [_mm512_setzero_si512(); T];
             for m in 0..2 {
@@ -232,10 +221,9 @@ unsafe fn q8<const T: usize, const WIDE: bool>(
                 let w0 = _mm512_xor_si512(load64(q.add(128 * m)), flip);
                 let w1 = _mm512_xor_si512(load64(q.add(128 * m + 64)), flip);
                 for t in 0..T {
-                    let x0 = _mm512_permutexvar_epi32(idx[2 * m], x[t]);
-                    let x1 = _mm512_permutexvar_epi32(idx[2 * m + 1], x[t]);
-                    s0[t] = _mm512_dpbusd_epi32(s0[t], w0, x0);
-                    s1[t] = _mm512_dpbusd_epi32(s1[t], w1, x1);
+                    let xe = ex[t].add(b * PER_BLOCK + 2 * m);
+                    s0[t] = _mm512_dpbusd_epi32(s0[t], w0, ld(xe));
+                    s1[t] = _mm512_dpbusd_epi32(s1[t], w1, ld(xe.add(1)));
                 }
             }
             for t in 0..T {
@@ -266,6 +254,7 @@ unsafe fn q5<const T: usize, const WIDE: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlock; T],
+    ex: [*const Expanded; T],
     out: &mut TileOut,
 ) {
     let gb = group_block_bytes(QuantType::Q5_0);
@@ -279,8 +268,6 @@ unsafe fn q5<const T: usize, const WIDE: bool>(
         // Byte j of each 32-bit lane tests bit j of the lane's low byte.
         let spread = _mm512_set4_epi32(0x0C0C_0C0C, 0x0808_0808, 0x0404_0404, 0);
         let select = _mm512_set1_epi32(0x0804_0201);
-        let idx_lo = [pair_index(0, 1), pair_index(2, 3)];
-        let idx_hi = [pair_index(4, 5), pair_index(6, 7)];
         // Bits of `qh` for columns 8m.. (lanes 0..8) and 8m + 4.. (lanes 8..16); +16 for the
         // high nibbles.
         let shift_lo = [pair_index(0, 4), pair_index(8, 12)];
@@ -292,10 +279,6 @@ unsafe fn q5<const T: usize, const WIDE: bool>(
             prefetch_ahead(blk, gb);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
             let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(sb) as *const __m256i));
-            let mut x = [_mm512_setzero_si512(); T];
-            for t in 0..T {
-                x[t] = act(acts[t].add(b));
-            }
             let mut s_lo = [_mm512_setzero_si512(); T];
             let mut s_hi = [_mm512_setzero_si512(); T];
             for m in 0..2 {
@@ -309,10 +292,11 @@ unsafe fn q5<const T: usize, const WIDE: bool>(
                 let hi =
                     _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(bits_hi, select), hi, fifth);
                 for t in 0..T {
-                    let xl = _mm512_permutexvar_epi32(idx_lo[m], x[t]);
-                    let xh = _mm512_permutexvar_epi32(idx_hi[m], x[t]);
-                    s_lo[t] = _mm512_dpbusd_epi32(s_lo[t], lo, xl);
-                    s_hi[t] = _mm512_dpbusd_epi32(s_hi[t], hi, xh);
+                    // Words 2m, 2m + 1 of the low nibbles (columns 8m..8m + 8) and of the
+                    // high ones (columns 16 + 8m..): pairs m and 2 + m.
+                    let xe = ex[t].add(b * PER_BLOCK);
+                    s_lo[t] = _mm512_dpbusd_epi32(s_lo[t], lo, ld(xe.add(m)));
+                    s_hi[t] = _mm512_dpbusd_epi32(s_hi[t], hi, ld(xe.add(2 + m)));
                 }
             }
             for t in 0..T {

@@ -1,6 +1,7 @@
 //! AVX-512 VNNI integer dot products of one 8-row group of packed K-quant weights (Q4_K,
 //! Q6_K) with 1 to 4 tokens' Q8_K activations; the two-words-per-register scheme of
-//! `dot_avx512` (lanes 0..8 and 8..16 hold two 4-column words of the 8 rows).
+//! `dot_avx512` (lanes 0..8 and 8..16 hold two 4-column words of the 8 rows), with the
+//! activation words laid out once per call by `expand`.
 //!
 //! Each sub-block's exact i32 dot products are accumulated by `vpdpbusd` into their own
 //! register and multiplied by the sub-block scales with `vpmulld` (per lane, the scale of
@@ -16,7 +17,8 @@
 
 use crate::dot_avx2::{add_wide, store};
 use crate::dot_avx2_k::prefetch_next;
-use crate::dot_avx512::{fold, load64, pair_index};
+use crate::dot_avx512::{fold, ld, load64, pair_index};
+use crate::expand::{Expanded, PER_BLOCK_K};
 use crate::format::QuantType;
 use crate::pack_k::{q4k, q6k};
 use crate::quantize_k::ActBlockK;
@@ -36,27 +38,44 @@ pub(crate) unsafe fn group_dot(
     group: &[u8],
     nb: usize,
     acts: &[ActBlockK],
+    ex: &[Expanded],
     tile: usize,
     wide: bool,
     out: &mut TileOut,
 ) {
     let g = group.as_ptr();
     let a = acts.as_ptr();
+    let x = ex.as_ptr();
     // SAFETY: the caller guarantees the CPU features, that the group holds `nb` group
     // super-blocks and that `acts` holds `tile` tokens of `nb` blocks.
     unsafe {
         let p = |t: usize| a.add(t * nb);
+        let e = |t: usize| x.add(t * nb * PER_BLOCK_K);
         macro_rules! by_tile {
             ($k:ident) => {
                 match (tile, wide) {
-                    (1, false) => $k::<1, false>(g, nb, [p(0)], out),
-                    (2, false) => $k::<2, false>(g, nb, [p(0), p(1)], out),
-                    (3, false) => $k::<3, false>(g, nb, [p(0), p(1), p(2)], out),
-                    (_, false) => $k::<4, false>(g, nb, [p(0), p(1), p(2), p(3)], out),
-                    (1, true) => $k::<1, true>(g, nb, [p(0)], out),
-                    (2, true) => $k::<2, true>(g, nb, [p(0), p(1)], out),
-                    (3, true) => $k::<3, true>(g, nb, [p(0), p(1), p(2)], out),
-                    (_, true) => $k::<4, true>(g, nb, [p(0), p(1), p(2), p(3)], out),
+                    (1, false) => $k::<1, false>(g, nb, [p(0)], [e(0)], out),
+                    (2, false) => $k::<2, false>(g, nb, [p(0), p(1)], [e(0), e(1)], out),
+                    (3, false) => {
+                        $k::<3, false>(g, nb, [p(0), p(1), p(2)], [e(0), e(1), e(2)], out)
+                    }
+                    (_, false) => $k::<4, false>(
+                        g,
+                        nb,
+                        [p(0), p(1), p(2), p(3)],
+                        [e(0), e(1), e(2), e(3)],
+                        out,
+                    ),
+                    (1, true) => $k::<1, true>(g, nb, [p(0)], [e(0)], out),
+                    (2, true) => $k::<2, true>(g, nb, [p(0), p(1)], [e(0), e(1)], out),
+                    (3, true) => $k::<3, true>(g, nb, [p(0), p(1), p(2)], [e(0), e(1), e(2)], out),
+                    (_, true) => $k::<4, true>(
+                        g,
+                        nb,
+                        [p(0), p(1), p(2), p(3)],
+                        [e(0), e(1), e(2), e(3)],
+                        out,
+                    ),
                 }
             };
         }
@@ -91,14 +110,6 @@ unsafe fn pairs_i8(p: *const u8) -> __m256i {
     unsafe { _mm256_cvtepi8_epi16(_mm_loadu_si128(p as *const __m128i)) }
 }
 
-/// 64 activation quants of token block `x` from quant `at`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn act64(x: *const ActBlockK, at: usize) -> __m512i {
-    // SAFETY: the caller keeps `at + 64 <= 256`.
-    unsafe { _mm512_loadu_si512((*x).qs.as_ptr().add(at) as *const __m512i) }
-}
-
 /// Q4_K group against `T` tokens.
 ///
 /// # Safety
@@ -109,6 +120,7 @@ unsafe fn q4k<const T: usize, const WIDE: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlockK; T],
+    ex: [*const Expanded; T],
     out: &mut TileOut,
 ) {
     // SAFETY: all weight reads are inside group super-block `b < nb` (offsets from `pack_k`
@@ -116,18 +128,6 @@ unsafe fn q4k<const T: usize, const WIDE: bool>(
     unsafe {
         let low4 = _mm512_set1_epi8(0x0F);
         let low16 = _mm512_set1_epi32(0xFFFF);
-        let idx_lo = [
-            pair_index(0, 1),
-            pair_index(2, 3),
-            pair_index(4, 5),
-            pair_index(6, 7),
-        ];
-        let idx_hi = [
-            pair_index(8, 9),
-            pair_index(10, 11),
-            pair_index(12, 13),
-            pair_index(14, 15),
-        ];
         let mut acc = [_mm256_setzero_ps(); T];
         let mut wide = [[_mm256_setzero_pd(); 2]; T];
         for b in 0..nb {
@@ -139,10 +139,6 @@ unsafe fn q4k<const T: usize, const WIDE: bool>(
                 let scp = _mm512_broadcast_i64x4(pairs_u8(blk.add(q4k::SC + 16 * c)));
                 let sc_lo = _mm512_and_si512(scp, low16);
                 let sc_hi = _mm512_srli_epi32::<16>(scp);
-                let mut x = [_mm512_setzero_si512(); T];
-                for t in 0..T {
-                    x[t] = act64(acts[t].add(b), 64 * c);
-                }
                 let mut a_lo = [_mm512_setzero_si512(); T];
                 let mut a_hi = [_mm512_setzero_si512(); T];
                 for m in 0..4 {
@@ -150,10 +146,10 @@ unsafe fn q4k<const T: usize, const WIDE: bool>(
                     let lo = _mm512_and_si512(v, low4);
                     let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4);
                     for t in 0..T {
-                        let xl = _mm512_permutexvar_epi32(idx_lo[m], x[t]);
-                        let xh = _mm512_permutexvar_epi32(idx_hi[m], x[t]);
-                        a_lo[t] = _mm512_dpbusd_epi32(a_lo[t], lo, xl);
-                        a_hi[t] = _mm512_dpbusd_epi32(a_hi[t], hi, xh);
+                        // Pairs (16c + 2m, +1) (low nibbles) and (16c + 8 + 2m, +1) (high).
+                        let xe = ex[t].add(b * PER_BLOCK_K + 8 * c + m);
+                        a_lo[t] = _mm512_dpbusd_epi32(a_lo[t], lo, ld(xe));
+                        a_hi[t] = _mm512_dpbusd_epi32(a_hi[t], hi, ld(xe.add(4)));
                     }
                 }
                 for t in 0..T {
@@ -215,6 +211,7 @@ unsafe fn q6k<const T: usize, const WIDE: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlockK; T],
+    ex: [*const Expanded; T],
     out: &mut TileOut,
 ) {
     // SAFETY: all weight reads are inside group super-block `b < nb` (offsets from `pack_k`
@@ -233,12 +230,6 @@ unsafe fn q6k<const T: usize, const WIDE: bool>(
             prefetch_next(blk, q6k::BYTES);
             let mut s = [_mm512_setzero_si512(); T];
             for h in 0..2 {
-                let mut x01 = [_mm512_setzero_si512(); T];
-                let mut x23 = [_mm512_setzero_si512(); T];
-                for t in 0..T {
-                    x01[t] = act64(acts[t].add(b), 128 * h);
-                    x23[t] = act64(acts[t].add(b), 128 * h + 64);
-                }
                 // Quarters 0 | 1 use pairs 4h | 4h + 1, quarters 2 | 3 pairs 4h + 2 | 4h + 3;
                 // words 0..4 the first sub-block of a pair, words 4..8 the second.
                 let sc01 = q6_scales(blk.add(q6k::SC + 16 * (4 * h)));
@@ -258,11 +249,11 @@ unsafe fn q6k<const T: usize, const WIDE: bool>(
                         _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4),
                         _mm512_and_si512(_mm512_srlv_epi32(hb, shr), bits45),
                     );
-                    let idx = pair_index(i as i32, 8 + i as i32);
                     let half = i / 4;
                     for t in 0..T {
-                        let x0 = _mm512_permutexvar_epi32(idx, x01[t]);
-                        let x1 = _mm512_permutexvar_epi32(idx, x23[t]);
+                        // Chunks 2h (quarters 0, 1) and 2h + 1 (quarters 2, 3), word i.
+                        let xe = ex[t].add(b * PER_BLOCK_K + 16 * h + i);
+                        let (x0, x1) = (ld(xe), ld(xe.add(8)));
                         a01[half][t] = _mm512_dpbusd_epi32(a01[half][t], q01, x0);
                         a23[half][t] = _mm512_dpbusd_epi32(a23[half][t], q23, x1);
                     }

@@ -22,6 +22,7 @@ mod dot_avx512_k;
 mod dot_scalar;
 mod dot_scalar_k;
 mod error;
+mod expand;
 mod format;
 mod matrix;
 mod pack;

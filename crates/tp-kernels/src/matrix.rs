@@ -4,6 +4,7 @@
 
 use crate::cpu::{self, Simd};
 use crate::error::KernelError;
+use crate::expand::{self, Expanded};
 use crate::format::{dequantize_ggml_block, QuantType};
 use crate::pack::{self, group_block_bytes, GROUP_ROWS};
 use crate::quantize::{self, ActBlock};
@@ -18,6 +19,8 @@ thread_local! {
     static SCRATCH: RefCell<Vec<ActBlock>> = const { RefCell::new(Vec::new()) };
     /// The same for the K-quants' Q8_K blocks.
     static SCRATCH_K: RefCell<Vec<ActBlockK>> = const { RefCell::new(Vec::new()) };
+    /// The AVX-512 kernels' activation vectors (`expand`), built once per call.
+    static SCRATCH_X: RefCell<Vec<Expanded>> = const { RefCell::new(Vec::new()) };
 }
 
 /// A `[rows, cols]` row-major matrix of ggml blocks (rows = output features, cols = input
@@ -280,10 +283,48 @@ impl QuantMatrix {
     }
 
     /// Runs all groups against tiles of up to 4 tokens of quantized activations
-    /// (`acts.len() == n * nb`).
+    /// (`acts.len() == n * nb`); for the AVX-512 kernels, first lays the activation words
+    /// out for them (`expand`), once for all groups.
     fn run_tiles<A: Activation, E: OutElem>(&self, simd: Simd, acts: &[A], n: usize, y: &mut [E]) {
+        if simd != Simd::Avx512 {
+            return self.run_tiles_with(simd, acts, &[], n, y);
+        }
+        let len = acts.len() * A::PER_BLOCK;
+        let fill = |ex: &mut [Expanded]| {
+            for (a, e) in acts.iter().zip(ex.chunks_exact_mut(A::PER_BLOCK)) {
+                a.expand(self.qtype, e);
+            }
+        };
+        SCRATCH_X.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut scratch) => {
+                if scratch.len() < len {
+                    scratch.resize(len, Expanded::default());
+                }
+                fill(&mut scratch[..len]);
+                self.run_tiles_with(simd, acts, &scratch[..len], n, y);
+            }
+            // Only reachable through re-entrancy, which nothing here does.
+            Err(_) => {
+                let mut local = vec![Expanded::default(); len];
+                fill(&mut local);
+                self.run_tiles_with(simd, acts, &local, n, y);
+            }
+        });
+    }
+
+    /// [`Self::run_tiles`] with the expanded activations (`ex`: empty, or `A::PER_BLOCK`
+    /// vectors per activation block).
+    fn run_tiles_with<A: Activation, E: OutElem>(
+        &self,
+        simd: Simd,
+        acts: &[A],
+        ex: &[Expanded],
+        n: usize,
+        y: &mut [E],
+    ) {
         let nb = self.nb();
         let group_len = nb * group_block_bytes(self.qtype);
+        let per_token = if ex.is_empty() { 0 } else { nb * A::PER_BLOCK };
         let mut tile_out = TileOut::default();
         for g in 0..pack::groups(self.rows) {
             let group = &self.packed[g * group_len..(g + 1) * group_len];
@@ -292,14 +333,18 @@ impl QuantMatrix {
             let mut t0 = 0;
             while t0 < n {
                 let tile = MAX_TILE.min(n - t0);
-                let tile_acts = &acts[t0 * nb..(t0 + tile) * nb];
+                let tile = Tile {
+                    acts: &acts[t0 * nb..(t0 + tile) * nb],
+                    ex: &ex[t0 * per_token..(t0 + tile) * per_token],
+                    tokens: tile,
+                };
                 let (qtype, wide) = (self.qtype, E::WIDE);
-                A::group_tile(qtype, simd, group, nb, tile_acts, tile, wide, &mut tile_out);
-                for t in 0..tile {
+                A::group_tile(qtype, simd, group, nb, &tile, wide, &mut tile_out);
+                for t in 0..tile.tokens {
                     let at = (t0 + t) * self.rows + row0;
                     E::put(&mut y[at..at + valid], &tile_out, t);
                 }
-                t0 += tile;
+                t0 += tile.tokens;
             }
         }
     }
@@ -377,54 +422,77 @@ impl QuantMatrix {
     }
 }
 
+/// One tile of tokens for a kernel call: `tokens` (1..=4) tokens' activation blocks, and
+/// (AVX-512 only, otherwise empty) their expanded vectors.
+struct Tile<'a, A> {
+    acts: &'a [A],
+    ex: &'a [Expanded],
+    tokens: usize,
+}
+
 /// Quantized activation blocks with kernels: `ActBlock` (32-wide formats) and `ActBlockK`
 /// (K-quants).
 trait Activation: Sized {
-    /// One group against one tile of tokens (`tile_acts.len() == tile * nb`, `tile <= 4`),
-    /// into `out.f32s`, or with the wide kernels (`wide`) into `out.f64s`.
-    #[allow(clippy::too_many_arguments)]
+    /// Expanded vectors per block for the AVX-512 kernels.
+    const PER_BLOCK: usize;
+    /// Lays this block out for the AVX-512 kernels of `qtype` (`out.len() == PER_BLOCK`).
+    fn expand(&self, qtype: QuantType, out: &mut [Expanded]);
+    /// One group against one tile of tokens (`tile.acts.len() == tile.tokens * nb`), into
+    /// `out.f32s`, or with the wide kernels (`wide`) into `out.f64s`.
     fn group_tile(
         qtype: QuantType,
         simd: Simd,
         group: &[u8],
         nb: usize,
-        tile_acts: &[Self],
-        tile: usize,
+        tile: &Tile<'_, Self>,
         wide: bool,
         out: &mut TileOut,
     );
 }
 
 impl Activation for ActBlock {
+    const PER_BLOCK: usize = expand::PER_BLOCK;
+
+    fn expand(&self, _: QuantType, out: &mut [Expanded]) {
+        expand::expand(self, out);
+    }
+
     fn group_tile(
         qtype: QuantType,
         simd: Simd,
         group: &[u8],
         nb: usize,
-        tile_acts: &[Self],
-        tile: usize,
+        tile: &Tile<'_, Self>,
         wide: bool,
         out: &mut TileOut,
     ) {
+        let (acts, n) = (tile.acts, tile.tokens);
         match simd {
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2 => {
                 // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
-                // F16C; `group` holds `nb` group blocks of this format and `tile_acts` holds
-                // `tile` (1..=4) tokens of `nb` blocks, as sliced by `run_tiles`.
-                unsafe { crate::dot_avx2::group_dot(qtype, group, nb, tile_acts, tile, wide, out) }
+                // F16C; `group` holds `nb` group blocks of this format and `acts` holds `n`
+                // (1..=4) tokens of `nb` blocks, as sliced by `run_tiles_with`.
+                unsafe { crate::dot_avx2::group_dot(qtype, group, nb, acts, n, wide, out) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 if tile.ex.len() == acts.len() * Self::PER_BLOCK => {
+                // SAFETY: `Simd::Avx512` is only chosen after runtime detection of AVX2, FMA,
+                // F16C, AVX-512 F/BW/VL and VNNI; the slices are as for `Simd::Avx2`, and
+                // `tile.ex` holds `PER_BLOCK` vectors per block of `acts` (checked above).
+                unsafe {
+                    crate::dot_avx512::group_dot(qtype, group, nb, acts, tile.ex, n, wide, out)
+                }
             }
             #[cfg(target_arch = "x86_64")]
             Simd::Avx512 => {
-                // SAFETY: `Simd::Avx512` is only chosen after runtime detection of AVX2, FMA,
-                // F16C, AVX-512 F/BW/VL and VNNI; the slices are as for `Simd::Avx2`.
-                unsafe {
-                    crate::dot_avx512::group_dot(qtype, group, nb, tile_acts, tile, wide, out)
-                }
+                // Not reachable (`run_tiles` expands for AVX-512); stay correct anyway.
+                // SAFETY: AVX-512 implies the AVX2 features (checked at detection).
+                unsafe { crate::dot_avx2::group_dot(qtype, group, nb, acts, n, wide, out) }
             }
             _ => {
-                for t in 0..tile {
-                    let acts = &tile_acts[t * nb..(t + 1) * nb];
+                for t in 0..n {
+                    let acts = &acts[t * nb..(t + 1) * nb];
                     if wide {
                         out.f64s[t] = crate::dot_scalar::group_dot_wide(qtype, group, acts);
                     } else {
@@ -437,35 +505,45 @@ impl Activation for ActBlock {
 }
 
 impl Activation for ActBlockK {
+    const PER_BLOCK: usize = expand::PER_BLOCK_K;
+
+    fn expand(&self, qtype: QuantType, out: &mut [Expanded]) {
+        expand::expand_k(qtype, self, out);
+    }
+
     fn group_tile(
         qtype: QuantType,
         simd: Simd,
         group: &[u8],
         nb: usize,
-        tile_acts: &[Self],
-        tile: usize,
+        tile: &Tile<'_, Self>,
         wide: bool,
         out: &mut TileOut,
     ) {
+        let (acts, n) = (tile.acts, tile.tokens);
         match simd {
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2 => {
                 // SAFETY: as for `ActBlock`, with K-quant group super-blocks.
+                unsafe { crate::dot_avx2_k::group_dot(qtype, group, nb, acts, n, wide, out) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 if tile.ex.len() == acts.len() * Self::PER_BLOCK => {
+                // SAFETY: as for `ActBlock` under `Simd::Avx512`, with K-quant group
+                // super-blocks and `PER_BLOCK` vectors per block.
                 unsafe {
-                    crate::dot_avx2_k::group_dot(qtype, group, nb, tile_acts, tile, wide, out)
+                    crate::dot_avx512_k::group_dot(qtype, group, nb, acts, tile.ex, n, wide, out)
                 }
             }
             #[cfg(target_arch = "x86_64")]
             Simd::Avx512 => {
-                // SAFETY: as for `ActBlock` under `Simd::Avx512`, with K-quant group
-                // super-blocks.
-                unsafe {
-                    crate::dot_avx512_k::group_dot(qtype, group, nb, tile_acts, tile, wide, out)
-                }
+                // Not reachable (`run_tiles` expands for AVX-512); stay correct anyway.
+                // SAFETY: AVX-512 implies the AVX2 features (checked at detection).
+                unsafe { crate::dot_avx2_k::group_dot(qtype, group, nb, acts, n, wide, out) }
             }
             _ => {
-                for t in 0..tile {
-                    let acts = &tile_acts[t * nb..(t + 1) * nb];
+                for t in 0..n {
+                    let acts = &acts[t * nb..(t + 1) * nb];
                     if wide {
                         out.f64s[t] = crate::dot_scalar_k::group_dot_wide(qtype, group, acts);
                     } else {
