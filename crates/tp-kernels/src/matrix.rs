@@ -45,6 +45,9 @@ impl fmt::Debug for QuantMatrix {
     }
 }
 
+/// Most bytes of expanded activations (AVX-512 kernels) one pass over the groups uses.
+const EXPANDED_BUDGET: usize = 192 << 10;
+
 /// `rows * cols / block_len * block_bytes`, checked: the ggml byte size of a matrix.
 fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Result<usize, KernelError> {
     let block_len = qtype.block_len();
@@ -284,15 +287,30 @@ impl QuantMatrix {
 
     /// Runs all groups against tiles of up to 4 tokens of quantized activations
     /// (`acts.len() == n * nb`); for the AVX-512 kernels, first lays the activation words
-    /// out for them (`expand`), once for all groups.
+    /// out for them (`expand`), once for all groups, in chunks of tokens whose expanded
+    /// vectors stay within [`EXPANDED_BUDGET`] so that they stay in L2 while every group
+    /// passes over them (the vectors are 8 times the activation bytes).
     fn run_tiles<A: Activation, E: OutElem>(&self, simd: Simd, acts: &[A], n: usize, y: &mut [E]) {
         if simd != Simd::Avx512 {
             return self.run_tiles_with(simd, acts, &[], n, y);
         }
-        let len = acts.len() * A::PER_BLOCK;
-        let fill = |ex: &mut [Expanded]| {
-            for (a, e) in acts.iter().zip(ex.chunks_exact_mut(A::PER_BLOCK)) {
-                a.expand(self.qtype, e);
+        let nb = self.nb();
+        let per_token = nb * A::PER_BLOCK;
+        let fit = EXPANDED_BUDGET / (per_token * std::mem::size_of::<Expanded>()).max(1);
+        let chunk = (fit / MAX_TILE * MAX_TILE).clamp(MAX_TILE, n.max(MAX_TILE));
+        let len = chunk.min(n) * per_token;
+        let run = |ex: &mut [Expanded], y: &mut [E]| {
+            let mut t0 = 0;
+            while t0 < n {
+                let t1 = n.min(t0 + chunk);
+                let part = &acts[t0 * nb..t1 * nb];
+                let ex = &mut ex[..(t1 - t0) * per_token];
+                for (a, e) in part.iter().zip(ex.chunks_exact_mut(A::PER_BLOCK)) {
+                    a.expand(self.qtype, e);
+                }
+                let y = &mut y[t0 * self.rows..t1 * self.rows];
+                self.run_tiles_with(simd, part, ex, t1 - t0, y);
+                t0 = t1;
             }
         };
         SCRATCH_X.with(|cell| match cell.try_borrow_mut() {
@@ -300,15 +318,10 @@ impl QuantMatrix {
                 if scratch.len() < len {
                     scratch.resize(len, Expanded::default());
                 }
-                fill(&mut scratch[..len]);
-                self.run_tiles_with(simd, acts, &scratch[..len], n, y);
+                run(&mut scratch[..len], y);
             }
             // Only reachable through re-entrancy, which nothing here does.
-            Err(_) => {
-                let mut local = vec![Expanded::default(); len];
-                fill(&mut local);
-                self.run_tiles_with(simd, acts, &local, n, y);
-            }
+            Err(_) => run(&mut vec![Expanded::default(); len], y),
         });
     }
 
