@@ -1,9 +1,16 @@
 //! Run-time choice of the kernel path (scalar, AVX2, AVX-512), made once per process and
-//! cached: the best path this CPU supports, unless `TP_KERNEL=scalar|avx2|avx512` asks for
+//! cached: the default path for this CPU, unless `TP_KERNEL=scalar|avx2|avx512` asks for
 //! another one; plus the process-wide switch that forces the portable kernels.
 //!
+//! The default is the widest path that measured fastest on that kind of CPU: AVX-512 on
+//! Intel CPUs with AVX-512 VNNI (full-width 512-bit units; not yet measured on the fleet's
+//! Emerald Rapids), AVX2 elsewhere, AMD Zen 4 included: it runs 512-bit operations as two
+//! 256-bit halves, and batch-1 decode measured no faster with the AVX-512 kernels there.
+//! Every path gives the same bits (`matmul_wide_acc`; `matmul` between AVX2 and AVX-512), so
+//! the choice only affects speed.
+//!
 //! A `TP_KERNEL` value this CPU cannot run (or an unknown value) is not fatal: the library
-//! prints one warning on stderr and uses the best supported path, and [`kernel_path`] /
+//! prints one warning on stderr and uses the default path, and [`kernel_path`] /
 //! [`kernel_report`] name the path really in use, so a benchmark figure is never labelled
 //! with a path that did not run.
 
@@ -46,7 +53,7 @@ pub(crate) fn simd() -> Simd {
     *SELECTED.get_or_init(select)
 }
 
-/// The best path this CPU supports, or the one `TP_KERNEL` names when the CPU supports it
+/// The default path for this CPU, or the one `TP_KERNEL` names when the CPU supports it
 /// (a warning on stderr otherwise).
 fn select() -> Simd {
     let (simd, warning) = resolve(std::env::var("TP_KERNEL").ok().as_deref());
@@ -57,9 +64,9 @@ fn select() -> Simd {
 }
 
 /// The path for a `TP_KERNEL` value (`None`: unset), and a warning when the value is unknown
-/// or names a path this CPU cannot run (then the best supported path is used).
+/// or names a path this CPU cannot run (then the default path is used).
 fn resolve(want: Option<&str>) -> (Simd, Option<String>) {
-    let best = detect_hardware();
+    let best = default_path();
     let want = want.unwrap_or("").trim().to_ascii_lowercase();
     let asked = match want.as_str() {
         "" | "auto" => return (best, None),
@@ -120,6 +127,31 @@ fn has_avx512() -> bool {
     false
 }
 
+/// The path used when `TP_KERNEL` is unset: AVX-512 on Intel CPUs that support it, else
+/// the best this CPU supports short of AVX-512 (see the module comment).
+pub(crate) fn default_path() -> Simd {
+    let best = detect_hardware();
+    if best == Simd::Avx512 && !cpu_vendor().is_some_and(|v| v == "GenuineIntel") {
+        Simd::Avx2
+    } else {
+        best
+    }
+}
+
+/// `/proc/cpuinfo`'s first `vendor_id` (`"GenuineIntel"`, `"AuthenticAMD"`), if readable.
+fn cpu_vendor() -> Option<String> {
+    cpuinfo_field("vendor_id")
+}
+
+fn cpuinfo_field(key: &str) -> Option<String> {
+    std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|t| {
+        t.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+    })
+}
+
 /// The best kernel family this CPU supports (ignores `TP_KERNEL`).
 pub(crate) fn detect_hardware() -> Simd {
     [Simd::Avx512, Simd::Avx2]
@@ -164,19 +196,11 @@ pub fn kernel_path() -> &'static str {
 
 /// The CPU's model name (`/proc/cpuinfo`'s first `model name`), or `"unknown CPU"`.
 pub fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into())
+    cpuinfo_field("model name").unwrap_or_else(|| "unknown CPU".into())
 }
 
 /// One line for logs and benchmark headers: the CPU model, the kernel path in use and the
-/// best one this CPU supports, e.g. `"AMD EPYC, kernels avx2 (TP_KERNEL; best avx512)"`.
+/// widest one this CPU supports, e.g. `"AMD EPYC, kernels avx2 (TP_KERNEL; cpu up to avx512)"`.
 pub fn kernel_report() -> String {
     let (path, best) = (simd(), detect_hardware());
     let how = if FORCE_SCALAR.load(Ordering::Relaxed) {
@@ -187,7 +211,7 @@ pub fn kernel_report() -> String {
         String::new()
     };
     format!(
-        "{}, kernels {} ({how}best {})",
+        "{}, kernels {} ({how}cpu up to {})",
         cpu_model(),
         path.name(),
         best.name()
@@ -200,7 +224,8 @@ mod tests {
 
     #[test]
     fn tp_kernel_values_resolve_or_warn_and_fall_back() {
-        let best = detect_hardware();
+        let best = default_path();
+        assert!(supports(best));
         assert_eq!(resolve(None), (best, None));
         assert_eq!(resolve(Some(" Auto ")), (best, None));
         assert_eq!(resolve(Some("scalar")), (Simd::Scalar, None));
