@@ -131,7 +131,8 @@ fn has_avx512() -> bool {
 /// the best this CPU supports short of AVX-512 (see the module comment).
 pub(crate) fn default_path() -> Simd {
     let best = detect_hardware();
-    if best == Simd::Avx512 && !cpu_vendor().is_some_and(|v| v == "GenuineIntel") {
+    let intel = cpu_vendor().is_some_and(|v| v == "GenuineIntel");
+    if best == Simd::Avx512 && !intel {
         Simd::Avx2
     } else {
         best

@@ -33,7 +33,9 @@ use std::arch::x86_64::*;
 /// # Safety
 /// The CPU must support AVX2, FMA, F16C, AVX-512 F/BW/VL and AVX-512 VNNI;
 /// `group.len() >= nb * group_block_bytes(qtype)`; `acts.len() >= tile * nb` (token `t`'s
-/// blocks are `acts[t * nb..(t + 1) * nb]`); `1 <= tile <= MAX_TILE`.
+/// blocks are `acts[t * nb..(t + 1) * nb]`); `ex.len() >= tile * nb * PER_BLOCK`, `ex`
+/// expanded from those blocks (`expand::expand`); `1 <= tile <= MAX_TILE`.
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) unsafe fn group_dot(
     qtype: QuantType,

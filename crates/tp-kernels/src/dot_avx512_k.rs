@@ -31,7 +31,9 @@ use std::arch::x86_64::*;
 /// # Safety
 /// The CPU must support AVX2, FMA, F16C, AVX-512 F/BW/VL and AVX-512 VNNI;
 /// `group.len() >= nb * group_block_bytes(qtype)` for a K-quant `qtype`;
-/// `acts.len() >= tile * nb`; `1 <= tile <= MAX_TILE`.
+/// `acts.len() >= tile * nb`; `ex.len() >= tile * nb * PER_BLOCK_K`, expanded from those
+/// blocks for this `qtype` (`expand::expand_k`); `1 <= tile <= MAX_TILE`.
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) unsafe fn group_dot(
     qtype: QuantType,

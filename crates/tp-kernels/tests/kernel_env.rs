@@ -11,7 +11,7 @@ fn tp_kernel_scalar_is_honoured_and_reported() {
     assert_eq!(simd_level(), "scalar");
     let report = kernel_report();
     assert!(
-        report.contains("kernels scalar (TP_KERNEL; best "),
+        report.contains("kernels scalar (TP_KERNEL; cpu up to "),
         "{report}"
     );
     // A product still runs (on the portable kernels) and the choice stays.
