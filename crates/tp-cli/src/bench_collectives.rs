@@ -297,19 +297,6 @@ fn reference(_: &Group, _: Op, _: &mut Buffers, _: usize) -> Result<Option<f64>,
     Ok(None)
 }
 
-/// This machine's CPU model (first "model name" of /proc/cpuinfo), for the header.
-pub fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into())
-}
-
 /// Rank 0 measures the copy bandwidth while the others wait, then shares it and prints the
 /// header.
 fn measure_and_announce(world: &Group, json: bool) -> Result<f64, CommError> {
@@ -322,7 +309,7 @@ fn measure_and_announce(world: &Group, json: bool) -> Result<f64, CommError> {
         if json {
             println!("{}", serde_json::json!({"memcpy_gbs": memcpy[0] / 1e9}));
         } else {
-            println!("# CPU: {}", cpu_model());
+            println!("# CPU: {}", tp_kernels::kernel_report());
             println!(
                 "# tp bench collectives: memcpy bandwidth of this machine (1 thread, 64 MiB): {:.2} GB/s copied",
                 memcpy[0] / 1e9

@@ -127,7 +127,7 @@ pub fn run(args: &BenchDecodeArgs) -> anyhow::Result<ExitCode> {
                 "# tp bench decode: batch 1, {} prompt + {} generated tokens, median of {} runs, one thread per rank ({} weights, {} head)",
                 args.prompt_tokens, args.gen_tokens, args.repeats, formats.0, formats.1
             );
-            println!("# CPU: {}", crate::bench_collectives::cpu_model());
+            println!("# CPU: {}", tp_kernels::kernel_report());
             println!(
                 "# limit = read bandwidth with tp threads / weight bytes streamed per token; per-token times are per decode step"
             );

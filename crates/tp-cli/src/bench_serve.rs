@@ -250,6 +250,7 @@ fn level_json(tp: usize, l: &Level, args: &BenchServeArgs) -> String {
 }
 
 fn print_table(all: &[(usize, Vec<Level>)], args: &BenchServeArgs) {
+    println!("# CPU: {}", tp_kernels::kernel_report());
     println!(
         "# tp bench serve: streaming completions, ~{} prompt + {} generated tokens each (EOS ignored), greedy; requests per level = {} x concurrency (at least 8)",
         args.prompt_tokens, args.gen_tokens, args.rounds

@@ -76,6 +76,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         r => r?,
     };
     print!("{text}");
+    println!("kernels    {}", tp_kernels::kernel_report());
     Ok(ExitCode::SUCCESS)
 }
 

@@ -1,5 +1,18 @@
-//! Runtime CPU feature detection, done once per process and cached, and the process-wide
-//! switch that forces the portable kernels.
+//! Run-time choice of the kernel path (scalar, AVX2, AVX-512), made once per process and
+//! cached: the default path for this CPU, unless `TP_KERNEL=scalar|avx2|avx512` asks for
+//! another one; plus the process-wide switch that forces the portable kernels.
+//!
+//! The default is the widest path that measured fastest on that kind of CPU: AVX-512 on
+//! Intel CPUs with AVX-512 VNNI (full-width 512-bit units; not yet measured on the fleet's
+//! Emerald Rapids), AVX2 elsewhere, AMD Zen 4 included: it runs 512-bit operations as two
+//! 256-bit halves, and batch-1 decode measured no faster with the AVX-512 kernels there.
+//! Every path gives the same bits (`matmul_wide_acc`; `matmul` between AVX2 and AVX-512), so
+//! the choice only affects speed.
+//!
+//! A `TP_KERNEL` value this CPU cannot run (or an unknown value) is not fatal: the library
+//! prints one warning on stderr and uses the default path, and [`kernel_path`] /
+//! [`kernel_report`] name the path really in use, so a benchmark figure is never labelled
+//! with a path that did not run.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -11,52 +24,225 @@ pub(crate) enum Simd {
     Scalar,
     /// x86-64 with AVX2, FMA and F16C (every AVX2 CPU shipped has F16C; it is checked anyway).
     Avx2,
+    /// AVX2 as above plus AVX-512 F/BW/VL and VNNI (`vpdpbusd`): the quantized kernels use
+    /// 512-bit registers and VNNI dot products; the dense kernels and the activation
+    /// quantization stay on their AVX2 code (bit-identical either way).
+    Avx512,
 }
 
-static HARDWARE: OnceLock<Simd> = OnceLock::new();
+impl Simd {
+    /// The name `TP_KERNEL` takes and [`kernel_path`] returns.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Simd::Scalar => "scalar",
+            Simd::Avx2 => "avx2",
+            Simd::Avx512 => "avx512",
+        }
+    }
+}
+
+static SELECTED: OnceLock<Simd> = OnceLock::new();
 static FORCE_SCALAR: AtomicBool = AtomicBool::new(false);
 
 /// The kernel family for the next kernel call: the portable one while [`force_scalar`] is on,
-/// otherwise the best this CPU supports (detected once).
+/// otherwise the one chosen once for this process (see [`kernel_path`]).
 pub(crate) fn simd() -> Simd {
     if FORCE_SCALAR.load(Ordering::Relaxed) {
         return Simd::Scalar;
     }
-    *HARDWARE.get_or_init(detect_hardware)
+    *SELECTED.get_or_init(select)
+}
+
+/// The default path for this CPU, or the one `TP_KERNEL` names when the CPU supports it
+/// (a warning on stderr otherwise).
+fn select() -> Simd {
+    let (simd, warning) = resolve(std::env::var("TP_KERNEL").ok().as_deref());
+    if let Some(w) = warning {
+        eprintln!("warning: {w}");
+    }
+    simd
+}
+
+/// The path for a `TP_KERNEL` value (`None`: unset), and a warning when the value is unknown
+/// or names a path this CPU cannot run (then the default path is used).
+fn resolve(want: Option<&str>) -> (Simd, Option<String>) {
+    let best = default_path();
+    let want = want.unwrap_or("").trim().to_ascii_lowercase();
+    let asked = match want.as_str() {
+        "" | "auto" => return (best, None),
+        "scalar" => Simd::Scalar,
+        "avx2" => Simd::Avx2,
+        "avx512" => Simd::Avx512,
+        _ => {
+            let w = format!(
+                "TP_KERNEL={want} is not one of scalar, avx2, avx512, auto; using {}",
+                best.name()
+            );
+            return (best, Some(w));
+        }
+    };
+    if supports(asked) {
+        (asked, None)
+    } else {
+        let w = format!(
+            "TP_KERNEL={want} but this CPU ({}) cannot run it; using {}",
+            cpu_model(),
+            best.name()
+        );
+        (best, Some(w))
+    }
+}
+
+/// Whether this CPU can run the kernels of `simd`.
+pub(crate) fn supports(simd: Simd) -> bool {
+    match simd {
+        Simd::Scalar => true,
+        Simd::Avx2 => has_avx2(),
+        Simd::Avx512 => has_avx2() && has_avx512(),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx512() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn has_avx2() -> bool {
+    false
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn has_avx512() -> bool {
+    false
+}
+
+/// The path used when `TP_KERNEL` is unset: AVX-512 on Intel CPUs that support it, else
+/// the best this CPU supports short of AVX-512 (see the module comment).
+pub(crate) fn default_path() -> Simd {
+    let best = detect_hardware();
+    let intel = cpu_vendor().is_some_and(|v| v == "GenuineIntel");
+    if best == Simd::Avx512 && !intel {
+        Simd::Avx2
+    } else {
+        best
+    }
+}
+
+/// `/proc/cpuinfo`'s first `vendor_id` (`"GenuineIntel"`, `"AuthenticAMD"`), if readable.
+fn cpu_vendor() -> Option<String> {
+    cpuinfo_field("vendor_id")
+}
+
+fn cpuinfo_field(key: &str) -> Option<String> {
+    std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|t| {
+        t.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+    })
+}
+
+/// The best kernel family this CPU supports (ignores `TP_KERNEL`).
+pub(crate) fn detect_hardware() -> Simd {
+    [Simd::Avx512, Simd::Avx2]
+        .into_iter()
+        .find(|&s| supports(s))
+        .unwrap_or(Simd::Scalar)
+}
+
+/// Every kernel family this CPU supports, scalar first (tests compare them all).
+#[cfg(test)]
+pub(crate) fn available() -> Vec<Simd> {
+    [Simd::Scalar, Simd::Avx2, Simd::Avx512]
+        .into_iter()
+        .filter(|&s| supports(s))
+        .collect()
 }
 
 /// Makes every later kernel call in this process use the portable scalar kernels (`true`) or
-/// the best ones this CPU supports again (`false`), for debugging and comparisons. The
-/// library reads no environment variables; a binary that wants a switch calls this. Calls
-/// already running finish on the family they started with.
+/// the chosen ones again (`false`), for debugging and comparisons. Calls already running
+/// finish on the family they started with.
 ///
-/// `matmul_wide_acc` gives the same bits on either family; `matmul` agrees to f32 rounding.
+/// `matmul_wide_acc` gives the same bits on every family; `matmul` agrees to f32 rounding.
 pub fn force_scalar(on: bool) {
     FORCE_SCALAR.store(on, Ordering::Relaxed);
 }
 
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn detect_hardware() -> Simd {
-    if is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
-    {
-        Simd::Avx2
-    } else {
-        Simd::Scalar
+/// `"avx512+vnni"`, `"avx2+fma"` or `"scalar"`: the kernels the next call in this process
+/// will use (for logs and benchmarks).
+pub fn simd_level() -> &'static str {
+    match simd() {
+        Simd::Avx512 => "avx512+vnni",
+        Simd::Avx2 => "avx2+fma",
+        Simd::Scalar => "scalar",
     }
 }
 
-#[cfg(not(target_arch = "x86_64"))]
-pub(crate) fn detect_hardware() -> Simd {
-    Simd::Scalar
+/// `"avx512"`, `"avx2"` or `"scalar"`: the kernel path the next call will use, in the
+/// spelling `TP_KERNEL` takes.
+pub fn kernel_path() -> &'static str {
+    simd().name()
 }
 
-/// `"avx2+fma"` or `"scalar"`: the kernels the next call in this process will use (for logs
-/// and benchmarks).
-pub fn simd_level() -> &'static str {
-    match simd() {
-        Simd::Avx2 => "avx2+fma",
-        Simd::Scalar => "scalar",
+/// The CPU's model name (`/proc/cpuinfo`'s first `model name`), or `"unknown CPU"`.
+pub fn cpu_model() -> String {
+    cpuinfo_field("model name").unwrap_or_else(|| "unknown CPU".into())
+}
+
+/// One line for logs and benchmark headers: the CPU model, the kernel path in use and the
+/// widest one this CPU supports, e.g. `"AMD EPYC, kernels avx2 (TP_KERNEL; cpu up to avx512)"`.
+pub fn kernel_report() -> String {
+    let (path, best) = (simd(), detect_hardware());
+    let how = if FORCE_SCALAR.load(Ordering::Relaxed) {
+        "forced scalar; ".to_string()
+    } else if std::env::var_os("TP_KERNEL").is_some() {
+        "TP_KERNEL; ".to_string()
+    } else {
+        String::new()
+    };
+    format!(
+        "{}, kernels {} ({how}cpu up to {})",
+        cpu_model(),
+        path.name(),
+        best.name()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tp_kernel_values_resolve_or_warn_and_fall_back() {
+        let best = default_path();
+        assert!(supports(best));
+        assert_eq!(resolve(None), (best, None));
+        assert_eq!(resolve(Some(" Auto ")), (best, None));
+        assert_eq!(resolve(Some("scalar")), (Simd::Scalar, None));
+        let (s, w) = resolve(Some("avx9000"));
+        assert_eq!(s, best);
+        assert!(w.is_some_and(|w| w.contains("not one of")));
+        for simd in [Simd::Avx2, Simd::Avx512] {
+            let (s, w) = resolve(Some(simd.name()));
+            if supports(simd) {
+                assert_eq!((s, w), (simd, None));
+            } else {
+                eprintln!("{simd:?} unsupported here: checking the fallback");
+                assert_eq!(s, best);
+                assert!(w.is_some_and(|w| w.contains("cannot run it")));
+            }
+        }
+        assert!(kernel_report().contains(kernel_path()));
     }
 }

@@ -120,13 +120,14 @@ impl DenseMatrix {
         check_matmul_args(rows, cols, x, n, y.len())?;
         match (simd, self) {
             #[cfg(target_arch = "x86_64")]
-            (Simd::Avx2, DenseMatrix::F32(d)) => {
-                // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
-                // F16C; the lengths of `w`, `x` and `y` were checked above.
+            (Simd::Avx2 | Simd::Avx512, DenseMatrix::F32(d)) => {
+                // SAFETY: `Simd::Avx2` and `Simd::Avx512` are only chosen after runtime
+                // detection of AVX2, FMA and F16C; the lengths of `w`, `x` and `y` were checked
+                // above.
                 unsafe { crate::dense_avx2::matmul(&d.values, rows, cols, x, n, y) }
             }
             #[cfg(target_arch = "x86_64")]
-            (Simd::Avx2, DenseMatrix::F16(d)) => {
+            (Simd::Avx2 | Simd::Avx512, DenseMatrix::F16(d)) => {
                 // SAFETY: as above.
                 unsafe { crate::dense_avx2::matmul(&d.values, rows, cols, x, n, y) }
             }
@@ -162,13 +163,14 @@ impl DenseMatrix {
         }
         match (simd, self) {
             #[cfg(target_arch = "x86_64")]
-            (Simd::Avx2, DenseMatrix::F32(d)) => {
-                // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
-                // F16C; the lengths of `w`, `x` and `y` were checked above.
+            (Simd::Avx2 | Simd::Avx512, DenseMatrix::F32(d)) => {
+                // SAFETY: `Simd::Avx2` and `Simd::Avx512` are only chosen after runtime
+                // detection of AVX2, FMA and F16C; the lengths of `w`, `x` and `y` were checked
+                // above.
                 unsafe { crate::dense_avx2::matmul_wide(&d.values, rows, cols, x, n, y) }
             }
             #[cfg(target_arch = "x86_64")]
-            (Simd::Avx2, DenseMatrix::F16(d)) => {
+            (Simd::Avx2 | Simd::Avx512, DenseMatrix::F16(d)) => {
                 // SAFETY: as above.
                 unsafe { crate::dense_avx2::matmul_wide(&d.values, rows, cols, x, n, y) }
             }
@@ -340,7 +342,7 @@ mod tests {
 
     #[test]
     fn avx2_and_scalar_dense_paths_agree() {
-        if cpu::detect_hardware() != Simd::Avx2 {
+        if !cpu::supports(Simd::Avx2) {
             eprintln!("skipped: no AVX2+FMA+F16C on this CPU");
             return;
         }
@@ -366,9 +368,7 @@ mod tests {
 
     fn families() -> Vec<Simd> {
         let mut f = vec![Simd::Scalar];
-        if cpu::detect_hardware() == Simd::Avx2 {
-            f.push(Simd::Avx2);
-        }
+        f.extend(cpu::available().into_iter().skip(1));
         f
     }
 
@@ -381,7 +381,7 @@ mod tests {
 
     #[test]
     fn wide_avx2_and_scalar_dense_paths_give_the_same_bits() {
-        if cpu::detect_hardware() != Simd::Avx2 {
+        if !cpu::supports(Simd::Avx2) {
             eprintln!("skipped: no AVX2+FMA+F16C on this CPU");
             return;
         }

@@ -108,7 +108,7 @@ const PREFETCH_DISTANCE: usize = 1024;
 /// a streamed matvec waiting on memory. A prefetch never faults, even past the end.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn prefetch_ahead(blk: *const u8, gb: usize) {
+pub(crate) fn prefetch_ahead(blk: *const u8, gb: usize) {
     let ahead = blk.wrapping_add(PREFETCH_DISTANCE);
     let mut off = 0;
     while off < gb + 64 {

@@ -65,7 +65,7 @@ pub(crate) unsafe fn group_dot(
 /// waiting on memory. A prefetch never faults, even past the end of the matrix.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn prefetch_next(blk: *const u8, bytes: usize) {
+pub(crate) fn prefetch_next(blk: *const u8, bytes: usize) {
     let next = blk.wrapping_add(bytes);
     let mut off = 0;
     while off < bytes {

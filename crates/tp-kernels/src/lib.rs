@@ -1,6 +1,7 @@
 //! tp-kernels: single-threaded CPU matrix-vector and small matrix-matrix products over GGUF
 //! quantized blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K) and dense f32/f16 weights, with
-//! AVX2+FMA kernels chosen at run time and a portable scalar fallback.
+//! AVX2+FMA and AVX-512 VNNI kernels chosen at run time (`TP_KERNEL` overrides) and a
+//! portable scalar fallback.
 //!
 //! Every product runs on the calling thread only: a tensor-parallel rank is one thread.
 //! `matmul_wide_acc` accumulates in f64 from per-block f32 contributions, so a product split
@@ -14,9 +15,14 @@ mod dense_avx2;
 mod dot_avx2;
 #[cfg(target_arch = "x86_64")]
 mod dot_avx2_k;
+#[cfg(target_arch = "x86_64")]
+mod dot_avx512;
+#[cfg(target_arch = "x86_64")]
+mod dot_avx512_k;
 mod dot_scalar;
 mod dot_scalar_k;
 mod error;
+mod expand;
 mod format;
 mod matrix;
 mod pack;
@@ -26,7 +32,7 @@ mod quantize_k;
 mod tile;
 mod wide;
 
-pub use cpu::{force_scalar, simd_level};
+pub use cpu::{cpu_model, force_scalar, kernel_path, kernel_report, simd_level};
 pub use dense::{DenseData, DenseMatrix};
 pub use error::KernelError;
 pub use format::QuantType;

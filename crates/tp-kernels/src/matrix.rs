@@ -4,6 +4,7 @@
 
 use crate::cpu::{self, Simd};
 use crate::error::KernelError;
+use crate::expand::{self, Expanded};
 use crate::format::{dequantize_ggml_block, QuantType};
 use crate::pack::{self, group_block_bytes, GROUP_ROWS};
 use crate::quantize::{self, ActBlock};
@@ -18,6 +19,8 @@ thread_local! {
     static SCRATCH: RefCell<Vec<ActBlock>> = const { RefCell::new(Vec::new()) };
     /// The same for the K-quants' Q8_K blocks.
     static SCRATCH_K: RefCell<Vec<ActBlockK>> = const { RefCell::new(Vec::new()) };
+    /// The AVX-512 kernels' activation vectors (`expand`), built once per call.
+    static SCRATCH_X: RefCell<Vec<Expanded>> = const { RefCell::new(Vec::new()) };
 }
 
 /// A `[rows, cols]` row-major matrix of ggml blocks (rows = output features, cols = input
@@ -41,6 +44,9 @@ impl fmt::Debug for QuantMatrix {
             .finish()
     }
 }
+
+/// Most bytes of expanded activations (AVX-512 kernels) one pass over the groups uses.
+const EXPANDED_BUDGET: usize = 192 << 10;
 
 /// `rows * cols / block_len * block_bytes`, checked: the ggml byte size of a matrix.
 fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Result<usize, KernelError> {
@@ -280,10 +286,58 @@ impl QuantMatrix {
     }
 
     /// Runs all groups against tiles of up to 4 tokens of quantized activations
-    /// (`acts.len() == n * nb`).
+    /// (`acts.len() == n * nb`); for the AVX-512 kernels, first lays the activation words
+    /// out for them (`expand`), once for all groups, in chunks of tokens whose expanded
+    /// vectors stay within [`EXPANDED_BUDGET`] so that they stay in L2 while every group
+    /// passes over them (the vectors are 8 times the activation bytes).
     fn run_tiles<A: Activation, E: OutElem>(&self, simd: Simd, acts: &[A], n: usize, y: &mut [E]) {
+        if simd != Simd::Avx512 {
+            return self.run_tiles_with(simd, acts, &[], n, y);
+        }
+        let nb = self.nb();
+        let per_token = nb * A::PER_BLOCK;
+        let fit = EXPANDED_BUDGET / (per_token * std::mem::size_of::<Expanded>()).max(1);
+        let chunk = (fit / MAX_TILE * MAX_TILE).clamp(MAX_TILE, n.max(MAX_TILE));
+        let len = chunk.min(n) * per_token;
+        let run = |ex: &mut [Expanded], y: &mut [E]| {
+            let mut t0 = 0;
+            while t0 < n {
+                let t1 = n.min(t0 + chunk);
+                let part = &acts[t0 * nb..t1 * nb];
+                let ex = &mut ex[..(t1 - t0) * per_token];
+                for (a, e) in part.iter().zip(ex.chunks_exact_mut(A::PER_BLOCK)) {
+                    a.expand(self.qtype, e);
+                }
+                let y = &mut y[t0 * self.rows..t1 * self.rows];
+                self.run_tiles_with(simd, part, ex, t1 - t0, y);
+                t0 = t1;
+            }
+        };
+        SCRATCH_X.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut scratch) => {
+                if scratch.len() < len {
+                    scratch.resize(len, Expanded::default());
+                }
+                run(&mut scratch[..len], y);
+            }
+            // Only reachable through re-entrancy, which nothing here does.
+            Err(_) => run(&mut vec![Expanded::default(); len], y),
+        });
+    }
+
+    /// [`Self::run_tiles`] with the expanded activations (`ex`: empty, or `A::PER_BLOCK`
+    /// vectors per activation block).
+    fn run_tiles_with<A: Activation, E: OutElem>(
+        &self,
+        simd: Simd,
+        acts: &[A],
+        ex: &[Expanded],
+        n: usize,
+        y: &mut [E],
+    ) {
         let nb = self.nb();
         let group_len = nb * group_block_bytes(self.qtype);
+        let per_token = if ex.is_empty() { 0 } else { nb * A::PER_BLOCK };
         let mut tile_out = TileOut::default();
         for g in 0..pack::groups(self.rows) {
             let group = &self.packed[g * group_len..(g + 1) * group_len];
@@ -292,14 +346,18 @@ impl QuantMatrix {
             let mut t0 = 0;
             while t0 < n {
                 let tile = MAX_TILE.min(n - t0);
-                let tile_acts = &acts[t0 * nb..(t0 + tile) * nb];
+                let tile = Tile {
+                    acts: &acts[t0 * nb..(t0 + tile) * nb],
+                    ex: &ex[t0 * per_token..(t0 + tile) * per_token],
+                    tokens: tile,
+                };
                 let (qtype, wide) = (self.qtype, E::WIDE);
-                A::group_tile(qtype, simd, group, nb, tile_acts, tile, wide, &mut tile_out);
-                for t in 0..tile {
+                A::group_tile(qtype, simd, group, nb, &tile, wide, &mut tile_out);
+                for t in 0..tile.tokens {
                     let at = (t0 + t) * self.rows + row0;
                     E::put(&mut y[at..at + valid], &tile_out, t);
                 }
-                t0 += tile;
+                t0 += tile.tokens;
             }
         }
     }
@@ -377,46 +435,77 @@ impl QuantMatrix {
     }
 }
 
+/// One tile of tokens for a kernel call: `tokens` (1..=4) tokens' activation blocks, and
+/// (AVX-512 only, otherwise empty) their expanded vectors.
+struct Tile<'a, A> {
+    acts: &'a [A],
+    ex: &'a [Expanded],
+    tokens: usize,
+}
+
 /// Quantized activation blocks with kernels: `ActBlock` (32-wide formats) and `ActBlockK`
 /// (K-quants).
 trait Activation: Sized {
-    /// One group against one tile of tokens (`tile_acts.len() == tile * nb`, `tile <= 4`),
-    /// into `out.f32s`, or with the wide kernels (`wide`) into `out.f64s`.
-    #[allow(clippy::too_many_arguments)]
+    /// Expanded vectors per block for the AVX-512 kernels.
+    const PER_BLOCK: usize;
+    /// Lays this block out for the AVX-512 kernels of `qtype` (`out.len() == PER_BLOCK`).
+    fn expand(&self, qtype: QuantType, out: &mut [Expanded]);
+    /// One group against one tile of tokens (`tile.acts.len() == tile.tokens * nb`), into
+    /// `out.f32s`, or with the wide kernels (`wide`) into `out.f64s`.
     fn group_tile(
         qtype: QuantType,
         simd: Simd,
         group: &[u8],
         nb: usize,
-        tile_acts: &[Self],
-        tile: usize,
+        tile: &Tile<'_, Self>,
         wide: bool,
         out: &mut TileOut,
     );
 }
 
 impl Activation for ActBlock {
+    const PER_BLOCK: usize = expand::PER_BLOCK;
+
+    fn expand(&self, _: QuantType, out: &mut [Expanded]) {
+        expand::expand(self, out);
+    }
+
     fn group_tile(
         qtype: QuantType,
         simd: Simd,
         group: &[u8],
         nb: usize,
-        tile_acts: &[Self],
-        tile: usize,
+        tile: &Tile<'_, Self>,
         wide: bool,
         out: &mut TileOut,
     ) {
+        let (acts, n) = (tile.acts, tile.tokens);
         match simd {
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2 => {
                 // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
-                // F16C; `group` holds `nb` group blocks of this format and `tile_acts` holds
-                // `tile` (1..=4) tokens of `nb` blocks, as sliced by `run_tiles`.
-                unsafe { crate::dot_avx2::group_dot(qtype, group, nb, tile_acts, tile, wide, out) }
+                // F16C; `group` holds `nb` group blocks of this format and `acts` holds `n`
+                // (1..=4) tokens of `nb` blocks, as sliced by `run_tiles_with`.
+                unsafe { crate::dot_avx2::group_dot(qtype, group, nb, acts, n, wide, out) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 if tile.ex.len() == acts.len() * Self::PER_BLOCK => {
+                // SAFETY: `Simd::Avx512` is only chosen after runtime detection of AVX2, FMA,
+                // F16C, AVX-512 F/BW/VL and VNNI; the slices are as for `Simd::Avx2`, and
+                // `tile.ex` holds `PER_BLOCK` vectors per block of `acts` (checked above).
+                unsafe {
+                    crate::dot_avx512::group_dot(qtype, group, nb, acts, tile.ex, n, wide, out)
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 => {
+                // Not reachable (`run_tiles` expands for AVX-512); stay correct anyway.
+                // SAFETY: AVX-512 implies the AVX2 features (checked at detection).
+                unsafe { crate::dot_avx2::group_dot(qtype, group, nb, acts, n, wide, out) }
             }
             _ => {
-                for t in 0..tile {
-                    let acts = &tile_acts[t * nb..(t + 1) * nb];
+                for t in 0..n {
+                    let acts = &acts[t * nb..(t + 1) * nb];
                     if wide {
                         out.f64s[t] = crate::dot_scalar::group_dot_wide(qtype, group, acts);
                     } else {
@@ -429,27 +518,45 @@ impl Activation for ActBlock {
 }
 
 impl Activation for ActBlockK {
+    const PER_BLOCK: usize = expand::PER_BLOCK_K;
+
+    fn expand(&self, qtype: QuantType, out: &mut [Expanded]) {
+        expand::expand_k(qtype, self, out);
+    }
+
     fn group_tile(
         qtype: QuantType,
         simd: Simd,
         group: &[u8],
         nb: usize,
-        tile_acts: &[Self],
-        tile: usize,
+        tile: &Tile<'_, Self>,
         wide: bool,
         out: &mut TileOut,
     ) {
+        let (acts, n) = (tile.acts, tile.tokens);
         match simd {
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2 => {
                 // SAFETY: as for `ActBlock`, with K-quant group super-blocks.
+                unsafe { crate::dot_avx2_k::group_dot(qtype, group, nb, acts, n, wide, out) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 if tile.ex.len() == acts.len() * Self::PER_BLOCK => {
+                // SAFETY: as for `ActBlock` under `Simd::Avx512`, with K-quant group
+                // super-blocks and `PER_BLOCK` vectors per block.
                 unsafe {
-                    crate::dot_avx2_k::group_dot(qtype, group, nb, tile_acts, tile, wide, out)
+                    crate::dot_avx512_k::group_dot(qtype, group, nb, acts, tile.ex, n, wide, out)
                 }
             }
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 => {
+                // Not reachable (`run_tiles` expands for AVX-512); stay correct anyway.
+                // SAFETY: AVX-512 implies the AVX2 features (checked at detection).
+                unsafe { crate::dot_avx2_k::group_dot(qtype, group, nb, acts, n, wide, out) }
+            }
             _ => {
-                for t in 0..tile {
-                    let acts = &tile_acts[t * nb..(t + 1) * nb];
+                for t in 0..n {
+                    let acts = &acts[t * nb..(t + 1) * nb];
                     if wide {
                         out.f64s[t] = crate::dot_scalar_k::group_dot_wide(qtype, group, acts);
                     } else {
@@ -518,32 +625,131 @@ pub(crate) mod tests {
             .collect()
     }
 
+    /// Shapes for the path comparisons: one row to several groups (ragged last group), one
+    /// block to many, odd block counts included.
+    fn shapes(qtype: QuantType) -> Vec<(usize, usize)> {
+        let bl = qtype.block_len();
+        [
+            (1, 8),
+            (3, 16),
+            (8, 8),
+            (17, 64),
+            (24, 48),
+            (5, 1),
+            (9, 3),
+            (16, 25),
+            (40, 7),
+        ]
+        .iter()
+        .map(|&(rows, nb)| (rows, nb * bl))
+        .collect()
+    }
+
+    /// The SIMD paths this CPU supports, with a printed line for each one it does not.
+    fn simd_paths() -> Vec<Simd> {
+        for s in [Simd::Avx2, Simd::Avx512] {
+            if !cpu::supports(s) {
+                eprintln!("skipped {s:?}: this CPU does not support it");
+            }
+        }
+        cpu::available().into_iter().skip(1).collect()
+    }
+
     #[test]
-    fn avx2_and_scalar_paths_agree() {
-        if cpu::detect_hardware() != Simd::Avx2 {
-            eprintln!("skipped: this CPU has no AVX2+FMA+F16C, only the scalar path exists");
+    fn simd_and_scalar_paths_agree() {
+        use QuantType::*;
+        for simd in simd_paths() {
+            for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+                for (rows, cols) in shapes(qtype) {
+                    for n in [1usize, 2, 3, 4, 5, 9] {
+                        let seed = (rows * 1000 + cols + n) as u64;
+                        let bytes = random_ggml(qtype, rows, cols, seed);
+                        let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
+                        let x = random_x(n * cols, seed);
+                        let mut ya = vec![0.0; n * rows];
+                        let mut ys = vec![0.0; n * rows];
+                        m.matmul_with(simd, &x, n, &mut ya).unwrap();
+                        m.matmul_with(Simd::Scalar, &x, n, &mut ys).unwrap();
+                        for (i, (a, s)) in ya.iter().zip(&ys).enumerate() {
+                            // Same integer sums; only the f32 accumulation and FMA differ.
+                            let tol = 1e-5 * (1.0 + s.abs()) * (cols / 32) as f32;
+                            assert!(
+                                (a - s).abs() <= tol,
+                                "{simd:?} {qtype} [{rows},{cols}] n={n} out {i}: {a} vs scalar {s}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn avx512_matmul_gives_the_avx2_bits() {
+        if !cpu::supports(Simd::Avx512) {
+            eprintln!("skipped: this CPU has no AVX-512 F/BW/VL + VNNI");
             return;
         }
         use QuantType::*;
         for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
-            for (rows, cols) in [(1, 256), (3, 512), (8, 256), (17, 2048), (24, 1536)] {
-                for n in [1usize, 2, 3, 4, 5, 9] {
-                    let seed = (rows * 1000 + cols + n) as u64;
+            for (rows, cols) in shapes(qtype) {
+                for n in [1usize, 2, 3, 4, 5, 9, 130] {
+                    let seed = (rows * 7000 + cols + n) as u64;
                     let bytes = random_ggml(qtype, rows, cols, seed);
                     let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
-                    let x = random_x(n * cols, seed);
-                    let mut ya = vec![0.0; n * rows];
-                    let mut ys = vec![0.0; n * rows];
-                    m.matmul_with(Simd::Avx2, &x, n, &mut ya).unwrap();
-                    m.matmul_with(Simd::Scalar, &x, n, &mut ys).unwrap();
-                    for (i, (a, s)) in ya.iter().zip(&ys).enumerate() {
-                        // Same integer sums; only the f32 accumulation order and FMA differ.
-                        let tol = 1e-5 * (1.0 + s.abs()) * (cols / 32) as f32;
-                        assert!(
-                            (a - s).abs() <= tol,
-                            "{qtype} [{rows},{cols}] n={n} out {i}: avx2 {a} scalar {s}"
+                    let x = random_x(n * cols, seed ^ 5);
+                    let mut y5 = vec![0.0f32; n * rows];
+                    let mut y2 = vec![0.0f32; n * rows];
+                    m.matmul_with(Simd::Avx512, &x, n, &mut y5).unwrap();
+                    m.matmul_with(Simd::Avx2, &x, n, &mut y2).unwrap();
+                    for (i, (a, b)) in y5.iter().zip(&y2).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{qtype} [{rows},{cols}] n={n} out {i}: avx512 {a} avx2 {b}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn avx512_extreme_quants_match_scalar_bits() {
+        // Every weight quant at its extremes (all bits set / all clear) and activations at
+        // +-127: the integer sums must be exact on every path.
+        if !cpu::supports(Simd::Avx512) {
+            eprintln!("skipped: this CPU has no AVX-512 F/BW/VL + VNNI");
+            return;
+        }
+        use QuantType::*;
+        for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+            let (rows, cols) = (9, 3 * qtype.block_len());
+            for fill in [0x00u8, 0xFF, 0x7F, 0x80] {
+                let mut bytes = random_ggml(qtype, rows, cols, 3);
+                let bb = qtype.block_bytes();
+                for blk in bytes.chunks_exact_mut(bb) {
+                    let q = match qtype {
+                        Q4_K => 16..bb,
+                        Q6_K => 0..208,
+                        _ => qtype.scale_bytes()..bb,
+                    };
+                    blk[q].fill(fill);
+                }
+                let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
+                for sign in [1.0f32, -1.0] {
+                    let n = 3;
+                    let x: Vec<f32> = (0..n * cols)
+                        .map(|i| if i % 3 == 0 { sign } else { -sign * 0.5 })
+                        .collect();
+                    let mut ys = vec![0.0f64; n * rows];
+                    let mut y5 = vec![0.0f64; n * rows];
+                    m.matmul_wide_acc_with(Simd::Scalar, &x, n, &mut ys)
+                        .unwrap();
+                    m.matmul_wide_acc_with(Simd::Avx512, &x, n, &mut y5)
+                        .unwrap();
+                    let bits = |v: &[f64]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&y5), bits(&ys), "{qtype} fill {fill:#x} sign {sign}");
                 }
             }
         }
@@ -558,7 +764,7 @@ pub(crate) mod tests {
             QuantType::Q4_K,
             QuantType::Q6_K,
         ];
-        for (simd, qtype) in [Simd::Scalar, cpu::detect_hardware()]
+        for (simd, qtype) in cpu::available()
             .into_iter()
             .flat_map(|s| kinds.map(|q| (s, q)))
         {
@@ -662,39 +868,33 @@ pub(crate) mod tests {
     }
 
     fn families() -> Vec<Simd> {
-        let mut f = vec![Simd::Scalar];
-        if cpu::detect_hardware() == Simd::Avx2 {
-            f.push(Simd::Avx2);
-        }
-        f
+        cpu::available()
     }
 
     #[test]
-    fn wide_avx2_and_scalar_give_the_same_bits() {
-        if cpu::detect_hardware() != Simd::Avx2 {
-            eprintln!("skipped: this CPU has no AVX2+FMA+F16C, only the scalar path exists");
-            return;
-        }
+    fn wide_simd_and_scalar_give_the_same_bits() {
         use QuantType::*;
-        for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
-            for (rows, cols) in [(1, 256), (3, 512), (8, 256), (17, 2048), (24, 1536)] {
-                for n in [1usize, 2, 3, 4, 5, 9] {
-                    let seed = (rows * 1000 + cols + n) as u64;
-                    let bytes = random_ggml(qtype, rows, cols, seed);
-                    let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
-                    let x = random_x(n * cols, seed);
-                    // `+=`: start from non-zero values.
-                    let y0: Vec<f64> = (0..n * rows).map(|i| i as f64 * 0.25 - 3.0).collect();
-                    let (mut ya, mut ys) = (y0.clone(), y0);
-                    m.matmul_wide_acc_with(Simd::Avx2, &x, n, &mut ya).unwrap();
-                    m.matmul_wide_acc_with(Simd::Scalar, &x, n, &mut ys)
-                        .unwrap();
-                    for (i, (a, s)) in ya.iter().zip(&ys).enumerate() {
-                        assert_eq!(
-                            a.to_bits(),
-                            s.to_bits(),
-                            "{qtype} [{rows},{cols}] n={n} out {i}: avx2 {a} scalar {s}"
-                        );
+        for simd in simd_paths() {
+            for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+                for (rows, cols) in shapes(qtype) {
+                    for n in [1usize, 2, 3, 4, 5, 9, 130] {
+                        let seed = (rows * 1000 + cols + n) as u64;
+                        let bytes = random_ggml(qtype, rows, cols, seed);
+                        let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
+                        let x = random_x(n * cols, seed);
+                        // `+=`: start from non-zero values.
+                        let y0: Vec<f64> = (0..n * rows).map(|i| i as f64 * 0.25 - 3.0).collect();
+                        let (mut ya, mut ys) = (y0.clone(), y0);
+                        m.matmul_wide_acc_with(simd, &x, n, &mut ya).unwrap();
+                        m.matmul_wide_acc_with(Simd::Scalar, &x, n, &mut ys)
+                            .unwrap();
+                        for (i, (a, s)) in ya.iter().zip(&ys).enumerate() {
+                            assert_eq!(
+                                a.to_bits(),
+                                s.to_bits(),
+                                "{simd:?} {qtype} [{rows},{cols}] n={n} out {i}: {a} vs scalar {s}"
+                            );
+                        }
                     }
                 }
             }

@@ -71,9 +71,9 @@ pub(crate) fn quantize(simd: Simd, x: &[f32], out: &mut [ActBlock]) {
     }
     match simd {
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => {
-            // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
-            // F16C, and the lengths were checked just above.
+        Simd::Avx2 | Simd::Avx512 => {
+            // SAFETY: `Simd::Avx2` and `Simd::Avx512` are only chosen after runtime
+            // detection of AVX2, FMA and F16C, and the lengths were checked just above.
             unsafe { avx2::quantize(x, out) }
         }
         _ => {
@@ -195,7 +195,7 @@ mod tests {
         quantize_block_scalar(&x, &mut b);
         assert_eq!(&b.qs[..5], &[127, 3, -3, 1, 0]);
         #[cfg(target_arch = "x86_64")]
-        if crate::cpu::detect_hardware() == Simd::Avx2 {
+        if crate::cpu::supports(Simd::Avx2) {
             let mut v = [ActBlock::default()];
             quantize(Simd::Avx2, &x, &mut v);
             assert_eq!(v[0], b);
@@ -205,7 +205,7 @@ mod tests {
     #[test]
     fn avx2_quantization_is_bit_identical_to_scalar() {
         #[cfg(target_arch = "x86_64")]
-        if crate::cpu::detect_hardware() == Simd::Avx2 {
+        if crate::cpu::supports(Simd::Avx2) {
             for seed in 0..50 {
                 let mut x = values(seed, QK * 7);
                 x[5] *= 1000.0; // one large outlier block

@@ -22,7 +22,7 @@ fn quant_type_constants() {
         t.map(|q| q.name()),
         ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"]
     );
-    assert!(["avx2+fma", "scalar"].contains(&simd_level()));
+    assert!(["avx512+vnni", "avx2+fma", "scalar"].contains(&simd_level()));
 }
 
 #[test]

@@ -1,0 +1,297 @@
+//! AVX-512 VNNI integer dot products of one 8-row group of packed K-quant weights (Q4_K,
+//! Q6_K) with 1 to 4 tokens' Q8_K activations; the two-words-per-register scheme of
+//! `dot_avx512` (lanes 0..8 and 8..16 hold two 4-column words of the 8 rows), with the
+//! activation words laid out once per call by `expand`.
+//!
+//! Each sub-block's exact i32 dot products are accumulated by `vpdpbusd` into their own
+//! register and multiplied by the sub-block scales with `vpmulld` (per lane, the scale of
+//! that lane's row and sub-block), so `isum` is the scalar kernels' exact integer; the f32
+//! tail is the AVX2 kernels' instruction for instruction (same bits as AVX2 for `matmul`,
+//! as scalar and AVX2 for `matmul_wide_acc`).
+//! - Q4_K: a 64-byte load holds words `w`, `w + 1` of one 32-byte chunk `c`; low nibbles
+//!   belong to sub-block `2c`, high nibbles to `2c + 1`. The minimums and the Q6_K offset
+//!   use the AVX2 code's `madd` against the activation block sums.
+//! - Q6_K: the 64 bytes at a packed triple are `ql` words `16h + i` and `16h + 8 + i`; with
+//!   the `qh` word duplicated in both halves and shifted per half (`vpsllvd` / `vpsrlvd`),
+//!   one register holds quarters 0 and 1 of word `i`, another quarters 2 and 3.
+
+use crate::dot_avx2::{add_wide, store};
+use crate::dot_avx2_k::prefetch_next;
+use crate::dot_avx512::{fold, ld, load64, pair_index};
+use crate::expand::{Expanded, PER_BLOCK_K};
+use crate::format::QuantType;
+use crate::pack_k::{q4k, q6k};
+use crate::quantize_k::ActBlockK;
+use crate::tile::TileOut;
+use std::arch::x86_64::*;
+
+/// Outputs of one group for `tile` tokens into `out.f32s[..tile]` or, when `wide`, the f64
+/// sums of the super-block contributions into `out.f64s[..tile]`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA, F16C, AVX-512 F/BW/VL and AVX-512 VNNI;
+/// `group.len() >= nb * group_block_bytes(qtype)` for a K-quant `qtype`;
+/// `acts.len() >= tile * nb`; `ex.len() >= tile * nb * PER_BLOCK_K`, expanded from those
+/// blocks for this `qtype` (`expand::expand_k`); `1 <= tile <= MAX_TILE`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn group_dot(
+    qtype: QuantType,
+    group: &[u8],
+    nb: usize,
+    acts: &[ActBlockK],
+    ex: &[Expanded],
+    tile: usize,
+    wide: bool,
+    out: &mut TileOut,
+) {
+    let g = group.as_ptr();
+    let a = acts.as_ptr();
+    let x = ex.as_ptr();
+    // SAFETY: the caller guarantees the CPU features, that the group holds `nb` group
+    // super-blocks and that `acts` holds `tile` tokens of `nb` blocks.
+    unsafe {
+        let p = |t: usize| a.add(t * nb);
+        let e = |t: usize| x.add(t * nb * PER_BLOCK_K);
+        macro_rules! by_tile {
+            ($k:ident) => {
+                match (tile, wide) {
+                    (1, false) => $k::<1, false>(g, nb, [p(0)], [e(0)], out),
+                    (2, false) => $k::<2, false>(g, nb, [p(0), p(1)], [e(0), e(1)], out),
+                    (3, false) => {
+                        $k::<3, false>(g, nb, [p(0), p(1), p(2)], [e(0), e(1), e(2)], out)
+                    }
+                    (_, false) => $k::<4, false>(
+                        g,
+                        nb,
+                        [p(0), p(1), p(2), p(3)],
+                        [e(0), e(1), e(2), e(3)],
+                        out,
+                    ),
+                    (1, true) => $k::<1, true>(g, nb, [p(0)], [e(0)], out),
+                    (2, true) => $k::<2, true>(g, nb, [p(0), p(1)], [e(0), e(1)], out),
+                    (3, true) => $k::<3, true>(g, nb, [p(0), p(1), p(2)], [e(0), e(1), e(2)], out),
+                    (_, true) => $k::<4, true>(
+                        g,
+                        nb,
+                        [p(0), p(1), p(2), p(3)],
+                        [e(0), e(1), e(2), e(3)],
+                        out,
+                    ),
+                }
+            };
+        }
+        match qtype {
+            QuantType::Q4_K => by_tile!(q4k),
+            QuantType::Q6_K => by_tile!(q6k),
+            _ => {}
+        }
+    }
+}
+
+/// Broadcasts the 4 bytes at `p` (a pair of i16 block sums) to all 8 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn bcast4<T>(p: *const T) -> __m256i {
+    // SAFETY: the caller keeps the 4 bytes inside an activation block.
+    unsafe { _mm256_set1_epi32((p as *const i32).read_unaligned()) }
+}
+
+/// 16 bytes at `p` widened to 16 i16 (8 rows x a pair of scales), unsigned or signed.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn pairs_u8(p: *const u8) -> __m256i {
+    // SAFETY: the caller keeps the 16 bytes inside a group super-block.
+    unsafe { _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i)) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn pairs_i8(p: *const u8) -> __m256i {
+    // SAFETY: as for `pairs_u8`.
+    unsafe { _mm256_cvtepi8_epi16(_mm_loadu_si128(p as *const __m128i)) }
+}
+
+/// Q4_K group against `T` tokens.
+///
+/// # Safety
+/// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q4k<const T: usize, const WIDE: bool>(
+    group: *const u8,
+    nb: usize,
+    acts: [*const ActBlockK; T],
+    ex: [*const Expanded; T],
+    out: &mut TileOut,
+) {
+    // SAFETY: all weight reads are inside group super-block `b < nb` (offsets from `pack_k`
+    // ending at `q4k::BYTES`); activation reads are inside block `b` of each token.
+    unsafe {
+        let low4 = _mm512_set1_epi8(0x0F);
+        let low16 = _mm512_set1_epi32(0xFFFF);
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut wide = [[_mm256_setzero_pd(); 2]; T];
+        for b in 0..nb {
+            let blk = group.add(b * q4k::BYTES);
+            prefetch_next(blk, q4k::BYTES);
+            let mut s = [_mm512_setzero_si512(); T];
+            for c in 0..4 {
+                // Lanes r and 8 + r: row r's scales of sub-blocks 2c (low i16), 2c + 1.
+                let scp = _mm512_broadcast_i64x4(pairs_u8(blk.add(q4k::SC + 16 * c)));
+                let sc_lo = _mm512_and_si512(scp, low16);
+                let sc_hi = _mm512_srli_epi32::<16>(scp);
+                let mut a_lo = [_mm512_setzero_si512(); T];
+                let mut a_hi = [_mm512_setzero_si512(); T];
+                for m in 0..4 {
+                    let v = load64(blk.add(q4k::QS + 32 * (8 * c + 2 * m)));
+                    let lo = _mm512_and_si512(v, low4);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4);
+                    for t in 0..T {
+                        // Pairs (16c + 2m, +1) (low nibbles) and (16c + 8 + 2m, +1) (high).
+                        let xe = ex[t].add(b * PER_BLOCK_K + 8 * c + m);
+                        a_lo[t] = _mm512_dpbusd_epi32(a_lo[t], lo, ld(xe));
+                        a_hi[t] = _mm512_dpbusd_epi32(a_hi[t], hi, ld(xe.add(4)));
+                    }
+                }
+                for t in 0..T {
+                    let p = _mm512_add_epi32(
+                        _mm512_mullo_epi32(a_lo[t], sc_lo),
+                        _mm512_mullo_epi32(a_hi[t], sc_hi),
+                    );
+                    s[t] = _mm512_add_epi32(s[t], p);
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q4k::D) as *const __m128i));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q4k::DMIN) as *const __m128i));
+            for t in 0..T {
+                let x = &*acts[t].add(b);
+                let s32 = fold(s[t]);
+                let mut m32 = _mm256_setzero_si256();
+                for c in 0..4 {
+                    let mp = pairs_u8(blk.add(q4k::MIN + 16 * c));
+                    let bs = bcast4(x.bsum32.as_ptr().add(2 * c));
+                    m32 = _mm256_add_epi32(m32, _mm256_madd_epi16(mp, bs));
+                }
+                let mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m32));
+                let v = _mm256_fmsub_ps(dw, _mm256_cvtepi32_ps(s32), mins);
+                if WIDE {
+                    add_wide(&mut wide[t], _mm256_mul_ps(_mm256_set1_ps(x.d), v));
+                } else {
+                    acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(x.d), v, acc[t]);
+                }
+            }
+        }
+        for t in 0..T {
+            store::<WIDE>(out, t, acc[t], wide[t]);
+        }
+    }
+}
+
+/// Sub-block scales as i32 per lane from 32 signed scale bytes (pairs `p`, `p + 1`, each
+/// `[row][2]`): lanes 0..8 pair `p`, lanes 8..16 pair `p + 1`; `[first, second]` of the pair.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q6_scales(p: *const u8) -> [__m512i; 2] {
+    // SAFETY: the caller keeps the 32 bytes inside a group super-block.
+    unsafe {
+        let v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(p as *const __m256i));
+        [
+            _mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(v)),
+            _mm512_srai_epi32::<16>(v),
+        ]
+    }
+}
+
+/// Q6_K group against `T` tokens.
+///
+/// # Safety
+/// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q6k<const T: usize, const WIDE: bool>(
+    group: *const u8,
+    nb: usize,
+    acts: [*const ActBlockK; T],
+    ex: [*const Expanded; T],
+    out: &mut TileOut,
+) {
+    // SAFETY: all weight reads are inside group super-block `b < nb` (offsets from `pack_k`
+    // ending at `q6k::BYTES`); activation reads are inside block `b` of each token.
+    unsafe {
+        let low4 = _mm512_set1_epi8(0x0F);
+        let bits45 = _mm512_set1_epi8(0x30);
+        // qh bits 0-1 (quarter 0) and 2-3 (quarter 1) to bits 4-5; 4-5 (quarter 2) and 6-7
+        // (quarter 3) likewise.
+        let shl = pair_index(4, 2);
+        let shr = pair_index(0, 2);
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut wide = [[_mm256_setzero_pd(); 2]; T];
+        for b in 0..nb {
+            let blk = group.add(b * q6k::BYTES);
+            prefetch_next(blk, q6k::BYTES);
+            let mut s = [_mm512_setzero_si512(); T];
+            for h in 0..2 {
+                // Quarters 0 | 1 use pairs 4h | 4h + 1, quarters 2 | 3 pairs 4h + 2 | 4h + 3;
+                // words 0..4 the first sub-block of a pair, words 4..8 the second.
+                let sc01 = q6_scales(blk.add(q6k::SC + 16 * (4 * h)));
+                let sc23 = q6_scales(blk.add(q6k::SC + 16 * (4 * h + 2)));
+                let mut a01 = [[_mm512_setzero_si512(); T]; 2];
+                let mut a23 = [[_mm512_setzero_si512(); T]; 2];
+                for i in 0..8 {
+                    let tr = blk.add(q6k::triple(h, i));
+                    let v = load64(tr);
+                    let hb =
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256(tr.add(64) as *const __m256i));
+                    let q01 = _mm512_or_si512(
+                        _mm512_and_si512(v, low4),
+                        _mm512_and_si512(_mm512_sllv_epi32(hb, shl), bits45),
+                    );
+                    let q23 = _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4),
+                        _mm512_and_si512(_mm512_srlv_epi32(hb, shr), bits45),
+                    );
+                    let half = i / 4;
+                    for t in 0..T {
+                        // Chunks 2h (quarters 0, 1) and 2h + 1 (quarters 2, 3), word i.
+                        let xe = ex[t].add(b * PER_BLOCK_K + 16 * h + i);
+                        let (x0, x1) = (ld(xe), ld(xe.add(8)));
+                        a01[half][t] = _mm512_dpbusd_epi32(a01[half][t], q01, x0);
+                        a23[half][t] = _mm512_dpbusd_epi32(a23[half][t], q23, x1);
+                    }
+                }
+                for t in 0..T {
+                    let p01 = _mm512_add_epi32(
+                        _mm512_mullo_epi32(a01[0][t], sc01[0]),
+                        _mm512_mullo_epi32(a01[1][t], sc01[1]),
+                    );
+                    let p23 = _mm512_add_epi32(
+                        _mm512_mullo_epi32(a23[0][t], sc23[0]),
+                        _mm512_mullo_epi32(a23[1][t], sc23[1]),
+                    );
+                    s[t] = _mm512_add_epi32(s[t], _mm512_add_epi32(p01, p23));
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q6k::D) as *const __m128i));
+            for t in 0..T {
+                let x = &*acts[t].add(b);
+                let mut o32 = _mm256_setzero_si256();
+                for p in 0..8 {
+                    let scp = pairs_i8(blk.add(q6k::SC + 16 * p));
+                    let bs = bcast4(x.bsum16.as_ptr().add(2 * p));
+                    o32 = _mm256_add_epi32(o32, _mm256_madd_epi16(scp, bs));
+                }
+                let isum = _mm256_sub_epi32(fold(s[t]), _mm256_slli_epi32::<5>(o32));
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
+                if WIDE {
+                    add_wide(&mut wide[t], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), scale));
+                } else {
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[t]);
+                }
+            }
+        }
+        for t in 0..T {
+            store::<WIDE>(out, t, acc[t], wide[t]);
+        }
+    }
+}
