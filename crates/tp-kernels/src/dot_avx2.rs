@@ -78,6 +78,40 @@ pub(crate) fn add_wide(acc: &mut [__m256d; 2], c: __m256) {
     acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(c)));
 }
 
+/// One Q4_0 / Q4_1 block's contribution to a token's 8 row sums, from `s32`, the exact integer
+/// products of the 8 rows' quants with the token's activation block `x`; `dw`/`mw` are the
+/// rows' scales and (Q4_1) mins. Shared by the AVX2 and AVX-512 kernels: this f32 arithmetic
+/// is what makes their bits agree.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn q4_block_tail<const MIN: bool, const WIDE: bool>(
+    mut s32: __m256i,
+    dw: __m256,
+    mw: __m256,
+    x: &ActBlock,
+    acc: &mut __m256,
+    acc_min: &mut __m256,
+    wide: &mut [__m256d; 2],
+) {
+    if !MIN {
+        s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32(8 * x.sum));
+    }
+    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
+    if WIDE {
+        let mut c = _mm256_mul_ps(_mm256_cvtepi32_ps(s32), scale);
+        if MIN {
+            c = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s), c);
+        }
+        add_wide(wide, c);
+    } else {
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), scale, *acc);
+        if MIN {
+            *acc_min = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s), *acc_min);
+        }
+    }
+}
+
 /// Stores token `t`'s results: `acc` into `out.f32s[t]`, or (`WIDE`) `wide` into `out.f64s[t]`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -180,24 +214,16 @@ unsafe fn q4<const T: usize, const MIN: bool, const WIDE: bool>(
                 _mm256_setzero_ps()
             };
             for t in 0..T {
-                let x = &*acts[t].add(b);
-                let mut s32 = _mm256_madd_epi16(s16[t], ones);
-                if !MIN {
-                    s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32(8 * x.sum));
-                }
-                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
-                if WIDE {
-                    let mut c = _mm256_mul_ps(_mm256_cvtepi32_ps(s32), scale);
-                    if MIN {
-                        c = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s), c);
-                    }
-                    add_wide(&mut wide[t], c);
-                } else {
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), scale, acc[t]);
-                    if MIN {
-                        acc_min[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s), acc_min[t]);
-                    }
-                }
+                let s32 = _mm256_madd_epi16(s16[t], ones);
+                q4_block_tail::<MIN, WIDE>(
+                    s32,
+                    dw,
+                    mw,
+                    &*acts[t].add(b),
+                    &mut acc[t],
+                    &mut acc_min[t],
+                    &mut wide[t],
+                );
             }
         }
         for t in 0..T {

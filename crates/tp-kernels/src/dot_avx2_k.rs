@@ -79,10 +79,46 @@ pub(crate) fn prefetch_next(blk: *const u8, bytes: usize) {
     }
 }
 
+/// One Q4_K super-block's contribution to a token's 8 row sums, from `s32`, the exact
+/// scale-weighted integer products of the rows' quants with the token's activation block `x`:
+/// the mins (`dmin` x the sub-block mins x the activation sub-block sums) and the scales `d`.
+/// Shared by the AVX2 and AVX-512 kernels: this f32 arithmetic is what makes their bits agree.
+///
+/// # Safety
+/// `blk` points at a whole packed Q4_K super-block of an 8-row group.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4k_block_tail<const WIDE: bool>(
+    blk: *const u8,
+    s32: __m256i,
+    x: &ActBlockK,
+    acc: &mut __m256,
+    wide: &mut [__m256d; 2],
+) {
+    // SAFETY: the scale, min and d/dmin fields lie inside the super-block (the caller's promise).
+    unsafe {
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q4k::D) as *const __m128i));
+        let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q4k::DMIN) as *const __m128i));
+        let mut m32 = _mm256_setzero_si256();
+        for c in 0..4 {
+            let mp = pairs_u8(blk.add(q4k::MIN + 16 * c));
+            let bs = bcast4(x.bsum32.as_ptr().add(2 * c));
+            m32 = _mm256_add_epi32(m32, _mm256_madd_epi16(mp, bs));
+        }
+        let mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m32));
+        let v = _mm256_fmsub_ps(dw, _mm256_cvtepi32_ps(s32), mins);
+        if WIDE {
+            add_wide(wide, _mm256_mul_ps(_mm256_set1_ps(x.d), v));
+        } else {
+            *acc = _mm256_fmadd_ps(_mm256_set1_ps(x.d), v, *acc);
+        }
+    }
+}
+
 /// Broadcasts the 4 bytes at `p` (activation quants or a pair of i16 sums) to all lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bcast4<T>(p: *const T) -> __m256i {
+pub(crate) unsafe fn bcast4<T>(p: *const T) -> __m256i {
     // SAFETY: the caller keeps the 4 bytes inside an activation block.
     unsafe { _mm256_set1_epi32((p as *const i32).read_unaligned()) }
 }
@@ -90,14 +126,14 @@ unsafe fn bcast4<T>(p: *const T) -> __m256i {
 /// 16 bytes at `p` widened to 16 i16 (8 rows x a pair of scales), unsigned or signed.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pairs_u8(p: *const u8) -> __m256i {
+pub(crate) unsafe fn pairs_u8(p: *const u8) -> __m256i {
     // SAFETY: the caller keeps the 16 bytes inside a group super-block.
     unsafe { _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i)) }
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pairs_i8(p: *const u8) -> __m256i {
+pub(crate) unsafe fn pairs_i8(p: *const u8) -> __m256i {
     // SAFETY: as for `pairs_u8`.
     unsafe { _mm256_cvtepi8_epi16(_mm_loadu_si128(p as *const __m128i)) }
 }
@@ -245,23 +281,8 @@ unsafe fn q4k<const T: usize, const WIDE: bool>(
                     }
                 }
             }
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q4k::D) as *const __m128i));
-            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q4k::DMIN) as *const __m128i));
             for t in 0..T {
-                let x = &*acts[t].add(b);
-                let mut m32 = _mm256_setzero_si256();
-                for c in 0..4 {
-                    let mp = pairs_u8(blk.add(q4k::MIN + 16 * c));
-                    let bs = bcast4(x.bsum32.as_ptr().add(2 * c));
-                    m32 = _mm256_add_epi32(m32, _mm256_madd_epi16(mp, bs));
-                }
-                let mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m32));
-                let v = _mm256_fmsub_ps(dw, _mm256_cvtepi32_ps(s32[t]), mins);
-                if WIDE {
-                    add_wide(&mut wide[t], _mm256_mul_ps(_mm256_set1_ps(x.d), v));
-                } else {
-                    acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(x.d), v, acc[t]);
-                }
+                q4k_block_tail::<WIDE>(blk, s32[t], &*acts[t].add(b), &mut acc[t], &mut wide[t]);
             }
         }
         for t in 0..T {

@@ -19,7 +19,7 @@
 //! - Q5_0: nibbles with the fifth bit (0..=31) are the unsigned side (the fifth bits are set
 //!   through a byte mask), then `-16 * sum(x)`.
 
-use crate::dot_avx2::{add_wide, prefetch_ahead, store};
+use crate::dot_avx2::{add_wide, prefetch_ahead, q4_block_tail, store};
 use crate::expand::{Expanded, PER_BLOCK};
 use crate::format::QuantType;
 use crate::pack::{group_block_bytes, group_scale_bytes};
@@ -164,24 +164,16 @@ unsafe fn q4<const T: usize, const MIN: bool, const WIDE: bool>(
                 _mm256_setzero_ps()
             };
             for t in 0..T {
-                let xb = &*acts[t].add(b);
-                let mut s32 = fold(_mm512_add_epi32(s_lo[t], s_hi[t]));
-                if !MIN {
-                    s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32(8 * xb.sum));
-                }
-                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
-                if WIDE {
-                    let mut c = _mm256_mul_ps(_mm256_cvtepi32_ps(s32), scale);
-                    if MIN {
-                        c = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb.s), c);
-                    }
-                    add_wide(&mut wide[t], c);
-                } else {
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), scale, acc[t]);
-                    if MIN {
-                        acc_min[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb.s), acc_min[t]);
-                    }
-                }
+                let s32 = fold(_mm512_add_epi32(s_lo[t], s_hi[t]));
+                q4_block_tail::<MIN, WIDE>(
+                    s32,
+                    dw,
+                    mw,
+                    &*acts[t].add(b),
+                    &mut acc[t],
+                    &mut acc_min[t],
+                    &mut wide[t],
+                );
             }
         }
         for t in 0..T {

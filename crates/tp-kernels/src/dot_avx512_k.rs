@@ -16,7 +16,7 @@
 //!   one register holds quarters 0 and 1 of word `i`, another quarters 2 and 3.
 
 use crate::dot_avx2::{add_wide, store};
-use crate::dot_avx2_k::prefetch_next;
+use crate::dot_avx2_k::{bcast4, pairs_i8, pairs_u8, prefetch_next, q4k_block_tail};
 use crate::dot_avx512::{fold, ld, load64, pair_index};
 use crate::expand::{Expanded, PER_BLOCK_K};
 use crate::format::QuantType;
@@ -89,29 +89,6 @@ pub(crate) unsafe fn group_dot(
     }
 }
 
-/// Broadcasts the 4 bytes at `p` (a pair of i16 block sums) to all 8 lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn bcast4<T>(p: *const T) -> __m256i {
-    // SAFETY: the caller keeps the 4 bytes inside an activation block.
-    unsafe { _mm256_set1_epi32((p as *const i32).read_unaligned()) }
-}
-
-/// 16 bytes at `p` widened to 16 i16 (8 rows x a pair of scales), unsigned or signed.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn pairs_u8(p: *const u8) -> __m256i {
-    // SAFETY: the caller keeps the 16 bytes inside a group super-block.
-    unsafe { _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i)) }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn pairs_i8(p: *const u8) -> __m256i {
-    // SAFETY: as for `pairs_u8`.
-    unsafe { _mm256_cvtepi8_epi16(_mm_loadu_si128(p as *const __m128i)) }
-}
-
 /// Q4_K group against `T` tokens.
 ///
 /// # Safety
@@ -162,24 +139,9 @@ unsafe fn q4k<const T: usize, const WIDE: bool>(
                     s[t] = _mm512_add_epi32(s[t], p);
                 }
             }
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q4k::D) as *const __m128i));
-            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q4k::DMIN) as *const __m128i));
             for t in 0..T {
-                let x = &*acts[t].add(b);
                 let s32 = fold(s[t]);
-                let mut m32 = _mm256_setzero_si256();
-                for c in 0..4 {
-                    let mp = pairs_u8(blk.add(q4k::MIN + 16 * c));
-                    let bs = bcast4(x.bsum32.as_ptr().add(2 * c));
-                    m32 = _mm256_add_epi32(m32, _mm256_madd_epi16(mp, bs));
-                }
-                let mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m32));
-                let v = _mm256_fmsub_ps(dw, _mm256_cvtepi32_ps(s32), mins);
-                if WIDE {
-                    add_wide(&mut wide[t], _mm256_mul_ps(_mm256_set1_ps(x.d), v));
-                } else {
-                    acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(x.d), v, acc[t]);
-                }
+                q4k_block_tail::<WIDE>(blk, s32, &*acts[t].add(b), &mut acc[t], &mut wide[t]);
             }
         }
         for t in 0..T {
