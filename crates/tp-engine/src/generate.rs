@@ -1,4 +1,4 @@
-//! Generation on the leader: one batched prefill pass over the prompt, then one decode step
+//! Generation on the leader: batched prefill of the prompt (in chunks of [`PREFILL_CHUNK`]), then one decode step
 //! per token, each step a [`Command::Forward`] that every rank executes. What each row's
 //! logits mean (sampling, penalties, stop strings, text) is the [`SequenceDecoder`]'s work.
 
@@ -57,6 +57,10 @@ impl GenerationStats {
     }
 }
 
+/// Most prompt tokens in one prefill step: a step's activations are `[tokens, ffn]`-sized
+/// buffers, so a long prompt in one step would hold more memory than its KV cache.
+pub const PREFILL_CHUNK: usize = 512;
+
 /// Leader: feeds `new_tokens` to `slot` (already open; they follow whatever it holds), then
 /// decodes with `decoder` until it finishes, passing everything it shows to `on_text` (which
 /// may end generation early with [`Flow::Stop`], reported as [`FinishReason::Stop`]). The
@@ -85,7 +89,12 @@ pub fn generate(
     }
     decoder.set_context_room(capacity - cached - new_tokens.len());
     let t0 = Instant::now();
-    let mut logits = step(exec, slot, new_tokens.to_vec())?;
+    // The prompt goes in chunks: activation buffers stay bounded by the chunk, not the prompt
+    // (the logits of all but the last chunk are not needed).
+    let mut logits = Vec::new();
+    for chunk in new_tokens.chunks(PREFILL_CHUNK) {
+        logits = step(exec, slot, chunk.to_vec())?;
+    }
     let prefill = t0.elapsed();
     let t1 = Instant::now();
     let finish = loop {
@@ -181,6 +190,42 @@ mod tests {
         let (text, stats, ex) = run(b"hello", 64, DecodeParams::greedy(2));
         assert_eq!((text.as_str(), stats.finish), ("he", FinishReason::Length));
         assert_eq!(ex.tokens(7).len(), 4);
+    }
+
+    #[test]
+    fn a_long_prompt_goes_in_chunks() {
+        let tok = Tokenizer::bytes(&["<|endoftext|>"]);
+        let prompt: Vec<u32> = (0..1100).map(|i| (i % 200) as u32).collect();
+        let mut ex = ScriptedExecutor::new(
+            257,
+            2048,
+            Box::new(|_, _| {
+                let mut row = vec![0.0f32; 257];
+                row[256] = 10.0;
+                row
+            }),
+        );
+        ex.submit(Command::Open {
+            slot: 1,
+            capacity: 2048,
+        })
+        .unwrap();
+        let mut d = SequenceDecoder::new(&tok, DecodeParams::greedy(4)).unwrap();
+        let stats = generate(&mut ex, 1, &prompt, &mut d, |_| Flow::Continue).unwrap();
+        assert_eq!(stats.finish, FinishReason::Eos);
+        let sizes: Vec<usize> = ex
+            .log
+            .iter()
+            .filter_map(|c| match c {
+                Command::Forward(chunks) => Some(chunks[0].tokens.len()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            sizes,
+            [PREFILL_CHUNK, PREFILL_CHUNK, 1100 - 2 * PREFILL_CHUNK]
+        );
+        assert_eq!(ex.tokens(1), prompt.as_slice());
     }
 
     #[test]

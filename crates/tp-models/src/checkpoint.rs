@@ -122,6 +122,10 @@ pub trait Checkpoint: Send + Sync {
     fn describe(&self, name: WeightName) -> String {
         format!("{name:?} in {}", self.source())
     }
+    /// Lets the OS drop this process's resident pages of the file (they stay in the page
+    /// cache and are read back if touched again). Call once the shards are loaded: a
+    /// mapped file's pages otherwise count in the process's memory for as long as it runs.
+    fn release_pages(&self) {}
 }
 
 /// Every weight the config calls for: a matrix `[rows, cols]` or a vector of `len`.

@@ -234,6 +234,15 @@ fn check_range(what: &str, r: &Range<usize>, len: usize, key: &str) -> Result<()
 }
 
 impl Checkpoint for GgufCheckpoint {
+    fn release_pages(&self) {
+        // SAFETY: a read-only shared file mapping: after MADV_DONTNEED a read faults the page
+        // back in from the file, so no data is lost. A failure only leaves the pages resident.
+        let _ = unsafe {
+            self.map
+                .unchecked_advise(memmap2::UncheckedAdvice::DontNeed)
+        };
+    }
+
     fn config(&self) -> &ModelConfig {
         &self.config
     }

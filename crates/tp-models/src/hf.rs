@@ -356,6 +356,18 @@ fn check_range(what: &str, r: &Range<usize>, len: usize, key: &str) -> Result<()
 }
 
 impl Checkpoint for HfCheckpoint {
+    fn release_pages(&self) {
+        // SAFETY: read-only shared file mappings: after MADV_DONTNEED a read faults the page
+        // back in from the file, so no data is lost. A failure only leaves the pages resident.
+        for shard in &self.shards {
+            let _ = unsafe {
+                shard
+                    .map
+                    .unchecked_advise(memmap2::UncheckedAdvice::DontNeed)
+            };
+        }
+    }
+
     fn config(&self) -> &ModelConfig {
         &self.config
     }
