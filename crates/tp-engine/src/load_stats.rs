@@ -79,6 +79,9 @@ impl Checkpoint for Counting<'_> {
     fn describe(&self, name: WeightName) -> String {
         self.inner.describe(name)
     }
+    fn release_pages(&self) {
+        self.inner.release_pages()
+    }
 }
 
 /// One rank's load: file bytes read and time taken.

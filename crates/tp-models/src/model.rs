@@ -146,6 +146,9 @@ impl ShardedModel {
                 gate_up,
                 down: Matrix::from_slice(ckpt.cols(WeightName::Down(l), ffn.clone())?, opts)?,
             });
+            // The layer is repacked into this rank's own memory: its file pages may go, so the
+            // load's peak is the weights plus one layer, not the weights plus the file.
+            ckpt.release_pages();
         }
         check_matrix(ckpt, WeightName::Embed, cfg.vocab, cfg.hidden)?;
         let embed = Matrix::from_slice(ckpt.rows(WeightName::Embed, vocab.clone())?, opts)?;
@@ -158,6 +161,7 @@ impl ShardedModel {
                 opts,
             )?)
         };
+        ckpt.release_pages();
         let kv_of_q = plan
             .heads
             .local_kv_of_q()
