@@ -361,8 +361,6 @@ fn run_rank<T>(
         time: started.elapsed(),
     };
     let all = load_report::gather(&g, mine)?;
-    // Every rank of this process has its shard now: the file's pages need not stay resident.
-    m.ckpt.release_pages();
     if rank == 0 && !args.quiet {
         for line in load_report::table(&all, m.file_bytes) {
             eprintln!("# {line}");

@@ -11,6 +11,7 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+mod timing;
 
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
@@ -21,45 +22,14 @@ use tp_kernels::{simd_level, DenseMatrix, QuantMatrix, QuantType};
 
 const STREAM_BYTES: usize = 128 << 20;
 
-/// Median seconds per call of `f`, from samples of several calls each.
-fn time_per_call(mut f: impl FnMut(usize), budget: Duration) -> f64 {
-    f(0);
-    let t = Instant::now();
-    f(1);
-    let once = t.elapsed().as_secs_f64().max(1e-7);
-    let per_sample = ((0.01 / once).ceil() as usize).max(1);
-    let samples = ((budget.as_secs_f64() / (once * per_sample as f64)) as usize).clamp(5, 41);
-    let mut times = Vec::with_capacity(samples);
-    let mut i = 2;
-    for _ in 0..samples {
-        let t = Instant::now();
-        for _ in 0..per_sample {
-            f(i);
-            i += 1;
-        }
-        times.push(t.elapsed().as_secs_f64() / per_sample as f64);
-    }
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
+/// Median seconds per call of `f`, from samples of at least 0.01 s each (at most 41).
+fn time_per_call(f: impl FnMut(usize), budget: Duration) -> f64 {
+    timing::time_per_call(f, budget, 0.01, 41)
 }
 
-/// Single-thread read bandwidth: sum of a 256 MiB f32 array (16 independent accumulators).
+/// Single-thread read bandwidth: the median of 7 sums of a 256 MiB f32 array.
 fn read_bandwidth() -> f64 {
-    let data = vec![1.0f32; (256 << 20) / 4];
-    let mut times = Vec::new();
-    for _ in 0..7 {
-        let t = Instant::now();
-        let mut acc = [0.0f32; 16];
-        for c in black_box(&data).chunks_exact(16) {
-            for (a, v) in acc.iter_mut().zip(c) {
-                *a += v;
-            }
-        }
-        black_box(acc);
-        times.push(t.elapsed().as_secs_f64());
-    }
-    times.sort_by(f64::total_cmp);
-    (256 << 20) as f64 / times[times.len() / 2] / 1e9
+    timing::read_bandwidth(256 << 20, 7)
 }
 
 /// Small weights and activations: [`common::uniform_values`] scaled by 0.1.

@@ -14,9 +14,11 @@
 //! "n=128" is a prefill-sized product (tiles of 4 tokens); "wide n=128" the same through
 //! `matmul_wide_acc`, the split-invariant product of row-parallel layers.
 
+mod timing;
+
 use std::hint::black_box;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tp_kernels::{kernel_path, kernel_report, QuantMatrix, QuantType};
 
 const STREAM_BYTES: usize = 128 << 20;
@@ -37,26 +39,9 @@ fn cases() -> Vec<(QuantType, usize, usize)> {
     ]
 }
 
-/// Median seconds per call of `f`, from samples of several calls each.
-fn time_per_call(mut f: impl FnMut(usize), budget: Duration) -> f64 {
-    f(0);
-    let t = Instant::now();
-    f(1);
-    let once = t.elapsed().as_secs_f64().max(1e-7);
-    let per_sample = ((0.005 / once).ceil() as usize).max(1);
-    let samples = ((budget.as_secs_f64() / (once * per_sample as f64)) as usize).clamp(5, 31);
-    let mut times = Vec::with_capacity(samples);
-    let mut i = 2;
-    for _ in 0..samples {
-        let t = Instant::now();
-        for _ in 0..per_sample {
-            f(i);
-            i += 1;
-        }
-        times.push(t.elapsed().as_secs_f64() / per_sample as f64);
-    }
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
+/// Median seconds per call of `f`, from samples of at least 0.005 s each (at most 31).
+fn time_per_call(f: impl FnMut(usize), budget: Duration) -> f64 {
+    timing::time_per_call(f, budget, 0.005, 31)
 }
 
 /// Pseudo-random ggml blocks with small f16 scales (weights of magnitude ~0.01-0.1).
@@ -148,23 +133,9 @@ fn child() {
     }
 }
 
-/// Single-thread read bandwidth: sum of a 128 MiB f32 array (16 independent accumulators).
+/// Single-thread read bandwidth: the median of 5 sums of a 128 MiB f32 array.
 fn read_bandwidth() -> f64 {
-    let data = vec![1.0f32; (128 << 20) / 4];
-    let mut times = Vec::new();
-    for _ in 0..5 {
-        let t = Instant::now();
-        let mut acc = [0.0f32; 16];
-        for c in black_box(&data).chunks_exact(16) {
-            for (a, v) in acc.iter_mut().zip(c) {
-                *a += v;
-            }
-        }
-        black_box(acc);
-        times.push(t.elapsed().as_secs_f64());
-    }
-    times.sort_by(f64::total_cmp);
-    (128 << 20) as f64 / times[times.len() / 2] / 1e9
+    timing::read_bandwidth(128 << 20, 5)
 }
 
 /// Measured int8 dot-product peaks of one core (GOP/s, 2 per u8 x i8 multiply-add): AVX2

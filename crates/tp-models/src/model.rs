@@ -161,6 +161,8 @@ impl ShardedModel {
                 opts,
             )?)
         };
+        let norm = ckpt.vector(WeightName::OutputNorm, None)?;
+        // Everything is read: the last rank to finish leaves none of the file resident.
         ckpt.release_pages();
         let kv_of_q = plan
             .heads
@@ -170,7 +172,7 @@ impl ShardedModel {
             .collect();
         Ok(ShardedModel {
             rope,
-            norm: ckpt.vector(WeightName::OutputNorm, None)?,
+            norm,
             cfg,
             plan,
             embed,

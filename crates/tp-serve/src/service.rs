@@ -230,25 +230,11 @@ pub fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tp_models::{Arch, RopeStyle};
+    use tp_models::Arch;
 
+    /// The synthetic test shape: 2 layers, 8 query / 2 KV heads of 32.
     fn cfg() -> ModelConfig {
-        ModelConfig {
-            arch: Arch::Llama,
-            layers: 2,
-            hidden: 256,
-            ffn: 544,
-            heads: 8,
-            kv_heads: 2,
-            head_dim: 32,
-            vocab: 1000,
-            rms_eps: 1e-5,
-            rope_theta: 10_000.0,
-            rope_style: RopeStyle::RotateHalf,
-            context: 128,
-            qkv_bias: false,
-            tied_embeddings: true,
-        }
+        tp_models::synthetic::SyntheticModel::small(Arch::Llama, 0).cfg
     }
 
     #[test]
