@@ -231,11 +231,7 @@ fn one_run(s: &mut Session, ids: &[u32], gen: usize) -> anyhow::Result<Run> {
 
 fn forward(s: &mut Session, tokens: Vec<u32>) -> anyhow::Result<Vec<f32>> {
     s.worker
-        .submit(Command::Forward(vec![ChunkSpec {
-            slot: 0,
-            tokens,
-            all_logits: false,
-        }]))?
+        .submit(Command::Forward(vec![ChunkSpec::new(0, tokens)]))?
         .context("forward returned no logits")
 }
 

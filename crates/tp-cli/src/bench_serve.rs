@@ -342,6 +342,7 @@ impl InProcessServer {
             },
             log: false,
             auth_hint: None,
+            prefix_cache: true,
         };
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()

@@ -96,7 +96,7 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
             // The cache holds the prompt and the reply tokens fed back so far.
             cached = ids;
             cached.extend_from_slice(&reply.tokens);
-            cached.truncate(s.worker.cached_len(0));
+            cached.truncate(s.worker.slots().cached_len(0));
             let reply_text = reply.text;
             messages.push(ChatMessage::new("assistant", reply_text));
         }
@@ -110,7 +110,7 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
 
 /// Drops cached positions past `len`.
 fn rewind(s: &mut Session, cached: &mut Vec<u32>, len: usize) -> anyhow::Result<()> {
-    if s.worker.capacity(0) > 0 && s.worker.cached_len(0) > len {
+    if s.worker.slots().capacity(0) > 0 && s.worker.slots().cached_len(0) > len {
         s.worker.submit(Command::Truncate {
             slot: 0,
             len: len as u32,

@@ -166,13 +166,13 @@ pub fn stream_reply(
             s.ctx_size
         );
     }
-    if s.worker.capacity(slot) == 0 {
+    if s.worker.slots().capacity(slot) == 0 {
         s.worker.submit(Command::Open {
             slot,
             capacity: s.ctx_size as u32,
         })?;
     }
-    let cached = s.worker.cached_len(slot);
+    let cached = s.worker.slots().cached_len(slot);
     let mut decoder = SequenceDecoder::new(&s.tokenizer, params.clone()).map_err(flag_error)?;
     let mut text = String::new();
     let mut logprobs = Vec::new();

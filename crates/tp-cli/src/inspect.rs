@@ -197,7 +197,14 @@ pub fn describe(
     }
     let per_token = (0..tp)
         .filter_map(|r| ShardPlan::for_checkpoint(ckpt, r, tp).ok())
-        .map(|p| cfg.layers * 2 * p.kv_heads().len() * cfg.head_dim * opts.kv_dtype.size())
+        .map(|p| {
+            tp_models::KvPool::bytes_per_block(
+                cfg.layers,
+                p.kv_heads().len(),
+                cfg.head_dim,
+                opts.kv_dtype,
+            ) / tp_models::BLOCK_POSITIONS
+        })
         .max()
         .unwrap_or(0);
     writeln!(

@@ -59,6 +59,8 @@ pub enum KvDtypeArg {
     F16,
     Bf16,
     F32,
+    /// Signed bytes with an f16 scale per 32 values.
+    Q8,
 }
 
 impl KvDtypeArg {
@@ -67,6 +69,7 @@ impl KvDtypeArg {
             KvDtypeArg::F16 => KvDtype::F16,
             KvDtypeArg::Bf16 => KvDtype::Bf16,
             KvDtypeArg::F32 => KvDtype::F32,
+            KvDtypeArg::Q8 => KvDtype::Q8,
         }
     }
 }

@@ -62,9 +62,8 @@ pub fn run(args: &PerplexityArgs) -> anyhow::Result<ExitCode> {
                 let logits = s
                     .worker
                     .submit(Command::Forward(vec![ChunkSpec {
-                        slot: 0,
-                        tokens: part.to_vec(),
                         all_logits: true,
+                        ..ChunkSpec::new(0, part.to_vec())
                     }]))?
                     .context("forward returned no logits")?; // [part.len(), vocab]
                 for (i, row) in logits.chunks_exact(vocab).enumerate() {

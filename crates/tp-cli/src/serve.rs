@@ -49,6 +49,10 @@ pub struct ServeArgs {
     /// ones (bounds how long a long prompt stalls the others).
     #[arg(long, default_value_t = 256)]
     pub max_batch_tokens: usize,
+    /// Do not keep finished requests' KV blocks for later requests that begin alike (the
+    /// prefix cache; its blocks are given back whenever running requests need them).
+    #[arg(long)]
+    pub no_prefix_cache: bool,
     /// Requests allowed to wait for admission; beyond it new ones get 429.
     #[arg(long, default_value_t = 256)]
     pub max_queue: usize,
@@ -177,6 +181,7 @@ fn serve_config(
         connections,
         log: !args.model.quiet,
         auth_hint: Some("--api-key".into()),
+        prefix_cache: !args.no_prefix_cache,
     })
 }
 
@@ -192,12 +197,12 @@ pub fn serve_error(e: ServeError) -> anyhow::Error {
         ),
         ServeError::KvTooSmall {
             budget,
-            positions,
-            per_position,
+            blocks,
+            per_block,
         } => anyhow::anyhow!(
-            "a KV budget of {} per rank holds {positions} positions ({} each); raise --max-kv-memory or --max-rank-memory",
+            "a KV budget of {} per rank holds {blocks} blocks of 32 positions ({} each); raise --max-kv-memory or --max-rank-memory",
             show_bytes(budget),
-            show_bytes(per_position as u64)
+            show_bytes(per_block as u64)
         ),
         e => anyhow::Error::new(e),
     }
@@ -241,10 +246,11 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         let ready = |r: &Ready| -> tp_serve::Result<()> {
             if !quiet {
                 eprintln!(
-                    "# KV budget: {} per rank = {} positions ({} per position on the busiest rank; context {}); up to {} requests at once, {} tokens per step",
+                    "# KV budget: {} per rank = {} blocks of 32 positions ({} positions, {} per position on the busiest rank; context {}); up to {} requests at once, {} tokens per step",
                     show_bytes(r.kv.budget_bytes),
-                    r.kv.positions,
-                    show_bytes(r.kv.bytes_per_position as u64),
+                    r.kv.blocks,
+                    r.kv.positions(),
+                    show_bytes(r.kv.bytes_per_position() as u64),
                     r.ctx_size,
                     args.max_seqs,
                     args.max_batch_tokens

@@ -1,26 +1,28 @@
 //! What a leader-side loop (the generation loop, `tp serve`'s scheduler) drives: a
 //! [`StepExecutor`] takes step commands and returns logits. The real one is rank 0's
 //! [`Worker`] (it broadcasts each command to the followers); [`ScriptedExecutor`] keeps slots
-//! and cache lengths as a worker does but takes its logits from a script, so schedulers and
-//! loops are tested in milliseconds without a model.
+//! and KV blocks as a worker does but takes its logits from a script, so schedulers and loops
+//! are tested in milliseconds without a model.
 
 use crate::error::{EngineError, Result};
 use crate::protocol::{ChunkSpec, Command};
+use crate::slots::Slots;
 use crate::worker::Worker;
 use std::collections::BTreeMap;
 use std::time::Duration;
+use tp_models::KvPool;
 
 /// Executes step commands on behalf of the leader.
 pub trait StepExecutor {
     /// Checks and executes `cmd` (on every rank, for a worker). A forward returns its
     /// `[rows, vocab]` logits: one row per chunk, or one per token of an `all_logits` chunk.
+    /// A forward takes the KV blocks its chunks need; [`StepExecutor::slots`] tells whether
+    /// they are free.
     fn submit(&mut self, cmd: Command) -> Result<Option<Vec<f32>>>;
-    /// Positions cached for `slot` (0 when it is not open).
-    fn cached_len(&self, slot: u32) -> usize;
-    /// Capacity of `slot`'s cache (0 when it is not open).
-    fn capacity(&self, slot: u32) -> usize;
-    /// Bytes held by every open cache (on this rank).
-    fn cache_bytes(&self) -> usize;
+    /// Open sequences and the KV blocks (of rank 0, the same on every rank).
+    fn slots(&self) -> &Slots;
+    /// Most KV blocks in use at once (rank 0 chooses every block, so its limit holds for all).
+    fn set_block_limit(&mut self, blocks: usize);
     /// Time spent in collectives so far (for per-step figures).
     fn comm_time(&self) -> Duration;
 }
@@ -29,14 +31,11 @@ impl StepExecutor for Worker {
     fn submit(&mut self, cmd: Command) -> Result<Option<Vec<f32>>> {
         Worker::submit(self, cmd)
     }
-    fn cached_len(&self, slot: u32) -> usize {
-        Worker::cached_len(self, slot)
+    fn slots(&self) -> &Slots {
+        Worker::slots(self)
     }
-    fn capacity(&self, slot: u32) -> usize {
-        Worker::capacity(self, slot)
-    }
-    fn cache_bytes(&self) -> usize {
-        Worker::cache_bytes(self)
+    fn set_block_limit(&mut self, blocks: usize) {
+        Worker::set_block_limit(self, blocks)
     }
     fn comm_time(&self) -> Duration {
         self.profile.comm
@@ -47,29 +46,28 @@ impl StepExecutor for Worker {
 /// `[vocab]` scores.
 pub type Script = Box<dyn FnMut(u32, &[u32]) -> Vec<f32> + Send>;
 
-/// A [`StepExecutor`] without a model (a test double): slots, capacities and cached tokens are
-/// kept and checked as [`Worker`] does, and each row's logits come from a script.
+/// A [`StepExecutor`] without a model (a test double): slots and their KV blocks are kept and
+/// checked as [`Worker`] does (the same [`Slots`], with a pool that only counts), the tokens
+/// each slot holds are remembered, and each row's logits come from a script.
 pub struct ScriptedExecutor {
+    slots: Slots,
+    /// Tokens held by each open slot.
+    tokens: BTreeMap<u32, Vec<u32>>,
     vocab: usize,
-    max_positions: usize,
-    /// Tokens held by each open slot, and its capacity.
-    slots: BTreeMap<u32, (Vec<u32>, usize)>,
     script: Script,
-    /// Every command accepted, in order.
+    /// Every command accepted, in order (forwards with the blocks chosen).
     pub log: Vec<Command>,
     /// Forward passes executed so far.
     pub forwards: usize,
     /// Fail the forward pass with this index (0-based), as a lost rank would.
     pub fail_forward: Option<usize>,
-    /// Bytes a cached position costs (for `cache_bytes`).
-    pub bytes_per_position: usize,
 }
 
 impl std::fmt::Debug for ScriptedExecutor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ScriptedExecutor")
             .field("vocab", &self.vocab)
-            .field("slots", &self.slots)
+            .field("tokens", &self.tokens)
             .field("forwards", &self.forwards)
             .finish_non_exhaustive()
     }
@@ -79,83 +77,24 @@ impl ScriptedExecutor {
     /// A model with `vocab` ids and a context of `max_positions`.
     pub fn new(vocab: usize, max_positions: usize, script: Script) -> Self {
         ScriptedExecutor {
+            slots: Slots::new(KvPool::accounting_only(), max_positions, vocab),
+            tokens: BTreeMap::new(),
             vocab,
-            max_positions,
-            slots: BTreeMap::new(),
             script,
             log: Vec::new(),
             forwards: 0,
             fail_forward: None,
-            bytes_per_position: 1,
         }
     }
 
     /// Tokens held by `slot` (empty when it is not open).
     pub fn tokens(&self, slot: u32) -> &[u32] {
-        self.slots.get(&slot).map_or(&[], |(t, _)| t.as_slice())
+        self.tokens.get(&slot).map_or(&[], Vec::as_slice)
     }
 
     /// Slots open now.
     pub fn open_slots(&self) -> Vec<u32> {
-        self.slots.keys().copied().collect()
-    }
-
-    fn check(&self, cmd: &Command) -> Result<()> {
-        match cmd {
-            Command::Open { slot, capacity } => {
-                if self.slots.contains_key(slot) {
-                    return Err(EngineError::Internal(format!(
-                        "slot {slot} is already open"
-                    )));
-                }
-                if *capacity == 0 || *capacity as usize > self.max_positions {
-                    return Err(EngineError::Param {
-                        name: "capacity",
-                        message: format!(
-                            "{capacity} positions; this model allows 1..={}",
-                            self.max_positions
-                        ),
-                    });
-                }
-            }
-            Command::Close { slot } | Command::Truncate { slot, .. } => {
-                if !self.slots.contains_key(slot) {
-                    return Err(EngineError::Internal(format!("slot {slot} is not open")));
-                }
-            }
-            Command::Forward(chunks) => {
-                for (i, c) in chunks.iter().enumerate() {
-                    let (held, capacity) = self.slots.get(&c.slot).ok_or_else(|| {
-                        EngineError::Internal(format!("slot {} is not open", c.slot))
-                    })?;
-                    if c.tokens.is_empty() || held.len() + c.tokens.len() > *capacity {
-                        return Err(EngineError::Internal(format!(
-                            "{} tokens do not fit slot {} ({} of {capacity} held)",
-                            c.tokens.len(),
-                            c.slot,
-                            held.len()
-                        )));
-                    }
-                    if chunks[..i].iter().any(|o| o.slot == c.slot) {
-                        return Err(EngineError::Internal(format!(
-                            "slot {} appears twice in one step",
-                            c.slot
-                        )));
-                    }
-                    if let Some(&id) = c.tokens.iter().find(|&&t| t as usize >= self.vocab) {
-                        return Err(EngineError::Internal(format!(
-                            "token {id} is outside the vocabulary of {}",
-                            self.vocab
-                        )));
-                    }
-                }
-            }
-            Command::Idle
-            | Command::Exit
-            | Command::ProfileStart { .. }
-            | Command::ProfileReport => {}
-        }
-        Ok(())
+        self.slots.open().collect()
     }
 
     fn forward(&mut self, chunks: &[ChunkSpec]) -> Result<Vec<f32>> {
@@ -166,20 +105,18 @@ impl ScriptedExecutor {
             )));
         }
         self.forwards += 1;
+        let taken = self.slots.take_grown(chunks)?;
         let mut out = Vec::new();
-        for c in chunks {
-            let Some((held, _)) = self.slots.get_mut(&c.slot) else {
-                return Err(EngineError::Internal(format!(
-                    "slot {} is not open",
-                    c.slot
-                )));
-            };
+        let mut result = Ok(());
+        for (c, (_, table)) in chunks.iter().zip(taken.iter()) {
+            let held = self.tokens.entry(c.slot).or_default();
+            held.truncate(table.len());
             for (i, &t) in c.tokens.iter().enumerate() {
                 held.push(t);
                 if c.all_logits || i + 1 == c.tokens.len() {
                     let row = (self.script)(c.slot, held);
                     if row.len() != self.vocab {
-                        return Err(EngineError::Internal(format!(
+                        result = Err(EngineError::Internal(format!(
                             "the script gave {} logits for a vocabulary of {}",
                             row.len(),
                             self.vocab
@@ -189,42 +126,58 @@ impl ScriptedExecutor {
                 }
             }
         }
-        Ok(out)
+        let mut taken = taken;
+        for ((_, table), c) in taken.iter_mut().zip(chunks) {
+            match result {
+                Ok(()) => table.advance(c.tokens.len()),
+                Err(_) => {
+                    let len = table.len();
+                    self.slots.pool_mut().truncate(table, len);
+                }
+            }
+        }
+        self.slots.put_back(taken);
+        result.map(|()| out)
     }
 }
 
 impl StepExecutor for ScriptedExecutor {
-    fn submit(&mut self, cmd: Command) -> Result<Option<Vec<f32>>> {
-        self.check(&cmd)?;
-        let out = match &cmd {
-            Command::Open { slot, capacity } => {
-                self.slots.insert(*slot, (Vec::new(), *capacity as usize));
-                None
+    fn submit(&mut self, mut cmd: Command) -> Result<Option<Vec<f32>>> {
+        self.slots.check(&cmd)?;
+        let out = match &mut cmd {
+            Command::Forward(chunks) => {
+                self.slots.choose_blocks(chunks)?;
+                Some(self.forward(chunks)?)
             }
-            Command::Close { slot } => {
-                self.slots.remove(slot);
-                None
-            }
-            Command::Truncate { slot, len } => {
-                if let Some((held, _)) = self.slots.get_mut(slot) {
-                    held.truncate(*len as usize);
+            other => {
+                self.slots.apply(other)?;
+                match *other {
+                    Command::Fork { dst, src, len, .. } => {
+                        let mut held = self.tokens(src).to_vec();
+                        held.truncate(len as usize);
+                        self.tokens.insert(dst, held);
+                    }
+                    Command::Close { slot } => {
+                        self.tokens.remove(&slot);
+                    }
+                    Command::Truncate { slot, len } => {
+                        if let Some(held) = self.tokens.get_mut(&slot) {
+                            held.truncate(len as usize);
+                        }
+                    }
+                    _ => {}
                 }
                 None
             }
-            Command::Forward(chunks) => Some(self.forward(chunks)?),
-            _ => None,
         };
         self.log.push(cmd);
         Ok(out)
     }
-    fn cached_len(&self, slot: u32) -> usize {
-        self.tokens(slot).len()
+    fn slots(&self) -> &Slots {
+        &self.slots
     }
-    fn capacity(&self, slot: u32) -> usize {
-        self.slots.get(&slot).map_or(0, |(_, c)| *c)
-    }
-    fn cache_bytes(&self) -> usize {
-        self.slots.values().map(|(t, _)| t.len()).sum::<usize>() * self.bytes_per_position
+    fn set_block_limit(&mut self, blocks: usize) {
+        self.slots.pool_mut().set_limit(blocks);
     }
     fn comm_time(&self) -> Duration {
         Duration::ZERO

@@ -78,8 +78,8 @@ pub fn generate(
             message: "it has no tokens; give some text".into(),
         });
     }
-    let capacity = exec.capacity(slot);
-    let cached = exec.cached_len(slot);
+    let capacity = exec.slots().capacity(slot);
+    let cached = exec.slots().cached_len(slot);
     if cached + new_tokens.len() > capacity {
         return Err(EngineError::PromptTooLong {
             tokens: new_tokens.len(),
@@ -132,12 +132,8 @@ pub fn generate(
 
 /// One forward of `tokens` on `slot`: the last position's full logits.
 fn step(exec: &mut dyn StepExecutor, slot: u32, tokens: Vec<u32>) -> Result<Vec<f32>> {
-    exec.submit(Command::Forward(vec![ChunkSpec {
-        slot,
-        tokens,
-        all_logits: false,
-    }]))?
-    .ok_or_else(|| EngineError::Internal("forward returned no logits".into()))
+    exec.submit(Command::Forward(vec![ChunkSpec::new(slot, tokens)]))?
+        .ok_or_else(|| EngineError::Internal("forward returned no logits".into()))
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ pub mod logits;
 pub mod protocol;
 pub mod sampling;
 pub mod session;
+pub mod slots;
 pub mod stop;
 pub mod worker;
 
@@ -24,5 +25,6 @@ pub use logits::{log_softmax, log_sum_exp, top_logprobs, Penalties, TokenLogprob
 pub use protocol::{ChunkSpec, Command};
 pub use sampling::{argmax, Sampler, SamplingParams};
 pub use session::{Placement, Session, SessionError};
+pub use slots::Slots;
 pub use stop::StopMatcher;
 pub use worker::{RankProfile, Worker};

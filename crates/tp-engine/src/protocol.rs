@@ -1,6 +1,8 @@
 //! The step protocol: rank 0 (the leader) broadcasts each command to the other ranks (the
 //! followers), then every rank executes it. Commands are a fixed header of four u32 words
-//! plus an optional u32 payload; followers validate everything they receive.
+//! plus an optional u32 payload; followers validate everything they receive. The leader
+//! chooses the KV blocks a forward step takes and names them in the command, so every rank's
+//! block tables stay identical.
 
 use crate::error::{EngineError, Result};
 use tp_comm::{CommExt, Group};
@@ -15,6 +17,22 @@ pub struct ChunkSpec {
     pub tokens: Vec<u32>,
     /// Return logits for every token (perplexity), not only the last.
     pub all_logits: bool,
+    /// KV blocks the slot takes before this chunk is written (a copy of its shared last
+    /// block first, when one is needed; then new blocks in position order). Leave empty when
+    /// submitting: rank 0 fills them in.
+    pub blocks: Vec<u32>,
+}
+
+impl ChunkSpec {
+    /// A chunk of `tokens` for `slot` returning the last token's logits.
+    pub fn new(slot: u32, tokens: Vec<u32>) -> Self {
+        ChunkSpec {
+            slot,
+            tokens,
+            all_logits: false,
+            blocks: Vec::new(),
+        }
+    }
 }
 
 /// What every rank does next.
@@ -26,6 +44,14 @@ pub enum Command {
     Close { slot: u32 },
     /// Keep only the first `len` positions of `slot`'s cache (reuse a shared prefix).
     Truncate { slot: u32, len: u32 },
+    /// Open `dst` (at most `capacity` positions) holding the first `len` positions of `src`,
+    /// sharing its blocks (prefix sharing; copy-on-write when either writes into a shared one).
+    Fork {
+        dst: u32,
+        src: u32,
+        len: u32,
+        capacity: u32,
+    },
     /// One batched forward pass over the chunks; logits are gathered on every rank.
     Forward(Vec<ChunkSpec>),
     /// Nothing to do: keeps followers' waits bounded while the leader waits for input.
@@ -46,6 +72,7 @@ const OP_IDLE: u32 = 5;
 const OP_EXIT: u32 = 6;
 const OP_PROFILE_START: u32 = 7;
 const OP_PROFILE_REPORT: u32 = 8;
+const OP_FORK: u32 = 9;
 
 impl Command {
     /// `(header, payload)`.
@@ -54,13 +81,27 @@ impl Command {
             Command::Open { slot, capacity } => ([OP_OPEN, *slot, *capacity, 0], Vec::new()),
             Command::Close { slot } => ([OP_CLOSE, *slot, 0, 0], Vec::new()),
             Command::Truncate { slot, len } => ([OP_TRUNCATE, *slot, *len, 0], Vec::new()),
+            Command::Fork {
+                dst,
+                src,
+                len,
+                capacity,
+            } => ([OP_FORK, *dst, *src, 2], vec![*len, *capacity]),
             Command::Forward(chunks) => {
                 let mut payload = Vec::new();
                 for c in chunks {
-                    payload.extend([c.slot, c.tokens.len() as u32, u32::from(c.all_logits)]);
+                    payload.extend([
+                        c.slot,
+                        c.tokens.len() as u32,
+                        u32::from(c.all_logits),
+                        c.blocks.len() as u32,
+                    ]);
                 }
                 for c in chunks {
                     payload.extend_from_slice(&c.tokens);
+                }
+                for c in chunks {
+                    payload.extend_from_slice(&c.blocks);
                 }
                 (
                     [OP_FORWARD, chunks.len() as u32, 0, payload.len() as u32],
@@ -88,31 +129,50 @@ impl Command {
                 slot: header[1],
                 len: header[2],
             },
+            OP_FORK => match payload {
+                &[len, capacity] => Command::Fork {
+                    dst: header[1],
+                    src: header[2],
+                    len,
+                    capacity,
+                },
+                _ => return Err(bad(format!("fork with {} payload words", payload.len()))),
+            },
             OP_FORWARD => {
                 let n = header[1] as usize;
-                if n == 0 || payload.len() < 3 * n {
+                if n == 0 || payload.len() < 4 * n {
                     return Err(bad(format!(
                         "forward with {n} chunks and a payload of {} words",
                         payload.len()
                     )));
                 }
-                let (specs, mut tokens) = payload.split_at(3 * n);
+                let (specs, mut rest) = payload.split_at(4 * n);
                 let mut chunks = Vec::with_capacity(n);
-                for s in specs.chunks_exact(3) {
+                for s in specs.chunks_exact(4) {
                     let len = s[1] as usize;
-                    if len == 0 || len > tokens.len() || s[2] > 1 {
+                    if len == 0 || len > rest.len() || s[2] > 1 {
                         return Err(bad(format!("forward chunk {s:?} does not fit the payload")));
                     }
-                    let (mine, rest) = tokens.split_at(len);
+                    let (mine, tail) = rest.split_at(len);
                     chunks.push(ChunkSpec {
                         slot: s[0],
                         tokens: mine.to_vec(),
                         all_logits: s[2] == 1,
+                        blocks: Vec::new(),
                     });
-                    tokens = rest;
+                    rest = tail;
                 }
-                if !tokens.is_empty() {
-                    return Err(bad(format!("{} payload words left over", tokens.len())));
+                for (c, s) in chunks.iter_mut().zip(specs.chunks_exact(4)) {
+                    let k = s[3] as usize;
+                    if k > rest.len() {
+                        return Err(bad(format!("forward chunk {s:?} does not fit the payload")));
+                    }
+                    let (mine, tail) = rest.split_at(k);
+                    c.blocks = mine.to_vec();
+                    rest = tail;
+                }
+                if !rest.is_empty() {
+                    return Err(bad(format!("{} payload words left over", rest.len())));
                 }
                 Command::Forward(chunks)
             }
@@ -171,16 +231,24 @@ mod tests {
             },
             Command::Close { slot: 3 },
             Command::Truncate { slot: 1, len: 7 },
+            Command::Fork {
+                dst: 4,
+                src: 1,
+                len: 40,
+                capacity: 90,
+            },
             Command::Forward(vec![
                 ChunkSpec {
                     slot: 0,
                     tokens: vec![5, 6, 7],
                     all_logits: false,
+                    blocks: vec![3, 8],
                 },
                 ChunkSpec {
                     slot: 9,
                     tokens: vec![1],
                     all_logits: true,
+                    blocks: vec![],
                 },
             ]),
             Command::Idle,
@@ -198,12 +266,15 @@ mod tests {
     fn malformed_commands_are_errors() {
         assert!(Command::decode([99, 0, 0, 0], &[], 1).is_err());
         assert!(Command::decode([OP_FORWARD, 0, 0, 0], &[], 1).is_err());
-        // A chunk claiming more tokens than the payload has.
-        assert!(Command::decode([OP_FORWARD, 1, 0, 4], &[0, 5, 0, 1], 1).is_err());
+        // A chunk claiming more tokens, or more blocks, than the payload has.
+        assert!(Command::decode([OP_FORWARD, 1, 0, 5], &[0, 5, 0, 0, 1], 1).is_err());
+        assert!(Command::decode([OP_FORWARD, 1, 0, 5], &[0, 1, 0, 2, 1], 1).is_err());
         // Leftover words.
-        assert!(Command::decode([OP_FORWARD, 1, 0, 5], &[0, 1, 0, 1, 2], 1).is_err());
+        assert!(Command::decode([OP_FORWARD, 1, 0, 6], &[0, 1, 0, 0, 1, 2], 1).is_err());
         // Zero-length chunk and a bad flag.
-        assert!(Command::decode([OP_FORWARD, 1, 0, 4], &[0, 0, 0, 1], 1).is_err());
-        assert!(Command::decode([OP_FORWARD, 1, 0, 4], &[0, 1, 2, 1], 1).is_err());
+        assert!(Command::decode([OP_FORWARD, 1, 0, 5], &[0, 0, 0, 0, 1], 1).is_err());
+        assert!(Command::decode([OP_FORWARD, 1, 0, 5], &[0, 1, 2, 0, 1], 1).is_err());
+        // A fork without its two payload words.
+        assert!(Command::decode([OP_FORK, 1, 0, 1], &[3], 1).is_err());
     }
 }

@@ -1,18 +1,19 @@
-//! A rank's executor: its model shard, the KV caches of open sequences, and the loop that
-//! followers run. Rank 0 drives the same executor through [`Worker::submit`].
+//! A rank's executor: its model shard, its pool of KV blocks with the block table of every
+//! open sequence, and the loop that followers run. Rank 0 drives the same executor through
+//! [`Worker::submit`], choosing the blocks each forward step takes.
 
 use crate::error::{EngineError, Result};
 use crate::protocol::{self, ChunkSpec, Command};
-use std::collections::HashMap;
+use crate::slots::Slots;
 use tp_comm::{CommExt, Group};
-use tp_models::{Chunk, Profile, SeqCache, ShardedModel};
+use tp_models::{Chunk, Profile, ShardedModel};
 
 /// One rank's model shard and caches.
 #[derive(Debug)]
 pub struct Worker {
     model: ShardedModel,
     group: Group,
-    caches: HashMap<u32, SeqCache>,
+    slots: Slots,
     /// Time split of every forward pass so far (reset freely).
     pub profile: Profile,
     rank_profiles: Vec<RankProfile>,
@@ -38,10 +39,15 @@ impl RankProfile {
 
 impl Worker {
     pub fn new(model: ShardedModel, group: Group) -> Self {
+        let slots = Slots::new(
+            model.new_pool(),
+            model.max_positions(),
+            model.config().vocab,
+        );
         Worker {
             model,
             group,
-            caches: HashMap::new(),
+            slots,
             profile: Profile::default(),
             rank_profiles: Vec::new(),
         }
@@ -59,28 +65,28 @@ impl Worker {
         self.group.rank() == 0
     }
 
-    /// Positions cached for `slot` (0 when it is not open).
-    pub fn cached_len(&self, slot: u32) -> usize {
-        self.caches.get(&slot).map_or(0, SeqCache::len)
+    /// Open sequences and this rank's KV blocks.
+    pub fn slots(&self) -> &Slots {
+        &self.slots
     }
 
-    /// Capacity of `slot`'s cache (0 when it is not open).
-    pub fn capacity(&self, slot: u32) -> usize {
-        self.caches.get(&slot).map_or(0, SeqCache::capacity)
+    /// Most KV blocks in use at once. Rank 0's limit is the one that counts: it chooses
+    /// every block.
+    pub fn set_block_limit(&mut self, blocks: usize) {
+        self.slots.pool_mut().set_limit(blocks);
     }
 
-    /// Bytes held by every open cache on this rank.
-    pub fn cache_bytes(&self) -> usize {
-        self.caches.values().map(SeqCache::bytes).sum()
-    }
-
-    /// Leader only: checks `cmd` against the local state (identical on every rank), sends it to
-    /// the followers and executes it. Returns the full `[rows, vocab]` logits of a forward.
-    pub fn submit(&mut self, cmd: Command) -> Result<Option<Vec<f32>>> {
+    /// Leader only: checks `cmd` against the local state (identical on every rank), names the
+    /// KV blocks a forward step takes, sends it to the followers and executes it. Returns the
+    /// full `[rows, vocab]` logits of a forward.
+    pub fn submit(&mut self, mut cmd: Command) -> Result<Option<Vec<f32>>> {
         if !self.is_leader() {
             return Err(EngineError::Internal("only rank 0 submits commands".into()));
         }
-        self.check(&cmd)?;
+        self.slots.check(&cmd)?;
+        if let Command::Forward(chunks) = &mut cmd {
+            self.slots.choose_blocks(chunks)?;
+        }
         protocol::send(&self.group, &cmd)?;
         self.execute(cmd)
     }
@@ -92,7 +98,7 @@ impl Worker {
             if cmd == Command::Exit {
                 return Ok(());
             }
-            self.check(&cmd).map_err(|e| EngineError::Protocol {
+            self.slots.check(&cmd).map_err(|e| EngineError::Protocol {
                 rank: self.group.rank(),
                 message: format!("rejected {cmd:?}: {e}"),
             })?;
@@ -100,68 +106,8 @@ impl Worker {
         }
     }
 
-    /// Input checks that must pass before any rank starts a collective.
-    fn check(&self, cmd: &Command) -> Result<()> {
-        let max = self.model.max_positions();
-        match cmd {
-            Command::Open { slot, capacity } => {
-                if self.caches.contains_key(slot) {
-                    return Err(EngineError::Internal(format!(
-                        "slot {slot} is already open"
-                    )));
-                }
-                if *capacity as usize > max || *capacity == 0 {
-                    return Err(EngineError::Param {
-                        name: "capacity",
-                        message: format!("{capacity} positions; this model allows 1..={max}"),
-                    });
-                }
-            }
-            Command::Close { slot } | Command::Truncate { slot, .. } => {
-                if !self.caches.contains_key(slot) {
-                    return Err(EngineError::Internal(format!("slot {slot} is not open")));
-                }
-            }
-            Command::Forward(chunks) => {
-                let vocab = self.model.config().vocab;
-                for (i, c) in chunks.iter().enumerate() {
-                    let cache = self.caches.get(&c.slot).ok_or_else(|| {
-                        EngineError::Internal(format!("slot {} is not open", c.slot))
-                    })?;
-                    cache.check_room(c.tokens.len())?;
-                    if chunks[..i].iter().any(|o| o.slot == c.slot) {
-                        return Err(EngineError::Internal(format!(
-                            "slot {} appears twice in one step",
-                            c.slot
-                        )));
-                    }
-                    if let Some(&id) = c.tokens.iter().find(|&&t| t as usize >= vocab) {
-                        return Err(tp_models::ModelError::TokenOutOfRange { id, vocab }.into());
-                    }
-                }
-            }
-            Command::Idle
-            | Command::Exit
-            | Command::ProfileStart { .. }
-            | Command::ProfileReport => {}
-        }
-        Ok(())
-    }
-
     fn execute(&mut self, cmd: Command) -> Result<Option<Vec<f32>>> {
         match cmd {
-            Command::Open { slot, capacity } => {
-                let cache = self.model.new_cache(capacity as usize);
-                self.caches.insert(slot, cache);
-            }
-            Command::Close { slot } => {
-                self.caches.remove(&slot);
-            }
-            Command::Truncate { slot, len } => {
-                if let Some(c) = self.caches.get_mut(&slot) {
-                    c.truncate(len as usize);
-                }
-            }
             Command::Forward(chunks) => return self.forward(chunks).map(Some),
             Command::ProfileStart { barriers } => {
                 self.profile = if barriers {
@@ -172,6 +118,10 @@ impl Worker {
             }
             Command::ProfileReport => self.rank_profiles = self.report()?,
             Command::Idle | Command::Exit => {}
+            Command::Open { .. }
+            | Command::Fork { .. }
+            | Command::Close { .. }
+            | Command::Truncate { .. } => self.slots.apply(&cmd)?,
         }
         Ok(None)
     }
@@ -208,11 +158,15 @@ impl Worker {
     }
 
     fn forward(&mut self, specs: Vec<ChunkSpec>) -> Result<Vec<f32>> {
-        // Take the caches out so each chunk can borrow its own mutably.
-        let mut taken: Vec<(u32, SeqCache)> = specs
-            .iter()
-            .filter_map(|s| self.caches.remove(&s.slot).map(|c| (s.slot, c)))
-            .collect();
+        // The blocks rank 0 chose: the same on every rank, or this rank has diverged.
+        let rank = self.group.rank();
+        let mut taken = self
+            .slots
+            .take_grown(&specs)
+            .map_err(|e| EngineError::Protocol {
+                rank,
+                message: format!("the KV blocks rank 0 chose do not fit this rank's cache: {e}"),
+            })?;
         let rows: usize = specs
             .iter()
             .map(|s| if s.all_logits { s.tokens.len() } else { 1 })
@@ -221,18 +175,20 @@ impl Worker {
             let mut chunks: Vec<Chunk<'_>> = specs
                 .iter()
                 .zip(taken.iter_mut())
-                .map(|(s, (_, cache))| Chunk {
+                .map(|(s, (_, table))| Chunk {
                     tokens: &s.tokens,
-                    cache,
+                    table,
                     all_logits: s.all_logits,
                 })
                 .collect();
-            self.model
-                .forward(&mut chunks, &self.group, &mut self.profile)
+            self.model.forward(
+                &mut chunks,
+                self.slots.pool_mut(),
+                &self.group,
+                &mut self.profile,
+            )
         };
-        for (slot, cache) in taken {
-            self.caches.insert(slot, cache);
-        }
+        self.slots.put_back(taken);
         let local = result?;
         Ok(self
             .model

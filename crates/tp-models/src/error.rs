@@ -42,8 +42,22 @@ pub enum ModelError {
     Candle(#[from] candle_core::Error),
     #[error("context full: position {pos} + {len} tokens exceeds the KV cache of {cap} positions; raise --ctx-size or shorten the input")]
     ContextFull { pos: usize, len: usize, cap: usize },
-    #[error("unknown KV cache dtype {0:?}; choose f16, bf16 or f32")]
+    #[error("unknown KV cache dtype {0:?}; choose f16, bf16, f32 or q8")]
     UnknownKvDtype(String),
+    #[error("the KV cache needs {needed} more blocks but {free} of its {limit} are free; finish or cancel sequences, or give the cache more memory")]
+    OutOfBlocks {
+        needed: usize,
+        free: usize,
+        limit: usize,
+    },
+    #[error("cannot allocate a KV cache block of {bytes} bytes: {source}")]
+    KvMemory {
+        bytes: usize,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid KV block assignment: {0}")]
+    BadBlocks(String),
     #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
     TokenOutOfRange { id: u32, vocab: usize },
     #[error("{what} {value} would take {cost}; {hint}")]

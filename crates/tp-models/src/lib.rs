@@ -25,7 +25,7 @@ pub use error::{ModelError, Result};
 pub use gguf::GgufCheckpoint;
 pub use gguf_header::{GgufHeader, GgufTensor};
 pub use hf::HfCheckpoint;
-pub use kv_cache::{KvDtype, SeqCache, BLOCK_POSITIONS};
+pub use kv_cache::{BlockId, BlockTable, KvDtype, KvPool, BLOCK_POSITIONS};
 pub use matrix::{DenseDType, LoadOptions, Matrix};
 pub use model::{Chunk, ShardedModel};
 pub use open::open_checkpoint;

@@ -68,9 +68,10 @@ pub fn check_context(cfg: &crate::ModelConfig, ctx: usize) -> Result<u64> {
     let hint = "ask for a shorter context";
     let limit = memory_limit();
     let rope = crate::ops::RopeTable::bytes_for(cfg.head_dim, ctx);
-    let kv = crate::SeqCache::checked_bytes_for(
+    let kv = crate::KvPool::checked_bytes_for(
         cfg.layers,
-        cfg.kv_heads.saturating_mul(cfg.head_dim),
+        cfg.kv_heads,
+        cfg.head_dim,
         ctx,
         crate::KvDtype::F32,
     );

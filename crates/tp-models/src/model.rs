@@ -5,7 +5,7 @@
 use crate::checkpoint::{Checkpoint, WeightName};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::kv_cache::{KvDtype, LayerKv, SeqCache};
+use crate::kv_cache::{BlockTable, KvDtype, KvPool, LayerKv};
 use crate::matrix::{LoadOptions, Matrix, Projection};
 use crate::ops::{axpy, dot, rms_norm, silu_mul, softmax, RopeTable};
 use crate::profile::Profile;
@@ -28,9 +28,10 @@ struct Layer {
 /// A sequence's share of one forward call.
 #[derive(Debug)]
 pub struct Chunk<'a> {
-    /// New tokens, at positions `cache.len()..cache.len() + tokens.len()`.
+    /// New tokens, at positions `table.len()..table.len() + tokens.len()`.
     pub tokens: &'a [u32],
-    pub cache: &'a mut SeqCache,
+    /// The sequence's blocks in the pool passed to [`ShardedModel::forward`].
+    pub table: &'a mut BlockTable,
     /// Logits for every new token (perplexity) instead of only the last one (generation).
     pub all_logits: bool,
 }
@@ -218,15 +219,20 @@ impl ShardedModel {
         self.plan.kv_heads().len() * self.cfg.head_dim
     }
 
-    /// An empty KV cache for a sequence of at most `capacity` positions.
-    pub fn new_cache(&self, capacity: usize) -> SeqCache {
-        SeqCache::new(
+    /// An empty pool of KV blocks for this rank's heads (no limit until one is set).
+    pub fn new_pool(&self) -> KvPool {
+        KvPool::new(
             self.cfg.layers,
             self.plan.kv_heads().len(),
             self.cfg.head_dim,
-            capacity.min(self.max_positions()),
             self.kv_dtype,
         )
+    }
+
+    /// An empty block table for a sequence of at most `capacity` positions (and at most this
+    /// model's context).
+    pub fn new_table(&self, capacity: usize) -> BlockTable {
+        BlockTable::new(capacity.min(self.max_positions()))
     }
 
     /// Bytes of weights this rank holds.
@@ -278,51 +284,62 @@ impl ShardedModel {
 
     /// Runs `chunks` through the model (one batched pass over all their tokens) and returns
     /// this rank's logits `[rows, vocab_local]`: one row per chunk, or one per token for chunks
-    /// that ask for all logits. Caches advance only when the whole pass succeeds.
+    /// that ask for all logits. A table without blocks for its new positions takes the lowest
+    /// free ones from `pool`. Tables advance only when the whole pass succeeds; on an error
+    /// they keep their first positions and release blocks taken for the rest.
     pub fn forward(
         &self,
         chunks: &mut [Chunk<'_>],
+        pool: &mut KvPool,
         group: &Group,
         prof: &mut Profile,
     ) -> Result<Vec<f32>> {
-        let start_lens: Vec<usize> = chunks.iter().map(|c| c.cache.len()).collect();
-        let out = self.forward_inner(chunks, group, prof);
+        let start_lens: Vec<usize> = chunks.iter().map(|c| c.table.len()).collect();
+        let out = self.check_chunks(chunks).and_then(|()| {
+            for c in chunks.iter_mut() {
+                pool.reserve(c.table, c.tokens.len())?;
+            }
+            self.forward_inner(chunks, pool, group, prof)
+        });
         for (c, len) in chunks.iter_mut().zip(start_lens) {
             match &out {
-                Ok(_) => c.cache.commit(c.tokens.len()),
-                Err(_) => c.cache.truncate(len),
+                Ok(_) => c.table.advance(c.tokens.len()),
+                Err(_) => pool.truncate(c.table, len),
             }
         }
         out
     }
 
+    fn check_chunks(&self, chunks: &[Chunk<'_>]) -> Result<()> {
+        let vocab = self.cfg.vocab;
+        for c in chunks {
+            if c.tokens.is_empty() {
+                return Err(ModelError::Input("a sequence chunk has no tokens".into()));
+            }
+            c.table.check_room(c.tokens.len())?;
+            if c.table.len() + c.tokens.len() > self.max_positions() {
+                return Err(ModelError::ContextFull {
+                    pos: c.table.len(),
+                    len: c.tokens.len(),
+                    cap: self.max_positions(),
+                });
+            }
+            if let Some(&id) = c.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ModelError::TokenOutOfRange { id, vocab });
+            }
+        }
+        Ok(())
+    }
+
     fn forward_inner(
         &self,
         chunks: &mut [Chunk<'_>],
+        pool: &mut KvPool,
         group: &Group,
         prof: &mut Profile,
     ) -> Result<Vec<f32>> {
         let cfg = &self.cfg;
         let (hidden, hd) = (cfg.hidden, cfg.head_dim);
-        for c in chunks.iter() {
-            if c.tokens.is_empty() {
-                return Err(ModelError::Input("a sequence chunk has no tokens".into()));
-            }
-            c.cache.check_room(c.tokens.len())?;
-            if c.cache.len() + c.tokens.len() > self.max_positions() {
-                return Err(ModelError::ContextFull {
-                    pos: c.cache.len(),
-                    len: c.tokens.len(),
-                    cap: self.max_positions(),
-                });
-            }
-            if let Some(&id) = c.tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
-                return Err(ModelError::TokenOutOfRange {
-                    id,
-                    vocab: cfg.vocab,
-                });
-            }
-        }
         let n: usize = chunks.iter().map(|c| c.tokens.len()).sum();
         prof.start_compute();
 
@@ -356,7 +373,7 @@ impl ShardedModel {
             let mut t0 = 0;
             for c in chunks.iter_mut() {
                 let len = c.tokens.len();
-                let pos0 = c.cache.len();
+                let pos0 = c.table.len();
                 let rows = &mut qkv[t0 * qkv_w..(t0 + len) * qkv_w];
                 let mut k_new = Vec::with_capacity(len * kv_w); // [len, kv_w]
                 let mut v_new = Vec::with_capacity(len * kv_w); // [len, kv_w]
@@ -368,11 +385,11 @@ impl ShardedModel {
                     k_new.extend_from_slice(k);
                     v_new.extend_from_slice(v);
                 }
-                c.cache.append(li, &k_new, &v_new);
+                pool.append(c.table, li, &k_new, &v_new);
                 attend(
                     &qkv[t0 * qkv_w..(t0 + len) * qkv_w],
                     qkv_w,
-                    c.cache.layer(li), // [pos0 + len, kv_w] keys and values
+                    pool.layer(c.table, li), // [pos0 + len, kv_w] keys and values
                     hd,
                     &self.kv_of_q,
                     pos0,
@@ -482,7 +499,7 @@ fn row_parallel(
 fn attend(
     qkv: &[f32],
     qkv_w: usize,
-    kv: &LayerKv,
+    kv: LayerKv<'_>,
     hd: usize,
     kv_of_q: &[usize],
     pos0: usize,
@@ -583,14 +600,18 @@ mod tests {
         }
     }
 
-    /// An f32 cache in blocks gives exactly the bits of the contiguous layout, for chunks that
-    /// start and end anywhere in a block (GQA: 4 query heads over 2 KV heads).
+    /// An f32 cache in blocks with scattered ids gives exactly the bits of the contiguous
+    /// layout, for chunks that start and end anywhere in a block (GQA: 4 query heads over 2
+    /// KV heads).
     #[test]
-    fn blocked_f32_attention_equals_contiguous_bit_for_bit() {
+    fn paged_f32_attention_equals_contiguous_bit_for_bit() {
         let (hd, kv_of_q) = (8, vec![0usize, 0, 1, 1]);
         let (q_w, kv_w) = (kv_of_q.len() * hd, 2 * hd);
         let qkv_w = q_w + 2 * kv_w;
-        let mut cache = SeqCache::new(1, 2, hd, 200, KvDtype::F32);
+        let mut pool = KvPool::new(1, 2, hd, KvDtype::F32);
+        let mut table = BlockTable::new(200);
+        // Block ids in a scrambled order (17 is coprime to 40).
+        let mut ids = (0..40u32).map(|i| (i * 17 + 5) % 40);
         let (mut keys, mut values) = (Vec::new(), Vec::new());
         let mut seed = 7u64;
         let mut next = move || {
@@ -609,9 +630,19 @@ mod tests {
             }
             keys.extend_from_slice(&k_new);
             values.extend_from_slice(&v_new);
-            cache.append(0, &k_new, &v_new);
+            let take: Vec<u32> = ids.by_ref().take(pool.blocks_needed(&table, len)).collect();
+            pool.grow(&mut table, len, &take).unwrap();
+            pool.append(&table, 0, &k_new, &v_new);
             let mut got = vec![0f32; len * q_w];
-            attend(&qkv, qkv_w, cache.layer(0), hd, &kv_of_q, pos0, &mut got);
+            attend(
+                &qkv,
+                qkv_w,
+                pool.layer(&table, 0),
+                hd,
+                &kv_of_q,
+                pos0,
+                &mut got,
+            );
             let mut want = vec![0f32; len * q_w];
             attend_contiguous(
                 &qkv, qkv_w, &keys, &values, kv_w, hd, &kv_of_q, pos0, &mut want,
@@ -621,9 +652,10 @@ mod tests {
                 .zip(&want)
                 .all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "chunk of {len} at position {pos0}");
-            cache.commit(len);
+            table.advance(len);
             pos0 += len;
         }
-        assert_eq!(cache.len(), 132);
+        assert_eq!(table.len(), 132);
+        assert_eq!(table.blocks(), &[5, 22, 39, 16, 33]);
     }
 }

@@ -4,7 +4,7 @@
 use crate::checkpoint::{Checkpoint, Storage, WeightName};
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::kv_cache::{KvDtype, SeqCache};
+use crate::kv_cache::{KvDtype, KvPool};
 use std::ops::Range;
 use tp_nn::{HeadPlan, Partition, RankWeights};
 
@@ -221,7 +221,7 @@ pub fn rank_memory(
     m.kv_cache = crate::limits::check_bytes(
         "a KV cache for a context length of",
         ctx,
-        SeqCache::checked_bytes_for(cfg.layers, kv_rows, ctx, kv_dtype),
+        KvPool::checked_bytes_for(cfg.layers, plan.kv_heads().len(), hd, ctx, kv_dtype),
         limit,
         hint,
     )? as usize;

@@ -28,14 +28,16 @@ fn batched_logits_equal_lone_logits_bitwise() {
             // Alone: prefill each prompt, then one decode token (id 42).
             let mut alone = Vec::new();
             for p in PROMPTS {
-                let mut cache = m.new_cache(64);
+                let mut pool = m.new_pool();
+                let mut cache = m.new_table(64);
                 let a = m
                     .forward(
                         &mut [Chunk {
                             tokens: p,
-                            cache: &mut cache,
+                            table: &mut cache,
                             all_logits: true,
                         }],
+                        &mut pool,
                         &g,
                         &mut prof,
                     )
@@ -44,9 +46,10 @@ fn batched_logits_equal_lone_logits_bitwise() {
                     .forward(
                         &mut [Chunk {
                             tokens: &[42],
-                            cache: &mut cache,
+                            table: &mut cache,
                             all_logits: false,
                         }],
+                        &mut pool,
                         &g,
                         &mut prof,
                     )
@@ -55,16 +58,18 @@ fn batched_logits_equal_lone_logits_bitwise() {
             }
             // Together: sequence 0 prefilled first; then one step mixing its decode token with
             // the prefill of sequences 1 and 2; then a step decoding 1 and 2 together.
-            let mut caches: Vec<_> = (0..3).map(|_| m.new_cache(64)).collect();
+            let mut pool = m.new_pool();
+            let mut caches: Vec<_> = (0..3).map(|_| m.new_table(64)).collect();
             let (c0, rest) = caches.split_at_mut(1);
             let (c1, c2) = rest.split_at_mut(1);
             let a0 = m
                 .forward(
                     &mut [Chunk {
                         tokens: PROMPTS[0],
-                        cache: &mut c0[0],
+                        table: &mut c0[0],
                         all_logits: true,
                     }],
+                    &mut pool,
                     &g,
                     &mut prof,
                 )
@@ -74,20 +79,21 @@ fn batched_logits_equal_lone_logits_bitwise() {
                     &mut [
                         Chunk {
                             tokens: &[42],
-                            cache: &mut c0[0],
+                            table: &mut c0[0],
                             all_logits: false,
                         },
                         Chunk {
                             tokens: PROMPTS[1],
-                            cache: &mut c1[0],
+                            table: &mut c1[0],
                             all_logits: true,
                         },
                         Chunk {
                             tokens: PROMPTS[2],
-                            cache: &mut c2[0],
+                            table: &mut c2[0],
                             all_logits: true,
                         },
                     ],
+                    &mut pool,
                     &g,
                     &mut prof,
                 )
@@ -97,15 +103,16 @@ fn batched_logits_equal_lone_logits_bitwise() {
                     &mut [
                         Chunk {
                             tokens: &[42],
-                            cache: &mut c1[0],
+                            table: &mut c1[0],
                             all_logits: false,
                         },
                         Chunk {
                             tokens: &[42],
-                            cache: &mut c2[0],
+                            table: &mut c2[0],
                             all_logits: false,
                         },
                     ],
+                    &mut pool,
                     &g,
                     &mut prof,
                 )

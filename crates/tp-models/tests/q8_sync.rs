@@ -17,16 +17,18 @@ fn all_ranks_logits(ckpt: &dyn Checkpoint, tp: usize, mode: SyncMode) -> Vec<Vec
         m.set_sync(mode);
         assert_eq!(m.sync(), mode);
         let mut prof = Profile::default();
-        let mut cache = m.new_cache(64);
+        let mut pool = m.new_pool();
+        let mut cache = m.new_table(64);
         let mut rows = Vec::new();
         for (i, tokens) in [&prompt[..], &[7], &[300]].into_iter().enumerate() {
             let local = m
                 .forward(
                     &mut [Chunk {
                         tokens,
-                        cache: &mut cache,
+                        table: &mut cache,
                         all_logits: false,
                     }],
+                    &mut pool,
                     &g,
                     &mut prof,
                 )

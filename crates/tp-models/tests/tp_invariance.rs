@@ -39,15 +39,17 @@ fn logits_with(
             None => ShardedModel::load(ckpt, g.rank(), tp, opts, 64).unwrap(),
         };
         let mut prof = Profile::default();
-        let mut cache = m.new_cache(64);
+        let mut pool = m.new_pool();
+        let mut cache = m.new_table(64);
         let mut rows = Vec::new();
         let local = m
             .forward(
                 &mut [Chunk {
                     tokens: prompt,
-                    cache: &mut cache,
+                    table: &mut cache,
                     all_logits: true,
                 }],
+                &mut pool,
                 &g,
                 &mut prof,
             )
@@ -61,9 +63,10 @@ fn logits_with(
                 .forward(
                     &mut [Chunk {
                         tokens: &[t],
-                        cache: &mut cache,
+                        table: &mut cache,
                         all_logits: false,
                     }],
+                    &mut pool,
                     &g,
                     &mut prof,
                 )

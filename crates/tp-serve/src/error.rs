@@ -162,12 +162,12 @@ pub enum ServeError {
     /// instead of queueing.
     #[error("a KV budget of {budget} bytes per rank is more than this machine's {machine} bytes")]
     KvOverMachine { budget: u64, machine: u64 },
-    /// The KV budget per rank holds fewer than 2 positions.
-    #[error("a KV budget of {budget} bytes per rank holds {positions} positions ({per_position} bytes each); it must hold at least 2")]
+    /// The KV budget per rank holds no whole block.
+    #[error("a KV budget of {budget} bytes per rank holds {blocks} blocks of 32 positions ({per_block} bytes each); it must hold at least one")]
     KvTooSmall {
         budget: u64,
-        positions: usize,
-        per_position: usize,
+        blocks: usize,
+        per_block: usize,
     },
 }
 

@@ -34,9 +34,13 @@ pub struct Metrics {
     pub queue_time: Histogram,
     pub waiting: Gauge,
     pub running: Gauge,
-    pub kv_reserved_positions: Gauge,
-    pub kv_budget_positions: Gauge,
+    pub kv_blocks_total: Gauge,
+    pub kv_blocks_used: Gauge,
     pub kv_cache_bytes: Gauge,
+    pub prefix_cache_entries: Gauge,
+    pub prefix_cache_hits: Counter,
+    pub prefix_cache_hit_tokens: Counter,
+    pub preemptions: Counter,
     pub step_seconds: Histogram,
     pub step_collective_seconds: Histogram,
     pub step_rows: Histogram,
@@ -141,18 +145,34 @@ impl Metrics {
                 "Requests waiting for KV cache room or a sequence slot",
             ),
             running: g("tp_running_requests", "Requests being generated"),
-            kv_reserved_positions: g(
-                "tp_kv_reserved_positions",
-                "KV cache positions reserved by admitted requests (per rank)",
+            kv_blocks_total: g(
+                "tp_kv_blocks_total",
+                "KV cache blocks (of 32 positions) all sequences may hold together (per rank)",
             ),
-            kv_budget_positions: g(
-                "tp_kv_budget_positions",
-                "KV cache positions the server may reserve (per rank)",
+            kv_blocks_used: g(
+                "tp_kv_blocks_used",
+                "KV cache blocks held by running requests and the prefix cache (per rank)",
             ),
             kv_cache_bytes: g(
                 "tp_kv_cache_bytes",
-                "Bytes held by open KV caches on rank 0",
+                "Bytes held by KV cache blocks on rank 0",
             ),
+            prefix_cache_entries: g(
+                "tp_prefix_cache_entries",
+                "Finished sequences kept for requests that begin alike",
+            ),
+            prefix_cache_hits: {
+                describe("tp_prefix_cache_hits_total", "Requests that started from a shared prefix (of a running or cached sequence)");
+                c("tp_prefix_cache_hits_total")
+            },
+            prefix_cache_hit_tokens: {
+                describe("tp_prefix_cache_hit_tokens_total", "Prompt tokens not computed because a shared prefix held them");
+                c("tp_prefix_cache_hit_tokens_total")
+            },
+            preemptions: {
+                describe("tp_preemptions_total", "Running requests whose KV blocks were freed for older ones (recomputed later)");
+                c("tp_preemptions_total")
+            },
             step_seconds: h(
                 "tp_step_seconds",
                 "Duration of one batched forward step (all ranks, logits gathered)",

@@ -1,18 +1,32 @@
 //! The continuous-batching scheduler: a plain loop on rank 0's thread that owns the
-//! [`Worker`]. Each step it admits queued requests whose KV reservation fits the budget,
-//! builds ONE [`Command::Forward`] holding a decode token for every running request plus
-//! prefill chunks of newly admitted ones (capped per step so decode latency stays bounded),
-//! samples each row with its request's own [`Sampler`], streams text back and closes
-//! finished or abandoned sequences at once (Orca-style iteration-level scheduling).
+//! [`tp_engine::Worker`]. Each step it admits queued requests whose prompt's KV blocks are free
+//! now, builds ONE [`Command::Forward`] holding a decode token for every running request plus
+//! prefill chunks (capped per step so decode latency stays bounded), samples each row with its
+//! request's own [`SequenceDecoder`], streams text back and ends finished or abandoned
+//! sequences at once (Orca-style iteration-level scheduling).
+//!
+//! Memory is paged (vLLM's design, on CPU): a sequence takes KV blocks as its tokens arrive,
+//! not a reservation for its whole length. When a step needs more blocks than are free, the
+//! prefix cache gives back its least recently used entries, then the newest running request
+//! is preempted (its blocks freed, itself queued first to be recomputed from everything it
+//! held, as vLLM's recompute preemption does): the oldest request always progresses, and a
+//! lone request that fills the whole budget finishes with `length`. No running request fails
+//! for lack of memory and nothing waits forever.
+//!
+//! Prefix sharing: a request whose tokens begin like those of a running sequence or of a
+//! finished one kept in the prefix cache starts as a fork of it ([`Command::Fork`]: the
+//! common blocks shared, copied on the first write into a shared block) and prefills only the
+//! rest. Requests that would share a prefix another sequence is still prefilling wait for it
+//! rather than compute it again (a shared system prompt is computed once).
 //!
 //! Every row of a batched forward is computed independently of the others (per-row
 //! activation quantization, per-sequence attention), so a greedy request gets the same
-//! tokens alone or batched with any others; the end-to-end tests check it.
+//! tokens alone, batched, forked from a shared prefix or recomputed after a preemption; the
+//! tests check it.
 //!
 //! Rank 0 holds every request's full row of logits, so each request's
 //! [`SequenceDecoder`] (penalties, sampling, log-probabilities, stop strings, text; the same
-//! one `tp generate` and `tp chat` use) is rank-0-only work: nothing changes in the step
-//! protocol.
+//! one `tp generate` and `tp chat` use) is rank-0-only work.
 //!
 //! The scheduler drives a [`StepExecutor`]: rank 0's [`tp_engine::Worker`] in the server, a
 //! [`tp_engine::ScriptedExecutor`] in the unit tests below.
@@ -29,6 +43,7 @@ use tp_engine::{
     ChunkSpec, Command, DecodeParams, Emitted, EngineError, FinishReason, Finished,
     SequenceDecoder, StepExecutor,
 };
+use tp_models::BLOCK_POSITIONS;
 use tp_tokenizer::Tokenizer;
 
 /// Limits of the scheduler.
@@ -36,18 +51,21 @@ use tp_tokenizer::Tokenizer;
 pub struct SchedulerConfig {
     /// Most sequences generated at once.
     pub max_seqs: usize,
-    /// KV cache positions all admitted requests may reserve together (per rank).
-    pub kv_budget_positions: usize,
+    /// KV blocks of [`BLOCK_POSITIONS`] positions all sequences may hold together (per rank).
+    pub kv_blocks: usize,
     /// Most tokens in one forward step (decode tokens plus prefill chunks).
     pub max_batch_tokens: usize,
     /// How often an idle leader tells followers it is alive (well under `--timeout`).
     pub heartbeat: Duration,
+    /// Most finished sequences kept for later requests that begin alike (0: no prefix
+    /// cache). Their blocks count in `kv_blocks` and are given back when needed.
+    pub prefix_cache_entries: usize,
 }
 
 impl SchedulerConfig {
-    /// KV positions one request reserves: its prompt and every token it may generate.
-    pub fn reservation(prompt_tokens: usize, max_tokens: usize) -> usize {
-        prompt_tokens + max_tokens
+    /// Positions one sequence may hold: the whole KV budget.
+    pub fn max_positions(&self) -> usize {
+        self.kv_blocks.saturating_mul(BLOCK_POSITIONS)
     }
 }
 
@@ -112,11 +130,54 @@ pub struct Load {
 struct Running<'t> {
     job: Job,
     slot: u32,
-    reserved: usize,
-    /// Prompt tokens fed so far.
-    fed: usize,
+    /// Tokens to hold before decoding (re)starts: the prompt, or after a preemption everything
+    /// the sequence held.
+    context: Vec<u32>,
+    /// Tokens whose keys and values the slot holds: a prefix of `context` while prefilling,
+    /// then `context` and the decode tokens fed since.
+    held: Vec<u32>,
+    /// Recomputing after a preemption: the context's last row is not sampled (its token was).
+    resumed: bool,
     decoder: SequenceDecoder<'t>,
     first_token: Option<Instant>,
+}
+
+impl Running<'_> {
+    /// Context tokens still to prefill.
+    fn prefill_left(&self) -> usize {
+        self.context.len().saturating_sub(self.held.len())
+    }
+}
+
+/// A request waiting for admission: new, or preempted and waiting to be recomputed.
+enum Queued<'t> {
+    New(Job),
+    Preempted(Box<Running<'t>>),
+}
+
+impl Queued<'_> {
+    fn job(&self) -> &Job {
+        match self {
+            Queued::New(job) => job,
+            Queued::Preempted(r) => &r.job,
+        }
+    }
+
+    /// The tokens it must hold before it samples (again).
+    fn context(&self) -> &[u32] {
+        match self {
+            Queued::New(job) => &job.prompt,
+            Queued::Preempted(r) => &r.context,
+        }
+    }
+}
+
+/// A finished sequence kept open in the prefix cache.
+struct CachedPrefix {
+    slot: u32,
+    tokens: Vec<u32>,
+    /// Step of its last use (least recently used goes first).
+    used: u64,
 }
 
 /// What happened to a running request after its row was sampled.
@@ -139,6 +200,7 @@ pub fn run(
     load: &Load,
     metrics: &Metrics,
 ) -> crate::error::Result<()> {
+    exec.set_block_limit(cfg.kv_blocks);
     let mut s = Scheduler {
         cfg,
         tokenizer,
@@ -146,12 +208,11 @@ pub fn run(
         metrics,
         waiting: VecDeque::new(),
         running: Vec::new(),
-        free_slots: (0..cfg.max_seqs as u32).rev().collect(),
-        reserved: 0,
+        cached: Vec::new(),
+        next_slot: 0,
+        steps: 0,
     };
-    metrics
-        .kv_budget_positions
-        .set(cfg.kv_budget_positions as f64);
+    metrics.kv_blocks_total.set(cfg.kv_blocks as f64);
     let out = s.run(exec, rx);
     let end = match &out {
         Ok(()) => Event::Failed {
@@ -169,29 +230,41 @@ struct Scheduler<'a, 't> {
     tokenizer: &'t Tokenizer,
     load: &'a Load,
     metrics: &'a Metrics,
-    waiting: VecDeque<Job>,
+    waiting: VecDeque<Queued<'t>>,
+    /// In admission order.
     running: Vec<Running<'t>>,
-    free_slots: Vec<u32>,
-    /// KV positions reserved by `running`.
-    reserved: usize,
+    /// The prefix cache, least recently used first.
+    cached: Vec<CachedPrefix>,
+    next_slot: u32,
+    /// Forward steps so far (the prefix cache's clock).
+    steps: u64,
+}
+
+/// Length of the common prefix of `a` and `b`.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 impl<'t> Scheduler<'_, 't> {
     fn run(&mut self, exec: &mut dyn StepExecutor, rx: &Receiver<Control>) -> StepResult<()> {
         loop {
-            if self.running.is_empty() && self.waiting.is_empty() {
+            // Nothing to run (admission always succeeds for the queue's head when nothing runs,
+            // so this means nothing is queued): wait for input, telling followers we live.
+            if self.running.is_empty() {
                 match rx.recv_timeout(self.cfg.heartbeat) {
-                    Ok(Control::Submit(job)) => self.waiting.push_back(job),
+                    Ok(Control::Submit(job)) => self.waiting.push_back(Queued::New(job)),
                     Ok(Control::Shutdown) | Err(RecvTimeoutError::Disconnected) => return Ok(()),
                     Err(RecvTimeoutError::Timeout) => {
-                        exec.submit(Command::Idle)?;
-                        continue;
+                        if self.waiting.is_empty() {
+                            exec.submit(Command::Idle)?;
+                            continue;
+                        }
                     }
                 }
             }
             loop {
                 match rx.try_recv() {
-                    Ok(Control::Submit(job)) => self.waiting.push_back(job),
+                    Ok(Control::Submit(job)) => self.waiting.push_back(Queued::New(job)),
                     Ok(Control::Shutdown) | Err(TryRecvError::Disconnected) => return Ok(()),
                     Err(TryRecvError::Empty) => break,
                 }
@@ -199,26 +272,33 @@ impl<'t> Scheduler<'_, 't> {
             self.drop_abandoned(exec)?;
             self.admit(exec)?;
             self.publish(exec);
-            if self.running.is_empty() {
-                continue;
+            if !self.running.is_empty() {
+                self.step(exec)?;
             }
-            self.step(exec)?;
         }
     }
 
     /// Frees the slots of requests whose client went away (the event receiver was dropped).
     fn drop_abandoned(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
-        let before = self.waiting.len();
-        self.waiting.retain(|j| !j.events.is_closed());
-        let gone = before - self.waiting.len();
-        self.load.pending.fetch_sub(gone, Ordering::Relaxed);
-        self.metrics.cancelled.increment(gone as u64);
+        let mut i = 0;
+        while i < self.waiting.len() {
+            if !self.waiting[i].job().events.is_closed() {
+                i += 1;
+                continue;
+            }
+            if let Some(q) = self.waiting.remove(i) {
+                self.metrics.cancelled.increment(1);
+                if let Queued::New(_) = q {
+                    self.load.pending.fetch_sub(1, Ordering::Relaxed);
+                }
+            }
+        }
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].job.events.is_closed() {
-                let r = self.running.swap_remove(i);
+                let r = self.running.remove(i);
                 self.metrics.cancelled.increment(1);
-                self.release(exec, r)?;
+                exec.submit(Command::Close { slot: r.slot })?;
             } else {
                 i += 1;
             }
@@ -226,88 +306,189 @@ impl<'t> Scheduler<'_, 't> {
         Ok(())
     }
 
-    /// Admits queued requests in arrival order while their reservations fit.
+    /// The open sequence (running or cached) sharing the longest prefix with `context`, and
+    /// that length (at most `cap`).
+    fn best_prefix(&self, context: &[u32], cap: usize) -> Option<(u32, usize)> {
+        let running = self.running.iter().map(|r| (r.slot, r.held.as_slice()));
+        let cached = self.cached.iter().map(|c| (c.slot, c.tokens.as_slice()));
+        running
+            .chain(cached)
+            .map(|(slot, tokens)| (slot, common_prefix(context, tokens).min(cap)))
+            .filter(|&(_, n)| n > 0)
+            .max_by_key(|&(slot, n)| (n, std::cmp::Reverse(slot)))
+    }
+
+    /// Longest prefix of `context` that a running sequence will hold once its prefill is done.
+    fn coming_prefix(&self, context: &[u32], cap: usize) -> usize {
+        self.running
+            .iter()
+            .filter(|r| r.prefill_left() > 0)
+            .map(|r| common_prefix(context, &r.context).min(cap))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Gives the least recently used prefix-cache entry back (not `keep`); false when there
+    /// is none.
+    fn evict_cached(&mut self, exec: &mut dyn StepExecutor, keep: Option<u32>) -> StepResult<bool> {
+        let Some(i) = self
+            .cached
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| Some(c.slot) != keep)
+            .min_by_key(|(_, c)| c.used)
+            .map(|(i, _)| i)
+        else {
+            return Ok(false);
+        };
+        let c = self.cached.remove(i);
+        exec.submit(Command::Close { slot: c.slot })?;
+        Ok(true)
+    }
+
+    fn new_slot(&mut self, exec: &dyn StepExecutor) -> u32 {
+        loop {
+            let slot = self.next_slot;
+            self.next_slot = self.next_slot.wrapping_add(1);
+            if exec.slots().table(slot).is_none() {
+                return slot;
+            }
+        }
+    }
+
+    /// Admits queued requests in order while their prompt's blocks are free now (after the
+    /// prefix cache gives back what it must), keeping one block of growth per running
+    /// request. A request that would share a prefix another is still prefilling waits for it.
     fn admit(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
-        while let Some(front) = self.waiting.front() {
-            let need = SchedulerConfig::reservation(front.prompt.len(), front.params.max_tokens);
-            if need > self.cfg.kv_budget_positions {
+        let mut i = 0;
+        while i < self.waiting.len() && self.running.len() < self.cfg.max_seqs {
+            let q = &self.waiting[i];
+            let context = q.context();
+            let resumed = matches!(q, Queued::Preempted(_));
+            let whole = context.len().div_ceil(BLOCK_POSITIONS);
+            if whole > self.cfg.kv_blocks && !resumed {
                 // The HTTP side checks this; never let one request block the queue forever.
-                let Some(job) = self.waiting.pop_front() else {
-                    break;
-                };
-                self.load.pending.fetch_sub(1, Ordering::Relaxed);
-                let _ = job.events.send(Event::failed(format!(
-                    "the request needs {need} KV positions but the server's budget is {}",
-                    self.cfg.kv_budget_positions
-                )));
+                if let Some(Queued::New(job)) = self.waiting.remove(i) {
+                    self.load.pending.fetch_sub(1, Ordering::Relaxed);
+                    let _ = job.events.send(Event::failed(format!(
+                        "the prompt has {} tokens but the server's KV cache holds {} positions",
+                        job.prompt.len(),
+                        self.cfg.max_positions()
+                    )));
+                }
                 continue;
             }
-            if self.reserved + need > self.cfg.kv_budget_positions {
+            // A new request feeds at least one token (its last row gives the first logits).
+            let cap = if resumed {
+                context.len()
+            } else {
+                context.len() - 1
+            };
+            let source = self.best_prefix(context, cap);
+            let shared = source.map_or(0, |(_, n)| n);
+            if self.coming_prefix(context, cap) > shared {
+                i += 1;
+                continue;
+            }
+            let need = whole - shared / BLOCK_POSITIONS;
+            let want = need + self.running.len();
+            let keep = source.map(|(slot, _)| slot);
+            while exec.slots().pool().free_blocks() < want && self.evict_cached(exec, keep)? {}
+            if exec.slots().pool().free_blocks() < want {
                 break;
             }
-            let Some(slot) = self.free_slots.pop() else {
+            let Some(q) = self.waiting.remove(i) else {
                 break;
             };
-            let Some(job) = self.waiting.pop_front() else {
-                self.free_slots.push(slot);
-                break;
-            };
-            self.load.pending.fetch_sub(1, Ordering::Relaxed);
-            let decoder = match SequenceDecoder::new(self.tokenizer, job.params.clone()) {
-                Ok(d) => d,
-                Err(e) => {
-                    self.free_slots.push(slot);
-                    let _ = job.events.send(Event::failed(e.to_string()));
-                    continue;
-                }
-            };
-            if let Err(e) = exec.submit(Command::Open {
-                slot,
-                capacity: need as u32,
-            }) {
-                self.free_slots.push(slot);
-                let _ = job.events.send(Event::failed(e.to_string()));
-                return Err(Box::new(e));
-            }
-            let now = Instant::now();
-            self.metrics
-                .queue_time
-                .record(now.duration_since(job.arrived).as_secs_f64());
-            self.reserved += need;
-            self.running.push(Running {
-                job,
-                slot,
-                reserved: need,
-                fed: 0,
-                decoder,
-                first_token: None,
-            });
+            self.start(exec, q, source)?;
         }
+        Ok(())
+    }
+
+    /// Opens a queued request's sequence (a fork of `source` when it shares a prefix).
+    fn start(
+        &mut self,
+        exec: &mut dyn StepExecutor,
+        q: Queued<'t>,
+        source: Option<(u32, usize)>,
+    ) -> StepResult<()> {
+        let mut r = match q {
+            Queued::Preempted(r) => *r,
+            Queued::New(job) => {
+                self.load.pending.fetch_sub(1, Ordering::Relaxed);
+                self.metrics
+                    .queue_time
+                    .record(job.arrived.elapsed().as_secs_f64());
+                let decoder = match SequenceDecoder::new(self.tokenizer, job.params.clone()) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        let _ = job.events.send(Event::failed(e.to_string()));
+                        return Ok(());
+                    }
+                };
+                Running {
+                    context: job.prompt.clone(),
+                    job,
+                    slot: 0,
+                    held: Vec::new(),
+                    resumed: false,
+                    decoder,
+                    first_token: None,
+                }
+            }
+        };
+        let slot = self.new_slot(exec);
+        let capacity = (r.job.prompt.len() + r.job.params.max_tokens) as u32;
+        let cmd = match source {
+            Some((src, len)) => Command::Fork {
+                dst: slot,
+                src,
+                len: len as u32,
+                capacity,
+            },
+            None => Command::Open { slot, capacity },
+        };
+        if let Err(e) = exec.submit(cmd) {
+            let _ = r.job.events.send(Event::failed(e.to_string()));
+            return Err(Box::new(e));
+        }
+        if let Some((src, len)) = source {
+            self.metrics.prefix_cache_hits.increment(1);
+            self.metrics.prefix_cache_hit_tokens.increment(len as u64);
+            let steps = self.steps;
+            if let Some(c) = self.cached.iter_mut().find(|c| c.slot == src) {
+                c.used = steps;
+            }
+        }
+        r.slot = slot;
+        r.held = r.context[..source.map_or(0, |(_, n)| n)].to_vec();
+        self.running.push(r);
         Ok(())
     }
 
     fn publish(&self, exec: &dyn StepExecutor) {
         let m = self.metrics;
+        let pool = exec.slots().pool();
         m.waiting.set(self.waiting.len() as f64);
         m.running.set(self.running.len() as f64);
-        m.kv_reserved_positions.set(self.reserved as f64);
-        m.kv_cache_bytes.set(exec.cache_bytes() as f64);
+        m.kv_blocks_used.set(pool.in_use() as f64);
+        m.prefix_cache_entries.set(self.cached.len() as f64);
+        m.kv_cache_bytes.set(pool.bytes() as f64);
     }
 
-    /// One batched forward: a decode token per running request that has one, then prefill
-    /// chunks in admission order within the per-step token cap.
-    fn step(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
+    /// This step's chunks: a decode token for every running request that has one, then
+    /// prefill chunks in admission order within the per-step token cap. Each row: (index into
+    /// running, tokens fed, sample its row).
+    fn plan(&self) -> (Vec<ChunkSpec>, Vec<(usize, bool)>) {
         let mut chunks: Vec<ChunkSpec> = Vec::with_capacity(self.running.len());
-        // (index into running, tokens fed by this chunk, sample its row)
-        let mut rows: Vec<(usize, usize, bool)> = Vec::with_capacity(self.running.len());
+        let mut rows = Vec::with_capacity(self.running.len());
         for (i, r) in self.running.iter().enumerate() {
+            if r.prefill_left() > 0 {
+                continue;
+            }
             if let Some(t) = r.decoder.next_input() {
-                chunks.push(ChunkSpec {
-                    slot: r.slot,
-                    tokens: vec![t],
-                    all_logits: false,
-                });
-                rows.push((i, 0, true));
+                chunks.push(ChunkSpec::new(r.slot, vec![t]));
+                rows.push((i, true));
             }
         }
         let mut budget = self
@@ -316,22 +497,88 @@ impl<'t> Scheduler<'_, 't> {
             .saturating_sub(chunks.len())
             .max(1);
         for (i, r) in self.running.iter().enumerate() {
-            let left = r.job.prompt.len() - r.fed;
+            let left = r.prefill_left();
             if left == 0 || budget == 0 {
                 continue;
             }
             let n = left.min(budget);
             budget -= n;
-            chunks.push(ChunkSpec {
-                slot: r.slot,
-                tokens: r.job.prompt[r.fed..r.fed + n].to_vec(),
-                all_logits: false,
-            });
-            rows.push((i, n, n == left));
+            let from = r.held.len();
+            chunks.push(ChunkSpec::new(r.slot, r.context[from..from + n].to_vec()));
+            rows.push((i, n == left && !r.resumed));
         }
+        (chunks, rows)
+    }
+
+    /// Frees blocks until this step's chunks fit: the prefix cache first, then the newest
+    /// running request is preempted. Returns the chunks that fit (empty when the only running
+    /// request filled the whole budget and was finished).
+    fn plan_within_budget(
+        &mut self,
+        exec: &mut dyn StepExecutor,
+    ) -> StepResult<(Vec<ChunkSpec>, Vec<(usize, bool)>)> {
+        loop {
+            let (chunks, rows) = self.plan();
+            let need: usize = exec.slots().blocks_needed_for(&chunks).iter().sum();
+            if need <= exec.slots().pool().free_blocks() {
+                return Ok((chunks, rows));
+            }
+            if self.evict_cached(exec, None)? {
+                continue;
+            }
+            if self.running.len() > 1 {
+                self.preempt_newest(exec)?;
+                continue;
+            }
+            // One request holds the whole budget and needs more: it ends as if its context
+            // were full.
+            if let Some(mut r) = self.running.pop() {
+                match r.decoder.finish(FinishReason::Length) {
+                    Ok(done) => r.finish(done, self.metrics),
+                    Err(e) => {
+                        let _ = r.job.events.send(Event::failed(chain(&e)));
+                    }
+                }
+                self.close(exec, r)?;
+            }
+            return Ok((Vec::new(), Vec::new()));
+        }
+    }
+
+    /// Frees the blocks of the latest-arrived running request and queues it first, to be
+    /// recomputed from everything it held.
+    fn preempt_newest(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
+        let Some(i) = self
+            .running
+            .iter()
+            .enumerate()
+            .max_by_key(|(_, r)| (r.job.arrived, r.slot))
+            .map(|(i, _)| i)
+        else {
+            return Ok(());
+        };
+        let mut r = self.running.remove(i);
+        exec.submit(Command::Close { slot: r.slot })?;
+        self.metrics.preemptions.increment(1);
+        if r.first_token.is_some() {
+            // Everything it held, recomputed; its pending token is fed after.
+            r.context = std::mem::take(&mut r.held);
+            r.resumed = true;
+        } else {
+            r.held.clear();
+        }
+        self.waiting.push_front(Queued::Preempted(Box::new(r)));
+        Ok(())
+    }
+
+    /// One batched forward and what its rows give.
+    fn step(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
+        let (chunks, rows) = self.plan_within_budget(exec)?;
         if chunks.is_empty() {
             return Ok(());
         }
+        self.steps += 1;
+        let fed: Vec<Vec<u32>> = chunks.iter().map(|c| c.tokens.clone()).collect();
         let comm_before = exec.comm_time();
         let t0 = Instant::now();
         let n_rows = chunks.len();
@@ -350,12 +597,15 @@ impl<'t> Scheduler<'_, 't> {
                 logits.len()
             ))));
         }
-        let mut finished: Vec<(usize, Outcome)> = Vec::new();
-        for (row, &(i, fed, sample)) in rows.iter().enumerate() {
+        let mut ended: Vec<(usize, Outcome)> = Vec::new();
+        for (row, (&(i, sample), tokens)) in rows.iter().zip(fed).enumerate() {
             let r = &mut self.running[i];
-            if fed > 0 {
-                r.fed += fed;
-                self.metrics.prompt_tokens.increment(fed as u64);
+            if r.prefill_left() > 0 && !r.resumed {
+                self.metrics.prompt_tokens.increment(tokens.len() as u64);
+            }
+            r.held.extend_from_slice(&tokens);
+            if r.prefill_left() == 0 {
+                r.resumed = false;
             }
             if !sample {
                 continue;
@@ -364,45 +614,69 @@ impl<'t> Scheduler<'_, 't> {
             if let Outcome::Continue = outcome {
                 continue;
             }
-            finished.push((i, outcome));
+            ended.push((i, outcome));
         }
-        // Highest index first so swap_remove keeps the others' indices valid.
-        finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
-        for (i, outcome) in finished {
-            let mut r = self.running.swap_remove(i);
+        // Highest index first so removing keeps the others' indices and admission order.
+        ended.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        for (i, outcome) in ended {
+            let mut r = self.running.remove(i);
             match outcome {
-                Outcome::Finished(done) => r.finish(done, self.metrics),
+                Outcome::Finished(done) => {
+                    r.finish(done, self.metrics);
+                    self.keep_or_close(exec, r)?;
+                }
                 Outcome::Failed(msg) => {
                     let _ = r.job.events.send(Event::failed(msg));
+                    self.close(exec, r)?;
                 }
                 Outcome::Continue => {}
             }
-            self.release(exec, r)?;
         }
         self.publish(exec);
         Ok(())
     }
 
-    /// Closes a request's sequence on every rank and returns its reservation.
-    fn release(&mut self, exec: &mut dyn StepExecutor, r: Running<'t>) -> StepResult<()> {
-        self.reserved -= r.reserved;
-        self.free_slots.push(r.slot);
+    /// A finished sequence goes to the prefix cache (the least recently used entry leaves
+    /// when it is full), or is closed.
+    fn keep_or_close(&mut self, exec: &mut dyn StepExecutor, r: Running<'t>) -> StepResult<()> {
+        if self.cfg.prefix_cache_entries == 0 {
+            return self.close(exec, r);
+        }
+        while self.cached.len() >= self.cfg.prefix_cache_entries {
+            if !self.evict_cached(exec, None)? {
+                break;
+            }
+        }
+        self.cached.push(CachedPrefix {
+            slot: r.slot,
+            tokens: r.held,
+            used: self.steps,
+        });
+        Ok(())
+    }
+
+    /// Closes a request's sequence on every rank.
+    fn close(&mut self, exec: &mut dyn StepExecutor, r: Running<'t>) -> StepResult<()> {
         exec.submit(Command::Close { slot: r.slot })?;
         Ok(())
     }
 
     /// Tells every request still held that it ends now, and closes what can be closed.
     fn abandon_all(&mut self, exec: &mut dyn StepExecutor, end: &Event) {
-        for job in self.waiting.drain(..) {
-            self.load.pending.fetch_sub(1, Ordering::Relaxed);
-            let _ = job.events.send(end.clone());
+        for q in self.waiting.drain(..) {
+            if let Queued::New(_) = q {
+                self.load.pending.fetch_sub(1, Ordering::Relaxed);
+            }
+            let _ = q.job().events.send(end.clone());
         }
         for r in std::mem::take(&mut self.running) {
             let _ = r.job.events.send(end.clone());
             // After an engine failure this fails too; nothing more can be done then.
             let _ = exec.submit(Command::Close { slot: r.slot });
         }
-        self.reserved = 0;
+        for c in std::mem::take(&mut self.cached) {
+            let _ = exec.submit(Command::Close { slot: c.slot });
+        }
         self.publish(exec);
     }
 }
@@ -512,12 +786,14 @@ mod tests {
         )
     }
 
-    fn cfg(kv: usize, batch: usize) -> SchedulerConfig {
+    /// `blocks` KV blocks of 32 positions, `batch` tokens a step, no prefix cache.
+    fn cfg(blocks: usize, batch: usize) -> SchedulerConfig {
         SchedulerConfig {
             max_seqs: 4,
-            kv_budget_positions: kv,
+            kv_blocks: blocks,
             max_batch_tokens: batch,
             heartbeat: Duration::from_millis(5),
+            prefix_cache_entries: 0,
         }
     }
 
@@ -555,16 +831,26 @@ mod tests {
         initial: Vec<Job>,
         drive: impl FnOnce(&mpsc::Sender<Control>) -> T,
     ) -> (T, crate::error::Result<()>) {
+        with_metrics(exec, cfg, initial, &Metrics::new(), drive)
+    }
+
+    /// [`with_scheduler`] recording into `metrics`.
+    fn with_metrics<T>(
+        exec: &mut ScriptedExecutor,
+        cfg: &SchedulerConfig,
+        initial: Vec<Job>,
+        metrics: &Metrics,
+        drive: impl FnOnce(&mpsc::Sender<Control>) -> T,
+    ) -> (T, crate::error::Result<()>) {
         let tok = Tokenizer::bytes(&["<|endoftext|>"]);
         let load = Load::default();
-        let metrics = Metrics::new();
         let (tx, rx) = mpsc::channel();
         for job in initial {
             load.pending.fetch_add(1, Ordering::Relaxed);
             submit(&tx, job);
         }
         std::thread::scope(|s| {
-            let sched = s.spawn(move || run(exec, &tok, cfg, &rx, &load, &metrics));
+            let sched = s.spawn(move || run(exec, &tok, cfg, &rx, &load, metrics));
             let out = drive(&tx);
             let _ = tx.send(Control::Shutdown);
             let result = sched.join().expect("the scheduler thread panicked");
@@ -624,57 +910,190 @@ mod tests {
         assert!(exec.open_slots().is_empty(), "{:?}", exec.open_slots());
     }
 
-    #[test]
-    fn admission_waits_for_the_kv_budget() {
-        // Each request reserves 1 + 10 positions; the budget holds one at a time.
-        let mut exec = alphabet(true);
-        let (a, mut ra) = job("a", DecodeParams::greedy(10));
-        let (b, mut rb) = job("a", DecodeParams::greedy(10));
-        let (c, mut rc) = job("a", DecodeParams::greedy(20));
-        let ((one, two, too_big), result) =
-            with_scheduler(&mut exec, &cfg(15, 64), vec![a, b, c], |_| {
-                (collect(&mut ra), collect(&mut rb), collect(&mut rc))
-            });
-        result.unwrap();
-        assert_eq!(one.0, "bcdefghijk");
-        assert_eq!(two.0, "bcdefghijk");
-        match too_big.1 {
-            Event::Failed { message, .. } => assert!(message.contains("KV positions"), "{message}"),
+    /// The value of the metric line that starts with `name ` in `text`.
+    fn metric(metrics: &Metrics, name: &str) -> f64 {
+        let text = metrics.render();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+    }
+
+    /// Every request's text and end, run one at a time with memory to spare.
+    fn alone(prompts: &[(String, usize)]) -> Vec<(String, Event)> {
+        prompts
+            .iter()
+            .map(|(p, max)| {
+                let mut exec = alphabet(true);
+                let (j, mut r) = job(p, DecodeParams::greedy(*max));
+                let (out, result) =
+                    with_scheduler(&mut exec, &cfg(1000, 64), vec![j], |_| collect(&mut r));
+                result.unwrap();
+                out
+            })
+            .collect()
+    }
+
+    /// Text of a finished request, failing on any other end.
+    fn done_text((text, end): &(String, Event)) -> &str {
+        match end {
+            Event::Done { .. } => text,
             other => panic!("{other:?}"),
         }
-        // The second request was opened only after the first was closed.
-        let opens_and_closes: Vec<&Command> = exec
+    }
+
+    #[test]
+    fn a_budget_too_small_for_everyone_preempts_and_every_request_completes() {
+        // 32 requests of mixed lengths over 6 blocks (192 positions): at most a few fit at
+        // once, so running requests are preempted and recomputed.
+        let prompts: Vec<(String, usize)> = (0..32)
+            .map(|i| {
+                let start = b'a' + (i % 26) as u8;
+                let prompt: String = (0..1 + (i * 7) % 40)
+                    .map(|k| (b'a' + (start - b'a' + k as u8) % 26) as char)
+                    .collect();
+                (prompt, 5 + (i * 13) % 70)
+            })
+            .collect();
+        let want = alone(&prompts);
+        let mut exec = alphabet(true);
+        let metrics = Metrics::new();
+        let mut jobs = Vec::new();
+        let mut rxs = Vec::new();
+        for (p, max) in &prompts {
+            let (j, r) = job(p, DecodeParams::greedy(*max));
+            jobs.push(j);
+            rxs.push(r);
+        }
+        let (got, result) = with_metrics(&mut exec, &cfg(6, 64), jobs, &metrics, |_| {
+            rxs.iter_mut().map(collect).collect::<Vec<_>>()
+        });
+        result.unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(done_text(g), done_text(w), "request {i}");
+        }
+        assert!(metric(&metrics, "tp_preemptions_total") > 0.0);
+        assert_eq!(metric(&metrics, "tp_kv_blocks_used"), 0.0);
+        assert!(exec.open_slots().is_empty(), "{:?}", exec.open_slots());
+    }
+
+    #[test]
+    fn a_lone_request_that_fills_the_budget_ends_with_length() {
+        let mut exec = alphabet(true);
+        let (a, mut ra) = job("a", DecodeParams::greedy(500));
+        let (big, mut rbig) = job(&"a".repeat(70), DecodeParams::greedy(1));
+        let ((end, refused), result) = with_scheduler(&mut exec, &cfg(2, 64), vec![a, big], |_| {
+            (collect(&mut ra), collect(&mut rbig))
+        });
+        result.unwrap();
+        // 2 blocks hold 64 positions: the prompt and 63 tokens (the last never fed).
+        match end.1 {
+            Event::Done { finish, usage, .. } => {
+                assert_eq!(
+                    (finish, usage.completion_tokens),
+                    (FinishReason::Length, 64)
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        match refused.1 {
+            Event::Failed { message, .. } => {
+                assert!(message.contains("70 tokens"), "{message}");
+                assert!(message.contains("64 positions"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_finished_prefix_is_shared_by_a_later_request() {
+        let mut exec = alphabet(true);
+        let mut c = cfg(100, 64);
+        c.prefix_cache_entries = 4;
+        let metrics = Metrics::new();
+        let system = "abcdefghijklmnopqrstuvwxyzabcdefghijklmnopqrstuvwxyz";
+        let (one, two) = (format!("{system}q"), format!("{system}x"));
+        let want = alone(&[(one.clone(), 5), (two.clone(), 5)]);
+        let (got, result) = with_metrics(&mut exec, &c, vec![], &metrics, |tx| {
+            let (a, mut ra) = job(&one, DecodeParams::greedy(5));
+            submit(tx, a);
+            let first = collect(&mut ra);
+            let (b, mut rb) = job(&two, DecodeParams::greedy(5));
+            submit(tx, b);
+            (first, collect(&mut rb))
+        });
+        result.unwrap();
+        assert_eq!(done_text(&got.0), done_text(&want[0]));
+        assert_eq!(done_text(&got.1), done_text(&want[1]));
+        // The second request forked the first one's 52 common positions and fed only its own
+        // last token.
+        assert!(exec.log.contains(&Command::Fork {
+            dst: 1,
+            src: 0,
+            len: 52,
+            capacity: 58
+        }));
+        assert_eq!(fed(&exec, 1)[0], 1);
+        assert_eq!(metric(&metrics, "tp_prefix_cache_hits_total"), 1.0);
+        assert_eq!(metric(&metrics, "tp_prefix_cache_hit_tokens_total"), 52.0);
+    }
+
+    #[test]
+    fn requests_arriving_together_compute_a_shared_prompt_once() {
+        let mut exec = alphabet(true);
+        let system: String = "abcdefghijklmnopqrstuvwxyz".repeat(4); // 104 tokens
+        let prompts: Vec<(String, usize)> = ["a", "b", "c"]
+            .iter()
+            .map(|s| (format!("{system}{s}"), 3))
+            .collect();
+        let want = alone(&prompts);
+        let mut jobs = Vec::new();
+        let mut rxs = Vec::new();
+        for (p, max) in &prompts {
+            let (j, r) = job(p, DecodeParams::greedy(*max));
+            jobs.push(j);
+            rxs.push(r);
+        }
+        // 32 tokens a step: the first prompt takes 4 steps; the others wait and fork it.
+        let (got, result) = with_scheduler(&mut exec, &cfg(100, 32), jobs, |_| {
+            rxs.iter_mut().map(collect).collect::<Vec<_>>()
+        });
+        result.unwrap();
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(done_text(g), done_text(w));
+        }
+        let prompt_tokens: usize = (0..3)
+            .map(|slot| fed(&exec, slot).iter().sum::<usize>())
+            .sum();
+        // 105 for the first, 1 + 1 for the others, and 2 decode tokens each.
+        assert_eq!(prompt_tokens, 105 + 2 + 3 * 2, "{:?}", exec.log);
+        let forks = exec
             .log
             .iter()
-            .filter(|c| matches!(c, Command::Open { .. } | Command::Close { .. }))
-            .collect();
-        assert_eq!(
-            opens_and_closes,
-            vec![
-                &Command::Open {
-                    slot: 0,
-                    capacity: 11
-                },
-                &Command::Close { slot: 0 },
-                &Command::Open {
-                    slot: 0,
-                    capacity: 11
-                },
-                &Command::Close { slot: 0 },
-            ]
-        );
+            .filter(|c| {
+                matches!(
+                    c,
+                    Command::Fork {
+                        src: 0,
+                        len: 104,
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert_eq!(forks, 2);
     }
 
     #[test]
     fn long_prompts_are_prefilled_in_chunks_beside_decoders() {
         let mut exec = alphabet(true);
         let (a, mut ra) = job("a", DecodeParams::greedy(6));
-        let (b, mut rb) = job("abcdefghij", DecodeParams::greedy(2));
+        // Nothing in common with the first prompt (no shared prefix).
+        let (b, mut rb) = job("bcdefghijk", DecodeParams::greedy(2));
         let (ends, result) = with_scheduler(&mut exec, &cfg(1000, 4), vec![a, b], |_| {
             (collect(&mut ra), collect(&mut rb))
         });
         result.unwrap();
-        assert_eq!((ends.0 .0.as_str(), ends.1 .0.as_str()), ("bcdefg", "kl"));
+        assert_eq!((ends.0 .0.as_str(), ends.1 .0.as_str()), ("bcdefg", "lm"));
         // No step carries more than 4 tokens: the long prompt goes in pieces that fill what
         // the other request's one decode token leaves.
         for c in &exec.log {

@@ -7,7 +7,7 @@ use crate::api::{self, Endpoint, GenRequest, LogprobEntry, Prompt, ResponseMeta,
 use crate::conn::{Acceptor, ConnLimits};
 use crate::error::{ApiError, Result, ServeError};
 use crate::metrics::Metrics;
-use crate::scheduler::{Control, Event, Job, SchedulerConfig, SchedulerHandle};
+use crate::scheduler::{Control, Event, Job, SchedulerHandle};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, FromRequest, Path, Request, State};
@@ -741,11 +741,16 @@ fn checked_max_tokens(
     // A sequence holds at most ctx positions and at most the whole KV budget.
     let room = cfg.ctx_size.min(cfg.kv_budget_positions);
     if prompt >= room {
+        let holder = if cfg.kv_budget_positions < cfg.ctx_size {
+            "KV cache budget"
+        } else {
+            "context"
+        };
         return Err(ApiError::invalid(
             prompt_param,
             "context_length_exceeded",
             format!(
-                "the prompt has {prompt} tokens but this server's context holds {room} (prompt and completion together); shorten the prompt"
+                "the prompt has {prompt} tokens but this server's {holder} holds {room} positions (prompt and completion together); shorten the prompt"
             ),
         ));
     }
@@ -765,7 +770,7 @@ fn checked_max_tokens(
             ),
         )),
     }
-    .inspect(|&m| debug_assert!(SchedulerConfig::reservation(prompt, m) <= room))
+    .inspect(|&m| debug_assert!(prompt + m <= room))
 }
 
 /// The whole answer of a non-streaming request: text, log-probabilities, finish and usage.

@@ -1,6 +1,6 @@
 //! The server as one call: [`serve`] takes rank 0's [`Session`] (a loaded model leading its
 //! tp group) and a [`ServeConfig`], and does everything `tp serve` does after its flags are
-//! read: the KV budget in positions (from the session's memory plan, without reopening the
+//! read: the KV budget in blocks (from the session's memory plan, without reopening the
 //! model), the HTTP front end, the continuous-batching scheduler on the calling thread, and
 //! the drain on shutdown. `tp serve` and `tp bench serve` both start servers through it.
 
@@ -13,10 +13,14 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 use tp_engine::{EngineError, Session};
-use tp_models::{KvDtype, ModelConfig, RankWeights, ShardPlan};
+use tp_models::{KvDtype, KvPool, ModelConfig, RankWeights, ShardPlan, BLOCK_POSITIONS};
 
 /// KV budget per rank when neither a KV budget nor a rank memory limit is given: 1 GiB.
 pub const DEFAULT_KV_BYTES: u64 = 1 << 30;
+
+/// Finished sequences the prefix cache keeps per sequence slot (`max_seqs`): enough for a
+/// few system prompts and every recent conversation, few enough to scan each admission.
+pub const PREFIX_CACHE_PER_SEQ: usize = 4;
 
 /// Where the KV budget per rank comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,17 +63,31 @@ pub struct ServeConfig {
     pub log: bool,
     /// Added to the 401 message (see [`ServerConfig::auth_hint`]).
     pub auth_hint: Option<String>,
+    /// Keep finished sequences' KV blocks for later requests that begin alike.
+    pub prefix_cache: bool,
 }
 
 /// The KV budget of a running server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvPlan {
-    /// Bytes of the limiting rank (the one that holds the fewest positions).
+    /// Bytes of the limiting rank (the one that holds the fewest blocks).
     pub budget_bytes: u64,
+    /// Bytes one block of [`BLOCK_POSITIONS`] positions takes on the limiting rank.
+    pub bytes_per_block: usize,
+    /// Blocks all sequences may hold together.
+    pub blocks: usize,
+}
+
+impl KvPlan {
+    /// Positions all sequences may hold together.
+    pub fn positions(&self) -> usize {
+        self.blocks.saturating_mul(BLOCK_POSITIONS)
+    }
+
     /// Bytes one position takes on the limiting rank.
-    pub bytes_per_position: usize,
-    /// Positions all requests may reserve together.
-    pub positions: usize,
+    pub fn bytes_per_position(&self) -> usize {
+        self.bytes_per_block / BLOCK_POSITIONS
+    }
 }
 
 /// What [`serve`] tells its caller once the server accepts connections.
@@ -83,8 +101,8 @@ pub struct Ready {
     pub stop: StopHandle,
 }
 
-/// The KV budget in positions for `cfg` split by `weights`, with `budgets[r]` bytes on rank
-/// `r` and caches of `kv_dtype`: every rank holds every position, so the rank that holds the
+/// The KV budget in blocks for `cfg` split by `weights`, with `budgets[r]` bytes on rank
+/// `r` and caches of `kv_dtype`: every rank holds every block, so the rank that holds the
 /// fewest bounds them (bytes per position and weights differ by rank under uneven weights).
 pub fn kv_plan(
     cfg: &ModelConfig,
@@ -95,31 +113,34 @@ pub fn kv_plan(
     let mut limiting: Option<KvPlan> = None;
     for (r, &budget) in budgets.iter().enumerate().take(weights.tp()) {
         let plan = ShardPlan::weighted(cfg, 1, r, weights).map_err(EngineError::from)?;
-        let per_position = cfg.layers * 2 * plan.kv_heads().len() * cfg.head_dim * kv_dtype.size();
+        let per_block =
+            KvPool::bytes_per_block(cfg.layers, plan.kv_heads().len(), cfg.head_dim, kv_dtype);
         // A budget is reserved as requests arrive; one larger than the machine would let
         // admissions outrun memory instead of queueing.
         if let Some(machine) = tp_models::limits::physical_memory().filter(|&m| budget > m) {
             return Err(ServeError::KvOverMachine { budget, machine });
         }
-        let positions = usize::try_from(budget / per_position.max(1) as u64).unwrap_or(usize::MAX);
-        if limiting.is_none_or(|l| positions < l.positions) {
+        let blocks = usize::try_from(budget / per_block.max(1) as u64)
+            .unwrap_or(usize::MAX)
+            .min(tp_models::kv_cache::MAX_BLOCKS);
+        if limiting.is_none_or(|l| blocks < l.blocks) {
             limiting = Some(KvPlan {
                 budget_bytes: budget,
-                bytes_per_position: per_position,
-                positions,
+                bytes_per_block: per_block,
+                blocks,
             });
         }
     }
     let kv = limiting.unwrap_or(KvPlan {
         budget_bytes: 0,
-        bytes_per_position: 1,
-        positions: 0,
+        bytes_per_block: 1,
+        blocks: 0,
     });
-    if kv.positions < 2 {
+    if kv.blocks < 1 {
         return Err(ServeError::KvTooSmall {
             budget: kv.budget_bytes,
-            positions: kv.positions,
-            per_position: kv.bytes_per_position,
+            blocks: kv.blocks,
+            per_block: kv.bytes_per_block,
         });
     }
     Ok(kv)
@@ -159,11 +180,16 @@ pub fn serve(
     let kv = kv_plan(&model, &session.weights, kv_dtype, &budgets)?;
     let sched_cfg = SchedulerConfig {
         max_seqs: cfg.max_seqs,
-        kv_budget_positions: kv.positions,
+        kv_blocks: kv.blocks,
         max_batch_tokens: cfg.max_batch_tokens,
         heartbeat: Duration::from_secs(1)
             .min(cfg.collective_timeout / 4)
             .max(Duration::from_millis(10)),
+        prefix_cache_entries: if cfg.prefix_cache {
+            PREFIX_CACHE_PER_SEQ * cfg.max_seqs
+        } else {
+            0
+        },
     };
     let server_cfg = ServerConfig {
         host: cfg.host,
@@ -172,7 +198,7 @@ pub fn serve(
         public_health: cfg.public_health,
         model_name: cfg.model_name.clone(),
         ctx_size: session.ctx_size,
-        kv_budget_positions: kv.positions,
+        kv_budget_positions: kv.positions(),
         vocab: model.vocab,
         max_body_bytes: cfg.max_body_bytes,
         max_queue: cfg.max_queue,
@@ -243,27 +269,31 @@ mod tests {
         let even = |tp| RankWeights::even(tp);
         // tp 1: 2 layers x (K and V) x 2 KV heads x 32 x 4 bytes.
         let one = kv_plan(&c, &even(1), KvDtype::F32, &[1 << 20]).unwrap();
-        assert_eq!(one.bytes_per_position, 2 * 2 * 2 * 32 * 4);
-        assert_eq!(one.positions, (1 << 20) / one.bytes_per_position);
-        // tp 2: one KV head per rank, half the bytes, twice the positions.
+        assert_eq!(one.bytes_per_position(), 2 * 2 * 2 * 32 * 4);
+        assert_eq!(one.bytes_per_block, 32 * one.bytes_per_position());
+        assert_eq!(one.blocks, (1 << 20) / one.bytes_per_block);
+        assert_eq!(one.positions(), 32 * one.blocks);
+        // tp 2: one KV head per rank, half the bytes, twice the blocks.
         let two = kv_plan(&c, &even(2), KvDtype::F32, &[1 << 20; 2]).unwrap();
-        assert_eq!(two.bytes_per_position * 2, one.bytes_per_position);
-        assert_eq!(two.positions, 2 * one.positions);
-        // An f16 cache: half the bytes again.
+        assert_eq!(two.bytes_per_block * 2, one.bytes_per_block);
+        assert_eq!(two.blocks, 2 * one.blocks);
+        // An f16 cache: half the bytes again; q8: 1 byte and a 2-byte scale per 32 values.
         let f16 = kv_plan(&c, &even(2), KvDtype::F16, &[1 << 20; 2]).unwrap();
-        assert_eq!(f16.positions, 2 * two.positions);
-        // The rank with the smaller budget limits the positions.
+        assert_eq!(f16.blocks, 2 * two.blocks);
+        let q8 = kv_plan(&c, &even(2), KvDtype::Q8, &[1 << 20; 2]).unwrap();
+        assert_eq!(q8.bytes_per_block * 64, two.bytes_per_block * 17);
+        // The rank with the smaller budget limits the blocks.
         let uneven = kv_plan(&c, &even(2), KvDtype::F32, &[1 << 20, 1 << 19]).unwrap();
-        assert_eq!(uneven.positions, two.positions / 2);
+        assert_eq!(uneven.blocks, two.blocks / 2);
         assert_eq!(uneven.budget_bytes, 1 << 19);
     }
 
     #[test]
-    fn a_budget_below_two_positions_is_refused_without_flag_names() {
+    fn a_budget_below_one_block_is_refused_without_flag_names() {
         let one = RankWeights::even(1);
-        let e = kv_plan(&cfg(), &one, KvDtype::F32, &[1000]).unwrap_err();
+        let e = kv_plan(&cfg(), &one, KvDtype::F32, &[30_000]).unwrap_err();
         assert!(
-            matches!(e, ServeError::KvTooSmall { positions: 0, .. }),
+            matches!(e, ServeError::KvTooSmall { blocks: 0, .. }),
             "{e:?}"
         );
         assert!(!e.to_string().contains("--"), "{e}");

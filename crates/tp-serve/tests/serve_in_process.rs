@@ -36,6 +36,7 @@ fn config() -> ServeConfig {
         },
         log: false,
         auth_hint: None,
+        prefix_cache: true,
     }
 }
 
@@ -113,8 +114,9 @@ fn serve_answers_from_rust_and_stops_on_its_handle() {
     assert_eq!(ready.tp, 2);
     assert_eq!(ready.ctx_size, ctx);
     // The busiest rank holds one of the 2 KV heads: 2 layers x (K, V) x 32 x 4 bytes.
-    assert_eq!(ready.kv.bytes_per_position, 2 * 2 * 32 * 4);
-    assert_eq!(ready.kv.positions, (1 << 20) / ready.kv.bytes_per_position);
+    assert_eq!(ready.kv.bytes_per_position(), 2 * 2 * 32 * 4);
+    assert_eq!(ready.kv.blocks, (1 << 20) / ready.kv.bytes_per_block);
+    assert_eq!(ready.kv.bytes_per_block, 32 * ready.kv.bytes_per_position());
     assert_eq!(health, 200);
     assert_eq!(status, 200, "{body}");
     let n = body["usage"]["completion_tokens"].as_u64().unwrap();

@@ -69,28 +69,32 @@ pub fn sharded_logits(
         let model = ShardedModel::load(ckpt, g.rank(), tp, opts, 64).unwrap();
         let mut prof = Profile::default();
         let mut out = Vec::new();
-        let mut cache = model.new_cache(64);
+        let mut pool = model.new_pool();
+        let mut cache = model.new_table(64);
         let local = model
             .forward(
                 &mut [Chunk {
                     tokens,
-                    cache: &mut cache,
+                    table: &mut cache,
                     all_logits: false,
                 }],
+                &mut pool,
                 &g,
                 &mut prof,
             )
             .unwrap();
         out.push(model.gather_logits(&local, 1, &g, &mut prof).unwrap());
-        let mut cache = model.new_cache(64);
+        let mut pool = model.new_pool();
+        let mut cache = model.new_table(64);
         for t in tokens {
             let local = model
                 .forward(
                     &mut [Chunk {
                         tokens: std::slice::from_ref(t),
-                        cache: &mut cache,
+                        table: &mut cache,
                         all_logits: false,
                     }],
+                    &mut pool,
                     &g,
                     &mut prof,
                 )
