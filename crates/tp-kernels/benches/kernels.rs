@@ -356,8 +356,12 @@ fn main() {
         (QuantType::Q4_0, 1536, 576),
         // Qwen2.5 shapes for the other formats (0.5B: hidden 896; 1.5B: hidden 1536, FFN 8960).
         (QuantType::Q5_0, 896, 896),
+        (QuantType::Q5_1, 896, 896),
+        (QuantType::Q2_K, 1536, 1536),
+        (QuantType::Q3_K, 1536, 1536),
         (QuantType::Q4_K, 1536, 1536),
         (QuantType::Q4_K, 8960, 1536),
+        (QuantType::Q5_K, 1536, 1536),
         (QuantType::Q6_K, 1536, 8960),
     ];
     // `TP_BENCH_ONLY=Q6_K` (any substring of the row names) runs a subset.

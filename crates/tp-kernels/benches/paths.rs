@@ -34,7 +34,11 @@ fn cases() -> Vec<(QuantType, usize, usize)> {
         (Q4_1, 576, 1536),
         (Q8_0, 1536, 576),
         (Q5_0, 896, 896),
+        (Q5_1, 896, 896),
+        (Q2_K, 1536, 1536),
+        (Q3_K, 1536, 1536),
         (Q4_K, 1536, 1536),
+        (Q5_K, 1536, 1536),
         (Q6_K, 1536, 1536),
     ]
 }
@@ -60,11 +64,16 @@ fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Vec<u8> {
     for b in bytes.chunks_exact_mut(qtype.block_bytes()) {
         match qtype {
             QuantType::Q6_K => b[208..210].copy_from_slice(&[0x00, 0x20]),
-            QuantType::Q4_K => {
+            QuantType::Q3_K => b[108..110].copy_from_slice(&[0x00, 0x20]),
+            QuantType::Q2_K => {
+                b[80..82].copy_from_slice(&[0x00, 0x20]);
+                b[82..84].copy_from_slice(&[0x00, 0x20]);
+            }
+            QuantType::Q4_K | QuantType::Q5_K => {
                 b[0..2].copy_from_slice(&[0x00, 0x20]);
                 b[2..4].copy_from_slice(&[0x00, 0x20]);
             }
-            QuantType::Q4_1 => {
+            QuantType::Q4_1 | QuantType::Q5_1 => {
                 b[0..2].copy_from_slice(&[0x00, 0x20]);
                 b[2..4].copy_from_slice(&[0x00, 0xA0]);
             }
@@ -328,7 +337,11 @@ fn main() {
                         "Q4_1" => 20.0 / 32.0,
                         "Q8_0" => 34.0 / 32.0,
                         "Q5_0" => 22.0 / 32.0,
+                        "Q5_1" => 24.0 / 32.0,
+                        "Q2_K" => 100.0 / 256.0,
+                        "Q3_K" => 114.0 / 256.0,
                         "Q4_K" => 148.0 / 256.0,
+                        "Q5_K" => 180.0 / 256.0,
                         "Q6_K" => 210.0 / 256.0,
                         _ => f64::NAN,
                     };

@@ -10,8 +10,9 @@
 //!   below 8 * 2 * 15 * 127 = 30480 < 32767. Q4_0's `-8` is `-8 * sum(x)` per block, in i32.
 //! - Q8_0: signed times signed, so `|w|` is the unsigned side and `x` takes `w`'s sign;
 //!   each pair sum is at most 2 * 128 * 127 = 32512 and goes to i32 at once.
-//! - Q5_0: nibbles plus the fifth bit (0..=31) are the unsigned side; four products per i16
-//!   stay below 4 * 2 * 31 * 127 = 31496; the `-16` is `-16 * sum(x)` per block, in i32.
+//! - Q5_0/Q5_1: nibbles plus the fifth bit (0..=31) are the unsigned side; four products per
+//!   i16 stay below 4 * 2 * 31 * 127 = 31496; Q5_0's `-16` is `-16 * sum(x)` per block, in
+//!   i32; Q5_1's minimum is added as Q4_1's.
 
 use crate::format::QuantType;
 use crate::pack::{group_block_bytes, group_scale_bytes};
@@ -62,9 +63,14 @@ pub(crate) unsafe fn group_dot(
             QuantType::Q4_0 => by_tile!(q4, false),
             QuantType::Q4_1 => by_tile!(q4, true),
             QuantType::Q8_0 => by_tile!(q8),
-            QuantType::Q5_0 => by_tile!(q5),
+            QuantType::Q5_0 => by_tile!(q5, false),
+            QuantType::Q5_1 => by_tile!(q5, true),
             // K-quants have their own kernels (`dot_avx2_k`).
-            QuantType::Q4_K | QuantType::Q6_K => {}
+            QuantType::Q2_K
+            | QuantType::Q3_K
+            | QuantType::Q4_K
+            | QuantType::Q5_K
+            | QuantType::Q6_K => {}
         }
     }
 }
@@ -303,27 +309,33 @@ fn fifth_bits(bits: __m256i) -> __m256i {
     }
 }
 
-/// Q5_0 group against `T` tokens.
+/// Q5_0 (`MIN = false`) or Q5_1 (`MIN = true`) group against `T` tokens.
 ///
 /// # Safety
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5<const T: usize, const WIDE: bool>(
+unsafe fn q5<const T: usize, const MIN: bool, const WIDE: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlock; T],
     out: &mut TileOut,
 ) {
-    let gb = group_block_bytes(QuantType::Q5_0);
-    let sb = group_scale_bytes(QuantType::Q5_0);
-    // SAFETY: every load reads inside group block `b < nb` (scales at 0, `qh` words at `sb`,
-    // nibble words at `sb + 32 * (1 + l)` for l < 4, ending at `gb`) or inside activation
-    // block `b` of a token.
+    let qtype = if MIN {
+        QuantType::Q5_1
+    } else {
+        QuantType::Q5_0
+    };
+    let gb = group_block_bytes(qtype);
+    let sb = group_scale_bytes(qtype);
+    // SAFETY: every load reads inside group block `b < nb` (scales at 0 and (Q5_1) 16, `qh`
+    // words at `sb`, nibble words at `sb + 32 * (1 + l)` for l < 4, ending at `gb`) or inside
+    // activation block `b` of a token.
     unsafe {
         let low4 = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); T];
+        let mut acc_min = [_mm256_setzero_ps(); T];
         let mut wide = [[_mm256_setzero_pd(); 2]; T];
         for b in 0..nb {
             let blk = group.add(b * gb);
@@ -350,6 +362,15 @@ unsafe fn q5<const T: usize, const WIDE: bool>(
                     s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s16[t], ones));
                 }
             }
+            if MIN {
+                let mw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i));
+                for t in 0..T {
+                    let x = &*acts[t].add(b);
+                    let (acc, acc_min) = (&mut acc[t], &mut acc_min[t]);
+                    q4_block_tail::<true, WIDE>(s32[t], dw, mw, x, acc, acc_min, &mut wide[t]);
+                }
+                continue;
+            }
             for t in 0..T {
                 let x = &*acts[t].add(b);
                 let s = _mm256_sub_epi32(s32[t], _mm256_set1_epi32(16 * x.sum));
@@ -362,7 +383,12 @@ unsafe fn q5<const T: usize, const WIDE: bool>(
             }
         }
         for t in 0..T {
-            store::<WIDE>(out, t, acc[t], wide[t]);
+            let a = if MIN {
+                _mm256_add_ps(acc[t], acc_min[t])
+            } else {
+                acc[t]
+            };
+            store::<WIDE>(out, t, a, wide[t]);
         }
     }
 }

@@ -1,17 +1,24 @@
-//! AVX2 integer dot products of one 8-row group of packed K-quant weights (Q4_K, Q6_K) with
-//! 1 to 4 tokens' Q8_K activations; the same one-row-per-32-bit-lane scheme, and the same
-//! f32 (`WIDE = false`) and wide (`WIDE = true`) forms, as `dot_avx2`.
+//! AVX2 integer dot products of one 8-row group of packed K-quant weights (Q2_K, Q3_K, Q4_K,
+//! Q5_K, Q6_K) with 1 to 4 tokens' Q8_K activations; the same one-row-per-32-bit-lane
+//! scheme, and the same f32 (`WIDE = false`) and wide (`WIDE = true`) forms, as `dot_avx2`.
 //!
 //! Per-sub-block scales are applied in the integer domain: the i16 pair sums of a sub-block
 //! are `madd`-ed with the row's scale replicated in both i16 halves of its lane.
 //! - Q4_K: 8 nibble products per i16 stay below 8 * 2 * 15 * 127; the minimums contribute
 //!   `sum_s m_s * bsum32_s`, one `madd` per pair of sub-blocks against the broadcast sums.
+//! - Q5_K: as Q4_K with the fifth bit set from `qh` (0..=31); four products per i16 stay
+//!   below 4 * 2 * 31 * 127 = 31496.
 //! - Q6_K: 6-bit values (0..=63) are the unsigned side; two products per i16 stay below
 //!   2 * 2 * 63 * 128 = 32256; the `-32` offset is `-32 * sum_s sc_s * bsum16_s`.
+//! - Q2_K: 2-bit values (0..=3), one 16-column sub-block (4 products per i16, below
+//!   4 * 2 * 3 * 127) per `madd` with its scale; the minimums are
+//!   `sum_s m_s * bsum16_s`, as Q4_K's with 16-wide sub-blocks.
+//! - Q3_K: the 2 low bits and the `hmask` bit make 0..=7, the unsigned side (4 products per
+//!   i16 below 4 * 2 * 7 * 127); the `-4` offset is `-4 * sum_s sc_s * bsum16_s`, as Q6_K's.
 
 use crate::dot_avx2::{add_wide, store};
 use crate::format::QuantType;
-use crate::pack_k::{q4k, q6k};
+use crate::pack_k::{q2k, q3k, q4k, q5k, q6k};
 use crate::quantize_k::ActBlockK;
 use crate::tile::TileOut;
 use std::arch::x86_64::*;
@@ -38,22 +45,26 @@ pub(crate) unsafe fn group_dot(
     // super-blocks and that `acts` holds `tile` tokens of `nb` blocks.
     unsafe {
         let p = |t: usize| a.add(t * nb);
+        // `k::<tile, c.., wide>` for the tile size and `wide` of this call.
         macro_rules! by_tile {
-            ($k:ident) => {
+            ($k:ident $(, $c:literal)*) => {
                 match (tile, wide) {
-                    (1, false) => $k::<1, false>(g, nb, [p(0)], out),
-                    (2, false) => $k::<2, false>(g, nb, [p(0), p(1)], out),
-                    (3, false) => $k::<3, false>(g, nb, [p(0), p(1), p(2)], out),
-                    (_, false) => $k::<4, false>(g, nb, [p(0), p(1), p(2), p(3)], out),
-                    (1, true) => $k::<1, true>(g, nb, [p(0)], out),
-                    (2, true) => $k::<2, true>(g, nb, [p(0), p(1)], out),
-                    (3, true) => $k::<3, true>(g, nb, [p(0), p(1), p(2)], out),
-                    (_, true) => $k::<4, true>(g, nb, [p(0), p(1), p(2), p(3)], out),
+                    (1, false) => $k::<1, $($c,)* false>(g, nb, [p(0)], out),
+                    (2, false) => $k::<2, $($c,)* false>(g, nb, [p(0), p(1)], out),
+                    (3, false) => $k::<3, $($c,)* false>(g, nb, [p(0), p(1), p(2)], out),
+                    (_, false) => $k::<4, $($c,)* false>(g, nb, [p(0), p(1), p(2), p(3)], out),
+                    (1, true) => $k::<1, $($c,)* true>(g, nb, [p(0)], out),
+                    (2, true) => $k::<2, $($c,)* true>(g, nb, [p(0), p(1)], out),
+                    (3, true) => $k::<3, $($c,)* true>(g, nb, [p(0), p(1), p(2)], out),
+                    (_, true) => $k::<4, $($c,)* true>(g, nb, [p(0), p(1), p(2), p(3)], out),
                 }
             };
         }
         match qtype {
-            QuantType::Q4_K => by_tile!(q4k),
+            QuantType::Q2_K => by_tile!(q2k),
+            QuantType::Q3_K => by_tile!(q3k),
+            QuantType::Q4_K => by_tile!(q4k, false),
+            QuantType::Q5_K => by_tile!(q4k, true),
             QuantType::Q6_K => by_tile!(q6k),
             _ => {}
         }
@@ -79,13 +90,13 @@ pub(crate) fn prefetch_next(blk: *const u8, bytes: usize) {
     }
 }
 
-/// One Q4_K super-block's contribution to a token's 8 row sums, from `s32`, the exact
+/// One Q4_K or Q5_K super-block's contribution to a token's 8 row sums, from `s32`, the exact
 /// scale-weighted integer products of the rows' quants with the token's activation block `x`:
 /// the mins (`dmin` x the sub-block mins x the activation sub-block sums) and the scales `d`.
 /// Shared by the AVX2 and AVX-512 kernels: this f32 arithmetic is what makes their bits agree.
 ///
 /// # Safety
-/// `blk` points at a whole packed Q4_K super-block of an 8-row group.
+/// `blk` points at a whole packed Q4_K or Q5_K super-block of an 8-row group.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn q4k_block_tail<const WIDE: bool>(
@@ -97,20 +108,103 @@ pub(crate) unsafe fn q4k_block_tail<const WIDE: bool>(
 ) {
     // SAFETY: the scale, min and d/dmin fields lie inside the super-block (the caller's promise).
     unsafe {
-        let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q4k::D) as *const __m128i));
-        let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q4k::DMIN) as *const __m128i));
         let mut m32 = _mm256_setzero_si256();
         for c in 0..4 {
             let mp = pairs_u8(blk.add(q4k::MIN + 16 * c));
             let bs = bcast4(x.bsum32.as_ptr().add(2 * c));
             m32 = _mm256_add_epi32(m32, _mm256_madd_epi16(mp, bs));
         }
+        min_tail::<WIDE>(blk.add(q4k::D), blk.add(q4k::DMIN), s32, m32, x, acc, wide);
+    }
+}
+
+/// The Q2_K counterpart of [`q4k_block_tail`] (16 sub-blocks, minimums against `bsum16`).
+///
+/// # Safety
+/// `blk` points at a whole packed Q2_K super-block of an 8-row group.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q2k_block_tail<const WIDE: bool>(
+    blk: *const u8,
+    s32: __m256i,
+    x: &ActBlockK,
+    acc: &mut __m256,
+    wide: &mut [__m256d; 2],
+) {
+    // SAFETY: the min and d/dmin fields lie inside the super-block (the caller's promise).
+    unsafe {
+        let mut m32 = _mm256_setzero_si256();
+        for p in 0..8 {
+            let mp = pairs_u8(blk.add(q2k::MIN + 16 * p));
+            let bs = bcast4(x.bsum16.as_ptr().add(2 * p));
+            m32 = _mm256_add_epi32(m32, _mm256_madd_epi16(mp, bs));
+        }
+        min_tail::<WIDE>(blk.add(q2k::D), blk.add(q2k::DMIN), s32, m32, x, acc, wide);
+    }
+}
+
+/// `d_x * fma(d_w, s32, -(dmin_w * m32))` (see `wide::block_q4_k`) added to `acc`, or
+/// widened into `wide`; `d`/`dmin` point at the group's 8 f16 scales.
+///
+/// # Safety
+/// `d` and `dmin` point at 16 readable bytes each.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn min_tail<const WIDE: bool>(
+    d: *const u8,
+    dmin: *const u8,
+    s32: __m256i,
+    m32: __m256i,
+    x: &ActBlockK,
+    acc: &mut __m256,
+    wide: &mut [__m256d; 2],
+) {
+    // SAFETY: the caller's promise.
+    unsafe {
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(d as *const __m128i));
+        let dmin = _mm256_cvtph_ps(_mm_loadu_si128(dmin as *const __m128i));
         let mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m32));
         let v = _mm256_fmsub_ps(dw, _mm256_cvtepi32_ps(s32), mins);
         if WIDE {
             add_wide(wide, _mm256_mul_ps(_mm256_set1_ps(x.d), v));
         } else {
             *acc = _mm256_fmadd_ps(_mm256_set1_ps(x.d), v, *acc);
+        }
+    }
+}
+
+/// One Q3_K (`SHIFT = 2`) or Q6_K (`SHIFT = 5`) super-block's contribution to a token's 8 row
+/// sums, from `s32`, the exact scale-weighted products of the unsigned quants with `x`: the
+/// offset `-(1 << SHIFT) * sum_s sc_s * bsum16_s`, then `isum * (d_w * d_x)`. Shared by the
+/// AVX2 and AVX-512 kernels.
+///
+/// # Safety
+/// `sc` points at the 128 bytes of signed scale pairs, `d` at the 8 f16 scales.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn offset_tail<const SHIFT: i32, const WIDE: bool>(
+    sc: *const u8,
+    d: *const u8,
+    s32: __m256i,
+    x: &ActBlockK,
+    acc: &mut __m256,
+    wide: &mut [__m256d; 2],
+) {
+    // SAFETY: the caller's promise.
+    unsafe {
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(d as *const __m128i));
+        let mut o32 = _mm256_setzero_si256();
+        for p in 0..8 {
+            let scp = pairs_i8(sc.add(16 * p));
+            let bs = bcast4(x.bsum16.as_ptr().add(2 * p));
+            o32 = _mm256_add_epi32(o32, _mm256_madd_epi16(scp, bs));
+        }
+        let isum = _mm256_sub_epi32(s32, _mm256_sll_epi32(o32, _mm_cvtsi32_si128(SHIFT)));
+        let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
+        if WIDE {
+            add_wide(wide, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), scale));
+        } else {
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc);
         }
     }
 }
@@ -141,7 +235,7 @@ pub(crate) unsafe fn pairs_i8(p: *const u8) -> __m256i {
 /// From lanes holding an i16 pair `(a, b)`: lanes `(a, a)` (`HI = false`) or `(b, b)`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn dup_half<const HI: bool>(v: __m256i) -> __m256i {
+pub(crate) fn dup_half<const HI: bool>(v: __m256i) -> __m256i {
     {
         let idx = if HI {
             _mm256_setr_epi8(
@@ -232,27 +326,37 @@ unsafe fn load(p: *const u8) -> __m256i {
     unsafe { _mm256_loadu_si256(p as *const __m256i) }
 }
 
-/// Q4_K group against `T` tokens.
+/// The bytes of `v` that have any bit of `bit` set become `to`, the others 0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn bit_to(v: __m256i, bit: __m256i, to: __m256i) -> __m256i {
+    _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), to)
+}
+
+/// Q4_K (`FIFTH = false`) or Q5_K (`FIFTH = true`) group against `T` tokens.
 ///
 /// # Safety
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4k<const T: usize, const WIDE: bool>(
+unsafe fn q4k<const T: usize, const FIFTH: bool, const WIDE: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlockK; T],
     out: &mut TileOut,
 ) {
+    let bytes = if FIFTH { q5k::BYTES } else { q4k::BYTES };
     // SAFETY: all weight reads are inside group super-block `b < nb` (offsets from `pack_k`
-    // ending at `q4k::BYTES`); activation reads are inside block `b` of each token.
+    // ending at `q4k::BYTES`, or `q5k::BYTES` for the `qh` words); activation reads are
+    // inside block `b` of each token.
     unsafe {
         let low4 = _mm256_set1_epi8(0x0F);
+        let fifth = _mm256_set1_epi8(0x10);
         let mut acc = [_mm256_setzero_ps(); T];
         let mut wide = [[_mm256_setzero_pd(); 2]; T];
         for b in 0..nb {
-            let blk = group.add(b * q4k::BYTES);
-            prefetch_next(blk, q4k::BYTES);
+            let blk = group.add(b * bytes);
+            prefetch_next(blk, bytes);
             let mut s32 = [_mm256_setzero_si256(); T];
             for c in 0..4 {
                 let scp = pairs_u8(blk.add(q4k::SC + 16 * c));
@@ -262,18 +366,31 @@ unsafe fn q4k<const T: usize, const WIDE: bool>(
                     } else {
                         dup_half::<false>(scp)
                     };
+                    // Q5_K: the fifth bits of sub-block `2c + hi` are bit `2c + hi` of `qh`.
+                    let bit = _mm256_set1_epi8(1 << (2 * c + hi as usize));
                     let mut s16 = [_mm256_setzero_si256(); T];
                     for w8 in 0..8 {
                         let v = load(blk.add(q4k::QS + 32 * (8 * c + w8)));
-                        let q = if hi {
+                        let mut q = if hi {
                             _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4)
                         } else {
                             _mm256_and_si256(v, low4)
                         };
+                        if FIFTH {
+                            let h = load(blk.add(q5k::QH + 32 * w8));
+                            q = _mm256_or_si256(q, bit_to(h, bit, fifth));
+                        }
                         let at = 64 * c + 32 * hi as usize + 4 * w8;
                         for t in 0..T {
                             let x = bcast4((*acts[t].add(b)).qs.as_ptr().add(at));
                             s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(q, x));
+                        }
+                        if FIFTH && w8 == 3 {
+                            // Four 5-bit products per i16 at most.
+                            for t in 0..T {
+                                s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s16[t], sc));
+                                s16[t] = _mm256_setzero_si256();
+                            }
                         }
                     }
                     for t in 0..T {
@@ -329,22 +446,155 @@ unsafe fn q6k<const T: usize, const WIDE: bool>(
                     q6_words::<T>(blk, h, i0 + 2, &sc, &acts, b, &mut s32);
                 }
             }
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q6k::D) as *const __m128i));
             for t in 0..T {
                 let x = &*acts[t].add(b);
-                let mut o32 = _mm256_setzero_si256();
-                for p in 0..8 {
-                    let scp = pairs_i8(blk.add(q6k::SC + 16 * p));
-                    let bs = bcast4(x.bsum16.as_ptr().add(2 * p));
-                    o32 = _mm256_add_epi32(o32, _mm256_madd_epi16(scp, bs));
+                let (sc, d) = (blk.add(q6k::SC), blk.add(q6k::D));
+                offset_tail::<5, WIDE>(sc, d, s32[t], x, &mut acc[t], &mut wide[t]);
+            }
+        }
+        for t in 0..T {
+            store::<WIDE>(out, t, acc[t], wide[t]);
+        }
+    }
+}
+
+/// Q2_K (`HMASK = false`) or Q3_K (`HMASK = true`) unsigned quants of word `w8` (0..8) of half
+/// `h` at bit pair `k`: `(qs >> 2k) & 3`, plus 4 where `hmask` bit `4h + k` is set (Q3_K).
+///
+/// # Safety
+/// `qs` (and `hm` for Q3_K) point at the packed `qs` (`hmask`) words of a group super-block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k23_quants<const HMASK: bool>(
+    qs: *const u8,
+    hm: *const u8,
+    h: usize,
+    k: usize,
+    w8: usize,
+) -> __m256i {
+    // SAFETY: words `8h + w8 < 16` of `qs` and `w8 < 8` of `hmask` are inside the block.
+    unsafe {
+        let v = load(qs.add(32 * (8 * h + w8)));
+        let q = _mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * k as i32));
+        let q = _mm256_and_si256(q, _mm256_set1_epi8(3));
+        if HMASK {
+            let bit = _mm256_set1_epi8((1u8 << (4 * h + k)) as i8);
+            _mm256_or_si256(q, bit_to(load(hm.add(32 * w8)), bit, _mm256_set1_epi8(4)))
+        } else {
+            q
+        }
+    }
+}
+
+/// Q2_K (`HMASK = false`) or Q3_K: the exact scale-weighted sums `sum_s sc_s * (q · x)_s` of
+/// super-block `blk` for each token (Q3_K's `-4` offset not yet applied).
+///
+/// # Safety
+/// `blk` points at a whole packed super-block of the format; `acts[t].add(b)` at token `t`'s
+/// activation block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k23_sums<const T: usize, const HMASK: bool>(
+    blk: *const u8,
+    acts: &[*const ActBlockK; T],
+    b: usize,
+) -> [__m256i; T] {
+    let (qs, hm, sc) = if HMASK {
+        (q3k::QS, q3k::HM, q3k::SC)
+    } else {
+        (q2k::QS, 0, q2k::SC)
+    };
+    // SAFETY: the offsets come from `pack_k` for this format; activation reads are at
+    // `128h + 32k + 4 w8 + 0..4 < 256`.
+    unsafe {
+        let mut s32 = [_mm256_setzero_si256(); T];
+        for h in 0..2 {
+            for k in 0..4 {
+                // Sub-blocks 8h + 2k (columns 0..16 of the 32) and 8h + 2k + 1.
+                let p = blk.add(sc + 16 * (4 * h + k));
+                let scp = if HMASK { pairs_i8(p) } else { pairs_u8(p) };
+                for half in 0..2 {
+                    let scale = if half == 1 {
+                        dup_half::<true>(scp)
+                    } else {
+                        dup_half::<false>(scp)
+                    };
+                    let mut s16 = [_mm256_setzero_si256(); T];
+                    for w8 in 4 * half..4 * half + 4 {
+                        let q = k23_quants::<HMASK>(blk.add(qs), blk.add(hm), h, k, w8);
+                        let at = 128 * h + 32 * k + 4 * w8;
+                        for t in 0..T {
+                            let x = bcast4((*acts[t].add(b)).qs.as_ptr().add(at));
+                            s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(q, x));
+                        }
+                    }
+                    for t in 0..T {
+                        s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s16[t], scale));
+                    }
                 }
-                let isum = _mm256_sub_epi32(s32[t], _mm256_slli_epi32::<5>(o32));
-                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
-                if WIDE {
-                    add_wide(&mut wide[t], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), scale));
-                } else {
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[t]);
-                }
+            }
+        }
+        s32
+    }
+}
+
+/// Q2_K group against `T` tokens.
+///
+/// # Safety
+/// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q2k<const T: usize, const WIDE: bool>(
+    group: *const u8,
+    nb: usize,
+    acts: [*const ActBlockK; T],
+    out: &mut TileOut,
+) {
+    // SAFETY: all weight reads are inside group super-block `b < nb` (offsets from `pack_k`
+    // ending at `q2k::BYTES`); activation reads are inside block `b` of each token.
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut wide = [[_mm256_setzero_pd(); 2]; T];
+        for b in 0..nb {
+            let blk = group.add(b * q2k::BYTES);
+            prefetch_next(blk, q2k::BYTES);
+            let s32 = k23_sums::<T, false>(blk, &acts, b);
+            for t in 0..T {
+                let x = &*acts[t].add(b);
+                q2k_block_tail::<WIDE>(blk, s32[t], x, &mut acc[t], &mut wide[t]);
+            }
+        }
+        for t in 0..T {
+            store::<WIDE>(out, t, acc[t], wide[t]);
+        }
+    }
+}
+
+/// Q3_K group against `T` tokens.
+///
+/// # Safety
+/// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q3k<const T: usize, const WIDE: bool>(
+    group: *const u8,
+    nb: usize,
+    acts: [*const ActBlockK; T],
+    out: &mut TileOut,
+) {
+    // SAFETY: all weight reads are inside group super-block `b < nb` (offsets from `pack_k`
+    // ending at `q3k::BYTES`); activation reads are inside block `b` of each token.
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut wide = [[_mm256_setzero_pd(); 2]; T];
+        for b in 0..nb {
+            let blk = group.add(b * q3k::BYTES);
+            prefetch_next(blk, q3k::BYTES);
+            let s32 = k23_sums::<T, true>(blk, &acts, b);
+            for t in 0..T {
+                let x = &*acts[t].add(b);
+                let (sc, d) = (blk.add(q3k::SC), blk.add(q3k::D));
+                offset_tail::<2, WIDE>(sc, d, s32[t], x, &mut acc[t], &mut wide[t]);
             }
         }
         for t in 0..T {

@@ -1,5 +1,5 @@
 //! AVX-512 VNNI integer dot products of one 8-row group of packed weights (Q4_0, Q4_1, Q8_0,
-//! Q5_0) with 1 to 4 tokens' quantized activations.
+//! Q5_0, Q5_1) with 1 to 4 tokens' quantized activations.
 //!
 //! The packed layout (see `pack`) stores quant word `w` of rows 0..8 in 32 bytes, followed by
 //! word `w + 1`; one 64-byte load therefore holds 8 columns of all 8 rows: 32-bit lane `r`
@@ -16,8 +16,8 @@
 //! - Q4_0 / Q4_1: nibbles are the unsigned side; Q4_0's `-8` is `-8 * sum(x)` per block.
 //! - Q8_0: signed weights become unsigned as `w + 128` (`w ^ 0x80`); the offset is removed
 //!   as `-128 * sum(x)` per block.
-//! - Q5_0: nibbles with the fifth bit (0..=31) are the unsigned side (the fifth bits are set
-//!   through a byte mask), then `-16 * sum(x)`.
+//! - Q5_0 / Q5_1: nibbles with the fifth bit (0..=31) are the unsigned side (the fifth bits
+//!   are set through a byte mask), then `-16 * sum(x)` (Q5_0) or Q4_1's minimum (Q5_1).
 
 use crate::dot_avx2::{add_wide, prefetch_ahead, q4_block_tail, store};
 use crate::expand::{Expanded, PER_BLOCK};
@@ -74,9 +74,14 @@ pub(crate) unsafe fn group_dot(
             QuantType::Q4_0 => by_tile!(q4, false),
             QuantType::Q4_1 => by_tile!(q4, true),
             QuantType::Q8_0 => by_tile!(q8),
-            QuantType::Q5_0 => by_tile!(q5),
+            QuantType::Q5_0 => by_tile!(q5, false),
+            QuantType::Q5_1 => by_tile!(q5, true),
             // K-quants have their own kernels (`dot_avx512_k`).
-            QuantType::Q4_K | QuantType::Q6_K => {}
+            QuantType::Q2_K
+            | QuantType::Q3_K
+            | QuantType::Q4_K
+            | QuantType::Q5_K
+            | QuantType::Q6_K => {}
         }
     }
 }
@@ -238,24 +243,29 @@ unsafe fn q8<const T: usize, const WIDE: bool>(
     }
 }
 
-/// Q5_0 group against `T` tokens.
+/// Q5_0 (`MIN = false`) or Q5_1 (`MIN = true`) group against `T` tokens.
 ///
 /// # Safety
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q5<const T: usize, const WIDE: bool>(
+unsafe fn q5<const T: usize, const MIN: bool, const WIDE: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlock; T],
     ex: [*const Expanded; T],
     out: &mut TileOut,
 ) {
-    let gb = group_block_bytes(QuantType::Q5_0);
-    let sb = group_scale_bytes(QuantType::Q5_0);
-    // SAFETY: every load reads inside group block `b < nb` (scales at 0, `qh` words at `sb`,
-    // nibble words at `sb + 32 + 64 * m` for m < 2, ending at `gb`) or inside activation
-    // block `b` of a token.
+    let qtype = if MIN {
+        QuantType::Q5_1
+    } else {
+        QuantType::Q5_0
+    };
+    let gb = group_block_bytes(qtype);
+    let sb = group_scale_bytes(qtype);
+    // SAFETY: every load reads inside group block `b < nb` (scales at 0 and (Q5_1) 16, `qh`
+    // words at `sb`, nibble words at `sb + 32 + 64 * m` for m < 2, ending at `gb`) or inside
+    // activation block `b` of a token.
     unsafe {
         let low4 = _mm512_set1_epi8(0x0F);
         let fifth = _mm512_set1_epi8(0x10);
@@ -267,6 +277,7 @@ unsafe fn q5<const T: usize, const WIDE: bool>(
         let shift_lo = [pair_index(0, 4), pair_index(8, 12)];
         let shift_hi = [pair_index(16, 20), pair_index(24, 28)];
         let mut acc = [_mm256_setzero_ps(); T];
+        let mut acc_min = [_mm256_setzero_ps(); T];
         let mut wide = [[_mm256_setzero_pd(); 2]; T];
         for b in 0..nb {
             let blk = group.add(b * gb);
@@ -293,6 +304,16 @@ unsafe fn q5<const T: usize, const WIDE: bool>(
                     s_hi[t] = _mm512_dpbusd_epi32(s_hi[t], hi, ld(xe.add(2 + m)));
                 }
             }
+            if MIN {
+                let mw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i));
+                for t in 0..T {
+                    let xb = &*acts[t].add(b);
+                    let s32 = fold(_mm512_add_epi32(s_lo[t], s_hi[t]));
+                    let (acc, acc_min) = (&mut acc[t], &mut acc_min[t]);
+                    q4_block_tail::<true, WIDE>(s32, dw, mw, xb, acc, acc_min, &mut wide[t]);
+                }
+                continue;
+            }
             for t in 0..T {
                 let xb = &*acts[t].add(b);
                 let s32 = fold(_mm512_add_epi32(s_lo[t], s_hi[t]));
@@ -306,7 +327,12 @@ unsafe fn q5<const T: usize, const WIDE: bool>(
             }
         }
         for t in 0..T {
-            store::<WIDE>(out, t, acc[t], wide[t]);
+            let a = if MIN {
+                _mm256_add_ps(acc[t], acc_min[t])
+            } else {
+                acc[t]
+            };
+            store::<WIDE>(out, t, a, wide[t]);
         }
     }
 }

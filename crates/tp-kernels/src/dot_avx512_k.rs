@@ -1,5 +1,5 @@
-//! AVX-512 VNNI integer dot products of one 8-row group of packed K-quant weights (Q4_K,
-//! Q6_K) with 1 to 4 tokens' Q8_K activations; the two-words-per-register scheme of
+//! AVX-512 VNNI integer dot products of one 8-row group of packed K-quant weights (Q2_K,
+//! Q3_K, Q4_K, Q5_K, Q6_K) with 1 to 4 tokens' Q8_K activations; the two-words-per-register scheme of
 //! `dot_avx512` (lanes 0..8 and 8..16 hold two 4-column words of the 8 rows), with the
 //! activation words laid out once per call by `expand`.
 //!
@@ -14,13 +14,21 @@
 //! - Q6_K: the 64 bytes at a packed triple are `ql` words `16h + i` and `16h + 8 + i`; with
 //!   the `qh` word duplicated in both halves and shifted per half (`vpsllvd` / `vpsrlvd`),
 //!   one register holds quarters 0 and 1 of word `i`, another quarters 2 and 3.
+//! - Q5_K: Q4_K's scheme; the fifth bits come from the `qh` words `2m`, `2m + 1` (one 64-byte
+//!   load), added as 16 through a byte mask.
+//! - Q2_K / Q3_K: a 64-byte load holds `qs` words `8h + 2m`, `8h + 2m + 1` (columns
+//!   `8m..8m + 8` of each 32-wide slice), shifted by `2k` for slice `k`; Q3_K adds 4 where the
+//!   `hmask` bit is set (the `hmask` words `2m`, `2m + 1`). The tails (Q2_K's minimums, Q3_K's
+//!   `-4` offset) are the AVX2 kernels'.
 
 use crate::dot_avx2::{add_wide, store};
-use crate::dot_avx2_k::{bcast4, pairs_i8, pairs_u8, prefetch_next, q4k_block_tail};
+use crate::dot_avx2_k::{
+    bcast4, offset_tail, pairs_i8, pairs_u8, prefetch_next, q2k_block_tail, q4k_block_tail,
+};
 use crate::dot_avx512::{fold, ld, load64, pair_index};
 use crate::expand::{Expanded, PER_BLOCK_K};
 use crate::format::QuantType;
-use crate::pack_k::{q4k, q6k};
+use crate::pack_k::{q2k, q3k, q4k, q5k, q6k};
 use crate::quantize_k::ActBlockK;
 use crate::tile::TileOut;
 use std::arch::x86_64::*;
@@ -53,65 +61,66 @@ pub(crate) unsafe fn group_dot(
     unsafe {
         let p = |t: usize| a.add(t * nb);
         let e = |t: usize| x.add(t * nb * PER_BLOCK_K);
+        let p1 = [p(0)];
+        let p2 = [p(0), p(1)];
+        let p3 = [p(0), p(1), p(2)];
+        let p4 = [p(0), p(1), p(2), p(3)];
+        let e1 = [e(0)];
+        let e2 = [e(0), e(1)];
+        let e3 = [e(0), e(1), e(2)];
+        let e4 = [e(0), e(1), e(2), e(3)];
+        // `k::<tile, c.., wide>` for the tile size and `wide` of this call.
         macro_rules! by_tile {
-            ($k:ident) => {
+            ($k:ident $(, $c:literal)*) => {
                 match (tile, wide) {
-                    (1, false) => $k::<1, false>(g, nb, [p(0)], [e(0)], out),
-                    (2, false) => $k::<2, false>(g, nb, [p(0), p(1)], [e(0), e(1)], out),
-                    (3, false) => {
-                        $k::<3, false>(g, nb, [p(0), p(1), p(2)], [e(0), e(1), e(2)], out)
-                    }
-                    (_, false) => $k::<4, false>(
-                        g,
-                        nb,
-                        [p(0), p(1), p(2), p(3)],
-                        [e(0), e(1), e(2), e(3)],
-                        out,
-                    ),
-                    (1, true) => $k::<1, true>(g, nb, [p(0)], [e(0)], out),
-                    (2, true) => $k::<2, true>(g, nb, [p(0), p(1)], [e(0), e(1)], out),
-                    (3, true) => $k::<3, true>(g, nb, [p(0), p(1), p(2)], [e(0), e(1), e(2)], out),
-                    (_, true) => $k::<4, true>(
-                        g,
-                        nb,
-                        [p(0), p(1), p(2), p(3)],
-                        [e(0), e(1), e(2), e(3)],
-                        out,
-                    ),
+                    (1, false) => $k::<1, $($c,)* false>(g, nb, p1, e1, out),
+                    (2, false) => $k::<2, $($c,)* false>(g, nb, p2, e2, out),
+                    (3, false) => $k::<3, $($c,)* false>(g, nb, p3, e3, out),
+                    (_, false) => $k::<4, $($c,)* false>(g, nb, p4, e4, out),
+                    (1, true) => $k::<1, $($c,)* true>(g, nb, p1, e1, out),
+                    (2, true) => $k::<2, $($c,)* true>(g, nb, p2, e2, out),
+                    (3, true) => $k::<3, $($c,)* true>(g, nb, p3, e3, out),
+                    (_, true) => $k::<4, $($c,)* true>(g, nb, p4, e4, out),
                 }
             };
         }
         match qtype {
-            QuantType::Q4_K => by_tile!(q4k),
+            QuantType::Q2_K => by_tile!(k23, false),
+            QuantType::Q3_K => by_tile!(k23, true),
+            QuantType::Q4_K => by_tile!(q4k, false),
+            QuantType::Q5_K => by_tile!(q4k, true),
             QuantType::Q6_K => by_tile!(q6k),
             _ => {}
         }
     }
 }
 
-/// Q4_K group against `T` tokens.
+/// Q4_K (`FIFTH = false`) or Q5_K (`FIFTH = true`) group against `T` tokens.
 ///
 /// # Safety
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q4k<const T: usize, const WIDE: bool>(
+unsafe fn q4k<const T: usize, const FIFTH: bool, const WIDE: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlockK; T],
     ex: [*const Expanded; T],
     out: &mut TileOut,
 ) {
+    let bytes = if FIFTH { q5k::BYTES } else { q4k::BYTES };
     // SAFETY: all weight reads are inside group super-block `b < nb` (offsets from `pack_k`
-    // ending at `q4k::BYTES`); activation reads are inside block `b` of each token.
+    // ending at `q4k::BYTES`, or `q5k::BYTES` for the `qh` words); activation reads are
+    // inside block `b` of each token.
     unsafe {
         let low4 = _mm512_set1_epi8(0x0F);
         let low16 = _mm512_set1_epi32(0xFFFF);
+        let fifth = _mm512_set1_epi8(0x10);
         let mut acc = [_mm256_setzero_ps(); T];
         let mut wide = [[_mm256_setzero_pd(); 2]; T];
         for b in 0..nb {
-            let blk = group.add(b * q4k::BYTES);
-            prefetch_next(blk, q4k::BYTES);
+            let blk = group.add(b * bytes);
+            prefetch_next(blk, bytes);
             let mut s = [_mm512_setzero_si512(); T];
             for c in 0..4 {
                 // Lanes r and 8 + r: row r's scales of sub-blocks 2c (low i16), 2c + 1.
@@ -122,8 +131,16 @@ unsafe fn q4k<const T: usize, const WIDE: bool>(
                 let mut a_hi = [_mm512_setzero_si512(); T];
                 for m in 0..4 {
                     let v = load64(blk.add(q4k::QS + 32 * (8 * c + 2 * m)));
-                    let lo = _mm512_and_si512(v, low4);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4);
+                    let mut lo = _mm512_and_si512(v, low4);
+                    let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4);
+                    if FIFTH {
+                        // Bits 2c (low nibbles) and 2c + 1 (high) of `qh` words 2m, 2m + 1.
+                        let h = load64(blk.add(q5k::QH + 64 * m));
+                        let bl = _mm512_test_epi8_mask(h, _mm512_set1_epi8(1 << (2 * c)));
+                        let bh = _mm512_test_epi8_mask(h, _mm512_set1_epi8(2 << (2 * c)));
+                        lo = _mm512_mask_add_epi8(lo, bl, lo, fifth);
+                        hi = _mm512_mask_add_epi8(hi, bh, hi, fifth);
+                    }
                     for t in 0..T {
                         // Pairs (16c + 2m, +1) (low nibbles) and (16c + 8 + 2m, +1) (high).
                         let xe = ex[t].add(b * PER_BLOCK_K + 8 * c + m);
@@ -249,6 +266,93 @@ unsafe fn q6k<const T: usize, const WIDE: bool>(
                     add_wide(&mut wide[t], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), scale));
                 } else {
                     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[t]);
+                }
+            }
+        }
+        for t in 0..T {
+            store::<WIDE>(out, t, acc[t], wide[t]);
+        }
+    }
+}
+
+/// Q2_K (`HMASK = false`) or Q3_K (`HMASK = true`) group against `T` tokens.
+///
+/// # Safety
+/// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn k23<const T: usize, const HMASK: bool, const WIDE: bool>(
+    group: *const u8,
+    nb: usize,
+    acts: [*const ActBlockK; T],
+    ex: [*const Expanded; T],
+    out: &mut TileOut,
+) {
+    let (bytes, qs, sc) = if HMASK {
+        (q3k::BYTES, q3k::QS, q3k::SC)
+    } else {
+        (q2k::BYTES, q2k::QS, q2k::SC)
+    };
+    // SAFETY: all weight reads are inside group super-block `b < nb` (offsets from `pack_k`
+    // ending at `bytes`); activation reads are inside block `b` of each token.
+    unsafe {
+        let low2 = _mm512_set1_epi8(3);
+        let four = _mm512_set1_epi8(4);
+        let low16 = _mm512_set1_epi32(0xFFFF);
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut wide = [[_mm256_setzero_pd(); 2]; T];
+        for b in 0..nb {
+            let blk = group.add(b * bytes);
+            prefetch_next(blk, bytes);
+            let mut s = [_mm512_setzero_si512(); T];
+            for h in 0..2 {
+                for k in 0..4 {
+                    // Lanes r and 8 + r: row r's scales of sub-blocks 8h + 2k (low i16) and
+                    // 8h + 2k + 1, signed for Q3_K.
+                    let p = blk.add(sc + 16 * (4 * h + k));
+                    let (sc_lo, sc_hi) = if HMASK {
+                        let v = _mm512_broadcast_i64x4(pairs_i8(p));
+                        (
+                            _mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(v)),
+                            _mm512_srai_epi32::<16>(v),
+                        )
+                    } else {
+                        let v = _mm512_broadcast_i64x4(pairs_u8(p));
+                        (_mm512_and_si512(v, low16), _mm512_srli_epi32::<16>(v))
+                    };
+                    let bit = _mm512_set1_epi8((1u8 << (4 * h + k)) as i8);
+                    let shift = _mm_cvtsi32_si128(2 * k as i32);
+                    let mut a = [[_mm512_setzero_si512(); T]; 2];
+                    for m in 0..4 {
+                        let v = load64(blk.add(qs + 32 * (8 * h + 2 * m)));
+                        let mut q = _mm512_and_si512(_mm512_srl_epi16(v, shift), low2);
+                        if HMASK {
+                            let hm = load64(blk.add(q3k::HM + 64 * m));
+                            q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(hm, bit), q, four);
+                        }
+                        for t in 0..T {
+                            // Activation words 32h + 8k + 2m, + 1: pair 16h + 4k + m.
+                            let xe = ex[t].add(b * PER_BLOCK_K + 16 * h + 4 * k + m);
+                            a[m / 2][t] = _mm512_dpbusd_epi32(a[m / 2][t], q, ld(xe));
+                        }
+                    }
+                    for t in 0..T {
+                        let p = _mm512_add_epi32(
+                            _mm512_mullo_epi32(a[0][t], sc_lo),
+                            _mm512_mullo_epi32(a[1][t], sc_hi),
+                        );
+                        s[t] = _mm512_add_epi32(s[t], p);
+                    }
+                }
+            }
+            for t in 0..T {
+                let x = &*acts[t].add(b);
+                let s32 = fold(s[t]);
+                if HMASK {
+                    let (sc, d) = (blk.add(q3k::SC), blk.add(q3k::D));
+                    offset_tail::<2, WIDE>(sc, d, s32, x, &mut acc[t], &mut wide[t]);
+                } else {
+                    q2k_block_tail::<WIDE>(blk, s32, x, &mut acc[t], &mut wide[t]);
                 }
             }
         }

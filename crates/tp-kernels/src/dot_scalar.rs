@@ -8,7 +8,8 @@ use crate::quantize::ActBlock;
 use crate::wide;
 
 /// The exact integer dot product of `lane`'s weights in group block `blk` with the
-/// activation block `a` (Q4_0's `-8` and Q5_0's `-16` offsets included).
+/// activation block `a` (Q4_0's `-8` and Q5_0's `-16` offsets included; Q4_1's and Q5_1's
+/// minimum is applied by the caller).
 fn block_isum(qtype: QuantType, blk: &[u8], a: &ActBlock, lane: usize) -> i32 {
     let qs = &blk[group_scale_bytes(qtype)..];
     match qtype {
@@ -27,7 +28,7 @@ fn block_isum(qtype: QuantType, blk: &[u8], a: &ActBlock, lane: usize) -> i32 {
                 s
             }
         }
-        QuantType::Q5_0 => {
+        QuantType::Q5_0 | QuantType::Q5_1 => {
             let qh = u32::from_le_bytes([
                 qs[lane * 4],
                 qs[lane * 4 + 1],
@@ -45,7 +46,11 @@ fn block_isum(qtype: QuantType, blk: &[u8], a: &ActBlock, lane: usize) -> i32 {
                     s += ((byte >> 4) as i32 | (h1 << 4)) * a.qs[e + QK / 2] as i32;
                 }
             }
-            s - 16 * a.sum
+            if qtype == QuantType::Q5_0 {
+                s - 16 * a.sum
+            } else {
+                s
+            }
         }
         QuantType::Q8_0 => {
             let mut s = 0i32;
@@ -58,7 +63,9 @@ fn block_isum(qtype: QuantType, blk: &[u8], a: &ActBlock, lane: usize) -> i32 {
             s
         }
         // K-quants have their own kernels (`dot_scalar_k`).
-        QuantType::Q4_K | QuantType::Q6_K => 0,
+        QuantType::Q2_K | QuantType::Q3_K | QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K => {
+            0
+        }
     }
 }
 
@@ -72,7 +79,7 @@ pub(crate) fn group_dot(qtype: QuantType, group: &[u8], acts: &[ActBlock]) -> [f
         for lane in 0..GROUP_ROWS {
             let isum = block_isum(qtype, blk, a, lane);
             acc[lane] += isum as f32 * (f16_at(blk, 2 * lane) * a.d);
-            if qtype == QuantType::Q4_1 {
+            if qtype.has_min() {
                 acc_min[lane] += f16_at(blk, 2 * (GROUP_ROWS + lane)) * a.s;
             }
         }
@@ -95,7 +102,7 @@ pub(crate) fn group_dot_wide(
         for (lane, out) in acc.iter_mut().enumerate() {
             let isum = block_isum(qtype, blk, a, lane);
             let d_w = f16_at(blk, 2 * lane);
-            let c = if qtype == QuantType::Q4_1 {
+            let c = if qtype.has_min() {
                 let m_w = f16_at(blk, 2 * (GROUP_ROWS + lane));
                 wide::block_q4_1(isum, d_w, a.d, m_w, a.s)
             } else {

@@ -43,8 +43,8 @@ pub(crate) fn expand(a: &ActBlock, out: &mut [Expanded]) {
     }
 }
 
-/// `out[k]` (`out.len() == PER_BLOCK_K`) for a Q8_K block: Q4_K reads pair `(2k, 2k + 1)`
-/// of the block's 64 words; Q6_K reads, for 64-byte chunk `q < 4` and `i < 8`, pair
+/// `out[k]` (`out.len() == PER_BLOCK_K`) for a Q8_K block: Q2_K, Q3_K, Q4_K and Q5_K read
+/// pair `(2k, 2k + 1)` of the block's 64 words; Q6_K reads, for 64-byte chunk `q < 4` and `i < 8`, pair
 /// `(16q + i, 16q + 8 + i)` at `k = 8q + i`.
 pub(crate) fn expand_k(qtype: QuantType, a: &ActBlockK, out: &mut [Expanded]) {
     for (k, o) in out.iter_mut().enumerate().take(PER_BLOCK_K) {

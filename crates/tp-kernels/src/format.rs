@@ -7,6 +7,8 @@
 //! - Q8_0, 34 bytes: `d`, then 32 signed bytes; weight = `d * q`.
 //! - Q5_0, 22 bytes: `d`, a little-endian u32 `qh` of fifth bits (bit `j` for weight `j`),
 //!   then nibbles as in Q4_0; weight = `d * ((nibble | fifth bit << 4) - 16)`.
+//! - Q5_1, 24 bytes: `d`, `m`, `qh` and nibbles as in Q5_0; weight =
+//!   `d * (nibble | fifth bit << 4) + m`.
 //!
 //! K-quants, 256 weights per super-block:
 //! - Q4_K, 144 bytes: `d`, `dmin`, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32
@@ -18,6 +20,19 @@
 //!   `h`, `l < 32`: weights `128h + l + 32k` (k = 0..4) take the low nibble of `ql[64h + l]`,
 //!   of `ql[64h + 32 + l]`, the high nibble of `ql[64h + l]`, of `ql[64h + 32 + l]`, and bits
 //!   `2k..2k + 2` of `qh[32h + l]`, with scale `sc[8h + 2k + l / 16]`.
+//! - Q5_K, 176 bytes: `d`, `dmin`, 12 scale bytes as Q4_K, 32 bytes `qh`, then 128 bytes of
+//!   nibbles as Q4_K; weight = `d * sc * q - dmin * m` with `q` = nibble | fifth bit << 4,
+//!   the fifth bit of weight `64c + l` (sub-block `2c`) being bit `2c` of `qh[l]` and of
+//!   weight `64c + 32 + l` (sub-block `2c + 1`) bit `2c + 1` of `qh[l]` (`l < 32`).
+//! - Q3_K, 110 bytes: 32 bytes `hmask`, 64 bytes `qs`, 12 bytes of 6-bit scales (one per 16
+//!   weights, see [`scale_k3`]), then `d`. For half `h`, `k < 4`, `l < 32`: weight
+//!   `128h + 32k + l` has low bits `2k..2k + 2` of `qs[32h + l]`, high bit `4h + k` of
+//!   `hmask[l]`, so `q` in 0..8, and sub-block `8h + 2k + l / 16`; weight =
+//!   `d * (sc - 32) * (q - 4)`.
+//! - Q2_K, 84 bytes: 16 bytes of 4-bit scales (low nibble) and mins (high nibble), one per 16
+//!   weights, 64 bytes `qs`, `d`, `dmin`. Weight `128h + 32k + l` is bits `2k..2k + 2` of
+//!   `qs[32h + l]` (`q` in 0..4) in sub-block `8h + 2k + l / 16`; weight =
+//!   `d * sc * q - dmin * m`.
 use half::f16;
 use std::fmt;
 
@@ -39,8 +54,16 @@ pub enum QuantType {
     Q8_0,
     /// 5-bit, symmetric: `d * (q - 16)`.
     Q5_0,
+    /// 5-bit with a per-block minimum: `d * q + m`.
+    Q5_1,
+    /// 2-bit K-quant: 256-element super-blocks of 16 sub-blocks with 4-bit scales and mins.
+    Q2_K,
+    /// 3-bit K-quant: 256-element super-blocks of 16 sub-blocks with 6-bit signed scales.
+    Q3_K,
     /// 4-bit K-quant: 256-element super-blocks of 8 sub-blocks with 6-bit scales and mins.
     Q4_K,
+    /// 5-bit K-quant: 256-element super-blocks of 8 sub-blocks with 6-bit scales and mins.
+    Q5_K,
     /// 6-bit K-quant: 256-element super-blocks with a signed 8-bit scale per 16 elements.
     Q6_K,
 }
@@ -55,22 +78,35 @@ impl QuantType {
         }
     }
 
-    /// Bytes per ggml block: 18 (Q4_0), 20 (Q4_1), 34 (Q8_0), 22 (Q5_0), 144 (Q4_K),
-    /// 210 (Q6_K).
+    /// Bytes per ggml block: 18 (Q4_0), 20 (Q4_1), 34 (Q8_0), 22 (Q5_0), 24 (Q5_1),
+    /// 84 (Q2_K), 110 (Q3_K), 144 (Q4_K), 176 (Q5_K), 210 (Q6_K).
     pub fn block_bytes(self) -> usize {
         match self {
             QuantType::Q4_0 => 2 + QK / 2,
             QuantType::Q4_1 => 4 + QK / 2,
             QuantType::Q8_0 => 2 + QK,
             QuantType::Q5_0 => 2 + 4 + QK / 2,
+            QuantType::Q5_1 => 2 + 2 + 4 + QK / 2,
+            QuantType::Q2_K => QK_K / 16 + QK_K / 4 + 2 + 2,
+            QuantType::Q3_K => QK_K / 8 + QK_K / 4 + 12 + 2,
             QuantType::Q4_K => 2 + 2 + 12 + QK_K / 2,
+            QuantType::Q5_K => 2 + 2 + 12 + QK_K / 8 + QK_K / 2,
             QuantType::Q6_K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
         }
     }
 
-    /// Q4_K and Q6_K: 256-element super-blocks, activations quantized as Q8_K.
+    /// Q2_K, Q3_K, Q4_K, Q5_K and Q6_K: 256-element super-blocks, activations quantized as
+    /// Q8_K.
     pub(crate) fn is_k_quant(self) -> bool {
-        matches!(self, QuantType::Q4_K | QuantType::Q6_K)
+        matches!(
+            self,
+            QuantType::Q2_K | QuantType::Q3_K | QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K
+        )
+    }
+
+    /// Q4_1 and Q5_1: a per-block minimum, activations quantized as Q8_1 (with `s`).
+    pub(crate) fn has_min(self) -> bool {
+        matches!(self, QuantType::Q4_1 | QuantType::Q5_1)
     }
 
     /// The ggml name, e.g. `"Q4_1"`.
@@ -80,20 +116,26 @@ impl QuantType {
             QuantType::Q4_1 => "Q4_1",
             QuantType::Q8_0 => "Q8_0",
             QuantType::Q5_0 => "Q5_0",
+            QuantType::Q5_1 => "Q5_1",
+            QuantType::Q2_K => "Q2_K",
+            QuantType::Q3_K => "Q3_K",
             QuantType::Q4_K => "Q4_K",
+            QuantType::Q5_K => "Q5_K",
             QuantType::Q6_K => "Q6_K",
         }
     }
 
-    /// Bytes of f16 scales at the start of a 32-wide ggml block (`d`, plus `m` for Q4_1).
+    /// Bytes of f16 scales at the start of a 32-wide ggml block (`d`, plus `m` for Q4_1 and
+    /// Q5_1).
     pub(crate) fn scale_bytes(self) -> usize {
         match self {
-            QuantType::Q4_1 => 4,
+            QuantType::Q4_1 | QuantType::Q5_1 => 4,
             _ => 2,
         }
     }
 
-    /// Bytes after the f16 scales of a 32-wide ggml block (Q5_0: `qh`, then the nibbles).
+    /// Bytes after the f16 scales of a 32-wide ggml block (Q5_0, Q5_1: `qh`, then the
+    /// nibbles).
     pub(crate) fn quant_bytes(self) -> usize {
         self.block_bytes() - self.scale_bytes()
     }
@@ -132,6 +174,29 @@ pub(crate) fn pack_scale_min_k4(sc: &[u8; 8], m: &[u8; 8], q: &mut [u8]) {
     }
 }
 
+/// Q3_K's 6-bit scale of sub-block `j` (0..16) from its 12 scale bytes, minus 32 (-32..32):
+/// the low 4 bits are the low nibble of byte `j` (`j < 8`) or the high nibble of byte
+/// `j - 8`, the high 2 bits are bits `2 (j / 4)..2 (j / 4) + 2` of byte `8 + j % 4`.
+pub(crate) fn scale_k3(j: usize, q: &[u8]) -> i8 {
+    let low = if j < 8 { q[j] & 0x0F } else { q[j - 8] >> 4 };
+    let high = (q[8 + j % 4] >> (2 * (j / 4))) & 3;
+    (low | (high << 4)) as i8 - 32
+}
+
+/// The inverse of [`scale_k3`]: packs 16 scales (each in -32..32) into 12 bytes.
+pub(crate) fn pack_scale_k3(sc: &[i8; 16], q: &mut [u8]) {
+    q[..12].fill(0);
+    for (j, &s) in sc.iter().enumerate() {
+        let v = (s as i32 + 32) as u8 & 63;
+        if j < 8 {
+            q[j] |= v & 0x0F;
+        } else {
+            q[j - 8] |= (v & 0x0F) << 4;
+        }
+        q[8 + j % 4] |= (v >> 4) << (2 * (j / 4));
+    }
+}
+
 /// Decodes one ggml block (`block.len() == qtype.block_bytes()`) into `block_len` weights,
 /// with the same arithmetic as ggml's reference `dequantize_row_*` (bit-identical results).
 pub(crate) fn dequantize_ggml_block(qtype: QuantType, block: &[u8], out: &mut [f32]) {
@@ -162,6 +227,62 @@ pub(crate) fn dequantize_ggml_block(qtype: QuantType, block: &[u8], out: &mut [f
                 let h1 = ((qh >> (j + 16)) & 1) as u8;
                 out[j] = (((byte & 0x0F) | (h0 << 4)) as i32 - 16) as f32 * d;
                 out[j + QK / 2] = (((byte >> 4) | (h1 << 4)) as i32 - 16) as f32 * d;
+            }
+        }
+        QuantType::Q5_1 => {
+            let m = f16_at(block, 2);
+            let qh = u32::from_le_bytes([block[4], block[5], block[6], block[7]]);
+            for (j, &byte) in block[8..8 + QK / 2].iter().enumerate() {
+                let h0 = ((qh >> j) & 1) as u8;
+                let h1 = ((qh >> (j + 16)) & 1) as u8;
+                out[j] = ((byte & 0x0F) | (h0 << 4)) as f32 * d + m;
+                out[j + QK / 2] = ((byte >> 4) | (h1 << 4)) as f32 * d + m;
+            }
+        }
+        QuantType::Q2_K => {
+            let (d, dmin) = (f16_at(block, 80), f16_at(block, 82));
+            let (sc, qs) = (&block[..16], &block[16..80]);
+            for h in 0..2 {
+                for k in 0..4 {
+                    for l in 0..32 {
+                        let s = sc[8 * h + 2 * k + l / 16];
+                        let (dl, ml) = (d * (s & 0x0F) as f32, dmin * (s >> 4) as f32);
+                        let q = (qs[32 * h + l] >> (2 * k)) & 3;
+                        out[128 * h + 32 * k + l] = dl * q as f32 - ml;
+                    }
+                }
+            }
+        }
+        QuantType::Q3_K => {
+            let d = f16_at(block, 108);
+            let (hm, qs, sc) = (&block[..32], &block[32..96], &block[96..108]);
+            for h in 0..2 {
+                for k in 0..4 {
+                    for l in 0..32 {
+                        let dl = d * scale_k3(8 * h + 2 * k + l / 16, sc) as f32;
+                        let low = ((qs[32 * h + l] >> (2 * k)) & 3) as i8;
+                        let high = (hm[l] >> (4 * h + k)) & 1;
+                        let q = low - if high == 0 { 4 } else { 0 };
+                        out[128 * h + 32 * k + l] = dl * q as f32;
+                    }
+                }
+            }
+        }
+        QuantType::Q5_K => {
+            let dmin = f16_at(block, 2);
+            let (scales, qh) = (&block[4..16], &block[16..48]);
+            for c in 0..4 {
+                let qs = &block[48 + 32 * c..48 + 32 * c + 32];
+                let (sc0, m0) = scale_min_k4(2 * c, scales);
+                let (sc1, m1) = scale_min_k4(2 * c + 1, scales);
+                let (d0, min0) = (d * sc0 as f32, dmin * m0 as f32);
+                let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
+                for (l, &byte) in qs.iter().enumerate() {
+                    let h0 = ((qh[l] >> (2 * c)) & 1) << 4;
+                    let h1 = ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                    out[64 * c + l] = d0 * ((byte & 0x0F) | h0) as f32 - min0;
+                    out[64 * c + 32 + l] = d1 * ((byte >> 4) | h1) as f32 - min1;
+                }
             }
         }
         QuantType::Q4_K => {
@@ -199,6 +320,23 @@ pub(crate) fn dequantize_ggml_block(qtype: QuantType, block: &[u8], out: &mut [f
                     }
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q3k_scales_round_trip_through_their_12_bytes() {
+        let mut q = [0u8; 12];
+        for seed in 0..64u32 {
+            let bytes: Vec<u8> = (0..12).map(|i| (seed * 37 + i * 101) as u8).collect();
+            let sc: [i8; 16] = std::array::from_fn(|j| scale_k3(j, &bytes));
+            assert!(sc.iter().all(|&s| (-32..32).contains(&s)));
+            pack_scale_k3(&sc, &mut q);
+            assert_eq!(&q[..], &bytes[..]);
         }
     }
 }

@@ -61,7 +61,7 @@ fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Result<usize, Kerne
     let nb = cols / block_len;
     rows.checked_mul(nb)
         .and_then(|blocks| blocks.checked_mul(qtype.block_bytes()))
-        // The packed form pads up to 7 rows more (and Q4_K grows by 3%); stay addressable.
+        // The packed form pads up to 7 rows more (and K-quants up to 19%); stay addressable.
         .filter(|&b| {
             let packed = pack::groups(rows).checked_mul(nb * group_block_bytes(qtype));
             packed.is_some_and(|p| p.checked_add(b).is_some())
@@ -173,7 +173,8 @@ impl QuantMatrix {
     }
 
     /// Bytes of weight storage held: the ggml size, plus zero padding up to a multiple of
-    /// 8 rows (and, for Q4_K, 4 bytes per row and super-block of unpacked scales).
+    /// 8 rows (and, for the K-quants but Q6_K, the unpacked scales and mins: 4 bytes per row
+    /// and super-block for Q4_K and Q5_K, 16 for Q2_K, 4 for Q3_K).
     pub fn storage_bytes(&self) -> usize {
         self.packed.len()
     }
@@ -184,9 +185,9 @@ impl QuantMatrix {
     }
 
     /// `y [n, rows] = x [n, cols] · Wᵀ` on the calling thread only. Activations are quantized
-    /// to 8 bits as llama.cpp does (per 32-block as Q8_1 for Q4_1 weights, Q8_0 for Q4_0,
-    /// Q8_0 and Q5_0; per 256-block as Q8_K for Q4_K and Q6_K), then the products are integer
-    /// dot products scaled per block.
+    /// to 8 bits as llama.cpp does (per 32-block as Q8_1 for Q4_1 and Q5_1 weights, Q8_0 for
+    /// Q4_0, Q8_0 and Q5_0; per 256-block as Q8_K for the K-quants Q2_K..Q6_K), then the
+    /// products are integer dot products scaled per block.
     pub fn matmul(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
         self.product(cpu::simd(), x, n, y)
     }
@@ -574,6 +575,12 @@ pub(crate) mod tests {
     use super::*;
     use half::f16;
 
+    /// Every format, in the order the tests go through them.
+    pub(crate) const ALL: [QuantType; 10] = {
+        use QuantType::*;
+        [Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K]
+    };
+
     /// Deterministic pseudo-random ggml bytes with sane f16 scales.
     pub(crate) fn random_ggml(qtype: QuantType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -589,18 +596,24 @@ pub(crate) mod tests {
             if qtype.is_k_quant() {
                 let mut b: Vec<u8> = (0..qtype.block_bytes()).map(|_| next() as u8).collect();
                 let d = f16::from_f32(((next() % 1000) as f32 + 1.0) * 1e-5).to_le_bytes();
-                let at = if qtype == QuantType::Q6_K { 208 } else { 0 };
+                // Where `d` and (formats with minimums) `dmin` lie in the ggml block.
+                let (at, dmin_at) = match qtype {
+                    QuantType::Q6_K => (208, None),
+                    QuantType::Q3_K => (108, None),
+                    QuantType::Q2_K => (80, Some(82)),
+                    _ => (0, Some(2)),
+                };
                 b[at..at + 2].copy_from_slice(&d);
-                if qtype == QuantType::Q4_K {
+                if let Some(m) = dmin_at {
                     let dmin = f16::from_f32(((next() % 1000) as f32) * 1e-5).to_le_bytes();
-                    b[2..4].copy_from_slice(&dmin);
+                    b[m..m + 2].copy_from_slice(&dmin);
                 }
                 out.extend_from_slice(&b);
                 continue;
             }
             let d = f16::from_f32(((next() % 1000) as f32 + 1.0) * 1e-4);
             out.extend_from_slice(&d.to_le_bytes());
-            if qtype == QuantType::Q4_1 {
+            if qtype.has_min() {
                 let m = f16::from_f32(-((next() % 1000) as f32) * 1e-3);
                 out.extend_from_slice(&m.to_le_bytes());
             }
@@ -657,9 +670,8 @@ pub(crate) mod tests {
 
     #[test]
     fn simd_and_scalar_paths_agree() {
-        use QuantType::*;
         for simd in simd_paths() {
-            for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+            for qtype in ALL {
                 for (rows, cols) in shapes(qtype) {
                     for n in [1usize, 2, 3, 4, 5, 9] {
                         let seed = (rows * 1000 + cols + n) as u64;
@@ -690,8 +702,7 @@ pub(crate) mod tests {
             eprintln!("skipped: this CPU has no AVX-512 F/BW/VL + VNNI");
             return;
         }
-        use QuantType::*;
-        for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+        for qtype in ALL {
             for (rows, cols) in shapes(qtype) {
                 for n in [1usize, 2, 3, 4, 5, 9, 130] {
                     let seed = (rows * 7000 + cols + n) as u64;
@@ -723,15 +734,17 @@ pub(crate) mod tests {
             return;
         }
         use QuantType::*;
-        for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+        for qtype in ALL {
             let (rows, cols) = (9, 3 * qtype.block_len());
             for fill in [0x00u8, 0xFF, 0x7F, 0x80] {
                 let mut bytes = random_ggml(qtype, rows, cols, 3);
                 let bb = qtype.block_bytes();
                 for blk in bytes.chunks_exact_mut(bb) {
                     let q = match qtype {
-                        Q4_K => 16..bb,
+                        Q4_K | Q5_K => 16..bb,
                         Q6_K => 0..208,
+                        Q3_K => 0..96,
+                        Q2_K => 16..80,
                         _ => qtype.scale_bytes()..bb,
                     };
                     blk[q].fill(fill);
@@ -761,7 +774,11 @@ pub(crate) mod tests {
         let kinds = [
             QuantType::Q4_1,
             QuantType::Q5_0,
+            QuantType::Q5_1,
+            QuantType::Q2_K,
+            QuantType::Q3_K,
             QuantType::Q4_K,
+            QuantType::Q5_K,
             QuantType::Q6_K,
         ];
         for (simd, qtype) in cpu::available()
@@ -873,9 +890,8 @@ pub(crate) mod tests {
 
     #[test]
     fn wide_simd_and_scalar_give_the_same_bits() {
-        use QuantType::*;
         for simd in simd_paths() {
-            for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+            for qtype in ALL {
                 for (rows, cols) in shapes(qtype) {
                     for n in [1usize, 2, 3, 4, 5, 9, 130] {
                         let seed = (rows * 1000 + cols + n) as u64;
@@ -903,11 +919,10 @@ pub(crate) mod tests {
 
     #[test]
     fn wide_results_do_not_depend_on_the_column_split() {
-        use QuantType::*;
         let mut checked = 0;
         let mut f64_differ = 0;
         for simd in families() {
-            for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+            for qtype in ALL {
                 let (rows, cols) = if qtype.is_k_quant() {
                     (17, 1536)
                 } else {
@@ -954,9 +969,8 @@ pub(crate) mod tests {
 
     #[test]
     fn wide_stays_close_to_the_f32_product() {
-        use QuantType::*;
         for simd in families() {
-            for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+            for qtype in ALL {
                 let (rows, cols, n) = (9, 2048, 5);
                 let m = QuantMatrix::from_ggml_bytes(
                     qtype,
@@ -995,8 +1009,7 @@ pub(crate) mod tests {
 
     #[test]
     fn column_range_copies_build_matrices_that_hold_those_columns() {
-        use QuantType::*;
-        for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] {
+        for qtype in ALL {
             let (rows, nb) = (11, 5);
             let (bl, bb) = (qtype.block_len(), qtype.block_bytes());
             let cols = nb * bl;

@@ -1,19 +1,52 @@
-//! The interleaved layout of K-quant matrices (Q4_K, Q6_K): like `pack`, 8 rows per group
-//! and quants as 4-byte words interleaved row by row, with the 6-bit Q4_K scales and mins
-//! decoded at load into bytes laid out for the kernels. A group super-block (8 rows x 256
-//! columns):
+//! The interleaved layout of K-quant matrices (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): like `pack`,
+//! 8 rows per group and quants as 4-byte words interleaved row by row, with the packed
+//! scales and mins decoded at load into bytes laid out for the kernels. A group super-block
+//! (8 rows x 256 columns):
 //!
+//! - Q2_K, 800 bytes (ggml: 8 x 84): `d` x 8 (f16), `dmin` x 8 (f16), the 4-bit scales as
+//!   `[pair p < 8][row][2]` u8 (sub-blocks `2p`, `2p + 1`), the mins in the same layout, then
+//!   the 64 `qs` bytes of each row as 16 words `[w][row][4]`.
+//! - Q3_K, 912 bytes (ggml: 8 x 110): `d` x 8 (f16), the scales minus 32 as
+//!   `[pair p < 8][row][2]` i8, the 32 `hmask` bytes of each row as 8 words `[w][row][4]`,
+//!   then the 64 `qs` bytes as 16 words.
 //! - Q4_K, 1184 bytes (ggml: 8 x 144): `d` x 8 (f16), `dmin` x 8 (f16), scales as
 //!   `[pair p < 4][row][2]` u8 (sub-blocks `2p`, `2p + 1`), mins in the same layout, then the
 //!   128 quant bytes of each row as 32 words `[w][row][4]`.
+//! - Q5_K, 1440 bytes (ggml: 8 x 176): Q4_K's layout, then the 32 `qh` bytes of each row as
+//!   8 words `[w][row][4]`.
 //! - Q6_K, 1680 bytes (same as ggml): `d` x 8 (f16), scales as `[pair p < 8][row][2]` i8,
 //!   then the `ql` and `qh` words (each `[row][4]`) in the order the kernel reads them (see
 //!   `q6k::triple`), so the weights stream sequentially.
 //!
 //! Both directions are exact, so the ggml bytes can always be rebuilt.
 
-use crate::format::{pack_scale_min_k4, scale_min_k4, QuantType};
+use crate::format::{pack_scale_k3, pack_scale_min_k4, scale_k3, scale_min_k4, QuantType};
 use crate::pack::GROUP_ROWS;
+
+/// Offsets inside a Q2_K group super-block.
+pub(crate) mod q2k {
+    pub const D: usize = 0;
+    pub const DMIN: usize = 16;
+    pub const SC: usize = 32;
+    pub const MIN: usize = 160;
+    pub const QS: usize = 288;
+    pub const BYTES: usize = 288 + 512;
+}
+
+/// Offsets inside a Q3_K group super-block.
+pub(crate) mod q3k {
+    pub const D: usize = 0;
+    pub const SC: usize = 16;
+    pub const HM: usize = 144;
+    pub const QS: usize = 400;
+    pub const BYTES: usize = 400 + 512;
+}
+
+/// Offsets inside a Q5_K group super-block (Q4_K's, then `qh`).
+pub(crate) mod q5k {
+    pub const QH: usize = super::q4k::BYTES;
+    pub const BYTES: usize = QH + 256;
+}
 
 /// Offsets inside a Q4_K group super-block.
 pub(crate) mod q4k {
@@ -69,6 +102,45 @@ fn pair(base: usize, p: usize, lane: usize) -> usize {
 /// Copies one row's ggml super-block `src` into its lane of the group super-block `dst`.
 pub(crate) fn pack_block(qtype: QuantType, lane: usize, src: &[u8], dst: &mut [u8]) {
     match qtype {
+        QuantType::Q2_K => {
+            dst[q2k::D + 2 * lane..][..2].copy_from_slice(&src[80..82]);
+            dst[q2k::DMIN + 2 * lane..][..2].copy_from_slice(&src[82..84]);
+            for (j, &s) in src[..16].iter().enumerate() {
+                dst[pair(q2k::SC, j / 2, lane) + j % 2] = s & 0x0F;
+                dst[pair(q2k::MIN, j / 2, lane) + j % 2] = s >> 4;
+            }
+            for w in 0..16 {
+                dst[word(q2k::QS, w, lane)..][..4].copy_from_slice(&src[16 + 4 * w..][..4]);
+            }
+        }
+        QuantType::Q3_K => {
+            dst[q3k::D + 2 * lane..][..2].copy_from_slice(&src[108..110]);
+            for j in 0..16 {
+                dst[pair(q3k::SC, j / 2, lane) + j % 2] = scale_k3(j, &src[96..108]) as u8;
+            }
+            for w in 0..8 {
+                dst[word(q3k::HM, w, lane)..][..4].copy_from_slice(&src[4 * w..][..4]);
+            }
+            for w in 0..16 {
+                dst[word(q3k::QS, w, lane)..][..4].copy_from_slice(&src[32 + 4 * w..][..4]);
+            }
+        }
+        QuantType::Q5_K => {
+            // Q4_K's fields from the same bytes, the nibbles starting after `qh`.
+            dst[q4k::D + 2 * lane..][..2].copy_from_slice(&src[0..2]);
+            dst[q4k::DMIN + 2 * lane..][..2].copy_from_slice(&src[2..4]);
+            for j in 0..8 {
+                let (sc, m) = scale_min_k4(j, &src[4..16]);
+                dst[pair(q4k::SC, j / 2, lane) + j % 2] = sc;
+                dst[pair(q4k::MIN, j / 2, lane) + j % 2] = m;
+            }
+            for w in 0..32 {
+                dst[word(q4k::QS, w, lane)..][..4].copy_from_slice(&src[48 + 4 * w..][..4]);
+            }
+            for w in 0..8 {
+                dst[word(q5k::QH, w, lane)..][..4].copy_from_slice(&src[16 + 4 * w..][..4]);
+            }
+        }
         QuantType::Q4_K => {
             dst[q4k::D + 2 * lane..][..2].copy_from_slice(&src[0..2]);
             dst[q4k::DMIN + 2 * lane..][..2].copy_from_slice(&src[2..4]);
@@ -100,6 +172,47 @@ pub(crate) fn pack_block(qtype: QuantType, lane: usize, src: &[u8], dst: &mut [u
 /// Rebuilds one row's ggml super-block from its lane of a group super-block.
 pub(crate) fn unpack_block(qtype: QuantType, lane: usize, src: &[u8], out: &mut [u8]) {
     match qtype {
+        QuantType::Q2_K => {
+            out[80..82].copy_from_slice(&src[q2k::D + 2 * lane..][..2]);
+            out[82..84].copy_from_slice(&src[q2k::DMIN + 2 * lane..][..2]);
+            for j in 0..16 {
+                let sc = src[pair(q2k::SC, j / 2, lane) + j % 2];
+                let m = src[pair(q2k::MIN, j / 2, lane) + j % 2];
+                out[j] = sc | (m << 4);
+            }
+            for w in 0..16 {
+                out[16 + 4 * w..][..4].copy_from_slice(&src[word(q2k::QS, w, lane)..][..4]);
+            }
+        }
+        QuantType::Q3_K => {
+            out[108..110].copy_from_slice(&src[q3k::D + 2 * lane..][..2]);
+            let sc: [i8; 16] =
+                std::array::from_fn(|j| src[pair(q3k::SC, j / 2, lane) + j % 2] as i8);
+            pack_scale_k3(&sc, &mut out[96..108]);
+            for w in 0..8 {
+                out[4 * w..][..4].copy_from_slice(&src[word(q3k::HM, w, lane)..][..4]);
+            }
+            for w in 0..16 {
+                out[32 + 4 * w..][..4].copy_from_slice(&src[word(q3k::QS, w, lane)..][..4]);
+            }
+        }
+        QuantType::Q5_K => {
+            out[0..2].copy_from_slice(&src[q4k::D + 2 * lane..][..2]);
+            out[2..4].copy_from_slice(&src[q4k::DMIN + 2 * lane..][..2]);
+            let mut sc = [0u8; 8];
+            let mut m = [0u8; 8];
+            for j in 0..8 {
+                sc[j] = src[pair(q4k::SC, j / 2, lane) + j % 2];
+                m[j] = src[pair(q4k::MIN, j / 2, lane) + j % 2];
+            }
+            pack_scale_min_k4(&sc, &m, &mut out[4..16]);
+            for w in 0..8 {
+                out[16 + 4 * w..][..4].copy_from_slice(&src[word(q5k::QH, w, lane)..][..4]);
+            }
+            for w in 0..32 {
+                out[48 + 4 * w..][..4].copy_from_slice(&src[word(q4k::QS, w, lane)..][..4]);
+            }
+        }
         QuantType::Q4_K => {
             out[0..2].copy_from_slice(&src[q4k::D + 2 * lane..][..2]);
             out[2..4].copy_from_slice(&src[q4k::DMIN + 2 * lane..][..2]);

@@ -14,9 +14,9 @@ pub(crate) struct ActBlockK {
     pub qs: [i8; QK_K],
     /// The scale (f32, as in ggml's Q8_K).
     pub d: f32,
-    /// Sum of each 16 consecutive quants (Q6_K's offset of 32).
+    /// Sum of each 16 consecutive quants (Q6_K's offset of 32, Q3_K's of 4, Q2_K's minimums).
     pub bsum16: [i16; QK_K / 16],
-    /// Sum of each 32 consecutive quants (Q4_K's minimums).
+    /// Sum of each 32 consecutive quants (Q4_K's and Q5_K's minimums).
     pub bsum32: [i16; QK_K / 32],
 }
 

@@ -16,11 +16,13 @@
 //! - Q4_0, Q8_0, Q5_0: `c = (isum as f32) * (d_w * d_x)` with `isum` the integer dot product
 //!   of the weight quants (offsets `-8`/`-16` included) and the Q8_0 activation quants;
 //!   `d_w` the weight block's f16 scale, `d_x` the activation block's f16 scale (as f32).
-//! - Q4_1: `c = fma(m_w, s_x, (isum as f32) * (d_w * d_x))` with `m_w` the block's f16
+//! - Q4_1, Q5_1: `c = fma(m_w, s_x, (isum as f32) * (d_w * d_x))` with `m_w` the block's f16
 //!   minimum and `s_x = f16(d * Σq)` of the Q8_1 activation block.
-//! - Q4_K: `c = d_x * fma(d_w, isum as f32, -(dmin_w * (msum as f32)))` with `isum` =
-//!   `Σ_sub sc_sub · (q · x)_sub`, `msum = Σ_sub m_sub · bsum32_sub`, `d_x` Q8_K's f32 scale.
-//! - Q6_K: `c = (isum as f32) * (d_w * d_x)`, `isum = Σ_sub sc_sub · ((q - 32) · x)_sub`.
+//! - Q4_K, Q5_K, Q2_K: `c = d_x * fma(d_w, isum as f32, -(dmin_w * (msum as f32)))` with
+//!   `isum = Σ_sub sc_sub · (q · x)_sub`, `msum = Σ_sub m_sub · bsum_sub` (`bsum32` for Q4_K
+//!   and Q5_K, `bsum16` for Q2_K's 16-wide sub-blocks), `d_x` Q8_K's f32 scale.
+//! - Q6_K, Q3_K: `c = (isum as f32) * (d_w * d_x)`, `isum = Σ_sub sc_sub · ((q - o) · x)_sub`
+//!   with `o = 32` (Q6_K) or 4 (Q3_K, `sc` the stored 6-bit scale minus 32).
 //! - Dense f32/f16 (chunks of 32 columns from column 0 of the matrix; the last may be
 //!   shorter, as if zero padded): 8 lanes, lane `i` = `fma` chain over the chunk's columns
 //!   `i, i + 8, i + 16, i + 24` in that order starting from `+0.0`, then
@@ -29,19 +31,19 @@
 //! Then per output: `acc = 0.0f64; for each block in column order { acc += c as f64 }`,
 //! and finally `y += acc`.
 
-/// Q4_0, Q8_0, Q5_0, Q6_K block contribution.
+/// Q4_0, Q8_0, Q5_0, Q3_K, Q6_K block contribution.
 #[inline]
 pub(crate) fn block_plain(isum: i32, d_w: f32, d_x: f32) -> f32 {
     isum as f32 * (d_w * d_x)
 }
 
-/// Q4_1 block contribution.
+/// Q4_1 and Q5_1 block contribution.
 #[inline]
 pub(crate) fn block_q4_1(isum: i32, d_w: f32, d_x: f32, m_w: f32, s_x: f32) -> f32 {
     m_w.mul_add(s_x, isum as f32 * (d_w * d_x))
 }
 
-/// Q4_K super-block contribution.
+/// Q2_K, Q4_K and Q5_K super-block contribution.
 #[inline]
 pub(crate) fn block_q4_k(isum: i32, msum: i32, d_w: f32, dmin_w: f32, d_x: f32) -> f32 {
     d_x * d_w.mul_add(isum as f32, -(dmin_w * msum as f32))

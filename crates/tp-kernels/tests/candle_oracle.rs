@@ -11,12 +11,16 @@ use common::{ggml_dtype, Uniform};
 use proptest::prelude::*;
 use tp_kernels::{QuantMatrix, QuantType};
 
-const QTYPES: [QuantType; 6] = [
+const QTYPES: [QuantType; 10] = [
     QuantType::Q4_0,
     QuantType::Q4_1,
     QuantType::Q8_0,
     QuantType::Q5_0,
+    QuantType::Q5_1,
+    QuantType::Q2_K,
+    QuantType::Q3_K,
     QuantType::Q4_K,
+    QuantType::Q5_K,
     QuantType::Q6_K,
 ];
 
@@ -80,9 +84,9 @@ fn candle_matmul(o: &Oracle, x: &[f32], n: usize, cols: usize) -> Vec<f32> {
         .unwrap()
 }
 
-/// Q4_1's per-block minimum `m` of row `r`, block `b`, read from the ggml bytes.
+/// Q4_1's or Q5_1's per-block minimum `m` of row `r`, block `b`, read from the ggml bytes.
 fn block_min(qtype: QuantType, bytes: &[u8], cols: usize, r: usize, b: usize) -> f32 {
-    if qtype != QuantType::Q4_1 {
+    if !matches!(qtype, QuantType::Q4_1 | QuantType::Q5_1) {
         return 0.0;
     }
     let at = (r * cols / 32 + b) * qtype.block_bytes() + 2;
@@ -95,7 +99,7 @@ fn block_min(qtype: QuantType, bytes: &[u8], cols: usize, r: usize, b: usize) ->
 ///   and `|f16(d_b) - d_b| <= 2^-11 d_b`, `|q_i| <= 127`, so
 ///   `|x̂_i - x_i| <= amax_b (1/254 + 2^-11)`; times `sum_{i in b} |w_i|`. (Q8_K keeps `d`
 ///   in f32, so the f16 term is an overestimate there.)
-/// - `smin` (Q4_1): the kernel multiplies `m_b` by `s_b = f16(d_b * sum q)` rather than by
+/// - `smin` (Q4_1, Q5_1): the kernel multiplies `m_b` by `s_b = f16(d_b * sum q)` rather than by
 ///   `sum x̂_i = f16(d_b) * sum q`; the two differ by at most `2^-10 d_b |sum q|
 ///   <= 2^-10 sum_{i in b} (|x_i| + d_b / 2)`; times `|m_b|`.
 /// - `mag`: `sum |x_i w_i|`, for f32 accumulation error (relative eps per addition).
@@ -133,8 +137,9 @@ fn terms(qtype: QuantType, bytes: &[u8], x: &[f32], w: &[f32], r: usize) -> Term
 
 /// llama.cpp's arithmetic written out from the format spec, in f64: x quantized per block
 /// (`d = amax / 127`, `q = round(x * (1 / d))` half away from zero, `f16(d)`, and for Q4_1
-/// `s = f16(d * sum q)`), then `sum_b f16(d_w) f16(d_x) sum_i q_w q_x (+ m_b s_b)` with the
-/// weight quants decoded from the raw ggml bytes (Q4_0 as `q - 8`, Q5_0 as `q - 16`).
+/// and Q5_1 `s = f16(d * sum q)`), then `sum_b f16(d_w) f16(d_x) sum_i q_w q_x (+ m_b s_b)`
+/// with the weight quants decoded from the raw ggml bytes (Q4_0 as `q - 8`, Q5_0 as
+/// `q - 16`).
 /// K-quants: x quantized per 256 as Q8_K (`iscale = -127 / max`, ties to even, `d = 1 /
 /// iscale` in f32), then `sum_i w_i x̂_i` with candle's dequantized `w` (exact products of
 /// the integer scales and quants).
@@ -175,18 +180,20 @@ fn llama_reference(qtype: QuantType, bytes: &[u8], x: &[f32], w: &[f32], r: usiz
                 .iter()
                 .map(|&v| v as i8 as i64)
                 .collect(),
-            QuantType::Q5_0 => {
-                let qh = u32::from_le_bytes([
-                    bytes[at + 2],
-                    bytes[at + 3],
-                    bytes[at + 4],
-                    bytes[at + 5],
-                ]);
+            QuantType::Q5_0 | QuantType::Q5_1 => {
+                // Q5_1 has `m` before `qh` and no offset.
+                let (o, off) = if qtype == QuantType::Q5_1 {
+                    (at + 2, 0)
+                } else {
+                    (at, 16)
+                };
+                let qh =
+                    u32::from_le_bytes([bytes[o + 2], bytes[o + 3], bytes[o + 4], bytes[o + 5]]);
                 (0..32)
                     .map(|e| {
-                        let byte = bytes[at + 6 + e % 16];
+                        let byte = bytes[o + 6 + e % 16];
                         let nib = if e < 16 { byte & 15 } else { byte >> 4 };
-                        (nib as i64 | (((qh >> e) & 1) as i64) << 4) - 16
+                        (nib as i64 | (((qh >> e) & 1) as i64) << 4) - off
                     })
                     .collect()
             }
@@ -200,7 +207,7 @@ fn llama_reference(qtype: QuantType, bytes: &[u8], x: &[f32], w: &[f32], r: usiz
         };
         let isum: i64 = qw.iter().zip(&qx).map(|(a, b)| a * b).sum();
         y += f16(at) * dx * isum as f64;
-        if qtype == QuantType::Q4_1 {
+        if matches!(qtype, QuantType::Q4_1 | QuantType::Q5_1) {
             y += f16(at + 2) * sx;
         }
     }
@@ -253,7 +260,7 @@ fn check_shape(qtype: QuantType, rows: usize, cols: usize, n: usize, seed: u64) 
             worst_f32 = worst_f32.max(err / k.mag.max(1e-30));
 
             // candle quantizes x to the same 8-bit blocks: identical integer sums, so only the
-            // f32 accumulation order and (Q4_1) candle's `s = f16(sum q) * f16(d)` rounding differ.
+            // f32 accumulation order and (Q4_1, Q5_1) candle's `s = f16(sum q) * f16(d)` rounding differ.
             let c = yc[t * rows + r] as f64;
             let tight = 1e-5 * k.mag + 2.0 * k.smin + 1e-7;
             let diff = (got - c).abs();
@@ -353,7 +360,11 @@ fn matmul_matches_on_smollm2_shapes_with_prefill_batches() {
         (QuantType::Q4_0, 40, 1536, 6),
         // Qwen2.5-0.5B-like shapes for the other formats.
         (QuantType::Q5_0, 128, 896, 5),
+        (QuantType::Q5_1, 128, 896, 5),
+        (QuantType::Q2_K, 64, 1536, 5),
+        (QuantType::Q3_K, 64, 1536, 5),
         (QuantType::Q4_K, 64, 1536, 5),
+        (QuantType::Q5_K, 64, 1536, 5),
         (QuantType::Q6_K, 48, 1536, 6),
     ] {
         check_shape(qtype, rows, cols, n, (rows + cols + n) as u64);
@@ -404,7 +415,7 @@ proptest! {
     /// Random shapes and seeds: every check of `check_shape` holds.
     #[test]
     fn random_shapes_stay_within_the_derived_bounds(
-        q in 0usize..6,
+        q in 0usize..QTYPES.len(),
         rows in 1usize..40,
         blocks in 1usize..24,
         n in 1usize..7,

@@ -61,7 +61,8 @@ impl Default for LoadOptions {
 
 #[derive(Debug)]
 enum Store {
-    /// ggml blocks through our kernels (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K).
+    /// ggml blocks through our kernels (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K,
+    /// Q6_K).
     Quant(QuantMatrix),
     /// Other ggml types through candle's quantized matmul.
     CandleQuant {
@@ -81,7 +82,11 @@ fn kernel_type(t: GgmlDType) -> Option<QuantType> {
         GgmlDType::Q4_1 => QuantType::Q4_1,
         GgmlDType::Q8_0 => QuantType::Q8_0,
         GgmlDType::Q5_0 => QuantType::Q5_0,
+        GgmlDType::Q5_1 => QuantType::Q5_1,
+        GgmlDType::Q2K => QuantType::Q2_K,
+        GgmlDType::Q3K => QuantType::Q3_K,
         GgmlDType::Q4K => QuantType::Q4_K,
+        GgmlDType::Q5K => QuantType::Q5_K,
         GgmlDType::Q6K => QuantType::Q6_K,
         _ => return None,
     })

@@ -7,7 +7,9 @@
 //! products, summation order, partial sums over ranks), so agreement is looser than the f32
 //! comparison: 2e-2 of each row's logit spread (measured: 0 at tp 1 for every type, 0 at every
 //! tp for Q4_0 and Q4_1 blocks, 8.8e-3 at tp 2..4 for Q8_0 blocks, where a last-bit change of
-//! a partial sum flips the int8 rounding of later activations), and
+//! a partial sum flips the int8 rounding of later activations; Q5_1 6.4e-3 at every tp; the
+//! K-quants Q5_K, Q3_K, Q2_K at most 2.3e-7 at tp 1 and 8.6e-3..1.3e-2 at tp 2..4, where
+//! row-parallel shards that cut a 256-wide super-block are dequantized to f32 at load), and
 //! the greedy token may differ only where the top two logits are within that tolerance.
 
 mod common;
@@ -71,16 +73,24 @@ type Shape = fn(&mut tp_models::ModelConfig);
 fn quantized_logits_match_candle_quantized_models_at_tp_1_to_4() {
     // Must hold before the first quantized matmul of any thread of this process.
     std::env::remove_var("CANDLE_DEQUANTIZE_ALL");
-    // candle's Q4_1 dot product debug-asserts an even number of blocks per row (it is
+    // candle's Q4_1 and Q5_1 dot products debug-assert an even number of blocks per row (it is
     // written for SIMD pairs), so the Q4_1 model has head_dim 64 and FFN 768: every shard
     // at tp 1..4 has an even block count. The others keep the uneven test shape.
     let q4_1_shape: Shape = |m| (m.heads, m.kv_heads, m.head_dim, m.ffn) = (4, 2, 64, 768);
     let keep: Shape = |_| {};
+    // K-quant rows are 256 wide: FFN 768 (the down projection's columns). Row-parallel shards
+    // that cut a super-block (FFN at tp 2 and 4, attention output at tp 2..4) are
+    // dequantized at load; the others run on our K-quant kernels.
+    let k_shape: Shape = |m| m.ffn = 768;
     let cases = [
         (Arch::Llama, GgmlDType::Q8_0, GgmlDType::Q8_0, keep),
         (Arch::Llama, GgmlDType::Q4_0, GgmlDType::Q8_0, keep),
         (Arch::Llama, GgmlDType::Q4_1, GgmlDType::Q4_1, q4_1_shape),
         (Arch::Qwen2, GgmlDType::Q4_1, GgmlDType::Q8_0, q4_1_shape),
+        (Arch::Llama, GgmlDType::Q5_1, GgmlDType::Q5_1, q4_1_shape),
+        (Arch::Llama, GgmlDType::Q5K, GgmlDType::Q6K, k_shape),
+        (Arch::Qwen2, GgmlDType::Q3K, GgmlDType::Q8_0, k_shape),
+        (Arch::Llama, GgmlDType::Q2K, GgmlDType::Q3K, k_shape),
     ];
     let dir = tempfile::tempdir().unwrap();
     for (i, (arch, linear, embed, shape)) in cases.into_iter().enumerate() {

@@ -35,7 +35,11 @@ pub fn ggml_dtype(q: QuantType) -> GgmlDType {
         QuantType::Q4_1 => GgmlDType::Q4_1,
         QuantType::Q8_0 => GgmlDType::Q8_0,
         QuantType::Q5_0 => GgmlDType::Q5_0,
+        QuantType::Q5_1 => GgmlDType::Q5_1,
+        QuantType::Q2_K => GgmlDType::Q2K,
+        QuantType::Q3_K => GgmlDType::Q3K,
         QuantType::Q4_K => GgmlDType::Q4K,
+        QuantType::Q5_K => GgmlDType::Q5K,
         QuantType::Q6_K => GgmlDType::Q6K,
     }
 }
