@@ -1,7 +1,10 @@
 //! `tp bench serve`: starts a server in this process per tp (through `tp_serve::serve`, as
-//! `tp serve` does, with the bench's model flags), drives it with streaming completion requests at each concurrency (a bounded number of requests per level), and
-//! reports output throughput, time to first token and time per output token (p50/p99), and
-//! how throughput grows with concurrency (continuous batching).
+//! `tp serve` does, with the bench's model flags), drives it with streaming completion
+//! requests at each concurrency (a bounded number of requests per level), and reports output
+//! throughput, time to first token and time per output token (p50/p99), and how throughput
+//! grows with concurrency (continuous batching). With a shared system prompt, the same
+//! workload runs with and without the prefix cache (`--prefix-cache both`), and a KV budget
+//! of a few full contexts (`--kv-contexts`) makes the server preempt and recompute.
 
 use crate::model_run::{run_model, ModelArgs};
 use crate::serve::serve_error;
@@ -34,9 +37,38 @@ pub struct BenchServeArgs {
     /// Tokens generated per request (end-of-sequence ignored).
     #[arg(long, default_value_t = 64)]
     pub gen_tokens: usize,
+    /// Tokens of a system prompt every request begins with (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub system_prompt_tokens: usize,
+    /// Run with the prefix cache on, off, or both (one server each).
+    #[arg(long, value_enum, default_value_t = PrefixCacheArg::On)]
+    pub prefix_cache: PrefixCacheArg,
+    /// KV budget of this many full contexts (system prompt, prompt and generated tokens) per
+    /// rank, instead of the default budget; fewer than the concurrency makes requests wait
+    /// or be preempted.
+    #[arg(long)]
+    pub kv_contexts: Option<usize>,
     /// Print one JSON object per (tp, concurrency) on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Which servers `tp bench serve` starts per tp.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PrefixCacheArg {
+    On,
+    Off,
+    Both,
+}
+
+impl PrefixCacheArg {
+    fn settings(self) -> &'static [bool] {
+        match self {
+            PrefixCacheArg::On => &[true],
+            PrefixCacheArg::Off => &[false],
+            PrefixCacheArg::Both => &[true, false],
+        }
+    }
 }
 
 /// One request's timings.
@@ -48,6 +80,7 @@ struct Sample {
 
 /// One level's figures.
 struct Level {
+    prefix_cache: bool,
     concurrency: usize,
     requests: usize,
     tokens: usize,
@@ -77,30 +110,53 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
     if args.gen_tokens < 2 || args.prompt_tokens == 0 || args.rounds == 0 {
         bail!("--gen-tokens >= 2, --prompt-tokens >= 1 and --rounds >= 1 are needed");
     }
+    if args.kv_contexts == Some(0) {
+        bail!("--kv-contexts must be at least 1");
+    }
     if args.model.backend != crate::launch::Backend::Local {
         bail!("tp bench serve starts its servers with the local backend; drop --backend");
     }
     let model = args.model.model_path()?;
     let max_c = args.concurrency.iter().copied().max().unwrap_or(1);
-    let ctx = args.prompt_tokens * 2 + args.gen_tokens + 64;
+    // Words of the prompts are about a token each; the margin covers the tokenizer's
+    // rounding.
+    let ctx = args.system_prompt_tokens + args.prompt_tokens * 2 + args.gen_tokens + 64;
+    let budget = args.kv_contexts.map(|k| KvBudget::Positions(k * ctx));
     let mut all: Vec<(usize, Vec<Level>)> = Vec::new();
     for &tp in &args.tps {
-        let server = InProcessServer::start(&model, tp, ctx, max_c, &args.model)?;
-        let client = Client::new(server.addr);
-        // Warm-up (first touches of weights and caches).
-        one_request(&client, 0, args.prompt_tokens, 4).context("warm-up request")?;
         let mut levels = Vec::new();
-        for &c in &args.concurrency {
-            let level = drive(&client, c, (args.rounds * c).max(8), args)
-                .with_context(|| format!("tp {tp}, concurrency {c}"))?;
-            if args.json {
-                println!("{}", level_json(tp, &level, args));
-            } else {
-                eprintln!("# tp {tp} concurrency {c}: {:.1} tok/s", level.throughput());
+        for &prefix_cache in args.prefix_cache.settings() {
+            let server = InProcessServer::start(
+                &model,
+                ServerShape {
+                    tp,
+                    ctx,
+                    max_seqs: max_c,
+                    prefix_cache,
+                    budget,
+                },
+                &args.model,
+            )?;
+            let client = Client::new(server.addr);
+            // Warm-up (first touches of weights and caches).
+            one_request(&client, 0, args, 4).context("warm-up request")?;
+            for &c in &args.concurrency {
+                let mut level = drive(&client, c, (args.rounds * c).max(8), args)
+                    .with_context(|| format!("tp {tp}, concurrency {c}"))?;
+                level.prefix_cache = prefix_cache;
+                if args.json {
+                    println!("{}", level_json(tp, &level, args));
+                } else {
+                    eprintln!(
+                        "# tp {tp} prefix cache {} concurrency {c}: {:.1} tok/s",
+                        on_off(prefix_cache),
+                        level.throughput()
+                    );
+                }
+                levels.push(level);
             }
-            levels.push(level);
+            server.stop()?;
         }
-        server.stop()?;
         all.push((tp, levels));
     }
     if !args.json {
@@ -130,12 +186,7 @@ fn drive(
                         if i >= requests {
                             return Ok(out);
                         }
-                        out.push(one_request(
-                            &client,
-                            i + 1,
-                            args.prompt_tokens,
-                            args.gen_tokens,
-                        )?);
+                        out.push(one_request(&client, i + 1, args, args.gen_tokens)?);
                     }
                 })
             })
@@ -149,6 +200,7 @@ fn drive(
     });
     let wall = t0.elapsed().as_secs_f64();
     let mut level = Level {
+        prefix_cache: true,
         concurrency: c,
         requests,
         tokens: 0,
@@ -166,16 +218,34 @@ fn drive(
     Ok(level)
 }
 
-/// One streamed completion of a distinct prompt of about `prompt_tokens` tokens.
+fn on_off(on: bool) -> &'static str {
+    if on {
+        "on"
+    } else {
+        "off"
+    }
+}
+
+/// One streamed completion of `gen` tokens: the shared system prompt, then a distinct prompt
+/// of about `args.prompt_tokens` tokens.
 fn one_request(
     client: &Client,
     i: usize,
-    prompt_tokens: usize,
+    args: &BenchServeArgs,
     gen: usize,
 ) -> anyhow::Result<Sample> {
     // About one token per word with a leading space.
-    let mut prompt = format!("Request {i}:");
-    for k in 0..prompt_tokens.saturating_sub(3) {
+    let mut prompt = String::new();
+    if args.system_prompt_tokens > 0 {
+        prompt.push_str("System:");
+        for k in 0..args.system_prompt_tokens.saturating_sub(2) {
+            prompt.push(' ');
+            prompt.push_str(WORDS[(k * 5) % WORDS.len()]);
+        }
+        prompt.push('\n');
+    }
+    prompt.push_str(&format!("Request {i}:"));
+    for k in 0..args.prompt_tokens.saturating_sub(3) {
         prompt.push(' ');
         prompt.push_str(WORDS[(i * 7 + k * 3) % WORDS.len()]);
     }
@@ -236,6 +306,9 @@ fn percentile(v: &[f64], p: f64) -> f64 {
 fn level_json(tp: usize, l: &Level, args: &BenchServeArgs) -> String {
     json!({
         "tp": tp,
+        "prefix_cache": l.prefix_cache,
+        "system_prompt_tokens": args.system_prompt_tokens,
+        "kv_contexts": args.kv_contexts,
         "concurrency": l.concurrency,
         "requests": l.requests,
         "prompt_tokens": args.prompt_tokens,
@@ -255,9 +328,19 @@ fn print_table(all: &[(usize, Vec<Level>)], args: &BenchServeArgs) {
         "# tp bench serve: streaming completions, ~{} prompt + {} generated tokens each (EOS ignored), greedy; requests per level = {} x concurrency (at least 8)",
         args.prompt_tokens, args.gen_tokens, args.rounds
     );
+    if args.system_prompt_tokens > 0 {
+        println!(
+            "# every request begins with the same ~{}-token system prompt",
+            args.system_prompt_tokens
+        );
+    }
+    if let Some(k) = args.kv_contexts {
+        println!("# KV budget: {k} full contexts per rank");
+    }
     println!(
-        "{:>3}  {:>5}  {:>8}  {:>12}  {:>13}  {:>13}  {:>13}  {:>13}  {:>8}",
+        "{:>3}  {:>6}  {:>5}  {:>8}  {:>12}  {:>13}  {:>13}  {:>13}  {:>13}  {:>8}",
         "tp",
+        "prefix",
         "conc",
         "requests",
         "output t/s",
@@ -268,15 +351,16 @@ fn print_table(all: &[(usize, Vec<Level>)], args: &BenchServeArgs) {
         "vs c=1"
     );
     for (tp, levels) in all {
-        let base = levels
-            .iter()
-            .find(|l| l.concurrency == 1)
-            .map(Level::throughput);
         for l in levels {
+            let base = levels
+                .iter()
+                .find(|b| b.concurrency == 1 && b.prefix_cache == l.prefix_cache)
+                .map(Level::throughput);
             let ratio = base.map_or(String::from("-"), |b| format!("{:.2}x", l.throughput() / b));
             println!(
-                "{:>3}  {:>5}  {:>8}  {:>12.1}  {:>13.1}  {:>13.1}  {:>13.2}  {:>13.2}  {:>8}",
+                "{:>3}  {:>6}  {:>5}  {:>8}  {:>12.1}  {:>13.1}  {:>13.1}  {:>13.2}  {:>13.2}  {:>8}",
                 tp,
+                on_off(l.prefix_cache),
                 l.concurrency,
                 l.requests,
                 l.throughput(),
@@ -302,14 +386,29 @@ struct InProcessServer {
 /// What the server's thread ends with (`run_model`'s result).
 type RunOutcome = anyhow::Result<Result<Option<()>, ExitCode>>;
 
+/// What a bench server is started with.
+struct ServerShape {
+    tp: usize,
+    ctx: usize,
+    max_seqs: usize,
+    prefix_cache: bool,
+    /// The default budget (or the rank memory limit) when `None`.
+    budget: Option<KvBudget>,
+}
+
 impl InProcessServer {
     fn start(
         model: &std::path::Path,
-        tp: usize,
-        ctx: usize,
-        max_seqs: usize,
+        shape: ServerShape,
         margs: &ModelArgs,
     ) -> anyhow::Result<InProcessServer> {
+        let ServerShape {
+            tp,
+            ctx,
+            max_seqs,
+            prefix_cache,
+            budget,
+        } = shape;
         let mut m = margs.clone();
         m.model = Some(model.to_path_buf());
         m.tp = Some(tp);
@@ -324,9 +423,10 @@ impl InProcessServer {
             model_name: model
                 .file_stem()
                 .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()),
-            kv_budget: match m.max_rank_memory {
-                Some(rank) => KvBudget::RankMemory(rank),
-                None => KvBudget::Default,
+            kv_budget: match (budget, m.max_rank_memory) {
+                (Some(b), _) => b,
+                (None, Some(rank)) => KvBudget::RankMemory(rank),
+                (None, None) => KvBudget::Default,
             },
             max_seqs,
             max_batch_tokens: 256,
@@ -342,7 +442,7 @@ impl InProcessServer {
             },
             log: false,
             auth_hint: None,
-            prefix_cache: true,
+            prefix_cache,
         };
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()

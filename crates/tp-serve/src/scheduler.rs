@@ -271,6 +271,11 @@ impl<'t> Scheduler<'_, 't> {
             }
             self.drop_abandoned(exec)?;
             self.admit(exec)?;
+            if self.running.is_empty() {
+                // With nothing running and the prefix cache given back, a request that fits
+                // the budget is always admitted: one left over never will be.
+                self.refuse_head();
+            }
             self.publish(exec);
             if !self.running.is_empty() {
                 self.step(exec)?;
@@ -304,6 +309,21 @@ impl<'t> Scheduler<'_, 't> {
             }
         }
         Ok(())
+    }
+
+    /// Fails the request at the head of the queue (it cannot be admitted even alone).
+    fn refuse_head(&mut self) {
+        let Some(q) = self.waiting.pop_front() else {
+            return;
+        };
+        if let Queued::New(_) = q {
+            self.load.pending.fetch_sub(1, Ordering::Relaxed);
+        }
+        let _ = q.job().events.send(Event::failed(format!(
+            "the request's {} tokens cannot be held in the server's KV cache of {} positions",
+            q.context().len(),
+            self.cfg.max_positions()
+        )));
     }
 
     /// The open sequence (running or cached) sharing the longest prefix with `context`, and
@@ -363,7 +383,8 @@ impl<'t> Scheduler<'_, 't> {
         let mut i = 0;
         while i < self.waiting.len() && self.running.len() < self.cfg.max_seqs {
             let q = &self.waiting[i];
-            let context = q.context();
+            let context = q.context().to_vec();
+            let context = context.as_slice();
             let resumed = matches!(q, Queued::Preempted(_));
             let whole = context.len().div_ceil(BLOCK_POSITIONS);
             if whole > self.cfg.kv_blocks && !resumed {
@@ -384,18 +405,29 @@ impl<'t> Scheduler<'_, 't> {
             } else {
                 context.len() - 1
             };
-            let source = self.best_prefix(context, cap);
+            let mut source = self.best_prefix(context, cap);
             let shared = source.map_or(0, |(_, n)| n);
             if self.coming_prefix(context, cap) > shared {
                 i += 1;
                 continue;
             }
-            let need = whole - shared / BLOCK_POSITIONS;
-            let want = need + self.running.len();
+            let growth = self.running.len();
+            let want = |shared: usize| whole - shared / BLOCK_POSITIONS + growth;
             let keep = source.map(|(slot, _)| slot);
-            while exec.slots().pool().free_blocks() < want && self.evict_cached(exec, keep)? {}
-            if exec.slots().pool().free_blocks() < want {
-                break;
+            let free = |exec: &dyn StepExecutor| exec.slots().pool().free_blocks();
+            while free(exec) < want(shared) && self.evict_cached(exec, keep)? {}
+            if free(exec) < want(shared) {
+                // The cached source holds the blocks it needs more than the shared prefix
+                // saves: give it back too and start from nothing.
+                let cached_source = keep.filter(|k| self.cached.iter().any(|c| c.slot == *k));
+                if cached_source.is_none() || !self.evict_cached(exec, None)? {
+                    break;
+                }
+                while free(exec) < want(0) && self.evict_cached(exec, None)? {}
+                source = self.best_prefix(context, cap);
+                if free(exec) < want(source.map_or(0, |(_, n)| n)) {
+                    break;
+                }
             }
             let Some(q) = self.waiting.remove(i) else {
                 break;
@@ -1035,6 +1067,30 @@ mod tests {
         assert_eq!(fed(&exec, 1)[0], 1);
         assert_eq!(metric(&metrics, "tp_prefix_cache_hits_total"), 1.0);
         assert_eq!(metric(&metrics, "tp_prefix_cache_hit_tokens_total"), 52.0);
+    }
+
+    #[test]
+    fn a_cached_prefix_too_costly_to_keep_is_given_back_for_a_new_request() {
+        // 3 blocks. The first request ends holding 2 (in the cache); the second shares only
+        // 2 tokens with it and needs 2 blocks of its own: the cache must give its entry back.
+        let mut exec = alphabet(true);
+        let mut c = cfg(3, 64);
+        c.prefix_cache_entries = 4;
+        let one = "ab".to_string() + &"c".repeat(38);
+        let two = "ab".to_string() + &"x".repeat(50);
+        let want = alone(&[(one.clone(), 20), (two.clone(), 10)]);
+        let (got, result) = with_scheduler(&mut exec, &c, vec![], |tx| {
+            let (a, mut ra) = job(&one, DecodeParams::greedy(20));
+            submit(tx, a);
+            let first = collect(&mut ra);
+            let (b, mut rb) = job(&two, DecodeParams::greedy(10));
+            submit(tx, b);
+            (first, collect(&mut rb))
+        });
+        result.unwrap();
+        assert_eq!(done_text(&got.0), done_text(&want[0]));
+        assert_eq!(done_text(&got.1), done_text(&want[1]));
+        assert!(exec.log.contains(&Command::Close { slot: 0 }));
     }
 
     #[test]

@@ -29,6 +29,8 @@ pub enum KvBudget {
     Bytes(u64),
     /// What a rank may use in all, less that rank's weights.
     RankMemory(u64),
+    /// Room for this many positions (whole blocks) on every rank, whatever they cost.
+    Positions(usize),
     /// [`DEFAULT_KV_BYTES`].
     Default,
 }
@@ -111,10 +113,8 @@ pub fn kv_plan(
     budgets: &[u64],
 ) -> Result<KvPlan> {
     let mut limiting: Option<KvPlan> = None;
-    for (r, &budget) in budgets.iter().enumerate().take(weights.tp()) {
-        let plan = ShardPlan::weighted(cfg, 1, r, weights).map_err(EngineError::from)?;
-        let per_block =
-            KvPool::bytes_per_block(cfg.layers, plan.kv_heads().len(), cfg.head_dim, kv_dtype);
+    let per_rank = block_bytes(cfg, weights, kv_dtype)?;
+    for (&budget, &per_block) in budgets.iter().zip(&per_rank) {
         // A budget is reserved as requests arrive; one larger than the machine would let
         // admissions outrun memory instead of queueing.
         if let Some(machine) = tp_models::limits::physical_memory().filter(|&m| budget > m) {
@@ -146,6 +146,21 @@ pub fn kv_plan(
     Ok(kv)
 }
 
+/// Bytes of one KV block on each rank of `cfg` split by `weights`.
+fn block_bytes(cfg: &ModelConfig, weights: &RankWeights, kv_dtype: KvDtype) -> Result<Vec<usize>> {
+    (0..weights.tp())
+        .map(|r| {
+            let plan = ShardPlan::weighted(cfg, 1, r, weights).map_err(EngineError::from)?;
+            Ok(KvPool::bytes_per_block(
+                cfg.layers,
+                plan.kv_heads().len(),
+                cfg.head_dim,
+                kv_dtype,
+            ))
+        })
+        .collect()
+}
+
 /// Serves `session`'s model until shut down (a signal, or [`Ready::stop`]), then drains and
 /// returns. Binds first; `ready` runs once connections are accepted (print the address
 /// there). The scheduler runs on the calling thread, which must be the one that owns
@@ -175,6 +190,13 @@ pub fn serve(
             .map(|m| limit.saturating_sub((m.sharded + m.replicated) as u64))
             .collect(),
         KvBudget::Default => vec![DEFAULT_KV_BYTES; tp],
+        KvBudget::Positions(n) => {
+            let blocks = n.div_ceil(BLOCK_POSITIONS) as u64;
+            block_bytes(&model, &session.weights, session.worker.model().kv_dtype())?
+                .into_iter()
+                .map(|b| blocks.saturating_mul(b as u64))
+                .collect()
+        }
     };
     let kv_dtype = session.worker.model().kv_dtype();
     let kv = kv_plan(&model, &session.weights, kv_dtype, &budgets)?;
