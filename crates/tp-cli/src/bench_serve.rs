@@ -431,6 +431,7 @@ impl InProcessServer {
             max_seqs,
             max_batch_tokens: 256,
             max_queue: 256,
+            max_n: tp_serve::DEFAULT_MAX_N,
             max_body_bytes: tp_serve::DEFAULT_MAX_BODY_BYTES,
             drain_timeout: Duration::from_secs(30),
             term_drain_timeout: Duration::from_secs(30),

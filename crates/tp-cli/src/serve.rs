@@ -53,9 +53,14 @@ pub struct ServeArgs {
     /// prefix cache; its blocks are given back whenever running requests need them).
     #[arg(long)]
     pub no_prefix_cache: bool,
-    /// Requests allowed to wait for admission; beyond it new ones get 429.
+    /// Requests allowed to wait for admission; beyond it new ones get 429 (a request for
+    /// `n` choices takes `n` places).
     #[arg(long, default_value_t = 256)]
     pub max_queue: usize,
+    /// Most choices (`n`) one request may ask for; each is generated as its own sequence
+    /// (the prompt is computed once and shared). More get 400.
+    #[arg(long, default_value_t = tp_serve::DEFAULT_MAX_N, value_name = "N")]
+    pub max_n: usize,
     /// Largest request body, e.g. 1MiB; larger bodies get 413.
     #[arg(long, value_parser = parse_bytes, default_value = "1MiB")]
     pub max_body: u64,
@@ -168,6 +173,7 @@ fn serve_config(
         max_seqs: args.max_seqs,
         max_batch_tokens: args.max_batch_tokens,
         max_queue: args.max_queue,
+        max_n: args.max_n,
         max_body_bytes: usize::try_from(args.max_body).unwrap_or(usize::MAX),
         drain_timeout: drain,
         // mpirun answers a failed rank with SIGTERM to the others and SIGKILL about a
@@ -213,6 +219,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     crate::launch::command_handles_sigterm();
     if args.max_seqs == 0 || args.max_batch_tokens == 0 {
         bail!("--max-seqs and --max-batch-tokens must be at least 1");
+    }
+    if args.max_n == 0 {
+        bail!("--max-n must be at least 1");
     }
     let drain = Duration::try_from_secs_f64(args.drain_timeout)
         .ok()

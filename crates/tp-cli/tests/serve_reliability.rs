@@ -34,7 +34,7 @@ fn bad_requests() -> Vec<(Vec<u8>, u16, Option<&'static str>)> {
         (user(r#","temperature":"warm""#), 400, Some("temperature")),
         (user(r#","top_p":0"#), 400, Some("top_p")),
         (user(r#","top_p":1.5"#), 400, Some("top_p")),
-        (user(r#","n":2"#), 400, Some("n")),
+        (user(r#","n":9"#), 400, Some("n")),
         (user(r#","n":0"#), 400, Some("n")),
         (user(r#","stop":7"#), 400, Some("stop")),
         (user(r#","stream":"yes""#), 400, Some("stream")),
@@ -146,7 +146,7 @@ fn bad_requests_are_refused_by_name_and_leave_no_trace() {
         (json!({"prompt": ["a", "b"]}), "prompt"),
         (json!({"prompt": [1, 99999999]}), "prompt"),
         (json!({"prompt": "hi", "max_tokens": 0}), "max_tokens"),
-        (json!({"prompt": "hi", "n": 3}), "n"),
+        (json!({"prompt": "hi", "n": 9}), "n"),
         (json!({"prompt": "hi", "logprobs": 21}), "logprobs"),
         (json!({"prompt": "hi", "logprobs": true}), "logprobs"),
         (

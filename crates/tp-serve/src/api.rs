@@ -11,7 +11,7 @@ use serde_json::{Map, Value};
 use tp_tokenizer::ChatMessage;
 
 pub use crate::response::{
-    logprobs_json, LogprobEntry, ResponseMeta, TokenInfo, Usage, LOGPROB_FLOOR,
+    logprobs_json, Choice, LogprobEntry, ResponseMeta, TokenInfo, Usage, LOGPROB_FLOOR,
 };
 
 /// Which endpoint a request came to.
@@ -66,7 +66,13 @@ pub struct GenRequest {
     /// OpenAI's penalties in [-2, 2], over the tokens generated so far.
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
+    /// Choices to generate for the prompt, 1..=the server's limit (each its own sequence;
+    /// the scheduler computes their shared prompt once).
+    pub n: usize,
 }
+
+/// Most choices one request may ask for (`n`) unless the server is set otherwise.
+pub const DEFAULT_MAX_N: usize = 8;
 
 /// Most stop sequences a request may give (OpenAI's limit).
 pub const MAX_STOPS: usize = 4;
@@ -75,11 +81,13 @@ pub const MAX_STOPS: usize = 4;
 /// `logprobs` (OpenAI allows 5; 20 is accepted as vLLM does).
 pub const MAX_TOP_LOGPROBS: usize = tp_engine::MAX_TOP_LOGPROBS;
 
-/// Reads a request body: UTF-8, JSON, an object, then each parameter.
+/// Reads a request body: UTF-8, JSON, an object, then each parameter. `max_n` is the most
+/// choices (`n`) the server gives one request.
 pub fn parse_request(
     endpoint: Endpoint,
     body: &[u8],
     served_model: &str,
+    max_n: usize,
 ) -> Result<GenRequest, ApiError> {
     let text = std::str::from_utf8(body).map_err(|e| {
         ApiError::bad_body(
@@ -145,19 +153,7 @@ pub fn parse_request(
             None => return Err(ApiError::wrong_type("top_k", "an integer", v)),
         },
     };
-    if let Some(v) = r.get("n") {
-        match v.as_i64() {
-            Some(1) => {}
-            Some(n) => {
-                return Err(ApiError::invalid(
-                    "n",
-                    "invalid_value",
-                    format!("n is {n}; this server returns one choice per request: use n=1 and send several requests for more"),
-                ))
-            }
-            None => return Err(ApiError::wrong_type("n", "an integer", v)),
-        }
-    }
+    let n = read_n(&r, max_n)?;
     if let Some(v) = r.get("best_of") {
         match v.as_i64() {
             Some(1) => {}
@@ -227,7 +223,30 @@ pub fn parse_request(
         logprobs,
         presence_penalty,
         frequency_penalty,
+        n,
     })
+}
+
+/// `n`: an integer in `1..=max_n` (1 when absent).
+fn read_n(r: &Reader<'_>, max_n: usize) -> Result<usize, ApiError> {
+    let Some(v) = r.get("n") else {
+        return Ok(1);
+    };
+    let out_of_range = |shown: &dyn std::fmt::Display| {
+        ApiError::invalid(
+            "n",
+            "invalid_value",
+            format!("n is {shown}; it must be in [1, {max_n}] (this server returns at most {max_n} choices per request)"),
+        )
+    };
+    match (v.as_u64(), v.as_i64()) {
+        (Some(n), _) => match usize::try_from(n) {
+            Ok(n) if (1..=max_n).contains(&n) => Ok(n),
+            _ => Err(out_of_range(&n)),
+        },
+        (None, Some(n)) => Err(out_of_range(&n)),
+        _ => Err(ApiError::wrong_type("n", "an integer", v)),
+    }
 }
 
 /// `logprobs` and `top_logprobs`: `None` when no log-probabilities are asked for.
@@ -600,11 +619,11 @@ mod tests {
     use super::*;
 
     fn chat(body: &str) -> Result<GenRequest, ApiError> {
-        parse_request(Endpoint::Chat, body.as_bytes(), "m")
+        parse_request(Endpoint::Chat, body.as_bytes(), "m", DEFAULT_MAX_N)
     }
 
     fn completion(body: &str) -> Result<GenRequest, ApiError> {
-        parse_request(Endpoint::Completions, body.as_bytes(), "m")
+        parse_request(Endpoint::Completions, body.as_bytes(), "m", DEFAULT_MAX_N)
     }
 
     fn param_of(r: Result<GenRequest, ApiError>) -> Option<String> {
@@ -680,7 +699,7 @@ mod tests {
             (r#""temperature":"hot""#, "temperature"),
             (r#""top_p":0"#, "top_p"),
             (r#""top_p":1.01"#, "top_p"),
-            (r#""n":2"#, "n"),
+            (r#""n":9"#, "n"),
             (r#""n":"one""#, "n"),
             (r#""seed":"x""#, "seed"),
             (r#""stop":5"#, "stop"),
@@ -726,13 +745,48 @@ mod tests {
     }
 
     #[test]
+    fn n_is_an_integer_up_to_the_servers_limit() {
+        let m = r#""messages":[{"role":"user","content":"hi"}]"#;
+        assert_eq!(chat(&format!("{{{m}}}")).unwrap().n, 1);
+        assert_eq!(chat(&format!(r#"{{{m},"n":null}}"#)).unwrap().n, 1);
+        assert_eq!(chat(&format!(r#"{{{m},"n":1}}"#)).unwrap().n, 1);
+        assert_eq!(chat(&format!(r#"{{{m},"n":8}}"#)).unwrap().n, 8);
+        // Greedy choices are allowed (they are then identical, as with OpenAI).
+        let r = completion(r#"{"prompt":"a","n":3,"temperature":0}"#).unwrap();
+        assert_eq!((r.n, r.temperature), (3, 0.0));
+        for bad in [
+            "0",
+            "9",
+            "-1",
+            "\"x\"",
+            "2.5",
+            "true",
+            "18446744073709551615",
+        ] {
+            let e = chat(&format!(r#"{{{m},"n":{bad}}}"#)).expect_err(bad);
+            assert_eq!((e.status, e.param.as_deref()), (400, Some("n")), "{bad}");
+            if !bad.starts_with('"') && bad != "2.5" && bad != "true" {
+                assert!(e.message.contains("[1, 8]"), "{bad}: {}", e.message);
+            }
+        }
+        // The limit is the server's.
+        let body = format!(r#"{{{m},"n":3}}"#);
+        let e = parse_request(Endpoint::Chat, body.as_bytes(), "m", 2).unwrap_err();
+        assert!(e.message.contains("at most 2 choices"), "{}", e.message);
+        assert_eq!(
+            parse_request(Endpoint::Chat, body.as_bytes(), "m", 3).map(|r| r.n),
+            Ok(3)
+        );
+    }
+
+    #[test]
     fn bodies_that_are_not_json_objects_are_refused() {
         for body in [&b"{\"messages\": [\xff]}"[..], b"", b"{", b"[1]", b"null"] {
-            let e = parse_request(Endpoint::Chat, body, "m").unwrap_err();
+            let e = parse_request(Endpoint::Chat, body, "m", DEFAULT_MAX_N).unwrap_err();
             assert_eq!(e.status, 400);
             assert!(e.param.is_none());
         }
-        let e = parse_request(Endpoint::Chat, b"\xc3\x28", "m").unwrap_err();
+        let e = parse_request(Endpoint::Chat, b"\xc3\x28", "m", DEFAULT_MAX_N).unwrap_err();
         assert!(e.message.contains("UTF-8"), "{}", e.message);
     }
 

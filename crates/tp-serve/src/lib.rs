@@ -14,6 +14,7 @@ pub mod scheduler;
 pub mod server;
 pub mod service;
 
+pub use api::DEFAULT_MAX_N;
 pub use conn::ConnLimits;
 pub use error::{ApiError, Result, ServeError};
 pub use metrics::Metrics;

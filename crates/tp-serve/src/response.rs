@@ -1,5 +1,5 @@
-//! The OpenAI wire format, responses: whole answers, streamed chunks and the usage chunk of
-//! both endpoints, with log-probabilities ([`LogprobEntry`]) in OpenAI's two shapes: per-token
+//! The OpenAI wire format, responses: whole answers (one or `n` choices), streamed chunks
+//! (each naming its choice's `index`) and the usage chunk of both endpoints, with log-probabilities ([`LogprobEntry`]) in OpenAI's two shapes: per-token
 //! objects under `logprobs.content` for chat, and the legacy parallel arrays (`tokens`,
 //! `token_logprobs`, `top_logprobs`, `text_offset`) for completions.
 
@@ -10,7 +10,7 @@ use serde_json::{json, Map, Value};
 /// rules out with a logit of -inf): OpenAI's stand-in for minus infinity.
 pub const LOGPROB_FLOOR: f64 = -9999.0;
 
-/// Token counts of a finished request.
+/// Token counts of a finished request (of all its choices).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Usage {
     pub prompt_tokens: usize,
@@ -18,6 +18,15 @@ pub struct Usage {
 }
 
 impl Usage {
+    /// A request's counts with one more finished choice: the prompt (the same for every
+    /// choice) counted once, completions summed.
+    pub fn with_choice(self, choice: Usage) -> Usage {
+        Usage {
+            prompt_tokens: choice.prompt_tokens,
+            completion_tokens: self.completion_tokens + choice.completion_tokens,
+        }
+    }
+
     pub fn json(&self) -> Value {
         json!({
             "prompt_tokens": self.prompt_tokens,
@@ -78,6 +87,15 @@ pub fn logprobs_json(endpoint: Endpoint, entries: &[LogprobEntry]) -> Value {
     }
 }
 
+/// One finished choice of a whole answer.
+#[derive(Clone, Copy, Debug)]
+pub struct Choice<'a> {
+    pub text: &'a str,
+    pub finish_reason: &'a str,
+    /// When log-probabilities were asked for.
+    pub logprobs: Option<&'a [LogprobEntry]>,
+}
+
 /// Identity of one response: its id, creation time and model name.
 #[derive(Clone, Debug)]
 pub struct ResponseMeta {
@@ -100,43 +118,42 @@ impl ResponseMeta {
         entries.map_or(Value::Null, |e| logprobs_json(self.endpoint, e))
     }
 
-    /// The whole answer (non-streaming); `logprobs` when they were asked for.
-    pub fn full(
-        &self,
-        text: &str,
-        finish_reason: &str,
-        usage: Usage,
-        logprobs: Option<&[LogprobEntry]>,
-    ) -> Value {
-        let choice = match self.endpoint {
-            Endpoint::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": self.logprobs(logprobs),
-                "finish_reason": finish_reason,
-            }),
-            Endpoint::Completions => json!({
-                "index": 0,
-                "text": text,
-                "logprobs": self.logprobs(logprobs),
-                "finish_reason": finish_reason,
-            }),
-        };
+    /// The whole answer (non-streaming): `choices` in order, their `index` their position.
+    pub fn full(&self, choices: &[Choice<'_>], usage: Usage) -> Value {
+        let choices: Vec<Value> = choices
+            .iter()
+            .enumerate()
+            .map(|(index, c)| match self.endpoint {
+                Endpoint::Chat => json!({
+                    "index": index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self.logprobs(c.logprobs),
+                    "finish_reason": c.finish_reason,
+                }),
+                Endpoint::Completions => json!({
+                    "index": index,
+                    "text": c.text,
+                    "logprobs": self.logprobs(c.logprobs),
+                    "finish_reason": c.finish_reason,
+                }),
+            })
+            .collect();
         json!({
             "id": self.id,
             "object": self.object(false),
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": usage.json(),
         })
     }
 
-    /// A streamed piece: the opening role chunk (chat, `text` None and `role`), a text delta
-    /// (with the log-probabilities of its tokens when they were asked for), or the closing
-    /// chunk with `finish_reason`.
+    /// A streamed piece of choice `index`: the opening role chunk (chat, `text` None and
+    /// `role`), a text delta (with the log-probabilities of its tokens when they were asked
+    /// for), or the closing chunk with `finish_reason`.
     pub fn chunk(
         &self,
+        index: usize,
         role: bool,
         text: Option<&str>,
         finish_reason: Option<&str>,
@@ -152,14 +169,14 @@ impl ResponseMeta {
                     delta.insert("content".into(), json!(t));
                 }
                 json!({
-                    "index": 0,
+                    "index": index,
                     "delta": delta,
                     "logprobs": self.logprobs(logprobs),
                     "finish_reason": finish_reason,
                 })
             }
             Endpoint::Completions => json!({
-                "index": 0,
+                "index": index,
                 "text": text.unwrap_or(""),
                 "logprobs": self.logprobs(logprobs),
                 "finish_reason": finish_reason,
@@ -199,21 +216,74 @@ mod tests {
             model: "m".into(),
             endpoint: Endpoint::Chat,
         };
-        let c = meta.chunk(true, Some(""), None, None);
+        let c = meta.chunk(0, true, Some(""), None, None);
         assert_eq!(c["object"], "chat.completion.chunk");
         assert_eq!(c["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(c["choices"][0]["index"], 0);
         let f = meta.full(
-            "hi",
-            "stop",
+            &[Choice {
+                text: "hi",
+                finish_reason: "stop",
+                logprobs: None,
+            }],
             Usage {
                 prompt_tokens: 2,
                 completion_tokens: 1,
             },
-            None,
         );
         assert_eq!(f["choices"][0]["message"]["content"], "hi");
         assert_eq!(f["choices"][0]["logprobs"], Value::Null);
         assert_eq!(f["usage"]["total_tokens"], 3);
+    }
+
+    #[test]
+    fn several_choices_are_indexed_and_counted_once_per_prompt() {
+        let meta = ResponseMeta {
+            id: "x".into(),
+            created: 1,
+            model: "m".into(),
+            endpoint: Endpoint::Completions,
+        };
+        let choice = |prompt_tokens, completion_tokens| Usage {
+            prompt_tokens,
+            completion_tokens,
+        };
+        let usage = Usage::default()
+            .with_choice(choice(5, 3))
+            .with_choice(choice(5, 4));
+        assert_eq!(usage, choice(5, 7));
+        let f = meta.full(
+            &[
+                Choice {
+                    text: "a",
+                    finish_reason: "stop",
+                    logprobs: None,
+                },
+                Choice {
+                    text: "b",
+                    finish_reason: "length",
+                    logprobs: Some(&[]),
+                },
+            ],
+            usage,
+        );
+        let c = &f["choices"];
+        assert_eq!(
+            (c[0]["index"].clone(), c[1]["index"].clone()),
+            (json!(0), json!(1))
+        );
+        assert_eq!(
+            (c[0]["text"].clone(), c[1]["text"].clone()),
+            (json!("a"), json!("b"))
+        );
+        assert_eq!(c[1]["finish_reason"], "length");
+        assert_eq!(c[0]["logprobs"], Value::Null);
+        assert_eq!(c[1]["logprobs"]["tokens"], json!([]));
+        assert_eq!(f["usage"]["total_tokens"], 12);
+        assert_eq!(
+            meta.chunk(1, false, Some("b"), None, None)["choices"][0]["index"],
+            1
+        );
     }
 
     fn entries() -> Vec<LogprobEntry> {
@@ -252,9 +322,16 @@ mod tests {
             endpoint: Endpoint::Chat,
         };
         let e = entries();
-        let chunk = meta.chunk(false, Some("hi"), None, Some(&e));
+        let chunk = meta.chunk(0, false, Some("hi"), None, Some(&e));
         assert_eq!(chunk["choices"][0]["logprobs"], v);
-        let empty = meta.full("", "stop", Usage::default(), Some(&[]));
+        let empty = meta.full(
+            &[Choice {
+                text: "",
+                finish_reason: "stop",
+                logprobs: Some(&[]),
+            }],
+            Usage::default(),
+        );
         assert_eq!(empty["choices"][0]["logprobs"], json!({"content": []}));
     }
 

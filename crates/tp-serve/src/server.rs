@@ -1,9 +1,11 @@
 //! The HTTP front end (axum on its own tokio runtime thread): routes, API-key check, request
 //! validation and tokenization, server-sent events, and graceful shutdown on SIGINT/SIGTERM.
 //! Connections (cap, timeouts) are [`crate::conn`]'s. It talks to the scheduler (on rank 0's
-//! thread) only through channels.
+//! thread) only through channels. A request for `n` choices is `n` scheduler jobs (the same
+//! prompt, so the scheduler computes it once and forks it); their events are merged into one
+//! answer or one stream.
 
-use crate::api::{self, Endpoint, GenRequest, LogprobEntry, Prompt, ResponseMeta, Usage};
+use crate::api::{self, Choice, Endpoint, GenRequest, LogprobEntry, Prompt, ResponseMeta, Usage};
 use crate::conn::{Acceptor, ConnLimits};
 use crate::error::{ApiError, Result, ServeError};
 use crate::metrics::Metrics;
@@ -19,9 +21,11 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 use std::convert::Infallible;
+use std::future::poll_fn;
 use std::net::{IpAddr, SocketAddr, TcpListener as StdListener};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::{watch, Notify};
@@ -48,8 +52,11 @@ pub struct ServerConfig {
     pub vocab: usize,
     /// Largest request body accepted; larger ones get 413.
     pub max_body_bytes: usize,
-    /// Requests waiting for admission beyond which new ones get 429.
+    /// Requests waiting for admission beyond which new ones get 429 (a request for `n`
+    /// choices counts `n`).
     pub max_queue: usize,
+    /// Most choices (`n`) one request may ask for.
+    pub max_n: usize,
     /// After SIGINT/SIGTERM, how long in-flight requests may take before they are ended.
     pub drain_timeout: Duration,
     /// The same after SIGTERM, where it differs: when ranks run under mpirun, a SIGTERM means
@@ -105,6 +112,12 @@ impl ServerConfig {
         if c.max_connections == 0 {
             return Err(ServeError::Config {
                 name: "connection cap",
+                message: "must be at least 1".into(),
+            });
+        }
+        if self.max_n == 0 {
+            return Err(ServeError::Config {
+                name: "max_n",
                 message: "must be at least 1".into(),
             });
         }
@@ -556,7 +569,7 @@ async fn generate(
 ) -> Response {
     let arrived = Instant::now();
     match start_request(&st, endpoint, body, arrived).await {
-        Ok((req, prompt_tokens, rx)) => {
+        Ok((req, prompt_tokens, choices)) => {
             st.metrics.request(endpoint.label(), 200);
             let meta = ResponseMeta {
                 id: response_id(&st, endpoint),
@@ -566,13 +579,23 @@ async fn generate(
             };
             let logprobs = req.logprobs.is_some();
             if req.stream {
-                stream_response(st, meta, req.include_usage, logprobs, rx, arrived).into_response()
+                stream_response(st, meta, req.include_usage, logprobs, choices, arrived)
+                    .into_response()
             } else {
-                match collect(&st, rx).await {
-                    Ok((text, entries, finish, usage)) => {
-                        log_done(&st, endpoint, &meta.id, finish, usage, arrived);
-                        let entries = logprobs.then_some(entries.as_slice());
-                        Json(meta.full(&text, finish.as_str(), usage, entries)).into_response()
+                match collect(&st, choices).await {
+                    Ok((answers, usage)) => {
+                        let finishes: Vec<FinishReason> =
+                            answers.iter().map(|a| a.finish).collect();
+                        log_done(&st, endpoint, &meta.id, &finishes, usage, arrived);
+                        let choices: Vec<Choice<'_>> = answers
+                            .iter()
+                            .map(|a| Choice {
+                                text: &a.text,
+                                finish_reason: a.finish.as_str(),
+                                logprobs: logprobs.then_some(a.logprobs.as_slice()),
+                            })
+                            .collect();
+                        Json(meta.full(&choices, usage)).into_response()
                     }
                     Err(e) => {
                         if st.cfg.log {
@@ -593,13 +616,14 @@ async fn generate(
     }
 }
 
-/// Validates, tokenizes and queues a request: its parsed form, prompt length and events.
+/// Validates, tokenizes and queues a request: its parsed form, prompt length and the events
+/// of its choices.
 async fn start_request(
     st: &Arc<AppState>,
     endpoint: Endpoint,
     body: std::result::Result<Bytes, BytesRejection>,
     arrived: Instant,
-) -> std::result::Result<(GenRequest, usize, UnboundedReceiver<Event>), ApiError> {
+) -> std::result::Result<(GenRequest, usize, Choices), ApiError> {
     let body = body.map_err(|r| {
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::too_large(st.cfg.max_body_bytes)
@@ -607,7 +631,7 @@ async fn start_request(
             ApiError::bad_body("invalid_body", r.body_text())
         }
     })?;
-    let req = api::parse_request(endpoint, &body, &st.cfg.model_name)?;
+    let req = api::parse_request(endpoint, &body, &st.cfg.model_name, st.cfg.max_n)?;
     drop(body);
     let tokenizer = Arc::clone(&st.tokenizer);
     let prompt = req.prompt.clone();
@@ -616,16 +640,6 @@ async fn start_request(
         .await
         .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??;
     let max_tokens = checked_max_tokens(&st.cfg, &req, ids.len())?;
-    if st.sched.load.pending.load(Ordering::Relaxed) >= st.cfg.max_queue {
-        return Err(ApiError::unavailable(
-            429,
-            "queue_full",
-            format!(
-                "{} requests are already waiting; retry later",
-                st.cfg.max_queue
-            ),
-        ));
-    }
     let params = DecodeParams {
         sampling: SamplingParams {
             temperature: req.temperature,
@@ -648,24 +662,124 @@ async fn start_request(
         };
         ApiError::invalid(name, "invalid_value", e.to_string())
     })?;
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let prompt_tokens = ids.len();
-    let job = Job {
-        prompt: ids,
-        params,
-        events: tx,
-        arrived,
-    };
-    st.sched.load.pending.fetch_add(1, Ordering::Relaxed);
-    if st.sched.control.send(Control::Submit(job)).is_err() {
-        st.sched.load.pending.fetch_sub(1, Ordering::Relaxed);
-        return Err(ApiError::unavailable(
-            503,
-            "shutting_down",
-            "the server is shutting down",
+    let choices = submit(st, ids, &params, req.n, arrived)?;
+    Ok((req, prompt_tokens, choices))
+}
+
+/// Queues one scheduler job per choice, all with the prompt `ids` and `params` except the
+/// seed: choice `i` samples with `seed + i`, so choices differ and a seeded request is
+/// reproducible. The jobs take `n` places in the admission queue: all of them are queued, or
+/// none (429 when the queue has no room for all, 503 once the scheduler has stopped).
+fn submit(
+    st: &AppState,
+    ids: Vec<u32>,
+    params: &DecodeParams,
+    n: usize,
+    arrived: Instant,
+) -> std::result::Result<Choices, ApiError> {
+    let max_queue = st.cfg.max_queue;
+    if n > max_queue.max(1) {
+        return Err(ApiError::invalid(
+            "n",
+            "invalid_value",
+            format!(
+                "n is {n} but this server queues at most {max_queue} requests (each choice is one); ask for at most {max_queue} choices"
+            ),
         ));
     }
-    Ok((req, prompt_tokens, rx))
+    let pending = &st.sched.load.pending;
+    let reserved = pending.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |p| {
+        p.checked_add(n).filter(|&q| q <= max_queue)
+    });
+    if let Err(waiting) = reserved {
+        let message = if n == 1 {
+            format!("{waiting} requests are already waiting; retry later")
+        } else {
+            format!(
+                "{waiting} requests are already waiting and this one's {n} choices would pass the queue's limit of {max_queue}; retry later"
+            )
+        };
+        return Err(ApiError::unavailable(429, "queue_full", message));
+    }
+    let mut rxs = Vec::with_capacity(n);
+    for i in 0..n {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut params = params.clone();
+        params.sampling.seed = params.sampling.seed.wrapping_add(i as u64);
+        let job = Job {
+            prompt: ids.clone(),
+            params,
+            events: tx,
+            arrived,
+        };
+        if st.sched.control.send(Control::Submit(job)).is_err() {
+            // Choices i.. never reached the scheduler; the ones before went down with it.
+            pending.fetch_sub(n - i, Ordering::Relaxed);
+            return Err(ApiError::unavailable(
+                503,
+                "shutting_down",
+                "the server is shutting down",
+            ));
+        }
+        rxs.push(Some(rx));
+    }
+    Ok(Choices { rxs, next: 0 })
+}
+
+/// The event receivers of one request's choices, read in the order their events arrive. A
+/// choice's receiver is dropped once it has finished (or failed); dropping [`Choices`], or
+/// [`Choices::close`], drops the others, and the scheduler cancels those jobs (freeing their
+/// KV blocks) at its next step.
+struct Choices {
+    rxs: Vec<Option<UnboundedReceiver<Event>>>,
+    /// The choice polled first next time, so that a busy choice cannot starve the others.
+    next: usize,
+}
+
+impl Choices {
+    fn len(&self) -> usize {
+        self.rxs.len()
+    }
+
+    /// Every choice has ended (or [`Choices::close`] gave them up).
+    fn all_finished(&self) -> bool {
+        self.rxs.iter().all(Option::is_none)
+    }
+
+    /// Gives up every choice still running.
+    fn close(&mut self) {
+        self.rxs.iter_mut().for_each(|rx| *rx = None);
+    }
+
+    /// The next event of a running choice, with the choice's index; `Some((i, None))` when
+    /// choice `i`'s sender went away before it ended; `None` when no choice is left.
+    async fn recv(&mut self) -> Option<(usize, Option<Event>)> {
+        poll_fn(|cx| {
+            let n = self.rxs.len();
+            let mut running = false;
+            for k in 0..n {
+                let i = (self.next + k) % n;
+                let Some(rx) = self.rxs[i].as_mut() else {
+                    continue;
+                };
+                running = true;
+                if let Poll::Ready(event) = rx.poll_recv(cx) {
+                    if !matches!(event, Some(Event::Text { .. })) {
+                        self.rxs[i] = None;
+                    }
+                    self.next = (i + 1) % n;
+                    return Poll::Ready(Some((i, event)));
+                }
+            }
+            if running {
+                Poll::Pending
+            } else {
+                Poll::Ready(None)
+            }
+        })
+        .await
+    }
 }
 
 /// The prompt's token ids: the chat template rendered and encoded, text encoded, or ids checked.
@@ -773,33 +887,59 @@ fn checked_max_tokens(
     .inspect(|&m| debug_assert!(prompt + m <= room))
 }
 
-/// The whole answer of a non-streaming request: text, log-probabilities, finish and usage.
-type Collected = (String, Vec<LogprobEntry>, FinishReason, Usage);
+/// One choice of a non-streaming request, whole.
+struct Answer {
+    text: String,
+    logprobs: Vec<LogprobEntry>,
+    finish: FinishReason,
+}
 
-/// Waits for the whole answer of a non-streaming request.
+/// Waits for the whole answer of a non-streaming request: its choices in index order and the
+/// usage of them all. Any choice failing fails the request (dropping the others).
 async fn collect(
     st: &AppState,
-    mut rx: UnboundedReceiver<Event>,
-) -> std::result::Result<Collected, ApiError> {
-    let mut text = String::new();
-    let mut entries = Vec::new();
-    loop {
-        let event = tokio::select! {
-            e = next_event(st, &mut rx) => e?,
+    mut choices: Choices,
+) -> std::result::Result<(Vec<Answer>, Usage), ApiError> {
+    let mut parts: Vec<(String, Vec<LogprobEntry>, Option<FinishReason>)> =
+        (0..choices.len()).map(|_| Default::default()).collect();
+    let mut usage = Usage::default();
+    while !choices.all_finished() {
+        let (i, event) = tokio::select! {
+            e = next_event(st, &mut choices) => e?,
             _ = drain_expired(st) => return Err(drain_error(st)),
         };
+        let (text, entries, finish) = &mut parts[i];
         match event {
             Event::Text { text: t, logprobs } => {
                 text.push_str(&t);
                 entries.extend(logprobs);
             }
-            Event::Done { finish, usage, .. } => return Ok((text, entries, finish, usage)),
+            Event::Done {
+                finish: f,
+                usage: u,
+                ..
+            } => {
+                *finish = Some(f);
+                usage = usage.with_choice(u);
+            }
             Event::Failed {
                 message,
                 shutting_down,
             } => return Err(failure(message, shutting_down)),
         }
     }
+    let answers = parts
+        .into_iter()
+        .map(|(text, logprobs, finish)| {
+            finish.map(|finish| Answer {
+                text,
+                logprobs,
+                finish,
+            })
+        })
+        .collect::<Option<Vec<Answer>>>()
+        .ok_or_else(|| ApiError::internal("a choice ended without finishing"))?;
+    Ok((answers, usage))
 }
 
 fn failure(msg: String, shutting_down: bool) -> ApiError {
@@ -810,15 +950,18 @@ fn failure(msg: String, shutting_down: bool) -> ApiError {
     }
 }
 
-/// The next event, bounded by the event deadline.
+/// The next event of any running choice, bounded by the event deadline.
 async fn next_event(
     st: &AppState,
-    rx: &mut UnboundedReceiver<Event>,
-) -> std::result::Result<Event, ApiError> {
-    match tokio::time::timeout(st.cfg.event_timeout, rx.recv()).await {
-        Ok(Some(e)) => Ok(e),
-        Ok(None) => Err(ApiError::internal(
+    choices: &mut Choices,
+) -> std::result::Result<(usize, Event), ApiError> {
+    match tokio::time::timeout(st.cfg.event_timeout, choices.recv()).await {
+        Ok(Some((i, Some(e)))) => Ok((i, e)),
+        Ok(Some((_, None))) => Err(ApiError::internal(
             "the scheduler stopped before the request finished",
+        )),
+        Ok(None) => Err(ApiError::internal(
+            "no choice of this request is left to wait for",
         )),
         Err(_) => Err(ApiError::internal(format!(
             "no progress on this request for {:.0} s; the server is overloaded or stuck",
@@ -829,9 +972,10 @@ async fn next_event(
 
 /// What the SSE stream does next.
 enum Phase {
-    Start,
+    /// Chat's opening role chunk of each choice, from this index on.
+    Start(usize),
     Body,
-    /// The finish chunk went out; the usage chunk (if asked) and `[DONE]` follow.
+    /// Every choice's finish chunk went out; the usage chunk (if asked) and `[DONE]` follow.
     Usage(Usage),
     Done,
     End,
@@ -843,19 +987,24 @@ struct StreamState {
     include_usage: bool,
     /// Text chunks carry the log-probabilities of their tokens.
     logprobs: bool,
-    rx: UnboundedReceiver<Event>,
+    choices: Choices,
+    /// How the choices ended so far (in the order they ended) and their usage.
+    finishes: Vec<FinishReason>,
+    usage: Usage,
     phase: Phase,
     arrived: Instant,
 }
 
-/// Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. Dropping the
-/// stream (the client went away) drops the receiver, which the scheduler sees at its next step.
+/// Server-sent events in OpenAI's chunk format, each chunk naming its choice's `index`, the
+/// choices interleaved as their events arrive, ending with `data: [DONE]` once all have
+/// finished. Dropping the stream (the client went away) drops every choice's receiver, which
+/// the scheduler sees at its next step.
 fn stream_response(
     st: Arc<AppState>,
     meta: ResponseMeta,
     include_usage: bool,
     logprobs: bool,
-    rx: UnboundedReceiver<Event>,
+    choices: Choices,
     arrived: Instant,
 ) -> Sse<impl futures_util::Stream<Item = std::result::Result<SseEvent, Infallible>>> {
     let state = StreamState {
@@ -863,15 +1012,20 @@ fn stream_response(
         meta,
         include_usage,
         logprobs,
-        rx,
-        phase: Phase::Start,
+        choices,
+        finishes: Vec::new(),
+        usage: Usage::default(),
+        phase: Phase::Start(0),
         arrived,
     };
     let stream = futures_util::stream::unfold(state, |mut s| async move {
         let data = match std::mem::replace(&mut s.phase, Phase::Body) {
-            Phase::Start => match s.meta.endpoint {
-                Endpoint::Chat => s.meta.chunk(true, Some(""), None, None).to_string(),
-                Endpoint::Completions => return next_body(s).await,
+            Phase::Start(i) => match s.meta.endpoint {
+                Endpoint::Chat if i < s.choices.len() => {
+                    s.phase = Phase::Start(i + 1);
+                    s.meta.chunk(i, true, Some(""), None, None).to_string()
+                }
+                _ => return next_body(s).await,
             },
             Phase::Body => return next_body(s).await,
             Phase::Usage(usage) => {
@@ -898,30 +1052,50 @@ async fn next_body(
     mut s: StreamState,
 ) -> Option<(std::result::Result<SseEvent, Infallible>, StreamState)> {
     let event = tokio::select! {
-        e = next_event(&s.st, &mut s.rx) => e,
+        e = next_event(&s.st, &mut s.choices) => e,
         _ = drain_expired(&s.st) => Err(drain_error(&s.st)),
     };
     let data = match event {
-        Ok(Event::Text { text, logprobs }) => {
+        Ok((i, Event::Text { text, logprobs })) => {
             s.phase = Phase::Body;
             let entries = s.logprobs.then_some(logprobs.as_slice());
-            s.meta.chunk(false, Some(&text), None, entries).to_string()
-        }
-        Ok(Event::Done { finish, usage, .. }) => {
-            log_done(&s.st, s.meta.endpoint, &s.meta.id, finish, usage, s.arrived);
-            s.phase = Phase::Usage(usage);
             s.meta
-                .chunk(false, None, Some(finish.as_str()), None)
+                .chunk(i, false, Some(&text), None, entries)
                 .to_string()
         }
-        Ok(Event::Failed {
-            message,
-            shutting_down,
-        }) => {
+        Ok((i, Event::Done { finish, usage, .. })) => {
+            s.finishes.push(finish);
+            s.usage = s.usage.with_choice(usage);
+            s.phase = if s.choices.all_finished() {
+                log_done(
+                    &s.st,
+                    s.meta.endpoint,
+                    &s.meta.id,
+                    &s.finishes,
+                    s.usage,
+                    s.arrived,
+                );
+                Phase::Usage(s.usage)
+            } else {
+                Phase::Body
+            };
+            s.meta
+                .chunk(i, false, None, Some(finish.as_str()), None)
+                .to_string()
+        }
+        Ok((
+            _,
+            Event::Failed {
+                message,
+                shutting_down,
+            },
+        )) => {
+            s.choices.close();
             s.phase = Phase::Done;
             failure(message, shutting_down).body().to_string()
         }
         Err(e) => {
+            s.choices.close();
             s.phase = Phase::Done;
             e.body().to_string()
         }
@@ -929,22 +1103,28 @@ async fn next_body(
     Some((Ok(SseEvent::default().data(data)), s))
 }
 
+/// The log line of a finished request: its usage (all choices) and how each choice ended.
 fn log_done(
     st: &AppState,
     endpoint: Endpoint,
     id: &str,
-    finish: FinishReason,
+    finishes: &[FinishReason],
     usage: Usage,
     arrived: Instant,
 ) {
     if st.cfg.log {
+        let finish: Vec<&str> = finishes.iter().map(|f| f.as_str()).collect();
+        let choices = match finishes.len() {
+            1 => String::new(),
+            n => format!(" ({n} choices)"),
+        };
         eprintln!(
-            "# {id} {}: {} prompt + {} generated tokens in {:.3} s, finish {}",
+            "# {id} {}: {} prompt + {} generated tokens{choices} in {:.3} s, finish {}",
             endpoint.label(),
             usage.prompt_tokens,
             usage.completion_tokens,
             arrived.elapsed().as_secs_f64(),
-            finish.as_str()
+            finish.join(",")
         );
     }
 }
@@ -997,6 +1177,7 @@ mod tests {
             vocab: 10,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_queue: 8,
+            max_n: api::DEFAULT_MAX_N,
             drain_timeout: Duration::from_secs(1),
             term_drain_timeout: Duration::from_secs(1),
             event_timeout: Duration::from_secs(1),
@@ -1053,12 +1234,126 @@ mod tests {
         assert!(cfg().validate().is_ok());
     }
 
+    /// A server's state around a scheduler channel nobody serves (the test reads it).
+    fn state(max_queue: usize) -> (AppState, std::sync::mpsc::Receiver<Control>) {
+        let (control, rx) = std::sync::mpsc::channel();
+        let (_, drain_expired) = watch::channel(None);
+        let st = AppState {
+            cfg: ServerConfig { max_queue, ..cfg() },
+            drain_expired,
+            tokenizer: Arc::new(Tokenizer::bytes(&[])),
+            sched: SchedulerHandle {
+                control,
+                load: Arc::default(),
+            },
+            metrics: Arc::new(Metrics::new()),
+            next_id: AtomicU64::new(1),
+            seeds: AtomicU64::new(1),
+            started: 0,
+        };
+        (st, rx)
+    }
+
+    fn submitted(rx: &std::sync::mpsc::Receiver<Control>) -> Vec<Job> {
+        rx.try_iter()
+            .map(|c| match c {
+                Control::Submit(job) => job,
+                Control::Shutdown => panic!("a shutdown among the jobs"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn choices_are_jobs_with_consecutive_seeds_queued_all_or_none() {
+        let (st, rx) = state(8);
+        let mut params = DecodeParams::greedy(4);
+        params.sampling.temperature = 1.0;
+        params.sampling.seed = u64::MAX - 1;
+        let now = Instant::now();
+        let choices = submit(&st, vec![5, 6, 7], &params, 3, now).unwrap();
+        assert_eq!(choices.len(), 3);
+        let jobs = submitted(&rx);
+        let seeds: Vec<u64> = jobs.iter().map(|j| j.params.sampling.seed).collect();
+        assert_eq!(seeds, [u64::MAX - 1, u64::MAX, 0]);
+        for j in &jobs {
+            assert_eq!(j.prompt, [5, 6, 7]);
+            assert_eq!(
+                DecodeParams {
+                    sampling: params.sampling.clone(),
+                    ..j.params.clone()
+                },
+                params
+            );
+        }
+        assert_eq!(st.sched.load.pending.load(Ordering::Relaxed), 3);
+        // 3 of 8 places taken: 6 more choices do not fit, and none is queued.
+        let e = submit(&st, vec![1], &params, 6, now).err().unwrap();
+        assert_eq!((e.status, e.code), (429, Some("queue_full")));
+        assert!(e.message.contains("6 choices"), "{}", e.message);
+        assert!(submitted(&rx).is_empty());
+        assert_eq!(st.sched.load.pending.load(Ordering::Relaxed), 3);
+        // 5 do.
+        let _more = submit(&st, vec![1], &params, 5, now).unwrap();
+        assert_eq!(submitted(&rx).len(), 5);
+        assert_eq!(st.sched.load.pending.load(Ordering::Relaxed), 8);
+        let e = submit(&st, vec![1], &params, 1, now).err().unwrap();
+        assert_eq!(e.status, 429);
+        // More choices than the queue ever holds: a request to change, not to retry.
+        let (small, _rx) = state(2);
+        let e = submit(&small, vec![1], &params, 3, now).err().unwrap();
+        assert_eq!((e.status, e.param.as_deref()), (400, Some("n")));
+        // A stopped scheduler: 503, and the places are given back.
+        let (gone, rx) = state(8);
+        drop(rx);
+        let e = submit(&gone, vec![1], &params, 4, now).err().unwrap();
+        assert_eq!(e.status, 503);
+        assert_eq!(gone.sched.load.pending.load(Ordering::Relaxed), 0);
+        drop(choices);
+    }
+
+    #[tokio::test]
+    async fn choices_are_read_as_their_events_arrive_and_dropped_together() {
+        let (st, rx) = state(8);
+        let params = DecodeParams::greedy(4);
+        let mut choices = submit(&st, vec![1, 2], &params, 3, Instant::now()).unwrap();
+        let jobs = submitted(&rx);
+        let text = |t: &str| Event::Text {
+            text: t.into(),
+            logprobs: Vec::new(),
+        };
+        let done = Event::Done {
+            finish: FinishReason::Length,
+            usage: Usage {
+                prompt_tokens: 2,
+                completion_tokens: 1,
+            },
+            time_to_first_token: Duration::ZERO,
+        };
+        jobs[2].events.send(text("c")).unwrap();
+        assert_eq!(choices.recv().await, Some((2, Some(text("c")))));
+        jobs[0].events.send(done.clone()).unwrap();
+        assert_eq!(choices.recv().await, Some((0, Some(done.clone()))));
+        // A finished choice's receiver is dropped at once; the others stay open.
+        assert!(jobs[0].events.is_closed());
+        assert!(!jobs[1].events.is_closed() && !jobs[2].events.is_closed());
+        assert!(!choices.all_finished());
+        // A sender gone without an ending is reported as such.
+        let (tx1, tx2) = (jobs[1].events.clone(), jobs[2].events.clone());
+        drop(jobs);
+        drop(tx1);
+        assert_eq!(choices.recv().await, Some((1, None)));
+        // Dropping the rest (a client that went away) closes every remaining channel.
+        drop(choices);
+        assert!(tx2.is_closed());
+    }
+
     #[test]
     fn max_tokens_is_checked_against_the_context() {
         let mut req = api::parse_request(
             Endpoint::Completions,
             br#"{"prompt":"x","max_tokens":60}"#,
             "m",
+            api::DEFAULT_MAX_N,
         )
         .unwrap();
         assert_eq!(checked_max_tokens(&cfg(), &req, 40), Ok(60));

@@ -51,8 +51,11 @@ pub struct ServeConfig {
     pub max_seqs: usize,
     /// Most tokens in one forward step.
     pub max_batch_tokens: usize,
-    /// Requests waiting for admission beyond which new ones get 429.
+    /// Requests waiting for admission beyond which new ones get 429 (a request for `n`
+    /// choices counts `n`).
     pub max_queue: usize,
+    /// Most choices (`n`) one request may ask for ([`crate::api::DEFAULT_MAX_N`] by default).
+    pub max_n: usize,
     pub max_body_bytes: usize,
     pub drain_timeout: Duration,
     /// The drain after SIGTERM (shorter under mpirun, see [`ServerConfig`]).
@@ -224,6 +227,7 @@ pub fn serve(
         vocab: model.vocab,
         max_body_bytes: cfg.max_body_bytes,
         max_queue: cfg.max_queue,
+        max_n: cfg.max_n,
         drain_timeout: cfg.drain_timeout,
         term_drain_timeout: cfg.term_drain_timeout,
         event_timeout: Duration::from_secs(120).max(cfg.collective_timeout.saturating_mul(2)),

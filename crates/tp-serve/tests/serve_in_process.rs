@@ -27,6 +27,7 @@ fn config() -> ServeConfig {
         max_seqs: 4,
         max_batch_tokens: 64,
         max_queue: 8,
+        max_n: tp_serve::DEFAULT_MAX_N,
         max_body_bytes: tp_serve::DEFAULT_MAX_BODY_BYTES,
         drain_timeout: Duration::from_secs(5),
         term_drain_timeout: Duration::from_secs(5),
