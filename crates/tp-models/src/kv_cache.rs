@@ -87,7 +87,7 @@ impl std::str::FromStr for KvDtype {
 
 /// Values per q8 scale for heads of `head_dim`.
 fn q8_group(head_dim: usize) -> usize {
-    if head_dim % Q8_GROUP == 0 {
+    if head_dim.is_multiple_of(Q8_GROUP) {
         Q8_GROUP
     } else {
         head_dim.max(1)
@@ -357,7 +357,7 @@ impl KvPool {
     /// The block holding position `len`, when it is partly written (so writing there would
     /// change it) and shared.
     fn shared_tail(&self, table: &BlockTable) -> Option<BlockId> {
-        if table.len % BLOCK_POSITIONS == 0 {
+        if table.len.is_multiple_of(BLOCK_POSITIONS) {
             return None;
         }
         let id = *table.blocks.get(table.len / BLOCK_POSITIONS)?;
@@ -818,10 +818,16 @@ mod tests {
             assert_eq!(u, BlockTable::new(1000));
         }
         pool.release(&mut t);
-        assert_eq!(
-            pool.lowest_free(3).unwrap_err().to_string().is_empty(),
-            false
-        );
+        let e = pool.lowest_free(3).unwrap_err();
+        assert!(matches!(
+            e,
+            ModelError::OutOfBlocks {
+                needed: 3,
+                free: 2,
+                limit: 2
+            }
+        ));
+        assert!(e.to_string().contains("3 more blocks"), "{e}");
         pool.set_limit(10);
         assert_eq!(pool.lowest_free(3).unwrap(), vec![0, 1, 2]);
         // Room in the table is checked first.

@@ -187,6 +187,9 @@ enum Outcome {
     Failed(String),
 }
 
+/// A step's chunks and, for each, (index into the running requests, sample its row).
+type Plan = (Vec<ChunkSpec>, Vec<(usize, bool)>);
+
 /// Engine errors are boxed: they carry flight records and are large.
 type StepResult<T> = std::result::Result<T, Box<EngineError>>;
 
@@ -509,9 +512,8 @@ impl<'t> Scheduler<'_, 't> {
     }
 
     /// This step's chunks: a decode token for every running request that has one, then
-    /// prefill chunks in admission order within the per-step token cap. Each row: (index into
-    /// running, tokens fed, sample its row).
-    fn plan(&self) -> (Vec<ChunkSpec>, Vec<(usize, bool)>) {
+    /// prefill chunks in admission order within the per-step token cap.
+    fn plan(&self) -> Plan {
         let mut chunks: Vec<ChunkSpec> = Vec::with_capacity(self.running.len());
         let mut rows = Vec::with_capacity(self.running.len());
         for (i, r) in self.running.iter().enumerate() {
@@ -545,10 +547,7 @@ impl<'t> Scheduler<'_, 't> {
     /// Frees blocks until this step's chunks fit: the prefix cache first, then the newest
     /// running request is preempted. Returns the chunks that fit (empty when the only running
     /// request filled the whole budget and was finished).
-    fn plan_within_budget(
-        &mut self,
-        exec: &mut dyn StepExecutor,
-    ) -> StepResult<(Vec<ChunkSpec>, Vec<(usize, bool)>)> {
+    fn plan_within_budget(&mut self, exec: &mut dyn StepExecutor) -> StepResult<Plan> {
         loop {
             let (chunks, rows) = self.plan();
             let need: usize = exec.slots().blocks_needed_for(&chunks).iter().sum();
