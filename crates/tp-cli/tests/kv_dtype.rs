@@ -36,7 +36,7 @@ fn perplexity(model: &str, tp_size: &str, kv: &str) -> f64 {
 }
 
 #[test]
-fn two_byte_kv_caches_keep_perplexity_within_the_gate() {
+fn smaller_kv_caches_keep_perplexity_within_the_gate() {
     let Some(model) = common::smollm2() else {
         return;
     };
@@ -46,7 +46,7 @@ fn two_byte_kv_caches_keep_perplexity_within_the_gate() {
         (2.0..100.0).contains(&exact),
         "implausible perplexity {exact}"
     );
-    for (kv, gate) in [("f16", 0.005), ("bf16", 0.02)] {
+    for (kv, gate) in [("f16", 0.005), ("bf16", 0.02), ("q8", 0.02)] {
         let got = perplexity(&m, "1", kv);
         let delta = (got - exact) / exact;
         eprintln!("{kv}: {got:.3} vs f32 {exact:.3} ({:+.2}%)", delta * 100.0);
@@ -92,6 +92,9 @@ fn inspect_prices_the_cache_by_its_dtype() {
     assert!(f32.contains("30.7 kB"), "{f32}");
     let f16 = per_token("f16");
     assert!(f16.contains("15.4 kB"), "{f16}");
+    // q8: a byte a value and a 2-byte scale per 32 (68 bytes a head of 64).
+    let q8 = per_token("q8");
+    assert!(q8.contains("8.2 kB"), "{q8}");
     let e = common::run_with_deadline(
         TP,
         &["inspect", &m, "--kv-dtype", "q3"],

@@ -3,143 +3,18 @@
 //! indexed, counted (the prompt once) and streamed interleaved, and the scheduler computes
 //! their shared prompt once (its prefix-cache counter says so).
 
+mod common;
+
+use common::{config, metric, with_client};
 use serde_json::{json, Value};
-use std::net::IpAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
-use tp_comm::local::{self, LocalOptions};
-use tp_engine::{Command, Session, Worker};
-use tp_models::synthetic::{GgufTypes, SyntheticModel};
-use tp_models::{open_checkpoint, Arch, LoadOptions, ModelConfig, ShardedModel};
 use tp_serve::client::Client;
-use tp_serve::{ConnLimits, KvBudget, Ready, ServeConfig};
-use tp_tokenizer::Tokenizer;
-
-fn config() -> ServeConfig {
-    ServeConfig {
-        host: IpAddr::from([127, 0, 0, 1]),
-        port: 0,
-        api_key: None,
-        public_health: false,
-        model_name: "synthetic".into(),
-        kv_budget: KvBudget::Bytes(1 << 20),
-        max_seqs: 4,
-        max_batch_tokens: 64,
-        max_queue: 8,
-        max_n: tp_serve::DEFAULT_MAX_N,
-        max_body_bytes: tp_serve::DEFAULT_MAX_BODY_BYTES,
-        drain_timeout: Duration::from_secs(5),
-        term_drain_timeout: Duration::from_secs(5),
-        collective_timeout: Duration::from_secs(30),
-        connections: ConnLimits {
-            header_timeout: Duration::from_secs(10),
-            idle_timeout: Duration::from_secs(10),
-            max_connections: 16,
-        },
-        log: false,
-        auth_hint: None,
-        prefix_cache: true,
-    }
-}
-
-/// Serves a synthetic model at tp 2 with `serve_cfg` while `client` runs against it, then
-/// stops the server and returns what `client` returned.
-fn with_server<T: Send + 'static>(
-    serve_cfg: ServeConfig,
-    client: impl FnOnce(&Client) -> T + Send + 'static,
-) -> T {
-    let tokenizer = Tokenizer::bytes(&["<|endoftext|>"]);
-    // The synthetic shape with the byte tokenizer's vocabulary, so every token decodes.
-    let cfg = ModelConfig {
-        vocab: tokenizer.vocab_size(),
-        ..SyntheticModel::small(Arch::Llama, 7).cfg
-    };
-    // Tests run in parallel in this process: each server its own directory.
-    static SERVERS: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "tp-serve-choices-{}-{}",
-        std::process::id(),
-        SERVERS.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("m.gguf");
-    SyntheticModel::new(cfg, 7)
-        .write_gguf(&path, GgufTypes::F32)
-        .unwrap();
-    let ckpt = open_checkpoint(&path).unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    let (tp, ctx) = (2, 160);
-    let memory = tp_engine::session::memory_plan(
-        &*ckpt,
-        &tp_models::RankWeights::even(tp),
-        ctx,
-        LoadOptions::default(),
-    )
-    .unwrap();
-    let (tx, rx) = mpsc::channel::<Ready>();
-    let client = std::thread::spawn(move || {
-        let ready = rx
-            .recv_timeout(Duration::from_secs(120))
-            .expect("the server reports its address");
-        // Stop the server even when an assertion fails, so that the test ends.
-        struct StopOnDrop(tp_serve::StopHandle);
-        impl Drop for StopOnDrop {
-            fn drop(&mut self) {
-                self.0.stop();
-            }
-        }
-        let _stop = StopOnDrop(ready.stop.clone());
-        client(&Client::new(ready.addr))
-    });
-    let outcomes = local::run(
-        tp,
-        LocalOptions {
-            timeout: Duration::from_secs(60),
-        },
-        |g| -> Result<(), String> {
-            let rank = g.rank();
-            let model = ShardedModel::load(&*ckpt, rank, tp, LoadOptions::default(), ctx)
-                .map_err(|e| e.to_string())?;
-            let mut worker = Worker::new(model, g);
-            if rank != 0 {
-                return worker.follow().map_err(|e| e.to_string());
-            }
-            let mut session = Session {
-                worker,
-                tokenizer: tokenizer.clone(),
-                ctx_size: ctx,
-                memory: memory.clone(),
-                weights: tp_models::RankWeights::even(tp),
-            };
-            let served = tp_serve::serve(&mut session, &serve_cfg, |r| {
-                let _ = tx.send(r.clone());
-                Ok(())
-            });
-            let _ = session.worker.submit(Command::Exit);
-            served.map_err(|e| e.to_string())
-        },
-    )
-    .unwrap();
-    let out = client.join().expect("the client's checks pass");
-    for (rank, o) in outcomes.into_iter().enumerate() {
-        assert_eq!(o, Ok(Ok(())), "rank {rank}");
-    }
-    out
-}
+use tp_serve::ServeConfig;
 
 fn post(c: &Client, path: &str, body: &Value) -> Value {
     let r = c.post_json(path, body).unwrap();
     assert_eq!(r.status, 200, "{body}: {}", r.text());
     r.json()
-}
-
-/// A metric without labels from `/metrics` (0 before it is first set).
-fn metric(c: &Client, name: &str) -> f64 {
-    let text = c.get("/metrics").unwrap().text();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-        .map_or(0.0, |v| v.trim().parse().unwrap())
 }
 
 fn texts(body: &Value) -> Vec<String> {
@@ -162,7 +37,7 @@ fn indices(body: &Value) -> Vec<u64> {
 
 #[test]
 fn several_choices_share_the_prompt_and_are_indexed_counted_and_streamed() {
-    with_server(config(), |c| {
+    with_client(config(), |c| {
         // Sampled choices (each with its own seed, seed + index: server.rs's unit tests check
         // the jobs; this synthetic model's logits are too peaked for a seed to change its
         // text, so only the counts and the reproducibility show here).
@@ -306,7 +181,7 @@ fn a_client_that_goes_away_cancels_every_choice() {
         max_seqs: 1,
         ..config()
     };
-    with_server(serve_cfg, |c| {
+    with_client(serve_cfg, |c| {
         let body = json!({"prompt": "x", "max_tokens": 150, "temperature": 0,
             "ignore_eos": true, "n": 3, "stream": true});
         let mut events = c.stream("/v1/completions", &body).unwrap();

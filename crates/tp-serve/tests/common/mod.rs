@@ -1,0 +1,173 @@
+//! The tp-serve integration tests' kit: a synthetic model (the byte tokenizer's vocabulary)
+//! served in process at tp N on local rank threads through `tp_serve::serve`, and the client
+//! calls and `/metrics` readings the tests share.
+#![allow(dead_code)] // each test binary uses its own part of the kit
+
+use serde_json::json;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+use tp_comm::local::{self, LocalOptions};
+use tp_engine::{Command, Session, Worker};
+use tp_models::synthetic::{GgufTypes, SyntheticModel};
+use tp_models::{open_checkpoint, Arch, LoadOptions, ModelConfig, ShardedModel};
+use tp_serve::client::Client;
+use tp_serve::{ConnLimits, KvBudget, Ready, ServeConfig};
+use tp_tokenizer::Tokenizer;
+
+/// A loopback server of 4 sequences, 64 tokens a step and a KV budget of 1 MiB per rank.
+pub fn config() -> ServeConfig {
+    ServeConfig {
+        host: IpAddr::from([127, 0, 0, 1]),
+        port: 0,
+        api_key: None,
+        public_health: false,
+        model_name: "synthetic".into(),
+        kv_budget: KvBudget::Bytes(1 << 20),
+        max_seqs: 4,
+        max_batch_tokens: 64,
+        max_queue: 8,
+        max_n: tp_serve::DEFAULT_MAX_N,
+        max_body_bytes: tp_serve::DEFAULT_MAX_BODY_BYTES,
+        drain_timeout: Duration::from_secs(5),
+        term_drain_timeout: Duration::from_secs(5),
+        collective_timeout: Duration::from_secs(30),
+        connections: ConnLimits {
+            header_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(10),
+            max_connections: 16,
+        },
+        log: false,
+        auth_hint: None,
+        prefix_cache: true,
+    }
+}
+
+/// Serves a synthetic model (the byte tokenizer's vocabulary, so every token decodes) at
+/// `tp` on local rank threads with `serve_cfg` while `drive` talks to it through the address
+/// it reports; stops the server once `drive` returns, and checks every rank ended cleanly.
+pub fn with_server<T: Send>(
+    tp: usize,
+    ctx: usize,
+    serve_cfg: ServeConfig,
+    drive: impl FnOnce(&Ready) -> T + Send,
+) -> (Ready, T) {
+    let tokenizer = Tokenizer::bytes(&["<|endoftext|>"]);
+    let cfg = ModelConfig {
+        vocab: tokenizer.vocab_size(),
+        context: ctx.max(128),
+        ..SyntheticModel::small(Arch::Llama, 7).cfg
+    };
+    // Tests run in parallel in one process: each server its own directory.
+    static SERVERS: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "tp-serve-test-{}-{}",
+        std::process::id(),
+        SERVERS.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("m.gguf");
+    SyntheticModel::new(cfg, 7)
+        .write_gguf(&path, GgufTypes::F32)
+        .unwrap();
+    let ckpt = open_checkpoint(&path).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let memory = tp_engine::session::memory_plan(
+        &*ckpt,
+        &tp_models::RankWeights::even(tp),
+        ctx,
+        LoadOptions::default(),
+    )
+    .unwrap();
+    let (tx, rx) = mpsc::channel::<Ready>();
+    std::thread::scope(|s| {
+        let client = s.spawn(move || {
+            let ready = rx
+                .recv_timeout(Duration::from_secs(120))
+                .expect("the server reports its address");
+            // Stop the server even when `drive` fails, so the ranks end and the failure shows.
+            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drive(&ready)));
+            ready.stop.stop();
+            match out {
+                Ok(out) => (ready, out),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        });
+        let outcomes = local::run(
+            tp,
+            LocalOptions {
+                timeout: Duration::from_secs(60),
+            },
+            |g| -> Result<(), String> {
+                let rank = g.rank();
+                let model = ShardedModel::load(&*ckpt, rank, tp, LoadOptions::default(), ctx)
+                    .map_err(|e| e.to_string())?;
+                let mut worker = Worker::new(model, g);
+                if rank != 0 {
+                    return worker.follow().map_err(|e| e.to_string());
+                }
+                let mut session = Session {
+                    worker,
+                    tokenizer: tokenizer.clone(),
+                    ctx_size: ctx,
+                    memory: memory.clone(),
+                    weights: tp_models::RankWeights::even(tp),
+                };
+                let served = tp_serve::serve(&mut session, &serve_cfg, |r| {
+                    let _ = tx.send(r.clone());
+                    Ok(())
+                });
+                let _ = session.worker.submit(Command::Exit);
+                served.map_err(|e| e.to_string())
+            },
+        )
+        .unwrap();
+        for (rank, o) in outcomes.into_iter().enumerate() {
+            assert_eq!(o, Ok(Ok(())), "rank {rank}");
+        }
+        client.join().expect("the client thread panicked")
+    })
+}
+
+/// A metric without labels from the server's `/metrics` (0 before it is first set).
+pub fn metric(c: &Client, name: &str) -> f64 {
+    let text = c.get("/metrics").unwrap().text();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+/// `name`'s value once it is `want` (the scheduler closes a sequence just after its answer
+/// goes out), or its last value after 5 s.
+pub fn settled_metric(c: &Client, name: &str, want: f64) -> f64 {
+    let t0 = std::time::Instant::now();
+    loop {
+        let v = metric(c, name);
+        if v == want || t0.elapsed() > Duration::from_secs(5) {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A greedy completion's text.
+pub fn complete(c: &Client, prompt: &str, max_tokens: usize) -> String {
+    let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": true});
+    let r = c.post_json("/v1/completions", &body).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+}
+
+/// [`with_server`] at tp 2 with a context of 160, handing `client` a client of it.
+pub fn with_client<T: Send>(serve_cfg: ServeConfig, client: impl FnOnce(&Client) -> T + Send) -> T {
+    with_server(2, 160, serve_cfg, |ready| client(&Client::new(ready.addr))).1
+}
+
+/// This process's resident memory (Linux), `None` elsewhere.
+pub fn rss_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
+}
