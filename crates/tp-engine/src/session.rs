@@ -8,7 +8,9 @@ use crate::worker::Worker;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 use tp_models::limits::show;
-use tp_models::{rank_memory, Checkpoint, LoadOptions, RankMemory, RankWeights, ShardPlan};
+use tp_models::{
+    rank_memory, Checkpoint, LoadOptions, RankMemory, RankWeights, ShardPlan, BLOCK_POSITIONS,
+};
 use tp_tokenizer::{Tokenizer, TokenizerError};
 
 /// What rank 0 holds to lead the group.
@@ -236,14 +238,17 @@ pub fn describe_rank(
     } else {
         ""
     };
+    // The cache is priced in whole blocks of the context; per token held is what it grows by.
+    let per_token = m.kv_cache / ctx.div_ceil(BLOCK_POSITIONS).max(1) / BLOCK_POSITIONS;
     format!(
-        "rank {rank}: heads {:?}, KV heads {kv:?}{shared}, FFN {:?}, vocab {:?}: {} sharded + {} replicated + {} KV cache ({ctx} positions) = {}",
+        "rank {rank}: heads {:?}, KV heads {kv:?}{shared}, FFN {:?}, vocab {:?}: {} sharded + {} replicated + {} KV cache ({ctx} positions at most, {} per token held) = {}",
         plan.q_heads(),
         plan.ffn_cols(),
         plan.vocab_rows(),
         show_bytes(m.sharded as u64),
         show_bytes(m.replicated as u64),
         show_bytes(m.kv_cache as u64),
+        show_bytes(per_token as u64),
         show_bytes(m.total() as u64),
     )
 }
