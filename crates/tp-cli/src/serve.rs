@@ -49,8 +49,9 @@ pub struct ServeArgs {
     /// ones (bounds how long a long prompt stalls the others).
     #[arg(long, default_value_t = 256)]
     pub max_batch_tokens: usize,
-    /// Do not keep finished requests' KV blocks for later requests that begin alike (the
-    /// prefix cache; its blocks are given back whenever running requests need them).
+    /// Do not share KV blocks between requests that begin alike, and keep no finished
+    /// requests' blocks for later ones (the prefix cache): every request computes its whole
+    /// prompt.
     #[arg(long)]
     pub no_prefix_cache: bool,
     /// Requests allowed to wait for admission; beyond it new ones get 429 (a request for

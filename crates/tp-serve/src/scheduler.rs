@@ -57,6 +57,9 @@ pub struct SchedulerConfig {
     pub max_batch_tokens: usize,
     /// How often an idle leader tells followers it is alive (well under `--timeout`).
     pub heartbeat: Duration,
+    /// Requests start as forks of running or cached sequences they share a prefix with
+    /// (off: every request computes its whole prompt).
+    pub prefix_sharing: bool,
     /// Most finished sequences kept for later requests that begin alike (0: no prefix
     /// cache). Their blocks count in `kv_blocks` and are given back when needed.
     pub prefix_cache_entries: usize,
@@ -332,6 +335,9 @@ impl<'t> Scheduler<'_, 't> {
     /// The open sequence (running or cached) sharing the longest prefix with `context`, and
     /// that length (at most `cap`).
     fn best_prefix(&self, context: &[u32], cap: usize) -> Option<(u32, usize)> {
+        if !self.cfg.prefix_sharing {
+            return None;
+        }
         let running = self.running.iter().map(|r| (r.slot, r.held.as_slice()));
         let cached = self.cached.iter().map(|c| (c.slot, c.tokens.as_slice()));
         running
@@ -343,6 +349,9 @@ impl<'t> Scheduler<'_, 't> {
 
     /// Longest prefix of `context` that a running sequence will hold once its prefill is done.
     fn coming_prefix(&self, context: &[u32], cap: usize) -> usize {
+        if !self.cfg.prefix_sharing {
+            return 0;
+        }
         self.running
             .iter()
             .filter(|r| r.prefill_left() > 0)
@@ -817,13 +826,15 @@ mod tests {
         )
     }
 
-    /// `blocks` KV blocks of 32 positions, `batch` tokens a step, no prefix cache.
+    /// `blocks` KV blocks of 32 positions, `batch` tokens a step, prefix sharing but no prefix
+    /// cache.
     fn cfg(blocks: usize, batch: usize) -> SchedulerConfig {
         SchedulerConfig {
             max_seqs: 4,
             kv_blocks: blocks,
             max_batch_tokens: batch,
             heartbeat: Duration::from_millis(5),
+            prefix_sharing: true,
             prefix_cache_entries: 0,
         }
     }

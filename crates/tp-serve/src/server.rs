@@ -1371,5 +1371,14 @@ mod tests {
         };
         req.endpoint = Endpoint::Chat;
         assert_eq!(checked_max_tokens(&small, &req, 10), Ok(40));
+        // A prompt the KV budget cannot hold: 400 naming the budget and the prompt's length.
+        let e = checked_max_tokens(&small, &req, 50).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        assert!(e.message.contains("50 tokens"), "{}", e.message);
+        assert!(
+            e.message.contains("KV cache budget holds 50 positions"),
+            "{}",
+            e.message
+        );
     }
 }

@@ -68,7 +68,9 @@ pub struct ServeConfig {
     pub log: bool,
     /// Added to the 401 message (see [`ServerConfig::auth_hint`]).
     pub auth_hint: Option<String>,
-    /// Keep finished sequences' KV blocks for later requests that begin alike.
+    /// Share the KV blocks of a common prefix between requests and keep finished sequences'
+    /// blocks for later requests that begin alike (off: every request, and every choice of
+    /// `n`, computes its whole prompt).
     pub prefix_cache: bool,
 }
 
@@ -210,6 +212,7 @@ pub fn serve(
         heartbeat: Duration::from_secs(1)
             .min(cfg.collective_timeout / 4)
             .max(Duration::from_millis(10)),
+        prefix_sharing: cfg.prefix_cache,
         prefix_cache_entries: if cfg.prefix_cache {
             PREFIX_CACHE_PER_SEQ * cfg.max_seqs
         } else {
