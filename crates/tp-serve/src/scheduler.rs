@@ -1046,6 +1046,30 @@ mod tests {
         }
     }
 
+    /// Runs `requests` one after another (each submitted once the previous one ended) and
+    /// checks that each gets its text alone.
+    fn one_after_another(
+        exec: &mut ScriptedExecutor,
+        cfg: &SchedulerConfig,
+        metrics: &Metrics,
+        requests: &[(String, usize)],
+    ) {
+        let want = alone(requests);
+        let (got, result) = with_metrics(exec, cfg, vec![], metrics, |tx| {
+            let mut got = Vec::new();
+            for (prompt, max) in requests {
+                let (j, mut r) = job(prompt, DecodeParams::greedy(*max));
+                submit(tx, j);
+                got.push(collect(&mut r));
+            }
+            got
+        });
+        result.unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(done_text(g), done_text(w), "request {i}");
+        }
+    }
+
     #[test]
     fn a_finished_prefix_is_shared_by_a_later_request() {
         let mut exec = alphabet(true);
@@ -1053,19 +1077,8 @@ mod tests {
         c.prefix_cache_entries = 4;
         let metrics = Metrics::new();
         let system = "abcdefghijklmnopqrstuvwxyzabcdefghijklmnopqrstuvwxyz";
-        let (one, two) = (format!("{system}q"), format!("{system}x"));
-        let want = alone(&[(one.clone(), 5), (two.clone(), 5)]);
-        let (got, result) = with_metrics(&mut exec, &c, vec![], &metrics, |tx| {
-            let (a, mut ra) = job(&one, DecodeParams::greedy(5));
-            submit(tx, a);
-            let first = collect(&mut ra);
-            let (b, mut rb) = job(&two, DecodeParams::greedy(5));
-            submit(tx, b);
-            (first, collect(&mut rb))
-        });
-        result.unwrap();
-        assert_eq!(done_text(&got.0), done_text(&want[0]));
-        assert_eq!(done_text(&got.1), done_text(&want[1]));
+        let requests = [(format!("{system}q"), 5), (format!("{system}x"), 5)];
+        one_after_another(&mut exec, &c, &metrics, &requests);
         // The second request forked the first one's 52 common positions and fed only its own
         // last token.
         assert!(exec.log.contains(&Command::Fork {
@@ -1086,20 +1099,11 @@ mod tests {
         let mut exec = alphabet(true);
         let mut c = cfg(3, 64);
         c.prefix_cache_entries = 4;
-        let one = "ab".to_string() + &"c".repeat(38);
-        let two = "ab".to_string() + &"x".repeat(50);
-        let want = alone(&[(one.clone(), 20), (two.clone(), 10)]);
-        let (got, result) = with_scheduler(&mut exec, &c, vec![], |tx| {
-            let (a, mut ra) = job(&one, DecodeParams::greedy(20));
-            submit(tx, a);
-            let first = collect(&mut ra);
-            let (b, mut rb) = job(&two, DecodeParams::greedy(10));
-            submit(tx, b);
-            (first, collect(&mut rb))
-        });
-        result.unwrap();
-        assert_eq!(done_text(&got.0), done_text(&want[0]));
-        assert_eq!(done_text(&got.1), done_text(&want[1]));
+        let requests = [
+            ("ab".to_string() + &"c".repeat(38), 20),
+            ("ab".to_string() + &"x".repeat(50), 10),
+        ];
+        one_after_another(&mut exec, &c, &Metrics::new(), &requests);
         assert!(exec.log.contains(&Command::Close { slot: 0 }));
     }
 
