@@ -351,6 +351,12 @@ fn run_rank<T>(
     let tp = args.tp_for(g.size())?;
     let weights = args.weights_for(tp)?;
     let rank = g.rank();
+    // Rank 0's tokenizer first, while nothing else is held: building it (Qwen2.5's 151k-token
+    // vocabulary and merges) takes ~150 MB for a moment, which then goes back to the system
+    // instead of peaking beside the weights. An error is reported once the followers can be
+    // released.
+    let tokenizer = (rank == 0).then(|| session::load_tokenizer(m.path, m.ckpt));
+    session::release_free_heap();
     let counting = Counting::new(m.ckpt);
     let started = Instant::now();
     let mut model =
@@ -364,6 +370,11 @@ fn run_rank<T>(
         time: started.elapsed(),
     };
     let all = load_report::gather(&g, mine)?;
+    // Every rank has its shard (the gather waited for all): what loading freed goes back now,
+    // before rank 0 builds the tokenizer.
+    if rank == 0 {
+        session::release_free_heap();
+    }
     if rank == 0 && !args.quiet {
         for line in load_report::table(&all, m.file_bytes) {
             eprintln!("# {line}");
@@ -374,8 +385,9 @@ fn run_rank<T>(
         worker.follow()?;
         return Ok(None);
     }
-    let tokenizer = match session::load_tokenizer(m.path, m.ckpt) {
-        Ok(t) => t,
+    let tokenizer = match tokenizer.transpose() {
+        Ok(Some(t)) => t,
+        Ok(None) => anyhow::bail!("rank 0 has no tokenizer (an internal error)"),
         Err(e) => {
             let _ = worker.submit(Command::Exit);
             return Err(session_error(e));
@@ -388,6 +400,7 @@ fn run_rank<T>(
         memory: m.memory.clone(),
         weights,
     };
+    session::release_free_heap();
     let out = lead(&mut session);
     // Release the followers whatever happened (a broken group fails here too, harmlessly).
     let _ = session.worker.submit(Command::Exit);

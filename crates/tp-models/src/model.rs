@@ -96,6 +96,21 @@ impl ShardedModel {
         let ffn = plan.ffn_cols();
         let vocab = plan.vocab_rows();
         check_vector(ckpt, WeightName::OutputNorm, cfg.hidden)?;
+        // The vocabulary matrices first, while nothing else is held: the largest tensors, their
+        // file pages and slice copies then peak beside no layer (Qwen2.5-Coder-0.5B at tp 1:
+        // 899 -> 734 MB peak RSS).
+        check_matrix(ckpt, WeightName::Embed, cfg.vocab, cfg.hidden)?;
+        let embed = Matrix::from_slice(ckpt.rows(WeightName::Embed, vocab.clone())?, opts)?;
+        let head = if cfg.tied_embeddings {
+            None
+        } else {
+            check_matrix(ckpt, WeightName::Output, cfg.vocab, cfg.hidden)?;
+            Some(Matrix::from_slice(
+                ckpt.rows(WeightName::Output, vocab)?,
+                opts,
+            )?)
+        };
+        ckpt.release_pages();
         let mut layers = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
             check_matrix(ckpt, WeightName::Q(l), cfg.heads * hd, cfg.hidden)?;
@@ -151,17 +166,6 @@ impl ShardedModel {
             // load's peak is the weights plus one layer, not the weights plus the file.
             ckpt.release_pages();
         }
-        check_matrix(ckpt, WeightName::Embed, cfg.vocab, cfg.hidden)?;
-        let embed = Matrix::from_slice(ckpt.rows(WeightName::Embed, vocab.clone())?, opts)?;
-        let head = if cfg.tied_embeddings {
-            None
-        } else {
-            check_matrix(ckpt, WeightName::Output, cfg.vocab, cfg.hidden)?;
-            Some(Matrix::from_slice(
-                ckpt.rows(WeightName::Output, vocab)?,
-                opts,
-            )?)
-        };
         let norm = ckpt.vector(WeightName::OutputNorm, None)?;
         // Everything is read: the last rank to finish leaves none of the file resident.
         ckpt.release_pages();
