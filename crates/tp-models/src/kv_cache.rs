@@ -391,7 +391,8 @@ impl KvPool {
 
     /// Makes `table` ready for `n` more positions with the blocks `ids` (exactly
     /// [`KvPool::blocks_needed`] free ids: a copy of the shared last block first, when one is
-    /// needed, then new blocks in position order). Nothing changes on an error.
+    /// needed, then new blocks in position order). Invalid ids change nothing; when memory
+    /// runs out the table keeps its positions and no new block.
     pub fn grow(&mut self, table: &mut BlockTable, n: usize, ids: &[BlockId]) -> Result<()> {
         table.check_room(n)?;
         let needed = self.blocks_needed(table, n);
@@ -424,7 +425,13 @@ impl KvPool {
             }
         }
         for id in ids {
-            self.claim(id)?;
+            if let Err(e) = self.claim(id) {
+                // Out of memory: give back the blocks taken so far (a copy made above keeps
+                // the same positions).
+                let len = table.len;
+                self.truncate(table, len);
+                return Err(e);
+            }
             table.blocks.push(id);
         }
         Ok(())
@@ -477,15 +484,19 @@ impl KvPool {
 
     fn claim(&mut self, id: BlockId) -> Result<()> {
         let i = id as usize;
+        // Memory first: a failed allocation leaves the books as they were.
+        let bytes = self.block_bytes();
+        let block = if bytes > 0 {
+            Some(Block::new(bytes)?)
+        } else {
+            None
+        };
         if i >= self.refs.len() {
             self.free.extend(self.refs.len() as BlockId..id);
             self.refs.resize(i + 1, 0);
             self.storage.resize_with(i + 1, || None);
         }
-        let bytes = self.block_bytes();
-        if bytes > 0 {
-            self.storage[i] = Some(Block::new(bytes)?);
-        }
+        self.storage[i] = block;
         self.free.remove(&id);
         self.refs[i] = 1;
         self.in_use += 1;

@@ -415,7 +415,7 @@ impl<'t> Scheduler<'_, 't> {
             let cap = if resumed {
                 context.len()
             } else {
-                context.len() - 1
+                context.len().saturating_sub(1)
             };
             let mut source = self.best_prefix(context, cap);
             let shared = source.map_or(0, |(_, n)| n);
@@ -463,6 +463,11 @@ impl<'t> Scheduler<'_, 't> {
                 self.metrics
                     .queue_time
                     .record(job.arrived.elapsed().as_secs_f64());
+                if job.prompt.is_empty() {
+                    // The HTTP side refuses these; without a token there is nothing to run.
+                    let _ = job.events.send(Event::failed("the prompt has no tokens"));
+                    return Ok(());
+                }
                 let decoder = match SequenceDecoder::new(self.tokenizer, job.params.clone()) {
                     Ok(d) => d,
                     Err(e) => {
