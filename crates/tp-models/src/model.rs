@@ -509,6 +509,45 @@ fn attend(
     pos0: usize,
     ctx: &mut [f32],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if tp_kernels::kernel_path() != "scalar" {
+        // SAFETY: the avx2 and avx512 kernel paths are chosen only on CPUs that have AVX.
+        unsafe { attend_avx(qkv, qkv_w, kv, hd, kv_of_q, pos0, ctx) };
+        return;
+    }
+    attend_portable(qkv, qkv_w, kv, hd, kv_of_q, pos0, ctx)
+}
+
+/// [`attend_portable`] compiled with 8-wide AVX vectors: the same operations in the same order
+/// (separate multiplies and adds, no FMA), so the same bits; long prompts spend most of their
+/// prefill here (quadratic in the positions).
+///
+/// # Safety
+/// The CPU must have AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn attend_avx(
+    qkv: &[f32],
+    qkv_w: usize,
+    kv: LayerKv<'_>,
+    hd: usize,
+    kv_of_q: &[usize],
+    pos0: usize,
+    ctx: &mut [f32],
+) {
+    attend_portable(qkv, qkv_w, kv, hd, kv_of_q, pos0, ctx)
+}
+
+#[inline(always)]
+fn attend_portable(
+    qkv: &[f32],
+    qkv_w: usize,
+    kv: LayerKv<'_>,
+    hd: usize,
+    kv_of_q: &[usize],
+    pos0: usize,
+    ctx: &mut [f32],
+) {
     let scale = 1.0 / (hd as f32).sqrt();
     let q_w = kv_of_q.len() * hd;
     let seen_all = pos0 + qkv.len() / qkv_w;
@@ -606,7 +645,7 @@ mod tests {
 
     /// An f32 cache in blocks with scattered ids gives exactly the bits of the contiguous
     /// layout, for chunks that start and end anywhere in a block (GQA: 4 query heads over 2
-    /// KV heads).
+    /// KV heads), with attention compiled for AVX or not.
     #[test]
     fn paged_f32_attention_equals_contiguous_bit_for_bit() {
         let (hd, kv_of_q) = (8, vec![0usize, 0, 1, 1]);
@@ -647,6 +686,16 @@ mod tests {
                 pos0,
                 &mut got,
             );
+            // The AVX build (what `attend` runs on this CPU, unless the kernels are forced to
+            // scalar) and the portable one agree bit for bit.
+            let mut portable = vec![0f32; len * q_w];
+            let layer = pool.layer(&table, 0);
+            attend_portable(&qkv, qkv_w, layer, hd, &kv_of_q, pos0, &mut portable);
+            let same = got
+                .iter()
+                .zip(&portable)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "AVX and portable attention differ: {len} at {pos0}");
             let mut want = vec![0f32; len * q_w];
             attend_contiguous(
                 &qkv, qkv_w, &keys, &values, kv_w, hd, &kv_of_q, pos0, &mut want,
