@@ -355,8 +355,11 @@ fn run_rank<T>(
     // vocabulary and merges) takes ~150 MB for a moment, which then goes back to the system
     // instead of peaking beside the weights. An error is reported once the followers can be
     // released.
-    let tokenizer = (rank == 0).then(|| session::load_tokenizer(m.path, m.ckpt));
-    session::release_free_heap();
+    let tokenizer = (rank == 0).then(|| {
+        let tokenizer = session::load_tokenizer(m.path, m.ckpt);
+        session::release_free_heap();
+        tokenizer
+    });
     let counting = Counting::new(m.ckpt);
     let started = Instant::now();
     let mut model =
@@ -370,11 +373,9 @@ fn run_rank<T>(
         time: started.elapsed(),
     };
     let all = load_report::gather(&g, mine)?;
-    // Every rank has its shard (the gather waited for all): what loading freed goes back now,
-    // before rank 0 builds the tokenizer.
-    if rank == 0 {
-        session::release_free_heap();
-    }
+    // Every rank has its shard (the gather waited for all): what loading freed goes back now
+    // (once per process under mpirun; rank threads share one heap and each trims it, cheaply).
+    session::release_free_heap();
     if rank == 0 && !args.quiet {
         for line in load_report::table(&all, m.file_bytes) {
             eprintln!("# {line}");
@@ -400,7 +401,6 @@ fn run_rank<T>(
         memory: m.memory.clone(),
         weights,
     };
-    session::release_free_heap();
     let out = lead(&mut session);
     // Release the followers whatever happened (a broken group fails here too, harmlessly).
     let _ = session.worker.submit(Command::Exit);

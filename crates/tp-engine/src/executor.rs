@@ -105,7 +105,7 @@ impl ScriptedExecutor {
             )));
         }
         self.forwards += 1;
-        let taken = self.slots.take_grown(chunks)?;
+        let mut taken = self.slots.take_grown(chunks)?;
         let mut out = Vec::new();
         let mut result = Ok(());
         for (c, (_, table)) in chunks.iter().zip(taken.iter()) {
@@ -126,7 +126,6 @@ impl ScriptedExecutor {
                 }
             }
         }
-        let mut taken = taken;
         for ((_, table), c) in taken.iter_mut().zip(chunks) {
             match result {
                 Ok(()) => table.advance(c.tokens.len()),

@@ -256,7 +256,8 @@ pub fn describe_rank(
 /// Gives the heap memory the allocator holds free back to the system. glibc keeps what loading
 /// a model and building a tokenizer allocated and freed (the tokenizer's intermediate
 /// vocabulary and merges, slice copies): for Qwen2.5's 151k-token vocabulary about 200 MB of
-/// resident memory that nothing uses. Call once the session is built. A no-op elsewhere.
+/// resident memory that nothing uses. Call after such work (building the tokenizer, loading the
+/// shards). A no-op elsewhere.
 pub fn release_free_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim has no preconditions; it only returns free pages to the system.

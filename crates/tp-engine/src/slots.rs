@@ -56,13 +56,6 @@ impl Slots {
         self.tables.get(&slot).map_or(0, BlockTable::capacity)
     }
 
-    /// Blocks `slot` must take before `n` more positions (0 when it is not open).
-    pub fn blocks_needed(&self, slot: u32, n: usize) -> usize {
-        self.tables
-            .get(&slot)
-            .map_or(0, |t| self.pool.blocks_needed(t, n))
-    }
-
     /// Checks `cmd` against this rank's state (identical on every rank).
     pub fn check(&self, cmd: &Command) -> Result<()> {
         match cmd {

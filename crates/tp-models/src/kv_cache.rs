@@ -521,13 +521,14 @@ impl KvPool {
         if self.block_bytes() == 0 || f == t {
             return;
         }
-        let src: Vec<u8> = match self.storage.get(f) {
-            Some(Some(b)) => b.map.to_vec(),
-            _ => return,
+        // Taken out for the copy, so source and destination are borrowed apart.
+        let Some(mut dst) = self.storage.get_mut(t).and_then(Option::take) else {
+            return;
         };
-        if let Some(Some(dst)) = self.storage.get_mut(t) {
-            dst.map.copy_from_slice(&src);
+        if let Some(Some(src)) = self.storage.get(f) {
+            dst.map.copy_from_slice(&src.map);
         }
+        self.storage[t] = Some(dst);
     }
 
     /// Element index of (layer, k/v, head, position in block, 0) inside a block.
@@ -539,19 +540,20 @@ impl KvPool {
     /// table.len() + n`, which [`KvPool::grow`] made room for. The caller advances the table
     /// once every layer has written.
     pub(crate) fn append(&mut self, table: &BlockTable, layer: usize, k: &[f32], v: &[f32]) {
-        let (kv_heads, hd, dtype) = (self.kv_heads, self.head_dim, self.dtype);
+        let (hd, dtype) = (self.head_dim, self.dtype);
         let scales = self.q8_scales_at();
-        let w = kv_heads * hd;
+        let w = self.kv_heads * hd;
         for (kv, rows) in [k, v].into_iter().enumerate() {
             for (i, row) in rows.chunks_exact(w.max(1)).enumerate() {
                 let pos = table.len + i;
-                let p = pos % BLOCK_POSITIONS;
+                let head0 = self.at(layer, kv, 0, pos % BLOCK_POSITIONS);
                 let id = table.blocks[pos / BLOCK_POSITIONS] as usize;
                 let Some(Some(block)) = self.storage.get_mut(id) else {
                     continue;
                 };
+                // Head h is BLOCK_POSITIONS * hd elements after head h - 1.
                 for (h, src) in row.chunks_exact(hd).enumerate() {
-                    let at = (((layer * 2 + kv) * kv_heads + h) * BLOCK_POSITIONS + p) * hd;
+                    let at = head0 + h * BLOCK_POSITIONS * hd;
                     put(block, dtype, hd, scales, at, src);
                 }
             }

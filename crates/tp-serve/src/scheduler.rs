@@ -280,7 +280,7 @@ impl<'t> Scheduler<'_, 't> {
             if self.running.is_empty() {
                 // With nothing running and the prefix cache given back, a request that fits
                 // the budget is always admitted: one left over never will be.
-                self.refuse_head();
+                self.refuse(0);
             }
             self.publish(exec);
             if !self.running.is_empty() {
@@ -317,16 +317,16 @@ impl<'t> Scheduler<'_, 't> {
         Ok(())
     }
 
-    /// Fails the request at the head of the queue (it cannot be admitted even alone).
-    fn refuse_head(&mut self) {
-        let Some(q) = self.waiting.pop_front() else {
+    /// Fails queued request `i`: its tokens do not fit the whole KV cache.
+    fn refuse(&mut self, i: usize) {
+        let Some(q) = self.waiting.remove(i) else {
             return;
         };
         if let Queued::New(_) = q {
             self.load.pending.fetch_sub(1, Ordering::Relaxed);
         }
         let _ = q.job().events.send(Event::failed(format!(
-            "the request's {} tokens cannot be held in the server's KV cache of {} positions",
+            "the request has {} tokens but the server's KV cache holds {} positions",
             q.context().len(),
             self.cfg.max_positions()
         )));
@@ -401,14 +401,7 @@ impl<'t> Scheduler<'_, 't> {
             let whole = context.len().div_ceil(BLOCK_POSITIONS);
             if whole > self.cfg.kv_blocks && !resumed {
                 // The HTTP side checks this; never let one request block the queue forever.
-                if let Some(Queued::New(job)) = self.waiting.remove(i) {
-                    self.load.pending.fetch_sub(1, Ordering::Relaxed);
-                    let _ = job.events.send(Event::failed(format!(
-                        "the prompt has {} tokens but the server's KV cache holds {} positions",
-                        job.prompt.len(),
-                        self.cfg.max_positions()
-                    )));
-                }
+                self.refuse(i);
                 continue;
             }
             // A new request feeds at least one token (its last row gives the first logits).
