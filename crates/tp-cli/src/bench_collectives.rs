@@ -10,19 +10,19 @@
 //! the gathered output; reduce_scatter: the input), algbw = size / time, busbw = algbw x
 //! 2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for broadcast.
 
-use crate::launch::{run_ranks, Backend};
 use serde::Serialize;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 use tp_comm::fault::{FaultPlan, Faulty};
 use tp_comm::{CommError, CommExt, Group, ReduceOp};
+use tp_engine::launch::{run_ranks, Backend};
 
 #[derive(clap::Args, Clone)]
 pub struct BenchArgs {
     /// Ranks for the local backend (under MPI, mpirun's -n decides).
     #[arg(long, default_value_t = 2)]
     ranks: usize,
-    #[arg(long, value_enum, default_value_t = Backend::Local)]
+    #[arg(long, default_value_t = Backend::Local)]
     backend: Backend,
     /// Operations to run, comma separated.
     #[arg(
@@ -462,6 +462,6 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         sweep(world, args)
     })? {
         Ok(_) => Ok(ExitCode::SUCCESS),
-        Err(code) => Ok(code),
+        Err(failed) => Ok(failed.into()),
     }
 }

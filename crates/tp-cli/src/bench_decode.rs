@@ -5,10 +5,10 @@
 //! rank 0 hands to MPI per decoded token (all-reduce payloads, fingerprints, commands).
 
 use crate::model_run::{run_model, ModelArgs, Session};
-use crate::units::show_bytes;
 use anyhow::{bail, Context};
 use std::process::ExitCode;
 use std::time::Instant;
+use tp_engine::report::show_bytes;
 use tp_engine::{argmax, ChunkSpec, Command};
 
 #[derive(clap::Args, Clone, Debug)]
@@ -98,7 +98,7 @@ pub fn run(args: &BenchDecodeArgs) -> anyhow::Result<ExitCode> {
         let (runs, rank0_bytes, bw, formats) = match out {
             Ok(Some(v)) => v,
             Ok(None) => return Ok(ExitCode::SUCCESS), // a follower process under MPI
-            Err(code) => return Ok(code),
+            Err(failed) => return Ok(failed.into()),
         };
         let med = |f: fn(&Run) -> f64| median(runs.iter().map(f).collect());
         let decode = med(|r| r.decode_tok_s);

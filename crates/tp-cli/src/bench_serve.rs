@@ -15,6 +15,7 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+use tp_engine::launch::RanksFailed;
 use tp_serve::client::Client;
 use tp_serve::{ConnLimits, KvBudget, ServeConfig, StopHandle};
 
@@ -113,7 +114,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
     if args.kv_contexts == Some(0) {
         bail!("--kv-contexts must be at least 1");
     }
-    if args.model.backend != crate::launch::Backend::Local {
+    if args.model.backend != tp_engine::launch::Backend::Local {
         bail!("tp bench serve starts its servers with the local backend; drop --backend");
     }
     let model = args.model.model_path()?;
@@ -384,7 +385,7 @@ struct InProcessServer {
 }
 
 /// What the server's thread ends with (`run_model`'s result).
-type RunOutcome = anyhow::Result<Result<Option<()>, ExitCode>>;
+type RunOutcome = anyhow::Result<Result<Option<()>, RanksFailed>>;
 
 /// What a bench server is started with.
 struct ServerShape {
@@ -486,7 +487,7 @@ impl InProcessServer {
         };
         match thread.join() {
             Ok(Ok(Ok(_))) => Ok(()),
-            Ok(Ok(Err(code))) => bail!("the server's ranks failed ({code:?}; see above)"),
+            Ok(Ok(Err(RanksFailed))) => bail!("the server's ranks failed (see above)"),
             Ok(Err(e)) => Err(e.context("the server failed")),
             Err(_) => bail!("the server thread panicked"),
         }

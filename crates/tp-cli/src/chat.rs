@@ -104,7 +104,7 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
     })?;
     Ok(match out {
         Ok(_) => ExitCode::SUCCESS,
-        Err(code) => code,
+        Err(failed) => failed.into(),
     })
 }
 

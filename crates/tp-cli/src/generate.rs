@@ -142,7 +142,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     })?;
     Ok(match out {
         Ok(_) => ExitCode::SUCCESS,
-        Err(code) => code,
+        Err(failed) => failed.into(),
     })
 }
 

@@ -1,12 +1,12 @@
 //! `tp inspect`: a model's shapes and the shard each rank would get at a given tp (heads, KV
 //! heads and whether they are shared, FFN columns, vocab rows, bytes), without loading weights.
 
-use crate::launch::Backend;
 use crate::model_run::{rank_weights_for, DTypeArg, KvDtypeArg};
-use crate::units::show_bytes;
 use anyhow::Context;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use tp_engine::launch::Backend;
+use tp_engine::report::show_bytes;
 use tp_engine::session::memory_plan;
 use tp_models::{
     open_checkpoint, Checkpoint, DenseDType, LoadOptions, RankWeights, ShardPlan, WeightName,
@@ -43,7 +43,7 @@ pub struct InspectArgs {
 pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     let path = match args.model_flag.as_ref().or(args.model.as_ref()) {
         Some(p) => crate::model_run::resolve_model_path(p)?,
-        None => crate::fetch::ensure(&crate::fetch::SMOLLM2)?,
+        None => tp_models::fetch::ensure(&tp_models::fetch::SMOLLM2)?,
     };
     let ckpt = open_checkpoint(&path).with_context(|| format!("cannot load {}", path.display()))?;
     let dense = match args.dtype {

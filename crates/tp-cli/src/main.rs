@@ -5,19 +5,13 @@ mod bench_decode;
 mod bench_serve;
 mod bench_train;
 mod chat;
-mod errors;
-mod fetch;
 mod generate;
 mod inspect;
-mod launch;
-mod load_report;
-mod model_check;
 mod model_run;
 mod perplexity;
 mod selftest;
 mod serve;
 mod train;
-mod units;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::process::ExitCode;
@@ -118,7 +112,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {}", errors::chain(&*e));
+            eprintln!("error: {}", tp_engine::report::chain(&*e));
             ExitCode::from(2)
         }
     }

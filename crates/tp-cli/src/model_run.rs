@@ -2,17 +2,17 @@
 //! check (tp-engine's `session`, in flag terms here), and starting the ranks (rank 0 leads,
 //! the others follow its steps).
 
-use crate::fetch;
-use crate::launch::{run_ranks, Backend};
-use crate::load_report::{self, Counting, LoadStats};
-use crate::model_check::{check_same_model, open_and_identify};
-use crate::units::{parse_bytes, show_bytes};
 use anyhow::{anyhow, bail, Context};
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 use std::time::{Duration, Instant};
+use tp_engine::launch::{run_ranks, Backend, RanksFailed};
+use tp_engine::load_stats::{self, Counting, LoadStats};
+use tp_engine::model_check::{check_same_model, open_and_identify};
+use tp_engine::report::load_table;
+use tp_engine::report::{parse_bytes, show_bytes};
 use tp_engine::session::{self, Placement, SessionError};
 use tp_engine::{Command, Worker};
+use tp_models::fetch;
 use tp_models::{
     open_checkpoint, Checkpoint, DenseDType, KvDtype, LoadOptions, RankMemory, RankWeights,
     ShardedModel, SyncMode,
@@ -89,7 +89,7 @@ pub struct ModelArgs {
     #[arg(long, value_name = "W0,W1,..", value_parser = parse_rank_weights, allow_hyphen_values = true)]
     pub rank_weights: Option<RankWeights>,
     /// Ranks as threads of this process (local) or as processes under mpirun (mpi).
-    #[arg(long, value_enum, default_value_t = Backend::Local)]
+    #[arg(long, default_value_t = Backend::Local)]
     pub backend: Backend,
     /// Element type of weights that are not kept quantized.
     #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
@@ -141,7 +141,7 @@ impl ModelArgs {
     pub fn model_path(&self) -> anyhow::Result<PathBuf> {
         match &self.model {
             Some(p) => resolve_model_path(p),
-            None => fetch::ensure(&fetch::SMOLLM2),
+            None => Ok(fetch::ensure(&fetch::SMOLLM2)?),
         }
     }
 
@@ -266,7 +266,7 @@ pub fn session_error(e: SessionError) -> anyhow::Error {
 pub fn run_model<T: Send>(
     args: &ModelArgs,
     lead: impl Fn(&mut Session) -> anyhow::Result<T> + Sync,
-) -> anyhow::Result<Result<Option<T>, ExitCode>> {
+) -> anyhow::Result<Result<Option<T>, RanksFailed>> {
     let timeout = args.timeout()?;
     if args.ctx_size == Some(0) {
         bail!("--ctx-size must be at least 1");
@@ -300,13 +300,17 @@ pub fn run_model<T: Send>(
             // Each host's own copy; every rank learns whether all hosts have the same.
             let path = match &args.model {
                 Some(p) => resolve_model_path(p),
-                None => fetch::cached(&fetch::SMOLLM2),
+                None => Ok(fetch::cached(&fetch::SMOLLM2)?),
             };
-            let opened = path.and_then(|p| open_and_identify(&p).map(|(c, id)| (p, c, id)));
+            let opened = path.and_then(|p| {
+                open_and_identify(&p)
+                    .map(|(c, id)| (p, c, id))
+                    .map_err(anyhow::Error::from)
+            });
             let mine = opened
                 .as_ref()
                 .map(|(_, _, id)| *id)
-                .map_err(|e| format!("{e:#}"));
+                .map_err(|e| tp_engine::report::chain(e.as_ref()));
             let shown = args
                 .model
                 .clone()
@@ -329,6 +333,7 @@ pub fn run_model<T: Send>(
         }),
     }
     .map(|r| r.map(Option::flatten))
+    .map_err(Into::into)
 }
 
 /// The model as a rank sees it, once opened and checked.
@@ -372,12 +377,12 @@ fn run_rank<T>(
         bytes: counting.bytes(),
         time: started.elapsed(),
     };
-    let all = load_report::gather(&g, mine)?;
+    let all = load_stats::gather(&g, mine)?;
     // Every rank has its shard (the gather waited for all): what loading freed goes back now
     // (once per process under mpirun; rank threads share one heap and each trims it, cheaply).
     session::release_free_heap();
     if rank == 0 && !args.quiet {
-        for line in load_report::table(&all, m.file_bytes) {
+        for line in load_table(&all, m.file_bytes) {
             eprintln!("# {line}");
         }
     }

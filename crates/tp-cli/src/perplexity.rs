@@ -96,7 +96,7 @@ pub fn run(args: &PerplexityArgs) -> anyhow::Result<ExitCode> {
     })?;
     Ok(match out {
         Ok(_) => ExitCode::SUCCESS,
-        Err(code) => code,
+        Err(failed) => failed.into(),
     })
 }
 

@@ -1,16 +1,16 @@
 //! `tp selftest`: the collectives conformance suite on the chosen backend.
 
-use crate::launch::{run_ranks, Backend};
 use std::process::ExitCode;
 use std::time::Duration;
 use tp_comm::{CommExt, ReduceOp};
+use tp_engine::launch::{run_ranks, Backend};
 
 #[derive(clap::Args)]
 pub struct SelftestArgs {
     /// Ranks for the local backend (under MPI, mpirun's -n decides).
     #[arg(long, default_value_t = 4)]
     ranks: usize,
-    #[arg(long, value_enum, default_value_t = Backend::Local)]
+    #[arg(long, default_value_t = Backend::Local)]
     backend: Backend,
     /// Deadline of each collective, in seconds.
     #[arg(long, default_value_t = 60.0)]
@@ -43,6 +43,6 @@ pub fn run(args: &SelftestArgs) -> anyhow::Result<ExitCode> {
             })
         }
         Ok(None) => Ok(ExitCode::SUCCESS),
-        Err(code) => Ok(code),
+        Err(failed) => Ok(failed.into()),
     }
 }

@@ -3,14 +3,14 @@
 //! drain); the other ranks follow its steps. The KV budget comes from --max-kv-memory, or
 //! from --max-rank-memory minus the weights, or defaults to 1 GiB per rank.
 
-use crate::launch::Backend;
 use crate::model_run::{run_model, ModelArgs};
-use crate::units::{parse_bytes, show_bytes};
 use anyhow::{bail, Context};
 use std::io::Write;
 use std::net::IpAddr;
 use std::process::ExitCode;
 use std::time::Duration;
+use tp_engine::launch::Backend;
+use tp_engine::report::{parse_bytes, show_bytes};
 use tp_serve::fdlimit::{default_max_connections, fd_reserve};
 use tp_serve::{ConnLimits, KvBudget, Ready, ServeConfig, ServeError};
 /// Drain after SIGTERM under mpirun: short enough to finish before mpirun's SIGKILL.
@@ -217,7 +217,7 @@ pub fn serve_error(e: ServeError) -> anyhow::Error {
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     // SIGTERM drains the server (tp-serve's handler); no last-word exit under mpirun.
-    crate::launch::command_handles_sigterm();
+    tp_engine::launch::command_handles_sigterm();
     if args.max_seqs == 0 || args.max_batch_tokens == 0 {
         bail!("--max-seqs and --max-batch-tokens must be at least 1");
     }
@@ -293,6 +293,6 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     })?;
     Ok(match out {
         Ok(_) => ExitCode::SUCCESS,
-        Err(code) => code,
+        Err(failed) => failed.into(),
     })
 }

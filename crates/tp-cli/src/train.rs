@@ -3,7 +3,6 @@
 //! checkpoint checksums), then starts the ranks; rank 0 shows progress with loss, tokens/s
 //! and MFU, and the run ends with a checkpoint and a loss curve beside it.
 
-use crate::launch::{run_ranks, Backend};
 use anyhow::{bail, Context};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -11,6 +10,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 use tp_comm::{Group, ParallelDims, ProcessGroups};
+use tp_engine::launch::{run_ranks, Backend, RanksFailed};
 use tp_train::checkpoint::{SaveHook, SavePoint};
 use tp_train::{
     flops, AdamWConfig, Checkpoint, Corpus, ModelConfig, StepReport, TextTokenizer, TrainError,
@@ -81,7 +81,7 @@ pub struct TrainArgs {
     /// any tp, pp or dp.
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    #[arg(long, value_enum, default_value_t = Backend::Local)]
+    #[arg(long, default_value_t = Backend::Local)]
     pub backend: Backend,
     /// Deadline of each collective, in seconds.
     #[arg(long, default_value_t = 60.0)]
@@ -344,7 +344,7 @@ pub fn launch<T: Send>(
     ranks: usize,
     timeout: Duration,
     work: impl Fn(Group) -> Result<T, TrainError> + Sync,
-) -> anyhow::Result<Result<Option<T>, ExitCode>> {
+) -> anyhow::Result<Result<Option<T>, RanksFailed>> {
     let out = run_ranks(backend, ranks, timeout, |world| {
         let rank = world.rank();
         match work(world) {
@@ -352,7 +352,7 @@ pub fn launch<T: Send>(
             Err(e) => match e.into_comm() {
                 Ok(comm) => Err(comm),
                 Err(other) => {
-                    eprintln!("rank {rank}: error: {}", crate::errors::chain(&other));
+                    eprintln!("rank {rank}: error: {}", tp_engine::report::chain(&other));
                     if backend == Backend::Mpi {
                         // Other processes may wait on this one: end the job.
                         std::thread::sleep(Duration::from_millis(300));
@@ -365,9 +365,9 @@ pub fn launch<T: Send>(
     })?;
     Ok(match out {
         Ok(Some(Ok(v))) => Ok(Some(v)),
-        Ok(Some(Err(()))) => Err(ExitCode::from(1)),
+        Ok(Some(Err(()))) => Err(RanksFailed),
         Ok(None) => Ok(None),
-        Err(code) => Err(code),
+        Err(failed) => Err(failed),
     })
 }
 
@@ -480,7 +480,7 @@ pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
     let summary = match out {
         Ok(Some(s)) => s,
         Ok(None) => return Ok(ExitCode::SUCCESS),
-        Err(code) => return Ok(code),
+        Err(failed) => return Ok(failed.into()),
     };
     let r = &summary.reports;
     if let (Some(first), Some(last)) = (r.first(), r.last()) {

@@ -4,6 +4,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod fetch;
 pub mod gguf;
 pub mod gguf_header;
 pub mod hf;

