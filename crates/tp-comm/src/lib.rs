@@ -20,6 +20,7 @@
 //! # Ok::<(), tp_comm::CommError>(())
 //! ```
 
+pub mod bench;
 pub mod build;
 pub mod communicator;
 pub mod conformance;
