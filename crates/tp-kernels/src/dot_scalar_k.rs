@@ -177,31 +177,23 @@ pub(crate) fn group_dot(qtype: QuantType, group: &[u8], acts: &[ActBlockK]) -> [
     acc
 }
 
-/// The 8 f64 sums of one token's per-super-block contributions (see `wide`), in order.
+/// The 8 f64 sums of one token's per-super-block contributions (see `wide`), or with `sub`
+/// its per-32-wide-sub-block contributions (the sub-block form), in column order.
 pub(crate) fn group_dot_wide(
     qtype: QuantType,
     group: &[u8],
     acts: &[ActBlockK],
+    sub: bool,
 ) -> [f64; GROUP_ROWS] {
     let mut acc = [0.0f64; GROUP_ROWS];
     each_block(qtype, group, acts, |lane, a, (is, ms), d, dmin| {
-        let (isum, msum) = (is.iter().sum::<i32>(), ms.iter().sum::<i32>());
-        acc[lane] += contribution(qtype, isum, msum, d, dmin, a.d) as f64;
-    });
-    acc
-}
-
-/// The 8 f64 sums of one token's per-32-wide-sub-block contributions (the sub-block form,
-/// see `wide`), in column order.
-pub(crate) fn group_dot_sub(
-    qtype: QuantType,
-    group: &[u8],
-    acts: &[ActBlockK],
-) -> [f64; GROUP_ROWS] {
-    let mut acc = [0.0f64; GROUP_ROWS];
-    each_block(qtype, group, acts, |lane, a, (is, ms), d, dmin| {
-        for j in 0..8 {
-            acc[lane] += contribution(qtype, is[j], ms[j], d, dmin, a.ds[j]) as f64;
+        if sub {
+            for j in 0..8 {
+                acc[lane] += contribution(qtype, is[j], ms[j], d, dmin, a.ds[j]) as f64;
+            }
+        } else {
+            let (isum, msum) = (is.iter().sum::<i32>(), ms.iter().sum::<i32>());
+            acc[lane] += contribution(qtype, isum, msum, d, dmin, a.d) as f64;
         }
     });
     acc

@@ -14,6 +14,7 @@ use crate::quantize_k::{self, ActBlockK};
 use crate::tile::{Form, TileOut, MAX_TILE};
 use std::cell::RefCell;
 use std::fmt;
+use std::thread::LocalKey;
 
 thread_local! {
     /// Quantized activations of the current call, kept between calls so the hot path does
@@ -49,6 +50,25 @@ impl fmt::Debug for QuantMatrix {
             .field("sub_lead", &self.sub_lead)
             .finish()
     }
+}
+
+/// Runs `f` on `len` elements of this thread's buffer `key` (grown as needed and kept for
+/// the next call), or on a fresh buffer if it is already borrowed (only through
+/// re-entrancy, which nothing here does; stay correct anyway).
+fn with_scratch<T: Clone + Default + 'static, R>(
+    key: &'static LocalKey<RefCell<Vec<T>>>,
+    len: usize,
+    f: impl FnOnce(&mut [T]) -> R,
+) -> R {
+    key.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut scratch) => {
+            if scratch.len() < len {
+                scratch.resize(len, T::default());
+            }
+            f(&mut scratch[..len])
+        }
+        Err(_) => f(&mut vec![T::default(); len]),
+    })
 }
 
 /// Most bytes of expanded activations (AVX-512 kernels) one pass over the groups uses.
@@ -162,6 +182,18 @@ impl QuantMatrix {
         bytes: Vec<u8>,
     ) -> Result<Self, KernelError> {
         let expected = ggml_bytes(qtype, rows, cols)?;
+        Self::build(qtype, rows, cols, None, expected, bytes)
+    }
+
+    /// Packs `bytes` (checked to be `expected` long) into a matrix of `nb()` blocks a row.
+    fn build(
+        qtype: QuantType,
+        rows: usize,
+        cols: usize,
+        sub_lead: Option<usize>,
+        expected: usize,
+        bytes: Vec<u8>,
+    ) -> Result<Self, KernelError> {
         if bytes.len() != expected {
             return Err(KernelError::ByteLength {
                 qtype,
@@ -171,14 +203,15 @@ impl QuantMatrix {
                 got: bytes.len(),
             });
         }
-        let packed = pack::pack(qtype, rows, cols / qtype.block_len(), &bytes);
-        Ok(QuantMatrix {
+        let mut m = QuantMatrix {
             qtype,
             rows,
             cols,
-            packed,
-            sub_lead: None,
-        })
+            packed: Vec::new(),
+            sub_lead,
+        };
+        m.packed = pack::pack(qtype, rows, m.nb(), &bytes);
+        Ok(m)
     }
 
     /// The sub-block form of a K-quant matrix: columns `[lead, lead + cols)` of the whole
@@ -208,23 +241,7 @@ impl QuantMatrix {
         let overflow = KernelError::ShapeOverflow { rows, cols };
         let nb = lead.checked_add(cols).ok_or(overflow)?.div_ceil(QK_K);
         let expected = blocks_bytes(qtype, rows, nb, cols)?;
-        if bytes.len() != expected {
-            return Err(KernelError::ByteLength {
-                qtype,
-                rows,
-                cols,
-                expected,
-                got: bytes.len(),
-            });
-        }
-        let packed = pack::pack(qtype, rows, nb, &bytes);
-        Ok(QuantMatrix {
-            qtype,
-            rows,
-            cols,
-            packed,
-            sub_lead: Some(lead),
-        })
+        Self::build(qtype, rows, cols, Some(lead), expected, bytes)
     }
 
     /// `Some(lead)` for a matrix in the sub-block form ([`QuantMatrix::from_ggml_sub_blocks`]).
@@ -332,55 +349,21 @@ impl QuantMatrix {
         // Cannot overflow: n * cols did not, and nb * 256 < cols + 512.
         let blocks = n * self.nb();
         if let Some(lead) = self.sub_lead {
-            let run = |acts: &mut [ActBlockK], y: &mut [E]| {
+            with_scratch(&SCRATCH_K, blocks, |acts| {
                 quantize_k::quantize_sub(x, n, self.cols, lead, acts);
                 self.run_tiles(simd, acts, n, y);
-            };
-            SCRATCH_K.with(|cell| match cell.try_borrow_mut() {
-                Ok(mut scratch) => {
-                    if scratch.len() < blocks {
-                        scratch.resize(blocks, ActBlockK::default());
-                    }
-                    run(&mut scratch[..blocks], y);
-                }
-                // Only reachable through re-entrancy, which nothing here does.
-                Err(_) => run(&mut vec![ActBlockK::default(); blocks], y),
             });
-            return Ok(());
-        }
-        if self.qtype.is_k_quant() {
-            SCRATCH_K.with(|cell| match cell.try_borrow_mut() {
-                Ok(mut scratch) => {
-                    if scratch.len() < blocks {
-                        scratch.resize(blocks, ActBlockK::default());
-                    }
-                    quantize_k::quantize(x, &mut scratch[..blocks]);
-                    self.run_tiles(simd, &scratch[..blocks], n, y);
-                }
-                // Only reachable through re-entrancy, which nothing here does.
-                Err(_) => {
-                    let mut local = vec![ActBlockK::default(); blocks];
-                    quantize_k::quantize(x, &mut local);
-                    self.run_tiles(simd, &local, n, y);
-                }
+        } else if self.qtype.is_k_quant() {
+            with_scratch(&SCRATCH_K, blocks, |acts| {
+                quantize_k::quantize(x, acts);
+                self.run_tiles(simd, acts, n, y);
             });
-            return Ok(());
+        } else {
+            with_scratch(&SCRATCH, blocks, |acts| {
+                quantize::quantize(simd, x, acts);
+                self.run_tiles(simd, acts, n, y);
+            });
         }
-        SCRATCH.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut scratch) => {
-                if scratch.len() < blocks {
-                    scratch.resize(blocks, ActBlock::default());
-                }
-                quantize::quantize(simd, x, &mut scratch[..blocks]);
-                self.run_tiles(simd, &scratch[..blocks], n, y);
-            }
-            // Only reachable through re-entrancy, which nothing here does; stay correct anyway.
-            Err(_) => {
-                let mut local = vec![ActBlock::default(); blocks];
-                quantize::quantize(simd, x, &mut local);
-                self.run_tiles(simd, &local, n, y);
-            }
-        });
         Ok(())
     }
 
@@ -429,16 +412,7 @@ impl QuantMatrix {
                 t0 = t1;
             }
         };
-        SCRATCH_X.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut scratch) => {
-                if scratch.len() < len {
-                    scratch.resize(len, Expanded::default());
-                }
-                run(&mut scratch[..len], y);
-            }
-            // Only reachable through re-entrancy, which nothing here does.
-            Err(_) => run(&mut vec![Expanded::default(); len], y),
-        });
+        with_scratch(&SCRATCH_X, len, |ex| run(ex, y));
     }
 
     /// [`Self::run_tiles`] with the expanded activations (`ex`: empty, or `A::PER_BLOCK`
@@ -694,8 +668,8 @@ impl Activation for ActBlockK {
                     use crate::dot_scalar_k as k;
                     match form {
                         Form::F32 => out.f32s[t] = k::group_dot(qtype, group, acts),
-                        Form::Wide => out.f64s[t] = k::group_dot_wide(qtype, group, acts),
-                        Form::WideSub => out.f64s[t] = k::group_dot_sub(qtype, group, acts),
+                        Form::Wide => out.f64s[t] = k::group_dot_wide(qtype, group, acts, false),
+                        Form::WideSub => out.f64s[t] = k::group_dot_wide(qtype, group, acts, true),
                     }
                 }
             }

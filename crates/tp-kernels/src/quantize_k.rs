@@ -102,7 +102,7 @@ pub(crate) fn quantize(x: &[f32], out: &mut [ActBlockK]) {
 /// (`ds`). No-op if the lengths disagree.
 pub(crate) fn quantize_sub(x: &[f32], n: usize, cols: usize, lead: usize, out: &mut [ActBlockK]) {
     const SUB: usize = QK_K / 8;
-    let nb = if n == 0 { 0 } else { out.len() / n };
+    let nb = out.len().checked_div(n).unwrap_or(0);
     if x.len() != n * cols || out.len() != n * nb || lead + cols > nb * QK_K {
         return;
     }
