@@ -15,16 +15,20 @@
 //!   `sum_s m_s * bsum16_s`, as Q4_K's with 16-wide sub-blocks.
 //! - Q3_K: the 2 low bits and the `hmask` bit make 0..=7, the unsigned side (4 products per
 //!   i16 below 4 * 2 * 7 * 127); the `-4` offset is `-4 * sum_s sc_s * bsum16_s`, as Q6_K's.
+//!
+//! Each kernel keeps its scale-weighted i32 sums per token in 8 registers, one per 32-wide
+//! sub-block in the sub-block form (`SUB`), otherwise all in the first; [`block_end`] then
+//! forms the super-block's contribution, or the 8 sub-blocks' (shared with AVX-512).
 
 use crate::dot_avx2::{add_wide, store};
 use crate::format::QuantType;
 use crate::pack_k::{q2k, q3k, q4k, q5k, q6k};
 use crate::quantize_k::ActBlockK;
-use crate::tile::TileOut;
+use crate::tile::{Form, TileOut};
 use std::arch::x86_64::*;
 
-/// Outputs of one group for `tile` tokens into `out.f32s[..tile]` or, when `wide`, the f64
-/// sums of the super-block contributions into `out.f64s[..tile]`.
+/// Outputs of one group for `tile` tokens into `out.f32s[..tile]` or, for the wide forms, the
+/// f64 sums of the super-block (sub-block) contributions into `out.f64s[..tile]`.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `group.len() >= nb * group_block_bytes(qtype)`
@@ -36,7 +40,7 @@ pub(crate) unsafe fn group_dot(
     nb: usize,
     acts: &[ActBlockK],
     tile: usize,
-    wide: bool,
+    form: Form,
     out: &mut TileOut,
 ) {
     let g = group.as_ptr();
@@ -45,19 +49,15 @@ pub(crate) unsafe fn group_dot(
     // super-blocks and that `acts` holds `tile` tokens of `nb` blocks.
     unsafe {
         let p = |t: usize| a.add(t * nb);
-        // `k::<tile, c.., wide>` for the tile size and `wide` of this call.
+        // `k::<tile, c.., wide, sub>` for the tile size and form of this call.
         macro_rules! by_tile {
             ($k:ident $(, $c:literal)*) => {
-                match (tile, wide) {
-                    (1, false) => $k::<1, $($c,)* false>(g, nb, [p(0)], out),
-                    (2, false) => $k::<2, $($c,)* false>(g, nb, [p(0), p(1)], out),
-                    (3, false) => $k::<3, $($c,)* false>(g, nb, [p(0), p(1), p(2)], out),
-                    (_, false) => $k::<4, $($c,)* false>(g, nb, [p(0), p(1), p(2), p(3)], out),
-                    (1, true) => $k::<1, $($c,)* true>(g, nb, [p(0)], out),
-                    (2, true) => $k::<2, $($c,)* true>(g, nb, [p(0), p(1)], out),
-                    (3, true) => $k::<3, $($c,)* true>(g, nb, [p(0), p(1), p(2)], out),
-                    (_, true) => $k::<4, $($c,)* true>(g, nb, [p(0), p(1), p(2), p(3)], out),
-                }
+                by_form!(form, $k, [$($c),*], match tile {
+                    1 => (g, nb, [p(0)], out),
+                    2 => (g, nb, [p(0), p(1)], out),
+                    3 => (g, nb, [p(0), p(1), p(2)], out),
+                    _ => (g, nb, [p(0), p(1), p(2), p(3)], out),
+                })
             };
         }
         match qtype {
@@ -69,6 +69,144 @@ pub(crate) unsafe fn group_dot(
             _ => {}
         }
     }
+}
+
+/// `k::<T, c.., WIDE, SUB>(args..)` for a form (`Form`) and a `match` on the tile size whose
+/// arms give the argument tuples (tokens `T` = the length of the third argument, 1 to 4).
+macro_rules! by_form {
+    ($form:expr, $k:ident, [$($c:literal),*], match $tile:ident {
+        1 => ($($a1:expr),*), 2 => ($($a2:expr),*), 3 => ($($a3:expr),*), _ => ($($a4:expr),*),
+    }) => {
+        match ($form, $tile) {
+            (Form::F32, 1) => $k::<1, $($c,)* false, false>($($a1),*),
+            (Form::F32, 2) => $k::<2, $($c,)* false, false>($($a2),*),
+            (Form::F32, 3) => $k::<3, $($c,)* false, false>($($a3),*),
+            (Form::F32, _) => $k::<4, $($c,)* false, false>($($a4),*),
+            (Form::Wide, 1) => $k::<1, $($c,)* true, false>($($a1),*),
+            (Form::Wide, 2) => $k::<2, $($c,)* true, false>($($a2),*),
+            (Form::Wide, 3) => $k::<3, $($c,)* true, false>($($a3),*),
+            (Form::Wide, _) => $k::<4, $($c,)* true, false>($($a4),*),
+            (Form::WideSub, 1) => $k::<1, $($c,)* true, true>($($a1),*),
+            (Form::WideSub, 2) => $k::<2, $($c,)* true, true>($($a2),*),
+            (Form::WideSub, 3) => $k::<3, $($c,)* true, true>($($a3),*),
+            (Form::WideSub, _) => $k::<4, $($c,)* true, true>($($a4),*),
+        }
+    };
+}
+pub(crate) use by_form;
+
+/// Which tail a K-quant kernel's super-block ends with.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Tail {
+    /// Q4_K and Q5_K: minimums per 32-wide sub-block.
+    Q4K,
+    /// Q2_K: minimums per 16-wide sub-block.
+    Q2K,
+    /// Q3_K: offset 4 per 16-wide sub-block.
+    Q3K,
+    /// Q6_K: offset 32 per 16-wide sub-block.
+    Q6K,
+}
+
+/// The end of super-block `blk` for one token (activation block `x`): from `s`, the exact
+/// scale-weighted integer sums (offsets not yet applied), all in `s[0]` (`SUB = false`: the
+/// super-block's contribution into `acc` or, `WIDE`, `wide`) or per 32-wide sub-block (`SUB`:
+/// the 8 sub-blocks' contributions, in column order, into `wide`; see `wide`). Shared by the
+/// AVX2 and AVX-512 kernels: this f32 arithmetic is what makes their bits agree.
+///
+/// # Safety
+/// `blk` points at a whole packed super-block of the format `tail` belongs to.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn block_end<const WIDE: bool, const SUB: bool>(
+    tail: Tail,
+    blk: *const u8,
+    s: &[__m256i; 8],
+    x: &ActBlockK,
+    acc: &mut __m256,
+    wide: &mut [__m256d; 2],
+) {
+    // SAFETY: every offset is inside the super-block (the caller's promise).
+    unsafe {
+        if !SUB {
+            match tail {
+                Tail::Q4K => q4k_block_tail::<WIDE>(blk, s[0], x, acc, wide),
+                Tail::Q2K => q2k_block_tail::<WIDE>(blk, s[0], x, acc, wide),
+                Tail::Q3K => {
+                    offset_tail::<2, WIDE>(blk.add(q3k::SC), blk.add(q3k::D), s[0], x, acc, wide)
+                }
+                Tail::Q6K => {
+                    offset_tail::<5, WIDE>(blk.add(q6k::SC), blk.add(q6k::D), s[0], x, acc, wide)
+                }
+            }
+            return;
+        }
+        let f16s = |off: usize| _mm256_cvtph_ps(_mm_loadu_si128(blk.add(off) as *const __m128i));
+        let (dw, dmin) = match tail {
+            Tail::Q4K => (f16s(q4k::D), f16s(q4k::DMIN)),
+            Tail::Q2K => (f16s(q2k::D), f16s(q2k::DMIN)),
+            Tail::Q3K => (f16s(q3k::D), _mm256_setzero_ps()),
+            Tail::Q6K => (f16s(q6k::D), _mm256_setzero_ps()),
+        };
+        for (j, &sj) in s.iter().enumerate() {
+            // Pair `j` of 16-wide sub-blocks (2j, 2j + 1) against their activation sums.
+            let bs16 = bcast4(x.bsum16.as_ptr().add(2 * j));
+            let v = match tail {
+                Tail::Q4K => {
+                    // Sub-block j is one i16 of pair j / 2: the other one meets a zero sum.
+                    let bsum = x.bsum32[j] as u16 as i32;
+                    let bs = _mm256_set1_epi32(bsum << (16 * (j % 2)));
+                    min_value(
+                        dw,
+                        dmin,
+                        sj,
+                        _mm256_madd_epi16(pairs_u8(blk.add(q4k::MIN + 16 * (j / 2))), bs),
+                    )
+                }
+                Tail::Q2K => {
+                    let m32 = _mm256_madd_epi16(pairs_u8(blk.add(q2k::MIN + 16 * j)), bs16);
+                    min_value(dw, dmin, sj, m32)
+                }
+                Tail::Q3K => {
+                    offset_value::<2>(dw, sj, pairs_i8(blk.add(q3k::SC + 16 * j)), bs16, x.ds[j])
+                }
+                Tail::Q6K => {
+                    offset_value::<5>(dw, sj, pairs_i8(blk.add(q6k::SC + 16 * j)), bs16, x.ds[j])
+                }
+            };
+            let v = match tail {
+                Tail::Q4K | Tail::Q2K => _mm256_mul_ps(_mm256_set1_ps(x.ds[j]), v),
+                Tail::Q3K | Tail::Q6K => v,
+            };
+            add_wide(wide, v);
+        }
+    }
+}
+
+/// `fma(d_w, s32, -(dmin_w * m32))`, the minimum formats' value before the activation scale.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn min_value(dw: __m256, dmin: __m256, s32: __m256i, m32: __m256i) -> __m256 {
+    let mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m32));
+    _mm256_fmsub_ps(dw, _mm256_cvtepi32_ps(s32), mins)
+}
+
+/// The offset formats' `(s32 - (1 << SHIFT) * madd(scp, bs)) * (d_w * d_x)`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn offset_value<const SHIFT: i32>(
+    dw: __m256,
+    s32: __m256i,
+    scp: __m256i,
+    bs: __m256i,
+    d_x: f32,
+) -> __m256 {
+    let o32 = _mm256_madd_epi16(scp, bs);
+    let isum = _mm256_sub_epi32(s32, _mm256_sll_epi32(o32, _mm_cvtsi32_si128(SHIFT)));
+    _mm256_mul_ps(
+        _mm256_cvtepi32_ps(isum),
+        _mm256_mul_ps(dw, _mm256_set1_ps(d_x)),
+    )
 }
 
 /// Asks for the next group super-block (`bytes` long, right after `blk`) to be brought into
@@ -163,8 +301,7 @@ unsafe fn min_tail<const WIDE: bool>(
     unsafe {
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(d as *const __m128i));
         let dmin = _mm256_cvtph_ps(_mm_loadu_si128(dmin as *const __m128i));
-        let mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m32));
-        let v = _mm256_fmsub_ps(dw, _mm256_cvtepi32_ps(s32), mins);
+        let v = min_value(dw, dmin, s32, m32);
         if WIDE {
             add_wide(wide, _mm256_mul_ps(_mm256_set1_ps(x.d), v));
         } else {
@@ -272,17 +409,19 @@ unsafe fn q6_quarters(blk: *const u8, h: usize, i: usize) -> [__m256i; 4] {
 }
 
 /// Words `i` and `i + 1` of half `h` of Q6_K super-block `b` against `T` tokens: per quarter,
-/// two `maddubs` summed in i16, then `madd` with the quarter's sub-block scales.
+/// two `maddubs` summed in i16, then `madd` with the quarter's sub-block scales, into
+/// `s32[t][4h + quarter]` (`SUB`) or `s32[t][0]`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6_words<const T: usize>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn q6_words<const T: usize, const SUB: bool>(
     blk: *const u8,
     h: usize,
     i: usize,
     sc: &[__m256i; 4],
     acts: &[*const ActBlockK; T],
     b: usize,
-    s32: &mut [__m256i; T],
+    s32: &mut [[__m256i; 8]; T],
 ) {
     // SAFETY: weight words are inside the group super-block; activation reads are at
     // `128h + 32k + 4i + 0..8 < 256` inside block `b` of each token.
@@ -297,7 +436,8 @@ unsafe fn q6_words<const T: usize>(
                     let p0 = _mm256_maddubs_epi16(q0[$k], bcast4(xq.add(32 * $k)));
                     let p1 = _mm256_maddubs_epi16(q1[$k], bcast4(xq.add(32 * $k + 4)));
                     let p = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), sc[$k]);
-                    s = _mm256_add_epi32(s, p);
+                    let j = if SUB { 4 * h + $k } else { 0 };
+                    s[j] = _mm256_add_epi32(s[j], p);
                 };
             }
             quarter!(0);
@@ -339,7 +479,7 @@ pub(crate) fn bit_to(v: __m256i, bit: __m256i, to: __m256i) -> __m256i {
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4k<const T: usize, const FIFTH: bool, const WIDE: bool>(
+unsafe fn q4k<const T: usize, const FIFTH: bool, const WIDE: bool, const SUB: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlockK; T],
@@ -357,7 +497,7 @@ unsafe fn q4k<const T: usize, const FIFTH: bool, const WIDE: bool>(
         for b in 0..nb {
             let blk = group.add(b * bytes);
             prefetch_next(blk, bytes);
-            let mut s32 = [_mm256_setzero_si256(); T];
+            let mut s32 = [[_mm256_setzero_si256(); 8]; T];
             for c in 0..4 {
                 let scp = pairs_u8(blk.add(q4k::SC + 16 * c));
                 for hi in [false, true] {
@@ -368,6 +508,7 @@ unsafe fn q4k<const T: usize, const FIFTH: bool, const WIDE: bool>(
                     };
                     // Q5_K: the fifth bits of sub-block `2c + hi` are bit `2c + hi` of `qh`.
                     let bit = _mm256_set1_epi8(1 << (2 * c + hi as usize));
+                    let j = if SUB { 2 * c + hi as usize } else { 0 };
                     let mut s16 = [_mm256_setzero_si256(); T];
                     for w8 in 0..8 {
                         let v = load(blk.add(q4k::QS + 32 * (8 * c + w8)));
@@ -388,18 +529,20 @@ unsafe fn q4k<const T: usize, const FIFTH: bool, const WIDE: bool>(
                         if FIFTH && w8 == 3 {
                             // Four 5-bit products per i16 at most.
                             for t in 0..T {
-                                s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s16[t], sc));
+                                let p = _mm256_madd_epi16(s16[t], sc);
+                                s32[t][j] = _mm256_add_epi32(s32[t][j], p);
                                 s16[t] = _mm256_setzero_si256();
                             }
                         }
                     }
                     for t in 0..T {
-                        s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s16[t], sc));
+                        s32[t][j] = _mm256_add_epi32(s32[t][j], _mm256_madd_epi16(s16[t], sc));
                     }
                 }
             }
             for t in 0..T {
-                q4k_block_tail::<WIDE>(blk, s32[t], &*acts[t].add(b), &mut acc[t], &mut wide[t]);
+                let x = &*acts[t].add(b);
+                block_end::<WIDE, SUB>(Tail::Q4K, blk, &s32[t], x, &mut acc[t], &mut wide[t]);
             }
         }
         for t in 0..T {
@@ -414,7 +557,7 @@ unsafe fn q4k<const T: usize, const FIFTH: bool, const WIDE: bool>(
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6k<const T: usize, const WIDE: bool>(
+unsafe fn q6k<const T: usize, const WIDE: bool, const SUB: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlockK; T],
@@ -428,7 +571,7 @@ unsafe fn q6k<const T: usize, const WIDE: bool>(
         for b in 0..nb {
             let blk = group.add(b * q6k::BYTES);
             prefetch_next(blk, q6k::BYTES);
-            let mut s32 = [_mm256_setzero_si256(); T];
+            let mut s32 = [[_mm256_setzero_si256(); 8]; T];
             for h in 0..2 {
                 for half in 0..2 {
                     // Scales of sub-blocks 8h + 2k + half (quarter k, 16 columns each).
@@ -442,14 +585,13 @@ unsafe fn q6k<const T: usize, const WIDE: bool>(
                         };
                     }
                     let i0 = 4 * half;
-                    q6_words::<T>(blk, h, i0, &sc, &acts, b, &mut s32);
-                    q6_words::<T>(blk, h, i0 + 2, &sc, &acts, b, &mut s32);
+                    q6_words::<T, SUB>(blk, h, i0, &sc, &acts, b, &mut s32);
+                    q6_words::<T, SUB>(blk, h, i0 + 2, &sc, &acts, b, &mut s32);
                 }
             }
             for t in 0..T {
                 let x = &*acts[t].add(b);
-                let (sc, d) = (blk.add(q6k::SC), blk.add(q6k::D));
-                offset_tail::<5, WIDE>(sc, d, s32[t], x, &mut acc[t], &mut wide[t]);
+                block_end::<WIDE, SUB>(Tail::Q6K, blk, &s32[t], x, &mut acc[t], &mut wide[t]);
             }
         }
         for t in 0..T {
@@ -487,18 +629,19 @@ unsafe fn k23_quants<const HMASK: bool>(
 }
 
 /// Q2_K (`HMASK = false`) or Q3_K: the exact scale-weighted sums `sum_s sc_s * (q · x)_s` of
-/// super-block `blk` for each token (Q3_K's `-4` offset not yet applied).
+/// super-block `blk` for each token (Q3_K's `-4` offset not yet applied), per 32-wide
+/// sub-block (`SUB`) or all in the first.
 ///
 /// # Safety
 /// `blk` points at a whole packed super-block of the format; `acts[t].add(b)` at token `t`'s
 /// activation block.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn k23_sums<const T: usize, const HMASK: bool>(
+unsafe fn k23_sums<const T: usize, const HMASK: bool, const SUB: bool>(
     blk: *const u8,
     acts: &[*const ActBlockK; T],
     b: usize,
-) -> [__m256i; T] {
+) -> [[__m256i; 8]; T] {
     let (qs, hm, sc) = if HMASK {
         (q3k::QS, q3k::HM, q3k::SC)
     } else {
@@ -507,9 +650,10 @@ unsafe fn k23_sums<const T: usize, const HMASK: bool>(
     // SAFETY: the offsets come from `pack_k` for this format; activation reads are at
     // `128h + 32k + 4 w8 + 0..4 < 256`.
     unsafe {
-        let mut s32 = [_mm256_setzero_si256(); T];
+        let mut s32 = [[_mm256_setzero_si256(); 8]; T];
         for h in 0..2 {
             for k in 0..4 {
+                let j = if SUB { 4 * h + k } else { 0 };
                 // Sub-blocks 8h + 2k (columns 0..16 of the 32) and 8h + 2k + 1.
                 let p = blk.add(sc + 16 * (4 * h + k));
                 let scp = if HMASK { pairs_i8(p) } else { pairs_u8(p) };
@@ -529,7 +673,7 @@ unsafe fn k23_sums<const T: usize, const HMASK: bool>(
                         }
                     }
                     for t in 0..T {
-                        s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s16[t], scale));
+                        s32[t][j] = _mm256_add_epi32(s32[t][j], _mm256_madd_epi16(s16[t], scale));
                     }
                 }
             }
@@ -544,7 +688,7 @@ unsafe fn k23_sums<const T: usize, const HMASK: bool>(
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q2k<const T: usize, const WIDE: bool>(
+unsafe fn q2k<const T: usize, const WIDE: bool, const SUB: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlockK; T],
@@ -558,10 +702,10 @@ unsafe fn q2k<const T: usize, const WIDE: bool>(
         for b in 0..nb {
             let blk = group.add(b * q2k::BYTES);
             prefetch_next(blk, q2k::BYTES);
-            let s32 = k23_sums::<T, false>(blk, &acts, b);
+            let s32 = k23_sums::<T, false, SUB>(blk, &acts, b);
             for t in 0..T {
                 let x = &*acts[t].add(b);
-                q2k_block_tail::<WIDE>(blk, s32[t], x, &mut acc[t], &mut wide[t]);
+                block_end::<WIDE, SUB>(Tail::Q2K, blk, &s32[t], x, &mut acc[t], &mut wide[t]);
             }
         }
         for t in 0..T {
@@ -576,7 +720,7 @@ unsafe fn q2k<const T: usize, const WIDE: bool>(
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q3k<const T: usize, const WIDE: bool>(
+unsafe fn q3k<const T: usize, const WIDE: bool, const SUB: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlockK; T],
@@ -590,11 +734,10 @@ unsafe fn q3k<const T: usize, const WIDE: bool>(
         for b in 0..nb {
             let blk = group.add(b * q3k::BYTES);
             prefetch_next(blk, q3k::BYTES);
-            let s32 = k23_sums::<T, true>(blk, &acts, b);
+            let s32 = k23_sums::<T, true, SUB>(blk, &acts, b);
             for t in 0..T {
                 let x = &*acts[t].add(b);
-                let (sc, d) = (blk.add(q3k::SC), blk.add(q3k::D));
-                offset_tail::<2, WIDE>(sc, d, s32[t], x, &mut acc[t], &mut wide[t]);
+                block_end::<WIDE, SUB>(Tail::Q3K, blk, &s32[t], x, &mut acc[t], &mut wide[t]);
             }
         }
         for t in 0..T {

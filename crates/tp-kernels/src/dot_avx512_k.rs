@@ -20,21 +20,22 @@
 //!   `8m..8m + 8` of each 32-wide slice), shifted by `2k` for slice `k`; Q3_K adds 4 where the
 //!   `hmask` bit is set (the `hmask` words `2m`, `2m + 1`). The tails (Q2_K's minimums, Q3_K's
 //!   `-4` offset) are the AVX2 kernels'.
+//!
+//! In the sub-block form (`SUB`) each 32-wide sub-block's scaled sums are folded on their own
+//! and handed to the AVX2 kernels' `block_end`, as the whole super-block's are otherwise.
 
-use crate::dot_avx2::{add_wide, store};
-use crate::dot_avx2_k::{
-    bcast4, offset_tail, pairs_i8, pairs_u8, prefetch_next, q2k_block_tail, q4k_block_tail,
-};
+use crate::dot_avx2::store;
+use crate::dot_avx2_k::{block_end, by_form, pairs_i8, pairs_u8, prefetch_next, Tail};
 use crate::dot_avx512::{fold, ld, load64, pair_index};
 use crate::expand::{Expanded, PER_BLOCK_K};
 use crate::format::QuantType;
 use crate::pack_k::{q2k, q3k, q4k, q5k, q6k};
 use crate::quantize_k::ActBlockK;
-use crate::tile::TileOut;
+use crate::tile::{Form, TileOut};
 use std::arch::x86_64::*;
 
-/// Outputs of one group for `tile` tokens into `out.f32s[..tile]` or, when `wide`, the f64
-/// sums of the super-block contributions into `out.f64s[..tile]`.
+/// Outputs of one group for `tile` tokens into `out.f32s[..tile]` or, for the wide forms, the
+/// f64 sums of the super-block (sub-block) contributions into `out.f64s[..tile]`.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA, F16C, AVX-512 F/BW/VL and AVX-512 VNNI;
@@ -50,7 +51,7 @@ pub(crate) unsafe fn group_dot(
     acts: &[ActBlockK],
     ex: &[Expanded],
     tile: usize,
-    wide: bool,
+    form: Form,
     out: &mut TileOut,
 ) {
     let g = group.as_ptr();
@@ -69,19 +70,15 @@ pub(crate) unsafe fn group_dot(
         let e2 = [e(0), e(1)];
         let e3 = [e(0), e(1), e(2)];
         let e4 = [e(0), e(1), e(2), e(3)];
-        // `k::<tile, c.., wide>` for the tile size and `wide` of this call.
+        // `k::<tile, c.., wide, sub>` for the tile size and form of this call.
         macro_rules! by_tile {
             ($k:ident $(, $c:literal)*) => {
-                match (tile, wide) {
-                    (1, false) => $k::<1, $($c,)* false>(g, nb, p1, e1, out),
-                    (2, false) => $k::<2, $($c,)* false>(g, nb, p2, e2, out),
-                    (3, false) => $k::<3, $($c,)* false>(g, nb, p3, e3, out),
-                    (_, false) => $k::<4, $($c,)* false>(g, nb, p4, e4, out),
-                    (1, true) => $k::<1, $($c,)* true>(g, nb, p1, e1, out),
-                    (2, true) => $k::<2, $($c,)* true>(g, nb, p2, e2, out),
-                    (3, true) => $k::<3, $($c,)* true>(g, nb, p3, e3, out),
-                    (_, true) => $k::<4, $($c,)* true>(g, nb, p4, e4, out),
-                }
+                by_form!(form, $k, [$($c),*], match tile {
+                    1 => (g, nb, p1, e1, out),
+                    2 => (g, nb, p2, e2, out),
+                    3 => (g, nb, p3, e3, out),
+                    _ => (g, nb, p4, e4, out),
+                })
             };
         }
         match qtype {
@@ -101,7 +98,7 @@ pub(crate) unsafe fn group_dot(
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q4k<const T: usize, const FIFTH: bool, const WIDE: bool>(
+unsafe fn q4k<const T: usize, const FIFTH: bool, const WIDE: bool, const SUB: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlockK; T],
@@ -122,6 +119,7 @@ unsafe fn q4k<const T: usize, const FIFTH: bool, const WIDE: bool>(
             let blk = group.add(b * bytes);
             prefetch_next(blk, bytes);
             let mut s = [_mm512_setzero_si512(); T];
+            let mut sub = [[_mm256_setzero_si256(); 8]; T];
             for c in 0..4 {
                 // Lanes r and 8 + r: row r's scales of sub-blocks 2c (low i16), 2c + 1.
                 let scp = _mm512_broadcast_i64x4(pairs_u8(blk.add(q4k::SC + 16 * c)));
@@ -149,16 +147,24 @@ unsafe fn q4k<const T: usize, const FIFTH: bool, const WIDE: bool>(
                     }
                 }
                 for t in 0..T {
-                    let p = _mm512_add_epi32(
+                    let (lo, hi) = (
                         _mm512_mullo_epi32(a_lo[t], sc_lo),
                         _mm512_mullo_epi32(a_hi[t], sc_hi),
                     );
-                    s[t] = _mm512_add_epi32(s[t], p);
+                    if SUB {
+                        sub[t][2 * c] = fold(lo);
+                        sub[t][2 * c + 1] = fold(hi);
+                    } else {
+                        s[t] = _mm512_add_epi32(s[t], _mm512_add_epi32(lo, hi));
+                    }
                 }
             }
             for t in 0..T {
-                let s32 = fold(s[t]);
-                q4k_block_tail::<WIDE>(blk, s32, &*acts[t].add(b), &mut acc[t], &mut wide[t]);
+                if !SUB {
+                    sub[t][0] = fold(s[t]);
+                }
+                let x = &*acts[t].add(b);
+                block_end::<WIDE, SUB>(Tail::Q4K, blk, &sub[t], x, &mut acc[t], &mut wide[t]);
             }
         }
         for t in 0..T {
@@ -188,7 +194,7 @@ unsafe fn q6_scales(p: *const u8) -> [__m512i; 2] {
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q6k<const T: usize, const WIDE: bool>(
+unsafe fn q6k<const T: usize, const WIDE: bool, const SUB: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlockK; T],
@@ -210,6 +216,7 @@ unsafe fn q6k<const T: usize, const WIDE: bool>(
             let blk = group.add(b * q6k::BYTES);
             prefetch_next(blk, q6k::BYTES);
             let mut s = [_mm512_setzero_si512(); T];
+            let mut sub = [[_mm256_setzero_si256(); 8]; T];
             for h in 0..2 {
                 // Quarters 0 | 1 use pairs 4h | 4h + 1, quarters 2 | 3 pairs 4h + 2 | 4h + 3;
                 // words 0..4 the first sub-block of a pair, words 4..8 the second.
@@ -248,25 +255,23 @@ unsafe fn q6k<const T: usize, const WIDE: bool>(
                         _mm512_mullo_epi32(a23[0][t], sc23[0]),
                         _mm512_mullo_epi32(a23[1][t], sc23[1]),
                     );
-                    s[t] = _mm512_add_epi32(s[t], _mm512_add_epi32(p01, p23));
+                    if SUB {
+                        // p01: lanes 0..8 quarter 0 (sub-block 4h), 8..16 quarter 1; p23: 2, 3.
+                        sub[t][4 * h] = _mm512_castsi512_si256(p01);
+                        sub[t][4 * h + 1] = _mm512_extracti64x4_epi64::<1>(p01);
+                        sub[t][4 * h + 2] = _mm512_castsi512_si256(p23);
+                        sub[t][4 * h + 3] = _mm512_extracti64x4_epi64::<1>(p23);
+                    } else {
+                        s[t] = _mm512_add_epi32(s[t], _mm512_add_epi32(p01, p23));
+                    }
                 }
             }
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(q6k::D) as *const __m128i));
             for t in 0..T {
+                if !SUB {
+                    sub[t][0] = fold(s[t]);
+                }
                 let x = &*acts[t].add(b);
-                let mut o32 = _mm256_setzero_si256();
-                for p in 0..8 {
-                    let scp = pairs_i8(blk.add(q6k::SC + 16 * p));
-                    let bs = bcast4(x.bsum16.as_ptr().add(2 * p));
-                    o32 = _mm256_add_epi32(o32, _mm256_madd_epi16(scp, bs));
-                }
-                let isum = _mm256_sub_epi32(fold(s[t]), _mm256_slli_epi32::<5>(o32));
-                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
-                if WIDE {
-                    add_wide(&mut wide[t], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), scale));
-                } else {
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[t]);
-                }
+                block_end::<WIDE, SUB>(Tail::Q6K, blk, &sub[t], x, &mut acc[t], &mut wide[t]);
             }
         }
         for t in 0..T {
@@ -281,7 +286,7 @@ unsafe fn q6k<const T: usize, const WIDE: bool>(
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn k23<const T: usize, const HMASK: bool, const WIDE: bool>(
+unsafe fn k23<const T: usize, const HMASK: bool, const WIDE: bool, const SUB: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlockK; T],
@@ -305,6 +310,7 @@ unsafe fn k23<const T: usize, const HMASK: bool, const WIDE: bool>(
             let blk = group.add(b * bytes);
             prefetch_next(blk, bytes);
             let mut s = [_mm512_setzero_si512(); T];
+            let mut sub = [[_mm256_setzero_si256(); 8]; T];
             for h in 0..2 {
                 for k in 0..4 {
                     // Lanes r and 8 + r: row r's scales of sub-blocks 8h + 2k (low i16) and
@@ -341,19 +347,21 @@ unsafe fn k23<const T: usize, const HMASK: bool, const WIDE: bool>(
                             _mm512_mullo_epi32(a[0][t], sc_lo),
                             _mm512_mullo_epi32(a[1][t], sc_hi),
                         );
-                        s[t] = _mm512_add_epi32(s[t], p);
+                        if SUB {
+                            sub[t][4 * h + k] = fold(p);
+                        } else {
+                            s[t] = _mm512_add_epi32(s[t], p);
+                        }
                     }
                 }
             }
+            let tail = if HMASK { Tail::Q3K } else { Tail::Q2K };
             for t in 0..T {
-                let x = &*acts[t].add(b);
-                let s32 = fold(s[t]);
-                if HMASK {
-                    let (sc, d) = (blk.add(q3k::SC), blk.add(q3k::D));
-                    offset_tail::<2, WIDE>(sc, d, s32, x, &mut acc[t], &mut wide[t]);
-                } else {
-                    q2k_block_tail::<WIDE>(blk, s32, x, &mut acc[t], &mut wide[t]);
+                if !SUB {
+                    sub[t][0] = fold(s[t]);
                 }
+                let x = &*acts[t].add(b);
+                block_end::<WIDE, SUB>(tail, blk, &sub[t], x, &mut acc[t], &mut wide[t]);
             }
         }
         for t in 0..T {

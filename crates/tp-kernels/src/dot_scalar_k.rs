@@ -1,7 +1,8 @@
 //! Portable integer dot products of one 8-row group of packed K-quant weights (Q2_K, Q3_K,
 //! Q4_K, Q5_K, Q6_K)
-//! with one token's Q8_K activations (f32 accumulation, or f64 sums of per-super-block f32
-//! contributions). The reference the AVX2 K-quant kernels are tested against.
+//! with one token's Q8_K activations (f32 accumulation, f64 sums of per-super-block f32
+//! contributions, or f64 sums of per-32-wide-sub-block contributions for the sub-block
+//! form). The reference the SIMD K-quant kernels are tested against.
 
 use crate::format::{f16_at, QuantType};
 use crate::pack::{group_block_bytes, GROUP_ROWS};
@@ -19,10 +20,14 @@ fn pair_byte(blk: &[u8], base: usize, sub: usize, lane: usize) -> u8 {
     blk[base + ((sub / 2) * GROUP_ROWS + lane) * 2 + sub % 2]
 }
 
-/// Q4_K (`FIFTH = false`) or Q5_K: `lane`'s exact integer sums over super-block `blk`:
-/// `Σ_sub sc · (q · x)` and `Σ_sub m · bsum32`.
-fn q4k_sums<const FIFTH: bool>(blk: &[u8], a: &ActBlockK, lane: usize) -> (i32, i32) {
-    let (mut isum, mut msum) = (0i32, 0i32);
+/// Per 32-wide sub-block `j` of a super-block: the exact `Σ sc · (q · x)` (Q3_K and Q6_K with
+/// their offsets applied) and `Σ m · bsum` over the sub-block's one (Q4_K, Q5_K) or two
+/// (Q2_K, 16-wide scales) sub-blocks of scales.
+type SubSums = ([i32; 8], [i32; 8]);
+
+/// Q4_K (`FIFTH = false`) or Q5_K: `lane`'s sums over super-block `blk`.
+fn q4k_sums<const FIFTH: bool>(blk: &[u8], a: &ActBlockK, lane: usize) -> SubSums {
+    let (mut isum, mut msum) = ([0i32; 8], [0i32; 8]);
     for c in 0..4 {
         let (mut lo, mut hi) = (0i32, 0i32);
         for w8 in 0..8 {
@@ -40,18 +45,17 @@ fn q4k_sums<const FIFTH: bool>(blk: &[u8], a: &ActBlockK, lane: usize) -> (i32, 
                 hi += qh * a.qs[l + 32] as i32;
             }
         }
-        isum += pair_byte(blk, q4k::SC, 2 * c, lane) as i32 * lo;
-        isum += pair_byte(blk, q4k::SC, 2 * c + 1, lane) as i32 * hi;
-        msum += pair_byte(blk, q4k::MIN, 2 * c, lane) as i32 * a.bsum32[2 * c] as i32;
-        msum += pair_byte(blk, q4k::MIN, 2 * c + 1, lane) as i32 * a.bsum32[2 * c + 1] as i32;
+        for (s, dot) in [(2 * c, lo), (2 * c + 1, hi)] {
+            isum[s] = pair_byte(blk, q4k::SC, s, lane) as i32 * dot;
+            msum[s] = pair_byte(blk, q4k::MIN, s, lane) as i32 * a.bsum32[s] as i32;
+        }
     }
     (isum, msum)
 }
 
-/// Q2_K: `lane`'s exact integer sums over super-block `blk`: `Σ_sub sc · (q · x)` and
-/// `Σ_sub m · bsum16`.
-fn q2k_sums(blk: &[u8], a: &ActBlockK, lane: usize) -> (i32, i32) {
-    let (mut isum, mut msum) = (0i32, 0i32);
+/// Q2_K: `lane`'s sums over super-block `blk` (minimums against `bsum16`).
+fn q2k_sums(blk: &[u8], a: &ActBlockK, lane: usize) -> SubSums {
+    let (mut isum, mut msum) = ([0i32; 8], [0i32; 8]);
     for h in 0..2 {
         for k in 0..4 {
             for half in 0..2 {
@@ -64,18 +68,18 @@ fn q2k_sums(blk: &[u8], a: &ActBlockK, lane: usize) -> (i32, i32) {
                         s += q * a.qs[128 * h + 32 * k + 4 * w8 + j] as i32;
                     }
                 }
-                isum += pair_byte(blk, q2k::SC, sub, lane) as i32 * s;
-                msum += pair_byte(blk, q2k::MIN, sub, lane) as i32 * a.bsum16[sub] as i32;
+                isum[sub / 2] += pair_byte(blk, q2k::SC, sub, lane) as i32 * s;
+                msum[sub / 2] += pair_byte(blk, q2k::MIN, sub, lane) as i32 * a.bsum16[sub] as i32;
             }
         }
     }
     (isum, msum)
 }
 
-/// Q3_K: `lane`'s exact integer sum `Σ_sub sc · ((q - 4) · x)` over super-block `blk`
-/// (`sc` the stored scale minus 32).
-fn q3k_isum(blk: &[u8], a: &ActBlockK, lane: usize) -> i32 {
-    let mut isum = 0i32;
+/// Q3_K: `lane`'s `Σ sc · ((q - 4) · x)` per 32-wide sub-block of `blk` (`sc` the stored
+/// scale minus 32).
+fn q3k_isum(blk: &[u8], a: &ActBlockK, lane: usize) -> [i32; 8] {
+    let mut isum = [0i32; 8];
     for h in 0..2 {
         for k in 0..4 {
             for half in 0..2 {
@@ -91,16 +95,16 @@ fn q3k_isum(blk: &[u8], a: &ActBlockK, lane: usize) -> i32 {
                         s += q * a.qs[128 * h + 32 * k + 4 * w8 + j] as i32;
                     }
                 }
-                isum += pair_byte(blk, q3k::SC, sub, lane) as i8 as i32 * s;
+                isum[sub / 2] += pair_byte(blk, q3k::SC, sub, lane) as i8 as i32 * s;
             }
         }
     }
     isum
 }
 
-/// Q6_K: `lane`'s exact integer sum `Σ_sub sc · ((q - 32) · x)` over super-block `blk`.
-fn q6k_isum(blk: &[u8], a: &ActBlockK, lane: usize) -> i32 {
-    let mut isum = 0i32;
+/// Q6_K: `lane`'s `Σ sc · ((q - 32) · x)` per 32-wide sub-block of `blk`.
+fn q6k_isum(blk: &[u8], a: &ActBlockK, lane: usize) -> [i32; 8] {
+    let mut isum = [0i32; 8];
     for h in 0..2 {
         for i in 0..8 {
             let wa = q6k::ql_word(16 * h + i) + 4 * lane;
@@ -118,7 +122,7 @@ fn q6k_isum(blk: &[u8], a: &ActBlockK, lane: usize) -> i32 {
                 for (k, &qk) in q.iter().enumerate() {
                     let sc = pair_byte(blk, q6k::SC, 8 * h + 2 * k + l / 16, lane);
                     let x = a.qs[128 * h + 32 * k + l] as i32;
-                    isum += sc as i8 as i32 * (qk as i32 - 32) * x;
+                    isum[4 * h + k] += sc as i8 as i32 * (qk as i32 - 32) * x;
                 }
             }
         }
@@ -126,89 +130,80 @@ fn q6k_isum(blk: &[u8], a: &ActBlockK, lane: usize) -> i32 {
     isum
 }
 
-/// The formats with minimums (Q2_K, Q4_K, Q5_K): `lane`'s `(isum, msum, d, dmin)`.
-fn min_sums(qtype: QuantType, blk: &[u8], a: &ActBlockK, lane: usize) -> (i32, i32, f32, f32) {
-    let ((isum, msum), d, dmin) = match qtype {
-        QuantType::Q2_K => (q2k_sums(blk, a, lane), q2k::D, q2k::DMIN),
-        QuantType::Q5_K => (q4k_sums::<true>(blk, a, lane), q4k::D, q4k::DMIN),
-        _ => (q4k_sums::<false>(blk, a, lane), q4k::D, q4k::DMIN),
-    };
-    (
-        isum,
-        msum,
-        f16_at(blk, d + 2 * lane),
-        f16_at(blk, dmin + 2 * lane),
-    )
+/// `lane`'s sums over super-block `blk` and its f16 `d` and (formats with minimums) `dmin`
+/// (0 for Q3_K and Q6_K, whose `msum`s are 0).
+fn sub_sums(qtype: QuantType, blk: &[u8], a: &ActBlockK, lane: usize) -> (SubSums, f32, f32) {
+    let at = |off: usize| f16_at(blk, off + 2 * lane);
+    match qtype {
+        QuantType::Q2_K => (q2k_sums(blk, a, lane), at(q2k::D), at(q2k::DMIN)),
+        QuantType::Q4_K => (q4k_sums::<false>(blk, a, lane), at(q4k::D), at(q4k::DMIN)),
+        QuantType::Q5_K => (q4k_sums::<true>(blk, a, lane), at(q4k::D), at(q4k::DMIN)),
+        QuantType::Q3_K => ((q3k_isum(blk, a, lane), [0; 8]), at(q3k::D), 0.0),
+        _ => ((q6k_isum(blk, a, lane), [0; 8]), at(q6k::D), 0.0),
+    }
+}
+
+/// The formats with minimums (Q2_K, Q4_K, Q5_K).
+fn has_min(qtype: QuantType) -> bool {
+    matches!(qtype, QuantType::Q2_K | QuantType::Q4_K | QuantType::Q5_K)
+}
+
+/// Calls `f(lane, block, sums, d, dmin)` for every lane of every super-block of `group`.
+fn each_block(
+    qtype: QuantType,
+    group: &[u8],
+    acts: &[ActBlockK],
+    mut f: impl FnMut(usize, &ActBlockK, SubSums, f32, f32),
+) {
+    for (blk, a) in group.chunks_exact(group_block_bytes(qtype)).zip(acts) {
+        for lane in 0..GROUP_ROWS {
+            let (sums, d, dmin) = sub_sums(qtype, blk, a, lane);
+            f(lane, a, sums, d, dmin);
+        }
+    }
 }
 
 /// The 8 outputs (one per row of the group) for one token.
 pub(crate) fn group_dot(qtype: QuantType, group: &[u8], acts: &[ActBlockK]) -> [f32; GROUP_ROWS] {
     let mut acc = [0.0f32; GROUP_ROWS];
-    match qtype {
-        QuantType::Q2_K | QuantType::Q4_K | QuantType::Q5_K => {
-            for (blk, a) in group.chunks_exact(group_block_bytes(qtype)).zip(acts) {
-                for (lane, out) in acc.iter_mut().enumerate() {
-                    let (isum, msum, d, dmin) = min_sums(qtype, blk, a, lane);
-                    *out += a.d * (d * isum as f32 - dmin * msum as f32);
-                }
-            }
-        }
-        QuantType::Q3_K => {
-            for (blk, a) in group.chunks_exact(q3k::BYTES).zip(acts) {
-                for (lane, out) in acc.iter_mut().enumerate() {
-                    let isum = q3k_isum(blk, a, lane);
-                    *out += a.d * f16_at(blk, q3k::D + 2 * lane) * isum as f32;
-                }
-            }
-        }
-        QuantType::Q6_K => {
-            for (blk, a) in group.chunks_exact(q6k::BYTES).zip(acts) {
-                for (lane, out) in acc.iter_mut().enumerate() {
-                    let isum = q6k_isum(blk, a, lane);
-                    *out += a.d * f16_at(blk, q6k::D + 2 * lane) * isum as f32;
-                }
-            }
-        }
-        _ => {}
-    }
+    each_block(qtype, group, acts, |lane, a, (is, ms), d, dmin| {
+        let (isum, msum) = (is.iter().sum::<i32>(), ms.iter().sum::<i32>());
+        acc[lane] += if has_min(qtype) {
+            a.d * (d * isum as f32 - dmin * msum as f32)
+        } else {
+            a.d * d * isum as f32
+        };
+    });
     acc
 }
 
-/// The 8 f64 sums of one token's per-super-block contributions (see `wide`), in order.
+/// The 8 f64 sums of one token's per-super-block contributions (see `wide`), or with `sub`
+/// its per-32-wide-sub-block contributions (the sub-block form), in column order.
 pub(crate) fn group_dot_wide(
     qtype: QuantType,
     group: &[u8],
     acts: &[ActBlockK],
+    sub: bool,
 ) -> [f64; GROUP_ROWS] {
     let mut acc = [0.0f64; GROUP_ROWS];
-    match qtype {
-        QuantType::Q2_K | QuantType::Q4_K | QuantType::Q5_K => {
-            for (blk, a) in group.chunks_exact(group_block_bytes(qtype)).zip(acts) {
-                for (lane, out) in acc.iter_mut().enumerate() {
-                    let (isum, msum, d, dmin) = min_sums(qtype, blk, a, lane);
-                    *out += wide::block_q4_k(isum, msum, d, dmin, a.d) as f64;
-                }
+    each_block(qtype, group, acts, |lane, a, (is, ms), d, dmin| {
+        if sub {
+            for j in 0..8 {
+                acc[lane] += contribution(qtype, is[j], ms[j], d, dmin, a.ds[j]) as f64;
             }
+        } else {
+            let (isum, msum) = (is.iter().sum::<i32>(), ms.iter().sum::<i32>());
+            acc[lane] += contribution(qtype, isum, msum, d, dmin, a.d) as f64;
         }
-        QuantType::Q3_K => {
-            for (blk, a) in group.chunks_exact(q3k::BYTES).zip(acts) {
-                for (lane, out) in acc.iter_mut().enumerate() {
-                    let isum = q3k_isum(blk, a, lane);
-                    let d = f16_at(blk, q3k::D + 2 * lane);
-                    *out += wide::block_plain(isum, d, a.d) as f64;
-                }
-            }
-        }
-        QuantType::Q6_K => {
-            for (blk, a) in group.chunks_exact(q6k::BYTES).zip(acts) {
-                for (lane, out) in acc.iter_mut().enumerate() {
-                    let isum = q6k_isum(blk, a, lane);
-                    let d = f16_at(blk, q6k::D + 2 * lane);
-                    *out += wide::block_plain(isum, d, a.d) as f64;
-                }
-            }
-        }
-        _ => {}
-    }
+    });
     acc
+}
+
+/// One super-block's (or sub-block's) f32 contribution (see `wide`).
+fn contribution(qtype: QuantType, isum: i32, msum: i32, d: f32, dmin: f32, d_x: f32) -> f32 {
+    if has_min(qtype) {
+        wide::block_q4_k(isum, msum, d, dmin, d_x)
+    } else {
+        wide::block_plain(isum, d, d_x)
+    }
 }

@@ -53,4 +53,12 @@ pub enum KernelError {
         expected: String,
         found: String,
     },
+    /// The sub-block form needs a K-quant and a column range starting below 256 with start
+    /// and length multiples of 32.
+    #[error("{qtype} sub-block matrix of {cols} cols from column {lead}: needs a K-quant, lead < 256, and lead and cols multiples of 32")]
+    SubBlockRange {
+        qtype: QuantType,
+        lead: usize,
+        cols: usize,
+    },
 }

@@ -1,17 +1,20 @@
 //! `QuantMatrix`: a quantized weight matrix in the packed layout, and its matmul driver
 //! (activation quantization into a reusable per-thread buffer, then 8-row x 4-token tiles),
-//! for f32 accumulation (`matmul`) and split-invariant f64 accumulation (`matmul_wide_acc`).
+//! for f32 accumulation (`matmul`) and split-invariant f64 accumulation (`matmul_wide_acc`),
+//! and the K-quants' sub-block form (`from_ggml_sub_blocks`: a column range that may start
+//! and end inside super-blocks, summed per 32-wide sub-block).
 
 use crate::cpu::{self, Simd};
 use crate::error::KernelError;
 use crate::expand::{self, Expanded};
-use crate::format::{dequantize_ggml_block, QuantType};
+use crate::format::{dequantize_ggml_block, QuantType, QK_K};
 use crate::pack::{self, group_block_bytes, GROUP_ROWS};
 use crate::quantize::{self, ActBlock};
 use crate::quantize_k::{self, ActBlockK};
-use crate::tile::{TileOut, MAX_TILE};
+use crate::tile::{Form, TileOut, MAX_TILE};
 use std::cell::RefCell;
 use std::fmt;
+use std::thread::LocalKey;
 
 thread_local! {
     /// Quantized activations of the current call, kept between calls so the hot path does
@@ -30,8 +33,11 @@ pub struct QuantMatrix {
     qtype: QuantType,
     rows: usize,
     cols: usize,
-    /// `pack::groups(rows) * cols / block_len` group blocks (see `pack`, `pack_k`).
+    /// `pack::groups(rows) * nb` group blocks (see `pack`, `pack_k`).
     packed: Vec<u8>,
+    /// The sub-block form (K-quants only): the matrix's columns start `lead` columns into its
+    /// first super-block (the blocks hold `lead + cols` rounded up to 256 columns).
+    sub_lead: Option<usize>,
 }
 
 impl fmt::Debug for QuantMatrix {
@@ -41,8 +47,28 @@ impl fmt::Debug for QuantMatrix {
             .field("rows", &self.rows)
             .field("cols", &self.cols)
             .field("storage_bytes", &self.packed.len())
+            .field("sub_lead", &self.sub_lead)
             .finish()
     }
+}
+
+/// Runs `f` on `len` elements of this thread's buffer `key` (grown as needed and kept for
+/// the next call), or on a fresh buffer if it is already borrowed (only through
+/// re-entrancy, which nothing here does; stay correct anyway).
+fn with_scratch<T: Clone + Default + 'static, R>(
+    key: &'static LocalKey<RefCell<Vec<T>>>,
+    len: usize,
+    f: impl FnOnce(&mut [T]) -> R,
+) -> R {
+    key.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut scratch) => {
+            if scratch.len() < len {
+                scratch.resize(len, T::default());
+            }
+            f(&mut scratch[..len])
+        }
+        Err(_) => f(&mut vec![T::default(); len]),
+    })
 }
 
 /// Most bytes of expanded activations (AVX-512 kernels) one pass over the groups uses.
@@ -58,7 +84,16 @@ fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Result<usize, Kerne
             block_len,
         });
     }
-    let nb = cols / block_len;
+    blocks_bytes(qtype, rows, cols / block_len, cols)
+}
+
+/// `rows * nb * block_bytes`, checked (`cols` only names the shape in the error).
+fn blocks_bytes(
+    qtype: QuantType,
+    rows: usize,
+    nb: usize,
+    cols: usize,
+) -> Result<usize, KernelError> {
     rows.checked_mul(nb)
         .and_then(|blocks| blocks.checked_mul(qtype.block_bytes()))
         // The packed form pads up to 7 rows more (and K-quants up to 19%); stay addressable.
@@ -108,6 +143,8 @@ pub(crate) trait OutElem: Copy {
     const WIDE: bool;
     /// Puts token `t`'s results of a group (`y.len() <= 8` rows) from `tile` into `y`.
     fn put(y: &mut [Self], tile: &TileOut, t: usize);
+    /// A finished f64 sum as an output (the sub-block form's `matmul`).
+    fn from_f64(v: f64) -> Self;
 }
 
 impl OutElem for f32 {
@@ -117,6 +154,9 @@ impl OutElem for f32 {
             *o = v;
         }
     }
+    fn from_f64(v: f64) -> f32 {
+        v as f32
+    }
 }
 
 impl OutElem for f64 {
@@ -125,6 +165,9 @@ impl OutElem for f64 {
         for (o, &v) in y.iter_mut().zip(&tile.f64s[t]) {
             *o += v;
         }
+    }
+    fn from_f64(v: f64) -> f64 {
+        v
     }
 }
 
@@ -139,6 +182,18 @@ impl QuantMatrix {
         bytes: Vec<u8>,
     ) -> Result<Self, KernelError> {
         let expected = ggml_bytes(qtype, rows, cols)?;
+        Self::build(qtype, rows, cols, None, expected, bytes)
+    }
+
+    /// Packs `bytes` (checked to be `expected` long) into a matrix of `nb()` blocks a row.
+    fn build(
+        qtype: QuantType,
+        rows: usize,
+        cols: usize,
+        sub_lead: Option<usize>,
+        expected: usize,
+        bytes: Vec<u8>,
+    ) -> Result<Self, KernelError> {
         if bytes.len() != expected {
             return Err(KernelError::ByteLength {
                 qtype,
@@ -148,13 +203,50 @@ impl QuantMatrix {
                 got: bytes.len(),
             });
         }
-        let packed = pack::pack(qtype, rows, cols / qtype.block_len(), &bytes);
-        Ok(QuantMatrix {
+        let mut m = QuantMatrix {
             qtype,
             rows,
             cols,
-            packed,
-        })
+            packed: Vec::new(),
+            sub_lead,
+        };
+        m.packed = pack::pack(qtype, rows, m.nb(), &bytes);
+        Ok(m)
+    }
+
+    /// The sub-block form of a K-quant matrix: columns `[lead, lead + cols)` of the whole
+    /// super-blocks in `bytes` (row-major, `rows * ceil((lead + cols) / 256)` ggml
+    /// super-blocks), for a tensor-parallel shard whose column range starts or ends inside a
+    /// super-block. `lead` (below 256) and `cols` are multiples of 32. Its products quantize
+    /// the activations per 32 columns and sum one contribution per 32-wide sub-block (formulas
+    /// in the crate's `wide` module), so the sub-blocks of any split at multiples of 32 sum,
+    /// in f64, to the same values as the whole matrix in this form: a model uses this form for
+    /// a weight at every tp (`lead = 0` for the whole weight), not only where a shard cuts.
+    /// [`QuantMatrix::matmul`] gives [`QuantMatrix::matmul_wide_acc`]'s sums rounded to f32.
+    pub fn from_ggml_sub_blocks(
+        qtype: QuantType,
+        rows: usize,
+        lead: usize,
+        cols: usize,
+        bytes: Vec<u8>,
+    ) -> Result<Self, KernelError> {
+        const SUB: usize = QK_K / 8;
+        if !qtype.is_k_quant()
+            || lead >= QK_K
+            || !lead.is_multiple_of(SUB)
+            || !cols.is_multiple_of(SUB)
+        {
+            return Err(KernelError::SubBlockRange { qtype, lead, cols });
+        }
+        let overflow = KernelError::ShapeOverflow { rows, cols };
+        let nb = lead.checked_add(cols).ok_or(overflow)?.div_ceil(QK_K);
+        let expected = blocks_bytes(qtype, rows, nb, cols)?;
+        Self::build(qtype, rows, cols, Some(lead), expected, bytes)
+    }
+
+    /// `Some(lead)` for a matrix in the sub-block form ([`QuantMatrix::from_ggml_sub_blocks`]).
+    pub fn sub_block_lead(&self) -> Option<usize> {
+        self.sub_lead
     }
 
     /// The weight format.
@@ -179,7 +271,8 @@ impl QuantMatrix {
         self.packed.len()
     }
 
-    /// The row-major ggml bytes this matrix was built from.
+    /// The row-major ggml bytes this matrix was built from (whole super-blocks for the
+    /// sub-block form).
     pub fn to_ggml_bytes(&self) -> Vec<u8> {
         pack::unpack(self.qtype, self.rows, self.nb(), &self.packed)
     }
@@ -244,46 +337,51 @@ impl QuantMatrix {
         if n == 0 || self.rows == 0 {
             return Ok(());
         }
-        let blocks = n * self.nb(); // cannot overflow: n * cols did not
-        if self.qtype.is_k_quant() {
-            SCRATCH_K.with(|cell| match cell.try_borrow_mut() {
-                Ok(mut scratch) => {
-                    if scratch.len() < blocks {
-                        scratch.resize(blocks, ActBlockK::default());
-                    }
-                    quantize_k::quantize(x, &mut scratch[..blocks]);
-                    self.run_tiles(simd, &scratch[..blocks], n, y);
-                }
-                // Only reachable through re-entrancy, which nothing here does.
-                Err(_) => {
-                    let mut local = vec![ActBlockK::default(); blocks];
-                    quantize_k::quantize(x, &mut local);
-                    self.run_tiles(simd, &local, n, y);
-                }
-            });
+        if self.sub_lead.is_some() && !E::WIDE {
+            // The sub-block form only has the wide kernels: sum in f64, round once.
+            let mut wide = vec![0.0f64; y.len()];
+            self.product(simd, x, n, &mut wide)?;
+            for (o, w) in y.iter_mut().zip(wide) {
+                *o = E::from_f64(w);
+            }
             return Ok(());
         }
-        SCRATCH.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut scratch) => {
-                if scratch.len() < blocks {
-                    scratch.resize(blocks, ActBlock::default());
-                }
-                quantize::quantize(simd, x, &mut scratch[..blocks]);
-                self.run_tiles(simd, &scratch[..blocks], n, y);
-            }
-            // Only reachable through re-entrancy, which nothing here does; stay correct anyway.
-            Err(_) => {
-                let mut local = vec![ActBlock::default(); blocks];
-                quantize::quantize(simd, x, &mut local);
-                self.run_tiles(simd, &local, n, y);
-            }
-        });
+        // Cannot overflow: n * cols did not, and nb * 256 < cols + 512.
+        let blocks = n * self.nb();
+        if let Some(lead) = self.sub_lead {
+            with_scratch(&SCRATCH_K, blocks, |acts| {
+                quantize_k::quantize_sub(x, n, self.cols, lead, acts);
+                self.run_tiles(simd, acts, n, y);
+            });
+        } else if self.qtype.is_k_quant() {
+            with_scratch(&SCRATCH_K, blocks, |acts| {
+                quantize_k::quantize(x, acts);
+                self.run_tiles(simd, acts, n, y);
+            });
+        } else {
+            with_scratch(&SCRATCH, blocks, |acts| {
+                quantize::quantize(simd, x, acts);
+                self.run_tiles(simd, acts, n, y);
+            });
+        }
         Ok(())
     }
 
     /// Blocks per row.
     fn nb(&self) -> usize {
-        self.cols / self.qtype.block_len()
+        match self.sub_lead {
+            Some(lead) => (lead + self.cols).div_ceil(QK_K),
+            None => self.cols / self.qtype.block_len(),
+        }
+    }
+
+    /// What the kernels form for output elements `E`.
+    fn form<E: OutElem>(&self) -> Form {
+        match (self.sub_lead, E::WIDE) {
+            (Some(_), _) => Form::WideSub,
+            (None, true) => Form::Wide,
+            (None, false) => Form::F32,
+        }
     }
 
     /// Runs all groups against tiles of up to 4 tokens of quantized activations
@@ -314,16 +412,7 @@ impl QuantMatrix {
                 t0 = t1;
             }
         };
-        SCRATCH_X.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut scratch) => {
-                if scratch.len() < len {
-                    scratch.resize(len, Expanded::default());
-                }
-                run(&mut scratch[..len], y);
-            }
-            // Only reachable through re-entrancy, which nothing here does.
-            Err(_) => run(&mut vec![Expanded::default(); len], y),
-        });
+        with_scratch(&SCRATCH_X, len, |ex| run(ex, y));
     }
 
     /// [`Self::run_tiles`] with the expanded activations (`ex`: empty, or `A::PER_BLOCK`
@@ -352,8 +441,8 @@ impl QuantMatrix {
                     ex: &ex[t0 * per_token..(t0 + tile) * per_token],
                     tokens: tile,
                 };
-                let (qtype, wide) = (self.qtype, E::WIDE);
-                A::group_tile(qtype, simd, group, nb, &tile, wide, &mut tile_out);
+                let (qtype, form) = (self.qtype, self.form::<E>());
+                A::group_tile(qtype, simd, group, nb, &tile, form, &mut tile_out);
                 for t in 0..tile.tokens {
                     let at = (t0 + t) * self.rows + row0;
                     E::put(&mut y[at..at + valid], &tile_out, t);
@@ -382,9 +471,16 @@ impl QuantMatrix {
         let nb = self.nb();
         let mut block = [0u8; 256];
         let block = &mut block[..self.qtype.block_bytes()];
-        for (b, chunk) in out.chunks_exact_mut(self.qtype.block_len()).enumerate() {
+        let bl = self.qtype.block_len();
+        let lead = self.sub_lead.unwrap_or(0);
+        let mut values = [0.0f32; QK_K];
+        for b in 0..nb {
             pack::unpack_block(self.qtype, &self.packed, nb, row, b, block);
-            dequantize_ggml_block(self.qtype, block, chunk);
+            dequantize_ggml_block(self.qtype, block, &mut values[..bl]);
+            // This block's columns, as columns of the matrix (the sub-block form drops the
+            // lead and the tail).
+            let (c0, c1) = ((b * bl).max(lead), ((b + 1) * bl).min(lead + self.cols));
+            out[c0 - lead..c1 - lead].copy_from_slice(&values[c0 - b * bl..c1 - b * bl]);
         }
         Ok(())
     }
@@ -392,10 +488,16 @@ impl QuantMatrix {
     /// Stacks matrices of the same format and column count along rows (fused QKV, gate+up).
     pub fn concat_rows(parts: Vec<QuantMatrix>) -> Result<QuantMatrix, KernelError> {
         let first = parts.first().ok_or(KernelError::EmptyConcat)?;
-        let (qtype, cols) = (first.qtype, first.cols);
-        let describe = |m: &QuantMatrix| format!("{} with {} cols", m.qtype, m.cols);
+        let (qtype, cols, sub_lead) = (first.qtype, first.cols, first.sub_lead);
+        let describe = |m: &QuantMatrix| match m.sub_lead {
+            None => format!("{} with {} cols", m.qtype, m.cols),
+            Some(l) => format!(
+                "{} with {} cols from column {l} (sub-block form)",
+                m.qtype, m.cols
+            ),
+        };
         for (index, p) in parts.iter().enumerate() {
-            if p.qtype != qtype || p.cols != cols {
+            if p.qtype != qtype || p.cols != cols || p.sub_lead != sub_lead {
                 return Err(KernelError::ConcatMismatch {
                     index,
                     expected: describe(first),
@@ -410,7 +512,8 @@ impl QuantMatrix {
                 rows: usize::MAX,
                 cols,
             })?;
-        ggml_bytes(qtype, rows, cols)?;
+        let nb = first.nb();
+        blocks_bytes(qtype, rows, nb, cols)?;
         let last = parts.len() - 1;
         if parts[..last]
             .iter()
@@ -426,13 +529,17 @@ impl QuantMatrix {
                 rows,
                 cols,
                 packed,
+                sub_lead,
             });
         }
-        let mut bytes = Vec::with_capacity(rows * (cols / qtype.block_len()) * qtype.block_bytes());
+        let mut bytes = Vec::with_capacity(rows * nb * qtype.block_bytes());
         for p in &parts {
             bytes.extend_from_slice(&p.to_ggml_bytes());
         }
-        QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes)
+        match sub_lead {
+            Some(lead) => QuantMatrix::from_ggml_sub_blocks(qtype, rows, lead, cols, bytes),
+            None => QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes),
+        }
     }
 }
 
@@ -452,14 +559,14 @@ trait Activation: Sized {
     /// Lays this block out for the AVX-512 kernels of `qtype` (`out.len() == PER_BLOCK`).
     fn expand(&self, qtype: QuantType, out: &mut [Expanded]);
     /// One group against one tile of tokens (`tile.acts.len() == tile.tokens * nb`), into
-    /// `out.f32s`, or with the wide kernels (`wide`) into `out.f64s`.
+    /// `out.f32s`, or with the wide kernels (`form.wide()`) into `out.f64s`.
     fn group_tile(
         qtype: QuantType,
         simd: Simd,
         group: &[u8],
         nb: usize,
         tile: &Tile<'_, Self>,
-        wide: bool,
+        form: Form,
         out: &mut TileOut,
     );
 }
@@ -477,10 +584,10 @@ impl Activation for ActBlock {
         group: &[u8],
         nb: usize,
         tile: &Tile<'_, Self>,
-        wide: bool,
+        form: Form,
         out: &mut TileOut,
     ) {
-        let (acts, n) = (tile.acts, tile.tokens);
+        let (acts, n, wide) = (tile.acts, tile.tokens, form.wide());
         match simd {
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2 => {
@@ -531,7 +638,7 @@ impl Activation for ActBlockK {
         group: &[u8],
         nb: usize,
         tile: &Tile<'_, Self>,
-        wide: bool,
+        form: Form,
         out: &mut TileOut,
     ) {
         let (acts, n) = (tile.acts, tile.tokens);
@@ -539,29 +646,30 @@ impl Activation for ActBlockK {
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2 => {
                 // SAFETY: as for `ActBlock`, with K-quant group super-blocks.
-                unsafe { crate::dot_avx2_k::group_dot(qtype, group, nb, acts, n, wide, out) }
+                unsafe { crate::dot_avx2_k::group_dot(qtype, group, nb, acts, n, form, out) }
             }
             #[cfg(target_arch = "x86_64")]
             Simd::Avx512 if tile.ex.len() == acts.len() * Self::PER_BLOCK => {
                 // SAFETY: as for `ActBlock` under `Simd::Avx512`, with K-quant group
                 // super-blocks and `PER_BLOCK` vectors per block.
                 unsafe {
-                    crate::dot_avx512_k::group_dot(qtype, group, nb, acts, tile.ex, n, wide, out)
+                    crate::dot_avx512_k::group_dot(qtype, group, nb, acts, tile.ex, n, form, out)
                 }
             }
             #[cfg(target_arch = "x86_64")]
             Simd::Avx512 => {
                 // Not reachable (`run_tiles` expands for AVX-512); stay correct anyway.
                 // SAFETY: AVX-512 implies the AVX2 features (checked at detection).
-                unsafe { crate::dot_avx2_k::group_dot(qtype, group, nb, acts, n, wide, out) }
+                unsafe { crate::dot_avx2_k::group_dot(qtype, group, nb, acts, n, form, out) }
             }
             _ => {
                 for t in 0..n {
                     let acts = &acts[t * nb..(t + 1) * nb];
-                    if wide {
-                        out.f64s[t] = crate::dot_scalar_k::group_dot_wide(qtype, group, acts);
-                    } else {
-                        out.f32s[t] = crate::dot_scalar_k::group_dot(qtype, group, acts);
+                    use crate::dot_scalar_k as k;
+                    match form {
+                        Form::F32 => out.f32s[t] = k::group_dot(qtype, group, acts),
+                        Form::Wide => out.f64s[t] = k::group_dot_wide(qtype, group, acts, false),
+                        Form::WideSub => out.f64s[t] = k::group_dot_wide(qtype, group, acts, true),
                     }
                 }
             }
@@ -1032,5 +1140,203 @@ pub(crate) mod tests {
                 }
             }
         }
+    }
+
+    /// The K-quants (the formats with a sub-block form).
+    const K_QUANTS: [QuantType; 5] = {
+        use QuantType::*;
+        [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K]
+    };
+
+    /// Columns `[c0, c1)` (multiples of 32) of a `[rows, cols]` K-quant matrix in the
+    /// sub-block form, built from the ggml bytes of the super-blocks they touch.
+    fn sub_range(
+        qtype: QuantType,
+        bytes: &[u8],
+        rows: usize,
+        cols: usize,
+        c0: usize,
+        c1: usize,
+    ) -> QuantMatrix {
+        let (b0, b1) = (c0 / QK_K, c1.div_ceil(QK_K));
+        let part = column_range(bytes, qtype.block_bytes(), rows, cols / QK_K, b0, b1);
+        QuantMatrix::from_ggml_sub_blocks(qtype, rows, c0 % QK_K, c1 - c0, part).unwrap()
+    }
+
+    fn bits(v: &[f64]) -> Vec<u64> {
+        v.iter().map(|f| f.to_bits()).collect()
+    }
+
+    #[test]
+    fn sub_block_ranges_equal_the_whole_rows_restricted_to_their_sub_blocks() {
+        // Ranges that start and end inside super-blocks, in one or across several.
+        let ranges = [
+            (0, 768),
+            (32, 64),
+            (128, 512),
+            (384, 768),
+            (224, 288),
+            (0, 96),
+            (736, 768),
+            (96, 704),
+        ];
+        let (rows, cols) = (17, 768);
+        for qtype in K_QUANTS {
+            let bytes = random_ggml(qtype, rows, cols, 31);
+            let full = sub_range(qtype, &bytes, rows, cols, 0, cols);
+            for n in [1usize, 3, 6] {
+                let x = random_x(n * cols, n as u64 + 40);
+                for (c0, c1) in ranges {
+                    let m = sub_range(qtype, &bytes, rows, cols, c0, c1);
+                    let xr = x_columns(&x, cols, c0, c1);
+                    // The whole rows with the activations outside the range zeroed.
+                    let mut masked = x.clone();
+                    for (i, v) in masked.iter_mut().enumerate() {
+                        if !(c0..c1).contains(&(i % cols)) {
+                            *v = 0.0;
+                        }
+                    }
+                    let mut scalar = vec![0.0f64; n * rows];
+                    m.matmul_wide_acc_with(Simd::Scalar, &xr, n, &mut scalar)
+                        .unwrap();
+                    for simd in cpu::available() {
+                        let (mut got, mut want) = (vec![0.0f64; n * rows], vec![0.0f64; n * rows]);
+                        m.matmul_wide_acc_with(simd, &xr, n, &mut got).unwrap();
+                        full.matmul_wide_acc_with(simd, &masked, n, &mut want)
+                            .unwrap();
+                        let what = format!("{simd:?} {qtype} cols {c0}..{c1} n={n}");
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "{what}: range vs masked whole rows"
+                        );
+                        assert_eq!(bits(&got), bits(&scalar), "{what}: vs scalar");
+                        let mut y32 = vec![0.0f32; n * rows];
+                        m.matmul_with(simd, &xr, n, &mut y32).unwrap();
+                        let rounded: Vec<f32> = got.iter().map(|&v| v as f32).collect();
+                        assert_eq!(y32, rounded, "{what}: matmul is the wide sum rounded");
+                    }
+                }
+            }
+            // The range's rows are the whole rows' columns.
+            let m = sub_range(qtype, &bytes, rows, cols, 96, 704);
+            let (mut wf, mut wr) = (vec![0.0f32; cols], vec![0.0f32; 608]);
+            for r in 0..rows {
+                full.dequantize_row(r, &mut wf).unwrap();
+                m.dequantize_row(r, &mut wr).unwrap();
+                assert_eq!(&wr[..], &wf[96..704], "{qtype} row {r}");
+            }
+            assert_eq!(
+                m.to_ggml_bytes(),
+                column_range(&bytes, qtype.block_bytes(), rows, 3, 0, 3)
+            );
+        }
+    }
+
+    #[test]
+    fn sub_block_splits_sum_to_the_whole_bits() {
+        let (rows, cols) = (17, 1536);
+        let mut checked = 0;
+        for simd in families() {
+            for qtype in K_QUANTS {
+                let bytes = random_ggml(qtype, rows, cols, 77);
+                let full = sub_range(qtype, &bytes, rows, cols, 0, cols);
+                for n in [1usize, 5] {
+                    let x = random_x(n * cols, n as u64 + 9);
+                    let mut want = vec![0.0f64; n * rows];
+                    full.matmul_wide_acc_with(simd, &x, n, &mut want).unwrap();
+                    // Cuts in 32-wide sub-blocks, plus Qwen2.5's head splits (128-wide heads).
+                    let mut all = splits(cols / 32);
+                    all.extend([
+                        vec![0, 12, 24, 36, 48],
+                        vec![0, 16, 32, 48],
+                        vec![0, 4, 40, 44, 48],
+                    ]);
+                    for cuts in all {
+                        let mut sum = vec![0.0f64; n * rows];
+                        for w in cuts.windows(2) {
+                            let (c0, c1) = (32 * w[0], 32 * w[1]);
+                            let m = sub_range(qtype, &bytes, rows, cols, c0, c1);
+                            let mut yp = vec![0.0f64; n * rows];
+                            m.matmul_wide_acc_with(simd, &x_columns(&x, cols, c0, c1), n, &mut yp)
+                                .unwrap();
+                            for (s, p) in sum.iter_mut().zip(&yp) {
+                                *s += p;
+                            }
+                        }
+                        assert_eq!(
+                            bits(&sum),
+                            bits(&want),
+                            "{simd:?} {qtype} n={n} cuts {cuts:?}"
+                        );
+                        checked += sum.len();
+                    }
+                }
+            }
+        }
+        eprintln!("{checked} split outputs equal the whole product's f64 bits");
+    }
+
+    #[test]
+    fn sub_block_form_stays_within_its_activation_rounding() {
+        // |y - Σ w x| <= Σ_l |w_l| * amax_j(l) / 254 (each activation rounded to a step of
+        // amax / 127 of its 32) plus f32 rounding of the contributions.
+        let (rows, cols, n) = (9, 512, 3);
+        for simd in families() {
+            for qtype in K_QUANTS {
+                let bytes = random_ggml(qtype, rows, cols, 5);
+                let m = sub_range(qtype, &bytes, rows, cols, 64, 480);
+                let c = 416;
+                let x = random_x(n * c, 12);
+                let mut y = vec![0.0f64; n * rows];
+                m.matmul_wide_acc_with(simd, &x, n, &mut y).unwrap();
+                let mut w = vec![0.0f32; c];
+                for r in 0..rows {
+                    m.dequantize_row(r, &mut w).unwrap();
+                    for t in 0..n {
+                        let xt = &x[t * c..(t + 1) * c];
+                        let (mut exact, mut bound, mut mag) = (0.0f64, 0.0f64, 0.0f64);
+                        for (j, (ws, xs)) in w.chunks(32).zip(xt.chunks(32)).enumerate() {
+                            let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64;
+                            for (&a, &b) in ws.iter().zip(xs) {
+                                exact += a as f64 * b as f64;
+                                bound += (a as f64).abs() * amax / 254.0;
+                                mag += (a as f64 * b as f64).abs();
+                            }
+                            let _ = j;
+                        }
+                        let tol = 1.001 * bound + 1e-5 * mag + 1e-6;
+                        let got = y[t * rows + r];
+                        assert!(
+                            (got - exact).abs() <= tol,
+                            "{simd:?} {qtype} r={r} t={t}: {got} vs {exact} (tol {tol})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn sub_block_form_refuses_ranges_it_cannot_hold() {
+        let q = QuantType::Q4_K;
+        let bytes = |nb: usize| vec![0u8; 8 * nb * q.block_bytes()];
+        for (lead, cols) in [(16, 64), (0, 48), (256, 32)] {
+            let e = QuantMatrix::from_ggml_sub_blocks(q, 8, lead, cols, bytes(2)).unwrap_err();
+            assert!(matches!(e, KernelError::SubBlockRange { .. }), "{e}");
+        }
+        let e = QuantMatrix::from_ggml_sub_blocks(QuantType::Q8_0, 8, 0, 64, bytes(2)).unwrap_err();
+        assert!(matches!(e, KernelError::SubBlockRange { .. }), "{e}");
+        // 224 + 64 columns touch 2 super-blocks.
+        let e = QuantMatrix::from_ggml_sub_blocks(q, 8, 224, 64, bytes(1)).unwrap_err();
+        assert!(matches!(e, KernelError::ByteLength { .. }), "{e}");
+        assert!(QuantMatrix::from_ggml_sub_blocks(q, 8, 224, 64, bytes(2)).is_ok());
+        // Parts of different forms do not stack.
+        let a = QuantMatrix::from_ggml_sub_blocks(q, 8, 0, 256, bytes(1)).unwrap();
+        let b = QuantMatrix::from_ggml_bytes(q, 8, 256, bytes(1)).unwrap();
+        let e = QuantMatrix::concat_rows(vec![a.clone(), b]).unwrap_err();
+        assert!(matches!(e, KernelError::ConcatMismatch { .. }), "{e}");
+        let two = QuantMatrix::concat_rows(vec![a.clone(), a]).unwrap();
+        assert_eq!((two.rows(), two.sub_block_lead()), (16, Some(0)));
     }
 }

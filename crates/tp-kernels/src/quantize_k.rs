@@ -3,6 +3,11 @@
 //! `quantize_row_q8_K`: `max` = the value of largest magnitude, `iscale = -127 / max`,
 //! `q = nearest(iscale * x)` (ties to even, like ggml's `nearest_int`), `d = 1 / iscale`.
 //! Portable code only: it is O(cols) per token against the matmul's O(rows * cols).
+//!
+//! The sub-block form ([`quantize_sub`], for matrices whose tensor-parallel shards cut
+//! super-blocks) quantizes each 32 values on their own in the same way (`ds`, one scale per
+//! 32), so a 32-wide sub-block's quants depend on its own 32 values only, whichever rank
+//! holds them; sub-blocks outside the matrix's columns are zero.
 
 use crate::format::QK_K;
 
@@ -18,6 +23,8 @@ pub(crate) struct ActBlockK {
     pub bsum16: [i16; QK_K / 16],
     /// Sum of each 32 consecutive quants (Q4_K's and Q5_K's minimums).
     pub bsum32: [i16; QK_K / 32],
+    /// Sub-block form only: the scale of each 32 quants (`d` is then unused).
+    pub ds: [f32; QK_K / 32],
 }
 
 impl Default for ActBlockK {
@@ -27,6 +34,7 @@ impl Default for ActBlockK {
             d: 0.0,
             bsum16: [0; QK_K / 16],
             bsum32: [0; QK_K / 32],
+            ds: [0.0; QK_K / 32],
         }
     }
 }
@@ -41,30 +49,41 @@ fn nearest_int(v: f32) -> i32 {
     ((v + MAGIC) - MAGIC) as i32
 }
 
-/// Quantizes one block of 256 values.
-pub(crate) fn quantize_block(x: &[f32], out: &mut ActBlockK) {
+/// Quantizes `x` into `qs` (same length) with one scale, returned (0 for all-zero `x`).
+fn quantize_run(x: &[f32], qs: &mut [i8]) -> f32 {
     let (mut max, mut amax) = (0.0f32, 0.0f32);
-    for &v in &x[..QK_K] {
+    for &v in x {
         if v.abs() > amax {
             amax = v.abs();
             max = v;
         }
     }
     if amax == 0.0 {
-        *out = ActBlockK::default();
-        return;
+        qs.fill(0);
+        return 0.0;
     }
     let iscale = -127.0 / max;
-    for (q, &v) in out.qs.iter_mut().zip(x) {
+    for (q, &v) in qs.iter_mut().zip(x) {
         *q = nearest_int(iscale * v).clamp(-128, 127) as i8;
     }
+    1.0 / iscale
+}
+
+/// Fills the block sums from the quants.
+fn fill_sums(out: &mut ActBlockK) {
     for (j, s) in out.bsum16.iter_mut().enumerate() {
         *s = out.qs[16 * j..16 * j + 16].iter().map(|&q| q as i16).sum();
     }
     for (j, s) in out.bsum32.iter_mut().enumerate() {
         *s = out.bsum16[2 * j] + out.bsum16[2 * j + 1];
     }
-    out.d = 1.0 / iscale;
+}
+
+/// Quantizes one block of 256 values.
+pub(crate) fn quantize_block(x: &[f32], out: &mut ActBlockK) {
+    *out = ActBlockK::default();
+    out.d = quantize_run(&x[..QK_K], &mut out.qs);
+    fill_sums(out);
 }
 
 /// Quantizes `x` (a whole number of 256-blocks) into `out`; no-op if the lengths disagree.
@@ -74,6 +93,33 @@ pub(crate) fn quantize(x: &[f32], out: &mut [ActBlockK]) {
     }
     for (xs, b) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
         quantize_block(xs, b);
+    }
+}
+
+/// The sub-block form: `x` is `[n, cols]` (`cols` a multiple of 32), laid out in `out` as
+/// `n` tokens of `out.len() / n` blocks with `lead` zero columns first (`lead` a multiple of
+/// 32 below 256) and zeros after the last column; each 32 columns get their own scale
+/// (`ds`). No-op if the lengths disagree.
+pub(crate) fn quantize_sub(x: &[f32], n: usize, cols: usize, lead: usize, out: &mut [ActBlockK]) {
+    const SUB: usize = QK_K / 8;
+    let nb = out.len().checked_div(n).unwrap_or(0);
+    if x.len() != n * cols || out.len() != n * nb || lead + cols > nb * QK_K {
+        return;
+    }
+    for (xt, blocks) in x
+        .chunks_exact(cols.max(1))
+        .zip(out.chunks_exact_mut(nb.max(1)))
+    {
+        for (b, blk) in blocks.iter_mut().enumerate() {
+            *blk = ActBlockK::default();
+            for j in 0..QK_K / SUB {
+                let at = (b * QK_K + j * SUB).checked_sub(lead);
+                if let Some(xs) = at.and_then(|c| xt.get(c..c + SUB)) {
+                    blk.ds[j] = quantize_run(xs, &mut blk.qs[j * SUB..(j + 1) * SUB]);
+                }
+            }
+            fill_sums(blk);
+        }
     }
 }
 
@@ -114,5 +160,31 @@ mod tests {
         let mut z = ActBlockK::default();
         quantize_block(&[0.0; QK_K], &mut z);
         assert_eq!(z, ActBlockK::default());
+    }
+
+    #[test]
+    fn sub_blocks_quantize_on_their_own_and_padding_is_zero() {
+        let cols = 256;
+        let x: Vec<f32> = (0..2 * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.03)
+            .collect();
+        let mut out = vec![ActBlockK::default(); 4];
+        quantize_sub(&x, 2, cols, 128, &mut out);
+        for t in 0..2 {
+            let (b0, b1) = (&out[2 * t], &out[2 * t + 1]);
+            assert!(b0.qs[..128].iter().all(|&q| q == 0) && b0.ds[..4] == [0.0; 4]);
+            for j in 0..8 {
+                // Padded column 128 + 32 j' is column 32 j' of the token.
+                let (blk, sub) = if j < 4 { (b0, j + 4) } else { (b1, j - 4) };
+                let mut alone = [0i8; 32];
+                let c = t * cols + 32 * j;
+                let d = quantize_run(&x[c..c + 32], &mut alone);
+                assert_eq!(blk.ds[sub], d);
+                assert_eq!(&blk.qs[32 * sub..32 * sub + 32], &alone[..]);
+                let sum: i16 = alone.iter().map(|&q| q as i16).sum();
+                assert_eq!(blk.bsum32[sub], sum);
+            }
+            assert!(b1.qs[128..].iter().all(|&q| q == 0) && b1.ds[4..] == [0.0; 4]);
+        }
     }
 }

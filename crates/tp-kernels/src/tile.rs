@@ -13,3 +13,20 @@ pub(crate) struct TileOut {
     pub f32s: [[f32; GROUP_ROWS]; MAX_TILE],
     pub f64s: [[f64; GROUP_ROWS]; MAX_TILE],
 }
+
+/// Which product a kernel call forms: `matmul`'s f32 outputs, `matmul_wide_acc`'s f64 sums of
+/// per-block contributions, or (K-quant matrices built by `QuantMatrix::from_ggml_sub_blocks`)
+/// f64 sums of per-32-wide-sub-block contributions against per-sub-block activation scales.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Form {
+    F32,
+    Wide,
+    WideSub,
+}
+
+impl Form {
+    /// Whether the results go to `TileOut::f64s`.
+    pub(crate) fn wide(self) -> bool {
+        self != Form::F32
+    }
+}

@@ -30,6 +30,14 @@
 //!
 //! Then per output: `acc = 0.0f64; for each block in column order { acc += c as f64 }`,
 //! and finally `y += acc`.
+//!
+//! The K-quants' sub-block form (`QuantMatrix::from_ggml_sub_blocks`, for weights whose
+//! shards start or end inside a super-block) forms one contribution per 32-wide sub-block
+//! `j` of each super-block instead, with the same formulas restricted to the sub-block
+//! (`isum_j`, `msum_j`: its one 32-wide, or for Q2_K, Q3_K and Q6_K its two 16-wide scales)
+//! and `d_x` replaced by the sub-block's own activation scale `ds_j` (activations quantized
+//! per 32, as Q8_K does per 256). Sub-blocks outside the matrix's columns have `ds_j = 0` and
+//! zero quants, so they contribute `±0`, which leaves an f64 sum that starts at `+0` unchanged.
 
 /// Q4_0, Q8_0, Q5_0, Q3_K, Q6_K block contribution.
 #[inline]

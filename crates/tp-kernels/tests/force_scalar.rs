@@ -44,6 +44,23 @@ fn force_scalar_switches_the_kernels_and_wide_results_keep_their_bits() {
             m.unwrap().matmul_wide_acc(&x, n, &mut yq).unwrap();
             y.extend(yq);
         }
+        // The K-quants' sub-block form: columns 96..480 of two super-blocks.
+        for qtype in [QuantType::Q4_K, QuantType::Q6_K] {
+            let mut b = bytes(qtype, rows, 512);
+            for blk in b.chunks_exact_mut(qtype.block_bytes()) {
+                let at = if qtype == QuantType::Q6_K { 208 } else { 0 };
+                blk[at..at + 2].copy_from_slice(&[0x00, 0x20]);
+            }
+            let m = QuantMatrix::from_ggml_sub_blocks(qtype, rows, 96, 384, b).unwrap();
+            let xs: Vec<f32> = x
+                .chunks_exact(cols)
+                .flat_map(|t| &t[..384])
+                .copied()
+                .collect();
+            let mut yq = vec![0.0f64; n * rows];
+            m.matmul_wide_acc(&xs, n, &mut yq).unwrap();
+            y.extend(yq);
+        }
         let mut yd = vec![0.0f64; n * rows];
         dense.matmul_wide_acc(&x, n, &mut yd).unwrap();
         y.extend(yd);

@@ -171,6 +171,75 @@ fn other_formats_give_the_same_bits_at_every_split() {
     }
 }
 
+/// Row-major ggml bytes of whole super-blocks `[b0, b1)` of each row.
+fn super_blocks(
+    qtype: QuantType,
+    bytes: &[u8],
+    rows: usize,
+    nb: usize,
+    b0: usize,
+    b1: usize,
+) -> Vec<u8> {
+    let bb = qtype.block_bytes();
+    (0..rows)
+        .flat_map(|r| &bytes[(r * nb + b0) * bb..(r * nb + b1) * bb])
+        .copied()
+        .collect()
+}
+
+#[test]
+fn k_quant_shards_that_cut_super_blocks_give_the_same_bits_at_every_head_split() {
+    // Qwen2.5-1.5B's attention output projection: 1536 columns, 12 heads of 128; tp 4 gives
+    // 384 columns a rank, uneven weights 160/96-column multiples of 32 too.
+    let (rows, cols) = (48, 1536);
+    let nb = cols / 256;
+    let cut_sets: [&[usize]; 6] = [
+        &[0, 1536],
+        &[0, 768, 1536],
+        &[0, 512, 1024, 1536],
+        &[0, 384, 768, 1152, 1536],
+        &[0, 640, 1536],
+        &[0, 32, 1056, 1504, 1536],
+    ];
+    for qtype in [
+        QuantType::Q4_K,
+        QuantType::Q6_K,
+        QuantType::Q5_K,
+        QuantType::Q3_K,
+        QuantType::Q2_K,
+    ] {
+        let bytes = quantize(qtype, rows, cols, 11);
+        let full = QuantMatrix::from_ggml_sub_blocks(qtype, rows, 0, cols, bytes.clone()).unwrap();
+        for n in [1usize, 3, 7] {
+            let x = values(n * cols, n as u64 + 3, 1.0);
+            let mut want = vec![0.0f64; n * rows];
+            full.matmul_wide_acc(&x, n, &mut want).unwrap();
+            for cuts in cut_sets {
+                let mut sum = vec![0.0f64; n * rows];
+                for w in cuts.windows(2) {
+                    let (c0, c1) = (w[0], w[1]);
+                    let part = super_blocks(qtype, &bytes, rows, nb, c0 / 256, c1.div_ceil(256));
+                    let m = QuantMatrix::from_ggml_sub_blocks(qtype, rows, c0 % 256, c1 - c0, part)
+                        .unwrap();
+                    let mut yp = vec![0.0f64; n * rows];
+                    m.matmul_wide_acc(&x_columns(&x, cols, c0, c1), n, &mut yp)
+                        .unwrap();
+                    for (s, p) in sum.iter_mut().zip(&yp) {
+                        *s += p;
+                    }
+                }
+                for (i, (s, w)) in sum.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        s.to_bits(),
+                        w.to_bits(),
+                        "{qtype} n={n} cuts {cuts:?} output {i}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn wide_accumulates_into_y() {
     // `+=`: two matrices into one buffer equal the sum of their separate results.

@@ -72,6 +72,16 @@ pub enum WeightSlice {
         cols: usize,
         bytes: Vec<u8>,
     },
+    /// A K-quant column range that starts or ends inside super-blocks: columns
+    /// `[lead, lead + cols)` of `rows` rows of whole super-blocks (`bytes`, row-major,
+    /// `ceil((lead + cols) / 256)` super-blocks a row); `lead` and `cols` are multiples of 32.
+    QuantSub {
+        dtype: GgmlDType,
+        rows: usize,
+        cols: usize,
+        lead: usize,
+        bytes: Vec<u8>,
+    },
     /// `[rows, cols]` row-major f32.
     Dense {
         rows: usize,
@@ -83,18 +93,22 @@ pub enum WeightSlice {
 impl WeightSlice {
     pub fn rows(&self) -> usize {
         match self {
-            WeightSlice::Quant { rows, .. } | WeightSlice::Dense { rows, .. } => *rows,
+            WeightSlice::Quant { rows, .. }
+            | WeightSlice::QuantSub { rows, .. }
+            | WeightSlice::Dense { rows, .. } => *rows,
         }
     }
     pub fn cols(&self) -> usize {
         match self {
-            WeightSlice::Quant { cols, .. } | WeightSlice::Dense { cols, .. } => *cols,
+            WeightSlice::Quant { cols, .. }
+            | WeightSlice::QuantSub { cols, .. }
+            | WeightSlice::Dense { cols, .. } => *cols,
         }
     }
     /// Bytes held in memory.
     pub fn bytes(&self) -> usize {
         match self {
-            WeightSlice::Quant { bytes, .. } => bytes.len(),
+            WeightSlice::Quant { bytes, .. } | WeightSlice::QuantSub { bytes, .. } => bytes.len(),
             WeightSlice::Dense { values, .. } => values.len() * 4,
         }
     }
@@ -113,8 +127,9 @@ pub trait Checkpoint: Send + Sync {
     }
     /// Rows `rows` with all columns, kept in the file's storage.
     fn rows(&self, name: WeightName, rows: Range<usize>) -> Result<WeightSlice>;
-    /// All rows, columns `cols`. Quantized blocks are kept when `cols` is block aligned,
-    /// otherwise the result is dequantized.
+    /// All rows, columns `cols`. Quantized blocks are kept when `cols` is block aligned, and
+    /// K-quant super-blocks when `cols` starts and ends on 32-wide sub-blocks
+    /// ([`WeightSlice::QuantSub`]); otherwise the result is dequantized.
     fn cols(&self, name: WeightName, cols: Range<usize>) -> Result<WeightSlice>;
     /// A 1-D weight (norm scale, bias) or its range, as f32.
     fn vector(&self, name: WeightName, range: Option<Range<usize>>) -> Result<Vec<f32>>;

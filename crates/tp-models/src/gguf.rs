@@ -223,6 +223,18 @@ fn float_kind(t: GgmlDType) -> Option<FloatKind> {
     }
 }
 
+/// For a K-quant range starting and ending on 32-wide sub-blocks (but not on super-blocks):
+/// where it starts in its first super-block.
+fn sub_block_lead(dtype: GgmlDType, cols: &Range<usize>) -> Option<usize> {
+    let k_quant = matches!(
+        dtype,
+        GgmlDType::Q2K | GgmlDType::Q3K | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K
+    );
+    let sub = dtype.block_size() / 8;
+    (k_quant && cols.start.is_multiple_of(sub) && cols.end.is_multiple_of(sub))
+        .then_some(cols.start % dtype.block_size())
+}
+
 fn check_range(what: &str, r: &Range<usize>, len: usize, key: &str) -> Result<()> {
     if r.start > r.end || r.end > len {
         return Err(ModelError::Config(format!(
@@ -288,7 +300,22 @@ impl Checkpoint for GgufCheckpoint {
                 float_kind(dtype).unwrap_or(FloatKind::F32),
             ));
         }
-        // Not block aligned: dequantize the whole weight once and keep the columns.
+        if let Some(lead) = sub_block_lead(dtype, &cols) {
+            // A K-quant range on 32-wide sub-blocks: keep the super-blocks it touches.
+            let sb = meta.storage.block();
+            let blocks = cols.start / sb * sb..cols.end.div_ceil(sb) * sb;
+            let bytes = copy_region(data, &meta, 0..meta.rows, blocks);
+            return Ok(WeightSlice::QuantSub {
+                dtype,
+                rows: meta.rows,
+                cols: cols.len(),
+                lead,
+                bytes,
+            });
+        }
+        // Not block aligned (a 32-wide format, or a K-quant range that cuts a 32-wide
+        // sub-block): dequantize the whole weight once and keep the columns. Row-parallel
+        // products over such shards are not tp-invariant.
         let q = qtensor_from_ggml(dtype, data, vec![meta.rows, meta.cols], &Device::Cpu)?;
         let full = q.dequantize(&Device::Cpu)?; // [rows, cols]
         let part = full.narrow(1, cols.start, cols.len())?.contiguous()?; // [rows, cols_local]

@@ -138,8 +138,59 @@ impl Matrix {
                 let values = q.dequantize(&dev)?.flatten_all()?.to_vec1::<f32>()?; // [rows * cols]
                 Self::dense(rows, cols, values, opts.dense)
             }
+            WeightSlice::QuantSub {
+                dtype, lead, bytes, ..
+            } => match kernel_type(dtype) {
+                Some(t) if opts.keep_quantized => {
+                    let m = QuantMatrix::from_ggml_sub_blocks(t, rows, lead, cols, bytes)?;
+                    Ok(Matrix {
+                        bytes: m.storage_bytes(),
+                        store: Store::Quant(m),
+                        rows,
+                        cols,
+                        format: format!("{dtype:?} sub-blocks"),
+                    })
+                }
+                _ => {
+                    let covered = (lead + cols).div_ceil(dtype.block_size()) * dtype.block_size();
+                    let q = qtensor_from_ggml(dtype, &bytes, vec![rows, covered], &dev)?;
+                    let all = q.dequantize(&dev)?; // [rows, covered]
+                    let part = all.narrow(1, lead, cols)?.contiguous()?; // [rows, cols]
+                    Self::dense(rows, cols, part.flatten_all()?.to_vec1()?, opts.dense)
+                }
+            },
             WeightSlice::Dense { values, .. } => Self::dense(rows, cols, values, opts.dense),
         }
+    }
+
+    /// A row-parallel weight's shard, split across ranks in units of `unit` columns: a K-quant
+    /// whose super-block `unit` does not divide takes the sub-block form at every tp (the
+    /// whole weight at tp 1 included), so that the shards' f64 partial sums add up to the
+    /// same bits at every split. Other slices load as [`Matrix::from_slice`].
+    pub fn from_row_parallel_slice(
+        slice: WeightSlice,
+        unit: usize,
+        opts: LoadOptions,
+    ) -> Result<Self> {
+        let k_quant = |t: GgmlDType| kernel_type(t).is_some_and(|k| k.block_len() == 256);
+        let slice = match slice {
+            WeightSlice::Quant {
+                dtype,
+                rows,
+                cols,
+                bytes,
+            } if opts.keep_quantized && k_quant(dtype) && !unit.is_multiple_of(256) => {
+                WeightSlice::QuantSub {
+                    dtype,
+                    rows,
+                    cols,
+                    lead: 0,
+                    bytes,
+                }
+            }
+            other => other,
+        };
+        Self::from_slice(slice, opts)
     }
 
     fn dense(rows: usize, cols: usize, values: Vec<f32>, dtype: DenseDType) -> Result<Self> {
@@ -388,6 +439,7 @@ fn concat_rows(parts: &[WeightSlice]) -> Option<WeightSlice> {
             }
             Some(WeightSlice::Dense { rows, cols, values })
         }
+        WeightSlice::QuantSub { .. } => None,
     }
 }
 

@@ -157,10 +157,18 @@ impl ShardedModel {
             layers.push(Layer {
                 attn_norm: ckpt.vector(WeightName::AttnNorm(l), None)?,
                 qkv,
-                o: Matrix::from_slice(ckpt.cols(WeightName::O(l), q_rows.clone())?, opts)?,
+                o: Matrix::from_row_parallel_slice(
+                    ckpt.cols(WeightName::O(l), q_rows.clone())?,
+                    hd,
+                    opts,
+                )?,
                 ffn_norm: ckpt.vector(WeightName::FfnNorm(l), None)?,
                 gate_up,
-                down: Matrix::from_slice(ckpt.cols(WeightName::Down(l), ffn.clone())?, opts)?,
+                down: Matrix::from_row_parallel_slice(
+                    ckpt.cols(WeightName::Down(l), ffn.clone())?,
+                    plan.ffn_unit,
+                    opts,
+                )?,
             });
             // The layer is repacked into this rank's own memory: its file pages may go, so the
             // load's peak is the weights plus one layer, not the weights plus the file.

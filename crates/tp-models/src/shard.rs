@@ -135,7 +135,8 @@ impl RankMemory {
 }
 
 /// Bytes a weight slice will occupy once loaded: quantized shards keep their blocks when
-/// aligned, everything else becomes `dense_bytes` per element.
+/// aligned (K-quants: the super-blocks a range on 32-wide sub-blocks touches), everything
+/// else becomes `dense_bytes` per element.
 fn slice_bytes(
     storage: Storage,
     rows: usize,
@@ -148,6 +149,9 @@ fn slice_bytes(
             let b = t.block_size();
             if col_start.is_multiple_of(b) && cols.is_multiple_of(b) {
                 rows * (cols / b) * t.type_size()
+            } else if b == 256 && col_start.is_multiple_of(32) && cols.is_multiple_of(32) {
+                // A K-quant range on 32-wide sub-blocks keeps the super-blocks it touches.
+                rows * ((col_start + cols).div_ceil(b) - col_start / b) * t.type_size()
             } else {
                 rows * cols * dense_bytes
             }

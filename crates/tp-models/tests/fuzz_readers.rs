@@ -192,6 +192,12 @@ fn slice_ok(s: &WeightSlice, rows: usize, cols: usize) -> bool {
             WeightSlice::Quant { dtype, bytes, .. } => {
                 bytes.len() == rows * cols / dtype.block_size() * dtype.type_size()
             }
+            WeightSlice::QuantSub {
+                dtype, lead, bytes, ..
+            } => {
+                let nb = (lead + cols).div_ceil(dtype.block_size());
+                *lead < dtype.block_size() && bytes.len() == rows * nb * dtype.type_size()
+            }
         }
 }
 

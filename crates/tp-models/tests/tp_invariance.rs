@@ -3,7 +3,8 @@
 //! every shard boundary falls on a quant block (32-element formats, dense weights split at
 //! 32-column chunks) — on synthetic models of every such type and on the real SmolLM2. Weighted
 //! shards (`ShardPlan::weighted`: rank weights 2,1, 1,2, 3,2,1, ...) keep those boundaries, so
-//! they give the same bits too.
+//! they give the same bits too. K-quant shards that cut 256-wide super-blocks at multiples of
+//! 32 columns stay quantized in the sub-block form and give the same bits as well.
 
 mod common;
 
@@ -11,8 +12,8 @@ use candle_core::quantized::GgmlDType;
 use tp_comm::local::{self, LocalOptions};
 use tp_models::synthetic::{GgufTypes, HfDType, SyntheticModel};
 use tp_models::{
-    open_checkpoint, Arch, Checkpoint, Chunk, KvDtype, LoadOptions, Profile, RankWeights,
-    ShardPlan, ShardedModel,
+    open_checkpoint, rank_memory, Arch, Checkpoint, Chunk, KvDtype, LoadOptions, Profile,
+    RankWeights, ShardPlan, ShardedModel,
 };
 
 /// Full logits of a prompt (every position) and of 3 decode steps, at `tp` (balanced shards).
@@ -171,6 +172,79 @@ fn synthetic_models_give_the_same_bits_at_tp_1_to_4() {
         let ckpt = open_checkpoint(&d).unwrap();
         assert_tp_invariant(&*ckpt, &format!("HF {dtype:?}"), &prompt);
     }
+}
+
+/// The small synthetic shape with an FFN of 4 super-blocks (so the FFN splits in whole
+/// super-blocks at tp 1..4): the attention output projection's 256 columns (8 heads of 32)
+/// split at 128 (tp 2), 96 and 192 (tp 3), 64/128/192 (tp 4), inside its super-block.
+fn k_quant_model(arch: Arch, seed: u64) -> SyntheticModel {
+    let mut cfg = SyntheticModel::small(arch, seed).cfg;
+    cfg.ffn = 1024;
+    SyntheticModel::new(cfg, seed)
+}
+
+#[test]
+fn k_quant_models_whose_shards_cut_super_blocks_give_the_same_bits_at_tp_1_to_4() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompt: Vec<u32> = vec![1, 17, 256, 999, 3, 512, 64, 8];
+    use GgmlDType::*;
+    for (i, (arch, linear, embed)) in [
+        (Arch::Qwen2, Q4K, Q6K),
+        (Arch::Llama, Q6K, Q8_0),
+        (Arch::Qwen2, Q5K, Q4K),
+        (Arch::Llama, Q3K, Q8_0),
+        (Arch::Qwen2, Q2K, Q8_0),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let model = k_quant_model(arch, 500 + i as u64);
+        let path = dir.path().join(format!("k{i}.gguf"));
+        model
+            .write_gguf(&path, GgufTypes { linear, embed })
+            .unwrap();
+        let ckpt = open_checkpoint(&path).unwrap();
+        let what = format!("{arch:?} GGUF {linear:?}");
+        // The cut projections stay quantized: a rank holds what the plan says (the
+        // super-blocks its columns touch), not a dequantized shard.
+        local::run(3, LocalOptions::default(), |g| {
+            let opts = LoadOptions::default();
+            let m = ShardedModel::load(&*ckpt, g.rank(), 3, opts, 64).unwrap();
+            let cfg = ckpt.config();
+            let plan = ShardPlan::for_checkpoint(&*ckpt, g.rank(), 3).unwrap();
+            let mem = rank_memory(&*ckpt, &plan, 64, 4, true, KvDtype::F32).unwrap();
+            let norms = (2 * cfg.layers + 1) * cfg.hidden * 4;
+            let (held, planned) = (m.weight_bytes(), mem.sharded + norms);
+            // The packed K-quant layouts add unpacked scales (up to 19% for Q2_K).
+            assert!(
+                planned <= held && held * 100 <= planned * 120,
+                "{what}: rank {} holds {held} bytes, planned {planned}",
+                g.rank()
+            );
+        })
+        .unwrap();
+        assert_tp_invariant(&*ckpt, &what, &prompt);
+        if i < 2 {
+            // Uneven heads: rank 0 of 2,1 holds 5 heads, 160 columns.
+            let weights: [&[u32]; 2] = [&[2, 1], &[3, 2, 1]];
+            assert_weighted_invariant(&*ckpt, &what, &prompt, &weights);
+        }
+    }
+}
+
+#[test]
+fn qwen25_coder_q4_k_m_gives_the_same_bits_at_tp_1_and_2() {
+    let Some(path) = common::qwen25() else {
+        return;
+    };
+    let ckpt = open_checkpoint(&path).unwrap();
+    // Arbitrary token ids of Qwen2.5's vocabulary.
+    let prompt = [
+        750u32, 15801, 1445, 982, 198, 262, 421, 308, 2651, 220, 16, 25,
+    ];
+    let want = logits(&*ckpt, 1, &prompt);
+    let got = logits(&*ckpt, 2, &prompt);
+    assert_same_bits(&got, &want, "Qwen2.5-Coder-0.5B: tp 2");
 }
 
 #[test]
