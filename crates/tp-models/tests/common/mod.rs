@@ -6,6 +6,61 @@
 #[allow(unused_imports)] // each test binary uses a subset
 pub use tp_testkit::{minilm, qwen25, smollm2};
 
+/// One rank's model with its KV pool, group and profile, stepping sequences one at a time.
+pub struct Stepper<'a> {
+    pub model: &'a tp_models::ShardedModel,
+    pub pool: tp_models::KvPool,
+    pub g: &'a tp_comm::Group,
+    pub prof: tp_models::Profile,
+}
+
+impl<'a> Stepper<'a> {
+    pub fn new(model: &'a tp_models::ShardedModel, g: &'a tp_comm::Group) -> Self {
+        Stepper {
+            pool: model.new_pool(),
+            model,
+            g,
+            prof: tp_models::Profile::default(),
+        }
+    }
+
+    /// This rank's logits for `tokens` appended to `table`: the last position's, or every
+    /// new position's with `all_logits`.
+    pub fn local(
+        &mut self,
+        table: &mut tp_models::BlockTable,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Vec<f32> {
+        self.model
+            .forward(
+                &mut [tp_models::Chunk {
+                    tokens,
+                    table,
+                    all_logits,
+                }],
+                &mut self.pool,
+                self.g,
+                &mut self.prof,
+            )
+            .unwrap()
+    }
+
+    /// As [`Stepper::local`], gathered over the group: whole-vocabulary rows.
+    pub fn logits(
+        &mut self,
+        table: &mut tp_models::BlockTable,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Vec<f32> {
+        let local = self.local(table, tokens, all_logits);
+        let rows = if all_logits { tokens.len() } else { 1 };
+        self.model
+            .gather_logits(&local, rows, self.g, &mut self.prof)
+            .unwrap()
+    }
+}
+
 /// Logits of the sharded model at `tp` (local backend): the last row of the whole prompt in
 /// one pass, then the last row after each token fed one by one through a fresh cache
 /// (`1 + tokens.len()` rows of `vocab`).
@@ -16,42 +71,14 @@ pub fn sharded_logits(
     opts: tp_models::LoadOptions,
 ) -> Vec<Vec<f32>> {
     use tp_comm::local::{self, LocalOptions};
-    use tp_models::{Chunk, Profile, ShardedModel};
     let results = local::run(tp, LocalOptions::default(), |g| {
-        let model = ShardedModel::load(ckpt, g.rank(), tp, opts, 64).unwrap();
-        let mut prof = Profile::default();
-        let mut out = Vec::new();
-        let mut pool = model.new_pool();
-        let mut cache = model.new_table(64);
-        let local = model
-            .forward(
-                &mut [Chunk {
-                    tokens,
-                    table: &mut cache,
-                    all_logits: false,
-                }],
-                &mut pool,
-                &g,
-                &mut prof,
-            )
-            .unwrap();
-        out.push(model.gather_logits(&local, 1, &g, &mut prof).unwrap());
-        let mut pool = model.new_pool();
+        let model = tp_models::ShardedModel::load(ckpt, g.rank(), tp, opts, 64).unwrap();
+        let mut whole = Stepper::new(&model, &g);
+        let mut out = vec![whole.logits(&mut model.new_table(64), tokens, false)];
+        let mut one_by_one = Stepper::new(&model, &g);
         let mut cache = model.new_table(64);
         for t in tokens {
-            let local = model
-                .forward(
-                    &mut [Chunk {
-                        tokens: std::slice::from_ref(t),
-                        table: &mut cache,
-                        all_logits: false,
-                    }],
-                    &mut pool,
-                    &g,
-                    &mut prof,
-                )
-                .unwrap();
-            out.push(model.gather_logits(&local, 1, &g, &mut prof).unwrap());
+            out.push(one_by_one.logits(&mut cache, std::slice::from_ref(t), false));
         }
         out
     })
