@@ -3,9 +3,8 @@
 
 mod common;
 use common::run_with_deadline;
+use common::TP;
 use std::time::Duration;
-
-const TP: &str = env!("CARGO_BIN_EXE_tp");
 
 fn drill(fault: &str, ranks: &str, timeout: &str) -> common::Finished {
     let args = [
@@ -126,12 +125,7 @@ fn a_small_sweep_reports_no_wrong_results() {
         Duration::from_secs(60),
     );
     assert_eq!(f.code, Some(0), "{}", f.output);
-    let rows: Vec<serde_json::Value> = f
-        .output
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .filter(|v: &serde_json::Value| v.get("op").is_some())
-        .collect();
+    let rows = tp_testkit::json::rows_with(&f.output, "op");
     // 4 ops x sizes 8, 64, 512, 4K, 32K, 256K.
     assert_eq!(rows.len(), 24, "{}", f.output);
     for r in rows {

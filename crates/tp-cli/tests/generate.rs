@@ -2,9 +2,9 @@
 //! known continuation, and a clear error for every bad input (never a panic, never a hang).
 
 mod common;
+use common::TP;
 use std::time::Duration;
 
-const TP: &str = env!("CARGO_BIN_EXE_tp");
 const DEADLINE: Duration = Duration::from_secs(300);
 
 fn tp(args: &[&str]) -> common::Finished {

@@ -4,14 +4,13 @@
 //! checks; an error prints its whole cause chain, each cause once.
 
 mod common;
+use common::TP;
 
 use common::run_with_deadline;
 use std::io::Write;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tp_tokenizer::{ChatMessage, Tokenizer};
-
-const TP: &str = env!("CARGO_BIN_EXE_tp");
 
 fn tokenizer(model: &std::path::Path) -> Tokenizer {
     let gguf = tp_models::GgufCheckpoint::open(model).expect("open the model");

@@ -5,9 +5,8 @@
 //! Deterministic, so the gate cannot flake.
 
 mod common;
+use common::TP;
 use std::time::Duration;
-
-const TP: &str = env!("CARGO_BIN_EXE_tp");
 
 fn tp(args: &[&str]) -> String {
     let f = common::run_with_deadline(TP, args, Duration::from_secs(300));

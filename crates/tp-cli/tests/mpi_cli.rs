@@ -3,28 +3,13 @@
 #![cfg(feature = "mpi")]
 
 mod common;
+use common::TP;
 use std::time::Duration;
-
-const TP: &str = env!("CARGO_BIN_EXE_tp");
-
-fn mpirun(n: usize, args: &[&str], deadline: Duration) -> common::Finished {
-    let found = std::process::Command::new("mpirun")
-        .arg("--version")
-        .output();
-    assert!(
-        found.is_ok_and(|o| o.status.success()),
-        "mpirun is not on PATH: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev)"
-    );
-    let n = n.to_string();
-    let mut all = vec!["--allow-run-as-root", "--oversubscribe", "-n", &n, TP];
-    all.extend_from_slice(args);
-    common::run_with_deadline("mpirun", &all, deadline)
-}
 
 #[test]
 fn selftest_passes_under_mpirun() {
     for n in [2, 3] {
-        let f = mpirun(
+        let f = common::mpirun_tp(
             n,
             &["selftest", "--backend", "mpi"],
             Duration::from_secs(120),
@@ -49,14 +34,9 @@ fn a_small_sweep_is_correct_under_mpirun() {
         "1",
         "--json",
     ];
-    let f = mpirun(3, &args, Duration::from_secs(120));
+    let f = common::mpirun_tp(3, &args, Duration::from_secs(120));
     assert_eq!(f.code, Some(0), "{}", f.output);
-    let rows: Vec<serde_json::Value> = f
-        .output
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .filter(|v: &serde_json::Value| v.get("op").is_some())
-        .collect();
+    let rows = tp_testkit::json::rows_with(&f.output, "op");
     assert_eq!(rows.len(), 24, "{}", f.output);
     assert!(
         rows.iter()
@@ -82,7 +62,7 @@ fn a_panicking_process_is_named_and_the_job_ends() {
         "--fault",
         "panic:1@6",
     ];
-    let f = mpirun(3, &args, Duration::from_secs(40));
+    let f = common::mpirun_tp(3, &args, Duration::from_secs(40));
     assert_ne!(f.code, Some(0), "{}", f.output);
     assert!(f.took < Duration::from_secs(25), "took {:?}", f.took);
     assert!(
@@ -108,7 +88,7 @@ fn a_desync_across_processes_shows_both_fingerprints() {
         "--fault",
         "mismatch:1@5",
     ];
-    let f = mpirun(2, &args, Duration::from_secs(40));
+    let f = common::mpirun_tp(2, &args, Duration::from_secs(40));
     assert_ne!(f.code, Some(0), "{}", f.output);
     assert!(f.output.contains("collective mismatch"), "{}", f.output);
 }
@@ -136,7 +116,7 @@ fn generate_under_mpirun_matches_local_ranks() {
     assert_eq!(want.code, Some(0), "{}", want.output);
     let mut mpi: Vec<&str> = args.to_vec();
     mpi.extend(["--backend", "mpi", prompt]);
-    let got = mpirun(3, &mpi, Duration::from_secs(300));
+    let got = common::mpirun_tp(3, &mpi, Duration::from_secs(300));
     assert_eq!(got.code, Some(0), "{}", got.output);
     assert_eq!(
         got.stdout, want.stdout,

@@ -4,16 +4,8 @@
 #![cfg(feature = "mpi")]
 
 mod common;
+use common::{losses, TP};
 use std::time::Duration;
-
-const TP: &str = env!("CARGO_BIN_EXE_tp");
-
-fn losses(out: &str) -> Vec<(u64, f64)> {
-    out.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| Some((v.get("step")?.as_u64()?, v.get("loss")?.as_f64()?)))
-        .collect()
-}
 
 fn close(got: &[(u64, f64)], want: &[(u64, f64)]) {
     assert_eq!(got.len(), want.len(), "{got:?} vs {want:?}");
@@ -43,13 +35,11 @@ fn train_under_mpirun_matches_local_and_resumes_locally_at_another_tp() {
     let want = losses(&local.output);
     assert_eq!(want.len(), 6, "{}", local.output);
 
-    let dir = std::env::temp_dir().join(format!("tp-cli-mpi-train-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = tp_testkit::scratch_dir("cli-mpi-train");
     let d = dir.to_str().unwrap();
-    let mut mpi_args = vec!["--allow-run-as-root", "--oversubscribe", "-n", "2", TP];
-    mpi_args.extend(base);
+    let mut mpi_args = base.to_vec();
     mpi_args.extend(["--backend", "mpi", "--steps", "4", "--save", d]);
-    let mpi = common::run_with_deadline("mpirun", &mpi_args, Duration::from_secs(180));
+    let mpi = common::mpirun_tp(2, &mpi_args, Duration::from_secs(180));
     assert_eq!(mpi.code, Some(0), "{}", mpi.output);
     close(&losses(&mpi.output), &want[..4]);
 

@@ -1,9 +1,8 @@
 //! `tp plan` is wired into the binary: a plan prints, a bad preset is a clear error.
 
 mod common;
+use common::TP;
 use std::time::Duration;
-
-const TP: &str = env!("CARGO_BIN_EXE_tp");
 
 #[test]
 fn plans_a_known_model_and_keeps_tp_inside_the_node() {

@@ -4,9 +4,8 @@
 //! 27.981 (tp 3, -0.07%). The computation is deterministic, so the gate cannot flake.
 
 mod common;
+use common::TP;
 use std::time::Duration;
-
-const TP: &str = env!("CARGO_BIN_EXE_tp");
 
 fn perplexity(model: &str, tp: &str, sync: &str) -> f64 {
     let text = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/heldout.txt");

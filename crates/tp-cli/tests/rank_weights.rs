@@ -5,10 +5,10 @@
 //! heavier rank.
 
 mod common;
+use common::TP;
 mod serve_util;
 use std::time::Duration;
 
-const TP: &str = env!("CARGO_BIN_EXE_tp");
 const DEADLINE: Duration = Duration::from_secs(300);
 
 fn tp(args: &[&str]) -> common::Finished {
@@ -288,22 +288,10 @@ fn rank_weights_under_mpirun_give_the_local_text() {
     let Some(model) = common::smollm2() else {
         return;
     };
-    let found = std::process::Command::new("mpirun")
-        .arg("--version")
-        .output();
-    assert!(
-        found.is_ok_and(|o| o.status.success()),
-        "mpirun is not on PATH: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev)"
-    );
     let m = model.to_string_lossy().to_string();
     let want = greedy(&m, &["-q"]);
     assert_eq!(want.code, Some(0), "{}", want.output);
     let args = [
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "-n",
-        "2",
-        TP,
         "generate",
         "--backend",
         "mpi",
@@ -316,7 +304,7 @@ fn rank_weights_under_mpirun_give_the_local_text() {
         "32",
         PROMPT,
     ];
-    let got = common::run_with_deadline("mpirun", &args, DEADLINE);
+    let got = common::mpirun_tp(2, &args, DEADLINE);
     assert_eq!(got.code, Some(0), "{}", got.output);
     assert_eq!(got.stdout, want.stdout, "mpirun with 2,1 differs from tp 1");
     assert_eq!(
@@ -340,14 +328,9 @@ fn rank_weights_under_mpirun_give_the_local_text() {
         "rank 0 read {read:?}: {}",
         got.stderr
     );
-    let bad = common::run_with_deadline(
-        "mpirun",
+    let bad = common::mpirun_tp(
+        2,
         &[
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-n",
-            "2",
-            TP,
             "generate",
             "--backend",
             "mpi",

@@ -5,7 +5,8 @@
 mod serve_util;
 
 use serde_json::json;
-use serve_util::{smollm2, ServerProc};
+use serve_util::ServerProc;
+use tp_testkit::smollm2;
 use tp_tokenizer::{ChatMessage, Tokenizer};
 
 /// The tokenizer the server uses, read from the same file.

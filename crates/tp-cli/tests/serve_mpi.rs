@@ -11,19 +11,15 @@ use std::time::Duration;
 
 #[test]
 fn serve_under_mpirun_answers_and_stops_cleanly() {
-    let Some(model) = serve_util::smollm2() else {
+    let Some(model) = tp_testkit::smollm2() else {
         return;
     };
-    let found = std::process::Command::new("mpirun")
-        .arg("--version")
-        .output();
-    assert!(
-        found.is_ok_and(|o| o.status.success()),
-        "mpirun is not on PATH: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev)"
-    );
+    let mpirun = tp_testkit::require_mpirun();
+    let mpirun = mpirun.to_str().expect("a UTF-8 path to mpirun");
+    let [root, oversubscribe] = tp_testkit::process::MPIRUN_FLAGS;
     let mut server = ServerProc::start_with(
-        "mpirun",
-        &["--allow-run-as-root", "--oversubscribe", "-n", "2", TP],
+        mpirun,
+        &[root, oversubscribe, "-n", "2", TP],
         &model,
         &["--backend", "mpi", "--ctx-size", "256"],
     );

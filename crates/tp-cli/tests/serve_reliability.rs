@@ -532,7 +532,7 @@ fn requests_beyond_the_kv_budget_queue_and_never_crash() {
         assert_eq!(text, &alone[i]);
     }
     // Chunked prefill gives what `tp generate` gives (one prefill pass, then decode).
-    let model = serve_util::smollm2().unwrap();
+    let model = tp_testkit::smollm2().unwrap();
     let generated = std::process::Command::new(serve_util::TP)
         .arg("generate")
         .arg("--model")

@@ -3,28 +3,16 @@
 //! and continues the same loss curve; bad inputs end with a clear error, never a panic.
 
 mod common;
+use common::{losses, TP};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-const TP: &str = env!("CARGO_BIN_EXE_tp");
 
 fn tp(args: &[&str]) -> common::Finished {
     common::run_with_deadline(TP, args, Duration::from_secs(300))
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("tp-cli-train-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-/// (step, loss) of each JSON line of the output.
-fn losses(out: &str) -> Vec<(u64, f64)> {
-    out.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| Some((v.get("step")?.as_u64()?, v.get("loss")?.as_f64()?)))
-        .collect()
+    tp_testkit::scratch_dir(&format!("cli-train-{name}"))
 }
 
 const RUN: [&str; 10] = [

@@ -4,9 +4,8 @@
 //! inference forward).
 
 mod common;
+use common::TP;
 use std::time::Duration;
-
-const TP: &str = env!("CARGO_BIN_EXE_tp");
 
 fn tp(args: &[&str]) -> common::Finished {
     let f = common::run_with_deadline(TP, args, Duration::from_secs(300));
@@ -23,12 +22,9 @@ fn trained_checkpoint_generates_identically_at_every_tp() {
         "train", "--tp", "2", "--steps", "30", "--seq", "64", "--batch", "8", "--json", "--save",
         &d,
     ]);
-    let last_loss = train
-        .stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v.get("loss")?.as_f64())
-        .next_back()
+    let last_loss = common::losses(&train.stdout)
+        .last()
+        .map(|&(_, loss)| loss)
         .expect("no loss lines");
     let ckpt = dir.join("step-00000030");
     let ckpt = ckpt.to_string_lossy();

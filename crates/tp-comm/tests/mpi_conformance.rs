@@ -4,76 +4,14 @@
 //! (Debian/Ubuntu: `apt-get install openmpi-bin libopenmpi-dev`); without it the tests fail.
 #![cfg(feature = "mpi")]
 
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tp_testkit::{mpirun, run, run_with_deadline, Finished};
 
 const CHECK: &str = env!("CARGO_BIN_EXE_tp-comm-mpi-check");
 
-fn mpirun() -> PathBuf {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|d| d.join("mpirun"))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "mpirun is not on PATH: install Open MPI (apt-get install openmpi-bin \
-                 libopenmpi-dev) to run the MPI backend tests"
-            )
-        })
-}
-
-struct Run {
-    code: Option<i32>,
-    output: String,
-    took: Duration,
-}
-
-/// Runs `program args`, killing it and failing the test if it outlives `limit`.
-fn run(program: &std::path::Path, args: &[&str], limit: Duration) -> Run {
-    let dir = std::env::temp_dir();
-    let stem = format!(
-        "tp-comm-mpi-{}-{}",
-        std::process::id(),
-        args.join("_").replace('/', "_")
-    );
-    let out_path = dir.join(format!("{stem}.log"));
-    let out = std::fs::File::create(&out_path).expect("create the log file");
-    let err = out.try_clone().expect("clone the log file");
-    let start = Instant::now();
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err)
-        .spawn()
-        .expect("start the child");
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait for the child") {
-            break s;
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            let output = std::fs::read_to_string(&out_path).unwrap_or_default();
-            panic!("{program:?} {args:?} ran past {limit:?} and was killed; output:\n{output}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let output = std::fs::read_to_string(&out_path).unwrap_or_default();
-    let _ = std::fs::remove_file(&out_path);
-    Run {
-        code: status.code(),
-        output,
-        took: start.elapsed(),
-    }
-}
-
-fn mpi(k: usize, extra: &[&str], limit: Duration) -> Run {
-    let n = k.to_string();
-    let mut args = vec!["--allow-run-as-root", "--oversubscribe", "-n", &n, CHECK];
-    args.extend_from_slice(extra);
-    run(&mpirun(), &args, limit)
+/// `mpirun -n k CHECK extra...`, killed and failing the test after `limit`.
+fn mpi(k: usize, extra: &[&str], limit: Duration) -> Finished {
+    run(mpirun(k).arg(CHECK).args(extra), limit)
 }
 
 fn conformance(k: usize, extra: &[&str]) {
@@ -196,7 +134,7 @@ fn drill_exit_names_the_rank_that_returned() {
 
 #[test]
 fn without_mpirun_the_binary_is_a_world_of_one() {
-    let r = run(std::path::Path::new(CHECK), &[], Duration::from_secs(60));
+    let r = run_with_deadline(CHECK, &[], Duration::from_secs(60));
     assert_eq!(r.code, Some(0), "{}", r.output);
     assert!(r.output.contains("rank 0/1: "), "{}", r.output);
 }
@@ -226,19 +164,9 @@ fn init_twice_is_an_error_and_a_singleton_world_works() {
 
 /// Runs `mpirun -n k -x TP_NET_DELAY_US=delay CHECK` (the variable set in the ranks only, so
 /// tests running at the same time are not affected).
-fn mpi_delayed(k: usize, delay: &str, limit: Duration) -> Run {
-    let n = k.to_string();
+fn mpi_delayed(k: usize, delay: &str, limit: Duration) -> Finished {
     let var = format!("TP_NET_DELAY_US={delay}");
-    let args = [
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "-x",
-        &var,
-        "-n",
-        &n,
-        CHECK,
-    ];
-    run(&mpirun(), &args, limit)
+    run(mpirun(k).args(["-x", &var]).arg(CHECK), limit)
 }
 
 #[test]

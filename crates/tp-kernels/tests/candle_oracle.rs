@@ -7,7 +7,7 @@ mod common;
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
-use common::{ggml_dtype, Uniform};
+use common::{block_scaled_values, ggml_dtype};
 use proptest::prelude::*;
 use tp_kernels::{QuantMatrix, QuantType};
 
@@ -32,23 +32,6 @@ fn pin_candle_kernels() {
     std::env::set_var("MISTRALRS_FORCE_AVX2", "1");
 }
 
-/// Deterministic values: a xorshift stream mapped to roughly N(0, 1) (sum of 4 uniforms),
-/// with the per-32-block magnitude varying by up to 16x so blocks get different scales.
-fn values(len: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut u = Uniform::new(seed);
-    let mut uniform = move || u.sample();
-    let mut block_mag = 1.0;
-    (0..len)
-        .map(|i| {
-            if i % 32 == 0 {
-                block_mag = 0.25 + 3.75 * (uniform() + 0.5);
-            }
-            let g = (uniform() + uniform() + uniform() + uniform()) * 1.7;
-            g * block_mag * scale
-        })
-        .collect()
-}
-
 /// Weights quantized by candle: (raw ggml bytes, candle's dequantized f32 rows, QMatMul).
 struct Oracle {
     bytes: Vec<u8>,
@@ -58,7 +41,7 @@ struct Oracle {
 
 fn oracle(qtype: QuantType, rows: usize, cols: usize, seed: u64) -> Oracle {
     pin_candle_kernels();
-    let w = values(rows * cols, seed, 0.05);
+    let w = block_scaled_values(rows * cols, seed, 0.05, false);
     let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
     let q = QTensor::quantize(&t, ggml_dtype(qtype)).unwrap();
     let bytes = q.data().unwrap().into_owned();
@@ -224,7 +207,7 @@ fn dot64(a: &[f32], b: &[f32]) -> f64 {
 fn check_shape(qtype: QuantType, rows: usize, cols: usize, n: usize, seed: u64) -> [f64; 4] {
     let o = oracle(qtype, rows, cols, seed);
     let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, o.bytes.clone()).unwrap();
-    let x = values(n * cols, seed ^ 0xABCD, 1.0);
+    let x = block_scaled_values(n * cols, seed ^ 0xABCD, 1.0, false);
     let mut y = vec![f32::NAN; n * rows];
     m.matmul(&x, n, &mut y).unwrap();
     let mut yw = vec![0.0f64; n * rows];
@@ -391,7 +374,7 @@ fn concat_rows_equals_the_parts_side_by_side() {
             (24, cols, qtype)
         );
         let n = 3;
-        let x = values(n * cols, 5, 1.0);
+        let x = block_scaled_values(n * cols, 5, 1.0, false);
         let mut y = vec![0.0; n * 24];
         fused.matmul(&x, n, &mut y).unwrap();
         let mut row0 = 0;

@@ -7,30 +7,12 @@ mod common;
 
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
-use common::{ggml_dtype, Uniform};
+use common::{block_scaled_values, ggml_dtype};
 use tp_kernels::{DenseMatrix, QuantMatrix, QuantType};
-
-/// Roughly N(0, 1) values whose magnitude changes per 32-block by up to 16x, with an
-/// occasional outlier 20x larger (activations of real models have such columns).
-fn values(len: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut u = Uniform::new(seed);
-    let mut uniform = move || u.sample();
-    let mut block_mag = 1.0;
-    (0..len)
-        .map(|i| {
-            if i % 32 == 0 {
-                block_mag = 0.25 + 3.75 * (uniform() + 0.5);
-            }
-            let g = (uniform() + uniform() + uniform() + uniform()) * 1.7;
-            let outlier = if uniform() > 0.499 { 20.0 } else { 1.0 };
-            g * block_mag * scale * outlier
-        })
-        .collect()
-}
 
 /// Row-major ggml bytes of a `[rows, cols]` matrix quantized by candle.
 fn quantize(qtype: QuantType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-    let w = values(rows * cols, seed, 0.05);
+    let w = block_scaled_values(rows * cols, seed, 0.05, true);
     let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
     let q = QTensor::quantize(&t, ggml_dtype(qtype)).unwrap();
     q.data().unwrap().into_owned()
@@ -76,7 +58,7 @@ fn check_splits(qtype: QuantType, rows: usize, cols: usize, ns: &[usize]) -> (us
     let full = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes.clone()).unwrap();
     let (mut compared, mut f32_differ) = (0, 0);
     for &n in ns {
-        let x = values(n * cols, n as u64 * 17 + 1, 1.0);
+        let x = block_scaled_values(n * cols, n as u64 * 17 + 1, 1.0, true);
         let mut want = vec![0.0f64; n * rows];
         full.matmul_wide_acc(&x, n, &mut want).unwrap();
         let mut want32 = vec![0.0f32; n * rows];
@@ -258,7 +240,7 @@ fn wide_accumulates_into_y() {
         quantize(QuantType::Q8_0, rows, cols, 2),
     )
     .unwrap();
-    let x = values(n * cols, 3, 1.0);
+    let x = block_scaled_values(n * cols, 3, 1.0, true);
     let mut both = vec![0.0f64; n * rows];
     a.matmul_wide_acc(&x, n, &mut both).unwrap();
     b.matmul_wide_acc(&x, n, &mut both).unwrap();

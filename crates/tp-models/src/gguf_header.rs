@@ -2,7 +2,8 @@
 //! bounded by the bytes that remain before anything is allocated, all offset arithmetic is
 //! checked, and the tensors' data must tile the data section: no overlap, no gap.
 //!
-//! Layout (GGUF v2/v3, little-endian; the ggml repository's `docs/gguf.md`, github.com/ggml-org/ggml):
+//! Layout (GGUF v2/v3, little-endian; the ggml repository's spec, github.com/ggml-org/ggml;
+//! the rules of this reader: docs/gguf.md):
 //! `"GGUF" u32:version u64:tensor_count u64:kv_count`, then `kv_count` metadata pairs
 //! (`string:key u32:value_type value`), then `tensor_count` tensor infos
 //! (`string:name u32:n_dims u64[n_dims]:dims (innermost first) u32:ggml_type u64:offset`),

@@ -4,6 +4,7 @@
 
 mod common;
 
+use common::Stepper;
 use tp_comm::local::{self, LocalOptions};
 use tp_models::{Chunk, GgufCheckpoint, LoadOptions, Profile, ShardedModel};
 
@@ -28,32 +29,10 @@ fn batched_logits_equal_lone_logits_bitwise() {
             // Alone: prefill each prompt, then one decode token (id 42).
             let mut alone = Vec::new();
             for p in PROMPTS {
-                let mut pool = m.new_pool();
+                let mut step = Stepper::new(&m, &g);
                 let mut cache = m.new_table(64);
-                let a = m
-                    .forward(
-                        &mut [Chunk {
-                            tokens: p,
-                            table: &mut cache,
-                            all_logits: true,
-                        }],
-                        &mut pool,
-                        &g,
-                        &mut prof,
-                    )
-                    .unwrap();
-                let b = m
-                    .forward(
-                        &mut [Chunk {
-                            tokens: &[42],
-                            table: &mut cache,
-                            all_logits: false,
-                        }],
-                        &mut pool,
-                        &g,
-                        &mut prof,
-                    )
-                    .unwrap();
+                let a = step.local(&mut cache, p, true);
+                let b = step.local(&mut cache, &[42], false);
                 alone.push((a, b));
             }
             // Together: sequence 0 prefilled first; then one step mixing its decode token with

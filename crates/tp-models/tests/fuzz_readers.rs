@@ -21,12 +21,7 @@ use tp_models::{
     WeightSlice,
 };
 
-fn cases(default: u32) -> u32 {
-    std::env::var("FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+use tp_testkit::fuzz_cases as cases;
 
 /// A small model: fast to write, open and load once per case.
 fn tiny(arch: Arch, seed: u64) -> SyntheticModel {

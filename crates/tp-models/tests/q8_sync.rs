@@ -2,12 +2,14 @@
 //! tp 1 is unchanged (nothing to sync), and at tp 2..4 the logits stay close to the exact ones
 //! (the 8-bit rounding of partial sums moves them a little; the greedy token rarely).
 
+mod common;
+
 use candle_core::quantized::GgmlDType;
+use common::spread;
+use common::Stepper;
 use tp_comm::local::{self, LocalOptions};
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
-use tp_models::{
-    open_checkpoint, Arch, Checkpoint, Chunk, LoadOptions, Profile, ShardedModel, SyncMode,
-};
+use tp_models::{open_checkpoint, Arch, Checkpoint, LoadOptions, ShardedModel, SyncMode};
 
 /// Every rank's full logits for the prompt's last position and two decode steps, at `tp`.
 fn all_ranks_logits(ckpt: &dyn Checkpoint, tp: usize, mode: SyncMode) -> Vec<Vec<Vec<f32>>> {
@@ -16,24 +18,11 @@ fn all_ranks_logits(ckpt: &dyn Checkpoint, tp: usize, mode: SyncMode) -> Vec<Vec
         let mut m = ShardedModel::load(ckpt, g.rank(), tp, LoadOptions::default(), 64).unwrap();
         m.set_sync(mode);
         assert_eq!(m.sync(), mode);
-        let mut prof = Profile::default();
-        let mut pool = m.new_pool();
+        let mut step = Stepper::new(&m, &g);
         let mut cache = m.new_table(64);
         let mut rows = Vec::new();
-        for (i, tokens) in [&prompt[..], &[7], &[300]].into_iter().enumerate() {
-            let local = m
-                .forward(
-                    &mut [Chunk {
-                        tokens,
-                        table: &mut cache,
-                        all_logits: false,
-                    }],
-                    &mut pool,
-                    &g,
-                    &mut prof,
-                )
-                .unwrap_or_else(|e| panic!("step {i}: {e}"));
-            rows.push(m.gather_logits(&local, 1, &g, &mut prof).unwrap());
+        for tokens in [&prompt[..], &[7], &[300]] {
+            rows.push(step.logits(&mut cache, tokens, false));
         }
         rows
     })
@@ -41,13 +30,6 @@ fn all_ranks_logits(ckpt: &dyn Checkpoint, tp: usize, mode: SyncMode) -> Vec<Vec
     .into_iter()
     .map(|r| r.unwrap())
     .collect()
-}
-
-fn spread(x: &[f32]) -> f32 {
-    let (lo, hi) = x
-        .iter()
-        .fold((f32::MAX, f32::MIN), |(l, h), v| (l.min(*v), h.max(*v)));
-    hi - lo
 }
 
 #[test]

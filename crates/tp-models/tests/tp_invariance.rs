@@ -9,11 +9,12 @@
 mod common;
 
 use candle_core::quantized::GgmlDType;
+use common::Stepper;
 use tp_comm::local::{self, LocalOptions};
 use tp_models::synthetic::{GgufTypes, HfDType, SyntheticModel};
 use tp_models::{
-    open_checkpoint, rank_memory, Arch, Checkpoint, Chunk, KvDtype, LoadOptions, Profile,
-    RankWeights, ShardPlan, ShardedModel,
+    open_checkpoint, rank_memory, Arch, Checkpoint, KvDtype, LoadOptions, RankWeights, ShardPlan,
+    ShardedModel,
 };
 
 /// Full logits of a prompt (every position) and of 3 decode steps, at `tp` (balanced shards).
@@ -39,40 +40,11 @@ fn logits_with(
             Some(w) => ShardedModel::load_weighted(ckpt, g.rank(), w, opts, 64).unwrap(),
             None => ShardedModel::load(ckpt, g.rank(), tp, opts, 64).unwrap(),
         };
-        let mut prof = Profile::default();
-        let mut pool = m.new_pool();
+        let mut step = Stepper::new(&m, &g);
         let mut cache = m.new_table(64);
-        let mut rows = Vec::new();
-        let local = m
-            .forward(
-                &mut [Chunk {
-                    tokens: prompt,
-                    table: &mut cache,
-                    all_logits: true,
-                }],
-                &mut pool,
-                &g,
-                &mut prof,
-            )
-            .unwrap();
-        rows.push(
-            m.gather_logits(&local, prompt.len(), &g, &mut prof)
-                .unwrap(),
-        );
+        let mut rows = vec![step.logits(&mut cache, prompt, true)];
         for t in [7u32, 300, 42] {
-            let local = m
-                .forward(
-                    &mut [Chunk {
-                        tokens: &[t],
-                        table: &mut cache,
-                        all_logits: false,
-                    }],
-                    &mut pool,
-                    &g,
-                    &mut prof,
-                )
-                .unwrap();
-            rows.push(m.gather_logits(&local, 1, &g, &mut prof).unwrap());
+            rows.push(step.logits(&mut cache, &[t], false));
         }
         rows
     })

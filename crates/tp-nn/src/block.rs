@@ -1,14 +1,12 @@
 //! The pre-norm transformer block composed of the parallel layers (Megatron §3, Fig. 4:
-//! two all-reduces forward and two backward), plus its sequence-parallel variant
-//! (Korthikanti et al. §4.2.2: all-gather before and reduce-scatter after each half).
+//! two all-reduces forward and two backward).
 
 use crate::attention::ParallelAttention;
 use crate::error::{Result, TpError};
 use crate::linear::check_group;
-use crate::mappings::{copy_to_tp, gather_from_sequence_parallel};
+use crate::mappings::copy_to_tp;
 use crate::mlp::ParallelMlp;
 use crate::norm::RmsNorm;
-use crate::partition::Partition;
 use crate::rope::{Rope, RopeLayout};
 use candle_core::{Device, Tensor, Var};
 use std::ops::Range;
@@ -223,39 +221,6 @@ impl ParallelBlock {
         let n = self.mlp_norm.forward(&h)?; // [b, s, hidden]
         let x_par = copy_to_tp(&n, group)?; // [b, s, hidden]
         let m = self.mlp.forward_local(&x_par, group)?.reduce()?; // [b, s, hidden]
-        Ok((h + m)?)
-    }
-
-    /// The sequence positions each rank holds under sequence parallelism.
-    pub fn seq_partition(seq: usize, tp: usize) -> Result<Partition> {
-        Partition::new(seq, tp, "sequence positions", "sequence position")
-    }
-
-    /// Sequence parallel: `h_local [batch, seq_local, hidden]` (rank r holds positions
-    /// `seq_partition(seq, tp).range(r)`) -> `[batch, seq_local, hidden]`. Two all-gathers
-    /// and two reduce-scatters each way. Norm weights then get only this rank's part of
-    /// their gradient: sum them over the tp group before an optimizer step.
-    pub fn forward_sequence_parallel(
-        &self,
-        h_local: &Tensor,
-        seq: usize,
-        group: &Group,
-    ) -> Result<Tensor> {
-        check_group(group, self.tp_rank, self.tp)?;
-        let sizes = Self::seq_partition(seq, self.tp)?.sizes();
-        let n = self.attn_norm.forward(h_local)?; // [b, seq_local, hidden]
-        let x_par = gather_from_sequence_parallel(&n, group, 1, &sizes)?; // [b, seq, hidden]
-        let a = self
-            .attn
-            .forward_local(&x_par, &self.rope, 0, group)?
-            .reduce_scatter_seq(1, &sizes)?; // [b, seq_local, hidden]
-        let h = (h_local + a)?; // [b, seq_local, hidden]
-        let n = self.mlp_norm.forward(&h)?; // [b, seq_local, hidden]
-        let x_par = gather_from_sequence_parallel(&n, group, 1, &sizes)?; // [b, seq, hidden]
-        let m = self
-            .mlp
-            .forward_local(&x_par, group)?
-            .reduce_scatter_seq(1, &sizes)?; // [b, seq_local, hidden]
         Ok((h + m)?)
     }
 }

@@ -12,7 +12,6 @@ pub mod block;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod error;
-pub mod grads;
 mod host;
 pub mod linear;
 pub mod mappings;

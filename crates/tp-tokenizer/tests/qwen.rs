@@ -10,7 +10,7 @@ use common::*;
 use tp_tokenizer::{ChatMessage, Tokenizer};
 
 fn qwen() -> Option<Tokenizer> {
-    let path = model(QWEN05, QWEN05_INSTALL)?;
+    let path = tp_testkit::qwen25()?;
     Some(Tokenizer::from_gguf(&metadata(&path)).expect("load the Qwen tokenizer"))
 }
 

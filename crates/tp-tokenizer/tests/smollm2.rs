@@ -14,7 +14,7 @@ use common::*;
 use tp_tokenizer::{ChatMessage, Tokenizer};
 
 fn smollm2() -> Option<(Tokenizer, std::collections::HashMap<String, Value>)> {
-    let path = model(SMOLLM2, SMOLLM2_INSTALL)?;
+    let path = tp_testkit::smollm2()?;
     let meta = metadata(&path);
     let tok = Tokenizer::from_gguf(&meta).expect("load the SmolLM2 tokenizer");
     Some((tok, meta))
@@ -184,7 +184,7 @@ fn streaming_equals_decode() {
 #[test]
 fn tokenizer_json_round_trip() {
     let Some((tok, _)) = smollm2() else { return };
-    let dir = temp_dir("smollm2-json");
+    let dir = tp_testkit::scratch_dir("tokenizer-smollm2-json");
     std::fs::write(
         dir.join("tokenizer.json"),
         tok.to_tokenizer_json().expect("to json"),

@@ -6,7 +6,7 @@ mod common;
 use std::collections::HashMap;
 
 use candle_core::quantized::gguf_file::Value;
-use common::{stream_all, temp_dir};
+use common::stream_all;
 use tp_tokenizer::{ChatMessage, Tokenizer, TokenizerError};
 
 /// GPT-2's byte -> printable char map, written out independently of the crate.
@@ -317,7 +317,7 @@ fn gguf_tokenizer_round_trips_through_tokenizer_json() {
     let mut meta = synthetic();
     meta.insert("tokenizer.ggml.add_bos_token".into(), Value::Bool(true));
     let tok = load(&meta);
-    let dir = temp_dir("synthetic-json");
+    let dir = tp_testkit::scratch_dir("tokenizer-synthetic-json");
     std::fs::write(
         dir.join("tokenizer.json"),
         tok.to_tokenizer_json().expect("json"),
@@ -341,7 +341,7 @@ fn gguf_tokenizer_round_trips_through_tokenizer_json() {
 #[test]
 fn hf_dir_reads_configs() {
     let tok = load(&synthetic());
-    let dir = temp_dir("hf-configs");
+    let dir = tp_testkit::scratch_dir("tokenizer-hf-configs");
     std::fs::write(
         dir.join("tokenizer.json"),
         tok.to_tokenizer_json().expect("json"),
@@ -393,7 +393,7 @@ fn hf_dir_reads_configs() {
 
 #[test]
 fn hf_dir_errors_name_the_file() {
-    let dir = temp_dir("hf-errors");
+    let dir = tp_testkit::scratch_dir("tokenizer-hf-errors");
     let e = Tokenizer::from_hf_dir(&dir).expect_err("no tokenizer.json");
     assert!(matches!(e, TokenizerError::Io { .. }));
     assert!(e.to_string().contains("tokenizer.json"), "{e}");
@@ -429,7 +429,7 @@ fn bytes_tokenizer_is_self_contained() {
     let (streamed, _) = stream_all(&mut tok.stream(), &ids);
     assert_eq!(streamed, "user\nhé 🦀");
 
-    let dir = temp_dir("bytes-json");
+    let dir = tp_testkit::scratch_dir("tokenizer-bytes-json");
     std::fs::write(
         dir.join("tokenizer.json"),
         tok.to_tokenizer_json().expect("json"),
@@ -458,7 +458,7 @@ fn bytes_tokenizer_bos_and_eos_survive_tokenizer_json() {
         vec![97],
         "BOS is not added"
     );
-    let dir = temp_dir("bytes-bos-json");
+    let dir = tp_testkit::scratch_dir("tokenizer-bytes-bos-json");
     std::fs::write(
         dir.join("tokenizer.json"),
         tok.to_tokenizer_json().expect("json"),

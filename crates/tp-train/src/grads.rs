@@ -81,8 +81,8 @@ pub fn accumulate(
 
 /// Parameters whose rows several tp ranks hold (KV heads shared when the query heads of a
 /// rank span two KV groups or tp exceeds the KV heads): each holder computes only its query
-/// heads' share, and the full gradient is the sum over holders (tp-nn's
-/// `reduce_shared_grads`, fused here over the whole stage into one all-reduce).
+/// heads' share, and the full gradient is the sum over holders (one all-reduce for the whole
+/// stage).
 #[derive(Clone, Debug, Default)]
 pub struct SharedRows {
     /// (param index, offset of the global tensor in the exchange buffer, row offset of this

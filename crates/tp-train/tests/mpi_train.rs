@@ -4,40 +4,18 @@
 //! follow the tp1 loss curve within 1e-4 for 20 steps.
 #![cfg(feature = "mpi")]
 
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tp_testkit::{mpirun, run};
 
 /// Runs `tp-train-mpi-check` under `mpirun -n n` (deadline 300 s); its whole output.
 fn mpi_check(n: usize) -> String {
-    let t0 = Instant::now();
-    let mut child = Command::new("mpirun")
-        .args([
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-n",
-            &n.to_string(),
-        ])
-        .arg(env!("CARGO_BIN_EXE_tp-train-mpi-check"))
-        .env("RAYON_NUM_THREADS", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("mpirun must be installed (apt-get install openmpi-bin libopenmpi-dev)");
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        if t0.elapsed() > Duration::from_secs(300) {
-            let _ = child.kill();
-            panic!("mpirun -n {n} tp-train-mpi-check hung");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let out = child.wait_with_output().expect("output");
-    let text =
-        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    assert!(status.success(), "{text}");
-    text
+    let check = env!("CARGO_BIN_EXE_tp-train-mpi-check");
+    let f = run(
+        mpirun(n).arg(check).env("RAYON_NUM_THREADS", "1"),
+        Duration::from_secs(300),
+    );
+    assert_eq!(f.code, Some(0), "{}", f.output);
+    f.output
 }
 
 #[test]

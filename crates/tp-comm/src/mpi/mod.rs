@@ -9,6 +9,7 @@
 //! dead process and tears the whole job down, and peers see no `CommError` at all.
 //! A binary started without `mpirun` is a world of one (MPI singleton init).
 
+pub mod check;
 mod comm;
 mod convert;
 mod delay;

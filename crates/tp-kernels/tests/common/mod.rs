@@ -1,31 +1,37 @@
-//! Shared by the kernel tests and benchmarks: a deterministic uniform stream (xorshift64) and
-//! the candle dtype of each quantization format.
+//! Shared by the kernel tests and benchmarks: deterministic weights and activations (from
+//! tp-testkit's seeded stream) and the candle dtype of each quantization format.
 #![allow(dead_code)]
 
 use candle_core::quantized::GgmlDType;
 use tp_kernels::QuantType;
+use tp_testkit::Rng;
 
-/// A xorshift64 stream of f32 values uniform in [-0.5, 0.5); the same seed, the same values.
-pub struct Uniform(u64);
-
-impl Uniform {
-    pub fn new(seed: u64) -> Self {
-        Uniform(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    pub fn sample(&mut self) -> f32 {
-        let s = &mut self.0;
-        *s ^= *s << 13;
-        *s ^= *s >> 7;
-        *s ^= *s << 17;
-        (*s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    }
+/// `len` values uniform in [-0.5, 0.5) from `seed` (tp-testkit's stream).
+pub fn uniform_values(len: usize, seed: u64) -> Vec<f32> {
+    Rng::new(seed).uniform_vec(len, -0.5, 0.5)
 }
 
-/// `len` values of [`Uniform`] from `seed`.
-pub fn uniform_values(len: usize, seed: u64) -> Vec<f32> {
-    let mut u = Uniform::new(seed);
-    (0..len).map(|_| u.sample()).collect()
+/// Roughly N(0, 1) values (a sum of 4 uniforms) times `scale`, whose magnitude changes per
+/// 32-block by up to 16x so blocks get different quantization scales; with `outliers`, an
+/// occasional value 20x larger (activations of real models have such columns).
+pub fn block_scaled_values(len: usize, seed: u64, scale: f32, outliers: bool) -> Vec<f32> {
+    let mut rng = Rng::new(seed);
+    let mut uniform = move || rng.uniform(-0.5, 0.5);
+    let mut block_mag = 1.0;
+    (0..len)
+        .map(|i| {
+            if i % 32 == 0 {
+                block_mag = 0.25 + 3.75 * (uniform() + 0.5);
+            }
+            let g = (uniform() + uniform() + uniform() + uniform()) * 1.7;
+            let outlier = if outliers && uniform() > 0.499 {
+                20.0
+            } else {
+                1.0
+            };
+            g * block_mag * scale * outlier
+        })
+        .collect()
 }
 
 /// candle's name for a quantization format.

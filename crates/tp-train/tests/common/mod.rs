@@ -77,8 +77,5 @@ pub fn max_rel_loss_diff(got: &[StepReport], want: &[StepReport]) -> f64 {
 
 /// A fresh scratch directory for one test.
 pub fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("tp-train-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("scratch dir");
-    d
+    tp_testkit::scratch_dir(&format!("train-{name}"))
 }
