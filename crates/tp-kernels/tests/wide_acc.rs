@@ -193,7 +193,7 @@ fn k_quant_shards_that_cut_super_blocks_give_the_same_bits_at_every_head_split()
         let bytes = quantize(qtype, rows, cols, 11);
         let full = QuantMatrix::from_ggml_sub_blocks(qtype, rows, 0, cols, bytes.clone()).unwrap();
         for n in [1usize, 3, 7] {
-            let x = values(n * cols, n as u64 + 3, 1.0);
+            let x = block_scaled_values(n * cols, n as u64 + 3, 1.0, true);
             let mut want = vec![0.0f64; n * rows];
             full.matmul_wide_acc(&x, n, &mut want).unwrap();
             for cuts in cut_sets {
