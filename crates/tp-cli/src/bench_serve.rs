@@ -12,11 +12,11 @@ use anyhow::{bail, Context};
 use serde_json::json;
 use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tp_engine::launch::RanksFailed;
 use tp_serve::client::Client;
+use tp_serve::load::{drive, one_request, percentile, Level, Workload};
 use tp_serve::{ConnLimits, KvBudget, ServeConfig, StopHandle};
 
 #[derive(clap::Args, Clone, Debug)]
@@ -72,35 +72,6 @@ impl PrefixCacheArg {
     }
 }
 
-/// One request's timings.
-struct Sample {
-    ttft: f64,
-    tpot: Option<f64>,
-    tokens: usize,
-}
-
-/// One level's figures.
-struct Level {
-    prefix_cache: bool,
-    concurrency: usize,
-    requests: usize,
-    tokens: usize,
-    wall: f64,
-    ttft: Vec<f64>,
-    tpot: Vec<f64>,
-}
-
-impl Level {
-    fn throughput(&self) -> f64 {
-        self.tokens as f64 / self.wall.max(1e-9)
-    }
-}
-
-const WORDS: &[&str] = &[
-    "river", "market", "city", "song", "letter", "harbor", "mountain", "garden", "lantern",
-    "engine", "forest", "bridge", "window", "story", "winter", "island",
-];
-
 pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
     if args.tps.is_empty() || args.tps.contains(&0) {
         bail!("--tps needs tp sizes of at least 1, e.g. --tps 1,2");
@@ -123,7 +94,12 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
     // rounding.
     let ctx = args.system_prompt_tokens + args.prompt_tokens * 2 + args.gen_tokens + 64;
     let budget = args.kv_contexts.map(|k| KvBudget::Positions(k * ctx));
-    let mut all: Vec<(usize, Vec<Level>)> = Vec::new();
+    let w = Workload {
+        prompt_tokens: args.prompt_tokens,
+        gen_tokens: args.gen_tokens,
+        system_prompt_tokens: args.system_prompt_tokens,
+    };
+    let mut all: Vec<(usize, Vec<(bool, Level)>)> = Vec::new();
     for &tp in &args.tps {
         let mut levels = Vec::new();
         for &prefix_cache in args.prefix_cache.settings() {
@@ -140,13 +116,12 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
             )?;
             let client = Client::new(server.addr);
             // Warm-up (first touches of weights and caches).
-            one_request(&client, 0, args, 4).context("warm-up request")?;
+            one_request(&client, 0, &w, 4).context("warm-up request")?;
             for &c in &args.concurrency {
-                let mut level = drive(&client, c, (args.rounds * c).max(8), args)
+                let level = drive(&client, c, (args.rounds * c).max(8), &w)
                     .with_context(|| format!("tp {tp}, concurrency {c}"))?;
-                level.prefix_cache = prefix_cache;
                 if args.json {
-                    println!("{}", level_json(tp, &level, args));
+                    println!("{}", level_json(tp, prefix_cache, &level, args));
                 } else {
                     eprintln!(
                         "# tp {tp} prefix cache {} concurrency {c}: {:.1} tok/s",
@@ -154,7 +129,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
                         level.throughput()
                     );
                 }
-                levels.push(level);
+                levels.push((prefix_cache, level));
             }
             server.stop()?;
         }
@@ -166,59 +141,6 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Runs `requests` streaming requests with `c` clients at a time.
-fn drive(
-    client: &Client,
-    c: usize,
-    requests: usize,
-    args: &BenchServeArgs,
-) -> anyhow::Result<Level> {
-    let next = AtomicUsize::new(0);
-    let t0 = Instant::now();
-    let results: Vec<anyhow::Result<Vec<Sample>>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..c)
-            .map(|_| {
-                let client = client.clone();
-                let next = &next;
-                s.spawn(move || -> anyhow::Result<Vec<Sample>> {
-                    let mut out = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        if i >= requests {
-                            return Ok(out);
-                        }
-                        out.push(one_request(&client, i + 1, args, args.gen_tokens)?);
-                    }
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a client thread panicked")))
-            })
-            .collect()
-    });
-    let wall = t0.elapsed().as_secs_f64();
-    let mut level = Level {
-        prefix_cache: true,
-        concurrency: c,
-        requests,
-        tokens: 0,
-        wall,
-        ttft: Vec::new(),
-        tpot: Vec::new(),
-    };
-    for r in results {
-        for s in r? {
-            level.tokens += s.tokens;
-            level.ttft.push(s.ttft);
-            level.tpot.extend(s.tpot);
-        }
-    }
-    Ok(level)
-}
-
 fn on_off(on: bool) -> &'static str {
     if on {
         "on"
@@ -227,87 +149,10 @@ fn on_off(on: bool) -> &'static str {
     }
 }
 
-/// One streamed completion of `gen` tokens: the shared system prompt, then a distinct prompt
-/// of about `args.prompt_tokens` tokens.
-fn one_request(
-    client: &Client,
-    i: usize,
-    args: &BenchServeArgs,
-    gen: usize,
-) -> anyhow::Result<Sample> {
-    // About one token per word with a leading space.
-    let mut prompt = String::new();
-    if args.system_prompt_tokens > 0 {
-        prompt.push_str("System:");
-        for k in 0..args.system_prompt_tokens.saturating_sub(2) {
-            prompt.push(' ');
-            prompt.push_str(WORDS[(k * 5) % WORDS.len()]);
-        }
-        prompt.push('\n');
-    }
-    prompt.push_str(&format!("Request {i}:"));
-    for k in 0..args.prompt_tokens.saturating_sub(3) {
-        prompt.push(' ');
-        prompt.push_str(WORDS[(i * 7 + k * 3) % WORDS.len()]);
-    }
-    let body = json!({
-        "prompt": prompt,
-        "max_tokens": gen,
-        "temperature": 0,
-        "ignore_eos": true,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    });
-    let t0 = Instant::now();
-    let mut s = client.stream("/v1/completions", &body)?;
-    if s.status != 200 {
-        bail!("the server answered {}", s.status);
-    }
-    let mut first: Option<Instant> = None;
-    let mut last = t0;
-    let mut tokens = 0;
-    while let Some(data) = s.next_data()? {
-        if data == "[DONE]" {
-            break;
-        }
-        let v: serde_json::Value = serde_json::from_str(&data)?;
-        if let Some(e) = v.get("error") {
-            bail!("the server failed the request: {e}");
-        }
-        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
-            tokens = n as usize;
-        }
-        if v["choices"][0]["text"]
-            .as_str()
-            .is_some_and(|t| !t.is_empty())
-        {
-            let now = Instant::now();
-            first.get_or_insert(now);
-            last = now;
-        }
-    }
-    let first = first.context("the stream carried no text")?;
-    Ok(Sample {
-        ttft: first.duration_since(t0).as_secs_f64(),
-        tpot: (tokens >= 2).then(|| last.duration_since(first).as_secs_f64() / (tokens - 1) as f64),
-        tokens,
-    })
-}
-
-fn percentile(v: &[f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    let idx = ((p / 100.0) * (s.len() - 1) as f64).round() as usize;
-    s[idx.min(s.len() - 1)]
-}
-
-fn level_json(tp: usize, l: &Level, args: &BenchServeArgs) -> String {
+fn level_json(tp: usize, prefix_cache: bool, l: &Level, args: &BenchServeArgs) -> String {
     json!({
         "tp": tp,
-        "prefix_cache": l.prefix_cache,
+        "prefix_cache": prefix_cache,
         "system_prompt_tokens": args.system_prompt_tokens,
         "kv_contexts": args.kv_contexts,
         "concurrency": l.concurrency,
@@ -323,7 +168,7 @@ fn level_json(tp: usize, l: &Level, args: &BenchServeArgs) -> String {
     .to_string()
 }
 
-fn print_table(all: &[(usize, Vec<Level>)], args: &BenchServeArgs) {
+fn print_table(all: &[(usize, Vec<(bool, Level)>)], args: &BenchServeArgs) {
     println!("# CPU: {}", tp_kernels::kernel_report());
     println!(
         "# tp bench serve: streaming completions, ~{} prompt + {} generated tokens each (EOS ignored), greedy; requests per level = {} x concurrency (at least 8)",
@@ -352,16 +197,16 @@ fn print_table(all: &[(usize, Vec<Level>)], args: &BenchServeArgs) {
         "vs c=1"
     );
     for (tp, levels) in all {
-        for l in levels {
+        for (prefix_cache, l) in levels {
             let base = levels
                 .iter()
-                .find(|b| b.concurrency == 1 && b.prefix_cache == l.prefix_cache)
-                .map(Level::throughput);
+                .find(|(p, b)| b.concurrency == 1 && p == prefix_cache)
+                .map(|(_, b)| b.throughput());
             let ratio = base.map_or(String::from("-"), |b| format!("{:.2}x", l.throughput() / b));
             println!(
                 "{:>3}  {:>6}  {:>5}  {:>8}  {:>12.1}  {:>13.1}  {:>13.1}  {:>13.2}  {:>13.2}  {:>8}",
                 tp,
-                on_off(l.prefix_cache),
+                on_off(*prefix_cache),
                 l.concurrency,
                 l.requests,
                 l.throughput(),

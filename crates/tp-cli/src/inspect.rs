@@ -1,13 +1,14 @@
 //! `tp inspect`: a model's shapes and the shard each rank would get at a given tp (heads, KV
 //! heads and whether they are shared, FFN columns, vocab rows, bytes), without loading weights.
 
-use crate::model_run::{rank_weights_for, DTypeArg, KvDtypeArg};
+use crate::model_run::{start_error, DTypeArg, KvDtypeArg};
 use anyhow::Context;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use tp_engine::launch::Backend;
 use tp_engine::report::show_bytes;
 use tp_engine::session::memory_plan;
+use tp_engine::start::weights_for;
 use tp_models::{
     open_checkpoint, Checkpoint, DenseDType, LoadOptions, RankWeights, ShardPlan, WeightName,
 };
@@ -43,7 +44,7 @@ pub struct InspectArgs {
 pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     let path = match args.model_flag.as_ref().or(args.model.as_ref()) {
         Some(p) => crate::model_run::resolve_model_path(p)?,
-        None => tp_models::fetch::ensure(&tp_models::fetch::SMOLLM2)?,
+        None => crate::model_run::default_model(true)?,
     };
     let ckpt = open_checkpoint(&path).with_context(|| format!("cannot load {}", path.display()))?;
     let dense = match args.dtype {
@@ -61,7 +62,8 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         (None, Some(w)) => w.tp(),
         (None, None) => 1,
     };
-    let weights = rank_weights_for(args.rank_weights.as_ref(), tp, Backend::Local)?;
+    let weights =
+        weights_for(args.rank_weights.as_ref(), tp).map_err(|e| start_error(e, Backend::Local))?;
     let text = match describe(&*ckpt, &weights, args.ctx_size, opts) {
         Err(e)
             if args.rank_weights.is_some()

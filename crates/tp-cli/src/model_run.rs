@@ -1,22 +1,14 @@
-//! What every model command shares: the model flags, the per-rank memory plan and budget
-//! check (tp-engine's `session`, in flag terms here), and starting the ranks (rank 0 leads,
-//! the others follow its steps).
+//! What every model command shares: the model flags, turned into tp-engine's
+//! `SessionConfig`, and tp-engine's start and session errors in flag terms.
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{anyhow, Context};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
-use tp_engine::launch::{run_ranks, Backend, RanksFailed};
-use tp_engine::load_stats::{self, Counting, LoadStats};
-use tp_engine::model_check::{check_same_model, open_and_identify};
-use tp_engine::report::load_table;
-use tp_engine::report::{parse_bytes, show_bytes};
-use tp_engine::session::{self, Placement, SessionError};
-use tp_engine::{Command, Worker};
-use tp_models::fetch;
-use tp_models::{
-    open_checkpoint, Checkpoint, DenseDType, KvDtype, LoadOptions, RankMemory, RankWeights,
-    ShardedModel, SyncMode,
-};
+use std::time::Duration;
+use tp_engine::launch::{Backend, RanksFailed};
+use tp_engine::report::{chain, parse_bytes, show_bytes};
+use tp_engine::session::SessionError;
+use tp_engine::start::{run_session, SessionConfig, StartError};
+use tp_models::{fetch, DenseDType, KvDtype, LoadOptions, RankWeights, SyncMode};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DTypeArg {
@@ -141,28 +133,47 @@ impl ModelArgs {
     pub fn model_path(&self) -> anyhow::Result<PathBuf> {
         match &self.model {
             Some(p) => resolve_model_path(p),
-            None => Ok(fetch::ensure(&fetch::SMOLLM2)?),
+            None => default_model(true),
         }
     }
 
-    /// Each rank's weight at `tp`: `--rank-weights` (one per rank), else even.
-    pub fn weights_for(&self, tp: usize) -> anyhow::Result<RankWeights> {
-        rank_weights_for(self.rank_weights.as_ref(), tp, self.backend)
+    /// The session these flags describe. Under mpirun the model is looked for on this host
+    /// only (the default model must be in its cache) and a failure travels to every rank.
+    pub fn session_config(&self) -> anyhow::Result<SessionConfig> {
+        let model = match self.backend {
+            Backend::Local => Ok(self.model_path()?),
+            Backend::Mpi => match &self.model {
+                Some(p) => resolve_model_path(p).map_err(|e| chain(e.as_ref())),
+                None => default_model(false).map_err(|e| chain(e.as_ref())),
+            },
+        };
+        Ok(SessionConfig {
+            model,
+            shown: self
+                .model
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("(the default model)")),
+            backend: self.backend,
+            tp: self.tp,
+            rank_weights: self.rank_weights.clone(),
+            load: self.load_options(),
+            ctx_size: self.ctx_size,
+            max_rank_memory: self.max_rank_memory,
+            timeout: self.timeout()?,
+            sync: self.sync.mode(),
+            report: !self.quiet,
+        })
     }
+}
 
-    /// The tp size for `world` ranks: under MPI the world, else `--tp` (default 1).
-    fn tp_for(&self, world: usize) -> anyhow::Result<usize> {
-        match (self.backend, self.tp) {
-            (Backend::Mpi, Some(tp)) if tp != world => bail!(
-                "--tp {tp} but mpirun started {world} processes; run `mpirun -n {tp} ...` or drop --tp"
-            ),
-            (Backend::Mpi, _) => Ok(world),
-            (Backend::Local, Some(0)) => bail!("--tp must be at least 1"),
-            // --rank-weights alone sets the rank count.
-            (Backend::Local, None) => Ok(self.rank_weights.as_ref().map_or(1, RankWeights::tp)),
-            (Backend::Local, Some(tp)) => Ok(tp),
-        }
-    }
+/// The default model's path in the cache: fetched when missing (`fetch`), else it must be
+/// there already (under mpirun).
+pub fn default_model(fetch: bool) -> anyhow::Result<PathBuf> {
+    let found = match fetch {
+        true => fetch::ensure(&fetch::SMOLLM2),
+        false => fetch::cached(&fetch::SMOLLM2),
+    };
+    found.map_err(|e| anyhow!("{} (--model gives another model)", chain(&e)))
 }
 
 /// `path` itself, unless it is a `tp train` checkpoint: a step directory (it holds
@@ -188,30 +199,31 @@ pub fn parse_rank_weights(s: &str) -> Result<RankWeights, String> {
     s.parse::<RankWeights>().map_err(|e| e.to_string())
 }
 
-/// `weights` checked against `tp` (one per rank), or even weights when none were given.
-pub fn rank_weights_for(
-    weights: Option<&RankWeights>,
-    tp: usize,
-    backend: Backend,
-) -> anyhow::Result<RankWeights> {
-    match weights {
-        None => Ok(RankWeights::even(tp)),
-        Some(w) if w.tp() != tp => {
+/// What rank 0 holds to lead (tp-engine's; the memory plan travels with it).
+pub use tp_engine::Session;
+
+/// A start error in the CLI's words: the flag to change.
+pub fn start_error(e: StartError, backend: Backend) -> anyhow::Error {
+    match e {
+        StartError::NoRanks => anyhow!("--tp must be at least 1"),
+        StartError::TpNotWorld { tp, world } => anyhow!(
+            "--tp {tp} but mpirun started {world} processes; run `mpirun -n {tp} ...` or drop --tp"
+        ),
+        StartError::WeightsCount { weights, tp } => {
             let what = match backend {
                 Backend::Mpi => format!("mpirun started {tp} processes"),
                 Backend::Local => format!("tp is {tp}"),
             };
-            bail!(
-                "--rank-weights {w} has {} weights but {what}; give exactly one weight per rank",
-                w.tp()
+            anyhow!(
+                "--rank-weights {weights} has {} weights but {what}; give exactly one weight per rank",
+                weights.tp()
             )
         }
-        Some(w) => Ok(w.clone()),
+        StartError::EmptyContext => anyhow!("--ctx-size must be at least 1"),
+        StartError::Session(e) => session_error(*e),
+        e => anyhow::Error::new(e),
     }
 }
-
-/// What rank 0 holds to lead (tp-engine's; the memory plan travels with it).
-pub use tp_engine::Session;
 
 /// A session error in the CLI's words: the flag to change (--ctx-size, --tp,
 /// --max-rank-memory).
@@ -259,207 +271,12 @@ pub fn session_error(e: SessionError) -> anyhow::Error {
     }
 }
 
-/// Loads the model on every rank and runs `lead` on rank 0 while the others follow its steps.
-/// Under mpirun every rank opens the model on its own host and the ranks check, before
-/// loading, that all hosts hold the same file (`model_check`). Rank 0 prints what each rank
-/// read and how long its load took.
+/// Loads the model on every rank and runs `lead` on rank 0 while the others follow its steps
+/// (tp-engine's `run_session` with these flags).
 pub fn run_model<T: Send>(
     args: &ModelArgs,
     lead: impl Fn(&mut Session) -> anyhow::Result<T> + Sync,
 ) -> anyhow::Result<Result<Option<T>, RanksFailed>> {
-    let timeout = args.timeout()?;
-    if args.ctx_size == Some(0) {
-        bail!("--ctx-size must be at least 1");
-    }
-    match args.backend {
-        Backend::Local => {
-            // The layout is known now: check it once, before starting any rank.
-            let path = args.model_path()?;
-            let ckpt = open_checkpoint(&path)
-                .with_context(|| format!("cannot load the model {}", path.display()))?;
-            let ctx = args.ctx_size.unwrap_or(ckpt.config().context);
-            let tp = args.tp_for(1)?;
-            let weights = args.weights_for(tp)?;
-            let memory = plan_and_check(args, &*ckpt, &path, &weights, ctx, true)?;
-            let file_bytes = std::fs::metadata(&path)
-                .ok()
-                .filter(|m| m.is_file())
-                .map(|m| m.len());
-            let model = Opened {
-                path: &path,
-                ckpt: &*ckpt,
-                ctx,
-                memory,
-                file_bytes,
-            };
-            run_ranks(Backend::Local, tp, timeout, |g| {
-                run_rank(args, &model, g, &lead)
-            })
-        }
-        Backend::Mpi => run_ranks(Backend::Mpi, 0, timeout, |g| {
-            // Each host's own copy; every rank learns whether all hosts have the same.
-            let path = match &args.model {
-                Some(p) => resolve_model_path(p),
-                None => Ok(fetch::cached(&fetch::SMOLLM2)?),
-            };
-            let opened = path.and_then(|p| {
-                open_and_identify(&p)
-                    .map(|(c, id)| (p, c, id))
-                    .map_err(anyhow::Error::from)
-            });
-            let mine = opened
-                .as_ref()
-                .map(|(_, _, id)| *id)
-                .map_err(|e| tp_engine::report::chain(e.as_ref()));
-            let shown = args
-                .model
-                .clone()
-                .unwrap_or_else(|| PathBuf::from("(the default model)"));
-            check_same_model(&g, &shown, &mine)?;
-            // Every rank opened the same file: an error here cannot happen on one rank alone.
-            let (path, ckpt, id) = opened?;
-            let ctx = args.ctx_size.unwrap_or(ckpt.config().context);
-            let tp = args.tp_for(g.size())?;
-            let weights = args.weights_for(tp)?;
-            let memory = plan_and_check(args, &*ckpt, &path, &weights, ctx, g.rank() == 0)?;
-            let model = Opened {
-                path: &path,
-                ckpt: &*ckpt,
-                ctx,
-                memory,
-                file_bytes: Some(id.bytes),
-            };
-            run_rank(args, &model, g, &lead)
-        }),
-    }
-    .map(|r| r.map(Option::flatten))
-    .map_err(Into::into)
-}
-
-/// The model as a rank sees it, once opened and checked.
-struct Opened<'a> {
-    path: &'a Path,
-    ckpt: &'a dyn Checkpoint,
-    ctx: usize,
-    /// Every rank's memory plan.
-    memory: Vec<RankMemory>,
-    file_bytes: Option<u64>,
-}
-
-/// One rank: load its shard (timed, bytes counted, reported by rank 0), then lead or follow.
-fn run_rank<T>(
-    args: &ModelArgs,
-    m: &Opened<'_>,
-    g: tp_comm::Group,
-    lead: &(impl Fn(&mut Session) -> anyhow::Result<T> + Sync),
-) -> anyhow::Result<Option<T>> {
-    let tp = args.tp_for(g.size())?;
-    let weights = args.weights_for(tp)?;
-    let rank = g.rank();
-    // Rank 0's tokenizer first, while nothing else is held: building it (Qwen2.5's 151k-token
-    // vocabulary and merges) takes ~150 MB for a moment, which then goes back to the system
-    // instead of peaking beside the weights. An error is reported once the followers can be
-    // released.
-    let tokenizer = (rank == 0).then(|| {
-        let tokenizer = session::load_tokenizer(m.path, m.ckpt);
-        session::release_free_heap();
-        tokenizer
-    });
-    let counting = Counting::new(m.ckpt);
-    let started = Instant::now();
-    let mut model =
-        ShardedModel::load_weighted(&counting, rank, &weights, args.load_options(), m.ctx)
-            .with_context(|| {
-                format!("rank {rank} cannot load its shard of {}", m.path.display())
-            })?;
-    model.set_sync(args.sync.mode());
-    let mine = LoadStats {
-        bytes: counting.bytes(),
-        time: started.elapsed(),
-    };
-    let all = load_stats::gather(&g, mine)?;
-    // Every rank has its shard (the gather waited for all): what loading freed goes back now
-    // (once per process under mpirun; rank threads share one heap and each trims it, cheaply).
-    session::release_free_heap();
-    if rank == 0 && !args.quiet {
-        for line in load_table(&all, m.file_bytes) {
-            eprintln!("# {line}");
-        }
-    }
-    let mut worker = Worker::new(model, g.clone());
-    if rank != 0 {
-        worker.follow()?;
-        return Ok(None);
-    }
-    let tokenizer = match tokenizer.transpose() {
-        Ok(Some(t)) => t,
-        Ok(None) => anyhow::bail!("rank 0 has no tokenizer (an internal error)"),
-        Err(e) => {
-            let _ = worker.submit(Command::Exit);
-            return Err(session_error(e));
-        }
-    };
-    let mut session = Session {
-        worker,
-        tokenizer,
-        ctx_size: m.ctx,
-        memory: m.memory.clone(),
-        weights,
-    };
-    let out = lead(&mut session);
-    // Release the followers whatever happened (a broken group fails here too, harmlessly).
-    let _ = session.worker.submit(Command::Exit);
-    out.map(Some)
-}
-
-/// Prints the per-rank memory plan (when `show`) and refuses a layout over the budget.
-fn plan_and_check(
-    args: &ModelArgs,
-    ckpt: &dyn Checkpoint,
-    path: &Path,
-    weights: &RankWeights,
-    ctx: usize,
-    show: bool,
-) -> anyhow::Result<Vec<RankMemory>> {
-    let tp = weights.tp();
-    let opts = args.load_options();
-    let cfg = ckpt.config();
-    let placement = match args.backend {
-        Backend::Local => Placement::OneProcess,
-        Backend::Mpi => Placement::ProcessPerRank,
-    };
-    let plan =
-        session::checked_memory_plan(ckpt, weights, ctx, opts, placement).map_err(session_error)?;
-    if show && !args.quiet {
-        eprintln!(
-            "# {}: {} {} layers, hidden {}, {} heads / {} KV heads, vocab {}; tp {tp}{} ({:?} backend{})",
-            path.display(),
-            cfg.arch.name(),
-            cfg.layers,
-            cfg.hidden,
-            cfg.heads,
-            cfg.kv_heads,
-            cfg.vocab,
-            match &args.rank_weights {
-                Some(w) => format!(", rank weights {w}"),
-                None => String::new(),
-            },
-            args.backend,
-            match args.sync {
-                SyncArg::Exact => "",
-                SyncArg::Q8 => ", q8 sync",
-            }
-        );
-        for (r, m) in plan.iter().enumerate() {
-            eprintln!(
-                "# {}",
-                session::describe_rank(ckpt, r, weights, m, ctx, show_bytes)
-            );
-        }
-    }
-    if let Some(budget) = args.max_rank_memory {
-        session::check_rank_limit(ckpt, weights, ctx, opts, budget, &plan)
-            .map_err(session_error)?;
-    }
-    Ok(plan)
+    let cfg = args.session_config()?;
+    run_session(&cfg, |e| start_error(e, args.backend), lead)
 }

@@ -3,7 +3,7 @@
 //! checkpoint checksums), then starts the ranks; rank 0 shows progress with loss, tokens/s
 //! and MFU, and the run ends with a checkpoint and a loss curve beside it.
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -12,10 +12,8 @@ use std::time::Duration;
 use tp_comm::{Group, ParallelDims, ProcessGroups};
 use tp_engine::launch::{run_ranks, Backend, RanksFailed};
 use tp_train::checkpoint::{SaveHook, SavePoint};
-use tp_train::{
-    flops, AdamWConfig, Checkpoint, Corpus, ModelConfig, StepReport, TextTokenizer, TrainError,
-    TrainOptions, TrainSpec, Trainer,
-};
+use tp_train::setup::{prepare, set_compute_threads, Prepared, RunRequest};
+use tp_train::{flops, StepReport, TrainError, TrainOptions, Trainer};
 
 #[derive(clap::Args, Clone)]
 pub struct TrainArgs {
@@ -101,177 +99,35 @@ pub struct TrainArgs {
     pub crash_during_save: Option<String>,
 }
 
-/// A validated run: everything the ranks need.
-pub struct Prepared {
-    pub spec: TrainSpec,
-    pub corpus: Corpus,
-    pub tokenizer_json: String,
-    pub resume: Option<Checkpoint>,
-    pub data_desc: String,
-}
-
-/// Default micro-batches: 1 without a pipeline; else the largest divisor of the per-replica
-/// batch up to 2 x pp (keeps the 1F1B bubble (pp-1)/(M+pp-1) small).
-pub fn default_micro_batches(batch_per_replica: usize, pp: usize) -> usize {
-    if pp == 1 {
-        return 1;
-    }
-    (1..=(2 * pp).min(batch_per_replica.max(1)))
-        .rev()
-        .find(|m| batch_per_replica.is_multiple_of(*m))
-        .unwrap_or(1)
-}
-
-/// Reads and checks everything before any rank starts.
-pub fn prepare(a: &TrainArgs) -> anyhow::Result<Prepared> {
-    let resume = match &a.resume {
-        Some(p) => Some(Checkpoint::open(p)?),
-        None => None,
-    };
-    if let Some(ck) = &resume {
-        if a.steps <= ck.state.step {
-            bail!(
-                "the checkpoint is at step {} and --steps is {}: nothing to train; pass a \
-                 --steps above {}",
-                ck.state.step,
-                a.steps,
-                ck.state.step
-            );
+impl TrainArgs {
+    /// The run these flags ask for.
+    fn request(&self) -> RunRequest {
+        RunRequest {
+            dims: ParallelDims {
+                tp: self.tp,
+                pp: self.pp,
+                dp: self.dp,
+            },
+            config: self.config.clone(),
+            data: self.data.clone(),
+            tokenizer: self.tokenizer.clone(),
+            steps: self.steps,
+            batch: self.batch,
+            micro_batches: self.micro_batches,
+            seq: self.seq,
+            lr: self.lr,
+            min_lr: self.min_lr,
+            warmup: self.warmup,
+            weight_decay: self.weight_decay,
+            clip: self.clip,
+            seed: self.seed,
+            save: self.save.clone(),
+            save_every: self.save_every,
+            keep: self.keep,
+            resume: self.resume.clone(),
+            bucket_mib: self.bucket_mib,
         }
     }
-    let tokenizer = match (&a.tokenizer, &resume) {
-        (Some(p), _) => TextTokenizer::from_file(p)?,
-        (None, Some(ck))
-            if ck.tokenizer_json != tp_train::tokenizer_json::byte_level_tokenizer_json() =>
-        {
-            let path = ck.dir.join("tokenizer.json");
-            TextTokenizer::from_file(&path)?
-        }
-        (None, _) => TextTokenizer::Bytes,
-    };
-    let model = match (&a.config, &resume) {
-        (Some(c), Some(ck)) => {
-            let m = ModelConfig::from_arg(c)?;
-            if m != ck.config {
-                bail!(
-                    "--config {c} differs from the checkpoint's model; leave --config out to \
-                     resume it"
-                );
-            }
-            m
-        }
-        (None, Some(ck)) => ck.config.clone(),
-        (c, None) => {
-            let name = c.as_deref().unwrap_or("tiny");
-            let m = ModelConfig::from_arg(name)?;
-            if ModelConfig::preset(name).is_some() {
-                m.with_vocab(tokenizer.vocab_size())
-            } else {
-                m
-            }
-        }
-    };
-    let text = tp_train::data::read_text(a.data.as_deref())?;
-    let data_desc = match &a.data {
-        Some(p) => format!("{} ({} bytes)", p.display(), text.len()),
-        None => tp_train::data::DEFAULT_CORPUS_NAME.to_string(),
-    };
-    let tokens = tokenizer.encode(&text)?;
-    let seed = a
-        .seed
-        .or(resume.as_ref().map(|c| c.state.seed))
-        .unwrap_or(0);
-    let seq = a
-        .seq
-        .or(resume.as_ref().map(|c| c.state.seq))
-        .unwrap_or(128);
-    let batch = a
-        .batch
-        .or(resume.as_ref().map(|c| c.state.global_batch))
-        .unwrap_or(8);
-    let corpus = Corpus::new(tokens, seq, seed)?;
-    let dims = ParallelDims {
-        tp: a.tp,
-        pp: a.pp,
-        dp: a.dp,
-    };
-    let micro_batches = a
-        .micro_batches
-        .unwrap_or_else(|| default_micro_batches(batch / a.dp.max(1), a.pp));
-    if !(a.lr > 0.0 && a.lr.is_finite()) {
-        bail!("--lr must be a positive number");
-    }
-    if !(a.bucket_mib > 0.0 && a.bucket_mib.is_finite()) {
-        bail!("--bucket-mib must be a positive number");
-    }
-    let spec = TrainSpec {
-        model,
-        dims,
-        steps: a.steps,
-        global_batch: batch,
-        micro_batches,
-        seq,
-        seed,
-        optim: AdamWConfig {
-            lr: a.lr,
-            min_lr: a.min_lr.unwrap_or(a.lr / 10.0),
-            warmup_steps: a.warmup,
-            weight_decay: a.weight_decay,
-            clip_norm: a.clip,
-            ..AdamWConfig::default()
-        },
-        bucket_elems: ((a.bucket_mib * (1 << 20) as f64) / 4.0).max(1.0) as usize,
-        save_dir: a.save.clone(),
-        save_every: a.save_every,
-        keep: a.keep,
-        data_name: format!(
-            "{data_desc}, {}",
-            match &tokenizer {
-                TextTokenizer::Bytes => "bytes".to_string(),
-                TextTokenizer::Hf { path, .. } => path.display().to_string(),
-            }
-        ),
-    };
-    spec.validate()?;
-    let max = corpus.max_token() as usize;
-    if max >= spec.model.vocab_size {
-        bail!(
-            "the data has token id {max} but the model's vocabulary is {}; use the tokenizer the \
-             model was made for",
-            spec.model.vocab_size
-        );
-    }
-    Ok(Prepared {
-        tokenizer_json: tokenizer.json()?,
-        spec,
-        corpus,
-        resume,
-        data_desc,
-    })
-}
-
-/// Gives each rank `threads` compute threads (candle's matmul reads RAYON_NUM_THREADS), or
-/// shares the cores out among the ranks of this process. Returns the per-rank count.
-pub fn set_compute_threads(threads: Option<usize>, local_ranks: usize) -> usize {
-    let n = threads.unwrap_or_else(|| {
-        if let Some(n) = std::env::var("RAYON_NUM_THREADS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|n| *n > 0)
-        {
-            return n;
-        }
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        // Under mpirun, the processes on this node share its cores.
-        let procs = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .unwrap_or(1);
-        (cores / (local_ranks * procs).max(1)).max(1)
-    });
-    // Set before any rank starts; candle reads it at every matmul.
-    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-    n
 }
 
 fn crash_hook(spec: &str) -> anyhow::Result<SaveHook> {
@@ -389,7 +245,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
     let timeout = Duration::try_from_secs_f64(a.timeout)
         .map_err(|_| anyhow::anyhow!("--timeout must be a positive number of seconds"))?;
-    let p = prepare(a)?;
+    let p = prepare(&a.request())?;
     let world = p.spec.dims.world_size();
     let local_ranks = if a.backend == Backend::Local {
         world

@@ -14,6 +14,7 @@ pub mod report;
 pub mod sampling;
 pub mod session;
 pub mod slots;
+pub mod start;
 pub mod stop;
 pub mod worker;
 

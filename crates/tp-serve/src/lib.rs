@@ -8,6 +8,7 @@ pub mod client;
 pub mod conn;
 pub mod error;
 pub mod fdlimit;
+pub mod load;
 pub mod metrics;
 pub mod response;
 pub mod scheduler;

@@ -26,6 +26,7 @@ pub mod optim;
 pub mod pipeline;
 pub mod plot;
 pub mod schedule;
+pub mod setup;
 pub mod tokenizer_json;
 pub mod trainer;
 

@@ -1,0 +1,333 @@
+//! Starting a model session on every rank: the model opened (under mpirun, every host's copy
+//! checked to be the same file before anything loads), the layout's memory plan checked and
+//! reported, each rank's shard loaded (bytes and time per rank, reported by rank 0), rank 0's
+//! tokenizer built; then rank 0 leads with a [`Session`] while the other ranks follow its
+//! steps. `tp generate`, `chat`, `serve`, `perplexity` and the benches all start this way.
+
+use crate::launch::{run_ranks, Backend, LaunchError, RankError, RanksFailed};
+use crate::load_stats::{self, Counting, LoadStats};
+use crate::model_check::{check_same_model, open_and_identify, ModelCheckError};
+use crate::report::{chain, load_table, show_bytes};
+use crate::session::{self, Placement, Session, SessionError};
+use crate::{Command, Worker};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use tp_comm::{CommError, Group};
+use tp_models::{
+    open_checkpoint, Checkpoint, LoadOptions, ModelError, RankMemory, RankWeights, ShardedModel,
+    SyncMode,
+};
+
+/// What a session is started with.
+#[derive(Clone, Debug)]
+pub struct SessionConfig {
+    /// The model file or directory this process found, or why it found none. Under mpirun
+    /// each process looks on its own host, and every rank learns every host's answer.
+    pub model: Result<PathBuf, String>,
+    /// How messages name the model (the path as the user gave it).
+    pub shown: PathBuf,
+    pub backend: Backend,
+    /// Ranks for the local backend (default 1, or the count of `rank_weights`); under mpirun
+    /// the world's size, which this must then equal when given.
+    pub tp: Option<usize>,
+    /// Uneven shards in proportion to these (one per rank); even when `None`.
+    pub rank_weights: Option<RankWeights>,
+    pub load: LoadOptions,
+    /// KV positions per sequence; the model's context length when `None`.
+    pub ctx_size: Option<usize>,
+    /// Refuse a layout whose busiest rank would need more bytes than this.
+    pub max_rank_memory: Option<u64>,
+    /// Deadline of every collective.
+    pub timeout: Duration,
+    pub sync: SyncMode,
+    /// Print the layout, every rank's memory plan and the load table on stderr.
+    pub report: bool,
+}
+
+/// Why a session could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("tp must be at least 1")]
+    NoRanks,
+    #[error("tp is {tp} but mpirun started {world} processes")]
+    TpNotWorld { tp: usize, world: usize },
+    #[error("the rank weights {weights} are {} weights for {tp} ranks", weights.tp())]
+    WeightsCount { weights: RankWeights, tp: usize },
+    #[error("the context size must be at least 1")]
+    EmptyContext,
+    #[error("{0}")]
+    NoModel(String),
+    #[error("cannot load the model {}", path.display())]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: Box<ModelError>,
+    },
+    #[error("rank {rank} cannot load its shard of {}", path.display())]
+    Load {
+        rank: usize,
+        path: PathBuf,
+        #[source]
+        source: Box<ModelError>,
+    },
+    /// Boxed, as the others below: they are large and errors travel by value.
+    #[error(transparent)]
+    Check(Box<ModelCheckError>),
+    #[error(transparent)]
+    Session(Box<SessionError>),
+    #[error(transparent)]
+    Launch(Box<LaunchError>),
+    #[error(transparent)]
+    Comm(Box<CommError>),
+    #[error(transparent)]
+    Engine(Box<crate::EngineError>),
+}
+
+macro_rules! boxed_from {
+    ($($variant:ident($error:ty)),*) => {$(
+        impl From<$error> for StartError {
+            fn from(e: $error) -> Self {
+                StartError::$variant(Box::new(e))
+            }
+        }
+    )*};
+}
+
+boxed_from!(
+    Check(ModelCheckError),
+    Session(SessionError),
+    Launch(LaunchError),
+    Comm(CommError),
+    Engine(crate::EngineError)
+);
+
+/// Each rank's weight at `tp`: `weights` (one per rank), else even.
+pub fn weights_for(weights: Option<&RankWeights>, tp: usize) -> Result<RankWeights, StartError> {
+    match weights {
+        None => Ok(RankWeights::even(tp)),
+        Some(w) if w.tp() != tp => Err(StartError::WeightsCount {
+            weights: w.clone(),
+            tp,
+        }),
+        Some(w) => Ok(w.clone()),
+    }
+}
+
+impl SessionConfig {
+    /// The tp size for `world` ranks: under MPI the world, else `tp` (default 1, or the count
+    /// of the rank weights).
+    fn tp_for(&self, world: usize) -> Result<usize, StartError> {
+        match (self.backend, self.tp) {
+            (Backend::Mpi, Some(tp)) if tp != world => Err(StartError::TpNotWorld { tp, world }),
+            (Backend::Mpi, _) => Ok(world),
+            (Backend::Local, Some(0)) => Err(StartError::NoRanks),
+            (Backend::Local, None) => Ok(self.rank_weights.as_ref().map_or(1, RankWeights::tp)),
+            (Backend::Local, Some(tp)) => Ok(tp),
+        }
+    }
+}
+
+/// The model as a rank sees it, once opened and checked.
+struct Opened<'a> {
+    path: &'a Path,
+    ckpt: &'a dyn Checkpoint,
+    ctx: usize,
+    weights: RankWeights,
+    /// Every rank's memory plan.
+    memory: Vec<RankMemory>,
+    file_bytes: Option<u64>,
+}
+
+/// Loads the model on every rank and runs `lead` on rank 0 while the others follow its steps;
+/// rank 0's value comes back (`None` on the other processes of an MPI job). `words` turns a
+/// start error into the caller's error type (a front end adds its own hints there). Ranks
+/// that fail print their errors and give [`RanksFailed`].
+pub fn run_session<T: Send, E: RankError>(
+    cfg: &SessionConfig,
+    words: impl Fn(StartError) -> E + Sync,
+    lead: impl Fn(&mut Session) -> Result<T, E> + Sync,
+) -> Result<Result<Option<T>, RanksFailed>, E> {
+    if cfg.ctx_size == Some(0) {
+        return Err(words(StartError::EmptyContext));
+    }
+    let out = match cfg.backend {
+        Backend::Local => {
+            // The layout is known now: check it once, before starting any rank.
+            let path = cfg
+                .model
+                .clone()
+                .map_err(|e| words(StartError::NoModel(e)))?;
+            let ckpt = open_checkpoint(&path).map_err(|source| {
+                words(StartError::Open {
+                    path: path.clone(),
+                    source: Box::new(source),
+                })
+            })?;
+            let file_bytes = std::fs::metadata(&path)
+                .ok()
+                .filter(|m| m.is_file())
+                .map(|m| m.len());
+            let model = open(cfg, &path, &*ckpt, 1, true, file_bytes).map_err(&words)?;
+            run_ranks(Backend::Local, model.weights.tp(), cfg.timeout, |g| {
+                run_rank(cfg, &model, g, &words, &lead)
+            })
+        }
+        Backend::Mpi => run_ranks(Backend::Mpi, 0, cfg.timeout, |g| {
+            // Each host's own copy; every rank learns whether all hosts have the same.
+            let opened = cfg.model.clone().and_then(|p| {
+                open_and_identify(&p)
+                    .map(|(c, id)| (p, c, id))
+                    .map_err(|e| chain(&e))
+            });
+            let mine = opened.as_ref().map(|(_, _, id)| *id).map_err(Clone::clone);
+            check_same_model(&g, &cfg.shown, &mine).map_err(|e| words(e.into()))?;
+            // Every rank opened the same file: an error here cannot happen on one rank alone.
+            let (path, ckpt, id) = opened.map_err(|e| words(StartError::NoModel(e)))?;
+            let model = open(cfg, &path, &*ckpt, g.size(), g.rank() == 0, Some(id.bytes))
+                .map_err(&words)?;
+            run_rank(cfg, &model, g, &words, &lead)
+        }),
+    };
+    out.map(|r| r.map(Option::flatten))
+        .map_err(|e| words(e.into()))
+}
+
+/// The layout for `world` ranks with its memory plan, reported (when `show`) and checked.
+fn open<'a>(
+    cfg: &SessionConfig,
+    path: &'a Path,
+    ckpt: &'a dyn Checkpoint,
+    world: usize,
+    show: bool,
+    file_bytes: Option<u64>,
+) -> Result<Opened<'a>, StartError> {
+    let ctx = cfg.ctx_size.unwrap_or(ckpt.config().context);
+    let tp = cfg.tp_for(world)?;
+    let weights = weights_for(cfg.rank_weights.as_ref(), tp)?;
+    let placement = match cfg.backend {
+        Backend::Local => Placement::OneProcess,
+        Backend::Mpi => Placement::ProcessPerRank,
+    };
+    let memory = session::checked_memory_plan(ckpt, &weights, ctx, cfg.load, placement)?;
+    if show && cfg.report {
+        report_layout(cfg, path, ckpt, &weights, ctx, &memory);
+    }
+    if let Some(budget) = cfg.max_rank_memory {
+        session::check_rank_limit(ckpt, &weights, ctx, cfg.load, budget, &memory)?;
+    }
+    Ok(Opened {
+        path,
+        ckpt,
+        ctx,
+        weights,
+        memory,
+        file_bytes,
+    })
+}
+
+/// The model's shape and the layout, then one line per rank's memory, on stderr.
+fn report_layout(
+    cfg: &SessionConfig,
+    path: &Path,
+    ckpt: &dyn Checkpoint,
+    weights: &RankWeights,
+    ctx: usize,
+    memory: &[RankMemory],
+) {
+    let c = ckpt.config();
+    eprintln!(
+        "# {}: {} {} layers, hidden {}, {} heads / {} KV heads, vocab {}; tp {}{} ({:?} backend{})",
+        path.display(),
+        c.arch.name(),
+        c.layers,
+        c.hidden,
+        c.heads,
+        c.kv_heads,
+        c.vocab,
+        weights.tp(),
+        match &cfg.rank_weights {
+            Some(w) => format!(", rank weights {w}"),
+            None => String::new(),
+        },
+        cfg.backend,
+        match cfg.sync {
+            SyncMode::Exact => "",
+            SyncMode::Q8 => ", q8 sync",
+        }
+    );
+    for (r, m) in memory.iter().enumerate() {
+        eprintln!(
+            "# {}",
+            session::describe_rank(ckpt, r, weights, m, ctx, show_bytes)
+        );
+    }
+}
+
+/// One rank: load its shard (timed, bytes counted, reported by rank 0), then lead or follow.
+fn run_rank<T, E>(
+    cfg: &SessionConfig,
+    m: &Opened<'_>,
+    g: Group,
+    words: &impl Fn(StartError) -> E,
+    lead: &impl Fn(&mut Session) -> Result<T, E>,
+) -> Result<Option<T>, E> {
+    let rank = g.rank();
+    // Rank 0's tokenizer first, while nothing else is held: building it (Qwen2.5's 151k-token
+    // vocabulary and merges) takes ~150 MB for a moment, which then goes back to the system
+    // instead of peaking beside the weights. An error is reported once the followers can be
+    // released.
+    let tokenizer = (rank == 0).then(|| {
+        let tokenizer = session::load_tokenizer(m.path, m.ckpt);
+        session::release_free_heap();
+        tokenizer
+    });
+    let counting = Counting::new(m.ckpt);
+    let started = Instant::now();
+    let mut model = ShardedModel::load_weighted(&counting, rank, &m.weights, cfg.load, m.ctx)
+        .map_err(|source| {
+            words(StartError::Load {
+                rank,
+                path: m.path.to_path_buf(),
+                source: Box::new(source),
+            })
+        })?;
+    model.set_sync(cfg.sync);
+    let mine = LoadStats {
+        bytes: counting.bytes(),
+        time: started.elapsed(),
+    };
+    let all = load_stats::gather(&g, mine).map_err(|e| words(e.into()))?;
+    // Every rank has its shard (the gather waited for all): what loading freed goes back now
+    // (once per process under mpirun; rank threads share one heap and each trims it, cheaply).
+    session::release_free_heap();
+    if rank == 0 && cfg.report {
+        for line in load_table(&all, m.file_bytes) {
+            eprintln!("# {line}");
+        }
+    }
+    let mut worker = Worker::new(model, g.clone());
+    if rank != 0 {
+        worker.follow().map_err(|e| words(e.into()))?;
+        return Ok(None);
+    }
+    // Rank 0 built it above (`then` ran); building it here is only the type's other case.
+    let tokenizer = tokenizer.unwrap_or_else(|| session::load_tokenizer(m.path, m.ckpt));
+    let tokenizer = match tokenizer {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = worker.submit(Command::Exit);
+            return Err(words(e.into()));
+        }
+    };
+    let mut session = Session {
+        worker,
+        tokenizer,
+        ctx_size: m.ctx,
+        memory: m.memory.clone(),
+        weights: m.weights.clone(),
+    };
+    let out = lead(&mut session);
+    // Release the followers whatever happened (a broken group fails here too, harmlessly).
+    let _ = session.worker.submit(Command::Exit);
+    out.map(Some)
+}

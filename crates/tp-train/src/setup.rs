@@ -1,0 +1,217 @@
+//! A training run checked before any rank starts: the checkpoint to resume (and its step),
+//! the tokenizer, the model (a preset, an HF config.json or the checkpoint's), the data
+//! encoded into a corpus, the layout and optimizer settings, all validated into a
+//! [`TrainSpec`]. `tp train` calls [`prepare`] on the main thread.
+
+use crate::{
+    AdamWConfig, Checkpoint, Corpus, ModelConfig, Result, TextTokenizer, TrainError, TrainSpec,
+};
+use std::path::PathBuf;
+use tp_comm::ParallelDims;
+
+/// What a run asks for; `None` takes the checkpoint's value when resuming, else a default.
+#[derive(Clone, Debug)]
+pub struct RunRequest {
+    pub dims: ParallelDims,
+    /// A preset (tiny, small, bench) or an HF Llama config.json; default tiny, or the
+    /// checkpoint's model.
+    pub config: Option<String>,
+    /// Training text; default the built-in corpus.
+    pub data: Option<PathBuf>,
+    /// A tokenizer.json (or a directory holding one); default bytes, vocab 256.
+    pub tokenizer: Option<PathBuf>,
+    /// Train until this many optimizer steps are done (a resumed run counts its earlier ones).
+    pub steps: u64,
+    /// Sequences per step over all replicas (default 8).
+    pub batch: Option<usize>,
+    /// Micro-batches per step on each replica (default [`default_micro_batches`]).
+    pub micro_batches: Option<usize>,
+    /// Tokens per sequence (default 128).
+    pub seq: Option<usize>,
+    pub lr: f64,
+    /// Final learning rate of the cosine decay (default lr / 10).
+    pub min_lr: Option<f64>,
+    pub warmup: u64,
+    pub weight_decay: f64,
+    pub clip: f64,
+    /// Default 0.
+    pub seed: Option<u64>,
+    pub save: Option<PathBuf>,
+    pub save_every: u64,
+    pub keep: usize,
+    /// A checkpoint to continue from (a save directory or one of its step directories).
+    pub resume: Option<PathBuf>,
+    /// Data-parallel all-reduce bucket size, MiB.
+    pub bucket_mib: f64,
+}
+
+/// A validated run: everything the ranks need.
+pub struct Prepared {
+    pub spec: TrainSpec,
+    pub corpus: Corpus,
+    pub tokenizer_json: String,
+    pub resume: Option<Checkpoint>,
+    pub data_desc: String,
+}
+
+/// Default micro-batches: 1 without a pipeline; else the largest divisor of the per-replica
+/// batch up to 2 x pp (keeps the 1F1B bubble (pp-1)/(M+pp-1) small).
+pub fn default_micro_batches(batch_per_replica: usize, pp: usize) -> usize {
+    if pp == 1 {
+        return 1;
+    }
+    (1..=(2 * pp).min(batch_per_replica.max(1)))
+        .rev()
+        .find(|m| batch_per_replica.is_multiple_of(*m))
+        .unwrap_or(1)
+}
+
+/// Reads and checks everything before any rank starts.
+pub fn prepare(a: &RunRequest) -> Result<Prepared> {
+    let resume = match &a.resume {
+        Some(p) => Some(Checkpoint::open(p)?),
+        None => None,
+    };
+    if let Some(ck) = &resume {
+        if a.steps <= ck.state.step {
+            return Err(TrainError::Config(format!(
+                "the checkpoint is at step {} and the run ends at step {}: nothing to train; \
+                 train to a step above {}",
+                ck.state.step, a.steps, ck.state.step
+            )));
+        }
+    }
+    let tokenizer = match (&a.tokenizer, &resume) {
+        (Some(p), _) => TextTokenizer::from_file(p)?,
+        (None, Some(ck))
+            if ck.tokenizer_json != crate::tokenizer_json::byte_level_tokenizer_json() =>
+        {
+            let path = ck.dir.join("tokenizer.json");
+            TextTokenizer::from_file(&path)?
+        }
+        (None, _) => TextTokenizer::Bytes,
+    };
+    let model = match (&a.config, &resume) {
+        (Some(c), Some(ck)) => {
+            let m = ModelConfig::from_arg(c)?;
+            if m != ck.config {
+                return Err(TrainError::Config(format!(
+                    "the model {c} differs from the checkpoint's model; give no model to \
+                     resume the checkpoint's"
+                )));
+            }
+            m
+        }
+        (None, Some(ck)) => ck.config.clone(),
+        (c, None) => {
+            let name = c.as_deref().unwrap_or("tiny");
+            let m = ModelConfig::from_arg(name)?;
+            if ModelConfig::preset(name).is_some() {
+                m.with_vocab(tokenizer.vocab_size())
+            } else {
+                m
+            }
+        }
+    };
+    let text = crate::data::read_text(a.data.as_deref())?;
+    let data_desc = match &a.data {
+        Some(p) => format!("{} ({} bytes)", p.display(), text.len()),
+        None => crate::data::DEFAULT_CORPUS_NAME.to_string(),
+    };
+    let tokens = tokenizer.encode(&text)?;
+    let seed = a
+        .seed
+        .or(resume.as_ref().map(|c| c.state.seed))
+        .unwrap_or(0);
+    let seq = a
+        .seq
+        .or(resume.as_ref().map(|c| c.state.seq))
+        .unwrap_or(128);
+    let batch = a
+        .batch
+        .or(resume.as_ref().map(|c| c.state.global_batch))
+        .unwrap_or(8);
+    let corpus = Corpus::new(tokens, seq, seed)?;
+    let dims = a.dims;
+    let micro_batches = a
+        .micro_batches
+        .unwrap_or_else(|| default_micro_batches(batch / dims.dp.max(1), dims.pp));
+    if !(a.lr > 0.0 && a.lr.is_finite()) {
+        return Err(TrainError::Config(
+            "the learning rate must be a positive number".into(),
+        ));
+    }
+    if !(a.bucket_mib > 0.0 && a.bucket_mib.is_finite()) {
+        return Err(TrainError::Config(
+            "the all-reduce bucket size must be a positive number of MiB".into(),
+        ));
+    }
+    let spec = TrainSpec {
+        model,
+        dims,
+        steps: a.steps,
+        global_batch: batch,
+        micro_batches,
+        seq,
+        seed,
+        optim: AdamWConfig {
+            lr: a.lr,
+            min_lr: a.min_lr.unwrap_or(a.lr / 10.0),
+            warmup_steps: a.warmup,
+            weight_decay: a.weight_decay,
+            clip_norm: a.clip,
+            ..AdamWConfig::default()
+        },
+        bucket_elems: ((a.bucket_mib * (1 << 20) as f64) / 4.0).max(1.0) as usize,
+        save_dir: a.save.clone(),
+        save_every: a.save_every,
+        keep: a.keep,
+        data_name: format!(
+            "{data_desc}, {}",
+            match &tokenizer {
+                TextTokenizer::Bytes => "bytes".to_string(),
+                TextTokenizer::Hf { path, .. } => path.display().to_string(),
+            }
+        ),
+    };
+    spec.validate()?;
+    let max = corpus.max_token() as usize;
+    if max >= spec.model.vocab_size {
+        return Err(TrainError::Data(format!(
+            "the data has token id {max} but the model's vocabulary is {}; use the tokenizer the \
+             model was made for",
+            spec.model.vocab_size
+        )));
+    }
+    Ok(Prepared {
+        tokenizer_json: tokenizer.json()?,
+        spec,
+        corpus,
+        resume,
+        data_desc,
+    })
+}
+
+/// Gives each rank `threads` compute threads (candle's matmul reads RAYON_NUM_THREADS), or
+/// shares the cores out among the ranks of this process. Returns the per-rank count.
+pub fn set_compute_threads(threads: Option<usize>, local_ranks: usize) -> usize {
+    let n = threads.unwrap_or_else(|| {
+        if let Some(n) = std::env::var("RAYON_NUM_THREADS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|n| *n > 0)
+        {
+            return n;
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // Under mpirun, the processes on this node share its cores.
+        let procs = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(1);
+        (cores / (local_ranks * procs).max(1)).max(1)
+    });
+    // Set before any rank starts; candle reads it at every matmul.
+    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    n
+}
