@@ -110,7 +110,10 @@ fn bad_inputs_get_clear_errors() {
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (vec!["--data", "/no/such/corpus.txt"], "does not exist"),
         (vec!["--data", e], "the data is empty"),
-        (vec!["--data", s, "--seq", "64"], "use --seq 33 or less"),
+        (
+            vec!["--data", s, "--seq", "64"],
+            "use a sequence length of 33 or less",
+        ),
         (vec!["--tp", "5"], "use 1 <= tp <= 4"),
         (vec!["--pp", "5"], "use 1 <= pp <= 4"),
         (vec!["--dp", "3"], "multiple of 3"),

@@ -133,7 +133,7 @@ pub enum CommError {
     },
     #[error(
         "rank {rank} timed out after {waited:?} in {op} #{seq} of a {group_size}-rank group, \
-         still waiting for ranks {missing:?}; raise the deadline (--timeout) if they are just slow"
+         still waiting for ranks {missing:?}; raise the collective deadline if they are just slow"
     )]
     Timeout {
         rank: usize,

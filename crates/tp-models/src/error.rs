@@ -10,9 +10,9 @@ pub enum ModelError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{path} is not a readable model file: {reason}. Check that the download completed (compare its sha256) or pass another --model")]
+    #[error("{path} is not a readable model file: {reason}. Check that the download completed (compare its sha256) or use another model file")]
     Corrupt { path: String, reason: String },
-    #[error("{}model architecture {arch:?} is not supported; pass a llama or qwen2 GGUF, or an HF directory of a LlamaForCausalLM or Qwen2ForCausalLM model, to --model", located(path))]
+    #[error("{}model architecture {arch:?} is not supported; pass a llama or qwen2 GGUF, or an HF directory of a LlamaForCausalLM or Qwen2ForCausalLM model", located(path))]
     UnsupportedArch { arch: String, path: String },
     #[error("{}model metadata lacks {key}: {hint}", located(path))]
     MissingMetadata {
@@ -40,7 +40,7 @@ pub enum ModelError {
     Kernel(#[from] tp_kernels::KernelError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
-    #[error("context full: position {pos} + {len} tokens exceeds the KV cache of {cap} positions; raise --ctx-size or shorten the input")]
+    #[error("context full: position {pos} + {len} tokens exceeds the KV cache of {cap} positions; raise the context size or shorten the input")]
     ContextFull { pos: usize, len: usize, cap: usize },
     #[error("unknown KV cache dtype {0:?}; choose f16, bf16, f32 or q8")]
     UnknownKvDtype(String),

@@ -90,13 +90,13 @@ impl HfCheckpoint {
         let shown = dir.display().to_string();
         if !dir.is_dir() {
             return Err(ModelError::Input(format!(
-                "{shown} is not a directory; pass an HF model directory (config.json + *.safetensors) or a GGUF file to --model"
+                "{shown} is not a directory; give an HF model directory (config.json + *.safetensors) or a GGUF file"
             )));
         }
         let config_path = dir.join("config.json");
         if !config_path.is_file() {
             return Err(ModelError::Input(format!(
-                "{shown} has no config.json, so it is not an HF model directory; pass a GGUF file, or a directory with config.json and *.safetensors, to --model"
+                "{shown} has no config.json, so it is not an HF model directory; pass a GGUF file, or a directory with config.json and *.safetensors"
             )));
         }
         let config_shown = config_path.display().to_string();

@@ -14,7 +14,7 @@ pub fn open_checkpoint(path: &Path) -> Result<Box<dyn Checkpoint>> {
     }
     if !path.exists() {
         return Err(ModelError::Input(format!(
-            "model {} does not exist; pass a GGUF file or an HF directory (config.json + *.safetensors) to --model",
+            "model {} does not exist; give a GGUF file or an HF directory (config.json + *.safetensors)",
             path.display()
         )));
     }
@@ -23,7 +23,7 @@ pub fn open_checkpoint(path: &Path) -> Result<Box<dyn Checkpoint>> {
             return Ok(Box::new(HfCheckpoint::open(dir)?));
         }
         return Err(ModelError::Input(format!(
-            "{} is a safetensors file without a config.json beside it; pass its directory with config.json to --model",
+            "{} is a safetensors file without a config.json beside it; give its directory, which holds config.json",
             path.display()
         )));
     }

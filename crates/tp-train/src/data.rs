@@ -75,7 +75,7 @@ impl TextTokenizer {
                 let text = std::str::from_utf8(bytes).map_err(|e| {
                     TrainError::Data(format!(
                         "the text is not UTF-8 ({e}); a tokenizer.json needs UTF-8 text, or \
-                         train on bytes (leave --tokenizer out)"
+                         train on bytes (no tokenizer)"
                     ))
                 })?;
                 let enc = tokenizer
@@ -97,14 +97,14 @@ pub fn read_text(path: Option<&Path>) -> Result<Vec<u8>> {
     };
     if !path.exists() {
         return Err(TrainError::Data(format!(
-            "{} does not exist; pass a text file with --data, or leave --data out to train \
-             on the built-in corpus",
+            "{} does not exist; give a text file, or none to train on the built-in \
+             corpus",
             path.display()
         )));
     }
     if path.is_dir() {
         return Err(TrainError::Data(format!(
-            "{} is a directory; --data takes one text file",
+            "{} is a directory; the training data is one text file",
             path.display()
         )));
     }
@@ -134,7 +134,7 @@ impl Corpus {
         if tokens.len() < seq + 1 {
             return Err(TrainError::Data(format!(
                 "the data has {} tokens but one training sequence needs seq + 1 = {}; use \
-                 --seq {} or less, or more data",
+                 a sequence length of {} or less, or more data",
                 tokens.len(),
                 seq + 1,
                 tokens.len().saturating_sub(1).max(1)
@@ -266,7 +266,7 @@ mod tests {
         let e = Corpus::new(vec![], 8, 0).unwrap_err().to_string();
         assert!(e.contains("the data is empty"), "{e}");
         let e = Corpus::new(vec![1; 5], 8, 0).unwrap_err().to_string();
-        assert!(e.contains("use --seq 4 or less"), "{e}");
+        assert!(e.contains("use a sequence length of 4 or less"), "{e}");
         let e = read_text(Some(Path::new("/no/such/file.txt")))
             .unwrap_err()
             .to_string();

@@ -60,7 +60,7 @@ impl TrainSpec {
         if !self.global_batch.is_multiple_of(per) {
             return bad(format!(
                 "a global batch of {} sequences cannot be split into dp={} x {} micro-batches; \
-                 use a --batch that is a multiple of {per}, or other --micro-batches",
+                 use a global batch that is a multiple of {per}, or another micro-batch count",
                 self.global_batch, self.dims.dp, self.micro_batches
             ));
         }
@@ -153,7 +153,7 @@ impl<'a> Trainer<'a> {
                     return Err(TrainError::checkpoint(
                         &ck.dir,
                         "its config.json differs from the model to train; resume with the \
-                         checkpoint's own config (leave --config out)",
+                         checkpoint's own config (give no model config)",
                     ));
                 }
                 StageModel::new(&spec.model, c.pp_rank, pp, c.tp_rank, tp, ck)?

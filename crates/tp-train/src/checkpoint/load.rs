@@ -44,7 +44,7 @@ pub fn find_step_dir(path: &Path) -> Result<PathBuf> {
     if !path.exists() {
         return Err(TrainError::checkpoint(
             path,
-            "does not exist; pass the --save directory of an earlier run",
+            "does not exist; give the save directory of an earlier run",
         ));
     }
     let marker = path.join(LATEST);
