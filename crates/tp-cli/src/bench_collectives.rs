@@ -17,7 +17,7 @@ pub struct BenchArgs {
     /// Ranks for the local backend (under MPI, mpirun's -n decides).
     #[arg(long, default_value_t = 2)]
     ranks: usize,
-    #[arg(long, default_value_t = Backend::Local)]
+    #[arg(long, default_value_t = Backend::Local, value_parser = crate::model_run::backend_values())]
     backend: Backend,
     /// Operations to run, comma separated.
     #[arg(

@@ -81,7 +81,7 @@ pub struct ModelArgs {
     #[arg(long, value_name = "W0,W1,..", value_parser = parse_rank_weights, allow_hyphen_values = true)]
     pub rank_weights: Option<RankWeights>,
     /// Ranks as threads of this process (local) or as processes under mpirun (mpi).
-    #[arg(long, default_value_t = Backend::Local)]
+    #[arg(long, default_value_t = Backend::Local, value_parser = crate::model_run::backend_values())]
     pub backend: Backend,
     /// Element type of weights that are not kept quantized.
     #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
@@ -164,6 +164,20 @@ impl ModelArgs {
             report: !self.quiet,
         })
     }
+}
+
+/// `--backend`'s values, with their help.
+pub fn backend_values() -> impl clap::builder::TypedValueParser<Value = Backend> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new([
+        PossibleValue::new("local").help("Rank threads in one process, shared memory"),
+        PossibleValue::new("mpi")
+            .help("One rank per process under mpirun (build with `--features mpi`)"),
+    ])
+    .map(|s| match s.as_str() {
+        "mpi" => Backend::Mpi,
+        _ => Backend::Local,
+    })
 }
 
 /// The default model's path in the cache: fetched when missing (`fetch`), else it must be

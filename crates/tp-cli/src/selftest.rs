@@ -10,7 +10,7 @@ pub struct SelftestArgs {
     /// Ranks for the local backend (under MPI, mpirun's -n decides).
     #[arg(long, default_value_t = 4)]
     ranks: usize,
-    #[arg(long, default_value_t = Backend::Local)]
+    #[arg(long, default_value_t = Backend::Local, value_parser = crate::model_run::backend_values())]
     backend: Backend,
     /// Deadline of each collective, in seconds.
     #[arg(long, default_value_t = 60.0)]

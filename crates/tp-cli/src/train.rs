@@ -79,7 +79,7 @@ pub struct TrainArgs {
     /// any tp, pp or dp.
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    #[arg(long, default_value_t = Backend::Local)]
+    #[arg(long, default_value_t = Backend::Local, value_parser = crate::model_run::backend_values())]
     pub backend: Backend,
     /// Deadline of each collective, in seconds.
     #[arg(long, default_value_t = 60.0)]

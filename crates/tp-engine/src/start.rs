@@ -3,6 +3,41 @@
 //! reported, each rank's shard loaded (bytes and time per rank, reported by rank 0), rank 0's
 //! tokenizer built; then rank 0 leads with a [`Session`] while the other ranks follow its
 //! steps. `tp generate`, `chat`, `serve`, `perplexity` and the benches all start this way.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use tp_engine::launch::Backend;
+//! use tp_engine::start::{run_session, SessionConfig};
+//! use tp_engine::{generate, Command, DecodeParams, Flow, SequenceDecoder};
+//!
+//! let cfg = SessionConfig {
+//!     model: Ok("SmolLM2-135M-Instruct.Q4_1.gguf".into()),
+//!     shown: "SmolLM2-135M-Instruct.Q4_1.gguf".into(),
+//!     backend: Backend::Local,
+//!     tp: Some(2), // two rank threads, each with half of every layer
+//!     rank_weights: None,
+//!     load: Default::default(),
+//!     ctx_size: Some(2048),
+//!     max_rank_memory: None,
+//!     timeout: Duration::from_secs(60),
+//!     sync: Default::default(),
+//!     report: false,
+//! };
+//! let text = run_session(&cfg, anyhow::Error::from, |s| {
+//!     let ids = s.tokenizer.encode("The capital of France is")?;
+//!     s.worker.submit(Command::Open { slot: 0, capacity: s.ctx_size as u32 })?;
+//!     let mut decoder = SequenceDecoder::new(&s.tokenizer, DecodeParams::greedy(16))?;
+//!     let mut text = String::new();
+//!     generate(&mut s.worker, 0, &ids, &mut decoder, |e| {
+//!         text.push_str(&e.text);
+//!         Flow::Continue
+//!     })?;
+//!     Ok(text)
+//! })?;
+//! // Ok(Some(text)) on rank 0's process; Err(RanksFailed) if a rank failed (it printed why).
+//! println!("{:?}", text);
+//! # Ok::<(), anyhow::Error>(())
+//! ```
 
 use crate::launch::{run_ranks, Backend, LaunchError, RankError, RanksFailed};
 use crate::load_stats::{self, Counting, LoadStats};
