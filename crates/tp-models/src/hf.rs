@@ -96,7 +96,7 @@ impl HfCheckpoint {
         let config_path = dir.join("config.json");
         if !config_path.is_file() {
             return Err(ModelError::Input(format!(
-                "{shown} has no config.json, so it is not an HF model directory; pass a GGUF file, or a directory with config.json and *.safetensors"
+                "{shown} has no config.json, so it is not an HF model directory; give a GGUF file, or a directory with config.json and *.safetensors"
             )));
         }
         let config_shown = config_path.display().to_string();

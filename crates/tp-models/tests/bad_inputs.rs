@@ -34,7 +34,7 @@ fn missing_path_empty_file_text_file_and_dir_without_config() {
     let missing = dir.path().join("nope.gguf");
     let e = open_err(&missing);
     assert!(matches!(e, ModelError::Input(_)), "{e:?}");
-    says(&e, &missing, &["does not exist", "pass a GGUF file"]);
+    says(&e, &missing, &["does not exist", "give a GGUF file"]);
 
     let empty = dir.path().join("empty.gguf");
     std::fs::write(&empty, b"").unwrap();
@@ -49,14 +49,14 @@ fn missing_path_empty_file_text_file_and_dir_without_config() {
     says(
         &e,
         &text,
-        &["not a GGUF file", "these are notes", "pass another --model"],
+        &["not a GGUF file", "these are notes", "use another model file"],
     );
 
     let bare = dir.path().join("bare");
     std::fs::create_dir(&bare).unwrap();
     let e = open_err(&bare);
     assert!(matches!(e, ModelError::Input(_)), "{e:?}");
-    says(&e, &bare, &["no config.json", "pass a GGUF file"]);
+    says(&e, &bare, &["no config.json", "give a GGUF file"]);
 
     let lone = dir.path().join("lone.safetensors");
     std::fs::write(&lone, b"x").unwrap();
@@ -149,7 +149,7 @@ fn minilm_bert_directory_is_an_unsupported_architecture() {
         matches!(e, ModelError::UnsupportedArch { ref arch, .. } if arch == "bert"),
         "{e:?}"
     );
-    says(&e, &dir, &["not supported", "--model"]);
+    says(&e, &dir, &["not supported", "LlamaForCausalLM"]);
 }
 
 #[test]
