@@ -49,7 +49,11 @@ fn missing_path_empty_file_text_file_and_dir_without_config() {
     says(
         &e,
         &text,
-        &["not a GGUF file", "these are notes", "use another model file"],
+        &[
+            "not a GGUF file",
+            "these are notes",
+            "use another model file",
+        ],
     );
 
     let bare = dir.path().join("bare");
