@@ -398,15 +398,15 @@ impl ShardedModel {
                     v_new.extend_from_slice(v);
                 }
                 pool.append(c.table, li, &k_new, &v_new);
-                attend(
-                    &qkv[t0 * qkv_w..(t0 + len) * qkv_w],
+                let input = AttendInput {
+                    qkv: &qkv[t0 * qkv_w..(t0 + len) * qkv_w],
                     qkv_w,
-                    pool.layer(c.table, li), // [pos0 + len, kv_w] keys and values
+                    kv: pool.layer(c.table, li), // [pos0 + len, kv_w] keys and values
                     hd,
-                    &self.kv_of_q,
+                    kv_of_q: &self.kv_of_q,
                     pos0,
-                    &mut ctx[t0 * q_w..(t0 + len) * q_w],
-                );
+                };
+                attend(input, &mut ctx[t0 * q_w..(t0 + len) * q_w]);
                 t0 += len;
             }
             row_parallel(&layer.o, &ctx, n, self.sync, &mut partial, group, prof)?;
@@ -504,26 +504,34 @@ fn row_parallel(
     sum_partials(sync, out, group, prof)
 }
 
-/// Causal attention of `len` new tokens (rows of `qkv`, queries first) over the cache.
-/// `kv` holds positions `0..pos0 + len`; token `i` sees positions `0..=pos0 + i`. Each KV
-/// head's keys and values are widened to f32 once for all the query heads and tokens that use
-/// it; the arithmetic is then the same, in the same order, whatever the cache's dtype.
-fn attend(
-    qkv: &[f32],
+/// What one attention call reads: `len` new tokens (rows of `qkv`, queries first) over a
+/// layer's cache.
+#[derive(Clone, Copy)]
+struct AttendInput<'a> {
+    /// `[len, qkv_w]`: each token's queries, then its keys and values.
+    qkv: &'a [f32],
     qkv_w: usize,
-    kv: LayerKv<'_>,
+    /// Positions `0..pos0 + len` of this layer's keys and values.
+    kv: LayerKv<'a>,
     hd: usize,
-    kv_of_q: &[usize],
+    /// The KV head of each local query head.
+    kv_of_q: &'a [usize],
+    /// Position of the first new token.
     pos0: usize,
-    ctx: &mut [f32],
-) {
+}
+
+/// Causal attention of the new tokens over the cache into `ctx` (`[len, q_w]`): token `i`
+/// sees positions `0..=pos0 + i`. Each KV head's keys and values are widened to f32 once for
+/// all the query heads and tokens that use it; the arithmetic is then the same, in the same
+/// order, whatever the cache's dtype.
+fn attend(a: AttendInput<'_>, ctx: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if tp_kernels::kernel_path() != "scalar" {
         // SAFETY: the avx2 and avx512 kernel paths are chosen only on CPUs that have AVX.
-        unsafe { attend_avx(qkv, qkv_w, kv, hd, kv_of_q, pos0, ctx) };
+        unsafe { attend_avx(a, ctx) };
         return;
     }
-    attend_portable(qkv, qkv_w, kv, hd, kv_of_q, pos0, ctx)
+    attend_portable(a, ctx)
 }
 
 /// [`attend_portable`] compiled with 8-wide AVX vectors: the same operations in the same order
@@ -534,28 +542,20 @@ fn attend(
 /// The CPU must have AVX.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
-unsafe fn attend_avx(
-    qkv: &[f32],
-    qkv_w: usize,
-    kv: LayerKv<'_>,
-    hd: usize,
-    kv_of_q: &[usize],
-    pos0: usize,
-    ctx: &mut [f32],
-) {
-    attend_portable(qkv, qkv_w, kv, hd, kv_of_q, pos0, ctx)
+unsafe fn attend_avx(a: AttendInput<'_>, ctx: &mut [f32]) {
+    attend_portable(a, ctx)
 }
 
 #[inline(always)]
-fn attend_portable(
-    qkv: &[f32],
-    qkv_w: usize,
-    kv: LayerKv<'_>,
-    hd: usize,
-    kv_of_q: &[usize],
-    pos0: usize,
-    ctx: &mut [f32],
-) {
+fn attend_portable(a: AttendInput<'_>, ctx: &mut [f32]) {
+    let AttendInput {
+        qkv,
+        qkv_w,
+        kv,
+        hd,
+        kv_of_q,
+        pos0,
+    } = a;
     let scale = 1.0 / (hd as f32).sqrt();
     let q_w = kv_of_q.len() * hd;
     let seen_all = pos0 + qkv.len() / qkv_w;
@@ -685,20 +685,19 @@ mod tests {
             pool.grow(&mut table, len, &take).unwrap();
             pool.append(&table, 0, &k_new, &v_new);
             let mut got = vec![0f32; len * q_w];
-            attend(
-                &qkv,
+            let input = AttendInput {
+                qkv: &qkv,
                 qkv_w,
-                pool.layer(&table, 0),
+                kv: pool.layer(&table, 0),
                 hd,
-                &kv_of_q,
+                kv_of_q: &kv_of_q,
                 pos0,
-                &mut got,
-            );
+            };
+            attend(input, &mut got);
             // The AVX build (what `attend` runs on this CPU, unless the kernels are forced to
             // scalar) and the portable one agree bit for bit.
             let mut portable = vec![0f32; len * q_w];
-            let layer = pool.layer(&table, 0);
-            attend_portable(&qkv, qkv_w, layer, hd, &kv_of_q, pos0, &mut portable);
+            attend_portable(input, &mut portable);
             let same = got
                 .iter()
                 .zip(&portable)
