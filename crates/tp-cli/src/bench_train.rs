@@ -12,7 +12,9 @@ use std::time::Duration;
 use tp_comm::{ParallelDims, ProcessGroups};
 use tp_engine::launch::Backend;
 use tp_train::setup::{default_micro_batches, set_compute_threads};
-use tp_train::{flops, AdamWConfig, Corpus, ModelConfig, TrainOptions, TrainSpec, Trainer};
+use tp_train::{
+    flops, AdamWConfig, Corpus, ModelConfig, TrainModel, TrainOptions, TrainSpec, Trainer,
+};
 
 #[derive(clap::Args, Clone)]
 pub struct BenchTrainArgs {
@@ -123,11 +125,11 @@ pub fn run(a: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
              of {} timed step(s) per layout",
             a.config,
             model.num_params() as f64 / 1e6,
-            model.hidden_size,
-            model.num_hidden_layers,
-            model.num_attention_heads,
-            model.num_key_value_heads,
-            model.intermediate_size,
+            model.hidden,
+            model.layers,
+            model.heads,
+            model.kv_heads,
+            model.ffn,
             a.batch,
             a.seq,
             a.rounds.max(1),

@@ -10,7 +10,8 @@ use tp_engine::report::show_bytes;
 use tp_engine::session::memory_plan;
 use tp_engine::start::weights_for;
 use tp_models::{
-    open_checkpoint, Checkpoint, DenseDType, LoadOptions, RankWeights, ShardPlan, WeightName,
+    open_checkpoint, Checkpoint, CheckpointPlan, DenseDType, LoadOptions, RankWeights, ShardPlan,
+    WeightName,
 };
 
 #[derive(clap::Args, Clone, Debug)]

@@ -13,7 +13,7 @@ use tp_comm::{Group, ParallelDims, ProcessGroups};
 use tp_engine::launch::{run_ranks, Backend, RanksFailed};
 use tp_train::checkpoint::{SaveHook, SavePoint};
 use tp_train::setup::{prepare, set_compute_threads, Prepared, RunRequest};
-use tp_train::{flops, StepReport, TrainError, TrainOptions, Trainer};
+use tp_train::{flops, StepReport, TrainError, TrainModel, TrainOptions, Trainer};
 
 #[derive(clap::Args, Clone)]
 pub struct TrainArgs {
@@ -261,11 +261,11 @@ pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
         eprintln!(
             "tp train: {:.2}M parameters (hidden {}, {} layers, {} heads / {} KV, vocab {}) on {}",
             cfg.num_params() as f64 / 1e6,
-            cfg.hidden_size,
-            cfg.num_hidden_layers,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.vocab_size,
+            cfg.hidden,
+            cfg.layers,
+            cfg.heads,
+            cfg.kv_heads,
+            cfg.vocab,
             p.data_desc
         );
         eprintln!(

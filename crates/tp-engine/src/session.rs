@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 use tp_models::limits::show;
 use tp_models::{
-    rank_memory, Checkpoint, LoadOptions, RankMemory, RankWeights, ShardPlan, BLOCK_POSITIONS,
+    rank_memory, Checkpoint, CheckpointPlan, LoadOptions, RankMemory, RankWeights, ShardPlan,
+    BLOCK_POSITIONS,
 };
 use tp_tokenizer::{Tokenizer, TokenizerError};
 

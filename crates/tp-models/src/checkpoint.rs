@@ -7,25 +7,7 @@ use candle_core::quantized::GgmlDType;
 use std::collections::HashMap;
 use std::ops::Range;
 
-/// A weight of the Llama family, independent of the file format's naming.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WeightName {
-    Embed,
-    Output,
-    OutputNorm,
-    AttnNorm(usize),
-    Q(usize),
-    K(usize),
-    V(usize),
-    QBias(usize),
-    KBias(usize),
-    VBias(usize),
-    O(usize),
-    FfnNorm(usize),
-    Gate(usize),
-    Up(usize),
-    Down(usize),
-}
+pub use tp_spec::{expected_weights, Expected, WeightName, TENSORS_PER_LAYER};
 
 /// How a 2-D weight is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +24,17 @@ impl Storage {
         match self {
             Storage::Quant(t) => t.block_size(),
             Storage::Float { .. } => 1,
+        }
+    }
+
+    /// The storage as tp-spec's shard arithmetic sees it.
+    pub fn layout(self) -> tp_spec::Layout {
+        match self {
+            Storage::Quant(t) => tp_spec::Layout::Blocks {
+                block: t.block_size(),
+                block_bytes: t.type_size(),
+            },
+            Storage::Float { .. } => tp_spec::Layout::Float,
         }
     }
 
@@ -143,50 +136,6 @@ pub trait Checkpoint: Send + Sync {
     fn release_pages(&self) {}
 }
 
-/// Every weight the config calls for: a matrix `[rows, cols]` or a vector of `len`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Expected {
-    Matrix { rows: usize, cols: usize },
-    Vector { len: usize },
-}
-
-/// The weights a checkpoint of `cfg` must hold, with their shapes (biases only when the
-/// config has them, the output head only when untied).
-pub fn expected_weights(cfg: &ModelConfig) -> impl Iterator<Item = (WeightName, Expected)> + '_ {
-    let hd = cfg.head_dim;
-    let (q, kv) = (cfg.heads * hd, cfg.kv_heads * hd);
-    let m = |rows, cols| Expected::Matrix { rows, cols };
-    let v = |len| Expected::Vector { len };
-    let global = [
-        Some((WeightName::Embed, m(cfg.vocab, cfg.hidden))),
-        (!cfg.tied_embeddings).then_some((WeightName::Output, m(cfg.vocab, cfg.hidden))),
-        Some((WeightName::OutputNorm, v(cfg.hidden))),
-    ];
-    let layers = (0..cfg.layers).flat_map(move |l| {
-        let bias = cfg.qkv_bias;
-        [
-            Some((WeightName::AttnNorm(l), v(cfg.hidden))),
-            Some((WeightName::Q(l), m(q, cfg.hidden))),
-            Some((WeightName::K(l), m(kv, cfg.hidden))),
-            Some((WeightName::V(l), m(kv, cfg.hidden))),
-            bias.then_some((WeightName::QBias(l), v(q))),
-            bias.then_some((WeightName::KBias(l), v(kv))),
-            bias.then_some((WeightName::VBias(l), v(kv))),
-            Some((WeightName::O(l), m(cfg.hidden, q))),
-            Some((WeightName::FfnNorm(l), v(cfg.hidden))),
-            Some((WeightName::Gate(l), m(cfg.ffn, cfg.hidden))),
-            Some((WeightName::Up(l), m(cfg.ffn, cfg.hidden))),
-            Some((WeightName::Down(l), m(cfg.hidden, cfg.ffn))),
-        ]
-        .into_iter()
-        .flatten()
-    });
-    global.into_iter().flatten().chain(layers)
-}
-
-/// Fewest tensors a layer has (two norms, Q, K, V, O, gate, up, down).
-pub const TENSORS_PER_LAYER: usize = 9;
-
 /// Refuses a config that declares more layers than `tensors` (the file's tensor count) can
 /// hold, before anything loops over the layers: a config.json claiming 10^12 layers fails at
 /// once instead of walking 10^12 missing tensors.
@@ -219,6 +168,10 @@ pub fn expected_by_name(
 /// a name the architecture does not use (both would be silently ignored).
 pub fn unused_tensor_reason(cfg: &ModelConfig, tensor: &str, layer: Option<usize>) -> String {
     match layer {
+        _ if tp_spec::is_expert_tensor(tensor) => format!(
+            "tensor {tensor} is a mixture-of-experts weight, but the config describes a dense {} model; expert parallelism is not implemented yet, so use a dense model",
+            cfg.arch.name()
+        ),
         Some(l) if l >= cfg.layers => format!(
             "tensor {tensor} belongs to layer {l}, but the config declares {} layers (the layer count was lowered, or tensors were added)",
             cfg.layers
@@ -353,4 +306,43 @@ pub(crate) fn copy_region(
         out.extend_from_slice(&data[base + c0..base + c1]);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// tp-spec's ggml table (read by the planner, without candle) agrees with candle's sizes
+    /// for every quantization the kernels run.
+    #[test]
+    fn tp_spec_layouts_match_candle() {
+        use GgmlDType::*;
+        // ggml type ids (the GGUF spec's numbering).
+        for (id, t) in [
+            (2, Q4_0),
+            (3, Q4_1),
+            (6, Q5_0),
+            (7, Q5_1),
+            (8, Q8_0),
+            (10, Q2K),
+            (11, Q3K),
+            (12, Q4K),
+            (13, Q5K),
+            (14, Q6K),
+        ] {
+            let layout = tp_spec::Layout::of_ggml_type(id);
+            assert_eq!(layout, Some(Storage::Quant(t).layout()), "{t:?}");
+        }
+        for id in [0, 1, 30] {
+            assert_eq!(
+                tp_spec::Layout::of_ggml_type(id),
+                Some(tp_spec::Layout::Float)
+            );
+        }
+        assert_eq!(
+            tp_spec::Layout::of_ggml_type(9),
+            None,
+            "Q8_1 is no weight format"
+        );
+    }
 }

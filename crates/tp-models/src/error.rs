@@ -12,7 +12,7 @@ pub enum ModelError {
     },
     #[error("{path} is not a readable model file: {reason}. Check that the download completed (compare its sha256) or use another model file")]
     Corrupt { path: String, reason: String },
-    #[error("{}model architecture {arch:?} is not supported; pass a llama or qwen2 GGUF, or an HF directory of a LlamaForCausalLM or Qwen2ForCausalLM model", located(path))]
+    #[error("{}model architecture {arch:?} is not supported; supported: {} (a GGUF of one, or an HF directory of one)", located(path), tp_spec::supported_list())]
     UnsupportedArch { arch: String, path: String },
     #[error("{}model metadata lacks {key}: {hint}", located(path))]
     MissingMetadata {
@@ -33,7 +33,13 @@ pub enum ModelError {
     #[error("invalid model config: {0}")]
     Config(String),
     #[error(transparent)]
-    Tp(#[from] tp_nn::TpError),
+    Shard(#[from] tp_spec::ShardError),
+    /// A model described correctly that no engine here runs (a mixture of experts).
+    #[error("{}{reason}", located(path))]
+    Unsupported {
+        reason: tp_spec::SpecError,
+        path: String,
+    },
     #[error(transparent)]
     Comm(Box<tp_comm::CommError>),
     #[error(transparent)]
@@ -102,6 +108,12 @@ impl ModelError {
                     path: file.to_string(),
                 }
             }
+            ModelError::Unsupported { reason, path } if path.is_empty() => {
+                ModelError::Unsupported {
+                    reason,
+                    path: file.to_string(),
+                }
+            }
             other => other,
         }
     }
@@ -109,12 +121,10 @@ impl ModelError {
     /// The split itself failed: more ranks than units, or rank weights that leave a rank
     /// without a unit (the tp or the weights are what to change, not the context).
     pub fn is_split_error(&self) -> bool {
-        matches!(
-            self,
-            ModelError::Tp(
-                tp_nn::TpError::EmptyWeightedShare { .. } | tp_nn::TpError::InvalidTp { .. }
-            )
-        )
+        match self {
+            ModelError::Shard(e) => e.is_split_error(),
+            _ => false,
+        }
     }
 }
 

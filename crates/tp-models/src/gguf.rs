@@ -33,26 +33,7 @@ impl std::fmt::Debug for GgufCheckpoint {
     }
 }
 
-/// The GGUF tensor name of a weight.
-pub fn gguf_name(name: WeightName) -> String {
-    match name {
-        WeightName::Embed => "token_embd.weight".into(),
-        WeightName::Output => "output.weight".into(),
-        WeightName::OutputNorm => "output_norm.weight".into(),
-        WeightName::AttnNorm(i) => format!("blk.{i}.attn_norm.weight"),
-        WeightName::Q(i) => format!("blk.{i}.attn_q.weight"),
-        WeightName::K(i) => format!("blk.{i}.attn_k.weight"),
-        WeightName::V(i) => format!("blk.{i}.attn_v.weight"),
-        WeightName::QBias(i) => format!("blk.{i}.attn_q.bias"),
-        WeightName::KBias(i) => format!("blk.{i}.attn_k.bias"),
-        WeightName::VBias(i) => format!("blk.{i}.attn_v.bias"),
-        WeightName::O(i) => format!("blk.{i}.attn_output.weight"),
-        WeightName::FfnNorm(i) => format!("blk.{i}.ffn_norm.weight"),
-        WeightName::Gate(i) => format!("blk.{i}.ffn_gate.weight"),
-        WeightName::Up(i) => format!("blk.{i}.ffn_up.weight"),
-        WeightName::Down(i) => format!("blk.{i}.ffn_down.weight"),
-    }
-}
+pub use tp_spec::gguf_name;
 
 impl GgufCheckpoint {
     /// Maps `path` and runs every check of [`check_gguf`] on it.
@@ -120,8 +101,11 @@ pub fn check_gguf(file: &[u8], path: &str) -> Result<(GgufHeader, ModelConfig)> 
         .tensor("token_embd.weight")
         .and_then(|t| t.shape.first().copied());
     let has_output = header.tensor("output.weight").is_some();
-    let config = ModelConfig::from_gguf(&header.metadata, embed_rows, has_output)
+    let config = crate::config::config_from_gguf(&header.metadata, embed_rows, has_output)
         .map_err(|e| e.in_file(path))?;
+    config
+        .check_runnable()
+        .map_err(|e| ModelError::from(e).in_file(path))?;
     check_layer_count(&config, header.tensors.len(), path)?;
     let expected = expected_by_name(&config, gguf_name);
     for t in &header.tensors {

@@ -51,27 +51,7 @@ impl std::fmt::Debug for HfCheckpoint {
     }
 }
 
-/// The HF tensor name of a weight.
-pub fn hf_name(name: WeightName) -> String {
-    let layer = |i: usize, rest: &str| format!("model.layers.{i}.{rest}");
-    match name {
-        WeightName::Embed => "model.embed_tokens.weight".into(),
-        WeightName::Output => "lm_head.weight".into(),
-        WeightName::OutputNorm => "model.norm.weight".into(),
-        WeightName::AttnNorm(i) => layer(i, "input_layernorm.weight"),
-        WeightName::Q(i) => layer(i, "self_attn.q_proj.weight"),
-        WeightName::K(i) => layer(i, "self_attn.k_proj.weight"),
-        WeightName::V(i) => layer(i, "self_attn.v_proj.weight"),
-        WeightName::QBias(i) => layer(i, "self_attn.q_proj.bias"),
-        WeightName::KBias(i) => layer(i, "self_attn.k_proj.bias"),
-        WeightName::VBias(i) => layer(i, "self_attn.v_proj.bias"),
-        WeightName::O(i) => layer(i, "self_attn.o_proj.weight"),
-        WeightName::FfnNorm(i) => layer(i, "post_attention_layernorm.weight"),
-        WeightName::Gate(i) => layer(i, "mlp.gate_proj.weight"),
-        WeightName::Up(i) => layer(i, "mlp.up_proj.weight"),
-        WeightName::Down(i) => layer(i, "mlp.down_proj.weight"),
-    }
-}
+pub use tp_spec::hf_name;
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
     move |source| ModelError::Io {
@@ -101,7 +81,11 @@ impl HfCheckpoint {
         }
         let config_shown = config_path.display().to_string();
         let text = std::fs::read_to_string(&config_path).map_err(io_err(&config_path))?;
-        let mut config = ModelConfig::from_hf_json(&text).map_err(|e| e.in_file(&config_shown))?;
+        let mut config = ModelConfig::from_hf_json(&text)
+            .map_err(|e| ModelError::from(e).in_file(&config_shown))?;
+        config
+            .check_runnable()
+            .map_err(|e| ModelError::from(e).in_file(&config_shown))?;
         let (files, weight_map) = shard_files(dir)?;
         let mut shards = Vec::with_capacity(files.len());
         let mut tensors: HashMap<String, Entry> = HashMap::new();

@@ -21,7 +21,7 @@ pub mod sync;
 pub mod synthetic;
 
 pub use checkpoint::{Checkpoint, WeightName, WeightSlice};
-pub use config::{Arch, ModelConfig, RopeStyle};
+pub use config::{Arch, Experts, ModelConfig, RopeStyle};
 pub use error::{ModelError, Result};
 pub use gguf::GgufCheckpoint;
 pub use gguf_header::{GgufHeader, GgufTensor};
@@ -31,6 +31,6 @@ pub use matrix::{DenseDType, LoadOptions, Matrix};
 pub use model::{Chunk, ShardedModel};
 pub use open::open_checkpoint;
 pub use profile::Profile;
-pub use shard::{rank_memory, RankMemory, ShardPlan};
+pub use shard::{rank_memory, CheckpointPlan, RankMemory, ShardPlan};
 pub use sync::SyncMode;
-pub use tp_nn::RankWeights;
+pub use tp_spec::RankWeights;

@@ -7,18 +7,20 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::{BlockTable, KvDtype, KvPool, LayerKv};
 use crate::matrix::{LoadOptions, Matrix, Projection};
-use crate::ops::{axpy, dot, rms_norm, silu_mul, softmax, RopeTable};
+use crate::ops::{axpy, dot, rms_norm, rms_norm_in_place, silu_mul, softmax, RopeTable};
 use crate::profile::Profile;
-use crate::shard::ShardPlan;
+use crate::shard::{CheckpointPlan, ShardPlan};
 use crate::sync::{sum_partials, SyncMode};
 use tp_comm::{CommExt, Group, ReduceOp};
-use tp_nn::RankWeights;
+use tp_spec::RankWeights;
 
 /// One transformer block's local weights.
 #[derive(Debug)]
 struct Layer {
     attn_norm: Vec<f32>, // [hidden]
     qkv: Projection,     // [q_local*hd + 2*kv_local*hd, hidden]
+    /// Qwen3: RMSNorm weights of each query and key head, `([hd], [hd])`, before RoPE.
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     o: Matrix,           // [hidden, q_local*hd]
     ffn_norm: Vec<f32>,  // [hidden]
     gate_up: Projection, // [2*ffn_local, hidden]
@@ -122,6 +124,16 @@ impl ShardedModel {
             check_matrix(ckpt, WeightName::Down(l), cfg.hidden, cfg.ffn)?;
             check_vector(ckpt, WeightName::AttnNorm(l), cfg.hidden)?;
             check_vector(ckpt, WeightName::FfnNorm(l), cfg.hidden)?;
+            let qk_norm = if cfg.qk_norm {
+                check_vector(ckpt, WeightName::QNorm(l), hd)?;
+                check_vector(ckpt, WeightName::KNorm(l), hd)?;
+                Some((
+                    ckpt.vector(WeightName::QNorm(l), None)?,
+                    ckpt.vector(WeightName::KNorm(l), None)?,
+                ))
+            } else {
+                None
+            };
             let bias =
                 |name: WeightName, range: std::ops::Range<usize>| -> Result<Option<Vec<f32>>> {
                     if cfg.qkv_bias {
@@ -157,6 +169,7 @@ impl ShardedModel {
             layers.push(Layer {
                 attn_norm: ckpt.vector(WeightName::AttnNorm(l), None)?,
                 qkv,
+                qk_norm,
                 o: Matrix::from_row_parallel_slice(
                     ckpt.cols(WeightName::O(l), q_rows.clone())?,
                     hd,
@@ -258,6 +271,9 @@ impl ShardedModel {
                     + l.gate_up.bytes()
                     + l.down.bytes()
                     + (l.attn_norm.len() + l.ffn_norm.len()) * 4
+                    + l.qk_norm
+                        .as_ref()
+                        .map_or(0, |(q, k)| (q.len() + k.len()) * 4)
             })
             .sum();
         layers
@@ -391,8 +407,12 @@ impl ShardedModel {
                 let mut v_new = Vec::with_capacity(len * kv_w); // [len, kv_w]
                 for (i, row) in rows.chunks_exact_mut(qkv_w).enumerate() {
                     let (q, kv) = row.split_at_mut(q_w);
-                    self.rope.apply(q, pos0 + i);
                     let (k, v) = kv.split_at_mut(kv_w);
+                    if let Some((qn, kn)) = &layer.qk_norm {
+                        rms_norm_in_place(q, qn, eps);
+                        rms_norm_in_place(k, kn, eps);
+                    }
+                    self.rope.apply(q, pos0 + i);
                     self.rope.apply(k, pos0 + i);
                     k_new.extend_from_slice(k);
                     v_new.extend_from_slice(v);

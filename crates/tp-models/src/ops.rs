@@ -15,6 +15,18 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// [`rms_norm`] in place: each `weight.len()`-wide row of `x` (a head, for Qwen3's q/k norms).
+pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let d = weight.len();
+    for row in x.chunks_exact_mut(d) {
+        let ss: f32 = row.iter().map(|v| v * v).sum();
+        let scale = 1.0 / (ss / d as f32 + eps).sqrt();
+        for (v, w) in row.iter_mut().zip(weight) {
+            *v = *v * scale * w;
+        }
+    }
+}
+
 /// `gate [n, f]` becomes `silu(gate) * up` in place.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     for (g, u) in gate.iter_mut().zip(up) {

@@ -1,120 +1,53 @@
 //! Which heads, FFN columns and vocabulary rows each rank holds, and what that costs in
 //! memory (docs/design.md "Uneven and head-granular shards").
 
-use crate::checkpoint::{Checkpoint, Storage, WeightName};
-use crate::config::ModelConfig;
+use crate::checkpoint::{Checkpoint, WeightName};
 use crate::error::Result;
 use crate::kv_cache::{KvDtype, KvPool};
-use std::ops::Range;
-use tp_nn::{HeadPlan, Partition, RankWeights};
+use tp_spec::RankWeights;
 
-/// Columns a dense row-parallel product sums in f32 before widening to f64.
-pub const DENSE_CHUNK: usize = 32;
+pub use tp_spec::{ShardPlan, DENSE_CHUNK};
 
-/// One rank's share of a model.
-#[derive(Clone, Debug)]
-pub struct ShardPlan {
-    pub tp_rank: usize,
-    pub tp: usize,
-    pub heads: HeadPlan,
-    /// FFN columns in units of `ffn_unit` (the down projection's quant block, so shards of
-    /// quantized weights stay block aligned).
-    pub ffn: Partition,
-    pub ffn_unit: usize,
-    pub vocab: Partition,
-}
-
-impl ShardPlan {
-    /// The balanced split over `tp` ranks.
-    pub fn new(cfg: &ModelConfig, ffn_unit: usize, tp_rank: usize, tp: usize) -> Result<Self> {
-        let heads = HeadPlan::new(cfg.heads, cfg.kv_heads, tp_rank, tp)?;
-        let unit = if ffn_unit > 0 && cfg.ffn.is_multiple_of(ffn_unit) && cfg.ffn / ffn_unit >= tp {
-            ffn_unit
-        } else {
-            1
-        };
-        let ffn = Partition::new(cfg.ffn / unit, tp, "FFN columns", "FFN column")?;
-        let vocab = Partition::new(cfg.vocab, tp, "vocabulary rows", "vocabulary row")?;
-        Ok(ShardPlan {
-            tp_rank,
-            tp,
-            heads,
-            ffn,
-            ffn_unit: unit,
-            vocab,
-        })
-    }
-
-    /// Every split (query heads, FFN blocks, vocabulary rows) in proportion to `weights`, one
-    /// per rank ([`Partition::weighted`]); equal weights give [`ShardPlan::new`]'s plan. The
-    /// FFN stays in units of `ffn_unit` when every rank's share is at least one unit, as in
-    /// the balanced plan; KV heads follow the query heads.
-    pub fn weighted(
-        cfg: &ModelConfig,
-        ffn_unit: usize,
+/// [`ShardPlan`]s for a checkpoint: the FFN unit is the quant block of its down projection
+/// ([`DENSE_CHUNK`] columns for float weights: the chunk the f64-accumulating product sums in
+/// f32, so shards of dense weights also split at chunk boundaries and stay tp-invariant).
+pub trait CheckpointPlan: Sized {
+    /// The balanced split of `ckpt` over `tp` ranks.
+    fn for_checkpoint(ckpt: &dyn Checkpoint, tp_rank: usize, tp: usize) -> Result<Self>;
+    /// The split of `ckpt` with shares in proportion to `weights`.
+    fn for_checkpoint_weighted(
+        ckpt: &dyn Checkpoint,
         tp_rank: usize,
         weights: &RankWeights,
-    ) -> Result<Self> {
-        let tp = weights.tp();
-        let heads = HeadPlan::weighted(cfg.heads, cfg.kv_heads, tp_rank, weights)?;
-        let in_blocks = (ffn_unit > 0 && cfg.ffn.is_multiple_of(ffn_unit))
-            .then(|| Partition::weighted(cfg.ffn / ffn_unit, weights, "FFN blocks", "FFN block"))
-            .and_then(|p| p.ok());
-        let (ffn, unit) = match in_blocks {
-            Some(p) => (p, ffn_unit),
-            None => (
-                Partition::weighted(cfg.ffn, weights, "FFN columns", "FFN column")?,
-                1,
-            ),
-        };
-        let vocab = Partition::weighted(cfg.vocab, weights, "vocabulary rows", "vocabulary row")?;
-        Ok(ShardPlan {
-            tp_rank,
-            tp,
-            heads,
-            ffn,
-            ffn_unit: unit,
-            vocab,
-        })
+    ) -> Result<Self>;
+}
+
+impl CheckpointPlan for ShardPlan {
+    fn for_checkpoint(ckpt: &dyn Checkpoint, tp_rank: usize, tp: usize) -> Result<Self> {
+        Ok(Self::new(ckpt.config(), ffn_unit_of(ckpt)?, tp_rank, tp)?)
     }
 
-    /// For a checkpoint: the FFN unit is the quant block of its down projection (32 columns
-    /// for float weights: the chunk the f64-accumulating product sums in f32, so shards of
-    /// dense weights also split at chunk boundaries and stay tp-invariant).
-    pub fn for_checkpoint(ckpt: &dyn Checkpoint, tp_rank: usize, tp: usize) -> Result<Self> {
-        Self::new(ckpt.config(), Self::ffn_unit_of(ckpt)?, tp_rank, tp)
-    }
-
-    /// [`ShardPlan::for_checkpoint`] with shares in proportion to `weights`.
-    pub fn for_checkpoint_weighted(
+    fn for_checkpoint_weighted(
         ckpt: &dyn Checkpoint,
         tp_rank: usize,
         weights: &RankWeights,
     ) -> Result<Self> {
-        Self::weighted(ckpt.config(), Self::ffn_unit_of(ckpt)?, tp_rank, weights)
+        Ok(Self::weighted(
+            ckpt.config(),
+            ffn_unit_of(ckpt)?,
+            tp_rank,
+            weights,
+        )?)
     }
+}
 
-    fn ffn_unit_of(ckpt: &dyn Checkpoint) -> Result<usize> {
-        Ok(ckpt
-            .meta(WeightName::Down(0))?
-            .storage
-            .block()
-            .max(DENSE_CHUNK))
-    }
-
-    pub fn q_heads(&self) -> Range<usize> {
-        self.heads.q_range()
-    }
-    pub fn kv_heads(&self) -> Range<usize> {
-        self.heads.kv_range()
-    }
-    pub fn ffn_cols(&self) -> Range<usize> {
-        let r = self.ffn.range(self.tp_rank);
-        r.start * self.ffn_unit..r.end * self.ffn_unit
-    }
-    pub fn vocab_rows(&self) -> Range<usize> {
-        self.vocab.range(self.tp_rank)
-    }
+/// The FFN unit of a checkpoint's shards.
+pub fn ffn_unit_of(ckpt: &dyn Checkpoint) -> Result<usize> {
+    Ok(ckpt
+        .meta(WeightName::Down(0))?
+        .storage
+        .block()
+        .max(DENSE_CHUNK))
 }
 
 /// Bytes one rank holds, by kind.
@@ -131,32 +64,6 @@ pub struct RankMemory {
 impl RankMemory {
     pub fn total(&self) -> usize {
         self.sharded + self.replicated + self.kv_cache
-    }
-}
-
-/// Bytes a weight slice will occupy once loaded: quantized shards keep their blocks when
-/// aligned (K-quants: the super-blocks a range on 32-wide sub-blocks touches), everything
-/// else becomes `dense_bytes` per element.
-fn slice_bytes(
-    storage: Storage,
-    rows: usize,
-    cols: usize,
-    col_start: usize,
-    dense_bytes: usize,
-) -> usize {
-    match storage {
-        Storage::Quant(t) => {
-            let b = t.block_size();
-            if col_start.is_multiple_of(b) && cols.is_multiple_of(b) {
-                rows * (cols / b) * t.type_size()
-            } else if b == 256 && col_start.is_multiple_of(32) && cols.is_multiple_of(32) {
-                // A K-quant range on 32-wide sub-blocks keeps the super-blocks it touches.
-                rows * ((col_start + cols).div_ceil(b) - col_start / b) * t.type_size()
-            } else {
-                rows * cols * dense_bytes
-            }
-        }
-        Storage::Float { .. } => rows * cols * dense_bytes,
     }
 }
 
@@ -177,41 +84,19 @@ pub fn rank_memory(
 ) -> Result<RankMemory> {
     let cfg = ckpt.config();
     let hd = cfg.head_dim;
-    let q_rows = plan.q_heads().len() * hd;
-    let kv_rows = plan.kv_heads().len() * hd;
-    let ffn = plan.ffn_cols();
-    let vocab = plan.vocab_rows().len();
-    let mut m = RankMemory::default();
-    let size = |name: WeightName, rows: usize, cols: usize, col_start: usize| -> Result<usize> {
-        let meta = ckpt.meta(name)?;
-        let storage = if quantized {
-            meta.storage
+    let mut layout = |name: WeightName| -> Result<tp_spec::Layout> {
+        Ok(if quantized {
+            ckpt.meta(name)?.storage.layout()
         } else {
-            Storage::Float { bytes: dense_bytes }
-        };
-        Ok(slice_bytes(storage, rows, cols, col_start, dense_bytes))
+            tp_spec::Layout::Float
+        })
     };
-    for l in 0..cfg.layers {
-        m.sharded += size(WeightName::Q(l), q_rows, cfg.hidden, 0)?;
-        m.sharded += 2 * size(WeightName::K(l), kv_rows, cfg.hidden, 0)?;
-        m.sharded += size(
-            WeightName::O(l),
-            cfg.hidden,
-            q_rows,
-            plan.q_heads().start * hd,
-        )?;
-        m.sharded += 2 * size(WeightName::Gate(l), ffn.len(), cfg.hidden, 0)?;
-        m.sharded += size(WeightName::Down(l), cfg.hidden, ffn.len(), ffn.start)?;
-        if cfg.qkv_bias {
-            m.sharded += (q_rows + 2 * kv_rows) * 4;
-        }
-        m.replicated += 2 * cfg.hidden * 4;
-    }
-    m.sharded += size(WeightName::Embed, vocab, cfg.hidden, 0)?;
-    if !cfg.tied_embeddings {
-        m.sharded += size(WeightName::Output, vocab, cfg.hidden, 0)?;
-    }
-    m.replicated += cfg.hidden * 4;
+    let w = tp_spec::rank_weight_bytes(cfg, plan, &mut layout, dense_bytes)?;
+    let mut m = RankMemory {
+        sharded: w.sharded,
+        replicated: w.replicated,
+        kv_cache: 0,
+    };
     let limit = crate::limits::memory_limit();
     let hint = "ask for a shorter context";
     // Every rank builds the RoPE table whole (replicated).

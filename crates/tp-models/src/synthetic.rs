@@ -80,7 +80,7 @@ impl SyntheticModel {
     /// The test shape: 2 layers, hidden 256, 8 query / 2 KV heads of 32 (tp 4 > KV heads),
     /// FFN 544 (17 quant blocks: uneven at tp 2, 3, 4), vocab 1000 (divisible by neither 3
     /// nor 16), context 128. `llama` ties the head to the embedding; `qwen2` has QKV biases
-    /// and an untied head.
+    /// and an untied head; `qwen3` has q/k norms, heads of 64 and an untied head.
     pub fn small(arch: Arch, seed: u64) -> Self {
         let cfg = ModelConfig {
             arch,
@@ -89,14 +89,17 @@ impl SyntheticModel {
             ffn: 544,
             heads: 8,
             kv_heads: 2,
-            head_dim: 32,
+            // Qwen3's heads are wider than hidden / heads (as in Qwen3-0.6B: 16 x 128 > 1024).
+            head_dim: if arch == Arch::Qwen3 { 64 } else { 32 },
             vocab: 1000,
             rms_eps: 1e-5,
             rope_theta: 10_000.0,
             rope_style: RopeStyle::RotateHalf,
             context: 128,
             qkv_bias: arch == Arch::Qwen2,
+            qk_norm: arch == Arch::Qwen3,
             tied_embeddings: arch == Arch::Llama,
+            experts: None,
         };
         Self::new(cfg, seed)
     }
@@ -152,6 +155,10 @@ impl SyntheticModel {
                 cfg.hidden,
                 lin(cfg.hidden),
             ));
+            if cfg.qk_norm {
+                weights.push(vector(&mut rng, WeightName::QNorm(l), hd, 1.0, 0.2));
+                weights.push(vector(&mut rng, WeightName::KNorm(l), hd, 1.0, 0.2));
+            }
             if cfg.qkv_bias {
                 weights.push(vector(&mut rng, WeightName::QBias(l), q, 0.0, 0.3));
                 weights.push(vector(&mut rng, WeightName::KBias(l), kv, 0.0, 0.3));
@@ -235,6 +242,10 @@ impl SyntheticModel {
             (format!("{a}.attention.head_count"), u(c.heads)),
             (format!("{a}.attention.head_count_kv"), u(c.kv_heads)),
             (format!("{a}.rope.dimension_count"), u(c.head_dim)),
+            (format!("{a}.attention.key_length"), u(c.head_dim)),
+            (format!("{a}.attention.value_length"), u(c.head_dim)),
+            // candle's qwen3 computes in f16 unless told the weights are f32.
+            ("general.dtype".into(), Value::U32(0)),
             (
                 format!("{a}.attention.layer_norm_rms_epsilon"),
                 Value::F32(c.rms_eps as f32),
@@ -305,30 +316,7 @@ impl SyntheticModel {
 
     /// `config.json` of the HF directory.
     pub fn hf_config_json(&self) -> serde_json::Value {
-        let c = &self.cfg;
-        let mut v = serde_json::json!({
-            "architectures": [match c.arch { Arch::Llama => "LlamaForCausalLM", Arch::Qwen2 => "Qwen2ForCausalLM" }],
-            "model_type": self.arch_name(),
-            "hidden_size": c.hidden,
-            "intermediate_size": c.ffn,
-            "num_hidden_layers": c.layers,
-            "num_attention_heads": c.heads,
-            "num_key_value_heads": c.kv_heads,
-            "head_dim": c.head_dim,
-            "vocab_size": c.vocab,
-            "rms_norm_eps": c.rms_eps,
-            "rope_theta": c.rope_theta,
-            "max_position_embeddings": c.context,
-            "tie_word_embeddings": c.tied_embeddings,
-            "hidden_act": "silu",
-            "torch_dtype": "float32",
-        });
-        if c.arch == Arch::Qwen2 {
-            v["sliding_window"] = c.context.into();
-            v["max_window_layers"] = c.layers.into();
-            v["use_sliding_window"] = false.into();
-        }
-        v
+        self.cfg.to_hf_json()
     }
 
     /// HF tensors `(name, shape, values)`.

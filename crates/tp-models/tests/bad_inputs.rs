@@ -7,8 +7,8 @@ use candle_core::quantized::gguf_file::Value;
 use std::path::Path;
 use tp_models::synthetic::{self, GgufTypes, HfDType, SyntheticModel};
 use tp_models::{
-    open_checkpoint, Arch, Checkpoint, GgufCheckpoint, HfCheckpoint, LoadOptions, ModelConfig,
-    ModelError, ShardPlan, ShardedModel,
+    open_checkpoint, Arch, Checkpoint, CheckpointPlan, GgufCheckpoint, HfCheckpoint, LoadOptions,
+    ModelConfig, ModelError, ShardPlan, ShardedModel,
 };
 
 fn open_err(path: &Path) -> ModelError {
@@ -123,7 +123,11 @@ fn unsupported_architectures_are_named_with_the_file() {
         matches!(e, ModelError::UnsupportedArch { ref arch, .. } if arch == "gpt2"),
         "{e:?}"
     );
-    says(&e, &p, &["\"gpt2\"", "pass a llama or qwen2 GGUF"]);
+    says(
+        &e,
+        &p,
+        &["\"gpt2\"", "supported: llama (LlamaForCausalLM), qwen2"],
+    );
 
     let hf = dir.path().join("bert");
     SyntheticModel::small(Arch::Llama, 3)
@@ -140,6 +144,49 @@ fn unsupported_architectures_are_named_with_the_file() {
         &e,
         &hf.join("config.json"),
         &["\"bert\"", "LlamaForCausalLM"],
+    );
+}
+
+/// A mixture of experts is read (its expert count named) and refused before loading; a
+/// dense model carrying expert tensors names them as such.
+#[test]
+fn mixtures_of_experts_are_refused_before_loading() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_model(dir.path(), Arch::Llama, |md| {
+        md.push(("llama.expert_count".into(), Value::U32(8)));
+        md.push(("llama.expert_used_count".into(), Value::U32(2)));
+    });
+    let e = open_err(&p);
+    says(
+        &e,
+        &p,
+        &[
+            "mixture-of-experts",
+            "8 experts, 2 per token",
+            "not implemented yet",
+        ],
+    );
+    let p = write_model(dir.path(), Arch::Qwen2, |md| {
+        md[0].1 = Value::String("qwen2moe".into());
+    });
+    says(&open_err(&p), &p, &["qwen2moe", "mixture-of-experts"]);
+
+    let m = SyntheticModel::small(Arch::Llama, 4);
+    let mut tensors = m.gguf_tensors(GgufTypes::F32).unwrap();
+    let router =
+        candle_core::Tensor::zeros((8, 256), candle_core::DType::F32, &candle_core::Device::Cpu)
+            .unwrap();
+    tensors.push((
+        "blk.0.ffn_gate_inp.weight".into(),
+        candle_core::quantized::QTensor::quantize(&router, candle_core::quantized::GgmlDType::F32)
+            .unwrap(),
+    ));
+    let p = dir.path().join("router.gguf");
+    synthetic::write_gguf(&p, &m.gguf_metadata(), &tensors).unwrap();
+    says(
+        &open_err(&p),
+        &p,
+        &["blk.0.ffn_gate_inp.weight", "mixture-of-experts weight"],
     );
 }
 

@@ -497,7 +497,9 @@ fn size() -> impl Strategy<Value = u64> {
 fn plan_and_load(ckpt: &dyn Checkpoint, ctx: usize) -> Result<(), TestCaseError> {
     let _ = tp_models::limits::check_context(ckpt.config(), ctx);
     for (rank, tp) in [(0, 1), (1, 2)] {
-        if let Ok(plan) = tp_models::ShardPlan::for_checkpoint(ckpt, rank, tp) {
+        if let Ok(plan) =
+            <tp_models::ShardPlan as tp_models::CheckpointPlan>::for_checkpoint(ckpt, rank, tp)
+        {
             let _ = tp_models::rank_memory(ckpt, &plan, ctx, 4, true, tp_models::KvDtype::F32);
         }
     }

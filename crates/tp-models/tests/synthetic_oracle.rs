@@ -1,7 +1,7 @@
 //! Sharded logits of small random models (8 heads, 2 KV heads, FFN 544, vocab 1000: tp 4 >
 //! KV heads, uneven FFN and vocab shards) at tp 1..4 against independent implementations:
-//! candle-transformers' quantized llama / qwen2 on the same GGUF, and its plain llama / qwen2
-//! on the same HF directory through candle-nn's VarBuilder.
+//! candle-transformers' quantized llama / qwen2 / qwen3 on the same GGUF, and its plain
+//! llama / qwen2 / qwen3 on the same HF directory through candle-nn's VarBuilder.
 //!
 //! Both sides see identical f32 weights (GGUF: every weight dequantized, the oracle with
 //! `CANDLE_DEQUANTIZE_ALL=1`, ours with `keep_quantized: false`), so the differences are f32
@@ -12,11 +12,10 @@
 
 mod common;
 
-use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_transformers::models::{llama, quantized_llama, quantized_qwen2, qwen2};
-use common::{assert_close, prompt, sharded_logits};
+use candle_transformers::models::{llama, qwen2, qwen3};
+use common::{assert_close, prompt, sharded_logits, GgufOracle};
 use std::path::Path;
 use tp_models::synthetic::{GgufTypes, HfDType, SyntheticModel};
 use tp_models::{Arch, GgufCheckpoint, HfCheckpoint, LoadOptions};
@@ -30,56 +29,18 @@ fn dense() -> LoadOptions {
     }
 }
 
-/// candle-transformers' GGUF models.
-enum GgufOracle {
-    Llama(quantized_llama::ModelWeights),
-    Qwen2(quantized_qwen2::ModelWeights),
-}
-
-impl GgufOracle {
-    fn load(path: &Path, arch: Arch) -> Self {
-        // The oracle reads this variable once per thread, at its first quantized matmul.
-        std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
-        let mut file = std::fs::File::open(path).unwrap();
-        let content = gguf_file::Content::read(&mut file).unwrap();
-        match arch {
-            Arch::Llama => GgufOracle::Llama(
-                quantized_llama::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap(),
-            ),
-            Arch::Qwen2 => GgufOracle::Qwen2(
-                quantized_qwen2::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap(),
-            ),
-        }
-    }
-
-    fn forward(&mut self, tokens: &[u32], pos: usize) -> Vec<f32> {
-        let x = Tensor::new(tokens, &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        let y = match self {
-            GgufOracle::Llama(m) => m.forward(&x, pos),
-            GgufOracle::Qwen2(m) => m.forward(&x, pos),
-        };
-        y.unwrap().flatten_all().unwrap().to_vec1().unwrap()
-    }
-}
-
-/// The oracle's rows in the order of `common::sharded_logits`: whole prompt, then each
-/// prefix fed token by token through a fresh model.
+/// candle-transformers' GGUF models, every weight dequantized.
 fn gguf_oracle_logits(path: &Path, arch: Arch, tokens: &[u32]) -> Vec<Vec<f32>> {
-    let mut out = vec![GgufOracle::load(path, arch).forward(tokens, 0)];
-    let mut m = GgufOracle::load(path, arch);
-    for (i, t) in tokens.iter().enumerate() {
-        out.push(m.forward(std::slice::from_ref(t), i));
-    }
-    out
+    // The oracle reads this variable once per thread, at its first quantized matmul.
+    std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
+    GgufOracle::logits(path, arch, tokens)
 }
 
 /// candle-transformers' plain (safetensors) models.
 enum HfOracle {
     Llama(llama::Llama, llama::Cache),
     Qwen2(qwen2::ModelForCausalLM),
+    Qwen3(qwen3::ModelForCausalLM),
 }
 
 impl HfOracle {
@@ -95,7 +56,10 @@ impl HfOracle {
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu) }
             .unwrap();
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-        if v["model_type"] == "qwen2" {
+        if v["model_type"] == "qwen3" {
+            let cfg: qwen3::Config = serde_json::from_str(&text).unwrap();
+            HfOracle::Qwen3(qwen3::ModelForCausalLM::new(&cfg, vb).unwrap())
+        } else if v["model_type"] == "qwen2" {
             let cfg: qwen2::Config = serde_json::from_str(&text).unwrap();
             HfOracle::Qwen2(qwen2::ModelForCausalLM::new(&cfg, vb).unwrap())
         } else {
@@ -114,6 +78,7 @@ impl HfOracle {
         let y = match self {
             HfOracle::Llama(m, cache) => m.forward(&x, pos, cache),
             HfOracle::Qwen2(m) => m.forward(&x, pos),
+            HfOracle::Qwen3(m) => m.forward(&x, pos),
         };
         y.unwrap().flatten_all().unwrap().to_vec1().unwrap()
     }
@@ -162,9 +127,18 @@ fn gguf_qwen2_matches_candle_quantized_qwen2_at_tp_1_to_4() {
     }
 }
 
+/// Qwen3: per-head q/k RMSNorm before RoPE, no biases, head_dim given apart from hidden/heads.
 #[test]
-fn hf_llama_and_qwen2_match_candle_at_tp_1_to_4() {
-    for (arch, seed) in [(Arch::Llama, 30), (Arch::Qwen2, 31)] {
+fn gguf_qwen3_matches_candle_quantized_qwen3_at_tp_1_to_4() {
+    use candle_core::quantized::GgmlDType::*;
+    for (i, (linear, embed)) in [(F32, F32), (Q8_0, Q4_1)].into_iter().enumerate() {
+        gguf_case(Arch::Qwen3, GgufTypes { linear, embed }, 25 + i as u64);
+    }
+}
+
+#[test]
+fn hf_llama_qwen2_and_qwen3_match_candle_at_tp_1_to_4() {
+    for (arch, seed) in [(Arch::Llama, 30), (Arch::Qwen2, 31), (Arch::Qwen3, 32)] {
         let model = SyntheticModel::small(arch, seed);
         let dir = tempfile::tempdir().unwrap();
         model.write_hf(dir.path(), 1, HfDType::F32).unwrap();

@@ -14,57 +14,12 @@
 
 mod common;
 
-use candle_core::quantized::{gguf_file, GgmlDType};
-use candle_core::{Device, Tensor};
-use candle_transformers::models::{quantized_llama, quantized_qwen2};
-use common::{argmax, prompt, sharded_logits, spread};
+use candle_core::quantized::GgmlDType;
+use common::{argmax, prompt, sharded_logits, spread, GgufOracle};
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
 use tp_models::{Arch, GgufCheckpoint, LoadOptions};
 
 const TOL: f32 = 2e-2;
-
-enum Oracle {
-    Llama(quantized_llama::ModelWeights),
-    Qwen2(quantized_qwen2::ModelWeights),
-}
-
-impl Oracle {
-    fn load(path: &std::path::Path, arch: Arch) -> Self {
-        let mut file = std::fs::File::open(path).unwrap();
-        let c = gguf_file::Content::read(&mut file).unwrap();
-        let dev = &Device::Cpu;
-        match arch {
-            Arch::Llama => {
-                Oracle::Llama(quantized_llama::ModelWeights::from_gguf(c, &mut file, dev).unwrap())
-            }
-            Arch::Qwen2 => {
-                Oracle::Qwen2(quantized_qwen2::ModelWeights::from_gguf(c, &mut file, dev).unwrap())
-            }
-        }
-    }
-
-    fn forward(&mut self, tokens: &[u32], pos: usize) -> Vec<f32> {
-        let x = Tensor::new(tokens, &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        let y = match self {
-            Oracle::Llama(m) => m.forward(&x, pos),
-            Oracle::Qwen2(m) => m.forward(&x, pos),
-        };
-        y.unwrap().flatten_all().unwrap().to_vec1().unwrap()
-    }
-}
-
-/// Rows in the order of `common::sharded_logits`.
-fn oracle(path: &std::path::Path, arch: Arch, tokens: &[u32]) -> Vec<Vec<f32>> {
-    let mut out = vec![Oracle::load(path, arch).forward(tokens, 0)];
-    let mut m = Oracle::load(path, arch);
-    for (i, t) in tokens.iter().enumerate() {
-        out.push(m.forward(std::slice::from_ref(t), i));
-    }
-    out
-}
 
 /// Changes the test shape of a case.
 type Shape = fn(&mut tp_models::ModelConfig);
@@ -102,7 +57,7 @@ fn quantized_logits_match_candle_quantized_models_at_tp_1_to_4() {
             .write_gguf(&path, GgufTypes { linear, embed })
             .unwrap();
         let tokens = prompt(model.cfg.vocab, 10);
-        let want = oracle(&path, arch, &tokens);
+        let want = GgufOracle::logits(&path, arch, &tokens);
         let ckpt = GgufCheckpoint::open(&path).unwrap();
         for tp in 1..=4 {
             let got = sharded_logits(&ckpt, &tokens, tp, LoadOptions::default());

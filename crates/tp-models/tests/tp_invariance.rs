@@ -13,8 +13,8 @@ use common::Stepper;
 use tp_comm::local::{self, LocalOptions};
 use tp_models::synthetic::{GgufTypes, HfDType, SyntheticModel};
 use tp_models::{
-    open_checkpoint, rank_memory, Arch, Checkpoint, KvDtype, LoadOptions, RankWeights, ShardPlan,
-    ShardedModel,
+    open_checkpoint, rank_memory, Arch, Checkpoint, CheckpointPlan, KvDtype, LoadOptions,
+    RankWeights, ShardPlan, ShardedModel,
 };
 
 /// Full logits of a prompt (every position) and of 3 decode steps, at `tp` (balanced shards).

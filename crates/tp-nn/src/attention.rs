@@ -6,10 +6,10 @@
 
 use crate::error::{Result, TpError};
 use crate::linear::{ColumnParallelLinear, PartialSum, RowParallelLinear};
-use crate::partition::{HeadPlan, Partition};
 use crate::rope::Rope;
 use candle_core::{Device, Tensor, Var, D};
 use tp_comm::Group;
+use tp_spec::{HeadPlan, Partition};
 
 #[derive(Debug)]
 pub struct ParallelAttention {
@@ -47,7 +47,7 @@ impl ParallelAttention {
         let plan = HeadPlan::new(heads, kv_heads, tp_rank, tp)?;
         let kv_sizes: Vec<usize> = (0..tp)
             .map(|r| HeadPlan::new(heads, kv_heads, r, tp).map(|p| p.kv_range().len() * head_dim))
-            .collect::<Result<_>>()?;
+            .collect::<std::result::Result<_, _>>()?;
         let wq = ColumnParallelLinear::from_global_units(wq, &plan.q, head_dim, tp_rank)?;
         let wk = ColumnParallelLinear::from_global_rows(
             wk,

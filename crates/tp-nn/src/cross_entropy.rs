@@ -8,9 +8,9 @@ use crate::embedding::local_ids;
 use crate::error::{Result, TpError};
 use crate::host;
 use crate::mappings::reduce_from_tp;
-use crate::partition::Partition;
 use candle_core::{Tensor, D};
 use tp_comm::{Group, ReduceOp};
+use tp_spec::Partition;
 
 /// Mean cross-entropy over `n` rows. `logits_local [n, vocab_local]` are this rank's columns
 /// `vocab.range(group.rank())`; `targets [n]` are global ids (u32). Returns a replicated scalar.

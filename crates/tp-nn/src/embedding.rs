@@ -4,10 +4,10 @@
 use crate::error::{Result, TpError};
 use crate::linear::check_group;
 use crate::mappings::reduce_from_tp;
-use crate::partition::Partition;
 use candle_core::{DType, Tensor, Var};
 use std::ops::Range;
 use tp_comm::Group;
+use tp_spec::Partition;
 
 #[derive(Debug)]
 pub struct VocabParallelEmbedding {

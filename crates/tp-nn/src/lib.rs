@@ -17,7 +17,6 @@ pub mod linear;
 pub mod mappings;
 pub mod mlp;
 pub mod norm;
-pub mod partition;
 pub mod recording;
 pub mod reference;
 pub mod rope;
@@ -34,7 +33,8 @@ pub use mappings::{
 };
 pub use mlp::ParallelMlp;
 pub use norm::RmsNorm;
-pub use partition::{HeadPlan, Partition, RankWeights, MAX_RANK_WEIGHT};
 pub use recording::RecordingComm;
 pub use reference::DenseBlock;
 pub use rope::{Rope, RopeLayout};
+/// The shard arithmetic lives in tp-spec; re-exported for the layers' callers.
+pub use tp_spec::{HeadPlan, Partition, RankWeights, ShardError, MAX_RANK_WEIGHT};

@@ -9,10 +9,10 @@ use crate::error::{Result, TpError};
 use crate::mappings::{
     copy_to_tp, gather_last_dim, reduce_from_tp, reduce_scatter_to_sequence_parallel,
 };
-use crate::partition::Partition;
 use candle_core::{Tensor, Var};
 use std::ops::Range;
 use tp_comm::Group;
+use tp_spec::Partition;
 
 /// Checks that `group` is the tp group a layer was sliced for.
 pub(crate) fn check_group(group: &Group, tp_rank: usize, tp: usize) -> Result<()> {
@@ -111,7 +111,7 @@ impl ColumnParallelLinear {
     ) -> Result<Self> {
         let tp = out_sizes.len();
         if tp_rank >= tp {
-            return Err(TpError::InvalidRank { tp_rank, tp });
+            return Err(tp_spec::ShardError::InvalidRank { tp_rank, tp }.into());
         }
         Ok(ColumnParallelLinear {
             weight: slice_var(weight, 0, &units, unit_len)?,

@@ -3,9 +3,9 @@
 
 use crate::error::Result;
 use crate::linear::{ColumnParallelLinear, PartialSum, RowParallelLinear};
-use crate::partition::Partition;
 use candle_core::{Tensor, Var};
 use tp_comm::Group;
+use tp_spec::Partition;
 
 #[derive(Debug)]
 pub struct ParallelMlp {

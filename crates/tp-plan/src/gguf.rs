@@ -4,27 +4,19 @@
 //! Only the header is read; every length is bounds-checked, and truncated or
 //! malformed files are typed errors.
 
-use crate::model::ModelSpec;
+use crate::model::{ModelSpec, StoredWeights};
 use crate::PlanError;
 use std::collections::HashMap;
 use std::io::{BufReader, Read};
 use std::path::Path;
+use tp_spec::{parse_gguf_name, Dims, Layout, MetaValue, ModelConfig, WeightName};
 
 /// Longest string the parser accepts (keys, values, tensor names).
 const MAX_STRING_BYTES: u64 = 1 << 20;
+/// Arrays inside arrays nest at most this deep (real files nest at most once).
+const MAX_ARRAY_DEPTH: usize = 8;
 /// Most array elements / key-value pairs / tensors the parser accepts.
 const MAX_COUNT: u64 = 1 << 24;
-
-/// A metadata value the planner cares about (arrays keep only their length).
-#[derive(Debug, Clone, PartialEq)]
-enum MetaValue {
-    Unsigned(u64),
-    Signed(i64),
-    Float(f64),
-    Bool(bool),
-    Text(String),
-    Array { len: u64 },
-}
 
 struct HeaderReader<R: Read> {
     inner: R,
@@ -95,14 +87,15 @@ impl<R: Read> HeaderReader<R> {
         }
     }
 
-    fn value(&mut self, value_type: u32, key: &str) -> Result<MetaValue, String> {
+    /// One value of `value_type`; `depth` counts the arrays around it.
+    fn value(&mut self, value_type: u32, key: &str, depth: usize) -> Result<MetaValue, String> {
         Ok(match value_type {
-            0 => MetaValue::Unsigned(u64::from(self.bytes::<1>(key)?[0])),
-            1 => MetaValue::Signed(i64::from(self.bytes::<1>(key)?[0] as i8)),
-            2 => MetaValue::Unsigned(u64::from(u16::from_le_bytes(self.bytes::<2>(key)?))),
-            3 => MetaValue::Signed(i64::from(i16::from_le_bytes(self.bytes::<2>(key)?))),
-            4 => MetaValue::Unsigned(u64::from(self.u32(key)?)),
-            5 => MetaValue::Signed(i64::from(i32::from_le_bytes(self.bytes::<4>(key)?))),
+            0 => MetaValue::Uint(u64::from(self.bytes::<1>(key)?[0])),
+            1 => MetaValue::Int(i64::from(self.bytes::<1>(key)?[0] as i8)),
+            2 => MetaValue::Uint(u64::from(u16::from_le_bytes(self.bytes::<2>(key)?))),
+            3 => MetaValue::Int(i64::from(i16::from_le_bytes(self.bytes::<2>(key)?))),
+            4 => MetaValue::Uint(u64::from(self.u32(key)?)),
+            5 => MetaValue::Int(i64::from(i32::from_le_bytes(self.bytes::<4>(key)?))),
             6 => MetaValue::Float(f64::from(f32::from_le_bytes(self.bytes::<4>(key)?))),
             7 => MetaValue::Bool(self.bytes::<1>(key)?[0] != 0),
             8 => MetaValue::Text(self.string(key)?),
@@ -120,16 +113,21 @@ impl<R: Read> HeaderReader<R> {
                             self.skip(n, key)?;
                         }
                     }
+                    (9, None) if depth < MAX_ARRAY_DEPTH => {
+                        for _ in 0..len {
+                            self.value(9, key, depth + 1)?;
+                        }
+                    }
                     _ => {
                         return Err(format!(
-                            "array `{key}` has unsupported element type {element_type}"
+                            "array `{key}` has unsupported element type {element_type} (or nests deeper than {MAX_ARRAY_DEPTH})"
                         ))
                     }
                 }
-                MetaValue::Array { len }
+                MetaValue::Array { len: len as usize }
             }
-            10 => MetaValue::Unsigned(self.u64(key)?),
-            11 => MetaValue::Signed(i64::from_le_bytes(self.bytes::<8>(key)?)),
+            10 => MetaValue::Uint(self.u64(key)?),
+            11 => MetaValue::Int(i64::from_le_bytes(self.bytes::<8>(key)?)),
             12 => MetaValue::Float(f64::from_le_bytes(self.bytes::<8>(key)?)),
             other => return Err(format!("key `{key}` has unknown value type {other}")),
         })
@@ -158,68 +156,46 @@ fn parse_header<R: Read>(reader: R, name: &str) -> Result<ModelSpec, String> {
     for _ in 0..kv_count {
         let key = r.string("metadata key")?;
         let value_type = r.u32(&key)?;
-        let value = r.value(value_type, &key)?;
+        let value = r.value(value_type, &key, 0)?;
         meta.insert(key, value);
     }
-    let mut has_output_tensor = false;
+    let mut tensors: Vec<(String, Vec<u64>, u32)> = Vec::new();
     for _ in 0..tensor_count {
         let tensor = r.string("tensor name")?;
         let dims = r.u32(&tensor)?;
         if dims > 8 {
             return Err(format!("tensor `{tensor}` has {dims} dimensions"));
         }
-        r.skip(8 * u64::from(dims) + 4 + 8, &tensor)?;
-        has_output_tensor |= tensor == "output.weight";
+        let shape = (0..dims)
+            .map(|_| r.u64(&tensor))
+            .collect::<Result<Vec<u64>, String>>()?;
+        let ggml_type = r.u32(&tensor)?;
+        r.skip(8, &tensor)?; // data offset
+        tensors.push((tensor, shape, ggml_type));
     }
-    let arch = match meta.get("general.architecture") {
-        Some(MetaValue::Text(a)) => a.clone(),
-        _ => return Err("missing `general.architecture`".to_string()),
-    };
-    let int = |key: &str| -> Result<Option<u64>, String> {
-        match meta.get(&format!("{arch}.{key}")) {
-            None => Ok(None),
-            Some(MetaValue::Unsigned(v)) => Ok(Some(*v)),
-            Some(MetaValue::Signed(v)) if *v >= 0 => Ok(Some(*v as u64)),
-            Some(other) => Err(format!(
-                "`{arch}.{key}` is not a non-negative integer: {other:?}"
-            )),
+    let tensor = |name: &str| tensors.iter().find(|t| t.0 == name);
+    // ggml lists dimensions innermost first: the embedding is [hidden, vocab].
+    let embed_rows = tensor("token_embd.weight")
+        .and_then(|t| t.1.get(1))
+        .and_then(|&v| usize::try_from(v).ok());
+    let has_output = tensor_count == 0 || tensor("output.weight").is_some();
+    let dims = Dims::from_gguf(&meta, embed_rows, has_output).map_err(|e| e.to_string())?;
+    let down = tensor("blk.0.ffn_down.weight").and_then(|t| Layout::of_ggml_type(t.2));
+    let ffn_unit = down.map_or(tp_spec::DENSE_CHUNK, Layout::ffn_unit);
+    let mut model = ModelSpec::from_dims(name, &dims, ffn_unit as u64);
+    // A supported architecture whose every weight has a known layout: exact per-rank bytes.
+    if let Ok(config) = ModelConfig::from_gguf(&meta, embed_rows, has_output) {
+        let layouts: Option<HashMap<WeightName, Layout>> = tensors
+            .iter()
+            .filter_map(|(n, _, t)| {
+                parse_gguf_name(n).map(|w| Some((w, Layout::of_ggml_type(*t)?)))
+            })
+            .collect();
+        if let Some(layouts) = layouts {
+            model.stored = Some(StoredWeights { config, layouts });
         }
-    };
-    let need = |key: &str| -> Result<u64, String> {
-        int(key)?.ok_or_else(|| format!("missing `{arch}.{key}`"))
-    };
-    let hidden = need("embedding_length")?;
-    let heads = need("attention.head_count")?;
-    let vocab = match (int("vocab_size")?, meta.get("tokenizer.ggml.tokens")) {
-        (Some(v), _) => v,
-        (None, Some(MetaValue::Array { len })) => *len,
-        _ => {
-            return Err(format!(
-                "missing `{arch}.vocab_size` and `tokenizer.ggml.tokens`"
-            ))
-        }
-    };
-    if heads == 0 {
-        return Err("attention.head_count is 0".to_string());
     }
-    let head_dim = int("attention.key_length")?.unwrap_or(hidden / heads);
-    Ok(ModelSpec {
-        name: name.to_string(),
-        num_layers: need("block_count")?,
-        hidden_size: hidden,
-        ffn_hidden_size: need("feed_forward_length")?,
-        num_query_heads: heads,
-        num_kv_heads: int("attention.head_count_kv")?.unwrap_or(heads),
-        head_dim,
-        vocab_size: vocab,
-        tied_embeddings: tensor_count > 0 && !has_output_tensor,
-        gated_mlp: !matches!(
-            arch.as_str(),
-            "gpt2" | "gptj" | "gptneox" | "bloom" | "falcon" | "mpt"
-        ),
-        num_experts: int("expert_count")?.unwrap_or(1).max(1),
-        experts_per_token: int("expert_used_count")?.unwrap_or(1).max(1),
-    })
+    Ok(model)
 }
 
 /// Parses GGUF header bytes; `path` is used in errors and as the model name.

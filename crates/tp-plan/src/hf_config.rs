@@ -1,5 +1,5 @@
-//! Reads a Hugging Face `config.json` (Llama/Mistral/Mixtral/Qwen2 and GPT-2
-//! field names) into a [`ModelSpec`].
+//! Reads a Hugging Face `config.json` (Llama/Mistral/Mixtral/Qwen2 and GPT-2 field names)
+//! into a [`ModelSpec`] through tp-spec's one config reader.
 
 use crate::model::ModelSpec;
 use crate::PlanError;
@@ -13,69 +13,17 @@ pub fn parse_hf_config(text: &str, path: &Path) -> Result<ModelSpec, PlanError> 
         message,
     };
     let root: Value = serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
-    let object = root
-        .as_object()
-        .ok_or_else(|| malformed("top level is not a JSON object".to_string()))?;
-    let read_u64 = |names: &[&str]| -> Result<Option<u64>, PlanError> {
-        for name in names {
-            if let Some(v) = object.get(*name) {
-                if v.is_null() {
-                    continue;
-                }
-                return v
-                    .as_u64()
-                    .map(Some)
-                    .ok_or_else(|| malformed(format!("`{name}` is not a non-negative integer")));
-            }
-        }
-        Ok(None)
-    };
-    let require = |names: &[&str]| -> Result<u64, PlanError> {
-        read_u64(names)?.ok_or_else(|| malformed(format!("missing field `{}`", names[0])))
-    };
-    let hidden = require(&["hidden_size", "n_embd", "d_model"])?;
-    let layers = require(&["num_hidden_layers", "n_layer", "num_layers"])?;
-    let heads = require(&["num_attention_heads", "n_head"])?;
-    let vocab = require(&["vocab_size"])?;
-    let kv_heads = read_u64(&["num_key_value_heads", "num_kv_heads"])?.unwrap_or(heads);
-    let ffn =
-        read_u64(&["intermediate_size", "n_inner", "ffn_dim"])?.unwrap_or(hidden.saturating_mul(4));
-    let experts = read_u64(&["num_local_experts", "num_experts"])?.unwrap_or(1);
-    let experts_per_token = read_u64(&["num_experts_per_tok"])?.unwrap_or(1);
-    if heads == 0 {
+    let dims = tp_spec::Dims::from_hf(&root).map_err(|e| malformed(e.to_string()))?;
+    if dims.heads == 0 {
         return Err(malformed("num_attention_heads is 0".to_string()));
     }
-    let head_dim = read_u64(&["head_dim"])?.unwrap_or(hidden / heads);
-    let activation = object
-        .get("hidden_act")
-        .or_else(|| object.get("activation_function"))
-        .and_then(Value::as_str)
-        .unwrap_or("");
-    let gated = matches!(activation, "silu" | "swiglu" | "swish" | "geglu")
-        || object.contains_key("intermediate_size") && activation.is_empty();
-    let tied = object
-        .get("tie_word_embeddings")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    let name = object
+    let name = root
         .get("_name_or_path")
         .and_then(Value::as_str)
         .map(str::to_string)
         .unwrap_or_else(|| path.display().to_string());
-    let model = ModelSpec {
-        name,
-        num_layers: layers,
-        hidden_size: hidden,
-        ffn_hidden_size: ffn,
-        num_query_heads: heads,
-        num_kv_heads: kv_heads,
-        head_dim,
-        vocab_size: vocab,
-        tied_embeddings: tied,
-        gated_mlp: gated,
-        num_experts: experts.max(1),
-        experts_per_token: experts_per_token.max(1),
-    };
+    // The runtime splits float weights' FFN in 32-column chunks.
+    let model = ModelSpec::from_dims(&name, &dims, tp_spec::DENSE_CHUNK as u64);
     model.validate()?;
     Ok(model)
 }
@@ -120,13 +68,10 @@ mod tests {
         let cases = [
             ("{not json", "cfg.json"),
             ("[1,2]", "not a JSON object"),
-            (
-                r#"{"hidden_size":576}"#,
-                "missing field `num_hidden_layers`",
-            ),
+            (r#"{"hidden_size":576}"#, "lacks num_attention_heads"),
             (
                 r#"{"hidden_size":"big","num_hidden_layers":1,"num_attention_heads":1,"vocab_size":1}"#,
-                "`hidden_size` is not",
+                "hidden_size is \"big\", not a non-negative integer",
             ),
         ];
         for (text, needle) in cases {

@@ -4,6 +4,8 @@
 
 use crate::PlanError;
 use serde::Serialize;
+use std::collections::HashMap;
+use tp_spec::{rank_weight_bytes, Dims, Layout, ShardPlan, WeightName};
 
 /// Largest accepted value of any single model dimension.
 pub const MAX_DIMENSION: u64 = 1 << 24;
@@ -29,6 +31,40 @@ pub struct ModelSpec {
     /// 1 for a dense model.
     pub num_experts: u64,
     pub experts_per_token: u64,
+    /// FFN columns are split in units of this many, as the runtime does (the quant block of a
+    /// file's down projection, at least 32); 1 for presets.
+    pub ffn_unit: u64,
+    /// A model file's weights as stored: per-rank bytes come from tp-spec's shard arithmetic
+    /// (the runtime's), not from parameters times a precision.
+    #[serde(skip)]
+    pub stored: Option<StoredWeights>,
+}
+
+/// The layout of every weight of a model file of a supported architecture.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredWeights {
+    pub config: tp_spec::ModelConfig,
+    pub layouts: HashMap<WeightName, Layout>,
+}
+
+impl StoredWeights {
+    /// Weight bytes (sharded + replicated) rank `rank` of `tp` holds once loaded, with
+    /// unquantized weights at `dense_bytes` per element: exactly what the runtime's memory
+    /// report (`tp inspect`) gives. `None` when the model cannot be split `tp` ways.
+    pub fn rank_bytes(&self, tp: usize, rank: usize, dense_bytes: usize) -> Option<u64> {
+        let unit = self
+            .layouts
+            .get(&WeightName::Down(0))
+            .copied()
+            .unwrap_or(Layout::Float)
+            .ffn_unit();
+        let plan = ShardPlan::new(&self.config, unit, rank, tp).ok()?;
+        let mut layout = |name: WeightName| -> Result<Layout, ()> {
+            Ok(self.layouts.get(&name).copied().unwrap_or(Layout::Float))
+        };
+        let w = rank_weight_bytes(&self.config, &plan, &mut layout, dense_bytes).ok()?;
+        u64::try_from(w.sharded + w.replicated).ok()
+    }
 }
 
 impl ModelSpec {
@@ -47,6 +83,29 @@ impl ModelSpec {
             gated_mlp: false,
             num_experts: 1,
             experts_per_token: 1,
+            ffn_unit: 1,
+            stored: None,
+        }
+    }
+
+    /// The planner's view of a model read by tp-spec (from a GGUF header or a config.json).
+    pub fn from_dims(name: &str, d: &Dims, ffn_unit: u64) -> Self {
+        let (experts, per_token) = d.experts.map_or((1, 1), |e| (e.count, e.per_token));
+        ModelSpec {
+            name: name.to_string(),
+            num_layers: d.layers as u64,
+            hidden_size: d.hidden as u64,
+            ffn_hidden_size: d.ffn as u64,
+            num_query_heads: d.heads as u64,
+            num_kv_heads: d.kv_heads as u64,
+            head_dim: d.head_dim as u64,
+            vocab_size: d.vocab as u64,
+            tied_embeddings: d.tied_embeddings,
+            gated_mlp: d.gated_mlp,
+            num_experts: experts as u64,
+            experts_per_token: per_token as u64,
+            ffn_unit,
+            stored: None,
         }
     }
 

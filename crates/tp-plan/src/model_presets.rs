@@ -45,6 +45,8 @@ fn llama_like(
         gated_mlp: true,
         num_experts: 1,
         experts_per_token: 1,
+        ffn_unit: 1,
+        stored: None,
     }
 }
 

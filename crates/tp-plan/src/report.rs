@@ -272,13 +272,20 @@ pub fn serving_text(plan: &ServingPlan, limits: ReportLimits) -> String {
     let w = &plan.workload;
     let _ = writeln!(
         out,
-        "serve   context {}, concurrency {}, target {}, weights {:?}, kv {:?}",
+        "serve   context {}, concurrency {}, target {}, weights {}, kv {:?}",
         w.context_len,
         w.concurrency,
         w.target_time_per_token_s
             .map(|t| format!("{:.2} ms/token", t * 1e3))
             .unwrap_or_else(|| "none".to_string()),
-        w.weight_precision,
+        if plan.model.stored.is_some() && !plan.model.is_moe() {
+            format!(
+                "as stored in the file (quantized blocks kept, floats as {:?}; single-stage layouts exact)",
+                w.weight_precision
+            )
+        } else {
+            format!("{:?}", w.weight_precision)
+        },
         w.kv_precision,
     );
     let _ = writeln!(

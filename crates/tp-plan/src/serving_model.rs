@@ -53,6 +53,25 @@ pub struct ServingEstimate {
     pub kv_replication: f64,
 }
 
+/// Every rank's weight bytes from the file's stored layouts ([`crate::model::StoredWeights`]),
+/// for a dense model on one pipeline stage; unquantized weights at the precision's size
+/// (f32 4 bytes, 2 otherwise). `None` otherwise: the parameter-count estimate applies.
+fn stored_rank_bytes(
+    model: &ModelSpec,
+    config: &ServingConfig,
+    precision: Precision,
+) -> Option<Vec<u64>> {
+    let stored = model.stored.as_ref()?;
+    if config.pp != 1 || model.is_moe() {
+        return None;
+    }
+    let dense_bytes = if precision == Precision::Fp32 { 4 } else { 2 };
+    let tp = usize::try_from(config.tp).ok()?;
+    (0..tp)
+        .map(|r| stored.rank_bytes(tp, r, dense_bytes))
+        .collect()
+}
+
 /// Expected number of distinct experts that `tokens` top-k tokens touch:
 /// E·(1 - (1 - k/E)^tokens) (uniform routing).
 pub fn expected_experts_touched(experts: u64, top_k: u64, tokens: u64) -> f64 {
@@ -111,10 +130,20 @@ pub fn estimate_serving(
     let mut tensor_parallel_comm_s = 0.0;
     let mut token_s = 0.0;
     let mut memory = MemoryBreakdown::default();
+    // A model file read layer by layer on one stage: the runtime's exact per-rank bytes.
+    let stored = stored_rank_bytes(model, config, workload.weight_precision);
     for (i, &layers) in counts.iter().enumerate() {
         let p = &params[i];
-        let weights = (p.dense + p.expert) * w_bytes;
-        let weights_read = (p.dense + p.expert * expert_fraction_read) * w_bytes;
+        let (weights, weights_read) = match &stored {
+            Some(ranks) => {
+                let most = ranks.iter().copied().max().unwrap_or(0) as f64;
+                (most, most)
+            }
+            None => (
+                (p.dense + p.expert) * w_bytes,
+                (p.dense + p.expert * expert_fraction_read) * w_bytes,
+            ),
+        };
         let kv = kv_cache_bytes(model, &shard, layers, ctx, seqs, kv_bytes);
         let l = layers as f64;
         let logits = if i == last {
@@ -171,9 +200,13 @@ pub fn estimate_serving(
         } else {
             2.0
         };
-        let weights = (largest_stage as f64 * per_layer
-            + embeddings * model.embedding_params() as f64)
-            * w_bytes;
+        let weights = match &stored {
+            Some(ranks) => ranks.iter().sum::<u64>() as f64,
+            None => {
+                (largest_stage as f64 * per_layer + embeddings * model.embedding_params() as f64)
+                    * w_bytes
+            }
+        };
         let kv = 2.0 * largest_stage as f64 * held_kv * d * ctx as f64 * seqs as f64 * kv_bytes;
         weights + kv + tp * memory.activations
     } else {

@@ -1,9 +1,11 @@
-//! How one parallel layout cuts the model: contiguous balanced (possibly uneven)
-//! head ranges per tensor-parallel rank with KV-head replication, and balanced
-//! contiguous layer ranges per pipeline stage (Narayanan et al. 2021 §2).
+//! How one parallel layout cuts the model, with tp-spec's shard arithmetic (the runtime's):
+//! contiguous balanced (possibly uneven) head ranges per tensor-parallel rank with KV-head
+//! replication, FFN columns in quant-block units, and balanced contiguous layer ranges per
+//! pipeline stage (Narayanan et al. 2021 §2).
 
 use crate::model::ModelSpec;
 use serde::Serialize;
+use tp_spec::{HeadPlan, Partition};
 
 use crate::workload::Recompute;
 
@@ -18,16 +20,6 @@ pub struct ParallelConfig {
     pub micro_batch: u64,
     pub sequence_parallel: bool,
     pub recompute: Recompute,
-}
-
-/// Contiguous balanced split of `items` over `parts`: the first `items % parts`
-/// parts get one extra. Returns the (start, len) of part `index`.
-pub fn balanced_range(items: u64, parts: u64, index: u64) -> (u64, u64) {
-    let base = items / parts;
-    let extra = items % parts;
-    let len = base + u64::from(index < extra);
-    let start = index * base + index.min(extra);
-    (start, len)
 }
 
 /// What the slowest tensor-parallel rank holds.
@@ -48,28 +40,37 @@ pub struct TensorShard {
 }
 
 impl TensorShard {
+    /// Through tp-spec's shard arithmetic (the runtime's): query heads by [`HeadPlan`] with
+    /// KV heads following them, FFN columns in units of `model.ffn_unit` when it divides the
+    /// FFN into at least `tp` units. `tp` must be at most the query heads (the search's range).
     pub fn new(model: &ModelSpec, tp: u64) -> Self {
-        let heads = model.num_query_heads;
-        let group = model.query_group_size();
-        let mut max_kv = 0;
-        let mut total_kv = 0;
-        for rank in 0..tp {
-            let (start, len) = balanced_range(heads, tp, rank);
-            let kv = if len == 0 {
-                0
-            } else {
-                (start + len - 1) / group - start / group + 1
-            };
-            max_kv = max_kv.max(kv);
-            total_kv += kv;
+        let heads = model.num_query_heads as usize;
+        let kv_heads = model.num_kv_heads as usize;
+        let ranks = tp.max(1) as usize;
+        let (mut max_q, mut max_kv, mut total_kv) = (0u64, 0u64, 0u64);
+        for r in 0..ranks {
+            if let Ok(p) = HeadPlan::new(heads, kv_heads, r, ranks) {
+                let kv = p.kv_range().len() as u64;
+                max_q = max_q.max(p.q_range().len() as u64);
+                max_kv = max_kv.max(kv);
+                total_kv += kv;
+            }
         }
-        let max_q = heads.div_ceil(tp);
+        let ffn = model.ffn_hidden_size as usize;
+        let unit = model.ffn_unit.max(1) as usize;
+        let unit = if ffn.is_multiple_of(unit) && ffn / unit >= ranks {
+            unit
+        } else {
+            1
+        };
+        let max_ffn = Partition::new(ffn / unit, ranks, "FFN columns", "FFN column")
+            .map_or(ffn.div_ceil(ranks), |p| p.len(0) * unit);
         TensorShard {
             tp,
             max_query_heads: max_q,
             max_kv_heads: max_kv,
             total_kv_heads_held: total_kv,
-            max_ffn_columns: model.ffn_hidden_size.div_ceil(tp),
+            max_ffn_columns: max_ffn as u64,
             head_imbalance: (max_q * tp) as f64 / heads as f64,
         }
     }
@@ -82,9 +83,13 @@ impl TensorShard {
 
 /// Layers of each pipeline stage (balanced, contiguous, first stages larger).
 pub fn stage_layer_counts(num_layers: u64, pp: u64) -> Vec<u64> {
-    (0..pp)
-        .map(|s| balanced_range(num_layers, pp, s).1)
-        .collect()
+    match Partition::new(num_layers as usize, pp as usize, "layers", "layer") {
+        Ok(p) => p.sizes().into_iter().map(|n| n as u64).collect(),
+        // More stages than layers: the later stages get none.
+        Err(_) => (0..pp)
+            .map(|s| num_layers / pp.max(1) + u64::from(s < num_layers % pp.max(1)))
+            .collect(),
+    }
 }
 
 #[cfg(test)]
@@ -94,9 +99,6 @@ mod tests {
 
     #[test]
     fn balanced_ranges_cover_everything() {
-        // 9 heads over 2 ranks: [0,5) and [5,9).
-        assert_eq!(balanced_range(9, 2, 0), (0, 5));
-        assert_eq!(balanced_range(9, 2, 1), (5, 4));
         assert_eq!(stage_layer_counts(105, 35), vec![3; 35]);
         assert_eq!(stage_layer_counts(30, 4), vec![8, 8, 7, 7]);
     }

@@ -155,7 +155,8 @@ pub fn kv_plan(
 fn block_bytes(cfg: &ModelConfig, weights: &RankWeights, kv_dtype: KvDtype) -> Result<Vec<usize>> {
     (0..weights.tp())
         .map(|r| {
-            let plan = ShardPlan::weighted(cfg, 1, r, weights).map_err(EngineError::from)?;
+            let plan = ShardPlan::weighted(cfg, 1, r, weights)
+                .map_err(|e| EngineError::from(tp_models::ModelError::from(e)))?;
             Ok(KvPool::bytes_per_block(
                 cfg.layers,
                 plan.kv_heads().len(),

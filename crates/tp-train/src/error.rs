@@ -63,6 +63,13 @@ impl From<TpError> for TrainError {
     }
 }
 
+/// A split that cannot be made (tp-spec's shard arithmetic), as tp-nn reports it.
+impl From<tp_spec::ShardError> for TrainError {
+    fn from(e: tp_spec::ShardError) -> Self {
+        TrainError::Nn(Box::new(TpError::Shard(e)))
+    }
+}
+
 impl From<CommError> for TrainError {
     fn from(e: CommError) -> Self {
         TrainError::Comm(Box::new(e))

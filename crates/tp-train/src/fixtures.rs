@@ -10,19 +10,7 @@ use crate::trainer::TrainSpec;
 use tp_comm::ParallelDims;
 
 pub fn model() -> ModelConfig {
-    ModelConfig {
-        vocab_size: 256,
-        hidden_size: 32,
-        intermediate_size: 64,
-        num_hidden_layers: 4,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        max_position_embeddings: 64,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10_000.0,
-        tie_word_embeddings: false,
-    }
+    crate::config::llama(256, 32, 64, 4, 4, 2, 8, 64)
 }
 
 /// The first 40 KB of the built-in corpus as bytes, windows of 16 tokens.

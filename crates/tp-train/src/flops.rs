@@ -2,7 +2,7 @@
 //! (ranks x measured matmul peak), with the peak measured in the same process by the same
 //! matmul the model uses (candle's gemm), so the ratio is honest on a noisy machine.
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, TrainModel};
 use crate::error::Result;
 use candle_core::Device;
 use std::time::Instant;

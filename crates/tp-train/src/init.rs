@@ -26,7 +26,7 @@ impl SeededInit {
     pub fn new(cfg: &ModelConfig, seed: u64) -> Self {
         SeededInit {
             seed,
-            layers: cfg.num_hidden_layers,
+            layers: cfg.layers,
         }
     }
 
@@ -64,6 +64,7 @@ impl WeightSource for SeededInit {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::TrainModel;
 
     #[test]
     fn streams_depend_on_name_and_seed_only() {

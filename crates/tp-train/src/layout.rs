@@ -4,11 +4,12 @@
 //! hold everything of their stage. Pure functions of the config, so any rank (or a
 //! checkpoint loader) can compute any other rank's shards.
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, TrainModel};
 use crate::error::{Result, TrainError};
 use std::ops::Range;
 use tp_comm::ParallelDims;
 use tp_nn::{HeadPlan, Partition, Placement};
+use tp_spec::{hf_name, WeightName};
 
 /// One parameter shard as a rank holds it.
 #[derive(Clone, Debug, PartialEq)]
@@ -57,14 +58,12 @@ fn pp_error(layers: usize, pp: usize) -> TrainError {
 /// The tp sizes at which this model can be split (every one from 1 to the head count, the
 /// FFN width and the vocabulary, whichever is smallest).
 pub fn max_tp(cfg: &ModelConfig) -> usize {
-    cfg.num_attention_heads
-        .min(cfg.intermediate_size)
-        .min(cfg.vocab_size)
+    cfg.heads.min(cfg.ffn).min(cfg.vocab)
 }
 
 /// Checks a layout against the model before any rank starts; errors name the valid sizes.
 pub fn validate(cfg: &ModelConfig, dims: ParallelDims) -> Result<()> {
-    cfg.validate()?;
+    cfg.check_trainable()?;
     if dims.tp == 0 || dims.pp == 0 || dims.dp == 0 {
         return Err(TrainError::Config(
             "--tp, --pp and --dp must each be at least 1".into(),
@@ -75,48 +74,48 @@ pub fn validate(cfg: &ModelConfig, dims: ParallelDims) -> Result<()> {
         return Err(TrainError::Config(format!(
             "tp={} is more than this model can split: {} heads, {} FFN columns, {} vocab rows; \
              use 1 <= tp <= {max} (uneven splits are fine)",
-            dims.tp, cfg.num_attention_heads, cfg.intermediate_size, cfg.vocab_size
+            dims.tp, cfg.heads, cfg.ffn, cfg.vocab
         )));
     }
-    if dims.pp > cfg.num_hidden_layers {
-        return Err(pp_error(cfg.num_hidden_layers, dims.pp));
+    if dims.pp > cfg.layers {
+        return Err(pp_error(cfg.layers, dims.pp));
     }
     Ok(())
 }
 
-/// HF names of a block's tensors, paired with tp-nn's names for them.
-pub const BLOCK_NAMES: [(&str, &str); 9] = [
-    ("attn_norm", "input_layernorm.weight"),
-    ("wq", "self_attn.q_proj.weight"),
-    ("wk", "self_attn.k_proj.weight"),
-    ("wv", "self_attn.v_proj.weight"),
-    ("wo", "self_attn.o_proj.weight"),
-    ("mlp_norm", "post_attention_layernorm.weight"),
-    ("w_gate", "mlp.gate_proj.weight"),
-    ("w_up", "mlp.up_proj.weight"),
-    ("w_down", "mlp.down_proj.weight"),
+/// The canonical weight of a layer, by layer index.
+pub type LayerWeight = fn(usize) -> WeightName;
+
+/// tp-nn's names of a block's tensors, paired with the canonical weight (whose HF name, from
+/// tp-spec's one table, is the tensor's name in a checkpoint).
+pub const BLOCK_WEIGHTS: [(&str, LayerWeight); 9] = [
+    ("attn_norm", WeightName::AttnNorm),
+    ("wq", WeightName::Q),
+    ("wk", WeightName::K),
+    ("wv", WeightName::V),
+    ("wo", WeightName::O),
+    ("mlp_norm", WeightName::FfnNorm),
+    ("w_gate", WeightName::Gate),
+    ("w_up", WeightName::Up),
+    ("w_down", WeightName::Down),
 ];
 
-pub const EMBED: &str = "model.embed_tokens.weight";
-pub const FINAL_NORM: &str = "model.norm.weight";
-pub const LM_HEAD: &str = "lm_head.weight";
+/// The HF name of a weight outside the blocks (embedding, final norm, LM head).
+pub fn global_name(w: WeightName) -> String {
+    hf_name(w)
+}
 
 /// The HF name of tp-nn block tensor `short` in layer `layer`.
 pub fn block_tensor_name(layer: usize, short: &str) -> Option<String> {
-    BLOCK_NAMES
+    BLOCK_WEIGHTS
         .iter()
         .find(|(s, _)| *s == short)
-        .map(|(_, hf)| format!("model.layers.{layer}.{hf}"))
+        .map(|(_, w)| hf_name(w(layer)))
 }
 
 /// The vocabulary split of the embedding and the LM head.
 pub fn vocab_partition(cfg: &ModelConfig, tp: usize) -> Result<Partition> {
-    Ok(Partition::new(
-        cfg.vocab_size,
-        tp,
-        "vocab rows",
-        "vocab row",
-    )?)
+    Ok(Partition::new(cfg.vocab, tp, "vocab rows", "vocab row")?)
 }
 
 /// Every parameter shard of stage `pp_rank` on `tp_rank`, in model order (embedding, then
@@ -128,17 +127,12 @@ pub fn stage_params(
     tp_rank: usize,
     tp: usize,
 ) -> Result<Vec<ParamSpec>> {
-    let layers = stage_layers(cfg.num_hidden_layers, pp, pp_rank)?;
-    let (h, hd, v) = (cfg.hidden_size, cfg.head_dim, cfg.vocab_size);
-    let q_rows = cfg.num_attention_heads * hd;
-    let kv_rows = cfg.num_key_value_heads * hd;
-    let ffn = cfg.intermediate_size;
-    let heads = HeadPlan::new(
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        tp_rank,
-        tp,
-    )?;
+    let layers = stage_layers(cfg.layers, pp, pp_rank)?;
+    let (h, hd, v) = (cfg.hidden, cfg.head_dim, cfg.vocab);
+    let q_rows = cfg.heads * hd;
+    let kv_rows = cfg.kv_heads * hd;
+    let ffn = cfg.ffn;
+    let heads = HeadPlan::new(cfg.heads, cfg.kv_heads, tp_rank, tp)?;
     let f = Partition::new(ffn, tp, "FFN columns", "FFN column")?.range(tp_rank);
     let vocab = vocab_partition(cfg, tp)?.range(tp_rank);
     let q = heads.q_range();
@@ -155,7 +149,11 @@ pub fn stage_params(
     };
     let mut out = Vec::new();
     if pp_rank == 0 {
-        out.push(spec(EMBED.into(), vec![v, h], shard(0, &vocab, 1)));
+        out.push(spec(
+            global_name(WeightName::Embed),
+            vec![v, h],
+            shard(0, &vocab, 1),
+        ));
     }
     for layer in layers {
         let n = |short: &str| block_tensor_name(layer, short).unwrap_or_default();
@@ -170,8 +168,16 @@ pub fn stage_params(
         out.push(spec(n("w_down"), vec![h, ffn], shard(1, &f, 1)));
     }
     if pp_rank + 1 == pp {
-        out.push(spec(FINAL_NORM.into(), vec![h], Placement::Replicated));
-        out.push(spec(LM_HEAD.into(), vec![v, h], shard(0, &vocab, 1)));
+        out.push(spec(
+            global_name(WeightName::OutputNorm),
+            vec![h],
+            Placement::Replicated,
+        ));
+        out.push(spec(
+            global_name(WeightName::Output),
+            vec![v, h],
+            shard(0, &vocab, 1),
+        ));
     }
     Ok(out)
 }
@@ -208,19 +214,7 @@ mod tests {
     use super::*;
 
     fn cfg() -> ModelConfig {
-        ModelConfig {
-            vocab_size: 11,
-            hidden_size: 16,
-            intermediate_size: 10,
-            num_hidden_layers: 3,
-            num_attention_heads: 6,
-            num_key_value_heads: 2,
-            head_dim: 4,
-            max_position_embeddings: 8,
-            rms_norm_eps: 1e-5,
-            rope_theta: 10_000.0,
-            tie_word_embeddings: false,
-        }
+        crate::config::llama(11, 16, 10, 3, 6, 2, 4, 8)
     }
 
     #[test]

@@ -31,7 +31,7 @@ pub mod tokenizer_json;
 pub mod trainer;
 
 pub use checkpoint::{Checkpoint, SaveHook, SavePoint};
-pub use config::ModelConfig;
+pub use config::{ModelConfig, TrainModel};
 pub use data::{Corpus, TextTokenizer};
 pub use error::{Result, TrainError};
 pub use optim::AdamWConfig;

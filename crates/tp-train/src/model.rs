@@ -3,7 +3,7 @@
 //! the blocks, and the final RMSNorm, column-parallel LM head and vocab-parallel
 //! cross-entropy on the last (Megatron §3; Narayanan et al. 2021 §2.2 for the stages).
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, TrainModel};
 use crate::error::{Result, TrainError};
 use crate::init::WeightSource;
 use crate::layout::{self, block_tensor_name, ParamSpec};
@@ -14,6 +14,7 @@ use tp_nn::{
     vocab_parallel_cross_entropy, BlockWeights, ColumnParallelLinear, ParallelBlock, Partition,
     RmsNorm, VocabParallelEmbedding,
 };
+use tp_spec::WeightName;
 
 /// A rank's part of the model: the stage's layers, sliced for its tp rank.
 #[derive(Debug)]
@@ -45,12 +46,12 @@ impl StageModel {
         weights: &dyn WeightSource,
     ) -> Result<StageModel> {
         let specs = layout::stage_params(cfg, pp_rank, pp, tp_rank, tp)?;
-        let layers = layout::stage_layers(cfg.num_hidden_layers, pp, pp_rank)?;
-        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        let layers = layout::stage_layers(cfg.layers, pp, pp_rank)?;
+        let (v, h) = (cfg.vocab, cfg.hidden);
         let first = pp_rank == 0;
         let last = pp_rank + 1 == pp;
         let embed = if first {
-            let table = weights.global(layout::EMBED, &[v, h])?; // [vocab, hidden]
+            let table = weights.global(&layout::global_name(WeightName::Embed), &[v, h])?; // [vocab, hidden]
             Some(VocabParallelEmbedding::from_global(&table, tp_rank, tp)?)
         } else {
             None
@@ -84,10 +85,10 @@ impl StageModel {
             blocks.push(ParallelBlock::from_global(&bc, &w, tp_rank, tp)?);
         }
         let (norm, head) = if last {
-            let w = weights.global(layout::FINAL_NORM, &[h])?; // [hidden]
-            let lm = weights.global(layout::LM_HEAD, &[v, h])?; // [vocab, hidden]
+            let w = weights.global(&layout::global_name(WeightName::OutputNorm), &[h])?; // [hidden]
+            let lm = weights.global(&layout::global_name(WeightName::Output), &[v, h])?; // [vocab, hidden]
             (
-                Some(RmsNorm::from_global(&w, cfg.rms_norm_eps)?),
+                Some(RmsNorm::from_global(&w, cfg.rms_eps)?),
                 Some(ColumnParallelLinear::from_global(&lm, tp_rank, tp)?),
             )
         } else {

@@ -4,7 +4,8 @@
 //! [`TrainSpec`]. `tp train` calls [`prepare`] on the main thread.
 
 use crate::{
-    AdamWConfig, Checkpoint, Corpus, ModelConfig, Result, TextTokenizer, TrainError, TrainSpec,
+    AdamWConfig, Checkpoint, Corpus, ModelConfig, Result, TextTokenizer, TrainError, TrainModel,
+    TrainSpec,
 };
 use std::path::PathBuf;
 use tp_comm::ParallelDims;
@@ -176,11 +177,11 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
     };
     spec.validate()?;
     let max = corpus.max_token() as usize;
-    if max >= spec.model.vocab_size {
+    if max >= spec.model.vocab {
         return Err(TrainError::Data(format!(
             "the data has token id {max} but the model's vocabulary is {}; use the tokenizer the \
              model was made for",
-            spec.model.vocab_size
+            spec.model.vocab
         )));
     }
     Ok(Prepared {

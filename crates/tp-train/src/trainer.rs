@@ -64,10 +64,10 @@ impl TrainSpec {
                 self.global_batch, self.dims.dp, self.micro_batches
             ));
         }
-        if self.seq == 0 || self.seq > self.model.max_position_embeddings {
+        if self.seq == 0 || self.seq > self.model.context {
             return bad(format!(
                 "--seq {} must be between 1 and the model's max_position_embeddings ({})",
-                self.seq, self.model.max_position_embeddings
+                self.seq, self.model.context
             ));
         }
         if self.bucket_elems == 0 {
@@ -138,11 +138,11 @@ impl<'a> Trainer<'a> {
             )));
         }
         let max = corpus.max_token() as usize;
-        if max >= spec.model.vocab_size {
+        if max >= spec.model.vocab {
             return Err(TrainError::Data(format!(
                 "token id {max} is outside the model's vocabulary of {}; use the tokenizer the \
                  model was made for",
-                spec.model.vocab_size
+                spec.model.vocab
             )));
         }
         let c = groups.coords;
@@ -260,7 +260,7 @@ impl<'a> Trainer<'a> {
             &self.model,
             &self.groups,
             &micro,
-            s.model.hidden_size,
+            s.model.hidden,
             1.0 / (m * dp) as f64,
             &mut self.grads,
             &self.layout,

@@ -9,7 +9,7 @@ use candle_core::{Device, Tensor};
 use common::*;
 use safetensors::SafeTensors;
 use tp_nn::{BlockWeights, DenseBlock};
-use tp_train::{Checkpoint, ModelConfig, TrainOptions};
+use tp_train::{Checkpoint, ModelConfig, TrainModel, TrainOptions};
 
 fn tensor(st: &SafeTensors<'_>, name: &str) -> Tensor {
     let v = st.tensor(name).unwrap_or_else(|_| panic!("{name} missing"));
@@ -32,9 +32,9 @@ fn dense_loss(dir: &std::path::Path, ids: &Tensor, targets: &Tensor) -> f32 {
     let mut h = emb
         .embedding(&ids.flatten_all().unwrap())
         .unwrap()
-        .reshape((n, seq, cfg.hidden_size))
+        .reshape((n, seq, cfg.hidden))
         .unwrap(); // [n, seq, hidden]
-    for i in 0..cfg.num_hidden_layers {
+    for i in 0..cfg.layers {
         let t = |s: &str| tensor(&st, &format!("model.layers.{i}.{s}.weight"));
         let w = BlockWeights {
             attn_norm: t("input_layernorm"),
@@ -53,10 +53,10 @@ fn dense_loss(dir: &std::path::Path, ids: &Tensor, targets: &Tensor) -> f32 {
             .unwrap();
     }
     let norm = tensor(&st, "model.norm.weight");
-    let h = candle_nn::ops::rms_norm_slow(&h, &norm, cfg.rms_norm_eps as f32).unwrap();
+    let h = candle_nn::ops::rms_norm_slow(&h, &norm, cfg.rms_eps as f32).unwrap();
     let lm = tensor(&st, "lm_head.weight"); // [vocab, hidden]
     let logits = h
-        .reshape((n * seq, cfg.hidden_size))
+        .reshape((n * seq, cfg.hidden))
         .unwrap()
         .matmul(&lm.t().unwrap())
         .unwrap(); // [n * seq, vocab]

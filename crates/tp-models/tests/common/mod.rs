@@ -144,3 +144,56 @@ pub fn assert_close(
 pub fn prompt(vocab: usize, len: usize) -> Vec<u32> {
     (0..len).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
 }
+
+/// candle-transformers' GGUF models: the oracle of the synthetic-model tests (with
+/// `CANDLE_DEQUANTIZE_ALL=1` in the environment, candle dequantizes every weight).
+pub enum GgufOracle {
+    Llama(candle_transformers::models::quantized_llama::ModelWeights),
+    Qwen2(candle_transformers::models::quantized_qwen2::ModelWeights),
+    Qwen3(candle_transformers::models::quantized_qwen3::ModelWeights),
+}
+
+impl GgufOracle {
+    pub fn load(path: &std::path::Path, arch: tp_models::Arch) -> Self {
+        use candle_transformers::models::{quantized_llama, quantized_qwen2, quantized_qwen3};
+        let mut file = std::fs::File::open(path).unwrap();
+        let c = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
+        let dev = &candle_core::Device::Cpu;
+        match arch {
+            tp_models::Arch::Llama => GgufOracle::Llama(
+                quantized_llama::ModelWeights::from_gguf(c, &mut file, dev).unwrap(),
+            ),
+            tp_models::Arch::Qwen2 => GgufOracle::Qwen2(
+                quantized_qwen2::ModelWeights::from_gguf(c, &mut file, dev).unwrap(),
+            ),
+            tp_models::Arch::Qwen3 => GgufOracle::Qwen3(
+                quantized_qwen3::ModelWeights::from_gguf(c, &mut file, dev).unwrap(),
+            ),
+        }
+    }
+
+    /// Logits of the last of `tokens`, fed at position `pos`.
+    pub fn forward(&mut self, tokens: &[u32], pos: usize) -> Vec<f32> {
+        let x = candle_core::Tensor::new(tokens, &candle_core::Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let y = match self {
+            GgufOracle::Llama(m) => m.forward(&x, pos),
+            GgufOracle::Qwen2(m) => m.forward(&x, pos),
+            GgufOracle::Qwen3(m) => m.forward(&x, pos),
+        };
+        y.unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// The oracle's rows in the order of [`sharded_logits`]: whole prompt, then each prefix
+    /// fed token by token through a fresh model.
+    pub fn logits(path: &std::path::Path, arch: tp_models::Arch, tokens: &[u32]) -> Vec<Vec<f32>> {
+        let mut out = vec![GgufOracle::load(path, arch).forward(tokens, 0)];
+        let mut m = GgufOracle::load(path, arch);
+        for (i, t) in tokens.iter().enumerate() {
+            out.push(m.forward(std::slice::from_ref(t), i));
+        }
+        out
+    }
+}

@@ -8,7 +8,7 @@ use super::{
     TrainerState, CONFIG_FILE, FORMAT, LATEST, MODEL_FILE, OPTIMIZER_FILE, TOKENIZER_FILE,
     TRAINER_FILE,
 };
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, TrainModel};
 use crate::error::{Result, TrainError};
 use crate::init::WeightSource;
 use crate::layout::{all_params, ParamSpec};

@@ -9,7 +9,7 @@ use super::{
     step_dir_name, SavedLayout, TensorShards, TrainerState, CONFIG_FILE, LATEST, MODEL_FILE,
     OPTIMIZER_FILE, TOKENIZER_FILE, TRAINER_FILE,
 };
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, TrainModel};
 use crate::error::{Result, TrainError};
 use crate::grads::FlatLayout;
 use crate::layout::{stage_params, ParamSpec};
@@ -219,7 +219,7 @@ fn write_checkpoint(inp: &SaveInputs<'_>, stages: &[Vec<f32>]) -> Result<PathBuf
     let trainer = serde_json::to_string_pretty(inp.state)
         .map_err(|e| TrainError::checkpoint(&tmp, format!("cannot encode trainer.json: {e}")))?;
     let files: Vec<(&str, Vec<u8>)> = vec![
-        (CONFIG_FILE, inp.config.to_hf_json().into_bytes()),
+        (CONFIG_FILE, inp.config.hf_json_text().into_bytes()),
         (TOKENIZER_FILE, inp.tokenizer_json.as_bytes().to_vec()),
         (
             MODEL_FILE,

@@ -1,7 +1,7 @@
 //! Balanced or weighted contiguous shards of units (heads, FFN columns, vocab rows) and the GQA
 //! head plan (docs/design.md "Uneven and head-granular shards"; Megatron §3 splits by heads).
 
-use crate::error::{Result, TpError};
+use crate::error::ShardError;
 use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
@@ -20,23 +20,23 @@ pub struct RankWeights(Weights);
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Weights {
     /// Weight 1 for each of this many ranks, stored as a count: a tp from user input is
-    /// refused by the split ([`TpError::InvalidTp`]) before anything of its size is allocated.
+    /// refused by the split ([`ShardError::InvalidTp`]) before anything of its size is allocated.
     Even(usize),
     /// Validated weights, one per rank.
     Given(Vec<u32>),
 }
 
 impl RankWeights {
-    pub fn new(weights: Vec<u32>) -> Result<Self> {
+    pub fn new(weights: Vec<u32>) -> Result<Self, ShardError> {
         if weights.is_empty() {
-            return Err(TpError::RankWeightCount { count: 0, tp: None });
+            return Err(ShardError::RankWeightCount { count: 0, tp: None });
         }
         for (rank, &weight) in weights.iter().enumerate() {
             if weight == 0 {
-                return Err(TpError::RankWeightZero { rank });
+                return Err(ShardError::RankWeightZero { rank });
             }
             if weight > MAX_RANK_WEIGHT {
-                return Err(TpError::RankWeightTooLarge {
+                return Err(ShardError::RankWeightTooLarge {
                     rank,
                     weight: u64::from(weight),
                     max: MAX_RANK_WEIGHT,
@@ -77,9 +77,9 @@ impl RankWeights {
     }
 
     /// Refuses weights that are not one per rank of a `tp`-rank group.
-    pub fn check_tp(&self, tp: usize) -> Result<()> {
+    pub fn check_tp(&self, tp: usize) -> Result<(), ShardError> {
         if self.tp() != tp {
-            return Err(TpError::RankWeightCount {
+            return Err(ShardError::RankWeightCount {
                 count: self.tp(),
                 tp: Some(tp),
             });
@@ -107,11 +107,11 @@ impl fmt::Display for RankWeights {
 }
 
 impl FromStr for RankWeights {
-    type Err = TpError;
+    type Err = ShardError;
 
     /// Whole numbers separated by commas (`2,1`; spaces around a number are allowed).
-    fn from_str(text: &str) -> Result<Self> {
-        let syntax = || TpError::RankWeightSyntax {
+    fn from_str(text: &str) -> Result<Self, ShardError> {
+        let syntax = || ShardError::RankWeightSyntax {
             text: text.chars().take(64).collect(),
         };
         let mut weights = Vec::new();
@@ -123,7 +123,7 @@ impl FromStr for RankWeights {
             // All digits: a parse failure can only be an overflow.
             let weight = part.parse::<u64>().unwrap_or(u64::MAX);
             if weight > u64::from(MAX_RANK_WEIGHT) {
-                return Err(TpError::RankWeightTooLarge {
+                return Err(ShardError::RankWeightTooLarge {
                     rank,
                     weight,
                     max: MAX_RANK_WEIGHT,
@@ -148,9 +148,14 @@ pub struct Partition {
 
 impl Partition {
     /// `what` is the plural noun used in errors ("heads"), `unit` its singular ("head").
-    pub fn new(units: usize, tp: usize, what: &'static str, unit: &'static str) -> Result<Self> {
+    pub fn new(
+        units: usize,
+        tp: usize,
+        what: &'static str,
+        unit: &'static str,
+    ) -> Result<Self, ShardError> {
         if tp == 0 || tp > units {
-            return Err(TpError::InvalidTp {
+            return Err(ShardError::InvalidTp {
                 units,
                 what,
                 unit,
@@ -169,21 +174,21 @@ impl Partition {
     /// the weights), then the units left over go one each to the ranks with the largest
     /// remainders `units * w_r mod W`, lower rank first on ties. Deterministic, and equal
     /// weights give exactly [`Partition::new`]'s ranges. A rank whose share rounds to no unit
-    /// is [`TpError::EmptyWeightedShare`], naming it. [`RankWeights::even`] is
+    /// is [`ShardError::EmptyWeightedShare`], naming it. [`RankWeights::even`] is
     /// [`Partition::new`].
     pub fn weighted(
         units: usize,
         weights: &RankWeights,
         what: &'static str,
         unit: &'static str,
-    ) -> Result<Self> {
+    ) -> Result<Self, ShardError> {
         let w = match &weights.0 {
             Weights::Even(tp) => return Partition::new(units, *tp, what, unit),
             Weights::Given(w) => w,
         };
         let tp = w.len();
         if tp > units {
-            return Err(TpError::InvalidTp {
+            return Err(ShardError::InvalidTp {
                 units,
                 what,
                 unit,
@@ -200,7 +205,7 @@ impl Partition {
             sizes[r] += 1;
         }
         if let Some(rank) = sizes.iter().position(|&s| s == 0) {
-            return Err(TpError::EmptyWeightedShare {
+            return Err(ShardError::EmptyWeightedShare {
                 rank,
                 weights: weights.to_string(),
                 units,
@@ -256,9 +261,9 @@ impl Partition {
         (0..self.tp).map(|r| self.len(r)).collect()
     }
 
-    pub fn check_rank(&self, tp_rank: usize) -> Result<()> {
+    pub fn check_rank(&self, tp_rank: usize) -> Result<(), ShardError> {
         if tp_rank >= self.tp {
-            return Err(TpError::InvalidRank {
+            return Err(ShardError::InvalidRank {
                 tp_rank,
                 tp: self.tp,
             });
@@ -281,7 +286,12 @@ pub struct HeadPlan {
 }
 
 impl HeadPlan {
-    pub fn new(heads: usize, kv_heads: usize, tp_rank: usize, tp: usize) -> Result<Self> {
+    pub fn new(
+        heads: usize,
+        kv_heads: usize,
+        tp_rank: usize,
+        tp: usize,
+    ) -> Result<Self, ShardError> {
         Self::check_groups(heads, kv_heads)?;
         Self::with_partition(
             heads,
@@ -298,7 +308,7 @@ impl HeadPlan {
         kv_heads: usize,
         tp_rank: usize,
         weights: &RankWeights,
-    ) -> Result<Self> {
+    ) -> Result<Self, ShardError> {
         Self::check_groups(heads, kv_heads)?;
         Self::with_partition(
             heads,
@@ -308,16 +318,21 @@ impl HeadPlan {
         )
     }
 
-    fn check_groups(heads: usize, kv_heads: usize) -> Result<()> {
+    fn check_groups(heads: usize, kv_heads: usize) -> Result<(), ShardError> {
         if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-            return Err(TpError::Config(format!(
+            return Err(ShardError::Groups(format!(
                 "{heads} query heads are not a multiple of {kv_heads} KV heads; use a KV head count that divides the query heads"
             )));
         }
         Ok(())
     }
 
-    fn with_partition(heads: usize, kv_heads: usize, tp_rank: usize, q: Partition) -> Result<Self> {
+    fn with_partition(
+        heads: usize,
+        kv_heads: usize,
+        tp_rank: usize,
+        q: Partition,
+    ) -> Result<Self, ShardError> {
         q.check_rank(tp_rank)?;
         Ok(HeadPlan {
             heads,

@@ -1,0 +1,89 @@
+//! `tp plan` and the runtime share tp-spec's shard arithmetic: for a model file, the planner's
+//! per-rank weight bytes equal what the runtime's memory report (`tp inspect`, `rank_memory`)
+//! gives for every rank at tp 1..4, exactly (the same integers), on synthetic GGUFs whose
+//! K-quant shards cut super-blocks and on the real SmolLM2 (and Qwen2.5-Coder-0.5B where
+//! installed).
+
+use std::path::Path;
+use tp_models::synthetic::{GgufTypes, SyntheticModel};
+use tp_models::{open_checkpoint, rank_memory, Arch, CheckpointPlan, KvDtype, ShardPlan};
+use tp_plan::hardware::{accelerator_preset, ClusterSpec};
+use tp_plan::serving_model::{estimate_serving, ServingConfig};
+use tp_plan::workload::{Precision, ServingWorkload};
+
+/// Every rank's weights at tp 1..4 as the runtime plans them and as the planner does.
+fn assert_plan_matches_runtime(path: &Path, what: &str) {
+    let model = tp_plan::cli::resolve_model(&path.display().to_string()).unwrap();
+    let stored = model
+        .stored
+        .as_ref()
+        .unwrap_or_else(|| panic!("{what}: a supported GGUF gives the planner its layouts"));
+    let ckpt = open_checkpoint(path).unwrap();
+    let cfg = ckpt.config().clone();
+    assert_eq!(&stored.config, &cfg, "{what}: one reader, one config");
+    // The runtime's replicated bytes also hold the RoPE table of the context.
+    let ctx = 16;
+    let rope = tp_models::ops::RopeTable::bytes_for(cfg.head_dim, ctx).unwrap() as usize;
+    for tp in 1..=4.min(cfg.heads) {
+        let mut most = 0;
+        for r in 0..tp {
+            let plan = ShardPlan::for_checkpoint(&*ckpt, r, tp).unwrap();
+            let m = rank_memory(&*ckpt, &plan, ctx, 4, true, KvDtype::F32).unwrap();
+            let runtime = (m.sharded + m.replicated - rope) as u64;
+            let planned = stored.rank_bytes(tp, r, 4);
+            assert_eq!(planned, Some(runtime), "{what}: tp {tp} rank {r}");
+            most = most.max(runtime);
+        }
+        // The serving estimate's busiest rank holds exactly that.
+        let cluster = ClusterSpec::new(accelerator_preset("cpu-2core").unwrap(), 1, 1).unwrap();
+        let workload = ServingWorkload {
+            context_len: 64,
+            concurrency: 1,
+            target_time_per_token_s: None,
+            weight_precision: Precision::Fp32,
+            kv_precision: Precision::Fp32,
+        };
+        let config = ServingConfig {
+            tp: tp as u64,
+            pp: 1,
+            dp: 1,
+        };
+        let e = estimate_serving(&model, &cluster, &workload, &config);
+        assert_eq!(e.memory.weights, most as f64, "{what}: tp {tp}");
+    }
+}
+
+#[test]
+fn planned_rank_bytes_equal_the_runtimes_on_synthetic_k_quant_models() {
+    use candle_core::quantized::GgmlDType::*;
+    let dir = tempfile::tempdir().unwrap();
+    for (i, (arch, linear, embed)) in [
+        (Arch::Qwen2, Q4K, Q6K),
+        (Arch::Llama, Q6K, Q8_0),
+        (Arch::Llama, Q4_1, Q4_1),
+        (Arch::Qwen2, F32, F32),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // FFN of 4 super-blocks; the o projection's 256 columns are cut inside a super-block
+        // at tp 2..4.
+        let mut cfg = SyntheticModel::small(arch, 700 + i as u64).cfg;
+        cfg.ffn = 1024;
+        let path = dir.path().join(format!("m{i}.gguf"));
+        SyntheticModel::new(cfg, 700 + i as u64)
+            .write_gguf(&path, GgufTypes { linear, embed })
+            .unwrap();
+        assert_plan_matches_runtime(&path, &format!("{arch:?} {linear:?}/{embed:?}"));
+    }
+}
+
+#[test]
+fn planned_rank_bytes_equal_the_runtimes_on_real_models() {
+    if let Some(p) = tp_testkit::models::smollm2() {
+        assert_plan_matches_runtime(&p, "SmolLM2-135M Q4_1");
+    }
+    if let Some(p) = tp_testkit::models::qwen25() {
+        assert_plan_matches_runtime(&p, "Qwen2.5-Coder-0.5B Q4_K_M");
+    }
+}

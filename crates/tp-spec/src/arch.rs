@@ -1,0 +1,148 @@
+//! Architecture families by their GGUF and Hugging Face names, the supported list, and the
+//! mixture-of-experts names that are recognised (and refused until expert parallelism exists).
+
+use crate::error::SpecError;
+
+/// Architectures with the Llama block (RMSNorm, RoPE, GQA attention, SwiGLU MLP).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    /// Qwen2: Llama plus biases on Q, K and V.
+    Qwen2,
+    /// Qwen3: Llama plus an RMSNorm over each query and key head (no biases).
+    Qwen3,
+}
+
+/// Every supported architecture: (family, GGUF `general.architecture`, HF `architectures[0]`).
+const SUPPORTED: [(Arch, &str, &str); 3] = [
+    (Arch::Llama, "llama", "LlamaForCausalLM"),
+    (Arch::Qwen2, "qwen2", "Qwen2ForCausalLM"),
+    (Arch::Qwen3, "qwen3", "Qwen3ForCausalLM"),
+];
+
+/// Mixture-of-experts names: GGUF architectures and HF `architectures` / `model_type` values.
+/// (Mixtral's GGUF says `llama` and carries `llama.expert_count`.)
+const MOE_NAMES: [&str; 7] = [
+    "qwen2moe",
+    "qwen3moe",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "mixtral",
+    "qwen2_moe",
+];
+
+impl Arch {
+    /// The GGUF architecture name (`llama`, `qwen2`).
+    pub fn name(self) -> &'static str {
+        SUPPORTED
+            .iter()
+            .find(|s| s.0 == self)
+            .map_or("llama", |s| s.1)
+    }
+
+    /// The HF class name (`LlamaForCausalLM`).
+    pub fn hf_class(self) -> &'static str {
+        SUPPORTED
+            .iter()
+            .find(|s| s.0 == self)
+            .map_or("LlamaForCausalLM", |s| s.2)
+    }
+
+    /// From a GGUF `general.architecture`.
+    pub fn from_gguf(name: &str) -> Result<Arch, SpecError> {
+        SUPPORTED
+            .iter()
+            .find(|s| s.1 == name)
+            .map(|s| s.0)
+            .ok_or_else(|| SpecError::UnsupportedArch {
+                arch: name.to_string(),
+            })
+    }
+
+    /// From an HF config's `model_type` (`llama`, `qwen2`) or `architectures` entries.
+    pub fn from_hf(model_type: &str, classes: &[&str]) -> Result<Arch, SpecError> {
+        if let Some(s) = SUPPORTED
+            .iter()
+            .find(|s| s.1 == model_type || classes.contains(&s.2))
+        {
+            return Ok(s.0);
+        }
+        if model_type.is_empty() && classes.is_empty() {
+            return Err(SpecError::MissingMetadata {
+                key: "model_type".into(),
+                hint: "config.json names no model_type or architectures; it is not a transformers model config".into(),
+            });
+        }
+        let arch = if model_type.is_empty() {
+            classes.join(",")
+        } else {
+            model_type.to_string()
+        };
+        Err(SpecError::UnsupportedArch { arch })
+    }
+}
+
+/// `llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM)`: for messages.
+pub fn supported_list() -> String {
+    SUPPORTED
+        .iter()
+        .map(|s| format!("{} ({})", s.1, s.2))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Whether `name` (a GGUF architecture, an HF class or model_type) is a mixture-of-experts
+/// family.
+pub fn is_moe_name(name: &str) -> bool {
+    MOE_NAMES.contains(&name)
+}
+
+/// How RoPE pairs the dimensions of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs (x0,x1),(x2,x3): llama.cpp's permuted Q/K rows of `llama` GGUFs.
+    Interleaved,
+    /// First half with second half: HF checkpoints and qwen2/qwen3 GGUFs.
+    RotateHalf,
+}
+
+impl RopeStyle {
+    /// The layout a GGUF file of `arch` stores Q and K rows in.
+    pub fn of_gguf(arch: Arch) -> RopeStyle {
+        match arch {
+            Arch::Llama => RopeStyle::Interleaved,
+            Arch::Qwen2 | Arch::Qwen3 => RopeStyle::RotateHalf,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_unknown_names_list_the_supported() {
+        for (arch, gguf, hf) in SUPPORTED {
+            assert_eq!(Arch::from_gguf(gguf), Ok(arch));
+            assert_eq!(Arch::from_hf("", &[hf]), Ok(arch));
+            assert_eq!(Arch::from_hf(gguf, &[]), Ok(arch));
+            assert_eq!((arch.name(), arch.hf_class()), (gguf, hf));
+        }
+        let e = Arch::from_gguf("gemma3").unwrap_err().to_string();
+        assert!(
+            e.contains("\"gemma3\"") && e.contains("llama (LlamaForCausalLM)"),
+            "{e}"
+        );
+        let e = Arch::from_hf("", &["Phi3ForCausalLM"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("Phi3ForCausalLM") && e.contains("qwen2"), "{e}");
+        assert!(matches!(
+            Arch::from_hf("", &[]),
+            Err(SpecError::MissingMetadata { .. })
+        ));
+        assert!(is_moe_name("qwen2moe") && is_moe_name("MixtralForCausalLM"));
+        assert!(!is_moe_name("llama"));
+    }
+}

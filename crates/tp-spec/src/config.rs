@@ -1,0 +1,736 @@
+//! The model description (hyper-parameters of a supported architecture) and its one reader for
+//! GGUF metadata and one for HF `config.json`, plus the architecture-independent shape
+//! ([`Dims`]) the planner reads from files of any architecture.
+
+use crate::arch::{is_moe_name, Arch, RopeStyle};
+use crate::error::SpecError;
+use serde_json::Value as Json;
+
+/// Experts of a mixture-of-experts MLP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Experts {
+    pub count: usize,
+    /// Experts each token is routed to (top-k).
+    pub per_token: usize,
+}
+
+/// Hyper-parameters of a model of a supported architecture.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub layers: usize,
+    pub hidden: usize,
+    /// FFN width (of one expert for a mixture of experts).
+    pub ffn: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub rms_eps: f64,
+    pub rope_theta: f64,
+    pub rope_style: RopeStyle,
+    pub context: usize,
+    /// Q/K/V projections carry biases.
+    pub qkv_bias: bool,
+    /// Each query and key head is RMS-normalised (over its `head_dim`, weights shared by the
+    /// heads) before RoPE.
+    pub qk_norm: bool,
+    /// The LM head reuses the token embedding.
+    pub tied_embeddings: bool,
+    /// A mixture-of-experts MLP (read from the file; no engine runs one yet:
+    /// [`ModelConfig::check_runnable`]).
+    pub experts: Option<Experts>,
+}
+
+/// A GGUF metadata value as the readers see it (arrays keep only their length).
+#[derive(Clone, Debug, PartialEq)]
+pub enum MetaValue {
+    Uint(u64),
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+    Text(String),
+    Array { len: usize },
+}
+
+/// GGUF metadata by key: implemented by each header parser's map.
+pub trait Metadata {
+    fn meta(&self, key: &str) -> Option<MetaValue>;
+}
+
+impl Metadata for std::collections::HashMap<String, MetaValue> {
+    fn meta(&self, key: &str) -> Option<MetaValue> {
+        self.get(key).cloned()
+    }
+}
+
+/// The shape of a decoder of any architecture, as the planner needs it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Dims {
+    /// GGUF `general.architecture`, or the HF `model_type` / first class name.
+    pub arch_name: String,
+    pub layers: usize,
+    pub hidden: usize,
+    pub ffn: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub context: usize,
+    pub tied_embeddings: bool,
+    /// Three MLP matrices (gate, up, down) rather than two.
+    pub gated_mlp: bool,
+    pub experts: Option<Experts>,
+}
+
+/// Architectures whose MLP has two matrices (GELU), for the planner.
+const UNGATED: [&str; 8] = [
+    "gpt2",
+    "gptj",
+    "gptneox",
+    "bloom",
+    "falcon",
+    "mpt",
+    "gpt_neox",
+    "starcoder",
+];
+
+fn missing(key: &str, hint: &str) -> SpecError {
+    SpecError::MissingMetadata {
+        key: key.to_string(),
+        hint: hint.to_string(),
+    }
+}
+
+fn meta_uint(v: &MetaValue) -> Option<usize> {
+    match v {
+        MetaValue::Uint(x) => usize::try_from(*x).ok(),
+        MetaValue::Int(x) => usize::try_from(*x).ok(),
+        _ => None,
+    }
+}
+
+/// Typed access to `<arch>.<key>`: a key that is present must be valid (a mistyped value is
+/// an error, never the default).
+struct Gguf<'a> {
+    md: &'a dyn Metadata,
+    arch: String,
+}
+
+impl Gguf<'_> {
+    fn opt_int(&self, k: &str) -> Result<Option<usize>, SpecError> {
+        let full = format!("{}.{k}", self.arch);
+        match self.md.meta(&full) {
+            None => Ok(None),
+            Some(v) => meta_uint(&v).map(Some).ok_or_else(|| {
+                SpecError::Config(format!("{full} is {v:?}, not a non-negative integer"))
+            }),
+        }
+    }
+    fn int(&self, k: &str) -> Result<usize, SpecError> {
+        self.opt_int(k)?.ok_or_else(|| {
+            missing(
+                &format!("{}.{k}", self.arch),
+                "the GGUF lacks a required hyper-parameter; convert the model again with a current llama.cpp",
+            )
+        })
+    }
+    fn float(&self, k: &str, default: f64) -> Result<f64, SpecError> {
+        let full = format!("{}.{k}", self.arch);
+        match self.md.meta(&full) {
+            None => Ok(default),
+            Some(MetaValue::Float(x)) => Ok(x),
+            Some(v) => meta_uint(&v)
+                .map(|x| x as f64)
+                .ok_or_else(|| SpecError::Config(format!("{full} is {v:?}, not a number"))),
+        }
+    }
+}
+
+impl Dims {
+    /// From GGUF metadata (`general.architecture` and its `<arch>.*` keys). `embed_rows` is
+    /// the token embedding's row count (the vocabulary when the metadata omits it);
+    /// `has_output` whether the file holds a separate LM head.
+    pub fn from_gguf(
+        md: &dyn Metadata,
+        embed_rows: Option<usize>,
+        has_output: bool,
+    ) -> Result<Dims, SpecError> {
+        let arch = match md.meta("general.architecture") {
+            Some(MetaValue::Text(a)) => a,
+            _ => {
+                return Err(missing(
+                    "general.architecture",
+                    "it is not a model GGUF; pass a GGUF converted by llama.cpp",
+                ))
+            }
+        };
+        let g = Gguf {
+            md,
+            arch: arch.clone(),
+        };
+        let hidden = g.int("embedding_length")?;
+        let heads = g.int("attention.head_count")?;
+        let head_dim = match g.opt_int("attention.key_length")? {
+            Some(d) => d,
+            None => g
+                .opt_int("rope.dimension_count")?
+                .unwrap_or(hidden.checked_div(heads).unwrap_or(0)),
+        };
+        let tokens = match md.meta("tokenizer.ggml.tokens") {
+            Some(MetaValue::Array { len }) => Some(len),
+            _ => None,
+        };
+        let vocab = match (g.opt_int("vocab_size")?, embed_rows.or(tokens)) {
+            (Some(v), _) => v,
+            (None, Some(rows)) => rows,
+            (None, None) => g.int("vocab_size")?,
+        };
+        let experts = match g.opt_int("expert_count")? {
+            Some(n) if n > 1 => Some(Experts {
+                count: n,
+                per_token: g.opt_int("expert_used_count")?.unwrap_or(1).max(1),
+            }),
+            _ => None,
+        };
+        let ffn = match (experts, g.opt_int("expert_feed_forward_length")?) {
+            (Some(_), Some(f)) => f,
+            _ => g.int("feed_forward_length")?,
+        };
+        Ok(Dims {
+            layers: g.int("block_count")?,
+            hidden,
+            ffn,
+            heads,
+            kv_heads: g.opt_int("attention.head_count_kv")?.unwrap_or(heads),
+            head_dim,
+            vocab,
+            context: g.opt_int("context_length")?.unwrap_or(2048),
+            tied_embeddings: !has_output,
+            gated_mlp: !UNGATED.contains(&arch.as_str()),
+            experts,
+            arch_name: arch,
+        })
+    }
+
+    /// From an HF `config.json` (Llama/Mistral/Mixtral/Qwen field names, and GPT-2's).
+    pub fn from_hf(v: &Json) -> Result<Dims, SpecError> {
+        if !v.is_object() {
+            return Err(SpecError::Config(
+                "config.json's top level is not a JSON object".into(),
+            ));
+        }
+        let hf = Hf(v);
+        let hidden = hf.int(&["hidden_size", "n_embd", "d_model"])?;
+        let heads = hf.int(&["num_attention_heads", "n_head"])?;
+        let activation = ["hidden_act", "activation_function"]
+            .iter()
+            .find_map(|k| v.get(*k).and_then(Json::as_str))
+            .unwrap_or("");
+        let gated = matches!(activation, "silu" | "swiglu" | "swish" | "geglu")
+            || (v.get("intermediate_size").is_some() && activation.is_empty());
+        let experts = match hf.opt_int(&["num_local_experts", "num_experts"])? {
+            Some(n) if n > 1 => Some(Experts {
+                count: n,
+                per_token: hf.opt_int(&["num_experts_per_tok"])?.unwrap_or(1).max(1),
+            }),
+            _ => None,
+        };
+        let ffn = match (experts, hf.opt_int(&["moe_intermediate_size"])?) {
+            (Some(_), Some(f)) => f,
+            _ => match hf.opt_int(&["intermediate_size", "n_inner", "ffn_dim"])? {
+                Some(f) => f,
+                None if !gated => hidden.saturating_mul(4),
+                None => hf.int(&["intermediate_size"])?,
+            },
+        };
+        let (model_type, classes) = hf_names(v);
+        Ok(Dims {
+            arch_name: if model_type.is_empty() {
+                classes.first().copied().unwrap_or("").to_string()
+            } else {
+                model_type.to_string()
+            },
+            layers: hf.int(&["num_hidden_layers", "n_layer", "num_layers"])?,
+            hidden,
+            ffn,
+            heads,
+            kv_heads: hf
+                .opt_int(&["num_key_value_heads", "num_kv_heads"])?
+                .unwrap_or(heads),
+            head_dim: hf
+                .opt_int(&["head_dim"])?
+                .unwrap_or(hidden.checked_div(heads).unwrap_or(0)),
+            vocab: hf.int(&["vocab_size"])?,
+            context: hf
+                .opt_int(&["max_position_embeddings", "n_positions"])?
+                .unwrap_or(2048),
+            tied_embeddings: hf.bool("tie_word_embeddings")?.unwrap_or(false),
+            gated_mlp: gated,
+            experts,
+        })
+    }
+}
+
+/// `model_type` and the `architectures` class names of an HF config.
+fn hf_names(v: &Json) -> (&str, Vec<&str>) {
+    let model_type = v.get("model_type").and_then(Json::as_str).unwrap_or("");
+    let classes = v
+        .get("architectures")
+        .and_then(Json::as_array)
+        .map(|a| a.iter().filter_map(Json::as_str).collect())
+        .unwrap_or_default();
+    (model_type, classes)
+}
+
+/// Typed access to an HF config's fields (the first present of several spellings). Absent or
+/// null: the default; present: must be valid (never silently the default).
+struct Hf<'a>(&'a Json);
+
+impl Hf<'_> {
+    fn opt_int(&self, keys: &[&str]) -> Result<Option<usize>, SpecError> {
+        for k in keys {
+            match self.0.get(*k) {
+                None | Some(Json::Null) => continue,
+                Some(x) => {
+                    return x
+                        .as_u64()
+                        .and_then(|x| usize::try_from(x).ok())
+                        .map(Some)
+                        .ok_or_else(|| {
+                            SpecError::Config(format!("{k} is {x}, not a non-negative integer"))
+                        })
+                }
+            }
+        }
+        Ok(None)
+    }
+    fn int(&self, keys: &[&str]) -> Result<usize, SpecError> {
+        self.opt_int(keys)?.ok_or_else(|| {
+            missing(
+                keys[0],
+                "config.json lacks a required field; use the config.json that came with the model",
+            )
+        })
+    }
+    fn float(&self, k: &str, default: f64) -> Result<f64, SpecError> {
+        match self.0.get(k) {
+            None | Some(Json::Null) => Ok(default),
+            Some(x) => x
+                .as_f64()
+                .ok_or_else(|| SpecError::Config(format!("{k} is {x}, not a number"))),
+        }
+    }
+    fn bool(&self, k: &str) -> Result<Option<bool>, SpecError> {
+        match self.0.get(k) {
+            None | Some(Json::Null) => Ok(None),
+            Some(x) => x
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| SpecError::Config(format!("{k} is {x}, not true or false"))),
+        }
+    }
+}
+
+impl ModelConfig {
+    /// From GGUF metadata; see [`Dims::from_gguf`]. A mixture-of-experts architecture name is
+    /// [`SpecError::Experts`]; an unknown one [`SpecError::UnsupportedArch`].
+    pub fn from_gguf(
+        md: &dyn Metadata,
+        embed_rows: Option<usize>,
+        has_output: bool,
+    ) -> Result<Self, SpecError> {
+        let name = match md.meta("general.architecture") {
+            Some(MetaValue::Text(a)) => a,
+            _ => String::new(),
+        };
+        if is_moe_name(&name) {
+            // Refused as what it is, even when its sizes cannot be read.
+            let d = Dims::from_gguf(md, embed_rows, has_output).ok();
+            return Err(moe_error(&name, d.as_ref()));
+        }
+        // An unknown architecture is named before any of its keys is looked for.
+        let arch = match Arch::from_gguf(&name) {
+            Ok(a) => a,
+            Err(e) if !name.is_empty() => return Err(e),
+            Err(_) => Arch::Llama, // Dims names the missing key.
+        };
+        let d = Dims::from_gguf(md, embed_rows, has_output)?;
+        let g = Gguf {
+            md,
+            arch: d.arch_name.clone(),
+        };
+        let cfg = ModelConfig {
+            rms_eps: g.float("attention.layer_norm_rms_epsilon", 1e-5)?,
+            rope_theta: g.float("rope.freq_base", 10_000.0)?,
+            rope_style: RopeStyle::of_gguf(arch),
+            qkv_bias: arch == Arch::Qwen2,
+            qk_norm: arch == Arch::Qwen3,
+            ..Self::from_dims(arch, d)
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// From the text of an HF `config.json` (`LlamaForCausalLM`, `Qwen2ForCausalLM`, or their
+    /// model_type).
+    pub fn from_hf_json(text: &str) -> Result<Self, SpecError> {
+        let v: Json = serde_json::from_str(text)
+            .map_err(|e| SpecError::Config(format!("config.json is not valid JSON: {e}")))?;
+        let (model_type, classes) = hf_names(&v);
+        let arch = match Arch::from_hf(model_type, &classes) {
+            Ok(a) => a,
+            Err(e) => {
+                let moe = is_moe_name(model_type) || classes.iter().any(|c| is_moe_name(c));
+                let name = if model_type.is_empty() {
+                    classes.join(",")
+                } else {
+                    model_type.to_string()
+                };
+                return Err(if moe {
+                    moe_error(&name, Dims::from_hf(&v).ok().as_ref())
+                } else {
+                    e
+                });
+            }
+        };
+        let d = Dims::from_hf(&v)?;
+        let hf = Hf(&v);
+        let cfg = ModelConfig {
+            rms_eps: hf.float("rms_norm_eps", 1e-5)?,
+            rope_theta: hf.float("rope_theta", 10_000.0)?,
+            rope_style: RopeStyle::RotateHalf,
+            qkv_bias: arch == Arch::Qwen2 || hf.bool("attention_bias")? == Some(true),
+            qk_norm: arch == Arch::Qwen3,
+            ..Self::from_dims(arch, d)
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The sizes of `d` with Llama's defaults for the rest (callers set them).
+    fn from_dims(arch: Arch, d: Dims) -> Self {
+        ModelConfig {
+            arch,
+            layers: d.layers,
+            hidden: d.hidden,
+            ffn: d.ffn,
+            heads: d.heads,
+            kv_heads: d.kv_heads,
+            head_dim: d.head_dim,
+            vocab: d.vocab,
+            rms_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_style: RopeStyle::RotateHalf,
+            context: d.context,
+            qkv_bias: false,
+            qk_norm: false,
+            tied_embeddings: d.tied_embeddings,
+            experts: d.experts,
+        }
+    }
+
+    /// The HF `config.json` of this model (the class and `model_type` of its architecture).
+    pub fn to_hf_json(&self) -> Json {
+        let mut v = serde_json::json!({
+            "architectures": [self.arch.hf_class()],
+            "model_type": self.arch.name(),
+            "hidden_size": self.hidden,
+            "intermediate_size": self.ffn,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab,
+            "rms_norm_eps": self.rms_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.context,
+            "tie_word_embeddings": self.tied_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        });
+        v["attention_bias"] = self.qkv_bias.into();
+        v["mlp_bias"] = false.into();
+        if matches!(self.arch, Arch::Qwen2 | Arch::Qwen3) {
+            v["sliding_window"] = self.context.into();
+            v["max_window_layers"] = self.layers.into();
+            v["use_sliding_window"] = false.into();
+        }
+        v
+    }
+
+    /// Refuses what no engine here runs yet (a mixture of experts), before anything loads.
+    pub fn check_runnable(&self) -> Result<(), SpecError> {
+        match self.experts {
+            Some(e) => Err(SpecError::Experts {
+                arch: self.arch.name().to_string(),
+                experts: e.count,
+                used: e.per_token,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Checks relations a loader relies on, so a bad file fails here with a clear message.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        let bad = |m: String| Err(SpecError::Config(m));
+        if self.layers == 0 || self.hidden == 0 || self.ffn == 0 || self.vocab == 0 {
+            return bad(format!(
+                "layers {}, hidden {}, ffn {} and vocab {} must all be positive",
+                self.layers, self.hidden, self.ffn, self.vocab
+            ));
+        }
+        if self.heads == 0 || self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
+            return bad(format!(
+                "{} query heads must be a positive multiple of {} KV heads",
+                self.heads, self.kv_heads
+            ));
+        }
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return bad(format!(
+                "head_dim {} must be even and positive",
+                self.head_dim
+            ));
+        }
+        let positive = |x: f64| x > 0.0 && x.is_finite();
+        if !positive(self.rms_eps) || !positive(self.rope_theta) {
+            return bad(format!(
+                "rms epsilon {} and rope theta {} must be positive and finite",
+                self.rms_eps, self.rope_theta
+            ));
+        }
+        if self.context == 0 {
+            return bad("the context length must be positive".into());
+        }
+        if let Some(e) = self.experts {
+            if e.per_token == 0 || e.per_token > e.count {
+                return bad(format!(
+                    "{} experts per token of {} experts; it must be between 1 and the expert count",
+                    e.per_token, e.count
+                ));
+            }
+        }
+        if self.checked_parameter_count().is_none() {
+            return bad(format!(
+                "sizes overflow: {} layers of hidden {}, ffn {}, {} heads of {} and vocab {}",
+                self.layers, self.hidden, self.ffn, self.heads, self.head_dim, self.vocab
+            ));
+        }
+        Ok(())
+    }
+
+    /// Query heads sharing one KV head.
+    pub fn group(&self) -> usize {
+        self.heads / self.kv_heads.max(1)
+    }
+
+    /// [`ModelConfig::parameter_count`], or `None` when a product overflows (a corrupt file).
+    fn checked_parameter_count(&self) -> Option<usize> {
+        let q = self.heads.checked_mul(self.head_dim)?;
+        let kv = self.kv_heads.checked_mul(self.head_dim)?;
+        let qkv = kv.checked_mul(2)?.checked_add(q)?;
+        let attn = self
+            .hidden
+            .checked_mul(qkv)?
+            .checked_add(q.checked_mul(self.hidden)?)?;
+        let bias = if self.qkv_bias { qkv } else { 0 };
+        let qk_norms = if self.qk_norm { 2 * self.head_dim } else { 0 };
+        let (experts, router) = match self.experts {
+            Some(e) => (e.count, e.count.checked_mul(self.hidden)?),
+            None => (1, 0),
+        };
+        let mlp = self
+            .hidden
+            .checked_mul(self.ffn)?
+            .checked_mul(3)?
+            .checked_mul(experts)?
+            .checked_add(router)?;
+        let block = attn
+            .checked_add(bias)?
+            .checked_add(qk_norms)?
+            .checked_add(mlp)?
+            .checked_add(self.hidden.checked_mul(2)?)?;
+        let embed = self.vocab.checked_mul(self.hidden)?;
+        let head = if self.tied_embeddings { 0 } else { embed };
+        self.layers
+            .checked_mul(block)?
+            .checked_add(embed)?
+            .checked_add(head)?
+            .checked_add(self.hidden)
+    }
+
+    /// Parameters of the whole model (embedding counted once when tied); saturates for sizes
+    /// that [`ModelConfig::validate`] rejects.
+    pub fn parameter_count(&self) -> usize {
+        self.checked_parameter_count().unwrap_or(usize::MAX)
+    }
+}
+
+/// The refusal of a mixture-of-experts architecture `arch`, with its expert counts where its
+/// sizes could be read.
+fn moe_error(arch: &str, d: Option<&Dims>) -> SpecError {
+    let (experts, used) = d
+        .and_then(|d| d.experts)
+        .map_or((0, 0), |e| (e.count, e.per_token));
+    SpecError::Experts {
+        arch: arch.to_string(),
+        experts,
+        used,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn gguf(arch: &str, extra: &[(&str, u64)]) -> HashMap<String, MetaValue> {
+        let mut m = HashMap::new();
+        m.insert(
+            "general.architecture".to_string(),
+            MetaValue::Text(arch.to_string()),
+        );
+        for (k, v) in [
+            ("block_count", 2),
+            ("embedding_length", 64),
+            ("feed_forward_length", 128),
+            ("attention.head_count", 4),
+            ("attention.head_count_kv", 2),
+            ("context_length", 256),
+        ]
+        .into_iter()
+        .chain(extra.iter().copied())
+        {
+            m.insert(format!("{arch}.{k}"), MetaValue::Uint(v));
+        }
+        m
+    }
+
+    #[test]
+    fn gguf_and_hf_readers_agree_on_a_llama() {
+        let g = ModelConfig::from_gguf(&gguf("llama", &[]), Some(100), false).unwrap();
+        assert_eq!(
+            (g.arch, g.head_dim, g.vocab, g.context),
+            (Arch::Llama, 16, 100, 256)
+        );
+        assert_eq!(g.rope_style, RopeStyle::Interleaved);
+        assert!(g.tied_embeddings && g.experts.is_none());
+        let h = ModelConfig::from_hf_json(&g.to_hf_json().to_string()).unwrap();
+        assert_eq!(
+            h,
+            ModelConfig {
+                rope_style: RopeStyle::RotateHalf,
+                ..g.clone()
+            }
+        );
+        let q = ModelConfig::from_gguf(&gguf("qwen2", &[]), Some(100), true).unwrap();
+        assert!(q.qkv_bias && !q.tied_embeddings && q.rope_style == RopeStyle::RotateHalf);
+        assert_eq!(
+            ModelConfig::from_hf_json(&q.to_hf_json().to_string()).unwrap(),
+            q
+        );
+    }
+
+    #[test]
+    fn mixtures_of_experts_are_read_and_refused_by_name() {
+        // Mixtral's GGUF says `llama` with an expert count: read, then refused to run.
+        let md = gguf("llama", &[("expert_count", 8), ("expert_used_count", 2)]);
+        let c = ModelConfig::from_gguf(&md, Some(100), true).unwrap();
+        assert_eq!(
+            c.experts,
+            Some(Experts {
+                count: 8,
+                per_token: 2
+            })
+        );
+        let e = c.check_runnable().unwrap_err().to_string();
+        assert!(
+            e.contains("mixture-of-experts") && e.contains("8 experts, 2 per token"),
+            "{e}"
+        );
+        // Qwen-MoE architectures are refused at once, with their sizes.
+        let md = gguf(
+            "qwen2moe",
+            &[
+                ("expert_count", 60),
+                ("expert_used_count", 4),
+                ("expert_feed_forward_length", 32),
+            ],
+        );
+        let e = ModelConfig::from_gguf(&md, Some(100), true).unwrap_err();
+        assert_eq!(
+            e,
+            SpecError::Experts {
+                arch: "qwen2moe".into(),
+                experts: 60,
+                used: 4
+            }
+        );
+        assert_eq!(Dims::from_gguf(&md, Some(100), true).unwrap().ffn, 32);
+        let hf = r#"{"architectures":["MixtralForCausalLM"],"model_type":"mixtral","hidden_size":64,
+            "intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,
+            "num_key_value_heads":2,"vocab_size":100,"num_local_experts":8,"num_experts_per_tok":2,
+            "hidden_act":"silu"}"#;
+        let e = ModelConfig::from_hf_json(hf).unwrap_err().to_string();
+        assert!(
+            e.contains("mixtral") && e.contains("8 experts, 2 per token"),
+            "{e}"
+        );
+        let d = Dims::from_hf(&serde_json::from_str(hf).unwrap()).unwrap();
+        assert_eq!(d.experts.map(|e| e.count), Some(8));
+    }
+
+    #[test]
+    fn unsupported_architectures_are_named_before_their_keys() {
+        let mut md = HashMap::new();
+        md.insert(
+            "general.architecture".into(),
+            MetaValue::Text("gemma3".into()),
+        );
+        let e = ModelConfig::from_gguf(&md, None, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("\"gemma3\"") && e.contains("supported: llama"),
+            "{e}"
+        );
+        let e = ModelConfig::from_hf_json(r#"{"model_type":"gemma3_text"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"gemma3_text\"") && e.contains("qwen3"), "{e}");
+        // Present but mistyped keys are errors, not defaults.
+        let mut md = gguf("llama", &[]);
+        md.insert(
+            "llama.context_length".into(),
+            MetaValue::Text("long".into()),
+        );
+        let e = ModelConfig::from_gguf(&md, Some(10), false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("llama.context_length") && e.contains("not a non-negative integer"),
+            "{e}"
+        );
+        let e = ModelConfig::from_hf_json(r#"{"model_type":"llama","hidden_size":-1}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("hidden_size is -1"), "{e}");
+    }
+
+    #[test]
+    fn parameter_count_counts_experts_and_their_router() {
+        let dense = ModelConfig::from_gguf(&gguf("llama", &[]), Some(100), true).unwrap();
+        let moe = ModelConfig {
+            experts: Some(Experts {
+                count: 8,
+                per_token: 2,
+            }),
+            ..dense.clone()
+        };
+        let mlp = 3 * 64 * 128;
+        assert_eq!(
+            moe.parameter_count() - dense.parameter_count(),
+            2 * (7 * mlp + 8 * 64)
+        );
+    }
+}

@@ -1,0 +1,81 @@
+//! Typed errors of the model description and of the shard arithmetic; messages say what to do.
+
+use thiserror::Error;
+
+/// A model description that cannot be read or is not one this project runs.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum SpecError {
+    #[error("invalid model config: {0}")]
+    Config(String),
+    #[error("model metadata lacks {key}: {hint}")]
+    MissingMetadata { key: String, hint: String },
+    #[error(
+        "model architecture {arch:?} is not supported; supported: {}",
+        crate::arch::supported_list()
+    )]
+    UnsupportedArch { arch: String },
+    /// A mixture-of-experts model: its names and sizes are read, but no engine runs it yet.
+    #[error("{arch} is a mixture-of-experts model{}; expert parallelism is not implemented yet, so it cannot run: use a dense model ({})", counts(*experts, *used), crate::arch::supported_list())]
+    Experts {
+        arch: String,
+        experts: usize,
+        used: usize,
+    },
+}
+
+/// ` (8 experts, 2 per token)`, or nothing when the file's counts could not be read (0).
+fn counts(experts: usize, used: usize) -> String {
+    if experts == 0 {
+        String::new()
+    } else {
+        format!(" ({experts} experts, {used} per token)")
+    }
+}
+
+/// A split of heads, FFN columns or vocabulary rows over ranks that cannot be made.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum ShardError {
+    /// tp is 0 or above the number of units to split.
+    #[error("{units} {what} cannot give every rank a {unit} at tp={tp}; use 1 <= tp <= {units}")]
+    InvalidTp {
+        units: usize,
+        what: &'static str,
+        unit: &'static str,
+        tp: usize,
+    },
+    /// Rank weights that are not one per rank (`tp` is `None` when none were given at all).
+    #[error("{count} rank weight(s) {}; give exactly one weight per rank", match tp { Some(tp) => format!("for {tp} ranks"), None => "given".to_string() })]
+    RankWeightCount { count: usize, tp: Option<usize> },
+    #[error("rank {rank} has weight 0; every rank's weight must be at least 1")]
+    RankWeightZero { rank: usize },
+    #[error("rank {rank} has weight {weight}, more than the largest allowed ({max}); weights are ratios, so scale them down (2,1 is the same split as 200,100)")]
+    RankWeightTooLarge { rank: usize, weight: u64, max: u32 },
+    #[error("rank weights '{text}' are not whole numbers separated by commas, like 2,1")]
+    RankWeightSyntax { text: String },
+    /// A weighted split that would leave a rank without a unit.
+    #[error("with rank weights {weights}, rank {rank}'s share of the {units} {what} is {share:.2}, less than one {unit}; raise its weight, lower the others' or use fewer ranks")]
+    EmptyWeightedShare {
+        rank: usize,
+        weights: String,
+        units: usize,
+        what: &'static str,
+        unit: &'static str,
+        share: f64,
+    },
+    #[error("tp_rank {tp_rank} is out of range for tp={tp}; use 0 <= tp_rank < {tp}")]
+    InvalidRank { tp_rank: usize, tp: usize },
+    /// Query heads that KV heads cannot group.
+    #[error("bad config: {0}")]
+    Groups(String),
+}
+
+impl ShardError {
+    /// The split itself failed: more ranks than units, or rank weights that leave a rank
+    /// without a unit (the tp or the weights are what to change).
+    pub fn is_split_error(&self) -> bool {
+        matches!(
+            self,
+            ShardError::EmptyWeightedShare { .. } | ShardError::InvalidTp { .. }
+        )
+    }
+}

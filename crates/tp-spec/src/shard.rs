@@ -1,0 +1,298 @@
+//! Which heads, FFN columns and vocabulary rows each rank holds, and the bytes of weights that
+//! makes (docs/design.md "Uneven and head-granular shards"): the one shard calculator that
+//! loading, `tp inspect` and `tp plan` share.
+
+use crate::config::ModelConfig;
+use crate::error::ShardError;
+use crate::partition::{HeadPlan, Partition, RankWeights};
+use crate::weights::WeightName;
+use std::ops::Range;
+
+/// Columns a dense row-parallel product sums in f32 before widening to f64: the FFN unit of
+/// float weights, so their shards also split at chunk boundaries and stay tp-invariant.
+pub const DENSE_CHUNK: usize = 32;
+
+/// One rank's share of a model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardPlan {
+    pub tp_rank: usize,
+    pub tp: usize,
+    pub heads: HeadPlan,
+    /// FFN columns in units of `ffn_unit` (the down projection's quant block, so shards of
+    /// quantized weights stay block aligned).
+    pub ffn: Partition,
+    pub ffn_unit: usize,
+    pub vocab: Partition,
+}
+
+impl ShardPlan {
+    /// The balanced split over `tp` ranks. The FFN is cut in units of `ffn_unit` when it
+    /// divides the FFN width into at least `tp` units, else in single columns.
+    pub fn new(
+        cfg: &ModelConfig,
+        ffn_unit: usize,
+        tp_rank: usize,
+        tp: usize,
+    ) -> Result<Self, ShardError> {
+        let heads = HeadPlan::new(cfg.heads, cfg.kv_heads, tp_rank, tp)?;
+        let unit = if ffn_unit > 0 && cfg.ffn.is_multiple_of(ffn_unit) && cfg.ffn / ffn_unit >= tp {
+            ffn_unit
+        } else {
+            1
+        };
+        let ffn = Partition::new(cfg.ffn / unit, tp, "FFN columns", "FFN column")?;
+        let vocab = Partition::new(cfg.vocab, tp, "vocabulary rows", "vocabulary row")?;
+        Ok(ShardPlan {
+            tp_rank,
+            tp,
+            heads,
+            ffn,
+            ffn_unit: unit,
+            vocab,
+        })
+    }
+
+    /// Every split (query heads, FFN blocks, vocabulary rows) in proportion to `weights`, one
+    /// per rank ([`Partition::weighted`]); equal weights give [`ShardPlan::new`]'s plan. The
+    /// FFN stays in units of `ffn_unit` when every rank's share is at least one unit, as in
+    /// the balanced plan; KV heads follow the query heads.
+    pub fn weighted(
+        cfg: &ModelConfig,
+        ffn_unit: usize,
+        tp_rank: usize,
+        weights: &RankWeights,
+    ) -> Result<Self, ShardError> {
+        let tp = weights.tp();
+        let heads = HeadPlan::weighted(cfg.heads, cfg.kv_heads, tp_rank, weights)?;
+        let in_blocks = (ffn_unit > 0 && cfg.ffn.is_multiple_of(ffn_unit))
+            .then(|| Partition::weighted(cfg.ffn / ffn_unit, weights, "FFN blocks", "FFN block"))
+            .and_then(|p| p.ok());
+        let (ffn, unit) = match in_blocks {
+            Some(p) => (p, ffn_unit),
+            None => (
+                Partition::weighted(cfg.ffn, weights, "FFN columns", "FFN column")?,
+                1,
+            ),
+        };
+        let vocab = Partition::weighted(cfg.vocab, weights, "vocabulary rows", "vocabulary row")?;
+        Ok(ShardPlan {
+            tp_rank,
+            tp,
+            heads,
+            ffn,
+            ffn_unit: unit,
+            vocab,
+        })
+    }
+
+    pub fn q_heads(&self) -> Range<usize> {
+        self.heads.q_range()
+    }
+    pub fn kv_heads(&self) -> Range<usize> {
+        self.heads.kv_range()
+    }
+    pub fn ffn_cols(&self) -> Range<usize> {
+        let r = self.ffn.range(self.tp_rank);
+        r.start * self.ffn_unit..r.end * self.ffn_unit
+    }
+    pub fn vocab_rows(&self) -> Range<usize> {
+        self.vocab.range(self.tp_rank)
+    }
+}
+
+/// How a 2-D weight's rows are stored, as far as its bytes go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Blocks of `block` elements in `block_bytes` bytes along each row (ggml quantizations).
+    Blocks { block: usize, block_bytes: usize },
+    /// Floats, converted at load to the dense element size.
+    Float,
+}
+
+impl Layout {
+    /// The layout of a ggml tensor type id (as in a GGUF header): block size and bytes of the
+    /// quantizations the kernels run, `Float` for F32/F16/BF16, `None` for the rest.
+    pub fn of_ggml_type(type_id: u32) -> Option<Layout> {
+        let (block, block_bytes) = match type_id {
+            0 | 1 | 30 => return Some(Layout::Float),
+            2 => (32, 18),   // Q4_0
+            3 => (32, 20),   // Q4_1
+            6 => (32, 22),   // Q5_0
+            7 => (32, 24),   // Q5_1
+            8 => (32, 34),   // Q8_0
+            10 => (256, 84), // Q2_K
+            11 => (256, 110),
+            12 => (256, 144),
+            13 => (256, 176),
+            14 => (256, 210), // Q6_K
+            _ => return None,
+        };
+        Some(Layout::Blocks { block, block_bytes })
+    }
+
+    /// The FFN unit of shards whose down projection is stored this way: its block, at least
+    /// [`DENSE_CHUNK`].
+    pub fn ffn_unit(self) -> usize {
+        match self {
+            Layout::Blocks { block, .. } => block.max(DENSE_CHUNK),
+            Layout::Float => DENSE_CHUNK,
+        }
+    }
+}
+
+/// Width of a K-quant super-block, and of the sub-blocks a shard may cut it at.
+const SUPER_BLOCK: usize = 256;
+const SUB_BLOCK: usize = 32;
+
+impl Layout {
+    /// Bytes a `[rows, cols]` slice starting at column `col_start` occupies once loaded:
+    /// quantized shards keep their blocks when aligned (K-quants: the super-blocks a range on
+    /// 32-wide sub-blocks touches), everything else becomes `dense_bytes` per element.
+    pub fn slice_bytes(
+        self,
+        rows: usize,
+        cols: usize,
+        col_start: usize,
+        dense_bytes: usize,
+    ) -> usize {
+        match self {
+            Layout::Blocks { block, block_bytes } => {
+                if col_start.is_multiple_of(block) && cols.is_multiple_of(block) {
+                    rows * (cols / block) * block_bytes
+                } else if block == SUPER_BLOCK
+                    && col_start.is_multiple_of(SUB_BLOCK)
+                    && cols.is_multiple_of(SUB_BLOCK)
+                {
+                    rows * ((col_start + cols).div_ceil(block) - col_start / block) * block_bytes
+                } else {
+                    rows * cols * dense_bytes
+                }
+            }
+            Layout::Float => rows * cols * dense_bytes,
+        }
+    }
+}
+
+/// Bytes of weights one rank holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WeightBytes {
+    /// Weights split across ranks (including KV heads it shares with a neighbour, and biases).
+    pub sharded: usize,
+    /// What every rank holds whole: the norm weights (f32), Qwen3's q/k norms included.
+    pub replicated: usize,
+}
+
+/// The weight bytes of rank `plan.tp_rank`: `layout` gives each matrix's storage (an error
+/// from it is returned as is), `dense_bytes` the element size of unquantized weights (4 for
+/// f32, 2 for f16/bf16). Biases and norms are f32.
+pub fn rank_weight_bytes<E>(
+    cfg: &ModelConfig,
+    plan: &ShardPlan,
+    layout: &mut dyn FnMut(WeightName) -> Result<Layout, E>,
+    dense_bytes: usize,
+) -> Result<WeightBytes, E> {
+    let hd = cfg.head_dim;
+    let q_rows = plan.q_heads().len() * hd;
+    let kv_rows = plan.kv_heads().len() * hd;
+    let ffn = plan.ffn_cols();
+    let vocab = plan.vocab_rows().len();
+    let mut m = WeightBytes::default();
+    let mut size = |name: WeightName, rows: usize, cols: usize, col_start: usize| {
+        layout(name).map(|l| l.slice_bytes(rows, cols, col_start, dense_bytes))
+    };
+    for l in 0..cfg.layers {
+        m.sharded += size(WeightName::Q(l), q_rows, cfg.hidden, 0)?;
+        m.sharded += size(WeightName::K(l), kv_rows, cfg.hidden, 0)?;
+        m.sharded += size(WeightName::V(l), kv_rows, cfg.hidden, 0)?;
+        m.sharded += size(
+            WeightName::O(l),
+            cfg.hidden,
+            q_rows,
+            plan.q_heads().start * hd,
+        )?;
+        m.sharded += size(WeightName::Gate(l), ffn.len(), cfg.hidden, 0)?;
+        m.sharded += size(WeightName::Up(l), ffn.len(), cfg.hidden, 0)?;
+        m.sharded += size(WeightName::Down(l), cfg.hidden, ffn.len(), ffn.start)?;
+        if cfg.qkv_bias {
+            m.sharded += (q_rows + 2 * kv_rows) * 4;
+        }
+        m.replicated += 2 * cfg.hidden * 4;
+        if cfg.qk_norm {
+            m.replicated += 2 * hd * 4;
+        }
+    }
+    m.sharded += size(WeightName::Embed, vocab, cfg.hidden, 0)?;
+    if !cfg.tied_embeddings {
+        m.sharded += size(WeightName::Output, vocab, cfg.hidden, 0)?;
+    }
+    m.replicated += cfg.hidden * 4;
+    Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::{Arch, RopeStyle};
+
+    fn cfg() -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Qwen2,
+            layers: 2,
+            hidden: 1536,
+            ffn: 8960,
+            heads: 12,
+            kv_heads: 2,
+            head_dim: 128,
+            vocab: 1000,
+            rms_eps: 1e-6,
+            rope_theta: 1e6,
+            rope_style: RopeStyle::RotateHalf,
+            context: 64,
+            qkv_bias: true,
+            qk_norm: false,
+            tied_embeddings: true,
+            experts: None,
+        }
+    }
+
+    #[test]
+    fn k_quant_row_shards_keep_the_super_blocks_they_touch() {
+        let q4k = Layout::Blocks {
+            block: 256,
+            block_bytes: 144,
+        };
+        // Qwen2.5-1.5B o_proj at tp 4: 384 columns from 384 touch super-blocks 1 and 2.
+        assert_eq!(q4k.slice_bytes(10, 384, 384, 4), 10 * 2 * 144);
+        assert_eq!(q4k.slice_bytes(10, 512, 0, 4), 10 * 2 * 144);
+        // Off the 32-wide sub-blocks: dequantized.
+        assert_eq!(q4k.slice_bytes(10, 48, 16, 4), 10 * 48 * 4);
+        assert_eq!(Layout::Float.slice_bytes(3, 5, 1, 2), 30);
+    }
+
+    #[test]
+    fn shards_cover_the_model_once_but_replicate_kv_heads() {
+        let c = cfg();
+        let q8 = Layout::Blocks {
+            block: 32,
+            block_bytes: 34,
+        };
+        let total = |tp: usize| -> usize {
+            (0..tp)
+                .map(|r| {
+                    let plan = ShardPlan::new(&c, 32, r, tp).unwrap();
+                    let mut l = |_| Ok::<_, ()>(q8);
+                    rank_weight_bytes(&c, &plan, &mut l, 4).unwrap().sharded
+                })
+                .sum()
+        };
+        // tp 2: KV heads split once; tp 4: the 2 KV heads (K and V rows, biases) are each
+        // held twice in every layer.
+        let kv = c.layers * 2 * (2 * 128 * 1536 / 32 * 34 + 2 * 128 * 4);
+        assert_eq!(total(2), total(1));
+        assert_eq!(total(4), total(1) + kv);
+        assert!(
+            ShardPlan::new(&c, 32, 0, 13).is_err(),
+            "more ranks than heads"
+        );
+    }
+}

@@ -1,0 +1,277 @@
+//! The canonical weights of a model, their shapes, and their names in GGUF and HF spelling
+//! (the one table both checkpoint readers and the trainer's checkpoints use).
+
+use crate::config::ModelConfig;
+
+/// A weight of the Llama family, independent of the file format's naming.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightName {
+    Embed,
+    Output,
+    OutputNorm,
+    AttnNorm(usize),
+    Q(usize),
+    K(usize),
+    V(usize),
+    QBias(usize),
+    KBias(usize),
+    VBias(usize),
+    /// Qwen3's per-head RMSNorm weights of the queries and keys (`[head_dim]`).
+    QNorm(usize),
+    KNorm(usize),
+    O(usize),
+    FfnNorm(usize),
+    Gate(usize),
+    Up(usize),
+    Down(usize),
+}
+
+impl WeightName {
+    /// The layer of a per-layer weight.
+    pub fn layer(self) -> Option<usize> {
+        use WeightName::*;
+        match self {
+            Embed | Output | OutputNorm => None,
+            AttnNorm(l) | Q(l) | K(l) | V(l) | QBias(l) | KBias(l) | VBias(l) | QNorm(l)
+            | KNorm(l) | O(l) | FfnNorm(l) | Gate(l) | Up(l) | Down(l) => Some(l),
+        }
+    }
+
+    /// Whether the weight is a vector every rank holds whole or slices (norms, biases).
+    pub fn is_vector(self) -> bool {
+        use WeightName::*;
+        matches!(
+            self,
+            OutputNorm
+                | AttnNorm(_)
+                | FfnNorm(_)
+                | QBias(_)
+                | KBias(_)
+                | VBias(_)
+                | QNorm(_)
+                | KNorm(_)
+        )
+    }
+}
+
+/// A per-layer weight's constructor, its GGUF suffix and its HF suffix.
+type LayerName = (fn(usize) -> WeightName, &'static str, &'static str);
+
+/// Each per-layer weight with its names, in the order of a block.
+const LAYER_NAMES: [LayerName; 14] = [
+    (
+        WeightName::AttnNorm,
+        "attn_norm.weight",
+        "input_layernorm.weight",
+    ),
+    (WeightName::Q, "attn_q.weight", "self_attn.q_proj.weight"),
+    (WeightName::K, "attn_k.weight", "self_attn.k_proj.weight"),
+    (WeightName::V, "attn_v.weight", "self_attn.v_proj.weight"),
+    (WeightName::QBias, "attn_q.bias", "self_attn.q_proj.bias"),
+    (WeightName::KBias, "attn_k.bias", "self_attn.k_proj.bias"),
+    (WeightName::VBias, "attn_v.bias", "self_attn.v_proj.bias"),
+    (
+        WeightName::QNorm,
+        "attn_q_norm.weight",
+        "self_attn.q_norm.weight",
+    ),
+    (
+        WeightName::KNorm,
+        "attn_k_norm.weight",
+        "self_attn.k_norm.weight",
+    ),
+    (
+        WeightName::O,
+        "attn_output.weight",
+        "self_attn.o_proj.weight",
+    ),
+    (
+        WeightName::FfnNorm,
+        "ffn_norm.weight",
+        "post_attention_layernorm.weight",
+    ),
+    (WeightName::Gate, "ffn_gate.weight", "mlp.gate_proj.weight"),
+    (WeightName::Up, "ffn_up.weight", "mlp.up_proj.weight"),
+    (WeightName::Down, "ffn_down.weight", "mlp.down_proj.weight"),
+];
+
+/// (weight, GGUF name, HF name) of the weights outside the layers.
+const GLOBAL_NAMES: [(WeightName, &str, &str); 3] = [
+    (
+        WeightName::Embed,
+        "token_embd.weight",
+        "model.embed_tokens.weight",
+    ),
+    (WeightName::Output, "output.weight", "lm_head.weight"),
+    (
+        WeightName::OutputNorm,
+        "output_norm.weight",
+        "model.norm.weight",
+    ),
+];
+
+fn layer_entry(name: WeightName) -> Option<(usize, &'static str, &'static str)> {
+    let l = name.layer()?;
+    LAYER_NAMES
+        .iter()
+        .find(|(make, _, _)| make(l) == name)
+        .map(|&(_, g, h)| (l, g, h))
+}
+
+/// The GGUF tensor name of a weight (`blk.3.attn_q.weight`).
+pub fn gguf_name(name: WeightName) -> String {
+    match layer_entry(name) {
+        Some((l, g, _)) => format!("blk.{l}.{g}"),
+        None => GLOBAL_NAMES
+            .iter()
+            .find(|e| e.0 == name)
+            .map_or_else(String::new, |e| e.1.to_string()),
+    }
+}
+
+/// The HF tensor name of a weight (`model.layers.3.self_attn.q_proj.weight`).
+pub fn hf_name(name: WeightName) -> String {
+    match layer_entry(name) {
+        Some((l, _, h)) => format!("model.layers.{l}.{h}"),
+        None => GLOBAL_NAMES
+            .iter()
+            .find(|e| e.0 == name)
+            .map_or_else(String::new, |e| e.2.to_string()),
+    }
+}
+
+/// The weight an HF tensor name stands for (`None` for names this family does not use).
+pub fn parse_hf_name(name: &str) -> Option<WeightName> {
+    if let Some(e) = GLOBAL_NAMES.iter().find(|e| e.2 == name) {
+        return Some(e.0);
+    }
+    let rest = name.strip_prefix("model.layers.")?;
+    let (layer, suffix) = rest.split_once('.')?;
+    let l = layer.parse::<usize>().ok()?;
+    LAYER_NAMES
+        .iter()
+        .find(|e| e.2 == suffix)
+        .map(|(make, _, _)| make(l))
+}
+
+/// The weight a GGUF tensor name stands for (`None` for names this family does not use).
+pub fn parse_gguf_name(name: &str) -> Option<WeightName> {
+    if let Some(e) = GLOBAL_NAMES.iter().find(|e| e.1 == name) {
+        return Some(e.0);
+    }
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, suffix) = rest.split_once('.')?;
+    let l = layer.parse::<usize>().ok()?;
+    LAYER_NAMES
+        .iter()
+        .find(|e| e.1 == suffix)
+        .map(|(make, _, _)| make(l))
+}
+
+/// Tensor-name fragments of mixture-of-experts weights in GGUF (`blk.N.ffn_gate_exps.weight`,
+/// the router `ffn_gate_inp`, Qwen's shared expert `*_shexp`) and HF spelling (Mixtral's
+/// `block_sparse_moe.*`, Qwen-MoE's `mlp.experts.*`, `mlp.gate.weight`, `mlp.shared_expert*`).
+const EXPERT_FRAGMENTS: [&str; 8] = [
+    "_exps.",
+    ".ffn_gate_inp.",
+    "_shexp.",
+    ".block_sparse_moe.",
+    ".mlp.experts.",
+    ".mlp.gate.weight",
+    ".mlp.shared_expert.",
+    ".mlp.shared_expert_gate.",
+];
+
+/// Whether a tensor name is a mixture-of-experts weight (router, experts, shared expert).
+pub fn is_expert_tensor(name: &str) -> bool {
+    EXPERT_FRAGMENTS.iter().any(|f| name.contains(f))
+}
+
+/// A weight's shape: a matrix `[rows, cols]` or a vector of `len`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expected {
+    Matrix { rows: usize, cols: usize },
+    Vector { len: usize },
+}
+
+/// Fewest tensors a layer has (two norms, Q, K, V, O, gate, up, down).
+pub const TENSORS_PER_LAYER: usize = 9;
+
+/// The weights a checkpoint of `cfg` must hold, with their shapes (biases only when the
+/// config has them, the output head only when untied), embedding first, then each layer.
+pub fn expected_weights(cfg: &ModelConfig) -> impl Iterator<Item = (WeightName, Expected)> + '_ {
+    let hd = cfg.head_dim;
+    let (q, kv) = (cfg.heads * hd, cfg.kv_heads * hd);
+    let m = |rows, cols| Expected::Matrix { rows, cols };
+    let v = |len| Expected::Vector { len };
+    let global = [
+        Some((WeightName::Embed, m(cfg.vocab, cfg.hidden))),
+        (!cfg.tied_embeddings).then_some((WeightName::Output, m(cfg.vocab, cfg.hidden))),
+        Some((WeightName::OutputNorm, v(cfg.hidden))),
+    ];
+    let layers = (0..cfg.layers).flat_map(move |l| {
+        let bias = cfg.qkv_bias;
+        [
+            Some((WeightName::AttnNorm(l), v(cfg.hidden))),
+            Some((WeightName::Q(l), m(q, cfg.hidden))),
+            Some((WeightName::K(l), m(kv, cfg.hidden))),
+            Some((WeightName::V(l), m(kv, cfg.hidden))),
+            bias.then_some((WeightName::QBias(l), v(q))),
+            bias.then_some((WeightName::KBias(l), v(kv))),
+            bias.then_some((WeightName::VBias(l), v(kv))),
+            cfg.qk_norm.then_some((WeightName::QNorm(l), v(hd))),
+            cfg.qk_norm.then_some((WeightName::KNorm(l), v(hd))),
+            Some((WeightName::O(l), m(cfg.hidden, q))),
+            Some((WeightName::FfnNorm(l), v(cfg.hidden))),
+            Some((WeightName::Gate(l), m(cfg.ffn, cfg.hidden))),
+            Some((WeightName::Up(l), m(cfg.ffn, cfg.hidden))),
+            Some((WeightName::Down(l), m(cfg.hidden, cfg.ffn))),
+        ]
+        .into_iter()
+        .flatten()
+    });
+    global.into_iter().flatten().chain(layers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_in_both_spellings_round_trip() {
+        let all = [
+            WeightName::Embed,
+            WeightName::Output,
+            WeightName::OutputNorm,
+        ]
+        .into_iter()
+        .chain(LAYER_NAMES.iter().map(|e| (e.0)(7)));
+        for w in all {
+            let (g, h) = (gguf_name(w), hf_name(w));
+            assert!(!g.is_empty() && !h.is_empty(), "{w:?}");
+            assert_eq!(parse_hf_name(&h), Some(w), "{h}");
+            assert_eq!(parse_gguf_name(&g), Some(w), "{g}");
+            assert!(!is_expert_tensor(&g) && !is_expert_tensor(&h));
+        }
+        assert_eq!(gguf_name(WeightName::Q(3)), "blk.3.attn_q.weight");
+        assert_eq!(
+            hf_name(WeightName::Down(0)),
+            "model.layers.0.mlp.down_proj.weight"
+        );
+        assert_eq!(parse_hf_name("model.layers.x.mlp.up_proj.weight"), None);
+        assert_eq!(parse_hf_name("model.layers.1.mlp.up_proj.bias"), None);
+        assert_eq!(parse_gguf_name("blk.1.ffn_gate_exps.weight"), None);
+        for moe in [
+            "blk.0.ffn_gate_exps.weight",
+            "blk.1.ffn_gate_inp.weight",
+            "blk.2.ffn_down_shexp.weight",
+            "model.layers.0.block_sparse_moe.experts.3.w1.weight",
+            "model.layers.0.block_sparse_moe.gate.weight",
+            "model.layers.5.mlp.experts.12.gate_proj.weight",
+            "model.layers.5.mlp.gate.weight",
+            "model.layers.5.mlp.shared_expert.up_proj.weight",
+        ] {
+            assert!(is_expert_tensor(moe), "{moe}");
+        }
+    }
+}
