@@ -20,12 +20,24 @@
 //! sub-block in the sub-block form (`SUB`), otherwise all in the first; [`block_end`] then
 //! forms the super-block's contribution, or the 8 sub-blocks' (shared with AVX-512).
 
-use crate::dot_avx2::{add_wide, store};
+use crate::dot_avx2::{add_wide, ptrs, store};
 use crate::format::QuantType;
 use crate::pack_k::{q2k, q3k, q4k, q5k, q6k};
 use crate::quantize_k::ActBlockK;
 use crate::tile::{Form, TileOut};
 use std::arch::x86_64::*;
+
+/// `k::<T, c..>(g, nb, ptrs(a, nb), out)` with `T` = `tile` (1 to 4; larger values run 4).
+macro_rules! by_tokens {
+    ($tile:expr, $k:ident, [$($c:literal),*], $g:expr, $nb:expr, $a:expr, $out:expr) => {
+        match $tile {
+            1 => $k::<1, $($c),*>($g, $nb, ptrs($a, $nb), $out),
+            2 => $k::<2, $($c),*>($g, $nb, ptrs($a, $nb), $out),
+            3 => $k::<3, $($c),*>($g, $nb, ptrs($a, $nb), $out),
+            _ => $k::<4, $($c),*>($g, $nb, ptrs($a, $nb), $out),
+        }
+    };
+}
 
 /// Outputs of one group for `tile` tokens into `out.f32s[..tile]` or, for the wide forms, the
 /// f64 sums of the super-block (sub-block) contributions into `out.f64s[..tile]`.
@@ -48,16 +60,14 @@ pub(crate) unsafe fn group_dot(
     // SAFETY: the caller guarantees the CPU features, that the group holds `nb` group
     // super-blocks and that `acts` holds `tile` tokens of `nb` blocks.
     unsafe {
-        let p = |t: usize| a.add(t * nb);
         // `k::<tile, c.., wide, sub>` for the tile size and form of this call.
         macro_rules! by_tile {
             ($k:ident $(, $c:literal)*) => {
-                by_form!(form, $k, [$($c),*], match tile {
-                    1 => (g, nb, [p(0)], out),
-                    2 => (g, nb, [p(0), p(1)], out),
-                    3 => (g, nb, [p(0), p(1), p(2)], out),
-                    _ => (g, nb, [p(0), p(1), p(2), p(3)], out),
-                })
+                match form {
+                    Form::F32 => by_tokens!(tile, $k, [$($c,)* false, false], g, nb, a, out),
+                    Form::Wide => by_tokens!(tile, $k, [$($c,)* true, false], g, nb, a, out),
+                    Form::WideSub => by_tokens!(tile, $k, [$($c,)* true, true], g, nb, a, out),
+                }
             };
         }
         match qtype {
