@@ -6,7 +6,9 @@
 //! count), median of 5 samples per round; the table gives the median over rounds of each
 //! time and of the per-round ratio, plus GOP/s (2 per
 //! multiply-add) of the current kernels. Shapes: SmolLM2-135M (Q4_1) and Qwen2.5-0.5B (its
-//! Q5_0 / Q8_0 / Q4_K / Q6_K tensors), fused as the models run them (QKV, gate+up).
+//! Q5_0 / Q8_0 / Q4_K / Q6_K tensors), fused as the models run them (QKV, gate+up), its
+//! K-quant down projection also in the sub-block form a model uses where tp shards cut
+//! inside super-blocks.
 //! Run: `cargo bench -p tp-kernels --bench gemm` (`TP_BENCH_ONLY=Q4_1` keeps the rows whose
 //! name contains the substring, `TP_BENCH_N=128,32` sets the token counts, `TP_BENCH_ROUNDS`
 //! the rounds, 7 by default).
@@ -28,6 +30,8 @@ fn cases() -> Vec<(QuantType, usize, usize, &'static str)> {
         (Q5_0, 9728, 896, "qwen gate+up"),
         (Q4_K, 896, 4864, "qwen down q4k (wide)"),
         (Q6_K, 896, 4864, "qwen down q6k (wide)"),
+        (Q4_K, 896, 4864, "qwen down q4k (wide, sub-block form)"),
+        (Q6_K, 896, 4864, "qwen down q6k (wide, sub-block form)"),
         (Q4_0, 1536, 576, "q4_0"),
         (Q5_1, 896, 896, "q5_1"),
         (Q2_K, 1536, 1536, "q2_k"),
@@ -151,8 +155,13 @@ fn main() {
         if only.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
             continue;
         }
-        let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, ggml_bytes(qtype, rows, cols))
-            .expect("matrix");
+        let bytes = ggml_bytes(qtype, rows, cols);
+        let m = if what.contains("sub-block") {
+            QuantMatrix::from_ggml_sub_blocks(qtype, rows, 0, cols, bytes)
+        } else {
+            QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes)
+        }
+        .expect("matrix");
         for &n in &ns {
             let x = values(n * cols);
             let mut y = vec![0.0f32; n * rows];

@@ -693,6 +693,29 @@ impl Activation for ActBlockK {
         expand::expand_k(qtype, self, out);
     }
 
+    fn unpacked_len(qtype: QuantType, simd: Simd, nb: usize) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if simd == Simd::Avx2 && qtype == QuantType::Q6_K {
+            return nb * crate::dot_avx2_k::Q6K_UNPACKED;
+        }
+        let _ = (qtype, simd, nb);
+        0
+    }
+
+    fn unpack(qtype: QuantType, simd: Simd, group: &[u8], nb: usize, out: &mut [u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if simd == Simd::Avx2
+            && qtype == QuantType::Q6_K
+            && group.len() >= nb * group_block_bytes(qtype)
+            && out.len() >= nb * crate::dot_avx2_k::Q6K_UNPACKED
+        {
+            // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
+            // F16C; the slice lengths were checked just above.
+            unsafe { crate::dot_avx2_k::unpack_q6k(group, nb, out) }
+        }
+        let _ = (qtype, simd, group, nb, out);
+    }
+
     fn group_tile(
         qtype: QuantType,
         simd: Simd,
@@ -704,6 +727,18 @@ impl Activation for ActBlockK {
     ) {
         let (acts, n) = (tile.acts, tile.tokens);
         match simd {
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2
+                if qtype == QuantType::Q6_K
+                    && tile.unpacked.len() >= nb * crate::dot_avx2_k::Q6K_UNPACKED =>
+            {
+                let u = tile.unpacked;
+                // SAFETY: as below, and `u` holds the group unpacked by `Self::unpack`
+                // (`nb * Q6K_UNPACKED` bytes, checked above).
+                unsafe {
+                    crate::dot_avx2_k::group_dot_q6k_unpacked(group, u, nb, acts, n, form, out)
+                }
+            }
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2 => {
                 // SAFETY: as for `ActBlock`, with K-quant group super-blocks.
@@ -984,11 +1019,24 @@ pub(crate) mod tests {
         for simd in cpu::available() {
             for qtype in ALL {
                 let bl = qtype.block_len();
-                for (rows, nb) in [(9usize, 3usize), (17, 2)] {
-                    let cols = nb * bl;
+                // K-quants also in the sub-block form, from column 32 to 64 before the end.
+                let sub = [false, true]
+                    .into_iter()
+                    .filter(|&s| !s || qtype.is_k_quant());
+                for (rows, nb, sub) in [(9usize, 3usize), (17, 2)]
+                    .into_iter()
+                    .flat_map(|(r, b)| sub.clone().map(move |s| (r, b, s)))
+                {
                     let seed = (rows * 31 + nb) as u64;
-                    let bytes = random_ggml(qtype, rows, cols, seed);
-                    let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
+                    let bytes = random_ggml(qtype, rows, nb * bl, seed);
+                    let (m, cols) = if sub {
+                        let cols = nb * bl - 64;
+                        let m = QuantMatrix::from_ggml_sub_blocks(qtype, rows, 32, cols, bytes);
+                        (m.unwrap(), cols)
+                    } else {
+                        let m = QuantMatrix::from_ggml_bytes(qtype, rows, nb * bl, bytes);
+                        (m.unwrap(), nb * bl)
+                    };
                     let most = 3 * MAX_TILE + 1;
                     let x = random_x(most * cols, seed ^ 9);
                     let mut alone = vec![0.0f32; most * rows];
@@ -1010,7 +1058,7 @@ pub(crate) mod tests {
                             .unwrap();
                         let f32_bits =
                             |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                        let what = format!("{simd:?} {qtype} [{rows},{cols}] n={n}");
+                        let what = format!("{simd:?} {qtype} [{rows},{cols}] sub={sub} n={n}");
                         assert_eq!(f32_bits(&y), f32_bits(&alone[..n * rows]), "{what} f32");
                         assert_eq!(bits(&yw), bits(&alone_w[..n * rows]), "{what} wide");
                         assert_eq!(bits(&yw), bits(&scalar_w[..n * rows]), "{what} vs scalar");
