@@ -43,19 +43,18 @@ pub(crate) unsafe fn group_dot(
     // blocks and that `acts` holds `tile` tokens of `nb` blocks; the pointers below stay
     // inside those slices.
     unsafe {
-        let p = |t: usize| a.add(t * nb);
         // `k::<tile, c.., wide>` for the tile size and `wide` of this call.
         macro_rules! by_tile {
             ($k:ident $(, $c:literal)*) => {
                 match (tile, wide) {
-                    (1, false) => $k::<1, $($c,)* false>(g, nb, [p(0)], out),
-                    (2, false) => $k::<2, $($c,)* false>(g, nb, [p(0), p(1)], out),
-                    (3, false) => $k::<3, $($c,)* false>(g, nb, [p(0), p(1), p(2)], out),
-                    (_, false) => $k::<4, $($c,)* false>(g, nb, [p(0), p(1), p(2), p(3)], out),
-                    (1, true) => $k::<1, $($c,)* true>(g, nb, [p(0)], out),
-                    (2, true) => $k::<2, $($c,)* true>(g, nb, [p(0), p(1)], out),
-                    (3, true) => $k::<3, $($c,)* true>(g, nb, [p(0), p(1), p(2)], out),
-                    (_, true) => $k::<4, $($c,)* true>(g, nb, [p(0), p(1), p(2), p(3)], out),
+                    (1, false) => $k::<1, $($c,)* false>(g, nb, ptrs(a, nb), out),
+                    (2, false) => $k::<2, $($c,)* false>(g, nb, ptrs(a, nb), out),
+                    (3, false) => $k::<3, $($c,)* false>(g, nb, ptrs(a, nb), out),
+                    (_, false) => $k::<4, $($c,)* false>(g, nb, ptrs(a, nb), out),
+                    (1, true) => $k::<1, $($c,)* true>(g, nb, ptrs(a, nb), out),
+                    (2, true) => $k::<2, $($c,)* true>(g, nb, ptrs(a, nb), out),
+                    (3, true) => $k::<3, $($c,)* true>(g, nb, ptrs(a, nb), out),
+                    (_, true) => $k::<4, $($c,)* true>(g, nb, ptrs(a, nb), out),
                 }
             };
         }
@@ -73,6 +72,13 @@ pub(crate) unsafe fn group_dot(
             | QuantType::Q6_K => {}
         }
     }
+}
+
+/// Pointers to the first block of each of `T` tokens whose `nb` blocks follow each other from
+/// `a` (pure address arithmetic: nothing is read).
+#[inline]
+pub(crate) fn ptrs<A, const T: usize>(a: *const A, nb: usize) -> [*const A; T] {
+    std::array::from_fn(|t| a.wrapping_add(t * nb))
 }
 
 /// Widens the 8 f32 block contributions `c` (one per row) to f64 and adds them to `acc`
@@ -384,6 +390,207 @@ unsafe fn q5<const T: usize, const MIN: bool, const WIDE: bool>(
         }
         for t in 0..T {
             let a = if MIN {
+                _mm256_add_ps(acc[t], acc_min[t])
+            } else {
+                acc[t]
+            };
+            store::<WIDE>(out, t, a, wide[t]);
+        }
+    }
+}
+
+/// Bytes of one unpacked Q4_0/Q4_1/Q5_0/Q5_1 group block ([`unpack_group`]): for each `l` in
+/// 0..4, the 8 rows' unsigned quants (0..=15, or 0..=31 with the fifth bit) of columns
+/// `4l..4l + 4` (32 bytes, one row per 32-bit lane, as the packed words), then of columns
+/// `16 + 4l..16 + 4l + 4`.
+pub(crate) const UNPACKED_BLOCK: usize = 256;
+
+/// Whether [`unpack_group`] and [`group_dot_unpacked`] handle `qtype`.
+pub(crate) fn unpacks(qtype: QuantType) -> bool {
+    matches!(
+        qtype,
+        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1
+    )
+}
+
+/// Unpacks the `nb` group blocks of `group` (a Q4_0/Q4_1/Q5_0/Q5_1 group) into `out`
+/// (`nb * UNPACKED_BLOCK` bytes): the nibbles (with the fifth bits) the kernels above form in
+/// registers for every tile, formed once for all tiles of a product. Other formats leave
+/// `out` untouched.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `group.len() >= nb * group_block_bytes(qtype)`;
+/// `out.len() >= nb * UNPACKED_BLOCK`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn unpack_group(qtype: QuantType, group: &[u8], nb: usize, out: &mut [u8]) {
+    let five = matches!(qtype, QuantType::Q5_0 | QuantType::Q5_1);
+    if !unpacks(qtype) {
+        return;
+    }
+    let gb = group_block_bytes(qtype);
+    let sb = group_scale_bytes(qtype);
+    let low4 = _mm256_set1_epi8(0x0F);
+    // SAFETY: block `b < nb` of the group spans `b * gb..(b + 1) * gb` (Q5: `qh` words at
+    // `sb`, nibble words at `sb + 32 * (1 + l)`; Q4: nibble words at `sb + 32 * l`), and
+    // unpacked block `b` spans `b * UNPACKED_BLOCK..(b + 1) * UNPACKED_BLOCK` of `out`, both
+    // inside the slices (the caller's promise).
+    unsafe {
+        for b in 0..nb {
+            let blk = group.as_ptr().add(b * gb);
+            prefetch_ahead(blk, gb);
+            let dst = out.as_mut_ptr().add(b * UNPACKED_BLOCK);
+            for l in 0..4 {
+                let (lo, hi) = if five {
+                    let qh = _mm256_loadu_si256(blk.add(sb) as *const __m256i);
+                    let v = _mm256_loadu_si256(blk.add(sb + 32 * (1 + l)) as *const __m256i);
+                    let hl = fifth_bits(_mm256_srl_epi32(qh, _mm_cvtsi32_si128(4 * l as i32)));
+                    let hh = fifth_bits(_mm256_srl_epi32(qh, _mm_cvtsi32_si128(16 + 4 * l as i32)));
+                    (
+                        _mm256_or_si256(_mm256_and_si256(v, low4), hl),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(v), low4), hh),
+                    )
+                } else {
+                    let v = _mm256_loadu_si256(blk.add(sb + 32 * l) as *const __m256i);
+                    (
+                        _mm256_and_si256(v, low4),
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4),
+                    )
+                };
+                _mm256_storeu_si256(dst.add(64 * l) as *mut __m256i, lo);
+                _mm256_storeu_si256(dst.add(64 * l + 32) as *mut __m256i, hi);
+            }
+        }
+    }
+}
+
+/// [`group_dot`] for a group already unpacked by [`unpack_group`] (`unpacked`): the same
+/// integer sums and the same f32 / f64 arithmetic per token, hence the same bits; only the
+/// unpacking is not repeated per tile.
+///
+/// # Safety
+/// As for [`group_dot`], `qtype` one of [`unpacks`]'s formats, and
+/// `unpacked.len() >= nb * UNPACKED_BLOCK`, unpacked from `group`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn group_dot_unpacked(
+    qtype: QuantType,
+    group: &[u8],
+    unpacked: &[u8],
+    nb: usize,
+    acts: &[ActBlock],
+    tile: usize,
+    wide: bool,
+    out: &mut TileOut,
+) {
+    let (g, u, a) = (group.as_ptr(), unpacked.as_ptr(), acts.as_ptr());
+    // SAFETY: the caller guarantees the CPU features and the slice lengths.
+    unsafe {
+        macro_rules! by_tile {
+            ($($c:literal),*) => {
+                match (tile, wide) {
+                    (1, false) => q45u::<1, $($c,)* false>(g, u, nb, ptrs(a, nb), out),
+                    (2, false) => q45u::<2, $($c,)* false>(g, u, nb, ptrs(a, nb), out),
+                    (3, false) => q45u::<3, $($c,)* false>(g, u, nb, ptrs(a, nb), out),
+                    (_, false) => q45u::<4, $($c,)* false>(g, u, nb, ptrs(a, nb), out),
+                    (1, true) => q45u::<1, $($c,)* true>(g, u, nb, ptrs(a, nb), out),
+                    (2, true) => q45u::<2, $($c,)* true>(g, u, nb, ptrs(a, nb), out),
+                    (3, true) => q45u::<3, $($c,)* true>(g, u, nb, ptrs(a, nb), out),
+                    (_, true) => q45u::<4, $($c,)* true>(g, u, nb, ptrs(a, nb), out),
+                }
+            };
+        }
+        match qtype {
+            QuantType::Q4_0 => by_tile!(false, false),
+            QuantType::Q4_1 => by_tile!(true, false),
+            QuantType::Q5_0 => by_tile!(false, true),
+            QuantType::Q5_1 => by_tile!(true, true),
+            _ => {}
+        }
+    }
+}
+
+/// Q4_0 / Q4_1 / Q5_0 / Q5_1 (`MIN`: with minimums; `FIVE`: 5-bit) unpacked group against `T`
+/// tokens: [`q4`] and [`q5`] with the quants read from `unpacked`. The integer sums are the
+/// same exact values (Q4: 8 products per i16, then one `madd`; Q5: 4 per i16 in each half),
+/// and the tails and final stores are those of `q4` (Q4_0, Q4_1) and `q5` (Q5_0, Q5_1).
+///
+/// # Safety
+/// As for [`group_dot_unpacked`], with `acts[t]` pointing at token `t`'s `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q45u<const T: usize, const MIN: bool, const FIVE: bool, const WIDE: bool>(
+    group: *const u8,
+    unpacked: *const u8,
+    nb: usize,
+    acts: [*const ActBlock; T],
+    out: &mut TileOut,
+) {
+    let qtype = match (MIN, FIVE) {
+        (false, false) => QuantType::Q4_0,
+        (true, false) => QuantType::Q4_1,
+        (false, true) => QuantType::Q5_0,
+        (true, true) => QuantType::Q5_1,
+    };
+    let gb = group_block_bytes(qtype);
+    // SAFETY: scales are read at 0 and 16 of group block `b < nb`, quants at `64 * l + 0..64`
+    // of unpacked block `b`, activations inside block `b` of each token.
+    unsafe {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut acc_min = [_mm256_setzero_ps(); T];
+        let mut wide = [[_mm256_setzero_pd(); 2]; T];
+        for b in 0..nb {
+            let blk = group.add(b * gb);
+            let q = unpacked.add(b * UNPACKED_BLOCK);
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+            let mut s32 = [_mm256_setzero_si256(); T];
+            let mut s16 = [_mm256_setzero_si256(); T];
+            for l in 0..4 {
+                let lo = _mm256_loadu_si256(q.add(64 * l) as *const __m256i);
+                let hi = _mm256_loadu_si256(q.add(64 * l + 32) as *const __m256i);
+                for t in 0..T {
+                    let xq = (*acts[t].add(b)).qs.as_ptr();
+                    let pl = _mm256_maddubs_epi16(lo, bcast4(xq, 4 * l));
+                    let ph = _mm256_maddubs_epi16(hi, bcast4(xq, 16 + 4 * l));
+                    s16[t] = _mm256_add_epi16(s16[t], _mm256_add_epi16(pl, ph));
+                }
+                if FIVE && l % 2 == 1 {
+                    // Four 5-bit products per i16 at most.
+                    for t in 0..T {
+                        s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s16[t], ones));
+                        s16[t] = _mm256_setzero_si256();
+                    }
+                }
+            }
+            if !FIVE {
+                for t in 0..T {
+                    s32[t] = _mm256_madd_epi16(s16[t], ones);
+                }
+            }
+            let mw = if MIN {
+                _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i))
+            } else {
+                _mm256_setzero_ps()
+            };
+            for t in 0..T {
+                let x = &*acts[t].add(b);
+                if FIVE && !MIN {
+                    let s = _mm256_sub_epi32(s32[t], _mm256_set1_epi32(16 * x.sum));
+                    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d));
+                    if WIDE {
+                        add_wide(&mut wide[t], _mm256_mul_ps(_mm256_cvtepi32_ps(s), scale));
+                    } else {
+                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[t]);
+                    }
+                } else {
+                    let (acc, acc_min) = (&mut acc[t], &mut acc_min[t]);
+                    q4_block_tail::<MIN, WIDE>(s32[t], dw, mw, x, acc, acc_min, &mut wide[t]);
+                }
+            }
+        }
+        for t in 0..T {
+            // As `q4` (Q4_0 too adds its zero `acc_min`) and `q5` (only Q5_1 adds it).
+            let a = if !FIVE || MIN {
                 _mm256_add_ps(acc[t], acc_min[t])
             } else {
                 acc[t]

@@ -37,3 +37,5 @@ pub use dense::{DenseData, DenseMatrix};
 pub use error::KernelError;
 pub use format::QuantType;
 pub use matrix::QuantMatrix;
+#[doc(hidden)]
+pub use tile::legacy_tiles;

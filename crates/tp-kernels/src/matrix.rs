@@ -11,7 +11,7 @@ use crate::format::{dequantize_ggml_block, QuantType, QK_K};
 use crate::pack::{self, group_block_bytes, GROUP_ROWS};
 use crate::quantize::{self, ActBlock};
 use crate::quantize_k::{self, ActBlockK};
-use crate::tile::{Form, TileOut, MAX_TILE};
+use crate::tile::{self, Form, TileOut, MAX_TILE};
 use std::cell::RefCell;
 use std::fmt;
 use std::thread::LocalKey;
@@ -24,6 +24,8 @@ thread_local! {
     static SCRATCH_K: RefCell<Vec<ActBlockK>> = const { RefCell::new(Vec::new()) };
     /// The AVX-512 kernels' activation vectors (`expand`), built once per call.
     static SCRATCH_X: RefCell<Vec<Expanded>> = const { RefCell::new(Vec::new()) };
+    /// One group's weights unpacked for the AVX2 kernels (`Activation::unpack`).
+    static SCRATCH_W: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// A `[rows, cols]` row-major matrix of ggml blocks (rows = output features, cols = input
@@ -384,7 +386,7 @@ impl QuantMatrix {
         }
     }
 
-    /// Runs all groups against tiles of up to 4 tokens of quantized activations
+    /// Runs all groups against tiles of up to `MAX_TILE` tokens of quantized activations
     /// (`acts.len() == n * nb`); for the AVX-512 kernels, first lays the activation words
     /// out for them (`expand`), once for all groups, in chunks of tokens whose expanded
     /// vectors stay within [`EXPANDED_BUDGET`] so that they stay in L2 while every group
@@ -429,27 +431,40 @@ impl QuantMatrix {
         let group_len = nb * group_block_bytes(self.qtype);
         let per_token = if ex.is_empty() { 0 } else { nb * A::PER_BLOCK };
         let mut tile_out = TileOut::default();
-        for g in 0..pack::groups(self.rows) {
-            let group = &self.packed[g * group_len..(g + 1) * group_len];
-            let row0 = g * GROUP_ROWS;
-            let valid = GROUP_ROWS.min(self.rows - row0);
-            let mut t0 = 0;
-            while t0 < n {
-                let tile = MAX_TILE.min(n - t0);
-                let tile = Tile {
-                    acts: &acts[t0 * nb..(t0 + tile) * nb],
-                    ex: &ex[t0 * per_token..(t0 + tile) * per_token],
-                    tokens: tile,
-                };
-                let (qtype, form) = (self.qtype, self.form::<E>());
-                A::group_tile(qtype, simd, group, nb, &tile, form, &mut tile_out);
-                for t in 0..tile.tokens {
-                    let at = (t0 + t) * self.rows + row0;
-                    E::put(&mut y[at..at + valid], &tile_out, t);
+        // Weights unpacked once per group for all its tiles, where the kernels take that and
+        // there are at least two tiles.
+        let unpack_len = if n > MAX_TILE && !tile::legacy() {
+            A::unpacked_len(self.qtype, simd, nb)
+        } else {
+            0
+        };
+        with_scratch(&SCRATCH_W, unpack_len, |unpacked| {
+            for g in 0..pack::groups(self.rows) {
+                let group = &self.packed[g * group_len..(g + 1) * group_len];
+                if !unpacked.is_empty() {
+                    A::unpack(self.qtype, simd, group, nb, unpacked);
                 }
-                t0 += tile.tokens;
+                let row0 = g * GROUP_ROWS;
+                let valid = GROUP_ROWS.min(self.rows - row0);
+                let mut t0 = 0;
+                while t0 < n {
+                    let tile = MAX_TILE.min(n - t0);
+                    let tile = Tile {
+                        acts: &acts[t0 * nb..(t0 + tile) * nb],
+                        ex: &ex[t0 * per_token..(t0 + tile) * per_token],
+                        unpacked,
+                        tokens: tile,
+                    };
+                    let (qtype, form) = (self.qtype, self.form::<E>());
+                    A::group_tile(qtype, simd, group, nb, &tile, form, &mut tile_out);
+                    for t in 0..tile.tokens {
+                        let at = (t0 + t) * self.rows + row0;
+                        E::put(&mut y[at..at + valid], &tile_out, t);
+                    }
+                    t0 += tile.tokens;
+                }
             }
-        }
+        });
     }
 
     /// Row `row` of W, dequantized to f32 into `out` (`cols` long), bit-identical to ggml's
@@ -543,11 +558,13 @@ impl QuantMatrix {
     }
 }
 
-/// One tile of tokens for a kernel call: `tokens` (1..=4) tokens' activation blocks, and
+/// One tile of tokens for a kernel call: `tokens` (1..=`MAX_TILE`) tokens' activation blocks, and
 /// (AVX-512 only, otherwise empty) their expanded vectors.
 struct Tile<'a, A> {
     acts: &'a [A],
     ex: &'a [Expanded],
+    /// The group's weights unpacked by `Activation::unpack` for the AVX2 kernels, or empty.
+    unpacked: &'a [u8],
     tokens: usize,
 }
 
@@ -558,6 +575,13 @@ trait Activation: Sized {
     const PER_BLOCK: usize;
     /// Lays this block out for the AVX-512 kernels of `qtype` (`out.len() == PER_BLOCK`).
     fn expand(&self, qtype: QuantType, out: &mut [Expanded]);
+    /// Bytes of a group of `nb` blocks unpacked for the kernels of `simd` (0: they work on
+    /// the packed weights).
+    fn unpacked_len(_qtype: QuantType, _simd: Simd, _nb: usize) -> usize {
+        0
+    }
+    /// Unpacks `group` into `out` (`unpacked_len` bytes) for the kernels of `simd`.
+    fn unpack(_qtype: QuantType, _simd: Simd, _group: &[u8], _nb: usize, _out: &mut [u8]) {}
     /// One group against one tile of tokens (`tile.acts.len() == tile.tokens * nb`), into
     /// `out.f32s`, or with the wide kernels (`form.wide()`) into `out.f64s`.
     fn group_tile(
@@ -578,6 +602,29 @@ impl Activation for ActBlock {
         expand::expand(self, out);
     }
 
+    fn unpacked_len(qtype: QuantType, simd: Simd, nb: usize) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if simd == Simd::Avx2 && crate::dot_avx2::unpacks(qtype) {
+            return nb * crate::dot_avx2::UNPACKED_BLOCK;
+        }
+        let _ = (qtype, simd, nb);
+        0
+    }
+
+    fn unpack(qtype: QuantType, simd: Simd, group: &[u8], nb: usize, out: &mut [u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if simd == Simd::Avx2
+            && crate::dot_avx2::unpacks(qtype)
+            && group.len() >= nb * group_block_bytes(qtype)
+            && out.len() >= nb * crate::dot_avx2::UNPACKED_BLOCK
+        {
+            // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
+            // F16C; the slice lengths were checked just above.
+            unsafe { crate::dot_avx2::unpack_group(qtype, group, nb, out) }
+        }
+        let _ = (qtype, simd, group, nb, out);
+    }
+
     fn group_tile(
         qtype: QuantType,
         simd: Simd,
@@ -590,14 +637,27 @@ impl Activation for ActBlock {
         let (acts, n, wide) = (tile.acts, tile.tokens, form.wide());
         match simd {
             #[cfg(target_arch = "x86_64")]
+            Simd::Avx2
+                if !tile.unpacked.is_empty()
+                    && tile.unpacked.len() >= nb * crate::dot_avx2::UNPACKED_BLOCK
+                    && crate::dot_avx2::unpacks(qtype) =>
+            {
+                let u = tile.unpacked;
+                // SAFETY: as below, and `u` holds the group unpacked by `Self::unpack`
+                // (`nb * UNPACKED_BLOCK` bytes, checked above) for this format.
+                unsafe {
+                    crate::dot_avx2::group_dot_unpacked(qtype, group, u, nb, acts, n, wide, out)
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
             Simd::Avx2 => {
                 // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
                 // F16C; `group` holds `nb` group blocks of this format and `acts` holds `n`
-                // (1..=4) tokens of `nb` blocks, as sliced by `run_tiles_with`.
+                // (1..=MAX_TILE) tokens of `nb` blocks, as sliced by `run_tiles_with`.
                 unsafe { crate::dot_avx2::group_dot(qtype, group, nb, acts, n, wide, out) }
             }
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx512 if tile.ex.len() == acts.len() * Self::PER_BLOCK => {
+            Simd::Avx512 if tile.ex.len() == acts.len() * Self::PER_BLOCK && n <= MAX_TILE => {
                 // SAFETY: `Simd::Avx512` is only chosen after runtime detection of AVX2, FMA,
                 // F16C, AVX-512 F/BW/VL and VNNI; the slices are as for `Simd::Avx2`, and
                 // `tile.ex` holds `PER_BLOCK` vectors per block of `acts` (checked above).
@@ -607,7 +667,8 @@ impl Activation for ActBlock {
             }
             #[cfg(target_arch = "x86_64")]
             Simd::Avx512 => {
-                // Not reachable (`run_tiles` expands for AVX-512); stay correct anyway.
+                // Not reachable (`run_tiles` expands for AVX-512 and makes tiles of at most
+                // `MAX_TILE` tokens); stay correct anyway.
                 // SAFETY: AVX-512 implies the AVX2 features (checked at detection).
                 unsafe { crate::dot_avx2::group_dot(qtype, group, nb, acts, n, wide, out) }
             }
@@ -632,6 +693,29 @@ impl Activation for ActBlockK {
         expand::expand_k(qtype, self, out);
     }
 
+    fn unpacked_len(qtype: QuantType, simd: Simd, nb: usize) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if simd == Simd::Avx2 && qtype == QuantType::Q6_K {
+            return nb * crate::dot_avx2_k::Q6K_UNPACKED;
+        }
+        let _ = (qtype, simd, nb);
+        0
+    }
+
+    fn unpack(qtype: QuantType, simd: Simd, group: &[u8], nb: usize, out: &mut [u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if simd == Simd::Avx2
+            && qtype == QuantType::Q6_K
+            && group.len() >= nb * group_block_bytes(qtype)
+            && out.len() >= nb * crate::dot_avx2_k::Q6K_UNPACKED
+        {
+            // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
+            // F16C; the slice lengths were checked just above.
+            unsafe { crate::dot_avx2_k::unpack_q6k(group, nb, out) }
+        }
+        let _ = (qtype, simd, group, nb, out);
+    }
+
     fn group_tile(
         qtype: QuantType,
         simd: Simd,
@@ -644,12 +728,24 @@ impl Activation for ActBlockK {
         let (acts, n) = (tile.acts, tile.tokens);
         match simd {
             #[cfg(target_arch = "x86_64")]
+            Simd::Avx2
+                if qtype == QuantType::Q6_K
+                    && tile.unpacked.len() >= nb * crate::dot_avx2_k::Q6K_UNPACKED =>
+            {
+                let u = tile.unpacked;
+                // SAFETY: as below, and `u` holds the group unpacked by `Self::unpack`
+                // (`nb * Q6K_UNPACKED` bytes, checked above).
+                unsafe {
+                    crate::dot_avx2_k::group_dot_q6k_unpacked(group, u, nb, acts, n, form, out)
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
             Simd::Avx2 => {
                 // SAFETY: as for `ActBlock`, with K-quant group super-blocks.
                 unsafe { crate::dot_avx2_k::group_dot(qtype, group, nb, acts, n, form, out) }
             }
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx512 if tile.ex.len() == acts.len() * Self::PER_BLOCK => {
+            Simd::Avx512 if tile.ex.len() == acts.len() * Self::PER_BLOCK && n <= MAX_TILE => {
                 // SAFETY: as for `ActBlock` under `Simd::Avx512`, with K-quant group
                 // super-blocks and `PER_BLOCK` vectors per block.
                 unsafe {
@@ -658,7 +754,8 @@ impl Activation for ActBlockK {
             }
             #[cfg(target_arch = "x86_64")]
             Simd::Avx512 => {
-                // Not reachable (`run_tiles` expands for AVX-512); stay correct anyway.
+                // Not reachable (`run_tiles` expands for AVX-512 and makes tiles of at most
+                // `MAX_TILE` tokens); stay correct anyway.
                 // SAFETY: AVX-512 implies the AVX2 features (checked at detection).
                 unsafe { crate::dot_avx2_k::group_dot(qtype, group, nb, acts, n, form, out) }
             }
@@ -908,6 +1005,65 @@ pub(crate) mod tests {
                     &y1[..],
                     "token {t} ({simd:?} {qtype})"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn every_call_size_gives_each_token_its_alone_bits() {
+        // n = 1 ..= 3 * MAX_TILE + 1: one partial tile, whole tiles, tiles plus a remainder,
+        // with and without the weights unpacked once per group (n above one tile); odd row
+        // counts (a partial last group). Each token's outputs, `matmul` and
+        // `matmul_wide_acc`, must be the bits it gets alone (a call of 1 token), and the wide
+        // sums the scalar path's bits.
+        for simd in cpu::available() {
+            for qtype in ALL {
+                let bl = qtype.block_len();
+                // K-quants also in the sub-block form, from column 32 to 64 before the end.
+                let sub = [false, true]
+                    .into_iter()
+                    .filter(|&s| !s || qtype.is_k_quant());
+                for (rows, nb, sub) in [(9usize, 3usize), (17, 2)]
+                    .into_iter()
+                    .flat_map(|(r, b)| sub.clone().map(move |s| (r, b, s)))
+                {
+                    let seed = (rows * 31 + nb) as u64;
+                    let bytes = random_ggml(qtype, rows, nb * bl, seed);
+                    let (m, cols) = if sub {
+                        let cols = nb * bl - 64;
+                        let m = QuantMatrix::from_ggml_sub_blocks(qtype, rows, 32, cols, bytes);
+                        (m.unwrap(), cols)
+                    } else {
+                        let m = QuantMatrix::from_ggml_bytes(qtype, rows, nb * bl, bytes);
+                        (m.unwrap(), nb * bl)
+                    };
+                    let most = 3 * MAX_TILE + 1;
+                    let x = random_x(most * cols, seed ^ 9);
+                    let mut alone = vec![0.0f32; most * rows];
+                    let mut alone_w = vec![0.0f64; most * rows];
+                    for t in 0..most {
+                        let (xt, r) = (&x[t * cols..(t + 1) * cols], t * rows..(t + 1) * rows);
+                        m.matmul_with(simd, xt, 1, &mut alone[r.clone()]).unwrap();
+                        m.matmul_wide_acc_with(simd, xt, 1, &mut alone_w[r])
+                            .unwrap();
+                    }
+                    let mut scalar_w = vec![0.0f64; most * rows];
+                    m.matmul_wide_acc_with(Simd::Scalar, &x, most, &mut scalar_w)
+                        .unwrap();
+                    for n in 1..=most {
+                        let mut y = vec![0.0f32; n * rows];
+                        let mut yw = vec![0.0f64; n * rows];
+                        m.matmul_with(simd, &x[..n * cols], n, &mut y).unwrap();
+                        m.matmul_wide_acc_with(simd, &x[..n * cols], n, &mut yw)
+                            .unwrap();
+                        let f32_bits =
+                            |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        let what = format!("{simd:?} {qtype} [{rows},{cols}] sub={sub} n={n}");
+                        assert_eq!(f32_bits(&y), f32_bits(&alone[..n * rows]), "{what} f32");
+                        assert_eq!(bits(&yw), bits(&alone_w[..n * rows]), "{what} wide");
+                        assert_eq!(bits(&yw), bits(&scalar_w[..n * rows]), "{what} vs scalar");
+                    }
+                }
             }
         }
     }

@@ -1,10 +1,31 @@
 //! What a kernel call on one 8-row group leaves for the driver: results for a tile of up to
-//! `MAX_TILE` tokens, f32 outputs (`matmul`) or f64 sums (`matmul_wide_acc`).
+//! `MAX_TILE` tokens, f32 outputs (`matmul`) or f64 sums (`matmul_wide_acc`); and the
+//! benchmarks' switch back to the kernels' previous schedule.
 
 use crate::pack::GROUP_ROWS;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-/// Most tokens one kernel call handles: each weight block is unpacked once per tile.
+/// Most tokens one kernel call handles: each weight block is unpacked once per tile, or (AVX2,
+/// 4- and 5-bit formats) once per product. Tiles of 8 were tried on AVX2: the 16 vector
+/// registers then hold neither the tokens' accumulators nor their partial sums, and the
+/// spills cost more than the shared unpacking saves.
 pub(crate) const MAX_TILE: usize = 4;
+
+static LEGACY: AtomicBool = AtomicBool::new(false);
+
+/// Benchmarks only: `true` makes later products run as before the AVX2 kernels unpacked a
+/// group's weights once per product (they unpack them again for every tile of tokens),
+/// `false` switches back. Results are the same bits either way: a token's outputs never
+/// depend on its tile or on where its weights were unpacked.
+#[doc(hidden)]
+pub fn legacy_tiles(on: bool) {
+    LEGACY.store(on, Ordering::Relaxed);
+}
+
+/// Whether [`legacy_tiles`] is on.
+pub(crate) fn legacy() -> bool {
+    LEGACY.load(Ordering::Relaxed)
+}
 
 /// One group's results for a tile of tokens: `f32s[t]` from `matmul`'s kernels (the outputs
 /// of token `t`), or `f64s[t]` from the wide ones (the f64 sums to add to `y`).

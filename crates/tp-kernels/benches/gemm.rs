@@ -1,0 +1,201 @@
+//! Many-token products (prefill chunks, batched decode) before and after a kernel change, in
+//! the same process and interleaved: each round times the current kernels and the previous
+//! schedule (`tp_kernels::legacy_tiles(true)`: weights unpacked again for every tile of 4
+//! tokens) one after the other on the same matrix and activations, so a change of machine load hits both. Times are the calling
+//! thread's CPU time (not wall time: on a shared machine a thread waiting for a core would
+//! count), median of 5 samples per round; the table gives the median over rounds of each
+//! time and of the per-round ratio, plus GOP/s (2 per
+//! multiply-add) of the current kernels. Shapes: SmolLM2-135M (Q4_1) and Qwen2.5-0.5B (its
+//! Q5_0 / Q8_0 / Q4_K / Q6_K tensors), fused as the models run them (QKV, gate+up), its
+//! K-quant down projection also in the sub-block form a model uses where tp shards cut
+//! inside super-blocks.
+//! Run: `cargo bench -p tp-kernels --bench gemm` (`TP_BENCH_ONLY=Q4_1` keeps the rows whose
+//! name contains the substring, `TP_BENCH_N=128,32` sets the token counts, `TP_BENCH_ROUNDS`
+//! the rounds, 7 by default).
+
+use std::hint::black_box;
+use tp_kernels::{kernel_report, legacy_tiles, QuantMatrix, QuantType};
+
+/// (format, rows, cols, what it is).
+fn cases() -> Vec<(QuantType, usize, usize, &'static str)> {
+    use QuantType::*;
+    vec![
+        (Q4_1, 960, 576, "smollm2 qkv"),
+        (Q4_1, 576, 576, "smollm2 o (wide)"),
+        (Q4_1, 3072, 576, "smollm2 gate+up"),
+        (Q4_1, 576, 1536, "smollm2 down (wide)"),
+        (Q5_0, 1152, 896, "qwen qkv"),
+        (Q8_0, 1152, 896, "qwen qkv q8"),
+        (Q5_0, 896, 896, "qwen o (wide)"),
+        (Q5_0, 9728, 896, "qwen gate+up"),
+        (Q4_K, 896, 4864, "qwen down q4k (wide)"),
+        (Q6_K, 896, 4864, "qwen down q6k (wide)"),
+        (Q4_K, 896, 4864, "qwen down q4k (wide, sub-block form)"),
+        (Q6_K, 896, 4864, "qwen down q6k (wide, sub-block form)"),
+        (Q4_0, 1536, 576, "q4_0"),
+        (Q5_1, 896, 896, "q5_1"),
+        (Q2_K, 1536, 1536, "q2_k"),
+        (Q3_K, 1536, 1536, "q3_k"),
+        (Q5_K, 1536, 1536, "q5_k"),
+    ]
+}
+
+/// Pseudo-random ggml blocks with small f16 scales (weights of magnitude ~0.01-0.1).
+fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Vec<u8> {
+    let blocks = rows * cols / qtype.block_len();
+    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    let mut bytes: Vec<u8> = (0..blocks * qtype.block_bytes())
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s as u8
+        })
+        .collect();
+    // f16 0x2000 = 2^-7; 0xA000 = -2^-7.
+    for b in bytes.chunks_exact_mut(qtype.block_bytes()) {
+        match qtype {
+            QuantType::Q6_K => b[208..210].copy_from_slice(&[0x00, 0x20]),
+            QuantType::Q3_K => b[108..110].copy_from_slice(&[0x00, 0x20]),
+            QuantType::Q2_K => {
+                b[80..82].copy_from_slice(&[0x00, 0x20]);
+                b[82..84].copy_from_slice(&[0x00, 0x20]);
+            }
+            QuantType::Q4_K | QuantType::Q5_K => {
+                b[0..2].copy_from_slice(&[0x00, 0x20]);
+                b[2..4].copy_from_slice(&[0x00, 0x20]);
+            }
+            QuantType::Q4_1 | QuantType::Q5_1 => {
+                b[0..2].copy_from_slice(&[0x00, 0x20]);
+                b[2..4].copy_from_slice(&[0x00, 0xA0]);
+            }
+            _ => b[0..2].copy_from_slice(&[0x00, 0x20]),
+        }
+    }
+    bytes
+}
+
+fn values(len: usize) -> Vec<f32> {
+    let mut s = 12345u32;
+    (0..len)
+        .map(|_| {
+            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+            ((s >> 8) as f32 / (1 << 24) as f32 - 0.5) * 0.2
+        })
+        .collect()
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// Seconds of CPU time this thread has run (Linux `CLOCK_THREAD_CPUTIME_ID`): unlike wall
+/// time, it does not count the time the thread waits for a core on a busy machine.
+fn thread_cpu_secs() -> f64 {
+    #[repr(C)]
+    struct Timespec {
+        sec: i64,
+        nsec: i64,
+    }
+    extern "C" {
+        fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
+    }
+    const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
+    let mut ts = Timespec { sec: 0, nsec: 0 };
+    // SAFETY: `ts` is a valid `struct timespec` for the C library to fill.
+    unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.sec as f64 + ts.nsec as f64 * 1e-9
+}
+
+/// Median thread CPU seconds per call of `f` over `samples` samples of at least `min_secs`.
+fn cpu_per_call(mut f: impl FnMut(), samples: usize, min_secs: f64) -> f64 {
+    f();
+    let t = thread_cpu_secs();
+    f();
+    let once = (thread_cpu_secs() - t).max(1e-7);
+    let reps = ((min_secs / once).ceil() as usize).max(1);
+    let mut v = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        let t = thread_cpu_secs();
+        for _ in 0..reps {
+            f();
+        }
+        v.push((thread_cpu_secs() - t) / reps as f64);
+    }
+    median(v)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let only = std::env::var("TP_BENCH_ONLY").ok();
+    let ns: Vec<usize> = std::env::var("TP_BENCH_N")
+        .ok()
+        .map(|s| s.split(',').filter_map(|v| v.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![128]);
+    let rounds: usize = std::env::var("TP_BENCH_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(7);
+    println!("# tp-kernels gemm bench: {}", kernel_report());
+    println!("# load average before: {}", load_average());
+    println!("# {rounds} rounds, old (unpacked per tile) and new timed alternately in each; thread CPU time");
+    println!();
+    println!(
+        "| weights | n | product | old ms | new ms | new GOP/s | old/new (median of rounds) |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (qtype, rows, cols, what) in cases() {
+        let name = format!("{}_{rows}x{cols}", qtype.name());
+        if only.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
+            continue;
+        }
+        let bytes = ggml_bytes(qtype, rows, cols);
+        let m = if what.contains("sub-block") {
+            QuantMatrix::from_ggml_sub_blocks(qtype, rows, 0, cols, bytes)
+        } else {
+            QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes)
+        }
+        .expect("matrix");
+        for &n in &ns {
+            let x = values(n * cols);
+            let mut y = vec![0.0f32; n * rows];
+            let mut yw = vec![0.0f64; n * rows];
+            let wide = what.contains("wide");
+            let mut call = || {
+                if wide {
+                    m.matmul_wide_acc(black_box(&x), n, &mut yw).expect("mm");
+                } else {
+                    m.matmul(black_box(&x), n, &mut y).expect("mm");
+                }
+            };
+            let (mut old, mut new, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..rounds {
+                legacy_tiles(true);
+                let to = cpu_per_call(&mut call, 5, 0.02);
+                legacy_tiles(false);
+                let tn = cpu_per_call(&mut call, 5, 0.02);
+                old.push(to);
+                new.push(tn);
+                ratio.push(to / tn);
+            }
+            let ops = 2.0 * (rows * cols * n) as f64;
+            let tn = median(new);
+            println!(
+                "| {name} ({what}) | {n} | {} | {:.3} | {:.3} | {:.1} | {:.2} |",
+                if wide { "wide" } else { "f32" },
+                median(old) * 1e3,
+                tn * 1e3,
+                ops / tn / 1e9,
+                median(ratio)
+            );
+        }
+    }
+    println!();
+    println!("# load average after: {}", load_average());
+}
