@@ -1,10 +1,10 @@
 //! Many-token products (prefill chunks, batched decode) before and after a kernel change, in
 //! the same process and interleaved: each round times the current kernels and the previous
 //! schedule (`tp_kernels::legacy_tiles(true)`: weights unpacked again for every tile of 4
-//! tokens) one after the other on the same matrix and activations, so a change of machine load hits both. Times are the calling
-//! thread's CPU time (not wall time: on a shared machine a thread waiting for a core would
-//! count), median of 5 samples per round; the table gives the median over rounds of each
-//! time and of the per-round ratio, plus GOP/s (2 per
+//! tokens) one after the other on the same matrix and activations, so a change of machine
+//! load hits both. Times are the calling thread's CPU time (not wall time: on a shared
+//! machine a thread waiting for a core would count), median of 5 samples per round; the table
+//! gives the median over rounds of each time and of the per-round ratio, plus GOP/s (2 per
 //! multiply-add) of the current kernels. Shapes: SmolLM2-135M (Q4_1) and Qwen2.5-0.5B (its
 //! Q5_0 / Q8_0 / Q4_K / Q6_K tensors), fused as the models run them (QKV, gate+up), its
 //! K-quant down projection also in the sub-block form a model uses where tp shards cut
@@ -13,7 +13,10 @@
 //! name contains the substring, `TP_BENCH_N=128,32` sets the token counts, `TP_BENCH_ROUNDS`
 //! the rounds, 7 by default).
 
+mod timing;
+
 use std::hint::black_box;
+use timing::{ggml_bytes, load_average, values};
 use tp_kernels::{kernel_report, legacy_tiles, QuantMatrix, QuantType};
 
 /// (format, rows, cols, what it is).
@@ -38,57 +41,6 @@ fn cases() -> Vec<(QuantType, usize, usize, &'static str)> {
         (Q3_K, 1536, 1536, "q3_k"),
         (Q5_K, 1536, 1536, "q5_k"),
     ]
-}
-
-/// Pseudo-random ggml blocks with small f16 scales (weights of magnitude ~0.01-0.1).
-fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Vec<u8> {
-    let blocks = rows * cols / qtype.block_len();
-    let mut s = 0x2545_F491_4F6C_DD1Du64;
-    let mut bytes: Vec<u8> = (0..blocks * qtype.block_bytes())
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s as u8
-        })
-        .collect();
-    // f16 0x2000 = 2^-7; 0xA000 = -2^-7.
-    for b in bytes.chunks_exact_mut(qtype.block_bytes()) {
-        match qtype {
-            QuantType::Q6_K => b[208..210].copy_from_slice(&[0x00, 0x20]),
-            QuantType::Q3_K => b[108..110].copy_from_slice(&[0x00, 0x20]),
-            QuantType::Q2_K => {
-                b[80..82].copy_from_slice(&[0x00, 0x20]);
-                b[82..84].copy_from_slice(&[0x00, 0x20]);
-            }
-            QuantType::Q4_K | QuantType::Q5_K => {
-                b[0..2].copy_from_slice(&[0x00, 0x20]);
-                b[2..4].copy_from_slice(&[0x00, 0x20]);
-            }
-            QuantType::Q4_1 | QuantType::Q5_1 => {
-                b[0..2].copy_from_slice(&[0x00, 0x20]);
-                b[2..4].copy_from_slice(&[0x00, 0xA0]);
-            }
-            _ => b[0..2].copy_from_slice(&[0x00, 0x20]),
-        }
-    }
-    bytes
-}
-
-fn values(len: usize) -> Vec<f32> {
-    let mut s = 12345u32;
-    (0..len)
-        .map(|_| {
-            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-            ((s >> 8) as f32 / (1 << 24) as f32 - 0.5) * 0.2
-        })
-        .collect()
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "unknown".into())
 }
 
 /// Seconds of CPU time this thread has run (Linux `CLOCK_THREAD_CPUTIME_ID`): unlike wall

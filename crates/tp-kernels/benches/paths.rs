@@ -19,6 +19,7 @@ mod timing;
 use std::hint::black_box;
 use std::process::Command;
 use std::time::Duration;
+use timing::{ggml_bytes, load_average, values};
 use tp_kernels::{kernel_path, kernel_report, QuantMatrix, QuantType};
 
 const STREAM_BYTES: usize = 128 << 20;
@@ -46,51 +47,6 @@ fn cases() -> Vec<(QuantType, usize, usize)> {
 /// Median seconds per call of `f`, from samples of at least 0.005 s each (at most 31).
 fn time_per_call(f: impl FnMut(usize), budget: Duration) -> f64 {
     timing::time_per_call(f, budget, 0.005, 31)
-}
-
-/// Pseudo-random ggml blocks with small f16 scales (weights of magnitude ~0.01-0.1).
-fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Vec<u8> {
-    let blocks = rows * cols / qtype.block_len();
-    let mut s = 0x2545_F491_4F6C_DD1Du64;
-    let mut bytes: Vec<u8> = (0..blocks * qtype.block_bytes())
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s as u8
-        })
-        .collect();
-    // f16 0x2000 = 2^-7; 0xA000 = -2^-7.
-    for b in bytes.chunks_exact_mut(qtype.block_bytes()) {
-        match qtype {
-            QuantType::Q6_K => b[208..210].copy_from_slice(&[0x00, 0x20]),
-            QuantType::Q3_K => b[108..110].copy_from_slice(&[0x00, 0x20]),
-            QuantType::Q2_K => {
-                b[80..82].copy_from_slice(&[0x00, 0x20]);
-                b[82..84].copy_from_slice(&[0x00, 0x20]);
-            }
-            QuantType::Q4_K | QuantType::Q5_K => {
-                b[0..2].copy_from_slice(&[0x00, 0x20]);
-                b[2..4].copy_from_slice(&[0x00, 0x20]);
-            }
-            QuantType::Q4_1 | QuantType::Q5_1 => {
-                b[0..2].copy_from_slice(&[0x00, 0x20]);
-                b[2..4].copy_from_slice(&[0x00, 0xA0]);
-            }
-            _ => b[0..2].copy_from_slice(&[0x00, 0x20]),
-        }
-    }
-    bytes
-}
-
-fn values(len: usize) -> Vec<f32> {
-    let mut s = 12345u32;
-    (0..len)
-        .map(|_| {
-            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-            ((s >> 8) as f32 / (1 << 24) as f32 - 0.5) * 0.2
-        })
-        .collect()
 }
 
 fn wanted(name: &str) -> bool {
@@ -224,12 +180,6 @@ mod peak {
 
 /// One child figure: (case, column, seconds per call, operations per call).
 type Fig = (String, String, f64, f64);
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "unknown".into())
-}
 
 fn main() {
     if std::env::var_os("TP_BENCH_PATHS_CHILD").is_some() {

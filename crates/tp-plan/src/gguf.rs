@@ -15,6 +15,8 @@ use tp_spec::{parse_gguf_name, Dims, Layout, MetaValue, ModelConfig, WeightName}
 const MAX_STRING_BYTES: u64 = 1 << 20;
 /// Arrays inside arrays nest at most this deep (real files nest at most once).
 const MAX_ARRAY_DEPTH: usize = 8;
+/// Layers beyond this index are no real model's; their tensors are not kept.
+const MAX_LAYERS: usize = 1 << 16;
 /// Most array elements / key-value pairs / tensors the parser accepts.
 const MAX_COUNT: u64 = 1 << 24;
 
@@ -159,7 +161,12 @@ fn parse_header<R: Read>(reader: R, name: &str) -> Result<ModelSpec, String> {
         let value = r.value(value_type, &key, 0)?;
         meta.insert(key, value);
     }
-    let mut tensors: Vec<(String, Vec<u64>, u32)> = Vec::new();
+    // Kept while streaming: the ggml type of each weight the model family names (layers
+    // beyond MAX_LAYERS are no real model's, so a hostile header cannot grow this without
+    // bound), the embedding's rows and whether an LM head is stored.
+    let mut types: HashMap<WeightName, u32> = HashMap::new();
+    let mut embed_rows = None;
+    let mut has_output = tensor_count == 0;
     for _ in 0..tensor_count {
         let tensor = r.string("tensor name")?;
         let dims = r.u32(&tensor)?;
@@ -171,25 +178,28 @@ fn parse_header<R: Read>(reader: R, name: &str) -> Result<ModelSpec, String> {
             .collect::<Result<Vec<u64>, String>>()?;
         let ggml_type = r.u32(&tensor)?;
         r.skip(8, &tensor)?; // data offset
-        tensors.push((tensor, shape, ggml_type));
+        if tensor == "token_embd.weight" {
+            // ggml lists dimensions innermost first: the embedding is [hidden, vocab].
+            embed_rows = shape.get(1).and_then(|&v| usize::try_from(v).ok());
+        }
+        has_output |= tensor == "output.weight";
+        if let Some(w) =
+            parse_gguf_name(&tensor).filter(|w| w.layer().is_none_or(|l| l < MAX_LAYERS))
+        {
+            types.insert(w, ggml_type);
+        }
     }
-    let tensor = |name: &str| tensors.iter().find(|t| t.0 == name);
-    // ggml lists dimensions innermost first: the embedding is [hidden, vocab].
-    let embed_rows = tensor("token_embd.weight")
-        .and_then(|t| t.1.get(1))
-        .and_then(|&v| usize::try_from(v).ok());
-    let has_output = tensor_count == 0 || tensor("output.weight").is_some();
     let dims = Dims::from_gguf(&meta, embed_rows, has_output).map_err(|e| e.to_string())?;
-    let down = tensor("blk.0.ffn_down.weight").and_then(|t| Layout::of_ggml_type(t.2));
+    let down = types
+        .get(&WeightName::Down(0))
+        .and_then(|&t| Layout::of_ggml_type(t));
     let ffn_unit = down.map_or(tp_spec::DENSE_CHUNK, Layout::ffn_unit);
     let mut model = ModelSpec::from_dims(name, &dims, ffn_unit as u64);
     // A supported architecture whose every weight has a known layout: exact per-rank bytes.
     if let Ok(config) = ModelConfig::from_gguf(&meta, embed_rows, has_output) {
-        let layouts: Option<HashMap<WeightName, Layout>> = tensors
+        let layouts: Option<HashMap<WeightName, Layout>> = types
             .iter()
-            .filter_map(|(n, _, t)| {
-                parse_gguf_name(n).map(|w| Some((w, Layout::of_ggml_type(*t)?)))
-            })
+            .map(|(&w, &t)| Some((w, Layout::of_ggml_type(t)?)))
             .collect();
         if let Some(layouts) = layouts {
             model.stored = Some(StoredWeights { config, layouts });

@@ -142,29 +142,30 @@ pub fn hf_name(name: WeightName) -> String {
 
 /// The weight an HF tensor name stands for (`None` for names this family does not use).
 pub fn parse_hf_name(name: &str) -> Option<WeightName> {
-    if let Some(e) = GLOBAL_NAMES.iter().find(|e| e.2 == name) {
-        return Some(e.0);
-    }
-    let rest = name.strip_prefix("model.layers.")?;
-    let (layer, suffix) = rest.split_once('.')?;
-    let l = layer.parse::<usize>().ok()?;
-    LAYER_NAMES
-        .iter()
-        .find(|e| e.2 == suffix)
-        .map(|(make, _, _)| make(l))
+    parse_name(name, "model.layers.", |e| e.2, |g| g.2)
 }
 
 /// The weight a GGUF tensor name stands for (`None` for names this family does not use).
 pub fn parse_gguf_name(name: &str) -> Option<WeightName> {
-    if let Some(e) = GLOBAL_NAMES.iter().find(|e| e.1 == name) {
+    parse_name(name, "blk.", |e| e.1, |g| g.1)
+}
+
+/// `name` looked up in the global table by `global`'s spelling, or as `<prefix><layer>.<suffix>`
+/// with `suffix` in the layer table by `layer`'s spelling.
+fn parse_name(
+    name: &str,
+    prefix: &str,
+    layer: fn(&LayerName) -> &'static str,
+    global: fn(&(WeightName, &'static str, &'static str)) -> &'static str,
+) -> Option<WeightName> {
+    if let Some(e) = GLOBAL_NAMES.iter().find(|e| global(e) == name) {
         return Some(e.0);
     }
-    let rest = name.strip_prefix("blk.")?;
-    let (layer, suffix) = rest.split_once('.')?;
-    let l = layer.parse::<usize>().ok()?;
+    let (l, suffix) = name.strip_prefix(prefix)?.split_once('.')?;
+    let l = l.parse::<usize>().ok()?;
     LAYER_NAMES
         .iter()
-        .find(|e| e.1 == suffix)
+        .find(|e| layer(e) == suffix)
         .map(|(make, _, _)| make(l))
 }
 

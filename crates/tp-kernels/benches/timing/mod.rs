@@ -1,8 +1,11 @@
-//! Timing shared by the kernel benchmarks: median seconds per call, and single-thread read
-//! bandwidth.
+//! Timing shared by the kernel benchmarks: median seconds per call, single-thread read
+//! bandwidth, the load average, and their synthetic weights and activations.
+
+#![allow(dead_code)] // each benchmark uses a subset
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
+use tp_kernels::QuantType;
 
 /// Median seconds per call of `f` (given a call counter) within about `budget`: samples of
 /// several calls each, every sample at least `sample_secs` long, between 5 and `max_samples`.
@@ -51,4 +54,57 @@ pub fn read_bandwidth(bytes: usize, runs: usize) -> f64 {
     }
     times.sort_by(f64::total_cmp);
     bytes as f64 / times[times.len() / 2] / 1e9
+}
+
+/// Pseudo-random ggml blocks with small f16 scales (weights of magnitude ~0.01-0.1).
+pub fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Vec<u8> {
+    let blocks = rows * cols / qtype.block_len();
+    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    let mut bytes: Vec<u8> = (0..blocks * qtype.block_bytes())
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s as u8
+        })
+        .collect();
+    // f16 0x2000 = 2^-7; 0xA000 = -2^-7.
+    for b in bytes.chunks_exact_mut(qtype.block_bytes()) {
+        match qtype {
+            QuantType::Q6_K => b[208..210].copy_from_slice(&[0x00, 0x20]),
+            QuantType::Q3_K => b[108..110].copy_from_slice(&[0x00, 0x20]),
+            QuantType::Q2_K => {
+                b[80..82].copy_from_slice(&[0x00, 0x20]);
+                b[82..84].copy_from_slice(&[0x00, 0x20]);
+            }
+            QuantType::Q4_K | QuantType::Q5_K => {
+                b[0..2].copy_from_slice(&[0x00, 0x20]);
+                b[2..4].copy_from_slice(&[0x00, 0x20]);
+            }
+            QuantType::Q4_1 | QuantType::Q5_1 => {
+                b[0..2].copy_from_slice(&[0x00, 0x20]);
+                b[2..4].copy_from_slice(&[0x00, 0xA0]);
+            }
+            _ => b[0..2].copy_from_slice(&[0x00, 0x20]),
+        }
+    }
+    bytes
+}
+
+/// Activations of magnitude ~0.1 from a fixed linear congruential stream.
+pub fn values(len: usize) -> Vec<f32> {
+    let mut s = 12345u32;
+    (0..len)
+        .map(|_| {
+            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+            ((s >> 8) as f32 / (1 << 24) as f32 - 0.5) * 0.2
+        })
+        .collect()
+}
+
+/// The load average of the last 1, 5 and 15 minutes, for the benchmark headers.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
 }
