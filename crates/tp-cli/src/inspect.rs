@@ -127,8 +127,17 @@ pub fn describe(
     )?;
     writeln!(
         s,
-        "layout     rope {:?}, qkv bias {}, tied embeddings {}, rms eps {:e}, rope theta {}",
-        cfg.rope_style, cfg.qkv_bias, cfg.tied_embeddings, cfg.rms_eps, cfg.rope_theta
+        "layout     rope {:?}, qkv bias {}, {}tied embeddings {}, rms eps {:e}, rope theta {}",
+        cfg.rope_style,
+        cfg.qkv_bias,
+        if cfg.qk_norm {
+            "q/k norm per head, "
+        } else {
+            ""
+        },
+        cfg.tied_embeddings,
+        cfg.rms_eps,
+        cfg.rope_theta
     )?;
     writeln!(
         s,

@@ -82,6 +82,16 @@ fn planned_rank_bytes_equal_the_runtimes_on_synthetic_k_quant_models() {
 fn planned_rank_bytes_equal_the_runtimes_on_real_models() {
     if let Some(p) = tp_testkit::models::smollm2() {
         assert_plan_matches_runtime(&p, "SmolLM2-135M Q4_1");
+        // `tp plan` says which weights it priced.
+        let args = tp_plan::cli::PlanArgs {
+            model: Some(p.display().to_string()),
+            gpu: "cpu-2core".into(),
+            serve: true,
+            context: Some(256),
+            ..Default::default()
+        };
+        let text = tp_plan::cli::run(&args).unwrap();
+        assert!(text.contains("weights as stored in the file"), "{text}");
     }
     if let Some(p) = tp_testkit::models::qwen25() {
         assert_plan_matches_runtime(&p, "Qwen2.5-Coder-0.5B Q4_K_M");
