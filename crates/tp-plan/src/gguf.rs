@@ -287,6 +287,23 @@ mod tests {
         assert!(m.tied_embeddings, "no output.weight tensor → tied");
     }
 
+    /// A Mixtral-style header (`llama` with an expert count): the planner sizes its experts
+    /// (the loader refuses it), and its weights are not priced as a dense file's.
+    #[test]
+    fn an_expert_count_makes_a_mixture_of_experts_spec() {
+        let mut h = smollm2_header();
+        // Two more metadata pairs.
+        h[16..24].copy_from_slice(&10u64.to_le_bytes());
+        let at = 24 + 8 + "general.architecture".len() + 4 + 8 + "llama".len();
+        let mut extra = Vec::new();
+        kv_u32(&mut extra, "llama.expert_count", 8);
+        kv_u32(&mut extra, "llama.expert_used_count", 2);
+        h.splice(at..at, extra);
+        let m = parse_gguf_header(&h, Path::new("moe.gguf")).unwrap();
+        assert_eq!((m.num_experts, m.experts_per_token), (8, 2));
+        assert!(m.is_moe());
+    }
+
     #[test]
     fn every_truncation_is_a_typed_error() {
         let full = smollm2_header();
