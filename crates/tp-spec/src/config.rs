@@ -397,7 +397,8 @@ impl ModelConfig {
         let d = Dims::from_hf(&v)?;
         let hf = Hf(&v);
         let cfg = ModelConfig {
-            rms_eps: hf.float("rms_norm_eps", 1e-5)?,
+            // transformers' default for Llama and Qwen configs.
+            rms_eps: hf.float("rms_norm_eps", 1e-6)?,
             rope_theta: hf.float("rope_theta", 10_000.0)?,
             rope_style: RopeStyle::RotateHalf,
             qkv_bias: arch == Arch::Qwen2 || hf.bool("attention_bias")? == Some(true),
