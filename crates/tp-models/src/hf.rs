@@ -139,10 +139,15 @@ impl HfCheckpoint {
         Ok(ckpt)
     }
 
+    /// A weight's tensor name in this model's HF spelling.
+    fn key(&self, name: WeightName) -> String {
+        hf_name(self.config.arch, name)
+    }
+
     /// Weights the model uses must be floats; other tensors (buffers) may be anything.
     fn check_weight_types(&self) -> Result<()> {
         for (name, _) in expected_weights(&self.config) {
-            let key = hf_name(name);
+            let key = self.key(name);
             if let Some(e) = self.tensors.get(&key) {
                 if let Err(dtype) = &e.kind {
                     return Err(ModelError::UnsupportedDType {
@@ -156,7 +161,7 @@ impl HfCheckpoint {
     }
 
     fn entry(&self, name: WeightName) -> Result<(&Entry, FloatKind, String)> {
-        let key = hf_name(name);
+        let key = self.key(name);
         match self.tensors.get(&key) {
             Some(e) => match &e.kind {
                 Ok(kind) => Ok((e, *kind, key)),
@@ -186,7 +191,7 @@ impl HfCheckpoint {
 /// `rotary_emb.inv_freq` buffers (recomputed from `rope_theta`) and `lm_head.weight` of a
 /// tied model (transformers ties it to the embedding on load, ignoring the stored copy).
 fn check_unused(cfg: &ModelConfig, tensors: &HashMap<String, Entry>, dir: &str) -> Result<()> {
-    let expected = expected_by_name(cfg, hf_name);
+    let expected = expected_by_name(cfg, |w| hf_name(cfg.arch, w));
     let mut names: Vec<&String> = tensors.keys().collect();
     names.sort_unstable();
     for name in names {
@@ -361,7 +366,7 @@ impl Checkpoint for HfCheckpoint {
     }
 
     fn describe(&self, name: WeightName) -> String {
-        let key = hf_name(name);
+        let key = self.key(name);
         match self.tensors.get(&key) {
             Some(e) => format!("{key} in {}", self.shards[e.shard].path),
             None => format!("{key} in {}", self.dir),
@@ -405,7 +410,7 @@ impl Checkpoint for HfCheckpoint {
 
     fn rows(&self, name: WeightName, rows: Range<usize>) -> Result<WeightSlice> {
         let (data, meta, kind) = self.data(name)?;
-        check_range("rows", &rows, meta.rows, &hf_name(name))?;
+        check_range("rows", &rows, meta.rows, &self.key(name))?;
         let n = rows.len();
         let bytes = copy_region(data, &meta, rows, 0..meta.cols);
         Ok(slice_from_bytes(meta.storage, n, meta.cols, bytes, kind))
@@ -413,7 +418,7 @@ impl Checkpoint for HfCheckpoint {
 
     fn cols(&self, name: WeightName, cols: Range<usize>) -> Result<WeightSlice> {
         let (data, meta, kind) = self.data(name)?;
-        check_range("columns", &cols, meta.cols, &hf_name(name))?;
+        check_range("columns", &cols, meta.cols, &self.key(name))?;
         let n = cols.len();
         let bytes = copy_region(data, &meta, 0..meta.rows, cols);
         Ok(slice_from_bytes(meta.storage, meta.rows, n, bytes, kind))
@@ -423,8 +428,13 @@ impl Checkpoint for HfCheckpoint {
         let (data, meta, kind) = self.data(name)?;
         let len = meta.rows * meta.cols;
         let r = range.unwrap_or(0..len);
-        check_range("elements", &r, len, &hf_name(name))?;
+        check_range("elements", &r, len, &self.key(name))?;
         let b = kind.bytes();
-        Ok(kind.decode(&data[r.start * b..r.end * b]))
+        let mut v = kind.decode(&data[r.start * b..r.end * b]);
+        if self.config.block.hf_norm_minus_one && name.is_norm() {
+            // Gemma's checkpoints store w - 1 of a norm computing x * w (GGUF stores w).
+            v.iter_mut().for_each(|x| *x += 1.0);
+        }
+        Ok(v)
     }
 }

@@ -60,14 +60,13 @@ pub fn check_bytes(
     }
 }
 
-/// Refuses a context of `ctx` positions for `cfg` when one sequence's RoPE table and KV
-/// cache (all KV heads, as at tp 1) would exceed the machine's memory: what a context length
+/// Refuses a context of `ctx` positions for `cfg` when one sequence's KV cache (all KV
+/// heads, as at tp 1) would exceed the machine's memory: what a context length
 /// from a file or the user costs (an f32 cache, the largest), checked before anything is
 /// allocated.
 pub fn check_context(cfg: &crate::ModelConfig, ctx: usize) -> Result<u64> {
     let hint = "ask for a shorter context";
     let limit = memory_limit();
-    let rope = crate::ops::RopeTable::bytes_for(cfg.head_dim, ctx);
     let kv = crate::KvPool::checked_bytes_for(
         cfg.layers,
         cfg.kv_heads,
@@ -75,14 +74,7 @@ pub fn check_context(cfg: &crate::ModelConfig, ctx: usize) -> Result<u64> {
         ctx,
         crate::KvDtype::F32,
     );
-    let both = rope.zip(kv).and_then(|(r, k)| r.checked_add(k));
-    check_bytes(
-        "a RoPE table and KV cache for a context length of",
-        ctx,
-        both,
-        limit,
-        hint,
-    )
+    check_bytes("a KV cache for a context length of", ctx, kv, limit, hint)
 }
 
 /// `1234 bytes (1.2 KiB)`, or "more than 2^128 bytes".

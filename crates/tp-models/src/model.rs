@@ -7,12 +7,12 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::{BlockTable, KvDtype, KvPool, LayerKv};
 use crate::matrix::{LoadOptions, Matrix, Projection};
-use crate::ops::{axpy, dot, rms_norm, rms_norm_in_place, silu_mul, softmax, RopeTable};
+use crate::ops::{axpy, dot, gelu_tanh_mul, rms_norm, rms_norm_in_place, silu_mul, softmax, Rope};
 use crate::profile::Profile;
 use crate::shard::{CheckpointPlan, ShardPlan};
 use crate::sync::{sum_partials, SyncMode};
 use tp_comm::{CommExt, Group, ReduceOp};
-use tp_spec::RankWeights;
+use tp_spec::{Activation, RankWeights};
 
 /// One transformer block's local weights.
 #[derive(Debug)]
@@ -21,7 +21,10 @@ struct Layer {
     qkv: Projection,     // [q_local*hd + 2*kv_local*hd, hidden]
     /// Qwen3: RMSNorm weights of each query and key head, `([hd], [hd])`, before RoPE.
     qk_norm: Option<(Vec<f32>, Vec<f32>)>,
-    o: Matrix,           // [hidden, q_local*hd]
+    o: Matrix, // [hidden, q_local*hd]
+    /// Gemma: RMSNorm weights of the attention output and of the MLP output, `([hidden],
+    /// [hidden])`, applied before each residual add.
+    post_norms: Option<(Vec<f32>, Vec<f32>)>,
     ffn_norm: Vec<f32>,  // [hidden]
     gate_up: Projection, // [2*ffn_local, hidden]
     down: Matrix,        // [hidden, ffn_local]
@@ -47,7 +50,12 @@ pub struct ShardedModel {
     head: Option<Matrix>, // [vocab_local, hidden]; None when tied to `embed`
     norm: Vec<f32>,       // [hidden]
     layers: Vec<Layer>,
-    rope: RopeTable,
+    /// RoPE of the global layers (every layer without sliding windows).
+    rope: Rope,
+    /// RoPE of the sliding-window layers, with their own base.
+    local_rope: Option<Rope>,
+    /// Longest context a sequence may reach.
+    max_pos: usize,
     /// For each local query head, its KV head's index among the local KV heads.
     kv_of_q: Vec<usize>,
     /// How row-parallel partial sums are summed over the group.
@@ -58,7 +66,7 @@ pub struct ShardedModel {
 
 impl ShardedModel {
     /// Reads rank `tp_rank`'s slices of `ckpt` (and nothing else) into memory. `max_pos` is the
-    /// longest context any sequence may reach (RoPE table size).
+    /// longest context any sequence may reach.
     pub fn load(
         ckpt: &dyn Checkpoint,
         tp_rank: usize,
@@ -91,8 +99,11 @@ impl ShardedModel {
     ) -> Result<Self> {
         let cfg = ckpt.config().clone();
         let hd = cfg.head_dim;
-        // Checked (and built) first: a context too long to hold fails before any weight is read.
-        let rope = RopeTable::new(hd, max_pos, cfg.rope_theta, cfg.rope_style)?;
+        let rope = Rope::new(hd, cfg.rope_theta, cfg.block.rope_scale, cfg.rope_style);
+        let local_rope = cfg
+            .block
+            .sliding
+            .map(|s| Rope::new(hd, s.rope_theta, 1.0, cfg.rope_style));
         let q_rows = plan.q_heads().start * hd..plan.q_heads().end * hd;
         let kv_rows = plan.kv_heads().start * hd..plan.kv_heads().end * hd;
         let ffn = plan.ffn_cols();
@@ -124,6 +135,16 @@ impl ShardedModel {
             check_matrix(ckpt, WeightName::Down(l), cfg.hidden, cfg.ffn)?;
             check_vector(ckpt, WeightName::AttnNorm(l), cfg.hidden)?;
             check_vector(ckpt, WeightName::FfnNorm(l), cfg.hidden)?;
+            let post_norms = if cfg.block.post_norms {
+                check_vector(ckpt, WeightName::PostAttnNorm(l), cfg.hidden)?;
+                check_vector(ckpt, WeightName::PostFfnNorm(l), cfg.hidden)?;
+                Some((
+                    ckpt.vector(WeightName::PostAttnNorm(l), None)?,
+                    ckpt.vector(WeightName::PostFfnNorm(l), None)?,
+                ))
+            } else {
+                None
+            };
             let qk_norm = if cfg.qk_norm {
                 check_vector(ckpt, WeightName::QNorm(l), hd)?;
                 check_vector(ckpt, WeightName::KNorm(l), hd)?;
@@ -175,6 +196,7 @@ impl ShardedModel {
                     hd,
                     opts,
                 )?,
+                post_norms,
                 ffn_norm: ckpt.vector(WeightName::FfnNorm(l), None)?,
                 gate_up,
                 down: Matrix::from_row_parallel_slice(
@@ -198,6 +220,8 @@ impl ShardedModel {
             .collect();
         Ok(ShardedModel {
             rope,
+            local_rope,
+            max_pos,
             norm,
             cfg,
             plan,
@@ -229,9 +253,9 @@ impl ShardedModel {
         &self.plan
     }
 
-    /// Longest context a sequence may reach (the RoPE table's size).
+    /// Longest context a sequence may reach.
     pub fn max_positions(&self) -> usize {
-        self.rope.max_pos()
+        self.max_pos
     }
 
     /// How this model's caches store keys and values.
@@ -274,6 +298,9 @@ impl ShardedModel {
                     + l.qk_norm
                         .as_ref()
                         .map_or(0, |(q, k)| (q.len() + k.len()) * 4)
+                    + l.post_norms
+                        .as_ref()
+                        .map_or(0, |(a, f)| (a.len() + f.len()) * 4)
             })
             .sum();
         layers
@@ -382,6 +409,23 @@ impl ShardedModel {
             }
         }
         all_reduce(&mut h, group, prof)?;
+        if cfg.block.embed_scale {
+            let s = (hidden as f32).sqrt();
+            h.iter_mut().for_each(|x| *x *= s);
+        }
+        // Every token's RoPE angles, in token order, for each base the layers use.
+        let positions = || {
+            chunks
+                .iter()
+                .flat_map(|c| c.table.len()..c.table.len() + c.tokens.len())
+        };
+        let global_angles = self.rope.angles(positions());
+        let local_angles = self.local_rope.as_ref().map(|r| r.angles(positions()));
+        let scale = match cfg.block.query_scale {
+            // The default in f32 arithmetic, as before the scale was configurable.
+            None => 1.0 / (hd as f32).sqrt(),
+            Some(s) => s as f32,
+        };
 
         let q_w = self.plan.q_heads().len() * hd;
         let kv_w = self.kv_width();
@@ -394,7 +438,13 @@ impl ShardedModel {
         let mut partial = vec![0f64; n * hidden]; // [n, hidden], f64 partial sums
         let mut gu = vec![0f32; n * 2 * ffn_w]; // [n, 2 ffn_w]
         let mut act = vec![0f32; n * ffn_w]; // [n, ffn_w]
+        let mut out = vec![0f32; if cfg.block.post_norms { n * hidden } else { 0 }]; // [n, hidden]
         for (li, layer) in self.layers.iter().enumerate() {
+            let window = cfg.window(li);
+            let angles = match (window, &local_angles) {
+                (Some(_), Some(local)) => local,
+                _ => &global_angles,
+            };
             // Attention half: f, local heads, row-parallel output, g.
             rms_norm(&h, &layer.attn_norm, eps, &mut xn);
             layer.qkv.forward(&xn, n, &mut qkv)?;
@@ -412,8 +462,8 @@ impl ShardedModel {
                         rms_norm_in_place(q, qn, eps);
                         rms_norm_in_place(k, kn, eps);
                     }
-                    self.rope.apply(q, pos0 + i);
-                    self.rope.apply(k, pos0 + i);
+                    angles.apply(q, t0 + i);
+                    angles.apply(k, t0 + i);
                     k_new.extend_from_slice(k);
                     v_new.extend_from_slice(v);
                 }
@@ -425,26 +475,43 @@ impl ShardedModel {
                     hd,
                     kv_of_q: &self.kv_of_q,
                     pos0,
+                    scale,
+                    window,
                 };
                 attend(input, &mut ctx[t0 * q_w..(t0 + len) * q_w]);
                 t0 += len;
             }
             row_parallel(&layer.o, &ctx, n, self.sync, &mut partial, group, prof)?;
-            for (a, b) in h.iter_mut().zip(&partial) {
-                *a += *b as f32;
-            }
-            // MLP half: f, gate/up column-parallel, SiLU locally, down row-parallel, g.
+            let post = layer.post_norms.as_ref();
+            add_residual(
+                &mut h,
+                &partial,
+                post.map(|p| &p.0[..]),
+                eps,
+                &mut out,
+                &mut xn,
+            );
+            // MLP half: f, gate/up column-parallel, the activation locally, down
+            // row-parallel, g.
             rms_norm(&h, &layer.ffn_norm, eps, &mut xn);
             layer.gate_up.forward(&xn, n, &mut gu)?;
             for (t, row) in gu.chunks_exact_mut(2 * ffn_w).enumerate() {
                 let (g, u) = row.split_at_mut(ffn_w);
-                silu_mul(g, u);
+                match cfg.block.activation {
+                    Activation::Silu => silu_mul(g, u),
+                    Activation::GeluTanh => gelu_tanh_mul(g, u),
+                }
                 act[t * ffn_w..(t + 1) * ffn_w].copy_from_slice(g);
             }
             row_parallel(&layer.down, &act, n, self.sync, &mut partial, group, prof)?;
-            for (a, b) in h.iter_mut().zip(&partial) {
-                *a += *b as f32;
-            }
+            add_residual(
+                &mut h,
+                &partial,
+                post.map(|p| &p.1[..]),
+                eps,
+                &mut out,
+                &mut xn,
+            );
         }
 
         // Final norm and the vocab-parallel head over the rows asked for.
@@ -496,6 +563,35 @@ impl ShardedModel {
     }
 }
 
+/// `h [n, hidden] += y`, the summed output `y` of a row-parallel product (f64), rounded to
+/// f32 and first RMS-normalised with `post_norm` where the block has one (Gemma); `out` and
+/// `normed` (`[n, hidden]`) are scratch for that norm.
+fn add_residual(
+    h: &mut [f32],
+    y: &[f64],
+    post_norm: Option<&[f32]>,
+    eps: f32,
+    out: &mut [f32],
+    normed: &mut [f32],
+) {
+    match post_norm {
+        None => {
+            for (a, b) in h.iter_mut().zip(y) {
+                *a += *b as f32;
+            }
+        }
+        Some(w) => {
+            for (o, b) in out.iter_mut().zip(y) {
+                *o = *b as f32;
+            }
+            rms_norm(out, w, eps, normed);
+            for (a, b) in h.iter_mut().zip(normed.iter()) {
+                *a += *b;
+            }
+        }
+    }
+}
+
 /// g: sums a partial result over the tp group (nothing to do at tp 1).
 fn all_reduce<T: tp_comm::Elem>(x: &mut [T], group: &Group, prof: &mut Profile) -> Result<()> {
     if group.size() > 1 {
@@ -538,10 +634,14 @@ struct AttendInput<'a> {
     kv_of_q: &'a [usize],
     /// Position of the first new token.
     pos0: usize,
+    /// What queries are multiplied by before their dot products.
+    scale: f32,
+    /// A sliding-window layer's window: position `p` sees `p + 1 - window ..= p`.
+    window: Option<usize>,
 }
 
 /// Causal attention of the new tokens over the cache into `ctx` (`[len, q_w]`): token `i`
-/// sees positions `0..=pos0 + i`. Each KV head's keys and values are widened to f32 once for
+/// sees positions `0..=pos0 + i` (the last `window` of them in a sliding-window layer). Each KV head's keys and values are widened to f32 once for
 /// all the query heads and tokens that use it; the arithmetic is then the same, in the same
 /// order, whatever the cache's dtype.
 fn attend(a: AttendInput<'_>, ctx: &mut [f32]) {
@@ -575,8 +675,9 @@ fn attend_portable(a: AttendInput<'_>, ctx: &mut [f32]) {
         hd,
         kv_of_q,
         pos0,
+        scale,
+        window,
     } = a;
-    let scale = 1.0 / (hd as f32).sqrt();
     let q_w = kv_of_q.len() * hd;
     let seen_all = pos0 + qkv.len() / qkv_w;
     let mut scores = Vec::with_capacity(seen_all);
@@ -592,15 +693,16 @@ fn attend_portable(a: AttendInput<'_>, ctx: &mut [f32]) {
         for (h, _) in kv_of_q.iter().enumerate().filter(|(_, &k)| k == kvh) {
             for (i, row) in qkv.chunks_exact(qkv_w).enumerate() {
                 let seen = pos0 + i + 1;
+                let first = window.map_or(0, |w| seen.saturating_sub(w));
                 let q = &row[h * hd..(h + 1) * hd]; // [hd]
                 scores.clear();
-                for k in keys[..seen * hd].chunks_exact(hd) {
+                for k in keys[first * hd..seen * hd].chunks_exact(hd) {
                     scores.push(dot(q, k) * scale);
                 }
                 softmax(&mut scores);
                 let out = &mut ctx[i * q_w + h * hd..i * q_w + (h + 1) * hd]; // [hd]
                 out.fill(0.0);
-                for (&w, v) in scores.iter().zip(values.chunks_exact(hd)) {
+                for (&w, v) in scores.iter().zip(values[first * hd..].chunks_exact(hd)) {
                     axpy(out, w, v);
                 }
             }
@@ -636,7 +738,8 @@ fn check_vector(ckpt: &dyn Checkpoint, name: WeightName, len: usize) -> Result<(
 mod tests {
     use super::*;
 
-    /// The attention of the original contiguous layout: `keys`/`values` `[positions, kv_w]`.
+    /// The attention of the original contiguous layout: `keys`/`values` `[positions, kv_w]`;
+    /// with a window, position `p` sees `p + 1 - window ..= p`.
     #[allow(clippy::too_many_arguments)]
     fn attend_contiguous(
         qkv: &[f32],
@@ -647,20 +750,23 @@ mod tests {
         hd: usize,
         kv_of_q: &[usize],
         pos0: usize,
+        window: Option<usize>,
         ctx: &mut [f32],
     ) {
         let scale = 1.0 / (hd as f32).sqrt();
         let q_w = kv_of_q.len() * hd;
         for (i, row) in qkv.chunks_exact(qkv_w).enumerate() {
+            let pos = pos0 + i;
+            let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
             for (h, &kvh) in kv_of_q.iter().enumerate() {
                 let q = &row[h * hd..(h + 1) * hd];
-                let mut scores: Vec<f32> = (0..pos0 + i + 1)
+                let mut scores: Vec<f32> = (first..=pos)
                     .map(|p| dot(q, &keys[p * kv_w + kvh * hd..p * kv_w + (kvh + 1) * hd]) * scale)
                     .collect();
                 softmax(&mut scores);
                 let out = &mut ctx[i * q_w + h * hd..i * q_w + (h + 1) * hd];
                 out.fill(0.0);
-                for (p, &w) in scores.iter().enumerate() {
+                for (p, &w) in (first..).zip(&scores) {
                     axpy(
                         out,
                         w,
@@ -673,7 +779,7 @@ mod tests {
 
     /// An f32 cache in blocks with scattered ids gives exactly the bits of the contiguous
     /// layout, for chunks that start and end anywhere in a block (GQA: 4 query heads over 2
-    /// KV heads), with attention compiled for AVX or not.
+    /// KV heads), with attention compiled for AVX or not, with and without a sliding window.
     #[test]
     fn paged_f32_attention_equals_contiguous_bit_for_bit() {
         let (hd, kv_of_q) = (8, vec![0usize, 0, 1, 1]);
@@ -705,6 +811,8 @@ mod tests {
             pool.grow(&mut table, len, &take).unwrap();
             pool.append(&table, 0, &k_new, &v_new);
             let mut got = vec![0f32; len * q_w];
+            // Odd chunks attend through a window of 5 (Gemma's local layers).
+            let window = (len % 2 == 1).then_some(5);
             let input = AttendInput {
                 qkv: &qkv,
                 qkv_w,
@@ -712,6 +820,8 @@ mod tests {
                 hd,
                 kv_of_q: &kv_of_q,
                 pos0,
+                scale: 1.0 / (hd as f32).sqrt(),
+                window,
             };
             attend(input, &mut got);
             // The AVX build (what `attend` runs on this CPU, unless the kernels are forced to
@@ -725,7 +835,7 @@ mod tests {
             assert!(same, "AVX and portable attention differ: {len} at {pos0}");
             let mut want = vec![0f32; len * q_w];
             attend_contiguous(
-                &qkv, qkv_w, &keys, &values, kv_w, hd, &kv_of_q, pos0, &mut want,
+                &qkv, qkv_w, &keys, &values, kv_w, hd, &kv_of_q, pos0, window, &mut want,
             );
             let same = got
                 .iter()

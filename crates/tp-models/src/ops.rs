@@ -1,4 +1,4 @@
-//! Element-wise inference ops on row-major f32 slices: RMSNorm, RoPE (both layouts), SwiGLU
+//! Element-wise inference ops on row-major f32 slices: RMSNorm, RoPE (both layouts), SwiGLU and GeGLU
 //! and an in-place softmax. No autograd: these serve the inference forward pass only.
 
 use crate::config::RopeStyle;
@@ -27,6 +27,16 @@ pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
+/// `gate [n, f]` becomes `gelu_tanh(gate) * up` in place (GeGLU with GELU's tanh
+/// approximation, Gemma's `gelu_pytorch_tanh`).
+pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    for (g, u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x * x)).tanh()) * u;
+    }
+}
+
 /// `gate [n, f]` becomes `silu(gate) * up` in place.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     for (g, u) in gate.iter_mut().zip(up) {
@@ -48,65 +58,55 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
-/// Precomputed rotation angles for positions `0..max_pos` of a `head_dim`-wide head.
+/// RoPE of one base: the rotation frequency of each pair of a head's dimensions. Angles are
+/// computed for the positions of each forward pass ([`Rope::angles`]), so nothing grows
+/// with the context length.
 #[derive(Clone, Debug)]
-pub struct RopeTable {
-    cos: Vec<f32>, // [max_pos, head_dim / 2]
-    sin: Vec<f32>, // [max_pos, head_dim / 2]
-    half: usize,
+pub struct Rope {
+    freqs: Vec<f64>, // [head_dim / 2]
     style: RopeStyle,
 }
 
-impl RopeTable {
-    /// Bytes of the table for `max_pos` positions (`None`: more than 2^128).
-    pub fn bytes_for(head_dim: usize, max_pos: usize) -> Option<u128> {
-        // cos and sin, [max_pos, head_dim / 2] f32 each.
-        crate::limits::product(&[max_pos as u64, (head_dim / 2) as u64, 2, 4])
+impl Rope {
+    /// Frequencies `theta^(-2i / head_dim) / scale` (`scale`: linear position scaling, 1 for
+    /// none).
+    pub fn new(head_dim: usize, theta: f64, scale: f64, style: RopeStyle) -> Self {
+        let freqs = (0..head_dim / 2)
+            .map(|i| theta.powf(-((2 * i) as f64) / head_dim as f64) / scale)
+            .collect();
+        Rope { freqs, style }
     }
 
-    /// The table, after checking its size against the machine's memory: a context length
-    /// too large to hold is a [`crate::ModelError::TooLarge`] naming it, not an abort.
-    pub fn new(
-        head_dim: usize,
-        max_pos: usize,
-        theta: f64,
-        style: RopeStyle,
-    ) -> crate::Result<Self> {
-        crate::limits::check_bytes(
-            "a RoPE table for a context length of",
-            max_pos,
-            Self::bytes_for(head_dim, max_pos),
-            crate::limits::memory_limit(),
-            "ask for a shorter context",
-        )?;
-        let half = head_dim / 2;
-        let mut cos = Vec::with_capacity(max_pos * half);
-        let mut sin = Vec::with_capacity(max_pos * half);
-        let freqs: Vec<f64> = (0..half)
-            .map(|i| theta.powf(-((2 * i) as f64) / head_dim as f64))
-            .collect();
-        for p in 0..max_pos {
-            for f in &freqs {
+    /// The rotation of each of `positions`, in order.
+    pub fn angles(&self, positions: impl Iterator<Item = usize>) -> RopeAngles {
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for p in positions {
+            for f in &self.freqs {
                 let a = p as f64 * f;
                 cos.push(a.cos() as f32);
                 sin.push(a.sin() as f32);
             }
         }
-        Ok(RopeTable {
+        RopeAngles {
             cos,
             sin,
-            half,
-            style,
-        })
+            half: self.freqs.len(),
+            style: self.style,
+        }
     }
+}
 
-    /// Positions the table covers.
-    pub fn max_pos(&self) -> usize {
-        self.cos.len() / self.half.max(1)
-    }
+/// Rotation angles of some positions (rows) of a `2 * half`-wide head.
+#[derive(Clone, Debug)]
+pub struct RopeAngles {
+    cos: Vec<f32>, // [rows, half]
+    sin: Vec<f32>, // [rows, half]
+    half: usize,
+    style: RopeStyle,
+}
 
-    /// Rotates every head of `x [heads, head_dim]` (one token) for position `pos`
-    /// (`pos < max_pos`, checked by the caller).
+impl RopeAngles {
+    /// Rotates every head of `x [heads, head_dim]` (one token) by row `pos`'s angles.
     pub fn apply(&self, x: &mut [f32], pos: usize) {
         let h = self.half;
         let cos = &self.cos[pos * h..(pos + 1) * h];
@@ -177,8 +177,8 @@ mod tests {
 
     #[test]
     fn rope_layouts_rotate_the_same_pairs_differently() {
-        let t_i = RopeTable::new(4, 8, 10_000.0, RopeStyle::Interleaved).unwrap();
-        let t_h = RopeTable::new(4, 8, 10_000.0, RopeStyle::RotateHalf).unwrap();
+        let t_i = Rope::new(4, 10_000.0, 1.0, RopeStyle::Interleaved).angles(0..8);
+        let t_h = Rope::new(4, 10_000.0, 1.0, RopeStyle::RotateHalf).angles(0..8);
         // Position 0 is the identity in both layouts.
         let mut x = [1.0, 2.0, 3.0, 4.0];
         t_i.apply(&mut x, 0);
@@ -191,7 +191,31 @@ mod tests {
         let mut x = [1.0, 0.0, 0.0, 0.0];
         t_h.apply(&mut x, 1);
         assert!((x[0] - 1f32.cos()).abs() < 1e-6 && (x[2] - 1f32.sin()).abs() < 1e-6);
-        assert_eq!(t_i.max_pos(), 8);
+        // Linear scaling by 4: position 4 turns as far as position 1 unscaled; angles are
+        // those of the positions asked for, in their order.
+        let scaled = Rope::new(4, 10_000.0, 4.0, RopeStyle::RotateHalf).angles([4, 0].into_iter());
+        let (mut a, mut b) = ([1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]);
+        scaled.apply(&mut a, 0);
+        t_h.apply(&mut b, 1);
+        assert_eq!(a, b);
+        scaled.apply(&mut b, 1);
+        assert_eq!(a, b, "row 1 is position 0: the identity");
+    }
+
+    #[test]
+    fn gelu_tanh_matches_its_definition() {
+        for x in [-3.0f32, -0.5, 0.0, 0.7, 2.5] {
+            let (mut g, u) = ([x], [2.0]);
+            gelu_tanh_mul(&mut g, &u);
+            let x64 = x as f64;
+            let want = 0.5
+                * x64
+                * (1.0
+                    + ((2.0 / std::f64::consts::PI).sqrt() * (x64 + 0.044715 * x64.powi(3)))
+                        .tanh())
+                * 2.0;
+            assert!((g[0] as f64 - want).abs() < 1e-6, "{x}: {} vs {want}", g[0]);
+        }
     }
 
     #[test]

@@ -55,7 +55,7 @@ pub fn ffn_unit_of(ckpt: &dyn Checkpoint) -> Result<usize> {
 pub struct RankMemory {
     /// Weights split across ranks (including KV heads it shares with a neighbour).
     pub sharded: usize,
-    /// What every rank holds whole: norm weights and the RoPE table of the context.
+    /// What every rank holds whole: the norm weights.
     pub replicated: usize,
     /// KV cache at the context length.
     pub kv_cache: usize,
@@ -99,14 +99,6 @@ pub fn rank_memory(
     };
     let limit = crate::limits::memory_limit();
     let hint = "ask for a shorter context";
-    // Every rank builds the RoPE table whole (replicated).
-    m.replicated += crate::limits::check_bytes(
-        "a RoPE table for a context length of",
-        ctx,
-        crate::ops::RopeTable::bytes_for(hd, ctx),
-        limit,
-        hint,
-    )? as usize;
     m.kv_cache = crate::limits::check_bytes(
         "a KV cache for a context length of",
         ctx,

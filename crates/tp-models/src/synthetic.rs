@@ -80,25 +80,42 @@ impl SyntheticModel {
     /// The test shape: 2 layers, hidden 256, 8 query / 2 KV heads of 32 (tp 4 > KV heads),
     /// FFN 544 (17 quant blocks: uneven at tp 2, 3, 4), vocab 1000 (divisible by neither 3
     /// nor 16), context 128. `llama` ties the head to the embedding; `qwen2` has QKV biases
-    /// and an untied head; `qwen3` has q/k norms, heads of 64 and an untied head.
+    /// and an untied head; `qwen3` has q/k norms, heads of 64 and an untied head; `gemma3`
+    /// is Gemma-3's block with 4 query heads over one KV head of 64 (MQA: every tp > 1
+    /// replicates it), layer 0 local with a window of 4 positions (local RoPE base 10 000),
+    /// layer 1 global (base 10^6), a tied head.
     pub fn small(arch: Arch, seed: u64) -> Self {
+        let gemma = arch == Arch::Gemma3;
         let cfg = ModelConfig {
             arch,
             layers: 2,
             hidden: 256,
             ffn: 544,
-            heads: 8,
-            kv_heads: 2,
+            heads: if gemma { 4 } else { 8 },
+            kv_heads: if gemma { 1 } else { 2 },
             // Qwen3's heads are wider than hidden / heads (as in Qwen3-0.6B: 16 x 128 > 1024).
-            head_dim: if arch == Arch::Qwen3 { 64 } else { 32 },
+            head_dim: if matches!(arch, Arch::Qwen3 | Arch::Gemma3) {
+                64
+            } else {
+                32
+            },
             vocab: 1000,
             rms_eps: 1e-5,
-            rope_theta: 10_000.0,
+            rope_theta: if gemma { 1e6 } else { 10_000.0 },
             rope_style: RopeStyle::RotateHalf,
             context: 128,
             qkv_bias: arch == Arch::Qwen2,
-            qk_norm: arch == Arch::Qwen3,
-            tied_embeddings: arch == Arch::Llama,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            tied_embeddings: matches!(arch, Arch::Llama | Arch::Gemma3),
+            block: if gemma {
+                let mut b = tp_spec::BlockStyle::gemma3(4);
+                if let Some(s) = b.sliding.as_mut() {
+                    s.period = 2;
+                }
+                b
+            } else {
+                tp_spec::BlockStyle::LLAMA
+            },
             experts: None,
         };
         Self::new(cfg, seed)
@@ -165,6 +182,11 @@ impl SyntheticModel {
                 weights.push(vector(&mut rng, WeightName::VBias(l), kv, 0.0, 0.3));
             }
             weights.push(matrix(&mut rng, WeightName::O(l), cfg.hidden, q, lin(q)));
+            if cfg.block.post_norms {
+                for name in [WeightName::PostAttnNorm(l), WeightName::PostFfnNorm(l)] {
+                    weights.push(vector(&mut rng, name, cfg.hidden, 1.0, 0.2));
+                }
+            }
             weights.push(vector(
                 &mut rng,
                 WeightName::FfnNorm(l),
@@ -255,6 +277,16 @@ impl SyntheticModel {
                 Value::F32(c.rope_theta as f32),
             ),
         ];
+        if let Some(w) = c.block.sliding {
+            md.extend([
+                (format!("{a}.attention.sliding_window"), u(w.window)),
+                (format!("{a}.attention.sliding_window_pattern"), u(w.period)),
+                (
+                    format!("{a}.rope.freq_base_swa"),
+                    Value::F32(w.rope_theta as f32),
+                ),
+            ]);
+        }
         let tokens = (0..c.vocab).map(|i| Value::String(format!("tok{i}")));
         md.extend([
             ("synthetic.tokens".into(), Value::Array(tokens.collect())),
@@ -323,7 +355,13 @@ impl SyntheticModel {
     pub fn hf_tensors(&self) -> Vec<(String, Vec<usize>, Vec<f32>)> {
         self.weights
             .iter()
-            .map(|(n, s, v)| (hf_name(*n), s.clone(), v.clone()))
+            .map(|(n, s, v)| {
+                let mut v = v.clone();
+                if self.cfg.block.hf_norm_minus_one && n.is_norm() {
+                    v.iter_mut().for_each(|x| *x -= 1.0);
+                }
+                (hf_name(self.cfg.arch, *n), s.clone(), v)
+            })
             .collect()
     }
 

@@ -492,8 +492,8 @@ fn size() -> impl Strategy<Value = u64> {
     ]
 }
 
-/// After an open: the memory plan, the context check and the model at `ctx` (built only
-/// where its RoPE table is small or must be refused, so a case never allocates gigabytes).
+/// After an open: the memory plan, the context check and the model at `ctx` (built only for
+/// short contexts; loading allocates nothing per position, the KV cache grows with tokens).
 fn plan_and_load(ckpt: &dyn Checkpoint, ctx: usize) -> Result<(), TestCaseError> {
     let _ = tp_models::limits::check_context(ckpt.config(), ctx);
     for (rank, tp) in [(0, 1), (1, 2)] {
@@ -503,14 +503,8 @@ fn plan_and_load(ckpt: &dyn Checkpoint, ctx: usize) -> Result<(), TestCaseError>
             let _ = tp_models::rank_memory(ckpt, &plan, ctx, 4, true, tp_models::KvDtype::F32);
         }
     }
-    let limit = u128::from(tp_models::limits::memory_limit());
-    let rope_refused =
-        tp_models::ops::RopeTable::bytes_for(ckpt.config().head_dim, ctx).is_none_or(|b| b > limit);
-    if rope_refused || ctx <= 1 << 12 {
-        let r = ShardedModel::load(ckpt, 0, 1, LoadOptions::default(), ctx);
-        check(!rope_refused || r.is_err(), || {
-            format!("the model loaded with a RoPE table of ctx {ctx} over the memory limit")
-        })?;
+    if ctx <= 1 << 12 {
+        let _ = ShardedModel::load(ckpt, 0, 1, LoadOptions::default(), ctx);
     }
     Ok(())
 }

@@ -125,6 +125,9 @@ fn synthetic_models_give_the_same_bits_at_tp_1_to_4() {
         (Arch::Llama, Q8_0, Q8_0),
         (Arch::Llama, F32, F32),
         (Arch::Qwen2, Q8_0, Q4_1),
+        // MQA (tp 2..4 replicate the one KV head), a window of 4 the prompt crosses.
+        (Arch::Gemma3, Q8_0, Q8_0),
+        (Arch::Gemma3, Q4_1, Q4_0),
     ]
     .into_iter()
     .enumerate()
@@ -217,6 +220,19 @@ fn qwen25_coder_q4_k_m_gives_the_same_bits_at_tp_1_and_2() {
     let want = logits(&*ckpt, 1, &prompt);
     let got = logits(&*ckpt, 2, &prompt);
     assert_same_bits(&got, &want, "Qwen2.5-Coder-0.5B: tp 2");
+}
+
+#[test]
+fn gemma3_270m_gives_the_same_bits_at_tp_1_to_4() {
+    let Some(path) = common::gemma3() else {
+        return;
+    };
+    let ckpt = open_checkpoint(&path).unwrap();
+    // Arbitrary ids of Gemma's 262144-token vocabulary (BOS first).
+    let prompt = [
+        2u32, 9_259, 3_097, 496, 1_027, 236_764, 262_000, 107, 42, 1_000,
+    ];
+    assert_tp_invariant(&*ckpt, "Gemma-3-270M Q4_K_M", &prompt);
 }
 
 #[test]

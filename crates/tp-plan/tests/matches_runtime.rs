@@ -21,15 +21,13 @@ fn assert_plan_matches_runtime(path: &Path, what: &str) {
     let ckpt = open_checkpoint(path).unwrap();
     let cfg = ckpt.config().clone();
     assert_eq!(&stored.config, &cfg, "{what}: one reader, one config");
-    // The runtime's replicated bytes also hold the RoPE table of the context.
     let ctx = 16;
-    let rope = tp_models::ops::RopeTable::bytes_for(cfg.head_dim, ctx).unwrap() as usize;
     for tp in 1..=4.min(cfg.heads) {
         let mut most = 0;
         for r in 0..tp {
             let plan = ShardPlan::for_checkpoint(&*ckpt, r, tp).unwrap();
             let m = rank_memory(&*ckpt, &plan, ctx, 4, true, KvDtype::F32).unwrap();
-            let runtime = (m.sharded + m.replicated - rope) as u64;
+            let runtime = (m.sharded + m.replicated) as u64;
             let planned = stored.rank_bytes(tp, r, 4);
             assert_eq!(planned, Some(runtime), "{what}: tp {tp} rank {r}");
             most = most.max(runtime);
@@ -62,6 +60,7 @@ fn planned_rank_bytes_equal_the_runtimes_on_synthetic_k_quant_models() {
         (Arch::Llama, Q6K, Q8_0),
         (Arch::Llama, Q4_1, Q4_1),
         (Arch::Qwen2, F32, F32),
+        (Arch::Gemma3, Q4K, Q8_0),
     ]
     .into_iter()
     .enumerate()
@@ -95,5 +94,8 @@ fn planned_rank_bytes_equal_the_runtimes_on_real_models() {
     }
     if let Some(p) = tp_testkit::models::qwen25() {
         assert_plan_matches_runtime(&p, "Qwen2.5-Coder-0.5B Q4_K_M");
+    }
+    if let Some(p) = tp_testkit::models::gemma3() {
+        assert_plan_matches_runtime(&p, "Gemma-3-270M Q4_K_M");
     }
 }

@@ -11,14 +11,21 @@ pub enum Arch {
     Qwen2,
     /// Qwen3: Llama plus an RMSNorm over each query and key head (no biases).
     Qwen3,
+    /// Gemma-3: Qwen3's q/k norms plus the [`crate::BlockStyle::gemma3`] block (GeGLU, post
+    /// norms, scaled embeddings, sliding-window layers).
+    Gemma3,
 }
 
 /// Every supported architecture: (family, GGUF `general.architecture`, HF `architectures[0]`).
-const SUPPORTED: [(Arch, &str, &str); 3] = [
+const SUPPORTED: [(Arch, &str, &str); 4] = [
     (Arch::Llama, "llama", "LlamaForCausalLM"),
     (Arch::Qwen2, "qwen2", "Qwen2ForCausalLM"),
     (Arch::Qwen3, "qwen3", "Qwen3ForCausalLM"),
+    (Arch::Gemma3, "gemma3", "Gemma3ForCausalLM"),
 ];
+
+/// HF `model_type` spellings besides the GGUF names: (family, model_type).
+const HF_MODEL_TYPES: [(Arch, &str); 1] = [(Arch::Gemma3, "gemma3_text")];
 
 /// Mixture-of-experts names: GGUF architectures and HF `architectures` / `model_type` values.
 /// (Mixtral's GGUF says `llama` and carries `llama.expert_count`.)
@@ -68,6 +75,9 @@ impl Arch {
         {
             return Ok(s.0);
         }
+        if let Some(t) = HF_MODEL_TYPES.iter().find(|t| t.1 == model_type) {
+            return Ok(t.0);
+        }
         if model_type.is_empty() && classes.is_empty() {
             return Err(SpecError::MissingMetadata {
                 key: "model_type".into(),
@@ -112,7 +122,7 @@ impl RopeStyle {
     pub fn of_gguf(arch: Arch) -> RopeStyle {
         match arch {
             Arch::Llama => RopeStyle::Interleaved,
-            Arch::Qwen2 | Arch::Qwen3 => RopeStyle::RotateHalf,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeStyle::RotateHalf,
         }
     }
 }
@@ -129,9 +139,10 @@ mod tests {
             assert_eq!(Arch::from_hf(gguf, &[]), Ok(arch));
             assert_eq!((arch.name(), arch.hf_class()), (gguf, hf));
         }
-        let e = Arch::from_gguf("gemma3").unwrap_err().to_string();
+        assert_eq!(Arch::from_hf("gemma3_text", &[]), Ok(Arch::Gemma3));
+        let e = Arch::from_gguf("gemma2").unwrap_err().to_string();
         assert!(
-            e.contains("\"gemma3\"") && e.contains("llama (LlamaForCausalLM)"),
+            e.contains("\"gemma2\"") && e.contains("llama (LlamaForCausalLM)"),
             "{e}"
         );
         let e = Arch::from_hf("", &["Phi3ForCausalLM"])

@@ -3,8 +3,11 @@
 //! ([`Dims`]) the planner reads from files of any architecture.
 
 use crate::arch::{is_moe_name, Arch, RopeStyle};
+use crate::block::BlockStyle;
 use crate::error::SpecError;
 use serde_json::Value as Json;
+
+mod gemma3;
 
 /// Experts of a mixture-of-experts MLP.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,6 +40,8 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     /// The LM head reuses the token embedding.
     pub tied_embeddings: bool,
+    /// Departures from Llama's block (Gemma's GeGLU, post norms, sliding windows, ...).
+    pub block: BlockStyle,
     /// A mixture-of-experts MLP (read from the file; no engine runs one yet:
     /// [`ModelConfig::check_runnable`]).
     pub experts: Option<Experts>,
@@ -223,12 +228,11 @@ impl Dims {
         let hf = Hf(v);
         let hidden = hf.int(&["hidden_size", "n_embd", "d_model"])?;
         let heads = hf.int(&["num_attention_heads", "n_head"])?;
-        let activation = ["hidden_act", "activation_function"]
-            .iter()
-            .find_map(|k| v.get(*k).and_then(Json::as_str))
-            .unwrap_or("");
-        let gated = matches!(activation, "silu" | "swiglu" | "swish" | "geglu")
-            || (v.get("intermediate_size").is_some() && activation.is_empty());
+        let activation = hf_activation(v);
+        let gated = matches!(
+            activation,
+            "silu" | "swiglu" | "swish" | "geglu" | "gelu_pytorch_tanh"
+        ) || (v.get("intermediate_size").is_some() && activation.is_empty());
         let experts = match hf.opt_int(&["num_local_experts", "num_experts"])? {
             Some(n) if n > 1 => Some(Experts {
                 count: n,
@@ -270,6 +274,14 @@ impl Dims {
             experts,
         })
     }
+}
+
+/// The MLP's activation as an HF config names it (`""` when it does not).
+fn hf_activation(v: &Json) -> &str {
+    ["hidden_activation", "hidden_act", "activation_function"]
+        .iter()
+        .find_map(|k| v.get(*k).and_then(Json::as_str))
+        .unwrap_or("")
 }
 
 /// `model_type` and the `architectures` class names of an HF config.
@@ -360,12 +372,17 @@ impl ModelConfig {
             md,
             arch: d.arch_name.clone(),
         };
+        let block = match arch {
+            Arch::Gemma3 => gemma3::gguf_block(&g, &d)?,
+            _ => BlockStyle::LLAMA,
+        };
         let cfg = ModelConfig {
             rms_eps: g.float("attention.layer_norm_rms_epsilon", 1e-5)?,
             rope_theta: g.float("rope.freq_base", 10_000.0)?,
             rope_style: RopeStyle::of_gguf(arch),
             qkv_bias: arch == Arch::Qwen2,
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            block,
             ..Self::from_dims(arch, d)
         };
         cfg.validate()?;
@@ -396,13 +413,20 @@ impl ModelConfig {
         };
         let d = Dims::from_hf(&v)?;
         let hf = Hf(&v);
+        let block = match arch {
+            Arch::Gemma3 => gemma3::hf_block(&v, &d)?,
+            _ => BlockStyle::LLAMA,
+        };
         let cfg = ModelConfig {
             // transformers' default for Llama and Qwen configs.
             rms_eps: hf.float("rms_norm_eps", 1e-6)?,
             rope_theta: hf.float("rope_theta", 10_000.0)?,
             rope_style: RopeStyle::RotateHalf,
             qkv_bias: arch == Arch::Qwen2 || hf.bool("attention_bias")? == Some(true),
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            // Gemma ties its head whatever the config says (transformers' default is true).
+            tied_embeddings: d.tied_embeddings || arch == Arch::Gemma3,
+            block,
             ..Self::from_dims(arch, d)
         };
         cfg.validate()?;
@@ -427,6 +451,7 @@ impl ModelConfig {
             qkv_bias: false,
             qk_norm: false,
             tied_embeddings: d.tied_embeddings,
+            block: BlockStyle::LLAMA,
             experts: d.experts,
         }
     }
@@ -447,7 +472,7 @@ impl ModelConfig {
             "rope_theta": self.rope_theta,
             "max_position_embeddings": self.context,
             "tie_word_embeddings": self.tied_embeddings,
-            "hidden_act": "silu",
+            "hidden_act": self.block.activation.hf_name(),
             "torch_dtype": "float32",
         });
         v["attention_bias"] = self.qkv_bias.into();
@@ -456,6 +481,9 @@ impl ModelConfig {
             v["sliding_window"] = self.context.into();
             v["max_window_layers"] = self.layers.into();
             v["use_sliding_window"] = false.into();
+        }
+        if self.arch == Arch::Gemma3 {
+            gemma3::hf_fields(self, &mut v);
         }
         v
     }
@@ -503,6 +531,21 @@ impl ModelConfig {
         if self.context == 0 {
             return bad("the context length must be positive".into());
         }
+        let b = &self.block;
+        if !positive(b.rope_scale) || b.query_scale.is_some_and(|q| !positive(q)) {
+            return bad(format!(
+                "RoPE scaling {} and query scale {:?} must be positive and finite",
+                b.rope_scale, b.query_scale
+            ));
+        }
+        if let Some(w) = b.sliding {
+            if w.window == 0 || w.period == 0 || !positive(w.rope_theta) {
+                return bad(format!(
+                    "a sliding window of {} positions every {} layers with RoPE base {}: each must be positive",
+                    w.window, w.period, w.rope_theta
+                ));
+            }
+        }
         if let Some(e) = self.experts {
             if e.per_token == 0 || e.per_token > e.count {
                 return bad(format!(
@@ -518,6 +561,21 @@ impl ModelConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The factor queries are scaled by before their dot products with the keys.
+    pub fn query_scale(&self) -> f64 {
+        self.block
+            .query_scale
+            .unwrap_or(1.0 / (self.head_dim as f64).sqrt())
+    }
+
+    /// The window of `layer`'s attention (`None`: every earlier position).
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.block
+            .sliding
+            .filter(|s| s.is_local(layer))
+            .map(|s| s.window)
     }
 
     /// Query heads sharing one KV head.
@@ -536,6 +594,7 @@ impl ModelConfig {
             .checked_add(q.checked_mul(self.hidden)?)?;
         let bias = if self.qkv_bias { qkv } else { 0 };
         let qk_norms = if self.qk_norm { 2 * self.head_dim } else { 0 };
+        let post_norms = if self.block.post_norms { 2 } else { 0 };
         let (experts, router) = match self.experts {
             Some(e) => (e.count, e.count.checked_mul(self.hidden)?),
             None => (1, 0),
@@ -550,7 +609,7 @@ impl ModelConfig {
             .checked_add(bias)?
             .checked_add(qk_norms)?
             .checked_add(mlp)?
-            .checked_add(self.hidden.checked_mul(2)?)?;
+            .checked_add(self.hidden.checked_mul(2 + post_norms)?)?;
         let embed = self.vocab.checked_mul(self.hidden)?;
         let head = if self.tied_embeddings { 0 } else { embed };
         self.layers
@@ -583,6 +642,7 @@ fn moe_error(arch: &str, d: Option<&Dims>) -> SpecError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::block::Activation;
     use std::collections::HashMap;
 
     fn gguf(arch: &str, extra: &[(&str, u64)]) -> HashMap<String, MetaValue> {
@@ -686,19 +746,19 @@ mod tests {
         let mut md = HashMap::new();
         md.insert(
             "general.architecture".into(),
-            MetaValue::Text("gemma3".into()),
+            MetaValue::Text("gemma2".into()),
         );
         let e = ModelConfig::from_gguf(&md, None, false)
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("\"gemma3\"") && e.contains("supported: llama"),
+            e.contains("\"gemma2\"") && e.contains("supported: llama"),
             "{e}"
         );
-        let e = ModelConfig::from_hf_json(r#"{"model_type":"gemma3_text"}"#)
+        let e = ModelConfig::from_hf_json(r#"{"model_type":"phi3"}"#)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("\"gemma3_text\"") && e.contains("qwen3"), "{e}");
+        assert!(e.contains("\"phi3\"") && e.contains("gemma3"), "{e}");
         // Present but mistyped keys are errors, not defaults.
         let mut md = gguf("llama", &[]);
         md.insert(
@@ -716,6 +776,75 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("hidden_size is -1"), "{e}");
+    }
+
+    /// Gemma-3-270M's header (the keys its GGUF carries) and its HF config read alike.
+    #[test]
+    fn gemma3_gguf_and_hf_readers_agree() {
+        let mut md = gguf(
+            "gemma3",
+            &[
+                ("attention.key_length", 256),
+                ("attention.sliding_window", 512),
+            ],
+        );
+        md.insert("gemma3.attention.head_count_kv".into(), MetaValue::Uint(1));
+        md.insert("gemma3.rope.freq_base".into(), MetaValue::Float(1e6));
+        let g = ModelConfig::from_gguf(&md, Some(100), false).unwrap();
+        assert_eq!((g.arch, g.head_dim, g.kv_heads), (Arch::Gemma3, 256, 1));
+        assert!(g.qk_norm && g.tied_embeddings && g.block.post_norms && g.block.embed_scale);
+        assert_eq!(g.block.activation, Activation::GeluTanh);
+        assert_eq!(g.query_scale(), 1.0 / 16.0);
+        assert_eq!(
+            (g.window(0), g.window(4), g.window(5), g.window(11)),
+            (Some(512), Some(512), None, None)
+        );
+        assert_eq!(g.block.sliding.unwrap().rope_theta, 10_000.0);
+        let text = g.to_hf_json().to_string();
+        assert!(text.contains("\"gemma3_text\"") && text.contains("gelu_pytorch_tanh"));
+        assert_eq!(ModelConfig::from_hf_json(&text).unwrap(), g);
+        // Post norms: two more vectors a layer than Qwen3's block.
+        let q3 = ModelConfig {
+            arch: Arch::Qwen3,
+            block: BlockStyle::LLAMA,
+            ..g.clone()
+        };
+        assert_eq!(g.parameter_count() - q3.parameter_count(), 2 * 2 * 64);
+        // HF spellings: layer_types, linear RoPE scaling, an explicit query scalar.
+        let mut v = g.to_hf_json();
+        v["layer_types"] = serde_json::json!(["sliding_attention", "full_attention"]);
+        v["rope_scaling"] = serde_json::json!({"rope_type": "linear", "factor": 8.0});
+        v["query_pre_attn_scalar"] = 64.into();
+        let h = ModelConfig::from_hf_json(&v.to_string()).unwrap();
+        assert_eq!(h.block.sliding.unwrap().period, 2);
+        assert_eq!((h.block.rope_scale, h.query_scale()), (8.0, 0.125));
+        // What no engine here computes is refused by name.
+        for (k, val, says) in [
+            (
+                "final_logit_softcapping",
+                serde_json::json!(30.0),
+                "soft-capping",
+            ),
+            (
+                "rope_scaling",
+                serde_json::json!({"rope_type": "yarn"}),
+                "linear",
+            ),
+            ("hidden_activation", serde_json::json!("relu"), "relu"),
+            (
+                "layer_types",
+                serde_json::json!(["full_attention", "sliding_attention"]),
+                "pattern",
+            ),
+            ("text_config", serde_json::json!({}), "vision-language"),
+        ] {
+            let mut bad = g.to_hf_json();
+            bad[k] = val;
+            let e = ModelConfig::from_hf_json(&bad.to_string())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(says), "{k}: {e}");
+        }
     }
 
     #[test]

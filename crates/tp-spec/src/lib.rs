@@ -5,6 +5,7 @@
 //! units, vocabulary rows, rank weights, the bytes a rank holds). No tensors, no candle.
 
 pub mod arch;
+pub mod block;
 pub mod config;
 pub mod error;
 pub mod partition;
@@ -12,6 +13,7 @@ pub mod shard;
 pub mod weights;
 
 pub use arch::{is_moe_name, supported_list, Arch, RopeStyle};
+pub use block::{Activation, BlockStyle, SlidingWindow};
 pub use config::{Dims, Experts, MetaValue, Metadata, ModelConfig};
 pub use error::{ShardError, SpecError};
 pub use partition::{HeadPlan, Partition, RankWeights, MAX_RANK_WEIGHT};

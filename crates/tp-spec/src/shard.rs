@@ -216,7 +216,8 @@ pub fn rank_weight_bytes<E>(
         if cfg.qkv_bias {
             m.sharded += (q_rows + 2 * kv_rows) * 4;
         }
-        m.replicated += 2 * cfg.hidden * 4;
+        let norms = if cfg.block.post_norms { 4 } else { 2 };
+        m.replicated += norms * cfg.hidden * 4;
         if cfg.qk_norm {
             m.replicated += 2 * hd * 4;
         }
@@ -251,6 +252,7 @@ mod tests {
             qkv_bias: true,
             qk_norm: false,
             tied_embeddings: true,
+            block: crate::BlockStyle::LLAMA,
             experts: None,
         }
     }

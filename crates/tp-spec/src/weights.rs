@@ -1,6 +1,7 @@
 //! The canonical weights of a model, their shapes, and their names in GGUF and HF spelling
 //! (the one table both checkpoint readers and the trainer's checkpoints use).
 
+use crate::arch::Arch;
 use crate::config::ModelConfig;
 
 /// A weight of the Llama family, independent of the file format's naming.
@@ -20,7 +21,12 @@ pub enum WeightName {
     QNorm(usize),
     KNorm(usize),
     O(usize),
+    /// Gemma's norm of the attention output, before the residual add.
+    PostAttnNorm(usize),
+    /// The norm before the MLP (Gemma's `pre_feedforward_layernorm`).
     FfnNorm(usize),
+    /// Gemma's norm of the MLP output, before the residual add.
+    PostFfnNorm(usize),
     Gate(usize),
     Up(usize),
     Down(usize),
@@ -33,8 +39,24 @@ impl WeightName {
         match self {
             Embed | Output | OutputNorm => None,
             AttnNorm(l) | Q(l) | K(l) | V(l) | QBias(l) | KBias(l) | VBias(l) | QNorm(l)
-            | KNorm(l) | O(l) | FfnNorm(l) | Gate(l) | Up(l) | Down(l) => Some(l),
+            | KNorm(l) | O(l) | PostAttnNorm(l) | FfnNorm(l) | PostFfnNorm(l) | Gate(l) | Up(l)
+            | Down(l) => Some(l),
         }
+    }
+
+    /// Whether the weight is an RMSNorm's (stored minus one in Gemma's HF checkpoints).
+    pub fn is_norm(self) -> bool {
+        use WeightName::*;
+        matches!(
+            self,
+            OutputNorm
+                | AttnNorm(_)
+                | FfnNorm(_)
+                | PostAttnNorm(_)
+                | PostFfnNorm(_)
+                | QNorm(_)
+                | KNorm(_)
+        )
     }
 
     /// Whether the weight is a vector every rank holds whole or slices (norms, biases).
@@ -45,6 +67,8 @@ impl WeightName {
             OutputNorm
                 | AttnNorm(_)
                 | FfnNorm(_)
+                | PostAttnNorm(_)
+                | PostFfnNorm(_)
                 | QBias(_)
                 | KBias(_)
                 | VBias(_)
@@ -54,11 +78,12 @@ impl WeightName {
     }
 }
 
-/// A per-layer weight's constructor, its GGUF suffix and its HF suffix.
+/// A per-layer weight's constructor, its GGUF suffix and its HF suffix (Llama's spelling).
 type LayerName = (fn(usize) -> WeightName, &'static str, &'static str);
 
-/// Each per-layer weight with its names, in the order of a block.
-const LAYER_NAMES: [LayerName; 14] = [
+/// Each per-layer weight with its names, in the order of a block. The post norms have no
+/// Llama spelling (`""`): only [`GEMMA_HF`] names them.
+const LAYER_NAMES: [LayerName; 16] = [
     (
         WeightName::AttnNorm,
         "attn_norm.weight",
@@ -85,11 +110,13 @@ const LAYER_NAMES: [LayerName; 14] = [
         "attn_output.weight",
         "self_attn.o_proj.weight",
     ),
+    (WeightName::PostAttnNorm, "post_attention_norm.weight", ""),
     (
         WeightName::FfnNorm,
         "ffn_norm.weight",
         "post_attention_layernorm.weight",
     ),
+    (WeightName::PostFfnNorm, "post_ffw_norm.weight", ""),
     (WeightName::Gate, "ffn_gate.weight", "mlp.gate_proj.weight"),
     (WeightName::Up, "ffn_up.weight", "mlp.up_proj.weight"),
     (WeightName::Down, "ffn_down.weight", "mlp.down_proj.weight"),
@@ -110,18 +137,34 @@ const GLOBAL_NAMES: [(WeightName, &str, &str); 3] = [
     ),
 ];
 
-fn layer_entry(name: WeightName) -> Option<(usize, &'static str, &'static str)> {
+/// Gemma's HF spellings where they differ from Llama's: its `post_attention_layernorm` is the
+/// attention output's norm, not the norm before the MLP.
+const GEMMA_HF: [(fn(usize) -> WeightName, &str); 3] = [
+    (WeightName::PostAttnNorm, "post_attention_layernorm.weight"),
+    (WeightName::FfnNorm, "pre_feedforward_layernorm.weight"),
+    (WeightName::PostFfnNorm, "post_feedforward_layernorm.weight"),
+];
+
+/// The HF suffix of a per-layer weight in `arch`'s spelling (`""`: none).
+fn hf_suffix(arch: Arch, e: &LayerName) -> &'static str {
+    let own = (arch == Arch::Gemma3)
+        .then(|| GEMMA_HF.iter().find(|g| g.0(0) == e.0(0)))
+        .flatten();
+    own.map_or(e.2, |g| g.1)
+}
+
+fn layer_entry(name: WeightName) -> Option<(usize, &'static LayerName)> {
     let l = name.layer()?;
     LAYER_NAMES
         .iter()
         .find(|(make, _, _)| make(l) == name)
-        .map(|&(_, g, h)| (l, g, h))
+        .map(|e| (l, e))
 }
 
 /// The GGUF tensor name of a weight (`blk.3.attn_q.weight`).
 pub fn gguf_name(name: WeightName) -> String {
     match layer_entry(name) {
-        Some((l, g, _)) => format!("blk.{l}.{g}"),
+        Some((l, e)) => format!("blk.{l}.{}", e.1),
         None => GLOBAL_NAMES
             .iter()
             .find(|e| e.0 == name)
@@ -129,10 +172,11 @@ pub fn gguf_name(name: WeightName) -> String {
     }
 }
 
-/// The HF tensor name of a weight (`model.layers.3.self_attn.q_proj.weight`).
-pub fn hf_name(name: WeightName) -> String {
+/// The HF tensor name of a weight in `arch`'s spelling
+/// (`model.layers.3.self_attn.q_proj.weight`).
+pub fn hf_name(arch: Arch, name: WeightName) -> String {
     match layer_entry(name) {
-        Some((l, _, h)) => format!("model.layers.{l}.{h}"),
+        Some((l, e)) => format!("model.layers.{l}.{}", hf_suffix(arch, e)),
         None => GLOBAL_NAMES
             .iter()
             .find(|e| e.0 == name)
@@ -140,9 +184,10 @@ pub fn hf_name(name: WeightName) -> String {
     }
 }
 
-/// The weight an HF tensor name stands for (`None` for names this family does not use).
-pub fn parse_hf_name(name: &str) -> Option<WeightName> {
-    parse_name(name, "model.layers.", |e| e.2, |g| g.2)
+/// The weight an HF tensor name stands for in `arch`'s spelling (`None` for names the
+/// family does not use).
+pub fn parse_hf_name(arch: Arch, name: &str) -> Option<WeightName> {
+    parse_name(name, "model.layers.", |e| hf_suffix(arch, e), |g| g.2)
 }
 
 /// The weight a GGUF tensor name stands for (`None` for names this family does not use).
@@ -155,7 +200,7 @@ pub fn parse_gguf_name(name: &str) -> Option<WeightName> {
 fn parse_name(
     name: &str,
     prefix: &str,
-    layer: fn(&LayerName) -> &'static str,
+    layer: impl Fn(&LayerName) -> &'static str,
     global: fn(&(WeightName, &'static str, &'static str)) -> &'static str,
 ) -> Option<WeightName> {
     if let Some(e) = GLOBAL_NAMES.iter().find(|e| global(e) == name) {
@@ -165,7 +210,7 @@ fn parse_name(
     let l = l.parse::<usize>().ok()?;
     LAYER_NAMES
         .iter()
-        .find(|e| layer(e) == suffix)
+        .find(|e| !suffix.is_empty() && layer(e) == suffix)
         .map(|(make, _, _)| make(l))
 }
 
@@ -212,6 +257,7 @@ pub fn expected_weights(cfg: &ModelConfig) -> impl Iterator<Item = (WeightName, 
     ];
     let layers = (0..cfg.layers).flat_map(move |l| {
         let bias = cfg.qkv_bias;
+        let post = cfg.block.post_norms;
         [
             Some((WeightName::AttnNorm(l), v(cfg.hidden))),
             Some((WeightName::Q(l), m(q, cfg.hidden))),
@@ -223,7 +269,9 @@ pub fn expected_weights(cfg: &ModelConfig) -> impl Iterator<Item = (WeightName, 
             cfg.qk_norm.then_some((WeightName::QNorm(l), v(hd))),
             cfg.qk_norm.then_some((WeightName::KNorm(l), v(hd))),
             Some((WeightName::O(l), m(cfg.hidden, q))),
+            post.then_some((WeightName::PostAttnNorm(l), v(cfg.hidden))),
             Some((WeightName::FfnNorm(l), v(cfg.hidden))),
+            post.then_some((WeightName::PostFfnNorm(l), v(cfg.hidden))),
             Some((WeightName::Gate(l), m(cfg.ffn, cfg.hidden))),
             Some((WeightName::Up(l), m(cfg.ffn, cfg.hidden))),
             Some((WeightName::Down(l), m(cfg.hidden, cfg.ffn))),
@@ -248,19 +296,40 @@ mod tests {
         .into_iter()
         .chain(LAYER_NAMES.iter().map(|e| (e.0)(7)));
         for w in all {
-            let (g, h) = (gguf_name(w), hf_name(w));
-            assert!(!g.is_empty() && !h.is_empty(), "{w:?}");
-            assert_eq!(parse_hf_name(&h), Some(w), "{h}");
+            let g = gguf_name(w);
             assert_eq!(parse_gguf_name(&g), Some(w), "{g}");
-            assert!(!is_expert_tensor(&g) && !is_expert_tensor(&h));
+            let post = matches!(w, WeightName::PostAttnNorm(_) | WeightName::PostFfnNorm(_));
+            for arch in [Arch::Llama, Arch::Gemma3] {
+                let h = hf_name(arch, w);
+                if post && arch == Arch::Llama {
+                    assert!(h.ends_with('.'), "{h}: Llama has no post norms");
+                    continue;
+                }
+                assert_eq!(parse_hf_name(arch, &h), Some(w), "{arch:?} {h}");
+                assert!(!is_expert_tensor(&g) && !is_expert_tensor(&h));
+            }
         }
         assert_eq!(gguf_name(WeightName::Q(3)), "blk.3.attn_q.weight");
         assert_eq!(
-            hf_name(WeightName::Down(0)),
+            hf_name(Arch::Qwen2, WeightName::Down(0)),
             "model.layers.0.mlp.down_proj.weight"
         );
-        assert_eq!(parse_hf_name("model.layers.x.mlp.up_proj.weight"), None);
-        assert_eq!(parse_hf_name("model.layers.1.mlp.up_proj.bias"), None);
+        // One HF name, two meanings: the norm before the MLP in Llama, after attention in Gemma.
+        let pa = "model.layers.2.post_attention_layernorm.weight";
+        assert_eq!(parse_hf_name(Arch::Llama, pa), Some(WeightName::FfnNorm(2)));
+        assert_eq!(
+            parse_hf_name(Arch::Gemma3, pa),
+            Some(WeightName::PostAttnNorm(2))
+        );
+        assert_eq!(parse_hf_name(Arch::Llama, "model.layers.1."), None);
+        assert_eq!(
+            parse_hf_name(Arch::Llama, "model.layers.x.mlp.up_proj.weight"),
+            None
+        );
+        assert_eq!(
+            parse_hf_name(Arch::Llama, "model.layers.1.mlp.up_proj.bias"),
+            None
+        );
         assert_eq!(parse_gguf_name("blk.1.ffn_gate_exps.weight"), None);
         for moe in [
             "blk.0.ffn_gate_exps.weight",

@@ -13,7 +13,7 @@ pub mod process;
 pub mod rng;
 
 pub use json::json_rows;
-pub use models::{minilm, qwen25, smollm2};
+pub use models::{gemma3, minilm, qwen25, smollm2};
 pub use process::{mpirun, require_mpirun, run, run_with_deadline, Finished};
 pub use rng::Rng;
 

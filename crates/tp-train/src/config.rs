@@ -41,6 +41,7 @@ pub fn llama(
         qkv_bias: false,
         qk_norm: false,
         tied_embeddings: false,
+        block: tp_spec::BlockStyle::LLAMA,
         experts: None,
     }
 }

@@ -9,7 +9,7 @@ use crate::error::{Result, TrainError};
 use std::ops::Range;
 use tp_comm::ParallelDims;
 use tp_nn::{HeadPlan, Partition, Placement};
-use tp_spec::{hf_name, WeightName};
+use tp_spec::{hf_name, Arch, WeightName};
 
 /// One parameter shard as a rank holds it.
 #[derive(Clone, Debug, PartialEq)]
@@ -100,9 +100,12 @@ pub const BLOCK_WEIGHTS: [(&str, LayerWeight); 9] = [
     ("w_down", WeightName::Down),
 ];
 
+/// The HF spelling of the families trained here (Llama's: no Gemma norms).
+const TRAINED_SPELLING: Arch = Arch::Llama;
+
 /// The HF name of a weight outside the blocks (embedding, final norm, LM head).
 pub fn global_name(w: WeightName) -> String {
-    hf_name(w)
+    hf_name(TRAINED_SPELLING, w)
 }
 
 /// The HF name of tp-nn block tensor `short` in layer `layer`.
@@ -110,7 +113,7 @@ pub fn block_tensor_name(layer: usize, short: &str) -> Option<String> {
     BLOCK_WEIGHTS
         .iter()
         .find(|(s, _)| *s == short)
-        .map(|(_, w)| hf_name(w(layer)))
+        .map(|(_, w)| hf_name(TRAINED_SPELLING, w(layer)))
 }
 
 /// The vocabulary split of the embedding and the LM head.

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 #[allow(unused_imports)] // each test binary uses a subset
-pub use tp_testkit::{minilm, qwen25, smollm2};
+pub use tp_testkit::{gemma3, minilm, qwen25, smollm2};
 
 /// One rank's model with its KV pool, group and profile, stepping sequences one at a time.
 pub struct Stepper<'a> {
@@ -169,6 +169,10 @@ impl GgufOracle {
             tp_models::Arch::Qwen3 => GgufOracle::Qwen3(
                 quantized_qwen3::ModelWeights::from_gguf(c, &mut file, dev).unwrap(),
             ),
+            // candle's quantized_gemma3 computes SiLU where Gemma computes GELU.
+            tp_models::Arch::Gemma3 => {
+                panic!("no GGUF oracle for gemma3; gemma3_oracle.rs uses candle's plain model")
+            }
         }
     }
 
