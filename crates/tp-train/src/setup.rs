@@ -1,8 +1,10 @@
 //! A training run checked before any rank starts: the checkpoint to resume (and its step),
-//! the tokenizer, the model (a preset, an HF config.json or the checkpoint's), the data
+//! the tokenizer, the model (a preset of either trainable architecture, an HF config.json or
+//! the checkpoint's), the data
 //! encoded into a corpus, the layout and optimizer settings, all validated into a
 //! [`TrainSpec`]. `tp train` calls [`prepare`] on the main thread.
 
+use crate::config::trainable_arch;
 use crate::{
     AdamWConfig, Checkpoint, Corpus, ModelConfig, Result, TextTokenizer, TrainError, TrainModel,
     TrainSpec,
@@ -14,9 +16,12 @@ use tp_comm::ParallelDims;
 #[derive(Clone, Debug)]
 pub struct RunRequest {
     pub dims: ParallelDims,
-    /// A preset (tiny, small, bench) or an HF Llama config.json; default tiny, or the
-    /// checkpoint's model.
+    /// A preset (tiny, small, bench) or an HF Llama or Qwen3 config.json; default tiny, or
+    /// the checkpoint's model.
     pub config: Option<String>,
+    /// The architecture (`llama`, `qwen3`) a preset is built as (default llama); with a
+    /// config.json or a checkpoint it must be theirs.
+    pub arch: Option<String>,
     /// Training text; default the built-in corpus.
     pub data: Option<PathBuf>,
     /// A tokenizer.json (or a directory holding one); default bytes, vocab 256.
@@ -92,9 +97,24 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         }
         (None, _) => TextTokenizer::Bytes,
     };
+    let arch = a.arch.as_deref().map(trainable_arch).transpose()?;
+    // A preset or config.json, as the architecture asked for.
+    let requested = |c: &str| -> Result<ModelConfig> {
+        let m = ModelConfig::from_arg(c)?;
+        match arch {
+            Some(arch) if ModelConfig::preset(c).is_some() => m.with_arch(arch),
+            Some(arch) if arch != m.arch => Err(TrainError::Config(format!(
+                "--arch {} but {c} is a {} model; leave --arch out or use a {} config.json",
+                arch.name(),
+                m.arch.name(),
+                arch.name()
+            ))),
+            _ => Ok(m),
+        }
+    };
     let model = match (&a.config, &resume) {
         (Some(c), Some(ck)) => {
-            let m = ModelConfig::from_arg(c)?;
+            let m = requested(c)?;
             if m != ck.config {
                 return Err(TrainError::Config(format!(
                     "the model {c} differs from the checkpoint's model; give no model to \
@@ -103,10 +123,19 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             }
             m
         }
-        (None, Some(ck)) => ck.config.clone(),
+        (None, Some(ck)) => match arch {
+            Some(arch) if arch != ck.config.arch => {
+                return Err(TrainError::Config(format!(
+                    "--arch {} but the checkpoint's model is a {}; leave --arch out to resume it",
+                    arch.name(),
+                    ck.config.arch.name()
+                )))
+            }
+            _ => ck.config.clone(),
+        },
         (c, None) => {
             let name = c.as_deref().unwrap_or("tiny");
-            let m = ModelConfig::from_arg(name)?;
+            let m = requested(name)?;
             if ModelConfig::preset(name).is_some() {
                 m.with_vocab(tokenizer.vocab_size())
             } else {
