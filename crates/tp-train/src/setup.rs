@@ -245,3 +245,79 @@ pub fn set_compute_threads(threads: Option<usize>, local_ranks: usize) -> usize 
     std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     n
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tp_spec::Arch;
+
+    fn request(config: Option<&str>, arch: Option<&str>) -> RunRequest {
+        RunRequest {
+            dims: ParallelDims {
+                tp: 1,
+                pp: 1,
+                dp: 1,
+            },
+            config: config.map(str::to_string),
+            arch: arch.map(str::to_string),
+            data: None,
+            tokenizer: None,
+            steps: 1,
+            batch: Some(2),
+            micro_batches: None,
+            seq: Some(16),
+            lr: 1e-3,
+            min_lr: None,
+            warmup: 0,
+            weight_decay: 0.0,
+            clip: 0.0,
+            seed: None,
+            save: None,
+            save_every: 0,
+            keep: 0,
+            resume: None,
+            bucket_mib: 1.0,
+        }
+    }
+
+    fn prepared_arch(config: Option<&str>, arch: Option<&str>) -> Result<Arch> {
+        prepare(&request(config, arch)).map(|p| p.spec.model.arch)
+    }
+
+    #[test]
+    fn arch_builds_a_preset_as_qwen3_and_must_match_a_config_json() {
+        assert_eq!(prepared_arch(None, None).unwrap(), Arch::Llama);
+        assert_eq!(
+            prepared_arch(Some("small"), Some("llama")).unwrap(),
+            Arch::Llama
+        );
+        let p = prepare(&request(None, Some("qwen3"))).unwrap();
+        assert_eq!(p.spec.model.arch, Arch::Qwen3);
+        assert!(p.spec.model.qk_norm);
+        let e = prepared_arch(None, Some("qwen2")).unwrap_err().to_string();
+        assert!(e.contains("use one of llama, qwen3"), "{e}");
+
+        // A config.json carries its own architecture: --arch must agree with it.
+        let dir = std::env::temp_dir().join(format!("tp-train-arch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("config.json");
+        let llama = ModelConfig::preset("tiny").unwrap();
+        std::fs::write(&file, llama.hf_json_text()).unwrap();
+        let path = file.to_string_lossy().to_string();
+        let e = prepared_arch(Some(&path), Some("qwen3"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--arch qwen3 but") && e.contains("is a llama model"),
+            "{e}"
+        );
+        let qwen3 = llama.with_arch(Arch::Qwen3).unwrap();
+        std::fs::write(&file, qwen3.hf_json_text()).unwrap();
+        assert_eq!(prepared_arch(Some(&path), None).unwrap(), Arch::Qwen3);
+        assert_eq!(
+            prepared_arch(Some(&path), Some("qwen3")).unwrap(),
+            Arch::Qwen3
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
