@@ -81,7 +81,7 @@ pub trait TrainModel: Sized {
     fn preset(name: &str) -> Option<Self>;
     /// A preset name or the path of an HF `config.json` (or of a directory holding one).
     fn from_arg(arg: &str) -> Result<Self>;
-    /// Reads an HF Llama `config.json`.
+    /// Reads an HF Llama or Qwen3 `config.json`.
     fn read(path: &Path) -> Result<Self>;
     /// Parses the text of an HF `config.json`; the error says what is wrong.
     fn parse(text: &str) -> std::result::Result<Self, String>;
