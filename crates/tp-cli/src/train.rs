@@ -1,4 +1,4 @@
-//! `tp train`: trains a Llama-style model with tensor, pipeline and data parallelism
+//! `tp train`: trains a Llama or Qwen3 model with tensor, pipeline and data parallelism
 //! (tp-train). Validates everything on the main thread first (data, config, layout,
 //! checkpoint checksums), then starts the ranks; rank 0 shows progress with loss, tokens/s
 //! and MFU, and the run ends with a checkpoint and a loss curve beside it.
@@ -26,10 +26,14 @@ pub struct TrainArgs {
     /// Data-parallel replicas: each takes a share of every batch.
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
-    /// Model: a preset (tiny, small, bench) or an HF Llama config.json [default: tiny, or
-    /// the checkpoint's model with --resume].
+    /// Model: a preset (tiny, small, bench) or an HF Llama or Qwen3 config.json [default:
+    /// tiny, or the checkpoint's model with --resume].
     #[arg(long)]
     pub config: Option<String>,
+    /// Architecture of a preset: llama, or qwen3 (adds an RMSNorm over each query and key
+    /// head) [default: llama; a config.json or checkpoint gives its own].
+    #[arg(long)]
+    pub arch: Option<String>,
     /// Training text (any file) [default: the built-in public-domain corpus].
     #[arg(long)]
     pub data: Option<PathBuf>,
@@ -109,6 +113,7 @@ impl TrainArgs {
                 dp: self.dp,
             },
             config: self.config.clone(),
+            arch: self.arch.clone(),
             data: self.data.clone(),
             tokenizer: self.tokenizer.clone(),
             steps: self.steps,
@@ -360,9 +365,10 @@ pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
     }
     if let (Some(ck), Some(dir)) = (&summary.checkpoint, &p.spec.save_dir) {
         println!(
-            "checkpoint {} (an HF Llama directory: config.json, model.safetensors, \
+            "checkpoint {} (an HF {} directory: config.json, model.safetensors, \
              tokenizer.json); loss curve {}",
             ck.display(),
+            p.spec.model.arch.hf_class(),
             dir.join(tp_train::plot::PLOT_FILE).display()
         );
     }

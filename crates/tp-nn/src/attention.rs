@@ -3,9 +3,13 @@
 //!
 //! Q, K, V are column-parallel over the rank's query heads and the KV heads they need; the
 //! output projection is row-parallel over the query heads, so its result is a [`PartialSum`].
+//! With Qwen3's q/k norms ([`ParallelAttention::with_qk_norm`]) each query and key head is
+//! RMS-normalised over its `head_dim` before RoPE; the norm weights are replicated, and each
+//! rank's gradient of them covers only its own heads (the trainer sums it over tp).
 
 use crate::error::{Result, TpError};
 use crate::linear::{ColumnParallelLinear, PartialSum, RowParallelLinear};
+use crate::norm::RmsNorm;
 use crate::rope::Rope;
 use candle_core::{Device, Tensor, Var, D};
 use tp_comm::Group;
@@ -19,6 +23,8 @@ pub struct ParallelAttention {
     wk: ColumnParallelLinear,
     wv: ColumnParallelLinear,
     wo: RowParallelLinear,
+    /// Qwen3's per-head RMSNorms `(q_norm, k_norm)`, weights `[head_dim]` each.
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
 }
 
 /// `[seq, seq]` additive causal mask: 0 on and below the diagonal, -inf above.
@@ -71,7 +77,34 @@ impl ParallelAttention {
             wk,
             wv,
             wo,
+            qk_norm: None,
         })
+    }
+
+    /// Adds Qwen3's per-head RMSNorms: `q_norm` and `k_norm` are the (replicated) global
+    /// weights `[head_dim]`, shared by every query / key head.
+    pub fn with_qk_norm(mut self, q_norm: &Tensor, k_norm: &Tensor, eps: f64) -> Result<Self> {
+        for (name, w) in [("q_norm", q_norm), ("k_norm", k_norm)] {
+            if w.dims() != [self.head_dim] {
+                return Err(TpError::Shape(format!(
+                    "{name} must be [head_dim] = [{}], got {:?}",
+                    self.head_dim,
+                    w.dims()
+                )));
+            }
+        }
+        self.qk_norm = Some((
+            RmsNorm::from_global(q_norm, eps)?,
+            RmsNorm::from_global(k_norm, eps)?,
+        ));
+        Ok(self)
+    }
+
+    /// The per-head norms' weights `(q_norm, k_norm)`, when the attention has them.
+    pub fn qk_norm_vars(&self) -> Option<[(&'static str, &Var); 2]> {
+        self.qk_norm
+            .as_ref()
+            .map(|(q, k)| [("q_norm", q.weight()), ("k_norm", k.weight())])
     }
 
     pub fn plan(&self) -> &HeadPlan {
@@ -108,14 +141,15 @@ impl ParallelAttention {
         let q = self.wq.forward_local(x_par)?; // [b, s, hq_local * hd]
         let k = self.wk.forward_local(x_par)?; // [b, s, hkv_local * hd]
         let v = self.wv.forward_local(x_par)?; // [b, s, hkv_local * hd]
-        let q = q
-            .reshape((b, s, hq_local, hd))?
-            .transpose(1, 2)?
-            .contiguous()?; // [b, hq_local, s, hd]
-        let k = k
-            .reshape((b, s, hkv_local, hd))?
-            .transpose(1, 2)?
-            .contiguous()?; // [b, hkv_local, s, hd]
+        let q = q.reshape((b, s, hq_local, hd))?; // [b, s, hq_local, hd]
+        let k = k.reshape((b, s, hkv_local, hd))?; // [b, s, hkv_local, hd]
+        let (q, k) = match &self.qk_norm {
+            // Each head normalised over its head_dim, before RoPE.
+            Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?), // [b, s, h_local, hd]
+            None => (q, k),
+        };
+        let q = q.transpose(1, 2)?.contiguous()?; // [b, hq_local, s, hd]
+        let k = k.transpose(1, 2)?.contiguous()?; // [b, hkv_local, s, hd]
         let v = v
             .reshape((b, s, hkv_local, hd))?
             .transpose(1, 2)?

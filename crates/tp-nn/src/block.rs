@@ -12,7 +12,7 @@ use candle_core::{Device, Tensor, Var};
 use std::ops::Range;
 use tp_comm::Group;
 
-/// Whole-model sizes of one Llama-style block.
+/// Whole-model sizes of one Llama-style block (Qwen3's with `qk_norm`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockConfig {
     pub hidden: usize,
@@ -24,6 +24,8 @@ pub struct BlockConfig {
     pub rope_layout: RopeLayout,
     pub rms_eps: f64,
     pub max_seq: usize,
+    /// Qwen3: an RMSNorm (eps `rms_eps`) over each query and key head before RoPE.
+    pub qk_norm: bool,
 }
 
 /// The GLOBAL weights of a block (candle layout `[out, in]`).
@@ -38,6 +40,17 @@ pub struct BlockWeights {
     pub w_gate: Tensor,    // [ffn, hidden]
     pub w_up: Tensor,      // [ffn, hidden]
     pub w_down: Tensor,    // [hidden, ffn]
+    /// Qwen3's per-head norms, present exactly when [`BlockConfig::qk_norm`] is set.
+    pub q_norm: Option<Tensor>, // [head_dim]
+    pub k_norm: Option<Tensor>, // [head_dim]
+}
+
+/// Whether the parameter `name` of [`ParallelBlock::params`] is replicated but gets, on each
+/// rank, only its share of the gradient (the per-head q/k norms see only the rank's heads): the
+/// full gradient is the sum over the tp group, which the caller must take (like Megatron's
+/// all-reduce of layer-norm gradients under sequence parallelism).
+pub fn tp_partial_grad(name: &str) -> bool {
+    matches!(name, "q_norm" | "k_norm")
 }
 
 /// Deterministic xorshift64* stream, so tests and examples are reproducible everywhere.
@@ -89,7 +102,8 @@ impl BlockConfig {
         Ok(())
     }
 
-    /// Random weights scaled like a fresh init (1/sqrt(fan_in)), norms near 1.
+    /// Random weights scaled like a fresh init (1/sqrt(fan_in)), norms near 1 (the q/k norms
+    /// drawn last, so a block without them has the same other weights).
     pub fn random_weights(&self, seed: u64, device: &Device) -> Result<BlockWeights> {
         self.validate()?;
         let mut rng = SeededRng::new(seed);
@@ -100,7 +114,7 @@ impl BlockConfig {
             self.ffn,
         );
         let s = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
-        Ok(BlockWeights {
+        let mut w = BlockWeights {
             attn_norm: rng.tensor(&[h], 1.0, 0.2, device)?,
             wq: rng.tensor(&[q, h], 0.0, s(h), device)?,
             wk: rng.tensor(&[kv, h], 0.0, s(h), device)?,
@@ -110,7 +124,29 @@ impl BlockConfig {
             w_gate: rng.tensor(&[f, h], 0.0, s(h), device)?,
             w_up: rng.tensor(&[f, h], 0.0, s(h), device)?,
             w_down: rng.tensor(&[h, f], 0.0, s(f), device)?,
-        })
+            q_norm: None,
+            k_norm: None,
+        };
+        if self.qk_norm {
+            w.q_norm = Some(rng.tensor(&[self.head_dim], 1.0, 0.2, device)?);
+            w.k_norm = Some(rng.tensor(&[self.head_dim], 1.0, 0.2, device)?);
+        }
+        Ok(w)
+    }
+
+    /// The q/k norm weights of `w`, checked against `qk_norm`: `Some` exactly when it is set.
+    pub(crate) fn qk_norm_weights<'a>(
+        &self,
+        w: &'a BlockWeights,
+    ) -> Result<Option<(&'a Tensor, &'a Tensor)>> {
+        match (self.qk_norm, &w.q_norm, &w.k_norm) {
+            (true, Some(q), Some(k)) => Ok(Some((q, k))),
+            (false, None, None) => Ok(None),
+            (want, ..) => Err(TpError::Config(format!(
+                "the block config says qk_norm = {want}, but the weights {} q_norm/k_norm",
+                if want { "lack" } else { "carry" }
+            ))),
+        }
     }
 }
 
@@ -152,20 +188,25 @@ impl ParallelBlock {
             cfg.rope_layout,
             w.wq.device(),
         )?;
+        let attn = ParallelAttention::from_global(
+            &w.wq,
+            &w.wk,
+            &w.wv,
+            &w.wo,
+            cfg.heads,
+            cfg.kv_heads,
+            cfg.head_dim,
+            tp_rank,
+            tp,
+        )?;
+        let attn = match cfg.qk_norm_weights(w)? {
+            Some((q, k)) => attn.with_qk_norm(q, k, cfg.rms_eps)?,
+            None => attn,
+        };
         Ok(ParallelBlock {
             cfg: cfg.clone(),
             attn_norm: RmsNorm::from_global(&w.attn_norm, cfg.rms_eps)?,
-            attn: ParallelAttention::from_global(
-                &w.wq,
-                &w.wk,
-                &w.wv,
-                &w.wo,
-                cfg.heads,
-                cfg.kv_heads,
-                cfg.head_dim,
-                tp_rank,
-                tp,
-            )?,
+            attn,
             mlp_norm: RmsNorm::from_global(&w.mlp_norm, cfg.rms_eps)?,
             mlp: ParallelMlp::from_global(&w.w_gate, &w.w_up, &w.w_down, tp_rank, tp)?,
             rope,
@@ -178,7 +219,9 @@ impl ParallelBlock {
         &self.cfg
     }
 
-    /// Every parameter shard with its name and where it sits in the global tensor.
+    /// Every parameter shard with its name and where it sits in the global tensor: the nine
+    /// Llama tensors, then `q_norm` and `k_norm` when the block has them (replicated, with
+    /// partial gradients: [`tp_partial_grad`]).
     pub fn params(&self) -> Vec<(&'static str, &Var, Placement)> {
         let hd = self.cfg.head_dim;
         let q = self.attn.plan().q_range();
@@ -194,7 +237,7 @@ impl ParallelBlock {
         };
         let [(nq, wq), (nk, wk), (nv, wv), (no, wo)] = self.attn.vars();
         let [(ng, wg), (nu, wu), (nd, wd)] = self.mlp.vars();
-        vec![
+        let mut out = vec![
             ("attn_norm", self.attn_norm.weight(), Placement::Replicated),
             (nq, wq, rows(&q, hd)),
             (nk, wk, rows(&kv, hd)),
@@ -204,7 +247,11 @@ impl ParallelBlock {
             (ng, wg, rows(&f, 1)),
             (nu, wu, rows(&f, 1)),
             (nd, wd, cols(&f, 1)),
-        ]
+        ];
+        if let Some(norms) = self.attn.qk_norm_vars() {
+            out.extend(norms.map(|(n, v)| (n, v, Placement::Replicated)));
+        }
+        out
     }
 
     /// Replicated `h [batch, seq, hidden]` -> replicated `[batch, seq, hidden]`.

@@ -22,7 +22,7 @@ pub mod reference;
 pub mod rope;
 
 pub use attention::ParallelAttention;
-pub use block::{BlockConfig, BlockWeights, ParallelBlock, Placement, SeededRng};
+pub use block::{tp_partial_grad, BlockConfig, BlockWeights, ParallelBlock, Placement, SeededRng};
 pub use cross_entropy::vocab_parallel_cross_entropy;
 pub use embedding::VocabParallelEmbedding;
 pub use error::{Result, TpError};

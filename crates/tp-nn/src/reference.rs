@@ -1,6 +1,7 @@
 //! Single-device reference block, the test oracle: plain candle, no parallelism, written
 //! independently of the parallel path (candle's `rms_norm_slow` and `rope_slow`/`rope_i_slow`,
-//! KV heads repeated by broadcasting). Same math as Llama's block.
+//! KV heads repeated by broadcasting). Same math as Llama's block, and Qwen3's with the
+//! per-head q/k norms (`rms_norm_slow` over each head's `head_dim`, before RoPE).
 
 use crate::block::{BlockConfig, BlockWeights};
 use crate::error::Result;
@@ -19,7 +20,7 @@ impl DenseBlock {
     pub fn new(cfg: &BlockConfig, w: &BlockWeights) -> Result<Self> {
         cfg.validate()?;
         let v = |t: &Tensor| Var::from_tensor(&t.copy()?);
-        let vars = vec![
+        let mut vars = vec![
             ("attn_norm", v(&w.attn_norm)?),
             ("wq", v(&w.wq)?),
             ("wk", v(&w.wk)?),
@@ -30,6 +31,10 @@ impl DenseBlock {
             ("w_up", v(&w.w_up)?),
             ("w_down", v(&w.w_down)?),
         ];
+        if let Some((q, k)) = cfg.qk_norm_weights(w)? {
+            vars.push(("q_norm", v(q)?));
+            vars.push(("k_norm", v(k)?));
+        }
         // Frequencies theta^(-2i/d), computed here as a tensor expression (not shared with
         // the parallel path's table builder).
         let half = cfg.head_dim / 2;
@@ -64,14 +69,18 @@ impl DenseBlock {
         let eps = c.rms_eps as f32;
         let lin = |x: &Tensor, w: &Tensor| x.broadcast_matmul(&w.t()?);
         let n = candle_nn::ops::rms_norm_slow(h, self.w(0), eps)?; // [b, s, hidden]
-        let q = lin(&n, self.w(1))?
-            .reshape((b, s, c.heads, c.head_dim))?
-            .transpose(1, 2)?
-            .contiguous()?; // [b, heads, s, hd]
-        let k = lin(&n, self.w(2))?
-            .reshape((b, s, c.kv_heads, c.head_dim))?
-            .transpose(1, 2)?
-            .contiguous()?; // [b, kv, s, hd]
+        let q = lin(&n, self.w(1))?.reshape((b, s, c.heads, c.head_dim))?; // [b, s, heads, hd]
+        let k = lin(&n, self.w(2))?.reshape((b, s, c.kv_heads, c.head_dim))?; // [b, s, kv, hd]
+        let (q, k) = if c.qk_norm {
+            (
+                candle_nn::ops::rms_norm_slow(&q, self.w(9), eps)?, // [b, s, heads, hd]
+                candle_nn::ops::rms_norm_slow(&k, self.w(10), eps)?, // [b, s, kv, hd]
+            )
+        } else {
+            (q, k)
+        };
+        let q = q.transpose(1, 2)?.contiguous()?; // [b, heads, s, hd]
+        let k = k.transpose(1, 2)?.contiguous()?; // [b, kv, s, hd]
         let v = lin(&n, self.w(3))?
             .reshape((b, s, c.kv_heads, c.head_dim))?
             .transpose(1, 2)?

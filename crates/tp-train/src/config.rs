@@ -1,7 +1,8 @@
-//! The model trained here is tp-spec's [`ModelConfig`] (a Llama); this adds what training
-//! needs on top: presets, reading an HF `config.json` through tp-spec's reader, the checks
-//! training adds (untied embeddings, Llama only, weights and optimizer state that fit), the
-//! block sizes for tp-nn and the `config.json` text a checkpoint carries.
+//! The model trained here is tp-spec's [`ModelConfig`] (a Llama or a Qwen3, which adds an
+//! RMSNorm over each query and key head); this adds what training needs on top: presets (of
+//! either architecture), reading an HF `config.json` through tp-spec's reader, the checks
+//! training adds (untied embeddings, Llama or Qwen3 only, weights and optimizer state that
+//! fit), the block sizes for tp-nn and the `config.json` text a checkpoint carries.
 
 use crate::error::{Result, TrainError};
 use std::path::Path;
@@ -11,6 +12,33 @@ use tp_spec::{Arch, RopeStyle};
 
 /// Preset names accepted by `--config`.
 pub const PRESETS: &[&str] = &["tiny", "small", "bench"];
+
+/// The architectures training supports, by the name `--arch` takes (tp-spec's).
+pub const TRAINABLE_ARCHS: [Arch; 2] = [Arch::Llama, Arch::Qwen3];
+
+/// The trainable architecture named `name` (`llama`, `qwen3`); the error lists them.
+pub fn trainable_arch(name: &str) -> Result<Arch> {
+    TRAINABLE_ARCHS
+        .into_iter()
+        .find(|a| a.name() == name)
+        .ok_or_else(|| {
+            TrainError::Config(format!(
+                "architecture {name:?} cannot be trained; use one of {}",
+                arch_names()
+            ))
+        })
+}
+
+fn arch_names() -> String {
+    TRAINABLE_ARCHS.map(|a| a.name()).join(", ")
+}
+
+fn only_trainable(arch: &str) -> String {
+    format!(
+        "model_type {arch:?}: only Llama and Qwen3 models (LlamaForCausalLM, Qwen3ForCausalLM) \
+         can be trained"
+    )
+}
 
 /// A Llama of these sizes with the defaults training uses (rms eps 1e-5, rope theta 10^4,
 /// untied embeddings, HF's rotate-half RoPE).
@@ -54,12 +82,15 @@ pub trait TrainModel: Sized {
     fn preset(name: &str) -> Option<Self>;
     /// A preset name or the path of an HF `config.json` (or of a directory holding one).
     fn from_arg(arg: &str) -> Result<Self>;
-    /// Reads an HF Llama `config.json`.
+    /// Reads an HF Llama or Qwen3 `config.json`.
     fn read(path: &Path) -> Result<Self>;
     /// Parses the text of an HF `config.json`; the error says what is wrong.
     fn parse(text: &str) -> std::result::Result<Self, String>;
     /// The same model with another vocabulary size (a tokenizer's).
     fn with_vocab(self, vocab: usize) -> Self;
+    /// The same sizes as a model of `arch` (one of [`TRAINABLE_ARCHS`]): Qwen3 adds the
+    /// per-head q/k norms, Llama drops them.
+    fn with_arch(self, arch: Arch) -> Result<Self>;
     /// The checks training adds to [`ModelConfig::validate`] (layout checks are in
     /// [`crate::layout`]).
     fn check_trainable(&self) -> Result<()>;
@@ -119,16 +150,11 @@ impl TrainModel for ModelConfig {
 
     fn parse(text: &str) -> std::result::Result<ModelConfig, String> {
         let c = ModelConfig::from_hf_json(text).map_err(|e| match e {
-            tp_spec::SpecError::UnsupportedArch { arch } => {
-                format!("model_type {arch:?}: only Llama models (LlamaForCausalLM) can be trained")
-            }
-            other => format!("not a Llama config.json ({other})"),
+            tp_spec::SpecError::UnsupportedArch { arch } => only_trainable(&arch),
+            other => format!("not a Llama or Qwen3 config.json ({other})"),
         })?;
-        if c.arch != Arch::Llama {
-            return Err(format!(
-                "model_type {:?}: only Llama models (LlamaForCausalLM) can be trained",
-                c.arch.name()
-            ));
+        if !TRAINABLE_ARCHS.contains(&c.arch) {
+            return Err(only_trainable(c.arch.name()));
         }
         c.check_trainable().map_err(|e| match e {
             TrainError::Config(m) => m,
@@ -142,19 +168,40 @@ impl TrainModel for ModelConfig {
         self
     }
 
+    fn with_arch(mut self, arch: Arch) -> Result<Self> {
+        if !TRAINABLE_ARCHS.contains(&arch) {
+            return Err(TrainError::Config(format!(
+                "a {} model cannot be trained; use one of {}",
+                arch.name(),
+                arch_names()
+            )));
+        }
+        self.arch = arch;
+        self.qk_norm = arch == Arch::Qwen3;
+        Ok(self)
+    }
+
     fn check_trainable(&self) -> Result<()> {
         let bad = |m: String| Err(TrainError::Config(m));
         self.validate()
             .map_err(|e| TrainError::Config(e.to_string()))?;
-        if self.arch != Arch::Llama || self.qkv_bias || self.experts.is_some() {
+        if !TRAINABLE_ARCHS.contains(&self.arch) || self.qkv_bias || self.experts.is_some() {
             return bad(format!(
-                "a {} model{}; training supports Llama models without biases or experts",
+                "a {} model{}; training supports Llama and Qwen3 models without biases or \
+                 experts",
                 self.arch.name(),
                 if self.experts.is_some() {
                     " with experts"
                 } else {
                     ""
                 }
+            ));
+        }
+        if self.qk_norm != (self.arch == Arch::Qwen3) {
+            return bad(format!(
+                "a {} model with qk_norm = {}: per-head q/k norms are Qwen3's, and only Qwen3's",
+                self.arch.name(),
+                self.qk_norm
             ));
         }
         if self.tied_embeddings {
@@ -196,6 +243,7 @@ impl TrainModel for ModelConfig {
             rope_layout: RopeLayout::RotateHalf,
             rms_eps: self.rms_eps,
             max_seq: self.context,
+            qk_norm: self.qk_norm,
         }
     }
 
@@ -236,13 +284,54 @@ mod tests {
             .to_string()
             .contains("set it to false"));
         let e = ModelConfig::parse("{\"model_type\": \"gpt2\"}").unwrap_err();
-        assert!(e.contains("only Llama models"), "{e}");
+        assert!(e.contains("only Llama and Qwen3 models"), "{e}");
         let e = ModelConfig::parse("{\"model_type\": \"llama\"}").unwrap_err();
-        assert!(e.contains("not a Llama config.json"), "{e}");
+        assert!(e.contains("not a Llama or Qwen3 config.json"), "{e}");
+        let mut qwen2 = ModelConfig::preset("tiny").unwrap();
+        (qwen2.arch, qwen2.qkv_bias) = (Arch::Qwen2, true);
+        let e = ModelConfig::parse(&qwen2.hf_json_text()).unwrap_err();
+        assert!(e.contains("\"qwen2\": only Llama and Qwen3"), "{e}");
+        assert!(ModelConfig::preset("tiny")
+            .unwrap()
+            .with_arch(Arch::Qwen2)
+            .is_err());
+        let e = trainable_arch("qwen2").unwrap_err().to_string();
+        assert!(e.contains("use one of llama, qwen3"), "{e}");
+        let mut odd = ModelConfig::preset("tiny").unwrap();
+        odd.qk_norm = true;
+        let e = odd.check_trainable().unwrap_err().to_string();
+        assert!(e.contains("only Qwen3's"), "{e}");
         let e = ModelConfig::from_arg("/no/such/config.json")
             .unwrap_err()
             .to_string();
         assert!(e.contains("tiny, small, bench"), "{e}");
+    }
+
+    #[test]
+    fn qwen3_presets_round_trip_and_name_the_architecture() {
+        for name in PRESETS {
+            let c = ModelConfig::preset(name)
+                .unwrap()
+                .with_arch(trainable_arch("qwen3").unwrap())
+                .unwrap();
+            assert!(c.qk_norm && c.block().qk_norm);
+            c.check_trainable().unwrap();
+            let json = c.to_hf_json();
+            assert_eq!(json["model_type"], "qwen3");
+            assert_eq!(json["architectures"][0], "Qwen3ForCausalLM");
+            assert_eq!(ModelConfig::parse(&c.hf_json_text()).unwrap(), c, "{name}");
+            let back = c.with_arch(Arch::Llama).unwrap();
+            assert_eq!(back, ModelConfig::preset(name).unwrap());
+        }
+        // Per layer, two norms of head_dim (32) more than the Llama.
+        let q = ModelConfig::preset("tiny")
+            .unwrap()
+            .with_arch(Arch::Qwen3)
+            .unwrap();
+        assert_eq!(
+            q.num_params(),
+            ModelConfig::preset("tiny").unwrap().num_params() + 4 * 2 * 32
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The small model, corpus slice and run settings that the tests and the MPI check share:
 //! 4 heads (2 KV heads), FFN 64 and a 256-byte vocabulary, so tp 3 splits heads 2/1/1 with a
 //! KV head held by two ranks, FFN 22/21/21 and vocabulary 86/85/85; 4 layers for pp up to 4.
+//! The same sizes as a Qwen3 ([`qwen3_model`], [`qwen3_spec`]) add the per-head q/k norms.
 
 use crate::config::ModelConfig;
 use crate::data::{Corpus, DEFAULT_CORPUS};
@@ -11,6 +12,15 @@ use tp_comm::ParallelDims;
 
 pub fn model() -> ModelConfig {
     crate::config::llama(256, 32, 64, 4, 4, 2, 8, 64)
+}
+
+/// [`model`] as a Qwen3: an RMSNorm over each query and key head.
+pub fn qwen3_model() -> ModelConfig {
+    ModelConfig {
+        arch: tp_spec::Arch::Qwen3,
+        qk_norm: true,
+        ..model()
+    }
 }
 
 /// The first 40 KB of the built-in corpus as bytes, windows of 16 tokens.
@@ -40,5 +50,13 @@ pub fn spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
         save_every: 0,
         keep: 0,
         data_name: "test corpus".into(),
+    }
+}
+
+/// [`spec`] with [`qwen3_model`].
+pub fn qwen3_spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
+    TrainSpec {
+        model: qwen3_model(),
+        ..spec(dims, steps, micro_batches)
     }
 }

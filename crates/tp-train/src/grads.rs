@@ -80,9 +80,11 @@ pub fn accumulate(
 }
 
 /// Parameters whose rows several tp ranks hold (KV heads shared when the query heads of a
-/// rank span two KV groups or tp exceeds the KV heads): each holder computes only its query
-/// heads' share, and the full gradient is the sum over holders (one all-reduce for the whole
-/// stage).
+/// rank span two KV groups or tp exceeds the KV heads), and replicated parameters whose
+/// gradient is partial on each rank (Qwen3's per-head q/k norms, [`ParamSpec::tp_partial_grad`],
+/// as Megatron all-reduces layer-norm gradients under sequence parallelism): each holder
+/// computes only its query heads' share, and the full gradient is the sum over holders (one
+/// all-reduce for the whole stage, once per step after the micro-batches).
 #[derive(Clone, Debug, Default)]
 pub struct SharedRows {
     /// (param index, offset of the global tensor in the exchange buffer, row offset of this
@@ -99,6 +101,17 @@ impl SharedRows {
             return Ok(out);
         };
         for (i, spec) in mine.iter().enumerate() {
+            if spec.tp_partial_grad && all_ranks.len() > 1 {
+                if spec.placement != Placement::Replicated {
+                    return Err(TrainError::Config(format!(
+                        "internal: {} has a partial gradient but is not replicated",
+                        spec.name
+                    )));
+                }
+                out.entries.push((i, out.total, 0));
+                out.total += spec.global_len();
+                continue;
+            }
             let places: Vec<&Placement> = all_ranks.iter().map(|s| &s[i].placement).collect();
             let Placement::Sharded { dim, range } = &spec.placement else {
                 continue;

@@ -21,6 +21,9 @@ pub struct ParamSpec {
     pub placement: Placement,
     /// Whether AdamW's weight decay applies (matrices yes, norm weights no).
     pub decay: bool,
+    /// Replicated, but each tp rank's backward gives only its heads' share of the gradient
+    /// (Qwen3's per-head q/k norms, [`tp_nn::tp_partial_grad`]): summed over tp each step.
+    pub tp_partial_grad: bool,
 }
 
 impl ParamSpec {
@@ -87,8 +90,9 @@ pub fn validate(cfg: &ModelConfig, dims: ParallelDims) -> Result<()> {
 pub type LayerWeight = fn(usize) -> WeightName;
 
 /// tp-nn's names of a block's tensors, paired with the canonical weight (whose HF name, from
-/// tp-spec's one table, is the tensor's name in a checkpoint).
-pub const BLOCK_WEIGHTS: [(&str, LayerWeight); 9] = [
+/// tp-spec's one table, is the tensor's name in a checkpoint): the nine of every block, then
+/// Qwen3's per-head q/k norms (in tp-nn's order, [`tp_nn::ParallelBlock::params`]).
+pub const BLOCK_WEIGHTS: [(&str, LayerWeight); 11] = [
     ("attn_norm", WeightName::AttnNorm),
     ("wq", WeightName::Q),
     ("wk", WeightName::K),
@@ -98,10 +102,22 @@ pub const BLOCK_WEIGHTS: [(&str, LayerWeight); 9] = [
     ("w_gate", WeightName::Gate),
     ("w_up", WeightName::Up),
     ("w_down", WeightName::Down),
+    ("q_norm", WeightName::QNorm),
+    ("k_norm", WeightName::KNorm),
 ];
 
 /// The HF spelling of the families trained here (Llama's: no Gemma norms).
 const TRAINED_SPELLING: Arch = Arch::Llama;
+
+/// The tensors of one block of `cfg`, by tp-nn name: the first nine of [`BLOCK_WEIGHTS`], and
+/// the q/k norms when the model has them.
+pub fn block_tensors(cfg: &ModelConfig) -> &'static [(&'static str, LayerWeight)] {
+    if cfg.qk_norm {
+        &BLOCK_WEIGHTS
+    } else {
+        &BLOCK_WEIGHTS[..9]
+    }
+}
 
 /// The HF name of a weight outside the blocks (embedding, final norm, LM head).
 pub fn global_name(w: WeightName) -> String {
@@ -149,6 +165,7 @@ pub fn stage_params(
         name,
         shape,
         placement,
+        tp_partial_grad: false,
     };
     let mut out = Vec::new();
     if pp_rank == 0 {
@@ -169,6 +186,14 @@ pub fn stage_params(
         out.push(spec(n("w_gate"), vec![ffn, h], shard(0, &f, 1)));
         out.push(spec(n("w_up"), vec![ffn, h], shard(0, &f, 1)));
         out.push(spec(n("w_down"), vec![h, ffn], shard(1, &f, 1)));
+        if cfg.qk_norm {
+            for short in ["q_norm", "k_norm"] {
+                out.push(ParamSpec {
+                    tp_partial_grad: tp_nn::tp_partial_grad(short),
+                    ..spec(n(short), vec![hd], Placement::Replicated)
+                });
+            }
+        }
     }
     if pp_rank + 1 == pp {
         out.push(spec(
@@ -259,8 +284,35 @@ mod tests {
     }
 
     #[test]
+    fn qwen3_layers_add_the_q_and_k_norms_under_their_hf_names() {
+        let c = cfg().with_arch(tp_spec::Arch::Qwen3).unwrap();
+        let all = all_params(&c).unwrap();
+        assert_eq!(all.len(), 1 + 11 * 3 + 2);
+        let norms: Vec<&ParamSpec> = all.iter().filter(|s| s.tp_partial_grad).collect();
+        let names: Vec<&str> = norms.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(
+            names[..2],
+            [
+                "model.layers.0.self_attn.q_norm.weight",
+                "model.layers.0.self_attn.k_norm.weight"
+            ]
+        );
+        assert_eq!(norms.len(), 6);
+        for s in norms {
+            assert_eq!(
+                (&s.shape, &s.placement, s.decay),
+                (&vec![4], &Placement::Replicated, false)
+            );
+        }
+        assert!(all_params(&cfg())
+            .unwrap()
+            .iter()
+            .all(|s| !s.tp_partial_grad));
+    }
+
+    #[test]
     fn shards_tile_each_tensor_and_ownership_counts_each_row_once() {
-        let c = cfg();
+        let c = cfg().with_arch(tp_spec::Arch::Qwen3).unwrap();
         for tp in 1..=6 {
             let per_rank: Vec<Vec<ParamSpec>> = (0..tp)
                 .map(|r| stage_params(&c, 0, 1, r, tp).unwrap())

@@ -1,4 +1,5 @@
-//! tp-train: training a Llama-style transformer with tensor, pipeline and data parallelism
+//! tp-train: training a Llama-style transformer (Llama, or Qwen3 with its per-head q/k norms)
+//! with tensor, pipeline and data parallelism
 //! (3D parallelism after Narayanan et al. 2021, "Efficient Large-Scale Language Model
 //! Training on GPU Clusters Using Megatron-LM").
 //!

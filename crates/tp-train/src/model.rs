@@ -1,4 +1,4 @@
-//! One pipeline stage of the Llama-style model on one tp rank, built from tp-nn's layers
+//! One pipeline stage of the Llama-style model (or Qwen3's, with per-head q/k norms) on one tp rank, built from tp-nn's layers
 //! (the same ones inference uses): vocab-parallel embedding on the first stage, its share of
 //! the blocks, and the final RMSNorm, column-parallel LM head and vocab-parallel
 //! cross-entropy on the last (Megatron §3; Narayanan et al. 2021 §2.2 for the stages).
@@ -81,6 +81,17 @@ impl StageModel {
                 w_gate: get("w_gate")?,
                 w_up: get("w_up")?,
                 w_down: get("w_down")?,
+                q_norm: None,
+                k_norm: None,
+            };
+            let w = if cfg.qk_norm {
+                BlockWeights {
+                    q_norm: Some(get("q_norm")?), // [head_dim]
+                    k_norm: Some(get("k_norm")?), // [head_dim]
+                    ..w
+                }
+            } else {
+                w
             };
             blocks.push(ParallelBlock::from_global(&bc, &w, tp_rank, tp)?);
         }
@@ -150,7 +161,7 @@ impl StageModel {
         let mut block_places = self
             .blocks
             .iter()
-            .flat_map(|b| b.params().into_iter().map(|(_, _, p)| p));
+            .flat_map(|b| b.params().into_iter().map(|(n, _, p)| (n, p)));
         for (spec, var) in self.specs.iter().zip(&vars) {
             if var.dims() != spec.local_shape().as_slice() {
                 return Err(TrainError::Config(format!(
@@ -161,11 +172,14 @@ impl StageModel {
                 )));
             }
             if spec.name.starts_with("model.layers.") {
-                let p = block_places.next();
-                if p.as_ref() != Some(&spec.placement) {
+                let (short, p) = block_places.next().unzip();
+                if p.as_ref() != Some(&spec.placement)
+                    || short.map(tp_nn::tp_partial_grad) != Some(spec.tp_partial_grad)
+                {
                     return Err(TrainError::Config(format!(
-                        "internal: {} placement {:?} differs from tp-nn's {p:?}",
-                        spec.name, spec.placement
+                        "internal: {} placement {:?} (partial gradient: {}) differs from \
+                         tp-nn's {short:?} {p:?}",
+                        spec.name, spec.placement, spec.tp_partial_grad
                     )));
                 }
             }
@@ -181,18 +195,7 @@ impl StageModel {
         targets: Option<&Tensor>,
         tp: &Group,
     ) -> Result<Tensor> {
-        let mut h = match (input, &self.embed) {
-            (StageInput::Tokens(ids), Some(e)) => e.forward(ids, tp)?, // [b, s, hidden]
-            (StageInput::Hidden(h), None) => h.clone(),                // [b, s, hidden]
-            _ => {
-                return Err(TrainError::Config(
-                    "internal: the first stage takes tokens, the others hidden states".into(),
-                ))
-            }
-        };
-        for b in &self.blocks {
-            h = b.forward(&h, tp)?; // [b, s, hidden]
-        }
+        let h = self.hidden(input, tp)?; // [b, s, hidden]
         match (&self.norm, &self.head, targets) {
             (Some(norm), Some(head), Some(t)) => {
                 let (b, s, _) = h.dims3()?;
@@ -207,6 +210,24 @@ impl StageModel {
                 "internal: targets go to the last stage only".into(),
             )),
         }
+    }
+
+    /// The stage's embedding (first stage) and blocks, without the last stage's head: hidden
+    /// states `[batch, seq, hidden]`.
+    pub fn hidden(&self, input: StageInput<'_>, tp: &Group) -> Result<Tensor> {
+        let mut h = match (input, &self.embed) {
+            (StageInput::Tokens(ids), Some(e)) => e.forward(ids, tp)?, // [b, s, hidden]
+            (StageInput::Hidden(h), None) => h.clone(),                // [b, s, hidden]
+            _ => {
+                return Err(TrainError::Config(
+                    "internal: the first stage takes tokens, the others hidden states".into(),
+                ))
+            }
+        };
+        for b in &self.blocks {
+            h = b.forward(&h, tp)?; // [b, s, hidden]
+        }
+        Ok(h)
     }
 
     /// Logits of the last stage for a hidden input: `[batch, seq, vocab_local]` (for tests

@@ -138,6 +138,7 @@ mod tests {
             shape: vec![3],
             placement: tp_nn::Placement::Replicated,
             decay: false,
+            tp_partial_grad: false,
         };
         let specs = vec![spec];
         let layout = FlatLayout::new(&specs);

@@ -1,8 +1,10 @@
 //! A training run checked before any rank starts: the checkpoint to resume (and its step),
-//! the tokenizer, the model (a preset, an HF config.json or the checkpoint's), the data
+//! the tokenizer, the model (a preset of either trainable architecture, an HF config.json or
+//! the checkpoint's), the data
 //! encoded into a corpus, the layout and optimizer settings, all validated into a
 //! [`TrainSpec`]. `tp train` calls [`prepare`] on the main thread.
 
+use crate::config::trainable_arch;
 use crate::{
     AdamWConfig, Checkpoint, Corpus, ModelConfig, Result, TextTokenizer, TrainError, TrainModel,
     TrainSpec,
@@ -14,9 +16,12 @@ use tp_comm::ParallelDims;
 #[derive(Clone, Debug)]
 pub struct RunRequest {
     pub dims: ParallelDims,
-    /// A preset (tiny, small, bench) or an HF Llama config.json; default tiny, or the
-    /// checkpoint's model.
+    /// A preset (tiny, small, bench) or an HF Llama or Qwen3 config.json; default tiny, or
+    /// the checkpoint's model.
     pub config: Option<String>,
+    /// The architecture (`llama`, `qwen3`) a preset is built as (default llama); with a
+    /// config.json or a checkpoint it must be theirs.
+    pub arch: Option<String>,
     /// Training text; default the built-in corpus.
     pub data: Option<PathBuf>,
     /// A tokenizer.json (or a directory holding one); default bytes, vocab 256.
@@ -92,9 +97,24 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         }
         (None, _) => TextTokenizer::Bytes,
     };
+    let arch = a.arch.as_deref().map(trainable_arch).transpose()?;
+    // A preset or config.json, as the architecture asked for.
+    let requested = |c: &str| -> Result<ModelConfig> {
+        let m = ModelConfig::from_arg(c)?;
+        match arch {
+            Some(arch) if ModelConfig::preset(c).is_some() => m.with_arch(arch),
+            Some(arch) if arch != m.arch => Err(TrainError::Config(format!(
+                "--arch {} but {c} is a {} model; leave --arch out or use a {} config.json",
+                arch.name(),
+                m.arch.name(),
+                arch.name()
+            ))),
+            _ => Ok(m),
+        }
+    };
     let model = match (&a.config, &resume) {
         (Some(c), Some(ck)) => {
-            let m = ModelConfig::from_arg(c)?;
+            let m = requested(c)?;
             if m != ck.config {
                 return Err(TrainError::Config(format!(
                     "the model {c} differs from the checkpoint's model; give no model to \
@@ -103,10 +123,19 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             }
             m
         }
-        (None, Some(ck)) => ck.config.clone(),
+        (None, Some(ck)) => match arch {
+            Some(arch) if arch != ck.config.arch => {
+                return Err(TrainError::Config(format!(
+                    "--arch {} but the checkpoint's model is a {}; leave --arch out to resume it",
+                    arch.name(),
+                    ck.config.arch.name()
+                )))
+            }
+            _ => ck.config.clone(),
+        },
         (c, None) => {
             let name = c.as_deref().unwrap_or("tiny");
-            let m = ModelConfig::from_arg(name)?;
+            let m = requested(name)?;
             if ModelConfig::preset(name).is_some() {
                 m.with_vocab(tokenizer.vocab_size())
             } else {
@@ -215,4 +244,80 @@ pub fn set_compute_threads(threads: Option<usize>, local_ranks: usize) -> usize 
     // Set before any rank starts; candle reads it at every matmul.
     std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tp_spec::Arch;
+
+    fn request(config: Option<&str>, arch: Option<&str>) -> RunRequest {
+        RunRequest {
+            dims: ParallelDims {
+                tp: 1,
+                pp: 1,
+                dp: 1,
+            },
+            config: config.map(str::to_string),
+            arch: arch.map(str::to_string),
+            data: None,
+            tokenizer: None,
+            steps: 1,
+            batch: Some(2),
+            micro_batches: None,
+            seq: Some(16),
+            lr: 1e-3,
+            min_lr: None,
+            warmup: 0,
+            weight_decay: 0.0,
+            clip: 0.0,
+            seed: None,
+            save: None,
+            save_every: 0,
+            keep: 0,
+            resume: None,
+            bucket_mib: 1.0,
+        }
+    }
+
+    fn prepared_arch(config: Option<&str>, arch: Option<&str>) -> Result<Arch> {
+        prepare(&request(config, arch)).map(|p| p.spec.model.arch)
+    }
+
+    #[test]
+    fn arch_builds_a_preset_as_qwen3_and_must_match_a_config_json() {
+        assert_eq!(prepared_arch(None, None).unwrap(), Arch::Llama);
+        assert_eq!(
+            prepared_arch(Some("small"), Some("llama")).unwrap(),
+            Arch::Llama
+        );
+        let p = prepare(&request(None, Some("qwen3"))).unwrap();
+        assert_eq!(p.spec.model.arch, Arch::Qwen3);
+        assert!(p.spec.model.qk_norm);
+        let e = prepared_arch(None, Some("qwen2")).unwrap_err().to_string();
+        assert!(e.contains("use one of llama, qwen3"), "{e}");
+
+        // A config.json carries its own architecture: --arch must agree with it.
+        let dir = std::env::temp_dir().join(format!("tp-train-arch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("config.json");
+        let llama = ModelConfig::preset("tiny").unwrap();
+        std::fs::write(&file, llama.hf_json_text()).unwrap();
+        let path = file.to_string_lossy().to_string();
+        let e = prepared_arch(Some(&path), Some("qwen3"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--arch qwen3 but") && e.contains("is a llama model"),
+            "{e}"
+        );
+        let qwen3 = llama.with_arch(Arch::Qwen3).unwrap();
+        std::fs::write(&file, qwen3.hf_json_text()).unwrap();
+        assert_eq!(prepared_arch(Some(&path), None).unwrap(), Arch::Qwen3);
+        assert_eq!(
+            prepared_arch(Some(&path), Some("qwen3")).unwrap(),
+            Arch::Qwen3
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -1,16 +1,19 @@
 //! Gradients, step 0: every trainable parameter receives a non-zero gradient (candle's fused
 //! ops have no backward: a silent zero would never train), and at every layout each rank's
-//! completed, dp-summed gradient shard equals its slice of the tp1 gradient.
+//! completed, dp-summed gradient shard equals its slice of the tp1 gradient — for the Llama
+//! and for the Qwen3 of the same sizes (whose per-head q/k norm gradients are summed over tp).
 
 mod common;
 use common::*;
 use tp_train::checkpoint::shards::slice_global;
+use tp_train::fixtures::qwen3_spec;
 use tp_train::layout::ParamSpec;
-use tp_train::TrainOptions;
+use tp_train::{TrainOptions, TrainSpec};
 
 type RankGrads = (Vec<ParamSpec>, Vec<Vec<f32>>);
+type SpecFn = fn(tp_comm::ParallelDims, u64, usize) -> TrainSpec;
 
-fn grads_at(d: tp_comm::ParallelDims, micro: usize) -> Vec<RankGrads> {
+fn grads_at(spec: SpecFn, d: tp_comm::ParallelDims, micro: usize) -> Vec<RankGrads> {
     with_trainers(&spec(d, 1, micro), None, TrainOptions::default(), |t| {
         t.compute_gradients()?;
         let per_param = (0..t.specs().len())
@@ -25,8 +28,18 @@ fn grads_at(d: tp_comm::ParallelDims, micro: usize) -> Vec<RankGrads> {
 
 #[test]
 fn every_parameter_gets_a_gradient_and_every_shard_matches_tp1() {
-    let (specs, dense) = grads_at(dims(1, 1, 1), 2).swap_remove(0);
-    assert_eq!(specs.len(), 1 + 9 * 4 + 2);
+    check_every_shard(spec, 9);
+}
+
+#[test]
+fn qwen3_every_parameter_gets_a_gradient_and_every_shard_matches_tp1() {
+    check_every_shard(qwen3_spec, 11);
+}
+
+/// The checks above for the model of `spec`, whose layers have `per_layer` tensors.
+fn check_every_shard(spec: SpecFn, per_layer: usize) {
+    let (specs, dense) = grads_at(spec, dims(1, 1, 1), 2).swap_remove(0);
+    assert_eq!(specs.len(), 1 + per_layer * 4 + 2);
     for (s, g) in specs.iter().zip(&dense) {
         let nonzero = g.iter().filter(|x| **x != 0.0).count();
         // The embedding's rows of bytes absent from the batch are legitimately zero.
@@ -53,7 +66,7 @@ fn every_parameter_gets_a_gradient_and_every_shard_matches_tp1() {
         (dims(2, 2, 1), 4),
         (dims(2, 1, 2), 1),
     ] {
-        for (rank, (rspecs, grads)) in grads_at(d, micro).iter().enumerate() {
+        for (rank, (rspecs, grads)) in grads_at(spec, d, micro).iter().enumerate() {
             for (s, g) in rspecs.iter().zip(grads) {
                 let (full, want_full) = by_name(&s.name);
                 let want = slice_global(want_full, &full.shape, &s.placement);

@@ -46,6 +46,9 @@ fn dense_loss(dir: &std::path::Path, ids: &Tensor, targets: &Tensor) -> f32 {
             w_gate: t("mlp.gate_proj"),
             w_up: t("mlp.up_proj"),
             w_down: t("mlp.down_proj"),
+            // Qwen3's per-head norms, when config.json says qwen3.
+            q_norm: cfg.qk_norm.then(|| t("self_attn.q_norm")),
+            k_norm: cfg.qk_norm.then(|| t("self_attn.k_norm")),
         };
         h = DenseBlock::new(&cfg.block(), &w)
             .unwrap()

@@ -27,6 +27,7 @@ fn check(world: &tp_comm::Group) -> tp_nn::Result<Vec<(String, f32)>> {
         rope_layout: RopeLayout::RotateHalf,
         rms_eps: 1e-5,
         max_seq: 16,
+        qk_norm: false,
     };
     let dev = Device::Cpu;
     let w = cfg.random_weights(7, &dev)?;

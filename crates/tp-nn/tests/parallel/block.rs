@@ -1,12 +1,13 @@
-//! Transformer block at tp 1..9, even and uneven: outputs and gradients equal the dense
-//! reference; collective counts pinned.
+//! Transformer block at tp 1..9, even and uneven, Llama's and Qwen3's (per-head q/k norms):
+//! outputs and gradients equal the dense reference; collective counts pinned.
 
 use crate::support::{assert_close, dev, embed, world};
 use candle_core::{Tensor, Var};
 use proptest::prelude::*;
 use tp_comm::OpKind;
 use tp_nn::{
-    BlockConfig, DenseBlock, ParallelBlock, Placement, RecordingComm, RopeLayout, SeededRng,
+    tp_partial_grad, BlockConfig, DenseBlock, ParallelBlock, Placement, RecordingComm, RopeLayout,
+    SeededRng,
 };
 
 fn cfg(
@@ -27,6 +28,7 @@ fn cfg(
         rope_layout: layout,
         rms_eps: 1e-5,
         max_seq: 16,
+        qk_norm: false,
     }
 }
 
@@ -39,6 +41,10 @@ fn smol() -> BlockConfig {
 }
 fn eight_two() -> BlockConfig {
     cfg(32, 8, 2, 4, 40, RopeLayout::RotateHalf)
+}
+/// The same block with Qwen3's per-head q/k norms.
+fn qwen3(c: BlockConfig) -> BlockConfig {
+    BlockConfig { qk_norm: true, ..c }
 }
 
 struct RankOut {
@@ -101,7 +107,19 @@ fn check_block(c: &BlockConfig, tp: usize, batch: usize, seq: usize, seed: u64) 
         let want_g = dgrads.get(dvar.as_tensor()).unwrap();
         let replicated = matches!(outs[0].grads[i].2, Placement::Replicated);
         assert_eq!(outs[0].grads[i].0, *name);
-        if replicated {
+        if replicated && tp_partial_grad(name) {
+            // The q/k norms: each rank's gradient covers its own heads; the sum over ranks
+            // (the trainer's tp all-reduce) is the dense gradient.
+            let mut sum = want_g.zeros_like().unwrap();
+            for o in &outs {
+                sum = (sum + &o.grads[i].1).unwrap();
+            }
+            assert_close(
+                &label(&format!("{name} grad (sum over ranks)")),
+                &sum,
+                want_g,
+            );
+        } else if replicated {
             for (rank, o) in outs.iter().enumerate() {
                 assert_close(
                     &label(&format!("rank {rank} {name} grad")),
@@ -156,6 +174,61 @@ fn eight_heads_two_kv_tp_4_and_8() {
 }
 
 #[test]
+fn qwen3_qk_norm_even_and_uneven_tp_1_to_4() {
+    for tp in 1..=4 {
+        check_block(&qwen3(even()), tp, 2, 5, 21);
+        check_block(&qwen3(smol()), tp, 2, 5, 22);
+    }
+}
+
+#[test]
+fn qwen3_qk_norm_with_kv_heads_shared_by_ranks_tp_4_and_8() {
+    for tp in [4, 8] {
+        check_block(&qwen3(eight_two()), tp, 1, 6, 23);
+    }
+}
+
+#[test]
+fn qwen3_reference_has_all_eleven_tensors_and_the_norms_matter() {
+    let c = qwen3(smol());
+    let d = dev();
+    let w = c.random_weights(24, &d).unwrap();
+    let dense = DenseBlock::new(&c, &w).unwrap();
+    let names: Vec<&str> = dense.vars().iter().map(|(n, _)| *n).collect();
+    assert_eq!(&names[9..], ["q_norm", "k_norm"]);
+    let h = SeededRng::new(25)
+        .tensor(&[1, 4, c.hidden], 0.0, 1.0, &d)
+        .unwrap();
+    let want = dense.forward(&h).unwrap();
+    // Other q/k norm weights (or none) give another output: the comparison can fail.
+    let mut other = w.clone();
+    other.k_norm = Some(
+        SeededRng::new(26)
+            .tensor(&[c.head_dim], 1.0, 0.5, &d)
+            .unwrap(),
+    );
+    let without = BlockConfig {
+        qk_norm: false,
+        ..c.clone()
+    };
+    let mut plain = w.clone();
+    (plain.q_norm, plain.k_norm) = (None, None);
+    for (cc, ww) in [(&c, &other), (&without, &plain)] {
+        let outs = world(3, |g| {
+            ParallelBlock::from_global(cc, ww, g.rank(), 3)?.forward(&h, &g)
+        });
+        let err = crate::support::max_abs(&(&outs[0] - &want).unwrap());
+        assert!(err > 1e-3, "q/k norms should change the output, got {err}");
+    }
+    // The config and the weights must agree on the norms.
+    let e = ParallelBlock::from_global(&c, &plain, 0, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("qk_norm = true") && e.contains("lack"), "{e}");
+    assert!(ParallelBlock::from_global(&without, &w, 0, 1).is_err());
+}
+
+#[test]
 fn a_wrong_reference_is_caught() {
     // The comparison must be able to fail: a block built with other weights differs.
     let c = smol();
@@ -198,13 +271,17 @@ fn counts(c: &BlockConfig, tp: usize, seq: usize) -> Vec<[usize; 6]> {
 
 #[test]
 fn two_all_reduces_each_way() {
+    // The q/k norms add none: their gradient is summed over tp by the trainer, once a step.
     for tp in [2, 3] {
-        for c in counts(&smol(), tp, 4) {
-            assert_eq!(
-                c,
-                [2, 0, 0, 2, 0, 0],
-                "tp={tp}: [fwd ar, ag, rs, bwd ar, ag, rs]"
-            );
+        for block in [smol(), qwen3(smol())] {
+            for c in counts(&block, tp, 4) {
+                assert_eq!(
+                    c,
+                    [2, 0, 0, 2, 0, 0],
+                    "tp={tp} qk_norm={}: [fwd ar, ag, rs, bwd ar, ag, rs]",
+                    block.qk_norm
+                );
+            }
         }
     }
 }
@@ -229,12 +306,12 @@ proptest! {
     fn random_shapes_match_reference(
         kv in 1usize..4, group in 1usize..4, half_hd in 1usize..4, hidden in 4usize..20,
         ffn_extra in 0usize..9, tp_pick in 0usize..100, seq_extra in 0usize..3, batch in 1usize..3,
-        interleaved: bool, seed in 0u64..1000,
+        interleaved: bool, qk_norm: bool, seed in 0u64..1000,
     ) {
         let heads = kv * group;
         let tp = 1 + tp_pick % heads.min(4);
         let layout = if interleaved { RopeLayout::Interleaved } else { RopeLayout::RotateHalf };
-        let c = cfg(hidden, heads, kv, 2 * half_hd, tp + ffn_extra, layout);
+        let c = BlockConfig { qk_norm, ..cfg(hidden, heads, kv, 2 * half_hd, tp + ffn_extra, layout) };
         check_block(&c, tp, batch, tp + seq_extra, seed);
     }
 }

@@ -23,6 +23,7 @@ fn cfg() -> BlockConfig {
         rope_layout: RopeLayout::RotateHalf,
         rms_eps: 1e-5,
         max_seq: 8,
+        qk_norm: false,
     }
 }
 

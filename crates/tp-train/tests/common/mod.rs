@@ -10,6 +10,7 @@ use tp_train::{Checkpoint, Corpus, StepReport, TrainOptions, TrainSpec, Trainer}
 /// Relative tolerance of a layout's loss against tp1's at the same step.
 pub const LOSS_TOL: f64 = 1e-4;
 
+#[allow(unused_imports)] // each test binary uses a subset
 pub use tp_train::fixtures::spec;
 
 pub fn corpus() -> Corpus {
