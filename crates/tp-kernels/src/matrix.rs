@@ -842,10 +842,9 @@ pub(crate) mod tests {
             let whole = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes.clone()).unwrap();
             for part in [1, 8, 16, 40, 1000] {
                 let mut seen = Vec::new();
-                let m = QuantMatrix::from_ggml_parts(qtype, rows, cols, &bytes, part, |r| {
-                    seen.push(r)
-                })
-                .unwrap();
+                let m =
+                    QuantMatrix::from_ggml_parts(qtype, rows, cols, &bytes, part, |r| seen.push(r))
+                        .unwrap();
                 assert_eq!(m.packed, whole.packed, "{qtype:?}, parts of {part} rows");
                 // The parts tile the bytes in order.
                 let mut at = 0;
