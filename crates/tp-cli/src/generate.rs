@@ -1,9 +1,10 @@
 //! `tp generate`: one prompt, answered by the model sharded over --tp ranks, streamed to stdout.
 
-use crate::model_run::{run_model, ModelArgs, Session};
+use crate::model_run::{run_model_holding, ModelArgs, Session};
 use anyhow::{anyhow, bail};
 use std::io::Write;
 use std::process::ExitCode;
+use tp_engine::start::HeldPositions;
 use tp_engine::{
     generate, Command, DecodeParams, EngineError, FinishReason, Flow, GenerationStats,
     LogprobEntry, SamplingParams, SequenceDecoder,
@@ -122,15 +123,15 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         bail!("the prompt is empty; give some text to continue, e.g. tp generate \"Once upon a time\"");
     }
     let params = args.sampling.params()?;
-    let out = run_model(&args.model, |s| {
-        // A --chat prompt is message text: special-token text in it stays plain text. Without
-        // --chat the prompt is raw model input, special tokens included (as /v1/completions).
-        let ids = if args.chat {
-            s.tokenizer
-                .encode_chat(&[ChatMessage::new("user", args.prompt.clone())], true)?
-        } else {
-            s.tokenizer.encode(&args.prompt)?
-        };
+    // The one sequence holds the prompt and at most --max-tokens more: the memory preflight
+    // prices those blocks, not the whole --ctx-size (a prompt that cannot be encoded is priced
+    // as the context; the run then reports why).
+    let (prompt, chat, max_tokens) = (args.prompt.clone(), args.chat, params.max_tokens);
+    let held = HeldPositions::new(move |t| {
+        prompt_ids(t, &prompt, chat).map_or(usize::MAX, |ids| ids.len().saturating_add(max_tokens))
+    });
+    let out = run_model_holding(&args.model, Some(held), |s| {
+        let ids = prompt_ids(&s.tokenizer, &args.prompt, args.chat)?;
         let reply = stream_reply(s, 0, &ids, &params, &mut std::io::stdout())?;
         let _ = s.worker.submit(Command::Close { slot: 0 });
         println!();
@@ -144,6 +145,21 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         Ok(_) => ExitCode::SUCCESS,
         Err(failed) => failed.into(),
     })
+}
+
+/// The prompt's ids. A --chat prompt is message text: special-token text in it stays plain
+/// text. Without --chat the prompt is raw model input, special tokens included (as
+/// /v1/completions).
+fn prompt_ids(
+    tokenizer: &tp_tokenizer::Tokenizer,
+    prompt: &str,
+    chat: bool,
+) -> Result<Vec<u32>, tp_tokenizer::TokenizerError> {
+    if chat {
+        tokenizer.encode_chat(&[ChatMessage::new("user", prompt.to_string())], true)
+    } else {
+        tokenizer.encode(prompt)
+    }
 }
 
 /// Opens `slot` if needed, generates after `ids` (of which the slot may already hold a

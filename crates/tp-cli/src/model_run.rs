@@ -7,7 +7,7 @@ use std::time::Duration;
 use tp_engine::launch::{Backend, RanksFailed};
 use tp_engine::report::{chain, parse_bytes, show_bytes};
 use tp_engine::session::SessionError;
-use tp_engine::start::{run_session, SessionConfig, StartError};
+use tp_engine::start::{run_session, HeldPositions, SessionConfig, StartError};
 use tp_models::{fetch, DenseDType, KvDtype, LoadOptions, RankWeights, SyncMode};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -159,6 +159,7 @@ impl ModelArgs {
             load: self.load_options(),
             ctx_size: self.ctx_size,
             max_rank_memory: self.max_rank_memory,
+            held: None,
             timeout: self.timeout()?,
             sync: self.sync.mode(),
             report: !self.quiet,
@@ -254,6 +255,7 @@ pub fn session_error(e: SessionError) -> anyhow::Error {
         SessionError::OverRankLimit {
             tp,
             ctx,
+            held,
             need,
             limit,
             uneven,
@@ -273,8 +275,13 @@ pub fn session_error(e: SessionError) -> anyhow::Error {
                     format!("lower its weight, or with even shards {hint}"),
                 ),
             };
+            let kv = if held < ctx {
+                format!("{held} positions: the prompt and --max-tokens")
+            } else {
+                format!("{ctx} positions")
+            };
             anyhow!(
-                "{who} needs {} at tp {tp} (weights and a KV cache of {ctx} positions) but --max-rank-memory is {}; {hint}",
+                "{who} needs {} at tp {tp} (weights and a KV cache of {kv}) but --max-rank-memory is {}; {hint}",
                 show_bytes(need),
                 show_bytes(limit)
             )
@@ -292,6 +299,20 @@ pub fn run_model<T: Send>(
     args: &ModelArgs,
     lead: impl Fn(&mut Session) -> anyhow::Result<T> + Sync,
 ) -> anyhow::Result<Result<Option<T>, RanksFailed>> {
-    let cfg = args.session_config()?;
+    run_model_holding(args, None, lead)
+}
+
+/// [`run_model`] for a run whose sequence holds at most the positions `held` tells (from the
+/// tokenizer): the memory preflight and --max-rank-memory price those KV blocks, not the whole
+/// --ctx-size.
+pub fn run_model_holding<T: Send>(
+    args: &ModelArgs,
+    held: Option<HeldPositions>,
+    lead: impl Fn(&mut Session) -> anyhow::Result<T> + Sync,
+) -> anyhow::Result<Result<Option<T>, RanksFailed>> {
+    let cfg = SessionConfig {
+        held,
+        ..args.session_config()?
+    };
     run_session(&cfg, |e| start_error(e, args.backend), lead)
 }

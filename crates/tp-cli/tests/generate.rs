@@ -282,9 +282,33 @@ fn bad_inputs_get_clear_errors() {
                 "1",
                 "--max-rank-memory",
                 "250MB",
+                "--max-tokens",
+                "8000",
                 "hi",
             ],
             "the smallest tp that fits is 2",
+        );
+        // The preflight prices the blocks this run can hold (the prompt and --max-tokens), not
+        // the whole context: 250 MB holds the weights and one block at tp 1 ("hi" is one token),
+        // though not the 8192 positions of SmolLM2's context.
+        let f = tp(&[
+            "generate",
+            "--model",
+            &m,
+            "--tp",
+            "1",
+            "--max-rank-memory",
+            "250MB",
+            "--max-tokens",
+            "4",
+            "--greedy",
+            "hi",
+        ]);
+        assert_eq!(f.code, Some(0), "{}", f.output);
+        assert!(
+            f.stderr.contains("(5 positions at most"),
+            "the start-up report prices the positions held: {}",
+            f.stderr
         );
         refuses(
             &[

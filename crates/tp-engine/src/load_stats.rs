@@ -82,6 +82,20 @@ impl Checkpoint for Counting<'_> {
     fn release_pages(&self) {
         self.inner.release_pages()
     }
+    fn mapped_rows(
+        &self,
+        name: WeightName,
+        rows: Range<usize>,
+    ) -> tp_models::Result<Option<(tp_models::checkpoint::GgmlDType, &[u8])>> {
+        let out = self.inner.mapped_rows(name, rows)?;
+        if let Some((_, bytes)) = out {
+            self.add(bytes.len());
+        }
+        Ok(out)
+    }
+    fn release_bytes(&self, bytes: &[u8]) {
+        self.inner.release_bytes(bytes)
+    }
 }
 
 /// One rank's load: file bytes read and time taken.

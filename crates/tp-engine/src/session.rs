@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 use tp_models::limits::show;
 use tp_models::{
-    rank_memory, Checkpoint, CheckpointPlan, LoadOptions, RankMemory, RankWeights, ShardPlan,
-    BLOCK_POSITIONS,
+    rank_memory, Checkpoint, CheckpointPlan, KvPool, LoadOptions, RankMemory, RankWeights,
+    ShardPlan, BLOCK_POSITIONS,
 };
 use tp_tokenizer::{Tokenizer, TokenizerError};
 
@@ -21,7 +21,8 @@ pub struct Session {
     /// Positions of one sequence's KV cache.
     pub ctx_size: usize,
     /// Every rank's memory at this layout, by rank (weights, a KV cache of
-    /// `ctx_size` positions): what the front end budgets with, without reopening the model.
+    /// `ctx_size` positions, or of fewer when the run said it holds fewer): what the front end
+    /// budgets with, without reopening the model.
     pub memory: Vec<RankMemory>,
     /// How the shards are split (even, or in proportion to rank weights).
     pub weights: RankWeights,
@@ -54,7 +55,7 @@ pub enum SessionError {
     )]
     ContextTooLong { ctx: usize },
     #[error(
-        "{} would need {} (weights and a KV cache of {ctx} positions), more than this machine's {}",
+        "{} would need {} (weights and a KV cache of {held} positions), more than this machine's {}",
         match placement {
             Placement::OneProcess => format!("the {tp} ranks of this process"),
             Placement::ProcessPerRank => "the busiest rank".to_string(),
@@ -66,13 +67,15 @@ pub enum SessionError {
         placement: Placement,
         tp: usize,
         ctx: usize,
+        /// KV positions priced: the context, or fewer when the run knows it holds fewer.
+        held: usize,
         need: u128,
         machine: u64,
     },
     /// The busiest rank needs more than the per-rank limit; `fits` is the smallest tp (up to
     /// the head count `heads`) at which every rank would fit.
     #[error(
-        "{} needs {} at tp {tp} (weights and a KV cache of {ctx} positions) but the per-rank memory limit is {}; {}",
+        "{} needs {} at tp {tp} (weights and a KV cache of {held} positions) but the per-rank memory limit is {}; {}",
         match uneven {
             Some((rank, weights)) => format!("rank {rank} (rank weights {weights})"),
             None => "a rank".to_string(),
@@ -87,6 +90,8 @@ pub enum SessionError {
     OverRankLimit {
         tp: usize,
         ctx: usize,
+        /// KV positions priced: the context, or fewer when the run knows it holds fewer.
+        held: usize,
         need: u64,
         limit: u64,
         /// With uneven rank weights: the busiest rank and the weights.
@@ -125,32 +130,63 @@ pub fn memory_plan(
     ctx: usize,
     opts: LoadOptions,
 ) -> tp_models::Result<Vec<RankMemory>> {
+    memory_plan_held(ckpt, weights, ctx, ctx, opts)
+}
+
+/// Every rank's memory at `tp` for sequences of at most `ctx` positions that hold at most
+/// `held` of them (the KV cache, in whole blocks; `held` is capped by `ctx`): the
+/// cache takes blocks as tokens arrive, so a run that knows its longest sequence (a prompt and
+/// the tokens to generate) is priced for that, not for the context.
+pub fn memory_plan_held(
+    ckpt: &dyn Checkpoint,
+    weights: &RankWeights,
+    ctx: usize,
+    held: usize,
+    opts: LoadOptions,
+) -> tp_models::Result<Vec<RankMemory>> {
+    let held = held.min(ctx);
+    let cfg = ckpt.config();
     (0..weights.tp())
         .map(|r| {
             let plan = ShardPlan::for_checkpoint_weighted(ckpt, r, weights)?;
-            rank_memory(
+            let mut m = rank_memory(
                 ckpt,
                 &plan,
                 ctx,
                 opts.dense.bytes(),
                 opts.keep_quantized,
                 opts.kv_dtype,
-            )
+            )?;
+            if held < ctx {
+                // Fewer positions than the context the plan already priced (and checked): no
+                // overflow is possible.
+                m.kv_cache = KvPool::bytes_for(
+                    cfg.layers,
+                    plan.kv_heads().len(),
+                    cfg.head_dim,
+                    held,
+                    opts.kv_dtype,
+                );
+            }
+            Ok(m)
         })
         .collect()
 }
 
-/// The memory plan of a layout, refused when the context is more than a sequence can hold or
-/// the ranks would exceed this machine's memory, before any rank allocates.
+/// The memory plan of a layout whose sequences hold at most `held` of `ctx` positions
+/// ([`memory_plan_held`]), refused when the context is more than a sequence can hold or the
+/// ranks would exceed this machine's memory, before any rank allocates.
 pub fn checked_memory_plan(
     ckpt: &dyn Checkpoint,
     weights: &RankWeights,
     ctx: usize,
+    held: usize,
     opts: LoadOptions,
     placement: Placement,
 ) -> Result<Vec<RankMemory>, SessionError> {
     let tp = weights.tp();
-    let plan = memory_plan(ckpt, weights, ctx, opts).map_err(|e| {
+    let held = held.min(ctx);
+    let plan = memory_plan_held(ckpt, weights, ctx, held, opts).map_err(|e| {
         if !weights.is_even() && e.is_split_error() {
             SessionError::WeightsSplit {
                 weights: weights.clone(),
@@ -177,6 +213,7 @@ pub fn checked_memory_plan(
                 placement,
                 tp,
                 ctx,
+                held,
                 need,
                 machine,
             });
@@ -185,12 +222,13 @@ pub fn checked_memory_plan(
     Ok(plan)
 }
 
-/// Refuses a layout whose busiest rank (in `plan`) exceeds `limit` bytes, naming the
-/// smallest tp that fits.
+/// Refuses a layout whose busiest rank (in `plan`, of sequences holding at most `held` of
+/// `ctx` positions) exceeds `limit` bytes, naming the smallest tp that fits.
 pub fn check_rank_limit(
     ckpt: &dyn Checkpoint,
     weights: &RankWeights,
     ctx: usize,
+    held: usize,
     opts: LoadOptions,
     limit: u64,
     plan: &[RankMemory],
@@ -205,13 +243,14 @@ pub fn check_rank_limit(
         .unwrap_or(0);
     let heads = ckpt.config().heads;
     let fits = (1..=heads).find(|&t| {
-        memory_plan(ckpt, &RankWeights::even(t), ctx, opts)
+        memory_plan_held(ckpt, &RankWeights::even(t), ctx, held, opts)
             .map(|p| p.iter().all(|m| m.total() as u64 <= limit))
             .unwrap_or(false)
     });
     Err(SessionError::OverRankLimit {
         tp: weights.tp(),
         ctx,
+        held: held.min(ctx),
         need,
         limit,
         uneven: (!weights.is_even()).then(|| (busiest, weights.clone())),
@@ -239,7 +278,8 @@ pub fn describe_rank(
     } else {
         ""
     };
-    // The cache is priced in whole blocks of the context; per token held is what it grows by.
+    // The cache is priced in whole blocks of `ctx` positions (the context, or what the run
+    // holds at most); per token held is what it grows by.
     let per_token = m.kv_cache / ctx.div_ceil(BLOCK_POSITIONS).max(1) / BLOCK_POSITIONS;
     format!(
         "rank {rank}: heads {:?}, KV heads {kv:?}{shared}, FFN {:?}, vocab {:?}: {} sharded + {} replicated + {} KV cache ({ctx} positions at most, {} per token held) = {}",
@@ -327,6 +367,7 @@ mod tests {
             ckpt,
             &RankWeights::even(1),
             ctx,
+            ctx,
             opts,
             Placement::OneProcess,
         )
@@ -336,9 +377,9 @@ mod tests {
         let need2 = two.iter().map(RankMemory::total).max().unwrap() as u64;
         assert!(need2 < need1);
         // Enough for tp 1: no error.
-        check_rank_limit(ckpt, &RankWeights::even(1), ctx, opts, need1, &one).unwrap();
+        check_rank_limit(ckpt, &RankWeights::even(1), ctx, ctx, opts, need1, &one).unwrap();
         // Enough for tp 2 only.
-        match check_rank_limit(ckpt, &RankWeights::even(1), ctx, opts, need2, &one) {
+        match check_rank_limit(ckpt, &RankWeights::even(1), ctx, ctx, opts, need2, &one) {
             Err(SessionError::OverRankLimit { fits, need, .. }) => {
                 assert_eq!(fits, Some(2));
                 assert_eq!(need, need1);
@@ -346,9 +387,44 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // Nothing fits one byte.
-        let e = check_rank_limit(ckpt, &RankWeights::even(1), ctx, opts, 1, &one).unwrap_err();
+        let e = check_rank_limit(ckpt, &RankWeights::even(1), ctx, ctx, opts, 1, &one).unwrap_err();
         assert!(matches!(e, SessionError::OverRankLimit { fits: None, .. }));
         assert!(e.to_string().contains("(the head count) fits"), "{e}");
+    }
+
+    #[test]
+    fn a_run_is_priced_by_the_blocks_it_can_hold() {
+        let ckpt = tiny("held");
+        let ckpt = &*ckpt;
+        let opts = LoadOptions::default();
+        let (ctx, w) = (256, RankWeights::even(1));
+        let whole = memory_plan(ckpt, &w, ctx, opts).unwrap();
+        // 40 positions take two blocks: priced as 64 positions.
+        let held = memory_plan_held(ckpt, &w, ctx, 40, opts).unwrap();
+        let two = memory_plan_held(ckpt, &w, ctx, 2 * BLOCK_POSITIONS, opts).unwrap();
+        assert_eq!(held, two);
+        assert_eq!(
+            held[0].kv_cache * ctx / (2 * BLOCK_POSITIONS),
+            whole[0].kv_cache
+        );
+        assert_eq!(held[0].replicated, whole[0].replicated);
+        // More than the context is priced as the context.
+        assert_eq!(
+            memory_plan_held(ckpt, &w, ctx, 10 * ctx, opts).unwrap(),
+            whole
+        );
+        // A limit between the two: the run that holds 40 positions starts, the context does not.
+        let limit = held[0].total() as u64;
+        let checked = checked_memory_plan(ckpt, &w, ctx, 40, opts, Placement::OneProcess).unwrap();
+        check_rank_limit(ckpt, &w, ctx, 40, opts, limit, &checked).unwrap();
+        let e = check_rank_limit(ckpt, &w, ctx, ctx, opts, limit, &whole).unwrap_err();
+        assert!(e.to_string().contains("a KV cache of 256 positions"), "{e}");
+        match check_rank_limit(ckpt, &w, ctx, 1000, opts, 1, &whole) {
+            Err(SessionError::OverRankLimit { held, ctx: c, .. }) => {
+                assert_eq!((held, c), (ctx, ctx))
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
@@ -359,6 +435,7 @@ mod tests {
         let e = checked_memory_plan(
             ckpt,
             &RankWeights::even(1),
+            ctx,
             ctx,
             LoadOptions::default(),
             Placement::OneProcess,

@@ -19,6 +19,7 @@
 //!     load: Default::default(),
 //!     ctx_size: Some(2048),
 //!     max_rank_memory: None,
+//!     held: None,
 //!     timeout: Duration::from_secs(60),
 //!     sync: Default::default(),
 //!     report: false,
@@ -46,12 +47,14 @@ use crate::report::{chain, load_table, show_bytes};
 use crate::session::{self, Placement, Session, SessionError};
 use crate::{Command, Worker};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tp_comm::{CommError, Group};
 use tp_models::{
     open_checkpoint, Checkpoint, LoadOptions, ModelError, RankMemory, RankWeights, ShardedModel,
     SyncMode,
 };
+use tp_tokenizer::Tokenizer;
 
 /// What a session is started with.
 #[derive(Clone, Debug)]
@@ -72,11 +75,39 @@ pub struct SessionConfig {
     pub ctx_size: Option<usize>,
     /// Refuse a layout whose busiest rank would need more bytes than this.
     pub max_rank_memory: Option<u64>,
+    /// The most positions one sequence of this run holds, told by rank 0's tokenizer (`tp
+    /// generate`: its prompt's tokens and the most it generates). The memory preflight and
+    /// `max_rank_memory` then price the KV blocks of that many positions (at most `ctx_size`)
+    /// instead of the whole context; `None` prices the context (a server's sequences can be
+    /// as long as it allows).
+    pub held: Option<HeldPositions>,
     /// Deadline of every collective.
     pub timeout: Duration,
     pub sync: SyncMode,
     /// Print the layout, every rank's memory plan and the load table on stderr.
     pub report: bool,
+}
+
+/// How many positions one sequence of a run holds at most, from the model's tokenizer.
+#[derive(Clone)]
+pub struct HeldPositions(Arc<dyn Fn(&Tokenizer) -> usize + Send + Sync>);
+
+impl HeldPositions {
+    /// `f` gives the positions (a prompt's tokens plus the most tokens generated after it);
+    /// more than the context is priced as the context.
+    pub fn new(f: impl Fn(&Tokenizer) -> usize + Send + Sync + 'static) -> Self {
+        HeldPositions(Arc::new(f))
+    }
+
+    pub fn positions(&self, tokenizer: &Tokenizer) -> usize {
+        (self.0)(tokenizer)
+    }
+}
+
+impl std::fmt::Debug for HeldPositions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HeldPositions(..)")
+    }
 }
 
 /// Why a session could not start.
@@ -168,7 +199,7 @@ struct Opened<'a> {
     ckpt: &'a dyn Checkpoint,
     ctx: usize,
     weights: RankWeights,
-    /// Every rank's memory plan.
+    /// Every rank's memory plan (a KV cache of the positions a sequence holds at most).
     memory: Vec<RankMemory>,
     file_bytes: Option<u64>,
 }
@@ -192,7 +223,7 @@ pub fn run_session<T: Send, E: RankError>(
                 .model
                 .clone()
                 .map_err(|e| words(StartError::NoModel(e)))?;
-            let ckpt = open_checkpoint(&path).map_err(|source| {
+            let mut ckpt = open_checkpoint(&path).map_err(|source| {
                 words(StartError::Open {
                     path: path.clone(),
                     source: Box::new(source),
@@ -202,9 +233,17 @@ pub fn run_session<T: Send, E: RankError>(
                 .ok()
                 .filter(|m| m.is_file())
                 .map(|m| m.len());
-            let model = open(cfg, &path, &*ckpt, 1, true, file_bytes).map_err(&words)?;
+            // Rank 0's tokenizer first, while nothing else is held (see `first_tokenizer`).
+            let tokenizer = first_tokenizer(&path, &mut *ckpt);
+            let held = held_positions(cfg, &tokenizer);
+            let model = open(cfg, &path, &*ckpt, 1, true, file_bytes, held).map_err(&words)?;
+            let tokenizer = Mutex::new(Some(tokenizer));
             run_ranks(Backend::Local, model.weights.tp(), cfg.timeout, |g| {
-                run_rank(cfg, &model, g, &words, &lead)
+                let mine = match g.rank() {
+                    0 => tokenizer.lock().ok().and_then(|mut t| t.take()),
+                    _ => None,
+                };
+                run_rank(cfg, &model, g, mine, &words, &lead)
             })
         }
         Backend::Mpi => run_ranks(Backend::Mpi, 0, cfg.timeout, |g| {
@@ -217,17 +256,58 @@ pub fn run_session<T: Send, E: RankError>(
             let mine = opened.as_ref().map(|(_, _, id)| *id).map_err(Clone::clone);
             check_same_model(&g, &cfg.shown, &mine).map_err(|e| words(e.into()))?;
             // Every rank opened the same file: an error here cannot happen on one rank alone.
-            let (path, ckpt, id) = opened.map_err(|e| words(StartError::NoModel(e)))?;
-            let model = open(cfg, &path, &*ckpt, g.size(), g.rank() == 0, Some(id.bytes))
-                .map_err(&words)?;
-            run_rank(cfg, &model, g, &words, &lead)
+            let (path, mut ckpt, id) = opened.map_err(|e| words(StartError::NoModel(e)))?;
+            // Rank 0 needs its tokenizer; the others build it only to learn the positions this
+            // run holds (the same file on every host, so the same answer), then drop it.
+            let lead_rank = g.rank() == 0;
+            let tokenizer =
+                (lead_rank || cfg.held.is_some()).then(|| first_tokenizer(&path, &mut *ckpt));
+            let held = tokenizer.as_ref().and_then(|t| held_positions(cfg, t));
+            let tokenizer = tokenizer.filter(|_| lead_rank);
+            ckpt.forget_tokenizer_metadata();
+            if !lead_rank && cfg.held.is_some() {
+                session::release_free_heap();
+            }
+            let model = open(
+                cfg,
+                &path,
+                &*ckpt,
+                g.size(),
+                lead_rank,
+                Some(id.bytes),
+                held,
+            )
+            .map_err(&words)?;
+            run_rank(cfg, &model, g, tokenizer, &words, &lead)
         }),
     };
     out.map(|r| r.map(Option::flatten))
         .map_err(|e| words(e.into()))
 }
 
-/// The layout for `world` ranks with its memory plan, reported (when `show`) and checked.
+/// Rank 0's tokenizer, built before the shards load: building it (Qwen2.5's 151k-token
+/// vocabulary and merges) takes ~150 MB for a moment, which then goes back to the system
+/// instead of peaking beside the weights; the checkpoint's copy of the vocabulary (GGUF
+/// metadata) is dropped then, as nothing else reads it. An error is reported once the
+/// followers can be released.
+fn first_tokenizer(path: &Path, ckpt: &mut dyn Checkpoint) -> Result<Tokenizer, SessionError> {
+    let tokenizer = session::load_tokenizer(path, ckpt);
+    ckpt.forget_tokenizer_metadata();
+    session::release_free_heap();
+    tokenizer
+}
+
+/// The positions one sequence of this run holds at most, when the run says
+/// ([`SessionConfig::held`]) and the tokenizer could be built.
+fn held_positions(
+    cfg: &SessionConfig,
+    tokenizer: &Result<Tokenizer, SessionError>,
+) -> Option<usize> {
+    Some(cfg.held.as_ref()?.positions(tokenizer.as_ref().ok()?))
+}
+
+/// The layout for `world` ranks with its memory plan (a KV cache of `held` positions, else of
+/// the context), reported (when `show`) and checked.
 fn open<'a>(
     cfg: &SessionConfig,
     path: &'a Path,
@@ -235,20 +315,22 @@ fn open<'a>(
     world: usize,
     show: bool,
     file_bytes: Option<u64>,
+    held: Option<usize>,
 ) -> Result<Opened<'a>, StartError> {
     let ctx = cfg.ctx_size.unwrap_or(ckpt.config().context);
+    let held = held.map_or(ctx, |h| h.min(ctx));
     let tp = cfg.tp_for(world)?;
     let weights = weights_for(cfg.rank_weights.as_ref(), tp)?;
     let placement = match cfg.backend {
         Backend::Local => Placement::OneProcess,
         Backend::Mpi => Placement::ProcessPerRank,
     };
-    let memory = session::checked_memory_plan(ckpt, &weights, ctx, cfg.load, placement)?;
+    let memory = session::checked_memory_plan(ckpt, &weights, ctx, held, cfg.load, placement)?;
     if show && cfg.report {
-        report_layout(cfg, path, ckpt, &weights, ctx, &memory);
+        report_layout(cfg, path, ckpt, &weights, held, &memory);
     }
     if let Some(budget) = cfg.max_rank_memory {
-        session::check_rank_limit(ckpt, &weights, ctx, cfg.load, budget, &memory)?;
+        session::check_rank_limit(ckpt, &weights, ctx, held, cfg.load, budget, &memory)?;
     }
     Ok(Opened {
         path,
@@ -260,13 +342,14 @@ fn open<'a>(
     })
 }
 
-/// The model's shape and the layout, then one line per rank's memory, on stderr.
+/// The model's shape and the layout, then one line per rank's memory (a KV cache of `held`
+/// positions at most), on stderr.
 fn report_layout(
     cfg: &SessionConfig,
     path: &Path,
     ckpt: &dyn Checkpoint,
     weights: &RankWeights,
-    ctx: usize,
+    held: usize,
     memory: &[RankMemory],
 ) {
     let c = ckpt.config();
@@ -293,29 +376,22 @@ fn report_layout(
     for (r, m) in memory.iter().enumerate() {
         eprintln!(
             "# {}",
-            session::describe_rank(ckpt, r, weights, m, ctx, show_bytes)
+            session::describe_rank(ckpt, r, weights, m, held, show_bytes)
         );
     }
 }
 
-/// One rank: load its shard (timed, bytes counted, reported by rank 0), then lead or follow.
+/// One rank: load its shard (timed, bytes counted, reported by rank 0), then lead (with
+/// `tokenizer`, built before loading) or follow.
 fn run_rank<T, E>(
     cfg: &SessionConfig,
     m: &Opened<'_>,
     g: Group,
+    tokenizer: Option<Result<Tokenizer, SessionError>>,
     words: &impl Fn(StartError) -> E,
     lead: &impl Fn(&mut Session) -> Result<T, E>,
 ) -> Result<Option<T>, E> {
     let rank = g.rank();
-    // Rank 0's tokenizer first, while nothing else is held: building it (Qwen2.5's 151k-token
-    // vocabulary and merges) takes ~150 MB for a moment, which then goes back to the system
-    // instead of peaking beside the weights. An error is reported once the followers can be
-    // released.
-    let tokenizer = (rank == 0).then(|| {
-        let tokenizer = session::load_tokenizer(m.path, m.ckpt);
-        session::release_free_heap();
-        tokenizer
-    });
     let counting = Counting::new(m.ckpt);
     let started = Instant::now();
     let mut model = ShardedModel::load_weighted(&counting, rank, &m.weights, cfg.load, m.ctx)
@@ -345,7 +421,7 @@ fn run_rank<T, E>(
         worker.follow().map_err(|e| words(e.into()))?;
         return Ok(None);
     }
-    // Rank 0 built it above (`then` ran); building it here is only the type's other case.
+    // Rank 0's was built before loading; building it here is only the type's other case.
     let tokenizer = tokenizer.unwrap_or_else(|| session::load_tokenizer(m.path, m.ckpt));
     let tokenizer = match tokenizer {
         Ok(t) => t,

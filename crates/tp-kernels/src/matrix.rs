@@ -187,6 +187,54 @@ impl QuantMatrix {
         Self::build(qtype, rows, cols, None, expected, bytes)
     }
 
+    /// [`QuantMatrix::from_ggml_bytes`] from borrowed bytes (a mapped file's), packed
+    /// `part_rows` rows at a time (rounded up to whole 8-row groups); `done` is told the range of
+    /// `bytes` each part used once it is packed, so that a caller can let those file pages go:
+    /// the matrix is built beside no copy of its ggml bytes. The same packed bytes as
+    /// `from_ggml_bytes`.
+    pub fn from_ggml_parts(
+        qtype: QuantType,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+        part_rows: usize,
+        mut done: impl FnMut(std::ops::Range<usize>),
+    ) -> Result<Self, KernelError> {
+        let expected = ggml_bytes(qtype, rows, cols)?;
+        if bytes.len() != expected {
+            return Err(KernelError::ByteLength {
+                qtype,
+                rows,
+                cols,
+                expected,
+                got: bytes.len(),
+            });
+        }
+        let mut m = QuantMatrix {
+            qtype,
+            rows,
+            cols,
+            packed: Vec::new(),
+            sub_lead: None,
+        };
+        let nb = m.nb();
+        let row_bytes = nb * qtype.block_bytes();
+        let group_bytes = nb * pack::group_block_bytes(qtype);
+        let part = part_rows.div_ceil(GROUP_ROWS).max(1) * GROUP_ROWS;
+        let mut packed = vec![0u8; pack::groups(rows) * group_bytes];
+        let mut r0 = 0;
+        while r0 < rows {
+            let r1 = (r0 + part).min(rows);
+            let src = r0 * row_bytes..r1 * row_bytes;
+            let dst = r0 / GROUP_ROWS * group_bytes..pack::groups(r1) * group_bytes;
+            pack::pack_into(qtype, r1 - r0, nb, &bytes[src.clone()], &mut packed[dst]);
+            done(src);
+            r0 = r1;
+        }
+        m.packed = packed;
+        Ok(m)
+    }
+
     /// Packs `bytes` (checked to be `expected` long) into a matrix of `nb()` blocks a row.
     fn build(
         qtype: QuantType,
@@ -785,6 +833,31 @@ pub(crate) mod tests {
         use QuantType::*;
         [Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K]
     };
+
+    #[test]
+    fn packing_in_parts_from_borrowed_bytes_gives_the_same_matrix() {
+        for qtype in ALL {
+            let (rows, cols) = (45, 512);
+            let bytes = random_ggml(qtype, rows, cols, 7);
+            let whole = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes.clone()).unwrap();
+            for part in [1, 8, 16, 40, 1000] {
+                let mut seen = Vec::new();
+                let m =
+                    QuantMatrix::from_ggml_parts(qtype, rows, cols, &bytes, part, |r| seen.push(r))
+                        .unwrap();
+                assert_eq!(m.packed, whole.packed, "{qtype:?}, parts of {part} rows");
+                // The parts tile the bytes in order.
+                let mut at = 0;
+                for r in &seen {
+                    assert_eq!(r.start, at);
+                    at = r.end;
+                }
+                assert_eq!(at, bytes.len());
+            }
+            let short = QuantMatrix::from_ggml_parts(qtype, rows, cols, &bytes[1..], 8, |_| {});
+            assert!(matches!(short, Err(KernelError::ByteLength { .. })));
+        }
+    }
 
     /// Deterministic pseudo-random ggml bytes with sane f16 scales.
     pub(crate) fn random_ggml(qtype: QuantType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {

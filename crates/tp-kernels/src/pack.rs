@@ -57,9 +57,16 @@ fn word_offset(qtype: QuantType, w: usize, lane: usize) -> usize {
 /// Repacks row-major ggml blocks (`rows * nb` blocks of `block_len` columns, already
 /// length-checked) into groups.
 pub(crate) fn pack(qtype: QuantType, rows: usize, nb: usize, ggml: &[u8]) -> Vec<u8> {
+    let mut packed = vec![0u8; groups(rows) * nb * group_block_bytes(qtype)];
+    pack_into(qtype, rows, nb, ggml, &mut packed);
+    packed
+}
+
+/// [`pack`] into `packed` (`groups(rows) * nb` group blocks): rows packed in parts whose
+/// starts are multiples of [`GROUP_ROWS`] fill consecutive parts of the whole's layout.
+pub(crate) fn pack_into(qtype: QuantType, rows: usize, nb: usize, ggml: &[u8], packed: &mut [u8]) {
     let bb = qtype.block_bytes();
     let gb = group_block_bytes(qtype);
-    let mut packed = vec![0u8; groups(rows) * nb * gb];
     for row in 0..rows {
         let (g, lane) = (row / GROUP_ROWS, row % GROUP_ROWS);
         for b in 0..nb {
@@ -80,7 +87,6 @@ pub(crate) fn pack(qtype: QuantType, rows: usize, nb: usize, ggml: &[u8]) -> Vec
             }
         }
     }
-    packed
 }
 
 /// Rebuilds the ggml block `b` of `row` from the packed layout into `out` (`block_bytes` long).

@@ -3,7 +3,7 @@
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use candle_core::quantized::GgmlDType;
+pub use candle_core::quantized::GgmlDType;
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -134,6 +134,28 @@ pub trait Checkpoint: Send + Sync {
     /// cache and are read back if touched again). Call once the shards are loaded: a
     /// mapped file's pages otherwise count in the process's memory for as long as it runs.
     fn release_pages(&self) {}
+
+    /// The stored bytes of rows `rows` of `name` with their ggml type, when they lie in memory
+    /// as one row-major run (a mapped GGUF file): a loader can repack them without copying the
+    /// slice first ([`crate::matrix::Matrix::from_rows`]). `None` when the checkpoint cannot
+    /// lend them; then [`Checkpoint::rows`] copies.
+    fn mapped_rows(
+        &self,
+        _name: WeightName,
+        _rows: Range<usize>,
+    ) -> Result<Option<(GgmlDType, &[u8])>> {
+        Ok(None)
+    }
+
+    /// Lets the OS drop this process's resident pages of `bytes`, a part of what
+    /// [`Checkpoint::mapped_rows`] lent (the pages at its ends may be shared with neighbours:
+    /// they are read back from the file if touched again).
+    fn release_bytes(&self, _bytes: &[u8]) {}
+
+    /// Drops the tokenizer's vocabulary arrays from the file's metadata (GGUF's
+    /// `tokenizer.ggml.*`: every token and merge as a string, tens of MB for a 151k-token
+    /// vocabulary) once the tokenizer is built from them; nothing else reads them.
+    fn forget_tokenizer_metadata(&mut self) {}
 }
 
 /// Refuses a config that declares more layers than `tensors` (the file's tensor count) can

@@ -230,12 +230,49 @@ fn check_range(what: &str, r: &Range<usize>, len: usize, key: &str) -> Result<()
 }
 
 impl Checkpoint for GgufCheckpoint {
+    fn forget_tokenizer_metadata(&mut self) {
+        let meta = &mut self.header.metadata;
+        meta.retain(|key, _| !key.starts_with("tokenizer.ggml."));
+        meta.shrink_to_fit();
+    }
+
     fn release_pages(&self) {
         // SAFETY: a read-only shared file mapping: after MADV_DONTNEED a read faults the page
         // back in from the file, so no data is lost. A failure only leaves the pages resident.
         let _ = unsafe {
             self.map
                 .unchecked_advise(memmap2::UncheckedAdvice::DontNeed)
+        };
+    }
+
+    fn mapped_rows(
+        &self,
+        name: WeightName,
+        rows: Range<usize>,
+    ) -> Result<Option<(GgmlDType, &[u8])>> {
+        let (data, meta, dtype) = self.data(name)?;
+        check_range("rows", &rows, meta.rows, &gguf_name(name))?;
+        let row_bytes = meta.storage.row_bytes(meta.cols);
+        Ok(Some((
+            dtype,
+            &data[rows.start * row_bytes..rows.end * row_bytes],
+        )))
+    }
+
+    fn release_bytes(&self, bytes: &[u8]) {
+        let base = self.map.as_ptr() as usize;
+        let at = bytes.as_ptr() as usize;
+        if at < base || at + bytes.len() > base + self.map.len() || bytes.is_empty() {
+            return;
+        }
+        // SAFETY: as in `release_pages`, on a range inside the map (just checked); memmap2
+        // widens it to whole pages, which are read back from the file if touched again.
+        let _ = unsafe {
+            self.map.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                at - base,
+                bytes.len(),
+            )
         };
     }
 

@@ -113,15 +113,13 @@ impl ShardedModel {
         // file pages and slice copies then peak beside no layer (Qwen2.5-Coder-0.5B at tp 1:
         // 899 -> 734 MB peak RSS).
         check_matrix(ckpt, WeightName::Embed, cfg.vocab, cfg.hidden)?;
-        let embed = Matrix::from_slice(ckpt.rows(WeightName::Embed, vocab.clone())?, opts)?;
+        // Repacked straight from the mapped file, its pages let go part by part (no slice copy).
+        let embed = Matrix::from_rows(ckpt, WeightName::Embed, vocab.clone(), opts)?;
         let head = if cfg.tied_embeddings {
             None
         } else {
             check_matrix(ckpt, WeightName::Output, cfg.vocab, cfg.hidden)?;
-            Some(Matrix::from_slice(
-                ckpt.rows(WeightName::Output, vocab)?,
-                opts,
-            )?)
+            Some(Matrix::from_rows(ckpt, WeightName::Output, vocab, opts)?)
         };
         ckpt.release_pages();
         let mut layers = Vec::with_capacity(cfg.layers);

@@ -95,7 +95,7 @@ fn fallback(settings: Settings) -> Tokenizer {
         false, false, false,
     )));
     Tokenizer {
-        plain: std::sync::Arc::new(inner.clone()),
+        plain: Default::default(),
         specials: Default::default(),
         pieces: crate::pieces::Pieces {
             kind: crate::pieces::byte_level(),

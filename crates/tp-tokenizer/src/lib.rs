@@ -27,7 +27,7 @@ mod template;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 pub use error::TokenizerError;
 pub use stream::TextStream;
@@ -75,8 +75,10 @@ pub struct Tokenizer {
     settings: Settings,
     /// How ids map to their exact bytes ([`Tokenizer::token_bytes`]).
     pieces: pieces::Pieces,
-    /// `inner` with special-token parsing off: message text of a chat is encoded with it.
-    plain: Arc<tokenizers::Tokenizer>,
+    /// `inner` with special-token parsing off: message text of a chat that looks like a special
+    /// token is encoded with it. Built on first use: a second copy of the vocabulary and merges
+    /// (tens of MB for a 151k-token vocabulary) that most runs never need.
+    plain: Arc<OnceLock<tokenizers::Tokenizer>>,
     /// Special tokens (parsed out of text, skipped by `decode`): id and text, ordered by id.
     specials: Arc<Vec<(u32, String)>>,
 }
@@ -154,14 +156,12 @@ impl Tokenizer {
             .map(|(id, t)| (id, t.content))
             .collect();
         specials.sort();
-        let mut plain = inner.clone();
-        plain.set_encode_special_tokens(true);
         Ok(Self {
             inner,
             vocab_size,
             settings,
             pieces,
-            plain: Arc::new(plain),
+            plain: Arc::new(OnceLock::new()),
             specials: Arc::new(specials),
         })
     }
@@ -257,7 +257,7 @@ impl Tokenizer {
         for (_, _, whole) in found.iter().filter(|(_, r, _)| !touches(r)) {
             if at < whole.start {
                 parts.push(
-                    self.plain
+                    self.plain()
                         .encode(&marked.text[at..whole.start], false)
                         .map_err(backend)?,
                 );
@@ -271,7 +271,7 @@ impl Tokenizer {
         }
         if at < marked.text.len() {
             parts.push(
-                self.plain
+                self.plain()
                     .encode(&marked.text[at..], false)
                     .map_err(backend)?,
             );
@@ -282,6 +282,15 @@ impl Tokenizer {
             .post_process(merged, None, true)
             .map_err(backend)?;
         Ok(self.with_bos(done.get_ids().to_vec()))
+    }
+
+    /// `inner` with special-token parsing off, built the first time it is needed.
+    fn plain(&self) -> &tokenizers::Tokenizer {
+        self.plain.get_or_init(|| {
+            let mut plain = self.inner.clone();
+            plain.set_encode_special_tokens(true);
+            plain
+        })
     }
 
     /// The special tokens of `encoding` (of `text`): id, the byte range of the token's own text,
