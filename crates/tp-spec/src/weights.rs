@@ -78,8 +78,11 @@ impl WeightName {
     }
 }
 
+/// A per-layer weight's constructor (`WeightName::Q`).
+type LayerWeight = fn(usize) -> WeightName;
+
 /// A per-layer weight's constructor, its GGUF suffix and its HF suffix (Llama's spelling).
-type LayerName = (fn(usize) -> WeightName, &'static str, &'static str);
+type LayerName = (LayerWeight, &'static str, &'static str);
 
 /// Each per-layer weight with its names, in the order of a block. The post norms have no
 /// Llama spelling (`""`): only [`GEMMA_HF`] names them.
@@ -139,7 +142,7 @@ const GLOBAL_NAMES: [(WeightName, &str, &str); 3] = [
 
 /// Gemma's HF spellings where they differ from Llama's: its `post_attention_layernorm` is the
 /// attention output's norm, not the norm before the MLP.
-const GEMMA_HF: [(fn(usize) -> WeightName, &str); 3] = [
+const GEMMA_HF: [(LayerWeight, &str); 3] = [
     (WeightName::PostAttnNorm, "post_attention_layernorm.weight"),
     (WeightName::FfnNorm, "pre_feedforward_layernorm.weight"),
     (WeightName::PostFfnNorm, "post_feedforward_layernorm.weight"),
