@@ -99,6 +99,8 @@ impl ShardedModel {
     ) -> Result<Self> {
         let cfg = ckpt.config().clone();
         let hd = cfg.head_dim;
+        // A context no sequence could ever hold is refused before any weight is read.
+        crate::limits::check_context(&cfg, max_pos)?;
         let rope = Rope::new(hd, cfg.rope_theta, cfg.block.rope_scale, cfg.rope_style);
         let local_rope = cfg
             .block

@@ -62,19 +62,7 @@ impl WeightName {
     /// Whether the weight is a vector every rank holds whole or slices (norms, biases).
     pub fn is_vector(self) -> bool {
         use WeightName::*;
-        matches!(
-            self,
-            OutputNorm
-                | AttnNorm(_)
-                | FfnNorm(_)
-                | PostAttnNorm(_)
-                | PostFfnNorm(_)
-                | QBias(_)
-                | KBias(_)
-                | VBias(_)
-                | QNorm(_)
-                | KNorm(_)
-        )
+        self.is_norm() || matches!(self, QBias(_) | KBias(_) | VBias(_))
     }
 }
 
