@@ -7,7 +7,8 @@
 //! into text piece by piece.
 //!
 //! A model without a chat template gets ChatML (`<|im_start|>role\ncontent<|im_end|>\n` per
-//! message, and `<|im_start|>assistant\n` for the generation prompt).
+//! message, and `<|im_start|>assistant\n` for the generation prompt), or Gemma's turns when its
+//! vocabulary has `<start_of_turn>`/`<end_of_turn>`.
 
 mod bytes;
 mod chat;
@@ -416,11 +417,18 @@ impl Tokenizer {
         chat::known_roles(self.template_source())
     }
 
+    /// The file's chat template; without one, Gemma's turns for a vocabulary that has them,
+    /// else ChatML.
     fn template_source(&self) -> &str {
-        self.settings
-            .chat_template
-            .as_deref()
-            .unwrap_or(template::CHATML)
+        if let Some(t) = self.settings.chat_template.as_deref() {
+            return t;
+        }
+        let has = |name: &str| self.special_tokens().iter().any(|(_, t)| t == name);
+        if has("<start_of_turn>") && has("<end_of_turn>") {
+            template::GEMMA
+        } else {
+            template::CHATML
+        }
     }
 
     fn context<'a>(

@@ -17,6 +17,11 @@ use crate::{ChatMessage, TokenizerError};
 /// ChatML, used for models that ship no template.
 pub(crate) const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
+/// Gemma's turn format, for Gemma files that carry no template (such as the Gemma-3-270M
+/// GGUF): `<start_of_turn>user\n...<end_of_turn>\n`, the assistant's turns as `model`, a system
+/// message put before the first user message (Gemma has no system turn).
+pub(crate) const GEMMA: &str = "{{ bos_token }}{% set ns = namespace(sys='') %}{% for message in messages %}{% if message['role'] == 'system' %}{% set ns.sys = message['content'] + '\\n\\n' %}{% else %}{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' }}{% if message['role'] == 'user' %}{{ ns.sys }}{% set ns.sys = '' %}{% endif %}{{ message['content'] + '<end_of_turn>\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}";
+
 /// The variables a chat template sees.
 pub(crate) struct Context<'a> {
     pub messages: &'a [ChatMessage],
@@ -117,6 +122,17 @@ mod tests {
         assert_eq!(
             out.as_deref(),
             Some("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n  Hi  <|im_end|>\n")
+        );
+    }
+
+    #[test]
+    fn gemma_turns() {
+        let out = render(GEMMA, &ctx(&chat(), true)).ok();
+        assert_eq!(
+            out.as_deref(),
+            Some(
+                "<s><start_of_turn>user\nBe brief.\n\n  Hi  <end_of_turn>\n<start_of_turn>model\n"
+            )
         );
     }
 
