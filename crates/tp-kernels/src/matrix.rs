@@ -201,22 +201,7 @@ impl QuantMatrix {
         mut done: impl FnMut(std::ops::Range<usize>),
     ) -> Result<Self, KernelError> {
         let expected = ggml_bytes(qtype, rows, cols)?;
-        if bytes.len() != expected {
-            return Err(KernelError::ByteLength {
-                qtype,
-                rows,
-                cols,
-                expected,
-                got: bytes.len(),
-            });
-        }
-        let mut m = QuantMatrix {
-            qtype,
-            rows,
-            cols,
-            packed: Vec::new(),
-            sub_lead: None,
-        };
+        let mut m = Self::unpacked(qtype, rows, cols, None, expected, bytes.len())?;
         let nb = m.nb();
         let row_bytes = nb * qtype.block_bytes();
         let group_bytes = nb * pack::group_block_bytes(qtype);
@@ -244,24 +229,37 @@ impl QuantMatrix {
         expected: usize,
         bytes: Vec<u8>,
     ) -> Result<Self, KernelError> {
-        if bytes.len() != expected {
+        let mut m = Self::unpacked(qtype, rows, cols, sub_lead, expected, bytes.len())?;
+        m.packed = pack::pack(qtype, rows, m.nb(), &bytes);
+        Ok(m)
+    }
+
+    /// A matrix with nothing packed yet, once its ggml bytes (`got` of them) are checked to be
+    /// the `expected` length.
+    fn unpacked(
+        qtype: QuantType,
+        rows: usize,
+        cols: usize,
+        sub_lead: Option<usize>,
+        expected: usize,
+        got: usize,
+    ) -> Result<Self, KernelError> {
+        if got != expected {
             return Err(KernelError::ByteLength {
                 qtype,
                 rows,
                 cols,
                 expected,
-                got: bytes.len(),
+                got,
             });
         }
-        let mut m = QuantMatrix {
+        Ok(QuantMatrix {
             qtype,
             rows,
             cols,
             packed: Vec::new(),
             sub_lead,
-        };
-        m.packed = pack::pack(qtype, rows, m.nb(), &bytes);
-        Ok(m)
+        })
     }
 
     /// The sub-block form of a K-quant matrix: columns `[lead, lead + cols)` of the whole
