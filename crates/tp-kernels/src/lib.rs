@@ -24,6 +24,8 @@ mod dot_scalar_k;
 mod error;
 mod expand;
 mod format;
+#[cfg(target_arch = "x86_64")]
+mod gemm_avx512;
 mod matrix;
 mod pack;
 mod pack_k;

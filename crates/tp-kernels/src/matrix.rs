@@ -8,6 +8,8 @@ use crate::cpu::{self, Simd};
 use crate::error::KernelError;
 use crate::expand::{self, Expanded};
 use crate::format::{dequantize_ggml_block, QuantType, QK_K};
+#[cfg(target_arch = "x86_64")]
+use crate::gemm_avx512::{ChunkOut, TokenLanes};
 use crate::pack::{self, group_block_bytes, GROUP_ROWS};
 use crate::quantize::{self, ActBlock};
 use crate::quantize_k::{self, ActBlockK};
@@ -26,6 +28,8 @@ thread_local! {
     static SCRATCH_X: RefCell<Vec<Expanded>> = const { RefCell::new(Vec::new()) };
     /// One group's weights unpacked for the AVX2 kernels (`Activation::unpack`).
     static SCRATCH_W: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    /// One group's weights unpacked for the AVX-512 many-token kernels (`gemm_avx512`).
+    static SCRATCH_U: RefCell<Vec<Expanded>> = const { RefCell::new(Vec::new()) };
 }
 
 /// A `[rows, cols]` row-major matrix of ggml blocks (rows = output features, cols = input
@@ -75,6 +79,17 @@ fn with_scratch<T: Clone + Default + 'static, R>(
 
 /// Most bytes of expanded activations (AVX-512 kernels) one pass over the groups uses.
 const EXPANDED_BUDGET: usize = 192 << 10;
+
+/// Most bytes of transposed activations (AVX-512 many-token kernels) one pass over the
+/// groups uses: they stay in L2 (2 MiB per core on the Intel kind) while every group reads
+/// them; each pass unpacks every group once more.
+#[cfg(target_arch = "x86_64")]
+const GEMM_BUDGET: usize = 512 << 10;
+
+/// Fewest tokens a product runs on the AVX-512 many-token kernels (`gemm_avx512`): below,
+/// the per-group kernels waste fewer lanes.
+#[cfg(target_arch = "x86_64")]
+const GEMM_MIN_TOKENS: usize = 8;
 
 /// `rows * cols / block_len * block_bytes`, checked: the ggml byte size of a matrix.
 fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Result<usize, KernelError> {
@@ -147,6 +162,9 @@ pub(crate) trait OutElem: Copy {
     fn put(y: &mut [Self], tile: &TileOut, t: usize);
     /// A finished f64 sum as an output (the sub-block form's `matmul`).
     fn from_f64(v: f64) -> Self;
+    /// Puts token `t`'s results of a group (`y.len() <= 8` rows) from a many-token chunk.
+    #[cfg(target_arch = "x86_64")]
+    fn put_lanes(y: &mut [Self], out: &ChunkOut, t: usize);
 }
 
 impl OutElem for f32 {
@@ -159,6 +177,12 @@ impl OutElem for f32 {
     fn from_f64(v: f64) -> f32 {
         v as f32
     }
+    #[cfg(target_arch = "x86_64")]
+    fn put_lanes(y: &mut [f32], out: &ChunkOut, t: usize) {
+        for (o, row) in y.iter_mut().zip(&out.f32s) {
+            *o = row[t];
+        }
+    }
 }
 
 impl OutElem for f64 {
@@ -170,6 +194,12 @@ impl OutElem for f64 {
     }
     fn from_f64(v: f64) -> f64 {
         v
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn put_lanes(y: &mut [f64], out: &ChunkOut, t: usize) {
+        for (o, row) in y.iter_mut().zip(&out.f64s) {
+            *o += row[t];
+        }
     }
 }
 
@@ -438,6 +468,9 @@ impl QuantMatrix {
     /// vectors stay within [`EXPANDED_BUDGET`] so that they stay in L2 while every group
     /// passes over them (the vectors are 8 times the activation bytes).
     fn run_tiles<A: Activation, E: OutElem>(&self, simd: Simd, acts: &[A], n: usize, y: &mut [E]) {
+        if A::many_tokens(self, simd, acts, n, y) {
+            return;
+        }
         if simd != Simd::Avx512 {
             return self.run_tiles_with(simd, acts, &[], n, y);
         }
@@ -510,6 +543,60 @@ impl QuantMatrix {
                     t0 += tile.tokens;
                 }
             }
+        });
+    }
+
+    /// Whether a product of `n` tokens on `simd` takes the many-token kernels (where they
+    /// exist for the format).
+    #[cfg(target_arch = "x86_64")]
+    fn many_tokens_on(&self, simd: Simd, n: usize) -> bool {
+        simd == Simd::Avx512 && n >= GEMM_MIN_TOKENS && !tile::legacy()
+    }
+
+    /// The whole product on the AVX-512 many-token kernels (`gemm_avx512`; the format is one
+    /// they support): tokens in chunks of 16, as many chunks per pass over the groups as
+    /// [`GEMM_BUDGET`] holds, each group unpacked once per pass.
+    #[cfg(target_arch = "x86_64")]
+    fn run_gemm512<A: TokenLanes, E: OutElem>(&self, acts: &[A], n: usize, y: &mut [E]) {
+        use crate::gemm_avx512::{ChunkOut, LANES};
+        let (qtype, nb) = (self.qtype, self.nb());
+        let chunks = n.div_ceil(LANES);
+        let per_chunk = nb * A::act_vecs(qtype);
+        let fit = GEMM_BUDGET / (per_chunk * std::mem::size_of::<Expanded>()).max(1);
+        let pass = fit.clamp(1, chunks);
+        let group_len = nb * group_block_bytes(qtype);
+        let mut out = ChunkOut::default();
+        with_scratch(&SCRATCH_X, pass * per_chunk, |xt| {
+            with_scratch(&SCRATCH_U, nb * A::w_vecs(qtype), |u| {
+                let mut c0 = 0;
+                while c0 < chunks {
+                    let c1 = chunks.min(c0 + pass);
+                    for (c, x) in (c0..c1).zip(xt.chunks_exact_mut(per_chunk)) {
+                        let (t0, t1) = (c * LANES, n.min((c + 1) * LANES));
+                        A::transpose(qtype, &acts[t0 * nb..t1 * nb], nb, x);
+                    }
+                    for g in 0..pack::groups(self.rows) {
+                        let group = &self.packed[g * group_len..(g + 1) * group_len];
+                        // SAFETY: the caller chose this path after runtime detection of
+                        // AVX-512 F/BW/VL + VNNI (and AVX2, FMA, F16C) for a format
+                        // `A::supports`; `group` holds `nb` group blocks and `u` is
+                        // `nb * w_vecs` vectors long.
+                        unsafe { A::unpack(qtype, group, nb, u) };
+                        let row0 = g * GROUP_ROWS;
+                        let valid = GROUP_ROWS.min(self.rows - row0);
+                        for (c, x) in (c0..c1).zip(xt.chunks_exact(per_chunk)) {
+                            // SAFETY: as above; `x` is one chunk's `nb * act_vecs` vectors.
+                            unsafe { A::group_chunk(qtype, u, x, nb, E::WIDE, &mut out) };
+                            let t0 = c * LANES;
+                            for t in 0..LANES.min(n - t0) {
+                                let at = (t0 + t) * self.rows + row0;
+                                E::put_lanes(&mut y[at..at + valid], &out, t);
+                            }
+                        }
+                    }
+                    c0 = c1;
+                }
+            })
         });
     }
 
@@ -628,6 +715,17 @@ trait Activation: Sized {
     }
     /// Unpacks `group` into `out` (`unpacked_len` bytes) for the kernels of `simd`.
     fn unpack(_qtype: QuantType, _simd: Simd, _group: &[u8], _nb: usize, _out: &mut [u8]) {}
+    /// Runs the whole product of `m` with `n` tokens on many-token kernels where `simd` has
+    /// them for `m`'s format and `n` is large enough; `false`: nothing was run.
+    fn many_tokens<E: OutElem>(
+        _m: &QuantMatrix,
+        _simd: Simd,
+        _acts: &[Self],
+        _n: usize,
+        _y: &mut [E],
+    ) -> bool {
+        false
+    }
     /// One group against one tile of tokens (`tile.acts.len() == tile.tokens * nb`), into
     /// `out.f32s`, or with the wide kernels (`form.wide()`) into `out.f64s`.
     fn group_tile(
@@ -643,6 +741,22 @@ trait Activation: Sized {
 
 impl Activation for ActBlock {
     const PER_BLOCK: usize = expand::PER_BLOCK;
+
+    fn many_tokens<E: OutElem>(
+        m: &QuantMatrix,
+        simd: Simd,
+        acts: &[Self],
+        n: usize,
+        y: &mut [E],
+    ) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if m.many_tokens_on(simd, n) && <Self as TokenLanes>::supports(m.qtype, m.form::<E>()) {
+            m.run_gemm512(acts, n, y);
+            return true;
+        }
+        let _ = (m, simd, acts, n, y);
+        false
+    }
 
     fn expand(&self, _: QuantType, out: &mut [Expanded]) {
         expand::expand(self, out);
@@ -980,7 +1094,7 @@ pub(crate) mod tests {
         }
         for qtype in ALL {
             for (rows, cols) in shapes(qtype) {
-                for n in [1usize, 2, 3, 4, 5, 9, 130] {
+                for n in [1usize, 2, 3, 4, 5, 8, 9, 16, 17, 40, 130] {
                     let seed = (rows * 7000 + cols + n) as u64;
                     let bytes = random_ggml(qtype, rows, cols, seed);
                     let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
@@ -1026,8 +1140,8 @@ pub(crate) mod tests {
                     blk[q].fill(fill);
                 }
                 let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
-                for sign in [1.0f32, -1.0] {
-                    let n = 3;
+                // 3 tokens run on the per-group kernels, 20 on the many-token ones.
+                for (sign, n) in [(1.0f32, 3), (-1.0, 3), (1.0, 20), (-1.0, 20)] {
                     let x: Vec<f32> = (0..n * cols)
                         .map(|i| if i % 3 == 0 { sign } else { -sign * 0.5 })
                         .collect();
@@ -1228,7 +1342,7 @@ pub(crate) mod tests {
         for simd in simd_paths() {
             for qtype in ALL {
                 for (rows, cols) in shapes(qtype) {
-                    for n in [1usize, 2, 3, 4, 5, 9, 130] {
+                    for n in [1usize, 2, 3, 4, 5, 8, 9, 16, 17, 40, 130] {
                         let seed = (rows * 1000 + cols + n) as u64;
                         let bytes = random_ggml(qtype, rows, cols, seed);
                         let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
