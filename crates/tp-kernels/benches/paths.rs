@@ -11,7 +11,8 @@
 //!
 //! Columns: "hot n=1" repeats one matrix (cache resident when it fits); "stream n=1" cycles
 //! through copies totalling 128 MiB, as in decode, where each weight is read once per token;
-//! "n=128" is a prefill-sized product (tiles of 4 tokens); "wide n=128" the same through
+//! "n=128" is a prefill-sized product (tiles of 4 tokens; on AVX-512, chunks of 16 for the
+//! formats with many-token kernels); "wide n=128" the same through
 //! `matmul_wide_acc`, the split-invariant product of row-parallel layers.
 
 mod timing;

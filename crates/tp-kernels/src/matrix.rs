@@ -86,8 +86,10 @@ const EXPANDED_BUDGET: usize = 192 << 10;
 #[cfg(target_arch = "x86_64")]
 const GEMM_BUDGET: usize = 512 << 10;
 
-/// Fewest tokens a product runs on the AVX-512 many-token kernels (`gemm_avx512`): below,
-/// the per-group kernels waste fewer lanes.
+/// Fewest tokens a product runs on the AVX-512 many-token kernels (`gemm_avx512`): at 8 a
+/// chunk of 16 runs half empty, which roughly breaks even with the per-group kernels (the
+/// full chunks measured about twice their speed at 128 tokens); the crossover itself is not
+/// measured yet.
 #[cfg(target_arch = "x86_64")]
 const GEMM_MIN_TOKENS: usize = 8;
 
@@ -558,7 +560,7 @@ impl QuantMatrix {
     /// [`GEMM_BUDGET`] holds, each group unpacked once per pass.
     #[cfg(target_arch = "x86_64")]
     fn run_gemm512<A: TokenLanes, E: OutElem>(&self, acts: &[A], n: usize, y: &mut [E]) {
-        use crate::gemm_avx512::{ChunkOut, LANES};
+        use crate::gemm_avx512::LANES;
         let (qtype, nb) = (self.qtype, self.nb());
         let chunks = n.div_ceil(LANES);
         let per_chunk = nb * A::act_vecs(qtype);
