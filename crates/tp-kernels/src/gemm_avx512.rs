@@ -72,8 +72,8 @@ impl Default for ChunkOut {
     }
 }
 
-/// The many-token kernels of one activation kind (Q8_0-style blocks; the K-quants' Q8_K
-/// blocks have none yet), as `QuantMatrix` drives them: transpose a chunk of tokens, unpack a
+/// The many-token kernels of one activation kind (Q8_0-style blocks here, Q8_K blocks in
+/// `gemm_avx512_k`, Q6_K only so far), as `QuantMatrix` drives them: transpose a chunk of tokens, unpack a
 /// group, run a group against a chunk.
 pub(crate) trait TokenLanes: Sized {
     /// Whether there are kernels for `qtype` (and for `form`: the sub-block form has none).

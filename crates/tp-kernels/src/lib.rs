@@ -26,6 +26,8 @@ mod expand;
 mod format;
 #[cfg(target_arch = "x86_64")]
 mod gemm_avx512;
+#[cfg(target_arch = "x86_64")]
+mod gemm_avx512_k;
 mod matrix;
 mod pack;
 mod pack_k;

@@ -555,8 +555,8 @@ impl QuantMatrix {
         simd == Simd::Avx512 && n >= GEMM_MIN_TOKENS && !tile::legacy()
     }
 
-    /// The whole product on the AVX-512 many-token kernels (`gemm_avx512`; the format is one
-    /// they support): tokens in chunks of 16, as many chunks per pass over the groups as
+    /// The whole product on the AVX-512 many-token kernels (`gemm_avx512`, `gemm_avx512_k`;
+    /// the format is one they support): tokens in chunks of 16, as many chunks per pass over the groups as
     /// [`GEMM_BUDGET`] holds, each group unpacked once per pass.
     #[cfg(target_arch = "x86_64")]
     fn run_gemm512<A: TokenLanes, E: OutElem>(&self, acts: &[A], n: usize, y: &mut [E]) {
@@ -850,6 +850,22 @@ impl Activation for ActBlock {
 
 impl Activation for ActBlockK {
     const PER_BLOCK: usize = expand::PER_BLOCK_K;
+
+    fn many_tokens<E: OutElem>(
+        m: &QuantMatrix,
+        simd: Simd,
+        acts: &[Self],
+        n: usize,
+        y: &mut [E],
+    ) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if m.many_tokens_on(simd, n) && <Self as TokenLanes>::supports(m.qtype, m.form::<E>()) {
+            m.run_gemm512(acts, n, y);
+            return true;
+        }
+        let _ = (m, simd, acts, n, y);
+        false
+    }
 
     fn expand(&self, qtype: QuantType, out: &mut [Expanded]) {
         expand::expand_k(qtype, self, out);

@@ -1,0 +1,230 @@
+//! AVX-512 VNNI many-token kernels for Q6_K (`gemm_avx512`'s scheme on Q8_K activations):
+//! 16 tokens in the lanes, a row's 4-column weight word broadcast from memory.
+//!
+//! Per row and super-block, each 16-wide sub-block's exact `vpdpbusd` sum of the unsigned
+//! 6-bit quants is multiplied by its signed scale (`vpmulld`) and added up; the offset of 32
+//! is `32 * Σ sc · bsum16`, formed by `vpdpwssd` on i16 pairs (scales, activation sums) and
+//! subtracted: the same exact integer as the AVX2 kernels' `offset_tail`, whose f32 tail
+//! (`scale = d_w * d_x`, `fma(isum as f32, scale, acc)`, or the wide form's
+//! `isum as f32 * scale` summed in f64) is repeated per lane. Rows run in two halves of 4 so
+//! that the wide form's accumulators stay in registers.
+//!
+//! Layouts (64-byte vectors):
+//! - Tokens, per chunk and super-block, [`ACT_VECS`] vectors: words `K < 64` (lane `t` =
+//!   token `t`'s quants `4K..4K + 4`), the tokens' `d` (f32), then for each pair `p < 8` of
+//!   16-wide sub-blocks their `bsum16` as two i16 in one 32-bit lane.
+//! - Weights, per group super-block, [`W_VECS`] vectors: the quants (0..=63) of word `K` of row
+//!   `r` at 32-bit index `8K + r`; the scales as i32 at `512 + 8s + r`; the scale pairs as
+//!   two i16 at `640 + 8p + r`; the rows' `d` as f32 at `704 + r`.
+
+use crate::expand::Expanded;
+use crate::format::{f16_at, QuantType};
+use crate::gemm_avx512::{ChunkOut, TokenLanes, LANES};
+use crate::pack::{group_block_bytes, GROUP_ROWS};
+use crate::pack_k::q6k;
+use crate::quantize_k::ActBlockK;
+use crate::tile::Form;
+use std::arch::x86_64::*;
+
+/// Vectors per (chunk, super-block) of transposed activations: 64 words, `d`, 8 sum pairs.
+const ACT_VECS: usize = 73;
+/// Vectors per unpacked group super-block: 32 of quants, 8 of scales, 4 of scale pairs, 1 of `d`.
+const W_VECS: usize = 45;
+/// 32-bit offsets inside an unpacked group super-block.
+const SC: usize = 512;
+const SC_PAIRS: usize = 640;
+const D: usize = 704;
+
+impl TokenLanes for ActBlockK {
+    fn supports(qtype: QuantType, form: Form) -> bool {
+        qtype == QuantType::Q6_K && form != Form::WideSub
+    }
+    fn act_vecs(_: QuantType) -> usize {
+        ACT_VECS
+    }
+    fn w_vecs(_: QuantType) -> usize {
+        W_VECS
+    }
+    fn transpose(_: QuantType, acts: &[Self], nb: usize, out: &mut [Expanded]) {
+        let tokens = acts.len() / nb.max(1);
+        for (b, o) in out.chunks_exact_mut(ACT_VECS).enumerate().take(nb) {
+            o.fill(Expanded::default());
+            for t in 0..tokens.min(LANES) {
+                let a = &acts[t * nb + b];
+                for (k, v) in o.iter_mut().enumerate().take(64) {
+                    let q = &a.qs[4 * k..4 * k + 4];
+                    v.0[t] = i32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]);
+                }
+                o[64].0[t] = a.d.to_bits() as i32;
+                for p in 0..8 {
+                    let (lo, hi) = (a.bsum16[2 * p] as u16, a.bsum16[2 * p + 1] as u16);
+                    o[65 + p].0[t] = (lo as u32 | (hi as u32) << 16) as i32;
+                }
+            }
+        }
+    }
+    unsafe fn unpack(_: QuantType, group: &[u8], nb: usize, out: &mut [Expanded]) {
+        // SAFETY: the caller's promise (features, `nb` group super-blocks, `out` length).
+        unsafe { unpack_q6k(group, nb, out) }
+    }
+    unsafe fn group_chunk(
+        _: QuantType,
+        w: &[Expanded],
+        x: &[Expanded],
+        nb: usize,
+        wide: bool,
+        out: &mut ChunkOut,
+    ) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            for r0 in [0, 4] {
+                if wide {
+                    half::<true>(w.as_ptr(), x.as_ptr(), nb, r0, out);
+                } else {
+                    half::<false>(w.as_ptr(), x.as_ptr(), nb, r0, out);
+                }
+            }
+        }
+    }
+}
+
+/// Unpacks `nb` Q6_K group super-blocks (see the module comment).
+///
+/// # Safety
+/// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `group.len() >= nb * group_block_bytes(Q6_K)`,
+/// `out.len() >= nb * W_VECS`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn unpack_q6k(group: &[u8], nb: usize, out: &mut [Expanded]) {
+    let gb = group_block_bytes(QuantType::Q6_K);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m3 = _mm256_set1_epi8(3);
+    for b in 0..nb {
+        let blk = &group[b * gb..(b + 1) * gb];
+        let dst = &mut out[b * W_VECS..(b + 1) * W_VECS];
+        let words = dst.as_mut_ptr() as *mut u8;
+        // SAFETY: each triple's 96 bytes lie inside `blk` (`q6k::triple` < BYTES); each
+        // 32-byte store at word `K < 64` lies inside the first 32 vectors of `dst`.
+        unsafe {
+            let ld = |off: usize| _mm256_loadu_si256(blk.as_ptr().add(off) as *const __m256i);
+            let st =
+                |k: usize, v: __m256i| _mm256_storeu_si256(words.add(32 * k) as *mut __m256i, v);
+            let high = |h: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(h, m3));
+            for h in 0..2 {
+                for i in 0..8 {
+                    let t = q6k::triple(h, i);
+                    let (a, bq, hb) = (ld(t), ld(t + 32), ld(t + 64));
+                    let lo = |v: __m256i| _mm256_and_si256(v, m4);
+                    let hi = |v: __m256i| _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+                    st(32 * h + i, _mm256_or_si256(lo(a), high(hb)));
+                    st(
+                        32 * h + 8 + i,
+                        _mm256_or_si256(lo(bq), high(_mm256_srli_epi16::<2>(hb))),
+                    );
+                    st(
+                        32 * h + 16 + i,
+                        _mm256_or_si256(hi(a), high(_mm256_srli_epi16::<4>(hb))),
+                    );
+                    st(
+                        32 * h + 24 + i,
+                        _mm256_or_si256(hi(bq), high(_mm256_srli_epi16::<6>(hb))),
+                    );
+                }
+            }
+        }
+        let ints = |v: &mut [Expanded], at: usize, value: i32| v[at / 16].0[at % 16] = value;
+        for r in 0..GROUP_ROWS {
+            let sc = |s: usize| blk[q6k::SC + ((s / 2) * GROUP_ROWS + r) * 2 + s % 2] as i8;
+            for s in 0..16 {
+                ints(dst, SC + 8 * s + r, sc(s) as i32);
+            }
+            for p in 0..8 {
+                let (lo, hi) = (sc(2 * p) as i16 as u16, sc(2 * p + 1) as i16 as u16);
+                ints(
+                    dst,
+                    SC_PAIRS + 8 * p + r,
+                    (lo as u32 | (hi as u32) << 16) as i32,
+                );
+            }
+            ints(dst, D + r, f16_at(blk, q6k::D + 2 * r).to_bits() as i32);
+        }
+        for at in D + GROUP_ROWS..D + 16 {
+            ints(dst, at, 0);
+        }
+    }
+}
+
+/// Rows `r0..r0 + 4` of one unpacked group against one chunk (see the module comment).
+///
+/// # Safety
+/// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `w` holds `nb * W_VECS` vectors, `x`
+/// `nb * ACT_VECS`; `r0 + 4 <= 8`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn half<const WIDE: bool>(
+    w: *const Expanded,
+    x: *const Expanded,
+    nb: usize,
+    r0: usize,
+    out: &mut ChunkOut,
+) {
+    // SAFETY: super-block `b` reads the vectors at `w + b * W_VECS` and `x + b * ACT_VECS`
+    // (offsets below `W_VECS * 16` and `ACT_VECS` vectors), inside the caller's slices.
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut wlo = [_mm512_setzero_pd(); 4];
+        let mut whi = [_mm512_setzero_pd(); 4];
+        for b in 0..nb {
+            let wb = w.add(b * W_VECS) as *const i32;
+            let xb = x.add(b * ACT_VECS) as *const __m512i;
+            let mut isum = [_mm512_setzero_si512(); 4];
+            for s in 0..16 {
+                let mut raw = [_mm512_setzero_si512(); 4];
+                for kk in 0..4 {
+                    let k = 4 * s + kk;
+                    let xv = _mm512_load_si512(xb.add(k));
+                    for (r, raw) in raw.iter_mut().enumerate() {
+                        let wv = _mm512_set1_epi32(*wb.add(8 * k + r0 + r));
+                        *raw = _mm512_dpbusd_epi32(*raw, wv, xv);
+                    }
+                }
+                for r in 0..4 {
+                    let sc = _mm512_set1_epi32(*wb.add(SC + 8 * s + r0 + r));
+                    isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(raw[r], sc));
+                }
+            }
+            let mut off = [_mm512_setzero_si512(); 4];
+            for p in 0..8 {
+                let bp = _mm512_load_si512(xb.add(65 + p));
+                for (r, o) in off.iter_mut().enumerate() {
+                    let scp = _mm512_set1_epi32(*wb.add(SC_PAIRS + 8 * p + r0 + r));
+                    *o = _mm512_dpwssd_epi32(*o, scp, bp);
+                }
+            }
+            let dx = _mm512_load_ps(xb.add(64) as *const f32);
+            let dw = wb.add(D) as *const f32;
+            for r in 0..4 {
+                let is = _mm512_sub_epi32(isum[r], _mm512_slli_epi32::<5>(off[r]));
+                let scale = _mm512_mul_ps(_mm512_set1_ps(*dw.add(r0 + r)), dx);
+                if WIDE {
+                    let c = _mm512_mul_ps(_mm512_cvtepi32_ps(is), scale);
+                    let c = _mm512_castps_pd(c);
+                    let lo = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_castpd512_pd256(c)));
+                    let hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(c)));
+                    wlo[r] = _mm512_add_pd(wlo[r], lo);
+                    whi[r] = _mm512_add_pd(whi[r], hi);
+                } else {
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), scale, acc[r]);
+                }
+            }
+        }
+        for r in 0..4 {
+            if WIDE {
+                let o = out.f64s[r0 + r].as_mut_ptr();
+                _mm512_storeu_pd(o, wlo[r]);
+                _mm512_storeu_pd(o.add(8), whi[r]);
+            } else {
+                _mm512_storeu_ps(out.f32s[r0 + r].as_mut_ptr(), acc[r]);
+            }
+        }
+    }
+}
