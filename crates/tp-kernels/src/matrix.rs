@@ -548,11 +548,28 @@ impl QuantMatrix {
         });
     }
 
-    /// Whether a product of `n` tokens on `simd` takes the many-token kernels (where they
-    /// exist for the format).
+    /// Runs the product on the many-token kernels when `simd` is AVX-512, `n` is at least
+    /// [`GEMM_MIN_TOKENS`] and they exist for this format and form; `false`: nothing ran.
     #[cfg(target_arch = "x86_64")]
-    fn many_tokens_on(&self, simd: Simd, n: usize) -> bool {
-        simd == Simd::Avx512 && n >= GEMM_MIN_TOKENS && !tile::legacy()
+    fn try_many_tokens<A: TokenLanes, E: OutElem>(
+        &self,
+        simd: Simd,
+        acts: &[A],
+        n: usize,
+        y: &mut [E],
+    ) -> bool {
+        let on = simd == Simd::Avx512 && n >= GEMM_MIN_TOKENS && !tile::legacy();
+        if on && A::supports(self.qtype, self.form::<E>()) {
+            self.run_gemm512(acts, n, y);
+            return true;
+        }
+        false
+    }
+
+    /// No many-token kernels off x86-64.
+    #[cfg(not(target_arch = "x86_64"))]
+    fn try_many_tokens<A, E: OutElem>(&self, _: Simd, _: &[A], _: usize, _: &mut [E]) -> bool {
+        false
     }
 
     /// The whole product on the AVX-512 many-token kernels (`gemm_avx512`, `gemm_avx512_k`;
@@ -751,13 +768,7 @@ impl Activation for ActBlock {
         n: usize,
         y: &mut [E],
     ) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        if m.many_tokens_on(simd, n) && <Self as TokenLanes>::supports(m.qtype, m.form::<E>()) {
-            m.run_gemm512(acts, n, y);
-            return true;
-        }
-        let _ = (m, simd, acts, n, y);
-        false
+        m.try_many_tokens(simd, acts, n, y)
     }
 
     fn expand(&self, _: QuantType, out: &mut [Expanded]) {
@@ -858,13 +869,7 @@ impl Activation for ActBlockK {
         n: usize,
         y: &mut [E],
     ) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        if m.many_tokens_on(simd, n) && <Self as TokenLanes>::supports(m.qtype, m.form::<E>()) {
-            m.run_gemm512(acts, n, y);
-            return true;
-        }
-        let _ = (m, simd, acts, n, y);
-        false
+        m.try_many_tokens(simd, acts, n, y)
     }
 
     fn expand(&self, qtype: QuantType, out: &mut [Expanded]) {
