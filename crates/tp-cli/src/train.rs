@@ -1,4 +1,4 @@
-//! `tp train`: trains a Llama or Qwen3 model with tensor, pipeline and data parallelism
+//! `tp train`: trains a Llama, Qwen3 or Gemma-3 model with tensor, pipeline and data parallelism
 //! (tp-train). Validates everything on the main thread first (data, config, layout,
 //! checkpoint checksums), then starts the ranks; rank 0 shows progress with loss, tokens/s
 //! and MFU, and the run ends with a checkpoint and a loss curve beside it.
@@ -26,12 +26,14 @@ pub struct TrainArgs {
     /// Data-parallel replicas: each takes a share of every batch.
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
-    /// Model: a preset (tiny, small, bench) or an HF Llama or Qwen3 config.json [default:
-    /// tiny, or the checkpoint's model with --resume].
+    /// Model: a preset (tiny, small, bench) or an HF Llama, Qwen3 or Gemma-3 config.json
+    /// [default: tiny, or the checkpoint's model with --resume].
     #[arg(long)]
     pub config: Option<String>,
-    /// Architecture of a preset: llama, or qwen3 (adds an RMSNorm over each query and key
-    /// head) [default: llama; a config.json or checkpoint gives its own].
+    /// Architecture of a preset: llama; qwen3 (adds an RMSNorm over each query and key head);
+    /// gemma3 (adds those and Gemma-3's block: GeGLU, post norms, scaled embeddings, a
+    /// sliding window on every other layer) [default: llama; a config.json or checkpoint
+    /// gives its own].
     #[arg(long)]
     pub arch: Option<String>,
     /// Training text (any file) [default: the built-in public-domain corpus].

@@ -118,8 +118,11 @@ fn bad_inputs_get_clear_errors() {
         (vec!["--pp", "5"], "use 1 <= pp <= 4"),
         (vec!["--dp", "3"], "multiple of 3"),
         (vec!["--config", "enormous"], "no such preset or file"),
-        (vec!["--config", b], "not a Llama or Qwen3 config.json"),
-        (vec!["--arch", "qwen2"], "use one of llama, qwen3"),
+        (
+            vec!["--config", b],
+            "not a Llama, Qwen3 or Gemma-3 config.json",
+        ),
+        (vec!["--arch", "qwen2"], "use one of llama, qwen3, gemma3"),
         (vec!["--resume", "/no/such/checkpoint"], "does not exist"),
         (vec!["--seq", "4096"], "max_position_embeddings"),
     ];

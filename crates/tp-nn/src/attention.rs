@@ -6,6 +6,8 @@
 //! With Qwen3's q/k norms ([`ParallelAttention::with_qk_norm`]) each query and key head is
 //! RMS-normalised over its `head_dim` before RoPE; the norm weights are replicated, and each
 //! rank's gradient of them covers only its own heads (the trainer sums it over tp).
+//! Gemma-3's layers set the query scale and, on local layers, a sliding window
+//! ([`ParallelAttention::with_scores`]).
 
 use crate::error::{Result, TpError};
 use crate::linear::{ColumnParallelLinear, PartialSum, RowParallelLinear};
@@ -25,12 +27,31 @@ pub struct ParallelAttention {
     wo: RowParallelLinear,
     /// Qwen3's per-head RMSNorms `(q_norm, k_norm)`, weights `[head_dim]` each.
     qk_norm: Option<(RmsNorm, RmsNorm)>,
+    /// What the scores `q . k` are multiplied by (`1 / sqrt(head_dim)` unless set).
+    scale: f64,
+    /// Positions a query sees, its own included (`None`: every earlier one).
+    window: Option<usize>,
 }
 
 /// `[seq, seq]` additive causal mask: 0 on and below the diagonal, -inf above.
 pub fn causal_mask(seq: usize, device: &Device) -> Result<Tensor> {
+    window_mask(seq, None, device)
+}
+
+/// `[seq, seq]` additive mask of causal attention through a window of `window` positions:
+/// query `i` sees keys `i + 1 - window ..= i` (0), the rest are -inf; `None`: plain causal.
+pub fn window_mask(seq: usize, window: Option<usize>, device: &Device) -> Result<Tensor> {
+    let w = window.unwrap_or(usize::MAX);
     let mask: Vec<f32> = (0..seq)
-        .flat_map(|i| (0..seq).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
+        .flat_map(|i| {
+            (0..seq).map(move |j| {
+                if j > i || i - j >= w {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
         .collect();
     Ok(Tensor::from_vec(mask, (seq, seq), device)?)
 }
@@ -78,12 +99,41 @@ impl ParallelAttention {
             wv,
             wo,
             qk_norm: None,
+            scale: 1.0 / (head_dim as f64).sqrt(),
+            window: None,
         })
     }
 
+    /// Scores multiplied by `scale` (`None`: `1 / sqrt(head_dim)`), and causal attention
+    /// through a window of `window` positions (`None`: none; 0 is refused).
+    pub fn with_scores(mut self, scale: Option<f64>, window: Option<usize>) -> Result<Self> {
+        if window == Some(0) {
+            return Err(TpError::Config(
+                "a sliding window must hold at least one position".into(),
+            ));
+        }
+        if let Some(s) = scale {
+            if !(s.is_finite() && s > 0.0) {
+                return Err(TpError::Config(format!(
+                    "the query scale {s} must be a positive number"
+                )));
+            }
+            self.scale = s;
+        }
+        self.window = window;
+        Ok(self)
+    }
+
     /// Adds Qwen3's per-head RMSNorms: `q_norm` and `k_norm` are the (replicated) global
-    /// weights `[head_dim]`, shared by every query / key head.
-    pub fn with_qk_norm(mut self, q_norm: &Tensor, k_norm: &Tensor, eps: f64) -> Result<Self> {
+    /// weights `[head_dim]`, shared by every query / key head; with `unit_offset` they are
+    /// Gemma's (`x * (1 + w)`, [`RmsNorm::from_global_offset`]).
+    pub fn with_qk_norm(
+        mut self,
+        q_norm: &Tensor,
+        k_norm: &Tensor,
+        eps: f64,
+        unit_offset: bool,
+    ) -> Result<Self> {
         for (name, w) in [("q_norm", q_norm), ("k_norm", k_norm)] {
             if w.dims() != [self.head_dim] {
                 return Err(TpError::Shape(format!(
@@ -94,8 +144,8 @@ impl ParallelAttention {
             }
         }
         self.qk_norm = Some((
-            RmsNorm::from_global(q_norm, eps)?,
-            RmsNorm::from_global(k_norm, eps)?,
+            RmsNorm::from_global_offset(q_norm, eps, unit_offset)?,
+            RmsNorm::from_global_offset(k_norm, eps, unit_offset)?,
         ));
         Ok(self)
     }
@@ -160,9 +210,8 @@ impl ParallelAttention {
         let idx = Tensor::from_vec(kv_of_q, hq_local, x_par.device())?; // [hq_local]
         let k = k.index_select(&idx, 1)?.contiguous()?; // [b, hq_local, s, hd]
         let v = v.index_select(&idx, 1)?.contiguous()?; // [b, hq_local, s, hd]
-        let scale = 1.0 / (hd as f64).sqrt();
-        let scores = (q.matmul(&k.t()?.contiguous()?)? * scale)?; // [b, hq_local, s, s]
-        let mask = causal_mask(s, x_par.device())?; // [s, s]
+        let scores = (q.matmul(&k.t()?.contiguous()?)? * self.scale)?; // [b, hq_local, s, s]
+        let mask = window_mask(s, self.window, x_par.device())?; // [s, s]
         let scores = scores.broadcast_add(&mask)?; // [b, hq_local, s, s]
         let probs = candle_nn::ops::softmax(&scores, D::Minus1)?; // [b, hq_local, s, s]
         let ctx = probs.matmul(&v)?; // [b, hq_local, s, hd]

@@ -1,5 +1,7 @@
 //! The pre-norm transformer block composed of the parallel layers (Megatron §3, Fig. 4:
-//! two all-reduces forward and two backward).
+//! two all-reduces forward and two backward), with Gemma-3's departures per layer
+//! ([`LayerStyle`]): GeGLU, norms after the attention and MLP, `x * (1 + w)` norms, the query
+//! scale, a sliding window and linearly scaled RoPE.
 
 use crate::attention::ParallelAttention;
 use crate::error::{Result, TpError};
@@ -11,8 +13,47 @@ use crate::rope::{Rope, RopeLayout};
 use candle_core::{Device, Tensor, Var};
 use std::ops::Range;
 use tp_comm::Group;
+use tp_spec::Activation;
 
-/// Whole-model sizes of one Llama-style block (Qwen3's with `qk_norm`).
+/// What one layer departs from Llama's block by; [`LayerStyle::LLAMA`] departs by nothing.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerStyle {
+    /// The gate's nonlinearity (silu: SwiGLU; tanh GELU: GeGLU).
+    pub activation: Activation,
+    /// An RMSNorm of the attention output and one of the MLP output before each residual add
+    /// (replicated weights `post_attn_norm`, `post_mlp_norm`).
+    pub post_norms: bool,
+    /// Every norm of the block computes `x * (1 + w)` (Gemma's parametrisation: `w` is what
+    /// its checkpoints store).
+    pub unit_offset_norms: bool,
+    /// What the scores are multiplied by; `None`: `1 / sqrt(head_dim)`.
+    pub query_scale: Option<f64>,
+    /// This layer attends through a window of this many positions (its own included).
+    pub window: Option<usize>,
+    /// Linear RoPE scaling: positions divided by this factor (1: none).
+    pub rope_scale: f64,
+}
+
+impl LayerStyle {
+    /// Llama's layer (also Qwen2's and Qwen3's).
+    pub const LLAMA: LayerStyle = LayerStyle {
+        activation: Activation::Silu,
+        post_norms: false,
+        unit_offset_norms: false,
+        query_scale: None,
+        window: None,
+        rope_scale: 1.0,
+    };
+}
+
+impl Default for LayerStyle {
+    fn default() -> Self {
+        LayerStyle::LLAMA
+    }
+}
+
+/// Whole-model sizes of one Llama-style block (Qwen3's with `qk_norm`), and this layer's
+/// departures from Llama's (`style`; Gemma-3's vary by layer: window and RoPE base).
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockConfig {
     pub hidden: usize,
@@ -26,6 +67,7 @@ pub struct BlockConfig {
     pub max_seq: usize,
     /// Qwen3: an RMSNorm (eps `rms_eps`) over each query and key head before RoPE.
     pub qk_norm: bool,
+    pub style: LayerStyle,
 }
 
 /// The GLOBAL weights of a block (candle layout `[out, in]`).
@@ -43,6 +85,10 @@ pub struct BlockWeights {
     /// Qwen3's per-head norms, present exactly when [`BlockConfig::qk_norm`] is set.
     pub q_norm: Option<Tensor>, // [head_dim]
     pub k_norm: Option<Tensor>, // [head_dim]
+    /// Gemma's norms of the attention and MLP outputs, present exactly when
+    /// [`LayerStyle::post_norms`] is set.
+    pub post_attn_norm: Option<Tensor>, // [hidden]
+    pub post_mlp_norm: Option<Tensor>, // [hidden]
 }
 
 /// Whether the parameter `name` of [`ParallelBlock::params`] is replicated but gets, on each
@@ -102,8 +148,9 @@ impl BlockConfig {
         Ok(())
     }
 
-    /// Random weights scaled like a fresh init (1/sqrt(fan_in)), norms near 1 (the q/k norms
-    /// drawn last, so a block without them has the same other weights).
+    /// Random weights scaled like a fresh init (1/sqrt(fan_in)), norms near 1 (near 0 when
+    /// they compute `x * (1 + w)`; the q/k norms, then the post norms drawn last, so a block
+    /// without them has the same other weights).
     pub fn random_weights(&self, seed: u64, device: &Device) -> Result<BlockWeights> {
         self.validate()?;
         let mut rng = SeededRng::new(seed);
@@ -114,22 +161,33 @@ impl BlockConfig {
             self.ffn,
         );
         let s = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+        let one = if self.style.unit_offset_norms {
+            0.0
+        } else {
+            1.0
+        };
         let mut w = BlockWeights {
-            attn_norm: rng.tensor(&[h], 1.0, 0.2, device)?,
+            attn_norm: rng.tensor(&[h], one, 0.2, device)?,
             wq: rng.tensor(&[q, h], 0.0, s(h), device)?,
             wk: rng.tensor(&[kv, h], 0.0, s(h), device)?,
             wv: rng.tensor(&[kv, h], 0.0, s(h), device)?,
             wo: rng.tensor(&[h, q], 0.0, s(q), device)?,
-            mlp_norm: rng.tensor(&[h], 1.0, 0.2, device)?,
+            mlp_norm: rng.tensor(&[h], one, 0.2, device)?,
             w_gate: rng.tensor(&[f, h], 0.0, s(h), device)?,
             w_up: rng.tensor(&[f, h], 0.0, s(h), device)?,
             w_down: rng.tensor(&[h, f], 0.0, s(f), device)?,
             q_norm: None,
             k_norm: None,
+            post_attn_norm: None,
+            post_mlp_norm: None,
         };
         if self.qk_norm {
-            w.q_norm = Some(rng.tensor(&[self.head_dim], 1.0, 0.2, device)?);
-            w.k_norm = Some(rng.tensor(&[self.head_dim], 1.0, 0.2, device)?);
+            w.q_norm = Some(rng.tensor(&[self.head_dim], one, 0.2, device)?);
+            w.k_norm = Some(rng.tensor(&[self.head_dim], one, 0.2, device)?);
+        }
+        if self.style.post_norms {
+            w.post_attn_norm = Some(rng.tensor(&[h], one, 0.2, device)?);
+            w.post_mlp_norm = Some(rng.tensor(&[h], one, 0.2, device)?);
         }
         Ok(w)
     }
@@ -144,6 +202,22 @@ impl BlockConfig {
             (false, None, None) => Ok(None),
             (want, ..) => Err(TpError::Config(format!(
                 "the block config says qk_norm = {want}, but the weights {} q_norm/k_norm",
+                if want { "lack" } else { "carry" }
+            ))),
+        }
+    }
+
+    /// The post-norm weights of `w`, checked against `style.post_norms`.
+    pub(crate) fn post_norm_weights<'a>(
+        &self,
+        w: &'a BlockWeights,
+    ) -> Result<Option<(&'a Tensor, &'a Tensor)>> {
+        match (self.style.post_norms, &w.post_attn_norm, &w.post_mlp_norm) {
+            (true, Some(a), Some(m)) => Ok(Some((a, m))),
+            (false, None, None) => Ok(None),
+            (want, ..) => Err(TpError::Config(format!(
+                "the block config says post_norms = {want}, but the weights {} \
+                 post_attn_norm/post_mlp_norm",
                 if want { "lack" } else { "carry" }
             ))),
         }
@@ -168,6 +242,8 @@ pub struct ParallelBlock {
     attn: ParallelAttention,
     mlp_norm: RmsNorm,
     mlp: ParallelMlp,
+    /// Gemma's `(post_attn_norm, post_mlp_norm)`.
+    post_norms: Option<(RmsNorm, RmsNorm)>,
     rope: Rope,
     tp_rank: usize,
     tp: usize,
@@ -181,10 +257,12 @@ impl ParallelBlock {
         tp: usize,
     ) -> Result<Self> {
         cfg.validate()?;
-        let rope = Rope::new(
+        let st = cfg.style;
+        let rope = Rope::scaled(
             cfg.head_dim,
             cfg.max_seq,
             cfg.rope_theta,
+            st.rope_scale,
             cfg.rope_layout,
             w.wq.device(),
         )?;
@@ -198,17 +276,26 @@ impl ParallelBlock {
             cfg.head_dim,
             tp_rank,
             tp,
-        )?;
+        )?
+        .with_scores(st.query_scale, st.window)?;
+        let (eps, unit) = (cfg.rms_eps, st.unit_offset_norms);
         let attn = match cfg.qk_norm_weights(w)? {
-            Some((q, k)) => attn.with_qk_norm(q, k, cfg.rms_eps)?,
+            Some((q, k)) => attn.with_qk_norm(q, k, eps, unit)?,
             None => attn,
+        };
+        let norm = |w: &Tensor| RmsNorm::from_global_offset(w, eps, unit);
+        let post_norms = match cfg.post_norm_weights(w)? {
+            Some((a, m)) => Some((norm(a)?, norm(m)?)),
+            None => None,
         };
         Ok(ParallelBlock {
             cfg: cfg.clone(),
-            attn_norm: RmsNorm::from_global(&w.attn_norm, cfg.rms_eps)?,
+            attn_norm: norm(&w.attn_norm)?,
             attn,
-            mlp_norm: RmsNorm::from_global(&w.mlp_norm, cfg.rms_eps)?,
-            mlp: ParallelMlp::from_global(&w.w_gate, &w.w_up, &w.w_down, tp_rank, tp)?,
+            mlp_norm: norm(&w.mlp_norm)?,
+            mlp: ParallelMlp::from_global(&w.w_gate, &w.w_up, &w.w_down, tp_rank, tp)?
+                .with_activation(st.activation),
+            post_norms,
             rope,
             tp_rank,
             tp,
@@ -221,7 +308,8 @@ impl ParallelBlock {
 
     /// Every parameter shard with its name and where it sits in the global tensor: the nine
     /// Llama tensors, then `q_norm` and `k_norm` when the block has them (replicated, with
-    /// partial gradients: [`tp_partial_grad`]).
+    /// partial gradients: [`tp_partial_grad`]), then `post_attn_norm` and `post_mlp_norm`
+    /// when it has them (replicated, whole gradients).
     pub fn params(&self) -> Vec<(&'static str, &Var, Placement)> {
         let hd = self.cfg.head_dim;
         let q = self.attn.plan().q_range();
@@ -251,6 +339,10 @@ impl ParallelBlock {
         if let Some(norms) = self.attn.qk_norm_vars() {
             out.extend(norms.map(|(n, v)| (n, v, Placement::Replicated)));
         }
+        if let Some((a, m)) = &self.post_norms {
+            out.push(("post_attn_norm", a.weight(), Placement::Replicated));
+            out.push(("post_mlp_norm", m.weight(), Placement::Replicated));
+        }
         out
     }
 
@@ -264,10 +356,18 @@ impl ParallelBlock {
             .attn
             .forward_local(&x_par, &self.rope, 0, group)?
             .reduce()?; // [b, s, hidden]
+        let a = match &self.post_norms {
+            Some((post, _)) => post.forward(&a)?, // [b, s, hidden]
+            None => a,
+        };
         let h = (h + a)?; // [b, s, hidden]
         let n = self.mlp_norm.forward(&h)?; // [b, s, hidden]
         let x_par = copy_to_tp(&n, group)?; // [b, s, hidden]
         let m = self.mlp.forward_local(&x_par, group)?.reduce()?; // [b, s, hidden]
+        let m = match &self.post_norms {
+            Some((_, post)) => post.forward(&m)?, // [b, s, hidden]
+            None => m,
+        };
         Ok((h + m)?)
     }
 }

@@ -22,7 +22,9 @@ pub mod reference;
 pub mod rope;
 
 pub use attention::ParallelAttention;
-pub use block::{tp_partial_grad, BlockConfig, BlockWeights, ParallelBlock, Placement, SeededRng};
+pub use block::{
+    tp_partial_grad, BlockConfig, BlockWeights, LayerStyle, ParallelBlock, Placement, SeededRng,
+};
 pub use cross_entropy::vocab_parallel_cross_entropy;
 pub use embedding::VocabParallelEmbedding;
 pub use error::{Result, TpError};
@@ -37,4 +39,4 @@ pub use recording::RecordingComm;
 pub use reference::DenseBlock;
 pub use rope::{Rope, RopeLayout};
 /// The shard arithmetic lives in tp-spec; re-exported for the layers' callers.
-pub use tp_spec::{HeadPlan, Partition, RankWeights, ShardError, MAX_RANK_WEIGHT};
+pub use tp_spec::{Activation, HeadPlan, Partition, RankWeights, ShardError, MAX_RANK_WEIGHT};

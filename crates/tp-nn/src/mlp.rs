@@ -1,11 +1,12 @@
-//! Parallel SwiGLU MLP (Megatron §3, Fig. 3a; SwiGLU after Shazeer 2020): gate and up are
-//! column-parallel over FFN columns, down is row-parallel, so the output is a [`PartialSum`].
+//! Parallel gated MLP (Megatron §3, Fig. 3a; SwiGLU and GeGLU after Shazeer 2020): gate and
+//! up are column-parallel over FFN columns, down is row-parallel, so the output is a
+//! [`PartialSum`]. The nonlinearity is applied locally, on the rank's own columns.
 
 use crate::error::Result;
 use crate::linear::{ColumnParallelLinear, PartialSum, RowParallelLinear};
 use candle_core::{Tensor, Var};
 use tp_comm::Group;
-use tp_spec::Partition;
+use tp_spec::{Activation, Partition};
 
 #[derive(Debug)]
 pub struct ParallelMlp {
@@ -13,6 +14,7 @@ pub struct ParallelMlp {
     up: ColumnParallelLinear,
     down: RowParallelLinear,
     ffn: Partition,
+    activation: Activation,
 }
 
 impl ParallelMlp {
@@ -31,7 +33,14 @@ impl ParallelMlp {
             up: ColumnParallelLinear::from_global_units(w_up, &ffn, 1, tp_rank)?,
             down: RowParallelLinear::from_global_units(w_down, &ffn, 1, tp_rank)?,
             ffn,
+            activation: Activation::Silu,
         })
+    }
+
+    /// The same MLP with `activation` on the gate (SwiGLU's silu by default).
+    pub fn with_activation(mut self, activation: Activation) -> Self {
+        self.activation = activation;
+        self
     }
 
     pub fn partition(&self) -> &Partition {
@@ -51,7 +60,11 @@ impl ParallelMlp {
     pub fn forward_local(&self, x_par: &Tensor, group: &Group) -> Result<PartialSum> {
         let g = self.gate.forward_local(x_par)?; // [.., ffn_local]
         let u = self.up.forward_local(x_par)?; // [.., ffn_local]
-        let h = (g.silu()? * u)?; // [.., ffn_local]
+        let a = match self.activation {
+            Activation::Silu => g.silu()?,     // [.., ffn_local]
+            Activation::GeluTanh => g.gelu()?, // [.., ffn_local] (tanh approximation)
+        };
+        let h = (a * u)?; // [.., ffn_local]
         self.down.forward(&h, group)
     }
 }

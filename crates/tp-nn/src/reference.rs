@@ -1,12 +1,16 @@
 //! Single-device reference block, the test oracle: plain candle, no parallelism, written
 //! independently of the parallel path (candle's `rms_norm_slow` and `rope_slow`/`rope_i_slow`,
-//! KV heads repeated by broadcasting). Same math as Llama's block, and Qwen3's with the
-//! per-head q/k norms (`rms_norm_slow` over each head's `head_dim`, before RoPE).
+//! KV heads repeated by broadcasting). Same math as Llama's block, Qwen3's with the
+//! per-head q/k norms (`rms_norm_slow` over each head's `head_dim`, before RoPE), and
+//! Gemma-3's layer styles (GeGLU written out from its formula, post norms, `1 + w` norms,
+//! query scale, a windowed mask, scaled positions).
 
 use crate::block::{BlockConfig, BlockWeights};
 use crate::error::Result;
+use crate::error::TpError;
 use crate::rope::RopeLayout;
 use candle_core::{Tensor, Var, D};
+use tp_spec::Activation;
 
 #[derive(Debug)]
 pub struct DenseBlock {
@@ -35,6 +39,10 @@ impl DenseBlock {
             vars.push(("q_norm", v(q)?));
             vars.push(("k_norm", v(k)?));
         }
+        if let Some((a, m)) = cfg.post_norm_weights(w)? {
+            vars.push(("post_attn_norm", v(a)?));
+            vars.push(("post_mlp_norm", v(m)?));
+        }
         // Frequencies theta^(-2i/d), computed here as a tensor expression (not shared with
         // the parallel path's table builder).
         let half = cfg.head_dim / 2;
@@ -42,7 +50,8 @@ impl DenseBlock {
         let f64_ = candle_core::DType::F64;
         let i = Tensor::arange(0u32, half as u32, dev)?.to_dtype(f64_)?; // [half]
         let inv_freq = (i * (-2.0 * cfg.rope_theta.ln() / cfg.head_dim as f64))?.exp()?; // [half]
-        let pos = Tensor::arange(0u32, cfg.max_seq as u32, dev)?.to_dtype(f64_)?; // [max_seq]
+        let pos = (Tensor::arange(0u32, cfg.max_seq as u32, dev)?.to_dtype(f64_)?
+            / cfg.style.rope_scale)?; // [max_seq]
         let ang = pos.unsqueeze(1)?.broadcast_mul(&inv_freq.unsqueeze(0)?)?; // [max_seq, half]
         let cos = ang.cos()?.to_dtype(candle_core::DType::F32)?.contiguous()?; // [max_seq, half]
         let sin = ang.sin()?.to_dtype(candle_core::DType::F32)?.contiguous()?; // [max_seq, half]
@@ -58,30 +67,46 @@ impl DenseBlock {
         &self.vars
     }
 
-    fn w(&self, i: usize) -> &Tensor {
-        self.vars[i].1.as_tensor()
+    /// The weight named `name`.
+    fn w(&self, name: &str) -> Result<&Tensor> {
+        self.vars
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_tensor())
+            .ok_or_else(|| TpError::Config(format!("the reference block has no {name}")))
+    }
+
+    /// RMSNorm of `x` by the weight `name`, `x * (1 + w)` for Gemma's norms.
+    fn norm(&self, x: &Tensor, name: &str) -> Result<Tensor> {
+        let w = self.w(name)?;
+        let w = if self.cfg.style.unit_offset_norms {
+            (w + 1.0)?
+        } else {
+            w.clone()
+        };
+        Ok(candle_nn::ops::rms_norm_slow(
+            x,
+            &w,
+            self.cfg.rms_eps as f32,
+        )?)
     }
 
     /// `h [batch, seq, hidden] -> [batch, seq, hidden]`.
     pub fn forward(&self, h: &Tensor) -> Result<Tensor> {
         let c = &self.cfg;
         let (b, s, hidden) = h.dims3()?;
-        let eps = c.rms_eps as f32;
         let lin = |x: &Tensor, w: &Tensor| x.broadcast_matmul(&w.t()?);
-        let n = candle_nn::ops::rms_norm_slow(h, self.w(0), eps)?; // [b, s, hidden]
-        let q = lin(&n, self.w(1))?.reshape((b, s, c.heads, c.head_dim))?; // [b, s, heads, hd]
-        let k = lin(&n, self.w(2))?.reshape((b, s, c.kv_heads, c.head_dim))?; // [b, s, kv, hd]
+        let n = self.norm(h, "attn_norm")?; // [b, s, hidden]
+        let q = lin(&n, self.w("wq")?)?.reshape((b, s, c.heads, c.head_dim))?; // [b, s, heads, hd]
+        let k = lin(&n, self.w("wk")?)?.reshape((b, s, c.kv_heads, c.head_dim))?; // [b, s, kv, hd]
         let (q, k) = if c.qk_norm {
-            (
-                candle_nn::ops::rms_norm_slow(&q, self.w(9), eps)?, // [b, s, heads, hd]
-                candle_nn::ops::rms_norm_slow(&k, self.w(10), eps)?, // [b, s, kv, hd]
-            )
+            (self.norm(&q, "q_norm")?, self.norm(&k, "k_norm")?) // [b, s, heads|kv, hd]
         } else {
             (q, k)
         };
         let q = q.transpose(1, 2)?.contiguous()?; // [b, heads, s, hd]
         let k = k.transpose(1, 2)?.contiguous()?; // [b, kv, s, hd]
-        let v = lin(&n, self.w(3))?
+        let v = lin(&n, self.w("wv")?)?
             .reshape((b, s, c.kv_heads, c.head_dim))?
             .transpose(1, 2)?
             .contiguous()?; // [b, kv, s, hd]
@@ -102,9 +127,14 @@ impl DenseBlock {
         };
         let k = rep(&k)?; // [b, heads, s, hd]
         let v = rep(&v)?; // [b, heads, s, hd]
-        let att = (q.matmul(&k.transpose(2, 3)?.contiguous()?)? / (c.head_dim as f64).sqrt())?; // [b, heads, s, s]
+        let scale = c
+            .style
+            .query_scale
+            .unwrap_or(1.0 / (c.head_dim as f64).sqrt());
+        let att = (q.matmul(&k.transpose(2, 3)?.contiguous()?)? * scale)?; // [b, heads, s, s]
+        let window = c.style.window.unwrap_or(s + 1);
         let mask: Vec<u8> = (0..s)
-            .flat_map(|i| (0..s).map(move |j| u8::from(j <= i)))
+            .flat_map(|i| (0..s).map(move |j| u8::from(j <= i && j + window > i)))
             .collect();
         let mask = Tensor::from_vec(mask, (s, s), h.device())?.broadcast_as(att.shape())?; // [b, heads, s, s]
         let neg = Tensor::full(f32::NEG_INFINITY, att.shape(), h.device())?; // [b, heads, s, s]
@@ -115,12 +145,31 @@ impl DenseBlock {
                 .transpose(1, 2)?
                 .contiguous()?
                 .reshape((b, s, c.heads * c.head_dim))?; // [b, s, heads*hd]
-        let h = (h + lin(&ctx, self.w(4))?)?; // [b, s, hidden]
-        let n = candle_nn::ops::rms_norm_slow(&h, self.w(5), eps)?; // [b, s, hidden]
-        let gate = lin(&n, self.w(6))?; // [b, s, ffn]
-        let up = lin(&n, self.w(7))?; // [b, s, ffn]
-        let act = (candle_nn::ops::sigmoid(&gate)? * &gate)?; // [b, s, ffn]
-        let m = lin(&(act * up)?, self.w(8))?; // [b, s, hidden]
+        let a = lin(&ctx, self.w("wo")?)?; // [b, s, hidden]
+        let a = if c.style.post_norms {
+            self.norm(&a, "post_attn_norm")? // [b, s, hidden]
+        } else {
+            a
+        };
+        let h = (h + a)?; // [b, s, hidden]
+        let n = self.norm(&h, "mlp_norm")?; // [b, s, hidden]
+        let gate = lin(&n, self.w("w_gate")?)?; // [b, s, ffn]
+        let up = lin(&n, self.w("w_up")?)?; // [b, s, ffn]
+        let act = match c.style.activation {
+            Activation::Silu => (candle_nn::ops::sigmoid(&gate)? * &gate)?, // [b, s, ffn]
+            Activation::GeluTanh => {
+                // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+                let cube = (gate.sqr()? * &gate)?; // [b, s, ffn]
+                let inner = ((&gate + (cube * 0.044715)?)? * (2.0 / std::f64::consts::PI).sqrt())?; // [b, s, ffn]
+                (((inner.tanh()? + 1.0)? * &gate)? * 0.5)? // [b, s, ffn]
+            }
+        };
+        let m = lin(&(act * up)?, self.w("w_down")?)?; // [b, s, hidden]
+        let m = if c.style.post_norms {
+            self.norm(&m, "post_mlp_norm")? // [b, s, hidden]
+        } else {
+            m
+        };
         debug_assert_eq!(m.dim(2)?, hidden);
         Ok((h + m)?)
     }

@@ -28,6 +28,24 @@ impl Rope {
         layout: RopeLayout,
         device: &Device,
     ) -> Result<Self> {
+        Self::scaled(head_dim, max_seq, theta, 1.0, layout, device)
+    }
+
+    /// With linear position scaling: position `p` rotates as `p / scale` would (Gemma-3's
+    /// global layers; `scale` 1: none).
+    pub fn scaled(
+        head_dim: usize,
+        max_seq: usize,
+        theta: f64,
+        scale: f64,
+        layout: RopeLayout,
+        device: &Device,
+    ) -> Result<Self> {
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(TpError::Config(format!(
+                "RoPE scaling factor {scale} must be a positive number"
+            )));
+        }
         if !head_dim.is_multiple_of(2) || head_dim == 0 {
             return Err(TpError::Config(format!(
                 "RoPE needs an even head_dim, got {head_dim}"
@@ -38,7 +56,7 @@ impl Rope {
         let mut sin = Vec::with_capacity(max_seq * half);
         for p in 0..max_seq {
             for i in 0..half {
-                let freq = theta.powf(-((2 * i) as f64) / head_dim as f64);
+                let freq = theta.powf(-((2 * i) as f64) / head_dim as f64) / scale;
                 let a = p as f64 * freq;
                 cos.push(a.cos() as f32);
                 sin.push(a.sin() as f32);

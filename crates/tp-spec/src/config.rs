@@ -424,8 +424,12 @@ impl ModelConfig {
             rope_style: RopeStyle::RotateHalf,
             qkv_bias: arch == Arch::Qwen2 || hf.bool("attention_bias")? == Some(true),
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
-            // Gemma ties its head whatever the config says (transformers' default is true).
-            tied_embeddings: d.tied_embeddings || arch == Arch::Gemma3,
+            // transformers' default is tied for Gemma (untied for the others); an explicit
+            // `false` unties it there too.
+            tied_embeddings: match arch {
+                Arch::Gemma3 => hf.bool("tie_word_embeddings")?.unwrap_or(true),
+                _ => d.tied_embeddings,
+            },
             block,
             ..Self::from_dims(arch, d)
         };
@@ -818,6 +822,20 @@ mod tests {
         let h = ModelConfig::from_hf_json(&v.to_string()).unwrap();
         assert_eq!(h.block.sliding.unwrap().period, 2);
         assert_eq!((h.block.rope_scale, h.query_scale()), (8.0, 0.125));
+        // Tied unless the config unties it (transformers' default for Gemma is tied).
+        assert!(h.tied_embeddings);
+        v.as_object_mut().unwrap().remove("tie_word_embeddings");
+        assert!(
+            ModelConfig::from_hf_json(&v.to_string())
+                .unwrap()
+                .tied_embeddings
+        );
+        v["tie_word_embeddings"] = false.into();
+        assert!(
+            !ModelConfig::from_hf_json(&v.to_string())
+                .unwrap()
+                .tied_embeddings
+        );
         // What no engine here computes is refused by name.
         for (k, val, says) in [
             (

@@ -1,22 +1,23 @@
-//! The model trained here is tp-spec's [`ModelConfig`] (a Llama or a Qwen3, which adds an
-//! RMSNorm over each query and key head); this adds what training needs on top: presets (of
-//! either architecture), reading an HF `config.json` through tp-spec's reader, the checks
-//! training adds (untied embeddings, Llama or Qwen3 only, weights and optimizer state that
-//! fit), the block sizes for tp-nn and the `config.json` text a checkpoint carries.
+//! The model trained here is tp-spec's [`ModelConfig`] (a Llama; a Qwen3, which adds an
+//! RMSNorm over each query and key head; or a Gemma-3, which adds Gemma's block to Qwen3's);
+//! this adds what training needs on top: presets (of each architecture), reading an HF
+//! `config.json` through tp-spec's reader, the checks training adds (untied embeddings, these
+//! architectures only, weights and optimizer state that fit), each layer's block for tp-nn
+//! and the `config.json` text a checkpoint carries.
 
 use crate::error::{Result, TrainError};
 use std::path::Path;
-use tp_nn::{BlockConfig, RopeLayout};
+use tp_nn::{BlockConfig, LayerStyle, RopeLayout};
 pub use tp_spec::ModelConfig;
-use tp_spec::{Arch, RopeStyle};
+use tp_spec::{Arch, BlockStyle, RopeStyle, SlidingWindow};
 
 /// Preset names accepted by `--config`.
 pub const PRESETS: &[&str] = &["tiny", "small", "bench"];
 
 /// The architectures training supports, by the name `--arch` takes (tp-spec's).
-pub const TRAINABLE_ARCHS: [Arch; 2] = [Arch::Llama, Arch::Qwen3];
+pub const TRAINABLE_ARCHS: [Arch; 3] = [Arch::Llama, Arch::Qwen3, Arch::Gemma3];
 
-/// The trainable architecture named `name` (`llama`, `qwen3`); the error lists them.
+/// The trainable architecture named `name` (`llama`, `qwen3`, `gemma3`); the error lists them.
 pub fn trainable_arch(name: &str) -> Result<Arch> {
     TRAINABLE_ARCHS
         .into_iter()
@@ -35,9 +36,28 @@ fn arch_names() -> String {
 
 fn only_trainable(arch: &str) -> String {
     format!(
-        "model_type {arch:?}: only Llama and Qwen3 models (LlamaForCausalLM, Qwen3ForCausalLM) \
-         can be trained"
+        "model_type {arch:?}: only Llama, Qwen3 and Gemma-3 models (LlamaForCausalLM, \
+         Qwen3ForCausalLM, Gemma3ForCausalLM) can be trained"
     )
+}
+
+/// RoPE base of a Gemma-3 preset's global layers (Gemma-3's own; its local layers keep
+/// 10 000).
+const GEMMA3_ROPE_THETA: f64 = 1_000_000.0;
+
+/// Gemma-3's block for a preset of `context` positions and few layers: a window of a quarter
+/// of the context on every other layer (Gemma-3 itself: 5 layers of 6, a window of 512 or
+/// 1024; a config.json sets both).
+fn gemma3_preset_block(context: usize) -> BlockStyle {
+    let window = (context / 4).max(1);
+    BlockStyle {
+        sliding: Some(SlidingWindow {
+            window,
+            period: 2,
+            rope_theta: 10_000.0,
+        }),
+        ..BlockStyle::gemma3(window)
+    }
 }
 
 /// A Llama of these sizes with the defaults training uses (rms eps 1e-5, rope theta 10^4,
@@ -82,21 +102,24 @@ pub trait TrainModel: Sized {
     fn preset(name: &str) -> Option<Self>;
     /// A preset name or the path of an HF `config.json` (or of a directory holding one).
     fn from_arg(arg: &str) -> Result<Self>;
-    /// Reads an HF Llama or Qwen3 `config.json`.
+    /// Reads an HF Llama, Qwen3 or Gemma-3 `config.json`.
     fn read(path: &Path) -> Result<Self>;
     /// Parses the text of an HF `config.json`; the error says what is wrong.
     fn parse(text: &str) -> std::result::Result<Self, String>;
     /// The same model with another vocabulary size (a tokenizer's).
     fn with_vocab(self, vocab: usize) -> Self;
     /// The same sizes as a model of `arch` (one of [`TRAINABLE_ARCHS`]): Qwen3 adds the
-    /// per-head q/k norms, Llama drops them.
+    /// per-head q/k norms, Gemma-3 adds them and its block (GeGLU, post norms, scaled
+    /// embeddings, a window of a quarter of the context on every other layer, RoPE bases
+    /// 10^6 global and 10^4 local), Llama drops them.
     fn with_arch(self, arch: Arch) -> Result<Self>;
     /// The checks training adds to [`ModelConfig::validate`] (layout checks are in
     /// [`crate::layout`]).
     fn check_trainable(&self) -> Result<()>;
-    /// One block's sizes for tp-nn. RoPE is HF's rotate-half layout, so a checkpoint means
-    /// the same thing to an HF-directory loader.
-    fn block(&self) -> BlockConfig;
+    /// Layer `layer`'s block for tp-nn (Gemma-3's local and global layers differ in window,
+    /// RoPE base and scaling). RoPE is HF's rotate-half layout, so a checkpoint means the same
+    /// thing to an HF-directory loader.
+    fn block(&self, layer: usize) -> BlockConfig;
     /// Trainable parameters of the whole model (saturating).
     fn num_params(&self) -> usize;
     /// The HF `config.json` text of this model.
@@ -151,7 +174,7 @@ impl TrainModel for ModelConfig {
     fn parse(text: &str) -> std::result::Result<ModelConfig, String> {
         let c = ModelConfig::from_hf_json(text).map_err(|e| match e {
             tp_spec::SpecError::UnsupportedArch { arch } => only_trainable(&arch),
-            other => format!("not a Llama or Qwen3 config.json ({other})"),
+            other => format!("not a Llama, Qwen3 or Gemma-3 config.json ({other})"),
         })?;
         if !TRAINABLE_ARCHS.contains(&c.arch) {
             return Err(only_trainable(c.arch.name()));
@@ -176,8 +199,16 @@ impl TrainModel for ModelConfig {
                 arch_names()
             )));
         }
+        let was_gemma = self.arch == Arch::Gemma3;
         self.arch = arch;
-        self.qk_norm = arch == Arch::Qwen3;
+        self.qk_norm = matches!(arch, Arch::Qwen3 | Arch::Gemma3);
+        if arch == Arch::Gemma3 && !was_gemma {
+            self.block = gemma3_preset_block(self.context);
+            self.rope_theta = GEMMA3_ROPE_THETA;
+        } else if arch != Arch::Gemma3 && was_gemma {
+            self.block = BlockStyle::LLAMA;
+            self.rope_theta = 10_000.0;
+        }
         Ok(self)
     }
 
@@ -187,8 +218,8 @@ impl TrainModel for ModelConfig {
             .map_err(|e| TrainError::Config(e.to_string()))?;
         if !TRAINABLE_ARCHS.contains(&self.arch) || self.qkv_bias || self.experts.is_some() {
             return bad(format!(
-                "a {} model{}; training supports Llama and Qwen3 models without biases or \
-                 experts",
+                "a {} model{}; training supports Llama, Qwen3 and Gemma-3 models without \
+                 biases or experts",
                 self.arch.name(),
                 if self.experts.is_some() {
                     " with experts"
@@ -197,11 +228,20 @@ impl TrainModel for ModelConfig {
                 }
             ));
         }
-        if self.qk_norm != (self.arch == Arch::Qwen3) {
+        let gemma = self.arch == Arch::Gemma3;
+        if self.qk_norm != matches!(self.arch, Arch::Qwen3 | Arch::Gemma3) {
             return bad(format!(
-                "a {} model with qk_norm = {}: per-head q/k norms are Qwen3's, and only Qwen3's",
+                "a {} model with qk_norm = {}: per-head q/k norms are Qwen3's and Gemma-3's, \
+                 and only theirs",
                 self.arch.name(),
                 self.qk_norm
+            ));
+        }
+        if !gemma && self.block != BlockStyle::LLAMA {
+            return bad(format!(
+                "a {} model with Gemma's block ({}): only Gemma-3 models have it",
+                self.arch.name(),
+                self.block.summary(self.layers).unwrap_or_default()
             ));
         }
         if self.tied_embeddings {
@@ -232,18 +272,29 @@ impl TrainModel for ModelConfig {
         Ok(())
     }
 
-    fn block(&self) -> BlockConfig {
+    fn block(&self, layer: usize) -> BlockConfig {
+        let b = &self.block;
+        let local = b.sliding.filter(|s| s.is_local(layer));
         BlockConfig {
             hidden: self.hidden,
             heads: self.heads,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
             ffn: self.ffn,
-            rope_theta: self.rope_theta,
+            rope_theta: local.map_or(self.rope_theta, |s| s.rope_theta),
             rope_layout: RopeLayout::RotateHalf,
             rms_eps: self.rms_eps,
             max_seq: self.context,
             qk_norm: self.qk_norm,
+            style: LayerStyle {
+                activation: b.activation,
+                post_norms: b.post_norms,
+                unit_offset_norms: b.hf_norm_minus_one,
+                query_scale: b.query_scale,
+                window: local.map(|s| s.window),
+                // Gemma-3 scales the global layers' positions only.
+                rope_scale: if local.is_some() { 1.0 } else { b.rope_scale },
+            },
         }
     }
 
@@ -284,23 +335,33 @@ mod tests {
             .to_string()
             .contains("set it to false"));
         let e = ModelConfig::parse("{\"model_type\": \"gpt2\"}").unwrap_err();
-        assert!(e.contains("only Llama and Qwen3 models"), "{e}");
+        assert!(e.contains("only Llama, Qwen3 and Gemma-3 models"), "{e}");
         let e = ModelConfig::parse("{\"model_type\": \"llama\"}").unwrap_err();
-        assert!(e.contains("not a Llama or Qwen3 config.json"), "{e}");
+        assert!(
+            e.contains("not a Llama, Qwen3 or Gemma-3 config.json"),
+            "{e}"
+        );
         let mut qwen2 = ModelConfig::preset("tiny").unwrap();
         (qwen2.arch, qwen2.qkv_bias) = (Arch::Qwen2, true);
         let e = ModelConfig::parse(&qwen2.hf_json_text()).unwrap_err();
-        assert!(e.contains("\"qwen2\": only Llama and Qwen3"), "{e}");
+        assert!(
+            e.contains("\"qwen2\": only Llama, Qwen3 and Gemma-3"),
+            "{e}"
+        );
         assert!(ModelConfig::preset("tiny")
             .unwrap()
             .with_arch(Arch::Qwen2)
             .is_err());
         let e = trainable_arch("qwen2").unwrap_err().to_string();
-        assert!(e.contains("use one of llama, qwen3"), "{e}");
+        assert!(e.contains("use one of llama, qwen3, gemma3"), "{e}");
         let mut odd = ModelConfig::preset("tiny").unwrap();
         odd.qk_norm = true;
         let e = odd.check_trainable().unwrap_err().to_string();
-        assert!(e.contains("only Qwen3's"), "{e}");
+        assert!(e.contains("Qwen3's and Gemma-3's"), "{e}");
+        let mut odd = ModelConfig::preset("tiny").unwrap();
+        odd.block = BlockStyle::gemma3(8);
+        let e = odd.check_trainable().unwrap_err().to_string();
+        assert!(e.contains("only Gemma-3 models have it"), "{e}");
         let e = ModelConfig::from_arg("/no/such/config.json")
             .unwrap_err()
             .to_string();
@@ -314,7 +375,7 @@ mod tests {
                 .unwrap()
                 .with_arch(trainable_arch("qwen3").unwrap())
                 .unwrap();
-            assert!(c.qk_norm && c.block().qk_norm);
+            assert!(c.qk_norm && c.block(0).qk_norm);
             c.check_trainable().unwrap();
             let json = c.to_hf_json();
             assert_eq!(json["model_type"], "qwen3");
@@ -331,6 +392,39 @@ mod tests {
         assert_eq!(
             q.num_params(),
             ModelConfig::preset("tiny").unwrap().num_params() + 4 * 2 * 32
+        );
+    }
+
+    #[test]
+    fn gemma3_presets_round_trip_and_vary_by_layer() {
+        for name in PRESETS {
+            let c = ModelConfig::preset(name)
+                .unwrap()
+                .with_arch(trainable_arch("gemma3").unwrap())
+                .unwrap();
+            c.check_trainable().unwrap();
+            let json = c.to_hf_json();
+            assert_eq!(json["model_type"], "gemma3_text");
+            assert_eq!(json["architectures"][0], "Gemma3ForCausalLM");
+            assert_eq!(json["tie_word_embeddings"], false);
+            assert_eq!(ModelConfig::parse(&c.hf_json_text()).unwrap(), c, "{name}");
+            let back = c.with_arch(Arch::Llama).unwrap();
+            assert_eq!(back, ModelConfig::preset(name).unwrap());
+        }
+        let g = ModelConfig::preset("tiny")
+            .unwrap()
+            .with_arch(Arch::Gemma3)
+            .unwrap();
+        let (local, global) = (g.block(0), g.block(1));
+        assert_eq!(local.style.window, Some(128));
+        assert_eq!((local.rope_theta, global.rope_theta), (1e4, 1e6));
+        assert_eq!(global.style.window, None);
+        assert!(local.qk_norm && local.style.post_norms && local.style.unit_offset_norms);
+        assert_eq!(local.style.activation, tp_nn::Activation::GeluTanh);
+        // Per layer, q/k norms of head_dim (32) and two post norms of hidden (128).
+        assert_eq!(
+            g.num_params(),
+            ModelConfig::preset("tiny").unwrap().num_params() + 4 * (2 * 32 + 2 * 128)
         );
     }
 

@@ -1,9 +1,11 @@
 //! The small model, corpus slice and run settings that the tests and the MPI check share:
 //! 4 heads (2 KV heads), FFN 64 and a 256-byte vocabulary, so tp 3 splits heads 2/1/1 with a
 //! KV head held by two ranks, FFN 22/21/21 and vocabulary 86/85/85; 4 layers for pp up to 4.
-//! The same sizes as a Qwen3 ([`qwen3_model`], [`qwen3_spec`]) add the per-head q/k norms.
+//! The same sizes as a Qwen3 ([`qwen3_model`], [`qwen3_spec`]) add the per-head q/k norms;
+//! as a Gemma-3 ([`gemma3_model`], [`gemma3_spec`]) they have one KV head (tp 2..4 above it),
+//! Gemma's block and a window of 6 positions on layers 0 and 2 (sequences of 16).
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, TrainModel};
 use crate::data::{Corpus, DEFAULT_CORPUS};
 use crate::error::Result;
 use crate::optim::AdamWConfig;
@@ -21,6 +23,22 @@ pub fn qwen3_model() -> ModelConfig {
         qk_norm: true,
         ..model()
     }
+}
+
+/// [`model`] as a Gemma-3 (its block, q/k norms, one KV head): layers 0 and 2 attend through
+/// a window of 6 positions with RoPE base 10^4, layers 1 and 3 globally with base 10^6 and
+/// positions scaled by 2; queries scaled by 1/4 (not 1/sqrt(8)).
+pub fn gemma3_model() -> ModelConfig {
+    let mut m = model()
+        .with_arch(tp_spec::Arch::Gemma3)
+        .expect("Gemma-3 is trainable");
+    m.kv_heads = 1;
+    if let Some(s) = m.block.sliding.as_mut() {
+        s.window = 6;
+    }
+    m.block.rope_scale = 2.0;
+    m.block.query_scale = Some(0.25);
+    m
 }
 
 /// The first 40 KB of the built-in corpus as bytes, windows of 16 tokens.
@@ -57,6 +75,14 @@ pub fn spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
 pub fn qwen3_spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
     TrainSpec {
         model: qwen3_model(),
+        ..spec(dims, steps, micro_batches)
+    }
+}
+
+/// [`spec`] with [`gemma3_model`].
+pub fn gemma3_spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
+    TrainSpec {
+        model: gemma3_model(),
         ..spec(dims, steps, micro_batches)
     }
 }

@@ -15,11 +15,14 @@ pub trait WeightSource {
 
 /// Fresh weights: linears uniform with standard deviation `1/sqrt(fan_in)` (output
 /// projections `o_proj` and `down_proj` further scaled by `1/sqrt(2 * layers)`, GPT-2's
-/// residual scaling), embeddings and LM head with standard deviation 0.02, norms 1.
+/// residual scaling), embeddings and LM head with standard deviation 0.02, norms 1 (stored
+/// as 0 where the norms compute `x * (1 + w)`: Gemma's).
 #[derive(Clone, Debug)]
 pub struct SeededInit {
     pub seed: u64,
     pub layers: usize,
+    /// The stored value of a norm weight that scales by 1.
+    pub norm_value: f32,
 }
 
 impl SeededInit {
@@ -27,6 +30,11 @@ impl SeededInit {
         SeededInit {
             seed,
             layers: cfg.layers,
+            norm_value: if cfg.block.hf_norm_minus_one {
+                0.0
+            } else {
+                1.0
+            },
         }
     }
 
@@ -45,7 +53,7 @@ impl WeightSource for SeededInit {
     fn global(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         let dev = Device::Cpu;
         if shape.len() == 1 {
-            return Ok(Tensor::ones(shape, candle_core::DType::F32, &dev)?);
+            return Ok(Tensor::full(self.norm_value, shape, &dev)?);
         }
         let fan_in = shape.last().copied().unwrap_or(1).max(1) as f32;
         let std = if name.ends_with("embed_tokens.weight") || name.ends_with("lm_head.weight") {

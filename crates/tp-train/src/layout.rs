@@ -91,8 +91,9 @@ pub type LayerWeight = fn(usize) -> WeightName;
 
 /// tp-nn's names of a block's tensors, paired with the canonical weight (whose HF name, from
 /// tp-spec's one table, is the tensor's name in a checkpoint): the nine of every block, then
-/// Qwen3's per-head q/k norms (in tp-nn's order, [`tp_nn::ParallelBlock::params`]).
-pub const BLOCK_WEIGHTS: [(&str, LayerWeight); 11] = [
+/// the per-head q/k norms (Qwen3, Gemma-3), then Gemma's post norms (in tp-nn's order,
+/// [`tp_nn::ParallelBlock::params`]).
+pub const BLOCK_WEIGHTS: [(&str, LayerWeight); 13] = [
     ("attn_norm", WeightName::AttnNorm),
     ("wq", WeightName::Q),
     ("wk", WeightName::K),
@@ -104,32 +105,33 @@ pub const BLOCK_WEIGHTS: [(&str, LayerWeight); 11] = [
     ("w_down", WeightName::Down),
     ("q_norm", WeightName::QNorm),
     ("k_norm", WeightName::KNorm),
+    ("post_attn_norm", WeightName::PostAttnNorm),
+    ("post_mlp_norm", WeightName::PostFfnNorm),
 ];
 
-/// The HF spelling of the families trained here (Llama's: no Gemma norms).
-const TRAINED_SPELLING: Arch = Arch::Llama;
-
-/// The tensors of one block of `cfg`, by tp-nn name: the first nine of [`BLOCK_WEIGHTS`], and
-/// the q/k norms when the model has them.
+/// The tensors of one block of `cfg`, by tp-nn name: the first nine of [`BLOCK_WEIGHTS`],
+/// the q/k norms when the model has them, the post norms when it has those (only Gemma-3
+/// has post norms, and it has q/k norms: [`TrainModel::check_trainable`]).
 pub fn block_tensors(cfg: &ModelConfig) -> &'static [(&'static str, LayerWeight)] {
-    if cfg.qk_norm {
-        &BLOCK_WEIGHTS
-    } else {
-        &BLOCK_WEIGHTS[..9]
+    match (cfg.qk_norm, cfg.block.post_norms) {
+        (true, true) => &BLOCK_WEIGHTS,
+        (true, false) => &BLOCK_WEIGHTS[..11],
+        _ => &BLOCK_WEIGHTS[..9],
     }
 }
 
-/// The HF name of a weight outside the blocks (embedding, final norm, LM head).
+/// The HF name of a weight outside the blocks (embedding, final norm, LM head; the same in
+/// every family trained here).
 pub fn global_name(w: WeightName) -> String {
-    hf_name(TRAINED_SPELLING, w)
+    hf_name(Arch::Llama, w)
 }
 
-/// The HF name of tp-nn block tensor `short` in layer `layer`.
-pub fn block_tensor_name(layer: usize, short: &str) -> Option<String> {
+/// The HF name, in `arch`'s spelling, of tp-nn block tensor `short` in layer `layer`.
+pub fn block_tensor_name(arch: Arch, layer: usize, short: &str) -> Option<String> {
     BLOCK_WEIGHTS
         .iter()
         .find(|(s, _)| *s == short)
-        .map(|(_, w)| hf_name(TRAINED_SPELLING, w(layer)))
+        .map(|(_, w)| hf_name(arch, w(layer)))
 }
 
 /// The vocabulary split of the embedding and the LM head.
@@ -176,7 +178,7 @@ pub fn stage_params(
         ));
     }
     for layer in layers {
-        let n = |short: &str| block_tensor_name(layer, short).unwrap_or_default();
+        let n = |short: &str| block_tensor_name(cfg.arch, layer, short).unwrap_or_default();
         out.push(spec(n("attn_norm"), vec![h], Placement::Replicated));
         out.push(spec(n("wq"), vec![q_rows, h], shard(0, &q, hd)));
         out.push(spec(n("wk"), vec![kv_rows, h], shard(0, &kv, hd)));
@@ -192,6 +194,11 @@ pub fn stage_params(
                     tp_partial_grad: tp_nn::tp_partial_grad(short),
                     ..spec(n(short), vec![hd], Placement::Replicated)
                 });
+            }
+        }
+        if cfg.block.post_norms {
+            for short in ["post_attn_norm", "post_mlp_norm"] {
+                out.push(spec(n(short), vec![h], Placement::Replicated));
             }
         }
     }
@@ -308,6 +315,41 @@ mod tests {
             .unwrap()
             .iter()
             .all(|s| !s.tp_partial_grad));
+    }
+
+    #[test]
+    fn gemma3_layers_add_post_norms_under_gemmas_hf_names() {
+        let c = cfg().with_arch(tp_spec::Arch::Gemma3).unwrap();
+        let all = all_params(&c).unwrap();
+        assert_eq!(all.len(), 1 + 13 * 3 + 2);
+        let layer0: Vec<&str> = all[1..14].iter().map(|s| s.name.as_str()).collect();
+        for (short, hf) in [
+            (
+                "mlp_norm",
+                "model.layers.0.pre_feedforward_layernorm.weight",
+            ),
+            (
+                "post_attn_norm",
+                "model.layers.0.post_attention_layernorm.weight",
+            ),
+            (
+                "post_mlp_norm",
+                "model.layers.0.post_feedforward_layernorm.weight",
+            ),
+        ] {
+            assert_eq!(block_tensor_name(c.arch, 0, short).as_deref(), Some(hf));
+            assert!(layer0.contains(&hf), "{hf} missing from {layer0:?}");
+        }
+        // The post norms are whole on every rank (no partial gradients), without decay.
+        for s in all
+            .iter()
+            .filter(|s| s.name.contains("feedforward_layernorm"))
+        {
+            assert_eq!(
+                (&s.placement, s.decay, s.tp_partial_grad),
+                (&Placement::Replicated, false, false)
+            );
+        }
     }
 
     #[test]

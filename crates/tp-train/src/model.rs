@@ -1,7 +1,8 @@
-//! One pipeline stage of the Llama-style model (or Qwen3's, with per-head q/k norms) on one tp rank, built from tp-nn's layers
-//! (the same ones inference uses): vocab-parallel embedding on the first stage, its share of
-//! the blocks, and the final RMSNorm, column-parallel LM head and vocab-parallel
-//! cross-entropy on the last (Megatron §3; Narayanan et al. 2021 §2.2 for the stages).
+//! One pipeline stage of the Llama-style model (Qwen3's with per-head q/k norms, Gemma-3's
+//! with its block and scaled embeddings) on one tp rank, built from tp-nn's layers:
+//! vocab-parallel embedding on the first stage, its share of the blocks, and the final
+//! RMSNorm, column-parallel LM head and vocab-parallel cross-entropy on the last (Megatron §3;
+//! Narayanan et al. 2021 §2.2 for the stages).
 
 use crate::config::{ModelConfig, TrainModel};
 use crate::error::{Result, TrainError};
@@ -20,6 +21,8 @@ use tp_spec::WeightName;
 #[derive(Debug)]
 pub struct StageModel {
     embed: Option<VocabParallelEmbedding>,
+    /// What the embeddings are multiplied by (Gemma's `sqrt(hidden)`; 1 otherwise).
+    embed_scale: f64,
     blocks: Vec<ParallelBlock>,
     norm: Option<RmsNorm>,
     head: Option<ColumnParallelLinear>,
@@ -56,11 +59,10 @@ impl StageModel {
         } else {
             None
         };
-        let bc = cfg.block();
         let mut blocks = Vec::with_capacity(layers.len());
         for layer in layers.clone() {
             let shape = |short: &str| -> Vec<usize> {
-                let name = block_tensor_name(layer, short).unwrap_or_default();
+                let name = block_tensor_name(cfg.arch, layer, short).unwrap_or_default();
                 specs
                     .iter()
                     .find(|s| s.name == name)
@@ -68,7 +70,7 @@ impl StageModel {
                     .unwrap_or_default()
             };
             let get = |short: &str| -> Result<Tensor> {
-                let name = block_tensor_name(layer, short).unwrap_or_default();
+                let name = block_tensor_name(cfg.arch, layer, short).unwrap_or_default();
                 weights.global(&name, &shape(short))
             };
             let w = BlockWeights {
@@ -83,6 +85,8 @@ impl StageModel {
                 w_down: get("w_down")?,
                 q_norm: None,
                 k_norm: None,
+                post_attn_norm: None,
+                post_mlp_norm: None,
             };
             let w = if cfg.qk_norm {
                 BlockWeights {
@@ -93,13 +97,31 @@ impl StageModel {
             } else {
                 w
             };
-            blocks.push(ParallelBlock::from_global(&bc, &w, tp_rank, tp)?);
+            let w = if cfg.block.post_norms {
+                BlockWeights {
+                    post_attn_norm: Some(get("post_attn_norm")?), // [hidden]
+                    post_mlp_norm: Some(get("post_mlp_norm")?),   // [hidden]
+                    ..w
+                }
+            } else {
+                w
+            };
+            blocks.push(ParallelBlock::from_global(
+                &cfg.block(layer),
+                &w,
+                tp_rank,
+                tp,
+            )?);
         }
         let (norm, head) = if last {
             let w = weights.global(&layout::global_name(WeightName::OutputNorm), &[h])?; // [hidden]
             let lm = weights.global(&layout::global_name(WeightName::Output), &[v, h])?; // [vocab, hidden]
             (
-                Some(RmsNorm::from_global(&w, cfg.rms_eps)?),
+                Some(RmsNorm::from_global_offset(
+                    &w,
+                    cfg.rms_eps,
+                    cfg.block.hf_norm_minus_one,
+                )?),
                 Some(ColumnParallelLinear::from_global(&lm, tp_rank, tp)?),
             )
         } else {
@@ -107,6 +129,11 @@ impl StageModel {
         };
         let model = StageModel {
             embed,
+            embed_scale: if cfg.block.embed_scale {
+                (h as f64).sqrt()
+            } else {
+                1.0
+            },
             blocks,
             norm,
             head,
@@ -216,6 +243,9 @@ impl StageModel {
     /// states `[batch, seq, hidden]`.
     pub fn hidden(&self, input: StageInput<'_>, tp: &Group) -> Result<Tensor> {
         let mut h = match (input, &self.embed) {
+            (StageInput::Tokens(ids), Some(e)) if self.embed_scale != 1.0 => {
+                (e.forward(ids, tp)? * self.embed_scale)? // [b, s, hidden]
+            }
             (StageInput::Tokens(ids), Some(e)) => e.forward(ids, tp)?, // [b, s, hidden]
             (StageInput::Hidden(h), None) => h.clone(),                // [b, s, hidden]
             _ => {

@@ -16,7 +16,7 @@ use tp_comm::ParallelDims;
 #[derive(Clone, Debug)]
 pub struct RunRequest {
     pub dims: ParallelDims,
-    /// A preset (tiny, small, bench) or an HF Llama or Qwen3 config.json; default tiny, or
+    /// A preset (tiny, small, bench) or an HF Llama, Qwen3 or Gemma-3 config.json; default tiny, or
     /// the checkpoint's model.
     pub config: Option<String>,
     /// The architecture (`llama`, `qwen3`) a preset is built as (default llama); with a
@@ -295,7 +295,7 @@ mod tests {
         assert_eq!(p.spec.model.arch, Arch::Qwen3);
         assert!(p.spec.model.qk_norm);
         let e = prepared_arch(None, Some("qwen2")).unwrap_err().to_string();
-        assert!(e.contains("use one of llama, qwen3"), "{e}");
+        assert!(e.contains("use one of llama, qwen3, gemma3"), "{e}");
 
         // A config.json carries its own architecture: --arch must agree with it.
         let dir = std::env::temp_dir().join(format!("tp-train-arch-{}", std::process::id()));

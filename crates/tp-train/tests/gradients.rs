@@ -1,12 +1,13 @@
 //! Gradients, step 0: every trainable parameter receives a non-zero gradient (candle's fused
 //! ops have no backward: a silent zero would never train), and at every layout each rank's
 //! completed, dp-summed gradient shard equals its slice of the tp1 gradient — for the Llama
-//! and for the Qwen3 of the same sizes (whose per-head q/k norm gradients are summed over tp).
+//! and for the Qwen3 of the same sizes (whose per-head q/k norm gradients are summed over tp)
+//! and the Gemma-3 (one KV head held by every rank; post norms, windows, scaled embeddings).
 
 mod common;
 use common::*;
 use tp_train::checkpoint::shards::slice_global;
-use tp_train::fixtures::qwen3_spec;
+use tp_train::fixtures::{gemma3_spec, qwen3_spec};
 use tp_train::layout::ParamSpec;
 use tp_train::{TrainOptions, TrainSpec};
 
@@ -34,6 +35,11 @@ fn every_parameter_gets_a_gradient_and_every_shard_matches_tp1() {
 #[test]
 fn qwen3_every_parameter_gets_a_gradient_and_every_shard_matches_tp1() {
     check_every_shard(qwen3_spec, 11);
+}
+
+#[test]
+fn gemma3_every_parameter_gets_a_gradient_and_every_shard_matches_tp1() {
+    check_every_shard(gemma3_spec, 13);
 }
 
 /// The checks above for the model of `spec`, whose layers have `per_layer` tensors.

@@ -49,8 +49,11 @@ fn dense_loss(dir: &std::path::Path, ids: &Tensor, targets: &Tensor) -> f32 {
             // Qwen3's per-head norms, when config.json says qwen3.
             q_norm: cfg.qk_norm.then(|| t("self_attn.q_norm")),
             k_norm: cfg.qk_norm.then(|| t("self_attn.k_norm")),
+            // (Gemma's post norms: its own test, gemma3_inference.rs.)
+            post_attn_norm: None,
+            post_mlp_norm: None,
         };
-        h = DenseBlock::new(&cfg.block(), &w)
+        h = DenseBlock::new(&cfg.block(i), &w)
             .unwrap()
             .forward(&h)
             .unwrap();

@@ -14,10 +14,13 @@
 //! rank, summed over tp once a step; measured at most 4.5e-7). Leaving that sum out moves the
 //! tp2 x pp2 loss by 3e-4 within the 20 steps (mutation run), above the 1e-4 tolerance; the
 //! gradient test (tests/gradients.rs) catches it at the first step.
+//!
+//! And for the Gemma-3 of the same sizes (one KV head, windows of 6 on layers 0 and 2, post
+//! norms, GeGLU, scaled embeddings; measured at most 9.6e-8).
 
 mod common;
 use common::*;
-use tp_train::fixtures::qwen3_spec;
+use tp_train::fixtures::{gemma3_spec, qwen3_spec};
 
 #[test]
 fn every_layout_follows_the_tp1_loss_curve_for_20_steps() {
@@ -64,13 +67,25 @@ fn every_layout_follows_the_tp1_loss_curve_for_20_steps() {
 
 #[test]
 fn qwen3_follows_the_tp1_loss_curve_at_tp2_pp2_and_tp2_x_pp2() {
+    follows_tp1("Qwen3", qwen3_spec);
+}
+
+#[test]
+fn gemma3_follows_the_tp1_loss_curve_at_tp2_pp2_and_tp2_x_pp2() {
+    // One KV head: every tp > 1 shares it (and its k_norm gradient) between all ranks.
+    follows_tp1("Gemma-3", gemma3_spec);
+}
+
+/// The model of `spec` at tp 2 x pp 2, tp 2, pp 2 and tp 3 follows its tp 1 loss curve for
+/// 20 steps (losses within [`LOSS_TOL`], gradient norms within 1e-3).
+fn follows_tp1(name: &str, spec: fn(tp_comm::ParallelDims, u64, usize) -> tp_train::TrainSpec) {
     let steps = 20;
-    let reference = train(&qwen3_spec(dims(1, 1, 1), steps, 2), None);
+    let reference = train(&spec(dims(1, 1, 1), steps, 2), None);
     assert_eq!(reference.len(), steps as usize);
     let (first, last) = (reference[0].loss, reference[reference.len() - 1].loss);
     assert!(
         last < first - 0.5,
-        "Qwen3 at tp1 did not learn: loss {first} -> {last}"
+        "{name} at tp1 did not learn: loss {first} -> {last}"
     );
     // tp 3 also shares a KV head (and so its k_norm gradient) between two ranks.
     for (d, micro) in [
@@ -79,15 +94,15 @@ fn qwen3_follows_the_tp1_loss_curve_at_tp2_pp2_and_tp2_x_pp2() {
         (dims(1, 2, 1), 4),
         (dims(3, 1, 1), 2),
     ] {
-        let got = train(&qwen3_spec(d, steps, micro), None);
+        let got = train(&spec(d, steps, micro), None);
         let diff = max_rel_loss_diff(&got, &reference);
         eprintln!(
-            "Qwen3 tp={} pp={} micro-batches={micro}: max relative loss difference {diff:.2e}",
+            "{name} tp={} pp={} micro-batches={micro}: max relative loss difference {diff:.2e}",
             d.tp, d.pp
         );
         assert!(
             diff <= LOSS_TOL,
-            "Qwen3 tp={} pp={}: loss differs from tp1 by {diff:e} (> {LOSS_TOL:e})",
+            "{name} tp={} pp={}: loss differs from tp1 by {diff:e} (> {LOSS_TOL:e})",
             d.tp,
             d.pp
         );
@@ -95,7 +110,7 @@ fn qwen3_follows_the_tp1_loss_curve_at_tp2_pp2_and_tp2_x_pp2() {
             let rel = (g.grad_norm - w.grad_norm).abs() / w.grad_norm;
             assert!(
                 rel <= 1e-3,
-                "Qwen3 step {}: grad norm {} vs {}",
+                "{name} step {}: grad norm {} vs {}",
                 g.step,
                 g.grad_norm,
                 w.grad_norm

@@ -5,7 +5,7 @@
 use candle_core::Device;
 use std::process::ExitCode;
 use tp_comm::mpi::{check, MpiOptions};
-use tp_nn::{BlockConfig, DenseBlock, ParallelBlock, RopeLayout, SeededRng};
+use tp_nn::{BlockConfig, DenseBlock, LayerStyle, ParallelBlock, RopeLayout, SeededRng};
 
 /// Relative tolerance: f32 with a different summation order (the unit tests measure < 1e-6).
 const TOLERANCE: f32 = 1e-5;
@@ -28,6 +28,7 @@ fn check(world: &tp_comm::Group) -> tp_nn::Result<Vec<(String, f32)>> {
         rms_eps: 1e-5,
         max_seq: 16,
         qk_norm: false,
+        style: LayerStyle::LLAMA,
     };
     let dev = Device::Cpu;
     let w = cfg.random_weights(7, &dev)?;

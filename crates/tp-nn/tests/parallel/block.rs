@@ -1,4 +1,5 @@
-//! Transformer block at tp 1..9, even and uneven, Llama's and Qwen3's (per-head q/k norms):
+//! Transformer block at tp 1..9, even and uneven, Llama's, Qwen3's (per-head q/k norms) and
+//! Gemma-3's (GeGLU, post norms, `1 + w` norms, query scale, sliding window, scaled RoPE):
 //! outputs and gradients equal the dense reference; collective counts pinned.
 
 use crate::support::{assert_close, dev, embed, world};
@@ -6,8 +7,8 @@ use candle_core::{Tensor, Var};
 use proptest::prelude::*;
 use tp_comm::OpKind;
 use tp_nn::{
-    tp_partial_grad, BlockConfig, DenseBlock, ParallelBlock, Placement, RecordingComm, RopeLayout,
-    SeededRng,
+    tp_partial_grad, Activation, BlockConfig, DenseBlock, LayerStyle, ParallelBlock, Placement,
+    RecordingComm, RopeLayout, SeededRng,
 };
 
 fn cfg(
@@ -29,6 +30,7 @@ fn cfg(
         rms_eps: 1e-5,
         max_seq: 16,
         qk_norm: false,
+        style: LayerStyle::LLAMA,
     }
 }
 
@@ -45,6 +47,23 @@ fn eight_two() -> BlockConfig {
 /// The same block with Qwen3's per-head q/k norms.
 fn qwen3(c: BlockConfig) -> BlockConfig {
     BlockConfig { qk_norm: true, ..c }
+}
+
+/// The same block as a Gemma-3 layer: q/k norms and every Gemma departure; a local layer
+/// (`window`) or a global one with linearly scaled RoPE.
+fn gemma3(c: BlockConfig, window: Option<usize>) -> BlockConfig {
+    BlockConfig {
+        qk_norm: true,
+        style: LayerStyle {
+            activation: Activation::GeluTanh,
+            post_norms: true,
+            unit_offset_norms: true,
+            query_scale: Some(0.3),
+            window,
+            rope_scale: if window.is_some() { 1.0 } else { 4.0 },
+        },
+        ..c
+    }
 }
 
 struct RankOut {
@@ -189,6 +208,108 @@ fn qwen3_qk_norm_with_kv_heads_shared_by_ranks_tp_4_and_8() {
 }
 
 #[test]
+fn gemma3_local_and_global_layers_tp_1_to_4() {
+    // A window of 3 over 6 positions masks; MQA-like 8/2 heads put tp 4 above the KV heads.
+    for tp in 1..=4 {
+        check_block(&gemma3(even(), Some(3)), tp, 2, 6, 31);
+        check_block(&gemma3(smol(), None), tp, 2, 6, 32);
+        check_block(&gemma3(eight_two(), Some(2)), tp, 1, 6, 33);
+    }
+}
+
+#[test]
+fn gemma3_one_kv_head_shared_by_every_rank() {
+    // Gemma-3-270M's layout in small: 4 query heads, 1 KV head, tp up to 4.
+    let c = gemma3(cfg(32, 4, 1, 8, 48, RopeLayout::RotateHalf), Some(4));
+    for tp in [2, 3, 4] {
+        check_block(&c, tp, 1, 7, 34);
+    }
+}
+
+#[test]
+fn each_gemma3_departure_changes_the_output() {
+    // Turning one departure off (same weights where they still apply) gives another output,
+    // so the reference comparisons above can fail on each of them.
+    let c = gemma3(smol(), Some(2));
+    let d = dev();
+    let w = c.random_weights(35, &d).unwrap();
+    let h = SeededRng::new(36)
+        .tensor(&[1, 6, c.hidden], 0.0, 1.0, &d)
+        .unwrap();
+    let want = DenseBlock::new(&c, &w).unwrap().forward(&h).unwrap();
+    let st = c.style;
+    let mut plain_w = w.clone();
+    (plain_w.post_attn_norm, plain_w.post_mlp_norm) = (None, None);
+    let variants = [
+        (
+            "silu",
+            LayerStyle {
+                activation: Activation::Silu,
+                ..st
+            },
+            &w,
+        ),
+        (
+            "no post norms",
+            LayerStyle {
+                post_norms: false,
+                ..st
+            },
+            &plain_w,
+        ),
+        (
+            "plain norms",
+            LayerStyle {
+                unit_offset_norms: false,
+                ..st
+            },
+            &w,
+        ),
+        (
+            "default query scale",
+            LayerStyle {
+                query_scale: None,
+                ..st
+            },
+            &w,
+        ),
+        ("no window", LayerStyle { window: None, ..st }, &w),
+        (
+            "rope scale 2",
+            LayerStyle {
+                rope_scale: 2.0,
+                ..st
+            },
+            &w,
+        ),
+    ];
+    for (what, style, ww) in variants {
+        let cc = BlockConfig { style, ..c.clone() };
+        let outs = world(2, |g| {
+            ParallelBlock::from_global(&cc, ww, g.rank(), 2)?.forward(&h, &g)
+        });
+        let err = crate::support::max_abs(&(&outs[0] - &want).unwrap());
+        assert!(err > 1e-4, "{what}: the output should change, got {err}");
+    }
+    // The config and the weights must agree on the post norms; a window of 0 is refused.
+    let e = ParallelBlock::from_global(&c, &plain_w, 0, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("post_norms = true") && e.contains("lack"), "{e}");
+    let zero = BlockConfig {
+        style: LayerStyle {
+            window: Some(0),
+            ..st
+        },
+        ..c.clone()
+    };
+    let e = ParallelBlock::from_global(&zero, &w, 0, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("at least one position"), "{e}");
+}
+
+#[test]
 fn qwen3_reference_has_all_eleven_tensors_and_the_norms_matter() {
     let c = qwen3(smol());
     let d = dev();
@@ -273,7 +394,7 @@ fn counts(c: &BlockConfig, tp: usize, seq: usize) -> Vec<[usize; 6]> {
 fn two_all_reduces_each_way() {
     // The q/k norms add none: their gradient is summed over tp by the trainer, once a step.
     for tp in [2, 3] {
-        for block in [smol(), qwen3(smol())] {
+        for block in [smol(), qwen3(smol()), gemma3(smol(), Some(2))] {
             for c in counts(&block, tp, 4) {
                 assert_eq!(
                     c,
@@ -306,12 +427,18 @@ proptest! {
     fn random_shapes_match_reference(
         kv in 1usize..4, group in 1usize..4, half_hd in 1usize..4, hidden in 4usize..20,
         ffn_extra in 0usize..9, tp_pick in 0usize..100, seq_extra in 0usize..3, batch in 1usize..3,
-        interleaved: bool, qk_norm: bool, seed in 0u64..1000,
+        interleaved: bool, qk_norm: bool, gemma in 0usize..3, window in 1usize..5, seed in 0u64..1000,
     ) {
         let heads = kv * group;
         let tp = 1 + tp_pick % heads.min(4);
         let layout = if interleaved { RopeLayout::Interleaved } else { RopeLayout::RotateHalf };
         let c = BlockConfig { qk_norm, ..cfg(hidden, heads, kv, 2 * half_hd, tp + ffn_extra, layout) };
+        // Gemma-3's layer styles: none, a local layer, a global one.
+        let c = match gemma {
+            0 => c,
+            1 => gemma3(c, Some(window)),
+            _ => gemma3(c, None),
+        };
         check_block(&c, tp, batch, tp + seq_extra, seed);
     }
 }

@@ -6,8 +6,8 @@ use crate::support::{assert_close, dev, world};
 use candle_core::{Tensor, Var};
 use tp_comm::OpKind;
 use tp_nn::{
-    vocab_parallel_cross_entropy, BlockConfig, ColumnParallelLinear, DenseBlock, ParallelBlock,
-    Partition, RecordingComm, RopeLayout, SeededRng, VocabParallelEmbedding,
+    vocab_parallel_cross_entropy, BlockConfig, ColumnParallelLinear, DenseBlock, LayerStyle,
+    ParallelBlock, Partition, RecordingComm, RopeLayout, SeededRng, VocabParallelEmbedding,
 };
 
 const VOCAB: usize = 11;
@@ -24,6 +24,7 @@ fn cfg() -> BlockConfig {
         rms_eps: 1e-5,
         max_seq: 8,
         qk_norm: false,
+        style: LayerStyle::LLAMA,
     }
 }
 

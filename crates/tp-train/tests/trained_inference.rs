@@ -1,0 +1,209 @@
+//! A Qwen3 or Gemma-3 trained here is a model that inference runs (issue 14): saved at
+//! tp 2 x pp 2, its directory (config.json of `qwen3` / `Qwen3ForCausalLM` or `gemma3_text` /
+//! `Gemma3ForCausalLM`, safetensors holding every layer's `self_attn.q_norm.weight` and
+//! `k_norm.weight`, and Gemma's post norms) opens in tp-models' HF reader — the loader behind
+//! `tp generate --model DIR` — and the inference logits of every position, at tp 1 and tp 2,
+//! equal the training model's forward (tp-nn layers) on the same weights.
+//!
+//! Two independent code paths: candle ops with autograd (training) against tp-models' own f32
+//! kernels with f64 row-parallel sums (inference; its Gemma-3 forward is checked against
+//! candle-transformers' gemma3 in tp-models' tests); measured max difference ~1e-6 of the
+//! largest logit, checked at 1e-4. Ignoring the q/k norms (Qwen3), or reading the Gemma-3 as
+//! a Qwen3 of the same weights, moves the logits by more than 1e-2 of the largest one
+//! (checked below), so the comparison can fail.
+
+mod common;
+use candle_core::{Device, Tensor};
+use common::*;
+use safetensors::SafeTensors;
+use tp_comm::local::{self, LocalOptions};
+use tp_models::{open_checkpoint, Chunk, LoadOptions, Profile, ShardedModel};
+use tp_train::fixtures::{gemma3_spec, qwen3_spec};
+use tp_train::model::{StageInput, StageModel};
+use tp_train::TrainSpec;
+use tp_train::{Checkpoint, ModelConfig};
+
+const TOL: f32 = 1e-4;
+
+/// The training model's logits `[n, vocab]` for `tokens` at tp 1, built as `cfg` from `ck`.
+fn training_logits(cfg: &ModelConfig, ck: &Checkpoint, tokens: &[u32]) -> Vec<f32> {
+    let out = local::run(1, LocalOptions::default(), |g| {
+        let m = StageModel::new(cfg, 0, 1, 0, 1, ck)?;
+        let ids = Tensor::from_vec(tokens.to_vec(), (1, tokens.len()), &Device::Cpu)?; // [1, n]
+        let h = m.hidden(StageInput::Tokens(&ids), &g)?; // [1, n, hidden]
+        let logits = m
+            .logits_local(&h, &g)?
+            .ok_or_else(|| tp_train::TrainError::Config("a whole model has a head".into()))?; // [1, n, vocab]
+        Ok::<_, tp_train::TrainError>(logits.flatten_all()?.to_vec1::<f32>()?)
+    })
+    .expect("world starts");
+    out.into_iter()
+        .next()
+        .expect("one rank")
+        .expect("no panic")
+        .expect("training forward")
+}
+
+/// Inference logits `[n, vocab]` of every position of `tokens` at `tp`, from the directory.
+fn inference_logits(dir: &std::path::Path, tp: usize, tokens: &[u32]) -> Vec<f32> {
+    let ckpt = open_checkpoint(dir).expect("the checkpoint opens for inference");
+    let out = local::run(tp, LocalOptions::default(), |g| {
+        let m = ShardedModel::load(&*ckpt, g.rank(), tp, LoadOptions::default(), 64)?;
+        let mut pool = m.new_pool();
+        let mut table = m.new_table(64);
+        let mut prof = Profile::default();
+        let local = m.forward(
+            &mut [Chunk {
+                tokens,
+                table: &mut table,
+                all_logits: true,
+            }],
+            &mut pool,
+            &g,
+            &mut prof,
+        )?; // [n, vocab_local]
+        m.gather_logits(&local, tokens.len(), &g, &mut prof) // [n, vocab]
+    })
+    .expect("world starts");
+    out.into_iter()
+        .next()
+        .expect("rank 0")
+        .expect("no panic")
+        .expect("inference forward")
+}
+
+/// max |a - b| / max |b|.
+fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "logit counts");
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// Trains `s` at tp 2 x pp 2 for 6 steps, saves it, checks config.json names `model_type` /
+/// `class` and that each layer's `extra` norms were stored and trained (moved off `init`),
+/// then compares inference logits at tp 1 and 2 with the training forward. Returns the
+/// checkpoint directory, its config and the training logits of [`TOKENS`].
+fn train_save_and_compare(
+    tag: &str,
+    mut s: TrainSpec,
+    model_type: &str,
+    class: &str,
+    extra: &[(&str, usize)],
+    init: f32,
+) -> (std::path::PathBuf, Checkpoint, Vec<f32>) {
+    let dir = scratch(tag);
+    s.dims = dims(2, 2, 1);
+    s.steps = 6;
+    s.micro_batches = 4;
+    s.save_dir = Some(dir.clone());
+    let reports = train(&s, None);
+    assert_eq!(reports.len(), 6);
+    let step = dir.join("step-00000006");
+
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(step.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["model_type"], model_type);
+    assert_eq!(cfg["architectures"][0], class);
+    let bytes = std::fs::read(step.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    for l in 0..s.model.layers {
+        for (which, len) in extra {
+            let name = format!("model.layers.{l}.{which}.weight");
+            let t = st
+                .tensor(&name)
+                .unwrap_or_else(|_| panic!("{name} missing"));
+            assert_eq!(t.shape(), [*len], "{name}");
+            // Initialized to `init` and trained: six AdamW steps moved them.
+            let moved = t
+                .data()
+                .chunks_exact(4)
+                .any(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != init);
+            assert!(moved, "{name} never trained");
+        }
+    }
+
+    let ck = Checkpoint::open(&step).unwrap();
+    assert_eq!(ck.config, s.model);
+    let want = training_logits(&ck.config, &ck, &TOKENS);
+    for tp in [1, 2] {
+        let got = inference_logits(&step, tp, &TOKENS);
+        let d = rel_diff(&got, &want);
+        eprintln!(
+            "{tag}: inference at tp {tp} vs training forward: max relative difference {d:.2e}"
+        );
+        assert!(
+            d <= TOL,
+            "{tag} tp {tp}: inference logits differ by {d:e} (> {TOL:e})"
+        );
+    }
+    (dir, ck, want)
+}
+
+/// "And God said, Let there be light" as bytes.
+const TOKENS: [u32; 32] = {
+    let b = b"And God said, Let there be light";
+    let mut t = [0u32; 32];
+    let mut i = 0;
+    while i < 32 {
+        t[i] = b[i] as u32;
+        i += 1;
+    }
+    t
+};
+
+#[test]
+fn trained_qwen3_loads_in_inference_and_its_logits_match_training() {
+    let hd = qwen3_spec(dims(1, 1, 1), 1, 1).model.head_dim;
+    let (dir, ck, want) = train_save_and_compare(
+        "qwen3-inference",
+        qwen3_spec(dims(1, 1, 1), 1, 1),
+        "qwen3",
+        "Qwen3ForCausalLM",
+        &[("self_attn.q_norm", hd), ("self_attn.k_norm", hd)],
+        1.0,
+    );
+    // The norms matter: the same weights read as a Llama (no q/k norms) give other logits.
+    let llama = ModelConfig {
+        arch: tp_spec::Arch::Llama,
+        qk_norm: false,
+        ..ck.config.clone()
+    };
+    let without = training_logits(&llama, &ck, &TOKENS);
+    let d = rel_diff(&without, &want);
+    assert!(d > 1e-2, "q/k norms should change the logits, got {d:e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn trained_gemma3_loads_in_inference_and_its_logits_match_training() {
+    let m = gemma3_spec(dims(1, 1, 1), 1, 1).model;
+    let (hd, h) = (m.head_dim, m.hidden);
+    // 32 tokens: the window of 6 cuts the local layers' attention.
+    let (dir, ck, want) = train_save_and_compare(
+        "gemma3-inference",
+        gemma3_spec(dims(1, 1, 1), 1, 1),
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        &[
+            ("self_attn.q_norm", hd),
+            ("self_attn.k_norm", hd),
+            ("post_attention_layernorm", h),
+            ("pre_feedforward_layernorm", h),
+            ("post_feedforward_layernorm", h),
+        ],
+        // Gemma stores its norms minus one: a norm scaling by 1 is stored as 0.
+        0.0,
+    );
+    // Gemma's block matters: the same config without its sliding window (every layer
+    // global) gives other logits.
+    let mut global = ck.config.clone();
+    if let Some(s) = global.block.sliding.as_mut() {
+        s.window = 1 << 20;
+    }
+    let d = rel_diff(&training_logits(&global, &ck, &TOKENS), &want);
+    assert!(
+        d > 1e-3,
+        "the sliding window should change the logits, got {d:e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
