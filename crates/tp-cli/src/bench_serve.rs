@@ -6,7 +6,7 @@
 //! workload runs with and without the prefix cache (`--prefix-cache both`), and a KV budget
 //! of a few full contexts (`--kv-contexts`) makes the server preempt and recompute.
 
-use crate::model_run::{run_model, ModelArgs};
+use crate::model_run::{run_model_serving, ModelArgs};
 use crate::serve::serve_error;
 use anyhow::{bail, Context};
 use serde_json::json;
@@ -295,7 +295,7 @@ impl InProcessServer {
         let thread = std::thread::Builder::new()
             .name("bench-serve".into())
             .spawn(move || -> RunOutcome {
-                run_model(&m, |s| {
+                run_model_serving(&m, cfg.kv_budget, |s| {
                     tp_serve::serve(s, &cfg, |r| {
                         let _ = tx.send((r.addr, r.stop.clone()));
                         Ok(())

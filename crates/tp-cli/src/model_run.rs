@@ -4,6 +4,7 @@
 use anyhow::{anyhow, Context};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use tp_engine::kv_budget::KvBudget;
 use tp_engine::launch::{Backend, RanksFailed};
 use tp_engine::report::{chain, parse_bytes, show_bytes};
 use tp_engine::session::SessionError;
@@ -160,6 +161,7 @@ impl ModelArgs {
             ctx_size: self.ctx_size,
             max_rank_memory: self.max_rank_memory,
             held: None,
+            kv_budget: None,
             timeout: self.timeout()?,
             sync: self.sync.mode(),
             report: !self.quiet,
@@ -300,6 +302,20 @@ pub fn run_model<T: Send>(
     lead: impl Fn(&mut Session) -> anyhow::Result<T> + Sync,
 ) -> anyhow::Result<Result<Option<T>, RanksFailed>> {
     run_model_holding(args, None, lead)
+}
+
+/// [`run_model`] for a server whose sequences together hold at most the KV blocks `budget`
+/// allows: the memory preflight and --max-rank-memory price those blocks, not one --ctx-size.
+pub fn run_model_serving<T: Send>(
+    args: &ModelArgs,
+    budget: KvBudget,
+    lead: impl Fn(&mut Session) -> anyhow::Result<T> + Sync,
+) -> anyhow::Result<Result<Option<T>, RanksFailed>> {
+    let cfg = SessionConfig {
+        kv_budget: Some(budget),
+        ..args.session_config()?
+    };
+    run_session(&cfg, |e| start_error(e, args.backend), lead)
 }
 
 /// [`run_model`] for a run whose sequence holds at most the positions `held` tells (from the

@@ -3,7 +3,7 @@
 //! drain); the other ranks follow its steps. The KV budget comes from --max-kv-memory, or
 //! from --max-rank-memory minus the weights, or defaults to 1 GiB per rank.
 
-use crate::model_run::{run_model, ModelArgs};
+use crate::model_run::{run_model_serving, ModelArgs};
 use anyhow::{bail, Context};
 use std::io::Write;
 use std::net::IpAddr;
@@ -252,7 +252,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         drain,
     )?;
     let quiet = args.model.quiet;
-    let out = run_model(&args.model, |s| {
+    let out = run_model_serving(&args.model, cfg.kv_budget, |s| {
         let ready = |r: &Ready| -> tp_serve::Result<()> {
             if !quiet {
                 eprintln!(

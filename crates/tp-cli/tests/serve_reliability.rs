@@ -568,3 +568,27 @@ fn requests_beyond_the_kv_budget_queue_and_never_crash() {
     );
     assert!(!s.finish_reason.is_empty());
 }
+
+/// A server is priced at its KV budget (issue 16): a --max-rank-memory that holds SmolLM2's
+/// weights (96.5 MB at tp 1) and a few blocks but not one --ctx-size of KV (8192 positions:
+/// 189 MB) starts, and serves within those blocks; pricing one context refused it before.
+#[test]
+fn a_rank_memory_limit_below_one_context_serves_within_its_blocks() {
+    let Some(server) = ServerProc::start(&["--ctx-size", "8192", "--max-rank-memory", "110MB"])
+    else {
+        return;
+    };
+    let r = server
+        .client
+        .post_json(
+            "/v1/chat/completions",
+            &chat_body("Say the number 3.", 8, json!({})),
+        )
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", server.stderr());
+    assert!(
+        server.stderr().contains("positions at most"),
+        "{}",
+        server.stderr()
+    );
+}

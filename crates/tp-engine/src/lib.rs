@@ -5,6 +5,7 @@ pub mod decoder;
 pub mod error;
 pub mod executor;
 pub mod generate;
+pub mod kv_budget;
 pub mod launch;
 pub mod load_stats;
 pub mod logits;

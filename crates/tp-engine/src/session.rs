@@ -4,6 +4,7 @@
 //! model, and what rank 0 holds to lead the group ([`Session`]). Errors are typed and worded
 //! without any front end's flags; the CLI adds those.
 
+use crate::kv_budget::{block_bytes, limiting_rank, KvBudget};
 use crate::worker::Worker;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
@@ -133,10 +134,11 @@ pub fn memory_plan(
     memory_plan_held(ckpt, weights, ctx, ctx, opts)
 }
 
-/// Every rank's memory at `tp` for sequences of at most `ctx` positions that hold at most
-/// `held` of them (the KV cache, in whole blocks; `held` is capped by `ctx`): the
-/// cache takes blocks as tokens arrive, so a run that knows its longest sequence (a prompt and
-/// the tokens to generate) is priced for that, not for the context.
+/// Every rank's memory at `tp` for sequences of at most `ctx` positions whose KV cache holds
+/// at most `held` positions in all (whole blocks): the cache takes blocks as tokens arrive, so
+/// a run that knows its longest sequence (a prompt and the tokens to generate) is priced for
+/// that, not for the context, and a server for its budget ([`budget_positions`], which may be
+/// more than one context).
 pub fn memory_plan_held(
     ckpt: &dyn Checkpoint,
     weights: &RankWeights,
@@ -144,7 +146,6 @@ pub fn memory_plan_held(
     held: usize,
     opts: LoadOptions,
 ) -> tp_models::Result<Vec<RankMemory>> {
-    let held = held.min(ctx);
     let cfg = ckpt.config();
     (0..weights.tp())
         .map(|r| {
@@ -157,9 +158,9 @@ pub fn memory_plan_held(
                 opts.keep_quantized,
                 opts.kv_dtype,
             )?;
-            if held < ctx {
-                // Fewer positions than the context the plan already priced (and checked): no
-                // overflow is possible.
+            if held != ctx {
+                // The context was checked with the plan; `held` prices what the cache takes
+                // (saturating, like every size here).
                 m.kv_cache = KvPool::bytes_for(
                     cfg.layers,
                     plan.kv_heads().len(),
@@ -171,6 +172,27 @@ pub fn memory_plan_held(
             Ok(m)
         })
         .collect()
+}
+
+/// The positions (whole blocks, all sequences together) a server's KV `budget` gives every
+/// rank of this layout room for: each rank's budget in bytes over its bytes per block, the
+/// rank with the fewest bounding them (as the server allocates them).
+pub fn budget_positions(
+    ckpt: &dyn Checkpoint,
+    weights: &RankWeights,
+    ctx: usize,
+    opts: LoadOptions,
+    budget: KvBudget,
+) -> tp_models::Result<usize> {
+    let bare = memory_plan_held(ckpt, weights, ctx, 0, opts)?;
+    let weight_bytes: Vec<u64> = bare
+        .iter()
+        .map(|m| (m.sharded + m.replicated) as u64)
+        .collect();
+    let per_block = block_bytes(ckpt.config(), weights, opts.kv_dtype)?;
+    let budgets = budget.rank_bytes(&weight_bytes, &per_block);
+    Ok(limiting_rank(&budgets, &per_block)
+        .map_or(0, |(_, blocks)| blocks.saturating_mul(BLOCK_POSITIONS)))
 }
 
 /// The memory plan of a layout whose sequences hold at most `held` of `ctx` positions
@@ -185,7 +207,6 @@ pub fn checked_memory_plan(
     placement: Placement,
 ) -> Result<Vec<RankMemory>, SessionError> {
     let tp = weights.tp();
-    let held = held.min(ctx);
     let plan = memory_plan_held(ckpt, weights, ctx, held, opts).map_err(|e| {
         if !weights.is_even() && e.is_split_error() {
             SessionError::WeightsSplit {
@@ -250,7 +271,7 @@ pub fn check_rank_limit(
     Err(SessionError::OverRankLimit {
         tp: weights.tp(),
         ctx,
-        held: held.min(ctx),
+        held,
         need,
         limit,
         uneven: (!weights.is_even()).then(|| (busiest, weights.clone())),
@@ -408,11 +429,10 @@ mod tests {
             whole[0].kv_cache
         );
         assert_eq!(held[0].replicated, whole[0].replicated);
-        // More than the context is priced as the context.
-        assert_eq!(
-            memory_plan_held(ckpt, &w, ctx, 10 * ctx, opts).unwrap(),
-            whole
-        );
+        // A server's cache may hold more than one context: priced as what it holds.
+        let ten = memory_plan_held(ckpt, &w, ctx, 10 * ctx, opts).unwrap();
+        assert_eq!(ten[0].kv_cache, 10 * whole[0].kv_cache);
+        assert_eq!(ten[0].sharded, whole[0].sharded);
         // A limit between the two: the run that holds 40 positions starts, the context does not.
         let limit = held[0].total() as u64;
         let checked = checked_memory_plan(ckpt, &w, ctx, 40, opts, Placement::OneProcess).unwrap();
@@ -421,10 +441,41 @@ mod tests {
         assert!(e.to_string().contains("a KV cache of 256 positions"), "{e}");
         match check_rank_limit(ckpt, &w, ctx, 1000, opts, 1, &whole) {
             Err(SessionError::OverRankLimit { held, ctx: c, .. }) => {
-                assert_eq!((held, c), (ctx, ctx))
+                assert_eq!((held, c), (1000, ctx))
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_server_is_priced_at_its_kv_budget_not_at_a_context() {
+        let ckpt = tiny("budget");
+        let ckpt = &*ckpt;
+        let opts = LoadOptions::default();
+        let (ctx, w) = (256, RankWeights::even(2));
+        let whole = memory_plan(ckpt, &w, ctx, opts).unwrap();
+        let per_block = whole[0].kv_cache / (ctx / BLOCK_POSITIONS);
+        // Bytes: whole blocks of the budget, on the rank with the fewest.
+        let three = (3 * per_block + per_block / 2) as u64;
+        let p = budget_positions(ckpt, &w, ctx, opts, KvBudget::Bytes(three)).unwrap();
+        assert_eq!(p, 3 * BLOCK_POSITIONS);
+        let n = 5 * ctx;
+        let p = budget_positions(ckpt, &w, ctx, opts, KvBudget::Positions(n)).unwrap();
+        assert_eq!(p, n);
+        // A rank limit that holds the weights and 2 blocks but not one context: the server
+        // is priced at those blocks and starts, where the context's pricing refused it.
+        let weights_max = whole
+            .iter()
+            .map(|m| m.sharded + m.replicated)
+            .max()
+            .unwrap();
+        let limit = (weights_max + 2 * per_block) as u64;
+        assert!(check_rank_limit(ckpt, &w, ctx, ctx, opts, limit, &whole).is_err());
+        let held = budget_positions(ckpt, &w, ctx, opts, KvBudget::RankMemory(limit)).unwrap();
+        assert!((2 * BLOCK_POSITIONS..ctx).contains(&held), "{held}");
+        let plan = checked_memory_plan(ckpt, &w, ctx, held, opts, Placement::OneProcess).unwrap();
+        check_rank_limit(ckpt, &w, ctx, held, opts, limit, &plan).unwrap();
+        assert!(plan.iter().all(|m| m.total() as u64 <= limit));
     }
 
     #[test]

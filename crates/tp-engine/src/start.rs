@@ -20,6 +20,7 @@
 //!     ctx_size: Some(2048),
 //!     max_rank_memory: None,
 //!     held: None,
+//!     kv_budget: None,
 //!     timeout: Duration::from_secs(60),
 //!     sync: Default::default(),
 //!     report: false,
@@ -40,6 +41,7 @@
 //! # Ok::<(), anyhow::Error>(())
 //! ```
 
+use crate::kv_budget::KvBudget;
 use crate::launch::{run_ranks, Backend, LaunchError, RankError, RanksFailed};
 use crate::load_stats::{self, Counting, LoadStats};
 use crate::model_check::{check_same_model, open_and_identify, ModelCheckError};
@@ -81,6 +83,10 @@ pub struct SessionConfig {
     /// instead of the whole context; `None` prices the context (a server's sequences can be
     /// as long as it allows).
     pub held: Option<HeldPositions>,
+    /// A server's KV budget per rank: its sequences together hold at most the blocks it
+    /// allows, so the preflight and `max_rank_memory` price those blocks (which may be more
+    /// or fewer than one context's) instead of `held` or the context.
+    pub kv_budget: Option<KvBudget>,
     /// Deadline of every collective.
     pub timeout: Duration,
     pub sync: SyncMode,
@@ -318,9 +324,17 @@ fn open<'a>(
     held: Option<usize>,
 ) -> Result<Opened<'a>, StartError> {
     let ctx = cfg.ctx_size.unwrap_or(ckpt.config().context);
-    let held = held.map_or(ctx, |h| h.min(ctx));
     let tp = cfg.tp_for(world)?;
     let weights = weights_for(cfg.rank_weights.as_ref(), tp)?;
+    let held =
+        match cfg.kv_budget {
+            Some(budget) => session::budget_positions(ckpt, &weights, ctx, cfg.load, budget)
+                .map_err(|source| SessionError::Context {
+                    ctx,
+                    source: Box::new(source),
+                })?,
+            None => held.map_or(ctx, |h| h.min(ctx)),
+        };
     let placement = match cfg.backend {
         Backend::Local => Placement::OneProcess,
         Backend::Mpi => Placement::ProcessPerRank,

@@ -12,28 +12,15 @@ use crate::server::{Server, ServerConfig, StopHandle};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
+use tp_engine::kv_budget::{block_bytes, limiting_rank};
 use tp_engine::{EngineError, Session};
-use tp_models::{KvDtype, KvPool, ModelConfig, RankWeights, ShardPlan, BLOCK_POSITIONS};
+use tp_models::{KvDtype, ModelConfig, RankWeights, BLOCK_POSITIONS};
 
-/// KV budget per rank when neither a KV budget nor a rank memory limit is given: 1 GiB.
-pub const DEFAULT_KV_BYTES: u64 = 1 << 30;
+pub use tp_engine::kv_budget::{KvBudget, DEFAULT_KV_BYTES};
 
 /// Finished sequences the prefix cache keeps per sequence slot (`max_seqs`): enough for a
 /// few system prompts and every recent conversation, few enough to scan each admission.
 pub const PREFIX_CACHE_PER_SEQ: usize = 4;
-
-/// Where the KV budget per rank comes from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KvBudget {
-    /// This many bytes per rank.
-    Bytes(u64),
-    /// What a rank may use in all, less that rank's weights.
-    RankMemory(u64),
-    /// Room for this many positions (whole blocks) on every rank, whatever they cost.
-    Positions(usize),
-    /// [`DEFAULT_KV_BYTES`].
-    Default,
-}
 
 /// Everything a server needs besides the model.
 #[derive(Clone, Debug)]
@@ -117,30 +104,27 @@ pub fn kv_plan(
     kv_dtype: KvDtype,
     budgets: &[u64],
 ) -> Result<KvPlan> {
-    let mut limiting: Option<KvPlan> = None;
-    let per_rank = block_bytes(cfg, weights, kv_dtype)?;
-    for (&budget, &per_block) in budgets.iter().zip(&per_rank) {
+    let per_rank =
+        block_bytes(cfg, weights, kv_dtype).map_err(|e| ServeError::from(EngineError::from(e)))?;
+    for &budget in budgets {
         // A budget is reserved as requests arrive; one larger than the machine would let
         // admissions outrun memory instead of queueing.
         if let Some(machine) = tp_models::limits::physical_memory().filter(|&m| budget > m) {
             return Err(ServeError::KvOverMachine { budget, machine });
         }
-        let blocks = usize::try_from(budget / per_block.max(1) as u64)
-            .unwrap_or(usize::MAX)
-            .min(tp_models::kv_cache::MAX_BLOCKS);
-        if limiting.is_none_or(|l| blocks < l.blocks) {
-            limiting = Some(KvPlan {
-                budget_bytes: budget,
-                bytes_per_block: per_block,
-                blocks,
-            });
-        }
     }
-    let kv = limiting.unwrap_or(KvPlan {
-        budget_bytes: 0,
-        bytes_per_block: 1,
-        blocks: 0,
-    });
+    let kv = match limiting_rank(budgets, &per_rank) {
+        Some((r, blocks)) => KvPlan {
+            budget_bytes: budgets[r],
+            bytes_per_block: per_rank[r],
+            blocks,
+        },
+        None => KvPlan {
+            budget_bytes: 0,
+            bytes_per_block: 1,
+            blocks: 0,
+        },
+    };
     if kv.blocks < 1 {
         return Err(ServeError::KvTooSmall {
             budget: kv.budget_bytes,
@@ -149,22 +133,6 @@ pub fn kv_plan(
         });
     }
     Ok(kv)
-}
-
-/// Bytes of one KV block on each rank of `cfg` split by `weights`.
-fn block_bytes(cfg: &ModelConfig, weights: &RankWeights, kv_dtype: KvDtype) -> Result<Vec<usize>> {
-    (0..weights.tp())
-        .map(|r| {
-            let plan = ShardPlan::weighted(cfg, 1, r, weights)
-                .map_err(|e| EngineError::from(tp_models::ModelError::from(e)))?;
-            Ok(KvPool::bytes_per_block(
-                cfg.layers,
-                plan.kv_heads().len(),
-                cfg.head_dim,
-                kv_dtype,
-            ))
-        })
-        .collect()
 }
 
 /// Serves `session`'s model until shut down (a signal, or [`Ready::stop`]), then drains and
@@ -188,23 +156,14 @@ pub fn serve(
     }
     let tp = session.worker.group().size();
     let model = session.worker.model().config().clone();
-    let budgets: Vec<u64> = match cfg.kv_budget {
-        KvBudget::Bytes(b) => vec![b; tp],
-        KvBudget::RankMemory(limit) => session
-            .memory
-            .iter()
-            .map(|m| limit.saturating_sub((m.sharded + m.replicated) as u64))
-            .collect(),
-        KvBudget::Default => vec![DEFAULT_KV_BYTES; tp],
-        KvBudget::Positions(n) => {
-            let blocks = n.div_ceil(BLOCK_POSITIONS) as u64;
-            block_bytes(&model, &session.weights, session.worker.model().kv_dtype())?
-                .into_iter()
-                .map(|b| blocks.saturating_mul(b as u64))
-                .collect()
-        }
-    };
     let kv_dtype = session.worker.model().kv_dtype();
+    let weight_bytes: Vec<u64> = session
+        .memory
+        .iter()
+        .map(|m| (m.sharded + m.replicated) as u64)
+        .collect();
+    let per_block = block_bytes(&model, &session.weights, kv_dtype).map_err(EngineError::from)?;
+    let budgets = cfg.kv_budget.rank_bytes(&weight_bytes, &per_block);
     let kv = kv_plan(&model, &session.weights, kv_dtype, &budgets)?;
     let sched_cfg = SchedulerConfig {
         max_seqs: cfg.max_seqs,
