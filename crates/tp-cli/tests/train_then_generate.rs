@@ -27,23 +27,9 @@ fn trained_checkpoint_generates_identically_at_every_tp() {
         .map(|&(_, loss)| loss)
         .expect("no loss lines");
     let ckpt = dir.join("step-00000030");
-    let ckpt = ckpt.to_string_lossy();
-    let text = |tp_size: &str| {
-        tp(&[
-            "generate",
-            "--model",
-            &ckpt,
-            "--tp",
-            tp_size,
-            "--greedy",
-            "--max-tokens",
-            "48",
-            "-q",
-            "And God said",
-        ])
-        .stdout
-    };
+    let text = |tp_size: &str| greedy(&ckpt, tp_size, "48");
     let one = text("1");
+    let ckpt = ckpt.to_string_lossy();
     assert!(one.len() > 10, "{one:?}");
     assert_eq!(text("2"), one);
     assert_eq!(text("4"), one);
@@ -139,25 +125,28 @@ fn trained_qwen3_and_gemma3_checkpoints_generate_at_tp_1_and_2() {
         let ckpt = dir.join("step-00000010");
         let cfg = std::fs::read_to_string(ckpt.join("config.json")).unwrap();
         assert!(cfg.contains(&format!("\"{class}\"")), "{cfg}");
-        let ckpt = ckpt.to_string_lossy();
-        let text = |tp_size: &str| {
-            tp(&[
-                "generate",
-                "--model",
-                &ckpt,
-                "--tp",
-                tp_size,
-                "--greedy",
-                "--max-tokens",
-                "24",
-                "-q",
-                "And God said",
-            ])
-            .stdout
-        };
+        let text = |tp_size: &str| greedy(&ckpt, tp_size, "24");
         let one = text("1");
         assert!(one.len() > 10, "{arch}: {one:?}");
         assert_eq!(text("2"), one, "{arch}");
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// `tp generate`'s greedy continuation of "And God said" from checkpoint `ckpt` at `tp_size`.
+fn greedy(ckpt: &std::path::Path, tp_size: &str, max_tokens: &str) -> String {
+    let ckpt = ckpt.to_string_lossy();
+    tp(&[
+        "generate",
+        "--model",
+        &ckpt,
+        "--tp",
+        tp_size,
+        "--greedy",
+        "--max-tokens",
+        max_tokens,
+        "-q",
+        "And God said",
+    ])
+    .stdout
 }

@@ -582,6 +582,15 @@ impl ModelConfig {
             .map(|s| s.window)
     }
 
+    /// The RoPE base and linear position scale of `layer` (Gemma-3's local layers have their
+    /// own base and no scaling).
+    pub fn rope(&self, layer: usize) -> (f64, f64) {
+        match self.block.sliding.filter(|s| s.is_local(layer)) {
+            Some(s) => (s.rope_theta, 1.0),
+            None => (self.rope_theta, self.block.rope_scale),
+        }
+    }
+
     /// Query heads sharing one KV head.
     pub fn group(&self) -> usize {
         self.heads / self.kv_heads.max(1)
@@ -822,6 +831,8 @@ mod tests {
         let h = ModelConfig::from_hf_json(&v.to_string()).unwrap();
         assert_eq!(h.block.sliding.unwrap().period, 2);
         assert_eq!((h.block.rope_scale, h.query_scale()), (8.0, 0.125));
+        // Local layers: their own base, unscaled; global ones: the model's, scaled.
+        assert_eq!((h.rope(0), h.rope(1)), ((10_000.0, 1.0), (1e6, 8.0)));
         // Tied unless the config unties it (transformers' default for Gemma is tied).
         assert!(h.tied_embeddings);
         v.as_object_mut().unwrap().remove("tie_word_embeddings");

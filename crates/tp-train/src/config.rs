@@ -274,14 +274,14 @@ impl TrainModel for ModelConfig {
 
     fn block(&self, layer: usize) -> BlockConfig {
         let b = &self.block;
-        let local = b.sliding.filter(|s| s.is_local(layer));
+        let (rope_theta, rope_scale) = self.rope(layer);
         BlockConfig {
             hidden: self.hidden,
             heads: self.heads,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
             ffn: self.ffn,
-            rope_theta: local.map_or(self.rope_theta, |s| s.rope_theta),
+            rope_theta,
             rope_layout: RopeLayout::RotateHalf,
             rms_eps: self.rms_eps,
             max_seq: self.context,
@@ -291,9 +291,8 @@ impl TrainModel for ModelConfig {
                 post_norms: b.post_norms,
                 unit_offset_norms: b.hf_norm_minus_one,
                 query_scale: b.query_scale,
-                window: local.map(|s| s.window),
-                // Gemma-3 scales the global layers' positions only.
-                rope_scale: if local.is_some() { 1.0 } else { b.rope_scale },
+                window: self.window(layer),
+                rope_scale,
             },
         }
     }
