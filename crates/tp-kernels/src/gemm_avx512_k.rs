@@ -1,6 +1,6 @@
 //! AVX-512 VNNI many-token kernels for Q6_K (`gemm_avx512`'s scheme on Q8_K activations):
 //! 16 tokens in the lanes, a row's 4-column weight word broadcast from memory. The
-//! `TokenLanes` impl for Q8_K activations also dispatches Q4_K to `gemm_avx512_k4`.
+//! `TokenLanes` impl for Q8_K activations also dispatches Q4_K and Q5_K to `gemm_avx512_k4`.
 //!
 //! Per row and super-block, each 16-wide sub-block's exact `vpdpbusd` sum of the unsigned
 //! 6-bit quants is multiplied by its signed scale (`vpmulld`) and added up; the offset of 32
@@ -39,22 +39,23 @@ const D: usize = 704;
 
 impl TokenLanes for ActBlockK {
     fn supports(qtype: QuantType, form: Form) -> bool {
-        matches!(qtype, QuantType::Q4_K | QuantType::Q6_K) && form != Form::WideSub
+        matches!(qtype, QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K)
+            && form != Form::WideSub
     }
     fn act_vecs(qtype: QuantType) -> usize {
         match qtype {
-            QuantType::Q4_K => k4::ACT_VECS,
+            QuantType::Q4_K | QuantType::Q5_K => k4::ACT_VECS,
             _ => ACT_VECS,
         }
     }
     fn w_vecs(qtype: QuantType) -> usize {
         match qtype {
-            QuantType::Q4_K => k4::W_VECS,
+            QuantType::Q4_K | QuantType::Q5_K => k4::W_VECS,
             _ => W_VECS,
         }
     }
     fn transpose(qtype: QuantType, acts: &[Self], nb: usize, out: &mut [Expanded]) {
-        if qtype == QuantType::Q4_K {
+        if matches!(qtype, QuantType::Q4_K | QuantType::Q5_K) {
             return k4::transpose(acts, nb, out);
         }
         let tokens = acts.len() / nb.max(1);
@@ -79,7 +80,8 @@ impl TokenLanes for ActBlockK {
         // length `nb * w_vecs(qtype)`).
         unsafe {
             match qtype {
-                QuantType::Q4_K => k4::unpack(group, nb, out),
+                QuantType::Q4_K => k4::unpack::<false>(group, nb, out),
+                QuantType::Q5_K => k4::unpack::<true>(group, nb, out),
                 _ => unpack_q6k(group, nb, out),
             }
         }
@@ -94,7 +96,7 @@ impl TokenLanes for ActBlockK {
     ) {
         // SAFETY: the caller's promise.
         unsafe {
-            if qtype == QuantType::Q4_K {
+            if matches!(qtype, QuantType::Q4_K | QuantType::Q5_K) {
                 return k4::group_chunk(w, x, nb, wide, out);
             }
             for r0 in [0, 4] {

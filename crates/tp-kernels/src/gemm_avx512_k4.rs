@@ -1,33 +1,34 @@
-//! AVX-512 VNNI many-token kernels for Q4_K (`gemm_avx512_k`'s scheme on Q8_K activations):
-//! 16 tokens in the lanes, a row's 4-column weight word broadcast from memory.
+//! AVX-512 VNNI many-token kernels for Q4_K and Q5_K (`gemm_avx512_k`'s scheme on Q8_K
+//! activations): 16 tokens in the lanes, a row's 4-column weight word broadcast from memory.
+//! The two formats differ only in the unpacking (Q5_K ORs in its fifth bits from `qh`).
 //!
 //! Per row and super-block, each 32-wide sub-block's exact `vpdpbusd` sum of the unsigned
-//! 4-bit quants is multiplied by its 6-bit scale (`vpmulld`) and added up (`isum`); the
-//! minimums' `msum = Σ m · bsum32` is formed by `vpdpwssd` on i16 pairs (mins, activation
-//! sums). Both are the exact integers of the AVX2 kernels (`q4k_block_tail`), whose f32 tail
-//! (`v = fma(d_w, isum as f32, -(dmin_w * (msum as f32)))`, then `fma(d_x, v, acc)`, or the
-//! wide form's `d_x * v` summed in f64; see `wide::block_q4_k`) is repeated per lane. Rows run
-//! in two halves of 4, as Q6_K's, so that the wide form's accumulators stay in registers (all 8
-//! rows at once for `matmul` measured no faster on the Intel kind).
+//! 4-bit (Q5_K: 5-bit) quants is multiplied by its 6-bit scale (`vpmulld`) and added up
+//! (`isum`); the minimums' `msum = Σ m · bsum32` is formed by `vpdpwssd` on i16 pairs (mins,
+//! activation sums). Both are the exact integers of the AVX2 kernels (`q4k_block_tail`), whose
+//! f32 tail (`v = fma(d_w, isum as f32, -(dmin_w * (msum as f32)))`, then `fma(d_x, v, acc)`,
+//! or the wide form's `d_x * v` summed in f64; see `wide::block_q4_k`) is repeated per lane.
+//! Rows run in two halves of 4, as Q6_K's, so that the wide form's accumulators stay in
+//! registers (all 8 rows at once for `matmul` measured no faster on the Intel kind).
 //!
-//! No i32 can overflow: a sub-block's sum is at most 32 * 15 * 128 = 61440 in magnitude, `isum`
-//! at most 8 * 63 * 61440 < 2^25, and `msum` at most 8 * 63 * 32 * 128 < 2^21 (a `bsum32` fits
-//! an i16).
+//! No i32 can overflow: a sub-block's sum is at most 32 * 31 * 128 = 126976 in magnitude,
+//! `isum` at most 8 * 63 * 126976 < 2^26, and `msum` at most 8 * 63 * 32 * 128 < 2^21 (a
+//! `bsum32` fits an i16).
 //!
 //! Layouts (64-byte vectors):
 //! - Tokens, per chunk and super-block, [`ACT_VECS`] vectors: words `K < 64` (lane `t` =
 //!   token `t`'s quants `4K..4K + 4`), the tokens' `d` (f32), then for each pair `p < 4` of
 //!   32-wide sub-blocks their `bsum32` as two i16 in one 32-bit lane.
-//! - Weights, per group super-block, [`W_VECS`] vectors: the quants (0..=15) of word `K` of
-//!   row `r` at 32-bit index `8K + r` (word `K` lies in sub-block `K / 8`); the scales as i32
-//!   at `512 + 8s + r`; the min pairs as two i16 at `576 + 8p + r`; the rows' `d` as f32 at
-//!   `608 + r` and `dmin` at `616 + r`.
+//! - Weights, per group super-block, [`W_VECS`] vectors: the quants (0..=15, Q5_K 0..=31) of
+//!   word `K` of row `r` at 32-bit index `8K + r` (word `K` lies in sub-block `K / 8`); the
+//!   scales as i32 at `512 + 8s + r`; the min pairs as two i16 at `576 + 8p + r`; the rows'
+//!   `d` as f32 at `608 + r` and `dmin` at `616 + r`.
 
 use crate::expand::Expanded;
 use crate::format::{f16_at, QuantType};
 use crate::gemm_avx512::{ChunkOut, LANES};
 use crate::pack::{group_block_bytes, GROUP_ROWS};
-use crate::pack_k::q4k;
+use crate::pack_k::{q4k, q5k};
 use crate::quantize_k::ActBlockK;
 use std::arch::x86_64::*;
 
@@ -63,32 +64,52 @@ pub(crate) fn transpose(acts: &[ActBlockK], nb: usize, out: &mut [Expanded]) {
     }
 }
 
-/// Unpacks `nb` Q4_K group super-blocks (see the module comment).
+/// Unpacks `nb` Q4_K (`FIFTH = false`) or Q5_K group super-blocks (see the module comment).
 ///
 /// # Safety
-/// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `group.len() >= nb * group_block_bytes(Q4_K)`,
-/// `out.len() >= nb * W_VECS`.
+/// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `group` holds `nb` group super-blocks of the
+/// format (`group_block_bytes` each), `out.len() >= nb * W_VECS`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(crate) unsafe fn unpack(group: &[u8], nb: usize, out: &mut [Expanded]) {
-    let gb = group_block_bytes(QuantType::Q4_K);
+pub(crate) unsafe fn unpack<const FIFTH: bool>(group: &[u8], nb: usize, out: &mut [Expanded]) {
+    let qtype = if FIFTH {
+        QuantType::Q5_K
+    } else {
+        QuantType::Q4_K
+    };
+    let gb = group_block_bytes(qtype);
     let low4 = _mm512_set1_epi8(0x0F);
+    let fifth = _mm512_set1_epi8(0x10);
     for b in 0..nb {
         let blk = &group[b * gb..(b + 1) * gb];
         let dst = &mut out[b * W_VECS..(b + 1) * W_VECS];
         let words = dst.as_mut_ptr() as *mut u8;
         // SAFETY: packed words `8c + 2m`, `8c + 2m + 1` (64 bytes at `QS + 32 (8c + 2m)`, at
-        // most `QS + 1024 = BYTES`) lie inside `blk`; each 64-byte store at word
-        // `K = 16c + 8h + 2m < 64` lies inside the first 32 vectors of `dst`.
+        // most `QS + 1024 = q4k::BYTES`) and (Q5_K) `qh` words `2m`, `2m + 1` (64 bytes at
+        // `QH + 64m`, at most `QH + 256 = q5k::BYTES`) lie inside `blk`; each 64-byte store
+        // at word `K = 8s + 2m < 64` lies inside the first 32 vectors of `dst`.
         unsafe {
-            for c in 0..4 {
-                for m in 0..4 {
-                    let at = q4k::QS + 32 * (8 * c + 2 * m);
-                    let v = _mm512_loadu_si512(blk.as_ptr().add(at) as *const __m512i);
+            let ld = |at: usize| _mm512_loadu_si512(blk.as_ptr().add(at) as *const __m512i);
+            for m in 0..4 {
+                let qh = if FIFTH {
+                    ld(q5k::QH + 64 * m)
+                } else {
+                    _mm512_setzero_si512()
+                };
+                for c in 0..4 {
+                    let v = ld(q4k::QS + 32 * (8 * c + 2 * m));
                     // Low nibbles: sub-block 2c (words 16c + 2m, + 1); high: sub-block 2c + 1.
                     let lo = _mm512_and_si512(v, low4);
                     let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4);
-                    _mm512_storeu_si512(words.add(32 * (16 * c + 2 * m)) as *mut __m512i, lo);
-                    _mm512_storeu_si512(words.add(32 * (16 * c + 8 + 2 * m)) as *mut __m512i, hi);
+                    for (s, q) in [(2 * c, lo), (2 * c + 1, hi)] {
+                        // Q5_K: the fifth bit of sub-block `s` is bit `s` of the `qh` byte.
+                        let q = if FIFTH {
+                            let bit = _mm512_set1_epi8((1u8 << s) as i8);
+                            _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh, bit), q, fifth)
+                        } else {
+                            q
+                        };
+                        _mm512_storeu_si512(words.add(32 * (8 * s + 2 * m)) as *mut __m512i, q);
+                    }
                 }
             }
         }

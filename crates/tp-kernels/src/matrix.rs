@@ -1192,7 +1192,7 @@ pub(crate) mod tests {
         use QuantType::*;
         for qtype in ALL {
             let plain = matches!(qtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0);
-            let k = matches!(qtype, Q4_K | Q6_K);
+            let k = matches!(qtype, Q4_K | Q5_K | Q6_K);
             for form in [Form::F32, Form::Wide] {
                 assert_eq!(ActBlock::supports(qtype, form), plain, "{qtype} {form:?}");
                 assert_eq!(ActBlockK::supports(qtype, form), k, "{qtype} {form:?}");
