@@ -73,8 +73,8 @@ impl Default for ChunkOut {
 }
 
 /// The many-token kernels of one activation kind (Q8_0-style blocks here, Q8_K blocks in
-/// `gemm_avx512_k`, Q6_K only so far), as `QuantMatrix` drives them: transpose a chunk of tokens, unpack a
-/// group, run a group against a chunk.
+/// `gemm_avx512_k` and `gemm_avx512_k4`: Q4_K, Q5_K and Q6_K so far), as `QuantMatrix`
+/// drives them: transpose a chunk of tokens, unpack a group, run a group against a chunk.
 pub(crate) trait TokenLanes: Sized {
     /// Whether there are kernels for `qtype` (and for `form`: the sub-block form has none).
     fn supports(qtype: QuantType, form: crate::tile::Form) -> bool;

@@ -1,5 +1,6 @@
 //! AVX-512 VNNI many-token kernels for Q6_K (`gemm_avx512`'s scheme on Q8_K activations):
-//! 16 tokens in the lanes, a row's 4-column weight word broadcast from memory.
+//! 16 tokens in the lanes, a row's 4-column weight word broadcast from memory. The
+//! `TokenLanes` impl for Q8_K activations also dispatches Q4_K and Q5_K to `gemm_avx512_k4`.
 //!
 //! Per row and super-block, each 16-wide sub-block's exact `vpdpbusd` sum of the unsigned
 //! 6-bit quants is multiplied by its signed scale (`vpmulld`) and added up; the offset of 32
@@ -20,6 +21,7 @@
 use crate::expand::Expanded;
 use crate::format::{f16_at, QuantType};
 use crate::gemm_avx512::{ChunkOut, TokenLanes, LANES};
+use crate::gemm_avx512_k4 as k4;
 use crate::pack::{group_block_bytes, GROUP_ROWS};
 use crate::pack_k::q6k;
 use crate::quantize_k::ActBlockK;
@@ -37,15 +39,25 @@ const D: usize = 704;
 
 impl TokenLanes for ActBlockK {
     fn supports(qtype: QuantType, form: Form) -> bool {
-        qtype == QuantType::Q6_K && form != Form::WideSub
+        matches!(qtype, QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K)
+            && form != Form::WideSub
     }
-    fn act_vecs(_: QuantType) -> usize {
-        ACT_VECS
+    fn act_vecs(qtype: QuantType) -> usize {
+        match qtype {
+            QuantType::Q4_K | QuantType::Q5_K => k4::ACT_VECS,
+            _ => ACT_VECS,
+        }
     }
-    fn w_vecs(_: QuantType) -> usize {
-        W_VECS
+    fn w_vecs(qtype: QuantType) -> usize {
+        match qtype {
+            QuantType::Q4_K | QuantType::Q5_K => k4::W_VECS,
+            _ => W_VECS,
+        }
     }
-    fn transpose(_: QuantType, acts: &[Self], nb: usize, out: &mut [Expanded]) {
+    fn transpose(qtype: QuantType, acts: &[Self], nb: usize, out: &mut [Expanded]) {
+        if matches!(qtype, QuantType::Q4_K | QuantType::Q5_K) {
+            return k4::transpose(acts, nb, out);
+        }
         let tokens = acts.len() / nb.max(1);
         for (b, o) in out.chunks_exact_mut(ACT_VECS).enumerate().take(nb) {
             o.fill(Expanded::default());
@@ -63,12 +75,19 @@ impl TokenLanes for ActBlockK {
             }
         }
     }
-    unsafe fn unpack(_: QuantType, group: &[u8], nb: usize, out: &mut [Expanded]) {
-        // SAFETY: the caller's promise (features, `nb` group super-blocks, `out` length).
-        unsafe { unpack_q6k(group, nb, out) }
+    unsafe fn unpack(qtype: QuantType, group: &[u8], nb: usize, out: &mut [Expanded]) {
+        // SAFETY: the caller's promise (features, `nb` group super-blocks of `qtype`, `out`
+        // length `nb * w_vecs(qtype)`).
+        unsafe {
+            match qtype {
+                QuantType::Q4_K => k4::unpack::<false>(group, nb, out),
+                QuantType::Q5_K => k4::unpack::<true>(group, nb, out),
+                _ => unpack_q6k(group, nb, out),
+            }
+        }
     }
     unsafe fn group_chunk(
-        _: QuantType,
+        qtype: QuantType,
         w: &[Expanded],
         x: &[Expanded],
         nb: usize,
@@ -77,6 +96,9 @@ impl TokenLanes for ActBlockK {
     ) {
         // SAFETY: the caller's promise.
         unsafe {
+            if matches!(qtype, QuantType::Q4_K | QuantType::Q5_K) {
+                return k4::group_chunk(w, x, nb, wide, out);
+            }
             for r0 in [0, 4] {
                 if wide {
                     half::<true>(w.as_ptr(), x.as_ptr(), nb, r0, out);

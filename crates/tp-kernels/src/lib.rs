@@ -28,6 +28,8 @@ mod format;
 mod gemm_avx512;
 #[cfg(target_arch = "x86_64")]
 mod gemm_avx512_k;
+#[cfg(target_arch = "x86_64")]
+mod gemm_avx512_k4;
 mod matrix;
 mod pack;
 mod pack_k;

@@ -572,9 +572,10 @@ impl QuantMatrix {
         false
     }
 
-    /// The whole product on the AVX-512 many-token kernels (`gemm_avx512`, `gemm_avx512_k`;
-    /// the format is one they support): tokens in chunks of 16, as many chunks per pass over the groups as
-    /// [`GEMM_BUDGET`] holds, each group unpacked once per pass.
+    /// The whole product on the AVX-512 many-token kernels (`gemm_avx512`, `gemm_avx512_k`,
+    /// `gemm_avx512_k4`; the format is one they support): tokens in chunks of 16, as many
+    /// chunks per pass over the groups as [`GEMM_BUDGET`] holds, each group unpacked once per
+    /// pass.
     #[cfg(target_arch = "x86_64")]
     fn run_gemm512<A: TokenLanes, E: OutElem>(&self, acts: &[A], n: usize, y: &mut [E]) {
         use crate::gemm_avx512::LANES;
@@ -1154,6 +1155,8 @@ pub(crate) mod tests {
                 let bb = qtype.block_bytes();
                 for blk in bytes.chunks_exact_mut(bb) {
                     let q = match qtype {
+                        // Also the packed 6-bit scales and mins (0xFF: all 63), but for 0x00.
+                        Q4_K | Q5_K if fill != 0 => 4..bb,
                         Q4_K | Q5_K => 16..bb,
                         Q6_K => 0..208,
                         Q3_K => 0..96,
@@ -1178,6 +1181,23 @@ pub(crate) mod tests {
                     assert_eq!(bits(&y5), bits(&ys), "{qtype} fill {fill:#x} sign {sign}");
                 }
             }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn many_token_kernels_cover_the_formats_the_bit_tests_expect() {
+        // The bit tests above run every format at n >= GEMM_MIN_TOKENS; these are the ones
+        // that then take the many-token kernels (all but the sub-block form).
+        use QuantType::*;
+        for qtype in ALL {
+            let plain = matches!(qtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0);
+            let k = matches!(qtype, Q4_K | Q5_K | Q6_K);
+            for form in [Form::F32, Form::Wide] {
+                assert_eq!(ActBlock::supports(qtype, form), plain, "{qtype} {form:?}");
+                assert_eq!(ActBlockK::supports(qtype, form), k, "{qtype} {form:?}");
+            }
+            assert!(!ActBlockK::supports(qtype, Form::WideSub), "{qtype}");
         }
     }
 
