@@ -435,7 +435,7 @@ impl QuantMatrix {
             });
         } else if self.qtype.is_k_quant() {
             with_scratch(&SCRATCH_K, blocks, |acts| {
-                quantize_k::quantize(x, acts);
+                quantize_k::quantize(simd, x, acts);
                 self.run_tiles(simd, acts, n, y);
             });
         } else {

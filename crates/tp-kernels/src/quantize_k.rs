@@ -2,13 +2,15 @@
 //! scale per block, plus sums of each 16 and each 32 quants), as ggml's reference
 //! `quantize_row_q8_K`: `max` = the value of largest magnitude, `iscale = -127 / max`,
 //! `q = nearest(iscale * x)` (ties to even, like ggml's `nearest_int`), `d = 1 / iscale`.
-//! Portable code only: it is O(cols) per token against the matmul's O(rows * cols).
+//! Portable code, and the same steps on AVX2 for whole blocks (the search for the largest
+//! magnitude and the rounding in 8 lanes, same bits: it was 8% of a Qwen2.5 prefill).
 //!
 //! The sub-block form ([`quantize_sub`], for matrices whose tensor-parallel shards cut
 //! super-blocks) quantizes each 32 values on their own in the same way (`ds`, one scale per
 //! 32), so a 32-wide sub-block's quants depend on its own 32 values only, whichever rank
 //! holds them; sub-blocks outside the matrix's columns are zero.
 
+use crate::cpu::Simd;
 use crate::format::QK_K;
 
 /// One Q8_K block of activations.
@@ -87,12 +89,92 @@ pub(crate) fn quantize_block(x: &[f32], out: &mut ActBlockK) {
 }
 
 /// Quantizes `x` (a whole number of 256-blocks) into `out`; no-op if the lengths disagree.
-pub(crate) fn quantize(x: &[f32], out: &mut [ActBlockK]) {
+pub(crate) fn quantize(simd: Simd, x: &[f32], out: &mut [ActBlockK]) {
     if x.len() != out.len() * QK_K {
         return;
     }
     for (xs, b) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
-        quantize_block(xs, b);
+        match simd {
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 | Simd::Avx512 => {
+                *b = ActBlockK::default();
+                // SAFETY: `Simd::Avx2` and `Simd::Avx512` are only chosen after runtime
+                // detection of AVX2 (and FMA, F16C); `xs` and `b.qs` hold 256 each.
+                b.d = unsafe { avx2::quantize_run(xs, &mut b.qs) };
+                fill_sums(b);
+            }
+            _ => quantize_block(xs, b),
+        }
+    }
+}
+
+/// [`quantize_run`] on AVX2, for whole 256-blocks.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use crate::format::QK_K;
+    use std::arch::x86_64::*;
+
+    /// [`super::quantize_run`] of the 256 values of `x` into `qs`: the same scale and quants.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `x` and `qs` must hold at least 256 values.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quantize_run(x: &[f32], qs: &mut [i8]) -> f32 {
+        const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23, as in `nearest_int`
+        debug_assert!(x.len() >= QK_K && qs.len() >= QK_K);
+        let p = x.as_ptr();
+        let sign = _mm256_set1_ps(-0.0);
+        // SAFETY (every block below): 32 unaligned 8-lane loads of `x`'s first 256 values and
+        // 8 unaligned 32-byte stores into `qs`'s first 256 bytes; AVX2 is enabled.
+        // The largest magnitude: `max(|v|, acc)` returns `acc` for a NaN `|v|`, so NaNs are
+        // skipped as the scalar `|v| > amax` skips them.
+        let mut acc = _mm256_setzero_ps();
+        for i in 0..QK_K / 8 {
+            let v = unsafe { _mm256_loadu_ps(p.add(8 * i)) };
+            acc = _mm256_max_ps(_mm256_andnot_ps(sign, v), acc);
+        }
+        let mut lanes = [0f32; 8];
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+        let amax = lanes.iter().fold(0f32, |m, &v| m.max(v));
+        if amax == 0.0 {
+            qs[..QK_K].fill(0);
+            return 0.0;
+        }
+        // The first value of that magnitude (ggml keeps the first).
+        let want = _mm256_set1_ps(amax);
+        let mut max = amax;
+        for i in 0..QK_K / 8 {
+            let v = unsafe { _mm256_loadu_ps(p.add(8 * i)) };
+            let hit =
+                _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_andnot_ps(sign, v), want));
+            if hit != 0 {
+                max = x[8 * i + hit.trailing_zeros() as usize];
+                break;
+            }
+        }
+        let iscale = -127.0 / max;
+        let (vs, magic) = (_mm256_set1_ps(iscale), _mm256_set1_ps(MAGIC));
+        // Each 32 values: four 8-lane roundings, packed to bytes in order.
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        let q = qs.as_mut_ptr();
+        for j in 0..QK_K / 32 {
+            let mut r = [_mm256_setzero_si256(); 4];
+            for (k, r) in r.iter_mut().enumerate() {
+                let v = unsafe { _mm256_loadu_ps(p.add(32 * j + 8 * k)) };
+                // `(iscale * v + MAGIC) - MAGIC`, then exact to i32; a NaN (from a NaN or
+                // infinite input) becomes 0 as Rust's `as i32` makes it.
+                let t = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(vs, v), magic), magic);
+                let t = _mm256_and_ps(t, _mm256_cmp_ps::<_CMP_ORD_Q>(t, t));
+                *r = _mm256_cvttps_epi32(t);
+            }
+            // Saturating packs clamp to [-128, 127] like the scalar `clamp`; the packs work
+            // within 128-bit halves, the permute restores the order.
+            let ab = _mm256_packs_epi32(r[0], r[1]);
+            let cd = _mm256_packs_epi32(r[2], r[3]);
+            let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order);
+            unsafe { _mm256_storeu_si256(q.add(32 * j).cast(), bytes) };
+        }
+        1.0 / iscale
     }
 }
 
@@ -160,6 +242,50 @@ mod tests {
         let mut z = ActBlockK::default();
         quantize_block(&[0.0; QK_K], &mut z);
         assert_eq!(z, ActBlockK::default());
+    }
+
+    #[test]
+    fn every_path_quantizes_to_the_scalar_bits() {
+        // Random blocks at many scales, plus ties of opposite signs, NaNs, infinities,
+        // subnormals, all-zero and single-value blocks.
+        let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let mut x = Vec::new();
+        for case in 0..64 {
+            let scale = [1e-30, 1e-3, 1.0, 37.0, 1e30][case % 5];
+            let mut b: Vec<f32> = (0..QK_K).map(|_| next() * scale).collect();
+            match case % 8 {
+                1 => (b[3], b[5], b[200]) = (-2.0 * scale, 2.0 * scale, 2.0 * scale),
+                2 => b[17] = f32::NAN,
+                3 => b[99] = f32::INFINITY,
+                4 => b.iter_mut().for_each(|v| *v = 0.0),
+                5 => b.iter_mut().for_each(|v| *v = 1e-45),
+                6 => (b.iter_mut().for_each(|v| *v = 0.0), b[255] = -3.5).0,
+                _ => {}
+            }
+            x.extend(b);
+        }
+        let n = x.len() / QK_K;
+        let mut want = vec![ActBlockK::default(); n];
+        quantize(Simd::Scalar, &x, &mut want);
+        for simd in crate::cpu::available() {
+            let mut got = vec![ActBlockK::default(); n];
+            quantize(simd, &x, &mut got);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.qs, w.qs, "{simd:?} block {i} quants");
+                assert_eq!(g.d.to_bits(), w.d.to_bits(), "{simd:?} block {i} scale");
+                assert_eq!(
+                    (g.bsum16, g.bsum32),
+                    (w.bsum16, w.bsum32),
+                    "{simd:?} block {i}"
+                );
+            }
+        }
     }
 
     #[test]
