@@ -13,6 +13,9 @@
 //! - Q5_0/Q5_1: nibbles plus the fifth bit (0..=31) are the unsigned side; four products per
 //!   i16 stay below 4 * 2 * 31 * 127 = 31496; Q5_0's `-16` is `-16 * sum(x)` per block, in
 //!   i32; Q5_1's minimum is added as Q4_1's.
+//! - IQ4_NL: nibbles become signed table values (-127..=113) by a `vpshufb` lookup, then the
+//!   Q8_0 trick (`|w|` unsigned, `x` takes `w`'s sign); a pair sum is at most
+//!   2 * 127 * 127 = 32258, so each `maddubs` result goes to i32 at once.
 
 use crate::format::QuantType;
 use crate::pack::{group_block_bytes, group_scale_bytes};
@@ -64,12 +67,14 @@ pub(crate) unsafe fn group_dot(
             QuantType::Q8_0 => by_tile!(q8),
             QuantType::Q5_0 => by_tile!(q5, false),
             QuantType::Q5_1 => by_tile!(q5, true),
-            // K-quants have their own kernels (`dot_avx2_k`).
+            QuantType::IQ4_NL => by_tile!(iq4nl),
+            // K-quants (and IQ4_XS) have their own kernels (`dot_avx2_k`).
             QuantType::Q2_K
             | QuantType::Q3_K
             | QuantType::Q4_K
             | QuantType::Q5_K
-            | QuantType::Q6_K => {}
+            | QuantType::Q6_K
+            | QuantType::IQ4_XS => {}
         }
     }
 }
@@ -122,6 +127,36 @@ pub(crate) fn q4_block_tail<const MIN: bool, const WIDE: bool>(
             *acc_min = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s), *acc_min);
         }
     }
+}
+
+/// One block's contribution without offset or minimum (Q8_0, IQ4_NL): `s32`, the exact
+/// integer products of the 8 rows' quants with the token's block, times `dw * d_x`, added to
+/// `acc` or (`WIDE`) widened into `wide` (see `wide::block_plain`). Shared by the AVX2 and
+/// AVX-512 kernels.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn plain_block_tail<const WIDE: bool>(
+    s32: __m256i,
+    dw: __m256,
+    d_x: f32,
+    acc: &mut __m256,
+    wide: &mut [__m256d; 2],
+) {
+    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(d_x));
+    if WIDE {
+        add_wide(wide, _mm256_mul_ps(_mm256_cvtepi32_ps(s32), scale));
+    } else {
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), scale, *acc);
+    }
+}
+
+/// The IQ4 table (`KVALUES_IQ4`) as 16 signed bytes, a `pshufb` lookup by nibble.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn iq4_table() -> __m128i {
+    _mm_setr_epi8(
+        -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+    )
 }
 
 /// Stores token `t`'s results: `acc` into `out.f32s[t]`, or (`WIDE`) `wide` into `out.f64s[t]`.
@@ -291,6 +326,61 @@ unsafe fn q8<const T: usize, const WIDE: bool>(
                 } else {
                     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[t]), scale, acc[t]);
                 }
+            }
+        }
+        for t in 0..T {
+            store::<WIDE>(out, t, acc[t], wide[t]);
+        }
+    }
+}
+
+/// IQ4_NL group against `T` tokens.
+///
+/// # Safety
+/// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4nl<const T: usize, const WIDE: bool>(
+    group: *const u8,
+    nb: usize,
+    acts: [*const ActBlock; T],
+    out: &mut TileOut,
+) {
+    let gb = group_block_bytes(QuantType::IQ4_NL);
+    let sb = group_scale_bytes(QuantType::IQ4_NL);
+    // SAFETY: every load reads inside group block `b < nb` (scales at 0, nibble words at
+    // `sb + 32 * l` for l < 4, ending at `gb`) or inside activation block `b` of a token.
+    unsafe {
+        let low4 = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let table = _mm256_broadcastsi128_si256(iq4_table());
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut wide = [[_mm256_setzero_pd(); 2]; T];
+        for b in 0..nb {
+            let blk = group.add(b * gb);
+            prefetch_ahead(blk, gb);
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+            let q = blk.add(sb);
+            let mut s32 = [_mm256_setzero_si256(); T];
+            for l in 0..4 {
+                let v = _mm256_loadu_si256(q.add(32 * l) as *const __m256i);
+                let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low4));
+                let hi =
+                    _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4));
+                let (alo, ahi) = (_mm256_abs_epi8(lo), _mm256_abs_epi8(hi));
+                for t in 0..T {
+                    let xq = (*acts[t].add(b)).qs.as_ptr();
+                    let pl = _mm256_maddubs_epi16(alo, _mm256_sign_epi8(bcast4(xq, 4 * l), lo));
+                    let ph =
+                        _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(bcast4(xq, 16 + 4 * l), hi));
+                    let p =
+                        _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones));
+                    s32[t] = _mm256_add_epi32(s32[t], p);
+                }
+            }
+            for t in 0..T {
+                let x = &*acts[t].add(b);
+                plain_block_tail::<WIDE>(s32[t], dw, x.d, &mut acc[t], &mut wide[t]);
             }
         }
         for t in 0..T {

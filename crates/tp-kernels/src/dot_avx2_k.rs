@@ -1,5 +1,5 @@
 //! AVX2 integer dot products of one 8-row group of packed K-quant weights (Q2_K, Q3_K, Q4_K,
-//! Q5_K, Q6_K) with 1 to 4 tokens' Q8_K activations; the same one-row-per-32-bit-lane
+//! Q5_K, Q6_K, and IQ4_XS) with 1 to 4 tokens' Q8_K activations; the same one-row-per-32-bit-lane
 //! scheme, and the same f32 (`WIDE = false`) and wide (`WIDE = true`) forms, as `dot_avx2`.
 //!
 //! Per-sub-block scales are applied in the integer domain: the i16 pair sums of a sub-block
@@ -15,14 +15,17 @@
 //!   `sum_s m_s * bsum16_s`, as Q4_K's with 16-wide sub-blocks.
 //! - Q3_K: the 2 low bits and the `hmask` bit make 0..=7, the unsigned side (4 products per
 //!   i16 below 4 * 2 * 7 * 127); the `-4` offset is `-4 * sum_s sc_s * bsum16_s`, as Q6_K's.
+//! - IQ4_XS: nibbles become signed table values by a `vpshufb` lookup, then IQ4_NL's
+//!   abs/sign `maddubs` (one pair sum per i16, at most 2 * 127 * 127), `madd`-ed at once with
+//!   the row's sub-block scale (minus 32) in both i16 halves; no offset.
 //!
 //! Each kernel keeps its scale-weighted i32 sums per token in 8 registers, one per 32-wide
 //! sub-block in the sub-block form (`SUB`), otherwise all in the first; [`block_end`] then
 //! forms the super-block's contribution, or the 8 sub-blocks' (shared with AVX-512).
 
-use crate::dot_avx2::{add_wide, ptrs, store};
+use crate::dot_avx2::{add_wide, iq4_table, ptrs, store};
 use crate::format::QuantType;
-use crate::pack_k::{q2k, q3k, q4k, q5k, q6k};
+use crate::pack_k::{iq4xs, q2k, q3k, q4k, q5k, q6k};
 use crate::quantize_k::ActBlockK;
 use crate::tile::{Form, TileOut};
 use std::arch::x86_64::*;
@@ -76,6 +79,7 @@ pub(crate) unsafe fn group_dot(
             QuantType::Q4_K => by_tile!(q4k, false),
             QuantType::Q5_K => by_tile!(q4k, true),
             QuantType::Q6_K => by_tile!(q6k),
+            QuantType::IQ4_XS => by_tile!(iq4xs),
             _ => {}
         }
     }
@@ -116,6 +120,8 @@ pub(crate) enum Tail {
     Q3K,
     /// Q6_K: offset 32 per 16-wide sub-block.
     Q6K,
+    /// IQ4_XS: no offset, no minimum (`isum * (d_w * d_x)`).
+    Iq4Xs,
 }
 
 /// The end of super-block `blk` for one token (activation block `x`): from `s`, the exact
@@ -148,6 +154,10 @@ pub(crate) unsafe fn block_end<const WIDE: bool, const SUB: bool>(
                 Tail::Q6K => {
                     offset_tail::<5, WIDE>(blk.add(q6k::SC), blk.add(q6k::D), s[0], x, acc, wide)
                 }
+                Tail::Iq4Xs => {
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(iq4xs::D) as *const __m128i));
+                    crate::dot_avx2::plain_block_tail::<WIDE>(s[0], dw, x.d, acc, wide)
+                }
             }
             return;
         }
@@ -157,6 +167,7 @@ pub(crate) unsafe fn block_end<const WIDE: bool, const SUB: bool>(
             Tail::Q2K => (f16s(q2k::D), f16s(q2k::DMIN)),
             Tail::Q3K => (f16s(q3k::D), _mm256_setzero_ps()),
             Tail::Q6K => (f16s(q6k::D), _mm256_setzero_ps()),
+            Tail::Iq4Xs => (f16s(iq4xs::D), _mm256_setzero_ps()),
         };
         for (j, &sj) in s.iter().enumerate() {
             // Pair `j` of 16-wide sub-blocks (2j, 2j + 1) against their activation sums.
@@ -183,10 +194,14 @@ pub(crate) unsafe fn block_end<const WIDE: bool, const SUB: bool>(
                 Tail::Q6K => {
                     offset_value::<5>(dw, sj, pairs_i8(blk.add(q6k::SC + 16 * j)), bs16, x.ds[j])
                 }
+                Tail::Iq4Xs => _mm256_mul_ps(
+                    _mm256_cvtepi32_ps(sj),
+                    _mm256_mul_ps(dw, _mm256_set1_ps(x.ds[j])),
+                ),
             };
             let v = match tail {
                 Tail::Q4K | Tail::Q2K => _mm256_mul_ps(_mm256_set1_ps(x.ds[j]), v),
-                Tail::Q3K | Tail::Q6K => v,
+                Tail::Q3K | Tail::Q6K | Tail::Iq4Xs => v,
             };
             add_wide(wide, v);
         }
@@ -602,6 +617,83 @@ unsafe fn q6k<const T: usize, const WIDE: bool, const SUB: bool>(
             for t in 0..T {
                 let x = &*acts[t].add(b);
                 block_end::<WIDE, SUB>(Tail::Q6K, blk, &s32[t], x, &mut acc[t], &mut wide[t]);
+            }
+        }
+        for t in 0..T {
+            store::<WIDE>(out, t, acc[t], wide[t]);
+        }
+    }
+}
+
+/// The 8 rows' IQ4_XS scales (minus 32) of sub-block `j`, each in both i16 halves of its
+/// row's lane.
+///
+/// # Safety
+/// `blk` points at a whole packed IQ4_XS group super-block; `j < 8`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn iq4xs_scales(blk: *const u8, j: usize) -> __m256i {
+    // SAFETY: the 8 scale bytes of sub-block `j` lie inside the super-block.
+    unsafe {
+        let sc =
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(blk.add(iq4xs::SC + 8 * j) as *const __m128i));
+        _mm256_or_si256(
+            _mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)),
+            _mm256_slli_epi32::<16>(sc),
+        )
+    }
+}
+
+/// IQ4_XS group against `T` tokens.
+///
+/// # Safety
+/// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4xs<const T: usize, const WIDE: bool, const SUB: bool>(
+    group: *const u8,
+    nb: usize,
+    acts: [*const ActBlockK; T],
+    out: &mut TileOut,
+) {
+    // SAFETY: all weight reads are inside group super-block `b < nb` (offsets from `pack_k`
+    // ending at `iq4xs::BYTES`); activation reads are inside block `b` of each token.
+    unsafe {
+        let low4 = _mm256_set1_epi8(0x0F);
+        let table = _mm256_broadcastsi128_si256(iq4_table());
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut wide = [[_mm256_setzero_pd(); 2]; T];
+        for b in 0..nb {
+            let blk = group.add(b * iq4xs::BYTES);
+            prefetch_next(blk, iq4xs::BYTES);
+            let mut s32 = [[_mm256_setzero_si256(); 8]; T];
+            for j in 0..8 {
+                let scp = iq4xs_scales(blk, j);
+                let k = if SUB { j } else { 0 };
+                for w4 in 0..4 {
+                    let v = load(blk.add(iq4xs::QS + 32 * (4 * j + w4)));
+                    let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low4));
+                    let hi = _mm256_shuffle_epi8(
+                        table,
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4),
+                    );
+                    let (alo, ahi) = (_mm256_abs_epi8(lo), _mm256_abs_epi8(hi));
+                    for t in 0..T {
+                        let xq = (*acts[t].add(b)).qs.as_ptr().add(32 * j + 4 * w4);
+                        let pl = _mm256_maddubs_epi16(alo, _mm256_sign_epi8(bcast4(xq), lo));
+                        let ph =
+                            _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(bcast4(xq.add(16)), hi));
+                        let p = _mm256_add_epi32(
+                            _mm256_madd_epi16(pl, scp),
+                            _mm256_madd_epi16(ph, scp),
+                        );
+                        s32[t][k] = _mm256_add_epi32(s32[t][k], p);
+                    }
+                }
+            }
+            for t in 0..T {
+                let x = &*acts[t].add(b);
+                block_end::<WIDE, SUB>(Tail::Iq4Xs, blk, &s32[t], x, &mut acc[t], &mut wide[t]);
             }
         }
         for t in 0..T {

@@ -1,5 +1,5 @@
 //! AVX-512 VNNI integer dot products of one 8-row group of packed weights (Q4_0, Q4_1, Q8_0,
-//! Q5_0, Q5_1) with 1 to 4 tokens' quantized activations.
+//! Q5_0, Q5_1, IQ4_NL) with 1 to 4 tokens' quantized activations.
 //!
 //! The packed layout (see `pack`) stores quant word `w` of rows 0..8 in 32 bytes, followed by
 //! word `w + 1`; one 64-byte load therefore holds 8 columns of all 8 rows: 32-bit lane `r`
@@ -18,8 +18,12 @@
 //!   as `-128 * sum(x)` per block.
 //! - Q5_0 / Q5_1: nibbles with the fifth bit (0..=31) are the unsigned side (the fifth bits
 //!   are set through a byte mask), then `-16 * sum(x)` (Q5_0) or Q4_1's minimum (Q5_1).
+//! - IQ4_NL: nibbles become table values plus 128 (1..=241, unsigned) by a `vpshufb`
+//!   lookup; the offset is removed as `-128 * sum(x)` per block, as Q8_0's.
 
-use crate::dot_avx2::{add_wide, prefetch_ahead, q4_block_tail, store};
+use crate::dot_avx2::{
+    add_wide, iq4_table, plain_block_tail, prefetch_ahead, q4_block_tail, store,
+};
 use crate::expand::{Expanded, PER_BLOCK};
 use crate::format::QuantType;
 use crate::pack::{group_block_bytes, group_scale_bytes};
@@ -76,12 +80,14 @@ pub(crate) unsafe fn group_dot(
             QuantType::Q8_0 => by_tile!(q8),
             QuantType::Q5_0 => by_tile!(q5, false),
             QuantType::Q5_1 => by_tile!(q5, true),
-            // K-quants have their own kernels (`dot_avx512_k`).
+            QuantType::IQ4_NL => by_tile!(iq4nl),
+            // K-quants (and IQ4_XS) have their own kernels (`dot_avx512_k`).
             QuantType::Q2_K
             | QuantType::Q3_K
             | QuantType::Q4_K
             | QuantType::Q5_K
-            | QuantType::Q6_K => {}
+            | QuantType::Q6_K
+            | QuantType::IQ4_XS => {}
         }
     }
 }
@@ -183,6 +189,68 @@ unsafe fn q4<const T: usize, const MIN: bool, const WIDE: bool>(
         }
         for t in 0..T {
             store::<WIDE>(out, t, _mm256_add_ps(acc[t], acc_min[t]), wide[t]);
+        }
+    }
+}
+
+/// The IQ4 table plus 128 (unsigned bytes 1..=241) in every 128-bit lane, a `vpshufb`
+/// lookup by nibble.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) fn iq4_table_u8() -> __m512i {
+    _mm512_xor_si512(_mm512_broadcast_i32x4(iq4_table()), _mm512_set1_epi8(-128))
+}
+
+/// IQ4_NL group against `T` tokens.
+///
+/// # Safety
+/// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn iq4nl<const T: usize, const WIDE: bool>(
+    group: *const u8,
+    nb: usize,
+    acts: [*const ActBlock; T],
+    ex: [*const Expanded; T],
+    out: &mut TileOut,
+) {
+    let gb = group_block_bytes(QuantType::IQ4_NL);
+    let sb = group_scale_bytes(QuantType::IQ4_NL);
+    // SAFETY: every load reads inside group block `b < nb` (scales at 0, nibble words at
+    // `sb + 64 * m` for m < 2, ending at `gb`) or inside activation block `b` of a token.
+    unsafe {
+        let low4 = _mm512_set1_epi8(0x0F);
+        let table = iq4_table_u8();
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut wide = [[_mm256_setzero_pd(); 2]; T];
+        for b in 0..nb {
+            let blk = group.add(b * gb);
+            prefetch_ahead(blk, gb);
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+            let q = blk.add(sb);
+            let mut s_lo = [_mm512_setzero_si512(); T];
+            let mut s_hi = [_mm512_setzero_si512(); T];
+            for m in 0..2 {
+                let v = load64(q.add(64 * m));
+                let lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
+                let hi =
+                    _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4));
+                for t in 0..T {
+                    // As Q4_0: pairs m (low nibbles) and 2 + m (high nibbles).
+                    let xe = ex[t].add(b * PER_BLOCK);
+                    s_lo[t] = _mm512_dpbusd_epi32(s_lo[t], lo, ld(xe.add(m)));
+                    s_hi[t] = _mm512_dpbusd_epi32(s_hi[t], hi, ld(xe.add(2 + m)));
+                }
+            }
+            for t in 0..T {
+                let xb = &*acts[t].add(b);
+                let s32 = fold(_mm512_add_epi32(s_lo[t], s_hi[t]));
+                let s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32(128 * xb.sum));
+                plain_block_tail::<WIDE>(s32, dw, xb.d, &mut acc[t], &mut wide[t]);
+            }
+        }
+        for t in 0..T {
+            store::<WIDE>(out, t, acc[t], wide[t]);
         }
     }
 }

@@ -1,5 +1,5 @@
 //! AVX-512 VNNI integer dot products of one 8-row group of packed K-quant weights (Q2_K,
-//! Q3_K, Q4_K, Q5_K, Q6_K) with 1 to 4 tokens' Q8_K activations; the two-words-per-register scheme of
+//! Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_XS) with 1 to 4 tokens' Q8_K activations; the two-words-per-register scheme of
 //! `dot_avx512` (lanes 0..8 and 8..16 hold two 4-column words of the 8 rows), with the
 //! activation words laid out once per call by `expand`.
 //!
@@ -20,16 +20,19 @@
 //!   `8m..8m + 8` of each 32-wide slice), shifted by `2k` for slice `k`; Q3_K adds 4 where the
 //!   `hmask` bit is set (the `hmask` words `2m`, `2m + 1`). The tails (Q2_K's minimums, Q3_K's
 //!   `-4` offset) are the AVX2 kernels'.
+//! - IQ4_XS: a 64-byte load holds words `4j + 2m`, `4j + 2m + 1` of sub-block `j`; nibbles
+//!   become table values plus 128 (unsigned) by a `vpshufb` lookup, each sub-block's sum
+//!   gets `-128 * bsum32_j` and is multiplied by its scale with `vpmulld`.
 //!
 //! In the sub-block form (`SUB`) each 32-wide sub-block's scaled sums are folded on their own
 //! and handed to the AVX2 kernels' `block_end`, as the whole super-block's are otherwise.
 
 use crate::dot_avx2::store;
 use crate::dot_avx2_k::{block_end, by_form, pairs_i8, pairs_u8, prefetch_next, Tail};
-use crate::dot_avx512::{fold, ld, load64, pair_index};
+use crate::dot_avx512::{fold, iq4_table_u8, ld, load64, pair_index};
 use crate::expand::{Expanded, PER_BLOCK_K};
 use crate::format::QuantType;
-use crate::pack_k::{q2k, q3k, q4k, q5k, q6k};
+use crate::pack_k::{iq4xs, q2k, q3k, q4k, q5k, q6k};
 use crate::quantize_k::ActBlockK;
 use crate::tile::{Form, TileOut};
 use std::arch::x86_64::*;
@@ -87,6 +90,7 @@ pub(crate) unsafe fn group_dot(
             QuantType::Q4_K => by_tile!(q4k, false),
             QuantType::Q5_K => by_tile!(q4k, true),
             QuantType::Q6_K => by_tile!(q6k),
+            QuantType::IQ4_XS => by_tile!(iq4xs),
             _ => {}
         }
     }
@@ -165,6 +169,69 @@ unsafe fn q4k<const T: usize, const FIFTH: bool, const WIDE: bool, const SUB: bo
                 }
                 let x = &*acts[t].add(b);
                 block_end::<WIDE, SUB>(Tail::Q4K, blk, &sub[t], x, &mut acc[t], &mut wide[t]);
+            }
+        }
+        for t in 0..T {
+            store::<WIDE>(out, t, acc[t], wide[t]);
+        }
+    }
+}
+
+/// IQ4_XS group against `T` tokens.
+///
+/// # Safety
+/// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn iq4xs<const T: usize, const WIDE: bool, const SUB: bool>(
+    group: *const u8,
+    nb: usize,
+    acts: [*const ActBlockK; T],
+    ex: [*const Expanded; T],
+    out: &mut TileOut,
+) {
+    // SAFETY: all weight reads are inside group super-block `b < nb` (offsets from `pack_k`
+    // ending at `iq4xs::BYTES`); activation reads are inside block `b` of each token.
+    unsafe {
+        let low4 = _mm512_set1_epi8(0x0F);
+        let table = iq4_table_u8();
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut wide = [[_mm256_setzero_pd(); 2]; T];
+        for b in 0..nb {
+            let blk = group.add(b * iq4xs::BYTES);
+            prefetch_next(blk, iq4xs::BYTES);
+            let mut sub = [[_mm256_setzero_si256(); 8]; T];
+            for j in 0..8 {
+                // Row r's scale (minus 32) of sub-block j in lane r.
+                let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                    blk.add(iq4xs::SC + 8 * j) as *const __m128i
+                ));
+                let mut a = [_mm512_setzero_si512(); T];
+                for m in 0..2 {
+                    let v = load64(blk.add(iq4xs::QS + 32 * (4 * j + 2 * m)));
+                    let lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
+                    let hi = _mm512_shuffle_epi8(
+                        table,
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4),
+                    );
+                    for t in 0..T {
+                        // Pairs (8j + 2m, +1) (low nibbles) and (8j + 4 + 2m, +1) (high).
+                        let xe = ex[t].add(b * PER_BLOCK_K + 4 * j + m);
+                        a[t] = _mm512_dpbusd_epi32(a[t], lo, ld(xe));
+                        a[t] = _mm512_dpbusd_epi32(a[t], hi, ld(xe.add(2)));
+                    }
+                }
+                for t in 0..T {
+                    let x = &*acts[t].add(b);
+                    let off = _mm256_set1_epi32(128 * x.bsum32[j] as i32);
+                    let v = _mm256_mullo_epi32(_mm256_sub_epi32(fold(a[t]), off), sc);
+                    let k = if SUB { j } else { 0 };
+                    sub[t][k] = _mm256_add_epi32(sub[t][k], v);
+                }
+            }
+            for t in 0..T {
+                let x = &*acts[t].add(b);
+                block_end::<WIDE, SUB>(Tail::Iq4Xs, blk, &sub[t], x, &mut acc[t], &mut wide[t]);
             }
         }
         for t in 0..T {

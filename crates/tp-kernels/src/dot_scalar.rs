@@ -2,13 +2,14 @@
 //! quantized activations, with f32 accumulation (`matmul`) or per-block f32 contributions
 //! summed in f64 (`matmul_wide_acc`). The reference the AVX2 kernels are tested against.
 
-use crate::format::{f16_at, QuantType, QK};
+use crate::format::{f16_at, QuantType, KVALUES_IQ4, QK};
 use crate::pack::{group_block_bytes, group_scale_bytes, GROUP_ROWS};
 use crate::quantize::ActBlock;
 use crate::wide;
 
 /// The exact integer dot product of `lane`'s weights in group block `blk` with the
-/// activation block `a` (Q4_0's `-8` and Q5_0's `-16` offsets included; Q4_1's and Q5_1's
+/// activation block `a` (Q4_0's `-8` and Q5_0's `-16` offsets included, IQ4_NL's nibbles
+/// mapped through its table; Q4_1's and Q5_1's
 /// minimum is applied by the caller).
 fn block_isum(qtype: QuantType, blk: &[u8], a: &ActBlock, lane: usize) -> i32 {
     let qs = &blk[group_scale_bytes(qtype)..];
@@ -52,6 +53,17 @@ fn block_isum(qtype: QuantType, blk: &[u8], a: &ActBlock, lane: usize) -> i32 {
                 s
             }
         }
+        QuantType::IQ4_NL => {
+            let mut s = 0i32;
+            for l in 0..4 {
+                let word = &qs[(l * GROUP_ROWS + lane) * 4..][..4];
+                for (j, &byte) in word.iter().enumerate() {
+                    s += KVALUES_IQ4[(byte & 0x0F) as usize] as i32 * a.qs[4 * l + j] as i32;
+                    s += KVALUES_IQ4[(byte >> 4) as usize] as i32 * a.qs[QK / 2 + 4 * l + j] as i32;
+                }
+            }
+            s
+        }
         QuantType::Q8_0 => {
             let mut s = 0i32;
             for c in 0..QK / 4 {
@@ -63,9 +75,12 @@ fn block_isum(qtype: QuantType, blk: &[u8], a: &ActBlock, lane: usize) -> i32 {
             s
         }
         // K-quants have their own kernels (`dot_scalar_k`).
-        QuantType::Q2_K | QuantType::Q3_K | QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K => {
-            0
-        }
+        QuantType::Q2_K
+        | QuantType::Q3_K
+        | QuantType::Q4_K
+        | QuantType::Q5_K
+        | QuantType::Q6_K
+        | QuantType::IQ4_XS => 0,
     }
 }
 

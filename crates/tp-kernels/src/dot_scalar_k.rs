@@ -1,12 +1,12 @@
 //! Portable integer dot products of one 8-row group of packed K-quant weights (Q2_K, Q3_K,
-//! Q4_K, Q5_K, Q6_K)
+//! Q4_K, Q5_K, Q6_K, and IQ4_XS)
 //! with one token's Q8_K activations (f32 accumulation, f64 sums of per-super-block f32
 //! contributions, or f64 sums of per-32-wide-sub-block contributions for the sub-block
 //! form). The reference the SIMD K-quant kernels are tested against.
 
-use crate::format::{f16_at, QuantType};
+use crate::format::{f16_at, QuantType, KVALUES_IQ4};
 use crate::pack::{group_block_bytes, GROUP_ROWS};
-use crate::pack_k::{q2k, q3k, q4k, q5k, q6k};
+use crate::pack_k::{iq4xs, q2k, q3k, q4k, q5k, q6k};
 use crate::quantize_k::ActBlockK;
 use crate::wide;
 
@@ -130,8 +130,27 @@ fn q6k_isum(blk: &[u8], a: &ActBlockK, lane: usize) -> [i32; 8] {
     isum
 }
 
+/// IQ4_XS: `lane`'s `Σ sc · (KVALUES_IQ4[q] · x)` per 32-wide sub-block of `blk` (`sc` the
+/// stored 6-bit scale minus 32).
+fn iq4xs_isum(blk: &[u8], a: &ActBlockK, lane: usize) -> [i32; 8] {
+    let mut isum = [0i32; 8];
+    for (j, out) in isum.iter_mut().enumerate() {
+        let mut s = 0i32;
+        for w4 in 0..4 {
+            let at = word(iq4xs::QS, 4 * j + w4, lane);
+            for (i, &byte) in blk[at..at + 4].iter().enumerate() {
+                let l = 32 * j + 4 * w4 + i;
+                s += KVALUES_IQ4[(byte & 0x0F) as usize] as i32 * a.qs[l] as i32;
+                s += KVALUES_IQ4[(byte >> 4) as usize] as i32 * a.qs[l + 16] as i32;
+            }
+        }
+        *out = blk[iq4xs::SC + GROUP_ROWS * j + lane] as i8 as i32 * s;
+    }
+    isum
+}
+
 /// `lane`'s sums over super-block `blk` and its f16 `d` and (formats with minimums) `dmin`
-/// (0 for Q3_K and Q6_K, whose `msum`s are 0).
+/// (0 for Q3_K, Q6_K and IQ4_XS, whose `msum`s are 0).
 fn sub_sums(qtype: QuantType, blk: &[u8], a: &ActBlockK, lane: usize) -> (SubSums, f32, f32) {
     let at = |off: usize| f16_at(blk, off + 2 * lane);
     match qtype {
@@ -139,6 +158,7 @@ fn sub_sums(qtype: QuantType, blk: &[u8], a: &ActBlockK, lane: usize) -> (SubSum
         QuantType::Q4_K => (q4k_sums::<false>(blk, a, lane), at(q4k::D), at(q4k::DMIN)),
         QuantType::Q5_K => (q4k_sums::<true>(blk, a, lane), at(q4k::D), at(q4k::DMIN)),
         QuantType::Q3_K => ((q3k_isum(blk, a, lane), [0; 8]), at(q3k::D), 0.0),
+        QuantType::IQ4_XS => ((iq4xs_isum(blk, a, lane), [0; 8]), at(iq4xs::D), 0.0),
         _ => ((q6k_isum(blk, a, lane), [0; 8]), at(q6k::D), 0.0),
     }
 }

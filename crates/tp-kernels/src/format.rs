@@ -33,6 +33,15 @@
 //!   weights, 64 bytes `qs`, `d`, `dmin`. Weight `128h + 32k + l` is bits `2k..2k + 2` of
 //!   `qs[32h + l]` (`q` in 0..4) in sub-block `8h + 2k + l / 16`; weight =
 //!   `d * sc * q - dmin * m`.
+//!
+//! Non-linear 4-bit formats (weight = scale times [`KVALUES_IQ4`]`[nibble]`):
+//! - IQ4_NL, 18 bytes per 32 weights: `d`, then 16 bytes of nibbles laid out as Q4_0's
+//!   (byte `j`: weight `j` low, weight `j + 16` high); weight = `d * KVALUES_IQ4[q]`.
+//! - IQ4_XS, 136 bytes per 256 weights: `d`, a little-endian u16 `scales_h`, 4 bytes
+//!   `scales_l`, 128 bytes `qs`. Sub-block `j < 8` (weights `32j..32j + 32`) has the 6-bit
+//!   scale `ls = (scales_l[j / 2] >> 4 (j % 2)) & 15 | ((scales_h >> 2j) & 3) << 4` and its
+//!   nibbles in `qs[16j..16j + 16]` laid out as IQ4_NL's; weight =
+//!   `d * (ls - 32) * KVALUES_IQ4[q]` (see [`scale_iq4xs`]).
 use half::f16;
 use std::fmt;
 
@@ -40,6 +49,11 @@ use std::fmt;
 pub(crate) const QK: usize = 32;
 /// Elements per K-quant super-block.
 pub(crate) const QK_K: usize = 256;
+
+/// ggml's non-linear 4-bit table (`kvalues_iq4nl`), shared by IQ4_NL and IQ4_XS.
+pub(crate) const KVALUES_IQ4: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
 
 /// Weight formats with kernels here (ggml block layouts: 32 elements per block, 256 per
 /// super-block for the K-quants).
@@ -66,10 +80,15 @@ pub enum QuantType {
     Q5_K,
     /// 6-bit K-quant: 256-element super-blocks with a signed 8-bit scale per 16 elements.
     Q6_K,
+    /// 4-bit non-linear: `d * KVALUES_IQ4[q]`, 32-element blocks (ggml type 20).
+    IQ4_NL,
+    /// 4-bit non-linear: 256-element super-blocks of 8 sub-blocks with 6-bit scales,
+    /// `d * (ls - 32) * KVALUES_IQ4[q]` (ggml type 23).
+    IQ4_XS,
 }
 
 impl QuantType {
-    /// Weights per block: 32, or 256 for the K-quants.
+    /// Weights per block: 32, or 256 for the K-quants and IQ4_XS.
     pub fn block_len(self) -> usize {
         if self.is_k_quant() {
             QK_K
@@ -79,7 +98,7 @@ impl QuantType {
     }
 
     /// Bytes per ggml block: 18 (Q4_0), 20 (Q4_1), 34 (Q8_0), 22 (Q5_0), 24 (Q5_1),
-    /// 84 (Q2_K), 110 (Q3_K), 144 (Q4_K), 176 (Q5_K), 210 (Q6_K).
+    /// 84 (Q2_K), 110 (Q3_K), 144 (Q4_K), 176 (Q5_K), 210 (Q6_K), 18 (IQ4_NL), 136 (IQ4_XS).
     pub fn block_bytes(self) -> usize {
         match self {
             QuantType::Q4_0 => 2 + QK / 2,
@@ -92,15 +111,23 @@ impl QuantType {
             QuantType::Q4_K => 2 + 2 + 12 + QK_K / 2,
             QuantType::Q5_K => 2 + 2 + 12 + QK_K / 8 + QK_K / 2,
             QuantType::Q6_K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
+            QuantType::IQ4_NL => 2 + QK / 2,
+            QuantType::IQ4_XS => 2 + 2 + QK_K / 64 + QK_K / 2,
         }
     }
 
-    /// Q2_K, Q3_K, Q4_K, Q5_K and Q6_K: 256-element super-blocks, activations quantized as
-    /// Q8_K.
+    /// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS: 256-element super-blocks, activations
+    /// quantized as Q8_K (IQ4_XS is no K-quant by name, but is one by shape: it takes their
+    /// packing, kernels and sub-block form).
     pub(crate) fn is_k_quant(self) -> bool {
         matches!(
             self,
-            QuantType::Q2_K | QuantType::Q3_K | QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K
+            QuantType::Q2_K
+                | QuantType::Q3_K
+                | QuantType::Q4_K
+                | QuantType::Q5_K
+                | QuantType::Q6_K
+                | QuantType::IQ4_XS
         )
     }
 
@@ -122,6 +149,8 @@ impl QuantType {
             QuantType::Q4_K => "Q4_K",
             QuantType::Q5_K => "Q5_K",
             QuantType::Q6_K => "Q6_K",
+            QuantType::IQ4_NL => "IQ4_NL",
+            QuantType::IQ4_XS => "IQ4_XS",
         }
     }
 
@@ -195,6 +224,27 @@ pub(crate) fn pack_scale_k3(sc: &[i8; 16], q: &mut [u8]) {
         }
         q[8 + j % 4] |= (v >> 4) << (2 * (j / 4));
     }
+}
+
+/// IQ4_XS's 6-bit scale of sub-block `j` (0..8) minus 32 (-32..32), from `scales_h` and the
+/// 4 bytes of `scales_l`.
+pub(crate) fn scale_iq4xs(j: usize, scales_h: u16, scales_l: &[u8]) -> i8 {
+    let low = (scales_l[j / 2] >> (4 * (j % 2))) & 0x0F;
+    let high = ((scales_h >> (2 * j)) & 3) as u8;
+    (low | (high << 4)) as i8 - 32
+}
+
+/// The inverse of [`scale_iq4xs`]: packs 8 scales (each in -32..32) into `scales_h` and the
+/// 4 bytes of `scales_l`.
+pub(crate) fn pack_scale_iq4xs(sc: &[i8; 8], scales_l: &mut [u8]) -> u16 {
+    scales_l[..4].fill(0);
+    let mut scales_h = 0u16;
+    for (j, &s) in sc.iter().enumerate() {
+        let v = (s as i32 + 32) as u8 & 63;
+        scales_l[j / 2] |= (v & 0x0F) << (4 * (j % 2));
+        scales_h |= ((v >> 4) as u16) << (2 * j);
+    }
+    scales_h
 }
 
 /// Decodes one ggml block (`block.len() == qtype.block_bytes()`) into `block_len` weights,
@@ -300,6 +350,23 @@ pub(crate) fn dequantize_ggml_block(qtype: QuantType, block: &[u8], out: &mut [f
                 }
             }
         }
+        QuantType::IQ4_NL => {
+            for (j, &byte) in block[2..2 + QK / 2].iter().enumerate() {
+                out[j] = d * KVALUES_IQ4[(byte & 0x0F) as usize] as f32;
+                out[j + QK / 2] = d * KVALUES_IQ4[(byte >> 4) as usize] as f32;
+            }
+        }
+        QuantType::IQ4_XS => {
+            let scales_h = u16::from_le_bytes([block[2], block[3]]);
+            for j in 0..QK_K / QK {
+                let dl = d * scale_iq4xs(j, scales_h, &block[4..8]) as f32;
+                let qs = &block[8 + 16 * j..8 + 16 * j + 16];
+                for (l, &byte) in qs.iter().enumerate() {
+                    out[32 * j + l] = dl * KVALUES_IQ4[(byte & 0x0F) as usize] as f32;
+                    out[32 * j + 16 + l] = dl * KVALUES_IQ4[(byte >> 4) as usize] as f32;
+                }
+            }
+        }
         QuantType::Q6_K => {
             let d = f16_at(block, 208);
             let (ql, qh, sc) = (&block[..128], &block[128..192], &block[192..208]);
@@ -337,6 +404,19 @@ mod tests {
             assert!(sc.iter().all(|&s| (-32..32).contains(&s)));
             pack_scale_k3(&sc, &mut q);
             assert_eq!(&q[..], &bytes[..]);
+        }
+    }
+
+    #[test]
+    fn iq4xs_scales_round_trip_through_their_6_bytes() {
+        let mut l = [0u8; 4];
+        for seed in 0..64u32 {
+            let bytes: Vec<u8> = (0..6).map(|i| (seed * 37 + i * 101) as u8).collect();
+            let h = u16::from_le_bytes([bytes[0], bytes[1]]);
+            let sc: [i8; 8] = std::array::from_fn(|j| scale_iq4xs(j, h, &bytes[2..]));
+            assert!(sc.iter().all(|&s| (-32..32).contains(&s)));
+            assert_eq!(pack_scale_iq4xs(&sc, &mut l), h);
+            assert_eq!(&l[..], &bytes[2..]);
         }
     }
 }

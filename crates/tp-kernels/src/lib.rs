@@ -1,5 +1,6 @@
 //! tp-kernels: single-threaded CPU matrix-vector and small matrix-matrix products over GGUF
-//! quantized blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and dense
+//! quantized blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
+//! IQ4_XS) and dense
 //! f32/f16 weights, with AVX2+FMA and AVX-512 VNNI kernels chosen at run time (`TP_KERNEL`
 //! overrides) and a portable scalar fallback.
 //!

@@ -294,7 +294,7 @@ impl QuantMatrix {
         })
     }
 
-    /// The sub-block form of a K-quant matrix: columns `[lead, lead + cols)` of the whole
+    /// The sub-block form of a K-quant (or IQ4_XS) matrix: columns `[lead, lead + cols)` of the whole
     /// super-blocks in `bytes` (row-major, `rows * ceil((lead + cols) / 256)` ggml
     /// super-blocks), for a tensor-parallel shard whose column range starts or ends inside a
     /// super-block. `lead` (below 256) and `cols` are multiples of 32. Its products quantize
@@ -965,9 +965,11 @@ pub(crate) mod tests {
     use half::f16;
 
     /// Every format, in the order the tests go through them.
-    pub(crate) const ALL: [QuantType; 10] = {
+    pub(crate) const ALL: [QuantType; 12] = {
         use QuantType::*;
-        [Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K]
+        [
+            Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS,
+        ]
     };
 
     #[test]
@@ -1015,6 +1017,7 @@ pub(crate) mod tests {
                     QuantType::Q6_K => (208, None),
                     QuantType::Q3_K => (108, None),
                     QuantType::Q2_K => (80, Some(82)),
+                    QuantType::IQ4_XS => (0, None),
                     _ => (0, Some(2)),
                 };
                 b[at..at + 2].copy_from_slice(&d);
@@ -1213,6 +1216,8 @@ pub(crate) mod tests {
             QuantType::Q4_K,
             QuantType::Q5_K,
             QuantType::Q6_K,
+            QuantType::IQ4_NL,
+            QuantType::IQ4_XS,
         ];
         for (simd, qtype) in cpu::available()
             .into_iter()
@@ -1526,10 +1531,10 @@ pub(crate) mod tests {
         }
     }
 
-    /// The K-quants (the formats with a sub-block form).
-    const K_QUANTS: [QuantType; 5] = {
+    /// The K-quants and IQ4_XS (the formats with a sub-block form).
+    const K_QUANTS: [QuantType; 6] = {
         use QuantType::*;
-        [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K]
+        [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS]
     };
 
     /// Columns `[c0, c1)` (multiples of 32) of a `[rows, cols]` K-quant matrix in the

@@ -9,7 +9,8 @@
 //! - quants: for each 4-byte word `w` of a ggml block's quants, the word of rows 0..8 in turn
 //!   (`offset = (w * 8 + row) * 4`).
 //!
-//! Q5_0 is stored as Q4_0 with its `qh` as quant word 0, Q5_1 as Q4_1 likewise. K-quants have their own group
+//! Q5_0 is stored as Q4_0 with its `qh` as quant word 0, Q5_1 as Q4_1 likewise; IQ4_NL is
+//! stored exactly as Q4_0 (its nibbles index a table instead of being offset by 8). K-quants have their own group
 //! layout (see `pack_k`); groups and blocks are ordered the same way.
 //!
 //! Groups are laid out one after the other, each with all its blocks along the columns. When
@@ -29,6 +30,7 @@ pub(crate) fn group_block_bytes(qtype: QuantType) -> usize {
         QuantType::Q4_K => pack_k::q4k::BYTES,
         QuantType::Q5_K => pack_k::q5k::BYTES,
         QuantType::Q6_K => pack_k::q6k::BYTES,
+        QuantType::IQ4_XS => pack_k::iq4xs::BYTES,
         _ => GROUP_ROWS * qtype.block_bytes(),
     }
 }
@@ -141,8 +143,7 @@ mod tests {
 
     #[test]
     fn pack_unpack_round_trips_for_every_format_and_ragged_rows() {
-        use QuantType::*;
-        for qtype in [Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K] {
+        for qtype in crate::matrix::tests::ALL {
             for rows in [1usize, 3, 8, 9, 17] {
                 let nb = 3;
                 let bytes: Vec<u8> = (0..rows * nb * qtype.block_bytes())

@@ -1,4 +1,4 @@
-//! The interleaved layout of K-quant matrices (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): like `pack`,
+//! The interleaved layout of K-quant matrices (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_XS): like `pack`,
 //! 8 rows per group and quants as 4-byte words interleaved row by row, with the packed
 //! scales and mins decoded at load into bytes laid out for the kernels. A group super-block
 //! (8 rows x 256 columns):
@@ -18,9 +18,16 @@
 //!   then the `ql` and `qh` words (each `[row][4]`) in the order the kernel reads them (see
 //!   `q6k::triple`), so the weights stream sequentially.
 //!
+//! - IQ4_XS, 1104 bytes (ggml: 8 x 136): `d` x 8 (f16), the 6-bit scales minus 32 as
+//!   `[sub-block j < 8][row]` i8, then the 128 `qs` bytes of each row as 32 words
+//!   `[w][row][4]` (words `4j..4j + 4` are sub-block `j`'s).
+//!
 //! Both directions are exact, so the ggml bytes can always be rebuilt.
 
-use crate::format::{pack_scale_k3, pack_scale_min_k4, scale_k3, scale_min_k4, QuantType};
+use crate::format::{
+    pack_scale_iq4xs, pack_scale_k3, pack_scale_min_k4, scale_iq4xs, scale_k3, scale_min_k4,
+    QuantType,
+};
 use crate::pack::GROUP_ROWS;
 
 /// Offsets inside a Q2_K group super-block.
@@ -56,6 +63,14 @@ pub(crate) mod q4k {
     pub const MIN: usize = 96;
     pub const QS: usize = 160;
     pub const BYTES: usize = 160 + 1024;
+}
+
+/// Offsets inside an IQ4_XS group super-block.
+pub(crate) mod iq4xs {
+    pub const D: usize = 0;
+    pub const SC: usize = 16;
+    pub const QS: usize = 80;
+    pub const BYTES: usize = 80 + 1024;
 }
 
 /// Offsets inside a Q6_K group super-block.
@@ -165,6 +180,16 @@ pub(crate) fn pack_block(qtype: QuantType, lane: usize, src: &[u8], dst: &mut [u
                 dst[q6k::qh_word(w) + 4 * lane..][..4].copy_from_slice(&src[128 + 4 * w..][..4]);
             }
         }
+        QuantType::IQ4_XS => {
+            dst[iq4xs::D + 2 * lane..][..2].copy_from_slice(&src[0..2]);
+            let scales_h = u16::from_le_bytes([src[2], src[3]]);
+            for j in 0..8 {
+                dst[iq4xs::SC + GROUP_ROWS * j + lane] = scale_iq4xs(j, scales_h, &src[4..8]) as u8;
+            }
+            for w in 0..32 {
+                dst[word(iq4xs::QS, w, lane)..][..4].copy_from_slice(&src[8 + 4 * w..][..4]);
+            }
+        }
         _ => {}
     }
 }
@@ -237,6 +262,15 @@ pub(crate) fn unpack_block(qtype: QuantType, lane: usize, src: &[u8], out: &mut 
             }
             for w in 0..16 {
                 out[128 + 4 * w..][..4].copy_from_slice(&src[q6k::qh_word(w) + 4 * lane..][..4]);
+            }
+        }
+        QuantType::IQ4_XS => {
+            out[0..2].copy_from_slice(&src[iq4xs::D + 2 * lane..][..2]);
+            let sc: [i8; 8] = std::array::from_fn(|j| src[iq4xs::SC + GROUP_ROWS * j + lane] as i8);
+            let scales_h = pack_scale_iq4xs(&sc, &mut out[4..8]);
+            out[2..4].copy_from_slice(&scales_h.to_le_bytes());
+            for w in 0..32 {
+                out[8 + 4 * w..][..4].copy_from_slice(&src[word(iq4xs::QS, w, lane)..][..4]);
             }
         }
         _ => {}

@@ -15,18 +15,23 @@ fn zeros_q(qtype: QuantType, rows: usize, cols: usize) -> QuantMatrix {
 #[test]
 fn quant_type_constants() {
     use QuantType::*;
-    let t = [Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K];
+    let t = [
+        Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS,
+    ];
     assert_eq!(
         t.map(|q| q.block_len()),
-        [32, 32, 32, 32, 32, 256, 256, 256, 256, 256]
+        [32, 32, 32, 32, 32, 256, 256, 256, 256, 256, 32, 256]
     );
     assert_eq!(
         t.map(|q| q.block_bytes()),
-        [18, 20, 34, 22, 24, 84, 110, 144, 176, 210]
+        [18, 20, 34, 22, 24, 84, 110, 144, 176, 210, 18, 136]
     );
     assert_eq!(
         t.map(|q| q.name()),
-        ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+        [
+            "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+            "IQ4_NL", "IQ4_XS"
+        ]
     );
     assert!(["avx512+vnni", "avx2+fma", "scalar"].contains(&simd_level()));
 }

@@ -3,11 +3,134 @@
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-pub use candle_core::quantized::GgmlDType;
 use std::collections::HashMap;
 use std::ops::Range;
 
 pub use tp_spec::{expected_weights, Expected, WeightName, TENSORS_PER_LAYER};
+
+/// A ggml tensor type as a checkpoint stores it: candle's types (the names are candle's) plus
+/// IQ4_NL and IQ4_XS, which candle 0.11 cannot hold and only tp-kernels reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
+pub enum GgmlDType {
+    F32,
+    F16,
+    BF16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q8_1,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
+    Q8K,
+    /// ggml type 20: 32-element blocks of 18 bytes.
+    IQ4_NL,
+    /// ggml type 23: 256-element super-blocks of 136 bytes.
+    IQ4_XS,
+}
+
+impl GgmlDType {
+    /// candle's type, for the formats candle holds (`None`: IQ4_NL, IQ4_XS).
+    pub fn candle(self) -> Option<candle_core::quantized::GgmlDType> {
+        use candle_core::quantized::GgmlDType as C;
+        Some(match self {
+            GgmlDType::F32 => C::F32,
+            GgmlDType::F16 => C::F16,
+            GgmlDType::BF16 => C::BF16,
+            GgmlDType::Q4_0 => C::Q4_0,
+            GgmlDType::Q4_1 => C::Q4_1,
+            GgmlDType::Q5_0 => C::Q5_0,
+            GgmlDType::Q5_1 => C::Q5_1,
+            GgmlDType::Q8_0 => C::Q8_0,
+            GgmlDType::Q8_1 => C::Q8_1,
+            GgmlDType::Q2K => C::Q2K,
+            GgmlDType::Q3K => C::Q3K,
+            GgmlDType::Q4K => C::Q4K,
+            GgmlDType::Q5K => C::Q5K,
+            GgmlDType::Q6K => C::Q6K,
+            GgmlDType::Q8K => C::Q8K,
+            GgmlDType::IQ4_NL | GgmlDType::IQ4_XS => return None,
+        })
+    }
+
+    /// The tp-kernels format of the IQ4 types (those candle lacks).
+    fn iq4(self) -> Option<tp_kernels::QuantType> {
+        match self {
+            GgmlDType::IQ4_NL => Some(tp_kernels::QuantType::IQ4_NL),
+            GgmlDType::IQ4_XS => Some(tp_kernels::QuantType::IQ4_XS),
+            _ => None,
+        }
+    }
+
+    /// Elements per block.
+    pub fn block_size(self) -> usize {
+        match (self.candle(), self.iq4()) {
+            (Some(c), _) => c.block_size(),
+            (None, Some(q)) => q.block_len(),
+            (None, None) => 1,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn type_size(self) -> usize {
+        match (self.candle(), self.iq4()) {
+            (Some(c), _) => c.type_size(),
+            (None, Some(q)) => q.block_bytes(),
+            (None, None) => 1,
+        }
+    }
+
+    /// The GGUF type id.
+    pub fn type_id(self) -> u32 {
+        match self {
+            GgmlDType::F32 => 0,
+            GgmlDType::F16 => 1,
+            GgmlDType::Q4_0 => 2,
+            GgmlDType::Q4_1 => 3,
+            GgmlDType::Q5_0 => 6,
+            GgmlDType::Q5_1 => 7,
+            GgmlDType::Q8_0 => 8,
+            GgmlDType::Q8_1 => 9,
+            GgmlDType::Q2K => 10,
+            GgmlDType::Q3K => 11,
+            GgmlDType::Q4K => 12,
+            GgmlDType::Q5K => 13,
+            GgmlDType::Q6K => 14,
+            GgmlDType::Q8K => 15,
+            GgmlDType::IQ4_NL => 20,
+            GgmlDType::IQ4_XS => 23,
+            GgmlDType::BF16 => 30,
+        }
+    }
+}
+
+impl From<candle_core::quantized::GgmlDType> for GgmlDType {
+    fn from(t: candle_core::quantized::GgmlDType) -> Self {
+        use candle_core::quantized::GgmlDType as C;
+        match t {
+            C::F32 => GgmlDType::F32,
+            C::F16 => GgmlDType::F16,
+            C::BF16 => GgmlDType::BF16,
+            C::Q4_0 => GgmlDType::Q4_0,
+            C::Q4_1 => GgmlDType::Q4_1,
+            C::Q5_0 => GgmlDType::Q5_0,
+            C::Q5_1 => GgmlDType::Q5_1,
+            C::Q8_0 => GgmlDType::Q8_0,
+            C::Q8_1 => GgmlDType::Q8_1,
+            C::Q2K => GgmlDType::Q2K,
+            C::Q3K => GgmlDType::Q3K,
+            C::Q4K => GgmlDType::Q4K,
+            C::Q5K => GgmlDType::Q5K,
+            C::Q6K => GgmlDType::Q6K,
+            C::Q8K => GgmlDType::Q8K,
+        }
+    }
+}
 
 /// How a 2-D weight is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -351,9 +474,12 @@ mod tests {
             (12, Q4K),
             (13, Q5K),
             (14, Q6K),
+            (20, IQ4_NL),
+            (23, IQ4_XS),
         ] {
             let layout = tp_spec::Layout::of_ggml_type(id);
             assert_eq!(layout, Some(Storage::Quant(t).layout()), "{t:?}");
+            assert_eq!(t.type_id(), id, "{t:?}");
         }
         for id in [0, 1, 30] {
             assert_eq!(

@@ -1,5 +1,6 @@
 //! GGUF checkpoints: the file is memory-mapped and a rank copies out only its byte ranges.
 
+use crate::checkpoint::GgmlDType;
 use crate::checkpoint::{
     check_layer_count, copy_region, expected_by_name, slice_from_bytes, unused_tensor_reason,
     validate_shapes, Checkpoint, Expected, FloatKind, Storage, TensorMeta, WeightName, WeightSlice,
@@ -7,9 +8,8 @@ use crate::checkpoint::{
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::gguf_header::{GgufHeader, GgufTensor};
+use crate::matrix::dequantize_blocks;
 use candle_core::quantized::gguf_file::Value;
-use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
-use candle_core::Device;
 use memmap2::Mmap;
 use std::collections::HashMap;
 use std::fs::File;
@@ -210,9 +210,16 @@ fn float_kind(t: GgmlDType) -> Option<FloatKind> {
 /// For a K-quant range starting and ending on 32-wide sub-blocks (but not on super-blocks):
 /// where it starts in its first super-block.
 fn sub_block_lead(dtype: GgmlDType, cols: &Range<usize>) -> Option<usize> {
+    // IQ4_XS has the K-quants' shape (8 sub-blocks of 32 with integer scales) and their
+    // sub-block form in tp-kernels.
     let k_quant = matches!(
         dtype,
-        GgmlDType::Q2K | GgmlDType::Q3K | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K
+        GgmlDType::Q2K
+            | GgmlDType::Q3K
+            | GgmlDType::Q4K
+            | GgmlDType::Q5K
+            | GgmlDType::Q6K
+            | GgmlDType::IQ4_XS
     );
     let sub = dtype.block_size() / 8;
     (k_quant && cols.start.is_multiple_of(sub) && cols.end.is_multiple_of(sub))
@@ -337,13 +344,16 @@ impl Checkpoint for GgufCheckpoint {
         // Not block aligned (a 32-wide format, or a K-quant range that cuts a 32-wide
         // sub-block): dequantize the whole weight once and keep the columns. Row-parallel
         // products over such shards are not tp-invariant.
-        let q = qtensor_from_ggml(dtype, data, vec![meta.rows, meta.cols], &Device::Cpu)?;
-        let full = q.dequantize(&Device::Cpu)?; // [rows, cols]
-        let part = full.narrow(1, cols.start, cols.len())?.contiguous()?; // [rows, cols_local]
+        let full = dequantize_blocks(dtype, data, meta.rows, meta.cols)?; // [rows, cols]
+        let values = full
+            .chunks_exact(meta.cols.max(1))
+            .flat_map(|row| &row[cols.clone()])
+            .copied()
+            .collect(); // [rows, cols_local]
         Ok(WeightSlice::Dense {
             rows: meta.rows,
             cols: cols.len(),
-            values: part.flatten_all()?.to_vec1::<f32>()?,
+            values,
         })
     }
 
@@ -352,9 +362,7 @@ impl Checkpoint for GgufCheckpoint {
         let len = meta.rows * meta.cols;
         let values = match float_kind(dtype) {
             Some(k) => k.decode(data),
-            None => qtensor_from_ggml(dtype, data, vec![len], &Device::Cpu)?
-                .dequantize(&Device::Cpu)?
-                .to_vec1::<f32>()?,
+            None => dequantize_blocks(dtype, data, 1, len)?,
         };
         match range {
             None => Ok(values),

@@ -19,9 +19,9 @@
 //! dimensions or with a zero one, and ggml types candle cannot load
 //! (Q8_1, Q8_K, IQ*, ...) are errors here.
 
+use crate::checkpoint::GgmlDType;
 use crate::error::{ModelError, Result};
 use candle_core::quantized::gguf_file::{Content, TensorInfo, Value, VersionedMagic};
-use candle_core::quantized::GgmlDType;
 use std::collections::HashMap;
 
 /// Alignment of the tensor data when `general.alignment` is absent.
@@ -100,10 +100,10 @@ fn ggml_type(id: u32) -> TypeId {
         17 => Unsupported("IQ2_XS"),
         18 => Unsupported("IQ3_XXS"),
         19 => Unsupported("IQ1_S"),
-        20 => Unsupported("IQ4_NL"),
+        20 => Loadable(T::IQ4_NL),
         21 => Unsupported("IQ3_S"),
         22 => Unsupported("IQ2_S"),
-        23 => Unsupported("IQ4_XS"),
+        23 => Loadable(T::IQ4_XS),
         24 => Unsupported("I8"),
         25 => Unsupported("I16"),
         26 => Unsupported("I32"),
@@ -329,7 +329,8 @@ impl GgufHeader {
         start..start + t.bytes as usize
     }
 
-    /// The same header as candle's `Content` (metadata cloned), for candle's GGUF models.
+    /// The same header as candle's `Content` (metadata cloned), for candle's GGUF models;
+    /// tensors of types candle cannot hold (IQ4_NL, IQ4_XS) are left out.
     pub fn to_candle(&self) -> Content {
         Content {
             magic: if self.version == 2 {
@@ -341,15 +342,15 @@ impl GgufHeader {
             tensor_infos: self
                 .tensors
                 .iter()
-                .map(|t| {
-                    (
+                .filter_map(|t| {
+                    Some((
                         t.name.clone(),
                         TensorInfo {
-                            ggml_dtype: t.dtype,
+                            ggml_dtype: t.dtype.candle()?,
                             shape: candle_core::Shape::from(t.shape.clone()),
                             offset: t.offset,
                         },
-                    )
+                    ))
                 })
                 .collect(),
             tensor_data_offset: self.data_offset,

@@ -1,9 +1,10 @@
 //! A rank's local weight matrix `[rows = out_local, cols = in_local]`, kept quantized or dense,
 //! with `y [n, rows] = x [n, cols] · Wᵀ` on f32 activations and row lookup for embeddings.
 
+use crate::checkpoint::GgmlDType;
 use crate::checkpoint::{Checkpoint, WeightName, WeightSlice};
 use crate::error::{ModelError, Result};
-use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{ggml_file::qtensor_from_ggml, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use tp_kernels::{DenseMatrix, QuantMatrix, QuantType};
 
@@ -88,8 +89,48 @@ fn kernel_type(t: GgmlDType) -> Option<QuantType> {
         GgmlDType::Q4K => QuantType::Q4_K,
         GgmlDType::Q5K => QuantType::Q5_K,
         GgmlDType::Q6K => QuantType::Q6_K,
+        GgmlDType::IQ4_NL => QuantType::IQ4_NL,
+        GgmlDType::IQ4_XS => QuantType::IQ4_XS,
         _ => return None,
     })
+}
+
+/// candle's type for `t`, or a typed error for the types only our kernels read.
+fn candle_type(t: GgmlDType) -> Result<candle_core::quantized::GgmlDType> {
+    t.candle().ok_or_else(|| ModelError::UnsupportedDType {
+        name: "(candle path)".to_string(),
+        dtype: format!("{t:?}"),
+    })
+}
+
+/// `rows` rows of `cols` elements of ggml blocks of type `t` (`bytes`, row-major) dequantized
+/// to f32, row-major: by tp-kernels for the types candle cannot hold (IQ4_NL, IQ4_XS; the
+/// same arithmetic as ggml's reference), otherwise by candle. A byte count that does not
+/// match the shape is a typed error.
+pub(crate) fn dequantize_blocks(
+    t: GgmlDType,
+    bytes: &[u8],
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<f32>> {
+    if t.candle().is_none() {
+        if let Some(k) = kernel_type(t) {
+            let m = QuantMatrix::from_ggml_bytes(k, rows, cols, bytes.to_vec())?;
+            let mut out = vec![0.0f32; rows * cols];
+            for (r, row) in out.chunks_exact_mut(cols.max(1)).enumerate().take(rows) {
+                m.dequantize_row(r, row)?;
+            }
+            return Ok(out);
+        }
+    }
+    let dev = Device::Cpu;
+    let shape = if rows == 1 {
+        vec![cols]
+    } else {
+        vec![rows, cols]
+    };
+    let q = qtensor_from_ggml(candle_type(t)?, bytes, shape, &dev)?;
+    Ok(q.dequantize(&dev)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
 /// One rank's weight matrix.
@@ -160,8 +201,12 @@ impl Matrix {
                         format,
                     });
                 }
-                let qt =
-                    std::sync::Arc::new(qtensor_from_ggml(dtype, &bytes, vec![rows, cols], &dev)?);
+                let qt = std::sync::Arc::new(qtensor_from_ggml(
+                    candle_type(dtype)?,
+                    &bytes,
+                    vec![rows, cols],
+                    &dev,
+                )?);
                 Ok(Matrix {
                     store: Store::CandleQuant {
                         q: QMatMul::from_arc(qt.clone())?,
@@ -174,8 +219,7 @@ impl Matrix {
                 })
             }
             WeightSlice::Quant { dtype, bytes, .. } => {
-                let q = qtensor_from_ggml(dtype, &bytes, vec![rows, cols], &dev)?;
-                let values = q.dequantize(&dev)?.flatten_all()?.to_vec1::<f32>()?; // [rows * cols]
+                let values = dequantize_blocks(dtype, &bytes, rows, cols)?; // [rows * cols]
                 Self::dense(rows, cols, values, opts.dense)
             }
             WeightSlice::QuantSub {
@@ -193,10 +237,13 @@ impl Matrix {
                 }
                 _ => {
                     let covered = (lead + cols).div_ceil(dtype.block_size()) * dtype.block_size();
-                    let q = qtensor_from_ggml(dtype, &bytes, vec![rows, covered], &dev)?;
-                    let all = q.dequantize(&dev)?; // [rows, covered]
-                    let part = all.narrow(1, lead, cols)?.contiguous()?; // [rows, cols]
-                    Self::dense(rows, cols, part.flatten_all()?.to_vec1()?, opts.dense)
+                    let all = dequantize_blocks(dtype, &bytes, rows, covered)?; // [rows, covered]
+                    let part = all
+                        .chunks_exact(covered.max(1))
+                        .flat_map(|row| &row[lead..lead + cols])
+                        .copied()
+                        .collect(); // [rows, cols]
+                    Self::dense(rows, cols, part, opts.dense)
                 }
             },
             WeightSlice::Dense { values, .. } => Self::dense(rows, cols, values, opts.dense),

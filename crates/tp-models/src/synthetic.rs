@@ -6,13 +6,14 @@
 //! llama.cpp's permuted order (interleaved RoPE), so the same model written both ways must
 //! give the same logits; `qwen2` GGUFs are not permuted.
 
+use crate::checkpoint::GgmlDType;
 use crate::checkpoint::WeightName;
 use crate::config::{Arch, ModelConfig, RopeStyle};
 use crate::error::{ModelError, Result};
 use crate::gguf::gguf_name;
 use crate::hf::hf_name;
 use candle_core::quantized::gguf_file::{self, Value};
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
 use std::path::Path;
@@ -319,6 +320,20 @@ impl SyntheticModel {
     pub fn gguf_tensors(&self, types: GgufTypes) -> Result<Vec<(String, QTensor)>> {
         let dev = Device::Cpu;
         let mut out = Vec::with_capacity(self.weights.len());
+        for (name, shape, values, dtype) in self.gguf_values(types) {
+            let c = dtype.candle().ok_or_else(|| ModelError::UnsupportedDType {
+                name: name.clone(),
+                dtype: format!("{dtype:?} (candle cannot hold it; write_gguf can)"),
+            })?;
+            let t = Tensor::from_vec(values, shape.as_slice(), &dev)?;
+            out.push((name, QTensor::quantize(&t, c)?));
+        }
+        Ok(out)
+    }
+
+    /// Every GGUF tensor as (name, shape, f32 values in file order, type to store).
+    fn gguf_values(&self, types: GgufTypes) -> Vec<(String, Vec<usize>, Vec<f32>, GgmlDType)> {
+        let mut out = Vec::with_capacity(self.weights.len());
         for (name, shape, values) in &self.weights {
             let mut values = values.clone();
             if self.cfg.arch == Arch::Llama {
@@ -335,15 +350,31 @@ impl SyntheticModel {
                 (WeightName::Embed | WeightName::Output, _) => types.embed,
                 _ => types.linear,
             };
-            let t = Tensor::from_vec(values, shape.as_slice(), &dev)?;
-            out.push((gguf_name(*name), QTensor::quantize(&t, dtype)?));
+            out.push((gguf_name(*name), shape.clone(), values, dtype));
         }
-        Ok(out)
+        out
     }
 
-    /// Writes the model as a GGUF file.
+    /// Writes the model as a GGUF file: through candle's writer, or for IQ4_NL / IQ4_XS
+    /// tensors (which candle cannot hold; quantized by [`quantize_iq4`]) through
+    /// [`write_gguf_blocks`].
     pub fn write_gguf(&self, path: &Path, types: GgufTypes) -> Result<()> {
-        write_gguf(path, &self.gguf_metadata(), &self.gguf_tensors(types)?)
+        if types.linear.candle().is_some() && types.embed.candle().is_some() {
+            return write_gguf(path, &self.gguf_metadata(), &self.gguf_tensors(types)?);
+        }
+        let dev = Device::Cpu;
+        let mut tensors = Vec::new();
+        for (name, shape, values, dtype) in self.gguf_values(types) {
+            let bytes = match dtype.candle() {
+                Some(c) => {
+                    let t = Tensor::from_vec(values, shape.as_slice(), &dev)?;
+                    QTensor::quantize(&t, c)?.data()?.into_owned()
+                }
+                None => quantize_iq4(dtype, &values)?,
+            };
+            tensors.push((name, shape, dtype, bytes));
+        }
+        write_gguf_blocks(path, &self.gguf_metadata(), &tensors)
     }
 
     /// `config.json` of the HF directory.
@@ -431,6 +462,176 @@ pub fn write_gguf(
     let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
     gguf_file::write(&mut file, &md, &ts)?;
     Ok(())
+}
+
+/// ggml's IQ4 table (`kvalues_iq4nl`).
+const KVALUES_IQ4: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// 16 bytes of IQ4 nibbles for 32 values at scale `d` (byte `j`: value `j` low, `j + 16`
+/// high), each the table entry nearest to `x / d`.
+fn iq4_nibbles(xs: &[f32], d: f32, out: &mut Vec<u8>) {
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let nearest = |v: f32| {
+        (0..16u8)
+            .min_by(|&a, &b| {
+                let da = (v - KVALUES_IQ4[a as usize] as f32).abs();
+                let db = (v - KVALUES_IQ4[b as usize] as f32).abs();
+                da.total_cmp(&db)
+            })
+            .unwrap_or(0)
+    };
+    for j in 0..16 {
+        out.push(nearest(xs[j] * id) | (nearest(xs[j + 16] * id) << 4));
+    }
+}
+
+/// The value of largest magnitude (signed).
+fn signed_max(xs: &[f32]) -> f32 {
+    xs.iter()
+        .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m })
+}
+
+/// A simple reference quantizer to IQ4_NL or IQ4_XS (`values.len()` a whole number of
+/// blocks): per 32 values `d = max / -127` (the value of largest magnitude maps to the
+/// table's end), nibble = nearest table entry to `x / d`; IQ4_XS takes its super-block `d`
+/// as the largest sub-block `|d_j|` over 31 and each sub-block's 6-bit scale as the nearest
+/// integer to `d_j / d`.
+pub fn quantize_iq4(dtype: GgmlDType, values: &[f32]) -> Result<Vec<u8>> {
+    let block = dtype.block_size();
+    if !matches!(dtype, GgmlDType::IQ4_NL | GgmlDType::IQ4_XS)
+        || !values.len().is_multiple_of(block)
+    {
+        return Err(ModelError::Input(format!(
+            "quantize_iq4: {} values cannot be {dtype:?} blocks",
+            values.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(values.len() / block * dtype.type_size());
+    for xs in values.chunks_exact(block) {
+        if dtype == GgmlDType::IQ4_NL {
+            let d = half::f16::from_f32(signed_max(xs) / -127.0);
+            out.extend_from_slice(&d.to_le_bytes());
+            iq4_nibbles(xs, d.to_f32(), &mut out);
+            continue;
+        }
+        let dj: Vec<f32> = xs
+            .chunks_exact(32)
+            .map(|s| signed_max(s) / -127.0)
+            .collect();
+        let dmax = dj.iter().fold(0.0f32, |m, &v| m.max(v.abs()));
+        let d = half::f16::from_f32(dmax / 31.0);
+        let df = d.to_f32();
+        let ls: Vec<i32> = dj
+            .iter()
+            .map(|&v| {
+                if df == 0.0 {
+                    0
+                } else {
+                    (v / df).round() as i32
+                }
+                .clamp(-32, 31)
+            })
+            .collect();
+        let (mut h, mut l) = (0u16, [0u8; 4]);
+        for (j, &sc) in ls.iter().enumerate() {
+            let v = (sc + 32) as u8;
+            l[j / 2] |= (v & 15) << (4 * (j % 2));
+            h |= ((v >> 4) as u16) << (2 * j);
+        }
+        out.extend_from_slice(&d.to_le_bytes());
+        out.extend_from_slice(&h.to_le_bytes());
+        out.extend_from_slice(&l);
+        for (s, &sc) in xs.chunks_exact(32).zip(&ls) {
+            iq4_nibbles(s, df * sc as f32, &mut out);
+        }
+    }
+    Ok(out)
+}
+
+/// One GGUF metadata value (type id, then the value), as the GGUF spec lays it out.
+fn put_value(w: &mut Vec<u8>, v: &Value, with_type: bool) {
+    let (id, bytes): (u32, Vec<u8>) = match v {
+        Value::U8(x) => (0, vec![*x]),
+        Value::I8(x) => (1, x.to_le_bytes().to_vec()),
+        Value::U16(x) => (2, x.to_le_bytes().to_vec()),
+        Value::I16(x) => (3, x.to_le_bytes().to_vec()),
+        Value::U32(x) => (4, x.to_le_bytes().to_vec()),
+        Value::I32(x) => (5, x.to_le_bytes().to_vec()),
+        Value::F32(x) => (6, x.to_le_bytes().to_vec()),
+        Value::Bool(x) => (7, vec![*x as u8]),
+        Value::String(x) => {
+            let mut b = (x.len() as u64).to_le_bytes().to_vec();
+            b.extend_from_slice(x.as_bytes());
+            (8, b)
+        }
+        Value::Array(items) => {
+            let mut b = Vec::new();
+            let elem = items.first().map_or(4, value_type_id);
+            b.extend_from_slice(&elem.to_le_bytes());
+            b.extend_from_slice(&(items.len() as u64).to_le_bytes());
+            for item in items {
+                put_value(&mut b, item, false);
+            }
+            (9, b)
+        }
+        Value::U64(x) => (10, x.to_le_bytes().to_vec()),
+        Value::I64(x) => (11, x.to_le_bytes().to_vec()),
+        Value::F64(x) => (12, x.to_le_bytes().to_vec()),
+    };
+    if with_type {
+        w.extend_from_slice(&id.to_le_bytes());
+    }
+    w.extend_from_slice(&bytes);
+}
+
+fn value_type_id(v: &Value) -> u32 {
+    let mut b = Vec::new();
+    put_value(&mut b, v, true);
+    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// Writes a GGUF file (version 3, alignment 32) from raw ggml blocks: `(name, shape, type,
+/// bytes)` per tensor, for the types candle's writer cannot take (IQ4_NL, IQ4_XS).
+pub fn write_gguf_blocks(
+    path: &Path,
+    metadata: &[(String, Value)],
+    tensors: &[(String, Vec<usize>, GgmlDType, Vec<u8>)],
+) -> Result<()> {
+    let put_str = |w: &mut Vec<u8>, s: &str| {
+        w.extend_from_slice(&(s.len() as u64).to_le_bytes());
+        w.extend_from_slice(s.as_bytes());
+    };
+    let mut w = Vec::new();
+    w.extend_from_slice(b"GGUF");
+    w.extend_from_slice(&3u32.to_le_bytes());
+    w.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+    w.extend_from_slice(&(metadata.len() as u64).to_le_bytes());
+    for (k, v) in metadata {
+        put_str(&mut w, k);
+        put_value(&mut w, v, true);
+    }
+    let mut offset = 0u64;
+    for (name, shape, dtype, bytes) in tensors {
+        put_str(&mut w, name);
+        w.extend_from_slice(&(shape.len() as u32).to_le_bytes());
+        for &d in shape.iter().rev() {
+            w.extend_from_slice(&(d as u64).to_le_bytes());
+        }
+        w.extend_from_slice(&dtype.type_id().to_le_bytes());
+        w.extend_from_slice(&offset.to_le_bytes());
+        offset += (bytes.len() as u64).div_ceil(32) * 32;
+    }
+    w.resize(w.len().div_ceil(32) * 32, 0);
+    for (_, _, _, bytes) in tensors {
+        w.extend_from_slice(bytes);
+        w.resize(w.len().div_ceil(32) * 32, 0);
+    }
+    std::fs::write(path, w).map_err(|source| ModelError::Io {
+        path: path.display().to_string(),
+        source,
+    })
 }
 
 /// Writes `(name, shape, values)` as a safetensors file of `dtype`.

@@ -316,7 +316,7 @@ fn fuzz_gguf(base: Vec<u8>, focus: usize, sparse_len: Option<u64>, n_cases: u32)
 
 #[test]
 fn fuzz_synthetic_gguf() {
-    use candle_core::quantized::GgmlDType::*;
+    use tp_models::checkpoint::GgmlDType::*;
     let dir = tempfile::tempdir().unwrap();
     for (arch, types) in [
         (
@@ -437,8 +437,8 @@ fn unmutated_bases_open_and_pass_the_accessor_checks() {
         .write_gguf(
             &p,
             GgufTypes {
-                linear: candle_core::quantized::GgmlDType::Q4_1,
-                embed: candle_core::quantized::GgmlDType::Q8_0,
+                linear: tp_models::checkpoint::GgmlDType::Q4_1,
+                embed: tp_models::checkpoint::GgmlDType::Q8_0,
             },
         )
         .unwrap();
@@ -532,8 +532,8 @@ fn random_sizes_and_counts_error_or_load_within_a_second() {
     let model = tiny(Arch::Llama, 11);
     let tensors = model
         .gguf_tensors(GgufTypes {
-            linear: candle_core::quantized::GgmlDType::Q8_0,
-            embed: candle_core::quantized::GgmlDType::F32,
+            linear: tp_models::checkpoint::GgmlDType::Q8_0,
+            embed: tp_models::checkpoint::GgmlDType::F32,
         })
         .unwrap();
     let mut runner = TestRunner::new(Config {

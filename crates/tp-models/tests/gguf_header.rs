@@ -54,7 +54,7 @@ fn assert_same_as_candle(bytes: &[u8], what: &str) -> GgufHeader {
     for t in &ours.tensors {
         let c = &theirs.tensor_infos[&t.name];
         assert_eq!(t.shape, c.shape.dims(), "{what}: {} shape", t.name);
-        assert_eq!(t.dtype, c.ggml_dtype, "{what}: {} type", t.name);
+        assert_eq!(t.dtype, c.ggml_dtype.into(), "{what}: {} type", t.name);
         assert_eq!(t.offset, c.offset, "{what}: {} offset", t.name);
     }
     assert_eq!(
@@ -84,7 +84,7 @@ fn smollm2_header_is_the_same_as_candles() {
 
 #[test]
 fn synthetic_header_with_every_value_type_is_the_same_as_candles() {
-    use candle_core::quantized::GgmlDType::*;
+    use tp_models::checkpoint::GgmlDType::*;
     let dir = tempfile::tempdir().unwrap();
     for (arch, types) in [
         (

@@ -17,9 +17,9 @@
 
 mod common;
 
-use candle_core::quantized::GgmlDType;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
+use tp_models::checkpoint::GgmlDType;
 use tp_models::gguf::check_gguf;
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
 use tp_models::{limits, Arch, GgufHeader, ModelConfig, ModelError};
@@ -549,7 +549,7 @@ fn mutate_all(mut file: Vec<u8>, tensor_filter: &dyn Fn(&str) -> bool, name: &st
 
 #[test]
 fn every_single_edit_of_a_synthetic_gguf_is_refused_or_harmless() {
-    use candle_core::quantized::GgmlDType::*;
+    use tp_models::checkpoint::GgmlDType::*;
     let dir = tempfile::tempdir().unwrap();
     let mut total = 0;
     for (arch, types) in [

@@ -4,10 +4,10 @@
 
 mod common;
 
-use candle_core::quantized::GgmlDType;
 use common::spread;
 use common::Stepper;
 use tp_comm::local::{self, LocalOptions};
+use tp_models::checkpoint::GgmlDType;
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
 use tp_models::{open_checkpoint, Arch, Checkpoint, LoadOptions, ShardedModel, SyncMode};
 

@@ -110,7 +110,7 @@ fn gguf_case(arch: Arch, types: GgufTypes, seed: u64) {
 
 #[test]
 fn gguf_llama_matches_candle_quantized_llama_at_tp_1_to_4() {
-    use candle_core::quantized::GgmlDType::*;
+    use tp_models::checkpoint::GgmlDType::*;
     for (i, (linear, embed)) in [(F32, F32), (Q8_0, Q8_0), (Q4_0, Q8_0), (Q4_1, Q4_0)]
         .into_iter()
         .enumerate()
@@ -121,7 +121,7 @@ fn gguf_llama_matches_candle_quantized_llama_at_tp_1_to_4() {
 
 #[test]
 fn gguf_qwen2_matches_candle_quantized_qwen2_at_tp_1_to_4() {
-    use candle_core::quantized::GgmlDType::*;
+    use tp_models::checkpoint::GgmlDType::*;
     for (i, (linear, embed)) in [(F32, F32), (Q4_1, Q8_0)].into_iter().enumerate() {
         gguf_case(Arch::Qwen2, GgufTypes { linear, embed }, 20 + i as u64);
     }
@@ -130,7 +130,7 @@ fn gguf_qwen2_matches_candle_quantized_qwen2_at_tp_1_to_4() {
 /// Qwen3: per-head q/k RMSNorm before RoPE, no biases, head_dim given apart from hidden/heads.
 #[test]
 fn gguf_qwen3_matches_candle_quantized_qwen3_at_tp_1_to_4() {
-    use candle_core::quantized::GgmlDType::*;
+    use tp_models::checkpoint::GgmlDType::*;
     for (i, (linear, embed)) in [(F32, F32), (Q8_0, Q4_1)].into_iter().enumerate() {
         gguf_case(Arch::Qwen3, GgufTypes { linear, embed }, 25 + i as u64);
     }

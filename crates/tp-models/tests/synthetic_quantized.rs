@@ -14,8 +14,8 @@
 
 mod common;
 
-use candle_core::quantized::GgmlDType;
 use common::{argmax, prompt, sharded_logits, spread, GgufOracle};
+use tp_models::checkpoint::GgmlDType;
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
 use tp_models::{Arch, GgufCheckpoint, LoadOptions};
 
@@ -86,6 +86,76 @@ fn quantized_logits_match_candle_quantized_models_at_tp_1_to_4() {
             }
             eprintln!(
                 "{arch:?} {linear:?}/{embed:?} tp={tp}: worst max|diff|/spread = {worst:.2e}"
+            );
+        }
+    }
+}
+
+/// IQ4_NL and IQ4_XS (candle has no IQ4 types): synthetic GGUFs written by the reference
+/// IQ4 quantizer (`synthetic::quantize_iq4`) load and run on the kernels; logits at tp 1..4
+/// are bitwise those of tp 1, and close to tp-models' own f32 forward of the same file with
+/// every weight dequantized at load (`keep_quantized: false`), the error being the 8-bit
+/// activation rounding of the quantized products.
+#[test]
+fn iq4_models_are_tp_invariant_and_match_the_dequantized_f32_forward() {
+    std::env::remove_var("CANDLE_DEQUANTIZE_ALL");
+    // IQ4_XS rows are 256 wide: FFN 1024 (4 super-blocks, split whole at tp 1..4, as
+    // tp_invariance's K-quant models); the attention output's 256 columns are cut inside
+    // their super-block at tp 2..4 and take the sub-block form (at every tp).
+    let k_shape: Shape = |m| m.ffn = 1024;
+    let keep: Shape = |_| {};
+    let cases = [
+        (Arch::Llama, GgmlDType::IQ4_NL, GgmlDType::Q8_0, keep),
+        (Arch::Qwen2, GgmlDType::IQ4_NL, GgmlDType::IQ4_NL, keep),
+        (Arch::Llama, GgmlDType::IQ4_XS, GgmlDType::Q8_0, k_shape),
+        (Arch::Qwen2, GgmlDType::IQ4_XS, GgmlDType::IQ4_NL, k_shape),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    for (i, (arch, linear, embed, shape)) in cases.into_iter().enumerate() {
+        let mut cfg = SyntheticModel::small(arch, 0).cfg;
+        shape(&mut cfg);
+        let model = SyntheticModel::new(cfg, 90 + i as u64);
+        let path = dir.path().join(format!("iq{i}.gguf"));
+        model
+            .write_gguf(&path, GgufTypes { linear, embed })
+            .unwrap();
+        let tokens = prompt(model.cfg.vocab, 10);
+        let ckpt = GgufCheckpoint::open(&path).unwrap();
+        let dense = LoadOptions {
+            keep_quantized: false,
+            ..LoadOptions::default()
+        };
+        let want = sharded_logits(&ckpt, &tokens, 1, dense);
+        let base = sharded_logits(&ckpt, &tokens, 1, LoadOptions::default());
+        for tp in 1..=4 {
+            let got = sharded_logits(&ckpt, &tokens, tp, LoadOptions::default());
+            let bits = |v: &[Vec<f32>]| {
+                v.iter()
+                    .flat_map(|r| r.iter().map(|x| x.to_bits()))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(
+                bits(&got),
+                bits(&base),
+                "{arch:?} {linear:?}/{embed:?}: tp {tp} logits differ from tp 1"
+            );
+            let mut worst = 0f32;
+            for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                let s = spread(w);
+                let err = g
+                    .iter()
+                    .zip(w)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                worst = worst.max(err / s);
+                assert!(
+                    err <= TOL * s,
+                    "{arch:?} {linear:?}/{embed:?} tp={tp} row {r}: {err} > {}",
+                    TOL * s
+                );
+            }
+            eprintln!(
+                "{arch:?} {linear:?}/{embed:?} tp={tp}: worst max|diff|/spread vs f32 = {worst:.2e}"
             );
         }
     }

@@ -8,9 +8,9 @@
 
 mod common;
 
-use candle_core::quantized::GgmlDType;
 use common::Stepper;
 use tp_comm::local::{self, LocalOptions};
+use tp_models::checkpoint::GgmlDType;
 use tp_models::synthetic::{GgufTypes, HfDType, SyntheticModel};
 use tp_models::{
     open_checkpoint, rank_memory, Arch, Checkpoint, CheckpointPlan, KvDtype, LoadOptions,

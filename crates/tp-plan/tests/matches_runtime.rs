@@ -53,7 +53,7 @@ fn assert_plan_matches_runtime(path: &Path, what: &str) {
 
 #[test]
 fn planned_rank_bytes_equal_the_runtimes_on_synthetic_k_quant_models() {
-    use candle_core::quantized::GgmlDType::*;
+    use tp_models::checkpoint::GgmlDType::*;
     let dir = tempfile::tempdir().unwrap();
     for (i, (arch, linear, embed)) in [
         (Arch::Qwen2, Q4K, Q6K),

@@ -125,6 +125,8 @@ impl Layout {
             12 => (256, 144),
             13 => (256, 176),
             14 => (256, 210), // Q6_K
+            20 => (32, 18),   // IQ4_NL
+            23 => (256, 136), // IQ4_XS
             _ => return None,
         };
         Some(Layout::Blocks { block, block_bytes })
