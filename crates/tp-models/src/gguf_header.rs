@@ -16,8 +16,8 @@
 //! stricter where candle trusts the file: duplicate keys or tensor names, `general.alignment`
 //! that is not a power of two of at least 8, tensor offsets off the alignment, overlapping
 //! tensors, gaps between tensors' data (or unused bytes after the last), tensors without
-//! dimensions or with a zero one, and ggml types candle cannot load
-//! (Q8_1, Q8_K, IQ*, ...) are errors here.
+//! dimensions or with a zero one, and ggml types neither candle nor our kernels load
+//! (Q8_1, Q8_K, the IQ* types other than IQ4_NL and IQ4_XS, ...) are errors here.
 
 use crate::checkpoint::GgmlDType;
 use crate::error::{ModelError, Result};
