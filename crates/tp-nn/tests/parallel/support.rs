@@ -38,12 +38,17 @@ pub fn max_abs(t: &Tensor) -> f32 {
 
 /// Fails with a message naming `what` when `got` and `want` differ by more than the tolerance.
 pub fn assert_close(what: &str, got: &Tensor, want: &Tensor) {
+    assert_close_tol(what, got, want, TOL);
+}
+
+/// [`assert_close`] with relative tolerance `tol`.
+pub fn assert_close_tol(what: &str, got: &Tensor, want: &Tensor, tol: f32) {
     assert_eq!(got.dims(), want.dims(), "{what}: shape");
     let scale = max_abs(want).max(1e-2);
     let err = max_abs(&(got - want).unwrap());
     assert!(
-        err <= TOL * scale,
-        "{what}: max error {err:e} exceeds {TOL:e} * {scale:e}"
+        err <= tol * scale,
+        "{what}: max error {err:e} exceeds {tol:e} * {scale:e}"
     );
 }
 
