@@ -22,6 +22,11 @@ pub enum KernelError {
         expected: usize,
         got: usize,
     },
+    /// The IQ4 quantizer takes IQ4_NL or IQ4_XS and whole blocks.
+    #[error(
+        "{values} values cannot be quantized as {qtype} blocks (IQ4_NL or IQ4_XS, whole blocks)"
+    )]
+    NotIq4Blocks { qtype: QuantType, values: usize },
     /// A dense matrix got a value vector of the wrong length.
     #[error("dense matrix [{rows}, {cols}] needs {expected} values, got {got}")]
     ValueCount {

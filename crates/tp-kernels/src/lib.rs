@@ -35,6 +35,7 @@ mod matrix;
 mod pack;
 mod pack_k;
 mod quantize;
+mod quantize_iq4;
 mod quantize_k;
 mod tile;
 mod wide;
@@ -44,5 +45,6 @@ pub use dense::{DenseData, DenseMatrix};
 pub use error::KernelError;
 pub use format::QuantType;
 pub use matrix::QuantMatrix;
+pub use quantize_iq4::quantize_iq4;
 #[doc(hidden)]
 pub use tile::legacy_tiles;

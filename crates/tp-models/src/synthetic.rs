@@ -464,90 +464,18 @@ pub fn write_gguf(
     Ok(())
 }
 
-/// ggml's IQ4 table (`kvalues_iq4nl`).
-const KVALUES_IQ4: [i8; 16] = [
-    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-];
-
-/// 16 bytes of IQ4 nibbles for 32 values at scale `d` (byte `j`: value `j` low, `j + 16`
-/// high), each the table entry nearest to `x / d`.
-fn iq4_nibbles(xs: &[f32], d: f32, out: &mut Vec<u8>) {
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    let nearest = |v: f32| {
-        (0..16u8)
-            .min_by(|&a, &b| {
-                let da = (v - KVALUES_IQ4[a as usize] as f32).abs();
-                let db = (v - KVALUES_IQ4[b as usize] as f32).abs();
-                da.total_cmp(&db)
-            })
-            .unwrap_or(0)
-    };
-    for j in 0..16 {
-        out.push(nearest(xs[j] * id) | (nearest(xs[j + 16] * id) << 4));
-    }
-}
-
-/// The value of largest magnitude (signed).
-fn signed_max(xs: &[f32]) -> f32 {
-    xs.iter()
-        .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m })
-}
-
-/// A simple reference quantizer to IQ4_NL or IQ4_XS (`values.len()` a whole number of
-/// blocks): per 32 values `d = max / -127` (the value of largest magnitude maps to the
-/// table's end), nibble = nearest table entry to `x / d`; IQ4_XS takes its super-block `d`
-/// as the largest sub-block `|d_j|` over 31 and each sub-block's 6-bit scale as the nearest
-/// integer to `d_j / d`.
+/// `values` as IQ4_NL or IQ4_XS ggml bytes, by tp-kernels' reference quantizer.
 pub fn quantize_iq4(dtype: GgmlDType, values: &[f32]) -> Result<Vec<u8>> {
-    let block = dtype.block_size();
-    if !matches!(dtype, GgmlDType::IQ4_NL | GgmlDType::IQ4_XS)
-        || !values.len().is_multiple_of(block)
-    {
-        return Err(ModelError::Input(format!(
-            "quantize_iq4: {} values cannot be {dtype:?} blocks",
-            values.len()
-        )));
-    }
-    let mut out = Vec::with_capacity(values.len() / block * dtype.type_size());
-    for xs in values.chunks_exact(block) {
-        if dtype == GgmlDType::IQ4_NL {
-            let d = half::f16::from_f32(signed_max(xs) / -127.0);
-            out.extend_from_slice(&d.to_le_bytes());
-            iq4_nibbles(xs, d.to_f32(), &mut out);
-            continue;
+    let qtype = match dtype {
+        GgmlDType::IQ4_NL => tp_kernels::QuantType::IQ4_NL,
+        GgmlDType::IQ4_XS => tp_kernels::QuantType::IQ4_XS,
+        other => {
+            return Err(ModelError::Input(format!(
+                "quantize_iq4: {other:?} is not an IQ4 type"
+            )))
         }
-        let dj: Vec<f32> = xs
-            .chunks_exact(32)
-            .map(|s| signed_max(s) / -127.0)
-            .collect();
-        let dmax = dj.iter().fold(0.0f32, |m, &v| m.max(v.abs()));
-        let d = half::f16::from_f32(dmax / 31.0);
-        let df = d.to_f32();
-        let ls: Vec<i32> = dj
-            .iter()
-            .map(|&v| {
-                if df == 0.0 {
-                    0
-                } else {
-                    (v / df).round() as i32
-                }
-                .clamp(-32, 31)
-            })
-            .collect();
-        let (mut h, mut l) = (0u16, [0u8; 4]);
-        for (j, &sc) in ls.iter().enumerate() {
-            let v = (sc + 32) as u8;
-            l[j / 2] |= (v & 15) << (4 * (j % 2));
-            h |= ((v >> 4) as u16) << (2 * j);
-        }
-        out.extend_from_slice(&d.to_le_bytes());
-        out.extend_from_slice(&h.to_le_bytes());
-        out.extend_from_slice(&l);
-        for (s, &sc) in xs.chunks_exact(32).zip(&ls) {
-            iq4_nibbles(s, df * sc as f32, &mut out);
-        }
-    }
-    Ok(out)
+    };
+    tp_kernels::quantize_iq4(qtype, values).map_err(|e| ModelError::Input(e.to_string()))
 }
 
 /// One GGUF metadata value (type id, then the value), as the GGUF spec lays it out.

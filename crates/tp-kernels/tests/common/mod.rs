@@ -56,85 +56,9 @@ pub const KVALUES: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
-/// The index of the table entry nearest to `v` (in table units).
-fn nearest_kvalue(v: f32) -> u8 {
-    let mut best = 0;
-    for (i, &k) in KVALUES.iter().enumerate() {
-        if (v - k as f32).abs() < (v - KVALUES[best] as f32).abs() {
-            best = i;
-        }
-    }
-    best as u8
-}
-
-/// 16 bytes of nibbles for 32 values at scale `d`: byte `j` holds value `j` low, `j + 16` high.
-fn iq4_nibbles(xs: &[f32], d: f32, out: &mut Vec<u8>) {
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    for j in 0..16 {
-        let lo = nearest_kvalue(xs[j] * id);
-        let hi = nearest_kvalue(xs[j + 16] * id);
-        out.push(lo | (hi << 4));
-    }
-}
-
-/// The value of largest magnitude (signed).
-fn signed_max(xs: &[f32]) -> f32 {
-    xs.iter()
-        .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m })
-}
-
-/// A simple reference quantizer to IQ4_NL or IQ4_XS (`values.len()` a whole number of
-/// blocks): per 32 values `d = max / -127` (the value of largest magnitude maps to the table's
-/// end, -127), nibble = nearest table entry to `x / d`; IQ4_XS sets its super-block `d` from
-/// the largest sub-block scale (`|d_j| / 31` when it is the super-block's extreme) and each
-/// sub-block's 6-bit scale as the nearest integer to `d_j / d`.
+/// The library's reference IQ4 quantizer (test data), for a valid `qtype` and length.
 pub fn quantize_iq4(qtype: QuantType, values: &[f32]) -> Vec<u8> {
-    let mut out = Vec::new();
-    match qtype {
-        QuantType::IQ4_NL => {
-            for xs in values.chunks_exact(32) {
-                let d = half::f16::from_f32(signed_max(xs) / -127.0);
-                out.extend_from_slice(&d.to_le_bytes());
-                iq4_nibbles(xs, d.to_f32(), &mut out);
-            }
-        }
-        QuantType::IQ4_XS => {
-            for xs in values.chunks_exact(256) {
-                let dj: Vec<f32> = xs
-                    .chunks_exact(32)
-                    .map(|s| signed_max(s) / -127.0)
-                    .collect();
-                let dmax = dj.iter().fold(0.0f32, |m, &v| m.max(v.abs()));
-                let d = half::f16::from_f32(dmax / 31.0);
-                let df = d.to_f32();
-                let ls: Vec<i32> = dj
-                    .iter()
-                    .map(|&v| {
-                        if df == 0.0 {
-                            0
-                        } else {
-                            (v / df).round() as i32
-                        }
-                        .clamp(-32, 31)
-                    })
-                    .collect();
-                let (mut h, mut l) = (0u16, [0u8; 4]);
-                for (j, &s) in ls.iter().enumerate() {
-                    let v = (s + 32) as u8;
-                    l[j / 2] |= (v & 15) << (4 * (j % 2));
-                    h |= ((v >> 4) as u16) << (2 * j);
-                }
-                out.extend_from_slice(&d.to_le_bytes());
-                out.extend_from_slice(&h.to_le_bytes());
-                out.extend_from_slice(&l);
-                for (j, s) in xs.chunks_exact(32).enumerate() {
-                    iq4_nibbles(s, df * ls[j] as f32, &mut out);
-                }
-            }
-        }
-        _ => panic!("quantize_iq4 takes IQ4_NL or IQ4_XS, not {qtype}"),
-    }
-    out
+    tp_kernels::quantize_iq4(qtype, values).expect("IQ4 test data: whole blocks")
 }
 
 /// The reference dequantization of IQ4_NL / IQ4_XS bytes, straight from the format
