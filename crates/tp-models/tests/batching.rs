@@ -127,3 +127,35 @@ fn batched_logits_equal_lone_logits_bitwise() {
         }
     }
 }
+
+/// A prefill longer than the MLP's pass (128 tokens: the gate/up output is held for that many
+/// at a time) gives bitwise the logits of the same tokens in chunks shorter than one pass, at
+/// tp 1 and 2: the split of the MLP into passes cannot change a token's result.
+#[test]
+fn a_long_prefill_equals_short_chunks_bitwise() {
+    let Some(path) = common::smollm2() else {
+        return;
+    };
+    let ckpt = GgufCheckpoint::open(&path).unwrap();
+    let tokens: Vec<u32> = (0..300u32).map(|i| 1 + (i * 7919) % 49_000).collect();
+    for tp in [1, 2] {
+        let out = local::run(tp, LocalOptions::default(), |g| {
+            let m = ShardedModel::load(&ckpt, g.rank(), tp, LoadOptions::default(), 512).unwrap();
+            let mut step = Stepper::new(&m, &g);
+            let mut whole = m.new_table(512);
+            let long = step.local(&mut whole, &tokens, true); // 3 passes: 128, 128, 44
+            let mut parts = m.new_table(512);
+            let short: Vec<f32> = tokens
+                .chunks(100)
+                .flat_map(|c| step.local(&mut parts, c, true))
+                .collect();
+            (long, short)
+        })
+        .unwrap();
+        for rank_out in out {
+            let (long, short) = rank_out.unwrap();
+            assert_eq!(long.len(), short.len());
+            assert!(long == short, "tp {tp}: a 300-token prefill differs from 3 x 100");
+        }
+    }
+}
