@@ -263,12 +263,21 @@ pub fn session_error(e: SessionError) -> anyhow::Error {
             uneven,
             fits,
             heads,
+            fits_positions,
         } => {
             let hint = match fits {
                 Some(t) => format!("the smallest tp that fits is {t}: use --tp {t}"),
                 None => format!(
                     "no tp up to {heads} (the head count) fits; lower --ctx-size, or keep weights quantized"
                 ),
+            };
+            // What fits without more ranks: fewer positions.
+            let hint = match fits_positions {
+                Some(p) if p > 0 && held < ctx => format!(
+                    "{hint}; or at tp {tp}, a prompt and --max-tokens of {p} positions at most"
+                ),
+                Some(p) if p > 0 => format!("{hint}; or at tp {tp}, --ctx-size {p} at most"),
+                _ => hint,
             };
             let (who, hint) = match uneven {
                 None => ("a rank".to_string(), hint),

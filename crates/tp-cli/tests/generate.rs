@@ -288,6 +288,34 @@ fn bad_inputs_get_clear_errors() {
             ],
             "the smallest tp that fits is 2",
         );
+        // ... and what fits at the tp asked for: fewer positions.
+        refuses(
+            &[
+                "generate",
+                "--model",
+                &m,
+                "--max-rank-memory",
+                "250MB",
+                "--max-tokens",
+                "8000",
+                "hi",
+            ],
+            "or at tp 1, a prompt and --max-tokens of ",
+        );
+        // A chat is priced at its context (a conversation grows to it): the largest context
+        // that fits is named.
+        refuses(
+            &[
+                "chat",
+                "--model",
+                &m,
+                "--ctx-size",
+                "8192",
+                "--max-rank-memory",
+                "120MB",
+            ],
+            "or at tp 1, --ctx-size ",
+        );
         // The preflight prices the blocks this run can hold (the prompt and --max-tokens), not
         // the whole context: 250 MB holds the weights and one block at tp 1 ("hi" is one token),
         // though not the 8192 positions of SmolLM2's context.

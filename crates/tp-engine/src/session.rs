@@ -76,7 +76,7 @@ pub enum SessionError {
     /// The busiest rank needs more than the per-rank limit; `fits` is the smallest tp (up to
     /// the head count `heads`) at which every rank would fit.
     #[error(
-        "{} needs {} at tp {tp} (weights and a KV cache of {held} positions) but the per-rank memory limit is {}; {}",
+        "{} needs {} at tp {tp} (weights and a KV cache of {held} positions) but the per-rank memory limit is {}; {}{}",
         match uneven {
             Some((rank, weights)) => format!("rank {rank} (rank weights {weights})"),
             None => "a rank".to_string(),
@@ -86,6 +86,10 @@ pub enum SessionError {
         match fits {
             Some(t) => format!("the smallest tp that fits with even shards is {t}"),
             None => format!("no tp up to {heads} (the head count) fits"),
+        },
+        match fits_positions {
+            Some(p) => format!("; at tp {tp} a KV cache of {p} positions at most fits"),
+            None => format!("; at tp {tp} not even the weights fit"),
         }
     )]
     OverRankLimit {
@@ -100,6 +104,9 @@ pub enum SessionError {
         /// The smallest even tp whose every rank fits.
         fits: Option<usize>,
         heads: usize,
+        /// At this tp and these weights: the most KV positions (fewer than `held`) with which
+        /// every rank fits; `None` when the weights alone exceed the limit.
+        fits_positions: Option<usize>,
     },
     #[error("rank weights {weights} cannot split this model")]
     WeightsSplit {
@@ -268,6 +275,24 @@ pub fn check_rank_limit(
             .map(|p| p.iter().all(|m| m.total() as u64 <= limit))
             .unwrap_or(false)
     });
+    let fits_at = |positions: usize| {
+        memory_plan_held(ckpt, weights, ctx, positions, opts)
+            .map(|p| p.iter().all(|m| m.total() as u64 <= limit))
+            .unwrap_or(false)
+    };
+    // The cache's bytes grow with the positions: the largest that fits, by bisection.
+    let fits_positions = fits_at(0).then(|| {
+        let (mut lo, mut hi) = (0, held); // fits_at(lo), !fits_at(hi)
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if fits_at(mid) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    });
     Err(SessionError::OverRankLimit {
         tp: weights.tp(),
         ctx,
@@ -277,6 +302,7 @@ pub fn check_rank_limit(
         uneven: (!weights.is_even()).then(|| (busiest, weights.clone())),
         fits,
         heads,
+        fits_positions,
     })
 }
 
@@ -407,9 +433,39 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+        // Room for half the context at tp 1: the most positions that fit are named (one more
+        // does not fit).
+        let at = |held| {
+            memory_plan_held(ckpt, &RankWeights::even(1), ctx, held, opts).unwrap()[0].total()
+                as u64
+        };
+        let half = at(ctx / 2);
+        match check_rank_limit(ckpt, &RankWeights::even(1), ctx, ctx, opts, half, &one) {
+            Err(e @ SessionError::OverRankLimit { .. }) => {
+                let SessionError::OverRankLimit { fits_positions, .. } = &e else {
+                    unreachable!()
+                };
+                let p = fits_positions.expect("the weights fit");
+                assert!((ctx / 2..ctx).contains(&p), "{p}");
+                assert!(at(p) <= half && at(p + 1) > half, "{p}");
+                assert!(
+                    e.to_string()
+                        .contains(&format!("at tp 1 a KV cache of {p} positions at most fits")),
+                    "{e}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
         // Nothing fits one byte.
         let e = check_rank_limit(ckpt, &RankWeights::even(1), ctx, ctx, opts, 1, &one).unwrap_err();
-        assert!(matches!(e, SessionError::OverRankLimit { fits: None, .. }));
+        assert!(matches!(
+            e,
+            SessionError::OverRankLimit {
+                fits: None,
+                fits_positions: None,
+                ..
+            }
+        ));
         assert!(e.to_string().contains("(the head count) fits"), "{e}");
     }
 
