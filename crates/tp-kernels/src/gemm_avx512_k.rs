@@ -1,6 +1,7 @@
 //! AVX-512 VNNI many-token kernels for Q6_K (`gemm_avx512`'s scheme on Q8_K activations):
 //! 16 tokens in the lanes, a row's 4-column weight word broadcast from memory. The
-//! `TokenLanes` impl for Q8_K activations also dispatches Q4_K and Q5_K to `gemm_avx512_k4`.
+//! `TokenLanes` impl for Q8_K activations also dispatches Q4_K and Q5_K to `gemm_avx512_k4`,
+//! Q2_K and Q3_K to `gemm_avx512_k23` (which share this module's activation layout).
 //!
 //! Per row and super-block, each 16-wide sub-block's exact `vpdpbusd` sum of the unsigned
 //! 6-bit quants is multiplied by its signed scale (`vpmulld`) and added up; the offset of 32
@@ -21,6 +22,7 @@
 use crate::expand::Expanded;
 use crate::format::{f16_at, QuantType};
 use crate::gemm_avx512::{ChunkOut, TokenLanes, LANES};
+use crate::gemm_avx512_k23 as k23;
 use crate::gemm_avx512_k4 as k4;
 use crate::pack::{group_block_bytes, GROUP_ROWS};
 use crate::pack_k::q6k;
@@ -29,7 +31,7 @@ use crate::tile::Form;
 use std::arch::x86_64::*;
 
 /// Vectors per (chunk, super-block) of transposed activations: 64 words, `d`, 8 sum pairs.
-const ACT_VECS: usize = 73;
+pub(crate) const ACT_VECS: usize = 73;
 /// Vectors per unpacked group super-block: 32 of quants, 8 of scales, 4 of scale pairs, 1 of `d`.
 const W_VECS: usize = 45;
 /// 32-bit offsets inside an unpacked group super-block.
@@ -39,8 +41,8 @@ const D: usize = 704;
 
 impl TokenLanes for ActBlockK {
     fn supports(qtype: QuantType, form: Form) -> bool {
-        matches!(qtype, QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K)
-            && form != Form::WideSub
+        use QuantType::*;
+        matches!(qtype, Q2_K | Q3_K | Q4_K | Q5_K | Q6_K) && form != Form::WideSub
     }
     fn act_vecs(qtype: QuantType) -> usize {
         match qtype {
@@ -51,6 +53,7 @@ impl TokenLanes for ActBlockK {
     fn w_vecs(qtype: QuantType) -> usize {
         match qtype {
             QuantType::Q4_K | QuantType::Q5_K => k4::W_VECS,
+            QuantType::Q2_K | QuantType::Q3_K => k23::W_VECS,
             _ => W_VECS,
         }
     }
@@ -82,6 +85,8 @@ impl TokenLanes for ActBlockK {
             match qtype {
                 QuantType::Q4_K => k4::unpack::<false>(group, nb, out),
                 QuantType::Q5_K => k4::unpack::<true>(group, nb, out),
+                QuantType::Q2_K => k23::unpack::<false>(group, nb, out),
+                QuantType::Q3_K => k23::unpack::<true>(group, nb, out),
                 _ => unpack_q6k(group, nb, out),
             }
         }
@@ -98,6 +103,9 @@ impl TokenLanes for ActBlockK {
         unsafe {
             if matches!(qtype, QuantType::Q4_K | QuantType::Q5_K) {
                 return k4::group_chunk(w, x, nb, wide, out);
+            }
+            if matches!(qtype, QuantType::Q2_K | QuantType::Q3_K) {
+                return k23::group_chunk(qtype, w, x, nb, wide, out);
             }
             for r0 in [0, 4] {
                 if wide {
