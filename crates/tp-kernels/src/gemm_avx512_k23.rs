@@ -21,9 +21,10 @@
 //!   (`scale = d_w * d_x`, `fma(isum as f32, scale, acc)`, or the wide form's
 //!   `isum as f32 * scale` summed in f64) is repeated per lane.
 //!
-//! Rows run in two halves of 4, as Q6_K's, so that the wide form's accumulators stay in
-//! registers. No i32 can overflow: Q2_K's `isum` is at most 256 * 45 * 128 < 2^21 and its
-//! `msum` 16 * 15 * 2048 < 2^19; Q3_K's `isum` at most 16 * 32 * 8192 < 2^23.
+//! The chunk loop and the f32 tails run in `gemm_avx512_k::halves` (shared with Q4_K to
+//! Q6_K): rows in two halves of 4, so that the wide form's accumulators stay in registers.
+//! No i32 can overflow: Q2_K's `isum` is at most 256 * 45 * 128 < 2^21 and its `msum`
+//! 16 * 15 * 2048 < 2^19; Q3_K's `isum` at most 16 * 32 * 8192 < 2^23.
 //!
 //! Weights, per group super-block, [`W_VECS`] vectors: the bytes of word `K < 64` (columns
 //! `4K..4K + 4`, in sub-block `K / 4`) of row `r` at 32-bit index `8K + r` (Q2_K: `q * sc`,
@@ -34,7 +35,7 @@
 use crate::expand::Expanded;
 use crate::format::QuantType;
 use crate::gemm_avx512::ChunkOut;
-use crate::gemm_avx512_k::ACT_VECS;
+use crate::gemm_avx512_k::{halves, Factors, ACT_VECS};
 use crate::pack::group_block_bytes;
 use crate::pack_k::{q2k, q3k};
 use std::arch::x86_64::*;
@@ -184,188 +185,115 @@ pub(crate) unsafe fn group_chunk(
     out: &mut ChunkOut,
 ) {
     let (w, x) = (w.as_ptr(), x.as_ptr());
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        for r0 in [0, 4] {
-            match (qtype == QuantType::Q3_K, wide) {
-                (false, false) => half_q2k::<false>(w, x, nb, r0, out),
-                (false, true) => half_q2k::<true>(w, x, nb, r0, out),
-                (true, false) => half_q3k::<false>(w, x, nb, r0, out),
-                (true, true) => half_q3k::<true>(w, x, nb, r0, out),
-            }
-        }
+    // SAFETY: `halves` asks only for super-blocks `b < nb` and `r0` 0 or 4, whose vectors lie
+    // inside the caller's `w` and `x`, unpacked for `qtype`; the features are the caller's
+    // promise.
+    if qtype == QuantType::Q3_K {
+        halves(nb, wide, out, |b, r0| unsafe { block_q3k(w, x, b, r0) });
+    } else {
+        halves(nb, wide, out, |b, r0| unsafe { block_q2k(w, x, b, r0) });
     }
 }
 
-/// Adds the f32 contribution `c` of 16 tokens to the f64 sums `lo` (tokens 0..8) and `hi`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn add_wide(lo: &mut __m512d, hi: &mut __m512d, c: __m512) {
-    let c = _mm512_castps_pd(c);
-    let l = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_castpd512_pd256(c)));
-    let h = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(c)));
-    *lo = _mm512_add_pd(*lo, l);
-    *hi = _mm512_add_pd(*hi, h);
-}
-
-/// Stores rows `r0..r0 + 4`'s results (`acc`, or `WIDE`: `wlo`, `whi`) into `out`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn store<const WIDE: bool>(
-    r0: usize,
-    acc: &[__m512; 4],
-    wlo: &[__m512d; 4],
-    whi: &[__m512d; 4],
-    out: &mut ChunkOut,
-) {
-    for r in 0..4 {
-        if WIDE {
-            let o = &mut out.f64s[r0 + r];
-            let (l, h) = o.split_at_mut(8);
-            // SAFETY: `l` and `h` hold 8 f64 each.
-            unsafe {
-                _mm512_storeu_pd(l.as_mut_ptr(), wlo[r]);
-                _mm512_storeu_pd(h.as_mut_ptr(), whi[r]);
-            }
-        } else {
-            // SAFETY: a row of `f32s` holds 16 f32.
-            unsafe { _mm512_storeu_ps(out.f32s[r0 + r].as_mut_ptr(), acc[r]) };
-        }
-    }
-}
-
-/// Q2_K rows `r0..r0 + 4` of one unpacked group against one chunk (see the module comment).
+/// Q2_K: super-block `b`'s [`Factors`] for rows `r0..r0 + 4` (see the module comment):
+/// `(d_x, fma(d_w, isum as f32, -(dmin_w * (msum as f32))))`.
 ///
 /// # Safety
-/// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `w` holds `nb * W_VECS` vectors unpacked for
-/// Q2_K, `x` `nb * ACT_VECS`; `r0 + 4 <= 8`.
+/// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `w` holds at least `(b + 1) * W_VECS` vectors
+/// unpacked for Q2_K, `x` `(b + 1) * ACT_VECS`; `r0 + 4 <= 8`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn half_q2k<const WIDE: bool>(
-    w: *const Expanded,
-    x: *const Expanded,
-    nb: usize,
-    r0: usize,
-    out: &mut ChunkOut,
-) {
-    let mut acc = [_mm512_setzero_ps(); 4];
-    let mut wlo = [_mm512_setzero_pd(); 4];
-    let mut whi = [_mm512_setzero_pd(); 4];
+unsafe fn block_q2k(w: *const Expanded, x: *const Expanded, b: usize, r0: usize) -> Factors {
     // SAFETY: super-block `b` reads the vectors at `w + b * W_VECS` and `x + b * ACT_VECS`
     // (offsets below `W_VECS * 16` 32-bit values and `ACT_VECS` vectors), inside the
     // caller's slices.
     unsafe {
-        for b in 0..nb {
-            let wb = w.add(b * W_VECS) as *const i32;
-            let xb = x.add(b * ACT_VECS) as *const __m512i;
-            // Two chains per row (even and odd words), so that 8 sums are in flight.
-            let mut s = [[_mm512_setzero_si512(); 2]; 4];
-            for k2 in 0..32 {
-                for e in 0..2 {
-                    let k = 2 * k2 + e;
-                    let xv = _mm512_load_si512(xb.add(k));
-                    for (r, s) in s.iter_mut().enumerate() {
-                        let wv = _mm512_set1_epi32(*wb.add(8 * k + r0 + r));
-                        s[e] = _mm512_dpbusd_epi32(s[e], wv, xv);
-                    }
-                }
-            }
-            let mut msum = [_mm512_setzero_si512(); 4];
-            for p in 0..8 {
-                let bp = _mm512_load_si512(xb.add(65 + p));
-                for (r, m) in msum.iter_mut().enumerate() {
-                    let mp = _mm512_set1_epi32(*wb.add(PAIRS + 8 * p + r0 + r));
-                    *m = _mm512_dpwssd_epi32(*m, mp, bp);
-                }
-            }
-            let dx = _mm512_load_ps(xb.add(64) as *const f32);
-            let dw = wb.add(D) as *const f32;
-            let dmin = wb.add(DMIN) as *const f32;
-            for r in 0..4 {
-                let isum = _mm512_add_epi32(s[r][0], s[r][1]);
-                let mins = _mm512_mul_ps(
-                    _mm512_set1_ps(*dmin.add(r0 + r)),
-                    _mm512_cvtepi32_ps(msum[r]),
-                );
-                let v = _mm512_fmsub_ps(
-                    _mm512_set1_ps(*dw.add(r0 + r)),
-                    _mm512_cvtepi32_ps(isum),
-                    mins,
-                );
-                if WIDE {
-                    add_wide(&mut wlo[r], &mut whi[r], _mm512_mul_ps(dx, v));
-                } else {
-                    acc[r] = _mm512_fmadd_ps(dx, v, acc[r]);
+        let wb = w.add(b * W_VECS) as *const i32;
+        let xb = x.add(b * ACT_VECS) as *const __m512i;
+        // Two chains per row (even and odd words), so that 8 sums are in flight.
+        let mut s = [[_mm512_setzero_si512(); 2]; 4];
+        for k2 in 0..32 {
+            for e in 0..2 {
+                let k = 2 * k2 + e;
+                let xv = _mm512_load_si512(xb.add(k));
+                for (r, s) in s.iter_mut().enumerate() {
+                    let wv = _mm512_set1_epi32(*wb.add(8 * k + r0 + r));
+                    s[e] = _mm512_dpbusd_epi32(s[e], wv, xv);
                 }
             }
         }
+        let mut msum = [_mm512_setzero_si512(); 4];
+        for p in 0..8 {
+            let bp = _mm512_load_si512(xb.add(65 + p));
+            for (r, m) in msum.iter_mut().enumerate() {
+                let mp = _mm512_set1_epi32(*wb.add(PAIRS + 8 * p + r0 + r));
+                *m = _mm512_dpwssd_epi32(*m, mp, bp);
+            }
+        }
+        let dx = _mm512_load_ps(xb.add(64) as *const f32);
+        let dw = wb.add(D) as *const f32;
+        let dmin = wb.add(DMIN) as *const f32;
+        let mut f = [[_mm512_setzero_ps(); 2]; 4];
+        for (r, f) in f.iter_mut().enumerate() {
+            let isum = _mm512_add_epi32(s[r][0], s[r][1]);
+            let mins = _mm512_mul_ps(
+                _mm512_set1_ps(*dmin.add(r0 + r)),
+                _mm512_cvtepi32_ps(msum[r]),
+            );
+            let v = _mm512_fmsub_ps(
+                _mm512_set1_ps(*dw.add(r0 + r)),
+                _mm512_cvtepi32_ps(isum),
+                mins,
+            );
+            *f = [dx, v];
+        }
+        f
     }
-    store::<WIDE>(r0, &acc, &wlo, &whi, out);
 }
 
-/// Q3_K rows `r0..r0 + 4` of one unpacked group against one chunk (see the module comment).
+/// Q3_K: super-block `b`'s [`Factors`] for rows `r0..r0 + 4` (see the module comment):
+/// `(isum as f32, d_w * d_x)`.
 ///
 /// # Safety
-/// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `w` holds `nb * W_VECS` vectors unpacked for
-/// Q3_K, `x` `nb * ACT_VECS`; `r0 + 4 <= 8`.
+/// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `w` holds at least `(b + 1) * W_VECS` vectors
+/// unpacked for Q3_K, `x` `(b + 1) * ACT_VECS`; `r0 + 4 <= 8`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn half_q3k<const WIDE: bool>(
-    w: *const Expanded,
-    x: *const Expanded,
-    nb: usize,
-    r0: usize,
-    out: &mut ChunkOut,
-) {
-    let mut acc = [_mm512_setzero_ps(); 4];
-    let mut wlo = [_mm512_setzero_pd(); 4];
-    let mut whi = [_mm512_setzero_pd(); 4];
+unsafe fn block_q3k(w: *const Expanded, x: *const Expanded, b: usize, r0: usize) -> Factors {
     // SAFETY: super-block `b` reads the vectors at `w + b * W_VECS` and `x + b * ACT_VECS`
     // (offsets below `W_VECS * 16` 32-bit values and `ACT_VECS` vectors), inside the
     // caller's slices.
     unsafe {
-        for b in 0..nb {
-            let wb = w.add(b * W_VECS) as *const i32;
-            let xb = x.add(b * ACT_VECS) as *const __m512i;
-            let mut isum = [_mm512_setzero_si512(); 4];
-            for p in 0..8 {
-                // Sub-blocks 2p (words 8p..8p + 4) and 2p + 1 (words 8p + 4..8p + 8).
-                let mut raw = [[_mm512_setzero_si512(); 2]; 4];
-                for kk in 0..8 {
-                    let k = 8 * p + kk;
-                    let xv = _mm512_load_si512(xb.add(k));
-                    for (r, raw) in raw.iter_mut().enumerate() {
-                        let wv = _mm512_set1_epi32(*wb.add(8 * k + r0 + r));
-                        raw[kk / 4] = _mm512_dpbusd_epi32(raw[kk / 4], wv, xv);
-                    }
-                }
-                let off = _mm512_slli_epi16::<2>(_mm512_load_si512(xb.add(65 + p)));
-                for (r, raw) in raw.iter().enumerate() {
-                    let pair = _mm512_mask_blend_epi16(
-                        0xAAAA_AAAA,
-                        raw[0],
-                        _mm512_slli_epi32::<16>(raw[1]),
-                    );
-                    let pair = _mm512_sub_epi16(pair, off);
-                    let scp = _mm512_set1_epi32(*wb.add(PAIRS + 8 * p + r0 + r));
-                    isum[r] = _mm512_dpwssd_epi32(isum[r], pair, scp);
+        let wb = w.add(b * W_VECS) as *const i32;
+        let xb = x.add(b * ACT_VECS) as *const __m512i;
+        let mut isum = [_mm512_setzero_si512(); 4];
+        for p in 0..8 {
+            // Sub-blocks 2p (words 8p..8p + 4) and 2p + 1 (words 8p + 4..8p + 8).
+            let mut raw = [[_mm512_setzero_si512(); 2]; 4];
+            for kk in 0..8 {
+                let k = 8 * p + kk;
+                let xv = _mm512_load_si512(xb.add(k));
+                for (r, raw) in raw.iter_mut().enumerate() {
+                    let wv = _mm512_set1_epi32(*wb.add(8 * k + r0 + r));
+                    raw[kk / 4] = _mm512_dpbusd_epi32(raw[kk / 4], wv, xv);
                 }
             }
-            let dx = _mm512_load_ps(xb.add(64) as *const f32);
-            let dw = wb.add(D) as *const f32;
-            for r in 0..4 {
-                let scale = _mm512_mul_ps(_mm512_set1_ps(*dw.add(r0 + r)), dx);
-                if WIDE {
-                    add_wide(
-                        &mut wlo[r],
-                        &mut whi[r],
-                        _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r]), scale),
-                    );
-                } else {
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
-                }
+            let off = _mm512_slli_epi16::<2>(_mm512_load_si512(xb.add(65 + p)));
+            for (r, raw) in raw.iter().enumerate() {
+                let pair =
+                    _mm512_mask_blend_epi16(0xAAAA_AAAA, raw[0], _mm512_slli_epi32::<16>(raw[1]));
+                let pair = _mm512_sub_epi16(pair, off);
+                let scp = _mm512_set1_epi32(*wb.add(PAIRS + 8 * p + r0 + r));
+                isum[r] = _mm512_dpwssd_epi32(isum[r], pair, scp);
             }
         }
+        let dx = _mm512_load_ps(xb.add(64) as *const f32);
+        let dw = wb.add(D) as *const f32;
+        let mut f = [[_mm512_setzero_ps(); 2]; 4];
+        for (r, f) in f.iter_mut().enumerate() {
+            let scale = _mm512_mul_ps(_mm512_set1_ps(*dw.add(r0 + r)), dx);
+            *f = [_mm512_cvtepi32_ps(isum[r]), scale];
+        }
+        f
     }
-    store::<WIDE>(r0, &acc, &wlo, &whi, out);
 }
