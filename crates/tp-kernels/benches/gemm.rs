@@ -8,7 +8,8 @@
 //! multiply-add) of the current kernels. Shapes: SmolLM2-135M (Q4_1) and Qwen2.5-0.5B (its
 //! Q5_0 / Q8_0 / Q4_K / Q6_K tensors), fused as the models run them (QKV, gate+up), its
 //! K-quant down projection also in the sub-block form a model uses where tp shards cut
-//! inside super-blocks.
+//! inside super-blocks; Q2_K and Q3_K at its down shape and, 896 columns not being a whole
+//! number of super-blocks, a gate-like 4864 x 1024.
 //! Run: `cargo bench -p tp-kernels --bench gemm` (`TP_BENCH_ONLY=Q4_1` keeps the rows whose
 //! name contains the substring, `TP_BENCH_N=128,32` sets the token counts, `TP_BENCH_ROUNDS`
 //! the rounds, 7 by default).
@@ -39,6 +40,12 @@ fn cases() -> Vec<(QuantType, usize, usize, &'static str)> {
         (Q5_1, 896, 896, "q5_1"),
         (Q2_K, 1536, 1536, "q2_k"),
         (Q3_K, 1536, 1536, "q3_k"),
+        (Q2_K, 4864, 1024, "gate-like, 1024 cols q2k"),
+        (Q2_K, 896, 4864, "qwen down q2k"),
+        (Q2_K, 896, 4864, "qwen down q2k (wide)"),
+        (Q3_K, 4864, 1024, "gate-like, 1024 cols q3k"),
+        (Q3_K, 896, 4864, "qwen down q3k"),
+        (Q3_K, 896, 4864, "qwen down q3k (wide)"),
         (Q5_K, 1536, 1536, "q5_k"),
     ]
 }

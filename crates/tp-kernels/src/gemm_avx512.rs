@@ -73,7 +73,7 @@ impl Default for ChunkOut {
 }
 
 /// The many-token kernels of one activation kind (Q8_0-style blocks here, Q8_K blocks in
-/// `gemm_avx512_k` and `gemm_avx512_k4`: Q4_K, Q5_K and Q6_K so far), as `QuantMatrix`
+/// `gemm_avx512_k`, `gemm_avx512_k4` and `gemm_avx512_k23`: Q2_K to Q6_K), as `QuantMatrix`
 /// drives them: transpose a chunk of tokens, unpack a group, run a group against a chunk.
 pub(crate) trait TokenLanes: Sized {
     /// Whether there are kernels for `qtype` (and for `form`: the sub-block form has none).

@@ -1,6 +1,7 @@
 //! AVX-512 VNNI many-token kernels for Q6_K (`gemm_avx512`'s scheme on Q8_K activations):
 //! 16 tokens in the lanes, a row's 4-column weight word broadcast from memory. The
-//! `TokenLanes` impl for Q8_K activations also dispatches Q4_K and Q5_K to `gemm_avx512_k4`.
+//! `TokenLanes` impl for Q8_K activations also dispatches Q4_K and Q5_K to `gemm_avx512_k4`,
+//! Q2_K and Q3_K to `gemm_avx512_k23` (which share this module's activation layout).
 //!
 //! Per row and super-block, each 16-wide sub-block's exact `vpdpbusd` sum of the unsigned
 //! 6-bit quants is multiplied by its signed scale (`vpmulld`) and added up; the offset of 32
@@ -8,7 +9,8 @@
 //! subtracted: the same exact integer as the AVX2 kernels' `offset_tail`, whose f32 tail
 //! (`scale = d_w * d_x`, `fma(isum as f32, scale, acc)`, or the wide form's
 //! `isum as f32 * scale` summed in f64) is repeated per lane. Rows run in two halves of 4 so
-//! that the wide form's accumulators stay in registers.
+//! that the wide form's accumulators stay in registers; [`halves`], the chunk loop and that
+//! tail, is shared by all the Q8_K many-token kernels (each gives a super-block's factors).
 //!
 //! Layouts (64-byte vectors):
 //! - Tokens, per chunk and super-block, [`ACT_VECS`] vectors: words `K < 64` (lane `t` =
@@ -21,6 +23,7 @@
 use crate::expand::Expanded;
 use crate::format::{f16_at, QuantType};
 use crate::gemm_avx512::{ChunkOut, TokenLanes, LANES};
+use crate::gemm_avx512_k23 as k23;
 use crate::gemm_avx512_k4 as k4;
 use crate::pack::{group_block_bytes, GROUP_ROWS};
 use crate::pack_k::q6k;
@@ -29,7 +32,7 @@ use crate::tile::Form;
 use std::arch::x86_64::*;
 
 /// Vectors per (chunk, super-block) of transposed activations: 64 words, `d`, 8 sum pairs.
-const ACT_VECS: usize = 73;
+pub(crate) const ACT_VECS: usize = 73;
 /// Vectors per unpacked group super-block: 32 of quants, 8 of scales, 4 of scale pairs, 1 of `d`.
 const W_VECS: usize = 45;
 /// 32-bit offsets inside an unpacked group super-block.
@@ -39,8 +42,8 @@ const D: usize = 704;
 
 impl TokenLanes for ActBlockK {
     fn supports(qtype: QuantType, form: Form) -> bool {
-        matches!(qtype, QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K)
-            && form != Form::WideSub
+        use QuantType::*;
+        matches!(qtype, Q2_K | Q3_K | Q4_K | Q5_K | Q6_K) && form != Form::WideSub
     }
     fn act_vecs(qtype: QuantType) -> usize {
         match qtype {
@@ -51,6 +54,7 @@ impl TokenLanes for ActBlockK {
     fn w_vecs(qtype: QuantType) -> usize {
         match qtype {
             QuantType::Q4_K | QuantType::Q5_K => k4::W_VECS,
+            QuantType::Q2_K | QuantType::Q3_K => k23::W_VECS,
             _ => W_VECS,
         }
     }
@@ -82,6 +86,8 @@ impl TokenLanes for ActBlockK {
             match qtype {
                 QuantType::Q4_K => k4::unpack::<false>(group, nb, out),
                 QuantType::Q5_K => k4::unpack::<true>(group, nb, out),
+                QuantType::Q2_K => k23::unpack::<false>(group, nb, out),
+                QuantType::Q3_K => k23::unpack::<true>(group, nb, out),
                 _ => unpack_q6k(group, nb, out),
             }
         }
@@ -99,13 +105,10 @@ impl TokenLanes for ActBlockK {
             if matches!(qtype, QuantType::Q4_K | QuantType::Q5_K) {
                 return k4::group_chunk(w, x, nb, wide, out);
             }
-            for r0 in [0, 4] {
-                if wide {
-                    half::<true>(w.as_ptr(), x.as_ptr(), nb, r0, out);
-                } else {
-                    half::<false>(w.as_ptr(), x.as_ptr(), nb, r0, out);
-                }
+            if matches!(qtype, QuantType::Q2_K | QuantType::Q3_K) {
+                return k23::group_chunk(qtype, w, x, nb, wide, out);
             }
+            group_chunk_q6k(w, x, nb, wide, out);
         }
     }
 }
@@ -175,78 +178,142 @@ unsafe fn unpack_q6k(group: &[u8], nb: usize, out: &mut [Expanded]) {
     }
 }
 
-/// Rows `r0..r0 + 4` of one unpacked group against one chunk (see the module comment).
+/// One unpacked Q6_K group (`w`) against one chunk of 16 transposed tokens (`x`) over `nb`
+/// super-blocks, into `out.f32s` or (`wide`) `out.f64s`.
 ///
 /// # Safety
-/// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `w` holds `nb * W_VECS` vectors, `x`
-/// `nb * ACT_VECS`; `r0 + 4 <= 8`.
+/// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `w.len() >= nb * W_VECS`,
+/// `x.len() >= nb * ACT_VECS`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn group_chunk_q6k(
+    w: &[Expanded],
+    x: &[Expanded],
+    nb: usize,
+    wide: bool,
+    out: &mut ChunkOut,
+) {
+    let (w, x) = (w.as_ptr(), x.as_ptr());
+    // SAFETY: `halves` asks only for super-blocks `b < nb` and `r0` 0 or 4, whose vectors lie
+    // inside the caller's `w` and `x`; the features are the caller's promise.
+    halves(nb, wide, out, |b, r0| unsafe { block_q6k(w, x, b, r0) });
+}
+
+/// One super-block's f32 contributions to 4 rows' 16 token outputs, as factors: row `r`'s
+/// contribution is `f[r][0] * f[r][1]`, the AVX2 tail's last product in its operand order.
+pub(crate) type Factors = [[__m512; 2]; 4];
+
+/// The chunk loop and tail shared by the Q8_K many-token kernels (Q6_K here, `gemm_avx512_k4`,
+/// `gemm_avx512_k23`): for each half of 4 rows (`r0` = 0, 4, so that the wide form's
+/// accumulators stay in registers) and each super-block `b < nb` in column order,
+/// `block(b, r0)` gives the [`Factors`] of rows `r0..r0 + 4`, which are added as the AVX2
+/// tails add them: `acc = fma(a, b, acc)` (`matmul`), or `a * b` widened to f64 and summed
+/// (`wide`: `matmul_wide_acc`). The results go to `out.f32s` or `out.f64s`. `block` is only
+/// called with `b < nb` and `r0` 0 or 4.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn half<const WIDE: bool>(
-    w: *const Expanded,
-    x: *const Expanded,
+pub(crate) fn halves(
+    nb: usize,
+    wide: bool,
+    out: &mut ChunkOut,
+    mut block: impl FnMut(usize, usize) -> Factors,
+) {
+    for r0 in [0, 4] {
+        if wide {
+            half::<true>(nb, r0, out, &mut block);
+        } else {
+            half::<false>(nb, r0, out, &mut block);
+        }
+    }
+}
+
+/// [`halves`] for rows `r0..r0 + 4`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn half<const WIDE: bool>(
     nb: usize,
     r0: usize,
     out: &mut ChunkOut,
+    block: &mut impl FnMut(usize, usize) -> Factors,
 ) {
-    // SAFETY: super-block `b` reads the vectors at `w + b * W_VECS` and `x + b * ACT_VECS`
-    // (offsets below `W_VECS * 16` and `ACT_VECS` vectors), inside the caller's slices.
-    unsafe {
-        let mut acc = [_mm512_setzero_ps(); 4];
-        let mut wlo = [_mm512_setzero_pd(); 4];
-        let mut whi = [_mm512_setzero_pd(); 4];
-        for b in 0..nb {
-            let wb = w.add(b * W_VECS) as *const i32;
-            let xb = x.add(b * ACT_VECS) as *const __m512i;
-            let mut isum = [_mm512_setzero_si512(); 4];
-            for s in 0..16 {
-                let mut raw = [_mm512_setzero_si512(); 4];
-                for kk in 0..4 {
-                    let k = 4 * s + kk;
-                    let xv = _mm512_load_si512(xb.add(k));
-                    for (r, raw) in raw.iter_mut().enumerate() {
-                        let wv = _mm512_set1_epi32(*wb.add(8 * k + r0 + r));
-                        *raw = _mm512_dpbusd_epi32(*raw, wv, xv);
-                    }
-                }
-                for r in 0..4 {
-                    let sc = _mm512_set1_epi32(*wb.add(SC + 8 * s + r0 + r));
-                    isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(raw[r], sc));
-                }
-            }
-            let mut off = [_mm512_setzero_si512(); 4];
-            for p in 0..8 {
-                let bp = _mm512_load_si512(xb.add(65 + p));
-                for (r, o) in off.iter_mut().enumerate() {
-                    let scp = _mm512_set1_epi32(*wb.add(SC_PAIRS + 8 * p + r0 + r));
-                    *o = _mm512_dpwssd_epi32(*o, scp, bp);
-                }
-            }
-            let dx = _mm512_load_ps(xb.add(64) as *const f32);
-            let dw = wb.add(D) as *const f32;
-            for r in 0..4 {
-                let is = _mm512_sub_epi32(isum[r], _mm512_slli_epi32::<5>(off[r]));
-                let scale = _mm512_mul_ps(_mm512_set1_ps(*dw.add(r0 + r)), dx);
-                if WIDE {
-                    let c = _mm512_mul_ps(_mm512_cvtepi32_ps(is), scale);
-                    let c = _mm512_castps_pd(c);
-                    let lo = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_castpd512_pd256(c)));
-                    let hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(c)));
-                    wlo[r] = _mm512_add_pd(wlo[r], lo);
-                    whi[r] = _mm512_add_pd(whi[r], hi);
-                } else {
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), scale, acc[r]);
-                }
-            }
-        }
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut wlo = [_mm512_setzero_pd(); 4];
+    let mut whi = [_mm512_setzero_pd(); 4];
+    for b in 0..nb {
+        let f = block(b, r0);
         for r in 0..4 {
             if WIDE {
-                let o = out.f64s[r0 + r].as_mut_ptr();
-                _mm512_storeu_pd(o, wlo[r]);
-                _mm512_storeu_pd(o.add(8), whi[r]);
+                let c = _mm512_castps_pd(_mm512_mul_ps(f[r][0], f[r][1]));
+                let lo = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_castpd512_pd256(c)));
+                let hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(c)));
+                wlo[r] = _mm512_add_pd(wlo[r], lo);
+                whi[r] = _mm512_add_pd(whi[r], hi);
             } else {
-                _mm512_storeu_ps(out.f32s[r0 + r].as_mut_ptr(), acc[r]);
+                acc[r] = _mm512_fmadd_ps(f[r][0], f[r][1], acc[r]);
             }
         }
+    }
+    for r in 0..4 {
+        if WIDE {
+            let (lo, hi) = out.f64s[r0 + r].split_at_mut(8);
+            // SAFETY: `lo` and `hi` hold 8 f64 each.
+            unsafe {
+                _mm512_storeu_pd(lo.as_mut_ptr(), wlo[r]);
+                _mm512_storeu_pd(hi.as_mut_ptr(), whi[r]);
+            }
+        } else {
+            // SAFETY: a row of `out.f32s` holds 16 f32.
+            unsafe { _mm512_storeu_ps(out.f32s[r0 + r].as_mut_ptr(), acc[r]) };
+        }
+    }
+}
+
+/// Q6_K: super-block `b`'s [`Factors`] for rows `r0..r0 + 4` (see the module comment):
+/// `(isum as f32, d_w * d_x)`.
+///
+/// # Safety
+/// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `w` holds at least `(b + 1) * W_VECS` vectors
+/// unpacked for Q6_K, `x` `(b + 1) * ACT_VECS`; `r0 + 4 <= 8`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn block_q6k(w: *const Expanded, x: *const Expanded, b: usize, r0: usize) -> Factors {
+    // SAFETY: super-block `b` reads the vectors at `w + b * W_VECS` and `x + b * ACT_VECS`
+    // (offsets below `W_VECS * 16` 32-bit values and `ACT_VECS` vectors), inside the
+    // caller's slices.
+    unsafe {
+        let wb = w.add(b * W_VECS) as *const i32;
+        let xb = x.add(b * ACT_VECS) as *const __m512i;
+        let mut isum = [_mm512_setzero_si512(); 4];
+        for s in 0..16 {
+            let mut raw = [_mm512_setzero_si512(); 4];
+            for kk in 0..4 {
+                let k = 4 * s + kk;
+                let xv = _mm512_load_si512(xb.add(k));
+                for (r, raw) in raw.iter_mut().enumerate() {
+                    let wv = _mm512_set1_epi32(*wb.add(8 * k + r0 + r));
+                    *raw = _mm512_dpbusd_epi32(*raw, wv, xv);
+                }
+            }
+            for r in 0..4 {
+                let sc = _mm512_set1_epi32(*wb.add(SC + 8 * s + r0 + r));
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(raw[r], sc));
+            }
+        }
+        let mut off = [_mm512_setzero_si512(); 4];
+        for p in 0..8 {
+            let bp = _mm512_load_si512(xb.add(65 + p));
+            for (r, o) in off.iter_mut().enumerate() {
+                let scp = _mm512_set1_epi32(*wb.add(SC_PAIRS + 8 * p + r0 + r));
+                *o = _mm512_dpwssd_epi32(*o, scp, bp);
+            }
+        }
+        let dx = _mm512_load_ps(xb.add(64) as *const f32);
+        let dw = wb.add(D) as *const f32;
+        let mut f = [[_mm512_setzero_ps(); 2]; 4];
+        for (r, f) in f.iter_mut().enumerate() {
+            let is = _mm512_sub_epi32(isum[r], _mm512_slli_epi32::<5>(off[r]));
+            let scale = _mm512_mul_ps(_mm512_set1_ps(*dw.add(r0 + r)), dx);
+            *f = [_mm512_cvtepi32_ps(is), scale];
+        }
+        f
     }
 }

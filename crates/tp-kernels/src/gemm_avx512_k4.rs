@@ -8,8 +8,9 @@
 //! activation sums). Both are the exact integers of the AVX2 kernels (`q4k_block_tail`), whose
 //! f32 tail (`v = fma(d_w, isum as f32, -(dmin_w * (msum as f32)))`, then `fma(d_x, v, acc)`,
 //! or the wide form's `d_x * v` summed in f64; see `wide::block_q4_k`) is repeated per lane.
-//! Rows run in two halves of 4, as Q6_K's, so that the wide form's accumulators stay in
-//! registers (all 8 rows at once for `matmul` measured no faster on the Intel kind).
+//! Rows run in two halves of 4 (`gemm_avx512_k::halves`, which also runs the f32 tail), so
+//! that the wide form's accumulators stay in registers (all 8 rows at once for `matmul`
+//! measured no faster on the Intel kind).
 //!
 //! No i32 can overflow: a sub-block's sum is at most 32 * 31 * 128 = 126976 in magnitude,
 //! `isum` at most 8 * 63 * 126976 < 2^26, and `msum` at most 8 * 63 * 32 * 128 < 2^21 (a
@@ -27,6 +28,7 @@
 use crate::expand::Expanded;
 use crate::format::{f16_at, QuantType};
 use crate::gemm_avx512::{ChunkOut, LANES};
+use crate::gemm_avx512_k::{halves, Factors};
 use crate::pack::{group_block_bytes, GROUP_ROWS};
 use crate::pack_k::{q4k, q5k};
 use crate::quantize_k::ActBlockK;
@@ -150,98 +152,67 @@ pub(crate) unsafe fn group_chunk(
     wide: bool,
     out: &mut ChunkOut,
 ) {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        for r0 in [0, 4] {
-            if wide {
-                half::<true>(w.as_ptr(), x.as_ptr(), nb, r0, out);
-            } else {
-                half::<false>(w.as_ptr(), x.as_ptr(), nb, r0, out);
-            }
-        }
-    }
+    let (w, x) = (w.as_ptr(), x.as_ptr());
+    // SAFETY: `halves` asks only for super-blocks `b < nb` and `r0` 0 or 4, whose vectors lie
+    // inside the caller's `w` and `x`; the features are the caller's promise.
+    halves(nb, wide, out, |b, r0| unsafe { block(w, x, b, r0) });
 }
 
-/// Rows `r0..r0 + 4` of one unpacked group against one chunk (see the module comment).
+/// Super-block `b`'s [`Factors`] for rows `r0..r0 + 4` (see the module comment):
+/// `(d_x, fma(d_w, isum as f32, -(dmin_w * (msum as f32))))`.
 ///
 /// # Safety
-/// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `w` holds `nb * W_VECS` vectors, `x`
-/// `nb * ACT_VECS`; `r0 + 4 <= 8`.
+/// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `w` holds at least `(b + 1) * W_VECS` vectors,
+/// `x` `(b + 1) * ACT_VECS`; `r0 + 4 <= 8`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn half<const WIDE: bool>(
-    w: *const Expanded,
-    x: *const Expanded,
-    nb: usize,
-    r0: usize,
-    out: &mut ChunkOut,
-) {
+unsafe fn block(w: *const Expanded, x: *const Expanded, b: usize, r0: usize) -> Factors {
     // SAFETY: super-block `b` reads the vectors at `w + b * W_VECS` and `x + b * ACT_VECS`
     // (offsets below `W_VECS * 16` 32-bit values and `ACT_VECS` vectors), inside the
     // caller's slices.
     unsafe {
-        let mut acc = [_mm512_setzero_ps(); 4];
-        let mut wlo = [_mm512_setzero_pd(); 4];
-        let mut whi = [_mm512_setzero_pd(); 4];
-        for b in 0..nb {
-            let wb = w.add(b * W_VECS) as *const i32;
-            let xb = x.add(b * ACT_VECS) as *const __m512i;
-            let mut isum = [_mm512_setzero_si512(); 4];
-            for s in 0..8 {
-                let mut raw = [_mm512_setzero_si512(); 4];
-                for kk in 0..8 {
-                    let k = 8 * s + kk;
-                    let xv = _mm512_load_si512(xb.add(k));
-                    for (r, raw) in raw.iter_mut().enumerate() {
-                        let wv = _mm512_set1_epi32(*wb.add(8 * k + r0 + r));
-                        *raw = _mm512_dpbusd_epi32(*raw, wv, xv);
-                    }
-                }
-                for r in 0..4 {
-                    let sc = _mm512_set1_epi32(*wb.add(SC + 8 * s + r0 + r));
-                    isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(raw[r], sc));
+        let wb = w.add(b * W_VECS) as *const i32;
+        let xb = x.add(b * ACT_VECS) as *const __m512i;
+        let mut isum = [_mm512_setzero_si512(); 4];
+        for s in 0..8 {
+            let mut raw = [_mm512_setzero_si512(); 4];
+            for kk in 0..8 {
+                let k = 8 * s + kk;
+                let xv = _mm512_load_si512(xb.add(k));
+                for (r, raw) in raw.iter_mut().enumerate() {
+                    let wv = _mm512_set1_epi32(*wb.add(8 * k + r0 + r));
+                    *raw = _mm512_dpbusd_epi32(*raw, wv, xv);
                 }
             }
-            let mut msum = [_mm512_setzero_si512(); 4];
-            for p in 0..4 {
-                let bp = _mm512_load_si512(xb.add(65 + p));
-                for (r, m) in msum.iter_mut().enumerate() {
-                    let mp = _mm512_set1_epi32(*wb.add(MIN_PAIRS + 8 * p + r0 + r));
-                    *m = _mm512_dpwssd_epi32(*m, mp, bp);
-                }
-            }
-            let dx = _mm512_load_ps(xb.add(64) as *const f32);
-            let dw = wb.add(D) as *const f32;
-            let dmin = wb.add(DMIN) as *const f32;
             for r in 0..4 {
-                let mins = _mm512_mul_ps(
-                    _mm512_set1_ps(*dmin.add(r0 + r)),
-                    _mm512_cvtepi32_ps(msum[r]),
-                );
-                let v = _mm512_fmsub_ps(
-                    _mm512_set1_ps(*dw.add(r0 + r)),
-                    _mm512_cvtepi32_ps(isum[r]),
-                    mins,
-                );
-                if WIDE {
-                    let c = _mm512_castps_pd(_mm512_mul_ps(dx, v));
-                    let lo = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_castpd512_pd256(c)));
-                    let hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(c)));
-                    wlo[r] = _mm512_add_pd(wlo[r], lo);
-                    whi[r] = _mm512_add_pd(whi[r], hi);
-                } else {
-                    acc[r] = _mm512_fmadd_ps(dx, v, acc[r]);
-                }
+                let sc = _mm512_set1_epi32(*wb.add(SC + 8 * s + r0 + r));
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(raw[r], sc));
             }
         }
-        for r in 0..4 {
-            if WIDE {
-                let o = out.f64s[r0 + r].as_mut_ptr();
-                _mm512_storeu_pd(o, wlo[r]);
-                _mm512_storeu_pd(o.add(8), whi[r]);
-            } else {
-                _mm512_storeu_ps(out.f32s[r0 + r].as_mut_ptr(), acc[r]);
+        let mut msum = [_mm512_setzero_si512(); 4];
+        for p in 0..4 {
+            let bp = _mm512_load_si512(xb.add(65 + p));
+            for (r, m) in msum.iter_mut().enumerate() {
+                let mp = _mm512_set1_epi32(*wb.add(MIN_PAIRS + 8 * p + r0 + r));
+                *m = _mm512_dpwssd_epi32(*m, mp, bp);
             }
         }
+        let dx = _mm512_load_ps(xb.add(64) as *const f32);
+        let dw = wb.add(D) as *const f32;
+        let dmin = wb.add(DMIN) as *const f32;
+        let mut f = [[_mm512_setzero_ps(); 2]; 4];
+        for (r, f) in f.iter_mut().enumerate() {
+            let mins = _mm512_mul_ps(
+                _mm512_set1_ps(*dmin.add(r0 + r)),
+                _mm512_cvtepi32_ps(msum[r]),
+            );
+            let v = _mm512_fmsub_ps(
+                _mm512_set1_ps(*dw.add(r0 + r)),
+                _mm512_cvtepi32_ps(isum[r]),
+                mins,
+            );
+            *f = [dx, v];
+        }
+        f
     }
 }

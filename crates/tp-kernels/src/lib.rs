@@ -30,6 +30,8 @@ mod gemm_avx512;
 #[cfg(target_arch = "x86_64")]
 mod gemm_avx512_k;
 #[cfg(target_arch = "x86_64")]
+mod gemm_avx512_k23;
+#[cfg(target_arch = "x86_64")]
 mod gemm_avx512_k4;
 mod matrix;
 mod pack;

@@ -573,7 +573,7 @@ impl QuantMatrix {
     }
 
     /// The whole product on the AVX-512 many-token kernels (`gemm_avx512`, `gemm_avx512_k`,
-    /// `gemm_avx512_k4`; the format is one they support): tokens in chunks of 16, as many
+    /// `gemm_avx512_k4`, `gemm_avx512_k23`; the format is one they support): tokens in chunks of 16, as many
     /// chunks per pass over the groups as [`GEMM_BUDGET`] holds, each group unpacked once per
     /// pass.
     #[cfg(target_arch = "x86_64")]
@@ -1145,7 +1145,8 @@ pub(crate) mod tests {
     #[test]
     fn avx512_extreme_quants_match_scalar_bits() {
         // Every weight quant at its extremes (all bits set / all clear) and activations at
-        // +-127: the integer sums must be exact on every path.
+        // +-127: the integer sums must be exact on every path (`matmul_wide_acc`: the scalar
+        // bits; `matmul`: the AVX2 bits).
         if !cpu::supports(Simd::Avx512) {
             eprintln!("skipped: this CPU has no AVX-512 F/BW/VL + VNNI");
             return;
@@ -1162,15 +1163,22 @@ pub(crate) mod tests {
                         Q4_K | Q5_K if fill != 0 => 4..bb,
                         Q4_K | Q5_K => 16..bb,
                         Q6_K => 0..208,
-                        Q3_K => 0..96,
+                        // `hmask`, `qs` and the 6-bit scales (0x00: all -32, 0xFF: all 31).
+                        Q3_K => 0..108,
+                        // Also the 4-bit scales and mins (0xFF: all 15), but for 0x00.
+                        Q2_K if fill != 0 => 0..80,
                         Q2_K => 16..80,
                         _ => qtype.scale_bytes()..bb,
                     };
                     blk[q].fill(fill);
                 }
                 let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
-                // 3 tokens run on the per-group kernels, 20 on the many-token ones.
-                for (sign, n) in [(1.0f32, 3), (-1.0, 3), (1.0, 20), (-1.0, 20)] {
+                // 3 tokens run on the per-group kernels, 20 and 40 on the many-token ones
+                // (a partial chunk; two full chunks and a partial one).
+                for (sign, n) in [3, 20, 40]
+                    .into_iter()
+                    .flat_map(|n| [(1.0f32, n), (-1.0, n)])
+                {
                     let x: Vec<f32> = (0..n * cols)
                         .map(|i| if i % 3 == 0 { sign } else { -sign * 0.5 })
                         .collect();
@@ -1182,6 +1190,17 @@ pub(crate) mod tests {
                         .unwrap();
                     let bits = |v: &[f64]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&y5), bits(&ys), "{qtype} fill {fill:#x} sign {sign}");
+                    // And `matmul`: the AVX2 path's bits.
+                    let mut f2 = vec![0.0f32; n * rows];
+                    let mut f5 = vec![0.0f32; n * rows];
+                    m.matmul_with(Simd::Avx2, &x, n, &mut f2).unwrap();
+                    m.matmul_with(Simd::Avx512, &x, n, &mut f5).unwrap();
+                    let fbits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        fbits(&f5),
+                        fbits(&f2),
+                        "{qtype} fill {fill:#x} sign {sign} f32"
+                    );
                 }
             }
         }
@@ -1195,7 +1214,7 @@ pub(crate) mod tests {
         use QuantType::*;
         for qtype in ALL {
             let plain = matches!(qtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0);
-            let k = matches!(qtype, Q4_K | Q5_K | Q6_K);
+            let k = matches!(qtype, Q2_K | Q3_K | Q4_K | Q5_K | Q6_K);
             for form in [Form::F32, Form::Wide] {
                 assert_eq!(ActBlock::supports(qtype, form), plain, "{qtype} {form:?}");
                 assert_eq!(ActBlockK::supports(qtype, form), k, "{qtype} {form:?}");
