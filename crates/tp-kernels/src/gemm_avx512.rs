@@ -163,14 +163,19 @@ pub(crate) unsafe fn unpack(qtype: QuantType, group: &[u8], nb: usize, out: &mut
     let low4 = _mm512_set1_epi8(0x0F);
     let fifth = _mm512_set1_epi8(0x10);
     let eight = _mm512_set1_epi8(8);
-    // Q5: byte j of each 32-bit lane tests bit j of the lane's low byte (see `dot_avx512`).
-    let spread = _mm512_set4_epi32(0x0C0C_0C0C, 0x0808_0808, 0x0404_0404, 0);
-    let select = _mm512_set1_epi32(0x0804_0201);
-    let pair = |a: i32, b: i32| {
-        _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(a), _mm512_set1_epi32(b))
-    };
-    let shift_lo = [pair(0, 4), pair(8, 12)];
-    let shift_hi = [pair(16, 20), pair(24, 28)];
+    // Q5: `spread[k]` copies byte `k` of each 32-bit lane (a row's fifth bits of columns
+    // 8k..8k + 8) to its 4 bytes; byte j of the lane then tests bit j (lanes 0..8: word 2m
+    // of the vector, columns 8k + j) or bit 4 + j (lanes 8..16: word 2m + 1, columns
+    // 8k + 4 + j).
+    let spread: [__m512i; 4] = std::array::from_fn(|k| {
+        let k = 0x0101_0101 * k as i32;
+        _mm512_set4_epi32(0x0C0C_0C0C + k, 0x0808_0808 + k, 0x0404_0404 + k, k)
+    });
+    let select = _mm512_mask_blend_epi32(
+        0xFF00,
+        _mm512_set1_epi32(0x0804_0201),
+        _mm512_set1_epi32(0x8040_2010_u32 as i32),
+    );
     // SAFETY (all closures below): `blk` is a group block of `qtype` inside `group` (the
     // caller's promise, passed on by `unpack_blocks`): its quants are the bytes from `sb`
     // (Q5: the 32 bytes of fifth bits, then 128 bytes of nibbles).
@@ -193,8 +198,8 @@ pub(crate) unsafe fn unpack(qtype: QuantType, group: &[u8], nb: usize, out: &mut
         let qh =
             _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(blk.add(sb) as *const __m256i) });
         let w = ld(unsafe { blk.add(sb + 32 + 64 * m) });
-        let bits_lo = _mm512_shuffle_epi8(_mm512_srlv_epi32(qh, shift_lo[m]), spread);
-        let bits_hi = _mm512_shuffle_epi8(_mm512_srlv_epi32(qh, shift_hi[m]), spread);
+        let bits_lo = _mm512_shuffle_epi8(qh, spread[m]);
+        let bits_hi = _mm512_shuffle_epi8(qh, spread[2 + m]);
         let lo = _mm512_and_si512(w, low4);
         let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), low4);
         (lo, bits_lo, hi, bits_hi)
@@ -240,6 +245,9 @@ pub(crate) unsafe fn unpack(qtype: QuantType, group: &[u8], nb: usize, out: &mut
     }
 }
 
+/// How many group blocks ahead `unpack` prefetches the packed weights.
+const PREFETCH_BLOCKS: usize = 4;
+
 /// [`unpack`]'s loop over the blocks, `quants` giving a block's 4 vectors of signed quants
 /// (the block's bytes at its argument); it adds the scales and the corrections.
 ///
@@ -265,6 +273,11 @@ unsafe fn unpack_blocks(
         for b in 0..nb {
             let blk = g.add(b * gb);
             let dst = o.add(b * W_VECS);
+            // The bytes of the block PREFETCH_BLOCKS ahead (maybe past the group: a hint).
+            let ahead = blk.wrapping_add(PREFETCH_BLOCKS * gb);
+            for line in (0..gb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+            }
             let v = quants(blk);
             for (j, &v) in v.iter().enumerate() {
                 _mm512_store_si512(dst.add(j), v);
