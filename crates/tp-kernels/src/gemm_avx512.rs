@@ -176,15 +176,18 @@ pub(crate) unsafe fn unpack(qtype: QuantType, group: &[u8], nb: usize, out: &mut
         _mm512_set1_epi32(0x0804_0201),
         _mm512_set1_epi32(0x8040_2010_u32 as i32),
     );
-    // SAFETY (all closures below): `blk` is a group block of `qtype` inside `group` (the
-    // caller's promise, passed on by `unpack_blocks`): its quants are the bytes from `sb`
-    // (Q5: the 32 bytes of fifth bits, then 128 bytes of nibbles).
-    let ld = |p: *const u8| unsafe { _mm512_loadu_si512(p as *const __m512i) };
+    // The closures below get `blk`, a group block of `qtype` inside `group` (the caller's
+    // promise, passed on by `unpack_blocks`): its quants are the bytes from `sb` (Q5: the
+    // 32 bytes of fifth bits, then 128 bytes of nibbles).
+    let ld = |p: *const u8| {
+        // SAFETY: called only with the start of 64 of a block's quant bytes (below).
+        unsafe { _mm512_loadu_si512(p as *const __m512i) }
+    };
     let nibbles = |blk: *const u8| -> [__m512i; 4] {
         // Q4_0 / Q4_1: words 2m, 2m + 1 of the low nibbles are words 2m, 2m + 1 of the
         // block (columns 8m..); of the high nibbles, words 4 + 2m, 5 + 2m.
-        let q = unsafe { blk.add(sb) };
-        let (w0, w1) = (ld(q), ld(unsafe { q.add(64) }));
+        let q = blk.wrapping_add(sb);
+        let (w0, w1) = (ld(q), ld(q.wrapping_add(64)));
         let hi = |w: __m512i| _mm512_and_si512(_mm512_srli_epi16::<4>(w), low4);
         [
             _mm512_and_si512(w0, low4),
@@ -195,9 +198,10 @@ pub(crate) unsafe fn unpack(qtype: QuantType, group: &[u8], nb: usize, out: &mut
     };
     // Q5: the nibbles and, per byte, whether the fifth bit is set.
     let five = |blk: *const u8, m: usize| {
-        let qh =
-            _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(blk.add(sb) as *const __m256i) });
-        let w = ld(unsafe { blk.add(sb + 32 + 64 * m) });
+        // SAFETY: the block's 32 bytes of fifth bits.
+        let qh = unsafe { _mm256_loadu_si256(blk.wrapping_add(sb) as *const __m256i) };
+        let qh = _mm512_broadcast_i64x4(qh);
+        let w = ld(blk.wrapping_add(sb + 32 + 64 * m));
         let bits_lo = _mm512_shuffle_epi8(qh, spread[m]);
         let bits_hi = _mm512_shuffle_epi8(qh, spread[2 + m]);
         let lo = _mm512_and_si512(w, low4);
