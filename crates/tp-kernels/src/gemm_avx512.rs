@@ -11,17 +11,20 @@
 //! Layouts (all in 64-byte vectors):
 //! - Tokens (`transpose`), per chunk of 16 tokens and block `b`, [`ACT_VECS`] vectors: for
 //!   each 4-column word `k < 8` of the block, lane `t` holds token `t`'s word `k` (its quants
-//!   `4k..4k + 4`); then the tokens' scales `d` (f32), the Q8_1 sums `s` (f32), and the
-//!   format's integer offset times the quant sum (`8 * sum` for Q4_0, `16 * sum` for Q5_0,
-//!   `128 * sum` for Q8_0, 0 otherwise). Tokens past the end of the call are zeros.
+//!   `4k..4k + 4`) as unsigned bytes `x + 128`; then the tokens' scales `d` (f32) and the
+//!   Q8_1 sums `s` (f32). Tokens past the end of the call are zeros.
 //! - Weights (`unpack`), per group block, [`W_VECS`] vectors: the quants of the 8 rows as
-//!   unsigned bytes, word `k` of row `r` at 32-bit index `8k + r` (Q4: the nibbles; Q5: with
-//!   the fifth bit; Q8_0: `w + 128`), then the rows' `d` as f32 (lanes 0..8) and `m` (lanes
-//!   8..16; Q4_1/Q5_1).
+//!   signed bytes with the format's offset taken off, word `k` of row `r` at 32-bit index
+//!   `8k + r` (Q4_0: nibble - 8; Q4_1: the nibbles; Q5_0: the 5-bit value - 16; Q5_1: the
+//!   5-bit value; Q8_0: the quants as stored); then the rows' `d` as f32 (lanes 0..8) and `m`
+//!   (lanes 8..16; Q4_1/Q5_1); then, as i32 in lanes 0..8, each row's `-128 * sum(w)` over
+//!   the block's 32 signed quants `w`.
 //!
-//! The kernel broadcasts a row's word from memory against a token vector: `vpdpbusd` adds
-//! each group of 4 exact byte products, so a lane's i32 after the block's 8 words is the
-//! scalar `isum` before the offset; subtracting the offset vector gives it exactly. The f32
+//! The kernel broadcasts a row's word from memory (the signed operand of `vpdpbusd`, so the
+//! broadcast folds into the instruction) against a token vector (the unsigned operand):
+//! `vpdpbusd` adds each group of 4 exact byte products, so a lane's i32, started at the
+//! row's `-128 * sum(w)` and after the block's 8 words, is `sum((x + 128) * w) - 128 *
+//! sum(w)` = `sum(x * w)`, the scalar `isum` exactly (offset included). The f32
 //! and f64 arithmetic per (row, token, block) is then the AVX2 tail's operation for
 //! operation (`q4_block_tail`: `scale = d_w * d_x`, `acc = fma(isum as f32, scale, acc)`,
 //! `acc_min = fma(m_w, s_x, acc_min)`, summed at the end; the wide form `c` as in `wide`), so
@@ -35,25 +38,16 @@ use std::arch::x86_64::*;
 
 /// Tokens per chunk: one per 32-bit lane of a 512-bit register.
 pub(crate) const LANES: usize = 16;
-/// Vectors per (chunk, block) of transposed activations: 8 words, `d`, `s`, offset.
-pub(crate) const ACT_VECS: usize = 11;
-/// Vectors per unpacked group block: 4 of quants (8 rows x 32 bytes), 1 of scales.
-pub(crate) const W_VECS: usize = 5;
+/// Vectors per (chunk, block) of transposed activations: 8 words, `d`, `s`.
+pub(crate) const ACT_VECS: usize = 10;
+/// Vectors per unpacked group block: 4 of quants (8 rows x 32 bytes), 1 of scales, 1 of
+/// the rows' corrections `-128 * sum(w)`.
+pub(crate) const W_VECS: usize = 6;
 
 /// Whether this module has kernels for `qtype`.
 pub(crate) fn supports(qtype: QuantType) -> bool {
     use QuantType::*;
     matches!(qtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0)
-}
-
-/// The constant the format subtracts from its unsigned quants (times the activations' sum).
-fn offset(qtype: QuantType) -> i32 {
-    match qtype {
-        QuantType::Q4_0 => 8,
-        QuantType::Q5_0 => 16,
-        QuantType::Q8_0 => 128,
-        _ => 0,
-    }
 }
 
 /// One chunk's results: `f32s[r]` the 16 tokens' outputs of row `r` (`matmul`), or `f64s[r]`
@@ -135,22 +129,23 @@ impl TokenLanes for ActBlock {
     }
 }
 
-/// Lays out `tokens` (1..=16) tokens of `nb` blocks each (`acts`, token-major) for the
-/// kernels of `qtype` into `out` (`nb * ACT_VECS` vectors), zeros for the missing lanes.
-pub(crate) fn transpose(qtype: QuantType, acts: &[ActBlock], nb: usize, out: &mut [Expanded]) {
+/// Lays out `tokens` (1..=16) tokens of `nb` blocks each (`acts`, token-major) into `out`
+/// (`nb * ACT_VECS` vectors), zeros for the missing lanes; the layout is the same for every
+/// format (each format's offset is in its unpacked weights).
+pub(crate) fn transpose(_qtype: QuantType, acts: &[ActBlock], nb: usize, out: &mut [Expanded]) {
     let tokens = acts.len() / nb.max(1);
-    let off = offset(qtype);
+    // `x + 128` as an unsigned byte: the sign bit flipped.
+    let u = |q: i8| q as u8 ^ 0x80;
     for (b, o) in out.chunks_exact_mut(ACT_VECS).enumerate().take(nb) {
         o.fill(Expanded::default());
         for t in 0..tokens.min(LANES) {
             let a = &acts[t * nb + b];
             for (k, v) in o.iter_mut().enumerate().take(8) {
                 let q = &a.qs[4 * k..4 * k + 4];
-                v.0[t] = i32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]);
+                v.0[t] = i32::from_le_bytes([u(q[0]), u(q[1]), u(q[2]), u(q[3])]);
             }
             o[8].0[t] = a.d.to_bits() as i32;
             o[9].0[t] = a.s.to_bits() as i32;
-            o[10].0[t] = off * a.sum;
         }
     }
 }
@@ -164,79 +159,147 @@ pub(crate) fn transpose(qtype: QuantType, acts: &[ActBlock], nb: usize, out: &mu
 /// `out.len() >= nb * W_VECS`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) unsafe fn unpack(qtype: QuantType, group: &[u8], nb: usize, out: &mut [Expanded]) {
-    let gb = group_block_bytes(qtype);
     let sb = group_scale_bytes(qtype);
-    let has_min = qtype.has_min();
-    let g = group.as_ptr();
-    let o = out.as_mut_ptr() as *mut __m512i;
     let low4 = _mm512_set1_epi8(0x0F);
     let fifth = _mm512_set1_epi8(0x10);
-    let flip = _mm512_set1_epi8(-128);
-    // Q5: byte j of each 32-bit lane tests bit j of the lane's low byte (see `dot_avx512`).
-    let spread = _mm512_set4_epi32(0x0C0C_0C0C, 0x0808_0808, 0x0404_0404, 0);
-    let select = _mm512_set1_epi32(0x0804_0201);
-    let pair = |a: i32, b: i32| {
-        _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(a), _mm512_set1_epi32(b))
+    let eight = _mm512_set1_epi8(8);
+    // Q5: `spread[k]` copies byte `k` of each 32-bit lane (a row's fifth bits of columns
+    // 8k..8k + 8) to its 4 bytes; byte j of the lane then tests bit j (lanes 0..8: word 2m
+    // of the vector, columns 8k + j) or bit 4 + j (lanes 8..16: word 2m + 1, columns
+    // 8k + 4 + j).
+    let spread: [__m512i; 4] = std::array::from_fn(|k| {
+        let k = 0x0101_0101 * k as i32;
+        _mm512_set4_epi32(0x0C0C_0C0C + k, 0x0808_0808 + k, 0x0404_0404 + k, k)
+    });
+    let select = _mm512_mask_blend_epi32(
+        0xFF00,
+        _mm512_set1_epi32(0x0804_0201),
+        _mm512_set1_epi32(0x8040_2010_u32 as i32),
+    );
+    // The closures below get `blk`, a group block of `qtype` inside `group` (the caller's
+    // promise, passed on by `unpack_blocks`): its quants are the bytes from `sb` (Q5: the
+    // 32 bytes of fifth bits, then 128 bytes of nibbles).
+    let ld = |p: *const u8| {
+        // SAFETY: called only with the start of 64 of a block's quant bytes (below).
+        unsafe { _mm512_loadu_si512(p as *const __m512i) }
     };
-    let shift_lo = [pair(0, 4), pair(8, 12)];
-    let shift_hi = [pair(16, 20), pair(24, 28)];
-    // SAFETY: the caller guarantees the features and the lengths: block `b` reads
-    // `gb` bytes at `g + b * gb` (scales at 0 and 16, quants from `sb`) and writes the
-    // `W_VECS` vectors at `o + b * W_VECS`.
+    let nibbles = |blk: *const u8| -> [__m512i; 4] {
+        // Q4_0 / Q4_1: words 2m, 2m + 1 of the low nibbles are words 2m, 2m + 1 of the
+        // block (columns 8m..); of the high nibbles, words 4 + 2m, 5 + 2m.
+        let q = blk.wrapping_add(sb);
+        let (w0, w1) = (ld(q), ld(q.wrapping_add(64)));
+        let hi = |w: __m512i| _mm512_and_si512(_mm512_srli_epi16::<4>(w), low4);
+        [
+            _mm512_and_si512(w0, low4),
+            _mm512_and_si512(w1, low4),
+            hi(w0),
+            hi(w1),
+        ]
+    };
+    // Q5: the nibbles and, per byte, whether the fifth bit is set.
+    let five = |blk: *const u8, m: usize| {
+        // SAFETY: the block's 32 bytes of fifth bits.
+        let qh = unsafe { _mm256_loadu_si256(blk.wrapping_add(sb) as *const __m256i) };
+        let qh = _mm512_broadcast_i64x4(qh);
+        let w = ld(blk.wrapping_add(sb + 32 + 64 * m));
+        let bits_lo = _mm512_shuffle_epi8(qh, spread[m]);
+        let bits_hi = _mm512_shuffle_epi8(qh, spread[2 + m]);
+        let lo = _mm512_and_si512(w, low4);
+        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), low4);
+        (lo, bits_lo, hi, bits_hi)
+    };
+    let o = out.as_mut_ptr() as *mut __m512i;
+    // SAFETY: forwarded from the caller (features, `group` and `out` lengths).
     unsafe {
-        let ld = |p: *const u8| _mm512_loadu_si512(p as *const __m512i);
+        match qtype {
+            QuantType::Q8_0 => unpack_blocks(qtype, group, nb, o, |blk| {
+                let q = blk.add(sb);
+                std::array::from_fn(|j| ld(q.add(64 * j)))
+            }),
+            QuantType::Q5_0 => unpack_blocks(qtype, group, nb, o, |blk| {
+                // value - 16: the nibble less 16 where the fifth bit is clear.
+                let mut v = [_mm512_setzero_si512(); 4];
+                for m in 0..2 {
+                    let (lo, bits_lo, hi, bits_hi) = five(blk, m);
+                    let sub = |x, bits| {
+                        _mm512_mask_sub_epi8(x, _mm512_testn_epi8_mask(bits, select), x, fifth)
+                    };
+                    v[m] = sub(lo, bits_lo);
+                    v[2 + m] = sub(hi, bits_hi);
+                }
+                v
+            }),
+            QuantType::Q5_1 => unpack_blocks(qtype, group, nb, o, |blk| {
+                let mut v = [_mm512_setzero_si512(); 4];
+                for m in 0..2 {
+                    let (lo, bits_lo, hi, bits_hi) = five(blk, m);
+                    let add = |x, bits| {
+                        _mm512_mask_add_epi8(x, _mm512_test_epi8_mask(bits, select), x, fifth)
+                    };
+                    v[m] = add(lo, bits_lo);
+                    v[2 + m] = add(hi, bits_hi);
+                }
+                v
+            }),
+            QuantType::Q4_0 => unpack_blocks(qtype, group, nb, o, |blk| {
+                nibbles(blk).map(|v| _mm512_sub_epi8(v, eight))
+            }),
+            _ => unpack_blocks(qtype, group, nb, o, nibbles),
+        }
+    }
+}
+
+/// How many group blocks ahead `unpack` prefetches the packed weights.
+const PREFETCH_BLOCKS: usize = 4;
+
+/// [`unpack`]'s loop over the blocks, `quants` giving a block's 4 vectors of signed quants
+/// (the block's bytes at its argument); it adds the scales and the corrections.
+///
+/// # Safety
+/// As for [`unpack`] (`o` is `out`'s start); `quants` reads only inside the block it gets.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn unpack_blocks(
+    qtype: QuantType,
+    group: &[u8],
+    nb: usize,
+    o: *mut __m512i,
+    quants: impl Fn(*const u8) -> [__m512i; 4],
+) {
+    let gb = group_block_bytes(qtype);
+    let has_min = qtype.has_min();
+    let unsigned128 = _mm512_set1_epi8(-128);
+    let g = group.as_ptr();
+    // SAFETY: the caller guarantees the features and the lengths: block `b` reads
+    // `gb` bytes at `g + b * gb` (scales at 0 and 16, quants from the scale bytes) and
+    // writes the `W_VECS` vectors at `o + b * W_VECS`.
+    unsafe {
         for b in 0..nb {
             let blk = g.add(b * gb);
             let dst = o.add(b * W_VECS);
-            let v: [__m512i; 4] = match qtype {
-                QuantType::Q8_0 => {
-                    let q = blk.add(sb);
-                    std::array::from_fn(|j| _mm512_xor_si512(ld(q.add(64 * j)), flip))
-                }
-                QuantType::Q5_0 | QuantType::Q5_1 => {
-                    let qh =
-                        _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(sb) as *const __m256i));
-                    let mut v = [_mm512_setzero_si512(); 4];
-                    for m in 0..2 {
-                        let w = ld(blk.add(sb + 32 + 64 * m));
-                        let bits_lo =
-                            _mm512_shuffle_epi8(_mm512_srlv_epi32(qh, shift_lo[m]), spread);
-                        let bits_hi =
-                            _mm512_shuffle_epi8(_mm512_srlv_epi32(qh, shift_hi[m]), spread);
-                        let lo = _mm512_and_si512(w, low4);
-                        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), low4);
-                        v[m] = _mm512_mask_add_epi8(
-                            lo,
-                            _mm512_test_epi8_mask(bits_lo, select),
-                            lo,
-                            fifth,
-                        );
-                        v[2 + m] = _mm512_mask_add_epi8(
-                            hi,
-                            _mm512_test_epi8_mask(bits_hi, select),
-                            hi,
-                            fifth,
-                        );
-                    }
-                    v
-                }
-                _ => {
-                    // Q4_0 / Q4_1: words 2m, 2m + 1 of the low nibbles are words 2m, 2m + 1 of
-                    // the block (columns 8m..); of the high nibbles, words 4 + 2m, 5 + 2m.
-                    let q = blk.add(sb);
-                    let (w0, w1) = (ld(q), ld(q.add(64)));
-                    let hi = |w: __m512i| _mm512_and_si512(_mm512_srli_epi16::<4>(w), low4);
-                    [
-                        _mm512_and_si512(w0, low4),
-                        _mm512_and_si512(w1, low4),
-                        hi(w0),
-                        hi(w1),
-                    ]
-                }
-            };
-            for (j, v) in v.into_iter().enumerate() {
+            // The bytes of the block PREFETCH_BLOCKS ahead (maybe past the group: a hint).
+            let ahead = blk.wrapping_add(PREFETCH_BLOCKS * gb);
+            for line in (0..gb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+            }
+            let v = quants(blk);
+            for (j, &v) in v.iter().enumerate() {
                 _mm512_store_si512(dst.add(j), v);
             }
+            // Lane `l` of `t`: 128 times the sum of the 8 signed quants of 32-bit lanes `l`
+            // of the 4 vectors; row `r` owns lanes `r` and `8 + r`.
+            let dp = |a, b| {
+                _mm512_dpbusd_epi32(
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), unsigned128, a),
+                    unsigned128,
+                    b,
+                )
+            };
+            let t = _mm512_add_epi32(dp(v[0], v[1]), dp(v[2], v[3]));
+            let rows =
+                _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64::<1>(t));
+            let corr = _mm256_sub_epi32(_mm256_setzero_si256(), rows);
+            _mm512_store_si512(dst.add(5), _mm512_zextsi256_si512(corr));
             let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
             let m = if has_min {
                 _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i))
@@ -267,29 +330,26 @@ pub(crate) unsafe fn group_chunk(
     wide: bool,
     out: &mut ChunkOut,
 ) {
-    let (min, off) = (qtype.has_min(), offset(qtype) != 0);
     let (w, x) = (w.as_ptr(), x.as_ptr());
     // SAFETY: forwarded from the caller.
     unsafe {
-        match (min, off, wide) {
-            (true, _, false) => chunk::<true, false, false>(w, x, nb, out),
-            (true, _, true) => chunk::<true, false, true>(w, x, nb, out),
-            (false, true, false) => chunk::<false, true, false>(w, x, nb, out),
-            (false, true, true) => chunk::<false, true, true>(w, x, nb, out),
-            (false, false, false) => chunk::<false, false, false>(w, x, nb, out),
-            (false, false, true) => chunk::<false, false, true>(w, x, nb, out),
+        match (qtype.has_min(), wide) {
+            (true, false) => chunk::<true, false>(w, x, nb, out),
+            (true, true) => chunk::<true, true>(w, x, nb, out),
+            (false, false) => chunk::<false, false>(w, x, nb, out),
+            (false, true) => chunk::<false, true>(w, x, nb, out),
         }
     }
 }
 
-/// [`group_chunk`] for one format family: `MIN` (Q4_1, Q5_1), `OFF` (an offset to
-/// subtract), `WIDE` (f64 sums of per-block contributions).
+/// [`group_chunk`] for one format family: `MIN` (Q4_1, Q5_1), `WIDE` (f64 sums of
+/// per-block contributions).
 ///
 /// # Safety
 /// As for [`group_chunk`].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn chunk<const MIN: bool, const OFF: bool, const WIDE: bool>(
+unsafe fn chunk<const MIN: bool, const WIDE: bool>(
     w: *const Expanded,
     x: *const Expanded,
     nb: usize,
@@ -305,24 +365,21 @@ unsafe fn chunk<const MIN: bool, const OFF: bool, const WIDE: bool>(
         for b in 0..nb {
             let wb = w.add(b * W_VECS) as *const i32;
             let xb = x.add(b * ACT_VECS) as *const __m512i;
-            let mut s = [_mm512_setzero_si512(); GROUP_ROWS];
+            // Each row's sum starts at its correction `-128 * sum(w)`.
+            let corr = wb.add(80);
+            let mut s: [__m512i; GROUP_ROWS] =
+                std::array::from_fn(|r| _mm512_set1_epi32(*corr.add(r)));
             for k in 0..8 {
                 let xv = _mm512_load_si512(xb.add(k));
                 for (r, s) in s.iter_mut().enumerate() {
                     let wv = _mm512_set1_epi32(*wb.add(8 * k + r));
-                    *s = _mm512_dpbusd_epi32(*s, wv, xv);
+                    *s = _mm512_dpbusd_epi32(*s, xv, wv);
                 }
             }
             let dx = _mm512_load_ps(xb.add(8) as *const f32);
             let sx = _mm512_load_ps(xb.add(9) as *const f32);
-            let ox = _mm512_load_si512(xb.add(10));
             let scales = wb.add(64) as *const f32;
-            for r in 0..GROUP_ROWS {
-                let sr = if OFF {
-                    _mm512_sub_epi32(s[r], ox)
-                } else {
-                    s[r]
-                };
+            for (r, &sr) in s.iter().enumerate() {
                 let scale = _mm512_mul_ps(_mm512_set1_ps(*scales.add(r)), dx);
                 if WIDE {
                     let mut c = _mm512_mul_ps(_mm512_cvtepi32_ps(sr), scale);
