@@ -155,7 +155,10 @@ fn a_long_prefill_equals_short_chunks_bitwise() {
         for rank_out in out {
             let (long, short) = rank_out.unwrap();
             assert_eq!(long.len(), short.len());
-            assert!(long == short, "tp {tp}: a 300-token prefill differs from 3 x 100");
+            assert!(
+                long == short,
+                "tp {tp}: a 300-token prefill differs from 3 x 100"
+            );
         }
     }
 }
