@@ -436,8 +436,9 @@ impl ShardedModel {
         let mut qkv = vec![0f32; n * qkv_w]; // [n, q_w + 2 kv_w]
         let mut ctx = vec![0f32; n * q_w]; // [n, q_w]
         let mut partial = vec![0f64; n * hidden]; // [n, hidden], f64 partial sums
-                                                  // [rows, 2 ffn_w] for up to MLP_ROWS tokens at a time; after the activation its first
-                                                  // rows * ffn_w values are [rows, ffn_w]
+
+        // [rows, 2 ffn_w] for up to MLP_ROWS tokens at a time; after the activation its
+        // first rows * ffn_w values are [rows, ffn_w].
         let mut gu = vec![0f32; n.min(MLP_ROWS) * 2 * ffn_w];
         let mut out = vec![0f32; if cfg.block.post_norms { n * hidden } else { 0 }]; // [n, hidden]
         for (li, layer) in self.layers.iter().enumerate() {
