@@ -270,16 +270,14 @@ pub fn check_rank_limit(
         .position(|m| m.total() as u64 == need)
         .unwrap_or(0);
     let heads = ckpt.config().heads;
-    let fits = (1..=heads).find(|&t| {
-        memory_plan_held(ckpt, &RankWeights::even(t), ctx, held, opts)
-            .map(|p| p.iter().all(|m| m.total() as u64 <= limit))
-            .unwrap_or(false)
-    });
-    let fits_at = |positions: usize| {
+    // Whether every rank fits the limit with these weights and a cache of `positions`.
+    let fits_with = |weights: &RankWeights, positions: usize| {
         memory_plan_held(ckpt, weights, ctx, positions, opts)
             .map(|p| p.iter().all(|m| m.total() as u64 <= limit))
             .unwrap_or(false)
     };
+    let fits = (1..=heads).find(|&t| fits_with(&RankWeights::even(t), held));
+    let fits_at = |positions: usize| fits_with(weights, positions);
     // The cache's bytes grow with the positions: the largest that fits, by bisection.
     let fits_positions = fits_at(0).then(|| {
         let (mut lo, mut hi) = (0, held); // fits_at(lo), !fits_at(hi)
