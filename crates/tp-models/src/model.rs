@@ -620,7 +620,7 @@ fn all_reduce<T: tp_comm::Elem>(x: &mut [T], group: &Group, prof: &mut Profile) 
 /// many tokens at a time, and the down projection's partial sums still go over the group once
 /// per chunk. The products are per token (the kernels give the same bits at every batch
 /// size), so the logits do not depend on it; 128 tokens keep the many-token kernels' weight
-/// unpacking amortized over 8 lanes-chunks of 16.
+/// unpacking amortized over 8 chunks of 16 tokens.
 const MLP_ROWS: usize = 128;
 
 /// A row-parallel product and its g, tp-invariant: this rank's blocks summed in f64, the
