@@ -12,9 +12,13 @@ fn tp(args: &[&str]) -> common::Finished {
 }
 
 fn greedy(model: &str, tp_size: usize, prompt: &str, tokens: usize) -> String {
+    greedy_with(model, tp_size, prompt, tokens, &[])
+}
+
+fn greedy_with(model: &str, tp_size: usize, prompt: &str, tokens: usize, extra: &[&str]) -> String {
     let n = tp_size.to_string();
     let t = tokens.to_string();
-    let f = tp(&[
+    let mut args = vec![
         "generate",
         "--model",
         model,
@@ -24,8 +28,10 @@ fn greedy(model: &str, tp_size: usize, prompt: &str, tokens: usize) -> String {
         "--max-tokens",
         &t,
         "-q",
-        prompt,
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    args.push(prompt);
+    let f = tp(&args);
     assert_eq!(f.code, Some(0), "tp {tp_size}: {}", f.output);
     f.stdout
 }
@@ -57,16 +63,25 @@ fn greedy_text_is_identical_at_tp_1_to_4() {
     }
 }
 
+/// The continuation docs/models.md gives (llama.cpp's too), with the exact numerics (f32
+/// weights and cache), where it is the model's: " loved" leads " lived" by 0.09 nats. The
+/// quantized kernels' 8-bit activations move these two by about 0.1 nats whichever way their
+/// roundings fall (llama.cpp: 0.04 ahead; f16 against f32 cache: 0.1 apart), so on the
+/// default path only the words before that near tie are pinned.
 #[test]
 fn known_continuation_of_the_smoke_prompt() {
     let Some(model) = common::smollm2() else {
         return;
     };
-    let text = greedy(&model.to_string_lossy(), 1, PROMPTS[0], 8);
+    let model = model.to_string_lossy();
+    let exact = ["--dequantize", "--kv-dtype", "f32"];
+    let text = greedy_with(&model, 1, PROMPTS[0], 8, &exact);
     assert!(
         text.starts_with(" girl named Emma who loved to play"),
         "{text:?}"
     );
+    let text = greedy(&model, 1, PROMPTS[0], 8);
+    assert!(text.starts_with(" girl named Emma who"), "{text:?}");
 }
 
 /// Gemma-3-270M (opt-in): one KV head, so tp 2..4 all replicate it; 5 of every 6 layers

@@ -1,6 +1,7 @@
 //! tp-models: Llama-family models (llama, qwen2) sharded over tensor-parallel ranks: configs,
 //! checkpoint readers that hand each rank only its slice, and the sharded forward pass.
 
+mod attention;
 pub mod checkpoint;
 pub mod config;
 pub mod error;

@@ -2,12 +2,13 @@
 //! vocab-parallel embedding, attention split by heads (GQA-aware, KV cache of local heads),
 //! SwiGLU MLP split by FFN columns, LM head split by vocab rows. Two all-reduces per layer.
 
+use crate::attention::{attend, AttendInput};
 use crate::checkpoint::{Checkpoint, WeightName};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::kv_cache::{BlockTable, KvDtype, KvPool, LayerKv};
+use crate::kv_cache::{BlockTable, KvDtype, KvPool};
 use crate::matrix::{LoadOptions, Matrix, Projection};
-use crate::ops::{axpy, dot, gelu_tanh_mul, rms_norm, rms_norm_in_place, silu_mul, softmax, Rope};
+use crate::ops::{gelu_tanh_mul, rms_norm, rms_norm_in_place, silu_mul, Rope};
 use crate::profile::Profile;
 use crate::shard::{CheckpointPlan, ShardPlan};
 use crate::sync::{sum_partials, SyncMode};
@@ -643,96 +644,6 @@ fn row_parallel(
     sum_partials(sync, out, group, prof)
 }
 
-/// What one attention call reads: `len` new tokens (rows of `qkv`, queries first) over a
-/// layer's cache.
-#[derive(Clone, Copy)]
-struct AttendInput<'a> {
-    /// `[len, qkv_w]`: each token's queries, then its keys and values.
-    qkv: &'a [f32],
-    qkv_w: usize,
-    /// Positions `0..pos0 + len` of this layer's keys and values.
-    kv: LayerKv<'a>,
-    hd: usize,
-    /// The KV head of each local query head.
-    kv_of_q: &'a [usize],
-    /// Position of the first new token.
-    pos0: usize,
-    /// What queries are multiplied by before their dot products.
-    scale: f32,
-    /// A sliding-window layer's window: position `p` sees `p + 1 - window ..= p`.
-    window: Option<usize>,
-}
-
-/// Causal attention of the new tokens over the cache into `ctx` (`[len, q_w]`): token `i`
-/// sees positions `0..=pos0 + i` (the last `window` of them in a sliding-window layer). Each KV head's keys and values are widened to f32 once for
-/// all the query heads and tokens that use it; the arithmetic is then the same, in the same
-/// order, whatever the cache's dtype.
-fn attend(a: AttendInput<'_>, ctx: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if tp_kernels::kernel_path() != "scalar" {
-        // SAFETY: the avx2 and avx512 kernel paths are chosen only on CPUs that have AVX.
-        unsafe { attend_avx(a, ctx) };
-        return;
-    }
-    attend_portable(a, ctx)
-}
-
-/// [`attend_portable`] compiled with 8-wide AVX vectors: the same operations in the same order
-/// (separate multiplies and adds, no FMA), so the same bits; long prompts spend most of their
-/// prefill here (quadratic in the positions).
-///
-/// # Safety
-/// The CPU must have AVX.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx")]
-unsafe fn attend_avx(a: AttendInput<'_>, ctx: &mut [f32]) {
-    attend_portable(a, ctx)
-}
-
-#[inline(always)]
-fn attend_portable(a: AttendInput<'_>, ctx: &mut [f32]) {
-    let AttendInput {
-        qkv,
-        qkv_w,
-        kv,
-        hd,
-        kv_of_q,
-        pos0,
-        scale,
-        window,
-    } = a;
-    let q_w = kv_of_q.len() * hd;
-    let seen_all = pos0 + qkv.len() / qkv_w;
-    let mut scores = Vec::with_capacity(seen_all);
-    let mut keys = vec![0f32; seen_all * hd]; // [seen_all, hd] of one KV head
-    let mut values = vec![0f32; seen_all * hd]; // [seen_all, hd]
-    let kv_heads = kv_of_q.iter().copied().max().map_or(0, |m| m + 1);
-    for kvh in 0..kv_heads {
-        if !kv_of_q.contains(&kvh) {
-            continue;
-        }
-        kv.keys(kvh, &mut keys);
-        kv.values(kvh, &mut values);
-        for (h, _) in kv_of_q.iter().enumerate().filter(|(_, &k)| k == kvh) {
-            for (i, row) in qkv.chunks_exact(qkv_w).enumerate() {
-                let seen = pos0 + i + 1;
-                let first = window.map_or(0, |w| seen.saturating_sub(w));
-                let q = &row[h * hd..(h + 1) * hd]; // [hd]
-                scores.clear();
-                for k in keys[first * hd..seen * hd].chunks_exact(hd) {
-                    scores.push(dot(q, k) * scale);
-                }
-                softmax(&mut scores);
-                let out = &mut ctx[i * q_w + h * hd..i * q_w + (h + 1) * hd]; // [hd]
-                out.fill(0.0);
-                for (&w, v) in scores.iter().zip(values[first * hd..].chunks_exact(hd)) {
-                    axpy(out, w, v);
-                }
-            }
-        }
-    }
-}
-
 fn check_matrix(ckpt: &dyn Checkpoint, name: WeightName, rows: usize, cols: usize) -> Result<()> {
     let m = ckpt.meta(name)?;
     if m.rows != rows || m.cols != cols {
@@ -755,120 +666,4 @@ fn check_vector(ckpt: &dyn Checkpoint, name: WeightName, len: usize) -> Result<(
         });
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The attention of the original contiguous layout: `keys`/`values` `[positions, kv_w]`;
-    /// with a window, position `p` sees `p + 1 - window ..= p`.
-    #[allow(clippy::too_many_arguments)]
-    fn attend_contiguous(
-        qkv: &[f32],
-        qkv_w: usize,
-        keys: &[f32],
-        values: &[f32],
-        kv_w: usize,
-        hd: usize,
-        kv_of_q: &[usize],
-        pos0: usize,
-        window: Option<usize>,
-        ctx: &mut [f32],
-    ) {
-        let scale = 1.0 / (hd as f32).sqrt();
-        let q_w = kv_of_q.len() * hd;
-        for (i, row) in qkv.chunks_exact(qkv_w).enumerate() {
-            let pos = pos0 + i;
-            let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            for (h, &kvh) in kv_of_q.iter().enumerate() {
-                let q = &row[h * hd..(h + 1) * hd];
-                let mut scores: Vec<f32> = (first..=pos)
-                    .map(|p| dot(q, &keys[p * kv_w + kvh * hd..p * kv_w + (kvh + 1) * hd]) * scale)
-                    .collect();
-                softmax(&mut scores);
-                let out = &mut ctx[i * q_w + h * hd..i * q_w + (h + 1) * hd];
-                out.fill(0.0);
-                for (p, &w) in (first..).zip(&scores) {
-                    axpy(
-                        out,
-                        w,
-                        &values[p * kv_w + kvh * hd..p * kv_w + (kvh + 1) * hd],
-                    );
-                }
-            }
-        }
-    }
-
-    /// An f32 cache in blocks with scattered ids gives exactly the bits of the contiguous
-    /// layout, for chunks that start and end anywhere in a block (GQA: 4 query heads over 2
-    /// KV heads), with attention compiled for AVX or not, with and without a sliding window.
-    #[test]
-    fn paged_f32_attention_equals_contiguous_bit_for_bit() {
-        let (hd, kv_of_q) = (8, vec![0usize, 0, 1, 1]);
-        let (q_w, kv_w) = (kv_of_q.len() * hd, 2 * hd);
-        let qkv_w = q_w + 2 * kv_w;
-        let mut pool = KvPool::new(1, 2, hd, KvDtype::F32);
-        let mut table = BlockTable::new(200);
-        // Block ids in a scrambled order (17 is coprime to 40).
-        let mut ids = (0..40u32).map(|i| (i * 17 + 5) % 40);
-        let (mut keys, mut values) = (Vec::new(), Vec::new());
-        let mut seed = 7u64;
-        let mut next = move || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((seed >> 33) as f32 / (1u64 << 31) as f32) * 4.0 - 2.0
-        };
-        let mut pos0 = 0;
-        for len in [1usize, 30, 3, 33, 1, 64] {
-            let qkv: Vec<f32> = (0..len * qkv_w).map(|_| next()).collect(); // [len, qkv_w]
-            let (mut k_new, mut v_new) = (Vec::new(), Vec::new());
-            for row in qkv.chunks_exact(qkv_w) {
-                k_new.extend_from_slice(&row[q_w..q_w + kv_w]);
-                v_new.extend_from_slice(&row[q_w + kv_w..]);
-            }
-            keys.extend_from_slice(&k_new);
-            values.extend_from_slice(&v_new);
-            let take: Vec<u32> = ids.by_ref().take(pool.blocks_needed(&table, len)).collect();
-            pool.grow(&mut table, len, &take).unwrap();
-            pool.append(&table, 0, &k_new, &v_new);
-            let mut got = vec![0f32; len * q_w];
-            // Odd chunks attend through a window of 5 (Gemma's local layers).
-            let window = (len % 2 == 1).then_some(5);
-            let input = AttendInput {
-                qkv: &qkv,
-                qkv_w,
-                kv: pool.layer(&table, 0),
-                hd,
-                kv_of_q: &kv_of_q,
-                pos0,
-                scale: 1.0 / (hd as f32).sqrt(),
-                window,
-            };
-            attend(input, &mut got);
-            // The AVX build (what `attend` runs on this CPU, unless the kernels are forced to
-            // scalar) and the portable one agree bit for bit.
-            let mut portable = vec![0f32; len * q_w];
-            attend_portable(input, &mut portable);
-            let same = got
-                .iter()
-                .zip(&portable)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "AVX and portable attention differ: {len} at {pos0}");
-            let mut want = vec![0f32; len * q_w];
-            attend_contiguous(
-                &qkv, qkv_w, &keys, &values, kv_w, hd, &kv_of_q, pos0, window, &mut want,
-            );
-            let same = got
-                .iter()
-                .zip(&want)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "chunk of {len} at position {pos0}");
-            table.advance(len);
-            pos0 += len;
-        }
-        assert_eq!(table.len(), 132);
-        assert_eq!(table.blocks(), &[5, 22, 39, 16, 33]);
-    }
 }

@@ -1,5 +1,5 @@
-//! Element-wise inference ops on row-major f32 slices: RMSNorm, RoPE (both layouts), SwiGLU and GeGLU
-//! and an in-place softmax. No autograd: these serve the inference forward pass only.
+//! Element-wise inference ops on row-major f32 slices: RMSNorm, RoPE (both layouts), SwiGLU and GeGLU.
+//! (Attention's softmax is in `attention.rs`.) No autograd: these serve the inference forward pass only.
 
 use crate::config::RopeStyle;
 
@@ -41,20 +41,6 @@ pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     for (g, u) in gate.iter_mut().zip(up) {
         *g = *g / (1.0 + (-*g).exp()) * u;
-    }
-}
-
-/// Softmax of `x` in place (max-subtracted, so any finite input is safe).
-pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
-    for v in x.iter_mut() {
-        *v *= inv;
     }
 }
 
@@ -133,33 +119,6 @@ impl RopeAngles {
     }
 }
 
-/// `a · b` with four independent accumulators (lets the compiler vectorize).
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let ca = a.chunks_exact(8);
-    let cb = b.chunks_exact(8);
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for k in 0..8 {
-            acc[k] += x[k] * y[k];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
-}
-
-/// `out += w * v`.
-#[inline]
-pub fn axpy(out: &mut [f32], w: f32, v: &[f32]) {
-    for (o, x) in out.iter_mut().zip(v) {
-        *o += w * x;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,20 +175,5 @@ mod tests {
                 * 2.0;
             assert!((g[0] as f64 - want).abs() < 1e-6, "{x}: {} vs {want}", g[0]);
         }
-    }
-
-    #[test]
-    fn softmax_sums_to_one_with_large_inputs() {
-        let mut x = [1000.0, 1000.0, f32::NEG_INFINITY];
-        softmax(&mut x);
-        assert_eq!(x, [0.5, 0.5, 0.0]);
-    }
-
-    #[test]
-    fn dot_matches_naive_for_odd_lengths() {
-        let a: Vec<f32> = (0..19).map(|i| i as f32 * 0.5).collect();
-        let b: Vec<f32> = (0..19).map(|i| 1.0 - i as f32 * 0.1).collect();
-        let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
-        assert!((dot(&a, &b) - naive).abs() < 1e-4);
     }
 }
