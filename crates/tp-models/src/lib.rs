@@ -5,6 +5,7 @@ mod attention;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+mod exp;
 pub mod fetch;
 pub mod gguf;
 pub mod gguf_header;
