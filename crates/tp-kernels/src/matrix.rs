@@ -164,9 +164,47 @@ pub(crate) trait OutElem: Copy {
     fn put(y: &mut [Self], tile: &TileOut, t: usize);
     /// A finished f64 sum as an output (the sub-block form's `matmul`).
     fn from_f64(v: f64) -> Self;
-    /// Puts token `t`'s results of a group (`y.len() <= 8` rows) from a many-token chunk.
+    /// Puts a many-token chunk's results of a group into `y` (`[tokens, rows]`): token `t0 +
+    /// t` (`t < count`), rows `row0..row0 + valid` (`valid <= 8`) from lane `t` of `out`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/VL and `y` must hold those rows of those tokens.
     #[cfg(target_arch = "x86_64")]
-    fn put_lanes(y: &mut [Self], out: &ChunkOut, t: usize);
+    unsafe fn put_lanes(y: &mut [Self], at: ChunkAt, out: &ChunkOut);
+}
+
+/// Asks for the cache line holding `v` (a hint: it never faults).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn prefetch<T>(v: &T) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    // Newer toolchains treat this intrinsic as safe; older ones may not.
+    #[allow(unused_unsafe)]
+    // SAFETY: a prefetch is only a hint, of a valid reference's address.
+    unsafe {
+        _mm_prefetch::<_MM_HINT_T0>((v as *const T).cast::<i8>())
+    }
+}
+
+/// Where a chunk's results go in a `[tokens, rows]` output.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(crate) struct ChunkAt {
+    pub rows: usize,
+    pub row0: usize,
+    pub valid: usize,
+    pub t0: usize,
+    pub count: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl ChunkAt {
+    /// Index of token `t0 + t`'s first row; panics unless the chunk's last row fits `len`.
+    fn first(&self, t: usize, len: usize) -> usize {
+        let end = (self.t0 + self.count - 1) * self.rows + self.row0 + self.valid;
+        assert!(self.valid <= 8 && self.count >= 1 && end <= len);
+        (self.t0 + t) * self.rows + self.row0
+    }
 }
 
 impl OutElem for f32 {
@@ -180,9 +218,21 @@ impl OutElem for f32 {
         v as f32
     }
     #[cfg(target_arch = "x86_64")]
-    fn put_lanes(y: &mut [f32], out: &ChunkOut, t: usize) {
-        for (o, row) in y.iter_mut().zip(&out.f32s) {
-            *o = row[t];
+    #[target_feature(enable = "avx512f,avx512vl,avx2")]
+    unsafe fn put_lanes(y: &mut [f32], at: ChunkAt, out: &ChunkOut) {
+        use std::arch::x86_64::*;
+        // Lane t of each of the 8 rows: 16 floats apart.
+        let idx = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+        let mask = ((1u16 << at.valid) - 1) as __mmask8;
+        let base = out.f32s.as_ptr().cast::<f32>();
+        for t in 0..at.count {
+            let i = at.first(t, y.len());
+            // SAFETY: the gather reads out.f32s[0..8][t] (t < 16); the masked store writes
+            // `valid` values inside y (checked by `first`).
+            unsafe {
+                let v = _mm256_i32gather_ps::<4>(base.add(t), idx);
+                _mm256_mask_storeu_ps(y.as_mut_ptr().add(i), mask, v);
+            }
         }
     }
 }
@@ -198,9 +248,23 @@ impl OutElem for f64 {
         v
     }
     #[cfg(target_arch = "x86_64")]
-    fn put_lanes(y: &mut [f64], out: &ChunkOut, t: usize) {
-        for (o, row) in y.iter_mut().zip(&out.f64s) {
-            *o += row[t];
+    #[target_feature(enable = "avx512f,avx512vl,avx2")]
+    unsafe fn put_lanes(y: &mut [f64], at: ChunkAt, out: &ChunkOut) {
+        use std::arch::x86_64::*;
+        // Lane t of each of the 8 rows: 16 doubles apart.
+        let idx = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+        let mask = ((1u16 << at.valid) - 1) as __mmask8;
+        let base = out.f64s.as_ptr().cast::<f64>();
+        for t in 0..at.count {
+            let i = at.first(t, y.len());
+            // SAFETY: the gather reads out.f64s[0..8][t] (t < 16); the masked load and store
+            // touch `valid` values inside y (checked by `first`).
+            unsafe {
+                let v = _mm512_i32gather_pd::<8>(idx, base.add(t));
+                let p = y.as_mut_ptr().add(i);
+                let sum = _mm512_add_pd(_mm512_maskz_loadu_pd(mask, p), v);
+                _mm512_mask_storeu_pd(p, mask, sum);
+            }
         }
     }
 }
@@ -605,12 +669,27 @@ impl QuantMatrix {
                         let row0 = g * GROUP_ROWS;
                         let valid = GROUP_ROWS.min(self.rows - row0);
                         for (c, x) in (c0..c1).zip(xt.chunks_exact(per_chunk)) {
-                            // SAFETY: as above; `x` is one chunk's `nb * act_vecs` vectors.
-                            unsafe { A::group_chunk(qtype, u, x, nb, E::WIDE, &mut out) };
                             let t0 = c * LANES;
-                            for t in 0..LANES.min(n - t0) {
-                                let at = (t0 + t) * self.rows + row0;
-                                E::put_lanes(&mut y[at..at + valid], &out, t);
+                            let at = ChunkAt {
+                                rows: self.rows,
+                                row0,
+                                valid,
+                                t0,
+                                count: LANES.min(n - t0),
+                            };
+                            // The chunk's output lines, one per token and strided by a
+                            // whole row of y, are fetched while the kernel runs.
+                            for t in 0..at.count {
+                                let i = (t0 + t) * self.rows + row0;
+                                if let Some(v) = y.get(i) {
+                                    prefetch(v);
+                                }
+                            }
+                            // SAFETY: as above; `x` is one chunk's `nb * act_vecs` vectors;
+                            // `put_lanes` checks that the chunk's rows fit `y`.
+                            unsafe {
+                                A::group_chunk(qtype, u, x, nb, E::WIDE, &mut out);
+                                E::put_lanes(y, at, &out);
                             }
                         }
                     }

@@ -16,6 +16,7 @@
 
 use crate::exp::exp_det;
 use crate::kv_cache::LayerKv;
+use crate::ops::fold16;
 
 /// What one attention call reads: `len` new tokens (rows of `qkv`, queries first) over a
 /// layer's cache.
@@ -259,23 +260,11 @@ fn softmax_portable(s: &mut [f32], lo: usize, hi: usize) {
         *v = e;
         lanes[p % LANES] += e;
     }
-    let sum = fold_lanes(lanes);
+    let sum = fold16(lanes);
     let inv = 1.0 / sum;
     for v in &mut s[lo..hi] {
         *v *= inv;
     }
-}
-
-/// The 16 partial sums folded in halves: lane `i` += lane `i + w` for `w` = 8, 4, 2, 1.
-fn fold_lanes(mut lanes: [f32; LANES]) -> f32 {
-    let mut w = LANES / 2;
-    while w > 0 {
-        for i in 0..w {
-            lanes[i] += lanes[i + w];
-        }
-        w /= 2;
-    }
-    lanes[0]
 }
 
 /// `out = Σ_p w[p] * values[p]` in position order (`values [w.len(), out.len()]`).

@@ -8,8 +8,7 @@ use crate::exp::exp_det;
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
     for (row, o) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let ss: f32 = row.iter().map(|v| v * v).sum();
-        let scale = 1.0 / (ss / d as f32 + eps).sqrt();
+        let scale = 1.0 / (sum_squares(row) / d as f32 + eps).sqrt();
         for ((o, v), w) in o.iter_mut().zip(row).zip(weight) {
             *o = v * scale * w;
         }
@@ -20,12 +19,50 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
     let d = weight.len();
     for row in x.chunks_exact_mut(d) {
-        let ss: f32 = row.iter().map(|v| v * v).sum();
-        let scale = 1.0 / (ss / d as f32 + eps).sqrt();
+        let scale = 1.0 / (sum_squares(row) / d as f32 + eps).sqrt();
         for (v, w) in row.iter_mut().zip(weight) {
             *v = *v * scale * w;
         }
     }
+}
+
+/// `Σ x²` in 16 lanes (element `i` in lane `i mod 16`, in order), folded by
+/// [`fold16`]: an order a vector register follows, so the AVX-512 path gives the same bits.
+pub(crate) fn sum_squares(x: &[f32]) -> f32 {
+    let mut lanes = [0f32; 16];
+    let full = x.len() / 16 * 16;
+    #[cfg(target_arch = "x86_64")]
+    if tp_kernels::kernel_path() == "avx512" {
+        // SAFETY: the avx512 kernel path is chosen only on CPUs with AVX-512F.
+        lanes = unsafe { x86::square_lanes_avx512(&x[..full]) };
+    } else {
+        square_lanes(&x[..full], &mut lanes);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    square_lanes(&x[..full], &mut lanes);
+    square_lanes(&x[full..], &mut lanes);
+    fold16(lanes)
+}
+
+/// `lanes[i mod 16] += x[i]²`, in order.
+fn square_lanes(x: &[f32], lanes: &mut [f32; 16]) {
+    for c in x.chunks(16) {
+        for (l, v) in lanes.iter_mut().zip(c) {
+            *l += v * v;
+        }
+    }
+}
+
+/// Sixteen partial sums folded in halves: lane `i` += lane `i + w` for `w` = 8, 4, 2, 1.
+pub(crate) fn fold16(mut lanes: [f32; 16]) -> f32 {
+    let mut w = 8;
+    while w > 0 {
+        for i in 0..w {
+            lanes[i] += lanes[i + w];
+        }
+        w /= 2;
+    }
+    lanes[0]
 }
 
 /// `gate [n, f]` becomes `gelu_tanh(gate) * up` in place (GeGLU with GELU's tanh
@@ -72,6 +109,24 @@ pub(crate) mod x86 {
 
     use crate::exp::x86::{exp16, exp8};
     use std::arch::x86_64::*;
+
+    /// `lanes[i mod 16] += x[i]²` from zero, 16 at a time (`x.len()` a multiple of 16).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn square_lanes_avx512(x: &[f32]) -> [f32; 16] {
+        let mut acc = _mm512_setzero_ps();
+        for c in x.chunks_exact(16) {
+            // SAFETY: 16 values.
+            let v = unsafe { _mm512_loadu_ps(c.as_ptr()) };
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+        }
+        let mut out = [0f32; 16];
+        // SAFETY: 16 values.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), acc) };
+        out
+    }
 
     /// # Safety
     /// The CPU must have AVX-512F.
@@ -238,6 +293,34 @@ mod tests {
         assert_eq!(a, b);
         scaled.apply(&mut b, 1);
         assert_eq!(a, b, "row 1 is position 0: the identity");
+    }
+
+    /// The sum of squares is the same on the AVX-512 path (lengths around multiples of 16)
+    /// and within f32 rounding of the f64 sum.
+    #[test]
+    fn sum_of_squares_is_the_same_on_every_path() {
+        let x: Vec<f32> = (0..1000)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.137)
+            .collect();
+        for n in [0, 1, 15, 16, 17, 31, 32, 576, 896, 1000] {
+            let mut lanes = [0f32; 16];
+            square_lanes(&x[..n], &mut lanes);
+            let want = fold16(lanes);
+            let exact: f64 = x[..n].iter().map(|&v| v as f64 * v as f64).sum();
+            assert!(
+                (want as f64 - exact).abs() <= 1e-5 * exact,
+                "{n}: {want} vs {exact}"
+            );
+            assert_eq!(sum_squares(&x[..n]).to_bits(), want.to_bits(), "{n}");
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                let full = n / 16 * 16;
+                // SAFETY: AVX-512F detected just now.
+                let mut lanes = unsafe { x86::square_lanes_avx512(&x[..full]) };
+                square_lanes(&x[full..n], &mut lanes);
+                assert_eq!(fold16(lanes).to_bits(), want.to_bits(), "avx512, {n}");
+            }
+        }
     }
 
     /// SiLU within 4 ulp of its f64 value over both signs (and 0 far below, no overflow),
