@@ -192,6 +192,6 @@ impl Worker {
         let local = result?;
         Ok(self
             .model
-            .gather_logits(&local, rows, &self.group, &mut self.profile)?)
+            .gather_logits(local, rows, &self.group, &mut self.profile)?)
     }
 }

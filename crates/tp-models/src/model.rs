@@ -552,28 +552,27 @@ impl ShardedModel {
     /// Every rank's `[rows, vocab_local]` logits -> the full `[rows, vocab]` on every rank.
     pub fn gather_logits(
         &self,
-        local: &[f32],
+        local: Vec<f32>,
         rows: usize,
         group: &Group,
         prof: &mut Profile,
     ) -> Result<Vec<f32>> {
         let sizes = self.plan.vocab.sizes();
         if group.size() == 1 {
-            return Ok(local.to_vec());
+            return Ok(local);
         }
         let counts: Vec<usize> = sizes.iter().map(|s| s * rows).collect();
         let mut blocks = vec![0f32; counts.iter().sum()]; // [rank][rows, vocab_r]
-        prof.time_comm(|| group.all_gather_v(local, &mut blocks, &counts))?;
-        let vocab = self.cfg.vocab;
-        let mut out = vec![0f32; rows * vocab]; // [rows, vocab]
-        let (mut block, mut col) = (0, 0);
-        for &s in &sizes {
-            for r in 0..rows {
-                out[r * vocab + col..r * vocab + col + s]
-                    .copy_from_slice(&blocks[block + r * s..block + (r + 1) * s]);
+        prof.time_comm(|| group.all_gather_v(&local, &mut blocks, &counts))?;
+        // Row by row, each rank's columns in rank order (no zeroed copy first: a batched
+        // decode step gathers [rows, vocab] every step).
+        let mut out = Vec::with_capacity(rows * self.cfg.vocab); // [rows, vocab]
+        for r in 0..rows {
+            let mut block = 0;
+            for &s in &sizes {
+                out.extend_from_slice(&blocks[block + r * s..block + (r + 1) * s]);
+                block += rows * s;
             }
-            block += rows * s;
-            col += s;
         }
         Ok(out)
     }

@@ -46,7 +46,7 @@ fn alone(m: &ShardedModel, g: &tp_comm::Group, tokens: &[u32]) -> Vec<Vec<f32>> 
             &mut prof,
         )
         .unwrap();
-    let all = m.gather_logits(&local, tokens.len(), g, &mut prof).unwrap();
+    let all = m.gather_logits(local, tokens.len(), g, &mut prof).unwrap();
     let vocab = all.len() / tokens.len();
     all.chunks_exact(vocab).map(<[f32]>::to_vec).collect()
 }
@@ -69,7 +69,7 @@ fn step(
         })
         .collect();
     let local = m.forward(&mut chunks, pool, g, &mut prof).unwrap();
-    let all = m.gather_logits(&local, rows, g, &mut prof).unwrap();
+    let all = m.gather_logits(local, rows, g, &mut prof).unwrap();
     let vocab = all.len() / rows;
     let mut rows = all.chunks_exact(vocab).map(<[f32]>::to_vec);
     seqs.iter()

@@ -62,7 +62,7 @@ fn inference_logits(dir: &std::path::Path, tp: usize, tokens: &[u32]) -> Vec<f32
             &g,
             &mut prof,
         )?; // [n, vocab_local]
-        m.gather_logits(&local, tokens.len(), &g, &mut prof) // [n, vocab]
+        m.gather_logits(local, tokens.len(), &g, &mut prof) // [n, vocab]
     })
     .expect("world starts");
     out.into_iter()

@@ -56,7 +56,7 @@ impl<'a> Stepper<'a> {
         let local = self.local(table, tokens, all_logits);
         let rows = if all_logits { tokens.len() } else { 1 };
         self.model
-            .gather_logits(&local, rows, self.g, &mut self.prof)
+            .gather_logits(local, rows, self.g, &mut self.prof)
             .unwrap()
     }
 }
