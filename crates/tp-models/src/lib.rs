@@ -21,6 +21,8 @@ pub mod shard;
 pub mod sync;
 #[cfg(feature = "test-support")]
 pub mod synthetic;
+#[cfg(test)]
+mod testutil;
 
 pub use checkpoint::{Checkpoint, WeightName, WeightSlice};
 pub use config::{Arch, Experts, ModelConfig, RopeStyle};

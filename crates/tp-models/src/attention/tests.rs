@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::kv_cache::{BlockTable, KvDtype, KvPool};
+use crate::testutil::{rng, same_bits};
 
 /// The paths this CPU can run.
 fn paths() -> Vec<Path> {
@@ -18,20 +19,6 @@ fn paths() -> Vec<Path> {
         }
     }
     p
-}
-
-/// Deterministic values in [-2, 2).
-fn rng(mut seed: u64) -> impl FnMut() -> f32 {
-    move || {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((seed >> 33) as f32 / (1u64 << 31) as f32) * 4.0 - 2.0
-    }
-}
-
-fn same_bits(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 #[test]
@@ -83,20 +70,40 @@ struct Case {
     window: Option<usize>,
 }
 
+/// A case's random data: `keys`, `values` (`[positions, kv_w]`) and `qkv` (`[len, qkv_w]`).
+struct Data {
+    kv_w: usize,
+    qkv_w: usize,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    qkv: Vec<f32>,
+}
+
 impl Case {
-    fn run(&self, path: Path, tile_min: usize) -> Vec<f32> {
+    fn data(&self) -> Data {
         let kv_heads = self.kv_of_q.iter().max().unwrap() + 1;
-        let (q_w, kv_w) = (self.kv_of_q.len() * self.hd, kv_heads * self.hd);
-        let qkv_w = q_w + 2 * kv_w;
+        let kv_w = kv_heads * self.hd;
+        let qkv_w = self.kv_of_q.len() * self.hd + 2 * kv_w;
         let n = self.pos0 + self.len;
         let mut next = rng((self.hd * 1000 + n) as u64);
-        let keys: Vec<f32> = (0..n * kv_w).map(|_| next()).collect();
-        let values: Vec<f32> = (0..n * kv_w).map(|_| next()).collect();
-        let qkv: Vec<f32> = (0..self.len * qkv_w).map(|_| next() * 3.0).collect();
-        let (pool, table) = pool_with(kv_heads, self.hd, &keys, &values);
-        let input = AttendInput {
-            qkv: &qkv,
+        let keys = (0..n * kv_w).map(|_| next()).collect();
+        let values = (0..n * kv_w).map(|_| next()).collect();
+        let qkv = (0..self.len * qkv_w).map(|_| next() * 3.0).collect();
+        Data {
+            kv_w,
             qkv_w,
+            keys,
+            values,
+            qkv,
+        }
+    }
+
+    fn run(&self, path: Path, tile_min: usize) -> Vec<f32> {
+        let d = self.data();
+        let (pool, table) = pool_with(d.kv_w / self.hd, self.hd, &d.keys, &d.values);
+        let input = AttendInput {
+            qkv: &d.qkv,
+            qkv_w: d.qkv_w,
             kv: pool.layer(&table, 0),
             hd: self.hd,
             kv_of_q: &self.kv_of_q,
@@ -104,7 +111,7 @@ impl Case {
             scale: 1.0 / (self.hd as f32).sqrt(),
             window: self.window,
         };
-        let mut ctx = vec![0f32; self.len * q_w];
+        let mut ctx = vec![0f32; self.len * self.kv_of_q.len() * self.hd];
         attend_on(path, tile_min, input, &mut ctx);
         ctx
     }
@@ -172,14 +179,14 @@ fn every_path_and_layout_gives_the_same_bits() {
 fn attention_is_within_1e_5_of_f64() {
     for c in cases() {
         let got = c.run(Path::current(), TILE_MIN_QUERIES);
-        let kv_heads = c.kv_of_q.iter().max().unwrap() + 1;
-        let (q_w, kv_w) = (c.kv_of_q.len() * c.hd, kv_heads * c.hd);
-        let qkv_w = q_w + 2 * kv_w;
-        let n = c.pos0 + c.len;
-        let mut next = rng((c.hd * 1000 + n) as u64);
-        let keys: Vec<f32> = (0..n * kv_w).map(|_| next()).collect();
-        let values: Vec<f32> = (0..n * kv_w).map(|_| next()).collect();
-        let qkv: Vec<f32> = (0..c.len * qkv_w).map(|_| next() * 3.0).collect();
+        let Data {
+            kv_w,
+            qkv_w,
+            keys,
+            values,
+            qkv,
+        } = c.data();
+        let q_w = c.kv_of_q.len() * c.hd;
         let scale = 1.0 / (c.hd as f64).sqrt();
         for i in 0..c.len {
             let seen = c.pos0 + i + 1;

@@ -1,20 +1,7 @@
 //! [`exp_det`] against f64 and its vector forms against it, bit for bit.
 
 use super::*;
-
-fn same_bits(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
-}
-
-/// Deterministic values in [-2, 2).
-fn rng(mut seed: u64) -> impl FnMut() -> f32 {
-    move || {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((seed >> 33) as f32 / (1u64 << 31) as f32) * 4.0 - 2.0
-    }
-}
+use crate::testutil::{rng, same_bits};
 
 /// Units in the last place between `got` and the exact `want`.
 fn ulps(got: f32, want: f64) -> f64 {
