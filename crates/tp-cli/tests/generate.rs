@@ -94,11 +94,19 @@ fn gemma3_greedy_text_is_identical_at_tp_1_to_4_and_matches_the_reference() {
         return;
     };
     let model = model.to_string_lossy().to_string();
-    let text = greedy(&model, 1, "Once upon a time there was a little", 12);
-    assert!(
-        text.starts_with(" girl named Mary. She was a very pretty girl, and"),
-        "{text:?}"
-    );
+    // The reference's continuation with exact numerics (f32 weights), at tp 1 and 4; on the
+    // default path " named" and " who" are 0.1 nats apart after " girl", so only " girl" is
+    // pinned there (see the SmolLM2 smoke test).
+    let story = "Once upon a time there was a little";
+    for tp_size in [1, 4] {
+        let text = greedy_with(&model, tp_size, story, 12, &["--dequantize"]);
+        assert!(
+            text.starts_with(" girl named Mary. She was a very pretty girl, and"),
+            "tp {tp_size}: {text:?}"
+        );
+    }
+    let text = greedy(&model, 1, story, 12);
+    assert!(text.starts_with(" girl"), "{text:?}");
     let long = PROMPTS[1].repeat(40); // ~1000 tokens: past the window of 512
     for prompt in [PROMPTS[2], long.as_str()] {
         let want = greedy(&model, 1, prompt, 24);
