@@ -24,7 +24,10 @@ fn chat_answers_two_turns_and_exits_on_eof() {
         ])
         // SmolLM2's built-in default system prompt makes the Q4_1 model answer oddly (candle's
         // quantized llama gives the same odd answer); a plain one keeps the test about us.
-        .args(["--system", "You are a helpful assistant."])
+        // Even so the first word is a near tie ("The" 0.09 nats ahead of "La" with exact
+        // numerics; the default path's 8-bit activations move them by ~0.3 and pick either),
+        // so the test runs with exact numerics: it is about the chat, not the rounding.
+        .args(["--system", "You are a helpful assistant.", "--dequantize"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
