@@ -190,9 +190,12 @@ fn prefetch<T>(v: &T) {
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 pub(crate) struct ChunkAt {
+    /// The output's rows per token (the matrix's rows).
     pub rows: usize,
+    /// The group's first row, and how many of its 8 rows exist.
     pub row0: usize,
     pub valid: usize,
+    /// The chunk's first token, and its tokens (at most 16).
     pub t0: usize,
     pub count: usize,
 }
