@@ -268,7 +268,10 @@ impl DenseMatrix {
     }
 }
 
-/// Portable `y = x · Wᵀ`: one f32 dot product per output, 8 partial sums each.
+/// Portable `y = x · Wᵀ`: one f32 dot product per output, the AVX2 kernel's arithmetic
+/// (`dense_avx2::tile`): 8 lanes of fused multiply-adds in column order, the lanes summed in
+/// halves (4, 2, 1), then the columns past a multiple of 8 one by one; so both give the
+/// same bits.
 fn scalar_matmul<T: Copy>(
     w: &[T],
     to_f32: impl Fn(T) -> f32,
@@ -288,10 +291,11 @@ fn scalar_matmul<T: Copy>(
             let (xtail, wtail) = (xc.remainder(), wc.remainder());
             for (xs, ws) in xc.zip(wc) {
                 for i in 0..8 {
-                    part[i] += xs[i] * to_f32(ws[i]);
+                    part[i] = xs[i].mul_add(to_f32(ws[i]), part[i]);
                 }
             }
-            let mut sum = part.iter().sum::<f32>();
+            let half: [f32; 4] = std::array::from_fn(|i| part[i] + part[i + 4]);
+            let mut sum = (half[0] + half[2]) + (half[1] + half[3]);
             for (&a, &b) in xtail.iter().zip(wtail) {
                 sum += a * to_f32(b);
             }
@@ -359,7 +363,7 @@ mod tests {
                     m.matmul_with(Simd::Avx2, &x, n, &mut ya).unwrap();
                     m.matmul_with(Simd::Scalar, &x, n, &mut ys).unwrap();
                     for (a, s) in ya.iter().zip(&ys) {
-                        assert!((a - s).abs() <= 1e-5 * cols as f32, "{a} vs {s}");
+                        assert_eq!(a.to_bits(), s.to_bits(), "{a} vs {s}");
                     }
                 }
             }

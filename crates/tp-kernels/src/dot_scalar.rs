@@ -85,7 +85,9 @@ fn block_isum(qtype: QuantType, blk: &[u8], a: &ActBlock, lane: usize) -> i32 {
 }
 
 /// The 8 outputs (one per row of the group) for one token. `group` holds the group's
-/// `acts.len()` group blocks; a shorter `group` just contributes fewer blocks.
+/// `acts.len()` group blocks; a shorter `group` just contributes fewer blocks. The f32 tail
+/// is the AVX2 kernels' (`dot_avx2::q4_block_tail`, `plain_block_tail`) operation for
+/// operation, fused multiply-adds included (`mul_add`), so every path gives these bits.
 pub(crate) fn group_dot(qtype: QuantType, group: &[u8], acts: &[ActBlock]) -> [f32; GROUP_ROWS] {
     let gb = group_block_bytes(qtype);
     let mut acc = [0.0f32; GROUP_ROWS];
@@ -93,9 +95,11 @@ pub(crate) fn group_dot(qtype: QuantType, group: &[u8], acts: &[ActBlock]) -> [f
     for (blk, a) in group.chunks_exact(gb).zip(acts) {
         for lane in 0..GROUP_ROWS {
             let isum = block_isum(qtype, blk, a, lane);
-            acc[lane] += isum as f32 * (f16_at(blk, 2 * lane) * a.d);
+            let scale = f16_at(blk, 2 * lane) * a.d;
+            acc[lane] = (isum as f32).mul_add(scale, acc[lane]);
             if qtype.has_min() {
-                acc_min[lane] += f16_at(blk, 2 * (GROUP_ROWS + lane)) * a.s;
+                let m_w = f16_at(blk, 2 * (GROUP_ROWS + lane));
+                acc_min[lane] = m_w.mul_add(a.s, acc_min[lane]);
             }
         }
     }

@@ -183,15 +183,19 @@ fn each_block(
     }
 }
 
-/// The 8 outputs (one per row of the group) for one token.
+/// The 8 outputs (one per row of the group) for one token. The f32 tail is the AVX2
+/// kernels' (`dot_avx2_k::min_tail`, `offset_tail`, `plain_block_tail`) operation for
+/// operation, fused multiply-adds included (`mul_add`), so every path gives these bits.
 pub(crate) fn group_dot(qtype: QuantType, group: &[u8], acts: &[ActBlockK]) -> [f32; GROUP_ROWS] {
     let mut acc = [0.0f32; GROUP_ROWS];
     each_block(qtype, group, acts, |lane, a, (is, ms), d, dmin| {
         let (isum, msum) = (is.iter().sum::<i32>(), ms.iter().sum::<i32>());
-        acc[lane] += if has_min(qtype) {
-            a.d * (d * isum as f32 - dmin * msum as f32)
+        acc[lane] = if has_min(qtype) {
+            // fma(d_w, isum, -(dmin_w * msum)), then fma(d_x, that, acc).
+            let v = d.mul_add(isum as f32, -(dmin * msum as f32));
+            a.d.mul_add(v, acc[lane])
         } else {
-            a.d * d * isum as f32
+            (isum as f32).mul_add(d * a.d, acc[lane])
         };
     });
     acc

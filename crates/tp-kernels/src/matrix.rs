@@ -1182,10 +1182,10 @@ pub(crate) mod tests {
                         m.matmul_with(simd, &x, n, &mut ya).unwrap();
                         m.matmul_with(Simd::Scalar, &x, n, &mut ys).unwrap();
                         for (i, (a, s)) in ya.iter().zip(&ys).enumerate() {
-                            // Same integer sums; only the f32 accumulation and FMA differ.
-                            let tol = 1e-5 * (1.0 + s.abs()) * (cols / 32) as f32;
-                            assert!(
-                                (a - s).abs() <= tol,
+                            // Same integer sums and the same f32 tail, FMAs included.
+                            assert_eq!(
+                                a.to_bits(),
+                                s.to_bits(),
                                 "{simd:?} {qtype} [{rows},{cols}] n={n} out {i}: {a} vs scalar {s}"
                             );
                         }
