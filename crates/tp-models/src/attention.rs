@@ -3,12 +3,14 @@
 //! with the same bits on every path, at every batch size and at every tp.
 //!
 //! The arithmetic, per query head `q` and position range `first..seen`:
-//! - score `s_p = dot(q, k_p) * scale`, where [`dot`] sums in 8 lanes (`d mod 8`), then the
-//!   lanes in order;
+//! - score `s_p = dot(q, k_p) * scale`, where [`dot`] sums in 8 lanes (`d mod 8`, fused
+//!   multiply-adds), then the lanes in order;
 //! - `m = max s_p`, `e_p = exp_det(s_p - m)` ([`exp_det`]: only multiplies, adds and bit
 //!   operations, so a vector lane computes what the scalar does), summed in 16 lanes by
 //!   absolute position (`p mod 16`) and the lanes folded in halves (8, 4, 2, 1);
-//! - weights `w_p = e_p * (1 / sum)`, output `o = Σ_p w_p v_p` in position order.
+//! - weights `w_p = e_p * (1 / sum)`, output `o = Σ_p w_p v_p` as two fused multiply-add
+//!   chains, the even and the odd positions of the range in order, added at the end (two
+//!   chains keep a vector unit busy while each waits on its last add).
 //!
 //! Scores are computed key by key from `[positions, head_dim]` keys, or, when many queries
 //! share a KV head (prefill), sixteen keys at a time from keys transposed to tiles of
@@ -56,6 +58,15 @@ pub(crate) enum Path {
 }
 
 impl Path {
+    /// Whether this path has kernels for [`GROUP`] queries at once.
+    fn groups(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self == Path::Avx512 {
+            return true;
+        }
+        false
+    }
+
     /// The path of the kernels in use (`tp_kernels::kernel_path`).
     pub fn current() -> Path {
         match tp_kernels::kernel_path() {
@@ -95,7 +106,8 @@ pub(crate) fn attend_on(path: Path, tile_min: usize, a: AttendInput<'_>, ctx: &m
     let mut keys = vec![0f32; seen_all * hd]; // [seen_all, hd] of one KV head
     let mut values = vec![0f32; seen_all * hd]; // [seen_all, hd]
     let mut tiles = Vec::new(); // [padded / LANES, hd, LANES] when tiled
-    let mut scores = vec![0f32; padded]; // by absolute position
+    let mut scores = vec![0f32; GROUP * padded]; // [GROUP, padded], by absolute position
+    let mut outs = vec![0f32; GROUP * hd]; // [GROUP, hd]
     let kv_heads = kv_of_q.iter().copied().max().map_or(0, |m| m + 1);
     for kvh in 0..kv_heads {
         let heads: Vec<usize> = (0..kv_of_q.len()).filter(|&h| kv_of_q[h] == kvh).collect();
@@ -109,26 +121,56 @@ pub(crate) fn attend_on(path: Path, tile_min: usize, a: AttendInput<'_>, ctx: &m
             tiles.resize(padded * hd, 0.0);
             transpose_to_tiles(&keys, hd, &mut tiles);
         }
-        for &h in &heads {
-            for (i, row) in qkv.chunks_exact(qkv_w).enumerate() {
-                let seen = pos0 + i + 1;
-                let first = window.map_or(0, |w| seen.saturating_sub(w));
-                let q = &row[h * hd..(h + 1) * hd]; // [hd]
-                let (base, end) = (first / LANES * LANES, seen.div_ceil(LANES) * LANES);
-                let s = &mut scores[base..end];
-                let (lo, hi) = (first - base, seen - base);
-                if tiled {
-                    scores_tiled(path, q, &tiles[base * hd..end * hd], scale, s);
+        for (i, row) in qkv.chunks_exact(qkv_w).enumerate() {
+            let seen = pos0 + i + 1;
+            let first = window.map_or(0, |w| seen.saturating_sub(w));
+            let (base, end) = (first / LANES * LANES, seen.div_ceil(LANES) * LANES);
+            let (lo, hi) = (first - base, seen - base);
+            let (keys, values) = (&keys[first * hd..seen * hd], &values[first * hd..seen * hd]);
+            // Heads sharing this KV head see the same positions: up to GROUP at a time, so
+            // a vector path loads each key tile and value row once for all of them.
+            for group in heads.chunks(GROUP) {
+                let q = |g: usize| &row[group[g] * hd..(group[g] + 1) * hd]; // [hd]
+                let mut s: Vec<&mut [f32]> = scores
+                    .chunks_exact_mut(padded)
+                    .take(group.len())
+                    .map(|s| &mut s[base..end])
+                    .collect();
+                if tiled && group.len() == GROUP && path.groups() {
+                    let tiles = &tiles[base * hd..end * hd];
+                    scores_tiled_group(path, [q(0), q(1), q(2)], tiles, scale, &mut s);
                 } else {
-                    scores_by_key(path, q, &keys[first * hd..seen * hd], scale, &mut s[lo..hi]);
+                    for (g, s) in s.iter_mut().enumerate() {
+                        if tiled {
+                            scores_tiled(path, q(g), &tiles[base * hd..end * hd], scale, s);
+                        } else {
+                            scores_by_key(path, q(g), keys, scale, &mut s[lo..hi]);
+                        }
+                    }
                 }
-                softmax(path, s, lo, hi);
-                let out = &mut ctx[i * q_w + h * hd..i * q_w + (h + 1) * hd]; // [hd]
-                weighted_sum(path, &s[lo..hi], &values[first * hd..seen * hd], out);
+                for s in s.iter_mut() {
+                    softmax(path, s, lo, hi);
+                }
+                let w: Vec<&[f32]> = s.iter().map(|s| &s[lo..hi]).collect();
+                let outs = &mut outs[..group.len() * hd]; // [group, hd]
+                if group.len() == GROUP && hd.is_multiple_of(64) && path.groups() {
+                    weighted_sum_group(path, [w[0], w[1], w[2]], values, outs);
+                } else {
+                    for (w, out) in w.iter().zip(outs.chunks_exact_mut(hd)) {
+                        weighted_sum(path, w, values, out);
+                    }
+                }
+                for (&h, out) in group.iter().zip(outs.chunks_exact(hd)) {
+                    ctx[i * q_w + h * hd..i * q_w + (h + 1) * hd].copy_from_slice(out);
+                }
             }
         }
     }
 }
+
+/// Query heads handled at once by the grouped kernels (3: their accumulators fill the 32
+/// AVX-512 registers).
+const GROUP: usize = 3;
 
 /// `keys [positions, hd]` -> `tiles [positions / 16, hd, 16]` (the last tile padded with
 /// zeros): key `j` of a tile is lane `j` of each of its `hd` rows.
@@ -148,8 +190,8 @@ fn transpose_to_tiles(keys: &[f32], hd: usize, tiles: &mut [f32]) {
     }
 }
 
-/// `a · b`: eight lanes (`d mod 8`) summed in order of `d`, then the lanes in order, then
-/// what is left past a multiple of 8. Multiplies and adds are separate (no FMA).
+/// `a · b`: eight lanes (`d mod 8`) of fused multiply-adds in order of `d`, then the lanes
+/// added in order, then what is left past a multiple of 8, fused one by one.
 #[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
@@ -158,7 +200,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for k in 0..8 {
-            acc[k] += x[k] * y[k];
+            acc[k] = x[k].mul_add(y[k], acc[k]);
         }
     }
     let mut s = acc[0];
@@ -166,7 +208,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
         s += v;
     }
     for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
+        s = x.mul_add(*y, s);
     }
     s
 }
@@ -175,8 +217,8 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 fn scores_by_key(path: Path, q: &[f32], keys: &[f32], scale: f32, s: &mut [f32]) {
     match path {
         Path::Portable => scores_by_key_portable(q, keys, scale, s),
-        // SAFETY: the avx2 and avx512 kernel paths are chosen only on CPUs with AVX2 and
-        // AVX-512F (`tp_kernels`' detection).
+        // SAFETY: the avx2 and avx512 kernel paths are chosen only on CPUs with AVX2 and FMA,
+        // and AVX-512F (`tp_kernels`' detection).
         #[cfg(target_arch = "x86_64")]
         Path::Avx2 => unsafe { scores_by_key_avx2(q, keys, scale, s) },
         #[cfg(target_arch = "x86_64")]
@@ -192,17 +234,17 @@ fn scores_by_key_portable(q: &[f32], keys: &[f32], scale: f32, s: &mut [f32]) {
 }
 
 /// # Safety
-/// The CPU must have AVX2.
+/// The CPU must have AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 unsafe fn scores_by_key_avx2(q: &[f32], keys: &[f32], scale: f32, s: &mut [f32]) {
     scores_by_key_portable(q, keys, scale, s)
 }
 
 /// # Safety
-/// The CPU must have AVX-512F.
+/// The CPU must have AVX-512F and FMA.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,fma")]
 unsafe fn scores_by_key_avx512(q: &[f32], keys: &[f32], scale: f32, s: &mut [f32]) {
     scores_by_key_portable(q, keys, scale, s)
 }
@@ -231,6 +273,33 @@ fn scores_tiled(path: Path, q: &[f32], tiles: &[f32], scale: f32, s: &mut [f32])
         Path::Avx2 => unsafe { x86::scores_tiled_avx2(q, tiles, scale, s) },
         #[cfg(target_arch = "x86_64")]
         Path::Avx512 => unsafe { x86::scores_tiled_avx512(q, tiles, scale, s) },
+    }
+}
+
+/// [`scores_tiled`] for [`GROUP`] queries over the same tiles (a path that [`Path::groups`]).
+fn scores_tiled_group(
+    path: Path,
+    q: [&[f32]; GROUP],
+    tiles: &[f32],
+    scale: f32,
+    s: &mut [&mut [f32]],
+) {
+    match path {
+        // SAFETY: as in `scores_by_key`.
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx512 => unsafe { x86::scores_tiled_group_avx512(q, tiles, scale, s) },
+        _ => unreachable!("no grouped kernels on {path:?}"),
+    }
+}
+
+/// [`weighted_sum`] for [`GROUP`] queries over the same values into `outs [GROUP, hd]` (a
+/// path that [`Path::groups`], `hd` a multiple of 64).
+fn weighted_sum_group(path: Path, w: [&[f32]; GROUP], values: &[f32], outs: &mut [f32]) {
+    match path {
+        // SAFETY: as in `scores_by_key`.
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx512 => unsafe { x86::weighted_sum_group_avx512(w, values, outs) },
+        _ => unreachable!("no grouped kernels on {path:?}"),
     }
 }
 
@@ -280,11 +349,17 @@ fn weighted_sum(path: Path, w: &[f32], values: &[f32], out: &mut [f32]) {
 }
 
 fn weighted_sum_portable(w: &[f32], values: &[f32], out: &mut [f32]) {
+    let hd = out.len();
+    let mut odd = vec![0f32; hd];
     out.fill(0.0);
-    for (&w, v) in w.iter().zip(values.chunks_exact(out.len().max(1))) {
-        for (o, &x) in out.iter_mut().zip(v) {
-            *o += w * x;
+    for (i, (&w, v)) in w.iter().zip(values.chunks_exact(hd.max(1))).enumerate() {
+        let acc = if i % 2 == 0 { &mut *out } else { &mut odd[..] };
+        for (o, &x) in acc.iter_mut().zip(v) {
+            *o = w.mul_add(x, *o);
         }
+    }
+    for (o, x) in out.iter_mut().zip(odd) {
+        *o += x;
     }
 }
 
@@ -313,7 +388,7 @@ mod x86 {
                 for (l, a) in acc.iter_mut().enumerate() {
                     // SAFETY: d + l < hd, so the row is inside the tile.
                     let k = unsafe { _mm512_loadu_ps(tp.add((d + l) * LANES)) };
-                    *a = _mm512_add_ps(*a, _mm512_mul_ps(_mm512_set1_ps(q[d + l]), k));
+                    *a = _mm512_fmadd_ps(_mm512_set1_ps(q[d + l]), k, *a);
                 }
                 d += 8;
             }
@@ -324,7 +399,7 @@ mod x86 {
             for (d, &qd) in q.iter().enumerate().skip(full) {
                 // SAFETY: d < hd.
                 let k = unsafe { _mm512_loadu_ps(tp.add(d * LANES)) };
-                sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_set1_ps(qd), k));
+                sum = _mm512_fmadd_ps(_mm512_set1_ps(qd), k, sum);
             }
             sum = _mm512_mul_ps(sum, _mm512_set1_ps(scale));
             // SAFETY: s holds 16 values.
@@ -332,9 +407,108 @@ mod x86 {
         }
     }
 
+    /// [`scores_tiled_avx512`] for [`GROUP`](super::GROUP) queries: each key row is loaded
+    /// once for all of them (the per-query additions are the same, in the same order).
+    ///
     /// # Safety
-    /// The CPU must have AVX2.
-    #[target_feature(enable = "avx2")]
+    /// The CPU must have AVX-512F; every query has the same length, `s` holds GROUP slices.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scores_tiled_group_avx512(
+        q: [&[f32]; super::GROUP],
+        tiles: &[f32],
+        scale: f32,
+        s: &mut [&mut [f32]],
+    ) {
+        const G: usize = super::GROUP;
+        let hd = q[0].len();
+        assert!(q.iter().all(|q| q.len() == hd) && s.len() == G);
+        let full = hd / 8 * 8;
+        for (t, tile) in tiles.chunks_exact(hd * LANES).enumerate() {
+            let tp = tile.as_ptr();
+            let mut acc = [[_mm512_setzero_ps(); 8]; G];
+            let mut d = 0;
+            while d < full {
+                for l in 0..8 {
+                    // SAFETY: d + l < hd, so the row is inside the tile.
+                    let k = unsafe { _mm512_loadu_ps(tp.add((d + l) * LANES)) };
+                    for g in 0..G {
+                        acc[g][l] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][d + l]), k, acc[g][l]);
+                    }
+                }
+                d += 8;
+            }
+            for g in 0..G {
+                let mut sum = acc[g][0];
+                for &a in &acc[g][1..] {
+                    sum = _mm512_add_ps(sum, a);
+                }
+                for (d, &qd) in q[g].iter().enumerate().skip(full) {
+                    // SAFETY: d < hd.
+                    let k = unsafe { _mm512_loadu_ps(tp.add(d * LANES)) };
+                    sum = _mm512_fmadd_ps(_mm512_set1_ps(qd), k, sum);
+                }
+                sum = _mm512_mul_ps(sum, _mm512_set1_ps(scale));
+                let out = &mut s[g][t * LANES..(t + 1) * LANES];
+                // SAFETY: 16 values.
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr(), sum) };
+            }
+        }
+    }
+
+    /// [`weighted_sum_avx512`] for [`GROUP`](super::GROUP) queries into `outs [GROUP, hd]`:
+    /// each value row is loaded once for all of them (per query the same two chains).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F; `hd = outs.len() / GROUP` is a multiple of 64, every `w`
+    /// has the same length and `values` holds that many rows of `hd`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn weighted_sum_group_avx512(
+        w: [&[f32]; super::GROUP],
+        values: &[f32],
+        outs: &mut [f32],
+    ) {
+        const G: usize = super::GROUP;
+        let hd = outs.len() / G;
+        let n = w[0].len();
+        assert!(hd.is_multiple_of(64) && w.iter().all(|w| w.len() == n) && values.len() >= n * hd);
+        for d0 in (0..hd).step_by(64) {
+            let (mut even, mut odd) =
+                ([[_mm512_setzero_ps(); 4]; G], [[_mm512_setzero_ps(); 4]; G]);
+            // Position p into one chain of every query. SAFETY (callers): p < n.
+            let step = |acc: &mut [[__m512; 4]; G], p: usize| {
+                // SAFETY: row p has hd values and d0 + 64 <= hd.
+                let row = unsafe { values.as_ptr().add(p * hd + d0) };
+                let v: [__m512; 4] =
+                    std::array::from_fn(|r| unsafe { _mm512_loadu_ps(row.add(16 * r)) });
+                for g in 0..G {
+                    let wv = _mm512_set1_ps(w[g][p]);
+                    for r in 0..4 {
+                        acc[g][r] = _mm512_fmadd_ps(wv, v[r], acc[g][r]);
+                    }
+                }
+            };
+            let mut p = 0;
+            while p + 2 <= n {
+                step(&mut even, p);
+                step(&mut odd, p + 1);
+                p += 2;
+            }
+            if p < n {
+                step(&mut even, p);
+            }
+            for g in 0..G {
+                for r in 0..4 {
+                    let sum = _mm512_add_ps(even[g][r], odd[g][r]);
+                    // SAFETY: g * hd + d0 + 16 r + 16 <= G * hd.
+                    unsafe { _mm512_storeu_ps(outs.as_mut_ptr().add(g * hd + d0 + 16 * r), sum) };
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn scores_tiled_avx2(q: &[f32], tiles: &[f32], scale: f32, s: &mut [f32]) {
         let hd = q.len();
         let full = hd / 8 * 8;
@@ -351,7 +525,7 @@ mod x86 {
                     for (l, a) in acc.iter_mut().enumerate() {
                         // SAFETY: d + l < hd, so the row is inside the tile.
                         let k = unsafe { _mm256_loadu_ps(tp.add((d + l) * LANES)) };
-                        *a = _mm256_add_ps(*a, _mm256_mul_ps(_mm256_set1_ps(q[d + l]), k));
+                        *a = _mm256_fmadd_ps(_mm256_set1_ps(q[d + l]), k, *a);
                     }
                     d += 8;
                 }
@@ -362,7 +536,7 @@ mod x86 {
                 for (d, &qd) in q.iter().enumerate().skip(full) {
                     // SAFETY: d < hd.
                     let k = unsafe { _mm256_loadu_ps(tp.add(d * LANES)) };
-                    sum = _mm256_add_ps(sum, _mm256_mul_ps(_mm256_set1_ps(qd), k));
+                    sum = _mm256_fmadd_ps(_mm256_set1_ps(qd), k, sum);
                 }
                 sum = _mm256_mul_ps(sum, _mm256_set1_ps(scale));
                 // SAFETY: s holds 16 values.
@@ -484,7 +658,8 @@ mod x86 {
         }
     }
 
-    /// `out[d0..d0 + 16 R] = Σ_p w[p] values[p][d0..]`, R vectors held in registers.
+    /// `out[d0..d0 + 16 R] = Σ_p w[p] values[p][d0..]`: the even and the odd positions'
+    /// chains, R vectors each, held in registers.
     ///
     /// # Safety
     /// The CPU must have AVX-512F; `d0 + 16 R <= out.len()`.
@@ -492,19 +667,29 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     unsafe fn wsum512<const R: usize>(w: &[f32], values: &[f32], d0: usize, out: &mut [f32]) {
         let hd = out.len();
-        let mut acc = [_mm512_setzero_ps(); R];
-        for (p, &wp) in w.iter().enumerate() {
-            let wv = _mm512_set1_ps(wp);
-            // SAFETY: row p has hd values and d0 + 16 R <= hd.
+        let (mut even, mut odd) = ([_mm512_setzero_ps(); R], [_mm512_setzero_ps(); R]);
+        // One position into one chain. SAFETY (callers): row p has hd values, d0 + 16 R <= hd.
+        let step = |acc: &mut [__m512; R], p: usize| {
+            let wv = _mm512_set1_ps(w[p]);
             let row = unsafe { values.as_ptr().add(p * hd + d0) };
             for (r, a) in acc.iter_mut().enumerate() {
                 let v = unsafe { _mm512_loadu_ps(row.add(16 * r)) };
-                *a = _mm512_add_ps(*a, _mm512_mul_ps(wv, v));
+                *a = _mm512_fmadd_ps(wv, v, *a);
             }
+        };
+        let mut p = 0;
+        while p + 2 <= w.len() {
+            step(&mut even, p);
+            step(&mut odd, p + 1);
+            p += 2;
         }
-        for (r, a) in acc.iter().enumerate() {
+        if p < w.len() {
+            step(&mut even, p);
+        }
+        for r in 0..R {
+            let sum = _mm512_add_ps(even[r], odd[r]);
             // SAFETY: d0 + 16 R <= hd.
-            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(d0 + 16 * r), *a) };
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(d0 + 16 * r), sum) };
         }
     }
 
@@ -516,11 +701,7 @@ mod x86 {
         assert!(values.len() >= w.len() * hd);
         let mut d0 = 0;
         // SAFETY (all calls): each stays inside `d0 + 16 R <= hd`.
-        while d0 + 128 <= hd {
-            unsafe { wsum512::<8>(w, values, d0, out) };
-            d0 += 128;
-        }
-        if d0 + 64 <= hd {
+        while d0 + 64 <= hd {
             unsafe { wsum512::<4>(w, values, d0, out) };
             d0 += 64;
         }
@@ -530,66 +711,74 @@ mod x86 {
         }
         if d0 < hd {
             let mask: u16 = (1u16 << (hd - d0)) - 1;
-            let mut acc = _mm512_setzero_ps();
+            let (mut even, mut odd) = (_mm512_setzero_ps(), _mm512_setzero_ps());
             for (p, &wp) in w.iter().enumerate() {
                 // SAFETY: the masked lanes are inside row p.
                 let v = unsafe { _mm512_maskz_loadu_ps(mask, values.as_ptr().add(p * hd + d0)) };
-                acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(wp), v));
+                let acc = if p % 2 == 0 { &mut even } else { &mut odd };
+                *acc = _mm512_fmadd_ps(_mm512_set1_ps(wp), v, *acc);
             }
+            let sum = _mm512_add_ps(even, odd);
             // SAFETY: the masked lanes are inside out.
-            unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(d0), mask, acc) };
+            unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(d0), mask, sum) };
         }
     }
 
-    /// `out[d0..d0 + 8 R] = Σ_p w[p] values[p][d0..]`, R vectors held in registers.
+    /// `out[d0..d0 + 8 R] = Σ_p w[p] values[p][d0..]`: the even and the odd positions'
+    /// chains, R vectors each, held in registers.
     ///
     /// # Safety
-    /// The CPU must have AVX; `d0 + 8 R <= out.len()`.
+    /// The CPU must have AVX and FMA; `d0 + 8 R <= out.len()`.
     #[inline]
-    #[target_feature(enable = "avx")]
+    #[target_feature(enable = "avx,fma")]
     unsafe fn wsum256<const R: usize>(w: &[f32], values: &[f32], d0: usize, out: &mut [f32]) {
         let hd = out.len();
-        let mut acc = [_mm256_setzero_ps(); R];
-        for (p, &wp) in w.iter().enumerate() {
-            let wv = _mm256_set1_ps(wp);
-            // SAFETY: row p has hd values and d0 + 8 R <= hd.
+        let (mut even, mut odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+        // One position into one chain. SAFETY (callers): row p has hd values, d0 + 8 R <= hd.
+        let step = |acc: &mut [__m256; R], p: usize| {
+            let wv = _mm256_set1_ps(w[p]);
             let row = unsafe { values.as_ptr().add(p * hd + d0) };
             for (r, a) in acc.iter_mut().enumerate() {
                 let v = unsafe { _mm256_loadu_ps(row.add(8 * r)) };
-                *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, v));
+                *a = _mm256_fmadd_ps(wv, v, *a);
             }
+        };
+        let mut p = 0;
+        while p + 2 <= w.len() {
+            step(&mut even, p);
+            step(&mut odd, p + 1);
+            p += 2;
         }
-        for (r, a) in acc.iter().enumerate() {
+        if p < w.len() {
+            step(&mut even, p);
+        }
+        for r in 0..R {
+            let sum = _mm256_add_ps(even[r], odd[r]);
             // SAFETY: d0 + 8 R <= hd.
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(d0 + 8 * r), *a) };
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(d0 + 8 * r), sum) };
         }
     }
 
     /// # Safety
-    /// The CPU must have AVX2; `values` holds `w.len()` rows of `out.len()`.
-    #[target_feature(enable = "avx2")]
+    /// The CPU must have AVX2 and FMA; `values` holds `w.len()` rows of `out.len()`.
+    #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn weighted_sum_avx2(w: &[f32], values: &[f32], out: &mut [f32]) {
         let hd = out.len();
         assert!(values.len() >= w.len() * hd);
         let mut d0 = 0;
         // SAFETY (all calls): each stays inside `d0 + 8 R <= hd`.
-        while d0 + 64 <= hd {
-            unsafe { wsum256::<8>(w, values, d0, out) };
-            d0 += 64;
+        while d0 + 32 <= hd {
+            unsafe { wsum256::<4>(w, values, d0, out) };
+            d0 += 32;
         }
         while d0 + 8 <= hd {
             unsafe { wsum256::<1>(w, values, d0, out) };
             d0 += 8;
         }
         if d0 < hd {
-            let rest = &mut out[d0..];
-            rest.fill(0.0);
-            for (p, &wp) in w.iter().enumerate() {
-                let v = &values[p * hd + d0..(p + 1) * hd];
-                for (o, &x) in rest.iter_mut().zip(v) {
-                    *o += wp * x;
-                }
-            }
+            let rows = values.chunks_exact(hd).take(w.len());
+            let rest: Vec<f32> = rows.flat_map(|v| v[d0..].iter().copied()).collect();
+            super::weighted_sum_portable(w, &rest, &mut out[d0..]);
         }
     }
 }
