@@ -1,5 +1,6 @@
-//! Element-wise inference ops on row-major f32 slices: RMSNorm, RoPE (both layouts), SwiGLU and GeGLU.
-//! (Attention's softmax is in `attention.rs`.) No autograd: these serve the inference forward pass only.
+//! Element-wise inference ops on row-major f32 slices: RMSNorm (its sum of squares in 16
+//! lanes), RoPE (both layouts), SwiGLU and GeGLU; attention is in `attention.rs`. No
+//! autograd: these serve the inference forward pass only.
 
 use crate::config::RopeStyle;
 use crate::exp::exp_det;
