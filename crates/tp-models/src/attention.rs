@@ -156,11 +156,11 @@ pub(crate) fn attend_on(path: Path, tile_min: usize, a: AttendInput<'_>, ctx: &m
                 if group.len() == GROUP && hd.is_multiple_of(64) && path.groups() {
                     weighted_sum_group(path, [w[0], w[1], w[2]], values, outs);
                 } else {
-                    for (w, out) in w.iter().zip(outs.chunks_exact_mut(hd)) {
+                    for (w, out) in w.iter().zip(outs.chunks_exact_mut(hd.max(1))) {
                         weighted_sum(path, w, values, out);
                     }
                 }
-                for (&h, out) in group.iter().zip(outs.chunks_exact(hd)) {
+                for (&h, out) in group.iter().zip(outs.chunks_exact(hd.max(1))) {
                     ctx[i * q_w + h * hd..i * q_w + (h + 1) * hd].copy_from_slice(out);
                 }
             }
