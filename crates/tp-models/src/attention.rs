@@ -19,6 +19,7 @@
 use crate::exp::exp_det;
 use crate::kv_cache::LayerKv;
 use crate::ops::fold16;
+pub(crate) use crate::path::Path;
 
 /// What one attention call reads: `len` new tokens (rows of `qkv`, queries first) over a
 /// layer's cache.
@@ -47,16 +48,6 @@ const LANES: usize = 16;
 /// costs about what two queries' key-by-key scores do).
 const TILE_MIN_QUERIES: usize = 8;
 
-/// How the arithmetic is run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Path {
-    Portable,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-}
-
 impl Path {
     /// Whether this path has kernels for [`GROUP`] queries at once.
     fn groups(self) -> bool {
@@ -65,17 +56,6 @@ impl Path {
             return true;
         }
         false
-    }
-
-    /// The path of the kernels in use (`tp_kernels::kernel_path`).
-    pub fn current() -> Path {
-        match tp_kernels::kernel_path() {
-            #[cfg(target_arch = "x86_64")]
-            "avx512" => Path::Avx512,
-            #[cfg(target_arch = "x86_64")]
-            "avx2" => Path::Avx2,
-            _ => Path::Portable,
-        }
     }
 }
 

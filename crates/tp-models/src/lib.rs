@@ -16,6 +16,7 @@ pub mod matrix;
 pub mod model;
 pub mod open;
 pub mod ops;
+mod path;
 pub mod profile;
 pub mod shard;
 pub mod sync;

@@ -4,6 +4,7 @@
 
 use crate::config::RopeStyle;
 use crate::exp::exp_det;
+use crate::path::Path;
 
 /// `x [n, d]` -> `out [n, d]` with `out = x / rms(x) * weight`.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -32,15 +33,12 @@ pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
 pub(crate) fn sum_squares(x: &[f32]) -> f32 {
     let mut lanes = [0f32; 16];
     let full = x.len() / 16 * 16;
-    #[cfg(target_arch = "x86_64")]
-    if tp_kernels::kernel_path() == "avx512" {
+    match Path::current() {
         // SAFETY: the avx512 kernel path is chosen only on CPUs with AVX-512F.
-        lanes = unsafe { x86::square_lanes_avx512(&x[..full]) };
-    } else {
-        square_lanes(&x[..full], &mut lanes);
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx512 => lanes = unsafe { x86::square_lanes_avx512(&x[..full]) },
+        _ => square_lanes(&x[..full], &mut lanes),
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    square_lanes(&x[..full], &mut lanes);
     square_lanes(&x[full..], &mut lanes);
     fold16(lanes)
 }
@@ -80,14 +78,14 @@ pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
 /// `silu(g) = g / (1 + e)` for `g >= 0` and `g e / (1 + e)` below (no overflow either way).
 /// AVX2 and AVX-512 lanes compute the scalar bits.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    match tp_kernels::kernel_path() {
+    match Path::current() {
         // SAFETY: these kernel paths are chosen only on CPUs with AVX-512F / AVX2.
-        "avx512" => return unsafe { x86::silu_mul_avx512(gate, up) },
-        "avx2" => return unsafe { x86::silu_mul_avx2(gate, up) },
-        _ => {}
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx512 => unsafe { x86::silu_mul_avx512(gate, up) },
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx2 => unsafe { x86::silu_mul_avx2(gate, up) },
+        Path::Portable => silu_mul_portable(gate, up),
     }
-    silu_mul_portable(gate, up)
 }
 
 /// [`silu_mul`] as written.
