@@ -9,7 +9,8 @@
 //! Q5_0 / Q8_0 / Q4_K / Q6_K tensors), fused as the models run them (QKV, gate+up), its
 //! K-quant down projection also in the sub-block form a model uses where tp shards cut
 //! inside super-blocks; Q2_K and Q3_K at its down shape and, 896 columns not being a whole
-//! number of super-blocks, a gate-like 4864 x 1024.
+//! number of super-blocks, a gate-like 4864 x 1024; IQ4_NL at SmolLM2's gate+up and down
+//! shapes, IQ4_XS at a square one.
 //! Run: `cargo bench -p tp-kernels --bench gemm` (`TP_BENCH_ONLY=Q4_1` keeps the rows whose
 //! name contains the substring, `TP_BENCH_N=128,32` sets the token counts, `TP_BENCH_ROUNDS`
 //! the rounds, 7 by default).
@@ -47,6 +48,9 @@ fn cases() -> Vec<(QuantType, usize, usize, &'static str)> {
         (Q3_K, 896, 4864, "qwen down q3k"),
         (Q3_K, 896, 4864, "qwen down q3k (wide)"),
         (Q5_K, 1536, 1536, "q5_k"),
+        (IQ4_NL, 3072, 576, "gate+up-like iq4_nl"),
+        (IQ4_NL, 576, 1536, "down-like iq4_nl (wide)"),
+        (IQ4_XS, 1536, 1536, "iq4_xs"),
     ]
 }
 

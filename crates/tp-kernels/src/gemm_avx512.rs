@@ -1,4 +1,4 @@
-//! AVX-512 VNNI products of a Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 matrix with many tokens at once
+//! AVX-512 VNNI products of a Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or IQ4_NL matrix with many tokens at once
 //! (prefill chunks, batched decode): the 16 lanes of a register hold 16 tokens of one row,
 //! where the per-group kernels (`dot_avx512`) hold 8 rows of one token twice over.
 //!
@@ -16,7 +16,8 @@
 //! - Weights (`unpack`), per group block, [`W_VECS`] vectors: the quants of the 8 rows as
 //!   signed bytes with the format's offset taken off, word `k` of row `r` at 32-bit index
 //!   `8k + r` (Q4_0: nibble - 8; Q4_1: the nibbles; Q5_0: the 5-bit value - 16; Q5_1: the
-//!   5-bit value; Q8_0: the quants as stored); then the rows' `d` as f32 (lanes 0..8) and `m`
+//!   5-bit value; Q8_0: the quants as stored; IQ4_NL: the nibble's entry of the non-linear
+//!   table, looked up 64 at a time by a byte shuffle); then the rows' `d` as f32 (lanes 0..8) and `m`
 //!   (lanes 8..16; Q4_1/Q5_1); then, as i32 in lanes 0..8, each row's `-128 * sum(w)` over
 //!   the block's 32 signed quants `w`.
 //!
@@ -31,7 +32,7 @@
 //! `matmul` gives the AVX2 bits and `matmul_wide_acc` the scalar bits, whatever the batch.
 
 use crate::expand::Expanded;
-use crate::format::QuantType;
+use crate::format::{QuantType, KVALUES_IQ4};
 use crate::pack::{group_block_bytes, group_scale_bytes, GROUP_ROWS};
 use crate::quantize::ActBlock;
 use std::arch::x86_64::*;
@@ -47,7 +48,7 @@ pub(crate) const W_VECS: usize = 6;
 /// Whether this module has kernels for `qtype`.
 pub(crate) fn supports(qtype: QuantType) -> bool {
     use QuantType::*;
-    matches!(qtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0)
+    matches!(qtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4_NL)
 }
 
 /// One chunk's results: `f32s[r]` the 16 tokens' outputs of row `r` (`matmul`), or `f64s[r]`
@@ -244,6 +245,15 @@ pub(crate) unsafe fn unpack(qtype: QuantType, group: &[u8], nb: usize, out: &mut
             QuantType::Q4_0 => unpack_blocks(qtype, group, nb, o, |blk| {
                 nibbles(blk).map(|v| _mm512_sub_epi8(v, eight))
             }),
+            QuantType::IQ4_NL => {
+                // The 16 table entries in each 128-bit lane: a byte shuffle by the nibble
+                // (0..16, high bit clear) is the lookup.
+                let table =
+                    _mm512_broadcast_i32x4(_mm_loadu_si128(KVALUES_IQ4.as_ptr() as *const __m128i));
+                unpack_blocks(qtype, group, nb, o, |blk| {
+                    nibbles(blk).map(|v| _mm512_shuffle_epi8(table, v))
+                })
+            }
             _ => unpack_blocks(qtype, group, nb, o, nibbles),
         }
     }

@@ -1295,7 +1295,7 @@ pub(crate) mod tests {
         // that then take the many-token kernels (all but the sub-block form).
         use QuantType::*;
         for qtype in ALL {
-            let plain = matches!(qtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0);
+            let plain = matches!(qtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4_NL);
             let k = matches!(qtype, Q2_K | Q3_K | Q4_K | Q5_K | Q6_K);
             for form in [Form::F32, Form::Wide] {
                 assert_eq!(ActBlock::supports(qtype, form), plain, "{qtype} {form:?}");
