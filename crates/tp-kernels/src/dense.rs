@@ -1,12 +1,13 @@
-//! `DenseMatrix`: f32 or f16 weight matrices and their single-threaded matmul drivers (f32
-//! accumulation, or split-invariant f64 accumulation of 32-column chunks; AVX2+FMA with F16C
-//! widening, or portable code).
+//! `DenseMatrix`: f32, f16 or bf16 weight matrices and their single-threaded matmul drivers
+//! (f32 accumulation, or split-invariant f64 accumulation of 32-column chunks; AVX2+FMA with
+//! F16C or shift widening, or portable code). Widening f16 or bf16 to f32 is exact, so a
+//! 16-bit matrix gives the bits of the f32 matrix of its values on every path.
 
 use crate::cpu::{self, Simd};
 use crate::error::KernelError;
 use crate::matrix::check_matmul_args;
 use crate::wide;
-use half::f16;
+use half::{bf16, f16};
 
 /// Row-major `[rows, cols]` values of one element type. Built through [`DenseMatrix`].
 #[derive(Clone, Debug, PartialEq)]
@@ -33,13 +34,26 @@ impl<T> DenseData<T> {
     }
 }
 
-/// f32 or f16 weights, `[rows, cols]` row-major.
+/// f32, f16 or bf16 weights, `[rows, cols]` row-major.
 #[derive(Clone, Debug, PartialEq)]
 pub enum DenseMatrix {
     /// f32 weights.
     F32(DenseData<f32>),
     /// f16 weights (half the bytes to stream), widened to f32 in the kernels.
     F16(DenseData<f16>),
+    /// bf16 weights (half the bytes, f32's exponent range), widened to f32 in the kernels.
+    Bf16(DenseData<bf16>),
+}
+
+/// Runs `$body` with `$d` bound to the matrix's `DenseData` of whatever element type.
+macro_rules! each_kind {
+    ($m:expr, $d:ident => $body:expr) => {
+        match $m {
+            DenseMatrix::F32($d) => $body,
+            DenseMatrix::F16($d) => $body,
+            DenseMatrix::Bf16($d) => $body,
+        }
+    };
 }
 
 /// Row-major element count of `[rows, cols]`, checked.
@@ -66,41 +80,38 @@ impl DenseMatrix {
 
     /// Weights given as f32, stored as f16 (round to nearest even).
     pub fn from_f32_as_f16(rows: usize, cols: usize, values: &[f32]) -> Result<Self, KernelError> {
-        let expected = element_count(rows, cols)?;
-        if values.len() != expected {
-            return Err(KernelError::ValueCount {
-                rows,
-                cols,
-                expected,
-                got: values.len(),
-            });
-        }
-        let values = values.iter().map(|&v| f16::from_f32(v)).collect();
+        let values = rounded(rows, cols, values, f16::from_f32)?;
         Ok(DenseMatrix::F16(DenseData { rows, cols, values }))
+    }
+
+    /// Weights given as f32, stored as bf16 (round to nearest even).
+    pub fn from_f32_as_bf16(rows: usize, cols: usize, values: &[f32]) -> Result<Self, KernelError> {
+        let values = rounded(rows, cols, values, bf16::from_f32)?;
+        Ok(DenseMatrix::Bf16(DenseData { rows, cols, values }))
     }
 
     /// Output features.
     pub fn rows(&self) -> usize {
-        match self {
-            DenseMatrix::F32(d) => d.rows,
-            DenseMatrix::F16(d) => d.rows,
-        }
+        each_kind!(self, d => d.rows)
     }
 
     /// Input features.
     pub fn cols(&self) -> usize {
+        each_kind!(self, d => d.cols)
+    }
+
+    /// The element type's name ("f32", "f16", "bf16").
+    pub fn kind(&self) -> &'static str {
         match self {
-            DenseMatrix::F32(d) => d.cols,
-            DenseMatrix::F16(d) => d.cols,
+            DenseMatrix::F32(_) => "f32",
+            DenseMatrix::F16(_) => "f16",
+            DenseMatrix::Bf16(_) => "bf16",
         }
     }
 
     /// Bytes of weight storage held.
     pub fn storage_bytes(&self) -> usize {
-        match self {
-            DenseMatrix::F32(d) => d.values.len() * 4,
-            DenseMatrix::F16(d) => d.values.len() * 2,
-        }
+        each_kind!(self, d => std::mem::size_of_val(d.values.as_slice()))
     }
 
     /// `y [n, rows] = x [n, cols] · Wᵀ` with f32 accumulation, on the calling thread only.
@@ -118,22 +129,17 @@ impl DenseMatrix {
     ) -> Result<(), KernelError> {
         let (rows, cols) = (self.rows(), self.cols());
         check_matmul_args(rows, cols, x, n, y.len())?;
-        match (simd, self) {
+        each_kind!(self, d => {
             #[cfg(target_arch = "x86_64")]
-            (Simd::Avx2 | Simd::Avx512, DenseMatrix::F32(d)) => {
+            if matches!(simd, Simd::Avx2 | Simd::Avx512) {
                 // SAFETY: `Simd::Avx2` and `Simd::Avx512` are only chosen after runtime
-                // detection of AVX2, FMA and F16C; the lengths of `w`, `x` and `y` were checked
-                // above.
-                unsafe { crate::dense_avx2::matmul(&d.values, rows, cols, x, n, y) }
+                // detection of AVX2, FMA and F16C; the lengths of `w`, `x` and `y` were
+                // checked above.
+                unsafe { crate::dense_avx2::matmul(&d.values, rows, cols, x, n, y) };
+                return Ok(());
             }
-            #[cfg(target_arch = "x86_64")]
-            (Simd::Avx2 | Simd::Avx512, DenseMatrix::F16(d)) => {
-                // SAFETY: as above.
-                unsafe { crate::dense_avx2::matmul(&d.values, rows, cols, x, n, y) }
-            }
-            (_, DenseMatrix::F32(d)) => scalar_matmul(&d.values, |v| v, rows, cols, x, y),
-            (_, DenseMatrix::F16(d)) => scalar_matmul(&d.values, f16::to_f32, rows, cols, x, y),
-        }
+            scalar_matmul(&d.values, rows, cols, x, y)
+        });
         Ok(())
     }
 
@@ -161,24 +167,17 @@ impl DenseMatrix {
         if rows == 0 || cols == 0 || n == 0 {
             return Ok(());
         }
-        match (simd, self) {
+        each_kind!(self, d => {
             #[cfg(target_arch = "x86_64")]
-            (Simd::Avx2 | Simd::Avx512, DenseMatrix::F32(d)) => {
+            if matches!(simd, Simd::Avx2 | Simd::Avx512) {
                 // SAFETY: `Simd::Avx2` and `Simd::Avx512` are only chosen after runtime
-                // detection of AVX2, FMA and F16C; the lengths of `w`, `x` and `y` were checked
-                // above.
-                unsafe { crate::dense_avx2::matmul_wide(&d.values, rows, cols, x, n, y) }
+                // detection of AVX2, FMA and F16C; the lengths of `w`, `x` and `y` were
+                // checked above.
+                unsafe { crate::dense_avx2::matmul_wide(&d.values, rows, cols, x, n, y) };
+                return Ok(());
             }
-            #[cfg(target_arch = "x86_64")]
-            (Simd::Avx2 | Simd::Avx512, DenseMatrix::F16(d)) => {
-                // SAFETY: as above.
-                unsafe { crate::dense_avx2::matmul_wide(&d.values, rows, cols, x, n, y) }
-            }
-            (_, DenseMatrix::F32(d)) => scalar_matmul_wide(&d.values, |v| v, rows, cols, x, y),
-            (_, DenseMatrix::F16(d)) => {
-                scalar_matmul_wide(&d.values, f16::to_f32, rows, cols, x, y)
-            }
-        }
+            scalar_matmul_wide(&d.values, rows, cols, x, y)
+        });
         Ok(())
     }
 
@@ -195,36 +194,22 @@ impl DenseMatrix {
                 got: out.len(),
             });
         }
-        match self {
-            DenseMatrix::F32(d) => out.copy_from_slice(&d.values[row * cols..(row + 1) * cols]),
-            DenseMatrix::F16(d) => {
-                for (o, v) in out.iter_mut().zip(&d.values[row * cols..(row + 1) * cols]) {
-                    *o = v.to_f32();
-                }
+        each_kind!(self, d => {
+            for (o, &v) in out.iter_mut().zip(&d.values[row * cols..(row + 1) * cols]) {
+                *o = v.to_f32();
             }
-        }
+        });
         Ok(())
     }
 
     /// Stacks matrices of the same element type and column count along rows.
     pub fn concat_rows(parts: Vec<DenseMatrix>) -> Result<DenseMatrix, KernelError> {
         let first = parts.first().ok_or(KernelError::EmptyConcat)?;
-        let describe = |m: &DenseMatrix| {
-            let kind = match m {
-                DenseMatrix::F32(_) => "f32",
-                DenseMatrix::F16(_) => "f16",
-            };
-            format!("{kind} with {} cols", m.cols())
-        };
+        let describe = |m: &DenseMatrix| format!("{} with {} cols", m.kind(), m.cols());
         let cols = first.cols();
         let mut rows = 0usize;
         for (index, p) in parts.iter().enumerate() {
-            let same_kind = matches!(
-                (first, p),
-                (DenseMatrix::F32(_), DenseMatrix::F32(_))
-                    | (DenseMatrix::F16(_), DenseMatrix::F16(_))
-            );
-            if !same_kind || p.cols() != cols {
+            if p.kind() != first.kind() || p.cols() != cols {
                 return Err(KernelError::ConcatMismatch {
                     index,
                     expected: describe(first),
@@ -239,32 +224,70 @@ impl DenseMatrix {
                 })?;
         }
         element_count(rows, cols)?;
+        /// The parts' values of the element type `$v` holds, stacked.
+        macro_rules! stack {
+            ($v:ident) => {
+                DenseMatrix::$v(DenseData {
+                    rows,
+                    cols,
+                    values: parts
+                        .iter()
+                        .flat_map(|p| match p {
+                            DenseMatrix::$v(d) => d.values.as_slice(),
+                            _ => &[],
+                        })
+                        .copied()
+                        .collect(),
+                })
+            };
+        }
         Ok(match first {
-            DenseMatrix::F32(_) => DenseMatrix::F32(DenseData {
-                rows,
-                cols,
-                values: parts
-                    .iter()
-                    .flat_map(|p| match p {
-                        DenseMatrix::F32(d) => d.values.as_slice(),
-                        DenseMatrix::F16(_) => &[],
-                    })
-                    .copied()
-                    .collect(),
-            }),
-            DenseMatrix::F16(_) => DenseMatrix::F16(DenseData {
-                rows,
-                cols,
-                values: parts
-                    .iter()
-                    .flat_map(|p| match p {
-                        DenseMatrix::F16(d) => d.values.as_slice(),
-                        DenseMatrix::F32(_) => &[],
-                    })
-                    .copied()
-                    .collect(),
-            }),
+            DenseMatrix::F32(_) => stack!(F32),
+            DenseMatrix::F16(_) => stack!(F16),
+            DenseMatrix::Bf16(_) => stack!(Bf16),
         })
+    }
+}
+
+/// `values` (`rows * cols` of them, checked) rounded by `round`.
+fn rounded<T>(
+    rows: usize,
+    cols: usize,
+    values: &[f32],
+    round: impl Fn(f32) -> T,
+) -> Result<Vec<T>, KernelError> {
+    let expected = element_count(rows, cols)?;
+    if values.len() != expected {
+        return Err(KernelError::ValueCount {
+            rows,
+            cols,
+            expected,
+            got: values.len(),
+        });
+    }
+    Ok(values.iter().map(|&v| round(v)).collect())
+}
+
+/// A weight element read as f32 (exactly: f32 itself, or a 16-bit float widened).
+pub(crate) trait ToF32: Copy {
+    fn to_f32(self) -> f32;
+}
+
+impl ToF32 for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl ToF32 for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+impl ToF32 for bf16 {
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
     }
 }
 
@@ -272,14 +295,7 @@ impl DenseMatrix {
 /// (`dense_avx2::tile`): 8 lanes of fused multiply-adds in column order, the lanes summed in
 /// halves (4, 2, 1), then the columns past a multiple of 8 one by one; so both give the
 /// same bits.
-fn scalar_matmul<T: Copy>(
-    w: &[T],
-    to_f32: impl Fn(T) -> f32,
-    rows: usize,
-    cols: usize,
-    x: &[f32],
-    y: &mut [f32],
-) {
+fn scalar_matmul<T: ToF32>(w: &[T], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
     if cols == 0 {
         y.fill(0.0);
         return;
@@ -291,13 +307,13 @@ fn scalar_matmul<T: Copy>(
             let (xtail, wtail) = (xc.remainder(), wc.remainder());
             for (xs, ws) in xc.zip(wc) {
                 for i in 0..8 {
-                    part[i] = xs[i].mul_add(to_f32(ws[i]), part[i]);
+                    part[i] = xs[i].mul_add(ws[i].to_f32(), part[i]);
                 }
             }
             let half: [f32; 4] = std::array::from_fn(|i| part[i] + part[i + 4]);
             let mut sum = (half[0] + half[2]) + (half[1] + half[3]);
             for (&a, &b) in xtail.iter().zip(wtail) {
-                sum += a * to_f32(b);
+                sum += a * b.to_f32();
             }
             *yr = sum;
         }
@@ -307,21 +323,14 @@ fn scalar_matmul<T: Copy>(
 /// Portable `y += x · Wᵀ` by the wide formula (`wide`): per 32-column chunk, lane `k % 8`
 /// takes `fma(x_k, w_k, lane)` in column order, the lanes are summed in a fixed tree, and the
 /// chunk sums are added in f64. `rows`, `cols` > 0.
-fn scalar_matmul_wide<T: Copy>(
-    w: &[T],
-    to_f32: impl Fn(T) -> f32,
-    rows: usize,
-    cols: usize,
-    x: &[f32],
-    y: &mut [f64],
-) {
+fn scalar_matmul_wide<T: ToF32>(w: &[T], rows: usize, cols: usize, x: &[f32], y: &mut [f64]) {
     for (xt, yt) in x.chunks_exact(cols).zip(y.chunks_exact_mut(rows)) {
         for (yr, wr) in yt.iter_mut().zip(w.chunks_exact(cols)) {
             let mut acc = 0.0f64;
             for (xc, wc) in xt.chunks(32).zip(wr.chunks(32)) {
                 let mut lanes = [0.0f32; 8];
                 for (k, (&a, &b)) in xc.iter().zip(wc).enumerate() {
-                    lanes[k % 8] = a.mul_add(to_f32(b), lanes[k % 8]);
+                    lanes[k % 8] = a.mul_add(b.to_f32(), lanes[k % 8]);
                 }
                 acc += wide::chunk_sum(&lanes) as f64;
             }
@@ -354,10 +363,7 @@ mod tests {
             for n in [1usize, 2, 3, 4, 5, 9] {
                 let w = values(rows * cols, (rows + cols) as u32);
                 let x = values(n * cols, n as u32);
-                for m in [
-                    DenseMatrix::from_f32(rows, cols, w.clone()).unwrap(),
-                    DenseMatrix::from_f32_as_f16(rows, cols, &w).unwrap(),
-                ] {
+                for m in all_kinds(rows, cols, &w) {
                     let mut ya = vec![0.0; n * rows];
                     let mut ys = vec![0.0; n * rows];
                     m.matmul_with(Simd::Avx2, &x, n, &mut ya).unwrap();
@@ -376,10 +382,11 @@ mod tests {
         f
     }
 
-    fn both_kinds(rows: usize, cols: usize, w: &[f32]) -> [DenseMatrix; 2] {
+    fn all_kinds(rows: usize, cols: usize, w: &[f32]) -> [DenseMatrix; 3] {
         [
             DenseMatrix::from_f32(rows, cols, w.to_vec()).unwrap(),
             DenseMatrix::from_f32_as_f16(rows, cols, w).unwrap(),
+            DenseMatrix::from_f32_as_bf16(rows, cols, w).unwrap(),
         ]
     }
 
@@ -401,7 +408,7 @@ mod tests {
             for n in [1usize, 2, 3, 4, 5, 9] {
                 let w = values(rows * cols, (rows + cols) as u32);
                 let x = values(n * cols, n as u32);
-                for m in both_kinds(rows, cols, &w) {
+                for m in all_kinds(rows, cols, &w) {
                     let y0: Vec<f64> = (0..n * rows).map(|i| i as f64 * 0.5 - 1.0).collect();
                     let (mut ya, mut ys) = (y0.clone(), y0);
                     m.matmul_wide_acc_with(Simd::Avx2, &x, n, &mut ya).unwrap();
@@ -428,7 +435,7 @@ mod tests {
                 let chunks = cols.div_ceil(32);
                 for n in [1usize, 2, 5, 128] {
                     let x = values(n * cols, 77 + n as u32);
-                    for m in both_kinds(rows, cols, &w) {
+                    for m in all_kinds(rows, cols, &w) {
                         let mut want = vec![0.0f64; n * rows];
                         m.matmul_wide_acc_with(simd, &x, n, &mut want).unwrap();
                         for cuts in crate::matrix::tests::splits(chunks) {
@@ -444,6 +451,9 @@ mod tests {
                                     DenseMatrix::F32(_) => DenseMatrix::from_f32(rows, c1 - c0, wp),
                                     DenseMatrix::F16(_) => {
                                         DenseMatrix::from_f32_as_f16(rows, c1 - c0, &wp)
+                                    }
+                                    DenseMatrix::Bf16(_) => {
+                                        DenseMatrix::from_f32_as_bf16(rows, c1 - c0, &wp)
                                     }
                                 }
                                 .unwrap();
@@ -475,7 +485,7 @@ mod tests {
             for (rows, cols, n) in [(17, 33, 3), (25, 576, 5), (8, 2048, 2)] {
                 let w = values(rows * cols, 5);
                 let x = values(n * cols, 6);
-                for m in both_kinds(rows, cols, &w) {
+                for m in all_kinds(rows, cols, &w) {
                     let mut y32 = vec![0.0f32; n * rows];
                     let mut y64 = vec![0.0f64; n * rows];
                     m.matmul_with(simd, &x, n, &mut y32).unwrap();

@@ -1,16 +1,16 @@
 //! AVX2+FMA dense kernels: register tiles of T tokens x R rows of f32 dot products (f16
-//! weights widened with F16C), blocked over rows so a block of W stays in L2 across tiles;
+//! weights widened with F16C, bf16 by a 16-bit shift), blocked over rows so a block of W stays in L2 across tiles;
 //! and the wide variant (per-32-column-chunk f32 dots summed in f64, see `wide`).
 
-use half::f16;
+use crate::dense::ToF32;
+use half::{bf16, f16};
 use std::arch::x86_64::*;
 
-/// A weight element the kernel can load 8 of as f32 lanes.
-pub(crate) trait Weight: Copy {
+/// A weight element the kernel can load 8 of as f32 lanes (exactly what `to_f32` gives).
+pub(crate) trait Weight: ToF32 {
     /// # Safety
     /// AVX2/F16C enabled; `p` valid for 8 reads.
     unsafe fn load8(p: *const Self) -> __m256;
-    fn to_f32(self) -> f32;
 }
 
 impl Weight for f32 {
@@ -18,9 +18,6 @@ impl Weight for f32 {
     unsafe fn load8(p: *const f32) -> __m256 {
         // SAFETY: the caller guarantees 8 readable f32 and AVX.
         unsafe { _mm256_loadu_ps(p) }
-    }
-    fn to_f32(self) -> f32 {
-        self
     }
 }
 
@@ -31,8 +28,18 @@ impl Weight for f16 {
         // transparent u16.
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
     }
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
+}
+
+impl Weight for bf16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const bf16) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable bf16 (16 bytes) and AVX2; `bf16` is a
+        // transparent u16. A bf16 is the high half of the f32 with its value: zero-extended
+        // to 32 bits and shifted up 16, it is that f32 exactly.
+        unsafe {
+            let h = _mm_loadu_si128(p as *const __m128i); // 8 x bf16
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
     }
 }
 

@@ -70,10 +70,8 @@ enum Store {
         q: QMatMul,
         qt: std::sync::Arc<QTensor>,
     },
-    /// f32 or f16 through our kernels.
+    /// f32, f16 or bf16 through our kernels.
     Dense(DenseMatrix),
-    /// bf16 through candle (no native bf16 on most CPUs: slow, kept for memory).
-    CandleDense(Tensor),
 }
 
 /// Our kernel's type for a ggml type, where there is one.
@@ -284,9 +282,7 @@ impl Matrix {
         let store = match dtype {
             DenseDType::F32 => Store::Dense(DenseMatrix::from_f32(rows, cols, values)?),
             DenseDType::F16 => Store::Dense(DenseMatrix::from_f32_as_f16(rows, cols, &values)?),
-            DenseDType::BF16 => Store::CandleDense(
-                Tensor::from_vec(values, (rows, cols), &Device::Cpu)?.to_dtype(DType::BF16)?,
-            ),
+            DenseDType::BF16 => Store::Dense(DenseMatrix::from_f32_as_bf16(rows, cols, &values)?),
         };
         Ok(Matrix {
             store,
@@ -333,15 +329,6 @@ impl Matrix {
                 let xt = Tensor::from_slice(x, (n, self.cols), &Device::Cpu)?; // [n, cols]
                 copy_out(&q.forward(&xt)?, y)
             }
-            Store::CandleDense(w) => {
-                let xt = Tensor::from_slice(x, (n, self.cols), &Device::Cpu)?; // [n, cols]
-                copy_out(
-                    &xt.to_dtype(w.dtype())?
-                        .matmul(&w.t()?)?
-                        .to_dtype(DType::F32)?, // [n, rows]
-                    y,
-                )
-            }
         }
     }
 
@@ -353,7 +340,7 @@ impl Matrix {
         match &self.store {
             Store::Quant(m) => Ok(m.matmul_wide_acc(x, n, y)?),
             Store::Dense(m) => Ok(m.matmul_wide_acc(x, n, y)?),
-            Store::CandleQuant { .. } | Store::CandleDense(_) => {
+            Store::CandleQuant { .. } => {
                 let mut narrow = vec![0f32; y.len()]; // [n, rows]
                 self.matmul(x, n, &mut narrow)?;
                 for (w, v) in y.iter_mut().zip(narrow) {
@@ -381,7 +368,6 @@ impl Matrix {
                 let idx = Tensor::new(&[row as u32], &Device::Cpu)?;
                 copy_out(&qt.embedding(&idx)?, out)
             }
-            Store::CandleDense(w) => copy_out(&w.get(row)?.to_dtype(DType::F32)?, out),
         }
     }
 }

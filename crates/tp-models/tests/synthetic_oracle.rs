@@ -18,7 +18,7 @@ use candle_transformers::models::{llama, qwen2, qwen3};
 use common::{assert_close, prompt, sharded_logits, GgufOracle};
 use std::path::Path;
 use tp_models::synthetic::{GgufTypes, HfDType, SyntheticModel};
-use tp_models::{Arch, GgufCheckpoint, HfCheckpoint, LoadOptions};
+use tp_models::{Arch, DenseDType, GgufCheckpoint, HfCheckpoint, LoadOptions};
 
 const TOL: f32 = 1e-5;
 
@@ -172,6 +172,28 @@ fn hf_bf16_and_f16_dirs_match_candle_at_tp_3() {
             TOL,
             true,
         );
+    }
+}
+
+/// A bf16 HF directory kept as bf16 (`DenseDType::BF16`, our dense kernels widen each weight
+/// exactly) gives the bits of the same weights held as f32, at every tp: the 16-bit store
+/// changes the bytes streamed, not the arithmetic. (bf16 had gone through candle, which also
+/// rounded the activations and was not split-invariant.)
+#[test]
+fn bf16_weights_kept_as_bf16_give_the_f32_bits_at_every_tp() {
+    let model = SyntheticModel::small(Arch::Qwen2, 42);
+    let dir = tempfile::tempdir().unwrap();
+    model.write_hf(dir.path(), 1, HfDType::BF16).unwrap();
+    let tokens = prompt(model.cfg.vocab, 7);
+    let ckpt = HfCheckpoint::open(dir.path()).unwrap();
+    let want = sharded_logits(&ckpt, &tokens, 1, dense());
+    for tp in 1..=4 {
+        let opts = LoadOptions {
+            dense: DenseDType::BF16,
+            ..dense()
+        };
+        let got = sharded_logits(&ckpt, &tokens, tp, opts);
+        assert!(got == want, "bf16 store at tp={tp}: other logits than f32");
     }
 }
 
