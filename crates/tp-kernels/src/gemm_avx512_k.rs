@@ -1,7 +1,8 @@
 //! AVX-512 VNNI many-token kernels for Q6_K (`gemm_avx512`'s scheme on Q8_K activations):
 //! 16 tokens in the lanes, a row's 4-column weight word broadcast from memory. The
 //! `TokenLanes` impl for Q8_K activations also dispatches Q4_K and Q5_K to `gemm_avx512_k4`,
-//! Q2_K and Q3_K to `gemm_avx512_k23` (which share this module's activation layout).
+//! Q2_K and Q3_K to `gemm_avx512_k23` (which share this module's activation layout), and
+//! IQ4_XS to `gemm_avx512_iq4xs` (on this module's activation layout and chunk loop).
 //!
 //! Per row and super-block, each 16-wide sub-block's exact `vpdpbusd` sum of the unsigned
 //! 6-bit quants is multiplied by its signed scale (`vpmulld`) and added up; the offset of 32
@@ -23,6 +24,7 @@
 use crate::expand::Expanded;
 use crate::format::{f16_at, QuantType};
 use crate::gemm_avx512::{ChunkOut, TokenLanes, LANES};
+use crate::gemm_avx512_iq4xs as iq4xs;
 use crate::gemm_avx512_k23 as k23;
 use crate::gemm_avx512_k4 as k4;
 use crate::pack::{group_block_bytes, GROUP_ROWS};
@@ -34,16 +36,16 @@ use std::arch::x86_64::*;
 /// Vectors per (chunk, super-block) of transposed activations: 64 words, `d`, 8 sum pairs.
 pub(crate) const ACT_VECS: usize = 73;
 /// Vectors per unpacked group super-block: 32 of quants, 8 of scales, 4 of scale pairs, 1 of `d`.
-const W_VECS: usize = 45;
+pub(crate) const W_VECS: usize = 45;
 /// 32-bit offsets inside an unpacked group super-block.
-const SC: usize = 512;
-const SC_PAIRS: usize = 640;
-const D: usize = 704;
+pub(crate) const SC: usize = 512;
+pub(crate) const SC_PAIRS: usize = 640;
+pub(crate) const D: usize = 704;
 
 impl TokenLanes for ActBlockK {
     fn supports(qtype: QuantType, form: Form) -> bool {
         use QuantType::*;
-        matches!(qtype, Q2_K | Q3_K | Q4_K | Q5_K | Q6_K) && form != Form::WideSub
+        matches!(qtype, Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS) && form != Form::WideSub
     }
     fn act_vecs(qtype: QuantType) -> usize {
         match qtype {
@@ -88,6 +90,7 @@ impl TokenLanes for ActBlockK {
                 QuantType::Q5_K => k4::unpack::<true>(group, nb, out),
                 QuantType::Q2_K => k23::unpack::<false>(group, nb, out),
                 QuantType::Q3_K => k23::unpack::<true>(group, nb, out),
+                QuantType::IQ4_XS => iq4xs::unpack(group, nb, out),
                 _ => unpack_q6k(group, nb, out),
             }
         }
@@ -107,6 +110,9 @@ impl TokenLanes for ActBlockK {
             }
             if matches!(qtype, QuantType::Q2_K | QuantType::Q3_K) {
                 return k23::group_chunk(qtype, w, x, nb, wide, out);
+            }
+            if qtype == QuantType::IQ4_XS {
+                return iq4xs::group_chunk(w, x, nb, wide, out);
             }
             group_chunk_q6k(w, x, nb, wide, out);
         }

@@ -28,6 +28,8 @@ mod format;
 #[cfg(target_arch = "x86_64")]
 mod gemm_avx512;
 #[cfg(target_arch = "x86_64")]
+mod gemm_avx512_iq4xs;
+#[cfg(target_arch = "x86_64")]
 mod gemm_avx512_k;
 #[cfg(target_arch = "x86_64")]
 mod gemm_avx512_k23;

@@ -93,6 +93,17 @@ const GEMM_BUDGET: usize = 512 << 10;
 #[cfg(target_arch = "x86_64")]
 const GEMM_MIN_TOKENS: usize = 8;
 
+/// [`GEMM_MIN_TOKENS`] for `qtype`: IQ4_XS's many-token kernel (a scale multiply per sub-block
+/// per 16 tokens) measured 0.6-0.9x its per-group kernels at 8-12 tokens and 1.3-1.4x at
+/// 14-16 (`cargo bench -p tp-kernels --bench gemm`, Intel kind, 1536x1536), so it starts at 14.
+#[cfg(target_arch = "x86_64")]
+fn gemm_min_tokens(qtype: QuantType) -> usize {
+    match qtype {
+        QuantType::IQ4_XS => 14,
+        _ => GEMM_MIN_TOKENS,
+    }
+}
+
 /// `rows * cols / block_len * block_bytes`, checked: the ggml byte size of a matrix.
 fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Result<usize, KernelError> {
     let block_len = qtype.block_len();
@@ -616,7 +627,7 @@ impl QuantMatrix {
     }
 
     /// Runs the product on the many-token kernels when `simd` is AVX-512, `n` is at least
-    /// [`GEMM_MIN_TOKENS`] and they exist for this format and form; `false`: nothing ran.
+    /// [`gemm_min_tokens`] and they exist for this format and form; `false`: nothing ran.
     #[cfg(target_arch = "x86_64")]
     fn try_many_tokens<A: TokenLanes, E: OutElem>(
         &self,
@@ -625,7 +636,7 @@ impl QuantMatrix {
         n: usize,
         y: &mut [E],
     ) -> bool {
-        let on = simd == Simd::Avx512 && n >= GEMM_MIN_TOKENS && !tile::legacy();
+        let on = simd == Simd::Avx512 && n >= gemm_min_tokens(self.qtype) && !tile::legacy();
         if on && A::supports(self.qtype, self.form::<E>()) {
             self.run_gemm512(acts, n, y);
             return true;
@@ -1296,7 +1307,7 @@ pub(crate) mod tests {
         use QuantType::*;
         for qtype in ALL {
             let plain = matches!(qtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4_NL);
-            let k = matches!(qtype, Q2_K | Q3_K | Q4_K | Q5_K | Q6_K);
+            let k = matches!(qtype, Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS);
             for form in [Form::F32, Form::Wide] {
                 assert_eq!(ActBlock::supports(qtype, form), plain, "{qtype} {form:?}");
                 assert_eq!(ActBlockK::supports(qtype, form), k, "{qtype} {form:?}");
