@@ -4,7 +4,8 @@
 //! Per block, exactly as ggml's reference `quantize_row_q8_0` / `quantize_row_q8_1`:
 //! `amax = max |x|`, `d = amax / 127`, `q = round(x / d)` (computed as `x * (1/d)`, rounding
 //! half away from zero, `q = 0` when `d = 0`), `d` stored as f16; Q8_1 also stores
-//! `s = f16(d * sum(q))` with the unrounded `d`. The AVX2 path produces bit-identical blocks.
+//! `s = f16(d * sum(q))` with the unrounded `d`. The AVX2 and AVX-512 paths produce
+//! bit-identical blocks.
 
 use crate::cpu::Simd;
 use crate::format::QK;
@@ -71,10 +72,16 @@ pub(crate) fn quantize(simd: Simd, x: &[f32], out: &mut [ActBlock]) {
     }
     match simd {
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 | Simd::Avx512 => {
-            // SAFETY: `Simd::Avx2` and `Simd::Avx512` are only chosen after runtime
-            // detection of AVX2, FMA and F16C, and the lengths were checked just above.
+        Simd::Avx2 => {
+            // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
+            // F16C, and the lengths were checked just above.
             unsafe { avx2::quantize(x, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512 => {
+            // SAFETY: `Simd::Avx512` is only chosen after runtime detection of AVX-512
+            // F/BW/VL (and AVX2, FMA, F16C), and the lengths were checked just above.
+            unsafe { avx512::quantize(x, out) }
         }
         _ => {
             for (xs, block) in x.chunks_exact(QK).zip(out.iter_mut()) {
@@ -84,9 +91,26 @@ pub(crate) fn quantize(simd: Simd, x: &[f32], out: &mut [ActBlock]) {
     }
 }
 
+/// [`finish`] with F16C's conversions (round to nearest even, as the `half` crate, whose
+/// calls per value had been a third of a block's quantization on the AVX-512 path).
+///
+/// # Safety
+/// The CPU must support AVX and F16C.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn finish_f16c(block: &mut ActBlock, d: f32, sum: i32) {
+    use std::arch::x86_64::*;
+    let v = _mm_setr_ps(d, sum as f32 * d, 0.0, 0.0);
+    let r = _mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v));
+    block.d = _mm_cvtss_f32(r);
+    block.s = _mm_cvtss_f32(_mm_movehdup_ps(r));
+    block.sum = sum;
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{finish, scale_of, ActBlock};
+    use super::{finish_f16c, scale_of, ActBlock};
     use crate::format::QK;
     use std::arch::x86_64::*;
 
@@ -144,7 +168,57 @@ mod avx2 {
                 let q8 = _mm256_packs_epi16(q01, q23);
                 let q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
                 _mm256_storeu_si256(block.qs.as_mut_ptr() as *mut __m256i, q8);
-                finish(block, d, sum);
+                finish_f16c(block, d, sum);
+            }
+        }
+    }
+}
+
+/// AVX-512: a block is two registers, the same operations as `avx2` on 16 lanes.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{finish_f16c, scale_of, ActBlock};
+    use crate::format::QK;
+    use std::arch::x86_64::*;
+
+    /// Rounds each lane to the nearest integer, halves away from zero (like `f32::round`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    fn round_half_away(v: __m512) -> __m512 {
+        let sign = _mm512_set1_epi32(i32::MIN);
+        let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(v);
+        // v - trunc(v) is exact for |v| < 2^23.
+        let frac = _mm512_abs_ps(_mm512_sub_ps(v, t));
+        let up = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, _mm512_set1_ps(0.5));
+        // +-1 with v's sign.
+        let step = _mm512_or_si512(
+            _mm512_and_si512(_mm512_castps_si512(v), sign),
+            _mm512_castps_si512(_mm512_set1_ps(1.0)),
+        );
+        _mm512_mask_add_ps(t, up, t, _mm512_castsi512_ps(step))
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL (and AVX2, FMA, F16C), and `x.len() ==
+    /// out.len() * 32`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn quantize(x: &[f32], out: &mut [ActBlock]) {
+        for (xs, block) in x.chunks_exact(QK).zip(out.iter_mut()) {
+            // SAFETY: `xs` has exactly 32 f32 (two unaligned 16-lane loads) and `block.qs`
+            // exactly 32 bytes (two unaligned 16-byte stores); the features are enabled.
+            unsafe {
+                let p = xs.as_ptr();
+                let v = [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))];
+                let m = _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]));
+                let (d, id) = scale_of(_mm512_reduce_max_ps(m));
+                let vid = _mm512_set1_ps(id);
+                let q = v.map(|vk| _mm512_cvtps_epi32(round_half_away(_mm512_mul_ps(vk, vid))));
+                let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+                // Narrow to bytes (each quant is within -127..=127: no saturation happens).
+                let qs = block.qs.as_mut_ptr() as *mut __m128i;
+                _mm_storeu_si128(qs, _mm512_cvtsepi32_epi8(q[0]));
+                _mm_storeu_si128(qs.add(1), _mm512_cvtsepi32_epi8(q[1]));
+                finish_f16c(block, d, sum);
             }
         }
     }
@@ -195,17 +269,22 @@ mod tests {
         quantize_block_scalar(&x, &mut b);
         assert_eq!(&b.qs[..5], &[127, 3, -3, 1, 0]);
         #[cfg(target_arch = "x86_64")]
-        if crate::cpu::supports(Simd::Avx2) {
-            let mut v = [ActBlock::default()];
-            quantize(Simd::Avx2, &x, &mut v);
-            assert_eq!(v[0], b);
+        for simd in [Simd::Avx2, Simd::Avx512] {
+            if crate::cpu::supports(simd) {
+                let mut v = [ActBlock::default()];
+                quantize(simd, &x, &mut v);
+                assert_eq!(v[0], b, "{simd:?}");
+            }
         }
     }
 
     #[test]
-    fn avx2_quantization_is_bit_identical_to_scalar() {
+    fn simd_quantization_is_bit_identical_to_scalar() {
         #[cfg(target_arch = "x86_64")]
-        if crate::cpu::supports(Simd::Avx2) {
+        for simd in [Simd::Avx2, Simd::Avx512]
+            .into_iter()
+            .filter(|&s| crate::cpu::supports(s))
+        {
             for seed in 0..50 {
                 let mut x = values(seed, QK * 7);
                 x[5] *= 1000.0; // one large outlier block
@@ -213,9 +292,33 @@ mod tests {
                 x[64..96].fill(0.0); // an all-zero block
                 let mut a = vec![ActBlock::default(); 7];
                 let mut s = vec![ActBlock::default(); 7];
-                quantize(Simd::Avx2, &x, &mut a);
+                quantize(simd, &x, &mut a);
                 quantize(Simd::Scalar, &x, &mut s);
-                assert_eq!(a, s);
+                assert_eq!(a, s, "{simd:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn f16c_finish_rounds_as_the_half_crate() {
+        #[cfg(target_arch = "x86_64")]
+        if crate::cpu::supports(Simd::Avx2) {
+            // Scales from f16's subnormals to past its largest value, and sums of both signs.
+            let mut bits = 0x2F00_0000u32;
+            while bits < 0x4800_0000 {
+                let d = f32::from_bits(bits);
+                for sum in [-4064, -127, -1, 0, 1, 3, 127, 4064] {
+                    let (mut a, mut b) = (ActBlock::default(), ActBlock::default());
+                    finish(&mut a, d, sum);
+                    // SAFETY: AVX2 (and so AVX and F16C, see `cpu`) was detected just above.
+                    unsafe { finish_f16c(&mut b, d, sum) };
+                    assert_eq!(
+                        (a.d.to_bits(), a.s.to_bits()),
+                        (b.d.to_bits(), b.s.to_bits()),
+                        "d {d:e} sum {sum}"
+                    );
+                }
+                bits += 0x1357;
             }
         }
     }
