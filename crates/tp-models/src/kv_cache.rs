@@ -606,6 +606,51 @@ impl KvPool {
     }
 }
 
+impl KvPool {
+    /// See [`LayerKv::prefetch`]: per block, the `[2, kv_heads, BLOCK_POSITIONS, head_dim]`
+    /// run of `layer` (keys then values of every head, contiguous; q8's scales are left out),
+    /// the positions in use of each head only.
+    fn prefetch(&self, table: &BlockTable, layer: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+            let elem = match self.dtype {
+                KvDtype::F32 => 4,
+                KvDtype::F16 | KvDtype::Bf16 => 2,
+                KvDtype::Q8 => 1,
+            };
+            let hd = self.head_dim;
+            for (b, &id) in table.blocks.iter().enumerate() {
+                let used = table
+                    .len
+                    .saturating_sub(b * BLOCK_POSITIONS)
+                    .min(BLOCK_POSITIONS);
+                let Some(Some(block)) = self.storage.get(id as usize) else {
+                    continue;
+                };
+                if used == 0 {
+                    break;
+                }
+                for kv in 0..2 {
+                    for head in 0..self.kv_heads {
+                        let at = self.at(layer, kv, head, 0) * elem;
+                        let bytes = used * hd * elem;
+                        for off in (0..bytes).step_by(64) {
+                            let p = block.map.as_ptr().wrapping_add(at + off);
+                            // SAFETY: a prefetch is only a hint (it never faults); `p` lies
+                            // inside the block's mapping (`at + bytes` is within the layer's
+                            // run).
+                            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) };
+                        }
+                    }
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (table, layer);
+    }
+}
+
 /// Writes one head's vector `src [head_dim]` at element `at` of `block`, rounding to `dtype`.
 fn put(block: &mut Block, dtype: KvDtype, hd: usize, scales_at: usize, at: usize, src: &[f32]) {
     match dtype {
@@ -655,6 +700,15 @@ impl LayerKv<'_> {
     /// The same for values.
     pub fn values(&self, head: usize, out: &mut [f32]) {
         self.pool.gather(self.table, self.layer, 1, head, out)
+    }
+
+    /// Asks the CPU to bring this layer's keys and values of the positions written so far
+    /// into its L2 cache (a hint: nothing is read, nothing can fault), so that a batched
+    /// decode step fetches the next sequence's cache from memory while it computes this one's
+    /// (L2, not L1: a sequence's layer is tens of KB). `tp bench serve`, c=16, alternated with
+    /// the build before: tp 1 +9%, tp 2 +1% (medians of 4 rounds; a noisy VM).
+    pub fn prefetch(&self) {
+        self.pool.prefetch(self.table, self.layer)
     }
 }
 
