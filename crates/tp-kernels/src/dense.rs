@@ -66,15 +66,7 @@ fn element_count(rows: usize, cols: usize) -> Result<usize, KernelError> {
 impl DenseMatrix {
     /// f32 weights; `values.len()` must be `rows * cols`.
     pub fn from_f32(rows: usize, cols: usize, values: Vec<f32>) -> Result<Self, KernelError> {
-        let expected = element_count(rows, cols)?;
-        if values.len() != expected {
-            return Err(KernelError::ValueCount {
-                rows,
-                cols,
-                expected,
-                got: values.len(),
-            });
-        }
+        check_count(rows, cols, values.len())?;
         Ok(DenseMatrix::F32(DenseData { rows, cols, values }))
     }
 
@@ -249,6 +241,20 @@ impl DenseMatrix {
     }
 }
 
+/// That `got` values fill `[rows, cols]`.
+fn check_count(rows: usize, cols: usize, got: usize) -> Result<(), KernelError> {
+    let expected = element_count(rows, cols)?;
+    if got != expected {
+        return Err(KernelError::ValueCount {
+            rows,
+            cols,
+            expected,
+            got,
+        });
+    }
+    Ok(())
+}
+
 /// `values` (`rows * cols` of them, checked) rounded by `round`.
 fn rounded<T>(
     rows: usize,
@@ -256,15 +262,7 @@ fn rounded<T>(
     values: &[f32],
     round: impl Fn(f32) -> T,
 ) -> Result<Vec<T>, KernelError> {
-    let expected = element_count(rows, cols)?;
-    if values.len() != expected {
-        return Err(KernelError::ValueCount {
-            rows,
-            cols,
-            expected,
-            got: values.len(),
-        });
-    }
+    check_count(rows, cols, values.len())?;
     Ok(values.iter().map(|&v| round(v)).collect())
 }
 

@@ -1,15 +1,15 @@
-//! AVX-512 VNNI many-token kernel for IQ4_XS on Q6_K's activation layout and chunk loop
-//! (`gemm_avx512_k`): 16 tokens in the lanes, a row's 4-column weight word broadcast from
-//! memory, one scale multiply per 32-wide sub-block.
+//! IQ4_XS for the AVX-512 VNNI many-token kernels: its super-blocks unpacked into Q6_K's
+//! layout, which `gemm_avx512_k`'s scaled-sub-block kernel then runs with 8 sub-blocks of 32
+//! columns (one scale multiply each) and an offset of 128.
 //!
 //! IQ4_XS's values are signed (`KVALUES_IQ4`, -127..=113) and so are the Q8_K activations,
 //! but `vpdpbusd` wants one unsigned operand: the unpacked bytes are `value + 128` (1..=241,
-//! looked up 64 at a time by a byte shuffle in a table already offset), so a 16-wide
+//! looked up 64 at a time by a byte shuffle in a table already offset), so a
 //! 32-wide sub-block's sum `raw` is `Σ value · x + 128 Σ x`. With its signed 6-bit scale `sc`
 //! (`vpmulld`) and the pairs `(sc, sc)` against the activations' two 16-wide sums of the
 //! sub-block (`vpdpwssd`), `Σ sc · raw - 128 · Σ sc · bsum16` is exactly the scalar `Σ sc ·
 //! (value · x)`. Its f32 tail (`fma(isum as f32, d_w * d_x, acc)`, or the wide form's `isum as
-//! f32 * (d_w * d_x)` in f64) is Q6_K's: `gemm_avx512_k::halves` runs it.
+//! f32 * (d_w * d_x)` in f64) is Q6_K's.
 //!
 //! No i32 can overflow: a sub-block's sum is at most 32 * 241 * 128 < 2^20, times a scale of
 //! at most 32 and summed over 8 sub-blocks < 2^28; the offset term is at most 128 * 32 * 8 *
@@ -22,8 +22,7 @@
 
 use crate::expand::Expanded;
 use crate::format::{f16_at, QuantType, KVALUES_IQ4};
-use crate::gemm_avx512::ChunkOut;
-use crate::gemm_avx512_k::{halves, Factors, ACT_VECS, D, SC, SC_PAIRS, W_VECS};
+use crate::gemm_avx512_k::{D, SC, SC_PAIRS, W_VECS};
 use crate::pack::{group_block_bytes, GROUP_ROWS};
 use crate::pack_k::iq4xs;
 use std::arch::x86_64::*;
@@ -78,76 +77,5 @@ pub(crate) unsafe fn unpack(group: &[u8], nb: usize, out: &mut [Expanded]) {
         for at in D + GROUP_ROWS..D + 16 {
             ints(dst, at, 0);
         }
-    }
-}
-
-/// One unpacked group (`w`, from [`unpack`]) against one chunk of 16 tokens transposed in
-/// Q6_K's layout (`x`) over `nb` super-blocks, into `out.f32s` or (`wide`) `out.f64s`.
-///
-/// # Safety
-/// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `w.len() >= nb * W_VECS`,
-/// `x.len() >= nb * ACT_VECS`.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(crate) unsafe fn group_chunk(
-    w: &[Expanded],
-    x: &[Expanded],
-    nb: usize,
-    wide: bool,
-    out: &mut ChunkOut,
-) {
-    let (w, x) = (w.as_ptr(), x.as_ptr());
-    // SAFETY: `halves` asks only for super-blocks `b < nb` and `r0` 0 or 4, whose vectors lie
-    // inside the caller's `w` and `x`; the features are the caller's promise.
-    halves(nb, wide, out, |b, r0| unsafe { block(w, x, b, r0) });
-}
-
-/// Super-block `b`'s [`Factors`] for rows `r0..r0 + 4`: `(isum as f32, d_w * d_x)`.
-///
-/// # Safety
-/// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `w` holds at least `(b + 1) * W_VECS` vectors
-/// from [`unpack`], `x` `(b + 1) * ACT_VECS`; `r0 + 4 <= 8`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn block(w: *const Expanded, x: *const Expanded, b: usize, r0: usize) -> Factors {
-    // SAFETY: super-block `b` reads the vectors at `w + b * W_VECS` and `x + b * ACT_VECS`
-    // (offsets below `W_VECS * 16` 32-bit values and `ACT_VECS` vectors), inside the
-    // caller's slices.
-    unsafe {
-        let wb = w.add(b * W_VECS) as *const i32;
-        let xb = x.add(b * ACT_VECS) as *const __m512i;
-        let mut isum = [_mm512_setzero_si512(); 4];
-        for s in 0..8 {
-            let mut raw = [_mm512_setzero_si512(); 4];
-            for kk in 0..8 {
-                let k = 8 * s + kk;
-                let xv = _mm512_load_si512(xb.add(k));
-                for (r, raw) in raw.iter_mut().enumerate() {
-                    let wv = _mm512_set1_epi32(*wb.add(8 * k + r0 + r));
-                    *raw = _mm512_dpbusd_epi32(*raw, wv, xv);
-                }
-            }
-            for r in 0..4 {
-                let sc = _mm512_set1_epi32(*wb.add(SC + 8 * s + r0 + r));
-                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(raw[r], sc));
-            }
-        }
-        // `Σ sc · bsum32` per row: the activations' 16-wide sums of sub-block `s` are pair `s`.
-        let mut off = [_mm512_setzero_si512(); 4];
-        for s in 0..8 {
-            let bp = _mm512_load_si512(xb.add(65 + s));
-            for (r, o) in off.iter_mut().enumerate() {
-                let scp = _mm512_set1_epi32(*wb.add(SC_PAIRS + 8 * s + r0 + r));
-                *o = _mm512_dpwssd_epi32(*o, scp, bp);
-            }
-        }
-        let dx = _mm512_load_ps(xb.add(64) as *const f32);
-        let dw = wb.add(D) as *const f32;
-        let mut f = [[_mm512_setzero_ps(); 2]; 4];
-        for (r, f) in f.iter_mut().enumerate() {
-            let is = _mm512_sub_epi32(isum[r], _mm512_slli_epi32::<7>(off[r]));
-            let scale = _mm512_mul_ps(_mm512_set1_ps(*dw.add(r0 + r)), dx);
-            *f = [_mm512_cvtepi32_ps(is), scale];
-        }
-        f
     }
 }

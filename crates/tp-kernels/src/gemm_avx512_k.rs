@@ -2,7 +2,8 @@
 //! 16 tokens in the lanes, a row's 4-column weight word broadcast from memory. The
 //! `TokenLanes` impl for Q8_K activations also dispatches Q4_K and Q5_K to `gemm_avx512_k4`,
 //! Q2_K and Q3_K to `gemm_avx512_k23` (which share this module's activation layout), and
-//! IQ4_XS to `gemm_avx512_iq4xs` (on this module's activation layout and chunk loop).
+//! runs IQ4_XS, unpacked by `gemm_avx512_iq4xs` into Q6_K's layout, on Q6_K's kernel with
+//! 32-wide sub-blocks and an offset of 128.
 //!
 //! Per row and super-block, each 16-wide sub-block's exact `vpdpbusd` sum of the unsigned
 //! 6-bit quants is multiplied by its signed scale (`vpmulld`) and added up; the offset of 32
@@ -112,9 +113,9 @@ impl TokenLanes for ActBlockK {
                 return k23::group_chunk(qtype, w, x, nb, wide, out);
             }
             if qtype == QuantType::IQ4_XS {
-                return iq4xs::group_chunk(w, x, nb, wide, out);
+                return group_chunk_scaled::<8, 7>(w, x, nb, wide, out);
             }
-            group_chunk_q6k(w, x, nb, wide, out);
+            group_chunk_scaled::<16, 5>(w, x, nb, wide, out);
         }
     }
 }
@@ -184,14 +185,16 @@ unsafe fn unpack_q6k(group: &[u8], nb: usize, out: &mut [Expanded]) {
     }
 }
 
-/// One unpacked Q6_K group (`w`) against one chunk of 16 transposed tokens (`x`) over `nb`
-/// super-blocks, into `out.f32s` or (`wide`) `out.f64s`.
+/// One unpacked group in Q6_K's layout (`w`) against one chunk of 16 transposed tokens (`x`)
+/// over `nb` super-blocks, into `out.f32s` or (`wide`) `out.f64s`: [`block_scaled`] with
+/// `SUBS` sub-blocks per super-block and an offset of `1 << SHIFT` (Q6_K: 16 and 5; IQ4_XS,
+/// unpacked by `gemm_avx512_iq4xs`: 8 and 7).
 ///
 /// # Safety
 /// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `w.len() >= nb * W_VECS`,
 /// `x.len() >= nb * ACT_VECS`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn group_chunk_q6k(
+unsafe fn group_chunk_scaled<const SUBS: usize, const SHIFT: u32>(
     w: &[Expanded],
     x: &[Expanded],
     nb: usize,
@@ -201,7 +204,9 @@ unsafe fn group_chunk_q6k(
     let (w, x) = (w.as_ptr(), x.as_ptr());
     // SAFETY: `halves` asks only for super-blocks `b < nb` and `r0` 0 or 4, whose vectors lie
     // inside the caller's `w` and `x`; the features are the caller's promise.
-    halves(nb, wide, out, |b, r0| unsafe { block_q6k(w, x, b, r0) });
+    halves(nb, wide, out, |b, r0| unsafe {
+        block_scaled::<SUBS, SHIFT>(w, x, b, r0)
+    });
 }
 
 /// One super-block's f32 contributions to 4 rows' 16 token outputs, as factors: row `r`'s
@@ -273,15 +278,22 @@ fn half<const WIDE: bool>(
     }
 }
 
-/// Q6_K: super-block `b`'s [`Factors`] for rows `r0..r0 + 4` (see the module comment):
-/// `(isum as f32, d_w * d_x)`.
+/// Super-block `b`'s [`Factors`] for rows `r0..r0 + 4` (see the module comment): `(isum as
+/// f32, d_w * d_x)`, `isum = Σ sc · raw - (Σ sc · bsum16 pairs) << SHIFT` over `SUBS`
+/// sub-blocks of `64 / SUBS` words (Q6_K: 16 of 16 columns, each pair of scales its own;
+/// IQ4_XS: 8 of 32, a pair holding one scale twice).
 ///
 /// # Safety
 /// AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `w` holds at least `(b + 1) * W_VECS` vectors
-/// unpacked for Q6_K, `x` `(b + 1) * ACT_VECS`; `r0 + 4 <= 8`.
+/// unpacked in this layout, `x` `(b + 1) * ACT_VECS`; `r0 + 4 <= 8`; `SUBS` divides 64.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn block_q6k(w: *const Expanded, x: *const Expanded, b: usize, r0: usize) -> Factors {
+unsafe fn block_scaled<const SUBS: usize, const SHIFT: u32>(
+    w: *const Expanded,
+    x: *const Expanded,
+    b: usize,
+    r0: usize,
+) -> Factors {
     // SAFETY: super-block `b` reads the vectors at `w + b * W_VECS` and `x + b * ACT_VECS`
     // (offsets below `W_VECS * 16` 32-bit values and `ACT_VECS` vectors), inside the
     // caller's slices.
@@ -289,10 +301,10 @@ unsafe fn block_q6k(w: *const Expanded, x: *const Expanded, b: usize, r0: usize)
         let wb = w.add(b * W_VECS) as *const i32;
         let xb = x.add(b * ACT_VECS) as *const __m512i;
         let mut isum = [_mm512_setzero_si512(); 4];
-        for s in 0..16 {
+        for s in 0..SUBS {
             let mut raw = [_mm512_setzero_si512(); 4];
-            for kk in 0..4 {
-                let k = 4 * s + kk;
+            for kk in 0..64 / SUBS {
+                let k = 64 / SUBS * s + kk;
                 let xv = _mm512_load_si512(xb.add(k));
                 for (r, raw) in raw.iter_mut().enumerate() {
                     let wv = _mm512_set1_epi32(*wb.add(8 * k + r0 + r));
@@ -316,7 +328,7 @@ unsafe fn block_q6k(w: *const Expanded, x: *const Expanded, b: usize, r0: usize)
         let dw = wb.add(D) as *const f32;
         let mut f = [[_mm512_setzero_ps(); 2]; 4];
         for (r, f) in f.iter_mut().enumerate() {
-            let is = _mm512_sub_epi32(isum[r], _mm512_slli_epi32::<5>(off[r]));
+            let is = _mm512_sub_epi32(isum[r], _mm512_slli_epi32::<SHIFT>(off[r]));
             let scale = _mm512_mul_ps(_mm512_set1_ps(*dw.add(r0 + r)), dx);
             *f = [_mm512_cvtepi32_ps(is), scale];
         }
