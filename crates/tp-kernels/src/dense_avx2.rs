@@ -1,6 +1,7 @@
 //! AVX2+FMA dense kernels: register tiles of T tokens x R rows of f32 dot products (f16
-//! weights widened with F16C, bf16 by a 16-bit shift), blocked over rows so a block of W stays in L2 across tiles;
-//! and the wide variant (per-32-column-chunk f32 dots summed in f64, see `wide`).
+//! weights widened with F16C, bf16 by a 16-bit shift), blocked over rows so a block of W
+//! stays in L2 across tiles; and the wide variant (per-32-column-chunk f32 dots summed in
+//! f64, see `wide`).
 
 use crate::dense::ToF32;
 use half::{bf16, f16};

@@ -1,6 +1,6 @@
-//! AVX-512 VNNI products of a Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or IQ4_NL matrix with many tokens at once
-//! (prefill chunks, batched decode): the 16 lanes of a register hold 16 tokens of one row,
-//! where the per-group kernels (`dot_avx512`) hold 8 rows of one token twice over.
+//! AVX-512 VNNI products of a Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or IQ4_NL matrix with many tokens
+//! at once (prefill chunks, batched decode): the 16 lanes of a register hold 16 tokens of one
+//! row, where the per-group kernels (`dot_avx512`) hold 8 rows of one token twice over.
 //!
 //! Why: per 32-wide block each (row, token) output needs an f32 tail (scale, convert, fused
 //! multiply-add, and for Q4_1/Q5_1 the minimum's term) after its integer dot product. With
@@ -17,9 +17,9 @@
 //!   signed bytes with the format's offset taken off, word `k` of row `r` at 32-bit index
 //!   `8k + r` (Q4_0: nibble - 8; Q4_1: the nibbles; Q5_0: the 5-bit value - 16; Q5_1: the
 //!   5-bit value; Q8_0: the quants as stored; IQ4_NL: the nibble's entry of the non-linear
-//!   table, looked up 64 at a time by a byte shuffle); then the rows' `d` as f32 (lanes 0..8) and `m`
-//!   (lanes 8..16; Q4_1/Q5_1); then, as i32 in lanes 0..8, each row's `-128 * sum(w)` over
-//!   the block's 32 signed quants `w`.
+//!   table, looked up 64 at a time by a byte shuffle); then the rows' `d` as f32 (lanes
+//!   0..8) and `m` (lanes 8..16; Q4_1/Q5_1); then, as i32 in lanes 0..8, each row's `-128 *
+//!   sum(w)` over the block's 32 signed quants `w`.
 //!
 //! The kernel broadcasts a row's word from memory (the signed operand of `vpdpbusd`, so the
 //! broadcast folds into the instruction) against a token vector (the unsigned operand):

@@ -94,7 +94,7 @@ const GEMM_BUDGET: usize = 512 << 10;
 const GEMM_MIN_TOKENS: usize = 8;
 
 /// [`GEMM_MIN_TOKENS`] for `qtype`: IQ4_XS's many-token kernel (a scale multiply per sub-block
-/// per 16 tokens) measured 0.6-0.9x its per-group kernels at 8-12 tokens and 1.3-1.4x at
+/// per 16 tokens) measured 0.6-0.9x its per-group kernels at 8-12 tokens and 1.1-1.4x at
 /// 14-16 (`cargo bench -p tp-kernels --bench gemm`, Intel kind, 1536x1536), so it starts at 14.
 #[cfg(target_arch = "x86_64")]
 fn gemm_min_tokens(qtype: QuantType) -> usize {
