@@ -452,12 +452,11 @@ impl ShardedModel {
             rms_norm(&h, &layer.attn_norm, eps, &mut xn);
             layer.qkv.forward(&xn, n, &mut qkv)?;
             let mut t0 = 0;
-            for ci in 0..chunks.len() {
+            for (ci, c) in chunks.iter().enumerate() {
                 // The next sequence's cache is fetched while this one's attention runs.
                 if let Some(next) = chunks.get(ci + 1) {
                     pool.layer(next.table, li).prefetch();
                 }
-                let c = &mut chunks[ci];
                 let len = c.tokens.len();
                 let pos0 = c.table.len();
                 let rows = &mut qkv[t0 * qkv_w..(t0 + len) * qkv_w];
