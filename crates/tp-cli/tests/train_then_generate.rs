@@ -32,7 +32,35 @@ fn trained_checkpoint_generates_identically_at_every_tp() {
     let ckpt = ckpt.to_string_lossy();
     assert!(one.len() > 10, "{one:?}");
     assert_eq!(text("2"), one);
+    assert_eq!(text("3"), one);
     assert_eq!(text("4"), one);
+    // Issue 32: trained at tp 2 (its shards are the inference shards of tp 2), loaded at tp 3
+    // the checkpoint gives tp 1's distribution: every token's logprob and top-5 alternatives
+    // as printed.
+    let table = |tp_size: &str| {
+        let f = tp(&[
+            "generate",
+            "--model",
+            &ckpt,
+            "--tp",
+            tp_size,
+            "--greedy",
+            "--max-tokens",
+            "16",
+            "--logprobs",
+            "5",
+            "-q",
+            "And God said",
+        ]);
+        let t = f.stderr;
+        let at = t
+            .find("logprobs:")
+            .unwrap_or_else(|| panic!("no table in {t:?}"));
+        t[at..].to_string()
+    };
+    let t1 = table("1");
+    assert_eq!(table("3"), t1);
+    assert_eq!(table("2"), t1);
 
     // Score a slice of the corpus it trained on.
     let corpus = std::fs::read_to_string(concat!(
@@ -58,6 +86,7 @@ fn trained_checkpoint_generates_identically_at_every_tp() {
         .stdout
     };
     let p1 = ppl("1");
+    assert_eq!(ppl("3"), p1);
     assert_eq!(ppl("4"), p1);
     let nll: f64 = p1
         .split("mean NLL ")

@@ -3,7 +3,7 @@
 //! SwiGLU MLP split by FFN columns, LM head split by vocab rows. Two all-reduces per layer.
 
 use crate::attention::{attend, AttendInput};
-use crate::checkpoint::{Checkpoint, WeightName};
+use crate::checkpoint::{Checkpoint, Expected, WeightName};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::{BlockTable, KvDtype, KvPool};
@@ -13,7 +13,7 @@ use crate::profile::Profile;
 use crate::shard::{CheckpointPlan, ShardPlan};
 use crate::sync::{sum_partials, SyncMode};
 use tp_comm::{CommExt, Group, ReduceOp};
-use tp_spec::{Activation, RankWeights};
+use tp_spec::{embed_params, head_params, Activation, Param, RankWeights, Units};
 
 /// One transformer block's local weights.
 #[derive(Debug)]
@@ -107,38 +107,34 @@ impl ShardedModel {
             .block
             .sliding
             .map(|s| Rope::new(hd, s.rope_theta, 1.0, cfg.rope_style));
-        let q_rows = plan.q_heads().start * hd..plan.q_heads().end * hd;
-        let kv_rows = plan.kv_heads().start * hd..plan.kv_heads().end * hd;
-        let ffn = plan.ffn_cols();
-        let vocab = plan.vocab_rows();
-        check_vector(ckpt, WeightName::OutputNorm, cfg.hidden)?;
-        // The vocabulary matrices first, while nothing else is held: the largest tensors, their
-        // file pages and slice copies then peak beside no layer (Qwen2.5-Coder-0.5B at tp 1:
-        // 899 -> 734 MB peak RSS).
-        check_matrix(ckpt, WeightName::Embed, cfg.vocab, cfg.hidden)?;
+        // Each rank's ranges, by the table's placement ([`ShardPlan::place`]).
+        let q_rows = plan.units_range(Units::QHeads);
+        let kv_rows = plan.units_range(Units::KvHeads);
+        let ffn = plan.units_range(Units::Ffn);
+        let vocab = plan.units_range(Units::Vocab);
+        // Every weight outside the layers, as the table lists it, is checked before any is
+        // read. The vocabulary matrices are read first, while nothing else is held: the
+        // largest tensors, their file pages and slice copies then peak beside no layer
+        // (Qwen2.5-Coder-0.5B at tp 1: 899 -> 734 MB peak RSS).
+        for p in embed_params(&cfg).iter().chain(&head_params(&cfg)) {
+            check_param(ckpt, p)?;
+        }
         // Repacked straight from the mapped file, its pages let go part by part (no slice copy).
         let embed = Matrix::from_rows(ckpt, WeightName::Embed, vocab.clone(), opts)?;
         let head = if cfg.tied_embeddings {
             None
         } else {
-            check_matrix(ckpt, WeightName::Output, cfg.vocab, cfg.hidden)?;
             Some(Matrix::from_rows(ckpt, WeightName::Output, vocab, opts)?)
         };
         ckpt.release_pages();
         let mut layers = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
-            check_matrix(ckpt, WeightName::Q(l), cfg.heads * hd, cfg.hidden)?;
-            check_matrix(ckpt, WeightName::K(l), cfg.kv_heads * hd, cfg.hidden)?;
-            check_matrix(ckpt, WeightName::V(l), cfg.kv_heads * hd, cfg.hidden)?;
-            check_matrix(ckpt, WeightName::O(l), cfg.hidden, cfg.heads * hd)?;
-            check_matrix(ckpt, WeightName::Gate(l), cfg.ffn, cfg.hidden)?;
-            check_matrix(ckpt, WeightName::Up(l), cfg.ffn, cfg.hidden)?;
-            check_matrix(ckpt, WeightName::Down(l), cfg.hidden, cfg.ffn)?;
-            check_vector(ckpt, WeightName::AttnNorm(l), cfg.hidden)?;
-            check_vector(ckpt, WeightName::FfnNorm(l), cfg.hidden)?;
+            // The layer's weights as the table lists them, checked before any is read; below,
+            // each goes to its slot.
+            for p in cfg.layer_spec(l).params() {
+                check_param(ckpt, &p)?;
+            }
             let post_norms = if cfg.block.post_norms {
-                check_vector(ckpt, WeightName::PostAttnNorm(l), cfg.hidden)?;
-                check_vector(ckpt, WeightName::PostFfnNorm(l), cfg.hidden)?;
                 Some((
                     ckpt.vector(WeightName::PostAttnNorm(l), None)?,
                     ckpt.vector(WeightName::PostFfnNorm(l), None)?,
@@ -147,8 +143,6 @@ impl ShardedModel {
                 None
             };
             let qk_norm = if cfg.qk_norm {
-                check_vector(ckpt, WeightName::QNorm(l), hd)?;
-                check_vector(ckpt, WeightName::KNorm(l), hd)?;
                 Some((
                     ckpt.vector(WeightName::QNorm(l), None)?,
                     ckpt.vector(WeightName::KNorm(l), None)?,
@@ -647,25 +641,21 @@ fn row_parallel(
     sum_partials(sync, out, group, prof)
 }
 
-fn check_matrix(ckpt: &dyn Checkpoint, name: WeightName, rows: usize, cols: usize) -> Result<()> {
-    let m = ckpt.meta(name)?;
-    if m.rows != rows || m.cols != cols {
+/// Refuses a weight whose shape in the file is not the table's (a vector may be stored as a
+/// `[1, len]` or `[len, 1]` matrix).
+fn check_param(ckpt: &dyn Checkpoint, p: &Param) -> Result<()> {
+    let m = ckpt.meta(p.name)?;
+    let ok = match p.shape {
+        Expected::Matrix { rows, cols } => m.rows == rows && m.cols == cols,
+        Expected::Vector { len } => {
+            m.rows.checked_mul(m.cols) == Some(len) && m.rows.min(m.cols) == 1
+        }
+    };
+    if !ok {
         return Err(ModelError::TensorShape {
-            name: format!("{name:?} in {}", ckpt.source()),
+            name: format!("{:?} in {}", p.name, ckpt.source()),
             found: vec![m.rows, m.cols],
-            expected: vec![rows, cols],
-        });
-    }
-    Ok(())
-}
-
-fn check_vector(ckpt: &dyn Checkpoint, name: WeightName, len: usize) -> Result<()> {
-    let m = ckpt.meta(name)?;
-    if m.rows * m.cols != len || m.rows.min(m.cols) != 1 {
-        return Err(ModelError::TensorShape {
-            name: format!("{name:?} in {}", ckpt.source()),
-            found: vec![m.rows, m.cols],
-            expected: vec![len],
+            expected: p.dims(),
         });
     }
     Ok(())

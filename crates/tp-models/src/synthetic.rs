@@ -7,7 +7,7 @@
 //! give the same logits; `qwen2` GGUFs are not permuted.
 
 use crate::checkpoint::GgmlDType;
-use crate::checkpoint::WeightName;
+use crate::checkpoint::{Expected, WeightName};
 use crate::config::{Arch, ModelConfig, RopeStyle};
 use crate::error::{ModelError, Result};
 use crate::gguf::gguf_name;
@@ -122,117 +122,31 @@ impl SyntheticModel {
         Self::new(cfg, seed)
     }
 
-    /// Random weights for `cfg` (uniform, scaled so activations stay of order one).
+    /// Random weights for `cfg` (uniform, scaled so activations stay of order one), one per
+    /// parameter of the table in its order: matrices scaled by their fan-in (the embedding
+    /// and the LM head by fixed factors), norm weights near 1, biases near 0.
     pub fn new(cfg: ModelConfig, seed: u64) -> Self {
         let mut rng = Rng::new(seed);
-        let mut weights = Vec::new();
-        let hd = cfg.head_dim;
-        let (q, kv) = (cfg.heads * hd, cfg.kv_heads * hd);
-        let matrix = |rng: &mut Rng, name, rows: usize, cols: usize, scale: f32| {
-            let values = (0..rows * cols).map(|_| rng.uniform() * scale).collect();
-            (name, vec![rows, cols], values)
-        };
         let lin = |fan_in: usize| (3.0 / fan_in as f32).sqrt();
-        let vector = |rng: &mut Rng, name, len: usize, center: f32, spread: f32| {
-            let values = (0..len).map(|_| center + spread * rng.uniform()).collect();
-            (name, vec![len], values)
-        };
-        weights.push(matrix(
-            &mut rng,
-            WeightName::Embed,
-            cfg.vocab,
-            cfg.hidden,
-            1.0,
-        ));
-        for l in 0..cfg.layers {
-            weights.push(vector(
-                &mut rng,
-                WeightName::AttnNorm(l),
-                cfg.hidden,
-                1.0,
-                0.2,
-            ));
-            weights.push(matrix(
-                &mut rng,
-                WeightName::Q(l),
-                q,
-                cfg.hidden,
-                lin(cfg.hidden),
-            ));
-            weights.push(matrix(
-                &mut rng,
-                WeightName::K(l),
-                kv,
-                cfg.hidden,
-                lin(cfg.hidden),
-            ));
-            weights.push(matrix(
-                &mut rng,
-                WeightName::V(l),
-                kv,
-                cfg.hidden,
-                lin(cfg.hidden),
-            ));
-            if cfg.qk_norm {
-                weights.push(vector(&mut rng, WeightName::QNorm(l), hd, 1.0, 0.2));
-                weights.push(vector(&mut rng, WeightName::KNorm(l), hd, 1.0, 0.2));
-            }
-            if cfg.qkv_bias {
-                weights.push(vector(&mut rng, WeightName::QBias(l), q, 0.0, 0.3));
-                weights.push(vector(&mut rng, WeightName::KBias(l), kv, 0.0, 0.3));
-                weights.push(vector(&mut rng, WeightName::VBias(l), kv, 0.0, 0.3));
-            }
-            weights.push(matrix(&mut rng, WeightName::O(l), cfg.hidden, q, lin(q)));
-            if cfg.block.post_norms {
-                for name in [WeightName::PostAttnNorm(l), WeightName::PostFfnNorm(l)] {
-                    weights.push(vector(&mut rng, name, cfg.hidden, 1.0, 0.2));
-                }
-            }
-            weights.push(vector(
-                &mut rng,
-                WeightName::FfnNorm(l),
-                cfg.hidden,
-                1.0,
-                0.2,
-            ));
-            weights.push(matrix(
-                &mut rng,
-                WeightName::Gate(l),
-                cfg.ffn,
-                cfg.hidden,
-                lin(cfg.hidden),
-            ));
-            weights.push(matrix(
-                &mut rng,
-                WeightName::Up(l),
-                cfg.ffn,
-                cfg.hidden,
-                lin(cfg.hidden),
-            ));
-            weights.push(matrix(
-                &mut rng,
-                WeightName::Down(l),
-                cfg.hidden,
-                cfg.ffn,
-                lin(cfg.ffn),
-            ));
-        }
-        weights.push(vector(
-            &mut rng,
-            WeightName::OutputNorm,
-            cfg.hidden,
-            1.0,
-            0.2,
-        ));
-        if !cfg.tied_embeddings {
-            weights.push(matrix(
-                &mut rng,
-                WeightName::Output,
-                cfg.vocab,
-                cfg.hidden,
-                0.5,
-            ));
-        }
+        let weights = tp_spec::model_params(&cfg)
+            .into_iter()
+            .map(|p| {
+                let (center, spread) = match (p.name, p.shape) {
+                    (WeightName::Embed, _) => (0.0, 1.0),
+                    (WeightName::Output, _) => (0.0, 0.5),
+                    (_, Expected::Matrix { cols, .. }) => (0.0, lin(cols)),
+                    (WeightName::QBias(_) | WeightName::KBias(_) | WeightName::VBias(_), _) => {
+                        (0.0, 0.3)
+                    }
+                    (_, Expected::Vector { .. }) => (1.0, 0.2),
+                };
+                let dims = p.dims();
+                let values = (0..dims.iter().product::<usize>())
+                    .map(|_| center + spread * rng.uniform())
+                    .collect();
+                (p.name, dims, values)
+            })
+            .collect();
         SyntheticModel { cfg, weights }
     }
 

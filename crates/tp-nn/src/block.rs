@@ -11,9 +11,11 @@ use crate::mlp::ParallelMlp;
 use crate::norm::RmsNorm;
 use crate::rope::{Rope, RopeLayout};
 use candle_core::{Device, Tensor, Var};
-use std::ops::Range;
 use tp_comm::Group;
-use tp_spec::Activation;
+use tp_spec::{
+    Activation, AttentionSpec, LayerSpec, MlpSpec, Param, Placement, RopeStyle, ShardPlan,
+    WeightName,
+};
 
 /// What one layer departs from Llama's block by; [`LayerStyle::LLAMA`] departs by nothing.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -91,14 +93,6 @@ pub struct BlockWeights {
     pub post_mlp_norm: Option<Tensor>, // [hidden]
 }
 
-/// Whether the parameter `name` of [`ParallelBlock::params`] is replicated but gets, on each
-/// rank, only its share of the gradient (the per-head q/k norms see only the rank's heads): the
-/// full gradient is the sum over the tp group, which the caller must take (like Megatron's
-/// all-reduce of layer-norm gradients under sequence parallelism).
-pub fn tp_partial_grad(name: &str) -> bool {
-    matches!(name, "q_norm" | "k_norm")
-}
-
 /// Deterministic xorshift64* stream, so tests and examples are reproducible everywhere.
 #[derive(Clone, Debug)]
 pub struct SeededRng(u64);
@@ -129,6 +123,129 @@ impl SeededRng {
         let n: usize = dims.iter().product();
         let v: Vec<f32> = (0..n).map(|_| center + scale * self.next_f32()).collect();
         Ok(Tensor::from_vec(v, dims, device)?)
+    }
+}
+
+impl BlockConfig {
+    /// The block of a layer of the parameter table, for sequences of at most `max_seq`
+    /// positions (tp-nn's layers have no biases: a spec with them is refused).
+    pub fn from_spec(spec: &LayerSpec, max_seq: usize) -> Result<Self> {
+        let a = &spec.attention;
+        if a.bias {
+            return Err(TpError::Config(format!(
+                "layer {} has Q/K/V biases, which the training layers do not have",
+                spec.layer
+            )));
+        }
+        let MlpSpec::Dense { ffn, activation } = spec.mlp;
+        Ok(BlockConfig {
+            hidden: spec.hidden,
+            heads: a.heads,
+            kv_heads: a.kv_heads,
+            head_dim: a.head_dim,
+            ffn,
+            rope_theta: a.rope_theta,
+            rope_layout: match a.rope_style {
+                RopeStyle::Interleaved => RopeLayout::Interleaved,
+                RopeStyle::RotateHalf => RopeLayout::RotateHalf,
+            },
+            rms_eps: spec.rms_eps,
+            max_seq,
+            qk_norm: a.qk_norm,
+            style: LayerStyle {
+                activation,
+                post_norms: spec.post_norms,
+                unit_offset_norms: spec.hf_norm_minus_one,
+                query_scale: Some(a.query_scale),
+                window: a.window,
+                rope_scale: a.rope_scale,
+            },
+        })
+    }
+
+    /// This block as layer `layer` of the parameter table (the inverse of
+    /// [`BlockConfig::from_spec`]).
+    pub fn layer_spec(&self, layer: usize) -> LayerSpec {
+        let st = &self.style;
+        LayerSpec {
+            layer,
+            hidden: self.hidden,
+            rms_eps: self.rms_eps,
+            attention: AttentionSpec {
+                heads: self.heads,
+                kv_heads: self.kv_heads,
+                head_dim: self.head_dim,
+                bias: false,
+                qk_norm: self.qk_norm,
+                window: st.window,
+                rope_theta: self.rope_theta,
+                rope_scale: st.rope_scale,
+                rope_style: match self.rope_layout {
+                    RopeLayout::Interleaved => RopeStyle::Interleaved,
+                    RopeLayout::RotateHalf => RopeStyle::RotateHalf,
+                },
+                query_scale: st
+                    .query_scale
+                    .unwrap_or(1.0 / (self.head_dim as f64).sqrt()),
+            },
+            mlp: MlpSpec::Dense {
+                ffn: self.ffn,
+                activation: st.activation,
+            },
+            post_norms: st.post_norms,
+            hf_norm_minus_one: st.unit_offset_norms,
+        }
+    }
+}
+
+impl BlockWeights {
+    /// A block's global weights from one layer's parameters of the table with their tensors:
+    /// the table says which weights a block has, this puts each in its slot.
+    pub fn from_params(params: Vec<(Param, Tensor)>) -> Result<Self> {
+        let mut slots: [Option<Tensor>; 13] = Default::default();
+        for (p, t) in params {
+            let slot = match p.name {
+                WeightName::AttnNorm(_) => 0,
+                WeightName::Q(_) => 1,
+                WeightName::K(_) => 2,
+                WeightName::V(_) => 3,
+                WeightName::O(_) => 4,
+                WeightName::FfnNorm(_) => 5,
+                WeightName::Gate(_) => 6,
+                WeightName::Up(_) => 7,
+                WeightName::Down(_) => 8,
+                WeightName::QNorm(_) => 9,
+                WeightName::KNorm(_) => 10,
+                WeightName::PostAttnNorm(_) => 11,
+                WeightName::PostFfnNorm(_) => 12,
+                other => {
+                    return Err(TpError::Config(format!(
+                        "{other:?} is not a weight of the training block"
+                    )))
+                }
+            };
+            slots[slot] = Some(t);
+        }
+        let [attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down, q_norm, k_norm, post_attn_norm, post_mlp_norm] =
+            slots;
+        let need = |t: Option<Tensor>, what: &str| {
+            t.ok_or_else(|| TpError::Config(format!("the layer's parameters lack {what}")))
+        };
+        Ok(BlockWeights {
+            attn_norm: need(attn_norm, "the attention norm")?,
+            wq: need(wq, "Q")?,
+            wk: need(wk, "K")?,
+            wv: need(wv, "V")?,
+            wo: need(wo, "O")?,
+            mlp_norm: need(mlp_norm, "the MLP norm")?,
+            w_gate: need(w_gate, "the gate")?,
+            w_up: need(w_up, "up")?,
+            w_down: need(w_down, "down")?,
+            q_norm,
+            k_norm,
+            post_attn_norm,
+            post_mlp_norm,
+        })
     }
 }
 
@@ -224,16 +341,6 @@ impl BlockConfig {
     }
 }
 
-/// Where a parameter shard sits in its global tensor.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Placement {
-    /// Every rank holds the whole tensor (norm weights).
-    Replicated,
-    /// The rank holds `range` of `dim` (element indices, not units). Shards of different
-    /// ranks may overlap (replicated KV heads): their gradients then add up to the dense one.
-    Sharded { dim: usize, range: Range<usize> },
-}
-
 /// One rank's slice of a transformer block.
 #[derive(Debug)]
 pub struct ParallelBlock {
@@ -245,11 +352,16 @@ pub struct ParallelBlock {
     /// Gemma's `(post_attn_norm, post_mlp_norm)`.
     post_norms: Option<(RmsNorm, RmsNorm)>,
     rope: Rope,
+    /// This rank's shard of the layer (heads, FFN columns), by the table's placement.
+    plan: ShardPlan,
+    /// The layer's index in its model (names its parameters).
+    layer: usize,
     tp_rank: usize,
     tp: usize,
 }
 
 impl ParallelBlock {
+    /// Rank `tp_rank` of `tp`'s slice of a lone block (layer 0, the FFN in single columns).
     pub fn from_global(
         cfg: &BlockConfig,
         w: &BlockWeights,
@@ -257,6 +369,28 @@ impl ParallelBlock {
         tp: usize,
     ) -> Result<Self> {
         cfg.validate()?;
+        let plan = ShardPlan::for_block(
+            cfg.heads,
+            cfg.kv_heads,
+            cfg.head_dim,
+            cfg.ffn,
+            1,
+            tp_rank,
+            tp,
+        )?;
+        Self::from_plan(cfg, w, 0, &plan)
+    }
+
+    /// Layer `layer`'s slice for the rank of `plan` (the model's shard plan: its heads and
+    /// its FFN columns in the plan's unit, so the shard is the inference rank's).
+    pub fn from_plan(
+        cfg: &BlockConfig,
+        w: &BlockWeights,
+        layer: usize,
+        plan: &ShardPlan,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let (tp_rank, tp) = (plan.tp_rank, plan.tp);
         let st = cfg.style;
         let rope = Rope::scaled(
             cfg.head_dim,
@@ -293,10 +427,19 @@ impl ParallelBlock {
             attn_norm: norm(&w.attn_norm)?,
             attn,
             mlp_norm: norm(&w.mlp_norm)?,
-            mlp: ParallelMlp::from_global(&w.w_gate, &w.w_up, &w.w_down, tp_rank, tp)?
-                .with_activation(st.activation),
+            mlp: ParallelMlp::from_global_split(
+                &w.w_gate,
+                &w.w_up,
+                &w.w_down,
+                &plan.ffn,
+                plan.ffn_unit,
+                tp_rank,
+            )?
+            .with_activation(st.activation),
             post_norms,
             rope,
+            plan: plan.clone(),
+            layer,
             tp_rank,
             tp,
         })
@@ -306,44 +449,47 @@ impl ParallelBlock {
         &self.cfg
     }
 
-    /// Every parameter shard with its name and where it sits in the global tensor: the nine
-    /// Llama tensors, then `q_norm` and `k_norm` when the block has them (replicated, with
-    /// partial gradients: [`tp_partial_grad`]), then `post_attn_norm` and `post_mlp_norm`
-    /// when it has them (replicated, whole gradients).
-    pub fn params(&self) -> Vec<(&'static str, &Var, Placement)> {
-        let hd = self.cfg.head_dim;
-        let q = self.attn.plan().q_range();
-        let kv = self.attn.plan().kv_range();
-        let f = self.mlp.partition().range(self.tp_rank);
-        let rows = |r: &Range<usize>, k: usize| Placement::Sharded {
-            dim: 0,
-            range: r.start * k..r.end * k,
-        };
-        let cols = |r: &Range<usize>, k: usize| Placement::Sharded {
-            dim: 1,
-            range: r.start * k..r.end * k,
-        };
-        let [(nq, wq), (nk, wk), (nv, wv), (no, wo)] = self.attn.vars();
-        let [(ng, wg), (nu, wu), (nd, wd)] = self.mlp.vars();
-        let mut out = vec![
-            ("attn_norm", self.attn_norm.weight(), Placement::Replicated),
-            (nq, wq, rows(&q, hd)),
-            (nk, wk, rows(&kv, hd)),
-            (nv, wv, rows(&kv, hd)),
-            (no, wo, cols(&q, hd)),
-            ("mlp_norm", self.mlp_norm.weight(), Placement::Replicated),
-            (ng, wg, rows(&f, 1)),
-            (nu, wu, rows(&f, 1)),
-            (nd, wd, cols(&f, 1)),
-        ];
-        if let Some(norms) = self.attn.qk_norm_vars() {
-            out.extend(norms.map(|(n, v)| (n, v, Placement::Replicated)));
+    /// Every parameter shard in the table's order ([`LayerSpec::params`]), with where it sits
+    /// in the global tensor ([`ShardPlan::place`]).
+    pub fn params(&self) -> Result<Vec<(Param, &Var, Placement)>> {
+        self.cfg
+            .layer_spec(self.layer)
+            .params()
+            .into_iter()
+            .map(|p| {
+                let v = self
+                    .var(p.name)
+                    .ok_or_else(|| TpError::Config(format!("the block holds no {:?}", p.name)))?;
+                Ok((p, v, self.plan.place(&p)))
+            })
+            .collect()
+    }
+
+    /// The shard of weight `name` (`None` for a weight this block does not have).
+    pub fn var(&self, name: WeightName) -> Option<&Var> {
+        let [wq, wk, wv, wo] = self.attn.vars().map(|(_, v)| v);
+        let [wg, wu, wd] = self.mlp.vars().map(|(_, v)| v);
+        let qk = self.attn.qk_norm_vars().map(|[(_, q), (_, k)]| (q, k));
+        let post = self
+            .post_norms
+            .as_ref()
+            .map(|(a, m)| (a.weight(), m.weight()));
+        match name {
+            WeightName::AttnNorm(_) => Some(self.attn_norm.weight()),
+            WeightName::Q(_) => Some(wq),
+            WeightName::K(_) => Some(wk),
+            WeightName::V(_) => Some(wv),
+            WeightName::O(_) => Some(wo),
+            WeightName::FfnNorm(_) => Some(self.mlp_norm.weight()),
+            WeightName::Gate(_) => Some(wg),
+            WeightName::Up(_) => Some(wu),
+            WeightName::Down(_) => Some(wd),
+            WeightName::QNorm(_) => qk.map(|(q, _)| q),
+            WeightName::KNorm(_) => qk.map(|(_, k)| k),
+            WeightName::PostAttnNorm(_) => post.map(|(a, _)| a),
+            WeightName::PostFfnNorm(_) => post.map(|(_, m)| m),
+            _ => None,
         }
-        if let Some((a, m)) = &self.post_norms {
-            out.push(("post_attn_norm", a.weight(), Placement::Replicated));
-            out.push(("post_mlp_norm", m.weight(), Placement::Replicated));
-        }
-        out
     }
 
     /// Replicated `h [batch, seq, hidden]` -> replicated `[batch, seq, hidden]`.

@@ -22,9 +22,7 @@ pub mod reference;
 pub mod rope;
 
 pub use attention::ParallelAttention;
-pub use block::{
-    tp_partial_grad, BlockConfig, BlockWeights, LayerStyle, ParallelBlock, Placement, SeededRng,
-};
+pub use block::{BlockConfig, BlockWeights, LayerStyle, ParallelBlock, SeededRng};
 pub use cross_entropy::vocab_parallel_cross_entropy;
 pub use embedding::VocabParallelEmbedding;
 pub use error::{Result, TpError};
@@ -39,4 +37,6 @@ pub use recording::RecordingComm;
 pub use reference::DenseBlock;
 pub use rope::{Rope, RopeLayout};
 /// The shard arithmetic lives in tp-spec; re-exported for the layers' callers.
-pub use tp_spec::{Activation, HeadPlan, Partition, RankWeights, ShardError, MAX_RANK_WEIGHT};
+pub use tp_spec::{
+    Activation, HeadPlan, Partition, Placement, RankWeights, ShardError, ShardPlan, MAX_RANK_WEIGHT,
+};

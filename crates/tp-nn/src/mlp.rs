@@ -27,12 +27,25 @@ impl ParallelMlp {
         tp: usize,
     ) -> Result<Self> {
         let (ffn_global, _) = w_gate.dims2()?;
-        let ffn = Partition::new(ffn_global, tp, "FFN columns", "FFN column")?;
+        let (ffn, unit) = tp_spec::ffn_split(ffn_global, 1, tp)?;
+        Self::from_global_split(w_gate, w_up, w_down, &ffn, unit, tp_rank)
+    }
+
+    /// The rank's FFN columns are `ffn.range(tp_rank)` in units of `unit` columns (the shard
+    /// plan's split, [`tp_spec::ffn_split`]).
+    pub fn from_global_split(
+        w_gate: &Tensor,
+        w_up: &Tensor,
+        w_down: &Tensor,
+        ffn: &Partition,
+        unit: usize,
+        tp_rank: usize,
+    ) -> Result<Self> {
         Ok(ParallelMlp {
-            gate: ColumnParallelLinear::from_global_units(w_gate, &ffn, 1, tp_rank)?,
-            up: ColumnParallelLinear::from_global_units(w_up, &ffn, 1, tp_rank)?,
-            down: RowParallelLinear::from_global_units(w_down, &ffn, 1, tp_rank)?,
-            ffn,
+            gate: ColumnParallelLinear::from_global_units(w_gate, ffn, unit, tp_rank)?,
+            up: ColumnParallelLinear::from_global_units(w_up, ffn, unit, tp_rank)?,
+            down: RowParallelLinear::from_global_units(w_down, ffn, unit, tp_rank)?,
+            ffn: ffn.clone(),
             activation: Activation::Silu,
         })
     }
@@ -43,6 +56,7 @@ impl ParallelMlp {
         self
     }
 
+    /// The FFN split (in the units [`ParallelMlp::from_global_split`] was given).
     pub fn partition(&self) -> &Partition {
         &self.ffn
     }

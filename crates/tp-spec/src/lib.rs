@@ -8,6 +8,7 @@ pub mod arch;
 pub mod block;
 pub mod config;
 pub mod error;
+pub mod params;
 pub mod partition;
 pub mod shard;
 pub mod weights;
@@ -16,8 +17,12 @@ pub use arch::{is_moe_name, supported_list, Arch, RopeStyle};
 pub use block::{Activation, BlockStyle, SlidingWindow};
 pub use config::{Dims, Experts, MetaValue, Metadata, ModelConfig};
 pub use error::{ShardError, SpecError};
+pub use params::{
+    embed_params, head_params, model_params, stage_params, AttentionSpec, LayerSpec, MlpSpec,
+    Param, Placement, Split, Units,
+};
 pub use partition::{HeadPlan, Partition, RankWeights, MAX_RANK_WEIGHT};
-pub use shard::{rank_weight_bytes, Layout, ShardPlan, WeightBytes, DENSE_CHUNK};
+pub use shard::{ffn_split, rank_weight_bytes, Layout, ShardPlan, WeightBytes, DENSE_CHUNK};
 pub use weights::{
     expected_weights, gguf_name, hf_name, is_expert_tensor, parse_gguf_name, parse_hf_name,
     Expected, WeightName, TENSORS_PER_LAYER,

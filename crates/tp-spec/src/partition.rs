@@ -226,6 +226,16 @@ impl Partition {
         })
     }
 
+    /// No units over `tp` ranks: every rank's range is empty (a plan of one block, which has
+    /// no vocabulary rows).
+    pub(crate) fn empty(tp: usize) -> Self {
+        Partition {
+            units: 0,
+            tp,
+            bounds: None,
+        }
+    }
+
     pub fn units(&self) -> usize {
         self.units
     }

@@ -4,8 +4,9 @@
 
 use crate::config::ModelConfig;
 use crate::error::ShardError;
+use crate::params::{model_params, Placement, Split};
 use crate::partition::{HeadPlan, Partition, RankWeights};
-use crate::weights::WeightName;
+use crate::weights::{Expected, WeightName};
 use std::ops::Range;
 
 /// Columns a dense row-parallel product sums in f32 before widening to f64: the FFN unit of
@@ -23,6 +24,23 @@ pub struct ShardPlan {
     pub ffn: Partition,
     pub ffn_unit: usize,
     pub vocab: Partition,
+    /// Rows (or columns) of one head in the attention matrices.
+    pub head_dim: usize,
+}
+
+/// The balanced split of `ffn` columns over `tp` ranks and its unit: `ffn_unit` columns when
+/// that unit divides the width into at least `tp` units, else single columns. The one rule
+/// both executors split the MLP by, so a training rank's shard is an inference rank's.
+pub fn ffn_split(ffn: usize, ffn_unit: usize, tp: usize) -> Result<(Partition, usize), ShardError> {
+    let unit = if ffn_unit > 0 && ffn.is_multiple_of(ffn_unit) && ffn / ffn_unit >= tp {
+        ffn_unit
+    } else {
+        1
+    };
+    Ok((
+        Partition::new(ffn / unit, tp, "FFN columns", "FFN column")?,
+        unit,
+    ))
 }
 
 impl ShardPlan {
@@ -35,12 +53,7 @@ impl ShardPlan {
         tp: usize,
     ) -> Result<Self, ShardError> {
         let heads = HeadPlan::new(cfg.heads, cfg.kv_heads, tp_rank, tp)?;
-        let unit = if ffn_unit > 0 && cfg.ffn.is_multiple_of(ffn_unit) && cfg.ffn / ffn_unit >= tp {
-            ffn_unit
-        } else {
-            1
-        };
-        let ffn = Partition::new(cfg.ffn / unit, tp, "FFN columns", "FFN column")?;
+        let (ffn, unit) = ffn_split(cfg.ffn, ffn_unit, tp)?;
         let vocab = Partition::new(cfg.vocab, tp, "vocabulary rows", "vocabulary row")?;
         Ok(ShardPlan {
             tp_rank,
@@ -49,6 +62,7 @@ impl ShardPlan {
             ffn,
             ffn_unit: unit,
             vocab,
+            head_dim: cfg.head_dim,
         })
     }
 
@@ -82,6 +96,32 @@ impl ShardPlan {
             ffn,
             ffn_unit: unit,
             vocab,
+            head_dim: cfg.head_dim,
+        })
+    }
+
+    /// The balanced plan of one transformer block alone (no vocabulary rows: its vocabulary
+    /// range is empty), for a block built outside a model: the same heads and FFN split as
+    /// [`ShardPlan::new`] gives a model of these sizes.
+    pub fn for_block(
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        ffn: usize,
+        ffn_unit: usize,
+        tp_rank: usize,
+        tp: usize,
+    ) -> Result<Self, ShardError> {
+        let heads = HeadPlan::new(heads, kv_heads, tp_rank, tp)?;
+        let (ffn, unit) = ffn_split(ffn, ffn_unit, tp)?;
+        Ok(ShardPlan {
+            tp_rank,
+            tp,
+            heads,
+            ffn,
+            ffn_unit: unit,
+            vocab: Partition::empty(tp),
+            head_dim,
         })
     }
 
@@ -184,51 +224,39 @@ pub struct WeightBytes {
     pub replicated: usize,
 }
 
-/// The weight bytes of rank `plan.tp_rank`: `layout` gives each matrix's storage (an error
-/// from it is returned as is), `dense_bytes` the element size of unquantized weights (4 for
-/// f32, 2 for f16/bf16). Biases and norms are f32.
+/// The weight bytes of rank `plan.tp_rank`, from the parameter table: `layout` gives each
+/// matrix's storage (an error from it is returned as is), `dense_bytes` the element size of
+/// unquantized weights (4 for f32, 2 for f16/bf16). Vectors (norms, biases) are f32: split ones
+/// count as sharded, whole ones as replicated.
 pub fn rank_weight_bytes<E>(
     cfg: &ModelConfig,
     plan: &ShardPlan,
     layout: &mut dyn FnMut(WeightName) -> Result<Layout, E>,
     dense_bytes: usize,
 ) -> Result<WeightBytes, E> {
-    let hd = cfg.head_dim;
-    let q_rows = plan.q_heads().len() * hd;
-    let kv_rows = plan.kv_heads().len() * hd;
-    let ffn = plan.ffn_cols();
-    let vocab = plan.vocab_rows().len();
     let mut m = WeightBytes::default();
-    let mut size = |name: WeightName, rows: usize, cols: usize, col_start: usize| {
-        layout(name).map(|l| l.slice_bytes(rows, cols, col_start, dense_bytes))
-    };
-    for l in 0..cfg.layers {
-        m.sharded += size(WeightName::Q(l), q_rows, cfg.hidden, 0)?;
-        m.sharded += size(WeightName::K(l), kv_rows, cfg.hidden, 0)?;
-        m.sharded += size(WeightName::V(l), kv_rows, cfg.hidden, 0)?;
-        m.sharded += size(
-            WeightName::O(l),
-            cfg.hidden,
-            q_rows,
-            plan.q_heads().start * hd,
-        )?;
-        m.sharded += size(WeightName::Gate(l), ffn.len(), cfg.hidden, 0)?;
-        m.sharded += size(WeightName::Up(l), ffn.len(), cfg.hidden, 0)?;
-        m.sharded += size(WeightName::Down(l), cfg.hidden, ffn.len(), ffn.start)?;
-        if cfg.qkv_bias {
-            m.sharded += (q_rows + 2 * kv_rows) * 4;
-        }
-        let norms = if cfg.block.post_norms { 4 } else { 2 };
-        m.replicated += norms * cfg.hidden * 4;
-        if cfg.qk_norm {
-            m.replicated += 2 * hd * 4;
+    for p in model_params(cfg) {
+        let place = plan.place(&p);
+        let local = |extent: usize, dim: usize| match &place {
+            Placement::Sharded { dim: d, range } if *d == dim => (range.len(), range.start),
+            _ => (extent, 0),
+        };
+        match p.shape {
+            Expected::Vector { len } => {
+                let bytes = local(len, 0).0 * 4;
+                match p.split {
+                    Split::Replicated => m.replicated += bytes,
+                    _ => m.sharded += bytes,
+                }
+            }
+            Expected::Matrix { rows, cols } => {
+                let (rows, _) = local(rows, 0);
+                let (cols, col_start) = local(cols, 1);
+                m.sharded +=
+                    layout(p.name).map(|l| l.slice_bytes(rows, cols, col_start, dense_bytes))?;
+            }
         }
     }
-    m.sharded += size(WeightName::Embed, vocab, cfg.hidden, 0)?;
-    if !cfg.tied_embeddings {
-        m.sharded += size(WeightName::Output, vocab, cfg.hidden, 0)?;
-    }
-    m.replicated += cfg.hidden * 4;
     Ok(m)
 }
 

@@ -234,43 +234,15 @@ pub enum Expected {
 /// Fewest tensors a layer has (two norms, Q, K, V, O, gate, up, down).
 pub const TENSORS_PER_LAYER: usize = 9;
 
-/// The weights a checkpoint of `cfg` must hold, with their shapes (biases only when the
-/// config has them, the output head only when untied), embedding first, then each layer.
+/// The weights a checkpoint of `cfg` must hold, with their shapes, from the parameter table
+/// (biases only when the config has them, the output head only when untied): the embedding,
+/// the head and the final norm first, then each layer.
 pub fn expected_weights(cfg: &ModelConfig) -> impl Iterator<Item = (WeightName, Expected)> + '_ {
-    let hd = cfg.head_dim;
-    let (q, kv) = (cfg.heads * hd, cfg.kv_heads * hd);
-    let m = |rows, cols| Expected::Matrix { rows, cols };
-    let v = |len| Expected::Vector { len };
-    let global = [
-        Some((WeightName::Embed, m(cfg.vocab, cfg.hidden))),
-        (!cfg.tied_embeddings).then_some((WeightName::Output, m(cfg.vocab, cfg.hidden))),
-        Some((WeightName::OutputNorm, v(cfg.hidden))),
-    ];
-    let layers = (0..cfg.layers).flat_map(move |l| {
-        let bias = cfg.qkv_bias;
-        let post = cfg.block.post_norms;
-        [
-            Some((WeightName::AttnNorm(l), v(cfg.hidden))),
-            Some((WeightName::Q(l), m(q, cfg.hidden))),
-            Some((WeightName::K(l), m(kv, cfg.hidden))),
-            Some((WeightName::V(l), m(kv, cfg.hidden))),
-            bias.then_some((WeightName::QBias(l), v(q))),
-            bias.then_some((WeightName::KBias(l), v(kv))),
-            bias.then_some((WeightName::VBias(l), v(kv))),
-            cfg.qk_norm.then_some((WeightName::QNorm(l), v(hd))),
-            cfg.qk_norm.then_some((WeightName::KNorm(l), v(hd))),
-            Some((WeightName::O(l), m(cfg.hidden, q))),
-            post.then_some((WeightName::PostAttnNorm(l), v(cfg.hidden))),
-            Some((WeightName::FfnNorm(l), v(cfg.hidden))),
-            post.then_some((WeightName::PostFfnNorm(l), v(cfg.hidden))),
-            Some((WeightName::Gate(l), m(cfg.ffn, cfg.hidden))),
-            Some((WeightName::Up(l), m(cfg.ffn, cfg.hidden))),
-            Some((WeightName::Down(l), m(cfg.hidden, cfg.ffn))),
-        ]
+    let global = crate::params::embed_params(cfg)
         .into_iter()
-        .flatten()
-    });
-    global.into_iter().flatten().chain(layers)
+        .chain(crate::params::head_params(cfg).into_iter().rev());
+    let layers = (0..cfg.layers).flat_map(move |l| cfg.layer_spec(l).params());
+    global.chain(layers).map(|p| (p.name, p.shape))
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
 
 use crate::error::{Result, TrainError};
 use std::path::Path;
-use tp_nn::{BlockConfig, LayerStyle, RopeLayout};
+use tp_nn::BlockConfig;
 pub use tp_spec::ModelConfig;
 use tp_spec::{Arch, BlockStyle, RopeStyle, SlidingWindow};
 
@@ -119,7 +119,7 @@ pub trait TrainModel: Sized {
     /// Layer `layer`'s block for tp-nn (Gemma-3's local and global layers differ in window,
     /// RoPE base and scaling). RoPE is HF's rotate-half layout, so a checkpoint means the same
     /// thing to an HF-directory loader.
-    fn block(&self, layer: usize) -> BlockConfig;
+    fn block(&self, layer: usize) -> Result<BlockConfig>;
     /// Trainable parameters of the whole model (saturating).
     fn num_params(&self) -> usize;
     /// The HF `config.json` text of this model.
@@ -272,29 +272,11 @@ impl TrainModel for ModelConfig {
         Ok(())
     }
 
-    fn block(&self, layer: usize) -> BlockConfig {
-        let b = &self.block;
-        let (rope_theta, rope_scale) = self.rope(layer);
-        BlockConfig {
-            hidden: self.hidden,
-            heads: self.heads,
-            kv_heads: self.kv_heads,
-            head_dim: self.head_dim,
-            ffn: self.ffn,
-            rope_theta,
-            rope_layout: RopeLayout::RotateHalf,
-            rms_eps: self.rms_eps,
-            max_seq: self.context,
-            qk_norm: self.qk_norm,
-            style: LayerStyle {
-                activation: b.activation,
-                post_norms: b.post_norms,
-                unit_offset_norms: b.hf_norm_minus_one,
-                query_scale: b.query_scale,
-                window: self.window(layer),
-                rope_scale,
-            },
-        }
+    fn block(&self, layer: usize) -> Result<BlockConfig> {
+        Ok(BlockConfig::from_spec(
+            &self.layer_spec(layer),
+            self.context,
+        )?)
     }
 
     fn num_params(&self) -> usize {
@@ -374,7 +356,7 @@ mod tests {
                 .unwrap()
                 .with_arch(trainable_arch("qwen3").unwrap())
                 .unwrap();
-            assert!(c.qk_norm && c.block(0).qk_norm);
+            assert!(c.qk_norm && c.block(0).unwrap().qk_norm);
             c.check_trainable().unwrap();
             let json = c.to_hf_json();
             assert_eq!(json["model_type"], "qwen3");
@@ -414,7 +396,7 @@ mod tests {
             .unwrap()
             .with_arch(Arch::Gemma3)
             .unwrap();
-        let (local, global) = (g.block(0), g.block(1));
+        let (local, global) = (g.block(0).unwrap(), g.block(1).unwrap());
         assert_eq!(local.style.window, Some(128));
         assert_eq!((local.rope_theta, global.rope_theta), (1e4, 1e6));
         assert_eq!(global.style.window, None);

@@ -1,19 +1,23 @@
 //! Where every parameter lives under a (tp, pp, dp) layout: pipeline stages own contiguous
 //! layers (Narayanan et al. 2021, §2.2), tensor-parallel ranks own contiguous slices of each
 //! weight (Megatron §3, split by heads / FFN columns / vocab rows), data-parallel replicas
-//! hold everything of their stage. Pure functions of the config, so any rank (or a
-//! checkpoint loader) can compute any other rank's shards.
+//! hold everything of their stage. The parameters and their placements come from tp-spec's
+//! one table and shard plan (the FFN in the units inference uses for an f32 checkpoint), so a
+//! training rank's shard is the inference rank's. Pure functions of the config, so any rank
+//! (or a checkpoint loader) can compute any other rank's shards.
 
 use crate::config::{ModelConfig, TrainModel};
 use crate::error::{Result, TrainError};
 use std::ops::Range;
 use tp_comm::ParallelDims;
-use tp_nn::{HeadPlan, Partition, Placement};
-use tp_spec::{hf_name, Arch, WeightName};
+use tp_nn::{Partition, Placement};
+use tp_spec::{hf_name, ShardPlan, WeightName, DENSE_CHUNK};
 
 /// One parameter shard as a rank holds it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamSpec {
+    /// The weight in the parameter table.
+    pub weight: WeightName,
     /// Hugging Face tensor name (`model.layers.3.self_attn.q_proj.weight`).
     pub name: String,
     /// Global shape, `[out, in]` for linears.
@@ -86,61 +90,25 @@ pub fn validate(cfg: &ModelConfig, dims: ParallelDims) -> Result<()> {
     Ok(())
 }
 
-/// The canonical weight of a layer, by layer index.
-pub type LayerWeight = fn(usize) -> WeightName;
-
-/// tp-nn's names of a block's tensors, paired with the canonical weight (whose HF name, from
-/// tp-spec's one table, is the tensor's name in a checkpoint): the nine of every block, then
-/// the per-head q/k norms (Qwen3, Gemma-3), then Gemma's post norms (in tp-nn's order,
-/// [`tp_nn::ParallelBlock::params`]).
-pub const BLOCK_WEIGHTS: [(&str, LayerWeight); 13] = [
-    ("attn_norm", WeightName::AttnNorm),
-    ("wq", WeightName::Q),
-    ("wk", WeightName::K),
-    ("wv", WeightName::V),
-    ("wo", WeightName::O),
-    ("mlp_norm", WeightName::FfnNorm),
-    ("w_gate", WeightName::Gate),
-    ("w_up", WeightName::Up),
-    ("w_down", WeightName::Down),
-    ("q_norm", WeightName::QNorm),
-    ("k_norm", WeightName::KNorm),
-    ("post_attn_norm", WeightName::PostAttnNorm),
-    ("post_mlp_norm", WeightName::PostFfnNorm),
-];
-
-/// The tensors of one block of `cfg`, by tp-nn name: the first nine of [`BLOCK_WEIGHTS`],
-/// the q/k norms when the model has them, the post norms when it has those (only Gemma-3
-/// has post norms, and it has q/k norms: [`TrainModel::check_trainable`]).
-pub fn block_tensors(cfg: &ModelConfig) -> &'static [(&'static str, LayerWeight)] {
-    match (cfg.qk_norm, cfg.block.post_norms) {
-        (true, true) => &BLOCK_WEIGHTS,
-        (true, false) => &BLOCK_WEIGHTS[..11],
-        _ => &BLOCK_WEIGHTS[..9],
-    }
-}
-
 /// The HF name of a weight outside the blocks (embedding, final norm, LM head; the same in
 /// every family trained here).
 pub fn global_name(w: WeightName) -> String {
-    hf_name(Arch::Llama, w)
-}
-
-/// The HF name, in `arch`'s spelling, of tp-nn block tensor `short` in layer `layer`.
-pub fn block_tensor_name(arch: Arch, layer: usize, short: &str) -> Option<String> {
-    BLOCK_WEIGHTS
-        .iter()
-        .find(|(s, _)| *s == short)
-        .map(|(_, w)| hf_name(arch, w(layer)))
+    hf_name(tp_spec::Arch::Llama, w)
 }
 
 /// The vocabulary split of the embedding and the LM head.
 pub fn vocab_partition(cfg: &ModelConfig, tp: usize) -> Result<Partition> {
-    Ok(Partition::new(cfg.vocab, tp, "vocab rows", "vocab row")?)
+    Ok(shard_plan(cfg, 0, tp)?.vocab)
 }
 
-/// Every parameter shard of stage `pp_rank` on `tp_rank`, in model order (embedding, then
-/// each layer's tensors, then final norm and LM head).
+/// Rank `tp_rank`'s shard plan: inference's plan of an f32 checkpoint of `cfg` (the FFN in
+/// units of [`DENSE_CHUNK`] columns where they divide it, else single columns).
+pub fn shard_plan(cfg: &ModelConfig, tp_rank: usize, tp: usize) -> Result<ShardPlan> {
+    Ok(ShardPlan::new(cfg, DENSE_CHUNK, tp_rank, tp)?)
+}
+
+/// Every parameter shard of stage `pp_rank` on `tp_rank`, in the table's order (embedding,
+/// then each layer's tensors, then final norm and LM head), placed by the shard plan.
 pub fn stage_params(
     cfg: &ModelConfig,
     pp_rank: usize,
@@ -149,72 +117,20 @@ pub fn stage_params(
     tp: usize,
 ) -> Result<Vec<ParamSpec>> {
     let layers = stage_layers(cfg.layers, pp, pp_rank)?;
-    let (h, hd, v) = (cfg.hidden, cfg.head_dim, cfg.vocab);
-    let q_rows = cfg.heads * hd;
-    let kv_rows = cfg.kv_heads * hd;
-    let ffn = cfg.ffn;
-    let heads = HeadPlan::new(cfg.heads, cfg.kv_heads, tp_rank, tp)?;
-    let f = Partition::new(ffn, tp, "FFN columns", "FFN column")?.range(tp_rank);
-    let vocab = vocab_partition(cfg, tp)?.range(tp_rank);
-    let q = heads.q_range();
-    let kv = heads.kv_range();
-    let shard = |dim: usize, r: &Range<usize>, k: usize| Placement::Sharded {
-        dim,
-        range: r.start * k..r.end * k,
-    };
-    let spec = |name: String, shape: Vec<usize>, placement: Placement| ParamSpec {
-        decay: shape.len() > 1,
-        name,
-        shape,
-        placement,
-        tp_partial_grad: false,
-    };
-    let mut out = Vec::new();
-    if pp_rank == 0 {
-        out.push(spec(
-            global_name(WeightName::Embed),
-            vec![v, h],
-            shard(0, &vocab, 1),
-        ));
-    }
-    for layer in layers {
-        let n = |short: &str| block_tensor_name(cfg.arch, layer, short).unwrap_or_default();
-        out.push(spec(n("attn_norm"), vec![h], Placement::Replicated));
-        out.push(spec(n("wq"), vec![q_rows, h], shard(0, &q, hd)));
-        out.push(spec(n("wk"), vec![kv_rows, h], shard(0, &kv, hd)));
-        out.push(spec(n("wv"), vec![kv_rows, h], shard(0, &kv, hd)));
-        out.push(spec(n("wo"), vec![h, q_rows], shard(1, &q, hd)));
-        out.push(spec(n("mlp_norm"), vec![h], Placement::Replicated));
-        out.push(spec(n("w_gate"), vec![ffn, h], shard(0, &f, 1)));
-        out.push(spec(n("w_up"), vec![ffn, h], shard(0, &f, 1)));
-        out.push(spec(n("w_down"), vec![h, ffn], shard(1, &f, 1)));
-        if cfg.qk_norm {
-            for short in ["q_norm", "k_norm"] {
-                out.push(ParamSpec {
-                    tp_partial_grad: tp_nn::tp_partial_grad(short),
-                    ..spec(n(short), vec![hd], Placement::Replicated)
-                });
-            }
-        }
-        if cfg.block.post_norms {
-            for short in ["post_attn_norm", "post_mlp_norm"] {
-                out.push(spec(n(short), vec![h], Placement::Replicated));
-            }
-        }
-    }
-    if pp_rank + 1 == pp {
-        out.push(spec(
-            global_name(WeightName::OutputNorm),
-            vec![h],
-            Placement::Replicated,
-        ));
-        out.push(spec(
-            global_name(WeightName::Output),
-            vec![v, h],
-            shard(0, &vocab, 1),
-        ));
-    }
-    Ok(out)
+    let plan = shard_plan(cfg, tp_rank, tp)?;
+    Ok(
+        tp_spec::stage_params(cfg, layers, pp_rank == 0, pp_rank + 1 == pp)
+            .into_iter()
+            .map(|p| ParamSpec {
+                weight: p.name,
+                name: hf_name(cfg.arch, p.name),
+                shape: p.dims(),
+                placement: plan.place(&p),
+                decay: p.decay(),
+                tp_partial_grad: p.partial_grad,
+            })
+            .collect(),
+    )
 }
 
 /// Every parameter of the whole model with its global shape, in model order.
@@ -323,21 +239,21 @@ mod tests {
         let all = all_params(&c).unwrap();
         assert_eq!(all.len(), 1 + 13 * 3 + 2);
         let layer0: Vec<&str> = all[1..14].iter().map(|s| s.name.as_str()).collect();
-        for (short, hf) in [
+        for (w, hf) in [
             (
-                "mlp_norm",
+                WeightName::FfnNorm(0),
                 "model.layers.0.pre_feedforward_layernorm.weight",
             ),
             (
-                "post_attn_norm",
+                WeightName::PostAttnNorm(0),
                 "model.layers.0.post_attention_layernorm.weight",
             ),
             (
-                "post_mlp_norm",
+                WeightName::PostFfnNorm(0),
                 "model.layers.0.post_feedforward_layernorm.weight",
             ),
         ] {
-            assert_eq!(block_tensor_name(c.arch, 0, short).as_deref(), Some(hf));
+            assert_eq!(hf_name(c.arch, w), hf);
             assert!(layer0.contains(&hf), "{hf} missing from {layer0:?}");
         }
         // The post norms are whole on every rank (no partial gradients), without decay.
@@ -379,5 +295,33 @@ mod tests {
                 assert_eq!(counted, spec.global_len(), "tp={tp} {}", spec.name);
             }
         }
+    }
+
+    #[test]
+    fn the_ffn_is_cut_in_inferences_32_column_units() {
+        // 96 FFN columns at tp 2: three 32-column units, 2 | 1 (single columns would give
+        // 48 | 48, a shard no inference rank holds).
+        let c = crate::config::llama(64, 32, 96, 1, 4, 2, 8, 16);
+        let down = |r: usize| {
+            stage_params(&c, 0, 1, r, 2)
+                .unwrap()
+                .into_iter()
+                .find(|s| s.weight == WeightName::Down(0))
+                .unwrap()
+                .placement
+        };
+        assert_eq!(
+            (down(0), down(1)),
+            (
+                Placement::Sharded {
+                    dim: 1,
+                    range: 0..64
+                },
+                Placement::Sharded {
+                    dim: 1,
+                    range: 64..96
+                }
+            )
+        );
     }
 }

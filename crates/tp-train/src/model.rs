@@ -7,7 +7,7 @@
 use crate::config::{ModelConfig, TrainModel};
 use crate::error::{Result, TrainError};
 use crate::init::WeightSource;
-use crate::layout::{self, block_tensor_name, ParamSpec};
+use crate::layout::{self, ParamSpec};
 use candle_core::{Tensor, Var};
 use std::ops::Range;
 use tp_comm::Group;
@@ -15,7 +15,7 @@ use tp_nn::{
     vocab_parallel_cross_entropy, BlockWeights, ColumnParallelLinear, ParallelBlock, Partition,
     RmsNorm, VocabParallelEmbedding,
 };
-use tp_spec::WeightName;
+use tp_spec::{hf_name, WeightName};
 
 /// A rank's part of the model: the stage's layers, sliced for its tp rank.
 #[derive(Debug)]
@@ -49,6 +49,7 @@ impl StageModel {
         weights: &dyn WeightSource,
     ) -> Result<StageModel> {
         let specs = layout::stage_params(cfg, pp_rank, pp, tp_rank, tp)?;
+        let plan = layout::shard_plan(cfg, tp_rank, tp)?;
         let layers = layout::stage_layers(cfg.layers, pp, pp_rank)?;
         let (v, h) = (cfg.vocab, cfg.hidden);
         let first = pp_rank == 0;
@@ -61,56 +62,18 @@ impl StageModel {
         };
         let mut blocks = Vec::with_capacity(layers.len());
         for layer in layers.clone() {
-            let shape = |short: &str| -> Vec<usize> {
-                let name = block_tensor_name(cfg.arch, layer, short).unwrap_or_default();
-                specs
-                    .iter()
-                    .find(|s| s.name == name)
-                    .map(|s| s.shape.clone())
-                    .unwrap_or_default()
-            };
-            let get = |short: &str| -> Result<Tensor> {
-                let name = block_tensor_name(cfg.arch, layer, short).unwrap_or_default();
-                weights.global(&name, &shape(short))
-            };
-            let w = BlockWeights {
-                attn_norm: get("attn_norm")?,
-                wq: get("wq")?,
-                wk: get("wk")?,
-                wv: get("wv")?,
-                wo: get("wo")?,
-                mlp_norm: get("mlp_norm")?,
-                w_gate: get("w_gate")?,
-                w_up: get("w_up")?,
-                w_down: get("w_down")?,
-                q_norm: None,
-                k_norm: None,
-                post_attn_norm: None,
-                post_mlp_norm: None,
-            };
-            let w = if cfg.qk_norm {
-                BlockWeights {
-                    q_norm: Some(get("q_norm")?), // [head_dim]
-                    k_norm: Some(get("k_norm")?), // [head_dim]
-                    ..w
-                }
-            } else {
-                w
-            };
-            let w = if cfg.block.post_norms {
-                BlockWeights {
-                    post_attn_norm: Some(get("post_attn_norm")?), // [hidden]
-                    post_mlp_norm: Some(get("post_mlp_norm")?),   // [hidden]
-                    ..w
-                }
-            } else {
-                w
-            };
-            blocks.push(ParallelBlock::from_global(
-                &cfg.block(layer),
+            // The layer's global tensors, as the table lists them, one layer at a time.
+            let spec = cfg.layer_spec(layer);
+            let mut global = Vec::new();
+            for p in spec.params() {
+                global.push((p, weights.global(&hf_name(cfg.arch, p.name), &p.dims())?));
+            }
+            let w = BlockWeights::from_params(global)?;
+            blocks.push(ParallelBlock::from_plan(
+                &cfg.block(layer)?,
                 &w,
-                tp_rank,
-                tp,
+                layer,
+                &plan,
             )?);
         }
         let (norm, head) = if last {
@@ -141,7 +104,12 @@ impl StageModel {
             layers,
             specs,
         };
-        model.check_placements()?;
+        if let Some(s) = model.specs.iter().find(|s| model.var(s).is_none()) {
+            return Err(TrainError::Config(format!(
+                "internal: stage holds no tensor for {}",
+                s.name
+            )));
+        }
         Ok(model)
     }
 
@@ -160,58 +128,21 @@ impl StageModel {
     }
 
     fn vars(&self) -> Vec<&Var> {
-        let mut out = Vec::with_capacity(self.specs.len());
-        if let Some(e) = &self.embed {
-            out.push(e.weight());
-        }
-        for b in &self.blocks {
-            out.extend(b.params().into_iter().map(|(_, v, _)| v));
-        }
-        if let (Some(n), Some(h)) = (&self.norm, &self.head) {
-            out.push(n.weight());
-            out.push(h.weight());
-        }
-        out
+        self.specs.iter().filter_map(|s| self.var(s)).collect()
     }
 
-    /// The layout module and tp-nn must agree on every shard (one source of truth checked
-    /// against the other at every construction).
-    fn check_placements(&self) -> Result<()> {
-        let vars = self.vars();
-        if vars.len() != self.specs.len() {
-            return Err(TrainError::Config(format!(
-                "internal: stage has {} tensors but the layout lists {}",
-                vars.len(),
-                self.specs.len()
-            )));
-        }
-        let mut block_places = self
-            .blocks
-            .iter()
-            .flat_map(|b| b.params().into_iter().map(|(n, _, p)| (n, p)));
-        for (spec, var) in self.specs.iter().zip(&vars) {
-            if var.dims() != spec.local_shape().as_slice() {
-                return Err(TrainError::Config(format!(
-                    "internal: {} is {:?} on this rank but the layout says {:?}",
-                    spec.name,
-                    var.dims(),
-                    spec.local_shape()
-                )));
-            }
-            if spec.name.starts_with("model.layers.") {
-                let (short, p) = block_places.next().unzip();
-                if p.as_ref() != Some(&spec.placement)
-                    || short.map(tp_nn::tp_partial_grad) != Some(spec.tp_partial_grad)
-                {
-                    return Err(TrainError::Config(format!(
-                        "internal: {} placement {:?} (partial gradient: {}) differs from \
-                         tp-nn's {short:?} {p:?}",
-                        spec.name, spec.placement, spec.tp_partial_grad
-                    )));
-                }
+    /// The shard of the weight `spec` names (`None`: not on this stage; [`StageModel::new`]
+    /// refuses a stage that lacks one of its specs).
+    fn var(&self, spec: &ParamSpec) -> Option<&Var> {
+        match spec.weight {
+            WeightName::Embed => self.embed.as_ref().map(|e| e.weight()),
+            WeightName::OutputNorm => self.norm.as_ref().map(|n| n.weight()),
+            WeightName::Output => self.head.as_ref().map(|h| h.weight()),
+            w => {
+                let l = w.layer()?.checked_sub(self.layers.start)?;
+                self.blocks.get(l)?.var(w)
             }
         }
-        Ok(())
     }
 
     /// Runs the stage. Returns hidden states `[batch, seq, hidden]`, or on the last stage

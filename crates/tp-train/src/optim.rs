@@ -134,6 +134,7 @@ mod tests {
     #[test]
     fn first_step_moves_each_weight_by_lr_against_its_gradient_sign() {
         let spec = ParamSpec {
+            weight: tp_spec::WeightName::OutputNorm,
             name: "w".into(),
             shape: vec![3],
             placement: tp_nn::Placement::Replicated,

@@ -53,7 +53,7 @@ fn dense_loss(dir: &std::path::Path, ids: &Tensor, targets: &Tensor) -> f32 {
             post_attn_norm: None,
             post_mlp_norm: None,
         };
-        h = DenseBlock::new(&cfg.block(i), &w)
+        h = DenseBlock::new(&cfg.block(i).unwrap(), &w)
             .unwrap()
             .forward(&h)
             .unwrap();

@@ -72,6 +72,33 @@ fn inference_logits(dir: &std::path::Path, tp: usize, tokens: &[u32]) -> Vec<f32
         .expect("inference forward")
 }
 
+/// Issue 32: a training rank's shard is the inference rank's. For every tp the model splits
+/// to (up to 4), the plan inference makes for the saved directory is training's plan, and
+/// every parameter a training rank holds sits where that plan places it.
+fn same_shards_as_inference(step: &std::path::Path, cfg: &ModelConfig) {
+    use tp_models::CheckpointPlan;
+    let ckpt = open_checkpoint(step).expect("the checkpoint opens for inference");
+    let table = tp_spec::model_params(cfg);
+    for tp in 1..=cfg.heads.min(4) {
+        for r in 0..tp {
+            let inference = tp_models::ShardPlan::for_checkpoint(&*ckpt, r, tp).unwrap();
+            let training = tp_train::layout::shard_plan(cfg, r, tp).unwrap();
+            assert_eq!(inference, training, "tp {tp} rank {r}");
+            let specs = tp_train::layout::stage_params(cfg, 0, 1, r, tp).unwrap();
+            assert_eq!(specs.len(), table.len());
+            for (spec, p) in specs.iter().zip(&table) {
+                assert_eq!(spec.weight, p.name);
+                assert_eq!(
+                    spec.placement,
+                    inference.place(p),
+                    "tp {tp} rank {r} {}",
+                    spec.name
+                );
+            }
+        }
+    }
+}
+
 /// max |a - b| / max |b|.
 fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "logit counts");
@@ -124,6 +151,7 @@ fn train_save_and_compare(
 
     let ck = Checkpoint::open(&step).unwrap();
     assert_eq!(ck.config, s.model);
+    same_shards_as_inference(&step, &ck.config);
     let want = training_logits(&ck.config, &ck, &TOKENS);
     for tp in [1, 2] {
         let got = inference_logits(&step, tp, &TOKENS);

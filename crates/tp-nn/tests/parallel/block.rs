@@ -7,9 +7,30 @@ use candle_core::{Tensor, Var};
 use proptest::prelude::*;
 use tp_comm::OpKind;
 use tp_nn::{
-    tp_partial_grad, Activation, BlockConfig, DenseBlock, LayerStyle, ParallelBlock, Placement,
-    RecordingComm, RopeLayout, SeededRng,
+    Activation, BlockConfig, DenseBlock, LayerStyle, ParallelBlock, Placement, RecordingComm,
+    RopeLayout, SeededRng,
 };
+use tp_spec::WeightName;
+
+/// The reference block's name of a table weight (the reference names its own weights).
+fn reference_name(w: WeightName) -> &'static str {
+    match w {
+        WeightName::AttnNorm(_) => "attn_norm",
+        WeightName::Q(_) => "wq",
+        WeightName::K(_) => "wk",
+        WeightName::V(_) => "wv",
+        WeightName::O(_) => "wo",
+        WeightName::FfnNorm(_) => "mlp_norm",
+        WeightName::Gate(_) => "w_gate",
+        WeightName::Up(_) => "w_up",
+        WeightName::Down(_) => "w_down",
+        WeightName::QNorm(_) => "q_norm",
+        WeightName::KNorm(_) => "k_norm",
+        WeightName::PostAttnNorm(_) => "post_attn_norm",
+        WeightName::PostFfnNorm(_) => "post_mlp_norm",
+        other => panic!("{other:?} is not a block weight"),
+    }
+}
 
 fn cfg(
     hidden: usize,
@@ -78,8 +99,9 @@ const GEMMA_TOL: f32 = 5e-4;
 struct RankOut {
     out: Tensor,
     h_grad: Tensor,
-    /// Raw gradients, as backward leaves them: (name, grad, placement).
-    grads: Vec<(&'static str, Tensor, Placement)>,
+    /// Raw gradients, as backward leaves them: (reference name, grad, placement, whether the
+    /// table says each rank's gradient is partial).
+    grads: Vec<(&'static str, Tensor, Placement, bool)>,
 }
 
 /// Runs the dense reference and the parallel block at `tp`, and compares everything.
@@ -111,13 +133,14 @@ fn check_block_tol(c: &BlockConfig, tp: usize, batch: usize, seq: usize, seed: u
             .expect("input gradient")
             .clone();
         let params = block
-            .params()
+            .params()?
             .into_iter()
-            .map(|(n, v, p)| {
+            .map(|(param, v, p)| {
+                let n = reference_name(param.name);
                 let gr = grads
                     .get(v.as_tensor())
                     .unwrap_or_else(|| panic!("{n} has no gradient"));
-                (n, gr.clone(), p)
+                (n, gr.clone(), p, param.partial_grad)
             })
             .collect();
         Ok(RankOut {
@@ -138,11 +161,21 @@ fn check_block_tol(c: &BlockConfig, tp: usize, batch: usize, seq: usize, seed: u
             &want_h_grad,
         );
     }
-    for (i, (name, dvar)) in dense.vars().iter().enumerate() {
+    assert_eq!(
+        outs[0].grads.len(),
+        dense.vars().len(),
+        "{}",
+        label("weights")
+    );
+    for (name, dvar) in dense.vars() {
         let want_g = dgrads.get(dvar.as_tensor()).unwrap();
+        let i = outs[0]
+            .grads
+            .iter()
+            .position(|g| g.0 == *name)
+            .unwrap_or_else(|| panic!("the parallel block lacks {name}"));
         let replicated = matches!(outs[0].grads[i].2, Placement::Replicated);
-        assert_eq!(outs[0].grads[i].0, *name);
-        if replicated && tp_partial_grad(name) {
+        if replicated && outs[0].grads[i].3 {
             // The q/k norms: each rank's gradient covers its own heads; the sum over ranks
             // (the trainer's tp all-reduce) is the dense gradient.
             let mut sum = want_g.zeros_like().unwrap();
