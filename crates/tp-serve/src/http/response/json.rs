@@ -8,6 +8,7 @@
 use crate::http::request::Endpoint;
 use crate::scheduler::Usage;
 use serde_json::{json, Map, Value};
+use tp_engine::{LogprobEntry, TokenInfo};
 
 /// What is reported for a log-probability that is not a finite number (a token the model
 /// rules out with a logit of -inf): OpenAI's stand-in for minus infinity.
@@ -21,8 +22,6 @@ fn usage_json(usage: Usage) -> Value {
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     })
 }
-
-use tp_engine::{LogprobEntry, TokenInfo};
 
 /// A token's log-probability as reported: finite, [`LOGPROB_FLOOR`] at worst.
 pub fn reported(t: &TokenInfo) -> f64 {
