@@ -31,7 +31,6 @@
 //! The scheduler drives a [`StepExecutor`]: rank 0's [`tp_engine::Worker`] in the server, a
 //! [`tp_engine::ScriptedExecutor`] in the unit tests below.
 
-use crate::api::{LogprobEntry, Usage};
 use crate::metrics::Metrics;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -40,7 +39,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 use tp_engine::{
-    ChunkSpec, Command, DecodeParams, Emitted, EngineError, FinishReason, Finished,
+    ChunkSpec, Command, DecodeParams, Emitted, EngineError, FinishReason, Finished, LogprobEntry,
     SequenceDecoder, StepExecutor,
 };
 use tp_models::BLOCK_POSITIONS;
@@ -83,7 +82,26 @@ pub struct Job {
     pub arrived: Instant,
 }
 
-/// What a request's handler receives.
+/// Token counts of a finished job: its prompt and what it generated.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+impl Usage {
+    /// The counts of jobs sharing one prompt (a request's choices) with one more finished:
+    /// the prompt counted once, generated tokens summed.
+    pub fn with_choice(self, choice: Usage) -> Usage {
+        Usage {
+            prompt_tokens: choice.prompt_tokens,
+            completion_tokens: self.completion_tokens + choice.completion_tokens,
+        }
+    }
+}
+
+/// What a job's submitter receives: plain engine-side values (the HTTP side turns them into
+/// OpenAI JSON and statuses).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     /// Text to show next (complete UTF-8, stop sequences held back) and, when asked for, the
@@ -101,7 +119,7 @@ pub enum Event {
     /// The request could not be finished.
     Failed {
         message: String,
-        /// The server is stopping (503), rather than broken (500).
+        /// The scheduler was shut down (the request may be retried), rather than failing.
         shutting_down: bool,
     },
 }

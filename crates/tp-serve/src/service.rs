@@ -4,11 +4,11 @@
 //! model), the HTTP front end, the continuous-batching scheduler on the calling thread, and
 //! the drain on shutdown. `tp serve` and `tp bench serve` both start servers through it.
 
-use crate::conn::ConnLimits;
 use crate::error::{Result, ServeError};
+use crate::http::conn::ConnLimits;
+use crate::http::server::{Server, ServerConfig, StopHandle};
 use crate::metrics::Metrics;
 use crate::scheduler::{Load, SchedulerConfig, SchedulerHandle};
-use crate::server::{Server, ServerConfig, StopHandle};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,7 +41,7 @@ pub struct ServeConfig {
     /// Requests waiting for admission beyond which new ones get 429 (a request for `n`
     /// choices counts `n`).
     pub max_queue: usize,
-    /// Most choices (`n`) one request may ask for ([`crate::api::DEFAULT_MAX_N`] by default).
+    /// Most choices (`n`) one request may ask for ([`crate::DEFAULT_MAX_N`] by default).
     pub max_n: usize,
     pub max_body_bytes: usize,
     pub drain_timeout: Duration,

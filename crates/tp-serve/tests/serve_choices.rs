@@ -38,7 +38,7 @@ fn indices(body: &Value) -> Vec<u64> {
 #[test]
 fn several_choices_share_the_prompt_and_are_indexed_counted_and_streamed() {
     with_client(config(), |c| {
-        // Sampled choices (each with its own seed, seed + index: server.rs's unit tests check
+        // Sampled choices (each with its own seed, seed + index: choices.rs's unit tests check
         // the jobs; this synthetic model's logits are too peaked for a seed to change its
         // text, so only the counts and the reproducibility show here).
         let hits_before = metric(c, "tp_prefix_cache_hits_total");

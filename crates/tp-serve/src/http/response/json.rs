@@ -1,42 +1,27 @@
 //! The OpenAI wire format, responses: whole answers (one or `n` choices), streamed chunks
-//! (each naming its choice's `index`) and the usage chunk of both endpoints, with log-probabilities ([`LogprobEntry`]) in OpenAI's two shapes: per-token
-//! objects under `logprobs.content` for chat, and the legacy parallel arrays (`tokens`,
-//! `token_logprobs`, `top_logprobs`, `text_offset`) for completions.
+//! (each naming its choice's `index`) and the usage chunk of both endpoints, with
+//! log-probabilities ([`LogprobEntry`]) in OpenAI's two shapes: per-token objects under
+//! `logprobs.content` for chat, and the legacy parallel arrays (`tokens`, `token_logprobs`,
+//! `top_logprobs`, `text_offset`) for completions. The scheduler's plain types
+//! ([`Usage`], [`LogprobEntry`]) become JSON here.
 
-use crate::api::Endpoint;
+use crate::http::request::Endpoint;
+use crate::scheduler::Usage;
 use serde_json::{json, Map, Value};
+use tp_engine::{LogprobEntry, TokenInfo};
 
 /// What is reported for a log-probability that is not a finite number (a token the model
 /// rules out with a logit of -inf): OpenAI's stand-in for minus infinity.
 pub const LOGPROB_FLOOR: f64 = -9999.0;
 
-/// Token counts of a finished request (of all its choices).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
+/// The `usage` object: a request's token counts (all its choices).
+fn usage_json(usage: Usage) -> Value {
+    json!({
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    })
 }
-
-impl Usage {
-    /// A request's counts with one more finished choice: the prompt (the same for every
-    /// choice) counted once, completions summed.
-    pub fn with_choice(self, choice: Usage) -> Usage {
-        Usage {
-            prompt_tokens: choice.prompt_tokens,
-            completion_tokens: self.completion_tokens + choice.completion_tokens,
-        }
-    }
-
-    pub fn json(&self) -> Value {
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        })
-    }
-}
-
-pub use tp_engine::{LogprobEntry, TokenInfo};
 
 /// A token's log-probability as reported: finite, [`LOGPROB_FLOOR`] at worst.
 pub fn reported(t: &TokenInfo) -> f64 {
@@ -144,7 +129,7 @@ impl ResponseMeta {
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": usage.json(),
+            "usage": usage_json(usage),
         })
     }
 
@@ -199,7 +184,7 @@ impl ResponseMeta {
             "created": self.created,
             "model": self.model,
             "choices": [],
-            "usage": usage.json(),
+            "usage": usage_json(usage),
         })
     }
 }
