@@ -94,7 +94,7 @@ pub struct ModelArgs {
     #[arg(long)]
     pub ctx_size: Option<usize>,
     /// Element type of the KV cache: f16 (half the bytes of f32; perplexity within 0.1%, see
-    /// the README), bf16, or f32 (exact).
+    /// docs/inference.md), bf16, or f32 (exact).
     #[arg(long, value_enum, default_value_t = KvDtypeArg::F16)]
     pub kv_dtype: KvDtypeArg,
     /// Memory each rank may use, e.g. 300MB or 2GiB: refuse to start, naming the smallest tp
@@ -105,7 +105,8 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = 60.0)]
     pub timeout: f64,
     /// How ranks sum partial results: exact (f64) or q8 (8-bit blocks, ~7x fewer bytes per
-    /// all-reduce, for slow links between hosts; perplexity changes slightly, see the README).
+    /// all-reduce, for slow links between hosts; perplexity changes slightly, see
+    /// docs/multi-host.md).
     #[arg(long, value_enum, default_value_t = SyncArg::Exact)]
     pub sync: SyncArg,
     /// Print only the generated text (no model and speed report on stderr).

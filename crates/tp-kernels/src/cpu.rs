@@ -4,8 +4,9 @@
 //!
 //! The default is the widest path that measured fastest on that kind of CPU: AVX-512 on
 //! Intel CPUs with AVX-512 VNNI (full-width 512-bit units; measured faster on the fleet's
-//! Intel kind, README), AVX2 elsewhere, AMD Zen 4 included: it runs 512-bit operations as two
-//! 256-bit halves, and batch-1 decode measured no faster with the AVX-512 kernels there.
+//! Intel kind, docs/performance.md), AVX2 elsewhere, AMD Zen 4 included: it runs 512-bit
+//! operations as two 256-bit halves, and batch-1 decode measured no faster with the AVX-512
+//! kernels there.
 //! Every path gives the same bits (`matmul_wide_acc`; `matmul` between AVX2 and AVX-512), so
 //! the choice only affects speed.
 //!
