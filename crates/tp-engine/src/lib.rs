@@ -6,7 +6,10 @@ pub mod error;
 pub mod executor;
 pub mod generate;
 pub mod kv_budget;
-pub mod launch;
+/// Starting ranks: tp-comm's launcher, here for the engine's callers.
+pub mod launch {
+    pub use tp_comm::launch::*;
+}
 pub mod load_stats;
 pub mod logits;
 pub mod model_check;
