@@ -2,15 +2,16 @@
 //! all_gather, reduce_scatter and broadcast, with time, algbw, busbw, a count of wrong
 //! results per size, and this machine's memcpy bandwidth measured in the same run.
 //!
-//! The sweep itself is `tp_comm::bench`; this is its flags and its printing. Under `--backend
-//! mpi`, all_reduce rows also time a plain blocking `MPI_Allreduce` as the reference column.
+//! The sweep and its report are tp-comm's (`bench`, `bench_report`); this is its flags. Under
+//! `--backend mpi`, all_reduce rows also time a plain blocking `MPI_Allreduce` as the
+//! reference column.
 
 use std::process::ExitCode;
 use std::time::Duration;
-use tp_comm::bench::{shared_memcpy_bandwidth, sweep, Op, Row, SweepConfig};
-use tp_comm::fault::{FaultPlan, Faulty};
-use tp_comm::{CommError, Group};
-use tp_engine::launch::{run_ranks, Backend};
+use tp_comm::bench::{Op, SweepConfig};
+use tp_comm::bench_report::{run_sweep, SweepError};
+use tp_comm::fault::FaultPlan;
+use tp_comm::launch::{run_ranks, Backend};
 
 #[derive(clap::Args, Clone)]
 pub struct BenchArgs {
@@ -64,113 +65,19 @@ fn parse_bytes(s: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("'{s}' is not a size; use bytes with an optional K, M or G suffix"))
 }
 
-fn run_sweep(world: Group, args: &BenchArgs) -> anyhow::Result<Vec<Row>> {
-    // Wrapped first, so a fault's CALL index is the group's sequence number in errors.
-    let (g, watch) = match &args.fault {
-        Some(plan) => {
-            let (g, watch) = Faulty::wrap_watched(world, plan.clone());
-            (g, Some((plan, watch)))
-        }
-        None => (world, None),
-    };
-    let rows = sweep_on(&g, args)?;
-    // A drill whose fault never fired tested nothing: that is a failure, not a success.
-    if let Some((plan, watch)) = watch {
-        if g.rank() == plan.rank && !watch.reached() {
-            anyhow::bail!(
-                "--fault never fired: the sweep made {} collective calls on rank {} and ended before call {}; \
-                 give a CALL below {} (or more sizes with --max-bytes)",
-                watch.calls(),
-                plan.rank,
-                plan.at_call,
-                watch.calls()
-            );
-        }
+/// A sweep error in the CLI's words: the flags that change it.
+fn sweep_error(e: SweepError) -> anyhow::Error {
+    match e {
+        SweepError::Comm(c) => c.into(),
+        SweepError::FaultNeverFired {
+            calls,
+            rank,
+            at_call,
+        } => anyhow::anyhow!(
+            "--fault never fired: the sweep made {calls} collective calls on rank {rank} and \
+             ended before call {at_call}; give a CALL below {calls} (or more sizes with --max-bytes)"
+        ),
     }
-    Ok(rows)
-}
-
-fn sweep_on(g: &Group, args: &BenchArgs) -> Result<Vec<Row>, CommError> {
-    let memcpy = shared_memcpy_bandwidth(g)?;
-    if g.rank() == 0 {
-        announce(memcpy, args.json);
-    }
-    let cfg = SweepConfig {
-        ops: args.ops.clone(),
-        min_bytes: args.min_bytes,
-        max_bytes: args.max_bytes,
-        factor: args.factor,
-        samples: args.samples,
-        reference: args.fault.is_none(),
-    };
-    sweep(g, &cfg, memcpy, |row, first| {
-        if g.rank() == 0 {
-            print_row(row, args.json, first);
-        }
-    })
-}
-
-fn announce(memcpy: f64, json: bool) {
-    if json {
-        println!("{}", serde_json::json!({"memcpy_gbs": memcpy / 1e9}));
-    } else {
-        println!("# CPU: {}", tp_kernels::kernel_report());
-        println!(
-            "# tp bench collectives: memcpy bandwidth of this machine (1 thread, 64 MiB): {:.2} GB/s copied",
-            memcpy / 1e9
-        );
-        println!("# busbw/cp = busbw as a fraction of that copy bandwidth");
-    }
-}
-
-fn print_row(row: &Row, json: bool, first_of_op: bool) {
-    if json {
-        let mut j = serde_json::json!({
-            "op": row.op.name(), "ranks": row.ranks, "backend": row.backend, "bytes": row.bytes,
-            "count": row.count, "time_us": row.time_us, "algbw_gbs": row.algbw_gbs,
-            "busbw_gbs": row.busbw_gbs, "busbw_vs_memcpy": row.busbw_vs_memcpy, "wrong": row.wrong,
-        });
-        if let (Some(t), Some(b), Some(v)) = (row.ref_time_us, row.ref_busbw_gbs, row.vs_ref) {
-            j["ref_time_us"] = t.into();
-            j["ref_busbw_gbs"] = b.into();
-            j["vs_ref"] = v.into();
-        }
-        println!("{j}");
-        return;
-    }
-    if first_of_op {
-        println!(
-            "\n# {}  ranks={} backend={} dtype=f32",
-            row.op.name(),
-            row.ranks,
-            row.backend
-        );
-        print!(
-            "# {:>12} {:>10} {:>11} {:>11} {:>11} {:>9} {:>6}",
-            "size(B)", "count", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "busbw/cp", "wrong"
-        );
-        if row.ref_time_us.is_some() {
-            print!(
-                " | {:>12} {:>11} {:>7}",
-                "MPI time(us)", "MPI busbw", "vs MPI"
-            );
-        }
-        println!();
-    }
-    print!(
-        "  {:>12} {:>10} {:>11.2} {:>11.3} {:>11.3} {:>9.3} {:>6}",
-        row.bytes,
-        row.count,
-        row.time_us,
-        row.algbw_gbs,
-        row.busbw_gbs,
-        row.busbw_vs_memcpy,
-        row.wrong
-    );
-    if let (Some(t), Some(b), Some(v)) = (row.ref_time_us, row.ref_busbw_gbs, row.vs_ref) {
-        print!(" | {t:>12.2} {b:>11.3} {v:>7.2}");
-    }
-    println!();
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
@@ -195,9 +102,25 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    match run_ranks(args.backend, args.ranks, timeout, |world| {
-        run_sweep(world, args)
-    })? {
+    let cfg = SweepConfig {
+        ops: args.ops.clone(),
+        min_bytes: args.min_bytes,
+        max_bytes: args.max_bytes,
+        factor: args.factor,
+        samples: args.samples,
+        reference: args.fault.is_none(),
+    };
+    let out = run_ranks(args.backend, args.ranks, timeout, |world| {
+        let mut cpu = !args.json;
+        let print = |text: &str| {
+            if std::mem::take(&mut cpu) {
+                println!("# CPU: {}", tp_kernels::kernel_report());
+            }
+            print!("{text}");
+        };
+        run_sweep(world, &cfg, args.fault.as_ref(), args.json, print).map_err(sweep_error)
+    })?;
+    match out {
         Ok(_) => Ok(ExitCode::SUCCESS),
         Err(failed) => Ok(failed.into()),
     }

@@ -1,13 +1,14 @@
-//! `tp chat`: an interactive, multi-turn conversation with the chat template applied. The KV
-//! cache keeps the conversation; each turn feeds only the tokens the cache does not hold.
+//! `tp chat`: an interactive, multi-turn conversation with the chat template applied, through
+//! tp-engine's `Engine`: the KV cache keeps the conversation; each turn feeds only the tokens
+//! the cache does not hold.
 
-use crate::generate::{print_logprobs, report, stream_reply, SamplingArgs};
-use crate::model_run::{run_model, ModelArgs, Session};
+use crate::generate::{engine_error, print_logprobs, report, SamplingArgs};
+use crate::model_run::{run_model, ModelArgs};
 use std::io::{BufRead, Write};
 use std::process::ExitCode;
 use std::sync::mpsc;
 use std::time::Duration;
-use tp_engine::Command;
+use tp_engine::Engine;
 use tp_tokenizer::ChatMessage;
 
 #[derive(clap::Args, Clone, Debug)]
@@ -27,6 +28,7 @@ const HEARTBEAT: Duration = Duration::from_secs(1);
 pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
     let params = args.sampling.params()?;
     let out = run_model(&args.model, |s| {
+        let mut engine = Engine::new(s);
         let lines = stdin_lines();
         eprintln!(
             "# chat: type a message and press Enter; /reset starts over, /exit or Ctrl-D quits"
@@ -36,11 +38,10 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .map(|m| ChatMessage::new("system", m.clone()))
             .collect();
-        let mut cached: Vec<u32> = Vec::new();
         loop {
             print!("> ");
             std::io::stdout().flush()?;
-            let line = match next_line(s, &lines)? {
+            let line = match next_line(&mut engine, &lines)? {
                 Input::Line(line) => line,
                 Input::NotUtf8 => {
                     eprintln!(
@@ -59,7 +60,7 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
                 "/exit" | "/quit" => break,
                 "/reset" => {
                     messages.retain(|m| m.role == "system");
-                    rewind(s, &mut cached, 0)?;
+                    engine.reset()?;
                     eprintln!("# conversation cleared");
                     continue;
                 }
@@ -67,7 +68,7 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
             }
             messages.push(ChatMessage::new("user", line));
             // Message text stays plain text: typed special-token text cannot open a turn.
-            let ids = match s.tokenizer.encode_chat(&messages, true) {
+            let ids = match engine.tokenizer().encode_chat(&messages, true) {
                 Ok(ids) => ids,
                 Err(e) => {
                     eprintln!("# this message cannot be sent: {e}");
@@ -75,30 +76,25 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
                     continue;
                 }
             };
-            if ids.len() + 1 >= s.ctx_size {
+            if ids.len() + 1 >= engine.ctx_size() {
                 eprintln!(
                     "# the conversation ({} tokens) no longer fits the context of {}; /reset to start over or raise --ctx-size",
                     ids.len(),
-                    s.ctx_size
+                    engine.ctx_size()
                 );
                 messages.pop();
                 continue;
             }
-            // Keep the cached prefix the new prompt shares; at least one token must be new.
-            let common = cached.iter().zip(&ids).take_while(|(a, b)| a == b).count();
-            rewind(s, &mut cached, common.min(ids.len() - 1))?;
-            let reply = stream_reply(s, 0, &ids, &params, &mut std::io::stdout())?;
+            // The cache keeps the prefix the new prompt shares with it.
+            let reply = engine
+                .reply(&ids, &params, &mut std::io::stdout())
+                .map_err(engine_error)?;
             println!();
-            print_logprobs(&reply);
+            print_logprobs(&reply, params.logprobs);
             if !args.model.quiet {
                 report(&reply);
             }
-            // The cache holds the prompt and the reply tokens fed back so far.
-            cached = ids;
-            cached.extend_from_slice(&reply.tokens);
-            cached.truncate(s.worker.slots().cached_len(0));
-            let reply_text = reply.text;
-            messages.push(ChatMessage::new("assistant", reply_text));
+            messages.push(ChatMessage::new("assistant", reply.text));
         }
         Ok(())
     })?;
@@ -106,18 +102,6 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
         Ok(_) => ExitCode::SUCCESS,
         Err(failed) => failed.into(),
     })
-}
-
-/// Drops cached positions past `len`.
-fn rewind(s: &mut Session, cached: &mut Vec<u32>, len: usize) -> anyhow::Result<()> {
-    if s.worker.slots().capacity(0) > 0 && s.worker.slots().cached_len(0) > len {
-        s.worker.submit(Command::Truncate {
-            slot: 0,
-            len: len as u32,
-        })?;
-    }
-    cached.truncate(len);
-    Ok(())
 }
 
 /// One line of stdin.
@@ -165,7 +149,7 @@ fn stdin_lines() -> mpsc::Receiver<std::io::Result<Input>> {
 
 /// The next line, sending an idle heartbeat to the followers every second meanwhile.
 fn next_line(
-    s: &mut Session,
+    engine: &mut Engine<'_>,
     lines: &mpsc::Receiver<std::io::Result<Input>>,
 ) -> anyhow::Result<Input> {
     loop {
@@ -173,7 +157,7 @@ fn next_line(
             Ok(item) => return Ok(item?),
             Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(Input::End),
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                s.worker.submit(Command::Idle)?;
+                engine.keep_alive()?;
             }
         }
     }

@@ -1,13 +1,11 @@
-//! `tp generate`: one prompt, answered by the model sharded over --tp ranks, streamed to stdout.
+//! `tp generate`: one prompt (encoded once), answered through tp-engine's `Engine` by the
+//! model sharded over --tp ranks, streamed to stdout.
 
-use crate::model_run::{run_model_holding, ModelArgs, Session};
+use crate::model_run::{run_model_holding, ModelArgs};
 use anyhow::{anyhow, bail};
-use std::io::Write;
 use std::process::ExitCode;
-use tp_engine::start::HeldPositions;
 use tp_engine::{
-    generate, Command, DecodeParams, EngineError, FinishReason, Flow, GenerationStats,
-    LogprobEntry, SamplingParams, SequenceDecoder,
+    DecodeParams, Engine, EngineError, FinishReason, LogprobEntry, PromptIds, Reply, SamplingParams,
 };
 use tp_tokenizer::ChatMessage;
 
@@ -95,8 +93,11 @@ fn flag_error(e: EngineError) -> anyhow::Error {
 }
 
 /// An engine error during generation, with what to do in terms of the command line.
-fn engine_error(e: EngineError) -> anyhow::Error {
+pub fn engine_error(e: EngineError) -> anyhow::Error {
     let hint = match &e {
+        EngineError::PromptOverContext { .. } => {
+            return anyhow!("{e}; shorten it or raise --ctx-size")
+        }
         EngineError::PromptTooLong { .. } => "shorten the prompt or raise --ctx-size",
         EngineError::NanLogits => "check the model file, or try another --dtype",
         EngineError::Param { .. } => return flag_error(e),
@@ -123,19 +124,25 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         bail!("the prompt is empty; give some text to continue, e.g. tp generate \"Once upon a time\"");
     }
     let params = args.sampling.params()?;
-    // The one sequence holds the prompt and at most --max-tokens more: the memory preflight
-    // prices those blocks, not the whole --ctx-size (a prompt that cannot be encoded is priced
-    // as the context; the run then reports why).
-    let (prompt, chat, max_tokens) = (args.prompt.clone(), args.chat, params.max_tokens);
-    let held = HeldPositions::new(move |t| {
-        prompt_ids(t, &prompt, chat).map_or(usize::MAX, |ids| ids.len().saturating_add(max_tokens))
+    // A --chat prompt is message text: special-token text in it stays plain text. Without
+    // --chat the prompt is raw model input, special tokens included (as /v1/completions).
+    let (prompt, chat) = (args.prompt.clone(), args.chat);
+    let prompt = PromptIds::new(move |t| match chat {
+        true => t.encode_chat(&[ChatMessage::new("user", prompt.clone())], true),
+        false => t.encode(&prompt),
     });
+    // The one sequence holds the prompt and at most --max-tokens more: the memory preflight
+    // prices those blocks, not the whole --ctx-size.
+    let held = prompt.held(params.max_tokens);
     let out = run_model_holding(&args.model, Some(held), |s| {
-        let ids = prompt_ids(&s.tokenizer, &args.prompt, args.chat)?;
-        let reply = stream_reply(s, 0, &ids, &params, &mut std::io::stdout())?;
-        let _ = s.worker.submit(Command::Close { slot: 0 });
+        let ids = prompt.ids(&s.tokenizer)?;
+        let mut engine = Engine::new(s);
+        let reply = engine
+            .reply(&ids, &params, &mut std::io::stdout())
+            .map_err(engine_error)?;
+        let _ = engine.close();
         println!();
-        print_logprobs(&reply);
+        print_logprobs(&reply, params.logprobs);
         if !args.model.quiet {
             report(&reply);
         }
@@ -145,91 +152,6 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         Ok(_) => ExitCode::SUCCESS,
         Err(failed) => failed.into(),
     })
-}
-
-/// The prompt's ids. A --chat prompt is message text: special-token text in it stays plain
-/// text. Without --chat the prompt is raw model input, special tokens included (as
-/// /v1/completions).
-fn prompt_ids(
-    tokenizer: &tp_tokenizer::Tokenizer,
-    prompt: &str,
-    chat: bool,
-) -> Result<Vec<u32>, tp_tokenizer::TokenizerError> {
-    if chat {
-        tokenizer.encode_chat(&[ChatMessage::new("user", prompt.to_string())], true)
-    } else {
-        tokenizer.encode(prompt)
-    }
-}
-
-/// Opens `slot` if needed, generates after `ids` (of which the slot may already hold a
-/// prefix), and writes the text to `out` as it comes. The generated tokens stay in the
-/// slot's cache (all but the last, which was never fed).
-pub fn stream_reply(
-    s: &mut Session,
-    slot: u32,
-    ids: &[u32],
-    params: &DecodeParams,
-    out: &mut dyn Write,
-) -> anyhow::Result<Reply> {
-    if ids.is_empty() {
-        bail!("the prompt has no tokens");
-    }
-    if ids.len() >= s.ctx_size {
-        bail!(
-            "the prompt has {} tokens but the context holds {}; shorten it or raise --ctx-size",
-            ids.len(),
-            s.ctx_size
-        );
-    }
-    if s.worker.slots().capacity(slot) == 0 {
-        s.worker.submit(Command::Open {
-            slot,
-            capacity: s.ctx_size as u32,
-        })?;
-    }
-    let cached = s.worker.slots().cached_len(slot);
-    let mut decoder = SequenceDecoder::new(&s.tokenizer, params.clone()).map_err(flag_error)?;
-    let mut text = String::new();
-    let mut logprobs = Vec::new();
-    let mut failure: Option<std::io::Error> = None;
-    let stats = generate(&mut s.worker, slot, &ids[cached..], &mut decoder, |shown| {
-        text.push_str(&shown.text);
-        logprobs.extend(shown.logprobs.iter().cloned());
-        match out
-            .write_all(shown.text.as_bytes())
-            .and_then(|()| out.flush())
-        {
-            Ok(()) => Flow::Continue,
-            Err(e) => {
-                failure = Some(e);
-                Flow::Stop
-            }
-        }
-    })
-    .map_err(engine_error)?;
-    if let Some(e) = failure {
-        return Err(anyhow::Error::new(e).context("cannot write the output"));
-    }
-    Ok(Reply {
-        stats,
-        text,
-        tokens: decoder.generated().to_vec(),
-        logprobs,
-        top: params.logprobs,
-    })
-}
-
-/// One generated answer.
-pub struct Reply {
-    pub stats: GenerationStats,
-    pub text: String,
-    /// Generated token ids (end-of-sequence excluded).
-    pub tokens: Vec<u32>,
-    /// Log-probabilities of the shown tokens (when asked for).
-    pub logprobs: Vec<LogprobEntry>,
-    /// Alternatives asked for per token (`--logprobs N`).
-    pub top: Option<usize>,
 }
 
 pub fn report(reply: &Reply) {
@@ -252,8 +174,8 @@ pub fn report(reply: &Reply) {
 }
 
 /// `--logprobs N`: one line per shown token on stderr, after the text.
-pub fn print_logprobs(reply: &Reply) {
-    if let Some(k) = reply.top {
+pub fn print_logprobs(reply: &Reply, top: Option<usize>) {
+    if let Some(k) = top {
         eprint!("{}", logprobs_table(&reply.logprobs, k));
     }
 }

@@ -19,7 +19,7 @@ pub enum DTypeArg {
 }
 
 impl DTypeArg {
-    fn dense(self) -> DenseDType {
+    pub fn dense(self) -> DenseDType {
         match self {
             DTypeArg::F32 => DenseDType::F32,
             DTypeArg::F16 => DenseDType::F16,

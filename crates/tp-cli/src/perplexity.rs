@@ -1,12 +1,13 @@
 //! `tp perplexity`: mean negative log-likelihood and perplexity of a text file, in windows of
-//! --window tokens (each window starts with an empty cache; its first token is not scored).
+//! --window tokens (each window starts with an empty cache; its first token is not scored;
+//! the scoring is tp-engine's `perplexity`).
 
 use crate::model_run::{run_model, ModelArgs};
 use anyhow::{bail, Context};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
-use tp_engine::{ChunkSpec, Command};
+use tp_engine::perplexity;
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct PerplexityArgs {
@@ -21,9 +22,6 @@ pub struct PerplexityArgs {
     /// UTF-8 text file.
     pub file: PathBuf,
 }
-
-/// Rows of logits gathered per forward pass (bounds memory: rows x vocab floats).
-const ROWS_PER_PASS: usize = 128;
 
 pub fn run(args: &PerplexityArgs) -> anyhow::Result<ExitCode> {
     let text = std::fs::read(&args.file)
@@ -50,36 +48,13 @@ pub fn run(args: &PerplexityArgs) -> anyhow::Result<ExitCode> {
         if window < 2 {
             bail!("--ctx-size must be at least 2 tokens to score anything");
         }
-        let vocab = s.worker.model().config().vocab;
         let start = Instant::now();
-        let (mut nll, mut scored) = (0f64, 0usize);
-        for win in ids.chunks(window).filter(|w| w.len() >= 2) {
-            s.worker.submit(Command::Open {
-                slot: 0,
-                capacity: win.len() as u32,
-            })?;
-            for (c, part) in win.chunks(ROWS_PER_PASS).enumerate() {
-                let logits = s
-                    .worker
-                    .submit(Command::Forward(vec![ChunkSpec {
-                        all_logits: true,
-                        ..ChunkSpec::new(0, part.to_vec())
-                    }]))?
-                    .context("forward returned no logits")?; // [part.len(), vocab]
-                for (i, row) in logits.chunks_exact(vocab).enumerate() {
-                    let pos = c * ROWS_PER_PASS + i;
-                    if let Some(&next) = win.get(pos + 1) {
-                        nll += negative_log_likelihood(row, next as usize);
-                        scored += 1;
-                    }
-                }
-            }
-            s.worker.submit(Command::Close { slot: 0 })?;
-        }
+        let score = perplexity::score(s, &ids, window)?;
+        let scored = score.scored;
         if scored == 0 {
             bail!("the text has fewer than 2 tokens; nothing to score");
         }
-        let mean = nll / scored as f64;
+        let mean = score.mean();
         let secs = start.elapsed().as_secs_f64();
         println!(
             "{scored} tokens scored in windows of {window}: mean NLL {mean:.4} nats, perplexity {:.3}",
@@ -98,20 +73,4 @@ pub fn run(args: &PerplexityArgs) -> anyhow::Result<ExitCode> {
         Ok(_) => ExitCode::SUCCESS,
         Err(failed) => failed.into(),
     })
-}
-
-/// `-log softmax(row)[target]`, computed in f64.
-fn negative_log_likelihood(row: &[f32], target: usize) -> f64 {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
-    max + sum.ln() - row[target] as f64
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn nll_of_a_uniform_row_is_log_vocab() {
-        let row = [0.5f32; 8];
-        assert!((super::negative_log_likelihood(&row, 3) - 8f64.ln()).abs() < 1e-12);
-    }
 }

@@ -1,7 +1,7 @@
 //! `tp train`: trains a Llama, Qwen3 or Gemma-3 model with tensor, pipeline and data parallelism
-//! (tp-train). Validates everything on the main thread first (data, config, layout,
-//! checkpoint checksums), then starts the ranks; rank 0 shows progress with loss, tokens/s
-//! and MFU, and the run ends with a checkpoint and a loss curve beside it.
+//! (tp-train's `run::Job`). Validates everything on the main thread first (data, config,
+//! layout, checkpoint checksums), then starts the ranks; rank 0 shows progress with loss,
+//! tokens/s and MFU, and the run ends with a checkpoint and a loss curve beside it.
 
 use anyhow::Context;
 use std::io::IsTerminal;
@@ -9,11 +9,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
-use tp_comm::{Group, ParallelDims, ProcessGroups};
-use tp_engine::launch::{run_ranks, Backend, RanksFailed};
+use tp_comm::launch::{leads, Backend};
+use tp_comm::ParallelDims;
 use tp_train::checkpoint::{SaveHook, SavePoint};
-use tp_train::setup::{prepare, set_compute_threads, Prepared, RunRequest};
-use tp_train::{flops, StepReport, TrainError, TrainModel, TrainOptions, Trainer};
+use tp_train::run::Job;
+use tp_train::setup::{prepare, RunRequest};
+use tp_train::{StepReport, TrainError, TrainOptions};
 
 #[derive(clap::Args, Clone)]
 pub struct TrainArgs {
@@ -158,138 +159,13 @@ fn crash_hook(spec: &str) -> anyhow::Result<SaveHook> {
     }))
 }
 
-/// How a rank's run ended.
-struct Summary {
-    reports: Vec<StepReport>,
-    checkpoint: Option<PathBuf>,
-}
-
-/// One rank: build the groups and the trainer, train, report on rank 0.
-fn rank_main(
-    world: Group,
-    p: &Prepared,
-    opts: &TrainOptions,
-    progress: &(dyn Fn(&StepReport) + Sync),
-) -> Result<Summary, TrainError> {
-    let rank = world.rank();
-    let groups = ProcessGroups::new(world, p.spec.dims)?;
-    let mut t = Trainer::new(
-        &p.spec,
-        groups,
-        &p.corpus,
-        &p.tokenizer_json,
-        p.resume.as_ref(),
-        opts.clone(),
-    )?;
-    let mut reports = Vec::new();
-    t.run(&mut |r| {
-        if rank == 0 {
-            progress(r);
-        }
-        reports.push(r.clone());
-    })?;
-    let checkpoint = p
-        .spec
-        .save_dir
-        .as_ref()
-        .map(|d| d.join(tp_train::checkpoint::step_dir_name(t.step_count())));
-    Ok(Summary {
-        reports,
-        checkpoint,
-    })
-}
-
-/// Runs `rank_main`-like work on the backend, turning training errors into output: a
-/// collective error goes back to the launcher (with its flight record); any other error is
-/// printed by its rank.
-pub fn launch<T: Send>(
-    backend: Backend,
-    ranks: usize,
-    timeout: Duration,
-    work: impl Fn(Group) -> Result<T, TrainError> + Sync,
-) -> anyhow::Result<Result<Option<T>, RanksFailed>> {
-    let out = run_ranks(backend, ranks, timeout, |world| {
-        let rank = world.rank();
-        match work(world) {
-            Ok(v) => Ok(Ok(v)),
-            Err(e) => match e.into_comm() {
-                Ok(comm) => Err(comm),
-                Err(other) => {
-                    eprintln!("rank {rank}: error: {}", tp_engine::report::chain(&other));
-                    if backend == Backend::Mpi {
-                        // Other processes may wait on this one: end the job.
-                        std::thread::sleep(Duration::from_millis(300));
-                        std::process::exit(1);
-                    }
-                    Ok(Err(()))
-                }
-            },
-        }
-    })?;
-    Ok(match out {
-        Ok(Some(Ok(v))) => Ok(Some(v)),
-        Ok(Some(Err(()))) => Err(RanksFailed),
-        Ok(None) => Ok(None),
-        Err(failed) => Err(failed),
-    })
-}
-
-fn fmt_rate(x: f64) -> String {
-    if x >= 1e6 {
-        format!("{:.2}M", x / 1e6)
-    } else if x >= 1e3 {
-        format!("{:.1}k", x / 1e3)
-    } else {
-        format!("{x:.0}")
-    }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
 pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
     let timeout = Duration::try_from_secs_f64(a.timeout)
         .map_err(|_| anyhow::anyhow!("--timeout must be a positive number of seconds"))?;
     let p = prepare(&a.request())?;
-    let world = p.spec.dims.world_size();
-    let local_ranks = if a.backend == Backend::Local {
-        world
-    } else {
-        1
-    };
-    let threads = set_compute_threads(a.threads, local_ranks);
-    let peak = flops::measure_matmul_peak(512, 5)?;
-    let cfg = &p.spec.model;
-    let lead =
-        a.backend == Backend::Local || std::env::var("OMPI_COMM_WORLD_RANK").as_deref() == Ok("0");
-    if lead {
-        eprintln!(
-            "tp train: {:.2}M parameters (hidden {}, {} layers, {} heads / {} KV, vocab {}) on {}",
-            cfg.num_params() as f64 / 1e6,
-            cfg.hidden,
-            cfg.layers,
-            cfg.heads,
-            cfg.kv_heads,
-            cfg.vocab,
-            p.data_desc
-        );
-        eprintln!(
-            "  tp={} pp={} dp={} ({world} ranks, {threads} compute thread(s) each); batch {} x {} \
-             tokens in {} micro-batch(es) per replica; matmul peak {:.1} GFLOP/s per rank{}",
-            a.tp,
-            a.pp,
-            a.dp,
-            p.spec.global_batch,
-            p.spec.seq,
-            p.spec.micro_batches,
-            peak / 1e9,
-            match &p.resume {
-                Some(ck) => format!("; resuming {} at step {}", ck.dir.display(), ck.state.step),
-                None => String::new(),
-            }
-        );
+    let job = Job::new(&p, a.backend, a.threads)?;
+    if leads(a.backend) {
+        eprintln!("{}", job.header());
     }
     let opts = TrainOptions {
         save_hook: a.crash_during_save.as_deref().map(crash_hook).transpose()?,
@@ -310,69 +186,31 @@ pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
     });
     let every = (p.spec.steps / 20).max(1);
     let progress = |r: &StepReport| {
-        let tps = r.tokens as f64 / r.seconds.max(1e-9);
-        let mfu = flops::mfu(cfg, tps, world, peak);
-        let line = format!(
-            "loss {:.4} | {} tok/s | MFU {:.1}% | lr {:.2e}",
-            r.loss,
-            fmt_rate(tps),
-            100.0 * mfu,
-            r.lr
-        );
+        let f = job.step(r);
         if a.json {
             println!(
                 "{}",
                 serde_json::json!({
                     "step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
-                    "tokens": r.tokens, "seconds": r.seconds, "tokens_per_s": tps, "mfu": mfu,
+                    "tokens": r.tokens, "seconds": r.seconds, "tokens_per_s": f.tokens_per_s,
+                    "mfu": f.mfu,
                 })
             );
         } else if let Some(b) = &bar {
             b.set_position(r.step);
-            b.set_message(line);
+            b.set_message(f.line);
         } else if r.step.is_multiple_of(every) || r.step == p.spec.steps {
-            println!("step {}/{} {line}", r.step, p.spec.steps);
+            println!("step {}/{} {}", r.step, p.spec.steps, f.line);
         }
     };
-    let out = launch(a.backend, world, timeout, |w| {
-        rank_main(w, &p, &opts, &progress)
-    })?;
+    let out = job.run(timeout, &opts, &progress)?;
     if let Some(b) = &bar {
         b.finish();
     }
-    let summary = match out {
-        Ok(Some(s)) => s,
-        Ok(None) => return Ok(ExitCode::SUCCESS),
+    match out {
+        Ok(Some(summary)) => job.summary(&summary).iter().for_each(|l| println!("{l}")),
+        Ok(None) => {}
         Err(failed) => return Ok(failed.into()),
-    };
-    let r = &summary.reports;
-    if let (Some(first), Some(last)) = (r.first(), r.last()) {
-        // The first step pays for warming up; the median is the steady state.
-        let tps = median(
-            r.iter()
-                .map(|x| x.tokens as f64 / x.seconds.max(1e-9))
-                .collect(),
-        );
-        println!(
-            "done: steps {}..{}, loss {:.4} -> {:.4}, median {} tokens/s, MFU {:.1}% of {:.1} \
-             GFLOP/s x {world} rank(s)",
-            first.step,
-            last.step,
-            first.loss,
-            last.loss,
-            fmt_rate(tps),
-            100.0 * flops::mfu(cfg, tps, world, peak),
-            peak / 1e9
-        );
-    }
-    if let (Some(ck), Some(dir)) = (&summary.checkpoint, &p.spec.save_dir) {
-        println!(
-            "checkpoint {} (an HF {} directory: config.json, model.safetensors, \
-             tokenizer.json); loss curve {}",
-            ck.display(),
-            p.spec.model.arch.hf_class(),
-            dir.join(tp_train::plot::PLOT_FILE).display()
-        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -124,3 +124,47 @@ fn generate_under_mpirun_matches_local_ranks() {
     );
     assert!(want.stdout.trim().len() > 20, "{:?}", want.stdout);
 }
+
+/// `mpirun -n 2 tp bench decode --backend mpi` measures at the world's size (tp 2) without
+/// --tps or --tp; a --tps that is not the world's size is still refused.
+#[test]
+fn bench_decode_under_mpirun_takes_the_world_size() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let model = model.to_string_lossy().to_string();
+    let args = [
+        "bench",
+        "decode",
+        "--backend",
+        "mpi",
+        "--model",
+        &model,
+        "--prompt-tokens",
+        "4",
+        "--gen-tokens",
+        "2",
+        "--repeats",
+        "1",
+        "--json",
+    ];
+    let f = common::mpirun_tp(2, &args, Duration::from_secs(300));
+    assert_eq!(f.code, Some(0), "{}", f.output);
+    let rows = tp_testkit::json::rows_with(&f.stdout, "tp");
+    assert_eq!(rows.len(), 1, "{}", f.output);
+    assert_eq!(rows[0]["tp"], 2, "{}", f.output);
+    assert!(
+        rows[0]["decode_tok_s"].as_f64().is_some_and(|v| v > 0.0),
+        "{}",
+        f.output
+    );
+    let mut wrong = args.to_vec();
+    wrong.extend(["--tps", "1"]);
+    let f = common::mpirun_tp(2, &wrong, Duration::from_secs(120));
+    assert_ne!(f.code, Some(0), "{}", f.output);
+    assert!(
+        f.output.contains("mpirun started 2 processes"),
+        "{}",
+        f.output
+    );
+}

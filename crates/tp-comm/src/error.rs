@@ -8,6 +8,22 @@ use std::time::Duration;
 
 pub type Result<T> = std::result::Result<T, CommError>;
 
+/// `e` and its causes joined by ": ", each text once (a cause whose text the line already
+/// holds, as a message that quotes its cause, is skipped).
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        let text = cause.to_string();
+        if !text.is_empty() && !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+        next = cause.source();
+    }
+    line
+}
+
 /// Which collective (or point-to-point) operation a call is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum OpKind {

@@ -21,6 +21,7 @@
 //! ```
 
 pub mod bench;
+pub mod bench_report;
 pub mod build;
 pub mod communicator;
 pub mod conformance;
@@ -29,6 +30,7 @@ pub mod error;
 pub mod fault;
 pub mod flight;
 pub mod intercept;
+pub mod launch;
 pub mod local;
 pub mod mesh;
 #[cfg(feature = "mpi")]

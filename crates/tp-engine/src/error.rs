@@ -20,6 +20,14 @@ pub enum EngineError {
         cached: usize,
         capacity: usize,
     },
+    #[error("the prompt has no tokens")]
+    EmptyPrompt,
+    /// A prompt that leaves no room in the context for a generated token.
+    #[error("the prompt has {tokens} tokens but the context holds {ctx}")]
+    PromptOverContext { tokens: usize, ctx: usize },
+    /// The generated text could not be written where it goes.
+    #[error("cannot write the output")]
+    Output(#[source] std::io::Error),
     /// The model's logits hold NaN: a broken model file or a dtype that overflows.
     #[error("the model produced NaN logits; check the model file and the weights' dtype")]
     NanLogits,

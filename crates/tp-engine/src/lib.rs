@@ -1,15 +1,22 @@
 //! tp-engine: inference over a tensor-parallel group. Rank 0 (the leader) decides every step
 //! and broadcasts it; the other ranks (followers) execute the same step on their shards.
 
+pub mod bench;
 pub mod decoder;
 pub mod error;
 pub mod executor;
 pub mod generate;
+pub mod handle;
+pub mod inspect;
 pub mod kv_budget;
-pub mod launch;
+/// Starting ranks: tp-comm's launcher, here for the engine's callers.
+pub mod launch {
+    pub use tp_comm::launch::*;
+}
 pub mod load_stats;
 pub mod logits;
 pub mod model_check;
+pub mod perplexity;
 pub mod protocol;
 pub mod report;
 pub mod sampling;
@@ -26,6 +33,7 @@ pub use decoder::{
 pub use error::{EngineError, Result};
 pub use executor::{ScriptedExecutor, StepExecutor};
 pub use generate::{generate, FinishReason, Flow, GenerationStats};
+pub use handle::{Engine, PromptIds, Reply};
 pub use logits::{log_softmax, log_sum_exp, top_logprobs, Penalties, TokenLogprobs};
 pub use protocol::{ChunkSpec, Command};
 pub use sampling::{argmax, Sampler, SamplingParams};

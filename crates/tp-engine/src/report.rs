@@ -7,23 +7,10 @@
 //! the only layers [`chain`] walks, and a cause whose text the line already holds (a context
 //! that formats its error in) is skipped rather than printed twice.
 
-use crate::launch::host_of;
 use crate::load_stats::LoadStats;
+use tp_comm::launch::host_of;
 
-/// `e` and its causes joined by ": ", each text once.
-pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut line = e.to_string();
-    let mut next = e.source();
-    while let Some(cause) = next {
-        let text = cause.to_string();
-        if !text.is_empty() && !line.contains(&text) {
-            line.push_str(": ");
-            line.push_str(&text);
-        }
-        next = cause.source();
-    }
-    line
-}
+pub use tp_comm::error::chain;
 
 /// Parses a byte count with an optional unit: B, kB/MB/GB/TB (powers of 1000) or
 /// KiB/MiB/GiB/TiB (powers of 1024); case-insensitive, fractions allowed ("1.5GB").

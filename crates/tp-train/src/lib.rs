@@ -8,11 +8,13 @@
 //! - [`grads`]: the flat gradient buffer, tp completion, bucketed dp all-reduce, global norm.
 //! - [`optim`]: AdamW with state sharded like the weights; learning-rate schedule.
 //! - [`data`]: text to token windows; [`checkpoint`]: atomic, checksummed, any-layout resume.
-//! - [`trainer`]: the loop that ties them together.
+//! - [`trainer`]: the loop that ties them together; [`run`]: a prepared run on its ranks
+//!   (`tp train`); [`bench`]: training speed per layout (`tp bench train`).
 //!
 //! Conventions: every tensor is f32 on the CPU; the tp1 run is the oracle every layout is
 //! tested against.
 
+pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
@@ -26,6 +28,7 @@ pub mod model;
 pub mod optim;
 pub mod pipeline;
 pub mod plot;
+pub mod run;
 pub mod schedule;
 pub mod setup;
 pub mod tokenizer_json;

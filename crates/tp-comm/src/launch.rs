@@ -1,12 +1,13 @@
 //! Starting ranks on a backend: threads of this process (`local`) or this process as one
 //! rank of an `mpirun` job (`mpi`), a watchdog for stragglers, and reporting how each rank
-//! ended (each failing rank's error on stderr, with one flight record).
+//! ended (each failing rank's error on stderr, with one flight record). Every command that
+//! runs ranks (inference sessions, training, the benches, the self-test) starts them here.
 
-use crate::report::chain;
+use crate::error::chain;
+use crate::local::{self, LocalOptions};
+use crate::{CommError, Group};
 use std::sync::OnceLock;
 use std::time::Duration;
-use tp_comm::local::{self, LocalOptions};
-use tp_comm::{CommError, Group};
 
 /// Where the ranks run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,6 +61,12 @@ pub enum LaunchError {
     NoMpi,
     #[error("cannot start the ranks: {0}")]
     Comm(#[from] CommError),
+}
+
+/// Whether this process holds rank 0, known before MPI starts: always with local ranks;
+/// under mpirun, the process it numbered 0 (`$OMPI_COMM_WORLD_RANK`).
+pub fn leads(backend: Backend) -> bool {
+    backend == Backend::Local || std::env::var("OMPI_COMM_WORLD_RANK").as_deref() == Ok("0")
 }
 
 /// Each world rank's host under mpirun, as the ranks told each other at start.
@@ -119,20 +126,33 @@ impl RankError for CommError {
     }
 }
 
-impl RankError for anyhow::Error {
+/// Errors that carry their causes as a chain (`anyhow::Error` is one): the chain's first
+/// [`CommError`] gives the flight record.
+impl<E> RankError for E
+where
+    E: AsRef<dyn std::error::Error + Send + Sync + 'static> + std::fmt::Display + Send,
+{
     fn report(&self) -> String {
         chain(self.as_ref())
     }
     fn flight_record(&self) -> Option<&str> {
-        self.chain()
-            .find_map(|e| e.downcast_ref::<CommError>())
-            .and_then(CommError::flight_record)
+        first_comm(self.as_ref()).and_then(CommError::flight_record)
     }
     fn is_poisoned(&self) -> bool {
-        self.chain()
-            .find_map(|e| e.downcast_ref::<CommError>())
-            .is_some_and(|e| matches!(e, CommError::Poisoned { .. }))
+        first_comm(self.as_ref()).is_some_and(|e| matches!(e, CommError::Poisoned { .. }))
     }
+}
+
+/// The first [`CommError`] among `e` and its causes.
+fn first_comm<'a>(e: &'a (dyn std::error::Error + Send + Sync + 'static)) -> Option<&'a CommError> {
+    let mut next: Option<&'a (dyn std::error::Error + 'static)> = Some(e);
+    while let Some(cur) = next {
+        if let Some(c) = cur.downcast_ref::<CommError>() {
+            return Some(c);
+        }
+        next = cur.source();
+    }
+    None
 }
 
 /// Runs `work` on every rank and returns rank 0's value (`None` on the other ranks of an MPI
@@ -263,7 +283,7 @@ fn run_mpi<T, E: RankError>(
     timeout: Duration,
     work: impl Fn(Group) -> Result<T, E>,
 ) -> Result<Result<Option<T>, RanksFailed>, LaunchError> {
-    use tp_comm::mpi::{MpiOptions, MpiRuntime};
+    use crate::mpi::{MpiOptions, MpiRuntime};
     let runtime = MpiRuntime::init(MpiOptions {
         timeout,
         verify: true,
@@ -326,7 +346,7 @@ mod sigterm {
             .spawn(move || loop {
                 std::thread::sleep(Duration::from_millis(10));
                 if RECEIVED.load(Ordering::SeqCst) {
-                    let doing = match tp_comm::mpi::call_in_progress() {
+                    let doing = match crate::mpi::call_in_progress() {
                         Some((fp, size, waited)) => format!(
                             "while in {} #{} of a {size}-rank group for {:.1} s",
                             fp.op,

@@ -1,0 +1,169 @@
+//! A model's shapes and the shard each rank gets at a layout (heads, KV heads and whether
+//! they are shared, FFN columns, vocab rows, bytes, the KV cache per token, the balance), from
+//! the checkpoint's metadata without loading weights: the report `tp inspect` prints.
+
+use crate::report::show_bytes;
+use crate::session::memory_plan;
+use tp_models::{Checkpoint, CheckpointPlan, LoadOptions, RankWeights, ShardPlan, WeightName};
+
+fn format_of(ckpt: &dyn Checkpoint, name: WeightName) -> String {
+    match ckpt.meta(name) {
+        Ok(m) => match m.storage {
+            tp_models::checkpoint::Storage::Quant(t) => format!("{t:?}"),
+            tp_models::checkpoint::Storage::Float { bytes } => format!("float{}", bytes * 8),
+        },
+        Err(_) => "-".into(),
+    }
+}
+
+/// The report `tp inspect` prints.
+pub fn describe(
+    ckpt: &dyn Checkpoint,
+    weights: &RankWeights,
+    ctx_size: Option<usize>,
+    opts: LoadOptions,
+) -> tp_models::Result<String> {
+    use std::fmt::Write;
+    // Writing to a String cannot fail.
+    let tp = weights.tp();
+    let cfg = ckpt.config();
+    let ctx = ctx_size.unwrap_or(cfg.context);
+    let mut s = String::new();
+    let _ = writeln!(s, "model      {}", ckpt.source());
+    let _ = writeln!(
+        s,
+        "arch       {} ({} parameters)",
+        cfg.arch.name(),
+        cfg.parameter_count()
+    );
+    let _ = writeln!(
+        s,
+        "shapes     {} layers, hidden {}, FFN {}, {} heads x {} dims, {} KV heads (groups of {}), vocab {}, context {}",
+        cfg.layers,
+        cfg.hidden,
+        cfg.ffn,
+        cfg.heads,
+        cfg.head_dim,
+        cfg.kv_heads,
+        cfg.heads / cfg.kv_heads,
+        cfg.vocab,
+        cfg.context
+    );
+    let _ = writeln!(
+        s,
+        "layout     rope {:?}, qkv bias {}, {}tied embeddings {}, rms eps {:e}, rope theta {}",
+        cfg.rope_style,
+        cfg.qkv_bias,
+        if cfg.qk_norm {
+            "q/k norm per head, "
+        } else {
+            ""
+        },
+        cfg.tied_embeddings,
+        cfg.rms_eps,
+        cfg.rope_theta
+    );
+    if let Some(block) = cfg.block.summary(cfg.layers) {
+        let _ = writeln!(s, "block      {block}");
+    }
+    let _ = writeln!(
+        s,
+        "formats    q {}, k {}, v {}, o {}, gate {}, up {}, down {}, embedding {}, head {}",
+        format_of(ckpt, WeightName::Q(0)),
+        format_of(ckpt, WeightName::K(0)),
+        format_of(ckpt, WeightName::V(0)),
+        format_of(ckpt, WeightName::O(0)),
+        format_of(ckpt, WeightName::Gate(0)),
+        format_of(ckpt, WeightName::Up(0)),
+        format_of(ckpt, WeightName::Down(0)),
+        format_of(ckpt, WeightName::Embed),
+        if cfg.tied_embeddings {
+            "tied".to_string()
+        } else {
+            format_of(ckpt, WeightName::Output)
+        },
+    );
+    let plan = memory_plan(ckpt, weights, ctx, opts)?;
+    let weighted = if weights.is_even() {
+        String::new()
+    } else {
+        format!(", rank weights {weights}")
+    };
+    let _ = writeln!(
+        s,
+        "\ntp {tp}{weighted}: per rank (KV cache for {ctx} positions, {}; taken in blocks of {} as tokens arrive)",
+        opts.kv_dtype,
+        tp_models::BLOCK_POSITIONS
+    );
+    let _ = writeln!(
+        s,
+        "{:>4}  {:>9}  {:>9}  {:>11}  {:>13}  {:>10}  {:>10}  {:>10}  {:>10}",
+        "rank",
+        "q heads",
+        "kv heads",
+        "ffn cols",
+        "vocab rows",
+        "sharded",
+        "replicated",
+        "kv cache",
+        "total"
+    );
+    for (r, m) in plan.iter().enumerate() {
+        let p = ShardPlan::for_checkpoint_weighted(ckpt, r, weights)?;
+        let kv = p.kv_heads();
+        let shared = kv.len() * cfg.heads / cfg.kv_heads > p.q_heads().len();
+        let _ = writeln!(
+            s,
+            "{:>4}  {:>9}  {:>9}  {:>11}  {:>13}  {:>10}  {:>10}  {:>10}  {:>10}",
+            r,
+            range(p.q_heads()),
+            format!("{}{}", range(kv), if shared { "*" } else { "" }),
+            range(p.ffn_cols()),
+            range(p.vocab_rows()),
+            show_bytes(m.sharded as u64),
+            show_bytes(m.replicated as u64),
+            show_bytes(m.kv_cache as u64),
+            show_bytes(m.total() as u64),
+        );
+    }
+    if tp > cfg.kv_heads
+        || (0..tp).any(|r| {
+            ShardPlan::for_checkpoint_weighted(ckpt, r, weights)
+                .is_ok_and(|p| p.kv_heads().len() * cfg.heads / cfg.kv_heads > p.q_heads().len())
+        })
+    {
+        let _ = writeln!(s, "* KV heads shared with a neighbouring rank (replicated: their weights and cache are held twice)");
+    }
+    let per_token = (0..tp)
+        .filter_map(|r| ShardPlan::for_checkpoint(ckpt, r, tp).ok())
+        .map(|p| {
+            tp_models::KvPool::bytes_per_block(
+                cfg.layers,
+                p.kv_heads().len(),
+                cfg.head_dim,
+                opts.kv_dtype,
+            ) / tp_models::BLOCK_POSITIONS
+        })
+        .max()
+        .unwrap_or(0);
+    let _ = writeln!(
+        s,
+        "kv cache   {} per token held on the busiest rank ({})",
+        show_bytes(per_token as u64),
+        opts.kv_dtype
+    );
+    let total: usize = plan.iter().map(|m| m.total()).sum();
+    let max = plan.iter().map(|m| m.total()).max().unwrap_or(0);
+    let mean = total as f64 / plan.len().max(1) as f64;
+    let _ = writeln!(
+        s,
+        "balance    busiest rank holds {:.1}% more than the mean; all ranks together {}",
+        (max as f64 / mean.max(1.0) - 1.0) * 100.0,
+        show_bytes(total as u64)
+    );
+    Ok(s)
+}
+
+fn range(r: std::ops::Range<usize>) -> String {
+    format!("{}..{}", r.start, r.end)
+}

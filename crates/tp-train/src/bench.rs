@@ -1,0 +1,301 @@
+//! Training speed at several (tp, pp, dp) layouts with a fixed global batch (what `tp bench
+//! train` reports; docs/performance.md "train"): step time, tokens/s and MFU against a matmul
+//! peak measured in the same run with the same gemm. Layouts are visited in rounds and each is
+//! preceded by a peak probe on as many threads as it has ranks, so a shared, noisy machine
+//! shows up in the figures instead of skewing one layout.
+
+use crate::run::{launch, median};
+use crate::setup::{default_micro_batches, set_compute_threads};
+use crate::{
+    flops, AdamWConfig, Corpus, ModelConfig, TrainError, TrainModel, TrainOptions, TrainSpec,
+    Trainer,
+};
+use serde::Serialize;
+use std::time::Duration;
+use tp_comm::launch::{Backend, LaunchError, RanksFailed};
+use tp_comm::{ParallelDims, ProcessGroups};
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    /// A preset (tiny, small, bench) or an HF config.json.
+    pub model: String,
+    pub layouts: Vec<ParallelDims>,
+    /// Sequences per step (the same for every layout).
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Micro-batches per replica (default: 1 without a pipeline, else about 2 x pp).
+    pub micro_batches: Option<usize>,
+    /// Untimed steps first.
+    pub warmup: u64,
+    /// Timed steps per layout and round.
+    pub steps: u64,
+    /// Rounds over the layouts.
+    pub rounds: usize,
+    /// Compute threads per rank.
+    pub threads: usize,
+    /// Deadline of each collective.
+    pub timeout: Duration,
+}
+
+/// Why the bench cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+}
+
+/// A layout that is not written TPxPPxDP.
+#[derive(Debug, thiserror::Error)]
+#[error("layout '{0}': use TPxPPxDP, e.g. 2x1x1")]
+pub struct BadLayout(pub String);
+
+/// `TPxPPxDP`, e.g. `2x1x1`.
+pub fn parse_layout(s: &str) -> Result<ParallelDims, BadLayout> {
+    let parts: Vec<usize> = s
+        .split('x')
+        .map(|p| p.trim().parse::<usize>())
+        .collect::<Result<_, _>>()
+        .map_err(|_| BadLayout(s.to_string()))?;
+    match parts.as_slice() {
+        &[tp, pp, dp] => Ok(ParallelDims { tp, pp, dp }),
+        _ => Err(BadLayout(s.to_string())),
+    }
+}
+
+/// One layout's figures (a JSON object per layout with `--json`).
+#[derive(Serialize)]
+pub struct Row {
+    pub tp: usize,
+    pub pp: usize,
+    pub dp: usize,
+    pub ranks: usize,
+    pub micro_batches: usize,
+    pub params: usize,
+    pub tokens_per_step: usize,
+    pub step_s_median: f64,
+    pub step_s_all: Vec<f64>,
+    pub tokens_per_s: f64,
+    /// Against the single-core peak measured alone (the issue's definition).
+    pub mfu: f64,
+    pub matmul_peak_gflops: f64,
+    /// Median per-rank peak with all of the layout's ranks probing at once.
+    pub concurrent_peak_gflops: f64,
+    /// Against that concurrent peak.
+    pub mfu_vs_concurrent_peak: f64,
+    pub final_loss: f64,
+}
+
+/// Step times and probe results of one layout, over all rounds.
+#[derive(Default)]
+struct Samples {
+    times: Vec<f64>,
+    peaks: Vec<f64>,
+    loss: f64,
+}
+
+/// A bench ready to run: the model, every layout's checked spec, and the peak.
+pub struct Bench {
+    cfg: BenchConfig,
+    model: ModelConfig,
+    specs: Vec<TrainSpec>,
+    threads: usize,
+    /// Matmul FLOP/s of one rank measured alone.
+    peak: f64,
+}
+
+impl Bench {
+    /// Sets the compute threads, checks every layout and measures the peak.
+    pub fn new(cfg: BenchConfig) -> Result<Bench, TrainError> {
+        let threads = set_compute_threads(Some(cfg.threads.max(1)), 1);
+        let model = ModelConfig::from_arg(&cfg.model)?;
+        let specs = cfg
+            .layouts
+            .iter()
+            .map(|&d| {
+                let micro = cfg
+                    .micro_batches
+                    .unwrap_or_else(|| default_micro_batches(cfg.batch / d.dp.max(1), d.pp));
+                let spec = TrainSpec {
+                    model: model.clone(),
+                    dims: d,
+                    steps: cfg.warmup + cfg.steps,
+                    global_batch: cfg.batch,
+                    micro_batches: micro,
+                    seq: cfg.seq,
+                    seed: 0,
+                    optim: AdamWConfig::default(),
+                    bucket_elems: 4 << 20,
+                    save_dir: None,
+                    save_every: 0,
+                    keep: 0,
+                    data_name: "built-in corpus".into(),
+                };
+                spec.validate().map(|_| spec)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let peak = flops::measure_matmul_peak(1024, 10)?;
+        Ok(Bench {
+            cfg,
+            model,
+            specs,
+            threads,
+            peak,
+        })
+    }
+
+    /// What is measured and how, as `#` lines.
+    pub fn header(&self) -> String {
+        let (a, m, threads) = (&self.cfg, &self.model, self.threads);
+        format!(
+            "# tp bench train: model {}, {:.1}M parameters (hidden {}, {} layers, {} heads / {} \
+             KV, FFN {}); batch {} x {} tokens; {threads} compute thread(s) per rank; {} round(s) \
+             of {} timed step(s) per layout\n\
+             # matmul peak (candle gemm, [1024,1024]x[1024,1024] f32, best of 10, {threads} \
+             thread(s)): {:.1} GFLOP/s; MFU = 6 x params x tokens/s / (ranks x peak)\n\
+             # conc_peak: per-rank peak with all the layout's ranks probing at once, just before \
+             its steps (median over rounds); MFU_conc is against it",
+            a.model,
+            m.num_params() as f64 / 1e6,
+            m.hidden,
+            m.layers,
+            m.heads,
+            m.kv_heads,
+            m.ffn,
+            a.batch,
+            a.seq,
+            a.rounds.max(1),
+            a.steps,
+            self.peak / 1e9
+        )
+    }
+
+    /// Trains every layout in rounds (its ranks as threads of this process) and gives one row
+    /// per layout, or [`RanksFailed`] once the failing ranks have printed their errors.
+    pub fn run(&self) -> Result<Result<Option<Vec<Row>>, RanksFailed>, BenchError> {
+        let text = crate::data::DEFAULT_CORPUS;
+        let corpus = Corpus::new(
+            text.iter().map(|&b| u32::from(b)).collect(),
+            self.cfg.seq,
+            0,
+        )?;
+        let tok = crate::tokenizer_json::byte_level_tokenizer_json();
+        let mut samples: Vec<Samples> = self.specs.iter().map(|_| Samples::default()).collect();
+        for _round in 0..self.cfg.rounds.max(1) {
+            for (spec, smp) in self.specs.iter().zip(&mut samples) {
+                let ranks = spec.dims.world_size();
+                smp.peaks
+                    .push(flops::measure_concurrent_peak(1024, 5, ranks)?);
+                let out = launch(Backend::Local, ranks, self.cfg.timeout, |world| {
+                    let groups = ProcessGroups::new(world, spec.dims)?;
+                    let mut t =
+                        Trainer::new(spec, groups, &corpus, &tok, None, TrainOptions::default())?;
+                    let mut times = Vec::new();
+                    let mut loss = 0.0;
+                    for i in 0..spec.steps {
+                        let r = t.step()?;
+                        if i >= self.cfg.warmup {
+                            times.push(r.seconds);
+                        }
+                        loss = r.loss;
+                    }
+                    Ok((times, loss))
+                })?;
+                match out {
+                    Ok(Some((times, loss))) => {
+                        smp.times.extend(times);
+                        smp.loss = loss;
+                    }
+                    Ok(None) => return Ok(Ok(None)),
+                    Err(failed) => return Ok(Err(failed)),
+                }
+            }
+        }
+        Ok(Ok(Some(
+            self.specs
+                .iter()
+                .zip(samples)
+                .map(|(spec, smp)| self.row(spec, smp))
+                .collect(),
+        )))
+    }
+
+    fn row(&self, spec: &TrainSpec, smp: Samples) -> Row {
+        let d = spec.dims;
+        let med = median(smp.times.clone());
+        let tokens = self.cfg.batch * self.cfg.seq;
+        let tps = tokens as f64 / med.max(1e-9);
+        let conc = median(smp.peaks);
+        Row {
+            tp: d.tp,
+            pp: d.pp,
+            dp: d.dp,
+            ranks: d.world_size(),
+            micro_batches: spec.micro_batches,
+            params: self.model.num_params(),
+            tokens_per_step: tokens,
+            step_s_median: med,
+            step_s_all: smp.times,
+            tokens_per_s: tps,
+            mfu: flops::mfu(&self.model, tps, d.world_size(), self.peak),
+            matmul_peak_gflops: self.peak / 1e9,
+            concurrent_peak_gflops: conc / 1e9,
+            mfu_vs_concurrent_peak: flops::mfu(&self.model, tps, d.world_size(), conc),
+            final_loss: smp.loss,
+        }
+    }
+}
+
+/// The table of `rows`: a `#` header line, then a line per layout.
+pub fn table(rows: &[Row]) -> String {
+    let mut s = format!(
+        "# {:>3} {:>3} {:>3} {:>5} {:>5} {:>11} {:>9} {:>7} {:>10} {:>8}\n",
+        "tp",
+        "pp",
+        "dp",
+        "ranks",
+        "micro",
+        "step_s(med)",
+        "tokens/s",
+        "MFU",
+        "conc_peak",
+        "MFU_conc"
+    );
+    for row in rows {
+        s.push_str(&format!(
+            "  {:>3} {:>3} {:>3} {:>5} {:>5} {:>11.3} {:>9.0} {:>6.1}% {:>10.1} {:>7.1}%\n",
+            row.tp,
+            row.pp,
+            row.dp,
+            row.ranks,
+            row.micro_batches,
+            row.step_s_median,
+            row.tokens_per_s,
+            100.0 * row.mfu,
+            row.concurrent_peak_gflops,
+            100.0 * row.mfu_vs_concurrent_peak
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_are_tp_x_pp_x_dp() {
+        let d = parse_layout("2x1x3").unwrap();
+        assert_eq!((d.tp, d.pp, d.dp), (2, 1, 3));
+        for bad in ["2x1", "2x1x1x1", "axbxc", ""] {
+            let e = parse_layout(bad).unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!("layout '{bad}': use TPxPPxDP, e.g. 2x1x1")
+            );
+        }
+    }
+}
