@@ -4,14 +4,14 @@
 //! in rounds and each is preceded by a peak probe on as many threads as it has ranks, so a
 //! shared, noisy machine shows up in the figures instead of skewing one layout.
 
-use crate::train::launch;
+use crate::train::{launch, set_compute_threads};
 use anyhow::{bail, Context};
 use serde::Serialize;
 use std::process::ExitCode;
 use std::time::Duration;
 use tp_comm::{ParallelDims, ProcessGroups};
 use tp_engine::launch::Backend;
-use tp_train::setup::{default_micro_batches, set_compute_threads};
+use tp_train::setup::default_micro_batches;
 use tp_train::{
     flops, AdamWConfig, Corpus, ModelConfig, TrainModel, TrainOptions, TrainSpec, Trainer,
 };

@@ -12,7 +12,7 @@ use std::time::Duration;
 use tp_comm::{Group, ParallelDims, ProcessGroups};
 use tp_engine::launch::{run_ranks, Backend, RanksFailed};
 use tp_train::checkpoint::{SaveHook, SavePoint};
-use tp_train::setup::{prepare, set_compute_threads, Prepared, RunRequest};
+use tp_train::setup::{compute_threads, prepare, Prepared, RunRequest};
 use tp_train::{flops, StepReport, TrainError, TrainModel, TrainOptions, Trainer};
 
 #[derive(clap::Args, Clone)]
@@ -375,4 +375,23 @@ pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Gives each rank `threads` compute threads, or shares the cores out among the ranks of this
+/// process (and, under mpirun, the processes on this node); returns the per-rank count. Set
+/// here, before any rank starts: candle's matmul reads `RAYON_NUM_THREADS` at every call.
+pub(crate) fn set_compute_threads(threads: Option<usize>, local_ranks: usize) -> usize {
+    let count = |var: &str| {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+    };
+    let n = compute_threads(
+        threads,
+        count("RAYON_NUM_THREADS"),
+        local_ranks,
+        count("OMPI_COMM_WORLD_LOCAL_SIZE").unwrap_or(1),
+    );
+    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    n
 }
