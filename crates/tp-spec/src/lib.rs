@@ -3,12 +3,14 @@
 //! metadata or an HF `config.json`, the canonical weights with their GGUF and HF names, and
 //! the shard arithmetic (head-granular ranges with KV replication, FFN split in quant-block
 //! units, vocabulary rows, rank weights, the bytes a rank holds). No tensors, no candle. It
-//! also holds the workspace's one seeded random generator ([`Rng`]).
+//! also holds the one GGUF header reader ([`gguf`]) and the workspace's one seeded random
+//! generator ([`Rng`]).
 
 pub mod arch;
 pub mod block;
 pub mod config;
 pub mod error;
+pub mod gguf;
 pub mod partition;
 pub mod rng;
 pub mod shard;
@@ -18,6 +20,7 @@ pub use arch::{is_moe_name, supported_list, Arch, RopeStyle};
 pub use block::{Activation, BlockStyle, SlidingWindow};
 pub use config::{Dims, Experts, MetaValue, Metadata, ModelConfig};
 pub use error::{ShardError, SpecError};
+pub use gguf::{GgufError, GgufHeader, GgufValue, TensorInfo};
 pub use partition::{HeadPlan, Partition, RankWeights, MAX_RANK_WEIGHT};
 pub use rng::{mix64, Rng};
 pub use shard::{rank_weight_bytes, Layout, ShardPlan, WeightBytes, DENSE_CHUNK};
