@@ -117,7 +117,7 @@ pub fn run(a: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
     let text = tp_train::data::DEFAULT_CORPUS;
     let corpus = Corpus::new(text.iter().map(|&b| u32::from(b)).collect(), a.seq, 0)?;
     let peak = flops::measure_matmul_peak(1024, 10)?;
-    let tok = tp_train::tokenizer_json::byte_level_tokenizer_json();
+    let tok = tp_train::TextTokenizer::Bytes.json()?;
     if !a.json {
         println!(
             "# tp bench train: model {}, {:.1}M parameters (hidden {}, {} layers, {} heads / {} \

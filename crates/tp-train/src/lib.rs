@@ -28,7 +28,6 @@ pub mod pipeline;
 pub mod plot;
 pub mod schedule;
 pub mod setup;
-pub mod tokenizer_json;
 pub mod trainer;
 
 pub use checkpoint::{Checkpoint, SaveHook, SavePoint};

@@ -24,7 +24,7 @@ pub struct RunRequest {
     pub arch: Option<String>,
     /// Training text; default the built-in corpus.
     pub data: Option<PathBuf>,
-    /// A tokenizer.json (or a directory holding one); default bytes, vocab 256.
+    /// A tokenizer.json, a directory holding one, or a GGUF file; default bytes, vocab 256.
     pub tokenizer: Option<PathBuf>,
     /// Train until this many optimizer steps are done (a resumed run counts its earlier ones).
     pub steps: u64,
@@ -89,13 +89,8 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
     }
     let tokenizer = match (&a.tokenizer, &resume) {
         (Some(p), _) => TextTokenizer::from_file(p)?,
-        (None, Some(ck))
-            if ck.tokenizer_json != crate::tokenizer_json::byte_level_tokenizer_json() =>
-        {
-            let path = ck.dir.join("tokenizer.json");
-            TextTokenizer::from_file(&path)?
-        }
-        (None, _) => TextTokenizer::Bytes,
+        (None, Some(ck)) => TextTokenizer::of_checkpoint(&ck.dir.join("tokenizer.json"))?,
+        (None, None) => TextTokenizer::Bytes,
     };
     let arch = a.arch.as_deref().map(trainable_arch).transpose()?;
     // A preset or config.json, as the architecture asked for.
@@ -200,7 +195,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             "{data_desc}, {}",
             match &tokenizer {
                 TextTokenizer::Bytes => "bytes".to_string(),
-                TextTokenizer::Hf { path, .. } => path.display().to_string(),
+                TextTokenizer::Model { path, .. } => path.display().to_string(),
             }
         ),
     };
