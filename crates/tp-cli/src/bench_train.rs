@@ -49,6 +49,7 @@ pub fn run(a: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
     if a.steps == 0 {
         bail!("--steps must be at least 1");
     }
+    crate::train::set_compute_threads(Some(a.threads.max(1)), 1);
     let bench = Bench::new(BenchConfig {
         model: a.config.clone(),
         layouts: a

@@ -13,7 +13,7 @@ use tp_comm::launch::{leads, Backend};
 use tp_comm::ParallelDims;
 use tp_train::checkpoint::{SaveHook, SavePoint};
 use tp_train::run::Job;
-use tp_train::setup::{prepare, RunRequest};
+use tp_train::setup::{compute_threads, prepare, RunRequest};
 use tp_train::{StepReport, TrainError, TrainOptions};
 
 #[derive(clap::Args, Clone)]
@@ -163,7 +163,8 @@ pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
     let timeout = Duration::try_from_secs_f64(a.timeout)
         .map_err(|_| anyhow::anyhow!("--timeout must be a positive number of seconds"))?;
     let p = prepare(&a.request())?;
-    let job = Job::new(&p, a.backend, a.threads)?;
+    let threads = set_compute_threads(a.threads, Job::local_ranks(&p, a.backend));
+    let job = Job::new(&p, a.backend, threads)?;
     if leads(a.backend) {
         eprintln!("{}", job.header());
     }
@@ -213,4 +214,23 @@ pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
         Err(failed) => return Ok(failed.into()),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Gives each rank `threads` compute threads, or shares the cores out among the ranks of this
+/// process (and, under mpirun, the processes on this node); returns the per-rank count. Set
+/// here, before any rank starts: candle's matmul reads `RAYON_NUM_THREADS` at every call.
+pub(crate) fn set_compute_threads(threads: Option<usize>, local_ranks: usize) -> usize {
+    let count = |var: &str| {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+    };
+    let n = compute_threads(
+        threads,
+        count("RAYON_NUM_THREADS"),
+        local_ranks,
+        count("OMPI_COMM_WORLD_LOCAL_SIZE").unwrap_or(1),
+    );
+    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    n
 }

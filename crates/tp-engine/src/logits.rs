@@ -141,16 +141,14 @@ mod tests {
 
     /// A deterministic row with a wide spread and repeated values.
     fn row(n: usize) -> Vec<f32> {
-        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut rng = tp_spec::Rng::new(0x2545_F491_4F6C_DD1D);
         (0..n)
             .map(|i| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
+                let x = rng.below(4000);
                 if i % 97 == 0 {
                     5.0
                 } else {
-                    (x % 4000) as f32 / 100.0 - 20.0
+                    x as f32 / 100.0 - 20.0
                 }
             })
             .collect()

@@ -2,6 +2,7 @@
 //! generator so the same seed gives the same text on every run and at every tp.
 
 use crate::error::{EngineError, Result};
+use tp_spec::Rng;
 
 /// How to pick tokens. `temperature == 0` is greedy (the other fields are then ignored).
 #[derive(Clone, Debug, PartialEq)]
@@ -48,27 +49,6 @@ impl SamplingParams {
             });
         }
         Ok(())
-    }
-}
-
-/// splitmix64: small, fast, and the same on every platform.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `[0, 1)`.
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 
@@ -145,7 +125,7 @@ impl Sampler {
         }
         probs.truncate(keep);
         let total: f64 = probs.iter().sum();
-        let mut u = self.rng.next_f64() * total;
+        let mut u = self.rng.unit_f64() * total;
         for (i, q) in probs.iter().enumerate() {
             if u < *q {
                 return Ok(self.candidates[i].1);

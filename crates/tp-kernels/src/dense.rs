@@ -342,13 +342,7 @@ mod tests {
     use super::*;
 
     fn values(len: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed;
-        (0..len)
-            .map(|_| {
-                s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-                (s >> 8) as f32 / (1 << 24) as f32 - 0.5
-            })
-            .collect()
+        tp_testkit::Rng::new(u64::from(seed)).uniform_vec(len, -0.5, 0.5)
     }
 
     #[test]

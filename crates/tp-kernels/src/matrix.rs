@@ -1092,13 +1092,8 @@ pub(crate) mod tests {
 
     /// Deterministic pseudo-random ggml bytes with sane f16 scales.
     pub(crate) fn random_ggml(qtype: QuantType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let mut next = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s
-        };
+        let mut rng = tp_testkit::Rng::new(seed);
+        let mut next = move || rng.next_u64();
         let blocks = rows * cols / qtype.block_len();
         let mut out = Vec::with_capacity(blocks * qtype.block_bytes());
         for _ in 0..blocks {
@@ -1139,13 +1134,7 @@ pub(crate) mod tests {
     }
 
     fn random_x(len: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed as u32 ^ 0xDEAD_BEEF;
-        (0..len)
-            .map(|_| {
-                s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-                ((s >> 8) as f32 / (1 << 24) as f32 - 0.5) * 4.0
-            })
-            .collect()
+        tp_testkit::Rng::new(seed ^ 0xDEAD_BEEF).uniform_vec(len, -2.0, 2.0)
     }
 
     /// Shapes for the path comparisons: one row to several groups (ragged last group), one
@@ -1451,13 +1440,10 @@ pub(crate) mod tests {
             last.insert(0, 0);
             last.truncate(parts);
             last.push(nb);
-            let mut s = (nb * 31 + parts * 7) as u64 | 1;
+            let mut rng = tp_testkit::Rng::new((nb * 31 + parts * 7) as u64);
             let mut random = vec![0];
             while random.len() < parts {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                random.push(1 + (s % (nb as u64 - 1)) as usize);
+                random.push(1 + rng.below(nb as u64 - 1) as usize);
                 random.sort_unstable();
                 random.dedup();
             }

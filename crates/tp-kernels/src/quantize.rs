@@ -229,13 +229,7 @@ mod tests {
     use super::*;
 
     fn values(seed: u32, len: usize) -> Vec<f32> {
-        let mut s = seed;
-        (0..len)
-            .map(|_| {
-                s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-                ((s >> 8) as f32 / (1 << 24) as f32 - 0.5) * 6.0
-            })
-            .collect()
+        tp_testkit::Rng::new(u64::from(seed)).uniform_vec(len, -3.0, 3.0)
     }
 
     #[test]

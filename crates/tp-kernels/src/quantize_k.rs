@@ -248,13 +248,8 @@ mod tests {
     fn every_path_quantizes_to_the_scalar_bits() {
         // Random blocks at many scales, plus ties of opposite signs, NaNs, infinities,
         // subnormals, all-zero and single-value blocks.
-        let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
-        let mut next = move || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            (rng >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        };
+        let mut rng = tp_testkit::Rng::new(0x9e37_79b9_7f4a_7c15);
+        let mut next = move || rng.uniform(-0.5, 0.5);
         let mut x = Vec::new();
         for case in 0..64 {
             let scale = [1e-30, 1e-3, 1.0, 37.0, 1e30][case % 5];

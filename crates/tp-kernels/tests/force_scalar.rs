@@ -5,13 +5,8 @@ use tp_kernels::{force_scalar, simd_level, DenseMatrix, QuantMatrix, QuantType};
 
 fn bytes(qtype: QuantType, rows: usize, cols: usize) -> Vec<u8> {
     let len = rows * cols / qtype.block_len() * qtype.block_bytes();
-    let mut s = 0x1234_5678u32;
-    let mut out: Vec<u8> = (0..len)
-        .map(|_| {
-            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-            (s >> 24) as u8
-        })
-        .collect();
+    let mut rng = tp_testkit::Rng::new(0x1234_5678);
+    let mut out: Vec<u8> = (0..len).map(|_| (rng.next_u64() >> 56) as u8).collect();
     // Sane f16 scales (0x2000 ~ 0.0078) at the start of each 32-block.
     for b in out.chunks_exact_mut(qtype.block_bytes()) {
         b[..2].copy_from_slice(&[0x00, 0x20]);

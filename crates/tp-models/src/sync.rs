@@ -126,13 +126,8 @@ mod tests {
 
     #[test]
     fn round_trip_error_is_within_half_a_step_per_block() {
-        let mut s = 0x2545_f491_4f6c_dd1du64;
-        let mut next = || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-        };
+        let mut rng = tp_spec::Rng::new(0x2545_f491_4f6c_dd1d);
+        let mut next = || rng.unit_f64() * 2.0 - 1.0;
         for len in [1, 7, 32, 33, 100, 576] {
             let x: Vec<f64> = (0..len).map(|i| next() * (1.0 + i as f64)).collect();
             let mut q = vec![0u8; q8_len(len)];

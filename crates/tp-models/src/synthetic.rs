@@ -17,34 +17,7 @@ use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
 use std::path::Path;
-
-/// SplitMix64: a tiny deterministic generator (no dependency, same stream everywhere).
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [-1, 1).
-    pub fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-
-    /// Uniform in `0..n` (`n > 0`).
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-}
+use tp_spec::Rng;
 
 /// Element type of the tensors of a synthetic HF directory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,7 +115,7 @@ impl SyntheticModel {
                 };
                 let dims = p.dims();
                 let values = (0..dims.iter().product::<usize>())
-                    .map(|_| center + spread * rng.uniform())
+                    .map(|_| center + spread * rng.signed_unit())
                     .collect();
                 (p.name, dims, values)
             })

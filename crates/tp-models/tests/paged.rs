@@ -8,19 +8,16 @@ use tp_models::synthetic::{GgufTypes, SyntheticModel};
 use tp_models::{
     open_checkpoint, Arch, BlockTable, Chunk, KvPool, LoadOptions, Profile, ShardedModel,
 };
+use tp_testkit::Rng;
 
 /// Block ids from a fixed scrambled order, skipping those in use.
-struct Scrambled(u64);
+struct Scrambled(Rng);
 
 impl Scrambled {
     fn grow(&mut self, pool: &mut KvPool, table: &mut BlockTable, n: usize) {
         let mut ids = Vec::new();
         while ids.len() < pool.blocks_needed(table, n) {
-            self.0 = self
-                .0
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            let id = ((self.0 >> 33) % 200) as u32;
+            let id = self.0.below(200) as u32;
             if pool.refs(id) == 0 && !ids.contains(&id) {
                 ids.push(id);
             }
@@ -104,7 +101,7 @@ fn forked_sequences_in_scrambled_blocks_equal_each_sequence_alone() {
             let m = ShardedModel::load(&*ckpt, g.rank(), tp, LoadOptions::default(), 256).unwrap();
             let want: Vec<Vec<Vec<f32>>> = [&a, &b, &c].iter().map(|s| alone(&m, &g, s)).collect();
             let mut pool = m.new_pool();
-            let mut ids = Scrambled(tp as u64);
+            let mut ids = Scrambled(Rng::new(tp as u64));
             let mut ta = m.new_table(256);
             ids.grow(&mut pool, &mut ta, 45);
             let mut got_a = step(&m, &g, &mut pool, &mut [(&mut ta, &a[..45])]).remove(0);

@@ -9,6 +9,7 @@ use crate::linear::check_group;
 use crate::mappings::copy_to_tp;
 use crate::mlp::ParallelMlp;
 use crate::norm::RmsNorm;
+use crate::rng::{RandomTensor, Rng};
 use crate::rope::{Rope, RopeLayout};
 use candle_core::{Device, Tensor, Var};
 use tp_comm::Group;
@@ -91,39 +92,6 @@ pub struct BlockWeights {
     /// [`LayerStyle::post_norms`] is set.
     pub post_attn_norm: Option<Tensor>, // [hidden]
     pub post_mlp_norm: Option<Tensor>, // [hidden]
-}
-
-/// Deterministic xorshift64* stream, so tests and examples are reproducible everywhere.
-#[derive(Clone, Debug)]
-pub struct SeededRng(u64);
-
-impl SeededRng {
-    pub fn new(seed: u64) -> Self {
-        SeededRng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    /// Uniform in `[-1, 1)`.
-    pub fn next_f32(&mut self) -> f32 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        let v = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40; // 24 bits
-        v as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    pub fn next_below(&mut self, n: usize) -> usize {
-        (((self.next_f32() + 1.0) * 0.5 * n as f32) as usize).min(n.saturating_sub(1))
-    }
-    /// A tensor of uniform values in `[center - scale, center + scale)`.
-    pub fn tensor(
-        &mut self,
-        dims: &[usize],
-        center: f32,
-        scale: f32,
-        device: &Device,
-    ) -> Result<Tensor> {
-        let n: usize = dims.iter().product();
-        let v: Vec<f32> = (0..n).map(|_| center + scale * self.next_f32()).collect();
-        Ok(Tensor::from_vec(v, dims, device)?)
-    }
 }
 
 impl BlockConfig {
@@ -270,7 +238,7 @@ impl BlockConfig {
     /// without them has the same other weights).
     pub fn random_weights(&self, seed: u64, device: &Device) -> Result<BlockWeights> {
         self.validate()?;
-        let mut rng = SeededRng::new(seed);
+        let mut rng = Rng::xorshift64_star(seed);
         let (h, q, kv, f) = (
             self.hidden,
             self.heads * self.head_dim,

@@ -19,10 +19,11 @@ pub mod mlp;
 pub mod norm;
 pub mod recording;
 pub mod reference;
+pub mod rng;
 pub mod rope;
 
 pub use attention::ParallelAttention;
-pub use block::{BlockConfig, BlockWeights, LayerStyle, ParallelBlock, SeededRng};
+pub use block::{BlockConfig, BlockWeights, LayerStyle, ParallelBlock};
 pub use cross_entropy::vocab_parallel_cross_entropy;
 pub use embedding::VocabParallelEmbedding;
 pub use error::{Result, TpError};
@@ -35,6 +36,7 @@ pub use mlp::ParallelMlp;
 pub use norm::RmsNorm;
 pub use recording::RecordingComm;
 pub use reference::DenseBlock;
+pub use rng::{RandomTensor, Rng};
 pub use rope::{Rope, RopeLayout};
 /// The shard arithmetic lives in tp-spec; re-exported for the layers' callers.
 pub use tp_spec::{

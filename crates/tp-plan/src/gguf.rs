@@ -1,202 +1,44 @@
-//! Reads the model shape from a GGUF file's metadata header (GGUF v2/v3, the ggml repository's
-//! spec, github.com/ggml-org/ggml; the rules of our readers: docs/gguf.md): magic, version,
-//! counts, key/value pairs and tensor infos.
-//! Only the header is read; every length is bounds-checked, and truncated or
-//! malformed files are typed errors.
+//! Reads the model shape from a GGUF file's header with tp-spec's one GGUF header reader
+//! ([`tp_spec::gguf`]: every count and length bounded by the file, typed errors naming the key
+//! or tensor; the rules: docs/gguf.md). Only the header is read, from the start of the file
+//! (a few MB for a large vocabulary), never the tensor data.
 
 use crate::model::{ModelSpec, StoredWeights};
 use crate::PlanError;
 use std::collections::HashMap;
-use std::io::{BufReader, Read};
 use std::path::Path;
-use tp_spec::{parse_gguf_name, Dims, Layout, MetaValue, ModelConfig, WeightName};
+use tp_spec::gguf::{GgufError, GgufHeader};
+use tp_spec::{parse_gguf_name, Dims, Layout, ModelConfig, WeightName};
 
-/// Longest string the parser accepts (keys, values, tensor names).
-const MAX_STRING_BYTES: u64 = 1 << 20;
-/// Arrays inside arrays nest at most this deep (real files nest at most once).
-const MAX_ARRAY_DEPTH: usize = 8;
 /// Layers beyond this index are no real model's; their tensors are not kept.
 const MAX_LAYERS: usize = 1 << 16;
-/// Most array elements / key-value pairs / tensors the parser accepts.
-const MAX_COUNT: u64 = 1 << 24;
 
-struct HeaderReader<R: Read> {
-    inner: R,
-    offset: u64,
-}
-
-impl<R: Read> HeaderReader<R> {
-    fn bytes<const N: usize>(&mut self, what: &str) -> Result<[u8; N], String> {
-        let mut buf = [0u8; N];
-        self.inner
-            .read_exact(&mut buf)
-            .map_err(|_| format!("truncated at byte {} while reading {what}", self.offset))?;
-        self.offset += N as u64;
-        Ok(buf)
-    }
-    fn u32(&mut self, what: &str) -> Result<u32, String> {
-        self.bytes::<4>(what).map(u32::from_le_bytes)
-    }
-    fn u64(&mut self, what: &str) -> Result<u64, String> {
-        self.bytes::<8>(what).map(u64::from_le_bytes)
-    }
-    fn count(&mut self, what: &str) -> Result<u64, String> {
-        let n = self.u64(what)?;
-        if n > MAX_COUNT {
-            return Err(format!(
-                "{what} {n} at byte {} is implausibly large",
-                self.offset - 8
-            ));
-        }
-        Ok(n)
-    }
-    fn string(&mut self, what: &str) -> Result<String, String> {
-        let len = self.u64(what)?;
-        if len > MAX_STRING_BYTES {
-            return Err(format!(
-                "{what} length {len} at byte {} is implausibly large",
-                self.offset - 8
-            ));
-        }
-        let mut buf = vec![0u8; len as usize];
-        self.inner
-            .read_exact(&mut buf)
-            .map_err(|_| format!("truncated at byte {} while reading {what}", self.offset))?;
-        self.offset += len;
-        String::from_utf8(buf)
-            .map_err(|_| format!("{what} ending at byte {} is not UTF-8", self.offset))
-    }
-    fn skip(&mut self, bytes: u64, what: &str) -> Result<(), String> {
-        let copied = std::io::copy(&mut (&mut self.inner).take(bytes), &mut std::io::sink())
-            .map_err(|e| format!("read error while skipping {what}: {e}"))?;
-        if copied < bytes {
-            return Err(format!(
-                "truncated at byte {} while skipping {what}",
-                self.offset + copied
-            ));
-        }
-        self.offset += bytes;
-        Ok(())
-    }
-
-    fn scalar_size(value_type: u32) -> Option<u64> {
-        match value_type {
-            0 | 1 | 7 => Some(1),
-            2 | 3 => Some(2),
-            4..=6 => Some(4),
-            10..=12 => Some(8),
-            _ => None,
-        }
-    }
-
-    /// One value of `value_type`; `depth` counts the arrays around it.
-    fn value(&mut self, value_type: u32, key: &str, depth: usize) -> Result<MetaValue, String> {
-        Ok(match value_type {
-            0 => MetaValue::Uint(u64::from(self.bytes::<1>(key)?[0])),
-            1 => MetaValue::Int(i64::from(self.bytes::<1>(key)?[0] as i8)),
-            2 => MetaValue::Uint(u64::from(u16::from_le_bytes(self.bytes::<2>(key)?))),
-            3 => MetaValue::Int(i64::from(i16::from_le_bytes(self.bytes::<2>(key)?))),
-            4 => MetaValue::Uint(u64::from(self.u32(key)?)),
-            5 => MetaValue::Int(i64::from(i32::from_le_bytes(self.bytes::<4>(key)?))),
-            6 => MetaValue::Float(f64::from(f32::from_le_bytes(self.bytes::<4>(key)?))),
-            7 => MetaValue::Bool(self.bytes::<1>(key)?[0] != 0),
-            8 => MetaValue::Text(self.string(key)?),
-            9 => {
-                let element_type = self.u32(key)?;
-                let len = self.count(key)?;
-                match (element_type, Self::scalar_size(element_type)) {
-                    (_, Some(size)) => self.skip(size * len, key)?,
-                    (8, None) => {
-                        for _ in 0..len {
-                            let n = self.u64(key)?;
-                            if n > MAX_STRING_BYTES {
-                                return Err(format!("string in array `{key}` is implausibly long"));
-                            }
-                            self.skip(n, key)?;
-                        }
-                    }
-                    (9, None) if depth < MAX_ARRAY_DEPTH => {
-                        for _ in 0..len {
-                            self.value(9, key, depth + 1)?;
-                        }
-                    }
-                    _ => {
-                        return Err(format!(
-                            "array `{key}` has unsupported element type {element_type} (or nests deeper than {MAX_ARRAY_DEPTH})"
-                        ))
-                    }
-                }
-                MetaValue::Array { len: len as usize }
-            }
-            10 => MetaValue::Uint(self.u64(key)?),
-            11 => MetaValue::Int(i64::from_le_bytes(self.bytes::<8>(key)?)),
-            12 => MetaValue::Float(f64::from_le_bytes(self.bytes::<8>(key)?)),
-            other => return Err(format!("key `{key}` has unknown value type {other}")),
-        })
-    }
-}
-
-/// Parses a GGUF header from `reader`; `name` is used for the model name.
-fn parse_header<R: Read>(reader: R, name: &str) -> Result<ModelSpec, String> {
-    let mut r = HeaderReader {
-        inner: reader,
-        offset: 0,
-    };
-    let magic = r.bytes::<4>("magic")?;
-    if &magic != b"GGUF" {
-        return Err("not a GGUF file (bad magic)".to_string());
-    }
-    let version = r.u32("version")?;
-    if !(2..=3).contains(&version) {
-        return Err(format!(
-            "unsupported GGUF version {version} (expected 2 or 3)"
-        ));
-    }
-    let tensor_count = r.count("tensor count")?;
-    let kv_count = r.count("metadata count")?;
-    let mut meta: HashMap<String, MetaValue> = HashMap::new();
-    for _ in 0..kv_count {
-        let key = r.string("metadata key")?;
-        let value_type = r.u32(&key)?;
-        let value = r.value(value_type, &key, 0)?;
-        meta.insert(key, value);
-    }
-    // Kept while streaming: the ggml type of each weight the model family names (layers
-    // beyond MAX_LAYERS are no real model's, so a hostile header cannot grow this without
-    // bound), the embedding's rows and whether an LM head is stored.
+/// The planner's model from a parsed header; `name` is the model name.
+fn model_of(header: &GgufHeader, name: &str) -> Result<ModelSpec, String> {
+    // The ggml type of each weight the model family names (layers beyond MAX_LAYERS are no
+    // real model's), the embedding's rows and whether an LM head is stored.
     let mut types: HashMap<WeightName, u32> = HashMap::new();
-    let mut embed_rows = None;
-    let mut has_output = tensor_count == 0;
-    for _ in 0..tensor_count {
-        let tensor = r.string("tensor name")?;
-        let dims = r.u32(&tensor)?;
-        if dims > 8 {
-            return Err(format!("tensor `{tensor}` has {dims} dimensions"));
-        }
-        let shape = (0..dims)
-            .map(|_| r.u64(&tensor))
-            .collect::<Result<Vec<u64>, String>>()?;
-        let ggml_type = r.u32(&tensor)?;
-        r.skip(8, &tensor)?; // data offset
-        if tensor == "token_embd.weight" {
-            // ggml lists dimensions innermost first: the embedding is [hidden, vocab].
-            embed_rows = shape.get(1).and_then(|&v| usize::try_from(v).ok());
-        }
-        has_output |= tensor == "output.weight";
+    for t in &header.tensors {
         if let Some(w) =
-            parse_gguf_name(&tensor).filter(|w| w.layer().is_none_or(|l| l < MAX_LAYERS))
+            parse_gguf_name(&t.name).filter(|w| w.layer().is_none_or(|l| l < MAX_LAYERS))
         {
-            types.insert(w, ggml_type);
+            types.insert(w, t.ggml_type);
         }
     }
-    let dims = Dims::from_gguf(&meta, embed_rows, has_output).map_err(|e| e.to_string())?;
+    // The embedding is `[vocab, hidden]`.
+    let embed_rows = header
+        .tensor("token_embd.weight")
+        .and_then(|t| (t.shape.len() >= 2).then(|| t.shape[t.shape.len() - 2]));
+    let has_output = header.tensors.is_empty() || header.tensor("output.weight").is_some();
+    let meta = &header.metadata;
+    let dims = Dims::from_gguf(meta, embed_rows, has_output).map_err(|e| e.to_string())?;
     let down = types
         .get(&WeightName::Down(0))
         .and_then(|&t| Layout::of_ggml_type(t));
     let ffn_unit = down.map_or(tp_spec::DENSE_CHUNK, Layout::ffn_unit);
     let mut model = ModelSpec::from_dims(name, &dims, ffn_unit as u64);
     // A supported architecture whose every weight has a known layout: exact per-rank bytes.
-    if let Ok(config) = ModelConfig::from_gguf(&meta, embed_rows, has_output) {
+    if let Ok(config) = ModelConfig::from_gguf(meta, embed_rows, has_output) {
         let layouts: Option<HashMap<WeightName, Layout>> = types
             .iter()
             .map(|(&w, &t)| Some((w, Layout::of_ggml_type(t)?)))
@@ -208,9 +50,18 @@ fn parse_header<R: Read>(reader: R, name: &str) -> Result<ModelSpec, String> {
     Ok(model)
 }
 
-/// Parses GGUF header bytes; `path` is used in errors and as the model name.
+/// Parses GGUF header bytes (the whole file, or at least its header); `path` is used in
+/// errors and as the model name.
 pub fn parse_gguf_header(bytes: &[u8], path: &Path) -> Result<ModelSpec, PlanError> {
-    finish(parse_header(bytes, &path.display().to_string()), path)
+    let header = GgufHeader::read(bytes, bytes.len() as u64).map_err(|e| malformed(path, e))?;
+    finish(model_of(&header, &path.display().to_string()), path)
+}
+
+fn malformed(path: &Path, e: GgufError) -> PlanError {
+    PlanError::MalformedGguf {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    }
 }
 
 fn finish(parsed: Result<ModelSpec, String>, path: &Path) -> Result<ModelSpec, PlanError> {
@@ -222,16 +73,17 @@ fn finish(parsed: Result<ModelSpec, String>, path: &Path) -> Result<ModelSpec, P
     Ok(model)
 }
 
-/// Reads only the header of a GGUF file.
+/// Reads only the header of a GGUF file ([`GgufHeader::read_file`]: its first MB, then more
+/// while the header goes on).
 pub fn load_gguf(path: &Path) -> Result<ModelSpec, PlanError> {
-    let file = std::fs::File::open(path).map_err(|source| PlanError::FileRead {
-        path: path.to_path_buf(),
-        source,
+    let header = GgufHeader::read_file(path).map_err(|e| match e {
+        GgufError::Io(source) => PlanError::FileRead {
+            path: path.to_path_buf(),
+            source,
+        },
+        e => malformed(path, e),
     })?;
-    finish(
-        parse_header(BufReader::new(file), &path.display().to_string()),
-        path,
-    )
+    finish(model_of(&header, &path.display().to_string()), path)
 }
 
 #[cfg(test)]
@@ -304,6 +156,29 @@ mod tests {
         assert!(m.is_moe());
     }
 
+    /// A header longer than the first read (a 3 MiB description before the tensors) is read
+    /// in several steps from the file; the same file cut inside the header is an error.
+    #[test]
+    fn load_gguf_reads_a_header_longer_than_the_first_read() {
+        let mut h = smollm2_header();
+        h[16..24].copy_from_slice(&9u64.to_le_bytes());
+        let at = 24 + 8 + "general.architecture".len() + 4 + 8 + "llama".len();
+        let mut extra = Vec::new();
+        string(&mut extra, "general.description");
+        extra.extend_from_slice(&8u32.to_le_bytes());
+        string(&mut extra, &"x".repeat(3 << 20));
+        h.splice(at..at, extra);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("long.gguf");
+        std::fs::write(&path, &h).unwrap();
+        let m = load_gguf(&path).unwrap();
+        assert_eq!(m.num_layers, 30);
+        std::fs::write(&path, &h[..h.len() - 10]).unwrap();
+        let e = load_gguf(&path).unwrap_err();
+        assert!(matches!(e, PlanError::MalformedGguf { .. }), "{e}");
+        assert!(e.to_string().contains("truncated"), "{e}");
+    }
+
     #[test]
     fn every_truncation_is_a_typed_error() {
         let full = smollm2_header();
@@ -324,7 +199,7 @@ mod tests {
         assert!(parse_gguf_header(&bad, p)
             .unwrap_err()
             .to_string()
-            .contains("bad magic"));
+            .contains("not a GGUF file"));
         let mut bad = smollm2_header();
         bad[4] = 9;
         assert!(parse_gguf_header(&bad, p)

@@ -2,14 +2,18 @@
 //! `tp plan` share: architecture families and their names, hyper-parameters read from GGUF
 //! metadata or an HF `config.json`, the canonical weights with their GGUF and HF names, and
 //! the shard arithmetic (head-granular ranges with KV replication, FFN split in quant-block
-//! units, vocabulary rows, rank weights, the bytes a rank holds). No tensors, no candle.
+//! units, vocabulary rows, rank weights, the bytes a rank holds). No tensors, no candle. It
+//! also holds the one GGUF header reader ([`gguf`]) and the workspace's one seeded random
+//! generator ([`Rng`]).
 
 pub mod arch;
 pub mod block;
 pub mod config;
 pub mod error;
+pub mod gguf;
 pub mod params;
 pub mod partition;
+pub mod rng;
 pub mod shard;
 pub mod weights;
 
@@ -17,11 +21,13 @@ pub use arch::{is_moe_name, supported_list, Arch, RopeStyle};
 pub use block::{Activation, BlockStyle, SlidingWindow};
 pub use config::{Dims, Experts, MetaValue, Metadata, ModelConfig};
 pub use error::{ShardError, SpecError};
+pub use gguf::{GgufError, GgufHeader, GgufValue, TensorInfo};
 pub use params::{
     embed_params, head_params, model_params, stage_params, AttentionSpec, LayerSpec, MlpSpec,
     Param, Placement, Split, Units,
 };
 pub use partition::{HeadPlan, Partition, RankWeights, MAX_RANK_WEIGHT};
+pub use rng::{mix64, Rng};
 pub use shard::{ffn_split, rank_weight_bytes, Layout, ShardPlan, WeightBytes, DENSE_CHUNK};
 pub use weights::{
     expected_weights, gguf_name, hf_name, is_expert_tensor, parse_gguf_name, parse_hf_name,

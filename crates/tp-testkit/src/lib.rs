@@ -1,21 +1,20 @@
-//! Helpers the workspace's tests share (a dev-dependency only, never published): one seeded
-//! random generator ([`rng`]), child processes and `mpirun` jobs killed at a deadline
+//! Helpers the workspace's tests share (a dev-dependency only, never published): the
+//! workspace's seeded random generator ([`Rng`], tp-spec's, re-exported), child processes and `mpirun` jobs killed at a deadline
 //! ([`process`]), JSON rows of command output ([`json`]), the installed real models and the
 //! skip message when one is absent ([`models`]), scratch folders and fuzz case counts.
 //!
-//! It depends on none of the workspace's crates, so a crate low in the graph (tp-kernels) can
+//! It depends on no workspace crate but tp-spec, so a crate low in the graph (tp-kernels) can
 //! use it as well as the `tp` binary's tests. Helpers that need a crate's own types stay in
 //! that crate's `tests/common`.
 
 pub mod json;
 pub mod models;
 pub mod process;
-pub mod rng;
 
 pub use json::json_rows;
 pub use models::{gemma3, minilm, qwen25, smollm2};
 pub use process::{mpirun, require_mpirun, run, run_with_deadline, Finished};
-pub use rng::Rng;
+pub use tp_spec::Rng;
 
 use std::path::PathBuf;
 use std::str::FromStr;

@@ -26,6 +26,31 @@ pub(crate) mod token_type {
 
 const MODELS: &str = "gpt2 (byte-level BPE), llama (SentencePiece BPE)";
 
+/// tp-spec's GGUF metadata (from its header reader) as candle holds it, which this module reads.
+pub(crate) fn candle_metadata(
+    metadata: HashMap<String, tp_spec::GgufValue>,
+) -> HashMap<String, Value> {
+    fn value(v: tp_spec::GgufValue) -> Value {
+        use tp_spec::GgufValue as G;
+        match v {
+            G::U8(x) => Value::U8(x),
+            G::I8(x) => Value::I8(x),
+            G::U16(x) => Value::U16(x),
+            G::I16(x) => Value::I16(x),
+            G::U32(x) => Value::U32(x),
+            G::I32(x) => Value::I32(x),
+            G::U64(x) => Value::U64(x),
+            G::I64(x) => Value::I64(x),
+            G::F32(x) => Value::F32(x),
+            G::F64(x) => Value::F64(x),
+            G::Bool(x) => Value::Bool(x),
+            G::String(s) => Value::String(s),
+            G::Array(a) => Value::Array(a.into_iter().map(value).collect()),
+        }
+    }
+    metadata.into_iter().map(|(k, v)| (k, value(v))).collect()
+}
+
 /// Typed access to the metadata map, with errors that name the key.
 pub(crate) struct Meta<'a>(pub &'a HashMap<String, Value>);
 

@@ -104,10 +104,39 @@ pub(crate) fn from_dir(dir: &Path) -> Result<Tokenizer, TokenizerError> {
             })
         }
     };
+    let config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
+    let generation = read_json(&dir.join("generation_config.json"))?.unwrap_or(Value::Null);
+    let jinja = read(
+        &dir.join("chat_template.jinja"),
+        "check the file's permissions",
+    )?;
+    from_parts(&path, &text, &config, &generation, jinja)
+}
+
+/// Loads the tokenizer.json document at `path` alone: BOS and EOS come from its
+/// post-processor and its special tokens' names; no chat template.
+pub(crate) fn from_file(path: &Path) -> Result<Tokenizer, TokenizerError> {
+    let text = std::fs::read_to_string(path).map_err(|source| TokenizerError::Io {
+        path: path.to_path_buf(),
+        hint: "pass a tokenizer.json file, an HF model directory or a GGUF file".into(),
+        source,
+    })?;
+    from_parts(path, &text, &Value::Null, &Value::Null, None)
+}
+
+/// A tokenizer from the tokenizer.json `text` read from `path` and what the directory's
+/// configs say (`Null` when absent).
+fn from_parts(
+    path: &Path,
+    text: &str,
+    config: &Value,
+    generation: &Value,
+    jinja: Option<String>,
+) -> Result<Tokenizer, TokenizerError> {
     let mut inner: tokenizers::Tokenizer =
         text.parse()
             .map_err(|e: tokenizers::Error| TokenizerError::InvalidFile {
-                path: path.clone(),
+                path: path.to_path_buf(),
                 reason: e.to_string(),
             })?;
     // Encoding returns every id of the text: the file's truncation and padding are dropped.
@@ -115,12 +144,6 @@ pub(crate) fn from_dir(dir: &Path) -> Result<Tokenizer, TokenizerError> {
         .with_truncation(None)
         .map_err(|e| TokenizerError::backend("rejected disabling truncation", e))?;
     inner.with_padding(None);
-    let config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
-    let generation = read_json(&dir.join("generation_config.json"))?.unwrap_or(Value::Null);
-    let jinja = read(
-        &dir.join("chat_template.jinja"),
-        "check the file's permissions",
-    )?;
 
     let bos_token = token_text(config.get("bos_token"));
     let eos_token = token_text(config.get("eos_token"));
@@ -172,7 +195,7 @@ pub(crate) fn from_dir(dir: &Path) -> Result<Tokenizer, TokenizerError> {
         eos_ids,
         eos_token,
         bos_token,
-        chat_template: jinja.or_else(|| template_of(&config)),
+        chat_template: jinja.or_else(|| template_of(config)),
         prepend_bos: wants_bos && !adds_bos && bos_id.is_some(),
         adds_bos: adds_bos || (wants_bos && bos_id.is_some()),
     };

@@ -117,6 +117,29 @@ impl Tokenizer {
         hf::from_dir(dir)
     }
 
+    /// The tokenizer of the GGUF file at `path` ([`Tokenizer::from_gguf`] on its metadata), read
+    /// with tp-spec's header reader: only the header, never the tensor data.
+    pub fn from_gguf_file(path: &Path) -> Result<Self, TokenizerError> {
+        let header = tp_spec::GgufHeader::read_file(path).map_err(|e| match e {
+            tp_spec::GgufError::Io(source) => TokenizerError::Io {
+                path: path.to_path_buf(),
+                hint: "pass a readable GGUF file".into(),
+                source,
+            },
+            e => TokenizerError::InvalidFile {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            },
+        })?;
+        gguf::from_metadata(&gguf::candle_metadata(header.metadata))
+    }
+
+    /// A tokenizer.json file alone (no tokenizer_config.json beside it is read): BOS and EOS
+    /// come from its post-processor and its special tokens' names; no chat template.
+    pub fn from_tokenizer_json(path: &Path) -> Result<Self, TokenizerError> {
+        hf::from_file(path)
+    }
+
     /// A byte-level tokenizer: ids 0..256 are the bytes, then `specials` in order (for models
     /// trained on raw bytes). Specials named like end markers (`<|endoftext|>`, `<|im_end|>`, ...)
     /// end generation. [`Tokenizer::to_tokenizer_json`] writes it out for [`Tokenizer::from_hf_dir`].
@@ -178,6 +201,17 @@ impl Tokenizer {
             .encode(text, true)
             .map_err(|e| TokenizerError::backend("could not encode the text", e))?;
         Ok(self.with_bos(encoding.get_ids().to_vec()))
+    }
+
+    /// Text -> the ids of the text alone: nothing is added around it (no BOS, no
+    /// post-processor), special-token strings in it still become those tokens. For training
+    /// data, whose documents are cut into windows regardless of where they begin.
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let encoding = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| TokenizerError::backend("could not encode the text", e))?;
+        Ok(encoding.get_ids().to_vec())
     }
 
     /// Ids as the post-processor left them, with BOS added or deduplicated as `encode` promises.
@@ -459,6 +493,25 @@ mod tests {
         fn check<T: Send + Sync>() {}
         check::<Tokenizer>();
         check::<TextStream<'static>>();
+    }
+
+    #[test]
+    fn encode_text_adds_nothing_and_a_written_document_loads_back() {
+        let t = Tokenizer::bytes(&["<|endoftext|>", "<s>"]);
+        assert_eq!(t.encode_text("a<|endoftext|>").unwrap(), vec![97, 256]);
+        let dir = std::env::temp_dir().join(format!("tp-tokenizer-json-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("my-tokenizer.json");
+        std::fs::write(&path, t.to_tokenizer_json().unwrap()).unwrap();
+        let back = Tokenizer::from_tokenizer_json(&path).unwrap();
+        assert_eq!(back.vocab_size(), 258);
+        assert_eq!(back.encode_text("xy<s>").unwrap(), vec![120, 121, 257]);
+        let e = Tokenizer::from_tokenizer_json(&dir.join("none.json")).unwrap_err();
+        assert!(matches!(e, TokenizerError::Io { .. }), "{e}");
+        std::fs::write(&path, "{").unwrap();
+        let e = Tokenizer::from_tokenizer_json(&path).unwrap_err();
+        assert!(matches!(e, TokenizerError::InvalidFile { .. }), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -226,3 +226,22 @@ fn token_bytes_concatenate_to_the_text() {
         assert!(std::str::from_utf8(&first).is_err(), "{first:?}");
     }
 }
+
+/// The GGUF file read through tp-spec's header reader gives the tokenizer candle's reading of
+/// the same metadata gives; `encode_text` is `encode` without what is added around the text.
+#[test]
+fn from_gguf_file_is_from_gguf_on_candles_reading() {
+    let Some((tok, _)) = smollm2() else { return };
+    let path = tp_testkit::smollm2().unwrap();
+    let file = Tokenizer::from_gguf_file(&path).expect("load from the file");
+    assert_eq!(file.vocab_size(), tok.vocab_size());
+    assert_eq!(file.eos_ids(), tok.eos_ids());
+    for case in fixture("smollm2.json").cases {
+        let want = tok.encode(&case.text).unwrap();
+        assert_eq!(file.encode(&case.text).unwrap(), want, "{}", case.name);
+        // SmolLM2 adds nothing around text, so the text alone has the same ids.
+        assert_eq!(file.encode_text(&case.text).unwrap(), want, "{}", case.name);
+    }
+    let e = Tokenizer::from_gguf_file(&path.with_extension("missing")).unwrap_err();
+    assert!(matches!(e, tp_tokenizer::TokenizerError::Io { .. }), "{e}");
+}

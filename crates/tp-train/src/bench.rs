@@ -5,7 +5,7 @@
 //! shows up in the figures instead of skewing one layout.
 
 use crate::run::{launch, median};
-use crate::setup::{default_micro_batches, set_compute_threads};
+use crate::setup::default_micro_batches;
 use crate::{
     flops, AdamWConfig, Corpus, ModelConfig, TrainError, TrainModel, TrainOptions, TrainSpec,
     Trainer,
@@ -108,9 +108,10 @@ pub struct Bench {
 }
 
 impl Bench {
-    /// Sets the compute threads, checks every layout and measures the peak.
+    /// Checks every layout and measures the peak; the caller has given candle `cfg.threads`
+    /// compute threads per rank before.
     pub fn new(cfg: BenchConfig) -> Result<Bench, TrainError> {
-        let threads = set_compute_threads(Some(cfg.threads.max(1)), 1);
+        let threads = cfg.threads.max(1);
         let model = ModelConfig::from_arg(&cfg.model)?;
         let specs = cfg
             .layouts
@@ -182,7 +183,7 @@ impl Bench {
             self.cfg.seq,
             0,
         )?;
-        let tok = crate::tokenizer_json::byte_level_tokenizer_json();
+        let tok = crate::TextTokenizer::Bytes.json()?;
         let mut samples: Vec<Samples> = self.specs.iter().map(|_| Samples::default()).collect();
         for _round in 0..self.cfg.rounds.max(1) {
             for (spec, smp) in self.specs.iter().zip(&mut samples) {

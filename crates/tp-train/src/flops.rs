@@ -6,6 +6,7 @@ use crate::config::{ModelConfig, TrainModel};
 use crate::error::Result;
 use candle_core::Device;
 use std::time::Instant;
+use tp_nn::RandomTensor;
 
 /// Training FLOPs per token by the definition: 6 x parameters (forward 2, backward
 /// 4; attention's score and context matmuls are not counted, as in that definition).
@@ -22,7 +23,7 @@ pub fn mfu(cfg: &ModelConfig, tokens_per_s: f64, ranks: usize, peak_flops: f64) 
 /// compute pool (one core when `RAYON_NUM_THREADS=1`, as `tp bench train` runs it).
 pub fn measure_matmul_peak(n: usize, reps: usize) -> Result<f64> {
     let dev = Device::Cpu;
-    let mut rng = tp_nn::SeededRng::new(1);
+    let mut rng = tp_nn::Rng::xorshift64_star(1);
     let a = rng.tensor(&[n, n], 0.0, 1.0, &dev)?; // [n, n]
     let b = rng.tensor(&[n, n], 0.0, 1.0, &dev)?; // [n, n]
     let _warm = a.matmul(&b)?;

@@ -5,7 +5,7 @@
 use crate::config::ModelConfig;
 use crate::error::Result;
 use candle_core::{Device, Tensor};
-use tp_nn::SeededRng;
+use tp_nn::{RandomTensor, Rng};
 
 /// A source of global tensors by HF name.
 pub trait WeightSource {
@@ -39,13 +39,13 @@ impl SeededInit {
     }
 
     /// The stream of one tensor: FNV-1a of its name mixed with the seed.
-    fn rng(&self, name: &str) -> SeededRng {
+    fn rng(&self, name: &str) -> Rng {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ self.seed;
         for b in name.bytes() {
             h ^= u64::from(b);
             h = h.wrapping_mul(0x0100_0000_01b3);
         }
-        SeededRng::new(h)
+        Rng::xorshift64_star(h)
     }
 }
 

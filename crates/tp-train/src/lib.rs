@@ -31,7 +31,6 @@ pub mod plot;
 pub mod run;
 pub mod schedule;
 pub mod setup;
-pub mod tokenizer_json;
 pub mod trainer;
 
 pub use checkpoint::{Checkpoint, SaveHook, SavePoint};

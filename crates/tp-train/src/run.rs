@@ -4,7 +4,7 @@
 //! report lines with tokens/s and MFU against a matmul peak measured in the same process.
 
 use crate::checkpoint::step_dir_name;
-use crate::setup::{set_compute_threads, Prepared};
+use crate::setup::Prepared;
 use crate::{flops, plot, Result, StepReport, TrainError, TrainModel, TrainOptions, Trainer};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -39,15 +39,19 @@ pub struct Job<'a> {
 }
 
 impl<'a> Job<'a> {
-    /// Gives each rank of this process `threads` compute threads (default: the cores shared
-    /// out) and measures the matmul peak.
-    pub fn new(prepared: &'a Prepared, backend: Backend, threads: Option<usize>) -> Result<Self> {
-        let world = prepared.spec.dims.world_size();
-        let local_ranks = match backend {
-            Backend::Local => world,
+    /// Ranks of `prepared`'s layout that run in this process under `backend` (what the cores
+    /// are shared among: [`crate::setup::compute_threads`]).
+    pub fn local_ranks(prepared: &Prepared, backend: Backend) -> usize {
+        match backend {
+            Backend::Local => prepared.spec.dims.world_size(),
             Backend::Mpi => 1,
-        };
-        let threads = set_compute_threads(threads, local_ranks);
+        }
+    }
+
+    /// A job whose ranks each compute with `threads` threads (the caller has given candle that
+    /// count before: [`crate::setup::compute_threads`]); measures the matmul peak.
+    pub fn new(prepared: &'a Prepared, backend: Backend, threads: usize) -> Result<Self> {
+        let world = prepared.spec.dims.world_size();
         let peak = flops::measure_matmul_peak(512, 5)?;
         Ok(Job {
             prepared,

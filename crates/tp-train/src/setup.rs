@@ -24,7 +24,7 @@ pub struct RunRequest {
     pub arch: Option<String>,
     /// Training text; default the built-in corpus.
     pub data: Option<PathBuf>,
-    /// A tokenizer.json (or a directory holding one); default bytes, vocab 256.
+    /// A tokenizer.json, a directory holding one, or a GGUF file; default bytes, vocab 256.
     pub tokenizer: Option<PathBuf>,
     /// Train until this many optimizer steps are done (a resumed run counts its earlier ones).
     pub steps: u64,
@@ -89,13 +89,8 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
     }
     let tokenizer = match (&a.tokenizer, &resume) {
         (Some(p), _) => TextTokenizer::from_file(p)?,
-        (None, Some(ck))
-            if ck.tokenizer_json != crate::tokenizer_json::byte_level_tokenizer_json() =>
-        {
-            let path = ck.dir.join("tokenizer.json");
-            TextTokenizer::from_file(&path)?
-        }
-        (None, _) => TextTokenizer::Bytes,
+        (None, Some(ck)) => TextTokenizer::of_checkpoint(&ck.dir.join("tokenizer.json"))?,
+        (None, None) => TextTokenizer::Bytes,
     };
     let arch = a.arch.as_deref().map(trainable_arch).transpose()?;
     // A preset or config.json, as the architecture asked for.
@@ -200,7 +195,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             "{data_desc}, {}",
             match &tokenizer {
                 TextTokenizer::Bytes => "bytes".to_string(),
-                TextTokenizer::Hf { path, .. } => path.display().to_string(),
+                TextTokenizer::Model { path, .. } => path.display().to_string(),
             }
         ),
     };
@@ -222,34 +217,38 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
     })
 }
 
-/// Gives each rank `threads` compute threads (candle's matmul reads RAYON_NUM_THREADS), or
-/// shares the cores out among the ranks of this process. Returns the per-rank count.
-pub fn set_compute_threads(threads: Option<usize>, local_ranks: usize) -> usize {
-    let n = threads.unwrap_or_else(|| {
-        if let Some(n) = std::env::var("RAYON_NUM_THREADS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|n| *n > 0)
-        {
-            return n;
-        }
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        // Under mpirun, the processes on this node share its cores.
-        let procs = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .unwrap_or(1);
-        (cores / (local_ranks * procs).max(1)).max(1)
-    });
-    // Set before any rank starts; candle reads it at every matmul.
-    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-    n
+/// Compute threads per rank: `requested`, else `inherited` (the thread count the process was
+/// started with, if any), else this node's cores shared out among `local_ranks` ranks in each
+/// of `node_processes` processes. The library neither reads nor sets environment variables:
+/// the binary passes what it read and hands the result to candle, whose matmul reads
+/// `RAYON_NUM_THREADS` at every call, before any rank starts.
+pub fn compute_threads(
+    requested: Option<usize>,
+    inherited: Option<usize>,
+    local_ranks: usize,
+    node_processes: usize,
+) -> usize {
+    if let Some(n) = requested.or(inherited.filter(|n| *n > 0)) {
+        return n;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / (local_ranks * node_processes).max(1)).max(1)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use tp_spec::Arch;
+
+    #[test]
+    fn compute_threads_prefers_the_request_then_the_inherited_count_then_shares_the_cores() {
+        assert_eq!(compute_threads(Some(3), Some(5), 2, 2), 3);
+        assert_eq!(compute_threads(None, Some(5), 2, 2), 5);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(compute_threads(None, Some(0), 1, 1), cores);
+        assert_eq!(compute_threads(None, None, 2, 1), (cores / 2).max(1));
+        assert_eq!(compute_threads(None, None, 1, 4 * cores), 1);
+    }
 
     fn request(config: Option<&str>, arch: Option<&str>) -> RunRequest {
         RunRequest {

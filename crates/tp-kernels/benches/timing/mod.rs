@@ -59,14 +59,9 @@ pub fn read_bandwidth(bytes: usize, runs: usize) -> f64 {
 /// Pseudo-random ggml blocks with small f16 scales (weights of magnitude ~0.01-0.1).
 pub fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Vec<u8> {
     let blocks = rows * cols / qtype.block_len();
-    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    let mut rng = tp_testkit::Rng::new(0x2545_F491_4F6C_DD1D);
     let mut bytes: Vec<u8> = (0..blocks * qtype.block_bytes())
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s as u8
-        })
+        .map(|_| rng.next_u64() as u8)
         .collect();
     // f16 0x2000 = 2^-7; 0xA000 = -2^-7.
     for b in bytes.chunks_exact_mut(qtype.block_bytes()) {
@@ -91,15 +86,9 @@ pub fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Vec<u8> {
     bytes
 }
 
-/// Activations of magnitude ~0.1 from a fixed linear congruential stream.
+/// Activations of magnitude ~0.1 from a fixed seeded stream.
 pub fn values(len: usize) -> Vec<f32> {
-    let mut s = 12345u32;
-    (0..len)
-        .map(|_| {
-            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-            ((s >> 8) as f32 / (1 << 24) as f32 - 0.5) * 0.2
-        })
-        .collect()
+    tp_testkit::Rng::new(12345).uniform_vec(len, -0.1, 0.1)
 }
 
 /// The load average of the last 1, 5 and 15 minutes, for the benchmark headers.

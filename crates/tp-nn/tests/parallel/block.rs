@@ -7,8 +7,8 @@ use candle_core::{Tensor, Var};
 use proptest::prelude::*;
 use tp_comm::OpKind;
 use tp_nn::{
-    Activation, BlockConfig, DenseBlock, LayerStyle, ParallelBlock, Placement, RecordingComm,
-    RopeLayout, SeededRng,
+    Activation, BlockConfig, DenseBlock, LayerStyle, ParallelBlock, Placement, RandomTensor,
+    RecordingComm, Rng, RopeLayout,
 };
 use tp_spec::WeightName;
 
@@ -113,7 +113,7 @@ fn check_block(c: &BlockConfig, tp: usize, batch: usize, seq: usize, seed: u64) 
 fn check_block_tol(c: &BlockConfig, tp: usize, batch: usize, seq: usize, seed: u64, tol: f32) {
     let d = dev();
     let w = c.random_weights(seed, &d).unwrap();
-    let mut rng = SeededRng::new(seed ^ 0xabcdef);
+    let mut rng = Rng::xorshift64_star(seed ^ 0xabcdef);
     let h = rng.tensor(&[batch, seq, c.hidden], 0.0, 1.0, &d).unwrap(); // [b, s, hidden]
     let r = rng.tensor(&[batch, seq, c.hidden], 0.0, 1.0, &d).unwrap(); // [b, s, hidden]
 
@@ -282,7 +282,7 @@ fn each_gemma3_departure_changes_the_output() {
     let c = gemma3(smol(), Some(2));
     let d = dev();
     let w = c.random_weights(35, &d).unwrap();
-    let h = SeededRng::new(36)
+    let h = Rng::xorshift64_star(36)
         .tensor(&[1, 6, c.hidden], 0.0, 1.0, &d)
         .unwrap();
     let want = DenseBlock::new(&c, &w).unwrap().forward(&h).unwrap();
@@ -366,14 +366,14 @@ fn qwen3_reference_has_all_eleven_tensors_and_the_norms_matter() {
     let dense = DenseBlock::new(&c, &w).unwrap();
     let names: Vec<&str> = dense.vars().iter().map(|(n, _)| *n).collect();
     assert_eq!(&names[9..], ["q_norm", "k_norm"]);
-    let h = SeededRng::new(25)
+    let h = Rng::xorshift64_star(25)
         .tensor(&[1, 4, c.hidden], 0.0, 1.0, &d)
         .unwrap();
     let want = dense.forward(&h).unwrap();
     // Other q/k norm weights (or none) give another output: the comparison can fail.
     let mut other = w.clone();
     other.k_norm = Some(
-        SeededRng::new(26)
+        Rng::xorshift64_star(26)
             .tensor(&[c.head_dim], 1.0, 0.5, &d)
             .unwrap(),
     );
@@ -405,7 +405,7 @@ fn a_wrong_reference_is_caught() {
     let d = dev();
     let w = c.random_weights(7, &d).unwrap();
     let other = c.random_weights(8, &d).unwrap();
-    let h = SeededRng::new(9)
+    let h = Rng::xorshift64_star(9)
         .tensor(&[1, 4, c.hidden], 0.0, 1.0, &d)
         .unwrap();
     let want = DenseBlock::new(&c, &other).unwrap().forward(&h).unwrap();
@@ -420,7 +420,7 @@ fn a_wrong_reference_is_caught() {
 fn counts(c: &BlockConfig, tp: usize, seq: usize) -> Vec<[usize; 6]> {
     let d = dev();
     let w = c.random_weights(11, &d).unwrap();
-    let h = SeededRng::new(12)
+    let h = Rng::xorshift64_star(12)
         .tensor(&[1, seq, c.hidden], 0.0, 1.0, &d)
         .unwrap();
     let ops = [OpKind::AllReduce, OpKind::AllGather, OpKind::ReduceScatter];

@@ -7,7 +7,7 @@ use candle_core::{Tensor, Var};
 use tp_comm::OpKind;
 use tp_nn::{
     vocab_parallel_cross_entropy, BlockConfig, ColumnParallelLinear, DenseBlock, LayerStyle,
-    ParallelBlock, Partition, RecordingComm, RopeLayout, SeededRng, VocabParallelEmbedding,
+    ParallelBlock, Partition, RandomTensor, RecordingComm, Rng, RopeLayout, VocabParallelEmbedding,
 };
 
 const VOCAB: usize = 11;
@@ -41,11 +41,11 @@ fn inputs() -> Inputs {
     let c = cfg();
     let d = dev();
     let w = c.random_weights(71, &d).unwrap();
-    let mut rng = SeededRng::new(72);
+    let mut rng = Rng::xorshift64_star(72);
     let table = rng.tensor(&[VOCAB, c.hidden], 0.0, 1.0, &d).unwrap();
     let lm = rng.tensor(&[VOCAB, c.hidden], 0.0, 0.3, &d).unwrap();
-    let ids: Vec<u32> = (0..12).map(|_| rng.next_below(VOCAB) as u32).collect();
-    let tgt: Vec<u32> = (0..12).map(|_| rng.next_below(VOCAB) as u32).collect();
+    let ids: Vec<u32> = (0..12).map(|_| rng.below(VOCAB as u64) as u32).collect();
+    let tgt: Vec<u32> = (0..12).map(|_| rng.below(VOCAB as u64) as u32).collect();
     Inputs {
         c,
         w,

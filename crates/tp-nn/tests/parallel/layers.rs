@@ -5,20 +5,20 @@ use crate::support::{assert_close, dev, world};
 use candle_core::{Tensor, Var};
 use tp_nn::{
     gather_from_sequence_parallel, reduce_scatter_to_sequence_parallel,
-    vocab_parallel_cross_entropy, ColumnParallelLinear, Partition, RowParallelLinear, SeededRng,
-    TpError, VocabParallelEmbedding,
+    vocab_parallel_cross_entropy, ColumnParallelLinear, Partition, RandomTensor, Rng,
+    RowParallelLinear, TpError, VocabParallelEmbedding,
 };
 
 fn targets(n: usize, vocab: usize, seed: u64) -> Tensor {
-    let mut rng = SeededRng::new(seed);
-    let t: Vec<u32> = (0..n).map(|_| rng.next_below(vocab) as u32).collect();
+    let mut rng = Rng::xorshift64_star(seed);
+    let t: Vec<u32> = (0..n).map(|_| rng.below(vocab as u64) as u32).collect();
     Tensor::from_vec(t, n, &dev()).unwrap()
 }
 
 #[test]
 fn vocab_parallel_cross_entropy_matches_dense_loss_and_grad() {
     let (n, vocab) = (7, 11); // 11 is not divisible by 2, 3 or 4
-    let logits = SeededRng::new(21)
+    let logits = Rng::xorshift64_star(21)
         .tensor(&[n, vocab], 0.0, 4.0, &dev())
         .unwrap(); // [n, vocab]
     let tgt = targets(n, vocab, 22);
@@ -54,11 +54,11 @@ fn vocab_parallel_cross_entropy_matches_dense_loss_and_grad() {
 #[test]
 fn vocab_parallel_embedding_matches_dense() {
     let (vocab, hidden) = (13, 6);
-    let table = SeededRng::new(31)
+    let table = Rng::xorshift64_star(31)
         .tensor(&[vocab, hidden], 0.0, 1.0, &dev())
         .unwrap();
     let ids = targets(10, vocab, 32).reshape((2, 5)).unwrap(); // [2, 5]
-    let r = SeededRng::new(33)
+    let r = Rng::xorshift64_star(33)
         .tensor(&[2, 5, hidden], 0.0, 1.0, &dev())
         .unwrap();
     let tv = Var::from_tensor(&table).unwrap();
@@ -110,7 +110,7 @@ fn vocab_parallel_embedding_matches_dense() {
 #[test]
 fn column_then_row_parallel_linear_match_dense() {
     let d = dev();
-    let mut rng = SeededRng::new(41);
+    let mut rng = Rng::xorshift64_star(41);
     let x = rng.tensor(&[2, 3, 5], 0.0, 1.0, &d).unwrap(); // [2, 3, in]
     let a = rng.tensor(&[7, 5], 0.0, 0.5, &d).unwrap(); // [mid, in], 7 not divisible by 2..4
     let b = rng.tensor(&[4, 7], 0.0, 0.5, &d).unwrap(); // [out, mid]
@@ -166,7 +166,9 @@ fn column_then_row_parallel_linear_match_dense() {
 fn sequence_parallel_pair_is_conjugate() {
     // gather(seq) then reduce_scatter(seq) of a per-rank scaled copy: forward and backward.
     let d = dev();
-    let x = SeededRng::new(51).tensor(&[2, 5, 3], 0.0, 1.0, &d).unwrap(); // [b, seq, h]
+    let x = Rng::xorshift64_star(51)
+        .tensor(&[2, 5, 3], 0.0, 1.0, &d)
+        .unwrap(); // [b, seq, h]
     for tp in 1..=4 {
         let sizes = Partition::new(5, tp, "positions", "position")
             .unwrap()
@@ -206,7 +208,7 @@ fn sequence_parallel_pair_is_conjugate() {
 
 #[test]
 fn a_group_of_the_wrong_size_is_rejected() {
-    let w = SeededRng::new(61)
+    let w = Rng::xorshift64_star(61)
         .tensor(&[6, 4], 0.0, 1.0, &dev())
         .unwrap();
     let errs = world(2, |g| {

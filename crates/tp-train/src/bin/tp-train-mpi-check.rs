@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use tp_comm::local::{self, LocalOptions};
 use tp_comm::mpi::{check, MpiOptions};
 use tp_comm::{Group, ParallelDims, ProcessGroups};
-use tp_train::{fixtures, tokenizer_json, TrainError, TrainOptions, Trainer};
+use tp_train::{fixtures, TextTokenizer, TrainError, TrainOptions, Trainer};
 
 /// Relative tolerance of the issue (see tests/parity.rs for why it holds).
 const TOLERANCE: f64 = 1e-4;
@@ -17,7 +17,7 @@ const STEPS: u64 = 20;
 fn losses(world: Group, dims: ParallelDims, micro: usize) -> Result<Vec<f64>, TrainError> {
     let spec = fixtures::spec(dims, STEPS, micro);
     let corpus = fixtures::corpus()?;
-    let tok = tokenizer_json::byte_level_tokenizer_json();
+    let tok = TextTokenizer::Bytes.json()?;
     let groups = ProcessGroups::new(world, dims)?;
     let mut t = Trainer::new(&spec, groups, &corpus, &tok, None, TrainOptions::default())?;
     let mut out = Vec::new();

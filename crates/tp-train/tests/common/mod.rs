@@ -22,7 +22,7 @@ pub fn dims(tp: usize, pp: usize, dp: usize) -> ParallelDims {
 }
 
 pub fn tokenizer_json() -> String {
-    tp_train::tokenizer_json::byte_level_tokenizer_json()
+    tp_train::TextTokenizer::Bytes.json().unwrap()
 }
 
 /// Runs `f` with a trainer on every rank of `spec.dims`; returns each rank's value.
