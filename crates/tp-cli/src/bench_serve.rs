@@ -9,14 +9,14 @@
 use crate::model_run::{run_model_serving, ModelArgs};
 use crate::serve::serve_error;
 use anyhow::{bail, Context};
-use serde_json::json;
 use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 use std::sync::mpsc;
 use std::time::Duration;
 use tp_engine::launch::RanksFailed;
+use tp_serve::bench_report::{level_json, level_line, table, BenchShape, Measured};
 use tp_serve::client::Client;
-use tp_serve::load::{drive, one_request, percentile, Level, Workload};
+use tp_serve::load::{drive, one_request, Workload};
 use tp_serve::{ConnLimits, KvBudget, ServeConfig, StopHandle};
 
 #[derive(clap::Args, Clone, Debug)]
@@ -99,7 +99,12 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
         gen_tokens: args.gen_tokens,
         system_prompt_tokens: args.system_prompt_tokens,
     };
-    let mut all: Vec<(usize, Vec<(bool, Level)>)> = Vec::new();
+    let shape = BenchShape {
+        workload: w,
+        rounds: args.rounds,
+        kv_contexts: args.kv_contexts,
+    };
+    let mut all: Vec<Measured> = Vec::new();
     for &tp in &args.tps {
         let mut levels = Vec::new();
         for &prefix_cache in args.prefix_cache.settings() {
@@ -121,13 +126,9 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
                 let level = drive(&client, c, (args.rounds * c).max(8), &w)
                     .with_context(|| format!("tp {tp}, concurrency {c}"))?;
                 if args.json {
-                    println!("{}", level_json(tp, prefix_cache, &level, args));
+                    println!("{}", level_json(tp, prefix_cache, &level, &shape));
                 } else {
-                    eprintln!(
-                        "# tp {tp} prefix cache {} concurrency {c}: {:.1} tok/s",
-                        on_off(prefix_cache),
-                        level.throughput()
-                    );
+                    eprintln!("{}", level_line(tp, prefix_cache, &level));
                 }
                 levels.push((prefix_cache, level));
             }
@@ -136,88 +137,9 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
         all.push((tp, levels));
     }
     if !args.json {
-        print_table(&all, args);
+        print!("{}", table(&all, &shape, &tp_kernels::kernel_report()));
     }
     Ok(ExitCode::SUCCESS)
-}
-
-fn on_off(on: bool) -> &'static str {
-    if on {
-        "on"
-    } else {
-        "off"
-    }
-}
-
-fn level_json(tp: usize, prefix_cache: bool, l: &Level, args: &BenchServeArgs) -> String {
-    json!({
-        "tp": tp,
-        "prefix_cache": prefix_cache,
-        "system_prompt_tokens": args.system_prompt_tokens,
-        "kv_contexts": args.kv_contexts,
-        "concurrency": l.concurrency,
-        "requests": l.requests,
-        "prompt_tokens": args.prompt_tokens,
-        "gen_tokens": args.gen_tokens,
-        "output_tok_s": (l.throughput() * 10.0).round() / 10.0,
-        "ttft_p50_ms": percentile(&l.ttft, 50.0) * 1e3,
-        "ttft_p99_ms": percentile(&l.ttft, 99.0) * 1e3,
-        "tpot_p50_ms": percentile(&l.tpot, 50.0) * 1e3,
-        "tpot_p99_ms": percentile(&l.tpot, 99.0) * 1e3,
-    })
-    .to_string()
-}
-
-fn print_table(all: &[(usize, Vec<(bool, Level)>)], args: &BenchServeArgs) {
-    println!("# CPU: {}", tp_kernels::kernel_report());
-    println!(
-        "# tp bench serve: streaming completions, ~{} prompt + {} generated tokens each (EOS ignored), greedy; requests per level = {} x concurrency (at least 8)",
-        args.prompt_tokens, args.gen_tokens, args.rounds
-    );
-    if args.system_prompt_tokens > 0 {
-        println!(
-            "# every request begins with the same ~{}-token system prompt",
-            args.system_prompt_tokens
-        );
-    }
-    if let Some(k) = args.kv_contexts {
-        println!("# KV budget: {k} full contexts per rank");
-    }
-    println!(
-        "{:>3}  {:>6}  {:>5}  {:>8}  {:>12}  {:>13}  {:>13}  {:>13}  {:>13}  {:>8}",
-        "tp",
-        "prefix",
-        "conc",
-        "requests",
-        "output t/s",
-        "TTFT p50 ms",
-        "TTFT p99 ms",
-        "TPOT p50 ms",
-        "TPOT p99 ms",
-        "vs c=1"
-    );
-    for (tp, levels) in all {
-        for (prefix_cache, l) in levels {
-            let base = levels
-                .iter()
-                .find(|(p, b)| b.concurrency == 1 && p == prefix_cache)
-                .map(|(_, b)| b.throughput());
-            let ratio = base.map_or(String::from("-"), |b| format!("{:.2}x", l.throughput() / b));
-            println!(
-                "{:>3}  {:>6}  {:>5}  {:>8}  {:>12.1}  {:>13.1}  {:>13.1}  {:>13.2}  {:>13.2}  {:>8}",
-                tp,
-                on_off(*prefix_cache),
-                l.concurrency,
-                l.requests,
-                l.throughput(),
-                percentile(&l.ttft, 50.0) * 1e3,
-                percentile(&l.ttft, 99.0) * 1e3,
-                percentile(&l.tpot, 50.0) * 1e3,
-                percentile(&l.tpot, 99.0) * 1e3,
-                ratio
-            );
-        }
-    }
 }
 
 /// A server in this process on a free loopback port, started through [`tp_serve::serve`] as

@@ -4,6 +4,7 @@
 //! through channels. [`service::serve`] starts both.
 
 pub mod banner;
+pub mod bench_report;
 pub mod client;
 pub mod error;
 pub mod fdlimit;
