@@ -55,6 +55,24 @@ fn cfg(
     }
 }
 
+/// Issue 32: a model's layers cut the FFN in the inference plan's units (32 columns of 96 at
+/// tp 2 is 64 | 32, at tp 3 32 | 32 | 32; 4 units of 32 at tp 3 is 64 | 32 | 32): outputs and
+/// gradients still equal the dense block's.
+#[test]
+fn ffn_cut_in_units_of_32_columns_matches_the_reference() {
+    for (ffn, tp) in [(96, 2), (96, 3), (128, 3)] {
+        check_block_split(
+            &cfg(16, 6, 3, 4, ffn, RopeLayout::RotateHalf),
+            tp,
+            1,
+            5,
+            3,
+            TOL,
+            32,
+        );
+    }
+}
+
 fn even() -> BlockConfig {
     cfg(32, 4, 2, 8, 64, RopeLayout::Interleaved)
 }
@@ -111,6 +129,20 @@ fn check_block(c: &BlockConfig, tp: usize, batch: usize, seq: usize, seed: u64) 
 
 /// [`check_block`] within relative tolerance `tol`.
 fn check_block_tol(c: &BlockConfig, tp: usize, batch: usize, seq: usize, seed: u64, tol: f32) {
+    check_block_split(c, tp, batch, seq, seed, tol, 1)
+}
+
+/// [`check_block_tol`] with the FFN cut in units of `ffn_unit` columns where they divide it
+/// (the shard plan's rule, as a model's layers are built: [`ParallelBlock::from_plan`]).
+fn check_block_split(
+    c: &BlockConfig,
+    tp: usize,
+    batch: usize,
+    seq: usize,
+    seed: u64,
+    tol: f32,
+    ffn_unit: usize,
+) {
     let d = dev();
     let w = c.random_weights(seed, &d).unwrap();
     let mut rng = Rng::xorshift64_star(seed ^ 0xabcdef);
@@ -124,7 +156,16 @@ fn check_block_tol(c: &BlockConfig, tp: usize, batch: usize, seq: usize, seed: u
     let want_h_grad = dgrads.get(h_var.as_tensor()).unwrap().clone();
 
     let outs = world(tp, |g| {
-        let block = ParallelBlock::from_global(c, &w, g.rank(), tp)?;
+        let plan = tp_spec::ShardPlan::for_block(
+            c.heads,
+            c.kv_heads,
+            c.head_dim,
+            c.ffn,
+            ffn_unit,
+            g.rank(),
+            tp,
+        )?;
+        let block = ParallelBlock::from_plan(c, &w, 0, &plan)?;
         let h_var = Var::from_tensor(&h)?;
         let out = block.forward(h_var.as_tensor(), &g)?;
         let grads = (&out * &r)?.sum_all()?.backward()?;
