@@ -38,20 +38,12 @@ fn trained_checkpoint_generates_identically_at_every_tp() {
     // the checkpoint gives tp 1's distribution: every token's logprob and top-5 alternatives
     // as printed.
     let table = |tp_size: &str| {
-        let f = tp(&[
-            "generate",
-            "--model",
-            &ckpt,
-            "--tp",
+        let f = generate(
+            &dir.join("step-00000030"),
             tp_size,
-            "--greedy",
-            "--max-tokens",
             "16",
-            "--logprobs",
-            "5",
-            "-q",
-            "And God said",
-        ]);
+            &["--logprobs", "5"],
+        );
         let t = f.stderr;
         let at = t
             .find("logprobs:")
@@ -164,8 +156,19 @@ fn trained_qwen3_and_gemma3_checkpoints_generate_at_tp_1_and_2() {
 
 /// `tp generate`'s greedy continuation of "And God said" from checkpoint `ckpt` at `tp_size`.
 fn greedy(ckpt: &std::path::Path, tp_size: &str, max_tokens: &str) -> String {
+    generate(ckpt, tp_size, max_tokens, &[]).stdout
+}
+
+/// `tp generate --greedy` of "And God said" from checkpoint `ckpt` at `tp_size`, with `extra`
+/// options.
+fn generate(
+    ckpt: &std::path::Path,
+    tp_size: &str,
+    max_tokens: &str,
+    extra: &[&str],
+) -> common::Finished {
     let ckpt = ckpt.to_string_lossy();
-    tp(&[
+    let mut args = vec![
         "generate",
         "--model",
         &ckpt,
@@ -175,7 +178,8 @@ fn greedy(ckpt: &std::path::Path, tp_size: &str, max_tokens: &str) -> String {
         "--max-tokens",
         max_tokens,
         "-q",
-        "And God said",
-    ])
-    .stdout
+    ];
+    args.extend_from_slice(extra);
+    args.push("And God said");
+    tp(&args)
 }

@@ -52,18 +52,17 @@ impl ShardPlan {
         tp_rank: usize,
         tp: usize,
     ) -> Result<Self, ShardError> {
-        let heads = HeadPlan::new(cfg.heads, cfg.kv_heads, tp_rank, tp)?;
-        let (ffn, unit) = ffn_split(cfg.ffn, ffn_unit, tp)?;
-        let vocab = Partition::new(cfg.vocab, tp, "vocabulary rows", "vocabulary row")?;
-        Ok(ShardPlan {
+        let block = Self::for_block(
+            cfg.heads,
+            cfg.kv_heads,
+            cfg.head_dim,
+            cfg.ffn,
+            ffn_unit,
             tp_rank,
             tp,
-            heads,
-            ffn,
-            ffn_unit: unit,
-            vocab,
-            head_dim: cfg.head_dim,
-        })
+        )?;
+        let vocab = Partition::new(cfg.vocab, tp, "vocabulary rows", "vocabulary row")?;
+        Ok(ShardPlan { vocab, ..block })
     }
 
     /// Every split (query heads, FFN blocks, vocabulary rows) in proportion to `weights`, one
