@@ -78,15 +78,24 @@ impl GgufCheckpoint {
         self.map.len()
     }
 
-    fn info(&self, name: WeightName) -> Result<(&GgufTensor, String)> {
+    fn info(&self, name: WeightName) -> Result<Located<'_>> {
         info(&self.header, &self.path, self.config.arch.name(), name)
     }
 
-    /// The tensor's bytes in the map (bounds checked at open).
+    /// The weight's bytes in the map (bounds checked at open): an expert of a merged 3-D
+    /// tensor is its own run of rows, read without touching the other experts.
     fn data(&self, name: WeightName) -> Result<(&[u8], TensorMeta, GgmlDType)> {
         let meta = self.meta(name)?;
-        let (info, _) = self.info(name)?;
-        Ok((&self.map[self.header.data_range(info)], meta, info.dtype))
+        let found = self.info(name)?;
+        let all = &self.map[self.header.data_range(found.info)];
+        let data = match found.expert {
+            Some(e) => {
+                let bytes = meta.rows * meta.storage.row_bytes(meta.cols);
+                &all[e * bytes..(e + 1) * bytes]
+            }
+            None => all,
+        };
+        Ok((data, meta, found.info.dtype))
     }
 }
 
@@ -108,7 +117,25 @@ pub fn check_gguf(file: &[u8], path: &str) -> Result<(GgufHeader, ModelConfig)> 
         .map_err(|e| ModelError::from(e).in_file(path))?;
     check_layer_count(&config, header.tensors.len(), path)?;
     let expected = expected_by_name(&config, gguf_name);
+    // Merged expert tensors (`blk.N.ffn_gate_exps.weight`) stand for every expert's weight.
+    let merged: HashMap<String, usize> = expected
+        .values()
+        .filter_map(|(w, _)| tp_spec::gguf_merged_name(*w))
+        .map(|(key, _)| (key, config.experts.map_or(0, |e| e.count)))
+        .collect();
     for t in &header.tensors {
+        if let Some(&count) = merged.get(&t.name) {
+            if t.shape.len() != 3 || t.shape[0] != count {
+                return Err(ModelError::Inconsistent {
+                    path: path.to_string(),
+                    reason: format!(
+                        "tensor {} has shape {:?}; merged expert weights are [experts, rows, cols] with {count} experts",
+                        t.name, t.shape
+                    ),
+                });
+            }
+            continue;
+        }
         match expected.get(&t.name) {
             None => {
                 let layer = t
@@ -151,20 +178,46 @@ pub fn check_gguf(file: &[u8], path: &str) -> Result<(GgufHeader, ModelConfig)> 
     Ok((header, config))
 }
 
+/// Where a weight lies in a GGUF: its tensor, its name, and for an expert of a merged 3-D
+/// tensor its index there.
+struct Located<'h> {
+    info: &'h GgufTensor,
+    key: String,
+    expert: Option<usize>,
+}
+
+/// A weight's tensor: by its own name, or an expert's slot in the merged 3-D tensor.
 fn info<'h>(
     header: &'h GgufHeader,
     path: &str,
     arch: &str,
     name: WeightName,
-) -> Result<(&'h GgufTensor, String)> {
+) -> Result<Located<'h>> {
     let key = gguf_name(name);
-    match header.tensor(&key) {
-        Some(info) => Ok((info, key)),
-        None => Err(ModelError::MissingTensor {
-            name: format!("{key} in {path}"),
-            arch: arch.into(),
-        }),
+    if let Some(info) = header.tensor(&key) {
+        return Ok(Located {
+            info,
+            key,
+            expert: None,
+        });
     }
+    if let Some((merged, e)) = tp_spec::gguf_merged_name(name) {
+        if let Some(info) = header.tensor(&merged) {
+            return Ok(Located {
+                info,
+                key: format!("{merged} (expert {e})"),
+                expert: Some(e),
+            });
+        }
+        return Err(ModelError::MissingTensor {
+            name: format!("{key} (or {merged}) in {path}"),
+            arch: arch.into(),
+        });
+    }
+    Err(ModelError::MissingTensor {
+        name: format!("{key} in {path}"),
+        arch: arch.into(),
+    })
 }
 
 /// Shape `[rows, cols]` and storage of a weight from its tensor info.
@@ -174,11 +227,13 @@ fn tensor_meta(
     arch: &str,
     name: WeightName,
 ) -> Result<TensorMeta> {
-    let (info, key) = info(header, path, arch, name)?;
-    let (rows, cols) = match info.shape.as_slice() {
-        [n] => (*n, 1),
-        [r, c] => (*r, *c),
-        dims => {
+    let Located { info, key, expert } = info(header, path, arch, name)?;
+    let (rows, cols) = match (info.shape.as_slice(), expert) {
+        ([n], None) => (*n, 1),
+        ([r, c], None) => (*r, *c),
+        // An expert of a merged tensor (the expert count was checked at open).
+        ([e, r, c], Some(i)) if i < *e => (*r, *c),
+        (dims, _) => {
             return Err(ModelError::Corrupt {
                 path: path.to_string(),
                 reason: format!(
@@ -292,7 +347,10 @@ impl Checkpoint for GgufCheckpoint {
     }
 
     fn describe(&self, name: WeightName) -> String {
-        format!("{} in {}", gguf_name(name), self.path)
+        match self.info(name) {
+            Ok(found) => format!("{} in {}", found.key, self.path),
+            Err(_) => format!("{} in {}", gguf_name(name), self.path),
+        }
     }
 
     fn meta(&self, name: WeightName) -> Result<TensorMeta> {

@@ -14,6 +14,7 @@ pub mod kv_cache;
 pub mod limits;
 pub mod matrix;
 pub mod model;
+mod moe;
 pub mod open;
 pub mod ops;
 mod path;

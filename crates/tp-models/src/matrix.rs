@@ -48,6 +48,9 @@ pub struct LoadOptions {
     pub dense: DenseDType,
     /// How the KV cache stores keys and values.
     pub kv_dtype: crate::KvDtype,
+    /// Expert-parallel groups of a mixture of experts ([`tp_spec::ExpertShard`]): 1 slices
+    /// every expert over all ranks, tp gives each rank whole experts. Must divide tp.
+    pub expert_groups: usize,
 }
 
 impl Default for LoadOptions {
@@ -56,6 +59,7 @@ impl Default for LoadOptions {
             keep_quantized: true,
             dense: DenseDType::F32,
             kv_dtype: crate::KvDtype::F32,
+            expert_groups: 1,
         }
     }
 }

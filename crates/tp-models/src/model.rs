@@ -8,6 +8,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::{BlockTable, KvDtype, KvPool};
 use crate::matrix::{LoadOptions, Matrix, Projection};
+use crate::moe::MoeLayer;
 use crate::ops::{gelu_tanh_mul, rms_norm, rms_norm_in_place, silu_mul, Rope};
 use crate::profile::Profile;
 use crate::shard::{CheckpointPlan, ShardPlan};
@@ -26,9 +27,34 @@ struct Layer {
     /// Gemma: RMSNorm weights of the attention output and of the MLP output, `([hidden],
     /// [hidden])`, applied before each residual add.
     post_norms: Option<(Vec<f32>, Vec<f32>)>,
-    ffn_norm: Vec<f32>,  // [hidden]
-    gate_up: Projection, // [2*ffn_local, hidden]
-    down: Matrix,        // [hidden, ffn_local]
+    ffn_norm: Vec<f32>, // [hidden]
+    mlp: Mlp,
+}
+
+/// A block's MLP on this rank.
+#[derive(Debug)]
+enum Mlp {
+    Dense {
+        gate_up: Projection, // [2*ffn_local, hidden]
+        down: Matrix,        // [hidden, ffn_local]
+    },
+    Moe(MoeLayer),
+}
+
+impl Mlp {
+    fn bytes(&self) -> usize {
+        match self {
+            Mlp::Dense { gate_up, down } => gate_up.bytes() + down.bytes(),
+            Mlp::Moe(m) => m.bytes(),
+        }
+    }
+
+    fn streamed_bytes_per_token(&self) -> usize {
+        match self {
+            Mlp::Dense { gate_up, down } => gate_up.bytes() + down.bytes(),
+            Mlp::Moe(m) => m.streamed_bytes_per_token(),
+        }
+    }
 }
 
 /// A sequence's share of one forward call.
@@ -75,7 +101,8 @@ impl ShardedModel {
         opts: LoadOptions,
         max_pos: usize,
     ) -> Result<Self> {
-        let plan = ShardPlan::for_checkpoint(ckpt, tp_rank, tp)?;
+        let plan = ShardPlan::for_checkpoint(ckpt, tp_rank, tp)?
+            .with_expert_groups(ckpt.config(), opts.expert_groups)?;
         Self::load_plan(ckpt, plan, opts, max_pos)
     }
 
@@ -88,7 +115,8 @@ impl ShardedModel {
         opts: LoadOptions,
         max_pos: usize,
     ) -> Result<Self> {
-        let plan = ShardPlan::for_checkpoint_weighted(ckpt, tp_rank, weights)?;
+        let plan = ShardPlan::for_checkpoint_weighted(ckpt, tp_rank, weights)?
+            .with_expert_groups(ckpt.config(), opts.expert_groups)?;
         Self::load_plan(ckpt, plan, opts, max_pos)
     }
 
@@ -175,13 +203,24 @@ impl ShardedModel {
                 ],
                 opts,
             )?;
-            let gate_up = Projection::new(
-                vec![
-                    (ckpt.rows(WeightName::Gate(l), ffn.clone())?, None),
-                    (ckpt.rows(WeightName::Up(l), ffn.clone())?, None),
-                ],
-                opts,
-            )?;
+            let mlp = if cfg.experts.is_some() {
+                Mlp::Moe(MoeLayer::load(ckpt, &plan, l, opts)?)
+            } else {
+                Mlp::Dense {
+                    gate_up: Projection::new(
+                        vec![
+                            (ckpt.rows(WeightName::Gate(l), ffn.clone())?, None),
+                            (ckpt.rows(WeightName::Up(l), ffn.clone())?, None),
+                        ],
+                        opts,
+                    )?,
+                    down: Matrix::from_row_parallel_slice(
+                        ckpt.cols(WeightName::Down(l), ffn.clone())?,
+                        plan.ffn_unit,
+                        opts,
+                    )?,
+                }
+            };
             layers.push(Layer {
                 attn_norm: ckpt.vector(WeightName::AttnNorm(l), None)?,
                 qkv,
@@ -193,12 +232,7 @@ impl ShardedModel {
                 )?,
                 post_norms,
                 ffn_norm: ckpt.vector(WeightName::FfnNorm(l), None)?,
-                gate_up,
-                down: Matrix::from_row_parallel_slice(
-                    ckpt.cols(WeightName::Down(l), ffn.clone())?,
-                    plan.ffn_unit,
-                    opts,
-                )?,
+                mlp,
             });
             // The layer is repacked into this rank's own memory: its file pages may go, so the
             // load's peak is the weights plus one layer, not the weights plus the file.
@@ -287,8 +321,7 @@ impl ShardedModel {
             .map(|l| {
                 l.qkv.bytes()
                     + l.o.bytes()
-                    + l.gate_up.bytes()
-                    + l.down.bytes()
+                    + l.mlp.bytes()
                     + (l.attn_norm.len() + l.ffn_norm.len()) * 4
                     + l.qk_norm
                         .as_ref()
@@ -310,7 +343,7 @@ impl ShardedModel {
         let layers: usize = self
             .layers
             .iter()
-            .map(|l| l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes())
+            .map(|l| l.qkv.bytes() + l.o.bytes() + l.mlp.streamed_bytes_per_token())
             .sum();
         layers + self.head.as_ref().unwrap_or(&self.embed).bytes()
     }
@@ -434,7 +467,15 @@ impl ShardedModel {
 
         // [rows, 2 ffn_w] for up to MLP_ROWS tokens at a time; after the activation its
         // first rows * ffn_w values are [rows, ffn_w].
-        let mut gu = vec![0f32; n.min(MLP_ROWS) * 2 * ffn_w];
+        let dense = cfg.experts.is_none();
+        let mut gu = vec![
+            0f32;
+            if dense {
+                n.min(MLP_ROWS) * 2 * ffn_w
+            } else {
+                0
+            }
+        ];
         let mut out = vec![0f32; if cfg.block.post_norms { n * hidden } else { 0 }]; // [n, hidden]
         for (li, layer) in self.layers.iter().enumerate() {
             let window = cfg.window(li);
@@ -496,25 +537,32 @@ impl ShardedModel {
             // row-parallel, g.
             rms_norm(&h, &layer.ffn_norm, eps, &mut xn);
             partial.fill(0.0);
-            for t0 in (0..n).step_by(MLP_ROWS) {
-                let rows = MLP_ROWS.min(n - t0);
-                let gu = &mut gu[..rows * 2 * ffn_w]; // [rows, 2 ffn_w]
-                let xs = &xn[t0 * hidden..(t0 + rows) * hidden]; // [rows, hidden]
-                layer.gate_up.forward(xs, rows, gu)?;
-                // The activation in place, each token's result packed to the front (row t
-                // moves from 2t ffn_w down to t ffn_w, never over a row not yet read).
-                for t in 0..rows {
-                    let row = &mut gu[2 * t * ffn_w..2 * (t + 1) * ffn_w];
-                    let (g, u) = row.split_at_mut(ffn_w);
-                    match cfg.block.activation {
-                        Activation::Silu => silu_mul(g, u),
-                        Activation::GeluTanh => gelu_tanh_mul(g, u),
+            match &layer.mlp {
+                Mlp::Dense { gate_up, down } => {
+                    for t0 in (0..n).step_by(MLP_ROWS) {
+                        let rows = MLP_ROWS.min(n - t0);
+                        let gu = &mut gu[..rows * 2 * ffn_w]; // [rows, 2 ffn_w]
+                        let xs = &xn[t0 * hidden..(t0 + rows) * hidden]; // [rows, hidden]
+                        gate_up.forward(xs, rows, gu)?;
+                        // The activation in place, each token's result packed to the front
+                        // (row t moves from 2t ffn_w down to t ffn_w, never over a row not
+                        // yet read).
+                        for t in 0..rows {
+                            let row = &mut gu[2 * t * ffn_w..2 * (t + 1) * ffn_w];
+                            let (g, u) = row.split_at_mut(ffn_w);
+                            match cfg.block.activation {
+                                Activation::Silu => silu_mul(g, u),
+                                Activation::GeluTanh => gelu_tanh_mul(g, u),
+                            }
+                            gu.copy_within(2 * t * ffn_w..(2 * t + 1) * ffn_w, t * ffn_w);
+                        }
+                        let act = &gu[..rows * ffn_w]; // [rows, ffn_w]
+                        let out = &mut partial[t0 * hidden..(t0 + rows) * hidden]; // [rows, hidden]
+                        down.matmul_wide_acc(act, rows, out)?;
                     }
-                    gu.copy_within(2 * t * ffn_w..(2 * t + 1) * ffn_w, t * ffn_w);
                 }
-                let act = &gu[..rows * ffn_w]; // [rows, ffn_w]
-                let out = &mut partial[t0 * hidden..(t0 + rows) * hidden]; // [rows, hidden]
-                layer.down.matmul_wide_acc(act, rows, out)?;
+                // Each local expert on its routed tokens, into the same partial sums.
+                Mlp::Moe(moe) => moe.forward(&xn, n, &mut partial)?,
             }
             // g: one sum over ranks for the whole chunk.
             sum_partials(self.sync, &mut partial, group, prof)?;

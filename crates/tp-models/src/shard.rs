@@ -43,11 +43,12 @@ impl CheckpointPlan for ShardPlan {
 
 /// The FFN unit of a checkpoint's shards.
 pub fn ffn_unit_of(ckpt: &dyn Checkpoint) -> Result<usize> {
-    Ok(ckpt
-        .meta(WeightName::Down(0))?
-        .storage
-        .block()
-        .max(DENSE_CHUNK))
+    // A mixture of experts: the experts' down projection (all experts share one format).
+    let down = match ckpt.config().experts {
+        Some(_) => WeightName::ExpertDown(0, 0),
+        None => WeightName::Down(0),
+    };
+    Ok(ckpt.meta(down)?.storage.block().max(DENSE_CHUNK))
 }
 
 /// Bytes one rank holds, by kind.

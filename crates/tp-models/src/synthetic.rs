@@ -48,6 +48,9 @@ pub struct SyntheticModel {
     pub cfg: ModelConfig,
     /// `(name, shape, values)`, matrices `[out, in]` row-major, in HF layout.
     weights: Vec<(WeightName, Vec<usize>, Vec<f32>)>,
+    /// A GGUF holds each layer's experts in merged 3-D tensors (`ffn_gate_exps`, current
+    /// llama.cpp) rather than one tensor per expert (`ffn_gate.E`, older Mixtral files).
+    pub merged_experts: bool,
 }
 
 impl SyntheticModel {
@@ -111,6 +114,7 @@ impl SyntheticModel {
                     (WeightName::QBias(_) | WeightName::KBias(_) | WeightName::VBias(_), _) => {
                         (0.0, 0.3)
                     }
+                    (WeightName::SharedExpertGate(_), Expected::Vector { len }) => (0.0, lin(len)),
                     (_, Expected::Vector { .. }) => (1.0, 0.2),
                 };
                 let dims = p.dims();
@@ -120,7 +124,43 @@ impl SyntheticModel {
                 (p.name, dims, values)
             })
             .collect();
-        SyntheticModel { cfg, weights }
+        SyntheticModel {
+            cfg,
+            weights,
+            merged_experts: false,
+        }
+    }
+
+    /// [`SyntheticModel::small`] with a mixture of experts in every layer: `count` experts of
+    /// FFN 160 (5 quant blocks: uneven at tp 2, 3 and 4), `per_token` per token, and for
+    /// `qwen2` a shared expert of 192 (its top-k weights not normalised, as Qwen2-MoE's).
+    pub fn small_moe(arch: Arch, count: usize, per_token: usize, seed: u64) -> Self {
+        let base = Self::small(arch, seed).cfg;
+        let mut experts = crate::Experts::new(count, per_token);
+        if arch == Arch::Qwen2 {
+            experts.normalize = false;
+            experts.shared_ffn = Some(192);
+        }
+        let cfg = ModelConfig {
+            ffn: 160,
+            experts: Some(experts),
+            ..base
+        };
+        Self::new(cfg, seed)
+    }
+
+    /// Replaces the weights of `name` (same length).
+    pub fn set_weight(&mut self, name: WeightName, values: Vec<f32>) -> Result<()> {
+        match self.weights.iter_mut().find(|(n, ..)| *n == name) {
+            Some((_, _, v)) if v.len() == values.len() => {
+                *v = values;
+                Ok(())
+            }
+            _ => Err(ModelError::Input(format!(
+                "set_weight: {name:?} is not a weight of this model with {} values",
+                values.len()
+            ))),
+        }
     }
 
     /// Shape and values of a weight in HF layout.
@@ -132,7 +172,7 @@ impl SyntheticModel {
     }
 
     fn arch_name(&self) -> &'static str {
-        self.cfg.arch.name()
+        self.cfg.gguf_arch_name()
     }
 
     /// GGUF metadata: the hyper-parameters candle's and our readers need, plus one key of
@@ -165,6 +205,17 @@ impl SyntheticModel {
                 Value::F32(c.rope_theta as f32),
             ),
         ];
+        if let Some(e) = c.experts {
+            md.extend([
+                (format!("{a}.expert_count"), u(e.count)),
+                (format!("{a}.expert_used_count"), u(e.per_token)),
+                (format!("{a}.expert_feed_forward_length"), u(c.ffn)),
+                (format!("{a}.expert_weights_norm"), Value::Bool(e.normalize)),
+            ]);
+            if let Some(s) = e.shared_ffn {
+                md.push((format!("{a}.expert_shared_feed_forward_length"), u(s)));
+            }
+        }
         if let Some(w) = c.block.sliding {
             md.extend([
                 (format!("{a}.attention.sliding_window"), u(w.window)),
@@ -239,6 +290,9 @@ impl SyntheticModel {
             };
             out.push((gguf_name(*name), shape.clone(), values, dtype));
         }
+        if self.merged_experts {
+            out = merge_experts(out, &self.weights);
+        }
         out
     }
 
@@ -278,7 +332,12 @@ impl SyntheticModel {
                 if self.cfg.block.hf_norm_minus_one && n.is_norm() {
                     v.iter_mut().for_each(|x| *x -= 1.0);
                 }
-                (hf_name(self.cfg.arch, *n), s.clone(), v)
+                // transformers stores the shared expert's gate as a [1, hidden] linear layer.
+                let shape = match n {
+                    WeightName::SharedExpertGate(_) => vec![1, s[0]],
+                    _ => s.clone(),
+                };
+                (hf_name(self.cfg.arch, *n), shape, v)
             })
             .collect()
     }
@@ -317,6 +376,33 @@ impl SyntheticModel {
         std::fs::write(&path, index.to_string()).map_err(io(&path))?;
         Ok(())
     }
+}
+
+/// GGUF tensors with each layer's expert projections stacked into merged 3-D tensors
+/// (`blk.N.ffn_gate_exps.weight`, `[experts, rows, cols]`, in expert order) where the first
+/// expert's stood.
+fn merge_experts(
+    tensors: Vec<(String, Vec<usize>, Vec<f32>, GgmlDType)>,
+    weights: &[(WeightName, Vec<usize>, Vec<f32>)],
+) -> Vec<(String, Vec<usize>, Vec<f32>, GgmlDType)> {
+    let mut out: Vec<(String, Vec<usize>, Vec<f32>, GgmlDType)> = Vec::new();
+    for (t, (w, ..)) in tensors.into_iter().zip(weights) {
+        match tp_spec::gguf_merged_name(*w) {
+            None => out.push(t),
+            Some((merged, _)) => match out.iter_mut().find(|m| m.0 == merged) {
+                Some(m) => {
+                    m.1[0] += 1;
+                    m.2.extend_from_slice(&t.2);
+                }
+                None => {
+                    let mut shape = vec![1];
+                    shape.extend_from_slice(&t.1);
+                    out.push((merged, shape, t.2, t.3));
+                }
+            },
+        }
+    }
+    out
 }
 
 /// llama.cpp's Q/K permutation (`convert_hf_to_gguf.py`): within each head, HF row

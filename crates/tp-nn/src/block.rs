@@ -105,7 +105,15 @@ impl BlockConfig {
                 spec.layer
             )));
         }
-        let MlpSpec::Dense { ffn, activation } = spec.mlp;
+        let (ffn, activation) = match spec.mlp {
+            MlpSpec::Dense { ffn, activation } => (ffn, activation),
+            MlpSpec::Moe { experts, .. } => {
+                return Err(TpError::Config(format!(
+                    "layer {} is a mixture of {} experts; the training layers are dense only (MoE training is not built yet)",
+                    spec.layer, experts.count
+                )))
+            }
+        };
         Ok(BlockConfig {
             hidden: spec.hidden,
             heads: a.heads,

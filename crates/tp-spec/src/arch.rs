@@ -1,5 +1,6 @@
 //! Architecture families by their GGUF and Hugging Face names, the supported list, and the
-//! mixture-of-experts names that are recognised (and refused until expert parallelism exists).
+//! mixture-of-experts spellings of the families (Mixtral is a Llama with experts, Qwen2-MoE
+//! and Qwen3-MoE are Qwen2 and Qwen3 with experts).
 
 use crate::error::SpecError;
 
@@ -27,17 +28,17 @@ const SUPPORTED: [(Arch, &str, &str); 4] = [
 /// HF `model_type` spellings besides the GGUF names: (family, model_type).
 const HF_MODEL_TYPES: [(Arch, &str); 1] = [(Arch::Gemma3, "gemma3_text")];
 
-/// Mixture-of-experts names: GGUF architectures and HF `architectures` / `model_type` values.
-/// (Mixtral's GGUF says `llama` and carries `llama.expert_count`.)
-const MOE_NAMES: [&str; 7] = [
-    "qwen2moe",
-    "qwen3moe",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "mixtral",
-    "qwen2_moe",
+/// Mixture-of-experts spellings of a family: (family, GGUF `general.architecture`, HF class,
+/// HF `model_type`). Mixtral's GGUF says `llama` and carries `llama.expert_count`.
+const MOE_FAMILIES: [(Arch, &str, &str, &str); 3] = [
+    (Arch::Llama, "llama", "MixtralForCausalLM", "mixtral"),
+    (Arch::Qwen2, "qwen2moe", "Qwen2MoeForCausalLM", "qwen2_moe"),
+    (Arch::Qwen3, "qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
 ];
+
+/// Mixture-of-experts names this project recognises but cannot run (their layers differ from
+/// the families above: OLMoE's q/k norms span all heads).
+const UNSUPPORTED_MOE: [&str; 3] = ["olmoe", "OlmoeForCausalLM", "deepseek2"];
 
 impl Arch {
     /// The GGUF architecture name (`llama`, `qwen2`).
@@ -57,14 +58,30 @@ impl Arch {
     }
 
     /// From a GGUF `general.architecture`.
+    /// The MoE spellings (`qwen3moe`) give their family.
     pub fn from_gguf(name: &str) -> Result<Arch, SpecError> {
         SUPPORTED
             .iter()
             .find(|s| s.1 == name)
             .map(|s| s.0)
+            .or_else(|| MOE_FAMILIES.iter().find(|m| m.1 == name).map(|m| m.0))
             .ok_or_else(|| SpecError::UnsupportedArch {
                 arch: name.to_string(),
             })
+    }
+
+    /// The GGUF architecture name of this family with experts (`qwen3moe`; Mixtral: `llama`).
+    pub fn moe_gguf_name(self) -> Option<&'static str> {
+        MOE_FAMILIES.iter().find(|m| m.0 == self).map(|m| m.1)
+    }
+
+    /// The HF class and `model_type` of this family with experts (`Qwen3MoeForCausalLM`,
+    /// `qwen3_moe`).
+    pub fn moe_hf_names(self) -> Option<(&'static str, &'static str)> {
+        MOE_FAMILIES
+            .iter()
+            .find(|m| m.0 == self)
+            .map(|m| (m.2, m.3))
     }
 
     /// From an HF config's `model_type` (`llama`, `qwen2`) or `architectures` entries.
@@ -77,6 +94,12 @@ impl Arch {
         }
         if let Some(t) = HF_MODEL_TYPES.iter().find(|t| t.1 == model_type) {
             return Ok(t.0);
+        }
+        if let Some(m) = MOE_FAMILIES
+            .iter()
+            .find(|m| m.3 == model_type || classes.contains(&m.2))
+        {
+            return Ok(m.0);
         }
         if model_type.is_empty() && classes.is_empty() {
             return Err(SpecError::MissingMetadata {
@@ -103,9 +126,18 @@ pub fn supported_list() -> String {
 }
 
 /// Whether `name` (a GGUF architecture, an HF class or model_type) is a mixture-of-experts
-/// family.
+/// family this project does not run.
+pub fn is_unsupported_moe_name(name: &str) -> bool {
+    UNSUPPORTED_MOE.contains(&name)
+}
+
+/// Whether `name` (an HF class or model_type, or a GGUF architecture other than `llama`) names
+/// a mixture-of-experts family.
 pub fn is_moe_name(name: &str) -> bool {
-    MOE_NAMES.contains(&name)
+    is_unsupported_moe_name(name)
+        || MOE_FAMILIES
+            .iter()
+            .any(|m| (m.1 == name && m.1 != "llama") || m.2 == name || m.3 == name)
 }
 
 /// How RoPE pairs the dimensions of a head.
@@ -154,6 +186,9 @@ mod tests {
             Err(SpecError::MissingMetadata { .. })
         ));
         assert!(is_moe_name("qwen2moe") && is_moe_name("MixtralForCausalLM"));
-        assert!(!is_moe_name("llama"));
+        assert!(!is_moe_name("llama") && is_unsupported_moe_name("olmoe"));
+        assert_eq!(Arch::from_gguf("qwen3moe"), Ok(Arch::Qwen3));
+        assert_eq!(Arch::from_hf("", &["MixtralForCausalLM"]), Ok(Arch::Llama));
+        assert_eq!(Arch::from_hf("qwen2_moe", &[]), Ok(Arch::Qwen2));
     }
 }

@@ -2,19 +2,51 @@
 //! GGUF metadata and one for HF `config.json`, plus the architecture-independent shape
 //! ([`Dims`]) the planner reads from files of any architecture.
 
-use crate::arch::{is_moe_name, Arch, RopeStyle};
+use crate::arch::{is_unsupported_moe_name, Arch, RopeStyle};
 use crate::block::BlockStyle;
 use crate::error::SpecError;
 use serde_json::Value as Json;
 
 mod gemma3;
 
-/// Experts of a mixture-of-experts MLP.
+/// Experts of a mixture-of-experts MLP: a router `[count, hidden]` scores every expert per
+/// token, the `per_token` best run, and their outputs are summed with the router's weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Experts {
     pub count: usize,
     /// Experts each token is routed to (top-k).
     pub per_token: usize,
+    /// How router scores become weights.
+    pub gating: Gating,
+    /// The top-k weights are divided by their sum (Mixtral, Qwen3-MoE's released models);
+    /// otherwise they stay as the gate gives them over all experts (Qwen2-MoE).
+    pub normalize: bool,
+    /// Width of a shared expert every token runs (Qwen2-MoE), its output scaled per token by
+    /// `sigmoid(x . w)` of its own gate vector.
+    pub shared_ffn: Option<usize>,
+}
+
+impl Experts {
+    /// `count` experts, `per_token` per token, softmax gating with normalised top-k weights
+    /// and no shared expert (Mixtral's router).
+    pub fn new(count: usize, per_token: usize) -> Self {
+        Experts {
+            count,
+            per_token,
+            gating: Gating::Softmax,
+            normalize: true,
+            shared_ffn: None,
+        }
+    }
+}
+
+/// How a router's scores become expert weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    /// Softmax over all experts' scores (Mixtral, Qwen-MoE).
+    Softmax,
+    /// Each score through a sigmoid (DeepSeek-V3's style).
+    Sigmoid,
 }
 
 /// Hyper-parameters of a model of a supported architecture.
@@ -152,6 +184,48 @@ impl Gguf<'_> {
     }
 }
 
+impl Gguf<'_> {
+    /// The experts of a GGUF (`expert_count` above 1): top-k, gating function (llama.cpp's
+    /// `expert_gating_func`: 1 softmax, 2 sigmoid), whether top-k weights are normalised
+    /// (`expert_weights_norm`; by default yes except for `qwen2moe`, as llama.cpp runs them)
+    /// and the shared expert's width.
+    fn experts(&self) -> Result<Option<Experts>, SpecError> {
+        let count = match self.opt_int("expert_count")? {
+            Some(n) if n > 1 => n,
+            _ => return Ok(None),
+        };
+        let gating = match self.opt_int("expert_gating_func")? {
+            None | Some(0) | Some(1) => Gating::Softmax,
+            Some(2) => Gating::Sigmoid,
+            Some(x) => {
+                return Err(SpecError::Config(format!(
+                    "{}.expert_gating_func is {x}; 1 (softmax) and 2 (sigmoid) are known",
+                    self.arch
+                )))
+            }
+        };
+        let key = format!("{}.expert_weights_norm", self.arch);
+        let normalize = match self.md.meta(&key) {
+            None => self.arch != "qwen2moe",
+            Some(MetaValue::Bool(b)) => b,
+            Some(v) => {
+                return Err(SpecError::Config(format!(
+                    "{key} is {v:?}, not true or false"
+                )))
+            }
+        };
+        Ok(Some(Experts {
+            count,
+            per_token: self.opt_int("expert_used_count")?.unwrap_or(1),
+            gating,
+            normalize,
+            shared_ffn: self
+                .opt_int("expert_shared_feed_forward_length")?
+                .filter(|&f| f > 0),
+        }))
+    }
+}
+
 impl Dims {
     /// From GGUF metadata (`general.architecture` and its `<arch>.*` keys). `embed_rows` is
     /// the token embedding's row count (the vocabulary when the metadata omits it);
@@ -191,13 +265,7 @@ impl Dims {
             (None, Some(rows)) => rows,
             (None, None) => g.int("vocab_size")?,
         };
-        let experts = match g.opt_int("expert_count")? {
-            Some(n) if n > 1 => Some(Experts {
-                count: n,
-                per_token: g.opt_int("expert_used_count")?.unwrap_or(1).max(1),
-            }),
-            _ => None,
-        };
+        let experts = g.experts()?;
         let ffn = match (experts, g.opt_int("expert_feed_forward_length")?) {
             (Some(_), Some(f)) => f,
             _ => g.int("feed_forward_length")?,
@@ -233,13 +301,7 @@ impl Dims {
             activation,
             "silu" | "swiglu" | "swish" | "geglu" | "gelu_pytorch_tanh"
         ) || (v.get("intermediate_size").is_some() && activation.is_empty());
-        let experts = match hf.opt_int(&["num_local_experts", "num_experts"])? {
-            Some(n) if n > 1 => Some(Experts {
-                count: n,
-                per_token: hf.opt_int(&["num_experts_per_tok"])?.unwrap_or(1).max(1),
-            }),
-            _ => None,
-        };
+        let experts = hf_experts(v, &hf)?;
         let ffn = match (experts, hf.opt_int(&["moe_intermediate_size"])?) {
             (Some(_), Some(f)) => f,
             _ => match hf.opt_int(&["intermediate_size", "n_inner", "ffn_dim"])? {
@@ -274,6 +336,39 @@ impl Dims {
             experts,
         })
     }
+}
+
+/// The experts of an HF config (`num_local_experts` / `num_experts` above 1): top-k, whether
+/// top-k weights are normalised (`norm_topk_prob`; Mixtral always, transformers' default
+/// otherwise: no) and Qwen2-MoE's shared expert. Layer patterns this project cannot run (dense
+/// layers between MoE layers) are refused.
+fn hf_experts(v: &Json, hf: &Hf) -> Result<Option<Experts>, SpecError> {
+    let count = match hf.opt_int(&["num_local_experts", "num_experts"])? {
+        Some(n) if n > 1 => n,
+        _ => return Ok(None),
+    };
+    let (model_type, classes) = hf_names(v);
+    let mixtral = model_type == "mixtral" || classes.contains(&"MixtralForCausalLM");
+    if hf
+        .opt_int(&["decoder_sparse_step"])?
+        .is_some_and(|s| s != 1)
+        || v.get("mlp_only_layers")
+            .and_then(Json::as_array)
+            .is_some_and(|a| !a.is_empty())
+    {
+        return Err(SpecError::Config(
+            "the config mixes dense and mixture-of-experts layers (decoder_sparse_step or mlp_only_layers); only models whose every layer has experts run here".into(),
+        ));
+    }
+    Ok(Some(Experts {
+        count,
+        per_token: hf.opt_int(&["num_experts_per_tok"])?.unwrap_or(1),
+        gating: Gating::Softmax,
+        normalize: mixtral || hf.bool("norm_topk_prob")?.unwrap_or(false),
+        shared_ffn: hf
+            .opt_int(&["shared_expert_intermediate_size"])?
+            .filter(|&f| f > 0),
+    }))
 }
 
 /// The MLP's activation as an HF config names it (`""` when it does not).
@@ -356,7 +451,7 @@ impl ModelConfig {
             Some(MetaValue::Text(a)) => a,
             _ => String::new(),
         };
-        if is_moe_name(&name) {
+        if is_unsupported_moe_name(&name) {
             // Refused as what it is, even when its sizes cannot be read.
             let d = Dims::from_gguf(md, embed_rows, has_output).ok();
             return Err(moe_error(&name, d.as_ref()));
@@ -398,7 +493,8 @@ impl ModelConfig {
         let arch = match Arch::from_hf(model_type, &classes) {
             Ok(a) => a,
             Err(e) => {
-                let moe = is_moe_name(model_type) || classes.iter().any(|c| is_moe_name(c));
+                let moe = is_unsupported_moe_name(model_type)
+                    || classes.iter().any(|c| is_unsupported_moe_name(c));
                 let name = if model_type.is_empty() {
                     classes.join(",")
                 } else {
@@ -489,19 +585,49 @@ impl ModelConfig {
         if self.arch == Arch::Gemma3 {
             gemma3::hf_fields(self, &mut v);
         }
+        if let (Some(e), Some((class, model_type))) = (self.experts, self.arch.moe_hf_names()) {
+            v["architectures"] = serde_json::json!([class]);
+            v["model_type"] = model_type.into();
+            v["num_local_experts"] = e.count.into();
+            v["num_experts"] = e.count.into();
+            v["num_experts_per_tok"] = e.per_token.into();
+            v["moe_intermediate_size"] = self.ffn.into();
+            v["norm_topk_prob"] = e.normalize.into();
+            v["shared_expert_intermediate_size"] = e.shared_ffn.unwrap_or(0).into();
+            v["decoder_sparse_step"] = 1.into();
+            v["mlp_only_layers"] = serde_json::json!([]);
+        }
         v
     }
 
-    /// Refuses what no engine here runs yet (a mixture of experts), before anything loads.
-    pub fn check_runnable(&self) -> Result<(), SpecError> {
+    /// The GGUF `general.architecture` of this model (`qwen3moe` for Qwen3 with experts).
+    pub fn gguf_arch_name(&self) -> &'static str {
         match self.experts {
-            Some(e) => Err(SpecError::Experts {
-                arch: self.arch.name().to_string(),
+            Some(_) => self.arch.moe_gguf_name().unwrap_or(self.arch.name()),
+            None => self.arch.name(),
+        }
+    }
+
+    /// Refuses what no engine here runs (experts in a family without an MoE form, sigmoid
+    /// gating, a shared expert outside Qwen2-MoE), before anything loads.
+    pub fn check_runnable(&self) -> Result<(), SpecError> {
+        let Some(e) = self.experts else {
+            return Ok(());
+        };
+        let refuse = |why: &str| {
+            Err(SpecError::Experts {
+                arch: format!("{} {why}", self.gguf_arch_name()),
                 experts: e.count,
                 used: e.per_token,
-            }),
-            None => Ok(()),
+            })
+        };
+        if self.arch.moe_gguf_name().is_none() {
+            return refuse("(this family has no mixture-of-experts form here)");
         }
+        if e.gating != Gating::Softmax {
+            return refuse("(sigmoid expert gating)");
+        }
+        Ok(())
     }
 
     /// Checks relations a loader relies on, so a bad file fails here with a clear message.
@@ -612,12 +738,22 @@ impl ModelConfig {
             Some(e) => (e.count, e.count.checked_mul(self.hidden)?),
             None => (1, 0),
         };
+        // Qwen2-MoE's shared expert and its gate vector.
+        let shared = match self.experts.and_then(|e| e.shared_ffn) {
+            Some(f) => self
+                .hidden
+                .checked_mul(f)?
+                .checked_mul(3)?
+                .checked_add(self.hidden)?,
+            None => 0,
+        };
         let mlp = self
             .hidden
             .checked_mul(self.ffn)?
             .checked_mul(3)?
             .checked_mul(experts)?
-            .checked_add(router)?;
+            .checked_add(router)?
+            .checked_add(shared)?;
         let block = attn
             .checked_add(bias)?
             .checked_add(qk_norms)?
@@ -706,52 +842,68 @@ mod tests {
     }
 
     #[test]
-    fn mixtures_of_experts_are_read_and_refused_by_name() {
-        // Mixtral's GGUF says `llama` with an expert count: read, then refused to run.
+    fn mixtures_of_experts_are_read_with_their_routers() {
+        // Mixtral's GGUF says `llama` with an expert count.
         let md = gguf("llama", &[("expert_count", 8), ("expert_used_count", 2)]);
         let c = ModelConfig::from_gguf(&md, Some(100), true).unwrap();
-        assert_eq!(
-            c.experts,
-            Some(Experts {
-                count: 8,
-                per_token: 2
-            })
-        );
-        let e = c.check_runnable().unwrap_err().to_string();
-        assert!(
-            e.contains("mixture-of-experts") && e.contains("8 experts, 2 per token"),
-            "{e}"
-        );
-        // Qwen-MoE architectures are refused at once, with their sizes.
+        assert_eq!(c.experts, Some(Experts::new(8, 2)));
+        c.check_runnable().unwrap();
+        assert_eq!(c.gguf_arch_name(), "llama");
+        // Qwen2-MoE: top-k weights not normalised, a shared expert.
         let md = gguf(
             "qwen2moe",
             &[
                 ("expert_count", 60),
                 ("expert_used_count", 4),
                 ("expert_feed_forward_length", 32),
+                ("expert_shared_feed_forward_length", 64),
             ],
         );
-        let e = ModelConfig::from_gguf(&md, Some(100), true).unwrap_err();
-        assert_eq!(
-            e,
-            SpecError::Experts {
-                arch: "qwen2moe".into(),
-                experts: 60,
-                used: 4
-            }
-        );
+        let c = ModelConfig::from_gguf(&md, Some(100), true).unwrap();
+        let e = c.experts.unwrap();
+        assert!(!e.normalize && e.shared_ffn == Some(64) && c.ffn == 32 && c.qkv_bias);
+        assert_eq!(c.gguf_arch_name(), "qwen2moe");
         assert_eq!(Dims::from_gguf(&md, Some(100), true).unwrap().ffn, 32);
+        // Through HF config.json and back.
+        assert_eq!(
+            ModelConfig::from_hf_json(&c.to_hf_json().to_string()).unwrap(),
+            c
+        );
+        let q3 = gguf("qwen3moe", &[("expert_count", 8), ("expert_used_count", 2)]);
+        let c = ModelConfig::from_gguf(&q3, Some(100), true).unwrap();
+        assert!(c.experts.unwrap().normalize && c.qk_norm && c.arch == Arch::Qwen3);
         let hf = r#"{"architectures":["MixtralForCausalLM"],"model_type":"mixtral","hidden_size":64,
             "intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,
             "num_key_value_heads":2,"vocab_size":100,"num_local_experts":8,"num_experts_per_tok":2,
             "hidden_act":"silu"}"#;
-        let e = ModelConfig::from_hf_json(hf).unwrap_err().to_string();
-        assert!(
-            e.contains("mixtral") && e.contains("8 experts, 2 per token"),
-            "{e}"
+        let m = ModelConfig::from_hf_json(hf).unwrap();
+        assert_eq!((m.arch, m.experts), (Arch::Llama, Some(Experts::new(8, 2))));
+        // Top-k of 0 or above the expert count, and unknown MoE families, are refused.
+        for k in [0, 9] {
+            let md = gguf("llama", &[("expert_count", 8), ("expert_used_count", k)]);
+            let e = ModelConfig::from_gguf(&md, Some(100), true)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("between 1 and the expert count"), "{e}");
+        }
+        let e = ModelConfig::from_gguf(&gguf("olmoe", &[("expert_count", 64)]), Some(100), true)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("olmoe") && e.contains("cannot run"), "{e}");
+        let sig = gguf(
+            "qwen3moe",
+            &[
+                ("expert_count", 8),
+                ("expert_used_count", 2),
+                ("expert_gating_func", 2),
+            ],
         );
-        let d = Dims::from_hf(&serde_json::from_str(hf).unwrap()).unwrap();
-        assert_eq!(d.experts.map(|e| e.count), Some(8));
+        let c = ModelConfig::from_gguf(&sig, Some(100), true).unwrap();
+        assert!(c
+            .check_runnable()
+            .unwrap_err()
+            .to_string()
+            .contains("sigmoid"));
     }
 
     #[test]
@@ -880,10 +1032,7 @@ mod tests {
     fn parameter_count_counts_experts_and_their_router() {
         let dense = ModelConfig::from_gguf(&gguf("llama", &[]), Some(100), true).unwrap();
         let moe = ModelConfig {
-            experts: Some(Experts {
-                count: 8,
-                per_token: 2,
-            }),
+            experts: Some(Experts::new(8, 2)),
             ..dense.clone()
         };
         let mlp = 3 * 64 * 128;

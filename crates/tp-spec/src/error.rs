@@ -14,8 +14,8 @@ pub enum SpecError {
         crate::arch::supported_list()
     )]
     UnsupportedArch { arch: String },
-    /// A mixture-of-experts model: its names and sizes are read, but no engine runs it yet.
-    #[error("{arch} is a mixture-of-experts model{}; expert parallelism is not implemented yet, so it cannot run: use a dense model ({})", counts(*experts, *used), crate::arch::supported_list())]
+    /// A mixture-of-experts model of a kind no engine here runs.
+    #[error("{arch} is a mixture-of-experts model{} that this engine cannot run; mixtures of experts run for Mixtral (llama with experts), qwen2moe and qwen3moe (dense: {})", counts(*experts, *used), crate::arch::supported_list())]
     Experts {
         arch: String,
         experts: usize,
@@ -30,6 +30,15 @@ fn counts(experts: usize, used: usize) -> String {
     } else {
         format!(" ({experts} experts, {used} per token)")
     }
+}
+
+/// `1, 2, 4` for 4.
+fn divisors(n: usize) -> String {
+    (1..=n.max(1))
+        .filter(|d| n.is_multiple_of(*d))
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// A split of heads, FFN columns or vocabulary rows over ranks that cannot be made.
@@ -64,6 +73,9 @@ pub enum ShardError {
     },
     #[error("tp_rank {tp_rank} is out of range for tp={tp}; use 0 <= tp_rank < {tp}")]
     InvalidRank { tp_rank: usize, tp: usize },
+    /// Expert groups that do not divide the tensor-parallel ranks.
+    #[error("{ep} expert-parallel groups cannot split {tp} ranks; the expert-parallel size must divide tp (valid: {})", divisors(*tp))]
+    ExpertGroups { ep: usize, tp: usize },
     /// Query heads that KV heads cannot group.
     #[error("bad config: {0}")]
     Groups(String),

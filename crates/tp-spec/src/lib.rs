@@ -17,9 +17,9 @@ pub mod rng;
 pub mod shard;
 pub mod weights;
 
-pub use arch::{is_moe_name, supported_list, Arch, RopeStyle};
+pub use arch::{is_moe_name, is_unsupported_moe_name, supported_list, Arch, RopeStyle};
 pub use block::{Activation, BlockStyle, SlidingWindow};
-pub use config::{Dims, Experts, MetaValue, Metadata, ModelConfig};
+pub use config::{Dims, Experts, Gating, MetaValue, Metadata, ModelConfig};
 pub use error::{ShardError, SpecError};
 pub use gguf::{GgufError, GgufHeader, GgufValue, TensorInfo};
 pub use params::{
@@ -28,8 +28,10 @@ pub use params::{
 };
 pub use partition::{HeadPlan, Partition, RankWeights, MAX_RANK_WEIGHT};
 pub use rng::{mix64, Rng};
-pub use shard::{ffn_split, rank_weight_bytes, Layout, ShardPlan, WeightBytes, DENSE_CHUNK};
+pub use shard::{
+    ffn_split, rank_weight_bytes, ExpertShard, Layout, ShardPlan, WeightBytes, DENSE_CHUNK,
+};
 pub use weights::{
-    expected_weights, gguf_name, hf_name, is_expert_tensor, parse_gguf_name, parse_hf_name,
-    Expected, WeightName, TENSORS_PER_LAYER,
+    expected_weights, gguf_merged_name, gguf_name, hf_name, is_expert_tensor, parse_gguf_name,
+    parse_hf_name, Expected, WeightName, TENSORS_PER_LAYER,
 };

@@ -7,7 +7,7 @@
 
 use crate::arch::RopeStyle;
 use crate::block::Activation;
-use crate::config::ModelConfig;
+use crate::config::{Experts, ModelConfig};
 use crate::shard::ShardPlan;
 use crate::weights::{Expected, WeightName};
 use std::ops::Range;
@@ -24,6 +24,10 @@ pub enum Units {
     Ffn,
     /// The rank's vocabulary rows.
     Vocab,
+    /// The rank's columns of one expert (none for an expert of another expert group).
+    ExpertFfn,
+    /// The rank's columns of the shared expert.
+    SharedFfn,
 }
 
 /// How a parameter is split over the tp ranks.
@@ -44,6 +48,7 @@ pub enum Placement {
     Replicated,
     /// The rank holds `range` of `dim` (element indices, not units). Shards of different
     /// ranks may overlap (replicated KV heads): their gradients then add up to the dense one.
+    /// An empty range: the rank holds none of it (an expert of another expert group).
     Sharded { dim: usize, range: Range<usize> },
 }
 
@@ -101,6 +106,14 @@ pub enum MlpSpec {
     /// The gated MLP `down(act(gate(x)) * up(x))`: gate and up column-parallel, down
     /// row-parallel over FFN columns.
     Dense { ffn: usize, activation: Activation },
+    /// A mixture of experts: a replicated router picks `experts.per_token` of
+    /// `experts.count` gated MLPs of width `ffn` per token ([`crate::ExpertShard`] splits
+    /// them), plus an optional shared expert.
+    Moe {
+        ffn: usize,
+        activation: Activation,
+        experts: Experts,
+    },
 }
 
 /// One transformer layer: what both executors read to build it.
@@ -138,9 +151,16 @@ impl ModelConfig {
                 rope_style: self.rope_style,
                 query_scale: self.query_scale(),
             },
-            mlp: MlpSpec::Dense {
-                ffn: self.ffn,
-                activation: self.block.activation,
+            mlp: match self.experts {
+                None => MlpSpec::Dense {
+                    ffn: self.ffn,
+                    activation: self.block.activation,
+                },
+                Some(experts) => MlpSpec::Moe {
+                    ffn: self.ffn,
+                    activation: self.block.activation,
+                    experts,
+                },
             },
             post_norms: self.block.post_norms,
             hf_norm_minus_one: self.block.hf_norm_minus_one,
@@ -209,6 +229,31 @@ impl LayerSpec {
                 out.push(matrix(WeightName::Up(l), ffn, h, Rows(Ffn)));
                 out.push(matrix(WeightName::Down(l), h, ffn, Cols(Ffn)));
             }
+            MlpSpec::Moe { ffn, experts, .. } => {
+                use Units::{ExpertFfn, SharedFfn};
+                out.push(matrix(WeightName::Router(l), experts.count, h, Replicated));
+                for e in 0..experts.count {
+                    out.push(matrix(
+                        WeightName::ExpertGate(l, e),
+                        ffn,
+                        h,
+                        Rows(ExpertFfn),
+                    ));
+                    out.push(matrix(WeightName::ExpertUp(l, e), ffn, h, Rows(ExpertFfn)));
+                    out.push(matrix(
+                        WeightName::ExpertDown(l, e),
+                        h,
+                        ffn,
+                        Cols(ExpertFfn),
+                    ));
+                }
+                if let Some(s) = experts.shared_ffn {
+                    out.push(vector(WeightName::SharedExpertGate(l), h, Replicated));
+                    out.push(matrix(WeightName::SharedGate(l), s, h, Rows(SharedFfn)));
+                    out.push(matrix(WeightName::SharedUp(l), s, h, Rows(SharedFfn)));
+                    out.push(matrix(WeightName::SharedDown(l), h, s, Cols(SharedFfn)));
+                }
+            }
         }
         out
     }
@@ -276,6 +321,23 @@ impl ShardPlan {
             Units::KvHeads => scale(self.kv_heads(), hd),
             Units::Ffn => self.ffn_cols(),
             Units::Vocab => self.vocab_rows(),
+            Units::ExpertFfn => self.experts.as_ref().map_or(0..0, |x| {
+                let r = x.ffn.range(x.rank_in_group);
+                r.start * x.ffn_unit..r.end * x.ffn_unit
+            }),
+            Units::SharedFfn => self
+                .experts
+                .as_ref()
+                .map_or(0..0, |x| x.shared_cols(self.tp_rank)),
+        }
+    }
+
+    /// The element range of `param` this rank holds along its split dimension: its units,
+    /// or nothing for an expert of another expert group.
+    fn param_range(&self, param: &Param, units: Units) -> Range<usize> {
+        match (param.name.expert(), &self.experts) {
+            (Some(e), Some(x)) => x.expert_cols(e),
+            _ => self.units_range(units),
         }
     }
 
@@ -286,11 +348,11 @@ impl ShardPlan {
             Split::Replicated => Placement::Replicated,
             Split::Rows(u) => Placement::Sharded {
                 dim: 0,
-                range: self.units_range(u),
+                range: self.param_range(param, u),
             },
             Split::Cols(u) => Placement::Sharded {
                 dim: 1,
-                range: self.units_range(u),
+                range: self.param_range(param, u),
             },
         }
     }
@@ -392,6 +454,72 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn expert_placements_tile_every_expert_at_every_ep() {
+        // 8 experts of 128 columns (4 units of 32), a shared expert of 96; Qwen2-MoE style.
+        let mut e = Experts::new(8, 2);
+        e.shared_ffn = Some(96);
+        e.normalize = false;
+        let c = ModelConfig {
+            ffn: 128,
+            experts: Some(e),
+            ..cfg(Arch::Qwen2)
+        };
+        let all = model_params(&c);
+        let n: usize = all.iter().map(|p| p.dims().iter().product::<usize>()).sum();
+        assert_eq!(n, c.parameter_count());
+        for (tp, ep) in [
+            (1, 1),
+            (2, 1),
+            (2, 2),
+            (3, 3),
+            (4, 2),
+            (4, 4),
+            (3, 1),
+            (6, 3),
+        ] {
+            let plans: Vec<ShardPlan> = (0..tp)
+                .map(|r| {
+                    ShardPlan::new(&c, 32, r, tp)
+                        .and_then(|p| p.with_expert_groups(&c, ep))
+                        .unwrap()
+                })
+                .collect();
+            for p in all.iter().filter(|p| {
+                matches!(
+                    p.split,
+                    Split::Rows(Units::ExpertFfn | Units::SharedFfn)
+                        | Split::Cols(Units::ExpertFfn | Units::SharedFfn)
+                )
+            }) {
+                let dim = usize::from(matches!(p.split, Split::Cols(_)));
+                let mut covered = vec![0usize; p.dims()[dim]];
+                for s in &plans {
+                    let Placement::Sharded { range, .. } = s.place(p) else {
+                        panic!("{p:?}")
+                    };
+                    covered[range].iter_mut().for_each(|c| *c += 1);
+                }
+                assert!(covered.iter().all(|&c| c == 1), "{p:?} tp {tp} ep {ep}");
+            }
+            // Whole experts per group: 8 experts over 3 groups are 3|3|2.
+            if ep == 3 {
+                let local: Vec<_> = plans
+                    .iter()
+                    .map(|p| p.experts.as_ref().unwrap().local.clone())
+                    .collect();
+                assert_eq!(local[0], 0..3);
+                assert_eq!(local[tp - 1], 6..8);
+            }
+        }
+        let e = ShardPlan::new(&c, 32, 0, 4)
+            .unwrap()
+            .with_expert_groups(&c, 3)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("must divide tp") && e.contains("1, 2, 4"), "{e}");
     }
 
     #[test]

@@ -26,6 +26,81 @@ pub struct ShardPlan {
     pub vocab: Partition,
     /// Rows (or columns) of one head in the attention matrices.
     pub head_dim: usize,
+    /// How a mixture of experts is split (`None` for a dense model).
+    pub experts: Option<ExpertShard>,
+}
+
+/// One rank's share of the experts of every MoE layer (docs/moe.md). The tp ranks form `ep`
+/// expert groups of `tp / ep` consecutive ranks; the experts are split over the groups
+/// (balanced, whole experts: 8 over 3 groups is 3|3|2), and inside a group every expert is
+/// sliced by FFN columns like the dense MLP (expert-TP). `ep = 1` slices every expert over all
+/// ranks; `ep = tp` gives each rank whole experts. The router is replicated, and a shared
+/// expert is split over all tp ranks like a dense MLP.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertShard {
+    pub ep: usize,
+    /// This rank's experts.
+    pub local: Range<usize>,
+    /// One expert's FFN units over the ranks of a group, and the unit.
+    pub ffn: Partition,
+    pub ffn_unit: usize,
+    /// This rank's index in its expert group.
+    pub rank_in_group: usize,
+    /// The shared expert's FFN units over all tp ranks, and the unit.
+    pub shared: Option<(Partition, usize)>,
+}
+
+impl ExpertShard {
+    /// The split of `cfg`'s experts for rank `tp_rank` of `tp` in `ep` expert groups.
+    pub fn new(
+        cfg: &ModelConfig,
+        ffn_unit: usize,
+        tp_rank: usize,
+        tp: usize,
+        ep: usize,
+    ) -> Result<Option<Self>, ShardError> {
+        let Some(e) = cfg.experts else {
+            return Ok(None);
+        };
+        if ep == 0 || tp == 0 || !tp.is_multiple_of(ep) {
+            return Err(ShardError::ExpertGroups { ep, tp });
+        }
+        let per_group = tp / ep;
+        let groups = Partition::new(e.count, ep, "experts", "expert")?;
+        let (ffn, unit) = ffn_split(cfg.ffn, ffn_unit, per_group)?;
+        let shared = match e.shared_ffn {
+            Some(f) => Some(ffn_split(f, ffn_unit, tp)?),
+            None => None,
+        };
+        Ok(Some(ExpertShard {
+            ep,
+            local: groups.range(tp_rank / per_group),
+            ffn,
+            ffn_unit: unit,
+            rank_in_group: tp_rank % per_group,
+            shared,
+        }))
+    }
+
+    /// The columns of an expert this rank holds (empty for an expert of another group).
+    pub fn expert_cols(&self, expert: usize) -> Range<usize> {
+        if !self.local.contains(&expert) {
+            return 0..0;
+        }
+        let r = self.ffn.range(self.rank_in_group);
+        r.start * self.ffn_unit..r.end * self.ffn_unit
+    }
+
+    /// The shared expert's columns this rank holds.
+    pub fn shared_cols(&self, tp_rank: usize) -> Range<usize> {
+        match &self.shared {
+            Some((p, unit)) => {
+                let r = p.range(tp_rank);
+                r.start * unit..r.end * unit
+            }
+            None => 0..0,
+        }
+    }
 }
 
 /// The balanced split of `ffn` columns over `tp` ranks and its unit: `ffn_unit` columns when
@@ -62,7 +137,28 @@ impl ShardPlan {
             tp,
         )?;
         let vocab = Partition::new(cfg.vocab, tp, "vocabulary rows", "vocabulary row")?;
-        Ok(ShardPlan { vocab, ..block })
+        let experts = ExpertShard::new(cfg, ffn_unit, tp_rank, tp, 1)?;
+        Ok(ShardPlan {
+            vocab,
+            experts,
+            ..block
+        })
+    }
+
+    /// This plan with the experts split over `ep` expert groups ([`ExpertShard`]); a dense
+    /// model's plan is unchanged (any `ep` that divides tp is accepted).
+    pub fn with_expert_groups(self, cfg: &ModelConfig, ep: usize) -> Result<Self, ShardError> {
+        if ep == 0 || !self.tp.is_multiple_of(ep) {
+            return Err(ShardError::ExpertGroups { ep, tp: self.tp });
+        }
+        let unit = self.experts.as_ref().map_or(self.ffn_unit, |e| e.ffn_unit);
+        let experts = ExpertShard::new(cfg, unit, self.tp_rank, self.tp, ep)?;
+        Ok(ShardPlan { experts, ..self })
+    }
+
+    /// Expert groups of the plan (1 for a dense model).
+    pub fn ep(&self) -> usize {
+        self.experts.as_ref().map_or(1, |e| e.ep)
     }
 
     /// Every split (query heads, FFN blocks, vocabulary rows) in proportion to `weights`, one
@@ -88,6 +184,9 @@ impl ShardPlan {
             ),
         };
         let vocab = Partition::weighted(cfg.vocab, weights, "vocabulary rows", "vocabulary row")?;
+        // Experts are split evenly whatever the weights (an expert is not divisible by a
+        // rank's speed without breaking its blocks).
+        let experts = ExpertShard::new(cfg, ffn_unit, tp_rank, tp, 1)?;
         Ok(ShardPlan {
             tp_rank,
             tp,
@@ -96,6 +195,7 @@ impl ShardPlan {
             ffn_unit: unit,
             vocab,
             head_dim: cfg.head_dim,
+            experts,
         })
     }
 
@@ -121,6 +221,7 @@ impl ShardPlan {
             ffn_unit: unit,
             vocab: Partition::empty(tp),
             head_dim,
+            experts: None,
         })
     }
 
@@ -251,8 +352,13 @@ pub fn rank_weight_bytes<E>(
             Expected::Matrix { rows, cols } => {
                 let (rows, _) = local(rows, 0);
                 let (cols, col_start) = local(cols, 1);
-                m.sharded +=
+                let bytes =
                     layout(p.name).map(|l| l.slice_bytes(rows, cols, col_start, dense_bytes))?;
+                match p.split {
+                    // A router: every rank holds it whole.
+                    Split::Replicated => m.replicated += bytes,
+                    _ => m.sharded += bytes,
+                }
             }
         }
     }

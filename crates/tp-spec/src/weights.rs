@@ -30,6 +30,18 @@ pub enum WeightName {
     Gate(usize),
     Up(usize),
     Down(usize),
+    /// A mixture-of-experts router, `[experts, hidden]`.
+    Router(usize),
+    /// Expert `e`'s gate, up and down projections in layer `l`: `(l, e)`.
+    ExpertGate(usize, usize),
+    ExpertUp(usize, usize),
+    ExpertDown(usize, usize),
+    /// Qwen2-MoE's shared expert: its projections and the vector (`[hidden]`) whose sigmoid
+    /// scales its output per token.
+    SharedGate(usize),
+    SharedUp(usize),
+    SharedDown(usize),
+    SharedExpertGate(usize),
 }
 
 impl WeightName {
@@ -40,7 +52,18 @@ impl WeightName {
             Embed | Output | OutputNorm => None,
             AttnNorm(l) | Q(l) | K(l) | V(l) | QBias(l) | KBias(l) | VBias(l) | QNorm(l)
             | KNorm(l) | O(l) | PostAttnNorm(l) | FfnNorm(l) | PostFfnNorm(l) | Gate(l) | Up(l)
-            | Down(l) => Some(l),
+            | Down(l) | Router(l) | SharedGate(l) | SharedUp(l) | SharedDown(l)
+            | SharedExpertGate(l) => Some(l),
+            ExpertGate(l, _) | ExpertUp(l, _) | ExpertDown(l, _) => Some(l),
+        }
+    }
+
+    /// The expert of an expert's projection.
+    pub fn expert(self) -> Option<usize> {
+        use WeightName::*;
+        match self {
+            ExpertGate(_, e) | ExpertUp(_, e) | ExpertDown(_, e) => Some(e),
+            _ => None,
         }
     }
 
@@ -62,7 +85,7 @@ impl WeightName {
     /// Whether the weight is a vector every rank holds whole or slices (norms, biases).
     pub fn is_vector(self) -> bool {
         use WeightName::*;
-        self.is_norm() || matches!(self, QBias(_) | KBias(_) | VBias(_))
+        self.is_norm() || matches!(self, QBias(_) | KBias(_) | VBias(_) | SharedExpertGate(_))
     }
 }
 
@@ -152,8 +175,110 @@ fn layer_entry(name: WeightName) -> Option<(usize, &'static LayerName)> {
         .map(|e| (l, e))
 }
 
-/// The GGUF tensor name of a weight (`blk.3.attn_q.weight`).
+/// The projections of an expert: (constructor, GGUF per-expert stem, GGUF merged stem,
+/// Mixtral's HF name, Qwen-MoE's HF name).
+type ExpertName = (
+    fn(usize, usize) -> WeightName,
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static str,
+);
+
+const EXPERT_NAMES: [ExpertName; 3] = [
+    (
+        WeightName::ExpertGate,
+        "ffn_gate",
+        "ffn_gate_exps",
+        "w1",
+        "gate_proj",
+    ),
+    (
+        WeightName::ExpertUp,
+        "ffn_up",
+        "ffn_up_exps",
+        "w3",
+        "up_proj",
+    ),
+    (
+        WeightName::ExpertDown,
+        "ffn_down",
+        "ffn_down_exps",
+        "w2",
+        "down_proj",
+    ),
+];
+
+/// The per-layer MoE weights that are not an expert's: (constructor, GGUF suffix, Mixtral's HF
+/// suffix, Qwen-MoE's HF suffix; `""` where the spelling has none).
+const MOE_LAYER_NAMES: [LayerName2; 5] = [
+    (
+        WeightName::Router,
+        "ffn_gate_inp.weight",
+        "block_sparse_moe.gate.weight",
+        "mlp.gate.weight",
+    ),
+    (
+        WeightName::SharedGate,
+        "ffn_gate_shexp.weight",
+        "",
+        "mlp.shared_expert.gate_proj.weight",
+    ),
+    (
+        WeightName::SharedUp,
+        "ffn_up_shexp.weight",
+        "",
+        "mlp.shared_expert.up_proj.weight",
+    ),
+    (
+        WeightName::SharedDown,
+        "ffn_down_shexp.weight",
+        "",
+        "mlp.shared_expert.down_proj.weight",
+    ),
+    (
+        WeightName::SharedExpertGate,
+        "ffn_gate_inp_shexp.weight",
+        "",
+        "mlp.shared_expert_gate.weight",
+    ),
+];
+
+type LayerName2 = (LayerWeight, &'static str, &'static str, &'static str);
+
+fn expert_entry(name: WeightName) -> Option<(usize, usize, &'static ExpertName)> {
+    let (l, e) = (name.layer()?, name.expert()?);
+    EXPERT_NAMES
+        .iter()
+        .find(|x| x.0(l, e) == name)
+        .map(|x| (l, e, x))
+}
+
+fn moe_layer_entry(name: WeightName) -> Option<(usize, &'static LayerName2)> {
+    let l = name.layer()?;
+    MOE_LAYER_NAMES
+        .iter()
+        .find(|x| x.0(l) == name)
+        .map(|x| (l, x))
+}
+
+/// The merged 3-D GGUF tensor (`blk.3.ffn_gate_exps.weight`, `[experts, rows, cols]`) holding
+/// an expert's projection, and the expert's index in it; `None` for other weights.
+pub fn gguf_merged_name(name: WeightName) -> Option<(String, usize)> {
+    let (l, e, x) = expert_entry(name)?;
+    Some((format!("blk.{l}.{}.weight", x.2), e))
+}
+
+/// The GGUF tensor name of a weight (`blk.3.attn_q.weight`); an expert's projection in the
+/// one-tensor-per-expert layout (`blk.3.ffn_gate.5.weight`, [`gguf_merged_name`] gives the
+/// merged layout's).
 pub fn gguf_name(name: WeightName) -> String {
+    if let Some((l, e, x)) = expert_entry(name) {
+        return format!("blk.{l}.{}.{e}.weight", x.1);
+    }
+    if let Some((l, x)) = moe_layer_entry(name) {
+        return format!("blk.{l}.{}", x.1);
+    }
     match layer_entry(name) {
         Some((l, e)) => format!("blk.{l}.{}", e.1),
         None => GLOBAL_NAMES
@@ -166,6 +291,19 @@ pub fn gguf_name(name: WeightName) -> String {
 /// The HF tensor name of a weight in `arch`'s spelling
 /// (`model.layers.3.self_attn.q_proj.weight`).
 pub fn hf_name(arch: Arch, name: WeightName) -> String {
+    let mixtral = arch == Arch::Llama;
+    if let Some((l, e, x)) = expert_entry(name) {
+        return match mixtral {
+            true => format!(
+                "model.layers.{l}.block_sparse_moe.experts.{e}.{}.weight",
+                x.3
+            ),
+            false => format!("model.layers.{l}.mlp.experts.{e}.{}.weight", x.4),
+        };
+    }
+    if let Some((l, x)) = moe_layer_entry(name) {
+        return format!("model.layers.{l}.{}", if mixtral { x.2 } else { x.3 });
+    }
     match layer_entry(name) {
         Some((l, e)) => format!("model.layers.{l}.{}", hf_suffix(arch, e)),
         None => GLOBAL_NAMES
@@ -179,11 +317,29 @@ pub fn hf_name(arch: Arch, name: WeightName) -> String {
 /// family does not use).
 pub fn parse_hf_name(arch: Arch, name: &str) -> Option<WeightName> {
     parse_name(name, "model.layers.", |e| hf_suffix(arch, e), |g| g.2)
+        .or_else(|| parse_moe_name(name, |w| hf_name(arch, w)))
 }
 
-/// The weight a GGUF tensor name stands for (`None` for names this family does not use).
+/// The weight a GGUF tensor name stands for (`None` for names this family does not use; a
+/// merged expert tensor is not one weight).
 pub fn parse_gguf_name(name: &str) -> Option<WeightName> {
-    parse_name(name, "blk.", |e| e.1, |g| g.1)
+    parse_name(name, "blk.", |e| e.1, |g| g.1).or_else(|| parse_moe_name(name, gguf_name))
+}
+
+/// An MoE weight by its name in a spelling (`spell`): the layer and expert numbers are read
+/// from the name, then the candidate is spelled back and compared.
+fn parse_moe_name(name: &str, spell: impl Fn(WeightName) -> String) -> Option<WeightName> {
+    let numbers: Vec<usize> = name
+        .split('.')
+        .filter_map(|p| p.parse::<usize>().ok())
+        .collect();
+    let l = *numbers.first()?;
+    let e = numbers.get(1).copied().unwrap_or(0);
+    EXPERT_NAMES
+        .iter()
+        .map(|x| x.0(l, e))
+        .chain(MOE_LAYER_NAMES.iter().map(|x| x.0(l)))
+        .find(|w| !name.ends_with('.') && spell(*w) == name)
 }
 
 /// `name` looked up in the global table by `global`'s spelling, or as `<prefix><layer>.<suffix>`
@@ -306,5 +462,37 @@ mod tests {
         ] {
             assert!(is_expert_tensor(moe), "{moe}");
         }
+        // MoE weights in every spelling: per-expert GGUF names, Mixtral's and Qwen's HF names.
+        let moe = EXPERT_NAMES
+            .iter()
+            .map(|x| x.0(4, 11))
+            .chain(MOE_LAYER_NAMES.iter().map(|x| x.0(4)));
+        for w in moe {
+            let g = gguf_name(w);
+            assert_eq!(parse_gguf_name(&g), Some(w), "{g}");
+            for arch in [Arch::Llama, Arch::Qwen2] {
+                let h = hf_name(arch, w);
+                if h.ends_with('.') {
+                    continue; // Mixtral has no shared expert.
+                }
+                assert_eq!(parse_hf_name(arch, &h), Some(w), "{h}");
+            }
+        }
+        assert_eq!(
+            gguf_name(WeightName::ExpertDown(3, 5)),
+            "blk.3.ffn_down.5.weight"
+        );
+        assert_eq!(
+            gguf_merged_name(WeightName::ExpertUp(3, 5)),
+            Some(("blk.3.ffn_up_exps.weight".to_string(), 5))
+        );
+        assert_eq!(
+            hf_name(Arch::Llama, WeightName::ExpertDown(0, 2)),
+            "model.layers.0.block_sparse_moe.experts.2.w2.weight"
+        );
+        assert_eq!(
+            hf_name(Arch::Qwen3, WeightName::Router(1)),
+            "model.layers.1.mlp.gate.weight"
+        );
     }
 }

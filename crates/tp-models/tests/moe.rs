@@ -1,0 +1,330 @@
+//! Mixture-of-experts models: small random MoE GGUFs in both expert layouts against
+//! candle-transformers (Mixtral's one-tensor-per-expert layout through `quantized_llama`,
+//! Qwen3-MoE's merged 3-D tensors through `quantized_qwen3_moe`), the same logits bits at
+//! every tp and every expert-parallel size, and a dense-equivalent MoE cut from the real
+//! SmolLM2 file that must give dense SmolLM2's logits.
+//!
+//! Tolerances: against candle, both sides see the same f32 weights (every weight dequantized,
+//! `CANDLE_DEQUANTIZE_ALL=1` for candle) and differ in f32 summation order and in the router
+//! (softmax in f64 here, f32 in candle): 1e-4 of each row's logit spread (a wrong expert,
+//! weight or slice moves logits by orders of magnitude more), and every greedy token agrees.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::{assert_close, prompt, sharded_logits};
+use tp_models::checkpoint::GgmlDType;
+use tp_models::checkpoint::WeightName;
+use tp_models::synthetic::{GgufTypes, SyntheticModel};
+use tp_models::{Arch, Checkpoint, GgufCheckpoint, LoadOptions};
+
+const TOL: f32 = 1e-4;
+
+fn dense() -> LoadOptions {
+    LoadOptions {
+        keep_quantized: false,
+        ..LoadOptions::default()
+    }
+}
+
+fn with_ep(opts: LoadOptions, ep: usize) -> LoadOptions {
+    LoadOptions {
+        expert_groups: ep,
+        ..opts
+    }
+}
+
+/// candle's `quantized_llama` (Mixtral's per-expert GGUF layout) rows in the order of
+/// `sharded_logits`: the whole prompt, then token by token.
+fn oracle_rows(path: &std::path::Path, arch: Arch, tokens: &[u32]) -> Vec<Vec<f32>> {
+    std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
+    let dev = Device::Cpu;
+    let load = || -> Box<dyn FnMut(&[u32], usize) -> Vec<f32>> {
+        let mut file = std::fs::File::open(path).unwrap();
+        let c = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
+        let run = |y: candle_core::Result<Tensor>| -> Vec<f32> {
+            y.unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        let x = |t: &[u32]| Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        match arch {
+            Arch::Llama => {
+                use candle_transformers::models::quantized_llama::ModelWeights;
+                let mut m = ModelWeights::from_gguf(c, &mut file, &dev).unwrap();
+                Box::new(move |t, pos| run(m.forward(&x(t), pos)))
+            }
+            other => panic!("no GGUF MoE oracle for {other:?}"),
+        }
+    };
+    let mut out = vec![load()(tokens, 0)];
+    let mut m = load();
+    for (i, t) in tokens.iter().enumerate() {
+        out.push(m(std::slice::from_ref(t), i));
+    }
+    out
+}
+
+/// Asserts equal bits, naming the first differing row and logit (not printing every logit).
+fn assert_same_bits(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
+    assert_eq!(got.len(), want.len(), "{what}: rows");
+    for (r, (g, w)) in got.iter().zip(want).enumerate() {
+        if let Some(i) = (0..w.len()).find(|&i| g[i].to_bits() != w[i].to_bits()) {
+            panic!("{what}: row {r} logit {i}: {} vs {}", g[i], w[i]);
+        }
+    }
+}
+
+fn write(
+    model: &SyntheticModel,
+    types: GgufTypes,
+    name: &str,
+) -> (tempfile::TempDir, GgufCheckpoint) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(name);
+    model.write_gguf(&path, types).unwrap();
+    let ckpt = GgufCheckpoint::open(&path).unwrap();
+    (dir, ckpt)
+}
+
+#[test]
+fn mixtral_per_expert_layout_matches_candle_at_every_tp() {
+    // 8 experts, 2 per token, one GGUF tensor per expert (older Mixtral files).
+    let model = SyntheticModel::small_moe(Arch::Llama, 8, 2, 11);
+    let (dir, ckpt) = write(&model, GgufTypes::F32, "mixtral.gguf");
+    assert_eq!(ckpt.config().experts.map(|e| e.count), Some(8));
+    let tokens = prompt(1000, 6);
+    let want = oracle_rows(&dir.path().join("mixtral.gguf"), Arch::Llama, &tokens);
+    let tp1 = sharded_logits(&ckpt, &tokens, 1, dense());
+    assert_close("mixtral tp 1 vs candle", &tp1, &want, TOL, true);
+    for tp in 2..=4 {
+        let got = sharded_logits(&ckpt, &tokens, tp, dense());
+        assert_same_bits(&format!("mixtral tp {tp} vs tp 1"), &got, &tp1);
+    }
+}
+
+/// Qwen3-MoE (merged 3-D expert tensors in the GGUF) and Qwen2-MoE (shared expert with its
+/// sigmoid gate, top-k weights not normalised) against candle-transformers' `qwen3_moe` and
+/// `qwen2_moe` on the same weights as an HF directory (candle's quantized Qwen3-MoE runs on
+/// CUDA only). The GGUF and the HF directory hold the same f32 values, so ours gives the same
+/// bits from either file.
+#[test]
+fn qwen_moe_models_match_candle_from_gguf_and_hf() {
+    use candle_nn::VarBuilder;
+    use candle_transformers::models::{qwen2_moe, qwen3_moe};
+    std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
+    for arch in [Arch::Qwen3, Arch::Qwen2] {
+        let mut model = SyntheticModel::small_moe(arch, 8, 2, 12);
+        model.merged_experts = true;
+        let (_g, gguf) = write(&model, GgufTypes::F32, "moe.gguf");
+        let hf_dir = tempfile::tempdir().unwrap();
+        model
+            .write_hf(hf_dir.path(), 2, tp_models::synthetic::HfDType::F32)
+            .unwrap();
+        let hf = tp_models::HfCheckpoint::open(hf_dir.path()).unwrap();
+        let tokens = prompt(1000, 6);
+        let got = sharded_logits(&gguf, &tokens, 1, dense());
+        assert_same_bits(
+            &format!("{arch:?}: GGUF vs HF"),
+            &sharded_logits(&hf, &tokens, 1, dense()),
+            &got,
+        );
+        let text = std::fs::read_to_string(hf_dir.path().join("config.json")).unwrap();
+        let mut files: Vec<_> = std::fs::read_dir(hf_dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        files.sort();
+        let load = || -> Box<dyn FnMut(&[u32], usize) -> Vec<f32>> {
+            // SAFETY: the files are written by this test and not modified while mapped.
+            let vb =
+                unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu) }
+                    .unwrap();
+            let x = |t: &[u32]| Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+            let out = |y: candle_core::Result<Tensor>| -> Vec<f32> {
+                y.unwrap().flatten_all().unwrap().to_vec1().unwrap()
+            };
+            if arch == Arch::Qwen3 {
+                let cfg: qwen3_moe::Config = serde_json::from_str(&text).unwrap();
+                let mut m = qwen3_moe::ModelForCausalLM::new(&cfg, vb).unwrap();
+                Box::new(move |t, pos| out(m.forward(&x(t), pos)))
+            } else {
+                let cfg: qwen2_moe::Config = serde_json::from_str(&text).unwrap();
+                let mut m = qwen2_moe::Model::new(&cfg, vb).unwrap();
+                Box::new(move |t, pos| out(m.forward(&x(t), pos)))
+            }
+        };
+        let mut want = vec![load()(&tokens, 0)];
+        let mut m = load();
+        for (i, t) in tokens.iter().enumerate() {
+            want.push(m(std::slice::from_ref(t), i));
+        }
+        assert_close(&format!("{arch:?} MoE vs candle"), &got, &want, TOL, true);
+    }
+}
+
+/// Expert-TP at tp 1..4 and expert parallelism (whole experts per rank: 8 over 3 ranks is
+/// 3|3|2) and their mix at tp 4 x ep 2, on quantized weights: the same bits everywhere.
+#[test]
+fn every_tp_and_expert_parallel_size_gives_the_same_bits() {
+    for (arch, merged) in [(Arch::Qwen3, true), (Arch::Qwen2, false)] {
+        let mut model = SyntheticModel::small_moe(arch, 8, 2, 13);
+        model.merged_experts = merged;
+        let types = GgufTypes {
+            linear: GgmlDType::Q8_0,
+            embed: GgmlDType::Q8_0,
+        };
+        let (_dir, ckpt) = write(&model, types, "moe.gguf");
+        let tokens = prompt(1000, 7);
+        let q = LoadOptions::default();
+        let tp1 = sharded_logits(&ckpt, &tokens, 1, q);
+        for (tp, ep) in [(2, 1), (3, 1), (4, 1), (2, 2), (3, 3), (4, 2), (4, 4)] {
+            let got = sharded_logits(&ckpt, &tokens, tp, with_ep(q, ep));
+            assert_same_bits(&format!("{arch:?} tp {tp} ep {ep} vs tp 1"), &got, &tp1);
+        }
+    }
+}
+
+/// The weights each rank holds: whole experts under expert parallelism, slices of all of them
+/// under expert-TP; the bytes add up to the file's experts either way.
+#[test]
+fn ranks_hold_only_their_experts() {
+    let model = SyntheticModel::small_moe(Arch::Qwen3, 8, 2, 14);
+    let (_dir, ckpt) = write(&model, GgufTypes::F32, "moe.gguf");
+    let bytes = |tp: usize, ep: usize| -> Vec<usize> {
+        (0..tp)
+            .map(|r| {
+                tp_models::ShardedModel::load(&ckpt, r, tp, with_ep(dense(), ep), 64)
+                    .unwrap()
+                    .weight_bytes()
+            })
+            .collect()
+    };
+    let one = bytes(1, 1)[0];
+    let (etp, ep) = (bytes(2, 1), bytes(2, 2));
+    // Replicated: norms and routers; everything else is split. Both layouts hold the same
+    // expert bytes in total, so their sums agree.
+    assert_eq!(etp.iter().sum::<usize>(), ep.iter().sum::<usize>());
+    assert!(etp[0] < one && ep[0] < one, "{one} {etp:?} {ep:?}");
+    let e = tp_models::ShardedModel::load(&ckpt, 0, 4, with_ep(dense(), 3), 64).unwrap_err();
+    assert!(e.to_string().contains("must divide tp"), "{e}");
+}
+
+#[test]
+fn missing_or_misshapen_expert_tensors_are_named() {
+    let mut model = SyntheticModel::small_moe(Arch::Qwen3, 4, 2, 15);
+    model.merged_experts = true;
+    let dir = tempfile::tempdir().unwrap();
+    // A merged tensor with fewer experts than the config says.
+    let mut md = model.gguf_metadata();
+    for (k, v) in md.iter_mut() {
+        if k.ends_with(".expert_count") {
+            *v = candle_core::quantized::gguf_file::Value::U32(5);
+        }
+    }
+    let tensors = model.gguf_tensors(GgufTypes::F32).unwrap();
+    let path = dir.path().join("bad.gguf");
+    tp_models::synthetic::write_gguf(&path, &md, &tensors).unwrap();
+    let e = GgufCheckpoint::open(&path).unwrap_err().to_string();
+    assert!(
+        e.contains("ffn_") && e.contains("_exps") && e.contains("5 experts"),
+        "{e}"
+    );
+    // A per-expert file missing expert 3's up projection.
+    let model = SyntheticModel::small_moe(Arch::Llama, 4, 2, 15);
+    let tensors: Vec<_> = model
+        .gguf_tensors(GgufTypes::F32)
+        .unwrap()
+        .into_iter()
+        .filter(|(n, _)| n != "blk.1.ffn_up.3.weight")
+        .collect();
+    let path = dir.path().join("missing.gguf");
+    tp_models::synthetic::write_gguf(&path, &model.gguf_metadata(), &tensors).unwrap();
+    let e = GgufCheckpoint::open(&path).unwrap_err().to_string();
+    assert!(e.contains("blk.1.ffn_up.3.weight"), "{e}");
+}
+
+/// SmolLM2's FFN (1536 columns) cut into 8 experts of 192 columns, every expert active with
+/// weight 1/8 (a zero router, top-8, normalised) and each expert's down projection times 8:
+/// the same function as the dense MLP. Both scalings are powers of two, so every product is
+/// the dense one; only the order of the f64 sums differs, and those are exact for these
+/// magnitudes, so the logits must agree to 1e-5 of their spread (f32 rounding of the
+/// residual) and every greedy token must agree.
+#[test]
+fn smollm2_cut_into_eight_equal_experts_is_dense_smollm2() {
+    let Some(dir) = common::smollm2() else {
+        eprintln!("skipped: SmolLM2 is not installed (scripts/fetch-models.sh installs it)");
+        return;
+    };
+    let dense_ckpt = tp_models::open_checkpoint(&dir).unwrap();
+    let cfg = dense_ckpt.config().clone();
+    let (count, ffn) = (8, cfg.ffn / 8);
+    let moe_cfg = tp_models::ModelConfig {
+        ffn,
+        experts: Some(tp_models::Experts::new(count, count)),
+        ..cfg.clone()
+    };
+    let mut moe = SyntheticModel::new(moe_cfg.clone(), 1);
+    let h = cfg.hidden;
+    // Every weight as f32 (dequantized), in the file's layout.
+    let full = |name: WeightName| dense_ckpt.vector(name, None).unwrap();
+    for p in tp_spec::model_params(&moe_cfg) {
+        let values = match p.name {
+            WeightName::Router(_) => vec![0.0; count * h],
+            WeightName::ExpertGate(l, e) => {
+                full(WeightName::Gate(l))[e * ffn * h..(e + 1) * ffn * h].to_vec()
+            }
+            WeightName::ExpertUp(l, e) => {
+                full(WeightName::Up(l))[e * ffn * h..(e + 1) * ffn * h].to_vec()
+            }
+            WeightName::ExpertDown(l, e) => full(WeightName::Down(l)) // [hidden, ffn_total]
+                .chunks_exact(cfg.ffn)
+                .flat_map(|row| row[e * ffn..(e + 1) * ffn].iter().map(|x| x * 8.0))
+                .collect(),
+            // The writer permutes Q and K rows of a llama GGUF as HF rows; these are the
+            // file's rows already, so they go in un-permuted.
+            WeightName::Q(_) | WeightName::K(_) => {
+                let w = full(p.name);
+                unpermute(&w, &p.dims(), cfg.head_dim)
+            }
+            name => full(name),
+        };
+        moe.set_weight(p.name, values).unwrap();
+    }
+    let out = tempfile::tempdir().unwrap();
+    let path = out.path().join("smollm2-moe.gguf");
+    moe.write_gguf(&path, GgufTypes::F32).unwrap();
+    let moe_ckpt = GgufCheckpoint::open(&path).unwrap();
+    let tokens = prompt(cfg.vocab, 8);
+    let want = sharded_logits(dense_ckpt.as_ref(), &tokens, 1, dense());
+    for (tp, ep) in [(1, 1), (2, 1), (2, 2)] {
+        let got = sharded_logits(&moe_ckpt, &tokens, tp, with_ep(dense(), ep));
+        assert_close(
+            &format!("SmolLM2 as 8 experts, tp {tp} ep {ep}"),
+            &got,
+            &want,
+            1e-5,
+            true,
+        );
+    }
+}
+
+/// The inverse of llama.cpp's Q/K row permutation: file row `2i + j` of a head back to HF row
+/// `j * hd/2 + i`.
+fn unpermute(values: &[f32], dims: &[usize], head_dim: usize) -> Vec<f32> {
+    let (rows, cols) = (dims[0], dims[1]);
+    let half = head_dim / 2;
+    let mut out = vec![0f32; values.len()];
+    for r in 0..rows {
+        let (head, within) = (r / head_dim, r % head_dim);
+        let (i, j) = (within / 2, within % 2);
+        let dst = head * head_dim + j * half + i;
+        out[dst * cols..(dst + 1) * cols].copy_from_slice(&values[r * cols..(r + 1) * cols]);
+    }
+    out
+}
