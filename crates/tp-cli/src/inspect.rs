@@ -37,6 +37,9 @@ pub struct InspectArgs {
     /// Element type of the KV cache.
     #[arg(long, value_enum, default_value_t = KvDtypeArg::F16)]
     pub kv_dtype: KvDtypeArg,
+    /// Expert-parallel size of a mixture of experts (must divide --tp).
+    #[arg(long, default_value_t = 1)]
+    pub ep: usize,
 }
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
@@ -49,6 +52,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         keep_quantized: !args.dequantize,
         dense: args.dtype.dense(),
         kv_dtype: args.kv_dtype.kv_dtype(),
+        expert_groups: args.ep,
     };
     let tp = match (args.tp, &args.rank_weights) {
         (Some(tp), _) => tp,

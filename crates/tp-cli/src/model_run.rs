@@ -109,6 +109,11 @@ pub struct ModelArgs {
     /// docs/multi-host.md).
     #[arg(long, value_enum, default_value_t = SyncArg::Exact)]
     pub sync: SyncArg,
+    /// Expert-parallel size of a mixture-of-experts model: the ranks form this many groups,
+    /// each holding whole experts (1: every expert sliced over all ranks; --tp: whole experts
+    /// per rank). Must divide --tp; the logits are the same bits either way (docs/moe.md).
+    #[arg(long, default_value_t = 1)]
+    pub ep: usize,
     /// Print only the generated text (no model and speed report on stderr).
     #[arg(long, short)]
     pub quiet: bool,
@@ -120,6 +125,7 @@ impl ModelArgs {
             keep_quantized: !self.dequantize,
             dense: self.dtype.dense(),
             kv_dtype: self.kv_dtype.kv_dtype(),
+            expert_groups: self.ep,
         }
     }
 

@@ -66,6 +66,35 @@ pub fn describe(
     if let Some(block) = cfg.block.summary(cfg.layers) {
         let _ = writeln!(s, "block      {block}");
     }
+    // The MLP's formats: expert 0's for a mixture of experts.
+    let mlp = match cfg.experts {
+        Some(_) => (
+            WeightName::ExpertGate(0, 0),
+            WeightName::ExpertUp(0, 0),
+            WeightName::ExpertDown(0, 0),
+        ),
+        None => (WeightName::Gate(0), WeightName::Up(0), WeightName::Down(0)),
+    };
+    if let Some(e) = cfg.experts {
+        let _ = writeln!(
+            s,
+            "experts    {} of FFN {}, {} per token ({}, top-k weights {}){}",
+            e.count,
+            cfg.ffn,
+            e.per_token,
+            match e.gating {
+                tp_spec::Gating::Softmax => "softmax",
+                tp_spec::Gating::Sigmoid => "sigmoid",
+            },
+            if e.normalize {
+                "normalised"
+            } else {
+                "as gated"
+            },
+            e.shared_ffn
+                .map_or(String::new(), |f| format!(", a shared expert of FFN {f}"))
+        );
+    }
     let _ = writeln!(
         s,
         "formats    q {}, k {}, v {}, o {}, gate {}, up {}, down {}, embedding {}, head {}",
@@ -73,9 +102,9 @@ pub fn describe(
         format_of(ckpt, WeightName::K(0)),
         format_of(ckpt, WeightName::V(0)),
         format_of(ckpt, WeightName::O(0)),
-        format_of(ckpt, WeightName::Gate(0)),
-        format_of(ckpt, WeightName::Up(0)),
-        format_of(ckpt, WeightName::Down(0)),
+        format_of(ckpt, mlp.0),
+        format_of(ckpt, mlp.1),
+        format_of(ckpt, mlp.2),
         format_of(ckpt, WeightName::Embed),
         if cfg.tied_embeddings {
             "tied".to_string()
@@ -125,6 +154,32 @@ pub fn describe(
             show_bytes(m.kv_cache as u64),
             show_bytes(m.total() as u64),
         );
+    }
+    if cfg.experts.is_some() {
+        let _ = writeln!(
+            s,
+            "experts per rank (expert-parallel size {}):",
+            opts.expert_groups
+        );
+        for r in 0..tp {
+            let p = ShardPlan::for_checkpoint_weighted(ckpt, r, weights)?
+                .with_expert_groups(cfg, opts.expert_groups)?;
+            if let Some(x) = &p.experts {
+                let cols = x.expert_cols(x.local.start);
+                let _ = writeln!(
+                    s,
+                    "{r:>4}  experts {} ({} of {}), FFN columns {} of each{}",
+                    range(x.local.clone()),
+                    x.local.len(),
+                    cfg.experts.map_or(0, |e| e.count),
+                    range(cols),
+                    match &x.shared {
+                        Some(_) => format!(", shared expert {}", range(x.shared_cols(r))),
+                        None => String::new(),
+                    }
+                );
+            }
+        }
     }
     if tp > cfg.kv_heads
         || (0..tp).any(|r| {

@@ -156,7 +156,8 @@ pub fn memory_plan_held(
     let cfg = ckpt.config();
     (0..weights.tp())
         .map(|r| {
-            let plan = ShardPlan::for_checkpoint_weighted(ckpt, r, weights)?;
+            let plan = ShardPlan::for_checkpoint_weighted(ckpt, r, weights)?
+                .with_expert_groups(cfg, opts.expert_groups)?;
             let mut m = rank_memory(
                 ckpt,
                 &plan,

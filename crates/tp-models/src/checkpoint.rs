@@ -314,7 +314,7 @@ pub fn expected_by_name(
 pub fn unused_tensor_reason(cfg: &ModelConfig, tensor: &str, layer: Option<usize>) -> String {
     match layer {
         _ if tp_spec::is_expert_tensor(tensor) => format!(
-            "tensor {tensor} is a mixture-of-experts weight, but the config describes a dense {} model; expert parallelism is not implemented yet, so use a dense model",
+            "tensor {tensor} is a mixture-of-experts weight, but the config describes a dense {} model (no expert count); the metadata and the tensors disagree",
             cfg.arch.name()
         ),
         Some(l) if l >= cfg.layers => format!(
