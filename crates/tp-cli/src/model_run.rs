@@ -244,6 +244,7 @@ pub fn start_error(e: StartError, backend: Backend) -> anyhow::Error {
             )
         }
         StartError::EmptyContext => anyhow!("--ctx-size must be at least 1"),
+        StartError::ExpertGroups { source } => anyhow!("{source} (--ep)"),
         StartError::Session(e) => session_error(*e),
         e @ StartError::Open { .. } => anyhow!("{} (--model)", chain(&e)),
         e => anyhow::Error::new(e),

@@ -147,7 +147,12 @@ pub fn describe(
             r,
             range(p.q_heads()),
             format!("{}{}", range(kv), if shared { "*" } else { "" }),
-            range(p.ffn_cols()),
+            // A mixture of experts lists its experts per rank below.
+            if cfg.experts.is_some() {
+                "experts".to_string()
+            } else {
+                range(p.ffn_cols())
+            },
             range(p.vocab_rows()),
             show_bytes(m.sharded as u64),
             show_bytes(m.replicated as u64),

@@ -310,11 +310,14 @@ pub fn describe_rank(
     ckpt: &dyn Checkpoint,
     rank: usize,
     weights: &RankWeights,
+    opts: LoadOptions,
     m: &RankMemory,
     ctx: usize,
     show_bytes: impl Fn(u64) -> String,
 ) -> String {
-    let Ok(plan) = ShardPlan::for_checkpoint_weighted(ckpt, rank, weights) else {
+    let Ok(plan) = ShardPlan::for_checkpoint_weighted(ckpt, rank, weights)
+        .and_then(|p| Ok(p.with_expert_groups(ckpt.config(), opts.expert_groups)?))
+    else {
         return format!("rank {rank}: no shard");
     };
     let cfg = ckpt.config();
@@ -327,10 +330,17 @@ pub fn describe_rank(
     // The cache is priced in whole blocks of `ctx` positions (the context, or what the run
     // holds at most); per token held is what it grows by.
     let per_token = m.kv_cache / ctx.div_ceil(BLOCK_POSITIONS).max(1) / BLOCK_POSITIONS;
+    let mlp = match &plan.experts {
+        Some(x) => format!(
+            "experts {:?} (FFN {:?} of each)",
+            x.local,
+            x.expert_cols(x.local.start)
+        ),
+        None => format!("FFN {:?}", plan.ffn_cols()),
+    };
     format!(
-        "rank {rank}: heads {:?}, KV heads {kv:?}{shared}, FFN {:?}, vocab {:?}: {} sharded + {} replicated + {} KV cache ({ctx} positions at most, {} per token held) = {}",
+        "rank {rank}: heads {:?}, KV heads {kv:?}{shared}, {mlp}, vocab {:?}: {} sharded + {} replicated + {} KV cache ({ctx} positions at most, {} per token held) = {}",
         plan.q_heads(),
-        plan.ffn_cols(),
         plan.vocab_rows(),
         show_bytes(m.sharded as u64),
         show_bytes(m.replicated as u64),

@@ -129,6 +129,9 @@ pub enum StartError {
     EmptyContext,
     #[error("{0}")]
     NoModel(String),
+    /// An expert-parallel size the model or the tp cannot take.
+    #[error(transparent)]
+    ExpertGroups { source: tp_spec::ShardError },
     #[error("cannot load the model {}", path.display())]
     Open {
         path: PathBuf,
@@ -326,6 +329,10 @@ fn open<'a>(
     let ctx = cfg.ctx_size.unwrap_or(ckpt.config().context);
     let tp = cfg.tp_for(world)?;
     let weights = weights_for(cfg.rank_weights.as_ref(), tp)?;
+    // The expert layout, before anything is priced or loaded.
+    tp_models::ShardPlan::new(ckpt.config(), 1, 0, tp)
+        .and_then(|p| p.with_expert_groups(ckpt.config(), cfg.load.expert_groups))
+        .map_err(|source| StartError::ExpertGroups { source })?;
     let held =
         match cfg.kv_budget {
             Some(budget) => session::budget_positions(ckpt, &weights, ctx, cfg.load, budget)
@@ -390,7 +397,7 @@ fn report_layout(
     for (r, m) in memory.iter().enumerate() {
         eprintln!(
             "# {}",
-            session::describe_rank(ckpt, r, weights, m, held, show_bytes)
+            session::describe_rank(ckpt, r, weights, cfg.load, m, held, show_bytes)
         );
     }
 }

@@ -149,6 +149,62 @@ impl SyntheticModel {
         Self::new(cfg, seed)
     }
 
+    /// A mixture of `count` experts computing exactly `dense`'s function: each layer's FFN
+    /// cut into `count` slices of columns (the experts), a zero router with every expert
+    /// active (top-`count`, normalised: weight 1/count each) and each expert's down
+    /// projection times `count`. With `count` a power of two both scalings are exact, so the
+    /// products are the dense model's and only the order of the (f64) sums differs. Weights
+    /// are read as f32 (dequantized); a GGUF `llama`'s Q/K rows are put back in HF order,
+    /// as the writer expects.
+    pub fn dense_as_experts(dense: &dyn crate::Checkpoint, count: usize) -> Result<Self> {
+        let cfg = dense.config();
+        if count == 0 || !cfg.ffn.is_multiple_of(count) || cfg.experts.is_some() {
+            return Err(ModelError::Input(format!(
+                "dense_as_experts: {count} experts cannot split a dense FFN of {}",
+                cfg.ffn
+            )));
+        }
+        let (ffn, h) = (cfg.ffn / count, cfg.hidden);
+        let moe_cfg = ModelConfig {
+            ffn,
+            experts: Some(crate::Experts::new(count, count)),
+            ..cfg.clone()
+        };
+        let full = |name: WeightName| dense.vector(name, None);
+        let scale = count as f32;
+        let mut weights = Vec::new();
+        for p in tp_spec::model_params(&moe_cfg) {
+            let values = match p.name {
+                WeightName::Router(_) => vec![0.0; count * h],
+                WeightName::ExpertGate(l, e) => {
+                    full(WeightName::Gate(l))?[e * ffn * h..(e + 1) * ffn * h].to_vec()
+                }
+                WeightName::ExpertUp(l, e) => {
+                    full(WeightName::Up(l))?[e * ffn * h..(e + 1) * ffn * h].to_vec()
+                }
+                WeightName::ExpertDown(l, e) => full(WeightName::Down(l))? // [hidden, ffn_total]
+                    .chunks_exact(cfg.ffn)
+                    .flat_map(|row| row[e * ffn..(e + 1) * ffn].iter().map(|x| x * scale))
+                    .collect(),
+                WeightName::Q(_)
+                | WeightName::K(_)
+                | WeightName::QBias(_)
+                | WeightName::KBias(_)
+                    if cfg.rope_style == RopeStyle::Interleaved =>
+                {
+                    unpermute_rows(&full(p.name)?, &p.dims(), cfg.head_dim)
+                }
+                name => full(name)?,
+            };
+            weights.push((p.name, p.dims(), values));
+        }
+        Ok(SyntheticModel {
+            cfg: moe_cfg,
+            weights,
+            merged_experts: false,
+        })
+    }
+
     /// Replaces the weights of `name` (same length).
     pub fn set_weight(&mut self, name: WeightName, values: Vec<f32>) -> Result<()> {
         match self.weights.iter_mut().find(|(n, ..)| *n == name) {
@@ -300,8 +356,20 @@ impl SyntheticModel {
     /// tensors (which candle cannot hold; quantized by [`quantize_iq4`]) through
     /// [`write_gguf_blocks`].
     pub fn write_gguf(&self, path: &Path, types: GgufTypes) -> Result<()> {
+        self.write_gguf_with(path, types, Vec::new())
+    }
+
+    /// [`SyntheticModel::write_gguf`] with `extra` metadata (a real model's tokenizer keys).
+    pub fn write_gguf_with(
+        &self,
+        path: &Path,
+        types: GgufTypes,
+        extra: Vec<(String, Value)>,
+    ) -> Result<()> {
+        let mut md = self.gguf_metadata();
+        md.extend(extra);
         if types.linear.candle().is_some() && types.embed.candle().is_some() {
-            return write_gguf(path, &self.gguf_metadata(), &self.gguf_tensors(types)?);
+            return write_gguf(path, &md, &self.gguf_tensors(types)?);
         }
         let dev = Device::Cpu;
         let mut tensors = Vec::new();
@@ -315,7 +383,7 @@ impl SyntheticModel {
             };
             tensors.push((name, shape, dtype, bytes));
         }
-        write_gguf_blocks(path, &self.gguf_metadata(), &tensors)
+        write_gguf_blocks(path, &md, &tensors)
     }
 
     /// `config.json` of the HF directory.
@@ -416,6 +484,22 @@ pub fn permute_rows_for_interleaved(values: &[f32], shape: &[usize], head_dim: u
         let (head, within) = (r / head_dim, r % head_dim);
         let (j, i) = (within / half, within % half);
         let dst = head * head_dim + 2 * i + j;
+        out[dst * cols..(dst + 1) * cols].copy_from_slice(&values[r * cols..(r + 1) * cols]);
+    }
+    out
+}
+
+/// The inverse of [`permute_rows_for_interleaved`]: file row `2i + j` of a head back to HF
+/// row `j * hd/2 + i`.
+pub fn unpermute_rows(values: &[f32], shape: &[usize], head_dim: usize) -> Vec<f32> {
+    let rows = shape[0];
+    let cols = if shape.len() > 1 { shape[1] } else { 1 };
+    let half = head_dim / 2;
+    let mut out = vec![0f32; values.len()];
+    for r in 0..rows {
+        let (head, within) = (r / head_dim, r % head_dim);
+        let (i, j) = (within / 2, within % 2);
+        let dst = head * head_dim + j * half + i;
         out[dst * cols..(dst + 1) * cols].copy_from_slice(&values[r * cols..(r + 1) * cols]);
     }
     out

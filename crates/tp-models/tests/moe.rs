@@ -14,11 +14,13 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::{assert_close, prompt, sharded_logits};
 use tp_models::checkpoint::GgmlDType;
-use tp_models::checkpoint::WeightName;
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
 use tp_models::{Arch, Checkpoint, GgufCheckpoint, LoadOptions};
 
 const TOL: f32 = 1e-4;
+
+/// An oracle model: logits of the last of `tokens` fed at `pos`.
+type Oracle = Box<dyn FnMut(&[u32], usize) -> Vec<f32>>;
 
 fn dense() -> LoadOptions {
     LoadOptions {
@@ -39,7 +41,7 @@ fn with_ep(opts: LoadOptions, ep: usize) -> LoadOptions {
 fn oracle_rows(path: &std::path::Path, arch: Arch, tokens: &[u32]) -> Vec<Vec<f32>> {
     std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
     let dev = Device::Cpu;
-    let load = || -> Box<dyn FnMut(&[u32], usize) -> Vec<f32>> {
+    let load = || -> Oracle {
         let mut file = std::fs::File::open(path).unwrap();
         let c = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
         let run = |y: candle_core::Result<Tensor>| -> Vec<f32> {
@@ -140,7 +142,7 @@ fn qwen_moe_models_match_candle_from_gguf_and_hf() {
             .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
             .collect();
         files.sort();
-        let load = || -> Box<dyn FnMut(&[u32], usize) -> Vec<f32>> {
+        let load = || -> Oracle {
             // SAFETY: the files are written by this test and not modified while mapped.
             let vb =
                 unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu) }
@@ -263,39 +265,7 @@ fn smollm2_cut_into_eight_equal_experts_is_dense_smollm2() {
     };
     let dense_ckpt = tp_models::open_checkpoint(&dir).unwrap();
     let cfg = dense_ckpt.config().clone();
-    let (count, ffn) = (8, cfg.ffn / 8);
-    let moe_cfg = tp_models::ModelConfig {
-        ffn,
-        experts: Some(tp_models::Experts::new(count, count)),
-        ..cfg.clone()
-    };
-    let mut moe = SyntheticModel::new(moe_cfg.clone(), 1);
-    let h = cfg.hidden;
-    // Every weight as f32 (dequantized), in the file's layout.
-    let full = |name: WeightName| dense_ckpt.vector(name, None).unwrap();
-    for p in tp_spec::model_params(&moe_cfg) {
-        let values = match p.name {
-            WeightName::Router(_) => vec![0.0; count * h],
-            WeightName::ExpertGate(l, e) => {
-                full(WeightName::Gate(l))[e * ffn * h..(e + 1) * ffn * h].to_vec()
-            }
-            WeightName::ExpertUp(l, e) => {
-                full(WeightName::Up(l))[e * ffn * h..(e + 1) * ffn * h].to_vec()
-            }
-            WeightName::ExpertDown(l, e) => full(WeightName::Down(l)) // [hidden, ffn_total]
-                .chunks_exact(cfg.ffn)
-                .flat_map(|row| row[e * ffn..(e + 1) * ffn].iter().map(|x| x * 8.0))
-                .collect(),
-            // The writer permutes Q and K rows of a llama GGUF as HF rows; these are the
-            // file's rows already, so they go in un-permuted.
-            WeightName::Q(_) | WeightName::K(_) => {
-                let w = full(p.name);
-                unpermute(&w, &p.dims(), cfg.head_dim)
-            }
-            name => full(name),
-        };
-        moe.set_weight(p.name, values).unwrap();
-    }
+    let moe = SyntheticModel::dense_as_experts(dense_ckpt.as_ref(), 8).unwrap();
     let out = tempfile::tempdir().unwrap();
     let path = out.path().join("smollm2-moe.gguf");
     moe.write_gguf(&path, GgufTypes::F32).unwrap();
@@ -312,19 +282,4 @@ fn smollm2_cut_into_eight_equal_experts_is_dense_smollm2() {
             true,
         );
     }
-}
-
-/// The inverse of llama.cpp's Q/K row permutation: file row `2i + j` of a head back to HF row
-/// `j * hd/2 + i`.
-fn unpermute(values: &[f32], dims: &[usize], head_dim: usize) -> Vec<f32> {
-    let (rows, cols) = (dims[0], dims[1]);
-    let half = head_dim / 2;
-    let mut out = vec![0f32; values.len()];
-    for r in 0..rows {
-        let (head, within) = (r / head_dim, r % head_dim);
-        let (i, j) = (within / 2, within % 2);
-        let dst = head * head_dim + j * half + i;
-        out[dst * cols..(dst + 1) * cols].copy_from_slice(&values[r * cols..(r + 1) * cols]);
-    }
-    out
 }

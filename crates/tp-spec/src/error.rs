@@ -76,6 +76,9 @@ pub enum ShardError {
     /// Expert groups that do not divide the tensor-parallel ranks.
     #[error("{ep} expert-parallel groups cannot split {tp} ranks; the expert-parallel size must divide tp (valid: {})", divisors(*tp))]
     ExpertGroups { ep: usize, tp: usize },
+    /// Expert groups asked of a dense model.
+    #[error("an expert-parallel size of {ep} was asked for, but the model has no experts (it is dense); use 1")]
+    NoExperts { ep: usize },
     /// Query heads that KV heads cannot group.
     #[error("bad config: {0}")]
     Groups(String),

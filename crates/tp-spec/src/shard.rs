@@ -146,10 +146,13 @@ impl ShardPlan {
     }
 
     /// This plan with the experts split over `ep` expert groups ([`ExpertShard`]); a dense
-    /// model's plan is unchanged (any `ep` that divides tp is accepted).
+    /// model takes only `ep = 1`.
     pub fn with_expert_groups(self, cfg: &ModelConfig, ep: usize) -> Result<Self, ShardError> {
         if ep == 0 || !self.tp.is_multiple_of(ep) {
             return Err(ShardError::ExpertGroups { ep, tp: self.tp });
+        }
+        if cfg.experts.is_none() && ep != 1 {
+            return Err(ShardError::NoExperts { ep });
         }
         let unit = self.experts.as_ref().map_or(self.ffn_unit, |e| e.ffn_unit);
         let experts = ExpertShard::new(cfg, unit, self.tp_rank, self.tp, ep)?;

@@ -1,0 +1,87 @@
+//! A mixture-of-experts model end to end: SmolLM2 cut into 8 equal experts (every expert
+//! active with weight 1/8, its down projection times 8: the dense function, see
+//! `SyntheticModel::dense_as_experts`) written as a GGUF with SmolLM2's tokenizer, then
+//! `tp generate` at tp 2 with expert parallelism 2 and 1 must print dense SmolLM2's greedy
+//! text, `tp inspect` lists each rank's experts, and an expert-parallel size that does not
+//! divide tp is refused before anything loads.
+
+mod common;
+use std::time::Duration;
+use tp_models::synthetic::{GgufTypes, SyntheticModel};
+use tp_models::GgufCheckpoint;
+
+const LIMIT: Duration = Duration::from_secs(300);
+
+/// SmolLM2 as 8 experts in `dir`, with the dense file's tokenizer metadata.
+fn moe_file(dense: &std::path::Path, dir: &std::path::Path) -> std::path::PathBuf {
+    let ckpt = GgufCheckpoint::open(dense).unwrap();
+    let moe = SyntheticModel::dense_as_experts(&ckpt, 8).unwrap();
+    let tokenizer: Vec<_> = ckpt
+        .metadata()
+        .iter()
+        .filter(|(k, _)| k.starts_with("tokenizer."))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let path = dir.join("smollm2-8x.gguf");
+    moe.write_gguf_with(&path, GgufTypes::F32, tokenizer)
+        .unwrap();
+    path
+}
+
+#[test]
+fn smollm2_as_eight_experts_generates_dense_text_at_every_expert_layout() {
+    let Some(dense) = common::smollm2() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let moe = moe_file(&dense, dir.path());
+    let moe = moe.to_string_lossy();
+    let gen = |model: &str, extra: &[&str]| -> String {
+        let mut args = vec![
+            "generate",
+            "--model",
+            model,
+            "--greedy",
+            "--max-tokens",
+            "16",
+        ];
+        args.extend_from_slice(extra);
+        args.push("The capital of France is");
+        let out = common::tp(&args, LIMIT);
+        assert_eq!(out.code, Some(0), "{args:?}: {}", out.stderr);
+        out.stdout
+    };
+    // The dense reference with exact numerics (the MoE file is f32).
+    let want = gen(&dense.to_string_lossy(), &["--dequantize", "--tp", "1"]);
+    assert!(!want.trim().is_empty());
+    for extra in [["--tp", "2", "--ep", "2"], ["--tp", "2", "--ep", "1"]] {
+        assert_eq!(gen(&moe, &extra), want, "{extra:?}");
+    }
+    let out = common::tp(
+        &["inspect", "--model", &moe, "--tp", "4", "--ep", "2"],
+        LIMIT,
+    );
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    for line in [
+        "experts    8 of FFN 192, 8 per token",
+        "experts per rank (expert-parallel size 2)",
+        "   0  experts 0..4 (4 of 8), FFN columns 0..96 of each",
+        "   3  experts 4..8 (4 of 8), FFN columns 96..192 of each",
+    ] {
+        assert!(
+            out.stdout.contains(line),
+            "{line:?} not in:\n{}",
+            out.stdout
+        );
+    }
+    let out = common::tp(
+        &["generate", "--model", &moe, "--tp", "2", "--ep", "3", "hi"],
+        LIMIT,
+    );
+    assert_ne!(out.code, Some(0));
+    assert!(
+        out.stderr.contains("must divide tp") && out.stderr.contains("1, 2"),
+        "{}",
+        out.stderr
+    );
+}
