@@ -16,6 +16,7 @@ mod host;
 pub mod linear;
 pub mod mappings;
 pub mod mlp;
+pub mod moe;
 pub mod norm;
 pub mod recording;
 pub mod reference;
@@ -33,6 +34,7 @@ pub use mappings::{
     reduce_scatter_to_sequence_parallel, scatter_last_dim,
 };
 pub use mlp::ParallelMlp;
+pub use moe::{MoeOutput, ParallelMoe};
 pub use norm::RmsNorm;
 pub use recording::RecordingComm;
 pub use reference::DenseBlock;

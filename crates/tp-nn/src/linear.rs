@@ -161,6 +161,14 @@ pub struct PartialSum {
 }
 
 impl PartialSum {
+    /// This rank's `partial` of a sum over `group`.
+    pub(crate) fn new(partial: Tensor, group: &Group) -> Self {
+        PartialSum {
+            partial,
+            group: group.clone(),
+        }
+    }
+
     /// g: all-reduce forward, identity backward. Replicated result.
     pub fn reduce(self) -> Result<Tensor> {
         reduce_from_tp(&self.partial, &self.group)

@@ -174,3 +174,60 @@ impl DenseBlock {
         Ok((h + m)?)
     }
 }
+
+/// The single-device mixture of experts, the oracle of [`crate::moe::ParallelMoe`]: token by
+/// token, the softmax of its router scores, its top-k experts by sorting (ties to the lower
+/// expert), each chosen expert's whole MLP weighted (normalised over the k when the family
+/// does), plus the load-balancing loss `E * sum_e f_e * P_e`. Returns `(y [n, hidden], aux)`.
+pub fn dense_moe(
+    x: &Tensor,
+    router: &Tensor,
+    weights: &[(Tensor, Tensor, Tensor)],
+    experts: &tp_spec::Experts,
+    activation: Activation,
+) -> Result<(Tensor, Tensor)> {
+    let (n, _) = x.dims2()?;
+    let count = experts.count;
+    let mut rows = Vec::with_capacity(n);
+    let mut probs_rows = Vec::with_capacity(n);
+    let mut routed = vec![0f32; count];
+    for t in 0..n {
+        let xt = x.narrow(0, t, 1)?; // [1, hidden]
+        let p = candle_nn::ops::softmax(&xt.matmul(&router.t()?)?, D::Minus1)?; // [1, count]
+        let pv: Vec<f32> = p.flatten_all()?.to_vec1()?;
+        let mut order: Vec<usize> = (0..count).collect();
+        order.sort_by(|a, b| pv[*b].total_cmp(&pv[*a]));
+        let chosen = &order[..experts.per_token];
+        let total = chosen
+            .iter()
+            .map(|&e| p.narrow(1, e, 1))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let sum = Tensor::cat(&total, 1)?.sum_keepdim(1)?; // [1, 1]
+        let mut y = xt.zeros_like()?; // [1, hidden]
+        for &e in chosen {
+            routed[e] += 1.0;
+            let (g, u, d) = &weights[e];
+            let gate = xt.matmul(&g.t()?)?;
+            let act = match activation {
+                Activation::Silu => gate.silu()?,
+                Activation::GeluTanh => gate.gelu()?,
+            };
+            let out = (act * xt.matmul(&u.t()?)?)?.matmul(&d.t()?)?; // [1, hidden]
+            let mut w = p.narrow(1, e, 1)?; // [1, 1]
+            if experts.normalize {
+                w = (w / &sum)?;
+            }
+            y = (y + out.broadcast_mul(&w)?)?;
+        }
+        rows.push(y);
+        probs_rows.push(p);
+    }
+    let probs = Tensor::cat(&probs_rows, 0)?; // [n, count]
+    let f: Vec<f32> = routed
+        .iter()
+        .map(|c| c / (n * experts.per_token) as f32)
+        .collect();
+    let f = Tensor::from_vec(f, (count,), x.device())?;
+    let aux = ((probs.mean(0)? * f)?.sum_all()? * count as f64)?;
+    Ok((Tensor::cat(&rows, 0)?, aux))
+}

@@ -231,7 +231,11 @@ impl LayerSpec {
             }
             MlpSpec::Moe { ffn, experts, .. } => {
                 use Units::{ExpertFfn, SharedFfn};
-                out.push(matrix(WeightName::Router(l), experts.count, h, Replicated));
+                // Replicated, but each rank's backward sees only its experts' share.
+                out.push(Param {
+                    partial_grad: true,
+                    ..matrix(WeightName::Router(l), experts.count, h, Replicated)
+                });
                 for e in 0..experts.count {
                     out.push(matrix(
                         WeightName::ExpertGate(l, e),

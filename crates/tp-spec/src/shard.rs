@@ -59,27 +59,39 @@ impl ExpertShard {
         tp: usize,
         ep: usize,
     ) -> Result<Option<Self>, ShardError> {
-        let Some(e) = cfg.experts else {
-            return Ok(None);
-        };
+        match cfg.experts {
+            Some(e) => Self::for_experts(e, cfg.ffn, ffn_unit, tp_rank, tp, ep).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// The split of `e` (experts of FFN `ffn`) alone, for a layer built outside a model.
+    pub fn for_experts(
+        e: crate::config::Experts,
+        ffn: usize,
+        ffn_unit: usize,
+        tp_rank: usize,
+        tp: usize,
+        ep: usize,
+    ) -> Result<Self, ShardError> {
         if ep == 0 || tp == 0 || !tp.is_multiple_of(ep) {
             return Err(ShardError::ExpertGroups { ep, tp });
         }
         let per_group = tp / ep;
         let groups = Partition::new(e.count, ep, "experts", "expert")?;
-        let (ffn, unit) = ffn_split(cfg.ffn, ffn_unit, per_group)?;
+        let (ffn, unit) = ffn_split(ffn, ffn_unit, per_group)?;
         let shared = match e.shared_ffn {
             Some(f) => Some(ffn_split(f, ffn_unit, tp)?),
             None => None,
         };
-        Ok(Some(ExpertShard {
+        Ok(ExpertShard {
             ep,
             local: groups.range(tp_rank / per_group),
             ffn,
             ffn_unit: unit,
             rank_in_group: tp_rank % per_group,
             shared,
-        }))
+        })
     }
 
     /// The columns of an expert this rank holds (empty for an expert of another group).

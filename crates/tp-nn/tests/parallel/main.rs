@@ -11,4 +11,5 @@
 mod block;
 mod end_to_end;
 mod layers;
+mod moe;
 mod support;

@@ -1,0 +1,179 @@
+//! A mixture-of-experts MLP for training (docs/moe.md), on one rank of the tp group, with
+//! exact gradients through candle's autograd, router included. The router is replicated; the
+//! experts are placed by [`ExpertShard`] (whole experts per expert group, each sliced by FFN
+//! columns inside its group, like the dense MLP); the output is this rank's [`PartialSum`],
+//! summed by the block's one all-reduce (g). Tokens are dispatched densely: every local expert
+//! runs on every token and tokens not routed to it get weight 0 (exact, E/k times the
+//! compute of grouped dispatch; grouped dispatch is the inference engine's).
+//!
+//! Gradients over the tp group: the router weights reach the loss through every rank's partial
+//! output, so each rank's router gradient is its share (the sum over the group is the whole,
+//! as for the q/k norms). The load-balancing loss is computed whole on every rank from the
+//! replicated router, so each rank backpropagates `aux / tp`: summed over the group (the
+//! router gradient, and the input's through f's all-reduce) it counts once.
+
+use crate::error::{Result, TpError};
+use crate::linear::PartialSum;
+use candle_core::{Tensor, Var, D};
+use tp_comm::Group;
+use tp_spec::{Activation, ExpertShard, Experts, Gating};
+
+/// One expert's columns on this rank.
+#[derive(Debug)]
+struct Expert {
+    index: usize,
+    gate: Var, // [cols, hidden]
+    up: Var,   // [cols, hidden]
+    down: Var, // [hidden, cols]
+}
+
+/// The forward's results: this rank's partial output, the load-balancing loss to add to the
+/// training loss on this rank (`aux / tp`), and the whole loss's value for reports.
+#[derive(Debug)]
+pub struct MoeOutput {
+    pub partial: PartialSum,
+    /// `aux / tp`: add it to this rank's loss before `backward`.
+    pub aux_share: Tensor,
+    /// The load-balancing loss `E * sum_e f_e * P_e` (Switch Transformer; 1 when balanced).
+    pub aux: f32,
+}
+
+/// A tensor-parallel mixture of experts.
+#[derive(Debug)]
+pub struct ParallelMoe {
+    experts: Experts,
+    activation: Activation,
+    router: Var, // [count, hidden], replicated
+    local: Vec<Expert>,
+    tp: usize,
+}
+
+impl ParallelMoe {
+    /// From the global router `[count, hidden]` and every expert's global gate and up
+    /// `[ffn, hidden]` and down `[hidden, ffn]`, this rank's part by `shard`.
+    pub fn from_global(
+        router: &Tensor,
+        experts: Experts,
+        weights: &[(Tensor, Tensor, Tensor)],
+        shard: &ExpertShard,
+        tp: usize,
+        activation: Activation,
+    ) -> Result<Self> {
+        if weights.len() != experts.count || router.dims2()?.0 != experts.count {
+            return Err(TpError::Config(format!(
+                "{} experts' weights and a router of {:?} for {} experts",
+                weights.len(),
+                router.dims(),
+                experts.count
+            )));
+        }
+        if shard.shared.is_some() {
+            return Err(TpError::Config(
+                "a shared expert is not built in the training layer yet".into(),
+            ));
+        }
+        let mut local = Vec::new();
+        for e in shard.local.clone() {
+            let cols = shard.expert_cols(e);
+            let (g, u, d) = &weights[e];
+            local.push(Expert {
+                index: e,
+                gate: Var::from_tensor(&g.narrow(0, cols.start, cols.len())?.contiguous()?)?,
+                up: Var::from_tensor(&u.narrow(0, cols.start, cols.len())?.contiguous()?)?,
+                down: Var::from_tensor(&d.narrow(1, cols.start, cols.len())?.contiguous()?)?,
+            });
+        }
+        Ok(ParallelMoe {
+            experts,
+            activation,
+            router: Var::from_tensor(&router.copy()?)?,
+            local,
+            tp,
+        })
+    }
+
+    /// The router (replicated; its gradient is partial per rank).
+    pub fn router(&self) -> &Var {
+        &self.router
+    }
+
+    /// `(expert, gate, up, down)` of each local expert's shard.
+    pub fn expert_vars(&self) -> Vec<(usize, &Var, &Var, &Var)> {
+        self.local
+            .iter()
+            .map(|e| (e.index, &e.gate, &e.up, &e.down))
+            .collect()
+    }
+
+    /// `x_par [n, hidden]` inside the parallel region (after f) -> this rank's partial
+    /// `[n, hidden]` and the load-balancing loss.
+    pub fn forward_local(&self, x_par: &Tensor, group: &Group) -> Result<MoeOutput> {
+        let (probs, weights, counts) = route(x_par, self.router.as_tensor(), &self.experts)?;
+        let mut out = x_par.zeros_like()?; // [n, hidden]
+        for e in &self.local {
+            let g = x_par.matmul(&e.gate.as_tensor().t()?)?; // [n, cols]
+            let u = x_par.matmul(&e.up.as_tensor().t()?)?; // [n, cols]
+            let a = match self.activation {
+                Activation::Silu => g.silu()?,
+                Activation::GeluTanh => g.gelu()?,
+            };
+            let y = (a * u)?.matmul(&e.down.as_tensor().t()?)?; // [n, hidden]
+            let w = weights.narrow(1, e.index, 1)?; // [n, 1]
+            out = (out + y.broadcast_mul(&w)?)?;
+        }
+        let aux = balance_loss(&probs, &counts, &self.experts)?;
+        let value = aux.to_scalar::<f32>()?;
+        Ok(MoeOutput {
+            partial: PartialSum::new(out, group),
+            aux_share: (aux / self.tp as f64)?,
+            aux: value,
+        })
+    }
+}
+
+/// Router probabilities `[n, count]`, the top-k weights `[n, count]` (zero for experts a
+/// token is not routed to; divided by their sum when the family normalises) and the tokens
+/// routed to each expert. Top-k picks the highest probabilities, ties to the lower expert.
+pub fn route(
+    x: &Tensor,
+    router: &Tensor,
+    experts: &Experts,
+) -> Result<(Tensor, Tensor, Vec<usize>)> {
+    let scores = x.matmul(&router.t()?)?; // [n, count]
+    let probs = match experts.gating {
+        Gating::Softmax => candle_nn::ops::softmax(&scores, D::Minus1)?,
+        Gating::Sigmoid => candle_nn::ops::sigmoid(&scores)?,
+    }; // [n, count]
+    let rows: Vec<Vec<f32>> = probs.to_vec2()?;
+    let count = experts.count;
+    let mut mask = vec![0f32; rows.len() * count]; // [n, count]
+    let mut counts = vec![0usize; count];
+    for (t, p) in rows.iter().enumerate() {
+        let mut order: Vec<usize> = (0..count).collect();
+        order.sort_by(|a, b| p[*b].total_cmp(&p[*a]));
+        for &e in order.iter().take(experts.per_token) {
+            mask[t * count + e] = 1.0;
+            counts[e] += 1;
+        }
+    }
+    let mask = Tensor::from_vec(mask, (rows.len(), count), x.device())?;
+    let picked = (&probs * mask)?; // [n, count]
+    let weights = if experts.normalize {
+        picked.broadcast_div(&picked.sum_keepdim(1)?)?
+    } else {
+        picked
+    };
+    Ok((probs, weights, counts))
+}
+
+/// Switch Transformer's load-balancing loss `E * sum_e f_e * P_e`: `f_e` the fraction of
+/// routed (token, expert) pairs that went to `e` (a constant), `P_e` the mean router
+/// probability of `e` (differentiable).
+pub fn balance_loss(probs: &Tensor, counts: &[usize], experts: &Experts) -> Result<Tensor> {
+    let (n, count) = probs.dims2()?;
+    let total = (n * experts.per_token).max(1) as f32;
+    let f: Vec<f32> = counts.iter().map(|&c| c as f32 / total).collect();
+    let f = Tensor::from_vec(f, (count,), probs.device())?;
+    let p = probs.mean(0)?; // [count]
+    Ok(((f * p)?.sum_all()? * count as f64)?)
+}

@@ -1,0 +1,177 @@
+//! The mixture-of-experts training layer against the single-device MoE
+//! (`reference::dense_moe`): outputs, the load-balancing loss and every gradient (input,
+//! router, each expert's shard) at tp 1, 2, 4 with expert-parallel sizes 1, 2, 4 and ep 2 x
+//! expert-TP 2, with 8 experts (even) and 6 (uneven over 4 groups: 2|2|1|1), normalised and
+//! not. Tolerance: as every layer test here (see main.rs).
+
+use crate::support::{assert_close, dev, world};
+use candle_core::Tensor;
+use tp_nn::reference::dense_moe;
+use tp_nn::{copy_to_tp, Activation, ParallelMoe, RandomTensor, Rng};
+use tp_spec::{ExpertShard, Experts};
+
+const HIDDEN: usize = 16;
+const FFN: usize = 8;
+const TOKENS: usize = 7;
+
+struct Case {
+    x: Tensor,
+    router: Tensor,
+    weights: Vec<(Tensor, Tensor, Tensor)>,
+    probe: Tensor, // [tokens, hidden]: the loss is sum(y * probe) + aux
+    experts: Experts,
+}
+
+fn case(count: usize, normalize: bool, seed: u64) -> Case {
+    let mut rng = Rng::xorshift64_star(seed);
+    let mut t = |dims: &[usize], s: f32| rng.tensor(dims, 0.0, s, &dev()).unwrap();
+    let weights = (0..count)
+        .map(|_| {
+            (
+                t(&[FFN, HIDDEN], 0.5),
+                t(&[FFN, HIDDEN], 0.5),
+                t(&[HIDDEN, FFN], 0.5),
+            )
+        })
+        .collect();
+    let mut experts = Experts::new(count, 2);
+    experts.normalize = normalize;
+    Case {
+        x: t(&[TOKENS, HIDDEN], 1.0),
+        router: t(&[count, HIDDEN], 1.0),
+        weights,
+        probe: t(&[TOKENS, HIDDEN], 1.0),
+        experts,
+    }
+}
+
+/// What a rank reports: y, aux, dx, its router gradient, and each local expert's
+/// `(index, cols, d gate, d up, d down)`.
+type RankOut = (
+    Tensor,
+    f32,
+    Tensor,
+    Tensor,
+    Vec<(usize, std::ops::Range<usize>, [Tensor; 3])>,
+);
+
+#[test]
+fn moe_layer_matches_the_single_device_moe_at_every_layout() {
+    for (count, normalize) in [(8, true), (6, false)] {
+        let c = case(count, normalize, 40 + count as u64);
+        // The reference and its gradients.
+        let x = candle_core::Var::from_tensor(&c.x).unwrap();
+        let router = candle_core::Var::from_tensor(&c.router).unwrap();
+        let vars: Vec<_> = c
+            .weights
+            .iter()
+            .map(|(g, u, d)| [g, u, d].map(|w| candle_core::Var::from_tensor(w).unwrap()))
+            .collect();
+        let tensors: Vec<_> = vars
+            .iter()
+            .map(|[g, u, d]| {
+                (
+                    g.as_tensor().clone(),
+                    u.as_tensor().clone(),
+                    d.as_tensor().clone(),
+                )
+            })
+            .collect();
+        let (y, aux) = dense_moe(
+            x.as_tensor(),
+            router.as_tensor(),
+            &tensors,
+            &c.experts,
+            Activation::Silu,
+        )
+        .unwrap();
+        let loss = ((&y * &c.probe).unwrap().sum_all().unwrap() + &aux).unwrap();
+        let grads = loss.backward().unwrap();
+        let aux_want = aux.to_scalar::<f32>().unwrap();
+        for (tp, ep) in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4)] {
+            let what = format!("{count} experts, tp {tp} ep {ep}");
+            let outs: Vec<RankOut> = world(tp, |g| {
+                let shard = ExpertShard::for_experts(c.experts, FFN, 1, g.rank(), tp, ep)?;
+                let moe = ParallelMoe::from_global(
+                    &c.router,
+                    c.experts,
+                    &c.weights,
+                    &shard,
+                    tp,
+                    Activation::Silu,
+                )?;
+                let xv = candle_core::Var::from_tensor(&c.x)?;
+                let x_par = copy_to_tp(xv.as_tensor(), &g)?;
+                let out = moe.forward_local(&x_par, &g)?;
+                let y = out.partial.reduce()?;
+                let loss = ((&y * &c.probe)?.sum_all()? + &out.aux_share)?;
+                let gr = loss.backward()?;
+                let experts = moe
+                    .expert_vars()
+                    .into_iter()
+                    .map(|(e, gv, uv, dv)| {
+                        let d = [gv, uv, dv].map(|v| gr.get(v.as_tensor()).unwrap().clone());
+                        (e, shard.expert_cols(e), d)
+                    })
+                    .collect();
+                Ok((
+                    y,
+                    out.aux,
+                    gr.get(xv.as_tensor()).unwrap().clone(),
+                    gr.get(moe.router().as_tensor()).unwrap().clone(),
+                    experts,
+                ))
+            });
+            let mut router_grad = outs[0].3.zeros_like().unwrap();
+            let mut seen = vec![0usize; count];
+            for (r, (y_r, aux_r, dx, dr, experts)) in outs.iter().enumerate() {
+                assert_close(&format!("{what}: y on rank {r}"), y_r, &y);
+                assert!(
+                    (aux_r - aux_want).abs() <= 1e-5 * aux_want.abs().max(1.0),
+                    "{what}: aux {aux_r} vs {aux_want}"
+                );
+                assert_close(
+                    &format!("{what}: dx on rank {r}"),
+                    dx,
+                    grads.get(x.as_tensor()).unwrap(),
+                );
+                router_grad = (router_grad + dr).unwrap();
+                for (e, cols, [dg, du, dd]) in experts {
+                    seen[*e] += cols.len();
+                    // An expert no token chose is not in the reference's graph: its
+                    // gradient is zero.
+                    let want = |v: &candle_core::Var, dim: usize| {
+                        let full = match grads.get(v.as_tensor()) {
+                            Some(g) => g.clone(),
+                            None => v.as_tensor().zeros_like().unwrap(),
+                        };
+                        full.narrow(dim, cols.start, cols.len()).unwrap()
+                    };
+                    assert_close(
+                        &format!("{what}: d gate {e} rank {r}"),
+                        dg,
+                        &want(&vars[*e][0], 0),
+                    );
+                    assert_close(
+                        &format!("{what}: d up {e} rank {r}"),
+                        du,
+                        &want(&vars[*e][1], 0),
+                    );
+                    assert_close(
+                        &format!("{what}: d down {e} rank {r}"),
+                        dd,
+                        &want(&vars[*e][2], 1),
+                    );
+                }
+            }
+            // Every column of every expert is held exactly once; the router's gradient is
+            // the sum of the ranks' shares.
+            assert!(seen.iter().all(|&s| s == FFN), "{what}: {seen:?}");
+            assert_close(
+                &format!("{what}: d router"),
+                &router_grad,
+                grads.get(router.as_tensor()).unwrap(),
+            );
+        }
+    }
+}
