@@ -2,7 +2,8 @@
 //! active with weight 1/8, its down projection times 8: the dense function, see
 //! `SyntheticModel::dense_as_experts`) written as a GGUF with SmolLM2's tokenizer, then
 //! `tp generate` at tp 2 with expert parallelism 2 and 1 must print dense SmolLM2's greedy
-//! text, `tp inspect` lists each rank's experts, and an expert-parallel size that does not
+//! text and `tp perplexity` its mean NLL, `tp inspect` lists each rank's experts, and an
+//! expert-parallel size that does not
 //! divide tp is refused before anything loads.
 
 mod common;
@@ -74,6 +75,44 @@ fn smollm2_as_eight_experts_generates_dense_text_at_every_expert_layout() {
             out.stdout
         );
     }
+    // Perplexity: the same mean NLL line as dense SmolLM2 with exact numerics.
+    let text = dir.path().join("text.txt");
+    std::fs::write(
+        &text,
+        "The quick brown fox jumps over the lazy dog. ".repeat(12),
+    )
+    .unwrap();
+    let text = text.to_string_lossy();
+    let nll = |args: &[&str]| -> String {
+        let out = common::tp(args, LIMIT);
+        assert_eq!(out.code, Some(0), "{args:?}: {}", out.stderr);
+        out.output
+            .lines()
+            .find(|l| l.contains("mean NLL"))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let dense_nll = nll(&[
+        "perplexity",
+        "--model",
+        &dense.to_string_lossy(),
+        "--dequantize",
+        &text,
+    ]);
+    assert!(dense_nll.contains("mean NLL"), "{dense_nll}");
+    assert_eq!(
+        nll(&[
+            "perplexity",
+            "--model",
+            &moe,
+            "--tp",
+            "2",
+            "--ep",
+            "2",
+            &text
+        ]),
+        dense_nll
+    );
     let out = common::tp(
         &["generate", "--model", &moe, "--tp", "2", "--ep", "3", "hi"],
         LIMIT,

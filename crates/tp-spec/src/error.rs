@@ -76,6 +76,9 @@ pub enum ShardError {
     /// Expert groups that do not divide the tensor-parallel ranks.
     #[error("{ep} expert-parallel groups cannot split {tp} ranks; the expert-parallel size must divide tp (valid: {})", divisors(*tp))]
     ExpertGroups { ep: usize, tp: usize },
+    /// More expert groups than experts.
+    #[error("{experts} experts cannot give each of {ep} expert-parallel groups an expert; use an expert-parallel size of at most {experts}")]
+    TooFewExperts { experts: usize, ep: usize },
     /// Expert groups asked of a dense model.
     #[error("an expert-parallel size of {ep} was asked for, but the model has no experts (it is dense); use 1")]
     NoExperts { ep: usize },

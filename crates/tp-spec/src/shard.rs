@@ -77,6 +77,12 @@ impl ExpertShard {
         if ep == 0 || tp == 0 || !tp.is_multiple_of(ep) {
             return Err(ShardError::ExpertGroups { ep, tp });
         }
+        if ep > e.count {
+            return Err(ShardError::TooFewExperts {
+                experts: e.count,
+                ep,
+            });
+        }
         let per_group = tp / ep;
         let groups = Partition::new(e.count, ep, "experts", "expert")?;
         let (ffn, unit) = ffn_split(ffn, ffn_unit, per_group)?;
