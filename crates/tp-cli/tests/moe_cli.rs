@@ -3,8 +3,7 @@
 //! `SyntheticModel::dense_as_experts`) written as a GGUF with SmolLM2's tokenizer, then
 //! `tp generate` at tp 2 with expert parallelism 2 and 1 must print dense SmolLM2's greedy
 //! text and `tp perplexity` its mean NLL, `tp inspect` lists each rank's experts, and an
-//! expert-parallel size that does not
-//! divide tp is refused before anything loads.
+//! expert-parallel size that does not divide tp is refused before anything loads.
 
 mod common;
 use std::time::Duration;
