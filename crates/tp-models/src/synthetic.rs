@@ -282,6 +282,16 @@ impl SyntheticModel {
                 ),
             ]);
         }
+        md.extend(self.exerciser_metadata());
+        md
+    }
+
+    /// The keys [`SyntheticModel::gguf_metadata`] adds for header parsers: a token list and
+    /// one key of every GGUF value type (nested and empty arrays included; llama.cpp refuses
+    /// nested arrays, so [`SyntheticModel::write_gguf_with`] leaves them out).
+    fn exerciser_metadata(&self) -> Vec<(String, Value)> {
+        let c = &self.cfg;
+        let mut md = Vec::new();
         let tokens = (0..c.vocab).map(|i| Value::String(format!("tok{i}")));
         md.extend([
             ("synthetic.tokens".into(), Value::Array(tokens.collect())),
@@ -359,14 +369,20 @@ impl SyntheticModel {
         self.write_gguf_with(path, types, Vec::new())
     }
 
-    /// [`SyntheticModel::write_gguf`] with `extra` metadata (a real model's tokenizer keys).
+    /// [`SyntheticModel::write_gguf`] with `extra` metadata (a real model's tokenizer keys)
+    /// in place of the header exerciser keys, so that other readers (llama.cpp) open it.
     pub fn write_gguf_with(
         &self,
         path: &Path,
         types: GgufTypes,
         extra: Vec<(String, Value)>,
     ) -> Result<()> {
-        let mut md = self.gguf_metadata();
+        let exerciser: Vec<String> = self.exerciser_metadata().into_iter().map(|e| e.0).collect();
+        let mut md: Vec<(String, Value)> = self
+            .gguf_metadata()
+            .into_iter()
+            .filter(|(k, _)| !exerciser.contains(k))
+            .collect();
         md.extend(extra);
         if types.linear.candle().is_some() && types.embed.candle().is_some() {
             return write_gguf(path, &md, &self.gguf_tensors(types)?);

@@ -1,0 +1,73 @@
+//! Writes a random mixture-of-experts GGUF (Mixtral layout: `llama` with experts, merged 3-D
+//! expert tensors) with a real model's tokenizer, for decode benchmarks of the MoE path against
+//! llama.cpp on the same file (no MoE model is installable on these machines). Its text is
+//! noise; its shapes and routing are an MoE's.
+//!
+//! `cargo run --release -p tp-models --features test-support --example random_moe -- \
+//!     TOKENIZER.gguf OUT.gguf [LAYERS HIDDEN EXPERTS FFN TOP_K TYPE]` (defaults: 8 1024 32 512 4 Q8_0)
+
+use tp_models::checkpoint::GgmlDType;
+use tp_models::synthetic::{GgufTypes, SyntheticModel};
+use tp_models::{Arch, Checkpoint, Experts, GgufCheckpoint, ModelConfig, RopeStyle};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let [tok, out, rest @ ..] = args.as_slice() else {
+        return Err(
+            "usage: random_moe TOKENIZER.gguf OUT.gguf [LAYERS HIDDEN EXPERTS FFN TOP_K TYPE]"
+                .into(),
+        );
+    };
+    let num = |i: usize, d: usize| -> Result<usize, Box<dyn std::error::Error>> {
+        Ok(rest.get(i).map_or(Ok(d), |s| s.parse())?)
+    };
+    let (layers, hidden, count, ffn, k) = (
+        num(0, 8)?,
+        num(1, 1024)?,
+        num(2, 32)?,
+        num(3, 512)?,
+        num(4, 4)?,
+    );
+    let linear = match rest.get(5).map_or("Q8_0", String::as_str) {
+        "Q8_0" => GgmlDType::Q8_0,
+        "Q4_0" => GgmlDType::Q4_0,
+        "F32" => GgmlDType::F32,
+        other => return Err(format!("type {other}: use Q8_0, Q4_0 or F32").into()),
+    };
+    let source = GgufCheckpoint::open(std::path::Path::new(tok))?;
+    let cfg = ModelConfig {
+        arch: Arch::Llama,
+        layers,
+        hidden,
+        ffn,
+        heads: hidden / 64,
+        kv_heads: (hidden / 64 / 4).max(1),
+        head_dim: 64,
+        vocab: source.config().vocab,
+        rms_eps: 1e-5,
+        rope_theta: 10_000.0,
+        rope_style: RopeStyle::RotateHalf,
+        context: 2048,
+        qkv_bias: false,
+        qk_norm: false,
+        tied_embeddings: true,
+        block: tp_spec::BlockStyle::LLAMA,
+        experts: Some(Experts::new(count, k)),
+    };
+    cfg.validate()?;
+    let mut model = SyntheticModel::new(cfg, 7);
+    model.merged_experts = true;
+    let tokenizer = source
+        .metadata()
+        .iter()
+        .filter(|(k, _)| k.starts_with("tokenizer."))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let types = GgufTypes {
+        linear,
+        embed: GgmlDType::Q8_0,
+    };
+    model.write_gguf_with(std::path::Path::new(out), types, tokenizer)?;
+    eprintln!("wrote {out}: {layers} layers, hidden {hidden}, {count} experts of FFN {ffn}, top-{k}, {linear:?}");
+    Ok(())
+}
