@@ -366,7 +366,7 @@ impl SyntheticModel {
     /// tensors (which candle cannot hold; quantized by [`quantize_iq4`]) through
     /// [`write_gguf_blocks`].
     pub fn write_gguf(&self, path: &Path, types: GgufTypes) -> Result<()> {
-        self.write_gguf_with(path, types, Vec::new())
+        self.write_gguf_metadata(path, types, self.gguf_metadata())
     }
 
     /// [`SyntheticModel::write_gguf`] with `extra` metadata (a real model's tokenizer keys)
@@ -384,6 +384,16 @@ impl SyntheticModel {
             .filter(|(k, _)| !exerciser.contains(k))
             .collect();
         md.extend(extra);
+        self.write_gguf_metadata(path, types, md)
+    }
+
+    /// The model's tensors as a GGUF file with `md` as its metadata.
+    fn write_gguf_metadata(
+        &self,
+        path: &Path,
+        types: GgufTypes,
+        md: Vec<(String, Value)>,
+    ) -> Result<()> {
         if types.linear.candle().is_some() && types.embed.candle().is_some() {
             return write_gguf(path, &md, &self.gguf_tensors(types)?);
         }
