@@ -1,27 +1,39 @@
 //! `tp-comm-mpi-check`: runs the conformance suite on the MPI world (under `mpirun`), or a
 //! failure drill (`--drill panic|mismatch|slow|exit`) that shows R1-R3 errors on the
-//! survivors; `--bench` times all_reduce, `--no-verify` turns the fingerprint exchange off.
+//! survivors (`--op all_to_all` drills an uneven all_to_all_v instead of all_reduce; its
+//! `mismatch` is disagreeing counts); `--bench` times all_reduce, `--no-verify` turns the
+//! fingerprint exchange off.
 
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 use tp_comm::mpi::{check, MpiOptions, MpiRuntime};
-use tp_comm::{CommExt, ReduceOp};
+use tp_comm::{CommError, CommExt, Group, ReduceOp};
 
 const USAGE: &str =
-    "usage: tp-comm-mpi-check [--drill panic|mismatch|slow|exit] [--bench] [--no-verify]";
+    "usage: tp-comm-mpi-check [--drill panic|mismatch|slow|exit [--op all_reduce|all_to_all]] \
+     [--bench] [--no-verify]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut drill = None;
     let mut bench = false;
     let mut verify = true;
+    let mut a2a = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--drill" => drill = it.next().cloned(),
             "--bench" => bench = true,
             "--no-verify" => verify = false,
+            "--op" => match it.next().map(String::as_str) {
+                Some("all_reduce") => a2a = false,
+                Some("all_to_all") => a2a = true,
+                other => {
+                    eprintln!("unknown --op {other:?}; {USAGE}");
+                    return ExitCode::from(2);
+                }
+            },
             _ => {
                 eprintln!("{USAGE}");
                 return ExitCode::from(2);
@@ -48,7 +60,7 @@ fn main() -> ExitCode {
         Err(code) => return code,
     };
     match (drill, bench) {
-        (Some(d), _) => run_drill(&rt, &d),
+        (Some(d), _) => run_drill(&rt, &d, a2a),
         (None, true) => run_bench(&rt),
         (None, false) => run_conformance(&rt),
     }
@@ -120,24 +132,49 @@ fn run_bench(rt: &MpiRuntime) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Rank 1 misbehaves at its 3rd all_reduce (panics, calls it with 5 elements instead of 4,
+/// One call of a drill: an all_reduce of `len` f32, or (`a2a`) an all_to_all_v where rank i
+/// sends i + j + 1 elements to rank j, plus `len - 4` more on every block (so `len` 5 on one
+/// rank makes its counts disagree with every receiver's).
+fn drill_call(world: &Group, a2a: bool, len: usize) -> Result<(), CommError> {
+    let (me, n) = (world.rank(), world.size());
+    if !a2a {
+        let mut x = vec![me as f32; len];
+        return world.all_reduce(&mut x, ReduceOp::Sum);
+    }
+    let send_counts: Vec<usize> = (0..n).map(|j| me + j + 1 + len - 4).collect();
+    let recv_counts: Vec<usize> = (0..n).map(|i| i + me + 1).collect();
+    let send = vec![me as f32; send_counts.iter().sum()];
+    let mut recv = vec![0f32; recv_counts.iter().sum()];
+    world.all_to_all_v(&send, &send_counts, &mut recv, &recv_counts)?;
+    let mut at = 0;
+    for (i, &c) in recv_counts.iter().enumerate() {
+        if recv[at..at + c].iter().any(|&x| x != i as f32) {
+            return Err(CommError::Backend(format!(
+                "drill: rank {me} got a wrong block from rank {i}"
+            )));
+        }
+        at += c;
+    }
+    Ok(())
+}
+
+/// Rank 1 misbehaves at its 3rd call (panics, calls it with 5 elements instead of 4,
 /// sleeps past the 2 s deadline, or returns from main); every other rank prints its error
 /// and the result of one more call (refused: the group is poisoned), then the job aborts.
-fn run_drill(rt: &MpiRuntime, drill: &str) -> ExitCode {
+fn run_drill(rt: &MpiRuntime, drill: &str, a2a: bool) -> ExitCode {
     let world = rt.world();
     let me = world.rank();
     for call in 0..5 {
         let mut len = 4;
         if me == 1 && call == 2 {
             match drill {
-                "panic" => panic!("drill: rank 1 panics before its 3rd all_reduce"),
+                "panic" => panic!("drill: rank 1 panics before its 3rd call"),
                 "mismatch" => len = 5,
                 "exit" => return ExitCode::SUCCESS,
                 _ => std::thread::sleep(Duration::from_secs(4)),
             }
         }
-        let mut x = vec![me as f32; len];
-        if let Err(e) = world.all_reduce(&mut x, ReduceOp::Sum) {
+        if let Err(e) = drill_call(&world, a2a, len) {
             // One write per rank, staggered by rank: mpirun interleaves concurrent output.
             let mut text = format!("rank {me}: drill {drill}: {e}\n");
             if let Some(fr) = e.flight_record() {
