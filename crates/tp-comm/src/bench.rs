@@ -3,9 +3,9 @@
 //! machine's single-thread copy bandwidth as the yardstick. `tp bench collectives` prints it.
 //!
 //! Definitions follow nccl-tests (its doc/PERFORMANCE.md, github.com/NVIDIA/nccl-tests): size
-//! is the full buffer (all_gather: the gathered output; reduce_scatter: the input), algbw =
-//! size / time, busbw = algbw x 2(n-1)/n for all_reduce, (n-1)/n for all_gather and
-//! reduce_scatter, 1 for broadcast. On the MPI world, all_reduce rows also time a plain
+//! is the full buffer (all_gather: the gathered output; reduce_scatter: the input; all_to_all:
+//! one rank's send buffer, a block per rank), algbw = size / time, busbw = algbw x 2(n-1)/n
+//! for all_reduce, (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast. On the MPI world, all_reduce rows also time a plain
 //! blocking `MPI_Allreduce` (sum of f32, same sizes and input buffer) as a reference column.
 
 use crate::{CommError, CommExt, Group, ReduceOp};
@@ -18,14 +18,16 @@ pub enum Op {
     AllGather,
     ReduceScatter,
     Broadcast,
+    AllToAll,
 }
 
 impl Op {
-    pub const ALL: [Op; 4] = [
+    pub const ALL: [Op; 5] = [
         Op::AllReduce,
         Op::AllGather,
         Op::ReduceScatter,
         Op::Broadcast,
+        Op::AllToAll,
     ];
 
     pub fn name(self) -> &'static str {
@@ -34,6 +36,7 @@ impl Op {
             Op::AllGather => "all_gather",
             Op::ReduceScatter => "reduce_scatter",
             Op::Broadcast => "broadcast",
+            Op::AllToAll => "all_to_all",
         }
     }
 
@@ -42,7 +45,7 @@ impl Op {
         let n = n as f64;
         match self {
             Op::AllReduce => 2.0 * (n - 1.0) / n,
-            Op::AllGather | Op::ReduceScatter => (n - 1.0) / n,
+            Op::AllGather | Op::ReduceScatter | Op::AllToAll => (n - 1.0) / n,
             Op::Broadcast => 1.0,
         }
     }
@@ -55,7 +58,7 @@ impl std::str::FromStr for Op {
             .into_iter()
             .find(|op| op.name() == s)
             .ok_or_else(|| {
-                format!("unknown operation {s:?}; use all_reduce, all_gather, reduce_scatter or broadcast")
+                format!("unknown operation {s:?}; use all_reduce, all_gather, reduce_scatter, broadcast or all_to_all")
             })
     }
 }
@@ -103,7 +106,7 @@ pub struct Row {
 fn count_for(op: Op, bytes: usize, n: usize) -> usize {
     let c = (bytes / 4).max(1);
     match op {
-        Op::AllGather | Op::ReduceScatter => (c / n).max(1) * n,
+        Op::AllGather | Op::ReduceScatter | Op::AllToAll => (c / n).max(1) * n,
         _ => c,
     }
 }
@@ -154,6 +157,10 @@ fn buffers(op: Op, count: usize, n: usize) -> Buffers {
             a: vec![0.0; count],
             b: vec![0.0; count / n],
         },
+        Op::AllToAll => Buffers {
+            a: vec![0.0; count],
+            b: vec![0.0; count],
+        },
     }
 }
 
@@ -163,6 +170,7 @@ fn call(g: &Group, op: Op, buf: &mut Buffers) -> Result<(), CommError> {
         Op::AllGather => g.all_gather(&buf.a, &mut buf.b),
         Op::ReduceScatter => g.reduce_scatter(&buf.a, &mut buf.b, ReduceOp::Sum),
         Op::Broadcast => g.broadcast(&mut buf.a, 0),
+        Op::AllToAll => g.all_to_all(&buf.a, &mut buf.b),
     }
 }
 
@@ -202,6 +210,15 @@ fn check(g: &Group, op: Op, buf: &mut Buffers) -> Result<u64, CommError> {
                 .iter()
                 .enumerate()
                 .filter(|(i, x)| **x != ((r * part + i) % 7 + 1) as f32 * total)
+                .count()
+        }
+        // Block j of the output is rank j's block r: its elements r * part.. of its input.
+        Op::AllToAll => {
+            let part = (buf.b.len() / n).max(1);
+            buf.b
+                .iter()
+                .enumerate()
+                .filter(|(i, x)| **x != val(i / part, r * part + i % part))
                 .count()
         }
     };

@@ -184,30 +184,22 @@ fn all_to_all_even_case<T: Small>(g: &Group, block: usize) -> Result<(), String>
     compare(&recv, |x| routed(x / block, r, x % block))
 }
 
-/// The all-to-all count tables of the suite around `block` elements per pair.
-fn all_to_all_shapes(block: usize) -> [(&'static str, Box<dyn Fn(usize, usize) -> usize>); 3] {
-    [
-        (
-            "uneven",
-            Box::new(move |i, j| (block + i * 3 + j * 5) % (block + 3)),
-        ),
-        (
-            // Rank 0 receives nothing, and every rank skips the peers of its parity.
-            "empty peers",
-            Box::new(move |i, j| {
-                if j == 0 || (i + j) % 2 == 0 {
-                    0
-                } else {
-                    block + i
-                }
-            }),
-        ),
-        ("all empty", Box::new(|_, _| 0)),
-    ]
+/// The all-to-all count tables of the suite (see [`a2a_count`]).
+const A2A_SHAPES: [&str; 3] = ["uneven", "empty peers", "all empty"];
+
+/// Elements rank i sends to rank j in the table `shape`, around `block` per pair.
+fn a2a_count(shape: &str, block: usize, i: usize, j: usize) -> usize {
+    match shape {
+        "uneven" => (block + i * 3 + j * 5) % (block + 3),
+        // Rank 0 receives nothing, and every rank skips the peers of its parity.
+        "empty peers" if j == 0 || (i + j).is_multiple_of(2) => 0,
+        "empty peers" => block + i,
+        _ => 0,
+    }
 }
 
 fn every_dtype_all_to_all(rep: &mut Report, g: &Group, label: &str, block: usize) {
-    let counts = move |i: usize, j: usize| (block + i * 3 + j * 5) % (block + 3);
+    let counts = move |i, j| a2a_count("uneven", block, i, j);
     let name = |t: &str| format!("{label}: all_to_all_v {t} uneven block={block}");
     rep.check(&name("f32"), all_to_all_case::<f32>(g, counts));
     rep.check(&name("f64"), all_to_all_case::<f64>(g, counts));
@@ -441,7 +433,8 @@ fn run_on(rep: &mut Report, g: &Group, label: &str) {
         ] {
             rep.check(&format!("{label}: all_to_all {t} block={block}"), r);
         }
-        for (shape, counts) in all_to_all_shapes(block) {
+        for shape in A2A_SHAPES {
+            let counts = |i, j| a2a_count(shape, block, i, j);
             let desc = format!("{label}: all_to_all_v {shape} block={block}");
             rep.check(&format!("{desc} f32"), all_to_all_case::<f32>(g, &counts));
             rep.check(&format!("{desc} u8"), all_to_all_case::<u8>(g, &counts));
