@@ -5,8 +5,10 @@
 //! Definitions follow nccl-tests (its doc/PERFORMANCE.md, github.com/NVIDIA/nccl-tests): size
 //! is the full buffer (all_gather: the gathered output; reduce_scatter: the input; all_to_all:
 //! one rank's send buffer, a block per rank), algbw = size / time, busbw = algbw x 2(n-1)/n
-//! for all_reduce, (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast. On the MPI world, all_reduce rows also time a plain
-//! blocking `MPI_Allreduce` (sum of f32, same sizes and input buffer) as a reference column.
+//! for all_reduce, (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast.
+//! On the MPI world, all_reduce rows also time a plain blocking `MPI_Allreduce` (sum of f32,
+//! same sizes and input buffer) as a reference column, and all_to_all rows a plain blocking
+//! `MPI_Alltoall`.
 
 use crate::{CommError, CommExt, Group, ReduceOp};
 use std::time::Instant;
@@ -74,8 +76,8 @@ pub struct SweepConfig {
     pub factor: usize,
     /// Timed repetitions per size (the median is reported).
     pub samples: usize,
-    /// Also time plain `MPI_Allreduce` on all_reduce rows (MPI world only; it has no
-    /// deadline, so leave it off under injected faults).
+    /// Also time plain `MPI_Allreduce` / `MPI_Alltoall` on all_reduce / all_to_all rows (MPI
+    /// world only; they have no deadline, so leave it off under injected faults).
     pub reference: bool,
 }
 
@@ -95,7 +97,8 @@ pub struct Row {
     pub busbw_vs_memcpy: f64,
     /// Wrong elements over all ranks in the checked call.
     pub wrong: u64,
-    /// The plain `MPI_Allreduce` reference (mpi backend, all_reduce only).
+    /// The plain `MPI_Allreduce` / `MPI_Alltoall` reference (mpi backend, all_reduce and
+    /// all_to_all only).
     pub ref_time_us: Option<f64>,
     pub ref_busbw_gbs: Option<f64>,
     /// Our busbw / the reference's (1.0 = as fast as plain MPI).
@@ -265,7 +268,8 @@ fn time_calls(
     Ok(median(&mut times).unwrap_or(f64::NAN))
 }
 
-/// The plain `MPI_Allreduce` time of an all_reduce row (mpi backend on the world only).
+/// The plain `MPI_Allreduce` / `MPI_Alltoall` time of an all_reduce / all_to_all row (mpi
+/// backend on the world only).
 #[cfg(feature = "mpi")]
 fn reference(
     g: &Group,
@@ -273,15 +277,16 @@ fn reference(
     buf: &mut Buffers,
     samples: usize,
 ) -> Result<Option<f64>, CommError> {
-    if op != Op::AllReduce || g.backend() != "mpi" {
+    if !matches!(op, Op::AllReduce | Op::AllToAll) || g.backend() != "mpi" {
         return Ok(None);
     }
     let mut ref_buf = Buffers {
         b: vec![0.0; buf.a.len()],
         a: std::mem::take(&mut buf.a),
     };
-    let t = time_calls(g, &mut ref_buf, samples, |b| {
-        crate::mpi::plain_all_reduce_f32(&b.a, &mut b.b)
+    let t = time_calls(g, &mut ref_buf, samples, |b| match op {
+        Op::AllToAll => crate::mpi::plain_all_to_all_f32(&b.a, &mut b.b),
+        _ => crate::mpi::plain_all_reduce_f32(&b.a, &mut b.b),
     });
     buf.a = ref_buf.a;
     t.map(Some)

@@ -85,9 +85,63 @@ fn run_conformance(rt: &MpiRuntime) -> ExitCode {
 }
 
 /// Medians of all_reduce times at 4 B, 4 KiB and 64 MiB of f32, ours and a plain blocking
-/// MPI_Allreduce on the same buffers, interleaved in rounds so both see the same load.
+/// MPI_Allreduce on the same buffers, interleaved in rounds so both see the same load; then
+/// the same for all_to_all (send buffers of 4 KiB, 1 MiB and 64 MiB) against MPI_Alltoall.
 fn run_bench(rt: &MpiRuntime) -> ExitCode {
     let world = rt.world();
+    if bench_all_reduce(&world) != ExitCode::SUCCESS {
+        return ExitCode::FAILURE;
+    }
+    bench_all_to_all(&world)
+}
+
+fn bench_all_to_all(world: &Group) -> ExitCode {
+    let n = world.size();
+    for (bytes, rounds, per) in [
+        (4096usize, 20usize, 100usize),
+        (1 << 20, 10, 10),
+        (64 << 20, 3, 1),
+    ] {
+        let count = bytes / 4 / n * n;
+        let send = vec![world.rank() as f32; count];
+        let mut out = vec![0.0f32; count];
+        let (mut ours, mut plain) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            for which in 0..2 {
+                let t = Instant::now();
+                for _ in 0..per {
+                    let r = if which == 0 {
+                        world.all_to_all(&send, &mut out)
+                    } else {
+                        tp_comm::mpi::plain_all_to_all_f32(&send, &mut out)
+                    };
+                    if let Err(e) = r {
+                        eprintln!("rank {}: {e}", world.rank());
+                        return ExitCode::FAILURE;
+                    }
+                }
+                let us = t.elapsed().as_secs_f64() / per as f64 * 1e6;
+                if which == 0 {
+                    ours.push(us)
+                } else {
+                    plain.push(us)
+                }
+            }
+        }
+        ours.sort_by(f64::total_cmp);
+        plain.sort_by(f64::total_cmp);
+        if world.rank() == 0 {
+            println!(
+                "all_to_all {bytes} B send buffer x{n} ranks: median {:.1} us, plain MPI_Alltoall {:.1} us ({rounds} rounds of {per})",
+                ours[rounds / 2],
+                plain[rounds / 2]
+            );
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+fn bench_all_reduce(world: &Group) -> ExitCode {
     for (bytes, rounds, per) in [
         (4usize, 20usize, 100usize),
         (4096, 20, 100),
