@@ -162,6 +162,15 @@ fn all_to_all_drills_name_the_lost_rank_the_late_rank_and_the_disagreeing_pair()
     let expect = "counts disagree (desync) in all_to_all #2 of a 3-rank group: rank 1 sends 3 \
                   elements to rank 0, which expects 2";
     drill_on(&a2a("mismatch"), &[expect]);
+    // Rank 1 calls a barrier where the others call all_to_all: both fingerprints are named.
+    drill_on(
+        &a2a("barrier"),
+        &[
+            "collective mismatch",
+            "all_to_all #2 dtype=f32 count=0",
+            "barrier #2 dtype=u8 count=0",
+        ],
+    );
     let r = mpi(3, &a2a("mismatch"), Duration::from_secs(30));
     let per_rank = format!("drill mismatch: {expect}");
     assert_eq!(r.output.matches(&per_rank).count(), 3, "{}", r.output);

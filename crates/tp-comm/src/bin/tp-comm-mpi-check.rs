@@ -1,5 +1,5 @@
 //! `tp-comm-mpi-check`: runs the conformance suite on the MPI world (under `mpirun`), or a
-//! failure drill (`--drill panic|mismatch|slow|exit`) that shows R1-R3 errors on the
+//! failure drill (`--drill panic|mismatch|barrier|slow|exit`) that shows R1-R3 errors on the
 //! survivors (`--op all_to_all` drills an uneven all_to_all_v instead of all_reduce; its
 //! `mismatch` is disagreeing counts); `--bench` times all_reduce, `--no-verify` turns the
 //! fingerprint exchange off.
@@ -11,7 +11,7 @@ use tp_comm::mpi::{check, MpiOptions, MpiRuntime};
 use tp_comm::{CommError, CommExt, Group, ReduceOp};
 
 const USAGE: &str =
-    "usage: tp-comm-mpi-check [--drill panic|mismatch|slow|exit [--op all_reduce|all_to_all]] \
+    "usage: tp-comm-mpi-check [--drill panic|mismatch|barrier|slow|exit [--op all_reduce|all_to_all]] \
      [--bench] [--no-verify]";
 
 fn main() -> ExitCode {
@@ -41,7 +41,7 @@ fn main() -> ExitCode {
         }
     }
     if let Some(d) = &drill {
-        if !["panic", "mismatch", "slow", "exit"].contains(&d.as_str()) {
+        if !["panic", "mismatch", "barrier", "slow", "exit"].contains(&d.as_str()) {
             eprintln!("unknown drill {d:?}; {USAGE}");
             return ExitCode::from(2);
         }
@@ -212,23 +212,30 @@ fn drill_call(world: &Group, a2a: bool, len: usize) -> Result<(), CommError> {
     Ok(())
 }
 
-/// Rank 1 misbehaves at its 3rd call (panics, calls it with 5 elements instead of 4,
-/// sleeps past the 2 s deadline, or returns from main); every other rank prints its error
+/// Rank 1 misbehaves at its 3rd call (panics, calls it with 5 elements instead of 4, calls a
+/// barrier instead, sleeps past the 2 s deadline, or returns from main); every other rank prints its error
 /// and the result of one more call (refused: the group is poisoned), then the job aborts.
 fn run_drill(rt: &MpiRuntime, drill: &str, a2a: bool) -> ExitCode {
     let world = rt.world();
     let me = world.rank();
     for call in 0..5 {
         let mut len = 4;
+        let mut barrier = false;
         if me == 1 && call == 2 {
             match drill {
                 "panic" => panic!("drill: rank 1 panics before its 3rd call"),
                 "mismatch" => len = 5,
+                "barrier" => barrier = true,
                 "exit" => return ExitCode::SUCCESS,
                 _ => std::thread::sleep(Duration::from_secs(4)),
             }
         }
-        if let Err(e) = drill_call(&world, a2a, len) {
+        let out = if barrier {
+            world.barrier()
+        } else {
+            drill_call(&world, a2a, len)
+        };
+        if let Err(e) = out {
             // One write per rank, staggered by rank: mpirun interleaves concurrent output.
             let mut text = format!("rank {me}: drill {drill}: {e}\n");
             if let Some(fr) = e.flight_record() {
