@@ -1,5 +1,5 @@
 //! `tp bench collectives`: an nccl-tests-style sweep (sizes 8 B to 256 MiB) of all_reduce,
-//! all_gather, reduce_scatter and broadcast, with time, algbw, busbw, a count of wrong
+//! all_gather, reduce_scatter, broadcast and all_to_all, with time, algbw, busbw, a count of wrong
 //! results per size, and this machine's memcpy bandwidth measured in the same run.
 //!
 //! The sweep and its report are tp-comm's (`bench`, `bench_report`); this is its flags. Under
@@ -24,7 +24,7 @@ pub struct BenchArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "all_reduce,all_gather,reduce_scatter,broadcast"
+        default_value = "all_reduce,all_gather,reduce_scatter,broadcast,all_to_all"
     )]
     ops: Vec<Op>,
     /// Smallest size (bytes; K, M, G suffixes allowed).

@@ -54,7 +54,7 @@ enum Command {
 
 #[derive(Subcommand)]
 enum Bench {
-    /// nccl-tests-style sweep of all_reduce, all_gather, reduce_scatter and broadcast.
+    /// nccl-tests-style sweep of all_reduce, all_gather, reduce_scatter, broadcast and all_to_all.
     Collectives(bench_collectives::BenchArgs),
     /// Batch-1 prefill and decode speed per tp, time split and bandwidth limit.
     Decode(bench_decode::BenchDecodeArgs),

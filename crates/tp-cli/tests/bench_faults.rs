@@ -128,8 +128,9 @@ fn a_small_sweep_reports_no_wrong_results() {
     );
     assert_eq!(f.code, Some(0), "{}", f.output);
     let rows = tp_testkit::json::rows_with(&f.output, "op");
-    // 4 ops x sizes 8, 64, 512, 4K, 32K, 256K.
-    assert_eq!(rows.len(), 24, "{}", f.output);
+    // 5 ops (all_to_all included) x sizes 8, 64, 512, 4K, 32K, 256K.
+    assert_eq!(rows.len(), 30, "{}", f.output);
+    assert!(rows.iter().any(|r| r["op"] == "all_to_all"), "{}", f.output);
     for r in rows {
         assert_eq!(r["wrong"], 0, "{r}");
         assert!(r["time_us"].as_f64().is_some_and(|t| t > 0.0), "{r}");

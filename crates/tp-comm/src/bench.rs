@@ -3,10 +3,12 @@
 //! machine's single-thread copy bandwidth as the yardstick. `tp bench collectives` prints it.
 //!
 //! Definitions follow nccl-tests (its doc/PERFORMANCE.md, github.com/NVIDIA/nccl-tests): size
-//! is the full buffer (all_gather: the gathered output; reduce_scatter: the input), algbw =
-//! size / time, busbw = algbw x 2(n-1)/n for all_reduce, (n-1)/n for all_gather and
-//! reduce_scatter, 1 for broadcast. On the MPI world, all_reduce rows also time a plain
-//! blocking `MPI_Allreduce` (sum of f32, same sizes and input buffer) as a reference column.
+//! is the full buffer (all_gather: the gathered output; reduce_scatter: the input; all_to_all:
+//! one rank's send buffer, a block per rank), algbw = size / time, busbw = algbw x 2(n-1)/n
+//! for all_reduce, (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast.
+//! On the MPI world, all_reduce rows also time a plain blocking `MPI_Allreduce` (sum of f32,
+//! same sizes and input buffer) as a reference column, and all_to_all rows a plain blocking
+//! `MPI_Alltoall`.
 
 use crate::{CommError, CommExt, Group, ReduceOp};
 use std::time::Instant;
@@ -18,14 +20,16 @@ pub enum Op {
     AllGather,
     ReduceScatter,
     Broadcast,
+    AllToAll,
 }
 
 impl Op {
-    pub const ALL: [Op; 4] = [
+    pub const ALL: [Op; 5] = [
         Op::AllReduce,
         Op::AllGather,
         Op::ReduceScatter,
         Op::Broadcast,
+        Op::AllToAll,
     ];
 
     pub fn name(self) -> &'static str {
@@ -34,6 +38,7 @@ impl Op {
             Op::AllGather => "all_gather",
             Op::ReduceScatter => "reduce_scatter",
             Op::Broadcast => "broadcast",
+            Op::AllToAll => "all_to_all",
         }
     }
 
@@ -42,7 +47,7 @@ impl Op {
         let n = n as f64;
         match self {
             Op::AllReduce => 2.0 * (n - 1.0) / n,
-            Op::AllGather | Op::ReduceScatter => (n - 1.0) / n,
+            Op::AllGather | Op::ReduceScatter | Op::AllToAll => (n - 1.0) / n,
             Op::Broadcast => 1.0,
         }
     }
@@ -55,7 +60,7 @@ impl std::str::FromStr for Op {
             .into_iter()
             .find(|op| op.name() == s)
             .ok_or_else(|| {
-                format!("unknown operation {s:?}; use all_reduce, all_gather, reduce_scatter or broadcast")
+                format!("unknown operation {s:?}; use all_reduce, all_gather, reduce_scatter, broadcast or all_to_all")
             })
     }
 }
@@ -71,8 +76,8 @@ pub struct SweepConfig {
     pub factor: usize,
     /// Timed repetitions per size (the median is reported).
     pub samples: usize,
-    /// Also time plain `MPI_Allreduce` on all_reduce rows (MPI world only; it has no
-    /// deadline, so leave it off under injected faults).
+    /// Also time plain `MPI_Allreduce` / `MPI_Alltoall` on all_reduce / all_to_all rows (MPI
+    /// world only; they have no deadline, so leave it off under injected faults).
     pub reference: bool,
 }
 
@@ -92,7 +97,8 @@ pub struct Row {
     pub busbw_vs_memcpy: f64,
     /// Wrong elements over all ranks in the checked call.
     pub wrong: u64,
-    /// The plain `MPI_Allreduce` reference (mpi backend, all_reduce only).
+    /// The plain `MPI_Allreduce` / `MPI_Alltoall` reference (mpi backend, all_reduce and
+    /// all_to_all only).
     pub ref_time_us: Option<f64>,
     pub ref_busbw_gbs: Option<f64>,
     /// Our busbw / the reference's (1.0 = as fast as plain MPI).
@@ -103,7 +109,7 @@ pub struct Row {
 fn count_for(op: Op, bytes: usize, n: usize) -> usize {
     let c = (bytes / 4).max(1);
     match op {
-        Op::AllGather | Op::ReduceScatter => (c / n).max(1) * n,
+        Op::AllGather | Op::ReduceScatter | Op::AllToAll => (c / n).max(1) * n,
         _ => c,
     }
 }
@@ -154,6 +160,10 @@ fn buffers(op: Op, count: usize, n: usize) -> Buffers {
             a: vec![0.0; count],
             b: vec![0.0; count / n],
         },
+        Op::AllToAll => Buffers {
+            a: vec![0.0; count],
+            b: vec![0.0; count],
+        },
     }
 }
 
@@ -163,6 +173,7 @@ fn call(g: &Group, op: Op, buf: &mut Buffers) -> Result<(), CommError> {
         Op::AllGather => g.all_gather(&buf.a, &mut buf.b),
         Op::ReduceScatter => g.reduce_scatter(&buf.a, &mut buf.b, ReduceOp::Sum),
         Op::Broadcast => g.broadcast(&mut buf.a, 0),
+        Op::AllToAll => g.all_to_all(&buf.a, &mut buf.b),
     }
 }
 
@@ -202,6 +213,15 @@ fn check(g: &Group, op: Op, buf: &mut Buffers) -> Result<u64, CommError> {
                 .iter()
                 .enumerate()
                 .filter(|(i, x)| **x != ((r * part + i) % 7 + 1) as f32 * total)
+                .count()
+        }
+        // Block j of the output is rank j's block r: its elements r * part.. of its input.
+        Op::AllToAll => {
+            let part = (buf.b.len() / n).max(1);
+            buf.b
+                .iter()
+                .enumerate()
+                .filter(|(i, x)| **x != val(i / part, r * part + i % part))
                 .count()
         }
     };
@@ -248,7 +268,8 @@ fn time_calls(
     Ok(median(&mut times).unwrap_or(f64::NAN))
 }
 
-/// The plain `MPI_Allreduce` time of an all_reduce row (mpi backend on the world only).
+/// The plain `MPI_Allreduce` / `MPI_Alltoall` time of an all_reduce / all_to_all row (mpi
+/// backend on the world only).
 #[cfg(feature = "mpi")]
 fn reference(
     g: &Group,
@@ -256,15 +277,16 @@ fn reference(
     buf: &mut Buffers,
     samples: usize,
 ) -> Result<Option<f64>, CommError> {
-    if op != Op::AllReduce || g.backend() != "mpi" {
+    if !matches!(op, Op::AllReduce | Op::AllToAll) || g.backend() != "mpi" {
         return Ok(None);
     }
     let mut ref_buf = Buffers {
         b: vec![0.0; buf.a.len()],
         a: std::mem::take(&mut buf.a),
     };
-    let t = time_calls(g, &mut ref_buf, samples, |b| {
-        crate::mpi::plain_all_reduce_f32(&b.a, &mut b.b)
+    let t = time_calls(g, &mut ref_buf, samples, |b| match op {
+        Op::AllToAll => crate::mpi::plain_all_to_all_f32(&b.a, &mut b.b),
+        _ => crate::mpi::plain_all_reduce_f32(&b.a, &mut b.b),
     });
     buf.a = ref_buf.a;
     t.map(Some)

@@ -44,6 +44,19 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()>;
+    /// Every rank sends a block to every rank (MPI_Alltoallv): block j of `send`
+    /// (`send_counts[j]` elements, blocks in rank order) goes to rank j, and rank j's block for
+    /// this rank lands in block j of `recv` (`recv_counts[j]` elements). Rank i's
+    /// `send_counts[j]` must equal rank j's `recv_counts[i]`; where they disagree every rank
+    /// returns [`CommError::CountsMismatch`]. Zero counts (empty peers, empty calls) are allowed.
+    fn all_to_all_bytes(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+        dtype: DType,
+    ) -> Result<()>;
     /// `buf` of `root` is copied to every rank.
     fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize) -> Result<()>;
     /// Buffered send: returns once the data is copied out; messages between a pair of ranks
@@ -94,6 +107,45 @@ pub trait CommExt: Communicator {
             T::DTYPE,
             counts,
             op,
+        )
+    }
+    /// Even all-to-all (MPI_Alltoall): `send` holds one block of `send.len() / size`
+    /// elements per rank, in rank order; block j goes to rank j, and rank j's block for this
+    /// rank lands in block j of `recv` (same length as `send` on every rank).
+    fn all_to_all<T: Elem>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let n = self.size();
+        for (what, len) in [("send", send.len()), ("receive", recv.len())] {
+            if !len.is_multiple_of(n) {
+                return Err(CommError::InvalidArgument {
+                    rank: self.rank(),
+                    message: format!(
+                        "all_to_all: the {what} buffer holds {len} elements, not a whole block \
+                         for each of the group's {n} ranks; give it a multiple of {n} elements \
+                         or use all_to_all_v for uneven blocks"
+                    ),
+                });
+            }
+        }
+        let send_counts = vec![send.len() / n; n];
+        let recv_counts = vec![recv.len() / n; n];
+        self.all_to_all_v(send, &send_counts, recv, &recv_counts)
+    }
+    /// All-to-all with per-peer counts (MPI_Alltoallv): block j of `send` (`send_counts[j]`
+    /// elements) goes to rank j; rank j's block (`recv_counts[j]` elements) lands in block j
+    /// of `recv`. See [`Communicator::all_to_all_bytes`].
+    fn all_to_all_v<T: Elem>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.all_to_all_bytes(
+            bytemuck::cast_slice(send),
+            send_counts,
+            bytemuck::cast_slice_mut(recv),
+            recv_counts,
+            T::DTYPE,
         )
     }
     fn broadcast<T: Elem>(&self, buf: &mut [T], root: usize) -> Result<()> {
@@ -238,6 +290,66 @@ pub(crate) mod check {
             "the send buffer",
         )?;
         Ok((total, mine))
+    }
+
+    /// All-to-all arguments: `send_counts` and `recv_counts` have an entry per rank and add
+    /// up to the send and receive buffers. Returns (elements sent, elements received).
+    pub fn all_to_all_args(
+        world_rank: usize,
+        size: usize,
+        (send, recv): (usize, usize),
+        dtype: DType,
+        (send_counts, recv_counts): (&[usize], &[usize]),
+    ) -> Result<(usize, usize)> {
+        let sent = elements(world_rank, send, dtype, "the send buffer")?;
+        let received = elements(world_rank, recv, dtype, "the receive buffer")?;
+        for (what, counts, held) in [
+            ("send", send_counts, sent),
+            ("receive", recv_counts, received),
+        ] {
+            let bad = |message: String| {
+                Err(CommError::InvalidArgument {
+                    rank: world_rank,
+                    message,
+                })
+            };
+            if counts.len() != size {
+                return bad(format!(
+                    "the {what} counts have {} entries but the group has {size} ranks; give \
+                     one count per rank",
+                    counts.len()
+                ));
+            }
+            let sum = counts
+                .iter()
+                .try_fold(0usize, |a, &c| a.checked_add(c))
+                .unwrap_or(usize::MAX);
+            if sum != held {
+                return bad(format!(
+                    "the {what} buffer holds {held} elements but the {what} counts add up to \
+                     {sum}"
+                ));
+            }
+        }
+        Ok((sent, received))
+    }
+
+    /// The first pair, in (sender, receiver) rank order, whose all-to-all counts disagree:
+    /// `(i, j, send_counts of i for j, recv_counts of j for i)`. `send(i)` and `recv(j)` are
+    /// rank i's send counts and rank j's receive counts, `n` entries each. Every rank that
+    /// sees the whole table finds the same pair.
+    pub fn counts_disagreement<'a>(
+        n: usize,
+        send: impl Fn(usize) -> &'a [usize],
+        recv: impl Fn(usize) -> &'a [usize],
+    ) -> Option<(usize, usize, usize, usize)> {
+        (0..n).find_map(|i| {
+            let row = send(i);
+            (0..n).find_map(|j| {
+                let (sent, expected) = (row[j], recv(j)[i]);
+                (sent != expected).then_some((i, j, sent, expected))
+            })
+        })
     }
 
     /// An order-sensitive hash of the counts, so ranks that disagree on them are caught.

@@ -1,5 +1,6 @@
 //! The conformance suite every backend must pass: each op, every dtype, sizes 0, 1, odd and
-//! past the small-message limit, uneven counts, point-to-point rings and isolated sub-groups.
+//! past the small-message limit, uneven counts (all_to_all: uneven, empty peers, all empty),
+//! point-to-point rings and isolated sub-groups.
 //!
 //! Inputs are small rank-valued integers, exact in every dtype (f16 and bf16 included), so
 //! results are checked for equality, not within a tolerance. Every rank of the world calls
@@ -141,6 +142,77 @@ fn all_gather_case<T: Small>(g: &Group, counts: &[usize]) -> Result<(), String> 
         want.extend((0..c).map(|i| tagged(j, i)));
     }
     compare(&recv, |i| want[i])
+}
+
+/// What rank i sends to rank j at position k of its block: names all three (fits u8).
+fn routed(i: usize, j: usize, k: usize) -> u32 {
+    ((i * 31 + j * 17 + k) % 251) as u32
+}
+
+/// A value `routed` never yields: marks receive elements the call must overwrite.
+const UNWRITTEN: u32 = 252;
+
+/// all_to_all_v where rank i sends `counts(i, j)` elements to rank j; every rank checks that
+/// block i of its receive buffer is rank i's block for it, element by element.
+fn all_to_all_case<T: Small>(
+    g: &Group,
+    counts: impl Fn(usize, usize) -> usize,
+) -> Result<(), String> {
+    let (r, n) = (g.rank(), g.size());
+    let send_counts: Vec<usize> = (0..n).map(|j| counts(r, j)).collect();
+    let recv_counts: Vec<usize> = (0..n).map(|i| counts(i, r)).collect();
+    let mut send = Vec::with_capacity(send_counts.iter().sum());
+    let mut want = Vec::with_capacity(recv_counts.iter().sum());
+    for j in 0..n {
+        send.extend((0..send_counts[j]).map(|k| T::small(routed(r, j, k))));
+        want.extend((0..recv_counts[j]).map(|k| routed(j, r, k)));
+    }
+    let mut recv = vec![T::small(UNWRITTEN); want.len()];
+    g.all_to_all_v(&send, &send_counts, &mut recv, &recv_counts)
+        .map_err(|e| e.to_string())?;
+    compare(&recv, |i| want[i])
+}
+
+/// The even `all_to_all` (blocks of `block` elements), checked like [`all_to_all_case`].
+fn all_to_all_even_case<T: Small>(g: &Group, block: usize) -> Result<(), String> {
+    let (r, n) = (g.rank(), g.size());
+    let send: Vec<T> = (0..n * block)
+        .map(|x| T::small(routed(r, x / block, x % block)))
+        .collect();
+    let mut recv = vec![T::small(UNWRITTEN); n * block];
+    g.all_to_all(&send, &mut recv).map_err(|e| e.to_string())?;
+    compare(&recv, |x| routed(x / block, r, x % block))
+}
+
+/// The all-to-all count tables of the suite (see [`a2a_count`]).
+const A2A_SHAPES: [&str; 4] = ["uneven", "empty peers", "lopsided", "all empty"];
+
+/// Elements rank i sends to rank j in the table `shape`, around `block` per pair.
+fn a2a_count(shape: &str, block: usize, i: usize, j: usize) -> usize {
+    match shape {
+        "uneven" => (block + i * 3 + j * 5) % (block + 3),
+        // Rank 0 receives nothing, and every rank skips the peers of its parity.
+        "empty peers" if j == 0 || (i + j).is_multiple_of(2) => 0,
+        "empty peers" => block + i,
+        // One rank sends far more than the rest (past the local backend's scratch slot).
+        "lopsided" if i == 0 => 20_000,
+        "lopsided" => 3 + j,
+        _ => 0,
+    }
+}
+
+fn every_dtype_all_to_all(rep: &mut Report, g: &Group, label: &str, block: usize) {
+    let counts = move |i, j| a2a_count("uneven", block, i, j);
+    let name = |t: &str| format!("{label}: all_to_all_v {t} uneven block={block}");
+    rep.check(&name("f32"), all_to_all_case::<f32>(g, counts));
+    rep.check(&name("f64"), all_to_all_case::<f64>(g, counts));
+    rep.check(&name("f16"), all_to_all_case::<f16>(g, counts));
+    rep.check(&name("bf16"), all_to_all_case::<bf16>(g, counts));
+    rep.check(&name("i32"), all_to_all_case::<i32>(g, counts));
+    rep.check(&name("i64"), all_to_all_case::<i64>(g, counts));
+    rep.check(&name("u8"), all_to_all_case::<u8>(g, counts));
+    rep.check(&name("u32"), all_to_all_case::<u32>(g, counts));
+    rep.check(&name("u64"), all_to_all_case::<u64>(g, counts));
 }
 
 fn reduce_scatter_case<T: Small>(g: &Group, counts: &[usize], op: ReduceOp) -> Result<(), String> {
@@ -314,6 +386,8 @@ fn mesh_sums(pg: &ProcessGroups) -> Result<(), String> {
                 x[0]
             ));
         }
+        all_to_all_case::<u32>(g, |i, j| (i + 2 * j) % 3)
+            .map_err(|e| format!("{label} group all_to_all_v: {e}"))?;
     }
     Ok(())
 }
@@ -354,6 +428,20 @@ fn run_on(rep: &mut Report, g: &Group, label: &str) {
                 broadcast_case::<f32>(g, count, root),
             );
         }
+        let block = count / n.max(1);
+        for (t, r) in [
+            ("f32", all_to_all_even_case::<f32>(g, block)),
+            ("u8", all_to_all_even_case::<u8>(g, block)),
+            ("bf16", all_to_all_even_case::<bf16>(g, block)),
+        ] {
+            rep.check(&format!("{label}: all_to_all {t} block={block}"), r);
+        }
+        for shape in A2A_SHAPES {
+            let counts = |i, j| a2a_count(shape, block, i, j);
+            let desc = format!("{label}: all_to_all_v {shape} block={block}");
+            rep.check(&format!("{desc} f32"), all_to_all_case::<f32>(g, &counts));
+            rep.check(&format!("{desc} u8"), all_to_all_case::<u8>(g, &counts));
+        }
         rep.check(
             &format!("{label}: broadcast u8 count={count}"),
             broadcast_case::<u8>(g, count, n - 1),
@@ -366,6 +454,9 @@ fn run_on(rep: &mut Report, g: &Group, label: &str) {
             &format!("{label}: ring send/recv i32 count={count}"),
             ring_case::<i32>(g, count, 6),
         );
+    }
+    for block in [7usize, 16_385] {
+        every_dtype_all_to_all(rep, g, label, block);
     }
     // Past the one-message limit of the MPI backend and over several of its chunks.
     for count in [1023usize, 600_001] {

@@ -35,6 +35,8 @@ pub enum OpKind {
     Send,
     Recv,
     Split,
+    /// Appended last: codes of the others stay as they were on the wire.
+    AllToAll,
 }
 
 impl OpKind {
@@ -48,6 +50,7 @@ impl OpKind {
             OpKind::Send => "send",
             OpKind::Recv => "recv",
             OpKind::Split => "split",
+            OpKind::AllToAll => "all_to_all",
         }
     }
     pub fn code(self) -> u8 {
@@ -64,6 +67,7 @@ impl OpKind {
             Send,
             Recv,
             Split,
+            AllToAll,
         ]
         .get(usize::from(code).checked_sub(1)?)
         .copied()
@@ -83,7 +87,9 @@ pub struct Fingerprint {
     /// The call's sequence number within its group (0-based, counted per group).
     pub seq: u64,
     pub dtype: DType,
-    /// Elements this rank contributes (all_gather, reduce_scatter: the whole buffer).
+    /// Elements this rank contributes (all_gather, reduce_scatter: the whole buffer;
+    /// all_to_all: 0, its per-pair counts are checked on their own, see
+    /// [`CommError::CountsMismatch`]).
     pub count: u64,
     /// Op-specific detail that must match: reduce op, root, or a hash of the counts.
     pub detail: u64,
@@ -148,6 +154,25 @@ pub enum CommError {
         flight_record: String,
     },
     #[error(
+        "counts disagree (desync) in {op} #{seq} of a {group_size}-rank group: rank {sender} \
+         sends {sent} elements to rank {receiver}, which expects {expected} from it (seen on \
+         rank {rank}); every rank's send count for rank j must equal rank j's receive count \
+         for it"
+    )]
+    CountsMismatch {
+        rank: usize,
+        op: OpKind,
+        seq: u64,
+        /// World ranks of the pair that disagrees.
+        sender: usize,
+        receiver: usize,
+        /// Elements the sender's counts send, and the receiver's counts expect.
+        sent: usize,
+        expected: usize,
+        group_size: usize,
+        flight_record: String,
+    },
+    #[error(
         "rank {rank} timed out after {waited:?} in {op} #{seq} of a {group_size}-rank group, \
          still waiting for ranks {missing:?}; raise the collective deadline if they are just slow"
     )]
@@ -199,6 +224,7 @@ impl CommError {
         match self {
             CommError::PeerLost { flight_record, .. }
             | CommError::Mismatch { flight_record, .. }
+            | CommError::CountsMismatch { flight_record, .. }
             | CommError::Timeout { flight_record, .. }
             | CommError::Poisoned { flight_record, .. } => Some(flight_record.as_str()),
             _ => None,

@@ -58,6 +58,21 @@ impl<T: Intercept> Communicator for T {
                 .reduce_scatter_bytes(send, recv, dtype, counts, op),
         }
     }
+    fn all_to_all_bytes(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+        dtype: DType,
+    ) -> Result<()> {
+        match self.before(OpKind::AllToAll) {
+            Some(r) => r,
+            None => self
+                .inner()
+                .all_to_all_bytes(send, send_counts, recv, recv_counts, dtype),
+        }
+    }
     fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize) -> Result<()> {
         match self.before(OpKind::Broadcast) {
             Some(r) => r,

@@ -1,5 +1,6 @@
 //! The MPI backend under `mpirun`: the conformance suite at 2, 3 and 4 ranks, and the three
-//! failure drills (R1 lost peer: panic and early exit, R2 desync, R3 deadline) at 3 ranks, and the
+//! failure drills (R1 lost peer: panic and early exit, R2 desync, R3 deadline) at 3 ranks, on
+//! all_reduce and on all_to_all_v (whose desync is disagreeing counts), and the
 //! `TP_NET_DELAY_US` hook (bad values refused, results right with it on). Needs `mpirun` on PATH
 //! (Debian/Ubuntu: `apt-get install openmpi-bin libopenmpi-dev`); without it the tests fail.
 #![cfg(feature = "mpi")]
@@ -65,7 +66,14 @@ fn conformance_2_ranks_without_fingerprint_exchange() {
 }
 
 fn drill(name: &str, expect: &[&str]) {
-    let r = mpi(3, &["--drill", name], Duration::from_secs(30));
+    drill_on(&["--drill", name], expect);
+}
+
+/// A drill with the command-line `args`: it fails within 30 s, the call after the failure is
+/// refused, and every line of `expect` is in the output.
+fn drill_on(args: &[&str], expect: &[&str]) {
+    let name = args.join(" ");
+    let r = mpi(3, args, Duration::from_secs(30));
     assert_ne!(r.code, Some(0), "drill {name} exited 0:\n{}", r.output);
     assert!(
         r.took < Duration::from_secs(30),
@@ -130,6 +138,42 @@ fn drill_exit_names_the_rank_that_returned() {
             "waited in all_reduce #2",
         ],
     );
+}
+
+#[test]
+fn all_to_all_drills_name_the_lost_rank_the_late_rank_and_the_disagreeing_pair() {
+    let a2a = |d: &'static str| ["--drill", d, "--op", "all_to_all"];
+    drill_on(
+        &a2a("panic"),
+        &[
+            "rank 1 is gone (panicked: drill: rank 1 panics",
+            "waited in all_to_all #2",
+        ],
+    );
+    drill_on(
+        &a2a("slow"),
+        &[
+            "timed out after 2s in all_to_all #2",
+            "still waiting for ranks [1]",
+        ],
+    );
+    // Rank 1 sends one element more to every peer than they expect: every rank (rank 1
+    // included) names the first pair of the table.
+    let expect = "counts disagree (desync) in all_to_all #2 of a 3-rank group: rank 1 sends 3 \
+                  elements to rank 0, which expects 2";
+    drill_on(&a2a("mismatch"), &[expect]);
+    // Rank 1 calls a barrier where the others call all_to_all: both fingerprints are named.
+    drill_on(
+        &a2a("barrier"),
+        &[
+            "collective mismatch",
+            "all_to_all #2 dtype=f32 count=0",
+            "barrier #2 dtype=u8 count=0",
+        ],
+    );
+    let r = mpi(3, &a2a("mismatch"), Duration::from_secs(30));
+    let per_rank = format!("drill mismatch: {expect}");
+    assert_eq!(r.output.matches(&per_rank).count(), 3, "{}", r.output);
 }
 
 #[test]

@@ -5,6 +5,7 @@
 //! [`Group`](crate::Group), and reports each rank's result. A rank whose closure panics or
 //! returns is marked departed at once, so peers waiting on it fail fast (R1).
 
+mod alltoall;
 mod barrier;
 mod group;
 mod ops;

@@ -41,7 +41,7 @@ impl std::fmt::Debug for LocalComm {
 
 /// Where a rank's contribution to a call lives.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Path {
+pub(super) enum Path {
     Scratch,
     Direct,
 }
@@ -62,7 +62,7 @@ impl LocalComm {
         }
     }
 
-    fn world_rank(&self) -> usize {
+    pub(super) fn world_rank(&self) -> usize {
         self.g.members[self.rank]
     }
 
@@ -74,7 +74,7 @@ impl LocalComm {
     }
 
     /// Runs one collective: entry bookkeeping, the op, and the flight record.
-    fn collective<R>(
+    pub(super) fn collective<R>(
         &self,
         op: OpKind,
         dtype: DType,
@@ -118,24 +118,24 @@ impl LocalComm {
 }
 
 /// The state of one collective call in progress.
-struct Call<'a> {
+pub(super) struct Call<'a> {
     comm: &'a LocalComm,
-    fp: Fingerprint,
+    pub(super) fp: Fingerprint,
     parity: usize,
     deadline: Instant,
 }
 
 impl Call<'_> {
-    fn g(&self) -> &GroupShared {
+    pub(super) fn g(&self) -> &GroupShared {
         &self.comm.g
     }
 
-    fn me(&self) -> usize {
+    pub(super) fn me(&self) -> usize {
         self.comm.world_rank()
     }
 
     /// Publishes this rank's contribution: a copy into scratch, or the buffer's address.
-    fn publish(&self, path: Path, data: *const u8, len: usize) {
+    pub(super) fn publish(&self, path: Path, data: *const u8, len: usize) {
         let slot = &self.g().slots[self.comm.rank];
         match path {
             // SAFETY: our own slot, before the barrier of this parity (see group.rs).
@@ -147,7 +147,7 @@ impl Call<'_> {
     }
 
     /// Start of rank `j`'s contribution.
-    fn source(&self, path: Path, j: usize) -> *const u8 {
+    pub(super) fn source(&self, path: Path, j: usize) -> *const u8 {
         let slot = &self.g().slots[j];
         match path {
             Path::Scratch => slot.scratch_ptr(self.parity),
@@ -156,7 +156,7 @@ impl Call<'_> {
     }
 
     /// The first barrier, with the deadline, then the fingerprint comparison.
-    fn meet(&self) -> Result<()> {
+    pub(super) fn meet(&self) -> Result<()> {
         let g = self.g();
         let world = &g.world;
         let gen = match g.barrier.arrive() {
@@ -190,7 +190,7 @@ impl Call<'_> {
     }
 
     /// The second barrier of a direct call: peers may still touch our buffer until it.
-    fn leave(&self) {
+    pub(super) fn leave(&self) {
         let g = self.g();
         let arrival = g.barrier.arrive();
         if let Ok(super::barrier::Arrival::Completed) = arrival {
@@ -299,7 +299,7 @@ fn part(count: usize, n: usize, j: usize) -> (usize, usize) {
     (lo, hi)
 }
 
-fn prefix(counts: &[usize]) -> Vec<usize> {
+pub(super) fn prefix(counts: &[usize]) -> Vec<usize> {
     let mut offs = Vec::with_capacity(counts.len() + 1);
     let mut acc = 0;
     offs.push(0);
@@ -466,6 +466,17 @@ impl Communicator for LocalComm {
             }
             Ok(())
         })
+    }
+
+    fn all_to_all_bytes(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+        dtype: DType,
+    ) -> Result<()> {
+        self.all_to_all_local(send, send_counts, recv, recv_counts, dtype)
     }
 
     fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize) -> Result<()> {

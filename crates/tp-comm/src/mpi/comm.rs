@@ -14,6 +14,7 @@ use std::sync::{Mutex, TryLockError};
 use std::time::Instant;
 
 mod allreduce;
+mod alltoall;
 mod ops;
 
 /// Waits the `TP_NET_DELAY_US` delay (if any) before a message step's sends.
@@ -228,7 +229,10 @@ impl MpiComm {
         if let Err(e) = &out {
             if matches!(
                 e,
-                CommError::PeerLost { .. } | CommError::Timeout { .. } | CommError::Mismatch { .. }
+                CommError::PeerLost { .. }
+                    | CommError::Timeout { .. }
+                    | CommError::Mismatch { .. }
+                    | CommError::CountsMismatch { .. }
             ) {
                 st.poisoned = Some(e.to_string());
             }
@@ -280,30 +284,68 @@ impl MpiComm {
         let mine_len = HDR + payload.len();
         let expect: Vec<usize> = peers.iter().map(|&j| HDR + theirs(j)).collect();
         let slot = expect.iter().copied().fold(mine_len, usize::max);
-        let ilen = raw::int_count(self.me(), mine_len, "the message (bytes)")?;
-        let islot = raw::int_count(self.me(), slot, "the message (bytes)")?;
         let mine = pack(fp);
         {
             let s = st.send.bytes(mine_len);
-            for (w, o) in mine.iter().zip(s.chunks_exact_mut(8)) {
-                o.copy_from_slice(&w.to_le_bytes());
-            }
+            write_header(&mine, s);
             s[HDR..].copy_from_slice(payload);
         }
-        let sp = st.send.bytes(mine_len).as_ptr();
-        let rp = st.recv.bytes(slot * np).as_mut_ptr();
+        let sends = vec![(0, mine_len); np];
+        let recvs: Vec<(usize, usize)> = (0..np).map(|k| (k * slot, slot)).collect();
+        let got = self.post_exchange(st, fp, &sends, &recvs, deadline)?;
+        let recv = st.recv.bytes(slot * np);
+        for (k, &j) in peers.iter().enumerate() {
+            let at = &recv[k * slot..(k + 1) * slot];
+            let words = read_header(at);
+            if got[k] == expect[k] && (!check || words == mine) {
+                continue;
+            }
+            return Err(self.peer_error(fp, j, got[k], expect[k], &words));
+        }
+        Ok(slot)
+    }
+
+    /// The message exchange under [`Self::swap_v`] and all_to_all: posts, for each peer `k` of
+    /// [`Self::peers`], a receive into `recvs[k]` (offset, bytes) of the receive scratch and a
+    /// send of `sends[k]` of the send scratch (filled by the caller) on the control
+    /// communicator, and polls them all with the deadline. Returns the bytes each peer's
+    /// message carried (`usize::MAX`: longer than its receive, truncated by MPI; its first
+    /// bytes, the fingerprint among them, are there). A lost peer or the deadline leaks both
+    /// scratch buffers (MPI may still use them) and is the error.
+    fn post_exchange(
+        &self,
+        st: &mut State,
+        fp: &Fingerprint,
+        sends: &[(usize, usize)],
+        recvs: &[(usize, usize)],
+        deadline: Instant,
+    ) -> Result<Vec<usize>> {
+        let peers = self.peers();
+        let np = peers.len();
+        let end = |v: &[(usize, usize)]| v.iter().map(|&(o, l)| o + l).max().unwrap_or(0);
+        let isends = sends
+            .iter()
+            .map(|&(_, l)| raw::int_count(self.me(), l, "the message (bytes)"))
+            .collect::<Result<Vec<_>>>()?;
+        let irecvs = recvs
+            .iter()
+            .map(|&(_, l)| raw::int_count(self.me(), l, "the message (bytes)"))
+            .collect::<Result<Vec<_>>>()?;
+        let sp = st.send.bytes(end(sends)).as_ptr();
+        let rp = st.recv.bytes(end(recvs)).as_mut_ptr();
         let mut reqs = vec![raw::null_request(); 2 * np];
         wait_net_delay(self.g);
         {
             let _l = raw::lock();
             for (k, &j) in peers.iter().enumerate() {
-                // SAFETY: the receive scratch holds `np` slots of `slot` bytes and the send
-                // scratch `mine_len` bytes; both are leaked below if a request does not complete.
+                // SAFETY: receive `k` lies inside the receive scratch and send `k` inside the
+                // send scratch (both sized to the furthest end above); both are leaked below if
+                // a request does not complete.
                 unsafe {
                     raw::check(
                         ffi::MPI_Irecv(
-                            rp.add(k * slot).cast(),
-                            islot,
+                            rp.add(recvs[k].0).cast(),
+                            irecvs[k],
                             raw::byte_type(),
                             j as c_int,
                             FP_TAG,
@@ -314,8 +356,8 @@ impl MpiComm {
                     )?;
                     raw::check(
                         ffi::MPI_Isend(
-                            sp.cast(),
-                            ilen,
+                            sp.add(sends[k].0).cast(),
+                            isends[k],
                             raw::byte_type(),
                             j as c_int,
                             FP_TAG,
@@ -327,7 +369,7 @@ impl MpiComm {
                 }
             }
         }
-        self.g.count_sent(mine_len * np);
+        self.g.count_sent(sends.iter().map(|&(_, l)| l).sum());
         // Per peer: the bytes its message carried, or None while it has not arrived.
         let mut got: Vec<Option<usize>> = vec![None; np];
         let mut idx = vec![0 as c_int; 2 * np];
@@ -385,49 +427,49 @@ impl MpiComm {
                 _ => self.timeout(fp, missing),
             });
         }
-        let recv = st.recv.bytes(slot * np);
-        for (k, &j) in peers.iter().enumerate() {
-            let bytes = got[k].unwrap_or(0);
-            let len = expect[k];
-            let at = &recv[k * slot..(k + 1) * slot];
-            let words: Vec<u64> = at[..HDR]
-                .chunks_exact(8)
-                .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-                .collect();
-            let readable = bytes >= HDR;
-            if bytes == len && (!check || words == mine) {
-                continue;
-            }
-            let other_rank = self.members[j];
-            let theirs = readable.then(|| unpack(&words)).flatten();
-            return Err(match theirs {
-                Some(theirs) if theirs != *fp => CommError::Mismatch {
-                    rank: self.me(),
-                    other_rank,
-                    mine: *fp,
-                    theirs,
-                    group_size: self.members.len(),
-                    flight_record: self.g.flight_record(),
+        Ok(got.into_iter().map(|b| b.unwrap_or(0)).collect())
+    }
+
+    /// The error for peer `j` (group rank) whose message of `bytes` bytes (`usize::MAX`:
+    /// more than `len`) does not match ours: its fingerprint differs (`Mismatch`, naming
+    /// both), or it is unreadable or of another length with the same fingerprint.
+    fn peer_error(
+        &self,
+        fp: &Fingerprint,
+        j: usize,
+        bytes: usize,
+        len: usize,
+        words: &[u64],
+    ) -> CommError {
+        let other_rank = self.members[j];
+        let readable = bytes >= HDR;
+        let theirs = readable.then(|| unpack(words)).flatten();
+        match theirs {
+            Some(theirs) if theirs != *fp => CommError::Mismatch {
+                rank: self.me(),
+                other_rank,
+                mine: *fp,
+                theirs,
+                group_size: self.members.len(),
+                flight_record: self.g.flight_record(),
+            },
+            _ => CommError::Backend(format!(
+                "rank {other_rank} sent a message of {} for {} #{} where {len} bytes were \
+                 expected, with {}; are both ranks running the same build of tp?",
+                if bytes == usize::MAX {
+                    "more bytes".to_string()
+                } else {
+                    format!("{bytes} bytes")
                 },
-                _ => CommError::Backend(format!(
-                    "rank {other_rank} sent a message of {} for {} #{} where {len} bytes were \
-                     expected, with {}; are both ranks running the same build of tp?",
-                    if bytes == usize::MAX {
-                        "more bytes".to_string()
-                    } else {
-                        format!("{bytes} bytes")
-                    },
-                    fp.op,
-                    fp.seq,
-                    if readable {
-                        format!("fingerprint words {words:?}")
-                    } else {
-                        "no readable fingerprint".to_string()
-                    }
-                )),
-            });
+                fp.op,
+                fp.seq,
+                if readable {
+                    format!("fingerprint words {words:?}")
+                } else {
+                    "no readable fingerprint".to_string()
+                }
+            )),
         }
-        Ok(slot)
     }
 
     /// Starts a non-blocking op on the scratch buffers and waits for it; on failure the
@@ -510,6 +552,21 @@ fn world_ranks(comm: Comm, size: usize) -> Result<Vec<usize>> {
         .map(|r| {
             usize::try_from(r).map_err(|_| CommError::Backend("rank outside the world".into()))
         })
+        .collect()
+}
+
+/// Writes packed fingerprint words at the head of a message.
+fn write_header(words: &[u64; FP_WORDS], out: &mut [u8]) {
+    for (w, o) in words.iter().zip(out.chunks_exact_mut(8)) {
+        o.copy_from_slice(&w.to_le_bytes());
+    }
+}
+
+/// The fingerprint words at the head of a received message (`HDR` bytes or more).
+fn read_header(at: &[u8]) -> Vec<u64> {
+    at[..HDR]
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
         .collect()
 }
 

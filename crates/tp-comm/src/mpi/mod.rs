@@ -244,3 +244,48 @@ pub fn plain_all_reduce_f32(send: &[f32], recv: &mut [f32]) -> Result<()> {
         "MPI_Allreduce",
     )
 }
+
+/// A plain blocking `MPI_Alltoall` of f32 on the world, straight through the FFI: the
+/// reference column of all_to_all rows. Benchmark aid only, with the caveats of
+/// [`plain_all_reduce_f32`]; `send` and `recv` hold the same whole number of blocks, one per
+/// rank, on every rank.
+pub fn plain_all_to_all_f32(send: &[f32], recv: &mut [f32]) -> Result<()> {
+    let Some(g) = notice::global() else {
+        return Err(CommError::Backend(
+            "plain_all_to_all_f32 needs MpiRuntime::init first".into(),
+        ));
+    };
+    let n = g.world_size.max(1);
+    if send.len() != recv.len() || !send.len().is_multiple_of(n) {
+        return Err(CommError::InvalidArgument {
+            rank: g.world_rank,
+            message: format!(
+                "the send buffer has {} elements and the receive buffer {}; give both the \
+                 same multiple of the {n} ranks",
+                send.len(),
+                recv.len()
+            ),
+        });
+    }
+    if g.finalized.load(Ordering::SeqCst) {
+        return Err(CommError::Backend("MPI was already finalized".into()));
+    }
+    let block = raw::int_count(g.world_rank, send.len() / n, "a block")?;
+    let _l = raw::lock();
+    raw::check(
+        // SAFETY: both buffers hold `n` blocks of `block` f32s and outlive this blocking
+        // call; MPI is initialized and not finalized (checked above).
+        unsafe {
+            ffi::MPI_Alltoall(
+                send.as_ptr().cast(),
+                block,
+                ffi::RSMPI_FLOAT,
+                recv.as_mut_ptr().cast(),
+                block,
+                ffi::RSMPI_FLOAT,
+                ffi::RSMPI_COMM_WORLD,
+            )
+        },
+        "MPI_Alltoall",
+    )
+}

@@ -224,6 +224,17 @@ impl Communicator for MpiComm {
         })
     }
 
+    fn all_to_all_bytes(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+        dtype: DType,
+    ) -> Result<()> {
+        self.all_to_all_mpi(send, send_counts, recv, recv_counts, dtype)
+    }
+
     fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize) -> Result<()> {
         let me = self.me();
         let count = check::elements(me, buf.len(), dtype, "the buffer")?;
