@@ -104,6 +104,16 @@ fn gemm_min_tokens(qtype: QuantType) -> usize {
     }
 }
 
+/// Fewest tokens for which the AVX2 path unpacks a group's weights once for all its tiles
+/// (`dot_avx2`'s Q4_0/Q4_1/Q5_0/Q5_1, `gemm_avx2_k`'s Q2_K to Q6_K) instead of running the
+/// per-group kernels on the packed weights tile by tile: two tiles or more.
+const AVX2_MIN_TOKENS: usize = MAX_TILE + 1;
+
+/// Most bytes of quantized activations one AVX2 pass over the groups reads (half of the AMD
+/// kind's 512 KiB of L2 per core), and the fewest tokens a pass takes whatever their size.
+const AVX2_PASS_BUDGET: usize = 256 << 10;
+const AVX2_PASS_MIN: usize = 16;
+
 /// `rows * cols / block_len * block_bytes`, checked: the ggml byte size of a matrix.
 fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Result<usize, KernelError> {
     let block_len = qtype.block_len();
@@ -525,6 +535,12 @@ impl QuantMatrix {
         Ok(())
     }
 
+    /// The packed groups (tests call kernels on them directly).
+    #[cfg(test)]
+    pub(crate) fn packed_for_tests(&self) -> &[u8] {
+        &self.packed
+    }
+
     /// Blocks per row.
     fn nb(&self) -> usize {
         match self.sub_lead {
@@ -552,7 +568,7 @@ impl QuantMatrix {
             return;
         }
         if simd != Simd::Avx512 {
-            return self.run_tiles_with(simd, acts, &[], n, y);
+            return self.run_passes(simd, acts, n, y);
         }
         let nb = self.nb();
         let per_token = nb * A::PER_BLOCK;
@@ -576,6 +592,32 @@ impl QuantMatrix {
         with_scratch(&SCRATCH_X, len, |ex| run(ex, y));
     }
 
+    /// The AVX2 and scalar paths: where the AVX2 kernels unpack a group once for many tokens
+    /// (`n >= AVX2_MIN_TOKENS`), the tokens run in passes whose quantized activations stay
+    /// within [`AVX2_PASS_BUDGET`] (in L2 while every group reads them), each group unpacked
+    /// once per pass; otherwise all tokens in one pass.
+    fn run_passes<A: Activation, E: OutElem>(&self, simd: Simd, acts: &[A], n: usize, y: &mut [E]) {
+        let nb = self.nb();
+        let many = n >= AVX2_MIN_TOKENS && A::unpacked_len(self.qtype, simd, nb) > 0;
+        if !many || tile::legacy() {
+            return self.run_tiles_with(simd, acts, &[], n, y);
+        }
+        let fit = AVX2_PASS_BUDGET / (nb * std::mem::size_of::<A>()).max(1);
+        // Whole tiles, at least AVX2_PASS_MIN tokens; the last pass takes the rest.
+        let pass = (fit / MAX_TILE * MAX_TILE).max(AVX2_PASS_MIN);
+        let mut t0 = 0;
+        while t0 < n {
+            let t1 = if n - t0 < pass + AVX2_MIN_TOKENS {
+                n
+            } else {
+                t0 + pass
+            };
+            let y = &mut y[t0 * self.rows..t1 * self.rows];
+            self.run_tiles_with(simd, &acts[t0 * nb..t1 * nb], &[], t1 - t0, y);
+            t0 = t1;
+        }
+    }
+
     /// [`Self::run_tiles`] with the expanded activations (`ex`: empty, or `A::PER_BLOCK`
     /// vectors per activation block).
     fn run_tiles_with<A: Activation, E: OutElem>(
@@ -592,7 +634,7 @@ impl QuantMatrix {
         let mut tile_out = TileOut::default();
         // Weights unpacked once per group for all its tiles, where the kernels take that and
         // there are at least two tiles.
-        let unpack_len = if n > MAX_TILE && !tile::legacy() {
+        let unpack_len = if n >= AVX2_MIN_TOKENS && !tile::legacy() {
             A::unpacked_len(self.qtype, simd, nb)
         } else {
             0
@@ -972,8 +1014,8 @@ impl Activation for ActBlockK {
 
     fn unpacked_len(qtype: QuantType, simd: Simd, nb: usize) -> usize {
         #[cfg(target_arch = "x86_64")]
-        if simd == Simd::Avx2 && qtype == QuantType::Q6_K {
-            return nb * crate::dot_avx2_k::Q6K_UNPACKED;
+        if simd == Simd::Avx2 && crate::gemm_avx2_k::supports(qtype) {
+            return nb * crate::gemm_avx2_k::UNPACKED;
         }
         let _ = (qtype, simd, nb);
         0
@@ -982,13 +1024,13 @@ impl Activation for ActBlockK {
     fn unpack(qtype: QuantType, simd: Simd, group: &[u8], nb: usize, out: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
         if simd == Simd::Avx2
-            && qtype == QuantType::Q6_K
+            && crate::gemm_avx2_k::supports(qtype)
             && group.len() >= nb * group_block_bytes(qtype)
-            && out.len() >= nb * crate::dot_avx2_k::Q6K_UNPACKED
+            && out.len() >= nb * crate::gemm_avx2_k::UNPACKED
         {
             // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
             // F16C; the slice lengths were checked just above.
-            unsafe { crate::dot_avx2_k::unpack_q6k(group, nb, out) }
+            unsafe { crate::gemm_avx2_k::unpack(qtype, group, nb, out) }
         }
         let _ = (qtype, simd, group, nb, out);
     }
@@ -1006,15 +1048,13 @@ impl Activation for ActBlockK {
         match simd {
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2
-                if qtype == QuantType::Q6_K
-                    && tile.unpacked.len() >= nb * crate::dot_avx2_k::Q6K_UNPACKED =>
+                if crate::gemm_avx2_k::supports(qtype)
+                    && tile.unpacked.len() >= nb * crate::gemm_avx2_k::UNPACKED =>
             {
                 let u = tile.unpacked;
                 // SAFETY: as below, and `u` holds the group unpacked by `Self::unpack`
-                // (`nb * Q6K_UNPACKED` bytes, checked above).
-                unsafe {
-                    crate::dot_avx2_k::group_dot_q6k_unpacked(group, u, nb, acts, n, form, out)
-                }
+                // (`nb * UNPACKED` bytes, checked above) for this format.
+                unsafe { crate::gemm_avx2_k::group_dot(qtype, group, u, nb, acts, n, form, out) }
             }
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2 => {
