@@ -105,14 +105,11 @@ fn gemm_min_tokens(qtype: QuantType) -> usize {
 }
 
 /// Fewest tokens for which the AVX2 path unpacks a group's weights once for all its tiles
-/// (`dot_avx2`'s Q4_0/Q4_1/Q5_0/Q5_1, `gemm_avx2_k`'s Q2_K to Q6_K) instead of running the
-/// per-group kernels on the packed weights tile by tile: two tiles or more.
+/// (`dot_avx2`'s Q4_0/Q4_1/Q5_0/Q5_1, `gemm_avx2_k`'s Q2_K, Q3_K, Q5_K, Q6_K) instead of
+/// running the per-group kernels on the packed weights tile by tile: two tiles or more. At 5
+/// tokens `gemm_avx2_k` measured 1.00x (Q2_K), 1.31x (Q3_K), 1.12x (Q5_K) and 1.08x (Q6_K)
+/// the per-group kernels (`cargo bench -p tp-kernels --bench gemm`, AMD EPYC, load 3-4).
 const AVX2_MIN_TOKENS: usize = MAX_TILE + 1;
-
-/// Most bytes of quantized activations one AVX2 pass over the groups reads (half of the AMD
-/// kind's 512 KiB of L2 per core), and the fewest tokens a pass takes whatever their size.
-const AVX2_PASS_BUDGET: usize = 256 << 10;
-const AVX2_PASS_MIN: usize = 16;
 
 /// `rows * cols / block_len * block_bytes`, checked: the ggml byte size of a matrix.
 fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Result<usize, KernelError> {
@@ -568,7 +565,7 @@ impl QuantMatrix {
             return;
         }
         if simd != Simd::Avx512 {
-            return self.run_passes(simd, acts, n, y);
+            return self.run_tiles_with(simd, acts, &[], n, y);
         }
         let nb = self.nb();
         let per_token = nb * A::PER_BLOCK;
@@ -590,32 +587,6 @@ impl QuantMatrix {
             }
         };
         with_scratch(&SCRATCH_X, len, |ex| run(ex, y));
-    }
-
-    /// The AVX2 and scalar paths: where the AVX2 kernels unpack a group once for many tokens
-    /// (`n >= AVX2_MIN_TOKENS`), the tokens run in passes whose quantized activations stay
-    /// within [`AVX2_PASS_BUDGET`] (in L2 while every group reads them), each group unpacked
-    /// once per pass; otherwise all tokens in one pass.
-    fn run_passes<A: Activation, E: OutElem>(&self, simd: Simd, acts: &[A], n: usize, y: &mut [E]) {
-        let nb = self.nb();
-        let many = n >= AVX2_MIN_TOKENS && A::unpacked_len(self.qtype, simd, nb) > 0;
-        if !many || tile::legacy() {
-            return self.run_tiles_with(simd, acts, &[], n, y);
-        }
-        let fit = AVX2_PASS_BUDGET / (nb * std::mem::size_of::<A>()).max(1);
-        // Whole tiles, at least AVX2_PASS_MIN tokens; the last pass takes the rest.
-        let pass = (fit / MAX_TILE * MAX_TILE).max(AVX2_PASS_MIN);
-        let mut t0 = 0;
-        while t0 < n {
-            let t1 = if n - t0 < pass + AVX2_MIN_TOKENS {
-                n
-            } else {
-                t0 + pass
-            };
-            let y = &mut y[t0 * self.rows..t1 * self.rows];
-            self.run_tiles_with(simd, &acts[t0 * nb..t1 * nb], &[], t1 - t0, y);
-            t0 = t1;
-        }
     }
 
     /// [`Self::run_tiles`] with the expanded activations (`ex`: empty, or `A::PER_BLOCK`
