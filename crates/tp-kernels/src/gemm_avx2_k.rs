@@ -6,7 +6,8 @@
 //! The per-group kernels (`dot_avx2_k`) form the quants (nibbles, fifth bits, 2-bit pairs
 //! with `hmask`, 6-bit values) and the scale vectors again for every tile of 4 tokens, and in
 //! the sub-block form keep 8 sums per token until the super-block ends (32 registers at 4
-//! tokens: they spill). Here the unpacked group holds, per super-block, [`UNPACKED`] bytes:
+//! tokens, twice the 16 there are). Here the unpacked group holds, per super-block,
+//! [`UNPACKED`] bytes:
 //! - for 32-wide sub-block `j < 8` and word `w < 8` (columns `32j + 4w..32j + 4w + 4`), the 8
 //!   rows' unsigned quants (one row per 32-bit lane) at `(8j + w) * 32`: Q4_K the nibble,
 //!   Q5_K the nibble plus 16 where the fifth bit is set, Q2_K 0..=3, Q3_K 0..=7 (plus 4 where
