@@ -10,9 +10,9 @@
 //! K-quant down projection also in the sub-block form a model uses where tp shards cut
 //! inside super-blocks; Q2_K and Q3_K at its down shape and, 896 columns not being a whole
 //! number of super-blocks, a gate-like 4864 x 1024; IQ4_NL at SmolLM2's gate+up and down
-//! shapes, IQ4_XS at a square one.
+//! shapes, IQ4_XS at a square one; Qwen2.5-Coder-1.5B Q4_K_M's Q4_K and Q6_K products.
 //! Run: `cargo bench -p tp-kernels --bench gemm` (`TP_BENCH_ONLY=Q4_1` keeps the rows whose
-//! name contains the substring, `TP_BENCH_N=128,32` sets the token counts, `TP_BENCH_ROUNDS`
+//! name (format, shape, what it is) contains the substring, `TP_BENCH_N=128,32` sets the token counts, `TP_BENCH_ROUNDS`
 //! the rounds, 7 by default).
 
 mod timing;
@@ -48,6 +48,10 @@ fn cases() -> Vec<(QuantType, usize, usize, &'static str)> {
         (Q3_K, 896, 4864, "qwen down q3k"),
         (Q3_K, 896, 4864, "qwen down q3k (wide)"),
         (Q5_K, 1536, 1536, "q5_k"),
+        (Q4_K, 2048, 1536, "qwen1.5b qkv q4k"),
+        (Q4_K, 1536, 1536, "qwen1.5b o q4k (wide, sub-block form)"),
+        (Q4_K, 17920, 1536, "qwen1.5b gate+up q4k"),
+        (Q6_K, 1536, 8960, "qwen1.5b down q6k (wide)"),
         (IQ4_NL, 3072, 576, "gate+up-like iq4_nl"),
         (IQ4_NL, 576, 1536, "down-like iq4_nl (wide)"),
         (IQ4_XS, 1536, 1536, "iq4_xs"),
@@ -115,7 +119,8 @@ fn main() {
     println!("|---|---|---|---|---|---|---|");
     for (qtype, rows, cols, what) in cases() {
         let name = format!("{}_{rows}x{cols}", qtype.name());
-        if only.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
+        let label = format!("{name} ({what})");
+        if only.as_ref().is_some_and(|f| !label.contains(f.as_str())) {
             continue;
         }
         let bytes = ggml_bytes(qtype, rows, cols);

@@ -161,49 +161,88 @@ pub(crate) unsafe fn block_end<const WIDE: bool, const SUB: bool>(
             }
             return;
         }
+        let (dw, dmin) = sub_scales(tail, blk);
+        for (j, &sj) in s.iter().enumerate() {
+            add_wide(wide, sub_value(tail, blk, j, sj, x, dw, dmin));
+        }
+    }
+}
+
+/// The rows' `d` and (formats with minimums, otherwise zeros) `dmin` of super-block `blk`, as
+/// the sub-block form's tails ([`sub_value`]) take them.
+///
+/// # Safety
+/// `blk` points at a whole packed super-block of the format `tail` belongs to.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn sub_scales(tail: Tail, blk: *const u8) -> (__m256, __m256) {
+    // SAFETY: the scale fields lie inside the super-block (the caller's promise).
+    unsafe {
         let f16s = |off: usize| _mm256_cvtph_ps(_mm_loadu_si128(blk.add(off) as *const __m128i));
-        let (dw, dmin) = match tail {
+        match tail {
             Tail::Q4K => (f16s(q4k::D), f16s(q4k::DMIN)),
             Tail::Q2K => (f16s(q2k::D), f16s(q2k::DMIN)),
             Tail::Q3K => (f16s(q3k::D), _mm256_setzero_ps()),
             Tail::Q6K => (f16s(q6k::D), _mm256_setzero_ps()),
             Tail::Iq4Xs => (f16s(iq4xs::D), _mm256_setzero_ps()),
+        }
+    }
+}
+
+/// The sub-block form's contribution of 32-wide sub-block `j` (< 8) of super-block `blk` to a
+/// token's 8 rows, from `sj`, its exact scale-weighted integer sum (offsets not yet applied),
+/// the token's activation block `x`, and `(dw, dmin)` from [`sub_scales`] (formulas in
+/// `wide`). Every kernel's sub-block form ends here: this f32 arithmetic is what makes their
+/// bits agree.
+///
+/// # Safety
+/// `blk` points at a whole packed super-block of the format `tail` belongs to; `j < 8`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn sub_value(
+    tail: Tail,
+    blk: *const u8,
+    j: usize,
+    sj: __m256i,
+    x: &ActBlockK,
+    dw: __m256,
+    dmin: __m256,
+) -> __m256 {
+    // SAFETY: the scale and min fields of sub-block `j` lie inside the super-block (the
+    // caller's promise); the activation reads are inside `x`.
+    unsafe {
+        // Pair `j` of 16-wide sub-blocks (2j, 2j + 1) against their activation sums.
+        let bs16 = bcast4(x.bsum16.as_ptr().add(2 * j));
+        let v = match tail {
+            Tail::Q4K => {
+                // Sub-block j is one i16 of pair j / 2: the other one meets a zero sum.
+                let bsum = x.bsum32[j] as u16 as i32;
+                let bs = _mm256_set1_epi32(bsum << (16 * (j % 2)));
+                min_value(
+                    dw,
+                    dmin,
+                    sj,
+                    _mm256_madd_epi16(pairs_u8(blk.add(q4k::MIN + 16 * (j / 2))), bs),
+                )
+            }
+            Tail::Q2K => {
+                let m32 = _mm256_madd_epi16(pairs_u8(blk.add(q2k::MIN + 16 * j)), bs16);
+                min_value(dw, dmin, sj, m32)
+            }
+            Tail::Q3K => {
+                offset_value::<2>(dw, sj, pairs_i8(blk.add(q3k::SC + 16 * j)), bs16, x.ds[j])
+            }
+            Tail::Q6K => {
+                offset_value::<5>(dw, sj, pairs_i8(blk.add(q6k::SC + 16 * j)), bs16, x.ds[j])
+            }
+            Tail::Iq4Xs => _mm256_mul_ps(
+                _mm256_cvtepi32_ps(sj),
+                _mm256_mul_ps(dw, _mm256_set1_ps(x.ds[j])),
+            ),
         };
-        for (j, &sj) in s.iter().enumerate() {
-            // Pair `j` of 16-wide sub-blocks (2j, 2j + 1) against their activation sums.
-            let bs16 = bcast4(x.bsum16.as_ptr().add(2 * j));
-            let v = match tail {
-                Tail::Q4K => {
-                    // Sub-block j is one i16 of pair j / 2: the other one meets a zero sum.
-                    let bsum = x.bsum32[j] as u16 as i32;
-                    let bs = _mm256_set1_epi32(bsum << (16 * (j % 2)));
-                    min_value(
-                        dw,
-                        dmin,
-                        sj,
-                        _mm256_madd_epi16(pairs_u8(blk.add(q4k::MIN + 16 * (j / 2))), bs),
-                    )
-                }
-                Tail::Q2K => {
-                    let m32 = _mm256_madd_epi16(pairs_u8(blk.add(q2k::MIN + 16 * j)), bs16);
-                    min_value(dw, dmin, sj, m32)
-                }
-                Tail::Q3K => {
-                    offset_value::<2>(dw, sj, pairs_i8(blk.add(q3k::SC + 16 * j)), bs16, x.ds[j])
-                }
-                Tail::Q6K => {
-                    offset_value::<5>(dw, sj, pairs_i8(blk.add(q6k::SC + 16 * j)), bs16, x.ds[j])
-                }
-                Tail::Iq4Xs => _mm256_mul_ps(
-                    _mm256_cvtepi32_ps(sj),
-                    _mm256_mul_ps(dw, _mm256_set1_ps(x.ds[j])),
-                ),
-            };
-            let v = match tail {
-                Tail::Q4K | Tail::Q2K => _mm256_mul_ps(_mm256_set1_ps(x.ds[j]), v),
-                Tail::Q3K | Tail::Q6K | Tail::Iq4Xs => v,
-            };
-            add_wide(wide, v);
+        match tail {
+            Tail::Q4K | Tail::Q2K => _mm256_mul_ps(_mm256_set1_ps(x.ds[j]), v),
+            Tail::Q3K | Tail::Q6K | Tail::Iq4Xs => v,
         }
     }
 }
@@ -417,7 +456,7 @@ pub(crate) fn dup_half<const HI: bool>(v: __m256i) -> __m256i {
 /// The 6-bit values of quarters 0..4 of Q6_K word `i` of half `h` (8 rows x 4 columns each).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6_quarters(blk: *const u8, h: usize, i: usize) -> [__m256i; 4] {
+pub(crate) unsafe fn q6_quarters(blk: *const u8, h: usize, i: usize) -> [__m256i; 4] {
     // SAFETY: the caller passes a group super-block; the words are inside it.
     unsafe {
         let t = blk.add(q6k::triple(h, i));
@@ -709,7 +748,7 @@ unsafe fn iq4xs<const T: usize, const WIDE: bool, const SUB: bool>(
 /// `qs` (and `hm` for Q3_K) point at the packed `qs` (`hmask`) words of a group super-block.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn k23_quants<const HMASK: bool>(
+pub(crate) unsafe fn k23_quants<const HMASK: bool>(
     qs: *const u8,
     hm: *const u8,
     h: usize,
@@ -840,180 +879,6 @@ unsafe fn q3k<const T: usize, const WIDE: bool, const SUB: bool>(
             for t in 0..T {
                 let x = &*acts[t].add(b);
                 block_end::<WIDE, SUB>(Tail::Q3K, blk, &s32[t], x, &mut acc[t], &mut wide[t]);
-            }
-        }
-        for t in 0..T {
-            store::<WIDE>(out, t, acc[t], wide[t]);
-        }
-    }
-}
-
-/// Bytes of one unpacked Q6_K group super-block ([`unpack_q6k`]): for half `h < 2`, word
-/// `i < 8` and quarter `k < 4`, the 8 rows' 6-bit values (0..=63) of that word and quarter
-/// (32 bytes, one row per 32-bit lane) at `((8h + i) * 4 + k) * 32`.
-pub(crate) const Q6K_UNPACKED: usize = 2048;
-
-/// Unpacks the `nb` Q6_K group super-blocks of `group` into `out` (`nb * Q6K_UNPACKED`
-/// bytes): the 6-bit values the Q6_K kernel above forms in registers for every tile (low
-/// nibbles with their two high bits), formed once for all tiles of a product.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C; `group.len() >= nb * q6k::BYTES`;
-/// `out.len() >= nb * Q6K_UNPACKED`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn unpack_q6k(group: &[u8], nb: usize, out: &mut [u8]) {
-    // SAFETY: super-block `b < nb` spans `b * q6k::BYTES..(b + 1) * q6k::BYTES` of `group`
-    // and its unpacked form `b * Q6K_UNPACKED..(b + 1) * Q6K_UNPACKED` of `out` (the
-    // caller's promise); `q6_quarters` reads inside the super-block.
-    unsafe {
-        for b in 0..nb {
-            let blk = group.as_ptr().add(b * q6k::BYTES);
-            prefetch_next(blk, q6k::BYTES);
-            let dst = out.as_mut_ptr().add(b * Q6K_UNPACKED);
-            for h in 0..2 {
-                for i in 0..8 {
-                    let q = q6_quarters(blk, h, i);
-                    for (k, qk) in q.iter().enumerate() {
-                        let at = ((8 * h + i) * 4 + k) * 32;
-                        _mm256_storeu_si256(dst.add(at) as *mut __m256i, *qk);
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// [`group_dot`] for a Q6_K group already unpacked by [`unpack_q6k`] (`unpacked`): the same
-/// integer sums and the same tails per token, hence the same bits.
-///
-/// # Safety
-/// As for [`group_dot`] with `qtype` Q6_K, and `unpacked.len() >= nb * Q6K_UNPACKED`,
-/// unpacked from `group`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn group_dot_q6k_unpacked(
-    group: &[u8],
-    unpacked: &[u8],
-    nb: usize,
-    acts: &[ActBlockK],
-    tile: usize,
-    form: Form,
-    out: &mut TileOut,
-) {
-    let (g, u, a) = (group.as_ptr(), unpacked.as_ptr(), acts.as_ptr());
-    // SAFETY: the caller guarantees the CPU features and the slice lengths.
-    unsafe {
-        macro_rules! by_tokens_u {
-            ($($c:literal),*) => {
-                match tile {
-                    1 => q6ku::<1, $($c),*>(g, u, nb, ptrs(a, nb), out),
-                    2 => q6ku::<2, $($c),*>(g, u, nb, ptrs(a, nb), out),
-                    3 => q6ku::<3, $($c),*>(g, u, nb, ptrs(a, nb), out),
-                    _ => q6ku::<4, $($c),*>(g, u, nb, ptrs(a, nb), out),
-                }
-            };
-        }
-        match form {
-            Form::F32 => by_tokens_u!(false, false),
-            Form::Wide => by_tokens_u!(true, false),
-            Form::WideSub => by_tokens_u!(true, true),
-        }
-    }
-}
-
-/// [`q6_words`] with the 6-bit values of words `i` and `i + 1` read from the unpacked
-/// super-block `u`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn q6_words_u<const T: usize, const SUB: bool>(
-    u: *const u8,
-    h: usize,
-    i: usize,
-    sc: &[__m256i; 4],
-    acts: &[*const ActBlockK; T],
-    b: usize,
-    s32: &mut [[__m256i; 8]; T],
-) {
-    // SAFETY: unpacked reads at `((8h + i + 0..2) * 4 + k) * 32 + 0..32 < Q6K_UNPACKED`;
-    // activation reads as in `q6_words`.
-    unsafe {
-        let w0 = u.add((8 * h + i) * 128);
-        let w1 = u.add((8 * h + i + 1) * 128);
-        let q0 = [
-            load(w0),
-            load(w0.add(32)),
-            load(w0.add(64)),
-            load(w0.add(96)),
-        ];
-        let q1 = [
-            load(w1),
-            load(w1.add(32)),
-            load(w1.add(64)),
-            load(w1.add(96)),
-        ];
-        for t in 0..T {
-            let xq = (*acts[t].add(b)).qs.as_ptr().add(128 * h + 4 * i);
-            let mut s = s32[t];
-            macro_rules! quarter {
-                ($k:literal) => {
-                    let p0 = _mm256_maddubs_epi16(q0[$k], bcast4(xq.add(32 * $k)));
-                    let p1 = _mm256_maddubs_epi16(q1[$k], bcast4(xq.add(32 * $k + 4)));
-                    let p = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), sc[$k]);
-                    let j = if SUB { 4 * h + $k } else { 0 };
-                    s[j] = _mm256_add_epi32(s[j], p);
-                };
-            }
-            quarter!(0);
-            quarter!(1);
-            quarter!(2);
-            quarter!(3);
-            s32[t] = s;
-        }
-    }
-}
-
-/// [`q6k`] with the quants read from the unpacked group `unpacked`.
-///
-/// # Safety
-/// As for [`group_dot_q6k_unpacked`], with `acts[t]` pointing at token `t`'s `nb` blocks.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6ku<const T: usize, const WIDE: bool, const SUB: bool>(
-    group: *const u8,
-    unpacked: *const u8,
-    nb: usize,
-    acts: [*const ActBlockK; T],
-    out: &mut TileOut,
-) {
-    // SAFETY: scale reads are inside group super-block `b < nb`, quant reads inside unpacked
-    // super-block `b`, activation reads inside block `b` of each token.
-    unsafe {
-        let mut acc = [_mm256_setzero_ps(); T];
-        let mut wide = [[_mm256_setzero_pd(); 2]; T];
-        for b in 0..nb {
-            let blk = group.add(b * q6k::BYTES);
-            let u = unpacked.add(b * Q6K_UNPACKED);
-            let mut s32 = [[_mm256_setzero_si256(); 8]; T];
-            for h in 0..2 {
-                for half in 0..2 {
-                    let mut sc = [_mm256_setzero_si256(); 4];
-                    for (k, sck) in sc.iter_mut().enumerate() {
-                        let scp = pairs_i8(blk.add(q6k::SC + 16 * (4 * h + k)));
-                        *sck = if half == 1 {
-                            dup_half::<true>(scp)
-                        } else {
-                            dup_half::<false>(scp)
-                        };
-                    }
-                    let i0 = 4 * half;
-                    q6_words_u::<T, SUB>(u, h, i0, &sc, &acts, b, &mut s32);
-                    q6_words_u::<T, SUB>(u, h, i0 + 2, &sc, &acts, b, &mut s32);
-                }
-            }
-            for t in 0..T {
-                let x = &*acts[t].add(b);
-                block_end::<WIDE, SUB>(Tail::Q6K, blk, &s32[t], x, &mut acc[t], &mut wide[t]);
             }
         }
         for t in 0..T {

@@ -26,6 +26,8 @@ mod error;
 mod expand;
 mod format;
 #[cfg(target_arch = "x86_64")]
+mod gemm_avx2_k;
+#[cfg(target_arch = "x86_64")]
 mod gemm_avx512;
 #[cfg(target_arch = "x86_64")]
 mod gemm_avx512_iq4xs;

@@ -104,6 +104,13 @@ fn gemm_min_tokens(qtype: QuantType) -> usize {
     }
 }
 
+/// Fewest tokens for which the AVX2 path unpacks a group's weights once for all its tiles
+/// (`dot_avx2`'s Q4_0/Q4_1/Q5_0/Q5_1, `gemm_avx2_k`'s Q2_K, Q3_K, Q5_K, Q6_K) instead of
+/// running the per-group kernels on the packed weights tile by tile: two tiles or more. At 5
+/// tokens `gemm_avx2_k` measured 1.00x (Q2_K), 1.31x (Q3_K), 1.12x (Q5_K) and 1.08x (Q6_K)
+/// the per-group kernels (`cargo bench -p tp-kernels --bench gemm`, AMD EPYC, load 3-4).
+const AVX2_MIN_TOKENS: usize = MAX_TILE + 1;
+
 /// `rows * cols / block_len * block_bytes`, checked: the ggml byte size of a matrix.
 fn ggml_bytes(qtype: QuantType, rows: usize, cols: usize) -> Result<usize, KernelError> {
     let block_len = qtype.block_len();
@@ -525,6 +532,12 @@ impl QuantMatrix {
         Ok(())
     }
 
+    /// The packed groups (tests call kernels on them directly).
+    #[cfg(test)]
+    pub(crate) fn packed_for_tests(&self) -> &[u8] {
+        &self.packed
+    }
+
     /// Blocks per row.
     fn nb(&self) -> usize {
         match self.sub_lead {
@@ -592,7 +605,7 @@ impl QuantMatrix {
         let mut tile_out = TileOut::default();
         // Weights unpacked once per group for all its tiles, where the kernels take that and
         // there are at least two tiles.
-        let unpack_len = if n > MAX_TILE && !tile::legacy() {
+        let unpack_len = if n >= AVX2_MIN_TOKENS && !tile::legacy() {
             A::unpacked_len(self.qtype, simd, nb)
         } else {
             0
@@ -972,8 +985,8 @@ impl Activation for ActBlockK {
 
     fn unpacked_len(qtype: QuantType, simd: Simd, nb: usize) -> usize {
         #[cfg(target_arch = "x86_64")]
-        if simd == Simd::Avx2 && qtype == QuantType::Q6_K {
-            return nb * crate::dot_avx2_k::Q6K_UNPACKED;
+        if simd == Simd::Avx2 && crate::gemm_avx2_k::supports(qtype) {
+            return nb * crate::gemm_avx2_k::UNPACKED;
         }
         let _ = (qtype, simd, nb);
         0
@@ -982,13 +995,13 @@ impl Activation for ActBlockK {
     fn unpack(qtype: QuantType, simd: Simd, group: &[u8], nb: usize, out: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
         if simd == Simd::Avx2
-            && qtype == QuantType::Q6_K
+            && crate::gemm_avx2_k::supports(qtype)
             && group.len() >= nb * group_block_bytes(qtype)
-            && out.len() >= nb * crate::dot_avx2_k::Q6K_UNPACKED
+            && out.len() >= nb * crate::gemm_avx2_k::UNPACKED
         {
             // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
             // F16C; the slice lengths were checked just above.
-            unsafe { crate::dot_avx2_k::unpack_q6k(group, nb, out) }
+            unsafe { crate::gemm_avx2_k::unpack(qtype, group, nb, out) }
         }
         let _ = (qtype, simd, group, nb, out);
     }
@@ -1006,15 +1019,13 @@ impl Activation for ActBlockK {
         match simd {
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2
-                if qtype == QuantType::Q6_K
-                    && tile.unpacked.len() >= nb * crate::dot_avx2_k::Q6K_UNPACKED =>
+                if crate::gemm_avx2_k::supports(qtype)
+                    && tile.unpacked.len() >= nb * crate::gemm_avx2_k::UNPACKED =>
             {
                 let u = tile.unpacked;
                 // SAFETY: as below, and `u` holds the group unpacked by `Self::unpack`
-                // (`nb * Q6K_UNPACKED` bytes, checked above).
-                unsafe {
-                    crate::dot_avx2_k::group_dot_q6k_unpacked(group, u, nb, acts, n, form, out)
-                }
+                // (`nb * UNPACKED` bytes, checked above) for this format.
+                unsafe { crate::gemm_avx2_k::group_dot(qtype, group, u, nb, acts, n, form, out) }
             }
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2 => {

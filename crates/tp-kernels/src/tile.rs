@@ -5,8 +5,8 @@
 use crate::pack::GROUP_ROWS;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// Most tokens one kernel call handles: each weight block is unpacked once per tile, or (AVX2,
-/// 4- and 5-bit formats) once per product. Tiles of 8 were tried on AVX2: the 16 vector
+/// Most tokens one kernel call handles: each weight block is unpacked once per tile, or (AVX2:
+/// Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K; from 5 tokens) once per product. Tiles of 8 were tried on AVX2: the 16 vector
 /// registers then hold neither the tokens' accumulators nor their partial sums, and the
 /// spills cost more than the shared unpacking saves.
 pub(crate) const MAX_TILE: usize = 4;
