@@ -49,6 +49,7 @@ pub struct Metrics {
     pub connections_max: Gauge,
     pub connections_refused: Counter,
     pub connections_dropped: Counter,
+    pub connections_evicted: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -119,6 +120,10 @@ impl Metrics {
             cancelled: c("tp_requests_cancelled_total"),
             connections_refused: c("tp_connections_refused_total"),
             connections_dropped: c("tp_connections_dropped_total"),
+            connections_evicted: {
+                describe("tp_connections_evicted_total", "Connections without a complete request closed at the connection cap to make room for a new one (oldest first)");
+                c("tp_connections_evicted_total")
+            },
             connections_open: g("tp_connections_open", "HTTP connections open (served)"),
             connections_max: g(
                 "tp_connections_max",
