@@ -1,0 +1,239 @@
+//! The built-in chat page in a real browser (headless Chromium over the DevTools protocol)
+//! against a synthetic model served at tp 2: a message typed and sent with the keyboard gets
+//! a streamed answer equal to the API's own greedy answer, with its tokens/s; text with
+//! `<script>`, `<img onerror>` and `javascript:` links, from the user or in a model reply (an
+//! imported conversation), is shown as text; with an API key the page asks for it.
+//! Screenshots go to `target/tmp/artifacts/`. Skips, saying so, where no Chromium is
+//! installed (fails instead with `TP_REQUIRE_BROWSER=1`).
+
+mod browser;
+mod common;
+
+use browser::{artifact, Browser};
+use common::{config, with_server};
+use serde_json::json;
+use std::time::Duration;
+use tp_serve::client::Client;
+use tp_serve::ServeConfig;
+
+/// Room for the payload as a chat prompt in bytes.
+const CTX: usize = 512;
+
+const PAYLOAD: &str = "<script>window.__xss = 1</script> <img src=x onerror=\"window.__xss = 2\"> [click me](javascript:window.__xss=3) **bold**";
+
+/// Sends `text` from the composer with the keyboard and waits for the reply's statistics.
+fn send(b: &mut Browser, text: &str) {
+    b.eval("document.getElementById('input').focus()");
+    b.type_text(text);
+    b.press("Enter", 13);
+    b.wait_for(
+        "!document.getElementById('send').disabled && document.querySelector('#messages .msg.assistant:last-child .stats').textContent !== ''",
+        Duration::from_secs(30),
+    );
+    let last = b.eval("document.querySelector('#messages .msg.assistant:last-child').innerText");
+    assert!(
+        last.as_str().unwrap().contains("tokens/s"),
+        "the reply failed: {last}"
+    );
+}
+
+/// No element or script came from message text: no script or image in the messages, no
+/// `javascript:` link, nothing ran.
+fn assert_inert(b: &mut Browser) {
+    let r = b.eval(
+        "({scripts: document.querySelectorAll('#messages script').length,
+           imgs: document.querySelectorAll('#messages img').length,
+           js_links: [...document.querySelectorAll('#messages a')].filter(a => !a.href.startsWith('http')).length,
+           ran: window.__xss === undefined ? null : window.__xss})",
+    );
+    assert_eq!(
+        r,
+        json!({"scripts": 0, "imgs": 0, "js_links": 0, "ran": null}),
+        "{r}"
+    );
+}
+
+#[test]
+fn chat_page_streams_answers_and_shows_markup_as_text() {
+    let Some(mut b) = Browser::launch("chat_page") else {
+        return;
+    };
+    with_server(2, CTX, config(), |ready| {
+        let url = format!("http://{}/", ready.addr);
+        b.open(&url);
+        b.wait_for(
+            "document.getElementById('model').textContent.includes('synthetic')",
+            Duration::from_secs(10),
+        );
+        b.eval("document.getElementById('max_tokens').value = '300'; document.getElementById('temperature').value = '0'; document.getElementById('seed').value = '5'; true");
+        // The reply's length at each repaint, to see it arrive in pieces.
+        b.eval(
+            "window.__seen = new Set();
+             const render = window.tpMarkdown.render;
+             window.tpMarkdown.render = (text, root) => { window.__seen.add(text.length); render(text, root); };
+             true",
+        );
+        send(&mut b, PAYLOAD);
+        let state = b.eval("window.tpChat.state().conversations[0]");
+        let reply = state["messages"][1]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let seen = b.eval("[...window.__seen]");
+        eprintln!("reply {reply:?}; lengths seen while streaming: {seen}");
+        assert!(
+            seen.as_array()
+                .unwrap()
+                .iter()
+                .filter(|n| n.as_u64() > Some(0))
+                .count()
+                >= 2,
+            "the reply did not arrive in pieces: {seen}"
+        );
+        // The oracle: the same request through the API, not streamed.
+        let api = Client::new(ready.addr)
+            .post_json(
+                "/v1/chat/completions",
+                &json!({"messages": [{"role": "user", "content": PAYLOAD}],
+                    "max_tokens": 300, "temperature": 0, "top_p": 1, "seed": 5}),
+            )
+            .unwrap();
+        assert_eq!(api.status, 200, "{}", api.text());
+        assert_eq!(
+            reply,
+            api.json()["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+        );
+        let stats = b.eval(
+            "document.querySelector('#messages .msg.assistant:last-child .stats').textContent",
+        );
+        let tokens = api.json()["usage"]["completion_tokens"].as_u64().unwrap();
+        assert!(
+            stats
+                .as_str()
+                .unwrap()
+                .starts_with(&format!("{tokens} tokens")),
+            "{stats}"
+        );
+        // The user's markup is text: the message shows the characters.
+        let shown = b.eval("document.querySelector('#messages .msg.user .content').textContent");
+        assert!(
+            shown
+                .as_str()
+                .unwrap()
+                .contains("<script>window.__xss = 1</script>")
+                && shown.as_str().unwrap().contains("<img src=x onerror"),
+            "{shown}"
+        );
+        assert_inert(&mut b);
+        b.screenshot(&artifact("chat.png"));
+
+        // A model reply with markup, in an imported conversation.
+        let reply = format!(
+            "Here is code:\n\n```html\n{PAYLOAD}\n```\n\n{PAYLOAD}\n\n- a [safe link](https://example.com/)\n- `<b>inline</b>`"
+        );
+        let file = artifact("import.json");
+        std::fs::write(
+            &file,
+            json!({"conversations": [{"title": "imported", "messages": [
+                {"role": "user", "content": "show me"},
+                {"role": "assistant", "content": reply}]}]})
+            .to_string(),
+        )
+        .unwrap();
+        let doc = b.call("DOM.getDocument", json!({}));
+        let input = b.call(
+            "DOM.querySelector",
+            json!({"nodeId": doc["root"]["nodeId"], "selector": "#import"}),
+        );
+        b.call(
+            "DOM.setFileInputFiles",
+            json!({"files": [file], "nodeId": input["nodeId"]}),
+        );
+        b.wait_for(
+            "document.querySelector('.conversation.current').textContent === 'imported'",
+            Duration::from_secs(10),
+        );
+        assert_inert(&mut b);
+        let r = b.eval(
+            "(() => { const m = document.querySelector('#messages .msg.assistant .content');
+               return {code: m.querySelector('pre code').textContent,
+                       strong: m.querySelector('p strong').textContent,
+                       link: m.querySelector('a').href,
+                       links: m.querySelectorAll('a').length,
+                       inline: m.querySelector('li code').textContent,
+                       text: m.textContent}; })()",
+        );
+        assert_eq!(r["code"], PAYLOAD, "{r}");
+        assert_eq!(r["strong"], "bold", "{r}");
+        assert_eq!(r["link"], "https://example.com/", "{r}");
+        assert_eq!(r["links"], 1, "{r}");
+        assert_eq!(r["inline"], "<b>inline</b>", "{r}");
+        assert!(
+            r["text"]
+                .as_str()
+                .unwrap()
+                .contains("[click me](javascript:window.__xss=3)"),
+            "{r}"
+        );
+        b.screenshot(&artifact("chat-markup.png"));
+
+        // Regenerate gives the same greedy reply again; edit-and-resend replaces the turn.
+        b.eval(
+            "document.querySelector('.conversations li:nth-child(2) .conversation').click(); true",
+        );
+        b.eval("document.getElementById('regenerate').click(); true");
+        b.wait_for(
+            "!document.getElementById('send').disabled && document.querySelectorAll('#messages .msg').length === 2 && document.querySelector('#messages .msg.assistant .stats').textContent.includes('tokens/s')",
+            Duration::from_secs(30),
+        );
+        let again = b.eval("window.tpChat.state().conversations[1].messages[1].content");
+        assert_eq!(again, json!(state["messages"][1]["content"]));
+        b.eval("document.querySelector('#messages .msg.user .edit').click(); true");
+        let input = b.eval("document.getElementById('input').value");
+        assert_eq!(input, PAYLOAD);
+        b.eval("document.getElementById('input').value = ''; true");
+        send(&mut b, "hello");
+        let conv = b.eval("window.tpChat.state().conversations[1].messages.map(m => m.role + ':' + m.content.length)");
+        assert_eq!(conv.as_array().unwrap().len(), 2, "{conv}");
+        let first = b.eval("window.tpChat.state().conversations[1].messages[0].content");
+        assert_eq!(first, "hello");
+    });
+}
+
+#[test]
+fn chat_page_asks_for_the_api_key_and_works_from_the_keyboard() {
+    let Some(mut b) = Browser::launch("chat_key") else {
+        return;
+    };
+    let cfg = ServeConfig {
+        api_key: Some("sk-web-test".into()),
+        ..config()
+    };
+    with_server(2, CTX, cfg, |ready| {
+        b.open(&format!("http://{}/", ready.addr));
+        // The model list needs the key: the dialog opens with the key field focused.
+        b.wait_for(
+            "document.getElementById('key-dialog').open && document.activeElement.id === 'key'",
+            Duration::from_secs(10),
+        );
+        b.screenshot(&artifact("chat-key.png"));
+        b.type_text("sk-web-test");
+        b.press("Enter", 13);
+        b.wait_for(
+            "!document.getElementById('key-dialog').open && document.getElementById('model').textContent.includes('synthetic')",
+            Duration::from_secs(10),
+        );
+        // Settings from the keyboard: focus walks to max tokens by Tab.
+        b.eval("document.getElementById('top_p').focus(); true");
+        b.press("Tab", 9);
+        assert_eq!(b.eval("document.activeElement.id"), "max_tokens");
+        b.eval("document.activeElement.select(); true");
+        b.type_text("8");
+        send(&mut b, "hi there");
+        let m = b.eval("window.tpChat.state().conversations[0].messages[1]");
+        assert!(m["error"].is_null(), "{m}");
+        assert_eq!(m["stats"]["tokens"], 8, "{m}");
+    });
+}
