@@ -6,6 +6,7 @@
 pub mod banner;
 pub mod bench_report;
 pub mod client;
+pub mod dashboard;
 pub mod error;
 pub mod fdlimit;
 pub mod http;

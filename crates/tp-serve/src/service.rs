@@ -4,6 +4,7 @@
 //! model), the HTTP front end, the continuous-batching scheduler on the calling thread, and
 //! the drain on shutdown. `tp serve` and `tp bench serve` both start servers through it.
 
+use crate::dashboard::RankSetup;
 use crate::error::{Result, ServeError};
 use crate::http::conn::ConnLimits;
 use crate::http::server::{Server, ServerConfig, StopHandle};
@@ -199,6 +200,7 @@ pub fn serve(
         auth_hint: cfg.auth_hint.clone(),
     };
     let metrics = Arc::new(Metrics::new());
+    metrics.set_ranks(&cfg.model_name, rank_setup(session));
     let load = Arc::new(Load::default());
     let (tx, rx) = std::sync::mpsc::channel();
     let handle = SchedulerHandle {
@@ -240,6 +242,21 @@ pub fn serve(
     let joined = server.join();
     result?;
     joined
+}
+
+/// Each rank's host, load and memory for the dashboard.
+fn rank_setup(session: &Session) -> Vec<RankSetup> {
+    (0..session.worker.group().size())
+        .map(|r| {
+            let load = session.load.get(r);
+            RankSetup {
+                host: tp_engine::launch::host_of(r),
+                load_seconds: load.map_or(0.0, |l| l.time.as_secs_f64()),
+                load_bytes: load.map_or(0, |l| l.bytes),
+                memory_bytes: session.memory.get(r).map_or(0, |m| m.total() as u64),
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -16,6 +16,14 @@ use std::time::Duration;
 use tp_serve::client::Client;
 use tp_serve::ServeConfig;
 
+/// One browser and server at a time: the tests share 2 cores here, and the dashboard's cost
+/// figure is measured against step time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Room for the payload as a chat prompt in bytes.
 const CTX: usize = 512;
 
@@ -55,6 +63,7 @@ fn assert_inert(b: &mut Browser) {
 
 #[test]
 fn chat_page_streams_answers_and_shows_markup_as_text() {
+    let _one = serial();
     let Some(mut b) = Browser::launch("chat_page") else {
         return;
     };
@@ -204,6 +213,7 @@ fn chat_page_streams_answers_and_shows_markup_as_text() {
 
 #[test]
 fn chat_page_asks_for_the_api_key_and_works_from_the_keyboard() {
+    let _one = serial();
     let Some(mut b) = Browser::launch("chat_key") else {
         return;
     };
@@ -235,5 +245,111 @@ fn chat_page_asks_for_the_api_key_and_works_from_the_keyboard() {
         let m = b.eval("window.tpChat.state().conversations[0].messages[1]");
         assert!(m["error"].is_null(), "{m}");
         assert_eq!(m["stats"]["tokens"], 8, "{m}");
+    });
+}
+
+/// `/dashboard` of a tp 2 server under load: a row per rank with non-zero compute,
+/// collective, bytes sent, load time and memory, the slowest rank marked, the server's
+/// figures and the charts; the JSON behind it agrees, `/metrics` has the same series per
+/// rank, and gathering them cost under 1% of the step time.
+#[test]
+fn dashboard_shows_every_rank_of_a_tp2_server() {
+    let _one = serial();
+    let Some(mut b) = Browser::launch("dashboard") else {
+        return;
+    };
+    with_server(2, CTX, config(), |ready| {
+        let addr = ready.addr;
+        // Four clients for 4 s: steps run through several polls.
+        let load = std::thread::spawn(move || {
+            let t0 = std::time::Instant::now();
+            std::thread::scope(|s| {
+                for i in 0..4 {
+                    s.spawn(move || {
+                        let c = Client::new(addr);
+                        while t0.elapsed() < Duration::from_secs(4) {
+                            let r = c
+                                .post_json(
+                                    "/v1/completions",
+                                    &json!({"prompt": format!("client {i} says hello"),
+                                        "max_tokens": 64, "ignore_eos": true}),
+                                )
+                                .unwrap();
+                            assert_eq!(r.status, 200, "{}", r.text());
+                        }
+                    });
+                }
+            });
+        });
+        b.open(&format!("http://{addr}/dashboard"));
+        std::thread::sleep(Duration::from_millis(2500));
+        b.wait_for(
+            "document.querySelectorAll('#ranks tbody tr').length === 2 && window.tpDashboard.server.running > 0",
+            Duration::from_secs(10),
+        );
+        b.screenshot(&artifact("dashboard.png"));
+        load.join().unwrap();
+        let rows = b.eval(
+            "[...document.querySelectorAll('#ranks tbody tr')].map(tr => ({
+                rank: tr.dataset.rank, slowest: tr.classList.contains('slowest'),
+                compute: parseFloat(tr.querySelector('.compute').textContent),
+                collective: parseFloat(tr.querySelector('.collective').textContent),
+                sent: tr.querySelector('.sent').textContent,
+                load: parseFloat(tr.querySelector('.load').textContent),
+                memory: tr.querySelector('.memory').textContent}))",
+        );
+        eprintln!("dashboard rows: {rows}");
+        let rows = rows.as_array().unwrap();
+        assert_eq!(rows.len(), 2);
+        for (r, row) in rows.iter().enumerate() {
+            assert_eq!(row["rank"], r.to_string());
+            assert!(row["compute"].as_f64().unwrap() > 0.0, "{row}");
+            assert!(row["collective"].as_f64().unwrap() > 0.0, "{row}");
+            assert!(row["load"].as_f64().unwrap() > 0.0, "{row}");
+            assert_ne!(row["sent"], "0 B", "{row}");
+            assert_ne!(row["memory"], "0 B", "{row}");
+        }
+        assert_eq!(
+            rows.iter().filter(|r| r["slowest"] == true).count(),
+            1,
+            "{rows:?}"
+        );
+        let charts = b.eval("document.querySelectorAll('#charts canvas').length");
+        assert_eq!(charts, 5);
+
+        let c = Client::new(addr);
+        let d = c.get("/dashboard.json").unwrap().json();
+        let s = &d["server"];
+        eprintln!("server: {s}\ncollection: {}", d["collection"]);
+        assert!(s["generated_tokens"].as_u64().unwrap() > 0, "{s}");
+        assert!(s["ttft_p50_ms"].as_f64().unwrap() > 0.0, "{s}");
+        assert!(s["tpot_p99_ms"].as_f64().unwrap() > 0.0, "{s}");
+        assert!(d["history"].as_array().unwrap().len() >= 3, "{d}");
+        // Both ranks ran the same steps and sent the same all-reduces.
+        let sent: Vec<u64> = d["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["bytes_sent_total"].as_u64().unwrap())
+            .collect();
+        assert!(sent[0] > 0 && sent[1] > 0, "{sent:?}");
+        let col = &d["collection"];
+        assert!(col["busy_polls"].as_u64().unwrap() >= 2, "{col}");
+        let share = col["share_of_step_time"].as_f64().unwrap();
+        assert!(share < 0.01, "collecting cost {share} of the step time: {col}");
+        let text = c.get("/metrics").unwrap().text();
+        for r in 0..2 {
+            let line = text
+                .lines()
+                .find(|l| {
+                    l.starts_with("tp_rank_compute_seconds_per_step{")
+                        && l.contains(&format!("rank=\"{r}\""))
+                })
+                .unwrap_or_else(|| panic!("no rank {r} series: {text}"));
+            let v: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+            assert!(v > 0.0, "{line}");
+        }
+        assert!(text.contains("tp_rank_bytes_sent_total{"), "{text}");
+        assert!(text.contains("tp_rank_load_seconds{"), "{text}");
     });
 }
