@@ -115,7 +115,24 @@ pub struct Snapshot {
     pub ranks: Vec<RankFigures>,
     pub server: ServerFigures,
     pub collection: Collection,
+    /// The canary's last run (`None` without a canary).
+    pub canary: Option<CanaryStatus>,
     pub history: Vec<Sample>,
+}
+
+/// The canary's last run and the drift alarm.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct CanaryStatus {
+    pub runs: u64,
+    pub failures: u64,
+    /// Seconds since the server started, at the last run.
+    pub last_run_t: f64,
+    /// The drift alarm: the last run failed.
+    pub drift: bool,
+    pub cases: usize,
+    pub mismatches: usize,
+    pub max_logprob_shift: f64,
+    pub detail: String,
 }
 
 /// A poll's view of the scheduler.
@@ -224,6 +241,21 @@ impl Board {
 
     pub fn preempted(&self) {
         self.lock().snapshot.server.preemptions += 1;
+    }
+
+    /// Takes a canary run's verdict.
+    pub fn canary_ran(&self, v: &crate::canary::Verdict) {
+        let mut s = self.lock();
+        let t = s.started.elapsed().as_secs_f64();
+        let c = s.snapshot.canary.get_or_insert_with(CanaryStatus::default);
+        c.runs += 1;
+        c.failures += u64::from(!v.passed);
+        c.last_run_t = t;
+        c.drift = !v.passed;
+        c.cases = v.cases;
+        c.mismatches = v.mismatches;
+        c.max_logprob_shift = v.max_shift;
+        c.detail = v.detail.clone();
     }
 
     /// Whether a poll is due.

@@ -5,6 +5,7 @@
 
 pub mod banner;
 pub mod bench_report;
+pub mod canary;
 pub mod client;
 pub mod dashboard;
 pub mod error;

@@ -101,6 +101,15 @@ impl Metrics {
         let describe = |name: &'static str, help: &'static str| {
             r.describe_counter(KeyName::from(name), None, SharedString::const_str(help));
         };
+        r.describe_gauge(
+            KeyName::from("tp_canary_drift"),
+            None,
+            SharedString::const_str("1 while the canary's last run failed (a continuation differed or its mean logprob moved beyond the threshold)"),
+        );
+        describe(
+            "tp_canary_runs_total",
+            "Canary runs by result (pass, drift)",
+        );
         describe("tp_requests_total", "HTTP requests by endpoint and status");
         describe("tp_prompt_tokens_total", "Prompt tokens processed");
         describe("tp_generation_tokens_total", "Tokens generated");
@@ -264,6 +273,24 @@ impl Metrics {
                 .register_counter(&key, &META)
                 .absolute(f.bytes_sent_total);
         }
+    }
+
+    /// Takes a canary run: the drift alarm, the largest log-probability shift, the runs.
+    pub fn canary_ran(&self, v: &crate::canary::Verdict) {
+        self.board.canary_ran(v);
+        let r = &self.recorder;
+        r.register_gauge(&Key::from_static_name("tp_canary_drift"), &META)
+            .set(if v.passed { 0.0 } else { 1.0 });
+        r.register_gauge(&Key::from_static_name("tp_canary_max_logprob_shift"), &META)
+            .set(v.max_shift);
+        let key = Key::from_parts(
+            "tp_canary_runs_total",
+            vec![Label::new(
+                "result",
+                if v.passed { "pass" } else { "drift" },
+            )],
+        );
+        r.register_counter(&key, &META).increment(1);
     }
 
     fn rank_gauge(&self, name: &'static str, rank: usize, host: &str) -> Gauge {

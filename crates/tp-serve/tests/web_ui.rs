@@ -336,7 +336,10 @@ fn dashboard_shows_every_rank_of_a_tp2_server() {
         let col = &d["collection"];
         assert!(col["busy_polls"].as_u64().unwrap() >= 2, "{col}");
         let share = col["share_of_step_time"].as_f64().unwrap();
-        assert!(share < 0.01, "collecting cost {share} of the step time: {col}");
+        assert!(
+            share < 0.01,
+            "collecting cost {share} of the step time: {col}"
+        );
         let text = c.get("/metrics").unwrap().text();
         for r in 0..2 {
             let line = text

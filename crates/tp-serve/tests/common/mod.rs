@@ -42,6 +42,7 @@ pub fn config() -> ServeConfig {
         log: false,
         auth_hint: None,
         prefix_cache: true,
+        canary: None,
     }
 }
 

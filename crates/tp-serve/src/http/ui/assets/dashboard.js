@@ -71,6 +71,9 @@
       ['Steps', s.steps],
       ['KV blocks', s.kv_blocks_total],
     ];
+    if (d.canary) {
+      items.push(['Canary', (d.canary.drift ? 'DRIFT' : 'pass') + ' (' + d.canary.runs + ' runs)']);
+    }
     $('cards').replaceChildren(
       ...items.map(([label, value]) => {
         const c = el('div', 'card');
@@ -182,6 +185,12 @@
       const d = await fetchFigures();
       $('model').textContent = d.model + ' · tp ' + d.tp + ' · up ' + Math.round(d.uptime_seconds) + ' s';
       cards(d);
+      const alarm = $('alarm');
+      alarm.hidden = !(d.canary && d.canary.drift);
+      alarm.textContent = alarm.hidden
+        ? ''
+        : 'Drift alarm: the canary failed (' + d.canary.mismatches + ' of ' + d.canary.cases +
+          ' continuations differ, largest mean-logprob shift ' + fmt(d.canary.max_logprob_shift, 4) + '): ' + d.canary.detail;
       ranks(d);
       charts(d);
       $('status').textContent = 'updated ' + new Date().toLocaleTimeString();
