@@ -101,7 +101,7 @@
           el('td', 'sent', bytes(r.bytes_sent_total)),
           el('td', 'kv-used', String(r.kv_blocks_used)),
           el('td', 'kv-free', String(r.kv_blocks_free)),
-          el('td', 'load', fmt(r.load_seconds, 2)),
+          el('td', 'load', fmt(r.load_seconds, 3)),
           el('td', 'memory', bytes(r.memory_bytes)),
         );
         return tr;
