@@ -360,3 +360,27 @@ fn dashboard_shows_every_rank_of_a_tp2_server() {
         assert!(text.contains("tp_rank_load_seconds{"), "{text}");
     });
 }
+
+/// The README's screenshots, from a server already running at `$TP_SCREENSHOT_SERVER`
+/// (`http://HOST:PORT`): a chat turn, then the dashboard. Run by hand with `--ignored`.
+#[test]
+#[ignore = "needs a running server at $TP_SCREENSHOT_SERVER"]
+fn readme_screenshots() {
+    let Ok(url) = std::env::var("TP_SCREENSHOT_SERVER") else {
+        panic!("set TP_SCREENSHOT_SERVER=http://HOST:PORT");
+    };
+    let Some(mut b) = Browser::launch("readme") else {
+        return;
+    };
+    b.open(&format!("{url}/"));
+    b.wait_for(
+        "document.getElementById('model').textContent !== ''",
+        Duration::from_secs(10),
+    );
+    b.eval("document.getElementById('max_tokens').value = '120'; document.getElementById('temperature').value = '0'; true");
+    send(&mut b, "Write a Python function that checks whether a number is prime, with a one-line explanation.");
+    b.screenshot(&artifact("readme-chat.png"));
+    b.open(&format!("{url}/dashboard"));
+    std::thread::sleep(Duration::from_millis(2500));
+    b.screenshot(&artifact("readme-dashboard.png"));
+}
