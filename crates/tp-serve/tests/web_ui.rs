@@ -245,6 +245,23 @@ fn chat_page_asks_for_the_api_key_and_works_from_the_keyboard() {
         let m = b.eval("window.tpChat.state().conversations[0].messages[1]");
         assert!(m["error"].is_null(), "{m}");
         assert_eq!(m["stats"]["tokens"], 8, "{m}");
+
+        // Escape stops a long reply: it ends early, marked stopped, and the page is ready.
+        b.eval("document.getElementById('max_tokens').value = '300'; document.getElementById('input').focus(); true");
+        b.type_text("go on");
+        b.press("Enter", 13);
+        b.wait_for(
+            "!document.getElementById('stop').disabled",
+            Duration::from_secs(10),
+        );
+        b.press("Escape", 27);
+        b.wait_for(
+            "!document.getElementById('send').disabled",
+            Duration::from_secs(30),
+        );
+        let m = b.eval("window.tpChat.state().conversations[0].messages[3]");
+        assert_eq!(m["finish"], "stopped", "{m}");
+        assert!(m["stats"]["tokens"].as_u64().unwrap() < 300, "{m}");
     });
 }
 
