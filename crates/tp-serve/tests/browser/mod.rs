@@ -55,7 +55,8 @@ impl Browser {
             if std::env::var("TP_REQUIRE_BROWSER").is_ok_and(|v| v == "1") {
                 panic!("{msg} (TP_REQUIRE_BROWSER=1)");
             }
-            eprintln!("SKIPPED {test}: {msg}");
+            // Straight to stderr (not through the test harness's capture): a skip must show.
+            let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {msg}");
             return None;
         };
         let profile =
