@@ -212,6 +212,7 @@ impl InProcessServer {
             log: false,
             auth_hint: None,
             prefix_cache,
+            canary: None,
         };
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()

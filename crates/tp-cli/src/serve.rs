@@ -7,10 +7,13 @@ use crate::model_run::{run_model_serving, ModelArgs};
 use anyhow::{bail, Context};
 use std::io::Write;
 use std::net::IpAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tp_engine::launch::Backend;
 use tp_engine::report::{parse_bytes, show_bytes};
+use tp_serve::canary::{Canary, CanaryConfig};
 use tp_serve::fdlimit::{default_max_connections, fd_reserve};
 use tp_serve::{ConnLimits, KvBudget, Ready, ServeConfig, ServeError};
 /// Drain after SIGTERM under mpirun: short enough to finish before mpirun's SIGKILL.
@@ -83,6 +86,74 @@ pub struct ServeArgs {
     /// less a reserve of an eighth (at least 32), at most 8192.
     #[arg(long, value_name = "N")]
     pub max_connections: Option<usize>,
+    /// Canary file (JSON Lines of {"prompt", "expected", "mean_logprob", "max_tokens"}, as
+    /// --write-canary writes it): run once the server is up and then every
+    /// --canary-interval seconds; a continuation that differs, or a mean logprob that moved
+    /// by more than --canary-threshold, raises the drift alarm (tp_canary_drift on /metrics,
+    /// the dashboard, a log line).
+    #[arg(long, value_name = "FILE")]
+    pub canary: Option<PathBuf>,
+    /// Seconds between two canary runs.
+    #[arg(long, default_value_t = 300.0, value_name = "SECS")]
+    pub canary_interval: f64,
+    /// Largest shift of a canary case's mean logprob (nats per token) that is not drift.
+    #[arg(long, default_value_t = tp_serve::canary::DEFAULT_THRESHOLD, value_name = "NATS")]
+    pub canary_threshold: f64,
+    /// Write a canary file from this model and exit: the greedy continuation of each prompt
+    /// of --canary-prompts (a built-in set by default), --canary-max-tokens long.
+    #[arg(long, value_name = "FILE")]
+    pub write_canary: Option<PathBuf>,
+    /// Prompts for --write-canary, one a line.
+    #[arg(long, value_name = "FILE")]
+    pub canary_prompts: Option<PathBuf>,
+    /// Tokens of each continuation --write-canary records.
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    pub canary_max_tokens: usize,
+}
+
+/// The canary settings from --canary and its companions, the file read and checked now (an
+/// invalid line is an error naming it).
+fn canary_config(args: &ServeArgs) -> anyhow::Result<Option<CanaryConfig>> {
+    let Some(path) = &args.canary else {
+        return Ok(None);
+    };
+    let canary = Canary::load(path).context("--canary")?;
+    let interval = seconds("--canary-interval", args.canary_interval)?;
+    if !(args.canary_threshold.is_finite() && args.canary_threshold >= 0.0) {
+        bail!("--canary-threshold must be a non-negative number of nats per token");
+    }
+    Ok(Some(CanaryConfig {
+        canary,
+        interval,
+        threshold: args.canary_threshold,
+    }))
+}
+
+/// The prompts --write-canary records: --canary-prompts' lines, or the built-in set.
+fn canary_prompts(args: &ServeArgs) -> anyhow::Result<Vec<String>> {
+    if args.canary_max_tokens == 0 {
+        bail!("--canary-max-tokens must be at least 1");
+    }
+    let Some(path) = &args.canary_prompts else {
+        return Ok(tp_serve::canary::DEFAULT_PROMPTS
+            .iter()
+            .map(|s| s.to_string())
+            .collect());
+    };
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read --canary-prompts {}", path.display()))?;
+    let prompts: Vec<String> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(str::to_string)
+        .collect();
+    if prompts.is_empty() {
+        bail!(
+            "--canary-prompts {} has no prompt; write one a line",
+            path.display()
+        );
+    }
+    Ok(prompts)
 }
 
 /// The API key from --api-key or $TP_API_KEY (the flag wins); an empty one is an error.
@@ -189,6 +260,7 @@ fn serve_config(
         log: !args.model.quiet,
         auth_hint: Some("--api-key".into()),
         prefix_cache: !args.no_prefix_cache,
+        canary: canary_config(args)?,
     })
 }
 
@@ -252,6 +324,11 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         drain,
     )?;
     let quiet = args.model.quiet;
+    let write_canary = match &args.write_canary {
+        Some(p) => Some((p.clone(), canary_prompts(args)?)),
+        None => None,
+    };
+    let canary_failed: Arc<Mutex<Option<String>>> = Arc::default();
     let out = run_model_serving(&args.model, cfg.kv_budget, |s| {
         let ready = |r: &Ready| -> tp_serve::Result<()> {
             if !quiet {
@@ -283,6 +360,31 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
                 tp_serve::banner::listening_line(r.addr, &model_name, r.tp, std::process::id())
             );
             std::io::stdout().flush()?;
+            if let Some((path, prompts)) = write_canary.clone() {
+                let mut client = tp_serve::client::Client::new(r.addr);
+                if let Some(k) = &api_key {
+                    client = client.with_api_key(k);
+                }
+                let stop = r.stop.clone();
+                let failed = Arc::clone(&canary_failed);
+                let max_tokens = args.canary_max_tokens;
+                std::thread::spawn(move || {
+                    let out =
+                        tp_serve::canary::record(&client, &prompts, max_tokens).and_then(|c| {
+                            std::fs::write(&path, c.to_jsonl())
+                                .map_err(|e| format!("cannot write {}: {e}", path.display()))
+                                .map(|()| c.cases.len())
+                        });
+                    match out {
+                        Ok(n) => eprintln!(
+                            "# tp serve: wrote a canary of {n} cases to {}",
+                            path.display()
+                        ),
+                        Err(e) => *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e),
+                    }
+                    stop.stop();
+                });
+            }
             Ok(())
         };
         tp_serve::serve(s, &cfg, ready).map_err(serve_error)?;
@@ -291,6 +393,13 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         }
         Ok(())
     })?;
+    if let Some(e) = canary_failed
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take()
+    {
+        bail!("--write-canary: {e}");
+    }
     Ok(match out {
         Ok(_) => ExitCode::SUCCESS,
         Err(failed) => failed.into(),

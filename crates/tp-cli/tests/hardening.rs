@@ -1,7 +1,8 @@
 //! Issue 18's small CLI classes, end to end with the real binary: message text stays plain in
 //! `tp generate --chat` and `tp chat`; `tp chat` refuses a line that is not UTF-8 and goes on;
 //! `--fault` that never fires fails; `tp inspect --model`; negative numbers reach the range
-//! checks; an error prints its whole cause chain, each cause once.
+//! checks; an error prints its whole cause chain, each cause once; an invalid `--canary` file
+//! is refused at start naming its line.
 
 mod common;
 use common::TP;
@@ -235,4 +236,33 @@ fn errors_print_their_whole_cause_chain_once() {
             lines[0]
         );
     }
+}
+
+/// `tp serve --canary` with an invalid file stops at start, naming the file and the line,
+/// before loading any model.
+#[test]
+fn an_invalid_canary_file_is_refused_naming_its_line() {
+    let dir = std::env::temp_dir().join(format!("tp-canary-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("canary.jsonl");
+    std::fs::write(
+        &path,
+        "# written by hand\n{\"prompt\":\"a\",\"expected\":\"b\",\"mean_logprob\":-0.5,\"max_tokens\":4}\n{\"prompt\":\"a\",\"expected\":\"b\",\"mean_logprob\":-0.5}\n",
+    )
+    .unwrap();
+    let p = path.to_string_lossy().into_owned();
+    let f = run_with_deadline(
+        TP,
+        &["serve", "--port", "0", "--canary", &p],
+        Duration::from_secs(30),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    // The CLI's usage-error status, as for other bad flag values.
+    assert_eq!(f.code, Some(2), "{}", f.output);
+    assert!(
+        f.stderr.contains(&format!("{p}, line 3: ")) && f.stderr.contains("max_tokens"),
+        "{}",
+        f.stderr
+    );
+    assert!(!f.stderr.contains("listening on"), "{}", f.stderr);
 }

@@ -7,7 +7,7 @@
 use crate::error::{EngineError, Result};
 use crate::protocol::{ChunkSpec, Command};
 use crate::slots::Slots;
-use crate::worker::Worker;
+use crate::worker::{RankProfile, Worker};
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tp_models::KvPool;
@@ -25,6 +25,11 @@ pub trait StepExecutor {
     fn set_block_limit(&mut self, blocks: usize);
     /// Time spent in collectives so far (for per-step figures).
     fn comm_time(&self) -> Duration;
+    /// Every rank's cumulative time split and bytes sent, gathered now (a small collective
+    /// on every rank); `None` from an executor without ranks.
+    fn rank_profiles(&mut self) -> Result<Option<Vec<RankProfile>>> {
+        Ok(None)
+    }
 }
 
 impl StepExecutor for Worker {
@@ -39,6 +44,10 @@ impl StepExecutor for Worker {
     }
     fn comm_time(&self) -> Duration {
         self.profile.comm
+    }
+    fn rank_profiles(&mut self) -> Result<Option<Vec<RankProfile>>> {
+        Worker::submit(self, Command::ProfileReport)?;
+        Ok(Some(Worker::rank_profiles(self).to_vec()))
     }
 }
 

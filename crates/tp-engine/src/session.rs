@@ -27,6 +27,8 @@ pub struct Session {
     pub memory: Vec<RankMemory>,
     /// How the shards are split (even, or in proportion to rank weights).
     pub weights: RankWeights,
+    /// What each rank read at load and how long it took, by rank (empty where not measured).
+    pub load: Vec<crate::load_stats::LoadStats>,
 }
 
 /// Where the ranks of a layout live, for the machine-memory check.

@@ -457,6 +457,7 @@ fn run_rank<T, E>(
         ctx_size: m.ctx,
         memory: m.memory.clone(),
         weights: m.weights.clone(),
+        load: all,
     };
     let out = lead(&mut session);
     // Release the followers whatever happened (a broken group fails here too, harmlessly).

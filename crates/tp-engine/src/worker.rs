@@ -29,6 +29,8 @@ pub struct RankProfile {
     /// In the barriers: waiting for the slowest rank.
     pub wait_s: f64,
     pub all_reduces: u64,
+    /// Bytes sent in collectives (as a bandwidth-optimal algorithm sends them).
+    pub sent_bytes: u64,
 }
 
 impl RankProfile {
@@ -131,28 +133,33 @@ impl Worker {
         &self.rank_profiles
     }
 
-    /// Every rank's profile, gathered.
+    /// Every rank's profile, gathered (one collective on every rank): a follower takes part
+    /// when rank 0 submits [`Command::ProfileReport`].
     fn report(&mut self) -> Result<Vec<RankProfile>> {
+        /// The figures of one rank in the gather.
+        const FIELDS: usize = 5;
         let p = &self.profile;
         let mine = [
             p.total.as_secs_f64(),
             p.comm.as_secs_f64(),
             p.wait.as_secs_f64(),
             p.all_reduces as f64,
+            p.sent_bytes as f64,
         ];
-        let mut all = vec![0f64; 4 * self.group.size()];
+        let mut all = vec![0f64; FIELDS * self.group.size()];
         if self.group.size() == 1 {
             all.copy_from_slice(&mine);
         } else {
             self.group.all_gather(&mine, &mut all)?;
         }
         Ok(all
-            .chunks_exact(4)
+            .chunks_exact(FIELDS)
             .map(|c| RankProfile {
                 total_s: c[0],
                 comm_s: c[1],
                 wait_s: c[2],
                 all_reduces: c[3] as u64,
+                sent_bytes: c[4] as u64,
             })
             .collect())
     }

@@ -610,6 +610,7 @@ impl ShardedModel {
         let counts: Vec<usize> = sizes.iter().map(|s| s * rows).collect();
         let mut blocks = vec![0f32; counts.iter().sum()]; // [rank][rows, vocab_r]
         prof.time_comm(|| group.all_gather_v(&local, &mut blocks, &counts))?;
+        prof.sent_all_gather(std::mem::size_of_val(local.as_slice()), group.size());
         // Row by row, each rank's columns in rank order (no zeroed copy first: a batched
         // decode step gathers [rows, vocab] every step).
         let mut out = Vec::with_capacity(rows * self.cfg.vocab); // [rows, vocab]
@@ -657,6 +658,7 @@ fn add_residual(
 fn all_reduce<T: tp_comm::Elem>(x: &mut [T], group: &Group, prof: &mut Profile) -> Result<()> {
     if group.size() > 1 {
         prof.all_reduce(group, |g| g.all_reduce(x, ReduceOp::Sum))?;
+        prof.sent_all_reduce(std::mem::size_of_val(x), group.size());
     }
     Ok(())
 }

@@ -18,6 +18,9 @@ pub struct Profile {
     /// Time in the barriers (waiting for the slowest rank).
     pub wait: Duration,
     pub all_reduces: usize,
+    /// Bytes this rank sent in collectives, as a bandwidth-optimal algorithm sends them
+    /// (see [`Profile::sent_all_reduce`] and [`Profile::sent_all_gather`]).
+    pub sent_bytes: u64,
     started: Option<Instant>,
 }
 
@@ -75,8 +78,22 @@ impl Profile {
         out
     }
 
+    /// Counts an all-reduce of `bytes` over `ranks`: a ring sends `2 (ranks - 1) / ranks` of
+    /// the buffer from each rank.
+    pub fn sent_all_reduce(&mut self, bytes: usize, ranks: usize) {
+        let r = ranks.max(1) as u64;
+        self.sent_bytes += 2 * (r - 1) * bytes as u64 / r;
+    }
+
+    /// Counts an all-gather where this rank contributes `own_bytes`: they go to every other
+    /// rank once.
+    pub fn sent_all_gather(&mut self, own_bytes: usize, ranks: usize) {
+        self.sent_bytes += (ranks.max(1) as u64 - 1) * own_bytes as u64;
+    }
+
     /// Adds another profile's figures (e.g. per-step into per-run).
     pub fn add(&mut self, other: &Profile) {
+        self.sent_bytes += other.sent_bytes;
         self.total += other.total;
         self.comm += other.comm;
         self.wait += other.wait;

@@ -94,6 +94,7 @@ pub(crate) fn sum_partials(
     match mode {
         SyncMode::Exact => {
             prof.all_reduce(group, |g| g.all_reduce(partial, ReduceOp::Sum))?;
+            prof.sent_all_reduce(std::mem::size_of_val(partial), ranks);
         }
         SyncMode::Q8 => {
             let len = q8_len(partial.len());
@@ -101,6 +102,7 @@ pub(crate) fn sum_partials(
             quantize_q8(partial, &mut mine);
             let mut all = vec![0u8; len * ranks]; // [ranks, len]
             prof.all_reduce(group, |g| g.all_gather(&mine, &mut all))?;
+            prof.sent_all_gather(mine.len(), ranks);
             partial.fill(0.0);
             for q in all.chunks_exact(len) {
                 add_dequantized_q8(q, partial);

@@ -5,7 +5,9 @@
 
 pub mod banner;
 pub mod bench_report;
+pub mod canary;
 pub mod client;
+pub mod dashboard;
 pub mod error;
 pub mod fdlimit;
 pub mod http;

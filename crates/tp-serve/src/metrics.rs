@@ -1,9 +1,12 @@
 //! Prometheus metrics of the server (`GET /metrics`): requests, tokens, time to first token,
-//! time per output token, queue length, KV cache use and time in collectives per step.
+//! time per output token, queue length, KV cache use, time in collectives per step, and per
+//! rank (label `rank`, with `host`) the time split per step, bytes sent, load time and memory;
+//! and the dashboard's figures ([`Board`]), which the same events feed.
 //!
 //! The recorder is this server's own (not installed as the process-wide `metrics` recorder),
 //! so several servers in one process, as in tests, keep separate figures.
 
+use crate::dashboard::{Board, RankSetup, SchedulerView};
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Label, Metadata, Recorder, SharedString};
 use metrics_exporter_prometheus::{
     Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
@@ -21,6 +24,13 @@ const FINE: &[f64] = &[
 ];
 /// Rows (sequences) per forward step.
 const ROWS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0];
+
+fn rank_labels(rank: usize, host: &str) -> Vec<Label> {
+    vec![
+        Label::new("rank", rank.to_string()),
+        Label::new("host", host.to_string()),
+    ]
+}
 
 /// Every metric the server records.
 pub struct Metrics {
@@ -49,6 +59,12 @@ pub struct Metrics {
     pub connections_max: Gauge,
     pub connections_refused: Counter,
     pub connections_dropped: Counter,
+    pub connections_evicted: Counter,
+    pub stats_collection_seconds: Gauge,
+    /// The dashboard's figures.
+    pub board: Board,
+    /// Each rank's host (the `host` label of the per-rank series).
+    hosts: std::sync::Mutex<Vec<String>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -85,6 +101,15 @@ impl Metrics {
         let describe = |name: &'static str, help: &'static str| {
             r.describe_counter(KeyName::from(name), None, SharedString::const_str(help));
         };
+        r.describe_gauge(
+            KeyName::from("tp_canary_drift"),
+            None,
+            SharedString::const_str("1 while the canary's last run failed (a continuation differed or its mean logprob moved beyond the threshold)"),
+        );
+        describe(
+            "tp_canary_runs_total",
+            "Canary runs by result (pass, drift)",
+        );
         describe("tp_requests_total", "HTTP requests by endpoint and status");
         describe("tp_prompt_tokens_total", "Prompt tokens processed");
         describe("tp_generation_tokens_total", "Tokens generated");
@@ -119,6 +144,14 @@ impl Metrics {
             cancelled: c("tp_requests_cancelled_total"),
             connections_refused: c("tp_connections_refused_total"),
             connections_dropped: c("tp_connections_dropped_total"),
+            stats_collection_seconds: g(
+                "tp_stats_collection_seconds_total",
+                "Time rank 0 spent gathering every rank's figures for the dashboard and the tp_rank_* series",
+            ),
+            connections_evicted: {
+                describe("tp_connections_evicted_total", "Connections without a complete request closed at the connection cap to make room for a new one (oldest first)");
+                c("tp_connections_evicted_total")
+            },
             connections_open: g("tp_connections_open", "HTTP connections open (served)"),
             connections_max: g(
                 "tp_connections_max",
@@ -185,9 +218,84 @@ impl Metrics {
                 "tp_step_rows",
                 "Sequences (prefill chunks and decode tokens) per forward step",
             ),
+            board: Board::default(),
+            hosts: std::sync::Mutex::default(),
             recorder,
             handle,
         }
+    }
+
+    /// Sets what each rank is (at start): the dashboard's table and the per-rank series of
+    /// load time and memory.
+    pub fn set_ranks(&self, model: &str, setup: Vec<RankSetup>) {
+        for (r, s) in setup.iter().enumerate() {
+            self.rank_gauge("tp_rank_load_seconds", r, &s.host)
+                .set(s.load_seconds);
+            self.rank_gauge("tp_rank_memory_bytes", r, &s.host)
+                .set(s.memory_bytes as f64);
+        }
+        *self.hosts.lock().unwrap_or_else(|e| e.into_inner()) =
+            setup.iter().map(|s| s.host.clone()).collect();
+        self.board.set_ranks(model, setup);
+    }
+
+    /// Takes a poll of every rank's figures (see [`Board::ranks_polled`]) and sets the
+    /// per-rank series from it.
+    pub fn ranks_polled(
+        &self,
+        profiles: Option<Vec<tp_engine::RankProfile>>,
+        view: SchedulerView,
+        cost: std::time::Duration,
+    ) {
+        self.board.ranks_polled(profiles, view, cost);
+        self.stats_collection_seconds.increment(cost.as_secs_f64());
+        let snap = self.board.snapshot();
+        for f in &snap.ranks {
+            let host = &f.setup.host;
+            for (name, v) in [
+                (
+                    "tp_rank_compute_seconds_per_step",
+                    f.compute_ms_per_step / 1e3,
+                ),
+                (
+                    "tp_rank_collective_seconds_per_step",
+                    f.collective_ms_per_step / 1e3,
+                ),
+                ("tp_rank_wait_seconds_per_step", f.wait_ms_per_step / 1e3),
+                ("tp_rank_bytes_sent_per_step", f.bytes_sent_per_step),
+                ("tp_rank_kv_blocks_used", f.kv_blocks_used as f64),
+                ("tp_rank_slowest", if f.slowest { 1.0 } else { 0.0 }),
+            ] {
+                self.rank_gauge(name, f.rank, host).set(v);
+            }
+            let key = Key::from_parts("tp_rank_bytes_sent_total", rank_labels(f.rank, host));
+            self.recorder
+                .register_counter(&key, &META)
+                .absolute(f.bytes_sent_total);
+        }
+    }
+
+    /// Takes a canary run: the drift alarm, the largest log-probability shift, the runs.
+    pub fn canary_ran(&self, v: &crate::canary::Verdict) {
+        self.board.canary_ran(v);
+        let r = &self.recorder;
+        r.register_gauge(&Key::from_static_name("tp_canary_drift"), &META)
+            .set(if v.passed { 0.0 } else { 1.0 });
+        r.register_gauge(&Key::from_static_name("tp_canary_max_logprob_shift"), &META)
+            .set(v.max_shift);
+        let key = Key::from_parts(
+            "tp_canary_runs_total",
+            vec![Label::new(
+                "result",
+                if v.passed { "pass" } else { "drift" },
+            )],
+        );
+        r.register_counter(&key, &META).increment(1);
+    }
+
+    fn rank_gauge(&self, name: &'static str, rank: usize, host: &str) -> Gauge {
+        let key = Key::from_parts(name, rank_labels(rank, host));
+        self.recorder.register_gauge(&key, &META)
     }
 
     /// Counts one answered HTTP request.

@@ -31,6 +31,7 @@
 //! The scheduler drives a [`StepExecutor`]: rank 0's [`tp_engine::Worker`] in the server, a
 //! [`tp_engine::ScriptedExecutor`] in the unit tests below.
 
+use crate::dashboard::SchedulerView;
 use crate::metrics::Metrics;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -235,6 +236,7 @@ pub fn run(
         cached: Vec::new(),
         next_slot: 0,
         steps: 0,
+        step_time: Duration::ZERO,
     };
     metrics.kv_blocks_total.set(cfg.kv_blocks as f64);
     let out = s.run(exec, rx);
@@ -262,6 +264,8 @@ struct Scheduler<'a, 't> {
     next_slot: u32,
     /// Forward steps so far (the prefix cache's clock).
     steps: u64,
+    /// Time in forward steps so far.
+    step_time: Duration,
 }
 
 /// Length of the common prefix of `a` and `b`.
@@ -274,13 +278,17 @@ impl<'t> Scheduler<'_, 't> {
         loop {
             // Nothing to run (admission always succeeds for the queue's head when nothing runs,
             // so this means nothing is queued): wait for input, telling followers we live.
+            self.poll_ranks(exec)?;
             if self.running.is_empty() {
-                match rx.recv_timeout(self.cfg.heartbeat) {
+                let wait = self.cfg.heartbeat.min(self.metrics.board.until_poll());
+                match rx.recv_timeout(wait.max(Duration::from_millis(1))) {
                     Ok(Control::Submit(job)) => self.waiting.push_back(Queued::New(job)),
                     Ok(Control::Shutdown) | Err(RecvTimeoutError::Disconnected) => return Ok(()),
                     Err(RecvTimeoutError::Timeout) => {
                         if self.waiting.is_empty() {
-                            exec.submit(Command::Idle)?;
+                            if !self.metrics.board.poll_due() {
+                                exec.submit(Command::Idle)?;
+                            }
                             continue;
                         }
                     }
@@ -305,6 +313,27 @@ impl<'t> Scheduler<'_, 't> {
                 self.step(exec)?;
             }
         }
+    }
+
+    /// Gathers every rank's figures for the dashboard when a poll is due (the gather also
+    /// tells idle followers that rank 0 lives).
+    fn poll_ranks(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
+        if !self.metrics.board.poll_due() {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let profiles = exec.rank_profiles()?;
+        let pool = exec.slots().pool();
+        let view = SchedulerView {
+            queue: self.waiting.len(),
+            running: self.running.len(),
+            steps: self.steps,
+            kv_blocks_used: pool.in_use(),
+            kv_blocks_total: self.cfg.kv_blocks,
+            step_time: self.step_time,
+        };
+        self.metrics.ranks_polled(profiles, view, t0.elapsed());
+        Ok(())
     }
 
     /// Frees the slots of requests whose client went away (the event receiver was dropped).
@@ -514,6 +543,7 @@ impl<'t> Scheduler<'_, 't> {
         }
         if let Some((src, len)) = source {
             self.metrics.prefix_cache_hits.increment(1);
+            self.metrics.board.prefix_hit();
             self.metrics.prefix_cache_hit_tokens.increment(len as u64);
             let steps = self.steps;
             if let Some(c) = self.cached.iter_mut().find(|c| c.slot == src) {
@@ -616,6 +646,7 @@ impl<'t> Scheduler<'_, 't> {
         let mut r = self.running.remove(i);
         exec.submit(Command::Close { slot: r.slot })?;
         self.metrics.preemptions.increment(1);
+        self.metrics.board.preempted();
         if r.first_token.is_some() {
             // Everything it held, recomputed; its pending token is fed after.
             r.context = std::mem::take(&mut r.held);
@@ -641,7 +672,9 @@ impl<'t> Scheduler<'_, 't> {
         let logits = exec
             .submit(Command::Forward(chunks))?
             .ok_or_else(|| EngineError::Internal("a forward step returned no logits".into()))?;
-        self.metrics.step_seconds.record(t0.elapsed().as_secs_f64());
+        let took = t0.elapsed();
+        self.step_time += took;
+        self.metrics.step_seconds.record(took.as_secs_f64());
         self.metrics
             .step_collective_seconds
             .record(exec.comm_time().saturating_sub(comm_before).as_secs_f64());
@@ -653,6 +686,8 @@ impl<'t> Scheduler<'_, 't> {
                 logits.len()
             ))));
         }
+        let sampled = rows.iter().filter(|(_, sample)| *sample).count();
+        self.metrics.board.generated(sampled as u64);
         let mut ended: Vec<(usize, Outcome)> = Vec::new();
         for (row, (&(i, sample), tokens)) in rows.iter().zip(fed).enumerate() {
             let r = &mut self.running[i];
@@ -774,10 +809,12 @@ impl Running<'_> {
         m.time_to_first_token.record(ttft.as_secs_f64());
         m.request_latency
             .record(now.duration_since(self.job.arrived).as_secs_f64());
-        if generated >= 2 {
-            let per = now.duration_since(first).as_secs_f64() / (generated - 1) as f64;
+        let per = (generated >= 2)
+            .then(|| now.duration_since(first).as_secs_f64() / (generated - 1) as f64);
+        if let Some(per) = per {
             m.time_per_output_token.record(per);
         }
+        m.board.request_done(ttft.as_secs_f64(), per);
         let _ = self.job.events.send(Event::Done {
             finish: done.reason,
             usage: Usage {

@@ -4,6 +4,9 @@
 //! model), the HTTP front end, the continuous-batching scheduler on the calling thread, and
 //! the drain on shutdown. `tp serve` and `tp bench serve` both start servers through it.
 
+use crate::canary::CanaryConfig;
+use crate::client::Client;
+use crate::dashboard::RankSetup;
 use crate::error::{Result, ServeError};
 use crate::http::conn::ConnLimits;
 use crate::http::server::{Server, ServerConfig, StopHandle};
@@ -59,6 +62,8 @@ pub struct ServeConfig {
     /// blocks for later requests that begin alike (off: every request, and every choice of
     /// `n`, computes its whole prompt).
     pub prefix_cache: bool,
+    /// Run this canary once the server is up and then periodically (see [`crate::canary`]).
+    pub canary: Option<CanaryConfig>,
 }
 
 /// The KV budget of a running server.
@@ -199,6 +204,7 @@ pub fn serve(
         auth_hint: cfg.auth_hint.clone(),
     };
     let metrics = Arc::new(Metrics::new());
+    metrics.set_ranks(&cfg.model_name, rank_setup(session));
     let load = Arc::new(Load::default());
     let (tx, rx) = std::sync::mpsc::channel();
     let handle = SchedulerHandle {
@@ -224,6 +230,22 @@ pub fn serve(
         let _ = server.join();
         return Err(e);
     }
+    // The canary talks to the server as a client does, from its own thread.
+    let (canary_stop, canary_thread) = match cfg.canary.clone() {
+        Some(c) => {
+            let mut client = Client::new(loopback(info.addr));
+            if let Some(k) = &cfg.api_key {
+                client = client.with_api_key(k);
+            }
+            let (tx, rx) = std::sync::mpsc::channel();
+            let m = Arc::clone(&metrics);
+            let t = std::thread::Builder::new()
+                .name("tp-canary".into())
+                .spawn(move || crate::canary::monitor(client, c, m, rx))?;
+            (Some(tx), Some(t))
+        }
+        None => (None, None),
+    };
     let result = crate::scheduler::run(
         &mut session.worker,
         &session.tokenizer,
@@ -234,12 +256,44 @@ pub fn serve(
     );
     // New requests now fail at once; the HTTP side drains what it holds.
     drop(rx);
+    drop(canary_stop);
+    if let Some(t) = canary_thread {
+        let _ = t.join();
+    }
     if result.is_err() {
         server.stop();
     }
     let joined = server.join();
     result?;
     joined
+}
+
+/// `addr` as this machine reaches it (an unspecified address becomes loopback).
+fn loopback(addr: SocketAddr) -> SocketAddr {
+    if addr.ip().is_unspecified() {
+        let ip: IpAddr = match addr {
+            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        };
+        SocketAddr::new(ip, addr.port())
+    } else {
+        addr
+    }
+}
+
+/// Each rank's host, load and memory for the dashboard.
+fn rank_setup(session: &Session) -> Vec<RankSetup> {
+    (0..session.worker.group().size())
+        .map(|r| {
+            let load = session.load.get(r);
+            RankSetup {
+                host: tp_engine::launch::host_of(r),
+                load_seconds: load.map_or(0.0, |l| l.time.as_secs_f64()),
+                load_bytes: load.map_or(0, |l| l.bytes),
+                memory_bytes: session.memory.get(r).map_or(0, |m| m.total() as u64),
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! connection cap and deadlines), `routes` (which handler answers what), [`auth`] (the API
 //! key), [`request`] (bodies into validated, tokenized requests), `choices` (a request's
 //! scheduler jobs and their events) and [`response`] (OpenAI JSON, server-sent events, whole
-//! answers). It talks to the scheduler only through channels, and the conversion of the
+//! answers), and [`ui`] (the built-in chat and dashboard pages). It talks to the scheduler only through channels, and the conversion of the
 //! scheduler's events to the OpenAI wire format happens here.
 
 pub mod auth;
@@ -13,3 +13,4 @@ pub mod request;
 pub mod response;
 pub(crate) mod routes;
 pub mod server;
+pub mod ui;

@@ -11,6 +11,7 @@ use super::response::new_meta;
 use super::response::stream::stream_response;
 use super::response::whole::whole_response;
 use super::server::AppState;
+use super::ui;
 use crate::error::ApiError;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -27,6 +28,10 @@ use std::time::Instant;
 /// Every route, the body limit, and the API-key check in front of them all.
 pub(crate) fn router(state: Arc<AppState>) -> Router {
     Router::new()
+        .route("/", get(ui::chat_page))
+        .route("/dashboard", get(ui::dashboard_page))
+        .route("/dashboard.json", get(dashboard_json))
+        .route("/ui/{name}", get(ui::asset))
         .route("/health", get(health))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
@@ -61,7 +66,9 @@ pub(crate) fn label(path: &str) -> &'static str {
         "/v1/models" => "models",
         "/health" => "health",
         "/metrics" => "metrics",
+        "/dashboard.json" => "dashboard",
         p if p.starts_with("/v1/models/") => "models",
+        p if ui::is_public(p) => "ui",
         _ => "other",
     }
 }
@@ -115,10 +122,16 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
+/// The dashboard's figures (see [`crate::dashboard`]).
+async fn dashboard_json(State(st): State<Arc<AppState>>) -> Response {
+    st.metrics.request("dashboard", 200);
+    Json(st.metrics.board.snapshot()).into_response()
+}
+
 async fn not_found(State(st): State<Arc<AppState>>, req: Request) -> Response {
     st.metrics.request("other", 404);
     error_response(&ApiError::not_found(format!(
-        "no route {} {}; this server has POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health and GET /metrics",
+        "no route {} {}; this server has POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics, GET /dashboard.json, and the web pages GET / (chat) and GET /dashboard",
         req.method(),
         req.uri().path()
     )))

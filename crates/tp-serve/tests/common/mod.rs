@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 use tp_comm::local::{self, LocalOptions};
+use tp_engine::load_stats::{self, Counting, LoadStats};
 use tp_engine::{Command, Session, Worker};
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
 use tp_models::{open_checkpoint, Arch, LoadOptions, ModelConfig, ShardedModel};
@@ -41,6 +42,7 @@ pub fn config() -> ServeConfig {
         log: false,
         auth_hint: None,
         prefix_cache: true,
+        canary: None,
     }
 }
 
@@ -101,8 +103,15 @@ pub fn with_server<T: Send>(
             },
             |g| -> Result<(), String> {
                 let rank = g.rank();
-                let model = ShardedModel::load(&*ckpt, rank, tp, LoadOptions::default(), ctx)
+                let counting = Counting::new(&*ckpt);
+                let t0 = std::time::Instant::now();
+                let model = ShardedModel::load(&counting, rank, tp, LoadOptions::default(), ctx)
                     .map_err(|e| e.to_string())?;
+                let mine = LoadStats {
+                    bytes: counting.bytes(),
+                    time: t0.elapsed(),
+                };
+                let load = load_stats::gather(&g, mine).map_err(|e| e.to_string())?;
                 let mut worker = Worker::new(model, g);
                 if rank != 0 {
                     return worker.follow().map_err(|e| e.to_string());
@@ -113,6 +122,7 @@ pub fn with_server<T: Send>(
                     ctx_size: ctx,
                     memory: memory.clone(),
                     weights: tp_models::RankWeights::even(tp),
+                    load,
                 };
                 let served = tp_serve::serve(&mut session, &serve_cfg, |r| {
                     let _ = tx.send(r.clone());

@@ -1,7 +1,12 @@
-//! Connections: the accept loop with a cap on open connections (beyond it a `503` with
-//! `Retry-After` and `Connection: close`), a watchdog per connection that closes it when a
+//! Connections: the accept loop with a cap on open connections, a watchdog per connection that closes it when a
 //! deadline passes (request headers, idle keep-alive, a stalled write), and graceful closing
 //! on shutdown.
+//!
+//! At the cap, a new connection first takes the place of the oldest connection that has not
+//! sent a complete request (silent since it opened, idle between requests, or with headers
+//! still incomplete), which is closed; only when every open connection is answering a request
+//! is the new one refused with a `503` (`Retry-After`, `Connection: close`). So silent or slow
+//! clients cannot lock others out until their deadlines pass.
 //!
 //! A connection is in one of three phases. *Waiting*: no request in progress; a new connection
 //! must send its request headers within the header timeout, a kept-alive one must start its
@@ -18,9 +23,10 @@ use crate::metrics::Metrics;
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
+use std::collections::HashMap;
 use std::io;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
@@ -57,28 +63,85 @@ pub const REFUSAL_LINGER: Duration = Duration::from_secs(1);
 /// The `Retry-After` of a refusal, in seconds.
 pub const REFUSAL_RETRY_AFTER_S: u32 = 1;
 
-/// Counts a connection open (gauge and the watch the drain waits on) while it lives.
+/// How long the accept loop waits for an evicted connection to close before it refuses the
+/// new one instead.
+const EVICTION_WAIT: Duration = Duration::from_secs(1);
+
+/// The watchdogs of the open connections, by connection number: where the accept loop finds
+/// the oldest connection without a complete request.
+#[derive(Default)]
+struct Registry(Mutex<HashMap<u64, Arc<Watch>>>);
+
+impl Registry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Watch>>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Closes the connection that has waited longest without a complete request; false when
+    /// every connection is answering one.
+    fn evict_oldest_idle(&self) -> bool {
+        let mut idle: Vec<(Instant, u64, Arc<Watch>)> = self
+            .lock()
+            .iter()
+            .filter_map(|(id, w)| w.idle_since().map(|t| (t, *id, Arc::clone(w))))
+            .collect();
+        idle.sort_by_key(|(t, id, _)| (*t, *id));
+        // The oldest that is still idle when asked (its request may have begun meanwhile).
+        idle.iter().any(|(_, _, w)| w.evict())
+    }
+}
+
+/// Counts a connection open (gauge, the watch the drain waits on, the registry) while it
+/// lives.
 struct Slot {
+    id: u64,
     open: Arc<watch::Sender<usize>>,
     metrics: Arc<Metrics>,
+    registry: Arc<Registry>,
 }
 
 impl Slot {
-    fn new(open: &Arc<watch::Sender<usize>>, metrics: &Arc<Metrics>) -> Self {
+    fn new(
+        id: u64,
+        watch: &Arc<Watch>,
+        open: &Arc<watch::Sender<usize>>,
+        metrics: &Arc<Metrics>,
+        registry: &Arc<Registry>,
+    ) -> Self {
+        registry.lock().insert(id, Arc::clone(watch));
         open.send_modify(|n| *n += 1);
         metrics.connections_open.increment(1.0);
         Slot {
+            id,
             open: Arc::clone(open),
             metrics: Arc::clone(metrics),
+            registry: Arc::clone(registry),
         }
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
+        self.registry.lock().remove(&self.id);
         self.open.send_modify(|n| *n = n.saturating_sub(1));
         self.metrics.connections_open.decrement(1.0);
     }
+}
+
+/// At the cap: evicts the oldest connection without a complete request and waits (at most
+/// [`EVICTION_WAIT`]) for its slot; true when there is room for one more connection.
+async fn make_room(registry: &Registry, open: &watch::Sender<usize>, limits: &ConnLimits) -> bool {
+    if *open.borrow() < limits.max_connections {
+        return true;
+    }
+    if !registry.evict_oldest_idle() {
+        return false;
+    }
+    let mut rx = open.subscribe();
+    let freed = tokio::time::timeout(EVICTION_WAIT, rx.wait_for(|n| *n < limits.max_connections))
+        .await
+        .is_ok_and(|r| r.is_ok());
+    freed
 }
 
 /// The bytes a refused connection gets: a whole HTTP response.
@@ -182,6 +245,8 @@ impl Acceptor {
         http.timer(TokioTimer::new()).header_read_timeout(None);
         let refusal = refusal_response(limits.max_connections);
         let lingering = Arc::new(AtomicUsize::new(0));
+        let registry = Arc::new(Registry::default());
+        let mut next_id = 0u64;
         let mut last_warning: Option<Instant> = None;
         loop {
             let accepted = tokio::select! {
@@ -206,7 +271,7 @@ impl Acceptor {
                 }
             };
             let _ = stream.set_nodelay(true);
-            if *open.borrow() >= limits.max_connections {
+            if !make_room(&registry, &open, &limits).await {
                 if answer_refusal(&stream, &refusal) {
                     metrics.connections_refused.increment(1);
                 } else {
@@ -223,8 +288,9 @@ impl Acceptor {
                 }
                 continue;
             }
-            let slot = Slot::new(&open, &metrics);
             let watch = Arc::new(Watch::new(limits));
+            next_id += 1;
+            let slot = Slot::new(next_id, &watch, &open, &metrics, &registry);
             let io = TokioIo::new(Watched {
                 io: stream,
                 watch: Arc::clone(&watch),
@@ -244,7 +310,11 @@ impl Acceptor {
                     tokio::select! {
                         _ = conn.as_mut() => break,
                         why = watch.expired() => {
-                            metrics.connection_timed_out(why.label());
+                            if why == Expiry::Evicted {
+                                metrics.connections_evicted.increment(1);
+                            } else {
+                                metrics.connection_timed_out(why.label());
+                            }
                             break;
                         }
                         _ = closing.wait_for(|c| *c), if !asked => {

@@ -20,7 +20,8 @@ use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-/// Why the watchdog closed a connection (the label of `tp_connections_timed_out_total`).
+/// Why the watchdog closed a connection (the label of `tp_connections_timed_out_total`;
+/// evictions count in `tp_connections_evicted_total`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Expiry {
     /// Request headers incomplete within the header timeout.
@@ -29,6 +30,9 @@ pub enum Expiry {
     Idle,
     /// A write blocked for the idle timeout.
     WriteStall,
+    /// Closed at the connection cap to make room for a new connection: it had not sent a
+    /// complete request (idle, or headers still incomplete) and was the oldest such.
+    Evicted,
 }
 
 impl Expiry {
@@ -37,6 +41,7 @@ impl Expiry {
             Expiry::Header => "header",
             Expiry::Idle => "idle",
             Expiry::WriteStall => "write_stall",
+            Expiry::Evicted => "evicted",
         }
     }
 }
@@ -56,6 +61,8 @@ struct WatchState {
     phase: Phase,
     /// Since when a write has been blocked (the client does not read).
     write_blocked: Option<Instant>,
+    /// Set by [`Watch::evict`]: the watchdog closes the connection at once.
+    evicted: bool,
 }
 
 /// The phase of one connection, shared by its socket wrapper, its service and its watchdog.
@@ -76,6 +83,7 @@ impl Watch {
                     fresh: true,
                 },
                 write_blocked: None,
+                evicted: false,
             }),
             changed: Notify::new(),
             limits,
@@ -133,9 +141,35 @@ impl Watch {
         self.changed.notify_one();
     }
 
+    /// Since when the connection has waited without a complete request (none arrived yet,
+    /// or its headers are incomplete), or `None` while a request is being answered: what
+    /// makes a connection evictable at the cap, the oldest first.
+    pub(super) fn idle_since(&self) -> Option<Instant> {
+        match self.lock().phase {
+            Phase::Waiting { since, .. } | Phase::Head { since } => Some(since),
+            Phase::Busy { .. } => None,
+        }
+    }
+
+    /// Closes the connection now if it is still without a complete request (true then); a
+    /// connection whose request has just begun is left alone.
+    pub(super) fn evict(&self) -> bool {
+        let mut s = self.lock();
+        if matches!(s.phase, Phase::Busy { .. }) {
+            return false;
+        }
+        s.evicted = true;
+        drop(s);
+        self.changed.notify_one();
+        true
+    }
+
     /// The next deadline and what passing it means (`None`: none while the phase lasts).
     fn deadline(&self) -> Option<(Instant, Expiry)> {
         let s = self.lock();
+        if s.evicted {
+            return Some((Instant::now(), Expiry::Evicted));
+        }
         let l = &self.limits;
         let phase = match s.phase {
             Phase::Waiting { since, fresh: true } => {
