@@ -5,7 +5,8 @@ use crate::model_run::{run_model_holding, ModelArgs};
 use anyhow::{anyhow, bail};
 use std::process::ExitCode;
 use tp_engine::{
-    DecodeParams, Engine, EngineError, FinishReason, LogprobEntry, PromptIds, Reply, SamplingParams,
+    DecodeParams, DraftTokens, Engine, EngineError, FinishReason, LogprobEntry, PromptIds, Reply,
+    SamplingParams, SpecMethod, Speculator,
 };
 use tp_tokenizer::ChatMessage;
 
@@ -72,6 +73,42 @@ impl SamplingArgs {
     }
 }
 
+/// Drafting method for `--spec`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpecArg {
+    /// No speculation: one target step per token.
+    None,
+    /// Prompt lookup: draft the continuation of the last few tokens' latest earlier
+    /// occurrence in the prompt and output (no second model).
+    Ngram,
+}
+
+/// Speculative decoding flags of `tp generate` and `tp chat`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct SpecArgs {
+    /// Speculative decoding: the model verifies drafted tokens several at a time (greedy
+    /// output is unchanged; sampling keeps the model's distribution).
+    #[arg(long, value_enum, default_value_t = SpecArg::None)]
+    pub spec: SpecArg,
+    /// Tokens drafted per step, 1 to 32 [default: adapts to the acceptance rate, 1 to 16].
+    #[arg(long, value_name = "K")]
+    pub draft_tokens: Option<usize>,
+}
+
+impl SpecArgs {
+    /// The speculator the flags ask for (`None` without `--spec`); bad values name their flag.
+    pub fn speculator(&self) -> anyhow::Result<Option<Speculator>> {
+        let tokens = DraftTokens::new(self.draft_tokens).map_err(flag_error)?;
+        match self.spec {
+            SpecArg::None if self.draft_tokens.is_some() => {
+                bail!("--draft-tokens needs --spec ngram (speculative decoding is off)")
+            }
+            SpecArg::None => Ok(None),
+            SpecArg::Ngram => Ok(Some(Speculator::for_method(SpecMethod::Ngram, tokens))),
+        }
+    }
+}
+
 /// An engine error about a parameter, in terms of the command line's flags.
 fn flag_error(e: EngineError) -> anyhow::Error {
     let flag = match &e {
@@ -82,6 +119,8 @@ fn flag_error(e: EngineError) -> anyhow::Error {
             "presence_penalty" => "--presence-penalty",
             "frequency_penalty" => "--frequency-penalty",
             "logprobs" => "--logprobs",
+            "draft_tokens" => "--draft-tokens",
+            "spec" => "--spec",
             _ => return e.into(),
         },
         _ => return e.into(),
@@ -112,6 +151,8 @@ pub struct GenerateArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
     pub chat: bool,
@@ -124,6 +165,8 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         bail!("the prompt is empty; give some text to continue, e.g. tp generate \"Once upon a time\"");
     }
     let params = args.sampling.params()?;
+    // Checked before any rank starts; each lead builds its own.
+    args.spec.speculator()?;
     // A --chat prompt is message text: special-token text in it stays plain text. Without
     // --chat the prompt is raw model input, special tokens included (as /v1/completions).
     let (prompt, chat) = (args.prompt.clone(), args.chat);
@@ -137,6 +180,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let out = run_model_holding(&args.model, Some(held), |s| {
         let ids = prompt.ids(&s.tokenizer)?;
         let mut engine = Engine::new(s);
+        engine.set_speculation(args.spec.speculator()?);
         let reply = engine
             .reply(&ids, &params, &mut std::io::stdout())
             .map_err(engine_error)?;
@@ -171,6 +215,16 @@ pub fn report(reply: &Reply) {
         s.decode.as_secs_f64(),
         s.decode_tokens_per_s(),
     );
+    if let Some(st) = reply.spec {
+        eprintln!(
+            "# speculation: {} of {} drafted tokens accepted ({:.0}%), {:.2} tokens per decode step ({} steps)",
+            st.accepted,
+            st.drafted,
+            st.acceptance() * 100.0,
+            s.generated_tokens.saturating_sub(1) as f64 / s.decode_steps.max(1) as f64,
+            s.decode_steps,
+        );
+    }
 }
 
 /// `--logprobs N`: one line per shown token on stderr, after the text.
