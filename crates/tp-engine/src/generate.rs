@@ -115,6 +115,7 @@ pub fn generate(
     // The drafts fed after the last token in the step whose rows `logits` holds.
     let mut drafts: Vec<u32> = Vec::new();
     let mut steps = 0;
+    let mut step_time = 0.0;
     let finish = 'gen: loop {
         // Rows in order: row i follows draft i-1; the last row follows every draft.
         let (mut used, mut accepted) = (0, 0);
@@ -149,7 +150,7 @@ pub fn generate(
         }
         if let Some(s) = spec.as_deref_mut() {
             if steps > 0 {
-                s.record(drafts.len(), accepted);
+                s.record(drafts.len(), accepted, step_time);
             }
         }
         // The step fed the last token and every draft; keep the last token and the drafts
@@ -174,7 +175,8 @@ pub fn generate(
                 // Room: the cache takes the token and the drafts; more rows than tokens still
                 // wanted are wasted.
                 let room = capacity.saturating_sub(exec.slots().cached_len(slot) + 1);
-                let wanted = (decoder.params().max_tokens).saturating_sub(decoder.generated().len());
+                let wanted =
+                    (decoder.params().max_tokens).saturating_sub(decoder.generated().len());
                 s.draft(decoder.generated(), room.min(wanted.saturating_sub(1)))?
             }
             None => Vec::new(),
@@ -183,7 +185,9 @@ pub fn generate(
         fed.push(token);
         fed.extend_from_slice(&drafts);
         steps += 1;
+        let t = Instant::now();
         logits = step(exec, slot, fed, !drafts.is_empty())?;
+        step_time = t.elapsed().as_secs_f64();
     };
     Ok(GenerationStats {
         prompt_tokens: new_tokens.len(),
@@ -242,10 +246,17 @@ mod tests {
         ex.submit(Command::Open { slot: 7, capacity }).unwrap();
         let mut d = SequenceDecoder::new(&tok, params).unwrap();
         let mut shown = String::new();
-        let stats = generate(&mut ex, 7, b"abc".map(u32::from).as_slice(), &mut d, None, |e| {
-            shown.push_str(&e.text);
-            Flow::Continue
-        })
+        let stats = generate(
+            &mut ex,
+            7,
+            b"abc".map(u32::from).as_slice(),
+            &mut d,
+            None,
+            |e| {
+                shown.push_str(&e.text);
+                Flow::Continue
+            },
+        )
         .unwrap();
         assert_eq!(stats.generated_tokens, d.generated().len());
         (shown, stats, ex)
@@ -401,17 +412,22 @@ mod tests {
         ex.submit(Command::Open { slot: 2, capacity }).unwrap();
         let mut d = SequenceDecoder::new(&tok, params.clone()).unwrap();
         let mut shown = String::new();
-        let spec = spec.map(|s| {
+        let mut spec = spec;
+        if let Some(s) = spec.as_deref_mut() {
             s.start(&[], &prompt);
-            s
-        });
+        }
         let g = generate(&mut ex, 2, &prompt, &mut d, spec, |e| {
             shown.push_str(&e.text);
             Flow::Continue
         })
         .unwrap();
         assert_eq!(g.generated_tokens, d.generated().len());
-        let out = (shown, g.finish, d.generated().to_vec(), ex.tokens(2).to_vec());
+        let out = (
+            shown,
+            g.finish,
+            d.generated().to_vec(),
+            ex.tokens(2).to_vec(),
+        );
         (out, g.decode_steps)
     }
 
@@ -435,7 +451,10 @@ mod tests {
         );
         let (fast, steps) = outcome(text, capacity, &params, Some(&mut spec));
         assert_eq!(plain, fast, "speculation changed the output ({params:?})");
-        assert_eq!(spec.stats.steps, steps, "{k:?} right {right} cap {capacity} {params:?}");
+        assert_eq!(
+            spec.stats.steps, steps,
+            "{k:?} right {right} cap {capacity} {params:?}"
+        );
         if !right {
             // Rejected drafts cost nothing but rows: one token per step, as without.
             assert_eq!((steps, spec.stats.accepted), (plain_steps, 0));
@@ -445,7 +464,11 @@ mod tests {
 
     #[test]
     fn speculation_changes_no_greedy_token() {
-        for k in [DraftTokens::Fixed(1), DraftTokens::Fixed(3), DraftTokens::Adaptive] {
+        for k in [
+            DraftTokens::Fixed(1),
+            DraftTokens::Fixed(3),
+            DraftTokens::Adaptive,
+        ] {
             for right in [true, false] {
                 // EOS inside an accepted run.
                 let (steps, st) =
@@ -464,13 +487,7 @@ mod tests {
                 same_with_speculation(b"hello world", 64, p, right, k);
                 // The end of the context: capacity 9 holds "abc" and 6 fed tokens.
                 for cap in [4, 5, 9, 13, 14, 15] {
-                    same_with_speculation(
-                        b"hello world",
-                        cap,
-                        DecodeParams::greedy(100),
-                        right,
-                        k,
-                    );
+                    same_with_speculation(b"hello world", cap, DecodeParams::greedy(100), right, k);
                 }
             }
         }
@@ -482,7 +499,11 @@ mod tests {
         let text: &'static [u8] = b"abcabd abcabd abcabx abcabd";
         let params = DecodeParams::greedy(100);
         let (plain, plain_steps) = outcome(text, 64, &params, None);
-        for k in [DraftTokens::Fixed(2), DraftTokens::Fixed(8), DraftTokens::Adaptive] {
+        for k in [
+            DraftTokens::Fixed(2),
+            DraftTokens::Fixed(8),
+            DraftTokens::Adaptive,
+        ] {
             let mut spec = Speculator::for_method(crate::spec::SpecMethod::Ngram, k);
             let (fast, steps) = outcome(text, 64, &params, Some(&mut spec));
             assert_eq!(plain, fast);
@@ -547,11 +568,17 @@ mod tests {
             };
             let mut d = SequenceDecoder::new(&tok, params).unwrap();
             let prompt = b"abc".map(u32::from);
-            let mut spec = Speculator::for_method(crate::spec::SpecMethod::Ngram, DraftTokens::Fixed(2));
+            let mut spec =
+                Speculator::for_method(crate::spec::SpecMethod::Ngram, DraftTokens::Fixed(2));
             spec.start(&[], &prompt);
-            generate(&mut ex, 0, &prompt, &mut d, drafts.then_some(&mut spec), |_| {
-                Flow::Continue
-            })
+            generate(
+                &mut ex,
+                0,
+                &prompt,
+                &mut d,
+                drafts.then_some(&mut spec),
+                |_| Flow::Continue,
+            )
             .unwrap();
             let g = d.generated();
             [g[0] - base, g[1] - base, g[2] - base]

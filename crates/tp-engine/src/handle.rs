@@ -100,24 +100,31 @@ impl<'s> Engine<'s> {
         let mut text = String::new();
         let mut logprobs = Vec::new();
         let mut failure: Option<std::io::Error> = None;
-        let spec = self.spec.as_mut().map(|s| {
+        let mut spec = self.spec.as_mut();
+        if let Some(s) = spec.as_deref_mut() {
             s.start(&ids[..cached], &ids[cached..]);
-            s
-        });
-        let stats = generate(&mut *worker, slot, &ids[cached..], &mut decoder, spec, |shown| {
-            text.push_str(&shown.text);
-            logprobs.extend(shown.logprobs.iter().cloned());
-            match out
-                .write_all(shown.text.as_bytes())
-                .and_then(|()| out.flush())
-            {
-                Ok(()) => Flow::Continue,
-                Err(e) => {
-                    failure = Some(e);
-                    Flow::Stop
+        }
+        let stats = generate(
+            &mut *worker,
+            slot,
+            &ids[cached..],
+            &mut decoder,
+            spec,
+            |shown| {
+                text.push_str(&shown.text);
+                logprobs.extend(shown.logprobs.iter().cloned());
+                match out
+                    .write_all(shown.text.as_bytes())
+                    .and_then(|()| out.flush())
+                {
+                    Ok(()) => Flow::Continue,
+                    Err(e) => {
+                        failure = Some(e);
+                        Flow::Stop
+                    }
                 }
-            }
-        })?;
+            },
+        )?;
         if let Some(e) = failure {
             return Err(EngineError::Output(e));
         }

@@ -2,6 +2,7 @@
 //! and broadcasts it; the other ranks (followers) execute the same step on their shards.
 
 pub mod bench;
+pub mod bench_spec;
 pub mod decoder;
 pub mod error;
 pub mod executor;
@@ -40,6 +41,8 @@ pub use protocol::{ChunkSpec, Command};
 pub use sampling::{argmax, Sampler, SamplingParams};
 pub use session::{Placement, Session, SessionError};
 pub use slots::Slots;
-pub use spec::{DraftTokens, Drafter, NgramDrafter, SpecMethod, SpecStats, Speculator, MAX_DRAFT_TOKENS};
+pub use spec::{
+    DraftTokens, Drafter, NgramDrafter, SpecMethod, SpecStats, Speculator, MAX_DRAFT_TOKENS,
+};
 pub use stop::StopMatcher;
 pub use worker::{RankProfile, Worker};

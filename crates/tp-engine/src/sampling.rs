@@ -294,7 +294,10 @@ pub(crate) mod tests {
                 counts[t] += 1;
             }
             let x2 = chi_square(&counts, &want);
-            assert!(x2 < 16.27, "draft {draft:?}: chi-square {x2}, counts {counts:?}");
+            assert!(
+                x2 < 16.27,
+                "draft {draft:?}: chi-square {x2}, counts {counts:?}"
+            );
         }
         // The test can fail: accepting every draft is far from the distribution.
         let mut counts = [0usize; 4];

@@ -14,9 +14,16 @@ use crate::error::{EngineError, Result};
 /// path, and acceptance runs longer than this are rare enough not to pay for the extra rows.
 pub const MAX_DRAFT_TOKENS: usize = 32;
 
-/// Where the adaptive policy starts, and its ceiling.
-const ADAPTIVE_START: usize = 4;
+/// The adaptive policy's ceiling, its first length and its cost guess before measuring.
 const ADAPTIVE_MAX: usize = 16;
+const ADAPTIVE_START: usize = 4;
+/// Before any verification was timed: an extra row costs this fraction of a one-token step.
+const PRIOR_ROW_COST: f64 = 0.25;
+/// Weight of the newest observation in the running estimates.
+const EMA: f64 = 0.2;
+/// When drafting does not pay, one step in this many still drafts a token, so a change in
+/// the text (a quote begins) is noticed.
+const PROBE_EVERY: usize = 16;
 
 /// Which drafter proposes tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,8 +58,9 @@ pub enum DraftTokens {
     /// Exactly this many (fewer when the drafter has no more, or near the end of the
     /// context or of `max_tokens`).
     Fixed(usize),
-    /// Start at 4; double after a step whose drafts were all accepted (up to 16), fall to
-    /// one more than the accepted run after a rejection.
+    /// The length (0 to 16) that maximises the expected tokens per second, from running
+    /// estimates of the chance that a draft is accepted (each draft after an accepted one,
+    /// a geometric run) and of what a step costs per token fed (timed steps).
     Adaptive,
 }
 
@@ -146,8 +154,8 @@ impl SpecStats {
 pub struct Speculator {
     drafter: Box<dyn Drafter>,
     tokens: DraftTokens,
-    /// The adaptive policy's current length.
-    k: usize,
+    /// The adaptive policy's estimates.
+    policy: Adaptive,
     /// Tokens before the generated ones: cached ones, then the prompt fed now.
     history: Vec<u32>,
     base: usize,
@@ -158,7 +166,7 @@ impl std::fmt::Debug for Speculator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Speculator")
             .field("tokens", &self.tokens)
-            .field("k", &self.k)
+            .field("policy", &self.policy)
             .field("stats", &self.stats)
             .finish_non_exhaustive()
     }
@@ -169,10 +177,7 @@ impl Speculator {
         Speculator {
             drafter,
             tokens,
-            k: match tokens {
-                DraftTokens::Fixed(k) => k,
-                DraftTokens::Adaptive => ADAPTIVE_START,
-            },
+            policy: Adaptive::default(),
             history: Vec::new(),
             base: 0,
             stats: SpecStats::default(),
@@ -198,7 +203,11 @@ impl Speculator {
 
     /// At most `limit` drafts to follow the sequence after `generated`.
     pub fn draft(&mut self, generated: &[u32], limit: usize) -> Result<Vec<u32>> {
-        let k = self.k.min(limit);
+        let k = match self.tokens {
+            DraftTokens::Fixed(k) => k,
+            DraftTokens::Adaptive => self.policy.length(),
+        }
+        .min(limit);
         if k == 0 {
             return Ok(Vec::new());
         }
@@ -209,22 +218,79 @@ impl Speculator {
         Ok(d)
     }
 
-    /// One target step verified `drafted` tokens, of which the first `accepted` were kept.
-    pub fn record(&mut self, drafted: usize, accepted: usize) {
+    /// One target step verified `drafted` tokens, of which the first `accepted` were kept;
+    /// it took `seconds` (the forward pass of `1 + drafted` tokens).
+    pub fn record(&mut self, drafted: usize, accepted: usize, seconds: f64) {
         self.stats.steps += 1;
+        self.policy.observe(drafted, accepted, seconds);
         if drafted == 0 {
             return;
         }
         self.stats.verify_steps += 1;
         self.stats.drafted += drafted;
         self.stats.accepted += accepted;
-        if self.tokens == DraftTokens::Adaptive {
-            self.k = if accepted == drafted {
-                (self.k * 2).min(ADAPTIVE_MAX)
-            } else {
-                accepted + 1
-            };
+    }
+}
+
+/// The adaptive draft length's running estimates.
+#[derive(Clone, Debug, Default)]
+struct Adaptive {
+    /// Decayed counts of accepted drafts and of rejections (a run ends at a rejection).
+    kept: f64,
+    rejected: f64,
+    /// Seconds of a one-token step, and per extra row of a verification step.
+    step_s: Option<f64>,
+    row_s: Option<f64>,
+    /// Steps since the last one that drafted.
+    idle: usize,
+}
+
+impl Adaptive {
+    /// The chance a draft is accepted (after the ones before it were): a prior of 1/2.
+    fn accept_rate(&self) -> f64 {
+        (self.kept + 1.0) / (self.kept + self.rejected + 2.0)
+    }
+
+    fn observe(&mut self, drafted: usize, accepted: usize, seconds: f64) {
+        if drafted == 0 {
+            self.idle += 1;
+            let t = self.step_s.map_or(seconds, |s| s + EMA * (seconds - s));
+            self.step_s = Some(t);
+            return;
         }
+        self.idle = 0;
+        let decay = 1.0 - EMA;
+        self.kept = self.kept * decay + accepted as f64;
+        self.rejected = self.rejected * decay + f64::from(u8::from(accepted < drafted));
+        if let Some(step) = self.step_s {
+            let row = ((seconds - step) / drafted as f64).max(0.0);
+            self.row_s = Some(self.row_s.map_or(row, |r| r + EMA * (row - r)));
+        }
+    }
+
+    /// The draft length with the most expected tokens per second: `(1 - a^(k+1)) / (1 - a)`
+    /// tokens for a step costing `step + k row`.
+    fn length(&self) -> usize {
+        let Some(step) = self.step_s else {
+            return ADAPTIVE_START;
+        };
+        let row = self.row_s.unwrap_or(PRIOR_ROW_COST * step);
+        let a = self.accept_rate();
+        let mut best = (1.0 / step, 0);
+        let mut tokens = 1.0;
+        let mut run = 1.0;
+        for k in 1..=ADAPTIVE_MAX {
+            run *= a;
+            tokens += run;
+            let rate = tokens / (step + row * k as f64);
+            if rate > best.0 {
+                best = (rate, k);
+            }
+        }
+        if best.1 == 0 && self.idle >= PROBE_EVERY {
+            return 1;
+        }
+        best.1
     }
 }
 
@@ -249,31 +315,41 @@ mod tests {
     }
 
     #[test]
-    fn adaptive_length_grows_on_acceptance_and_falls_on_rejection() {
+    fn adaptive_length_follows_acceptance_and_cost() {
         let mut s = Speculator::new(Box::new(NgramDrafter), DraftTokens::Adaptive);
         s.start(&[], &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1]);
-        // k = 4 first, bounded by the caller's limit.
+        // Before any step is timed: 4, bounded by the caller's limit.
         assert_eq!(s.draft(&[], 100).unwrap(), vec![2, 3, 4, 5]);
         assert_eq!(s.draft(&[], 2).unwrap(), vec![2, 3]);
-        s.record(4, 4);
-        assert_eq!(s.draft(&[], 100).unwrap().len(), 8);
-        s.record(8, 2);
-        assert_eq!(s.draft(&[], 100).unwrap().len(), 3);
-        s.record(0, 0);
-        assert_eq!(
-            s.stats,
-            SpecStats {
-                steps: 3,
-                verify_steps: 2,
-                drafted: 12,
-                accepted: 6
-            }
-        );
-        assert_eq!(s.stats.acceptance(), 0.5);
+        // One-token steps of 10 ms, cheap rows (1 ms) and every draft accepted: long drafts.
+        s.record(0, 0, 0.010);
+        for _ in 0..10 {
+            s.record(8, 8, 0.018);
+        }
+        assert_eq!(s.draft(&[], 100).unwrap().len(), 12);
+        // Acceptance falls to about 1 in 4: short drafts.
+        for _ in 0..20 {
+            s.record(4, 1, 0.014);
+        }
+        let k = s.policy.length();
+        assert!((1..=2).contains(&k), "{k}");
+        // Expensive rows (as much as a step) and poor acceptance: no drafts, but a probe
+        // of one token after 16 steps without.
+        for _ in 0..20 {
+            s.record(4, 0, 0.050);
+        }
+        assert_eq!(s.policy.length(), 0);
+        for _ in 0..PROBE_EVERY {
+            s.record(0, 0, 0.010);
+        }
+        assert_eq!(s.policy.length(), 1);
+        assert_eq!(s.stats.steps, 1 + 10 + 20 + 20 + PROBE_EVERY);
+        assert_eq!(s.stats.drafted, 80 + 80 + 80);
+        assert_eq!(s.stats.accepted, 80 + 20);
         // Fixed: the length never changes.
         let mut f = Speculator::new(Box::new(NgramDrafter), DraftTokens::Fixed(2));
         f.start(&[1, 2, 3], &[1]);
-        f.record(2, 0);
+        f.record(2, 0, 0.1);
         assert_eq!(f.draft(&[2], 100).unwrap(), vec![3, 1]);
     }
 
