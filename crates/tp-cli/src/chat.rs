@@ -30,10 +30,11 @@ const HEARTBEAT: Duration = Duration::from_secs(1);
 pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
     let params = args.sampling.params()?;
     // Checked before any rank starts; each lead builds its own.
-    args.spec.speculator()?;
+    args.spec.drafting()?;
     let out = run_model(&args.model, |s| {
+        let spec = args.spec.speculator(s, &args.model)?;
         let mut engine = Engine::new(s);
-        engine.set_speculation(args.spec.speculator()?);
+        engine.set_speculation(spec);
         let lines = stdin_lines();
         eprintln!(
             "# chat: type a message and press Enter; /reset starts over, /exit or Ctrl-D quits"

@@ -3,7 +3,10 @@
 
 use crate::model_run::{run_model_holding, ModelArgs};
 use anyhow::{anyhow, bail};
+use std::path::PathBuf;
 use std::process::ExitCode;
+use tp_engine::draft_model::ModelDrafter;
+use tp_engine::Session;
 use tp_engine::{
     DecodeParams, DraftTokens, Engine, EngineError, FinishReason, LogprobEntry, PromptIds, Reply,
     SamplingParams, SpecMethod, Speculator,
@@ -90,22 +93,58 @@ pub struct SpecArgs {
     /// output is unchanged; sampling keeps the model's distribution).
     #[arg(long, value_enum, default_value_t = SpecArg::None)]
     pub spec: SpecArg,
-    /// Tokens drafted per step, 1 to 32 [default: adapts to the acceptance rate, 1 to 16].
+    /// Speculative decoding with this smaller model (GGUF file or HF directory) as the
+    /// drafter; it must have the model's vocabulary (e.g. Qwen2.5-Coder-0.5B for -1.5B). Rank 0
+    /// holds it whole.
+    #[arg(long, value_name = "FILE")]
+    pub draft_model: Option<PathBuf>,
+    /// Tokens drafted per step, 1 to 32 [default: adapts to the acceptance rate and the
+    /// measured cost of a step, 0 to 16].
     #[arg(long, value_name = "K")]
     pub draft_tokens: Option<usize>,
 }
 
+/// Who drafts, as the flags say.
+pub enum Drafting {
+    Off,
+    Method(SpecMethod, DraftTokens),
+    Model(PathBuf, DraftTokens),
+}
+
 impl SpecArgs {
-    /// The speculator the flags ask for (`None` without `--spec`); bad values name their flag.
-    pub fn speculator(&self) -> anyhow::Result<Option<Speculator>> {
+    /// The flags checked (before any rank starts): bad values name their flag.
+    pub fn drafting(&self) -> anyhow::Result<Drafting> {
         let tokens = DraftTokens::new(self.draft_tokens).map_err(flag_error)?;
-        match self.spec {
-            SpecArg::None if self.draft_tokens.is_some() => {
-                bail!("--draft-tokens needs --spec ngram (speculative decoding is off)")
+        Ok(match (self.spec, &self.draft_model) {
+            (SpecArg::None, None) if self.draft_tokens.is_some() => bail!(
+                "--draft-tokens needs --spec ngram or --draft-model FILE (speculative decoding is off)"
+            ),
+            (SpecArg::None, None) => Drafting::Off,
+            (SpecArg::Ngram, None) => Drafting::Method(SpecMethod::Ngram, tokens),
+            (SpecArg::None, Some(path)) => Drafting::Model(path.clone(), tokens),
+            (SpecArg::Ngram, Some(_)) => {
+                bail!("--spec ngram and --draft-model are two drafters; give one of them")
             }
-            SpecArg::None => Ok(None),
-            SpecArg::Ngram => Ok(Some(Speculator::for_method(SpecMethod::Ngram, tokens))),
-        }
+        })
+    }
+
+    /// Rank 0's speculator for `s` (a draft model is loaded here), `None` when off.
+    pub fn speculator(&self, s: &Session, model: &ModelArgs) -> anyhow::Result<Option<Speculator>> {
+        Ok(match self.drafting()? {
+            Drafting::Off => None,
+            Drafting::Method(m, k) => Some(Speculator::for_method(m, k)),
+            Drafting::Model(path, k) => {
+                let d = ModelDrafter::open(
+                    &path,
+                    &s.tokenizer,
+                    s.worker.model().config().vocab,
+                    s.ctx_size,
+                    model.load_options(),
+                )
+                .map_err(|e| anyhow::Error::new(e).context("--draft-model"))?;
+                Some(Speculator::new(Box::new(d), k))
+            }
+        })
     }
 }
 
@@ -165,8 +204,8 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         bail!("the prompt is empty; give some text to continue, e.g. tp generate \"Once upon a time\"");
     }
     let params = args.sampling.params()?;
-    // Checked before any rank starts; each lead builds its own.
-    args.spec.speculator()?;
+    // Checked before any rank starts; the lead builds the speculator.
+    args.spec.drafting()?;
     // A --chat prompt is message text: special-token text in it stays plain text. Without
     // --chat the prompt is raw model input, special tokens included (as /v1/completions).
     let (prompt, chat) = (args.prompt.clone(), args.chat);
@@ -179,8 +218,9 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let held = prompt.held(params.max_tokens);
     let out = run_model_holding(&args.model, Some(held), |s| {
         let ids = prompt.ids(&s.tokenizer)?;
+        let spec = args.spec.speculator(s, &args.model)?;
         let mut engine = Engine::new(s);
-        engine.set_speculation(args.spec.speculator()?);
+        engine.set_speculation(spec);
         let reply = engine
             .reply(&ids, &params, &mut std::io::stdout())
             .map_err(engine_error)?;

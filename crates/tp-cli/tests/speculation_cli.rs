@@ -1,5 +1,5 @@
 //! `tp generate --spec ngram` end to end on the real SmolLM2: greedy text identical to plain
-//! decoding at tp 1 and 2 (local ranks) and under `mpirun -n 2`, seeded sampling that repeats,
+//! decoding at tp 1 and 2 (local ranks) and under `mpirun -n 2`, seeded sampling equal to plain,
 //! and errors that name the flag and its valid values for bad speculation flags.
 
 mod common;
@@ -45,26 +45,26 @@ fn greedy_text_is_unchanged_by_ngram_speculation() {
     }
 }
 
+/// Sampling with a seed: speculation draws one random number per token as plain decoding
+/// does and keeps a draft only when the sampled token is the draft, so the text is plain
+/// sampling's with that seed (at tp 1 and 2), and repeats.
 #[test]
-fn seeded_speculative_sampling_repeats() {
+fn seeded_speculative_sampling_is_plain_sampling() {
     let Some(model) = common::smollm2() else {
         return;
     };
     let model = model.to_string_lossy().to_string();
-    let args = [
-        "--spec",
-        "ngram",
-        "--temperature",
-        "0.7",
-        "--seed",
-        "5",
-        "-q",
-    ];
-    let a = ok_stdout(&generate(&model, &args));
-    assert_eq!(ok_stdout(&generate(&model, &args)), a);
-    let mut tp2 = args.to_vec();
-    tp2.extend(["--tp", "2"]);
-    assert_eq!(ok_stdout(&generate(&model, &tp2)), a, "tp 2 differs");
+    let seeded = ["--temperature", "0.7", "--seed", "5", "-q"];
+    let want = ok_stdout(&generate(&model, &seeded));
+    for extra in [
+        vec!["--spec", "ngram"],
+        vec!["--spec", "ngram", "--draft-tokens", "6"],
+        vec!["--spec", "ngram", "--tp", "2"],
+    ] {
+        let mut args = seeded.to_vec();
+        args.extend(extra.iter().copied());
+        assert_eq!(ok_stdout(&generate(&model, &args)), want, "{extra:?}");
+    }
 }
 
 #[test]
@@ -78,6 +78,10 @@ fn bad_speculation_flags_name_the_flag_and_the_valid_values() {
         (vec!["--spec", "ngram", "--draft-tokens", "33"], "1 to 32"),
         (vec!["--spec", "medusa"], "ngram"),
         (vec!["--draft-tokens", "4"], "--spec ngram"),
+        (
+            vec!["--spec", "ngram", "--draft-model", "/x.gguf"],
+            "give one of them",
+        ),
     ] {
         let mut all = vec!["generate", "--model", "/nonexistent/model.gguf"];
         all.extend_from_slice(&args);
@@ -87,6 +91,24 @@ fn bad_speculation_flags_name_the_flag_and_the_valid_values() {
         assert!(!f.output.contains("panicked"), "{}", f.output);
         assert!(f.stderr.contains(want), "{args:?}: {}", f.stderr);
     }
+}
+
+/// A draft model whose vocabulary is not the target's: an error naming the flag and what
+/// differs (Qwen2.5-Coder-0.5B drafting for SmolLM2), no panic.
+#[test]
+fn a_draft_model_with_another_vocabulary_is_an_error() {
+    let (Some(model), Some(qwen)) = (common::smollm2(), tp_testkit::qwen25()) else {
+        return;
+    };
+    let (model, qwen) = (model.to_string_lossy(), qwen.to_string_lossy());
+    let f = generate(&model, &["--draft-model", &qwen, "--greedy"]);
+    assert_ne!(f.code, Some(0));
+    assert!(!f.output.contains("panicked"), "{}", f.output);
+    assert!(
+        f.stderr.contains("--draft-model") && f.stderr.contains("another vocabulary"),
+        "{}",
+        f.stderr
+    );
 }
 
 /// `mpirun -n 2 tp generate --spec ngram --backend mpi`: the plain greedy text.

@@ -10,12 +10,15 @@
 
 use crate::bench::BenchError;
 use crate::decoder::{DecodeParams, SequenceDecoder};
+use crate::draft_model::ModelDrafter;
 use crate::error::{EngineError, Result};
 use crate::generate::{generate, Flow};
 use crate::protocol::{ChunkSpec, Command};
 use crate::session::Session;
 use crate::spec::{DraftTokens, SpecMethod, SpecStats, Speculator};
+use std::path::PathBuf;
 use std::time::Instant;
+use tp_models::LoadOptions;
 use tp_tokenizer::ChatMessage;
 
 /// The code the edit workload quotes.
@@ -51,10 +54,35 @@ pub fn edit_prompt(tok: &tp_tokenizer::Tokenizer) -> std::result::Result<Vec<u32
         .map_err(BenchError::Prompt)
 }
 
+/// Who drafts in a speculative measurement.
+#[derive(Clone, Debug)]
+pub enum BenchDrafter {
+    Method(SpecMethod),
+    /// A draft model, whole on rank 0 ([`ModelDrafter`]).
+    Model {
+        path: PathBuf,
+        opts: LoadOptions,
+    },
+}
+
+impl BenchDrafter {
+    fn name(&self) -> String {
+        match self {
+            BenchDrafter::Method(SpecMethod::Ngram) => "ngram".into(),
+            BenchDrafter::Model { path, .. } => format!(
+                "draft model {}",
+                path.file_name().map_or(path.display().to_string(), |n| n
+                    .to_string_lossy()
+                    .into_owned())
+            ),
+        }
+    }
+}
+
 /// What one speculative measurement runs.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct SpecBench {
-    pub method: SpecMethod,
+    pub drafter: BenchDrafter,
     pub tokens: DraftTokens,
     /// Tokens generated per run (greedy, end-of-sequence ignored).
     pub gen_tokens: usize,
@@ -76,6 +104,9 @@ pub struct SpecFigures {
     pub tokens_per_step: f64,
     /// `(k, ms)`: a step of `1 + k` tokens (all rows' logits) over the prompt's cache.
     pub verify_ms: Vec<(usize, f64)>,
+    /// Per target decode step of the speculative run: drafting, and the target's step.
+    pub draft_ms: f64,
+    pub target_ms: f64,
 }
 
 impl SpecFigures {
@@ -85,9 +116,20 @@ impl SpecFigures {
 }
 
 /// Measures `s` on the edit workload.
-pub fn measure_spec(s: &mut Session, b: SpecBench) -> std::result::Result<SpecFigures, BenchError> {
+pub fn measure_spec(
+    s: &mut Session,
+    b: &SpecBench,
+) -> std::result::Result<SpecFigures, BenchError> {
     let tp = s.weights.tp();
     let ids = edit_prompt(&s.tokenizer)?;
+    let mut spec = match &b.drafter {
+        BenchDrafter::Method(m) => Speculator::for_method(*m, b.tokens),
+        BenchDrafter::Model { path, opts } => {
+            let vocab = s.worker.model().config().vocab;
+            let d = ModelDrafter::open(path, &s.tokenizer, vocab, s.ctx_size, *opts)?;
+            Speculator::new(Box::new(d), b.tokens)
+        }
+    };
     let run_err = |run: usize| move |source: EngineError| BenchError::Run { run, tp, source };
     let mut plain = Vec::new();
     let mut fast = Vec::new();
@@ -95,7 +137,6 @@ pub fn measure_spec(s: &mut Session, b: SpecBench) -> std::result::Result<SpecFi
     let mut tokens_per_step = Vec::new();
     for run in 0..=b.repeats {
         let (p, _, _) = one_run(s, &ids, b.gen_tokens, None).map_err(run_err(run))?;
-        let mut spec = Speculator::for_method(b.method, b.tokens);
         let (f, stats, steps) =
             one_run(s, &ids, b.gen_tokens, Some(&mut spec)).map_err(run_err(run))?;
         if run > 0 {
@@ -114,6 +155,8 @@ pub fn measure_spec(s: &mut Session, b: SpecBench) -> std::result::Result<SpecFi
         stats: last_stats,
         tokens_per_step: median(tokens_per_step),
         verify_ms,
+        draft_ms: last_stats.draft_s * 1e3 / last_stats.steps.max(1) as f64,
+        target_ms: last_stats.target_s * 1e3 / last_stats.steps.max(1) as f64,
     })
 }
 
@@ -195,17 +238,18 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// The lines above the table.
-pub fn spec_header(b: SpecBench, f: &SpecFigures) -> String {
+pub fn spec_header(b: &SpecBench, f: &SpecFigures) -> String {
     let k = match b.tokens {
         DraftTokens::Fixed(k) => format!("{k} draft tokens"),
         DraftTokens::Adaptive => "adaptive draft length".into(),
     };
     format!(
-        "# tp bench decode --spec {:?}: edit workload (rename an identifier in {} tokens of prompt, chat template), {} generated tokens (greedy, EOS ignored), {k}, median of {} alternated runs\n\
+        "# tp bench decode, speculation by {}: edit workload (rename an identifier in {} tokens of prompt, chat template), {} generated tokens (greedy, EOS ignored), {k}, median of {} alternated runs\n\
          # CPU: {}\n\
          # verify ms: one step of 1+k tokens (every row's logits) after the prompt; k=0 is a plain decode step\n\
-         {:>3}  {:>12}  {:>11}  {:>8}  {:>9}  {:>11}  {:>12}  verify ms (k=0,1,2,4,8,16)",
-        b.method,
+         # draft ms, target ms: per decode step of the speculative run (drafting on rank 0; the target's step, verification included)\n\
+         {:>3}  {:>12}  {:>11}  {:>8}  {:>9}  {:>11}  {:>12}  {:>9}  {:>10}  verify ms (k=0,1,2,4,8,16)",
+        b.drafter.name(),
         f.prompt_tokens,
         b.gen_tokens,
         b.repeats,
@@ -217,6 +261,8 @@ pub fn spec_header(b: SpecBench, f: &SpecFigures) -> String {
         "accepted",
         "tok/step",
         "verify steps",
+        "draft ms",
+        "target ms",
     )
 }
 
@@ -228,7 +274,7 @@ pub fn spec_row(f: &SpecFigures) -> String {
         .map(|(_, ms)| format!("{ms:.1}"))
         .collect();
     format!(
-        "{:>3}  {:>12.1}  {:>11.1}  {:>7.2}x  {:>8.0}%  {:>11.2}  {:>12}  {}",
+        "{:>3}  {:>12.1}  {:>11.1}  {:>7.2}x  {:>8.0}%  {:>11.2}  {:>12}  {:>9.2}  {:>10.2}  {}",
         f.tp,
         f.plain_tok_s,
         f.spec_tok_s,
@@ -236,6 +282,8 @@ pub fn spec_row(f: &SpecFigures) -> String {
         f.stats.acceptance() * 100.0,
         f.tokens_per_step,
         f.stats.verify_steps,
+        f.draft_ms,
+        f.target_ms,
         verify.join(" "),
     )
 }
@@ -248,7 +296,7 @@ pub fn spec_json(f: &SpecFigures) -> String {
         .map(|(k, ms)| format!("\"{k}\":{ms:.3}"))
         .collect();
     format!(
-        "{{\"tp\":{},\"prompt_tokens\":{},\"plain_decode_tok_s\":{:.1},\"spec_decode_tok_s\":{:.1},\"speedup\":{:.3},\"acceptance\":{:.3},\"tokens_per_step\":{:.3},\"drafted\":{},\"accepted\":{},\"verify_steps\":{},\"verify_ms\":{{{}}}}}",
+        "{{\"tp\":{},\"prompt_tokens\":{},\"plain_decode_tok_s\":{:.1},\"spec_decode_tok_s\":{:.1},\"speedup\":{:.3},\"acceptance\":{:.3},\"tokens_per_step\":{:.3},\"drafted\":{},\"accepted\":{},\"verify_steps\":{},\"draft_ms_per_step\":{:.3},\"target_ms_per_step\":{:.3},\"verify_ms\":{{{}}}}}",
         f.tp,
         f.prompt_tokens,
         f.plain_tok_s,
@@ -259,6 +307,8 @@ pub fn spec_json(f: &SpecFigures) -> String {
         f.stats.drafted,
         f.stats.accepted,
         f.stats.verify_steps,
+        f.draft_ms,
+        f.target_ms,
         verify.join(",")
     )
 }

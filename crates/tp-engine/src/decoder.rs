@@ -217,14 +217,6 @@ impl<'t> SequenceDecoder<'t> {
     /// Samples the next token from the sequence's row `logits [vocab]` and says what it shows
     /// and whether the sequence ended. A finished decoder refuses further steps.
     pub fn step(&mut self, logits: &[f32]) -> Result<Step> {
-        self.step_draft(logits, None)
-    }
-
-    /// [`SequenceDecoder::step`] for a position a drafter proposed `draft` for (speculative
-    /// decoding, [`Sampler::sample_draft`]): greedy gives the same token as without the
-    /// draft; sampling keeps the target's distribution. The caller compares the returned
-    /// token with the draft to know whether the draft was accepted.
-    pub fn step_draft(&mut self, logits: &[f32], draft: Option<u32>) -> Result<Step> {
         if self.finished.is_some() {
             return Err(EngineError::Internal(
                 "the sequence has finished; it takes no more steps".into(),
@@ -234,9 +226,9 @@ impl<'t> SequenceDecoder<'t> {
             self.scratch.clear();
             self.scratch.extend_from_slice(logits);
             self.penalties.apply(&mut self.scratch);
-            self.sampler.sample_draft(&self.scratch, draft)?
+            self.sampler.sample(&self.scratch)?
         } else {
-            self.sampler.sample_draft(logits, draft)?
+            self.sampler.sample(logits)?
         };
         if !self.params.ignore_eos && self.tokenizer.eos_ids().contains(&token) {
             let finished = self.finish(FinishReason::Eos)?;

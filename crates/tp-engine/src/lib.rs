@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod bench_spec;
 pub mod decoder;
+pub mod draft_model;
 pub mod error;
 pub mod executor;
 pub mod generate;

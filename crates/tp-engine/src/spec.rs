@@ -1,12 +1,12 @@
 //! Speculative decoding, the drafting side: a [`Drafter`] proposes the tokens likely to come
 //! next, the generation loop ([`crate::generate`]) has the target verify them all in one
 //! forward step (the last fed token plus the drafts, every row's logits), keeps the run of
-//! drafts the decoder accepts ([`crate::SequenceDecoder::step_draft`]) and drops the rest
+//! drafts the decoder's own choices confirm and drops the rest
 //! from the KV cache. A [`Speculator`] holds the drafter, how many tokens it drafts (fixed,
 //! or adapted to how many were accepted) and the counts the bench reports.
 //!
-//! Drafters here are deterministic (their distribution is a point mass), so the decoder's
-//! acceptance rule needs no draft probabilities.
+//! Drafters here are deterministic (their distribution is a point mass), so the
+//! speculative-sampling rule needs no draft probabilities ([`crate::generate`] says why).
 
 use crate::error::{EngineError, Result};
 
@@ -127,7 +127,7 @@ pub fn ngram_lookup(history: &[u32], max_n: usize, k: usize) -> Vec<u32> {
 }
 
 /// What speculation did over a generation.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct SpecStats {
     /// Target forward steps after the prompt (each verifies its drafts, if any).
     pub steps: usize,
@@ -137,6 +137,10 @@ pub struct SpecStats {
     pub drafted: usize,
     /// Drafted tokens the target accepted.
     pub accepted: usize,
+    /// Seconds spent drafting.
+    pub draft_s: f64,
+    /// Seconds of the target's decode steps (verifications included).
+    pub target_s: f64,
 }
 
 impl SpecStats {
@@ -213,8 +217,12 @@ impl Speculator {
         }
         self.history.truncate(self.base);
         self.history.extend_from_slice(generated);
+        let t = std::time::Instant::now();
         let mut d = self.drafter.draft(&self.history, k)?;
+        let seconds = t.elapsed().as_secs_f64();
+        self.stats.draft_s += seconds;
         d.truncate(k);
+        self.policy.observe_draft(d.len(), seconds);
         Ok(d)
     }
 
@@ -222,6 +230,7 @@ impl Speculator {
     /// it took `seconds` (the forward pass of `1 + drafted` tokens).
     pub fn record(&mut self, drafted: usize, accepted: usize, seconds: f64) {
         self.stats.steps += 1;
+        self.stats.target_s += seconds;
         self.policy.observe(drafted, accepted, seconds);
         if drafted == 0 {
             return;
@@ -241,6 +250,8 @@ struct Adaptive {
     /// Seconds of a one-token step, and per extra row of a verification step.
     step_s: Option<f64>,
     row_s: Option<f64>,
+    /// Seconds of drafting per drafted token (about 0 for n-gram lookup).
+    draft_s: Option<f64>,
     /// Steps since the last one that drafted.
     idle: usize,
 }
@@ -249,6 +260,13 @@ impl Adaptive {
     /// The chance a draft is accepted (after the ones before it were): a prior of 1/2.
     fn accept_rate(&self) -> f64 {
         (self.kept + 1.0) / (self.kept + self.rejected + 2.0)
+    }
+
+    fn observe_draft(&mut self, drafted: usize, seconds: f64) {
+        if drafted > 0 {
+            let per = seconds / drafted as f64;
+            self.draft_s = Some(self.draft_s.map_or(per, |d| d + EMA * (per - d)));
+        }
     }
 
     fn observe(&mut self, drafted: usize, accepted: usize, seconds: f64) {
@@ -269,12 +287,12 @@ impl Adaptive {
     }
 
     /// The draft length with the most expected tokens per second: `(1 - a^(k+1)) / (1 - a)`
-    /// tokens for a step costing `step + k row`.
+    /// tokens for a step costing `step + k (row + draft)`.
     fn length(&self) -> usize {
         let Some(step) = self.step_s else {
             return ADAPTIVE_START;
         };
-        let row = self.row_s.unwrap_or(PRIOR_ROW_COST * step);
+        let row = self.row_s.unwrap_or(PRIOR_ROW_COST * step) + self.draft_s.unwrap_or(0.0);
         let a = self.accept_rate();
         let mut best = (1.0 / step, 0);
         let mut tokens = 1.0;

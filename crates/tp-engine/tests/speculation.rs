@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 use tp_comm::local::{self, LocalOptions};
+use tp_engine::draft_model::{DraftModelError, ModelDrafter};
 use tp_engine::{
     generate, ChunkSpec, Command, DecodeParams, DraftTokens, Drafter, FinishReason, Flow,
     SequenceDecoder, SpecMethod, Speculator, Worker,
@@ -230,4 +231,65 @@ fn greedy_output_is_unchanged_by_speculation_at_tp_1_to_3() {
             return;
         };
     }
+}
+
+/// A draft model on rank 0: SmolLM2 drafting for itself (always accepted) and its f32
+/// dequantized copy (other numerics: now and then rejected, so the draft's cache is rolled
+/// back) give the plain greedy output at tp 1..3.
+#[test]
+fn a_draft_model_changes_no_greedy_token() {
+    let Some(path) = tp_testkit::smollm2() else {
+        eprintln!("SmolLM2 is not installed: skipped");
+        return;
+    };
+    for tp in 1..=3 {
+        on_workers(tp, KvDtype::F16, |w, tok| {
+            let vocab = w.model().config().vocab;
+            let ids = tok
+                .encode("Repeat this list exactly: apples, bananas, cherries, dates, figs. Again: apples,")
+                .unwrap();
+            let params = DecodeParams::greedy(32);
+            let plain = run(w, tok, &ids, &params, CTX, None);
+            for keep_quantized in [true, false] {
+                let opts = LoadOptions {
+                    keep_quantized,
+                    ..LoadOptions::default()
+                };
+                for k in [DraftTokens::Fixed(4), DraftTokens::Adaptive] {
+                    let mut s = Speculator::new(
+                        Box::new(ModelDrafter::open(&path, tok, vocab, CTX, opts).unwrap()),
+                        k,
+                    );
+                    let got = run(w, tok, &ids, &params, CTX, Some(&mut s));
+                    assert_eq!(
+                        got, plain,
+                        "tp {tp}, quantized draft {keep_quantized}, {k:?}"
+                    );
+                    assert!(s.stats.accepted > 0, "{:?}", s.stats);
+                    if keep_quantized {
+                        // The draft is the target itself: every verified draft is kept
+                        // (drafts past the last token wanted are not verified).
+                        let unverified = s.stats.drafted - s.stats.accepted;
+                        assert!(unverified <= 16, "{:?}", s.stats);
+                    }
+                }
+            }
+        });
+    }
+}
+
+#[test]
+fn a_draft_model_with_another_vocabulary_is_refused() {
+    let (Some(small), Some(qwen)) = (tp_testkit::smollm2(), tp_testkit::qwen25()) else {
+        eprintln!("SmolLM2 or Qwen2.5-Coder-0.5B is not installed: skipped");
+        return;
+    };
+    let target = Tokenizer::from_gguf_file(&qwen).unwrap();
+    let e = ModelDrafter::open(&small, &target, 151_936, 64, LoadOptions::default()).unwrap_err();
+    assert!(matches!(e, DraftModelError::Vocabulary { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("151936 tokens") && msg.contains("49152"),
+        "{msg}"
+    );
 }

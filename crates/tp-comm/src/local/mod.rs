@@ -84,6 +84,14 @@ where
     })
 }
 
+/// A group of one rank on the calling thread (no other thread, no waiting): for a model a
+/// rank holds whole beside its shard (a draft model for speculative decoding).
+pub fn solo() -> Group {
+    let world = world::WorldShared::new(1, LocalOptions::default());
+    let shared = group::GroupShared::new(world, vec![0]);
+    Arc::new(LocalComm::new(shared, 0))
+}
+
 /// The text of a panic payload.
 pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
