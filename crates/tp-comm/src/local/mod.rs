@@ -102,3 +102,21 @@ pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         "non-string panic payload".into()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{CommExt, ReduceOp};
+
+    #[test]
+    fn a_solo_group_is_one_rank_on_this_thread() {
+        let g = solo();
+        assert_eq!((g.rank(), g.size()), (0, 1));
+        let mut v = [1.5f32, -2.0];
+        g.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        assert_eq!(v, [1.5, -2.0]);
+        let mut out = [0f32; 2];
+        g.all_gather(&v, &mut out).unwrap();
+        assert_eq!(out, v);
+    }
+}
