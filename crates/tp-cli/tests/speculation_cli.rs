@@ -93,6 +93,31 @@ fn bad_speculation_flags_name_the_flag_and_the_valid_values() {
     }
 }
 
+/// `tp chat --spec ngram`: two turns (the second reuses the first's cache and the drafter
+/// sees the whole conversation) print the plain chat's text.
+#[test]
+fn chat_with_speculation_prints_the_plain_text() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let chat = |extra: &str| {
+        let script = format!(
+            "printf 'Repeat exactly: red, green, blue, yellow.\\nAgain, exactly the same.\\n' | {TP} chat --model '{}' --greedy --max-tokens 30 -q {extra}",
+            model.display()
+        );
+        ok_stdout(&common::run_with_deadline(
+            "bash",
+            &["-c", &script],
+            DEADLINE,
+        ))
+    };
+    let want = chat("");
+    // Two replies, then the prompt that met the end of input.
+    assert!(want.matches("> ").count() >= 3, "{want:?}");
+    assert_eq!(chat("--spec ngram"), want);
+    assert_eq!(chat("--spec ngram --draft-tokens 4 --tp 2"), want);
+}
+
 /// A draft model whose vocabulary is not the target's: an error naming the flag and what
 /// differs (Qwen2.5-Coder-0.5B drafting for SmolLM2), no panic.
 #[test]
