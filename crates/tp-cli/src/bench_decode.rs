@@ -3,11 +3,16 @@
 //! `bench`: the measuring, the table and the JSON). Under mpirun the tp is the number of
 //! processes unless --tps or --tp says otherwise.
 
+use crate::generate::{Drafting, SpecArg, SpecArgs};
 use crate::model_run::{run_model, ModelArgs};
 use anyhow::bail;
 use std::process::ExitCode;
 use tp_engine::bench::{header, json, measure, row, DecodeBench};
+use tp_engine::bench_spec::{
+    measure_spec, spec_header, spec_json, spec_row, BenchDrafter, SpecBench,
+};
 use tp_engine::launch::Backend;
+use tp_engine::DraftTokens;
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct BenchDecodeArgs {
@@ -29,6 +34,17 @@ pub struct BenchDecodeArgs {
     /// Print one JSON object per tp on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Measure speculative decoding on an input-grounded workload (the model rewrites code
+    /// it was given): the same greedy generation without and with it, acceptance rate,
+    /// tokens per target step, and the cost of a verification step.
+    #[arg(long, value_enum, default_value_t = SpecArg::None)]
+    pub spec: SpecArg,
+    /// Measure speculative decoding with this draft model instead (same vocabulary).
+    #[arg(long, value_name = "FILE")]
+    pub draft_model: Option<std::path::PathBuf>,
+    /// Tokens drafted per step with --spec, 1 to 32 [default: adaptive].
+    #[arg(long, value_name = "K")]
+    pub draft_tokens: Option<usize>,
 }
 
 pub fn run(args: &BenchDecodeArgs) -> anyhow::Result<ExitCode> {
@@ -50,6 +66,22 @@ pub fn run(args: &BenchDecodeArgs) -> anyhow::Result<ExitCode> {
         gen_tokens: args.gen_tokens,
         repeats: args.repeats,
     };
+    // Validated as generate's flags are (the same words).
+    let spec = SpecArgs {
+        spec: args.spec,
+        draft_model: args.draft_model.clone(),
+        draft_tokens: args.draft_tokens,
+    };
+    match spec.drafting()? {
+        Drafting::Off => {}
+        Drafting::Method(m, tokens) => {
+            return run_spec(args, &tps, BenchDrafter::Method(m), tokens)
+        }
+        Drafting::Model(path, tokens) => {
+            let opts = args.model.load_options();
+            return run_spec(args, &tps, BenchDrafter::Model { path, opts }, tokens);
+        }
+    }
     let mut header_done = false;
     for tp in tps {
         let mut margs = args.model.clone();
@@ -73,6 +105,43 @@ pub fn run(args: &BenchDecodeArgs) -> anyhow::Result<ExitCode> {
             println!("{}", header(bench, &figures));
         }
         println!("{}", row(&figures));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--spec`: plain against speculative decoding, per tp.
+fn run_spec(
+    args: &BenchDecodeArgs,
+    tps: &[Option<usize>],
+    drafter: BenchDrafter,
+    tokens: DraftTokens,
+) -> anyhow::Result<ExitCode> {
+    let bench = SpecBench {
+        drafter,
+        tokens,
+        gen_tokens: args.gen_tokens,
+        repeats: args.repeats,
+    };
+    let mut header_done = false;
+    for &tp in tps {
+        let mut margs = args.model.clone();
+        margs.tp = tp;
+        margs.quiet = true;
+        // The edit prompt is about 300 tokens.
+        margs.ctx_size = Some(args.model.ctx_size.unwrap_or(1024 + args.gen_tokens));
+        let figures = match run_model(&margs, |s| Ok(measure_spec(s, &bench)?))? {
+            Ok(Some(f)) => f,
+            Ok(None) => return Ok(ExitCode::SUCCESS),
+            Err(failed) => return Ok(failed.into()),
+        };
+        if args.json {
+            println!("{}", spec_json(&figures));
+            continue;
+        }
+        if !std::mem::replace(&mut header_done, true) {
+            println!("{}", spec_header(&bench, &figures));
+        }
+        println!("{}", spec_row(&figures));
     }
     Ok(ExitCode::SUCCESS)
 }

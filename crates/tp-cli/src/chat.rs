@@ -2,7 +2,7 @@
 //! tp-engine's `Engine`: the KV cache keeps the conversation; each turn feeds only the tokens
 //! the cache does not hold.
 
-use crate::generate::{engine_error, print_logprobs, report, SamplingArgs};
+use crate::generate::{engine_error, print_logprobs, report, SamplingArgs, SpecArgs};
 use crate::model_run::{run_model, ModelArgs};
 use std::io::{BufRead, Write};
 use std::process::ExitCode;
@@ -17,6 +17,8 @@ pub struct ChatArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// A system message that opens the conversation.
     #[arg(long)]
     pub system: Option<String>,
@@ -27,8 +29,12 @@ const HEARTBEAT: Duration = Duration::from_secs(1);
 
 pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
     let params = args.sampling.params()?;
+    // Checked before any rank starts; each lead builds its own.
+    args.spec.drafting()?;
     let out = run_model(&args.model, |s| {
+        let spec = args.spec.speculator(s, &args.model)?;
         let mut engine = Engine::new(s);
+        engine.set_speculation(spec);
         let lines = stdin_lines();
         eprintln!(
             "# chat: type a message and press Enter; /reset starts over, /exit or Ctrl-D quits"

@@ -3,9 +3,13 @@
 
 use crate::model_run::{run_model_holding, ModelArgs};
 use anyhow::{anyhow, bail};
+use std::path::PathBuf;
 use std::process::ExitCode;
+use tp_engine::draft_model::ModelDrafter;
+use tp_engine::Session;
 use tp_engine::{
-    DecodeParams, Engine, EngineError, FinishReason, LogprobEntry, PromptIds, Reply, SamplingParams,
+    DecodeParams, DraftTokens, Engine, EngineError, FinishReason, LogprobEntry, PromptIds, Reply,
+    SamplingParams, SpecMethod, Speculator,
 };
 use tp_tokenizer::ChatMessage;
 
@@ -72,6 +76,78 @@ impl SamplingArgs {
     }
 }
 
+/// Drafting method for `--spec`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpecArg {
+    /// No speculation: one target step per token.
+    None,
+    /// Prompt lookup: draft the continuation of the last few tokens' latest earlier
+    /// occurrence in the prompt and output (no second model).
+    Ngram,
+}
+
+/// Speculative decoding flags of `tp generate` and `tp chat`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct SpecArgs {
+    /// Speculative decoding: the model verifies drafted tokens several at a time (greedy
+    /// output is unchanged; sampling keeps the model's distribution).
+    #[arg(long, value_enum, default_value_t = SpecArg::None)]
+    pub spec: SpecArg,
+    /// Speculative decoding with this smaller model (GGUF file or HF directory) as the
+    /// drafter; it must have the model's vocabulary (e.g. Qwen2.5-Coder-0.5B for -1.5B). Rank 0
+    /// holds it whole.
+    #[arg(long, value_name = "FILE")]
+    pub draft_model: Option<PathBuf>,
+    /// Tokens drafted per step, 1 to 32 [default: adapts to the acceptance rate and the
+    /// measured cost of a step, 0 to 16].
+    #[arg(long, value_name = "K")]
+    pub draft_tokens: Option<usize>,
+}
+
+/// Who drafts, as the flags say.
+pub enum Drafting {
+    Off,
+    Method(SpecMethod, DraftTokens),
+    Model(PathBuf, DraftTokens),
+}
+
+impl SpecArgs {
+    /// The flags checked (before any rank starts): bad values name their flag.
+    pub fn drafting(&self) -> anyhow::Result<Drafting> {
+        let tokens = DraftTokens::new(self.draft_tokens).map_err(flag_error)?;
+        Ok(match (self.spec, &self.draft_model) {
+            (SpecArg::None, None) if self.draft_tokens.is_some() => bail!(
+                "--draft-tokens needs --spec ngram or --draft-model FILE (speculative decoding is off)"
+            ),
+            (SpecArg::None, None) => Drafting::Off,
+            (SpecArg::Ngram, None) => Drafting::Method(SpecMethod::Ngram, tokens),
+            (SpecArg::None, Some(path)) => Drafting::Model(path.clone(), tokens),
+            (SpecArg::Ngram, Some(_)) => {
+                bail!("--spec ngram and --draft-model are two drafters; give one of them")
+            }
+        })
+    }
+
+    /// Rank 0's speculator for `s` (a draft model is loaded here), `None` when off.
+    pub fn speculator(&self, s: &Session, model: &ModelArgs) -> anyhow::Result<Option<Speculator>> {
+        Ok(match self.drafting()? {
+            Drafting::Off => None,
+            Drafting::Method(m, k) => Some(Speculator::for_method(m, k)),
+            Drafting::Model(path, k) => {
+                let d = ModelDrafter::open(
+                    &path,
+                    &s.tokenizer,
+                    s.worker.model().config().vocab,
+                    s.ctx_size,
+                    model.load_options(),
+                )
+                .map_err(|e| anyhow::Error::new(e).context("--draft-model"))?;
+                Some(Speculator::new(Box::new(d), k))
+            }
+        })
+    }
+}
+
 /// An engine error about a parameter, in terms of the command line's flags.
 fn flag_error(e: EngineError) -> anyhow::Error {
     let flag = match &e {
@@ -82,6 +158,8 @@ fn flag_error(e: EngineError) -> anyhow::Error {
             "presence_penalty" => "--presence-penalty",
             "frequency_penalty" => "--frequency-penalty",
             "logprobs" => "--logprobs",
+            "draft_tokens" => "--draft-tokens",
+            "spec" => "--spec",
             _ => return e.into(),
         },
         _ => return e.into(),
@@ -112,6 +190,8 @@ pub struct GenerateArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
     pub chat: bool,
@@ -124,6 +204,8 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         bail!("the prompt is empty; give some text to continue, e.g. tp generate \"Once upon a time\"");
     }
     let params = args.sampling.params()?;
+    // Checked before any rank starts; the lead builds the speculator.
+    args.spec.drafting()?;
     // A --chat prompt is message text: special-token text in it stays plain text. Without
     // --chat the prompt is raw model input, special tokens included (as /v1/completions).
     let (prompt, chat) = (args.prompt.clone(), args.chat);
@@ -136,7 +218,9 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let held = prompt.held(params.max_tokens);
     let out = run_model_holding(&args.model, Some(held), |s| {
         let ids = prompt.ids(&s.tokenizer)?;
+        let spec = args.spec.speculator(s, &args.model)?;
         let mut engine = Engine::new(s);
+        engine.set_speculation(spec);
         let reply = engine
             .reply(&ids, &params, &mut std::io::stdout())
             .map_err(engine_error)?;
@@ -171,6 +255,16 @@ pub fn report(reply: &Reply) {
         s.decode.as_secs_f64(),
         s.decode_tokens_per_s(),
     );
+    if let Some(st) = reply.spec {
+        eprintln!(
+            "# speculation: {} of {} drafted tokens accepted ({:.0}%), {:.2} tokens per decode step ({} steps)",
+            st.accepted,
+            st.drafted,
+            st.acceptance() * 100.0,
+            s.generated_tokens.saturating_sub(1) as f64 / s.decode_steps.max(1) as f64,
+            s.decode_steps,
+        );
+    }
 }
 
 /// `--logprobs N`: one line per shown token on stderr, after the text.

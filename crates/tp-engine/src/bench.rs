@@ -28,6 +28,8 @@ pub struct DecodeBench {
 pub enum BenchError {
     #[error("cannot encode the benchmark's prompt")]
     Prompt(#[source] TokenizerError),
+    #[error(transparent)]
+    Draft(#[from] crate::draft_model::DraftModelError),
     #[error("run {run} at tp {tp}")]
     Run {
         run: usize,

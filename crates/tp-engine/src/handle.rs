@@ -10,6 +10,7 @@ use crate::error::{EngineError, Result};
 use crate::generate::{generate, Flow, GenerationStats};
 use crate::protocol::Command;
 use crate::session::Session;
+use crate::spec::{SpecStats, Speculator};
 use crate::start::HeldPositions;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -23,6 +24,8 @@ pub struct Reply {
     pub tokens: Vec<u32>,
     /// Log-probabilities of the shown tokens (when asked for).
     pub logprobs: Vec<LogprobEntry>,
+    /// What speculative decoding did (when on).
+    pub spec: Option<SpecStats>,
 }
 
 /// Rank 0's handle on one sequence (slot 0) of `session`.
@@ -31,6 +34,8 @@ pub struct Engine<'s> {
     slot: u32,
     /// The tokens the sequence's cache holds, in order.
     cached: Vec<u32>,
+    /// Speculative decoding of every reply, when set.
+    spec: Option<Speculator>,
 }
 
 impl<'s> Engine<'s> {
@@ -39,7 +44,13 @@ impl<'s> Engine<'s> {
             session,
             slot: 0,
             cached: Vec::new(),
+            spec: None,
         }
+    }
+
+    /// Decodes every reply speculatively with `spec` (or not, with `None`).
+    pub fn set_speculation(&mut self, spec: Option<Speculator>) {
+        self.spec = spec;
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -89,20 +100,31 @@ impl<'s> Engine<'s> {
         let mut text = String::new();
         let mut logprobs = Vec::new();
         let mut failure: Option<std::io::Error> = None;
-        let stats = generate(&mut *worker, slot, &ids[cached..], &mut decoder, |shown| {
-            text.push_str(&shown.text);
-            logprobs.extend(shown.logprobs.iter().cloned());
-            match out
-                .write_all(shown.text.as_bytes())
-                .and_then(|()| out.flush())
-            {
-                Ok(()) => Flow::Continue,
-                Err(e) => {
-                    failure = Some(e);
-                    Flow::Stop
+        let mut spec = self.spec.as_mut();
+        if let Some(s) = spec.as_deref_mut() {
+            s.start(&ids[..cached], &ids[cached..]);
+        }
+        let stats = generate(
+            &mut *worker,
+            slot,
+            &ids[cached..],
+            &mut decoder,
+            spec,
+            |shown| {
+                text.push_str(&shown.text);
+                logprobs.extend(shown.logprobs.iter().cloned());
+                match out
+                    .write_all(shown.text.as_bytes())
+                    .and_then(|()| out.flush())
+                {
+                    Ok(()) => Flow::Continue,
+                    Err(e) => {
+                        failure = Some(e);
+                        Flow::Stop
+                    }
                 }
-            }
-        })?;
+            },
+        )?;
         if let Some(e) = failure {
             return Err(EngineError::Output(e));
         }
@@ -116,6 +138,7 @@ impl<'s> Engine<'s> {
             text,
             tokens,
             logprobs,
+            spec: self.spec.as_ref().map(|s| s.stats),
         })
     }
 

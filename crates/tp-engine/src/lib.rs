@@ -2,7 +2,9 @@
 //! and broadcasts it; the other ranks (followers) execute the same step on their shards.
 
 pub mod bench;
+pub mod bench_spec;
 pub mod decoder;
+pub mod draft_model;
 pub mod error;
 pub mod executor;
 pub mod generate;
@@ -22,6 +24,7 @@ pub mod report;
 pub mod sampling;
 pub mod session;
 pub mod slots;
+pub mod spec;
 pub mod start;
 pub mod stop;
 pub mod worker;
@@ -39,5 +42,8 @@ pub use protocol::{ChunkSpec, Command};
 pub use sampling::{argmax, Sampler, SamplingParams};
 pub use session::{Placement, Session, SessionError};
 pub use slots::Slots;
+pub use spec::{
+    DraftTokens, Drafter, NgramDrafter, SpecMethod, SpecStats, Speculator, MAX_DRAFT_TOKENS,
+};
 pub use stop::StopMatcher;
 pub use worker::{RankProfile, Worker};

@@ -148,7 +148,7 @@ pub fn argmax(logits: &[f32]) -> u32 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -211,6 +211,19 @@ mod tests {
         let zeros = (0..n).filter(|_| s.sample(&logits).unwrap() == 0).count();
         let frac = zeros as f64 / n as f64;
         assert!((frac - 0.75).abs() < 0.015, "{frac}");
+    }
+
+    /// Pearson's chi-square statistic of `counts` against probabilities `p` (all > 0).
+    pub(crate) fn chi_square(counts: &[usize], p: &[f64]) -> f64 {
+        let n: usize = counts.iter().sum();
+        counts
+            .iter()
+            .zip(p)
+            .map(|(&c, &q)| {
+                let e = q * n as f64;
+                (c as f64 - e).powi(2) / e
+            })
+            .sum()
     }
 
     #[test]

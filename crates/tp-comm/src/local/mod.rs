@@ -85,6 +85,14 @@ where
     })
 }
 
+/// A group of one rank on the calling thread (no other thread, no waiting): for a model a
+/// rank holds whole beside its shard (a draft model for speculative decoding).
+pub fn solo() -> Group {
+    let world = world::WorldShared::new(1, LocalOptions::default());
+    let shared = group::GroupShared::new(world, vec![0]);
+    Arc::new(LocalComm::new(shared, 0))
+}
+
 /// The text of a panic payload.
 pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
@@ -93,5 +101,23 @@ pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "non-string panic payload".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{CommExt, ReduceOp};
+
+    #[test]
+    fn a_solo_group_is_one_rank_on_this_thread() {
+        let g = solo();
+        assert_eq!((g.rank(), g.size()), (0, 1));
+        let mut v = [1.5f32, -2.0];
+        g.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        assert_eq!(v, [1.5, -2.0]);
+        let mut out = [0f32; 2];
+        g.all_gather(&v, &mut out).unwrap();
+        assert_eq!(out, v);
     }
 }

@@ -1,0 +1,196 @@
+//! A draft model for speculative decoding: a smaller model with the target's vocabulary,
+//! held whole by rank 0 (a group of one: no shards, no communication; the other ranks only
+//! see the drafted tokens in the verification step's command). It keeps its own KV cache in
+//! step with the sequence: each call drops what the sequence no longer holds (rejected
+//! drafts), feeds what it gained, then drafts greedily one token at a time (a point-mass
+//! distribution, as the decoder's acceptance rule expects).
+
+use crate::error::{EngineError, Result};
+use crate::generate::PREFILL_CHUNK;
+use crate::sampling::argmax;
+use crate::session::{load_tokenizer, SessionError};
+use crate::spec::Drafter;
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+use tp_comm::Group;
+use tp_models::{open_checkpoint, BlockTable, Chunk, KvPool, LoadOptions, Profile, ShardedModel};
+use tp_tokenizer::Tokenizer;
+
+/// Why a draft model cannot serve a target.
+#[derive(Debug, Error)]
+pub enum DraftModelError {
+    #[error("cannot load the draft model {}", path.display())]
+    Load {
+        path: PathBuf,
+        #[source]
+        source: Box<tp_models::ModelError>,
+    },
+    #[error("cannot read the draft model's tokenizer")]
+    Tokenizer(#[source] Box<SessionError>),
+    /// The draft's tokens are not the target's: its drafts would mean other text.
+    #[error("the draft model {} has another vocabulary than the target: {what}; use a draft of the target's family (e.g. Qwen2.5-Coder-0.5B for -1.5B)", path.display())]
+    Vocabulary { path: PathBuf, what: String },
+}
+
+/// What differs between two tokenizers' token tables (`None`: the same tokens, id for id).
+pub fn vocabulary_difference(target: &Tokenizer, draft: &Tokenizer) -> Option<String> {
+    let (t, d) = (target.vocab_size(), draft.vocab_size());
+    if t != d {
+        return Some(format!("the target has {t} tokens, the draft {d}"));
+    }
+    for id in 0..t as u32 {
+        let (a, b) = (target.token_bytes(id).ok(), draft.token_bytes(id).ok());
+        if a != b {
+            let show = |x: Option<Vec<u8>>| {
+                x.map_or("no token".to_string(), |b| {
+                    format!("{:?}", String::from_utf8_lossy(&b))
+                })
+            };
+            return Some(format!(
+                "token {id} is {} in the target and {} in the draft",
+                show(a),
+                show(b)
+            ));
+        }
+    }
+    None
+}
+
+/// A draft model on rank 0 and its cache of one sequence.
+pub struct ModelDrafter {
+    model: ShardedModel,
+    group: Group,
+    pool: KvPool,
+    table: BlockTable,
+    /// The tokens the draft's cache holds, in order.
+    fed: Vec<u32>,
+    prof: Profile,
+    /// Ids at or past this are not the target's: a draft stops before one.
+    target_vocab: usize,
+}
+
+impl std::fmt::Debug for ModelDrafter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelDrafter")
+            .field("fed", &self.fed.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ModelDrafter {
+    /// Loads the draft at `path` whole (a context of `ctx` positions) for a target with
+    /// `target` as tokenizer and `target_vocab` logits per row; its vocabulary must be the
+    /// target's, token for token.
+    pub fn open(
+        path: &Path,
+        target: &Tokenizer,
+        target_vocab: usize,
+        ctx: usize,
+        opts: LoadOptions,
+    ) -> std::result::Result<Self, DraftModelError> {
+        let load = |source: tp_models::ModelError| DraftModelError::Load {
+            path: path.to_path_buf(),
+            source: Box::new(source),
+        };
+        let ckpt = open_checkpoint(path).map_err(load)?;
+        let tok =
+            load_tokenizer(path, &*ckpt).map_err(|e| DraftModelError::Tokenizer(Box::new(e)))?;
+        if let Some(what) = vocabulary_difference(target, &tok) {
+            return Err(DraftModelError::Vocabulary {
+                path: path.to_path_buf(),
+                what,
+            });
+        }
+        drop(tok);
+        let model = ShardedModel::load(&*ckpt, 0, 1, opts, ctx).map_err(load)?;
+        ckpt.release_pages();
+        let pool = model.new_pool();
+        let table = model.new_table(ctx);
+        Ok(ModelDrafter {
+            model,
+            group: tp_comm::local::solo(),
+            pool,
+            table,
+            fed: Vec::new(),
+            prof: Profile::default(),
+            target_vocab,
+        })
+    }
+
+    /// The last position's logits `[vocab]` after feeding `tokens`.
+    fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let logits = self.model.forward(
+            &mut [Chunk {
+                tokens,
+                table: &mut self.table,
+                all_logits: false,
+            }],
+            &mut self.pool,
+            &self.group,
+            &mut self.prof,
+        )?;
+        Ok(logits)
+    }
+}
+
+impl Drafter for ModelDrafter {
+    fn draft(&mut self, history: &[u32], k: usize) -> Result<Vec<u32>> {
+        if history.is_empty() || k == 0 {
+            return Ok(Vec::new());
+        }
+        // Keep what the sequence still holds (at least one token is fed again, for logits).
+        let common = self
+            .fed
+            .iter()
+            .zip(history)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(history.len() - 1);
+        self.pool.truncate(&mut self.table, common);
+        self.fed.truncate(common);
+        if history.len() > self.table.capacity() {
+            return Ok(Vec::new());
+        }
+        let mut logits = Vec::new();
+        for chunk in history[common..].chunks(PREFILL_CHUNK) {
+            logits = self.forward(chunk)?;
+            self.fed.extend_from_slice(chunk);
+        }
+        let mut out = Vec::with_capacity(k);
+        loop {
+            if logits.is_empty() {
+                return Err(EngineError::Internal(
+                    "the draft model gave no logits".into(),
+                ));
+            }
+            let t = argmax(&logits);
+            if t as usize >= self.target_vocab {
+                break;
+            }
+            out.push(t);
+            if out.len() == k || self.table.len() >= self.table.capacity() {
+                break;
+            }
+            logits = self.forward(&[t])?;
+            self.fed.push(t);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_different_vocabulary_is_described() {
+        let a = Tokenizer::bytes(&["<|endoftext|>"]);
+        let b = Tokenizer::bytes(&["<|im_end|>"]);
+        let c = Tokenizer::bytes(&["<|endoftext|>", "<|im_end|>"]);
+        assert_eq!(vocabulary_difference(&a, &a), None);
+        let d = vocabulary_difference(&a, &b).unwrap();
+        assert!(d.contains("token 256") && d.contains("<|im_end|>"), "{d}");
+        let d = vocabulary_difference(&a, &c).unwrap();
+        assert_eq!(d, "the target has 257 tokens, the draft 258");
+    }
+}
