@@ -37,7 +37,8 @@ fn a_small_sweep_is_correct_under_mpirun() {
     let f = common::mpirun_tp(3, &args, Duration::from_secs(120));
     assert_eq!(f.code, Some(0), "{}", f.output);
     let rows = tp_testkit::json::rows_with(&f.output, "op");
-    assert_eq!(rows.len(), 24, "{}", f.output);
+    // 5 ops (all_reduce, all_gather, reduce_scatter, broadcast, all_to_all) x 6 sizes.
+    assert_eq!(rows.len(), 30, "{}", f.output);
     assert!(
         rows.iter()
             .all(|r| r["wrong"] == 0 && r["backend"] == "mpi"),

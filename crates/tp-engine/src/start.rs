@@ -30,7 +30,8 @@
 //!     s.worker.submit(Command::Open { slot: 0, capacity: s.ctx_size as u32 })?;
 //!     let mut decoder = SequenceDecoder::new(&s.tokenizer, DecodeParams::greedy(16))?;
 //!     let mut text = String::new();
-//!     generate(&mut s.worker, 0, &ids, &mut decoder, |e| {
+//!     // `None`: no speculative decoding (see `spec::Speculator`).
+//!     generate(&mut s.worker, 0, &ids, &mut decoder, None, |e| {
 //!         text.push_str(&e.text);
 //!         Flow::Continue
 //!     })?;
