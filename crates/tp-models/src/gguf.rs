@@ -91,7 +91,15 @@ impl GgufCheckpoint {
         let data = match found.expert {
             Some(e) => {
                 let bytes = meta.rows * meta.storage.row_bytes(meta.cols);
-                &all[e * bytes..(e + 1) * bytes]
+                all.get(e * bytes..(e + 1) * bytes)
+                    .ok_or_else(|| ModelError::Corrupt {
+                        path: self.path.clone(),
+                        reason: format!(
+                            "{} holds {} bytes, too few for expert {e} of {bytes} bytes",
+                            found.key,
+                            all.len()
+                        ),
+                    })?
             }
             None => all,
         };
