@@ -167,8 +167,7 @@ pub fn describe(
             opts.expert_groups
         );
         for r in 0..tp {
-            let p = ShardPlan::for_checkpoint_weighted(ckpt, r, weights)?
-                .with_expert_groups(cfg, opts.expert_groups)?;
+            let p = tp_models::rank_plan(ckpt, r, weights, opts.expert_groups)?;
             if let Some(x) = &p.experts {
                 let cols = x.expert_cols(x.local.start);
                 let _ = writeln!(

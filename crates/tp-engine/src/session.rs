@@ -10,8 +10,7 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 use tp_models::limits::show;
 use tp_models::{
-    rank_memory, Checkpoint, CheckpointPlan, KvPool, LoadOptions, RankMemory, RankWeights,
-    ShardPlan, BLOCK_POSITIONS,
+    rank_memory, Checkpoint, KvPool, LoadOptions, RankMemory, RankWeights, BLOCK_POSITIONS,
 };
 use tp_tokenizer::{Tokenizer, TokenizerError};
 
@@ -158,8 +157,7 @@ pub fn memory_plan_held(
     let cfg = ckpt.config();
     (0..weights.tp())
         .map(|r| {
-            let plan = ShardPlan::for_checkpoint_weighted(ckpt, r, weights)?
-                .with_expert_groups(cfg, opts.expert_groups)?;
+            let plan = tp_models::rank_plan(ckpt, r, weights, opts.expert_groups)?;
             let mut m = rank_memory(
                 ckpt,
                 &plan,
@@ -317,9 +315,7 @@ pub fn describe_rank(
     ctx: usize,
     show_bytes: impl Fn(u64) -> String,
 ) -> String {
-    let Ok(plan) = ShardPlan::for_checkpoint_weighted(ckpt, rank, weights)
-        .and_then(|p| Ok(p.with_expert_groups(ckpt.config(), opts.expert_groups)?))
-    else {
+    let Ok(plan) = tp_models::rank_plan(ckpt, rank, weights, opts.expert_groups) else {
         return format!("rank {rank}: no shard");
     };
     let cfg = ckpt.config();

@@ -37,6 +37,6 @@ pub use matrix::{DenseDType, LoadOptions, Matrix};
 pub use model::{Chunk, ShardedModel};
 pub use open::open_checkpoint;
 pub use profile::Profile;
-pub use shard::{rank_memory, CheckpointPlan, RankMemory, ShardPlan};
+pub use shard::{rank_memory, rank_plan, CheckpointPlan, RankMemory, ShardPlan};
 pub use sync::SyncMode;
 pub use tp_spec::RankWeights;

@@ -115,8 +115,7 @@ impl ShardedModel {
         opts: LoadOptions,
         max_pos: usize,
     ) -> Result<Self> {
-        let plan = ShardPlan::for_checkpoint_weighted(ckpt, tp_rank, weights)?
-            .with_expert_groups(ckpt.config(), opts.expert_groups)?;
+        let plan = crate::shard::rank_plan(ckpt, tp_rank, weights, opts.expert_groups)?;
         Self::load_plan(ckpt, plan, opts, max_pos)
     }
 

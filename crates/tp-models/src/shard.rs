@@ -41,6 +41,18 @@ impl CheckpointPlan for ShardPlan {
     }
 }
 
+/// Rank `tp_rank`'s plan of `ckpt`: shares in proportion to `weights`, a mixture of experts
+/// split over `expert_groups` groups. What the rank loads and what the memory plan prices.
+pub fn rank_plan(
+    ckpt: &dyn Checkpoint,
+    tp_rank: usize,
+    weights: &RankWeights,
+    expert_groups: usize,
+) -> Result<ShardPlan> {
+    Ok(ShardPlan::for_checkpoint_weighted(ckpt, tp_rank, weights)?
+        .with_expert_groups(ckpt.config(), expert_groups)?)
+}
+
 /// The FFN unit of a checkpoint's shards.
 pub fn ffn_unit_of(ckpt: &dyn Checkpoint) -> Result<usize> {
     // A mixture of experts: the experts' down projection (all experts share one format).
