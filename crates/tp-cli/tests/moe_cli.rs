@@ -16,12 +16,7 @@ const LIMIT: Duration = Duration::from_secs(300);
 fn moe_file(dense: &std::path::Path, dir: &std::path::Path) -> std::path::PathBuf {
     let ckpt = GgufCheckpoint::open(dense).unwrap();
     let moe = SyntheticModel::dense_as_experts(&ckpt, 8).unwrap();
-    let tokenizer: Vec<_> = ckpt
-        .metadata()
-        .iter()
-        .filter(|(k, _)| k.starts_with("tokenizer."))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    let tokenizer = ckpt.tokenizer_metadata();
     let path = dir.join("smollm2-8x.gguf");
     moe.write_gguf_with(&path, GgufTypes::F32, tokenizer)
         .unwrap();

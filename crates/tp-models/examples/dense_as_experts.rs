@@ -16,12 +16,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let count: usize = count.parse()?;
     let dense = GgufCheckpoint::open(std::path::Path::new(input))?;
     let moe = SyntheticModel::dense_as_experts(&dense, count)?;
-    let tokenizer = dense
-        .metadata()
-        .iter()
-        .filter(|(k, _)| k.starts_with("tokenizer."))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    let tokenizer = dense.tokenizer_metadata();
     moe.write_gguf_with(std::path::Path::new(output), GgufTypes::F32, tokenizer)?;
     eprintln!("wrote {output}: {count} experts of FFN {}", moe.cfg.ffn);
     Ok(())

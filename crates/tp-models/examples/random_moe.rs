@@ -57,12 +57,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     cfg.validate()?;
     let mut model = SyntheticModel::new(cfg, 7);
     model.merged_experts = true;
-    let tokenizer = source
-        .metadata()
-        .iter()
-        .filter(|(k, _)| k.starts_with("tokenizer."))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    let tokenizer = source.tokenizer_metadata();
     let types = GgufTypes {
         linear,
         embed: GgmlDType::Q8_0,

@@ -68,6 +68,17 @@ impl GgufCheckpoint {
         &self.header.metadata
     }
 
+    /// The tokenizer's metadata (`tokenizer.*` keys), to give another file this model's
+    /// tokenizer.
+    pub fn tokenizer_metadata(&self) -> Vec<(String, Value)> {
+        self.header
+            .metadata
+            .iter()
+            .filter(|(k, _)| k.starts_with("tokenizer."))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
     /// The validated header (tensor infos, alignment, data offset).
     pub fn header(&self) -> &GgufHeader {
         &self.header
