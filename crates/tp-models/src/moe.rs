@@ -255,10 +255,7 @@ pub(crate) fn route(
                 }
                 Gating::Sigmoid => scores.iter().map(|s| 1.0 / (1.0 + (-s).exp())).collect(),
             };
-            let mut order: Vec<usize> = (0..count).collect();
-            // Highest first; equal scores keep the lower expert first (stable sort).
-            order.sort_by(|a, b| probs[*b].total_cmp(&probs[*a]));
-            order.truncate(experts.per_token);
+            let order = experts.top_k(&probs);
             let total: f64 = order.iter().map(|&e| probs[e]).sum();
             order
                 .into_iter()

@@ -149,9 +149,8 @@ pub fn route(
     let mut mask = vec![0f32; rows.len() * count]; // [n, count]
     let mut counts = vec![0usize; count];
     for (t, p) in rows.iter().enumerate() {
-        let mut order: Vec<usize> = (0..count).collect();
-        order.sort_by(|a, b| p[*b].total_cmp(&p[*a]));
-        for &e in order.iter().take(experts.per_token) {
+        let p: Vec<f64> = p.iter().map(|&x| f64::from(x)).collect();
+        for e in experts.top_k(&p) {
             mask[t * count + e] = 1.0;
             counts[e] += 1;
         }

@@ -38,6 +38,17 @@ impl Experts {
             shared_ffn: None,
         }
     }
+
+    /// The `per_token` experts a token with router probabilities `probs` (one per expert) is
+    /// routed to, best first, equal probabilities to the lower expert: the one routing rule
+    /// both executors follow.
+    pub fn top_k(&self, probs: &[f64]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..probs.len()).collect();
+        // Stable: equal probabilities keep the lower expert first.
+        order.sort_by(|a, b| probs[*b].total_cmp(&probs[*a]));
+        order.truncate(self.per_token);
+        order
+    }
 }
 
 /// How a router's scores become expert weights.
@@ -839,6 +850,13 @@ mod tests {
             ModelConfig::from_hf_json(&q.to_hf_json().to_string()).unwrap(),
             q
         );
+    }
+
+    #[test]
+    fn top_k_takes_the_best_experts_and_ties_to_the_lower() {
+        let e = Experts::new(5, 3);
+        assert_eq!(e.top_k(&[0.1, 0.3, 0.05, 0.3, 0.25]), [1, 3, 4]);
+        assert_eq!(e.top_k(&[0.2; 5]), [0, 1, 2]);
     }
 
     #[test]
