@@ -63,6 +63,12 @@ fn oracle_rows(path: &std::path::Path, arch: Arch, tokens: &[u32]) -> Vec<Vec<f3
             other => panic!("no GGUF MoE oracle for {other:?}"),
         }
     };
+    oracle_order(load, tokens)
+}
+
+/// An oracle's rows in the order of `sharded_logits`: the whole prompt through a fresh model,
+/// then each token fed one by one through another.
+fn oracle_order(load: impl Fn() -> Oracle, tokens: &[u32]) -> Vec<Vec<f32>> {
     let mut out = vec![load()(tokens, 0)];
     let mut m = load();
     for (i, t) in tokens.iter().enumerate() {
@@ -161,11 +167,7 @@ fn qwen_moe_models_match_candle_from_gguf_and_hf() {
                 Box::new(move |t, pos| out(m.forward(&x(t), pos)))
             }
         };
-        let mut want = vec![load()(&tokens, 0)];
-        let mut m = load();
-        for (i, t) in tokens.iter().enumerate() {
-            want.push(m(std::slice::from_ref(t), i));
-        }
+        let want = oracle_order(load, &tokens);
         assert_close(&format!("{arch:?} MoE vs candle"), &got, &want, TOL, true);
     }
 }
