@@ -36,36 +36,6 @@ fn with_ep(opts: LoadOptions, ep: usize) -> LoadOptions {
     }
 }
 
-/// candle's `quantized_llama` (Mixtral's per-expert GGUF layout) rows in the order of
-/// `sharded_logits`: the whole prompt, then token by token.
-fn oracle_rows(path: &std::path::Path, arch: Arch, tokens: &[u32]) -> Vec<Vec<f32>> {
-    std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
-    let dev = Device::Cpu;
-    let load = || -> Oracle {
-        let mut file = std::fs::File::open(path).unwrap();
-        let c = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
-        let run = |y: candle_core::Result<Tensor>| -> Vec<f32> {
-            y.unwrap()
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap()
-        };
-        let x = |t: &[u32]| Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-        match arch {
-            Arch::Llama => {
-                use candle_transformers::models::quantized_llama::ModelWeights;
-                let mut m = ModelWeights::from_gguf(c, &mut file, &dev).unwrap();
-                Box::new(move |t, pos| run(m.forward(&x(t), pos)))
-            }
-            other => panic!("no GGUF MoE oracle for {other:?}"),
-        }
-    };
-    oracle_order(load, tokens)
-}
-
 /// An oracle's rows in the order of `sharded_logits`: the whole prompt through a fresh model,
 /// then each token fed one by one through another.
 fn oracle_order(load: impl Fn() -> Oracle, tokens: &[u32]) -> Vec<Vec<f32>> {
@@ -106,7 +76,9 @@ fn mixtral_per_expert_layout_matches_candle_at_every_tp() {
     let (dir, ckpt) = write(&model, GgufTypes::F32, "mixtral.gguf");
     assert_eq!(ckpt.config().experts.map(|e| e.count), Some(8));
     let tokens = prompt(1000, 6);
-    let want = oracle_rows(&dir.path().join("mixtral.gguf"), Arch::Llama, &tokens);
+    // candle's quantized_llama runs Mixtral's per-expert layout; every weight dequantized.
+    std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
+    let want = common::GgufOracle::logits(&dir.path().join("mixtral.gguf"), Arch::Llama, &tokens);
     let tp1 = sharded_logits(&ckpt, &tokens, 1, dense());
     assert_close("mixtral tp 1 vs candle", &tp1, &want, TOL, true);
     for tp in 2..=4 {
