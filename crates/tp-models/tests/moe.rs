@@ -1,6 +1,7 @@
 //! Mixture-of-experts models: small random MoE GGUFs in both expert layouts against
 //! candle-transformers (Mixtral's one-tensor-per-expert layout through `quantized_llama`,
-//! Qwen3-MoE's merged 3-D tensors through `quantized_qwen3_moe`), the same logits bits at
+//! Qwen3-MoE's merged 3-D tensors and Qwen2-MoE's shared expert through candle's `qwen3_moe`
+//! and `qwen2_moe` on the same weights as HF directories), the same logits bits at
 //! every tp and every expert-parallel size, and a dense-equivalent MoE cut from the real
 //! SmolLM2 file that must give dense SmolLM2's logits.
 //!
