@@ -105,36 +105,23 @@ fn bench_all_to_all(world: &Group) -> ExitCode {
         let count = bytes / 4 / n * n;
         let send = vec![world.rank() as f32; count];
         let mut out = vec![0.0f32; count];
-        let (mut ours, mut plain) = (Vec::new(), Vec::new());
-        for _ in 0..rounds {
-            for which in 0..2 {
-                let t = Instant::now();
-                for _ in 0..per {
-                    let r = if which == 0 {
-                        world.all_to_all(&send, &mut out)
-                    } else {
-                        tp_comm::mpi::plain_all_to_all_f32(&send, &mut out)
-                    };
-                    if let Err(e) = r {
-                        eprintln!("rank {}: {e}", world.rank());
-                        return ExitCode::FAILURE;
-                    }
-                }
-                let us = t.elapsed().as_secs_f64() / per as f64 * 1e6;
-                if which == 0 {
-                    ours.push(us)
-                } else {
-                    plain.push(us)
-                }
+        let medians = interleaved_medians(rounds, per, |ours| {
+            if ours {
+                world.all_to_all(&send, &mut out)
+            } else {
+                tp_comm::mpi::plain_all_to_all_f32(&send, &mut out)
             }
-        }
-        ours.sort_by(f64::total_cmp);
-        plain.sort_by(f64::total_cmp);
+        });
+        let (ours, plain) = match medians {
+            Ok(m) => m,
+            Err(e) => {
+                eprintln!("rank {}: {e}", world.rank());
+                return ExitCode::FAILURE;
+            }
+        };
         if world.rank() == 0 {
             println!(
-                "all_to_all {bytes} B send buffer x{n} ranks: median {:.1} us, plain MPI_Alltoall {:.1} us ({rounds} rounds of {per})",
-                ours[rounds / 2],
-                plain[rounds / 2]
+                "all_to_all {bytes} B send buffer x{n} ranks: median {ours:.1} us, plain MPI_Alltoall {plain:.1} us ({rounds} rounds of {per})"
             );
         }
     }
@@ -149,41 +136,51 @@ fn bench_all_reduce(world: &Group) -> ExitCode {
     ] {
         let mut buf = vec![1.0f32; bytes / 4];
         let mut out = vec![0.0f32; bytes / 4];
-        let (mut ours, mut plain) = (Vec::new(), Vec::new());
-        for _ in 0..rounds {
-            for which in 0..2 {
-                let t = Instant::now();
-                for _ in 0..per {
-                    let r = if which == 0 {
-                        world.all_reduce(&mut buf, ReduceOp::Max)
-                    } else {
-                        tp_comm::mpi::plain_all_reduce_f32(&buf, &mut out)
-                    };
-                    if let Err(e) = r {
-                        eprintln!("rank {}: {e}", world.rank());
-                        return ExitCode::FAILURE;
-                    }
-                }
-                let us = t.elapsed().as_secs_f64() / per as f64 * 1e6;
-                if which == 0 {
-                    ours.push(us)
-                } else {
-                    plain.push(us)
-                }
+        let medians = interleaved_medians(rounds, per, |ours| {
+            if ours {
+                world.all_reduce(&mut buf, ReduceOp::Max)
+            } else {
+                tp_comm::mpi::plain_all_reduce_f32(&buf, &mut out)
             }
-        }
-        ours.sort_by(f64::total_cmp);
-        plain.sort_by(f64::total_cmp);
+        });
+        let (ours, plain) = match medians {
+            Ok(m) => m,
+            Err(e) => {
+                eprintln!("rank {}: {e}", world.rank());
+                return ExitCode::FAILURE;
+            }
+        };
         if world.rank() == 0 {
             println!(
-                "all_reduce {bytes} B x{} ranks: median {:.1} us, plain MPI_Allreduce {:.1} us ({rounds} rounds of {per})",
-                world.size(),
-                ours[rounds / 2],
-                plain[rounds / 2]
+                "all_reduce {bytes} B x{} ranks: median {ours:.1} us, plain MPI_Allreduce {plain:.1} us ({rounds} rounds of {per})",
+                world.size()
             );
         }
     }
     ExitCode::SUCCESS
+}
+
+/// Median microseconds per call of `op(true)` (ours) and `op(false)` (plain MPI), measured in
+/// `rounds` alternating rounds of `per` calls each, so both see the same machine.
+fn interleaved_medians(
+    rounds: usize,
+    per: usize,
+    mut op: impl FnMut(bool) -> Result<(), CommError>,
+) -> Result<(f64, f64), CommError> {
+    let (mut ours, mut plain) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        for which in [true, false] {
+            let t = Instant::now();
+            for _ in 0..per {
+                op(which)?;
+            }
+            let us = t.elapsed().as_secs_f64() / per as f64 * 1e6;
+            if which { &mut ours } else { &mut plain }.push(us);
+        }
+    }
+    ours.sort_by(f64::total_cmp);
+    plain.sort_by(f64::total_cmp);
+    Ok((ours[rounds / 2], plain[rounds / 2]))
 }
 
 /// One call of a drill: an all_reduce of `len` f32, or (`a2a`) an all_to_all_v where rank i
