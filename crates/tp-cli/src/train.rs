@@ -33,8 +33,9 @@ pub struct TrainArgs {
     pub config: Option<String>,
     /// Architecture of a preset: llama; qwen3 (adds an RMSNorm over each query and key head);
     /// gemma3 (adds those and Gemma-3's block: GeGLU, post norms, scaled embeddings, a
-    /// sliding window on every other layer) [default: llama; a config.json or checkpoint
-    /// gives its own].
+    /// sliding window on every other layer); mixtral, qwen3moe (llama's, qwen3's with every
+    /// MLP a mixture of 8 experts of the preset's FFN width, top-2) [default: llama; a
+    /// config.json or checkpoint gives its own].
     #[arg(long)]
     pub arch: Option<String>,
     /// Training text (any file) [default: the built-in public-domain corpus].
@@ -97,6 +98,10 @@ pub struct TrainArgs {
     /// Data-parallel all-reduce bucket size, MiB.
     #[arg(long, default_value_t = 16.0)]
     pub bucket_mib: f64,
+    /// Weight of the load-balancing loss of a mixture of experts (the Switch Transformer's
+    /// alpha; 0 turns it off).
+    #[arg(long, default_value_t = tp_train::DEFAULT_MOE_AUX_COEF)]
+    pub moe_aux_loss_coeff: f64,
     /// Print one JSON object per step on stdout instead of the progress bar.
     #[arg(long)]
     pub json: bool,
@@ -134,6 +139,7 @@ impl TrainArgs {
             keep: self.keep,
             resume: self.resume.clone(),
             bucket_mib: self.bucket_mib,
+            moe_aux_coef: self.moe_aux_loss_coeff,
         }
     }
 }
@@ -194,7 +200,7 @@ pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
                 serde_json::json!({
                     "step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
                     "tokens": r.tokens, "seconds": r.seconds, "tokens_per_s": f.tokens_per_s,
-                    "mfu": f.mfu,
+                    "mfu": f.mfu, "aux_loss": r.aux_loss,
                 })
             );
         } else if let Some(b) = &bar {

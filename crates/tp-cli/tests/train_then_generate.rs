@@ -127,14 +127,18 @@ fn trained_checkpoint_generates_identically_at_every_tp() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Issue 14: a Qwen3 and a Gemma-3 trained at tp 2 x pp 2 (`--arch qwen3|gemma3`) are
-/// directories of their class that `tp generate --model` runs, with the same greedy text at
-/// tp 1 and 2 (the Gemma-3 preset has 2 KV heads; tp-train's tests cover one).
+/// Issues 14 and 33: a Qwen3, a Gemma-3, a Mixtral and a Qwen3-MoE trained at tp 2 x pp 2
+/// (`--arch qwen3|gemma3|mixtral|qwen3moe`) are directories of their class that `tp generate
+/// --model` runs, with the same greedy text at tp 1 and 2 (and, with experts, at tp 2 with
+/// whole experts per rank, `--ep 2`). The Gemma-3 preset has 2 KV heads; tp-train's tests
+/// cover one.
 #[test]
-fn trained_qwen3_and_gemma3_checkpoints_generate_at_tp_1_and_2() {
+fn trained_qwen3_gemma3_and_moe_checkpoints_generate_at_tp_1_and_2() {
     for (arch, class) in [
         ("qwen3", "Qwen3ForCausalLM"),
         ("gemma3", "Gemma3ForCausalLM"),
+        ("mixtral", "MixtralForCausalLM"),
+        ("qwen3moe", "Qwen3MoeForCausalLM"),
     ] {
         let dir = std::env::temp_dir().join(format!("tp-train-{arch}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -150,6 +154,10 @@ fn trained_qwen3_and_gemma3_checkpoints_generate_at_tp_1_and_2() {
         let one = text("1");
         assert!(one.len() > 10, "{arch}: {one:?}");
         assert_eq!(text("2"), one, "{arch}");
+        if arch.ends_with("moe") || arch == "mixtral" {
+            let ep2 = generate(&ckpt, "2", "24", &["--ep", "2"]).stdout;
+            assert_eq!(ep2, one, "{arch} at --ep 2");
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

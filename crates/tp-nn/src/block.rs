@@ -8,13 +8,14 @@ use crate::error::{Result, TpError};
 use crate::linear::check_group;
 use crate::mappings::copy_to_tp;
 use crate::mlp::ParallelMlp;
+use crate::moe::ParallelMoe;
 use crate::norm::RmsNorm;
 use crate::rng::{RandomTensor, Rng};
 use crate::rope::{Rope, RopeLayout};
 use candle_core::{Device, Tensor, Var};
 use tp_comm::Group;
 use tp_spec::{
-    Activation, AttentionSpec, LayerSpec, MlpSpec, Param, Placement, RopeStyle, ShardPlan,
+    Activation, AttentionSpec, Experts, LayerSpec, MlpSpec, Param, Placement, RopeStyle, ShardPlan,
     WeightName,
 };
 
@@ -35,6 +36,9 @@ pub struct LayerStyle {
     pub window: Option<usize>,
     /// Linear RoPE scaling: positions divided by this factor (1: none).
     pub rope_scale: f64,
+    /// The MLP is a mixture of these experts, each `ffn` wide (docs/moe.md); `None`: one
+    /// gated MLP.
+    pub experts: Option<Experts>,
 }
 
 impl LayerStyle {
@@ -46,6 +50,7 @@ impl LayerStyle {
         query_scale: None,
         window: None,
         rope_scale: 1.0,
+        experts: None,
     };
 }
 
@@ -82,9 +87,7 @@ pub struct BlockWeights {
     pub wv: Tensor,        // [kv_heads * head_dim, hidden]
     pub wo: Tensor,        // [hidden, heads * head_dim]
     pub mlp_norm: Tensor,  // [hidden]
-    pub w_gate: Tensor,    // [ffn, hidden]
-    pub w_up: Tensor,      // [ffn, hidden]
-    pub w_down: Tensor,    // [hidden, ffn]
+    pub mlp: MlpWeights,
     /// Qwen3's per-head norms, present exactly when [`BlockConfig::qk_norm`] is set.
     pub q_norm: Option<Tensor>, // [head_dim]
     pub k_norm: Option<Tensor>, // [head_dim]
@@ -92,6 +95,32 @@ pub struct BlockWeights {
     /// [`LayerStyle::post_norms`] is set.
     pub post_attn_norm: Option<Tensor>, // [hidden]
     pub post_mlp_norm: Option<Tensor>, // [hidden]
+}
+
+/// The global weights of a block's MLP.
+#[derive(Clone, Debug)]
+pub enum MlpWeights {
+    /// One gated MLP.
+    Dense {
+        gate: Tensor, // [ffn, hidden]
+        up: Tensor,   // [ffn, hidden]
+        down: Tensor, // [hidden, ffn]
+    },
+    /// A router and each expert's `(gate [ffn, hidden], up [ffn, hidden], down [hidden, ffn])`.
+    Moe {
+        router: Tensor, // [experts, hidden]
+        experts: Vec<(Tensor, Tensor, Tensor)>,
+    },
+}
+
+impl MlpWeights {
+    /// `(gate, up, down)` of a dense MLP; `None` for a mixture of experts.
+    pub fn dense(&self) -> Option<(&Tensor, &Tensor, &Tensor)> {
+        match self {
+            MlpWeights::Dense { gate, up, down } => Some((gate, up, down)),
+            MlpWeights::Moe { .. } => None,
+        }
+    }
 }
 
 impl BlockConfig {
@@ -105,14 +134,24 @@ impl BlockConfig {
                 spec.layer
             )));
         }
-        let (ffn, activation) = match spec.mlp {
-            MlpSpec::Dense { ffn, activation } => (ffn, activation),
-            MlpSpec::Moe { experts, .. } => {
-                return Err(TpError::Config(format!(
-                    "layer {} is a mixture of {} experts; the training layers are dense only (MoE training is not built yet)",
-                    spec.layer, experts.count
-                )))
-            }
+        let (ffn, activation, experts) = match spec.mlp {
+            MlpSpec::Dense { ffn, activation } => (ffn, activation, None),
+            MlpSpec::Moe {
+                experts:
+                    Experts {
+                        shared_ffn: Some(_),
+                        ..
+                    },
+                ..
+            } => return Err(TpError::Config(format!(
+                "layer {} has a shared expert (Qwen2-MoE), which the training layers do not have",
+                spec.layer
+            ))),
+            MlpSpec::Moe {
+                ffn,
+                activation,
+                experts,
+            } => (ffn, activation, Some(experts)),
         };
         Ok(BlockConfig {
             hidden: spec.hidden,
@@ -135,6 +174,7 @@ impl BlockConfig {
                 query_scale: Some(a.query_scale),
                 window: a.window,
                 rope_scale: a.rope_scale,
+                experts,
             },
         })
     }
@@ -164,9 +204,16 @@ impl BlockConfig {
                     .query_scale
                     .unwrap_or(1.0 / (self.head_dim as f64).sqrt()),
             },
-            mlp: MlpSpec::Dense {
-                ffn: self.ffn,
-                activation: st.activation,
+            mlp: match st.experts {
+                Some(experts) => MlpSpec::Moe {
+                    ffn: self.ffn,
+                    activation: st.activation,
+                    experts,
+                },
+                None => MlpSpec::Dense {
+                    ffn: self.ffn,
+                    activation: st.activation,
+                },
             },
             post_norms: st.post_norms,
             hf_norm_minus_one: st.unit_offset_norms,
@@ -179,7 +226,26 @@ impl BlockWeights {
     /// the table says which weights a block has, this puts each in its slot.
     pub fn from_params(params: Vec<(Param, Tensor)>) -> Result<Self> {
         let mut slots: [Option<Tensor>; 13] = Default::default();
+        let mut router = None;
+        let mut experts: Vec<[Option<Tensor>; 3]> = Vec::new();
         for (p, t) in params {
+            let expert = match p.name {
+                WeightName::ExpertGate(_, e) => Some((e, 0)),
+                WeightName::ExpertUp(_, e) => Some((e, 1)),
+                WeightName::ExpertDown(_, e) => Some((e, 2)),
+                _ => None,
+            };
+            if let Some((e, k)) = expert {
+                if experts.len() <= e {
+                    experts.resize_with(e + 1, Default::default);
+                }
+                experts[e][k] = Some(t);
+                continue;
+            }
+            if let WeightName::Router(_) = p.name {
+                router = Some(t);
+                continue;
+            }
             let slot = match p.name {
                 WeightName::AttnNorm(_) => 0,
                 WeightName::Q(_) => 1,
@@ -207,6 +273,32 @@ impl BlockWeights {
         let need = |t: Option<Tensor>, what: &str| {
             t.ok_or_else(|| TpError::Config(format!("the layer's parameters lack {what}")))
         };
+        let mlp = match router {
+            Some(router) => MlpWeights::Moe {
+                router,
+                experts: experts
+                    .into_iter()
+                    .enumerate()
+                    .map(|(e, [g, u, d])| {
+                        Ok((
+                            need(g, &format!("expert {e}'s gate"))?,
+                            need(u, &format!("expert {e}'s up"))?,
+                            need(d, &format!("expert {e}'s down"))?,
+                        ))
+                    })
+                    .collect::<Result<_>>()?,
+            },
+            None if !experts.is_empty() => {
+                return Err(TpError::Config(
+                    "the layer's parameters have experts but no router".into(),
+                ))
+            }
+            None => MlpWeights::Dense {
+                gate: need(w_gate, "the gate")?,
+                up: need(w_up, "up")?,
+                down: need(w_down, "down")?,
+            },
+        };
         Ok(BlockWeights {
             attn_norm: need(attn_norm, "the attention norm")?,
             wq: need(wq, "Q")?,
@@ -214,9 +306,7 @@ impl BlockWeights {
             wv: need(wv, "V")?,
             wo: need(wo, "O")?,
             mlp_norm: need(mlp_norm, "the MLP norm")?,
-            w_gate: need(w_gate, "the gate")?,
-            w_up: need(w_up, "up")?,
-            w_down: need(w_down, "down")?,
+            mlp,
             q_norm,
             k_norm,
             post_attn_norm,
@@ -259,16 +349,39 @@ impl BlockConfig {
         } else {
             1.0
         };
+        let (attn_norm, wq, wk, wv, wo, mlp_norm) = (
+            rng.tensor(&[h], one, 0.2, device)?,
+            rng.tensor(&[q, h], 0.0, s(h), device)?,
+            rng.tensor(&[kv, h], 0.0, s(h), device)?,
+            rng.tensor(&[kv, h], 0.0, s(h), device)?,
+            rng.tensor(&[h, q], 0.0, s(q), device)?,
+            rng.tensor(&[h], one, 0.2, device)?,
+        );
+        let ffn = |rng: &mut Rng| -> Result<(Tensor, Tensor, Tensor)> {
+            Ok((
+                rng.tensor(&[f, h], 0.0, s(h), device)?,
+                rng.tensor(&[f, h], 0.0, s(h), device)?,
+                rng.tensor(&[h, f], 0.0, s(f), device)?,
+            ))
+        };
+        let mlp = match self.style.experts {
+            None => {
+                let (gate, up, down) = ffn(&mut rng)?;
+                MlpWeights::Dense { gate, up, down }
+            }
+            Some(e) => MlpWeights::Moe {
+                router: rng.tensor(&[e.count, h], 0.0, s(h), device)?,
+                experts: (0..e.count).map(|_| ffn(&mut rng)).collect::<Result<_>>()?,
+            },
+        };
         let mut w = BlockWeights {
-            attn_norm: rng.tensor(&[h], one, 0.2, device)?,
-            wq: rng.tensor(&[q, h], 0.0, s(h), device)?,
-            wk: rng.tensor(&[kv, h], 0.0, s(h), device)?,
-            wv: rng.tensor(&[kv, h], 0.0, s(h), device)?,
-            wo: rng.tensor(&[h, q], 0.0, s(q), device)?,
-            mlp_norm: rng.tensor(&[h], one, 0.2, device)?,
-            w_gate: rng.tensor(&[f, h], 0.0, s(h), device)?,
-            w_up: rng.tensor(&[f, h], 0.0, s(h), device)?,
-            w_down: rng.tensor(&[h, f], 0.0, s(f), device)?,
+            attn_norm,
+            wq,
+            wk,
+            wv,
+            wo,
+            mlp_norm,
+            mlp,
             q_norm: None,
             k_norm: None,
             post_attn_norm: None,
@@ -317,6 +430,24 @@ impl BlockConfig {
     }
 }
 
+/// One rank's slice of a block's MLP.
+#[derive(Debug)]
+enum BlockMlp {
+    Dense(ParallelMlp),
+    Moe(ParallelMoe),
+}
+
+/// A block's output, with the load-balancing loss of a mixture-of-experts MLP.
+#[derive(Debug)]
+pub struct BlockOutput {
+    pub hidden: Tensor, // [b, s, hidden]
+    /// The share of the load-balancing loss this rank backpropagates (`aux / tp`, a scalar;
+    /// [`crate::MoeOutput`]); `None` for a dense MLP.
+    pub aux_share: Option<Tensor>,
+    /// The whole load-balancing loss (for reports).
+    pub aux: Option<f32>,
+}
+
 /// One rank's slice of a transformer block.
 #[derive(Debug)]
 pub struct ParallelBlock {
@@ -324,7 +455,7 @@ pub struct ParallelBlock {
     attn_norm: RmsNorm,
     attn: ParallelAttention,
     mlp_norm: RmsNorm,
-    mlp: ParallelMlp,
+    mlp: BlockMlp,
     /// Gemma's `(post_attn_norm, post_mlp_norm)`.
     post_norms: Option<(RmsNorm, RmsNorm)>,
     rope: Rope,
@@ -403,15 +534,49 @@ impl ParallelBlock {
             attn_norm: norm(&w.attn_norm)?,
             attn,
             mlp_norm: norm(&w.mlp_norm)?,
-            mlp: ParallelMlp::from_global_split(
-                &w.w_gate,
-                &w.w_up,
-                &w.w_down,
-                &plan.ffn,
-                plan.ffn_unit,
-                tp_rank,
-            )?
-            .with_activation(st.activation),
+            mlp: match (&w.mlp, st.experts) {
+                (MlpWeights::Dense { gate, up, down }, None) => BlockMlp::Dense(
+                    ParallelMlp::from_global_split(
+                        gate,
+                        up,
+                        down,
+                        &plan.ffn,
+                        plan.ffn_unit,
+                        tp_rank,
+                    )?
+                    .with_activation(st.activation),
+                ),
+                (MlpWeights::Moe { router, experts }, Some(e)) => {
+                    let shard = plan.experts.as_ref().ok_or_else(|| {
+                        TpError::Config(format!(
+                            "layer {layer} is a mixture of experts but the shard plan places none"
+                        ))
+                    })?;
+                    BlockMlp::Moe(ParallelMoe::from_global(
+                        router,
+                        e,
+                        experts,
+                        shard,
+                        tp,
+                        st.activation,
+                    )?)
+                }
+                (_, want) => {
+                    return Err(TpError::Config(format!(
+                        "layer {layer}: the block config says {}, the weights are {}",
+                        if want.is_some() {
+                            "experts"
+                        } else {
+                            "a dense MLP"
+                        },
+                        if w.mlp.dense().is_some() {
+                            "a dense MLP"
+                        } else {
+                            "experts"
+                        }
+                    )))
+                }
+            },
             post_norms,
             rope,
             plan: plan.clone(),
@@ -444,7 +609,11 @@ impl ParallelBlock {
     /// The shard of weight `name` (`None` for a weight this block does not have).
     pub fn var(&self, name: WeightName) -> Option<&Var> {
         let [wq, wk, wv, wo] = self.attn.vars().map(|(_, v)| v);
-        let [wg, wu, wd] = self.mlp.vars().map(|(_, v)| v);
+        let mlp = match &self.mlp {
+            BlockMlp::Dense(m) => Ok(m.vars().map(|(_, v)| v)),
+            BlockMlp::Moe(m) => Err(m),
+        };
+        let dense = |k: usize| mlp.as_ref().ok().map(|v| v[k]);
         let qk = self.attn.qk_norm_vars().map(|[(_, q), (_, k)]| (q, k));
         let post = self
             .post_norms
@@ -457,9 +626,13 @@ impl ParallelBlock {
             WeightName::V(_) => Some(wv),
             WeightName::O(_) => Some(wo),
             WeightName::FfnNorm(_) => Some(self.mlp_norm.weight()),
-            WeightName::Gate(_) => Some(wg),
-            WeightName::Up(_) => Some(wu),
-            WeightName::Down(_) => Some(wd),
+            WeightName::Gate(_) => dense(0),
+            WeightName::Up(_) => dense(1),
+            WeightName::Down(_) => dense(2),
+            WeightName::Router(_) => mlp.as_ref().err().map(|m| m.router()),
+            WeightName::ExpertGate(_, e) => mlp.as_ref().err().map(|m| m.expert_var(e, 0)),
+            WeightName::ExpertUp(_, e) => mlp.as_ref().err().map(|m| m.expert_var(e, 1)),
+            WeightName::ExpertDown(_, e) => mlp.as_ref().err().map(|m| m.expert_var(e, 2)),
             WeightName::QNorm(_) => qk.map(|(q, _)| q),
             WeightName::KNorm(_) => qk.map(|(_, k)| k),
             WeightName::PostAttnNorm(_) => post.map(|(a, _)| a),
@@ -469,8 +642,14 @@ impl ParallelBlock {
     }
 
     /// Replicated `h [batch, seq, hidden]` -> replicated `[batch, seq, hidden]`.
-    /// Two all-reduces forward (the g's), two backward (the f's).
+    /// Two all-reduces forward (the g's), two backward (the f's). A mixture-of-experts
+    /// block's load-balancing loss is dropped: training uses [`ParallelBlock::forward_aux`].
     pub fn forward(&self, h: &Tensor, group: &Group) -> Result<Tensor> {
+        Ok(self.forward_aux(h, group)?.hidden)
+    }
+
+    /// [`ParallelBlock::forward`] with the load-balancing loss of a mixture of experts.
+    pub fn forward_aux(&self, h: &Tensor, group: &Group) -> Result<BlockOutput> {
         check_group(group, self.tp_rank, self.tp)?;
         let n = self.attn_norm.forward(h)?; // [b, s, hidden]
         let x_par = copy_to_tp(&n, group)?; // [b, s, hidden]
@@ -485,11 +664,24 @@ impl ParallelBlock {
         let h = (h + a)?; // [b, s, hidden]
         let n = self.mlp_norm.forward(&h)?; // [b, s, hidden]
         let x_par = copy_to_tp(&n, group)?; // [b, s, hidden]
-        let m = self.mlp.forward_local(&x_par, group)?.reduce()?; // [b, s, hidden]
+        let (m, aux_share, aux) = match &self.mlp {
+            BlockMlp::Dense(mlp) => (mlp.forward_local(&x_par, group)?.reduce()?, None, None),
+            BlockMlp::Moe(moe) => {
+                let dims = x_par.dims().to_vec(); // [b, s, hidden]
+                let flat = x_par.flatten_to(dims.len().saturating_sub(2))?; // [b*s, hidden]
+                let out = moe.forward_local(&flat, group)?;
+                let m = out.partial.reduce()?.reshape(dims)?; // [b, s, hidden]
+                (m, Some(out.aux_share), Some(out.aux))
+            }
+        }; // m: [b, s, hidden]
         let m = match &self.post_norms {
             Some((_, post)) => post.forward(&m)?, // [b, s, hidden]
             None => m,
         };
-        Ok((h + m)?)
+        Ok(BlockOutput {
+            hidden: (h + m)?,
+            aux_share,
+            aux,
+        })
     }
 }

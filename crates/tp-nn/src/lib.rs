@@ -24,7 +24,7 @@ pub mod rng;
 pub mod rope;
 
 pub use attention::ParallelAttention;
-pub use block::{BlockConfig, BlockWeights, LayerStyle, ParallelBlock};
+pub use block::{BlockConfig, BlockOutput, BlockWeights, LayerStyle, MlpWeights, ParallelBlock};
 pub use cross_entropy::vocab_parallel_cross_entropy;
 pub use embedding::VocabParallelEmbedding;
 pub use error::{Result, TpError};

@@ -45,6 +45,10 @@ pub struct ParallelMoe {
     activation: Activation,
     router: Var, // [count, hidden], replicated
     local: Vec<Expert>,
+    /// Another group's expert's gate or up shard here (`[0, hidden]`) and its down
+    /// (`[hidden, 0]`): the table's empty placement, held so every rank lists every parameter.
+    empty_rows: Var,
+    empty_cols: Var,
     tp: usize,
 }
 
@@ -83,11 +87,15 @@ impl ParallelMoe {
                 down: Var::from_tensor(&d.narrow(1, cols.start, cols.len())?.contiguous()?)?,
             });
         }
+        let hidden = router.dims2()?.1;
+        let empty = |dims: (usize, usize)| Var::zeros(dims, router.dtype(), router.device());
         Ok(ParallelMoe {
             experts,
             activation,
             router: Var::from_tensor(&router.copy()?)?,
             local,
+            empty_rows: empty((0, hidden))?,
+            empty_cols: empty((hidden, 0))?,
             tp,
         })
     }
@@ -95,6 +103,18 @@ impl ParallelMoe {
     /// The router (replicated; its gradient is partial per rank).
     pub fn router(&self) -> &Var {
         &self.router
+    }
+
+    /// This rank's shard of expert `e`'s gate (`which` 0), up (1) or down (2): an empty
+    /// tensor for an expert of another group.
+    pub fn expert_var(&self, e: usize, which: usize) -> &Var {
+        match (self.local.iter().find(|x| x.index == e), which) {
+            (Some(x), 0) => &x.gate,
+            (Some(x), 1) => &x.up,
+            (Some(x), _) => &x.down,
+            (None, 0 | 1) => &self.empty_rows,
+            (None, _) => &self.empty_cols,
+        }
     }
 
     /// `(expert, gate, up, down)` of each local expert's shard.

@@ -24,6 +24,9 @@ impl DenseBlock {
     pub fn new(cfg: &BlockConfig, w: &BlockWeights) -> Result<Self> {
         cfg.validate()?;
         let v = |t: &Tensor| Var::from_tensor(&t.copy()?);
+        let (w_gate, w_up, w_down) = w.mlp.dense().ok_or_else(|| {
+            TpError::Config("the dense reference block has no experts (see dense_moe)".into())
+        })?;
         let mut vars = vec![
             ("attn_norm", v(&w.attn_norm)?),
             ("wq", v(&w.wq)?),
@@ -31,9 +34,9 @@ impl DenseBlock {
             ("wv", v(&w.wv)?),
             ("wo", v(&w.wo)?),
             ("mlp_norm", v(&w.mlp_norm)?),
-            ("w_gate", v(&w.w_gate)?),
-            ("w_up", v(&w.w_up)?),
-            ("w_down", v(&w.w_down)?),
+            ("w_gate", v(w_gate)?),
+            ("w_up", v(w_up)?),
+            ("w_down", v(w_down)?),
         ];
         if let Some((q, k)) = cfg.qk_norm_weights(w)? {
             vars.push(("q_norm", v(q)?));

@@ -567,10 +567,18 @@ impl ModelConfig {
         }
     }
 
+    /// The HF class of this model (`MixtralForCausalLM` for a Llama with experts).
+    pub fn hf_class(&self) -> &'static str {
+        match (self.experts, self.arch.moe_hf_names()) {
+            (Some(_), Some((class, _))) => class,
+            _ => self.arch.hf_class(),
+        }
+    }
+
     /// The HF `config.json` of this model (the class and `model_type` of its architecture).
     pub fn to_hf_json(&self) -> Json {
         let mut v = serde_json::json!({
-            "architectures": [self.arch.hf_class()],
+            "architectures": [self.hf_class()],
             "model_type": self.arch.name(),
             "hidden_size": self.hidden,
             "intermediate_size": self.ffn,

@@ -130,6 +130,7 @@ impl Bench {
                     seed: 0,
                     optim: AdamWConfig::default(),
                     bucket_elems: 4 << 20,
+                    moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
                     save_dir: None,
                     save_every: 0,
                     keep: 0,

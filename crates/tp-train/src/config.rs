@@ -9,7 +9,7 @@ use crate::error::{Result, TrainError};
 use std::path::Path;
 use tp_nn::BlockConfig;
 pub use tp_spec::ModelConfig;
-use tp_spec::{Arch, BlockStyle, RopeStyle, SlidingWindow};
+use tp_spec::{Arch, BlockStyle, Experts, Gating, RopeStyle, SlidingWindow};
 
 /// Preset names accepted by `--config`.
 pub const PRESETS: &[&str] = &["tiny", "small", "bench"];
@@ -17,21 +17,77 @@ pub const PRESETS: &[&str] = &["tiny", "small", "bench"];
 /// The architectures training supports, by the name `--arch` takes (tp-spec's).
 pub const TRAINABLE_ARCHS: [Arch; 3] = [Arch::Llama, Arch::Qwen3, Arch::Gemma3];
 
-/// The trainable architecture named `name` (`llama`, `qwen3`, `gemma3`); the error lists them.
-pub fn trainable_arch(name: &str) -> Result<Arch> {
-    TRAINABLE_ARCHS
+/// What `--arch` names: a trainable family, with experts for the mixture-of-experts ones.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TrainArch {
+    pub arch: Arch,
+    /// The experts of an MoE preset (`mixtral`: a Llama with 8 experts, top-2; `qwen3moe`: a
+    /// Qwen3 with 8, top-2; both softmax routers with normalised top-k weights).
+    pub experts: Option<Experts>,
+}
+
+/// Experts of the MoE presets.
+const PRESET_EXPERTS: Experts = Experts {
+    count: 8,
+    per_token: 2,
+    gating: Gating::Softmax,
+    normalize: true,
+    shared_ffn: None,
+};
+
+/// The MoE architectures by name, with the family they extend.
+const MOE_ARCHS: [(&str, Arch); 2] = [("mixtral", Arch::Llama), ("qwen3moe", Arch::Qwen3)];
+
+impl TrainArch {
+    /// The name `--arch` takes for this architecture.
+    pub fn name(&self) -> &'static str {
+        match self.experts {
+            None => self.arch.name(),
+            Some(_) => MOE_ARCHS
+                .iter()
+                .find(|(_, a)| *a == self.arch)
+                .map_or(self.arch.name(), |(n, _)| *n),
+        }
+    }
+
+    /// The architecture of `cfg`.
+    pub fn of(cfg: &ModelConfig) -> TrainArch {
+        TrainArch {
+            arch: cfg.arch,
+            experts: cfg.experts,
+        }
+    }
+}
+
+/// The trainable architecture named `name` (`llama`, `qwen3`, `gemma3`, `mixtral`,
+/// `qwen3moe`); the error lists them.
+pub fn trainable_arch(name: &str) -> Result<TrainArch> {
+    let dense = TRAINABLE_ARCHS
         .into_iter()
         .find(|a| a.name() == name)
-        .ok_or_else(|| {
-            TrainError::Config(format!(
-                "architecture {name:?} cannot be trained; use one of {}",
-                arch_names()
-            ))
-        })
+        .map(|arch| TrainArch {
+            arch,
+            experts: None,
+        });
+    let moe = MOE_ARCHS
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, arch)| TrainArch {
+            arch,
+            experts: Some(PRESET_EXPERTS),
+        });
+    dense.or(moe).ok_or_else(|| {
+        TrainError::Config(format!(
+            "architecture {name:?} cannot be trained; use one of {}",
+            arch_names()
+        ))
+    })
 }
 
 fn arch_names() -> String {
-    TRAINABLE_ARCHS.map(|a| a.name()).join(", ")
+    let mut names: Vec<&str> = TRAINABLE_ARCHS.map(|a| a.name()).to_vec();
+    names.extend(MOE_ARCHS.map(|(n, _)| n));
+    names.join(", ")
 }
 
 fn only_trainable(arch: &str) -> String {
@@ -113,6 +169,9 @@ pub trait TrainModel: Sized {
     /// embeddings, a window of a quarter of the context on every other layer, RoPE bases
     /// 10^6 global and 10^4 local), Llama drops them.
     fn with_arch(self, arch: Arch) -> Result<Self>;
+    /// The same model with every MLP a mixture of `experts` of the model's FFN width
+    /// (`None`: dense).
+    fn with_experts(self, experts: Option<Experts>) -> Self;
     /// The checks training adds to [`ModelConfig::validate`] (layout checks are in
     /// [`crate::layout`]).
     fn check_trainable(&self) -> Result<()>;
@@ -212,21 +271,40 @@ impl TrainModel for ModelConfig {
         Ok(self)
     }
 
+    fn with_experts(mut self, experts: Option<Experts>) -> Self {
+        self.experts = experts;
+        self
+    }
+
     fn check_trainable(&self) -> Result<()> {
         let bad = |m: String| Err(TrainError::Config(m));
         self.validate()
             .map_err(|e| TrainError::Config(e.to_string()))?;
-        if !TRAINABLE_ARCHS.contains(&self.arch) || self.qkv_bias || self.experts.is_some() {
+        if !TRAINABLE_ARCHS.contains(&self.arch) || self.qkv_bias {
             return bad(format!(
-                "a {} model{}; training supports Llama, Qwen3 and Gemma-3 models without \
-                 biases or experts",
+                "a {} model{}; training supports Llama, Qwen3 and Gemma-3 models (and their \
+                 mixtures of experts) without biases",
                 self.arch.name(),
-                if self.experts.is_some() {
-                    " with experts"
+                if self.qkv_bias {
+                    " with Q/K/V biases"
                 } else {
                     ""
                 }
             ));
+        }
+        if let Some(e) = &self.experts {
+            if e.shared_ffn.is_some() || e.gating != Gating::Softmax {
+                return bad(format!(
+                    "a {} mixture of experts with {}; training supports softmax routers \
+                     without shared experts (Mixtral's, Qwen3-MoE's)",
+                    self.arch.name(),
+                    if e.shared_ffn.is_some() {
+                        "a shared expert"
+                    } else {
+                        "a sigmoid router"
+                    }
+                ));
+            }
         }
         let gemma = self.arch == Arch::Gemma3;
         if self.qk_norm != matches!(self.arch, Arch::Qwen3 | Arch::Gemma3) {
@@ -334,7 +412,31 @@ mod tests {
             .with_arch(Arch::Qwen2)
             .is_err());
         let e = trainable_arch("qwen2").unwrap_err().to_string();
-        assert!(e.contains("use one of llama, qwen3, gemma3"), "{e}");
+        assert!(
+            e.contains("use one of llama, qwen3, gemma3, mixtral, qwen3moe"),
+            "{e}"
+        );
+        // Mixtures of experts: a shared expert (Qwen2-MoE) or a sigmoid router is refused.
+        let moe = |e: Experts| {
+            ModelConfig::preset("tiny")
+                .unwrap()
+                .with_experts(Some(e))
+                .check_trainable()
+                .map_err(|e| e.to_string())
+        };
+        moe(PRESET_EXPERTS).unwrap();
+        let e = moe(Experts {
+            shared_ffn: Some(64),
+            ..PRESET_EXPERTS
+        })
+        .unwrap_err();
+        assert!(e.contains("a shared expert"), "{e}");
+        let e = moe(Experts {
+            gating: Gating::Sigmoid,
+            ..PRESET_EXPERTS
+        })
+        .unwrap_err();
+        assert!(e.contains("a sigmoid router"), "{e}");
         let mut odd = ModelConfig::preset("tiny").unwrap();
         odd.qk_norm = true;
         let e = odd.check_trainable().unwrap_err().to_string();
@@ -350,11 +452,31 @@ mod tests {
     }
 
     #[test]
+    fn moe_presets_name_their_family_and_round_trip_through_hf_json() {
+        for (name, arch, class) in [
+            ("mixtral", Arch::Llama, "MixtralForCausalLM"),
+            ("qwen3moe", Arch::Qwen3, "Qwen3MoeForCausalLM"),
+        ] {
+            let a = trainable_arch(name).unwrap();
+            assert_eq!((a.arch, a.experts), (arch, Some(PRESET_EXPERTS)));
+            assert_eq!(a.name(), name);
+            let c = ModelConfig::preset("tiny")
+                .unwrap()
+                .with_arch(a.arch)
+                .unwrap()
+                .with_experts(a.experts);
+            assert_eq!(c.hf_class(), class);
+            assert_eq!(ModelConfig::parse(&c.hf_json_text()).unwrap(), c, "{name}");
+            assert_eq!(TrainArch::of(&c), a);
+        }
+    }
+
+    #[test]
     fn qwen3_presets_round_trip_and_name_the_architecture() {
         for name in PRESETS {
             let c = ModelConfig::preset(name)
                 .unwrap()
-                .with_arch(trainable_arch("qwen3").unwrap())
+                .with_arch(trainable_arch("qwen3").unwrap().arch)
                 .unwrap();
             assert!(c.qk_norm && c.block(0).unwrap().qk_norm);
             c.check_trainable().unwrap();
@@ -381,7 +503,7 @@ mod tests {
         for name in PRESETS {
             let c = ModelConfig::preset(name)
                 .unwrap()
-                .with_arch(trainable_arch("gemma3").unwrap())
+                .with_arch(trainable_arch("gemma3").unwrap().arch)
                 .unwrap();
             c.check_trainable().unwrap();
             let json = c.to_hf_json();

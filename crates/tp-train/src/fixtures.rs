@@ -3,7 +3,8 @@
 //! KV head held by two ranks, FFN 22/21/21 and vocabulary 86/85/85; 4 layers for pp up to 4.
 //! The same sizes as a Qwen3 ([`qwen3_model`], [`qwen3_spec`]) add the per-head q/k norms;
 //! as a Gemma-3 ([`gemma3_model`], [`gemma3_spec`]) they have one KV head (tp 2..4 above it),
-//! Gemma's block and a window of 6 positions on layers 0 and 2 (sequences of 16).
+//! Gemma's block and a window of 6 positions on layers 0 and 2 (sequences of 16); as a
+//! Mixtral ([`moe_model`], [`moe_spec`]) every MLP is a mixture of 4 experts, top-2.
 
 use crate::config::{ModelConfig, TrainModel};
 use crate::data::{Corpus, DEFAULT_CORPUS};
@@ -41,6 +42,12 @@ pub fn gemma3_model() -> ModelConfig {
     m
 }
 
+/// [`model`] as a Mixtral: every MLP a mixture of 4 experts of FFN 64, top-2 with
+/// normalised weights (a softmax router).
+pub fn moe_model() -> ModelConfig {
+    model().with_experts(Some(tp_spec::Experts::new(4, 2)))
+}
+
 /// The first 40 KB of the built-in corpus as bytes, windows of 16 tokens.
 pub fn corpus() -> Result<Corpus> {
     let text = &DEFAULT_CORPUS[..40_000];
@@ -64,6 +71,7 @@ pub fn spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
             ..AdamWConfig::default()
         },
         bucket_elems: 5000,
+        moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
         save_dir: None,
         save_every: 0,
         keep: 0,
@@ -75,6 +83,14 @@ pub fn spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
 pub fn qwen3_spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
     TrainSpec {
         model: qwen3_model(),
+        ..spec(dims, steps, micro_batches)
+    }
+}
+
+/// [`spec`] with [`moe_model`].
+pub fn moe_spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
+    TrainSpec {
+        model: moe_model(),
         ..spec(dims, steps, micro_batches)
     }
 }

@@ -56,6 +56,9 @@ pub fn accumulate(
     grads: &GradStore,
 ) -> Result<()> {
     for (i, (spec, var)) in params.iter().enumerate() {
+        if spec.local_len() == 0 {
+            continue; // another expert group's expert: nothing of it here
+        }
         let g = grads.get(var.as_tensor()).ok_or_else(|| {
             TrainError::Config(format!(
                 "{} received no gradient: an op without a backward is on its path",

@@ -38,4 +38,4 @@ pub use config::{ModelConfig, TrainModel};
 pub use data::{Corpus, TextTokenizer};
 pub use error::{Result, TrainError};
 pub use optim::AdamWConfig;
-pub use trainer::{StepReport, TrainOptions, TrainSpec, Trainer};
+pub use trainer::{StepReport, TrainOptions, TrainSpec, Trainer, DEFAULT_MOE_AUX_COEF};

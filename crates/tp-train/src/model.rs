@@ -31,6 +31,18 @@ pub struct StageModel {
     specs: Vec<ParamSpec>,
 }
 
+/// A stage's output with its mixture-of-experts layers' load-balancing loss.
+#[derive(Debug)]
+pub struct StageOutput {
+    /// Hidden states `[batch, seq, hidden]`, or on the last stage the mean cross-entropy.
+    pub value: Tensor,
+    /// The sum over the stage's MoE layers of this rank's share of their load-balancing loss
+    /// (a scalar to backpropagate, times the loss's coefficient); `None` without experts.
+    pub aux_share: Option<Tensor>,
+    /// The sum over the stage's MoE layers of their whole load-balancing loss (for reports).
+    pub aux: f64,
+}
+
 /// What a stage consumes: token ids (first stage) or the previous stage's hidden states.
 pub enum StageInput<'a> {
     Tokens(&'a Tensor), // [batch, seq] u32
@@ -153,7 +165,28 @@ impl StageModel {
         targets: Option<&Tensor>,
         tp: &Group,
     ) -> Result<Tensor> {
-        let h = self.hidden(input, tp)?; // [b, s, hidden]
+        Ok(self.forward_aux(input, targets, tp)?.value)
+    }
+
+    /// [`StageModel::forward`] with the load-balancing loss of the stage's MoE layers.
+    pub fn forward_aux(
+        &self,
+        input: StageInput<'_>,
+        targets: Option<&Tensor>,
+        tp: &Group,
+    ) -> Result<StageOutput> {
+        let (h, aux_share, aux) = self.hidden_aux(input, tp)?; // h: [b, s, hidden]
+        let value = self.head_loss(h, targets, tp)?;
+        Ok(StageOutput {
+            value,
+            aux_share,
+            aux,
+        })
+    }
+
+    /// The last stage's mean cross-entropy of `h [b, s, hidden]` against `targets`; `h`
+    /// itself on the other stages.
+    fn head_loss(&self, h: Tensor, targets: Option<&Tensor>, tp: &Group) -> Result<Tensor> {
         match (&self.norm, &self.head, targets) {
             (Some(norm), Some(head), Some(t)) => {
                 let (b, s, _) = h.dims3()?;
@@ -173,6 +206,16 @@ impl StageModel {
     /// The stage's embedding (first stage) and blocks, without the last stage's head: hidden
     /// states `[batch, seq, hidden]`.
     pub fn hidden(&self, input: StageInput<'_>, tp: &Group) -> Result<Tensor> {
+        Ok(self.hidden_aux(input, tp)?.0)
+    }
+
+    /// [`StageModel::hidden`] with the summed load-balancing loss shares and values of the
+    /// stage's MoE layers ([`StageOutput`]).
+    fn hidden_aux(
+        &self,
+        input: StageInput<'_>,
+        tp: &Group,
+    ) -> Result<(Tensor, Option<Tensor>, f64)> {
         let mut h = match (input, &self.embed) {
             (StageInput::Tokens(ids), Some(e)) if self.embed_scale != 1.0 => {
                 (e.forward(ids, tp)? * self.embed_scale)? // [b, s, hidden]
@@ -185,10 +228,19 @@ impl StageModel {
                 ))
             }
         };
+        let (mut share, mut aux): (Option<Tensor>, f64) = (None, 0.0);
         for b in &self.blocks {
-            h = b.forward(&h, tp)?; // [b, s, hidden]
+            let out = b.forward_aux(&h, tp)?;
+            h = out.hidden; // [b, s, hidden]
+            if let Some(s) = out.aux_share {
+                share = Some(match share {
+                    Some(acc) => (acc + s)?,
+                    None => s,
+                });
+                aux += f64::from(out.aux.unwrap_or(0.0));
+            }
         }
-        Ok(h)
+        Ok((h, share, aux))
     }
 
     /// Logits of the last stage for a hidden input: `[batch, seq, vocab_local]` (for tests

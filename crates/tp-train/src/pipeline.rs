@@ -37,25 +37,37 @@ struct InFlight {
     micro: usize,
     input: Option<Var>, // [b, s, hidden] on stages after the first
     output: Tensor,     // [b, s, hidden], or the scalar loss on the last stage
+    /// This rank's share of the stage's MoE load-balancing loss (a scalar), if any.
+    aux_share: Option<Tensor>,
+}
+
+/// What a stage's micro-batches add up to.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StageLosses {
+    /// The sum of the micro-batch losses on the last stage (0 elsewhere).
+    pub loss: f64,
+    /// The sum over micro-batches and the stage's MoE layers of their load-balancing loss.
+    pub aux: f64,
 }
 
 /// Runs the stage's forwards and backwards for all `micro` batches, adding the gradients of
-/// `loss * loss_scale` into `grads`. Returns the sum of the micro-batch losses on the last
-/// stage (0 elsewhere).
+/// `(loss + aux_coef * load-balancing loss) * loss_scale` into `grads`.
+#[allow(clippy::too_many_arguments)]
 pub fn run_micro_batches(
     model: &StageModel,
     groups: &ProcessGroups,
     micro: &[MicroBatch],
     hidden: usize,
     loss_scale: f64,
+    aux_coef: f64,
     grads: &mut [f32],
     layout: &FlatLayout,
-) -> Result<f64> {
+) -> Result<StageLosses> {
     let (pp_rank, pp) = (groups.coords.pp_rank, groups.dims.pp);
     let (first, last) = (pp_rank == 0, pp_rank + 1 == pp);
     let params = model.params();
     let mut in_flight: VecDeque<InFlight> = VecDeque::new();
-    let mut loss_sum = 0f64;
+    let mut sums = StageLosses::default();
     for action in one_f_one_b(pp_rank, pp, micro.len()) {
         match action {
             Action::Forward(m) => {
@@ -73,9 +85,11 @@ pub fn run_micro_batches(
                     Some(v) => StageInput::Hidden(v.as_tensor()),
                     None => StageInput::Tokens(&mb.ids),
                 };
-                let output = model.forward(stage_in, last.then_some(&mb.targets), &groups.tp)?;
+                let out = model.forward_aux(stage_in, last.then_some(&mb.targets), &groups.tp)?;
+                let output = out.value;
+                sums.aux += out.aux;
                 if last {
-                    loss_sum += f64::from(output.to_scalar::<f32>()?);
+                    sums.loss += f64::from(output.to_scalar::<f32>()?);
                 } else {
                     let out = output.flatten_all()?.to_vec1::<f32>()?; // [b * s * hidden]
                     groups.pp.send(&out, pp_rank + 1, TAG_ACTIVATION)?;
@@ -84,6 +98,7 @@ pub fn run_micro_batches(
                     micro: m,
                     input,
                     output,
+                    aux_share: out.aux_share,
                 });
             }
             Action::Backward(m) => {
@@ -95,8 +110,12 @@ pub fn run_micro_batches(
                             "internal: backward of micro-batch {m} out of schedule order"
                         ))
                     })?;
-                let store = if last {
-                    (f.output * loss_scale)?.backward()?
+                let aux = match &f.aux_share {
+                    Some(a) => Some((a * (aux_coef * loss_scale))?),
+                    None => None,
+                };
+                let objective = if last {
+                    (f.output * loss_scale)?
                 } else {
                     let dims = f.output.dims().to_vec(); // [b, s, hidden]
                     let mut buf = vec![0f32; dims.iter().product()];
@@ -104,7 +123,11 @@ pub fn run_micro_batches(
                     let dy = Tensor::from_vec(buf, dims, &Device::Cpu)?; // [b, s, hidden]
                                                                          // d/dx of sum(y * dy) with dy constant is dy^T dy/dx: the vector-Jacobian
                                                                          // product that backpropagates dy through this stage.
-                    (f.output * dy)?.sum_all()?.backward()?
+                    (f.output * dy)?.sum_all()?
+                };
+                let store = match aux {
+                    Some(a) => (objective + a)?.backward()?,
+                    None => objective.backward()?,
                 };
                 accumulate(grads, layout, &params, &store)?;
                 if let Some(input) = &f.input {
@@ -119,5 +142,5 @@ pub fn run_micro_batches(
             }
         }
     }
-    Ok(loss_sum)
+    Ok(sums)
 }

@@ -101,8 +101,12 @@ impl<'a> Job<'a> {
             self.world,
             self.peak,
         );
+        let aux = r
+            .aux_loss
+            .map(|a| format!(" | balance {a:.3}"))
+            .unwrap_or_default();
         let line = format!(
-            "loss {:.4} | {} tok/s | MFU {:.1}% | lr {:.2e}",
+            "loss {:.4}{aux} | {} tok/s | MFU {:.1}% | lr {:.2e}",
             r.loss,
             fmt_rate(tokens_per_s),
             100.0 * mfu,
@@ -160,7 +164,7 @@ impl<'a> Job<'a> {
                 "checkpoint {} (an HF {} directory: config.json, model.safetensors, \
                  tokenizer.json); loss curve {}",
                 ck.display(),
-                p.spec.model.arch.hf_class(),
+                p.spec.model.hf_class(),
                 dir.join(plot::PLOT_FILE).display()
             ));
         }

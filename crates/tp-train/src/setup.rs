@@ -4,7 +4,7 @@
 //! encoded into a corpus, the layout and optimizer settings, all validated into a
 //! [`TrainSpec`]. `tp train` calls [`prepare`] on the main thread.
 
-use crate::config::trainable_arch;
+use crate::config::{trainable_arch, TrainArch};
 use crate::{
     AdamWConfig, Checkpoint, Corpus, ModelConfig, Result, TextTokenizer, TrainError, TrainModel,
     TrainSpec,
@@ -49,6 +49,8 @@ pub struct RunRequest {
     pub resume: Option<PathBuf>,
     /// Data-parallel all-reduce bucket size, MiB.
     pub bucket_mib: f64,
+    /// Weight of the MoE load-balancing loss (unused without experts).
+    pub moe_aux_coef: f64,
 }
 
 /// A validated run: everything the ranks need.
@@ -97,13 +99,17 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
     let requested = |c: &str| -> Result<ModelConfig> {
         let m = ModelConfig::from_arg(c)?;
         match arch {
-            Some(arch) if ModelConfig::preset(c).is_some() => m.with_arch(arch),
-            Some(arch) if arch != m.arch => Err(TrainError::Config(format!(
-                "--arch {} but {c} is a {} model; leave --arch out or use a {} config.json",
-                arch.name(),
-                m.arch.name(),
-                arch.name()
-            ))),
+            Some(arch) if ModelConfig::preset(c).is_some() => {
+                Ok(m.with_arch(arch.arch)?.with_experts(arch.experts))
+            }
+            Some(arch) if arch.name() != TrainArch::of(&m).name() => {
+                Err(TrainError::Config(format!(
+                    "--arch {} but {c} is a {} model; leave --arch out or use a {} config.json",
+                    arch.name(),
+                    TrainArch::of(&m).name(),
+                    arch.name()
+                )))
+            }
             _ => Ok(m),
         }
     };
@@ -119,11 +125,11 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             m
         }
         (None, Some(ck)) => match arch {
-            Some(arch) if arch != ck.config.arch => {
+            Some(arch) if arch.name() != TrainArch::of(&ck.config).name() => {
                 return Err(TrainError::Config(format!(
                     "--arch {} but the checkpoint's model is a {}; leave --arch out to resume it",
                     arch.name(),
-                    ck.config.arch.name()
+                    TrainArch::of(&ck.config).name()
                 )))
             }
             _ => ck.config.clone(),
@@ -166,6 +172,11 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             "the learning rate must be a positive number".into(),
         ));
     }
+    if !(a.moe_aux_coef >= 0.0 && a.moe_aux_coef.is_finite()) {
+        return Err(TrainError::Config(
+            "the load-balancing loss weight must be a number >= 0".into(),
+        ));
+    }
     if !(a.bucket_mib > 0.0 && a.bucket_mib.is_finite()) {
         return Err(TrainError::Config(
             "the all-reduce bucket size must be a positive number of MiB".into(),
@@ -188,6 +199,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             ..AdamWConfig::default()
         },
         bucket_elems: ((a.bucket_mib * (1 << 20) as f64) / 4.0).max(1.0) as usize,
+        moe_aux_coef: a.moe_aux_coef,
         save_dir: a.save.clone(),
         save_every: a.save_every,
         keep: a.keep,
@@ -276,6 +288,7 @@ mod tests {
             keep: 0,
             resume: None,
             bucket_mib: 1.0,
+            moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
         }
     }
 

@@ -17,6 +17,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tp_comm::{CommExt, ParallelDims, ProcessGroups, ReduceOp};
 
+/// The default weight of the MoE load-balancing loss (the Switch Transformer's alpha).
+pub const DEFAULT_MOE_AUX_COEF: f64 = 0.01;
+
 /// Everything that defines a run; identical on every rank.
 #[derive(Clone, Debug)]
 pub struct TrainSpec {
@@ -33,6 +36,9 @@ pub struct TrainSpec {
     pub optim: AdamWConfig,
     /// Elements per data-parallel all-reduce bucket.
     pub bucket_elems: usize,
+    /// Weight of the MoE load-balancing loss in the training objective (Switch Transformer's
+    /// alpha; 0 turns it off); unused without experts.
+    pub moe_aux_coef: f64,
     /// Where checkpoints go (`None`: no checkpoints).
     pub save_dir: Option<PathBuf>,
     /// Save every this many steps (0: only at the end).
@@ -98,6 +104,9 @@ pub struct StepReport {
     pub tokens: u64,
     /// Wall time of the step on this rank.
     pub seconds: f64,
+    /// The load-balancing loss `E * sum_e f_e * P_e` of the batch, the mean over the MoE
+    /// layers (1 when routing is balanced); `None` without experts.
+    pub aux_loss: Option<f64>,
 }
 
 /// One rank's training state.
@@ -118,6 +127,8 @@ pub struct Trainer<'a> {
     data_position: u64,
     history: Vec<(u64, f64)>,
     opts: TrainOptions,
+    /// The mean over MoE layers of the load-balancing loss of the last batch computed.
+    last_aux: Option<f64>,
 }
 
 impl<'a> Trainer<'a> {
@@ -204,6 +215,7 @@ impl<'a> Trainer<'a> {
             data_position,
             history,
             opts,
+            last_aux: None,
         })
     }
 
@@ -256,12 +268,13 @@ impl<'a> Trainer<'a> {
             })
             .collect::<Result<Vec<_>>>()?;
         self.grads.fill(0.0);
-        let loss_sum = run_micro_batches(
+        let sums = run_micro_batches(
             &self.model,
             &self.groups,
             &micro,
             s.model.hidden,
             1.0 / (m * dp) as f64,
+            s.moe_aux_coef,
             &mut self.grads,
             &self.layout,
         )?;
@@ -270,15 +283,21 @@ impl<'a> Trainer<'a> {
         grads::all_reduce_buckets(&mut self.grads, &self.groups.dp, s.bucket_elems)?;
         let sq = self.norm.sum_sq(&self.grads, &self.layout, &self.specs);
         let norm = grads::global_norm(sq, &self.groups.tp, &self.groups.pp)?;
-        // The loss lives on the last stage: sum over stages (the others add 0), mean over dp.
-        let mut loss = [loss_sum / m as f64];
+        // The loss lives on the last stage: sum over stages (the others add 0), mean over dp;
+        // the load-balancing losses of each stage's MoE layers are summed over the stages.
+        let mut loss = [sums.loss / m as f64, sums.aux / m as f64];
         if s.dims.pp > 1 {
             self.groups.pp.all_reduce(&mut loss, ReduceOp::Sum)?;
         }
         if dp > 1 {
             self.groups.dp.all_reduce(&mut loss, ReduceOp::Sum)?;
-            loss[0] /= dp as f64;
+            loss.iter_mut().for_each(|l| *l /= dp as f64);
         }
+        // Every layer of a model with experts is a mixture of experts.
+        self.last_aux = s
+            .model
+            .experts
+            .map(|_| loss[1] / s.model.layers.max(1) as f64);
         Ok((loss[0], norm))
     }
 
@@ -312,6 +331,7 @@ impl<'a> Trainer<'a> {
             lr,
             tokens: (s.global_batch * s.seq) as u64,
             seconds: t0.elapsed().as_secs_f64(),
+            aux_loss: self.last_aux,
         })
     }
 

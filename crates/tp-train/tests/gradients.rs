@@ -2,12 +2,15 @@
 //! ops have no backward: a silent zero would never train), and at every layout each rank's
 //! completed, dp-summed gradient shard equals its slice of the tp1 gradient — for the Llama
 //! and for the Qwen3 of the same sizes (whose per-head q/k norm gradients are summed over tp)
-//! and the Gemma-3 (one KV head held by every rank; post norms, windows, scaled embeddings).
+//! and the Gemma-3 (one KV head held by every rank; post norms, windows, scaled embeddings),
+//! and the Mixtral (4 experts a layer, top-2: every expert's shard, and the router, whose
+//! gradient is partial per tp rank through both the experts' outputs and the load-balancing
+//! loss each rank backpropagates a 1/tp share of).
 
 mod common;
 use common::*;
 use tp_train::checkpoint::shards::slice_global;
-use tp_train::fixtures::{gemma3_spec, qwen3_spec};
+use tp_train::fixtures::{gemma3_spec, moe_spec, qwen3_spec};
 use tp_train::layout::ParamSpec;
 use tp_train::{TrainOptions, TrainSpec};
 
@@ -42,8 +45,42 @@ fn gemma3_every_parameter_gets_a_gradient_and_every_shard_matches_tp1() {
     check_every_shard(gemma3_spec, 13);
 }
 
+#[test]
+fn mixtral_every_parameter_gets_a_gradient_and_every_shard_matches_tp1() {
+    // Norms, Q, K, V, O, the router and 4 experts' gate, up and down. The balance loss
+    // depends on the micro-batch's tokens, so every layout keeps micro-batches of 2.
+    check_shards_at(
+        moe_spec,
+        7 + 4 * 3,
+        &[
+            (dims(2, 1, 1), 2),
+            (dims(3, 1, 1), 2),
+            (dims(4, 1, 1), 2),
+            (dims(1, 2, 1), 2),
+            (dims(2, 2, 1), 2),
+            (dims(2, 1, 2), 1),
+        ],
+    );
+}
+
 /// The checks above for the model of `spec`, whose layers have `per_layer` tensors.
 fn check_every_shard(spec: SpecFn, per_layer: usize) {
+    check_shards_at(
+        spec,
+        per_layer,
+        &[
+            (dims(2, 1, 1), 2),
+            (dims(3, 1, 1), 2),
+            (dims(4, 1, 1), 1),
+            (dims(1, 2, 1), 2),
+            (dims(2, 2, 1), 4),
+            (dims(2, 1, 2), 1),
+        ],
+    );
+}
+
+/// The checks above at each `(layout, micro-batches)` against tp 1 with 2 micro-batches.
+fn check_shards_at(spec: SpecFn, per_layer: usize, layouts: &[(tp_comm::ParallelDims, usize)]) {
     let (specs, dense) = grads_at(spec, dims(1, 1, 1), 2).swap_remove(0);
     assert_eq!(specs.len(), 1 + per_layer * 4 + 2);
     for (s, g) in specs.iter().zip(&dense) {
@@ -64,14 +101,7 @@ fn check_every_shard(spec: SpecFn, per_layer: usize) {
         (&specs[i], &dense[i])
     };
     let mut worst = 0f32;
-    for (d, micro) in [
-        (dims(2, 1, 1), 2),
-        (dims(3, 1, 1), 2),
-        (dims(4, 1, 1), 1),
-        (dims(1, 2, 1), 2),
-        (dims(2, 2, 1), 4),
-        (dims(2, 1, 2), 1),
-    ] {
+    for &(d, micro) in layouts {
         for (rank, (rspecs, grads)) in grads_at(spec, d, micro).iter().enumerate() {
             for (s, g) in rspecs.iter().zip(grads) {
                 let (full, want_full) = by_name(&s.name);

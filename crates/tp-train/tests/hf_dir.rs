@@ -8,7 +8,7 @@ mod common;
 use candle_core::{Device, Tensor};
 use common::*;
 use safetensors::SafeTensors;
-use tp_nn::{BlockWeights, DenseBlock};
+use tp_nn::{BlockWeights, DenseBlock, MlpWeights};
 use tp_train::{Checkpoint, ModelConfig, TrainModel, TrainOptions};
 
 fn tensor(st: &SafeTensors<'_>, name: &str) -> Tensor {
@@ -43,9 +43,11 @@ fn dense_loss(dir: &std::path::Path, ids: &Tensor, targets: &Tensor) -> f32 {
             wv: t("self_attn.v_proj"),
             wo: t("self_attn.o_proj"),
             mlp_norm: t("post_attention_layernorm"),
-            w_gate: t("mlp.gate_proj"),
-            w_up: t("mlp.up_proj"),
-            w_down: t("mlp.down_proj"),
+            mlp: MlpWeights::Dense {
+                gate: t("mlp.gate_proj"),
+                up: t("mlp.up_proj"),
+                down: t("mlp.down_proj"),
+            },
             // Qwen3's per-head norms, when config.json says qwen3.
             q_norm: cfg.qk_norm.then(|| t("self_attn.q_norm")),
             k_norm: cfg.qk_norm.then(|| t("self_attn.k_norm")),

@@ -1,4 +1,4 @@
-//! A Qwen3 or Gemma-3 trained here is a model that inference runs (issue 14): saved at
+//! A Qwen3, Gemma-3 or Mixtral trained here is a model that inference runs (issues 14, 33): saved at
 //! tp 2 x pp 2, its directory (config.json of `qwen3` / `Qwen3ForCausalLM` or `gemma3_text` /
 //! `Gemma3ForCausalLM`, safetensors holding every layer's `self_attn.q_norm.weight` and
 //! `k_norm.weight`, and Gemma's post norms) opens in tp-models' HF reader — the loader behind
@@ -18,7 +18,7 @@ use common::*;
 use safetensors::SafeTensors;
 use tp_comm::local::{self, LocalOptions};
 use tp_models::{open_checkpoint, Chunk, LoadOptions, Profile, ShardedModel};
-use tp_train::fixtures::{gemma3_spec, qwen3_spec};
+use tp_train::fixtures::{gemma3_spec, moe_spec, qwen3_spec};
 use tp_train::model::{StageInput, StageModel};
 use tp_train::TrainSpec;
 use tp_train::{Checkpoint, ModelConfig};
@@ -232,6 +232,38 @@ fn trained_gemma3_loads_in_inference_and_its_logits_match_training() {
     assert!(
         d > 1e-3,
         "the sliding window should change the logits, got {d:e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn trained_mixtral_loads_in_inference_and_its_logits_match_training() {
+    // The router (softmax, top-2 of 4, normalised weights) and every expert are trained and
+    // stored under Mixtral's names; inference routes with its own f64 router and grouped
+    // experts (tp-models' moe.rs).
+    let (dir, ck, want) = train_save_and_compare(
+        "mixtral-inference",
+        moe_spec(dims(1, 1, 1), 1, 1),
+        "mixtral",
+        "MixtralForCausalLM",
+        &[],
+        1.0,
+    );
+    let bytes = std::fs::read(dir.join("step-00000006").join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    for name in [
+        "model.layers.3.block_sparse_moe.gate.weight",
+        "model.layers.3.block_sparse_moe.experts.3.w2.weight",
+    ] {
+        assert!(st.tensor(name).is_ok(), "{name} missing");
+    }
+    // The experts matter: the same weights routed to the top-1 expert give other logits.
+    let mut top1 = ck.config.clone();
+    top1.experts = top1.experts.map(|e| tp_spec::Experts { per_token: 1, ..e });
+    let d = rel_diff(&training_logits(&top1, &ck, &TOKENS), &want);
+    assert!(
+        d > 1e-2,
+        "routing to one expert should change the logits, got {d:e}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -100,6 +100,7 @@ fn gemma3(c: BlockConfig, window: Option<usize>) -> BlockConfig {
             query_scale: Some(0.3),
             window,
             rope_scale: if window.is_some() { 1.0 } else { 4.0 },
+            experts: None,
         },
         ..c
     }
