@@ -143,10 +143,12 @@ impl BlockConfig {
                         ..
                     },
                 ..
-            } => return Err(TpError::Config(format!(
+            } => {
+                return Err(TpError::Config(format!(
                 "layer {} has a shared expert (Qwen2-MoE), which the training layers do not have",
                 spec.layer
-            ))),
+            )))
+            }
             MlpSpec::Moe {
                 ffn,
                 activation,

@@ -2,9 +2,10 @@
 //! exact gradients through candle's autograd, router included. The router is replicated; the
 //! experts are placed by [`ExpertShard`] (whole experts per expert group, each sliced by FFN
 //! columns inside its group, like the dense MLP); the output is this rank's [`PartialSum`],
-//! summed by the block's one all-reduce (g). Tokens are dispatched densely: every local expert
-//! runs on every token and tokens not routed to it get weight 0 (exact, E/k times the
-//! compute of grouped dispatch; grouped dispatch is the inference engine's).
+//! summed by the block's one all-reduce (g). Tokens are grouped by expert: each local expert
+//! runs once on the rows routed to it (`index_select`), and its weighted outputs are added
+//! back to those rows (`index_add`), both differentiable, so an expert costs what its tokens
+//! cost (k/E of running every expert on every token).
 //!
 //! Gradients over the tp group: the router weights reach the loss through every rank's partial
 //! output, so each rank's router gradient is its share (the sum over the group is the whole,
@@ -129,17 +130,32 @@ impl ParallelMoe {
     /// `[n, hidden]` and the load-balancing loss.
     pub fn forward_local(&self, x_par: &Tensor, group: &Group) -> Result<MoeOutput> {
         let (probs, weights, counts) = route(x_par, self.router.as_tensor(), &self.experts)?;
+        let picked: Vec<Vec<f32>> = weights.to_vec2()?; // [n][count]
         let mut out = x_par.zeros_like()?; // [n, hidden]
         for e in &self.local {
-            let g = x_par.matmul(&e.gate.as_tensor().t()?)?; // [n, cols]
-            let u = x_par.matmul(&e.up.as_tensor().t()?)?; // [n, cols]
+            let rows: Vec<u32> = (0..picked.len() as u32)
+                .filter(|&t| picked[t as usize][e.index] != 0.0)
+                .collect();
+            if rows.is_empty() {
+                // No token chose this expert: it stays in the graph with a zero gradient (a
+                // product with a zero tensor; candle prunes a multiplication by the constant 0).
+                let sum = (e.gate.as_tensor().sum_all()? + e.up.as_tensor().sum_all()?)?;
+                let sum = (sum + e.down.as_tensor().sum_all()?)?;
+                let zero = sum.zeros_like()?;
+                out = out.broadcast_add(&(sum * zero)?)?;
+                continue;
+            }
+            let ids = Tensor::from_vec(rows.clone(), rows.len(), x_par.device())?; // [m]
+            let x = x_par.index_select(&ids, 0)?; // [m, hidden]
+            let g = x.matmul(&e.gate.as_tensor().t()?)?; // [m, cols]
+            let u = x.matmul(&e.up.as_tensor().t()?)?; // [m, cols]
             let a = match self.activation {
                 Activation::Silu => g.silu()?,
                 Activation::GeluTanh => g.gelu()?,
             };
-            let y = (a * u)?.matmul(&e.down.as_tensor().t()?)?; // [n, hidden]
-            let w = weights.narrow(1, e.index, 1)?; // [n, 1]
-            out = (out + y.broadcast_mul(&w)?)?;
+            let y = (a * u)?.matmul(&e.down.as_tensor().t()?)?; // [m, hidden]
+            let w = weights.index_select(&ids, 0)?.narrow(1, e.index, 1)?; // [m, 1]
+            out = out.index_add(&ids, &y.broadcast_mul(&w)?, 0)?; // [n, hidden]
         }
         let aux = balance_loss(&probs, &counts, &self.experts)?;
         let value = aux.to_scalar::<f32>()?;

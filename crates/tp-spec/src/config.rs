@@ -792,6 +792,18 @@ impl ModelConfig {
     pub fn parameter_count(&self) -> usize {
         self.checked_parameter_count().unwrap_or(usize::MAX)
     }
+
+    /// Parameters one token runs through: [`ModelConfig::parameter_count`] less, in a mixture
+    /// of experts, the gate, up and down of the experts a token is not routed to (saturating).
+    pub fn active_parameter_count(&self) -> usize {
+        let idle = self.experts.map_or(0, |e| {
+            let per_expert = 3usize.saturating_mul(self.hidden).saturating_mul(self.ffn);
+            self.layers
+                .saturating_mul(e.count.saturating_sub(e.per_token))
+                .saturating_mul(per_expert)
+        });
+        self.parameter_count().saturating_sub(idle)
+    }
 }
 
 /// The refusal of a mixture-of-experts architecture `arch`, with its expert counts where its
@@ -1065,6 +1077,12 @@ mod tests {
         assert_eq!(
             moe.parameter_count() - dense.parameter_count(),
             2 * (7 * mlp + 8 * 64)
+        );
+        // A token runs through 2 of the 8 experts (and the router).
+        assert_eq!(dense.active_parameter_count(), dense.parameter_count());
+        assert_eq!(
+            moe.active_parameter_count() - dense.active_parameter_count(),
+            2 * (mlp + 8 * 64)
         );
     }
 }

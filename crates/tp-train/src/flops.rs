@@ -2,16 +2,17 @@
 //! (ranks x measured matmul peak), with the peak measured in the same process by the same
 //! matmul the model uses (candle's gemm), so the ratio is honest on a noisy machine.
 
-use crate::config::{ModelConfig, TrainModel};
+use crate::config::ModelConfig;
 use crate::error::Result;
 use candle_core::Device;
 use std::time::Instant;
 use tp_nn::RandomTensor;
 
 /// Training FLOPs per token by the definition: 6 x parameters (forward 2, backward
-/// 4; attention's score and context matmuls are not counted, as in that definition).
+/// 4; attention's score and context matmuls are not counted, as in that definition); in a
+/// mixture of experts the parameters a token runs through (its top-k experts).
 pub fn flops_per_token(cfg: &ModelConfig) -> f64 {
-    6.0 * cfg.num_params() as f64
+    6.0 * cfg.active_parameter_count() as f64
 }
 
 /// Model FLOPs utilization of `ranks` ranks at `tokens_per_s`, against `peak_flops` per rank.
@@ -67,6 +68,7 @@ pub fn measure_concurrent_peak(n: usize, reps: usize, threads: usize) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::TrainModel;
 
     #[test]
     fn mfu_follows_the_definition() {
@@ -74,6 +76,11 @@ mod tests {
         let p = c.num_params() as f64;
         let got = mfu(&c, 1000.0, 2, 1e9);
         assert!((got - 6.0 * p * 1000.0 / 2e9).abs() < 1e-12);
+        // A mixture of experts counts the experts a token runs through.
+        let moe = c.clone().with_experts(Some(tp_spec::Experts::new(8, 2)));
+        let active = p + (c.layers * 3 * c.hidden * c.ffn + c.layers * 8 * c.hidden) as f64;
+        let got = mfu(&moe, 1000.0, 2, 1e9);
+        assert!((got - 6.0 * active * 1000.0 / 2e9).abs() < 1e-12);
         assert!(measure_matmul_peak(64, 2).unwrap() > 0.0);
         assert!(measure_concurrent_peak(64, 2, 2).unwrap() > 0.0);
     }
