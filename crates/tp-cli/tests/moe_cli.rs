@@ -2,7 +2,8 @@
 //! active with weight 1/8, its down projection times 8: the dense function, see
 //! `SyntheticModel::dense_as_experts`) written as a GGUF with SmolLM2's tokenizer, then
 //! `tp generate` at tp 2 with expert parallelism 2 and 1 must print dense SmolLM2's greedy
-//! text and `tp perplexity` its mean NLL, `tp inspect` lists each rank's experts, and an
+//! text and `tp perplexity` its mean NLL, `tp inspect` lists each rank's experts, `tp bench
+//! decode` counts the tokens of each expert and each rank's expert rows, and an
 //! expert-parallel size that does not divide tp is refused before anything loads.
 
 mod common;
@@ -107,6 +108,41 @@ fn smollm2_as_eight_experts_generates_dense_text_at_every_expert_layout() {
         ]),
         dense_nll
     );
+    // Expert load in `tp bench decode`: every token reaches all 8 experts in each of
+    // SmolLM2's 30 layers, so 4 decode steps route 120 tokens to each expert, and the two
+    // ranks of --ep 2 compute the same number of rows (max over mean 1).
+    let out = common::tp(
+        &[
+            "bench",
+            "decode",
+            "--model",
+            &moe,
+            "--tps",
+            "2",
+            "--ep",
+            "2",
+            "--prompt-tokens",
+            "4",
+            "--gen-tokens",
+            "5",
+            "--repeats",
+            "1",
+            "--json",
+        ],
+        LIMIT,
+    );
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let row: serde_json::Value = out
+        .stdout
+        .lines()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no JSON row in {}", out.stdout));
+    assert_eq!(
+        row["expert_tokens"],
+        serde_json::json!(vec![120; 8]),
+        "{row}"
+    );
+    assert_eq!(row["expert_rank_load"].as_f64(), Some(1.0), "{row}");
     let out = common::tp(
         &["generate", "--model", &moe, "--tp", "2", "--ep", "3", "hi"],
         LIMIT,

@@ -2,7 +2,9 @@
 //! time per token split into compute, all-reduce and waiting for the slowest rank, and decode
 //! speed set against the memory-bandwidth limit (weight bytes streamed per token / measured
 //! read bandwidth with as many threads as ranks). On the MPI backend it also counts the bytes
-//! rank 0 hands to MPI per decoded token (all-reduce payloads, fingerprints, commands).
+//! rank 0 hands to MPI per decoded token (all-reduce payloads, fingerprints, commands). For a
+//! mixture of experts it reports the expert load of the decode steps: tokens per expert and
+//! each rank's share of the expert rows (max over mean: 1 is balanced).
 
 use crate::error::EngineError;
 use crate::protocol::{ChunkSpec, Command};
@@ -58,6 +60,12 @@ pub struct DecodeFigures {
     pub sent_per_token: Option<f64>,
     /// The weights' and the output head's formats.
     pub formats: (String, String),
+    /// Mixture of experts: the most (token, expert) rows a rank computed over the mean per
+    /// rank, in the decode steps (1: balanced); `None` for a dense model.
+    pub expert_rank_load: Option<f64>,
+    /// Mixture of experts: tokens routed to each expert in the decode steps, over layers
+    /// (the last measured run); empty for a dense model.
+    pub expert_tokens: Vec<u64>,
 }
 
 impl DecodeFigures {
@@ -76,6 +84,8 @@ struct Run {
     all_reduce: f64,
     wait: f64,
     sent_per_token: Option<f64>,
+    expert_rank_load: Option<f64>,
+    expert_tokens: Vec<u64>,
 }
 
 const TEXT: &str = "The history of the world is a story of people, places and ideas. \
@@ -116,6 +126,14 @@ pub fn measure(s: &mut Session, b: DecodeBench) -> Result<DecodeFigures, BenchEr
             .all(|r| r.sent_per_token.is_some())
             .then(|| med(|r| r.sent_per_token.unwrap_or(0.0))),
         formats: s.worker.model().formats(),
+        expert_rank_load: runs
+            .iter()
+            .all(|r| r.expert_rank_load.is_some())
+            .then(|| med(|r| r.expert_rank_load.unwrap_or(0.0))),
+        expert_tokens: runs
+            .last()
+            .map(|r| r.expert_tokens.clone())
+            .unwrap_or_default(),
     })
 }
 
@@ -125,7 +143,7 @@ pub fn header(b: DecodeBench, f: &DecodeFigures) -> String {
         "# tp bench decode: batch 1, {} prompt + {} generated tokens, median of {} runs, one thread per rank ({} weights, {} head)\n\
          # CPU: {}\n\
          # limit = read bandwidth with tp threads / weight bytes streamed per token; per-token times are per decode step\n\
-         {:>3}  {:>12}  {:>11}  {:>10}  {:>13}  {:>10}  {:>13}  {:>10}  {:>11}  {:>8}  {:>15}",
+         {:>3}  {:>12}  {:>11}  {:>10}  {:>13}  {:>10}  {:>13}  {:>10}  {:>11}  {:>8}  {:>15}  {:>15}",
         b.prompt_tokens,
         b.gen_tokens,
         b.repeats,
@@ -142,7 +160,8 @@ pub fn header(b: DecodeBench, f: &DecodeFigures) -> String {
         "read GB/s",
         "limit t/s",
         "of limit",
-        "sent/token/rank"
+        "sent/token/rank",
+        "expert max/mean"
     )
 }
 
@@ -150,7 +169,7 @@ pub fn header(b: DecodeBench, f: &DecodeFigures) -> String {
 pub fn row(f: &DecodeFigures) -> String {
     let limit = f.limit_tok_s();
     format!(
-        "{:>3}  {:>12.1}  {:>11.1}  {:>10.3}  {:>13.3}  {:>10.3}  {:>13}  {:>10.2}  {:>11.1}  {:>7.0}%  {:>15}",
+        "{:>3}  {:>12.1}  {:>11.1}  {:>10.3}  {:>13.3}  {:>10.3}  {:>13}  {:>10.2}  {:>11.1}  {:>7.0}%  {:>15}  {:>15}",
         f.tp,
         f.prefill_tok_s,
         f.decode_tok_s,
@@ -162,14 +181,16 @@ pub fn row(f: &DecodeFigures) -> String {
         limit,
         f.decode_tok_s / limit * 100.0,
         f.sent_per_token
-            .map_or_else(|| "-".to_string(), |b| show_bytes(b as u64))
+            .map_or_else(|| "-".to_string(), |b| show_bytes(b as u64)),
+        f.expert_rank_load
+            .map_or_else(|| "-".to_string(), |l| format!("{l:.2}"))
     )
 }
 
 /// One JSON object.
 pub fn json(f: &DecodeFigures) -> String {
     format!(
-        "{{\"tp\":{},\"prefill_tok_s\":{:.1},\"decode_tok_s\":{:.1},\"compute_ms\":{:.3},\"all_reduce_ms\":{:.3},\"wait_ms\":{:.3},\"bytes_per_token\":{:.0},\"read_gb_s\":{:.2},\"bandwidth_limit_tok_s\":{:.1},\"sent_bytes_per_token_per_rank\":{}}}",
+        "{{\"tp\":{},\"prefill_tok_s\":{:.1},\"decode_tok_s\":{:.1},\"compute_ms\":{:.3},\"all_reduce_ms\":{:.3},\"wait_ms\":{:.3},\"bytes_per_token\":{:.0},\"read_gb_s\":{:.2},\"bandwidth_limit_tok_s\":{:.1},\"sent_bytes_per_token_per_rank\":{},\"expert_rank_load\":{},\"expert_tokens\":{:?}}}",
         f.tp,
         f.prefill_tok_s,
         f.decode_tok_s,
@@ -180,7 +201,10 @@ pub fn json(f: &DecodeFigures) -> String {
         f.read_bandwidth / 1e9,
         f.limit_tok_s(),
         f.sent_per_token
-            .map_or_else(|| "null".to_string(), |b| format!("{b:.0}"))
+            .map_or_else(|| "null".to_string(), |b| format!("{b:.0}")),
+        f.expert_rank_load
+            .map_or_else(|| "null".to_string(), |l| format!("{l:.3}")),
+        f.expert_tokens
     )
 }
 
@@ -201,6 +225,7 @@ fn one_run(s: &mut Session, ids: &[u32], gen: usize) -> Result<Run, EngineError>
     let mut speeds = (0.0, 0.0);
     let mut split = (0.0, 0.0, 0.0);
     let mut sent = None;
+    let mut experts = (None, Vec::new());
     for barriers in [false, true] {
         s.worker.submit(Command::Open {
             slot: 0,
@@ -234,6 +259,12 @@ fn one_run(s: &mut Session, ids: &[u32], gen: usize) -> Result<Run, EngineError>
                 .cloned()
                 .unwrap_or_default();
             let most_wait = profiles.iter().map(|p| p.wait_s).fold(0.0, f64::max);
+            let rows: Vec<f64> = profiles.iter().map(|p| p.expert_rows as f64).collect();
+            let mean = rows.iter().sum::<f64>() / rows.len().max(1) as f64;
+            experts = (
+                (mean > 0.0).then(|| rows.iter().copied().fold(0.0, f64::max) / mean),
+                s.worker.profile.expert_tokens.clone(),
+            );
             split = (
                 slowest.compute_s() / steps,
                 slowest.comm_s / steps,
@@ -250,6 +281,8 @@ fn one_run(s: &mut Session, ids: &[u32], gen: usize) -> Result<Run, EngineError>
         all_reduce: split.1,
         wait: split.2,
         sent_per_token: sent,
+        expert_rank_load: experts.0,
+        expert_tokens: experts.1,
     })
 }
 

@@ -31,6 +31,8 @@ pub struct RankProfile {
     pub all_reduces: u64,
     /// Bytes sent in collectives (as a bandwidth-optimal algorithm sends them).
     pub sent_bytes: u64,
+    /// Mixture of experts: (token, expert) rows this rank's experts computed.
+    pub expert_rows: u64,
 }
 
 impl RankProfile {
@@ -137,7 +139,7 @@ impl Worker {
     /// when rank 0 submits [`Command::ProfileReport`].
     fn report(&mut self) -> Result<Vec<RankProfile>> {
         /// The figures of one rank in the gather.
-        const FIELDS: usize = 5;
+        const FIELDS: usize = 6;
         let p = &self.profile;
         let mine = [
             p.total.as_secs_f64(),
@@ -145,6 +147,7 @@ impl Worker {
             p.wait.as_secs_f64(),
             p.all_reduces as f64,
             p.sent_bytes as f64,
+            p.expert_rows as f64,
         ];
         let mut all = vec![0f64; FIELDS * self.group.size()];
         if self.group.size() == 1 {
@@ -160,6 +163,7 @@ impl Worker {
                 wait_s: c[2],
                 all_reduces: c[3] as u64,
                 sent_bytes: c[4] as u64,
+                expert_rows: c[5] as u64,
             })
             .collect())
     }

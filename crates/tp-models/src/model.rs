@@ -561,7 +561,7 @@ impl ShardedModel {
                     }
                 }
                 // Each local expert on its routed tokens, into the same partial sums.
-                Mlp::Moe(moe) => moe.forward(&xn, n, &mut partial)?,
+                Mlp::Moe(moe) => moe.forward(&xn, n, &mut partial, prof)?,
             }
             // g: one sum over ranks for the whole chunk.
             sum_partials(self.sync, &mut partial, group, prof)?;

@@ -13,6 +13,7 @@ use crate::checkpoint::{Checkpoint, WeightName};
 use crate::error::{ModelError, Result};
 use crate::matrix::{LoadOptions, Matrix, Projection};
 use crate::ops::{gelu_tanh_mul, silu_mul};
+use crate::profile::Profile;
 use tp_spec::{Activation, Experts, Gating, ShardPlan};
 
 /// One expert's columns on this rank.
@@ -144,9 +145,16 @@ impl MoeLayer {
 
     /// Adds the layer's output for `xn [n, hidden]` into `partial [n, hidden]` (this rank's
     /// share; the block's all-reduce sums the ranks).
-    pub(crate) fn forward(&self, xn: &[f32], n: usize, partial: &mut [f64]) -> Result<()> {
+    pub(crate) fn forward(
+        &self,
+        xn: &[f32],
+        n: usize,
+        partial: &mut [f64],
+        prof: &mut Profile,
+    ) -> Result<()> {
         let h = self.hidden;
         let routes = self.route(xn, n);
+        prof.count_routes(&routes, self.experts.count);
         // Tokens of each local expert, with their weights.
         for ex in &self.local {
             let picked: Vec<(usize, f32)> = routes
@@ -154,6 +162,7 @@ impl MoeLayer {
                 .enumerate()
                 .filter_map(|(t, r)| r.iter().find(|(e, _)| *e == ex.index).map(|p| (t, p.1)))
                 .collect();
+            prof.expert_rows += picked.len() as u64;
             for group in picked.chunks(ROWS) {
                 let m = group.len();
                 let mut xs = Vec::with_capacity(m * h); // [m, hidden]

@@ -21,6 +21,11 @@ pub struct Profile {
     /// Bytes this rank sent in collectives, as a bandwidth-optimal algorithm sends them
     /// (see [`Profile::sent_all_reduce`] and [`Profile::sent_all_gather`]).
     pub sent_bytes: u64,
+    /// Mixture of experts: tokens routed to each expert, summed over layers (the routing is
+    /// replicated, so every rank counts the same).
+    pub expert_tokens: Vec<u64>,
+    /// Mixture of experts: (token, expert) rows this rank's experts computed, over layers.
+    pub expert_rows: u64,
     started: Option<Instant>,
 }
 
@@ -91,8 +96,25 @@ impl Profile {
         self.sent_bytes += (ranks.max(1) as u64 - 1) * own_bytes as u64;
     }
 
+    /// Counts a layer's routing: `routes[t]` are token t's experts of `count`.
+    pub(crate) fn count_routes(&mut self, routes: &[Vec<(usize, f32)>], count: usize) {
+        if self.expert_tokens.len() < count {
+            self.expert_tokens.resize(count, 0);
+        }
+        for &(e, _) in routes.iter().flatten() {
+            self.expert_tokens[e] += 1;
+        }
+    }
+
     /// Adds another profile's figures (e.g. per-step into per-run).
     pub fn add(&mut self, other: &Profile) {
+        if self.expert_tokens.len() < other.expert_tokens.len() {
+            self.expert_tokens.resize(other.expert_tokens.len(), 0);
+        }
+        for (a, b) in self.expert_tokens.iter_mut().zip(&other.expert_tokens) {
+            *a += b;
+        }
+        self.expert_rows += other.expert_rows;
         self.sent_bytes += other.sent_bytes;
         self.total += other.total;
         self.comm += other.comm;

@@ -52,6 +52,9 @@ pub struct RankFigures {
     pub wait_ms_per_step: f64,
     pub bytes_sent_per_step: f64,
     pub bytes_sent_total: u64,
+    /// Mixture of experts: (token, expert) rows this rank's experts computed (its share of
+    /// the expert work: unequal under `--ep` when routing is unbalanced).
+    pub expert_rows_total: u64,
     pub kv_blocks_used: usize,
     pub kv_blocks_free: usize,
     /// The rank the others wait for (most compute per step).
@@ -307,6 +310,7 @@ impl Board {
             f.kv_blocks_free = view.kv_blocks_total.saturating_sub(view.kv_blocks_used);
             if let Some(p) = profiles.get(r) {
                 f.bytes_sent_total = p.sent_bytes;
+                f.expert_rows_total = p.expert_rows;
             }
         }
         let mut sample = Sample {
@@ -421,6 +425,7 @@ mod tests {
             wait_s: 0.0,
             all_reduces: 0,
             sent_bytes: sent,
+            expert_rows: 0,
         }
     }
 

@@ -111,6 +111,10 @@ impl Metrics {
             "Canary runs by result (pass, drift)",
         );
         describe("tp_requests_total", "HTTP requests by endpoint and status");
+        describe(
+            "tp_rank_expert_rows_total",
+            "Mixture of experts: (token, expert) rows this rank's experts computed, over layers (0 for a dense model)",
+        );
         describe("tp_prompt_tokens_total", "Prompt tokens processed");
         describe("tp_generation_tokens_total", "Tokens generated");
         describe(
@@ -268,10 +272,13 @@ impl Metrics {
             ] {
                 self.rank_gauge(name, f.rank, host).set(v);
             }
-            let key = Key::from_parts("tp_rank_bytes_sent_total", rank_labels(f.rank, host));
-            self.recorder
-                .register_counter(&key, &META)
-                .absolute(f.bytes_sent_total);
+            for (name, v) in [
+                ("tp_rank_bytes_sent_total", f.bytes_sent_total),
+                ("tp_rank_expert_rows_total", f.expert_rows_total),
+            ] {
+                let key = Key::from_parts(name, rank_labels(f.rank, host));
+                self.recorder.register_counter(&key, &META).absolute(v);
+            }
         }
     }
 
