@@ -53,6 +53,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         dense: args.dtype.dense(),
         kv_dtype: args.kv_dtype.kv_dtype(),
         expert_groups: args.ep,
+        expert_capacity_percent: None,
     };
     let tp = match (args.tp, &args.rank_weights) {
         (Some(tp), _) => tp,

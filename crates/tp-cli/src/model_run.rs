@@ -114,6 +114,11 @@ pub struct ModelArgs {
     /// per rank). Must divide --tp; the logits are the same bits either way (docs/moe.md).
     #[arg(long, default_value_t = 1)]
     pub ep: usize,
+    /// Mixture of experts: each expert takes at most ceil(F x tokens x top-k / experts) of a
+    /// step's tokens, the later ones dropped (GShard's capacity factor; the drops depend on
+    /// what shares the step) [default: no token is dropped].
+    #[arg(long, value_name = "F", value_parser = parse_capacity_factor)]
+    pub capacity_factor: Option<u32>,
     /// Print only the generated text (no model and speed report on stderr).
     #[arg(long, short)]
     pub quiet: bool,
@@ -126,6 +131,7 @@ impl ModelArgs {
             dense: self.dtype.dense(),
             kv_dtype: self.kv_dtype.kv_dtype(),
             expert_groups: self.ep,
+            expert_capacity_percent: self.capacity_factor,
         }
     }
 
@@ -219,6 +225,17 @@ pub fn resolve_model_path(path: &Path) -> anyhow::Result<PathBuf> {
 }
 
 /// `--rank-weights`' value: whole numbers separated by commas, each 1..=1000.
+/// A capacity factor (a number from 0.01 to 1000) in percent, rounded.
+fn parse_capacity_factor(s: &str) -> Result<u32, String> {
+    match s.trim().parse::<f64>() {
+        Ok(f) if (0.01..=1000.0).contains(&f) => Ok((f * 100.0).round() as u32),
+        _ => Err(format!(
+            "{s:?} is not a capacity factor; give a number from 0.01 to 1000 (1.25 lets each \
+             expert take 25% more than its even share of a step's tokens)"
+        )),
+    }
+}
+
 pub fn parse_rank_weights(s: &str) -> Result<RankWeights, String> {
     s.parse::<RankWeights>().map_err(|e| e.to_string())
 }

@@ -66,6 +66,9 @@ pub struct DecodeFigures {
     /// Mixture of experts: tokens routed to each expert in the decode steps, over layers
     /// (the last measured run); empty for a dense model.
     pub expert_tokens: Vec<u64>,
+    /// Mixture of experts: (token, expert) pairs the capacity factor dropped in the decode
+    /// steps (the last measured run).
+    pub expert_dropped: u64,
 }
 
 impl DecodeFigures {
@@ -86,6 +89,7 @@ struct Run {
     sent_per_token: Option<f64>,
     expert_rank_load: Option<f64>,
     expert_tokens: Vec<u64>,
+    expert_dropped: u64,
 }
 
 const TEXT: &str = "The history of the world is a story of people, places and ideas. \
@@ -134,6 +138,7 @@ pub fn measure(s: &mut Session, b: DecodeBench) -> Result<DecodeFigures, BenchEr
             .last()
             .map(|r| r.expert_tokens.clone())
             .unwrap_or_default(),
+        expert_dropped: runs.last().map_or(0, |r| r.expert_dropped),
     })
 }
 
@@ -190,7 +195,7 @@ pub fn row(f: &DecodeFigures) -> String {
 /// One JSON object.
 pub fn json(f: &DecodeFigures) -> String {
     format!(
-        "{{\"tp\":{},\"prefill_tok_s\":{:.1},\"decode_tok_s\":{:.1},\"compute_ms\":{:.3},\"all_reduce_ms\":{:.3},\"wait_ms\":{:.3},\"bytes_per_token\":{:.0},\"read_gb_s\":{:.2},\"bandwidth_limit_tok_s\":{:.1},\"sent_bytes_per_token_per_rank\":{},\"expert_rank_load\":{},\"expert_tokens\":{:?}}}",
+        "{{\"tp\":{},\"prefill_tok_s\":{:.1},\"decode_tok_s\":{:.1},\"compute_ms\":{:.3},\"all_reduce_ms\":{:.3},\"wait_ms\":{:.3},\"bytes_per_token\":{:.0},\"read_gb_s\":{:.2},\"bandwidth_limit_tok_s\":{:.1},\"sent_bytes_per_token_per_rank\":{},\"expert_rank_load\":{},\"expert_tokens\":{:?},\"expert_dropped\":{}}}",
         f.tp,
         f.prefill_tok_s,
         f.decode_tok_s,
@@ -204,7 +209,8 @@ pub fn json(f: &DecodeFigures) -> String {
             .map_or_else(|| "null".to_string(), |b| format!("{b:.0}")),
         f.expert_rank_load
             .map_or_else(|| "null".to_string(), |l| format!("{l:.3}")),
-        f.expert_tokens
+        f.expert_tokens,
+        f.expert_dropped
     )
 }
 
@@ -225,7 +231,7 @@ fn one_run(s: &mut Session, ids: &[u32], gen: usize) -> Result<Run, EngineError>
     let mut speeds = (0.0, 0.0);
     let mut split = (0.0, 0.0, 0.0);
     let mut sent = None;
-    let mut experts = (None, Vec::new());
+    let mut experts = (None, Vec::new(), 0);
     for barriers in [false, true] {
         s.worker.submit(Command::Open {
             slot: 0,
@@ -264,6 +270,7 @@ fn one_run(s: &mut Session, ids: &[u32], gen: usize) -> Result<Run, EngineError>
             experts = (
                 (mean > 0.0).then(|| rows.iter().copied().fold(0.0, f64::max) / mean),
                 s.worker.profile.expert_tokens.clone(),
+                s.worker.profile.expert_dropped,
             );
             split = (
                 slowest.compute_s() / steps,
@@ -283,6 +290,7 @@ fn one_run(s: &mut Session, ids: &[u32], gen: usize) -> Result<Run, EngineError>
         sent_per_token: sent,
         expert_rank_load: experts.0,
         expert_tokens: experts.1,
+        expert_dropped: experts.2,
     })
 }
 

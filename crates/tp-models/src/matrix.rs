@@ -51,6 +51,10 @@ pub struct LoadOptions {
     /// Expert-parallel groups of a mixture of experts ([`tp_spec::ExpertShard`]): 1 slices
     /// every expert over all ranks, tp gives each rank whole experts. Must divide tp.
     pub expert_groups: usize,
+    /// Mixture of experts: each expert takes at most `ceil(percent / 100 x tokens x k / E)`
+    /// of a step's tokens (GShard's capacity factor, in percent), the later ones in the
+    /// step's token order dropped and counted; `None` (the default): no token is dropped.
+    pub expert_capacity_percent: Option<u32>,
 }
 
 impl Default for LoadOptions {
@@ -60,6 +64,7 @@ impl Default for LoadOptions {
             dense: DenseDType::F32,
             kv_dtype: crate::KvDtype::F32,
             expert_groups: 1,
+            expert_capacity_percent: None,
         }
     }
 }

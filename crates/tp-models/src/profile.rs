@@ -26,6 +26,8 @@ pub struct Profile {
     pub expert_tokens: Vec<u64>,
     /// Mixture of experts: (token, expert) rows this rank's experts computed, over layers.
     pub expert_rows: u64,
+    /// Mixture of experts: (token, expert) pairs dropped by the capacity factor, over layers.
+    pub expert_dropped: u64,
     started: Option<Instant>,
 }
 
@@ -115,6 +117,7 @@ impl Profile {
             *a += b;
         }
         self.expert_rows += other.expert_rows;
+        self.expert_dropped += other.expert_dropped;
         self.sent_bytes += other.sent_bytes;
         self.total += other.total;
         self.comm += other.comm;

@@ -13,7 +13,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::{assert_close, prompt, sharded_logits};
+use common::{assert_close, prompt, sharded_logits, spread};
 use tp_models::checkpoint::GgmlDType;
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
 use tp_models::{Arch, Checkpoint, GgufCheckpoint, LoadOptions};
@@ -165,6 +165,39 @@ fn every_tp_and_expert_parallel_size_gives_the_same_bits() {
             assert_same_bits(&format!("{arch:?} tp {tp} ep {ep} vs tp 1"), &got, &tp1);
         }
     }
+}
+
+/// A capacity factor drops each expert's tokens past `ceil(f x n x k / E)` of a step: the
+/// same drops on every rank (the routing is replicated), so the same bits at every tp and ep;
+/// a 7-token prompt at f = 0.5 (one token per expert) loses tokens and its logits move, a
+/// lone token (n = 1, capacity 1) loses none, and a factor of 100 drops nothing.
+#[test]
+fn a_capacity_factor_drops_the_same_tokens_at_every_layout() {
+    let model = SyntheticModel::small_moe(Arch::Qwen3, 8, 2, 16);
+    let (_dir, ckpt) = write(&model, GgufTypes::F32, "moe.gguf");
+    let tokens = prompt(1000, 7);
+    let cap = |percent| LoadOptions {
+        expert_capacity_percent: Some(percent),
+        ..dense()
+    };
+    let none = sharded_logits(&ckpt, &tokens, 1, dense());
+    let half = sharded_logits(&ckpt, &tokens, 1, cap(50));
+    for (tp, ep) in [(2, 1), (2, 2), (4, 4)] {
+        let got = sharded_logits(&ckpt, &tokens, tp, with_ep(cap(50), ep));
+        assert_same_bits(&format!("capacity 0.5 at tp {tp} ep {ep}"), &got, &half);
+    }
+    let moved = half[0]
+        .iter()
+        .zip(&none[0])
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        moved > 1e-3 * spread(&none[0]),
+        "dropping tokens moved the logits by {moved}"
+    );
+    assert_same_bits("a lone token under capacity 0.5", &half[1..], &none[1..]);
+    let wide = sharded_logits(&ckpt, &tokens, 1, cap(10_000));
+    assert_same_bits("capacity 100", &wide, &none);
 }
 
 /// The weights each rank holds: whole experts under expert parallelism, slices of all of them
