@@ -31,6 +31,11 @@ pub struct TrainArgs {
     /// [default: tiny, or the checkpoint's model with --resume].
     #[arg(long)]
     pub config: Option<String>,
+    /// Fine-tune a pretrained model: a GGUF file (dequantized to f32) or an HF directory.
+    /// Its config, weights and tokenizer are used (a Llama, Qwen3 or Gemma-3 without Q/K/V
+    /// biases or experts).
+    #[arg(long, conflicts_with_all = ["config", "resume"])]
+    pub init: Option<PathBuf>,
     /// Architecture of a preset: llama; qwen3 (adds an RMSNorm over each query and key head);
     /// gemma3 (adds those and Gemma-3's block: GeGLU, post norms, scaled embeddings, a
     /// sliding window on every other layer) [default: llama; a config.json or checkpoint
@@ -116,6 +121,7 @@ impl TrainArgs {
                 dp: self.dp,
             },
             config: self.config.clone(),
+            init: self.init.clone(),
             arch: self.arch.clone(),
             data: self.data.clone(),
             tokenizer: self.tokenizer.clone(),

