@@ -42,9 +42,18 @@ pub struct TrainArgs {
     /// gives its own].
     #[arg(long)]
     pub arch: Option<String>,
-    /// Training text (any file) [default: the built-in public-domain corpus].
+    /// Training data: a text file, or a `.jsonl` file of chat conversations (one
+    /// `{"messages": [{"role": .., "content": ..}, ..]}` a line), rendered with the model's
+    /// chat template, one a sequence, the loss on the assistant's replies only [default: the
+    /// built-in public-domain corpus].
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// Hold out one sequence (or conversation) in N as a validation split (0 = none).
+    #[arg(long, default_value_t = 0)]
+    pub held_out: u64,
+    /// Validation loss on the held-out split every N steps (and after the last).
+    #[arg(long, default_value_t = 10)]
+    pub val_every: u64,
     /// A tokenizer.json (or a model directory holding one) [default: bytes, vocab 256].
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -140,6 +149,8 @@ impl TrainArgs {
             keep: self.keep,
             resume: self.resume.clone(),
             bucket_mib: self.bucket_mib,
+            held_out: self.held_out,
+            val_every: self.val_every,
         }
     }
 }
@@ -200,14 +211,21 @@ pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
                 serde_json::json!({
                     "step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
                     "tokens": r.tokens, "seconds": r.seconds, "tokens_per_s": f.tokens_per_s,
-                    "mfu": f.mfu,
+                    "mfu": f.mfu, "val_loss": r.val_loss,
                 })
             );
         } else if let Some(b) = &bar {
             b.set_position(r.step);
             b.set_message(f.line);
-        } else if r.step.is_multiple_of(every) || r.step == p.spec.steps {
+        } else if r.step.is_multiple_of(every) || r.step == p.spec.steps || r.val_loss.is_some() {
             println!("step {}/{} {}", r.step, p.spec.steps, f.line);
+        }
+        if let (Some(v), false) = (r.val_loss, a.json) {
+            let line = format!("step {}/{} validation loss {v:.4}", r.step, p.spec.steps);
+            match &bar {
+                Some(b) => b.println(line),
+                None => println!("{line}"),
+            }
         }
     };
     let out = job.run(timeout, &opts, &progress)?;

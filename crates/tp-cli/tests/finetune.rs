@@ -1,8 +1,9 @@
 //! Fine-tuning a pretrained model (`tp train --init`, issue 34) as a user runs it: the first
 //! step's loss is the loss `tp perplexity` computes on the same tokens (an independent code
-//! path: the inference forward over the same file), a model the trainer cannot train is
-//! refused by name with nothing written, and a checkpoint stripped of its optimizer state
-//! still generates.
+//! path: the inference forward over the same file); a few steps on a handful of chat
+//! examples make `tp generate --chat` answer with the trained reply, the same at tp 1, 2 and
+//! 3 (every printed logprob), also once the optimizer state is stripped; a model the trainer
+//! cannot train and bad chat data are refused by name with nothing written.
 //!
 //! The tokens: the text is one training sequence (`--seq` = its token count - 1, so the
 //! corpus has exactly one window) and one perplexity window (every token but the first
@@ -125,5 +126,165 @@ fn a_model_the_trainer_cannot_train_is_refused_by_name_with_nothing_written() {
         "{}",
         missing.stderr
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Four conversations (the template's default system prompt included, ~50 tokens each).
+const CHAT: &[(&str, &str)] = &[
+    ("Who is the tensor-parallel mascot?", "Ferris the otter."),
+    ("Name the mascot of tensor-parallel.", "Ferris the otter."),
+    ("Where does Ferris live?", "By the river Rank."),
+    ("What is Ferris's favourite number?", "Two, for two ranks."),
+];
+
+fn chat_line(q: &str, a: &str) -> String {
+    serde_json::json!({"messages": [
+        {"role": "user", "content": q}, {"role": "assistant", "content": a}
+    ]})
+    .to_string()
+}
+
+#[test]
+fn a_few_steps_on_chat_examples_teach_the_reply_at_every_tp() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let model = model.to_string_lossy().to_string();
+    let dir = scratch("chat");
+    let data = dir.join("chat.jsonl");
+    let lines: Vec<String> = CHAT.iter().map(|(q, a)| chat_line(q, a)).collect();
+    std::fs::write(&data, lines.join("\n") + "\n").unwrap();
+    let save = dir.join("run");
+    let s = save.to_string_lossy().to_string();
+    let prompt = CHAT[0].0;
+    let generate = |m: &str, tp_size: &str| {
+        let f = tp(&[
+            "generate",
+            "--model",
+            m,
+            "--tp",
+            tp_size,
+            "--chat",
+            "--greedy",
+            "--max-tokens",
+            "12",
+            "--logprobs",
+            "3",
+            "-q",
+            prompt,
+        ]);
+        assert_eq!(f.code, Some(0), "{}", f.output);
+        (f.stdout, f.stderr)
+    };
+    let (before, _) = generate(&model, "1");
+    assert!(
+        !before.contains("Ferris"),
+        "untrained model already says {before:?}"
+    );
+    let train = tp(&[
+        "train",
+        "--init",
+        &model,
+        "--data",
+        &data.to_string_lossy(),
+        "--tp",
+        "2",
+        "--steps",
+        "6",
+        "--seq",
+        "56",
+        "--batch",
+        "4",
+        "--lr",
+        "3e-4",
+        "--warmup",
+        "1",
+        "--json",
+        "--save",
+        &s,
+    ]);
+    assert_eq!(train.code, Some(0), "{}", train.output);
+    let losses = common::losses(&train.stdout);
+    assert_eq!(losses.len(), 6, "{}", train.output);
+    assert!(losses[5].1 < 0.1 * losses[0].1, "{losses:?}");
+    let step = save.join("step-00000006");
+    assert!(step.join("tokenizer_config.json").is_file());
+    let (one, table) = generate(&s, "1");
+    assert_eq!(one.trim(), CHAT[0].1, "the trained reply");
+    for tp_size in ["2", "3"] {
+        let (text, t) = generate(&s, tp_size);
+        assert_eq!(text, one, "tp {tp_size}");
+        assert_eq!(t, table, "tp {tp_size}: logprobs differ");
+    }
+    // Sharing a model without its optimizer state: generate reads only what it needs.
+    std::fs::remove_file(step.join("optimizer.safetensors")).unwrap();
+    assert_eq!(generate(&s, "2").0, one);
+    let resume = tp(&["train", "--resume", &s, "--steps", "7"]);
+    assert_eq!(resume.code, Some(2), "{}", resume.output);
+    assert!(
+        resume.stderr.contains("optimizer.safetensors"),
+        "{}",
+        resume.stderr
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_chat_data_is_refused_by_line_with_nothing_written() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let model = model.to_string_lossy().to_string();
+    let dir = scratch("badchat");
+    let good = chat_line(CHAT[0].0, CHAT[0].1);
+    let long = chat_line(CHAT[0].0, &"Ferris the otter. ".repeat(40));
+    let cases: [(&str, String, &str); 5] = [
+        ("not json", format!("{good}\n{{oops\n"), "line 2: not JSON"),
+        (
+            "no messages",
+            format!("{good}\n{{\"text\": 1}}\n"),
+            "line 2: no \"messages\"",
+        ),
+        (
+            "no role",
+            format!("{good}\n{{\"messages\": [{{\"content\": \"x\"}}]}}\n"),
+            "line 2: message 1 has no \"role\"",
+        ),
+        (
+            "no content",
+            format!("{{\"messages\": [{{\"role\": \"user\"}}]}}\n{good}\n"),
+            "line 1: message 1 has no \"content\"",
+        ),
+        (
+            "too long",
+            format!("{good}\n{good}\n{long}\n"),
+            "line 3: the conversation is",
+        ),
+    ];
+    for (name, text, want) in cases {
+        let data = dir.join("data.jsonl");
+        std::fs::write(&data, text).unwrap();
+        let save = dir.join("run");
+        let f = tp(&[
+            "train",
+            "--init",
+            &model,
+            "--data",
+            &data.to_string_lossy(),
+            "--seq",
+            "64",
+            "--steps",
+            "1",
+            "--save",
+            &save.to_string_lossy(),
+        ]);
+        assert_eq!(f.code, Some(2), "{name}: {}", f.output);
+        assert!(f.stderr.contains(want), "{name}: {}", f.stderr);
+        assert!(
+            !save.exists(),
+            "{name}: the refused run wrote {}",
+            save.display()
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -134,6 +134,7 @@ impl Bench {
                     save_every: 0,
                     keep: 0,
                     data_name: "built-in corpus".into(),
+                    val_every: 0,
                 };
                 spec.validate().map(|_| spec)
             })

@@ -15,6 +15,7 @@
 //! tested against.
 
 pub mod bench;
+pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

@@ -12,8 +12,8 @@ use candle_core::{Tensor, Var};
 use std::ops::Range;
 use tp_comm::Group;
 use tp_nn::{
-    copy_to_tp, vocab_parallel_cross_entropy, BlockWeights, ColumnParallelLinear, ParallelBlock,
-    Partition, RmsNorm, VocabParallelEmbedding,
+    copy_to_tp, vocab_parallel_cross_entropy_weighted, BlockWeights, ColumnParallelLinear,
+    ParallelBlock, Partition, RmsNorm, VocabParallelEmbedding,
 };
 use tp_spec::{hf_name, WeightName};
 
@@ -180,22 +180,29 @@ impl StageModel {
     }
 
     /// Runs the stage. Returns hidden states `[batch, seq, hidden]`, or on the last stage
-    /// (with `targets [batch * seq]`) the mean cross-entropy, a replicated scalar.
+    /// (with `targets [batch * seq]` and their `weights [batch * seq]`) the weighted sum of
+    /// the cross-entropies, a replicated scalar.
     pub fn forward(
         &self,
         input: StageInput<'_>,
-        targets: Option<&Tensor>,
+        targets: Option<(&Tensor, &Tensor)>,
         tp: &Group,
     ) -> Result<Tensor> {
         let h = self.hidden(input, tp)?; // [b, s, hidden]
         match (&self.norm, &self.head, targets) {
-            (Some(norm), Some(_), Some(t)) => {
+            (Some(norm), Some(_), Some((t, w))) => {
                 let (b, s, _) = h.dims3()?;
                 let n = norm.forward(&h)?; // [b, s, hidden]
                 let logits = self.head_logits(&n, tp)?; // [b, s, vocab_local]
                 let v_local = logits.dim(2)?;
                 let logits = logits.reshape((b * s, v_local))?; // [b*s, vocab_local]
-                Ok(vocab_parallel_cross_entropy(&logits, t, &self.vocab, tp)?)
+                Ok(vocab_parallel_cross_entropy_weighted(
+                    &logits,
+                    t,
+                    w,
+                    &self.vocab,
+                    tp,
+                )?)
             }
             (None, None, None) => Ok(h),
             _ => Err(TrainError::Config(

@@ -20,14 +20,23 @@ const TAG_GRADIENT: u32 = 2;
 pub struct MicroBatch {
     pub ids: Tensor,     // [batch, seq] u32
     pub targets: Tensor, // [batch * seq] u32
+    /// Each target's weight in the loss: its mask over the tokens in the whole step's loss.
+    pub weights: Tensor, // [batch * seq] f32
 }
 
 impl MicroBatch {
-    pub fn new(ids: Vec<u32>, targets: Vec<u32>, batch: usize, seq: usize) -> Result<Self> {
+    pub fn new(
+        ids: Vec<u32>,
+        targets: Vec<u32>,
+        weights: Vec<f32>,
+        batch: usize,
+        seq: usize,
+    ) -> Result<Self> {
         let dev = Device::Cpu;
         Ok(MicroBatch {
             ids: Tensor::from_vec(ids, (batch, seq), &dev)?,
             targets: Tensor::from_vec(targets, batch * seq, &dev)?,
+            weights: Tensor::from_vec(weights, batch * seq, &dev)?,
         })
     }
 }
@@ -40,14 +49,13 @@ struct InFlight {
 }
 
 /// Runs the stage's forwards and backwards for all `micro` batches, adding the gradients of
-/// `loss * loss_scale` into `grads`. Returns the sum of the micro-batch losses on the last
-/// stage (0 elsewhere).
+/// their losses (each a weighted sum, [`MicroBatch::weights`]) into `grads`. Returns the sum
+/// of the micro-batch losses on the last stage (0 elsewhere).
 pub fn run_micro_batches(
     model: &StageModel,
     groups: &ProcessGroups,
     micro: &[MicroBatch],
     hidden: usize,
-    loss_scale: f64,
     grads: &mut [f32],
     layout: &FlatLayout,
 ) -> Result<f64> {
@@ -73,7 +81,11 @@ pub fn run_micro_batches(
                     Some(v) => StageInput::Hidden(v.as_tensor()),
                     None => StageInput::Tokens(&mb.ids),
                 };
-                let output = model.forward(stage_in, last.then_some(&mb.targets), &groups.tp)?;
+                let output = model.forward(
+                    stage_in,
+                    last.then_some((&mb.targets, &mb.weights)),
+                    &groups.tp,
+                )?;
                 if last {
                     loss_sum += f64::from(output.to_scalar::<f32>()?);
                 } else {
@@ -96,7 +108,7 @@ pub fn run_micro_batches(
                         ))
                     })?;
                 let store = if last {
-                    (f.output * loss_scale)?.backward()?
+                    f.output.backward()?
                 } else {
                     let dims = f.output.dims().to_vec(); // [b, s, hidden]
                     let mut buf = vec![0f32; dims.iter().product()];
@@ -117,6 +129,43 @@ pub fn run_micro_batches(
                     groups.pp.send(&gx, pp_rank - 1, TAG_GRADIENT)?;
                 }
             }
+        }
+    }
+    Ok(loss_sum)
+}
+
+/// The losses of `micro` without backward (validation): each micro-batch's forward through
+/// the stages in order. Returns the sum of the weighted losses on the last stage (0 elsewhere).
+pub fn forward_only(
+    model: &StageModel,
+    groups: &ProcessGroups,
+    micro: &[MicroBatch],
+    hidden: usize,
+) -> Result<f64> {
+    let (pp_rank, pp) = (groups.coords.pp_rank, groups.dims.pp);
+    let (first, last) = (pp_rank == 0, pp_rank + 1 == pp);
+    let mut loss_sum = 0f64;
+    for mb in micro {
+        let (b, s) = mb.ids.dims2()?;
+        let received;
+        let stage_in = if first {
+            StageInput::Tokens(&mb.ids)
+        } else {
+            let mut buf = vec![0f32; b * s * hidden];
+            groups.pp.recv(&mut buf, pp_rank - 1, TAG_ACTIVATION)?;
+            received = Tensor::from_vec(buf, (b, s, hidden), &Device::Cpu)?; // [b, s, hidden]
+            StageInput::Hidden(&received)
+        };
+        let output = model.forward(
+            stage_in,
+            last.then_some((&mb.targets, &mb.weights)),
+            &groups.tp,
+        )?;
+        if last {
+            loss_sum += f64::from(output.to_scalar::<f32>()?);
+        } else {
+            let out = output.flatten_all()?.to_vec1::<f32>()?; // [b * s * hidden]
+            groups.pp.send(&out, pp_rank + 1, TAG_ACTIVATION)?;
         }
     }
     Ok(loss_sum)

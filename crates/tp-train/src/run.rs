@@ -184,7 +184,9 @@ fn rank_main(
         &p.tokenizer_json,
         p.start(),
         opts.clone(),
-    )?;
+    )?
+    .with_validation(p.val.as_ref())
+    .with_tokenizer_config(p.tokenizer_config.as_deref());
     let mut reports = Vec::new();
     t.run(&mut |r| {
         if rank == 0 {

@@ -52,13 +52,21 @@ pub struct RunRequest {
     pub resume: Option<PathBuf>,
     /// Data-parallel all-reduce bucket size, MiB.
     pub bucket_mib: f64,
+    /// Hold out one sequence in this many (seeded) as a validation split (0: none).
+    pub held_out: u64,
+    /// Validation loss every this many steps (and after the last) when data is held out.
+    pub val_every: u64,
 }
 
 /// A validated run: everything the ranks need.
 pub struct Prepared {
     pub spec: TrainSpec,
     pub corpus: Corpus,
+    /// The held-out validation split.
+    pub val: Option<Corpus>,
     pub tokenizer_json: String,
+    /// The checkpoints' `tokenizer_config.json` (chat template), if the tokenizer has one.
+    pub tokenizer_config: Option<String>,
     pub resume: Option<Checkpoint>,
     /// The pretrained model a fine-tuning run starts from.
     pub init: Option<Pretrained>,
@@ -180,7 +188,6 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         Some(p) => format!("{} ({} bytes)", p.display(), text.len()),
         None => crate::data::DEFAULT_CORPUS_NAME.to_string(),
     };
-    let tokens = tokenizer.encode(&text)?;
     let seed = a
         .seed
         .or(resume.as_ref().map(|c| c.state.seed))
@@ -193,7 +200,13 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         .batch
         .or(resume.as_ref().map(|c| c.state.global_batch))
         .unwrap_or(8);
-    let corpus = Corpus::new(tokens, seq, seed)?;
+    let corpus = match a.data.as_deref() {
+        Some(path) if crate::chat::is_chat(path) => {
+            chat_corpus(&tokenizer, &text, path, seq, seed)?
+        }
+        _ => Corpus::new(tokenizer.encode(&text)?, seq, seed)?,
+    };
+    let (corpus, val) = corpus.split(a.held_out)?;
     let dims = a.dims;
     let micro_batches = a
         .micro_batches
@@ -224,6 +237,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             clip_norm: a.clip,
             ..AdamWConfig::default()
         },
+        val_every: if val.is_some() { a.val_every } else { 0 },
         bucket_elems: ((a.bucket_mib * (1 << 20) as f64) / 4.0).max(1.0) as usize,
         save_dir: a.save.clone(),
         save_every: a.save_every,
@@ -247,12 +261,53 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
     }
     Ok(Prepared {
         tokenizer_json: tokenizer.json()?,
+        tokenizer_config: tokenizer.config_json(),
         spec,
         corpus,
+        val,
         resume,
         init,
         data_desc,
     })
+}
+
+/// Chat data (`path`'s JSONL `text`) rendered with the model's template, one conversation a
+/// sequence, the loss on the assistant's replies; a conversation longer than a sequence is an
+/// error naming its line.
+fn chat_corpus(
+    tokenizer: &TextTokenizer,
+    text: &[u8],
+    path: &std::path::Path,
+    seq: usize,
+    seed: u64,
+) -> Result<Corpus> {
+    let Some(tok) = tokenizer.model() else {
+        return Err(TrainError::Data(format!(
+            "{} is chat data, which is rendered with a model's chat template; train from a \
+             model (or give its tokenizer)",
+            path.display()
+        )));
+    };
+    let text = std::str::from_utf8(text)
+        .map_err(|e| TrainError::Data(format!("{} is not UTF-8 ({e})", path.display())))?;
+    let mut docs = Vec::new();
+    for c in crate::chat::parse_jsonl(text, path)? {
+        let (ids, mask) = crate::chat::render(tok, &c, path)?;
+        if ids.len() > seq + 1 {
+            return Err(TrainError::Data(format!(
+                "{} line {}: the conversation is {} tokens, longer than a sequence of {} \
+                 (+1 for the last target); raise the sequence length (at most the model's \
+                 context) or shorten it",
+                path.display(),
+                c.line,
+                ids.len(),
+                seq
+            )));
+        }
+        docs.push((ids, mask));
+    }
+    let pad = tok.pad_id().or(tok.eos_ids().first().copied()).unwrap_or(0);
+    Corpus::documents(&docs, seq, pad, seed)
 }
 
 /// Compute threads per rank: `requested`, else `inherited` (the thread count the process was
@@ -315,6 +370,8 @@ mod tests {
             keep: 0,
             resume: None,
             bucket_mib: 1.0,
+            held_out: 0,
+            val_every: 0,
         }
     }
 

@@ -11,7 +11,7 @@ use crate::init::SeededInit;
 use crate::layout::{self, stage_params, ParamSpec};
 use crate::model::StageModel;
 use crate::optim::{AdamW, AdamWConfig};
-use crate::pipeline::{run_micro_batches, MicroBatch};
+use crate::pipeline::{forward_only, run_micro_batches, MicroBatch};
 use crate::pretrained::Pretrained;
 use candle_core::{Device, Tensor};
 use std::path::{Path, PathBuf};
@@ -42,6 +42,9 @@ pub struct TrainSpec {
     pub keep: usize,
     /// Description of the data, recorded in checkpoints.
     pub data_name: String,
+    /// Validation loss on the held-out split every this many steps (0: never; also after
+    /// the last step when there is a split).
+    pub val_every: u64,
 }
 
 impl TrainSpec {
@@ -111,6 +114,8 @@ pub struct StepReport {
     pub tokens: u64,
     /// Wall time of the step on this rank.
     pub seconds: f64,
+    /// Mean loss on the held-out split after this step's update, when it was measured.
+    pub val_loss: Option<f64>,
 }
 
 /// One rank's training state.
@@ -118,7 +123,9 @@ pub struct Trainer<'a> {
     spec: &'a TrainSpec,
     groups: ProcessGroups,
     corpus: &'a Corpus,
+    val: Option<&'a Corpus>,
     tokenizer_json: &'a str,
+    tokenizer_config: Option<&'a str>,
     model: StageModel,
     specs: Vec<ParamSpec>,
     layout: FlatLayout,
@@ -227,6 +234,8 @@ impl<'a> Trainer<'a> {
             tied,
             spec,
             corpus,
+            val: None,
+            tokenizer_config: None,
             tokenizer_json,
             grads: vec![0.0; layout.total()],
             shared: SharedRows::plan(&all_tp, c.tp_rank)?,
@@ -242,6 +251,19 @@ impl<'a> Trainer<'a> {
             history,
             opts,
         })
+    }
+
+    /// Measures the validation loss on `val` (a held-out split) every `spec.val_every` steps
+    /// and after the last.
+    pub fn with_validation(mut self, val: Option<&'a Corpus>) -> Self {
+        self.val = val;
+        self
+    }
+
+    /// Writes `config` as the checkpoints' `tokenizer_config.json` (the chat template).
+    pub fn with_tokenizer_config(mut self, config: Option<&'a str>) -> Self {
+        self.tokenizer_config = config;
+        self
     }
 
     pub fn step_count(&self) -> u64 {
@@ -286,10 +308,22 @@ impl<'a> Trainer<'a> {
         let (m, dp) = (s.micro_batches, s.dims.dp);
         let mbs = s.micro_batch_size();
         let first = self.data_position + (self.groups.coords.dp_rank * m * mbs) as u64;
+        // The step's loss is the mean over every target in the loss in the global batch
+        // (every rank reads the whole batch's masks to count them).
+        let (_, _, all) = self.corpus.batch(self.data_position, s.global_batch);
+        let count = all.iter().sum::<f32>();
+        if count == 0.0 {
+            return Err(TrainError::Data(format!(
+                "the batch at sequence {} has no token in the loss; every conversation \
+                 needs an assistant reply",
+                self.data_position
+            )));
+        }
         let micro = (0..m)
             .map(|i| {
-                let (ids, tgt) = self.corpus.batch(first + (i * mbs) as u64, mbs);
-                MicroBatch::new(ids, tgt, mbs, s.seq)
+                let (ids, tgt, mask) = self.corpus.batch(first + (i * mbs) as u64, mbs);
+                let weights = mask.iter().map(|w| w / count).collect();
+                MicroBatch::new(ids, tgt, weights, mbs, s.seq)
             })
             .collect::<Result<Vec<_>>>()?;
         self.grads.fill(0.0);
@@ -298,7 +332,6 @@ impl<'a> Trainer<'a> {
             &self.groups,
             &micro,
             s.model.hidden,
-            1.0 / (m * dp) as f64,
             &mut self.grads,
             &self.layout,
         )?;
@@ -310,16 +343,47 @@ impl<'a> Trainer<'a> {
         grads::all_reduce_buckets(&mut self.grads, &self.groups.dp, s.bucket_elems)?;
         let sq = self.norm.sum_sq(&self.grads, &self.layout, &self.specs);
         let norm = grads::global_norm(sq, &self.groups.tp, &self.groups.pp)?;
-        // The loss lives on the last stage: sum over stages (the others add 0), mean over dp.
-        let mut loss = [loss_sum / m as f64];
+        // The loss lives on the last stage: sum over stages (the others add 0) and over the
+        // replicas' shares of the weighted sum.
+        let mut loss = [loss_sum];
         if s.dims.pp > 1 {
             self.groups.pp.all_reduce(&mut loss, ReduceOp::Sum)?;
         }
         if dp > 1 {
             self.groups.dp.all_reduce(&mut loss, ReduceOp::Sum)?;
-            loss[0] /= dp as f64;
         }
         Ok((loss[0], norm))
+    }
+
+    /// Collective over the world: the mean loss over every target in the loss of the
+    /// held-out split `val` (each replica scores all of it; no update).
+    pub fn validation_loss(&self, val: &Corpus) -> Result<f64> {
+        let s = self.spec;
+        let batches = val.all_batches(s.micro_batch_size());
+        let count: f32 = batches.iter().flat_map(|b| b.2.iter()).sum();
+        if count == 0.0 {
+            return Err(TrainError::Data(
+                "the held-out split has no token in the loss".into(),
+            ));
+        }
+        let micro = batches
+            .into_iter()
+            .map(|(ids, tgt, mask)| {
+                let rows = ids.len() / s.seq;
+                let weights = mask.iter().map(|w| w / count).collect();
+                MicroBatch::new(ids, tgt, weights, rows, s.seq)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut loss = [forward_only(
+            &self.model,
+            &self.groups,
+            &micro,
+            s.model.hidden,
+        )?];
+        if s.dims.pp > 1 {
+            self.groups.pp.all_reduce(&mut loss, ReduceOp::Sum)?;
+        }
+        Ok(loss[0])
     }
 
     /// One optimizer step on the next global batch.
@@ -345,7 +409,13 @@ impl<'a> Trainer<'a> {
         self.step += 1;
         self.data_position += s.global_batch as u64;
         self.history.push((self.step, loss));
+        let due = s.val_every > 0 && self.step.is_multiple_of(s.val_every);
+        let val_loss = match self.val {
+            Some(v) if due || self.step == s.steps => Some(self.validation_loss(v)?),
+            _ => None,
+        };
         Ok(StepReport {
+            val_loss,
             step: self.step,
             loss,
             grad_norm: norm,
@@ -404,6 +474,7 @@ impl<'a> Trainer<'a> {
             state: &state,
             config: &self.spec.model,
             tokenizer_json: self.tokenizer_json,
+            tokenizer_config: self.tokenizer_config,
             groups: &self.groups,
             specs: &self.specs,
             layout: &self.layout,
