@@ -17,7 +17,8 @@
 //!
 //! And for the Llama of the same sizes with tied embeddings (issue 34: the LM head is the
 //! embedding; over pipeline stages the last stage holds a copy whose gradient is summed with
-//! the first stage's each step).
+//! the first stage's each step; measured at most 2.4e-7). Leaving that sum out moves the
+//! tp2 x pp2 loss by 4e-2 (mutation run).
 //!
 //! And for the Gemma-3 of the same sizes (one KV head, windows of 6 on layers 0 and 2, post
 //! norms, GeGLU, scaled embeddings; measured at most 9.6e-8).
