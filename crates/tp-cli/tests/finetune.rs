@@ -288,3 +288,46 @@ fn bad_chat_data_is_refused_by_line_with_nothing_written() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The HF-directory path of `--init`: a checkpoint of the tiny preset is an HF Llama
+/// directory; fine-tuning from it starts where `tp perplexity` scores it (same tokens, same
+/// f32 weights; within 1e-4, perplexity's 4 printed decimals).
+#[test]
+fn fine_tuning_from_an_hf_directory_starts_at_its_perplexity() {
+    let dir = scratch("hf");
+    let save = dir.join("run");
+    let s = save.to_string_lossy().to_string();
+    let first = tp(&[
+        "train", "--steps", "3", "--seq", "32", "--batch", "2", "--save", &s, "--json",
+    ]);
+    assert_eq!(first.code, Some(0), "{}", first.output);
+    let step = save.join("step-00000003").to_string_lossy().to_string();
+    let text = dir.join("text.txt");
+    std::fs::write(&text, &TEXT[..65]).unwrap(); // 65 bytes: one window of 64 + 1 tokens
+    let text = text.to_string_lossy().to_string();
+    let ppl = tp(&[
+        "perplexity",
+        "--model",
+        &step,
+        "--kv-dtype",
+        "f32",
+        "--window",
+        "65",
+        "-q",
+        &text,
+    ]);
+    assert_eq!(ppl.code, Some(0), "{}", ppl.output);
+    let (scored, nll) = perplexity(&ppl.stdout);
+    assert_eq!(scored, 64, "{}", ppl.stdout);
+    let tuned = tp(&[
+        "train", "--init", &step, "--data", &text, "--tp", "2", "--pp", "2", "--steps", "1",
+        "--seq", "64", "--batch", "1", "--json",
+    ]);
+    assert_eq!(tuned.code, Some(0), "{}", tuned.output);
+    let loss = common::losses(&tuned.stdout)[0].1;
+    assert!(
+        (loss - nll).abs() <= 1e-4,
+        "first step {loss} vs perplexity {nll}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
