@@ -11,6 +11,10 @@ pub struct BenchTrainArgs {
     /// Model: a preset (tiny, small, bench) or an HF Llama config.json.
     #[arg(long, default_value = "bench")]
     config: String,
+    /// Measure fine-tuning instead: start from this pretrained model (a GGUF file or an HF
+    /// directory; the data stays the built-in corpus as bytes, which any vocabulary holds).
+    #[arg(long, conflicts_with = "config")]
+    init: Option<std::path::PathBuf>,
     /// Layouts to measure, TPxPPxDP, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "1x1x1,2x1x1,1x2x1")]
     layouts: Vec<String>,
@@ -52,6 +56,7 @@ pub fn run(a: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
     crate::train::set_compute_threads(Some(a.threads.max(1)), 1);
     let bench = Bench::new(BenchConfig {
         model: a.config.clone(),
+        init: a.init.clone(),
         layouts: a
             .layouts
             .iter()

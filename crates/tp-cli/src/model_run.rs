@@ -207,19 +207,27 @@ pub fn default_model(fetch: bool) -> anyhow::Result<PathBuf> {
 }
 
 /// `path` itself, unless it is a `tp train` checkpoint: a step directory (it holds
-/// `manifest.json`) or a run directory (it holds `latest`, which is followed). Those are
-/// verified against their manifest (size and SHA-256 of every file, tp-train's own check, as
-/// `tp train --resume` does) and the step directory is returned.
+/// `manifest.json`) or a run directory (it holds `latest`, which is followed). The files
+/// inference reads (config, weights, tokenizer) are verified against the manifest (size and
+/// SHA-256, tp-train's own check) and the step directory is returned; the optimizer state,
+/// which only `tp train --resume` reads, may be missing or damaged.
 pub fn resolve_model_path(path: &Path) -> anyhow::Result<PathBuf> {
     use tp_train::checkpoint::{
-        find_step_dir, Manifest, CONFIG_FILE, LATEST, MANIFEST, MODEL_FILE,
+        find_step_dir, Manifest, CONFIG_FILE, LATEST, MANIFEST, MODEL_FILE, TOKENIZER_CONFIG_FILE,
+        TOKENIZER_FILE,
     };
     if !path.is_dir() || !(path.join(MANIFEST).is_file() || path.join(LATEST).is_file()) {
         return Ok(path.to_path_buf());
     }
     let dir = find_step_dir(path)?;
     Manifest::read(&dir)
-        .and_then(|m| m.verify_all(&dir, &[CONFIG_FILE, MODEL_FILE]))
+        .and_then(|m| {
+            let mut needed = vec![CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE];
+            if m.files.contains_key(TOKENIZER_CONFIG_FILE) {
+                needed.push(TOKENIZER_CONFIG_FILE);
+            }
+            m.verify_files(&dir, &needed)
+        })
         .with_context(|| format!("the checkpoint {} fails verification", dir.display()))?;
     Ok(dir)
 }

@@ -31,6 +31,11 @@ pub struct TrainArgs {
     /// [default: tiny, or the checkpoint's model with --resume].
     #[arg(long)]
     pub config: Option<String>,
+    /// Fine-tune a pretrained model: a GGUF file (dequantized to f32) or an HF directory.
+    /// Its config, weights and tokenizer are used (a Llama, Qwen3 or Gemma-3 without Q/K/V
+    /// biases or experts).
+    #[arg(long, conflicts_with_all = ["config", "resume"])]
+    pub init: Option<PathBuf>,
     /// Architecture of a preset: llama; qwen3 (adds an RMSNorm over each query and key head);
     /// gemma3 (adds those and Gemma-3's block: GeGLU, post norms, scaled embeddings, a
     /// sliding window on every other layer); mixtral, qwen3moe (llama's, qwen3's with every
@@ -38,9 +43,18 @@ pub struct TrainArgs {
     /// config.json or checkpoint gives its own].
     #[arg(long)]
     pub arch: Option<String>,
-    /// Training text (any file) [default: the built-in public-domain corpus].
+    /// Training data: a text file, or a `.jsonl` file of chat conversations (one
+    /// `{"messages": [{"role": .., "content": ..}, ..]}` a line), rendered with the model's
+    /// chat template, one a sequence, the loss on the assistant's replies only [default: the
+    /// built-in public-domain corpus].
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// Hold out one sequence (or conversation) in N as a validation split (0 = none).
+    #[arg(long, default_value_t = 0)]
+    pub held_out: u64,
+    /// Validation loss on the held-out split every N steps (and after the last).
+    #[arg(long, default_value_t = 10)]
+    pub val_every: u64,
     /// A tokenizer.json (or a model directory holding one) [default: bytes, vocab 256].
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -121,6 +135,7 @@ impl TrainArgs {
                 dp: self.dp,
             },
             config: self.config.clone(),
+            init: self.init.clone(),
             arch: self.arch.clone(),
             data: self.data.clone(),
             tokenizer: self.tokenizer.clone(),
@@ -140,6 +155,8 @@ impl TrainArgs {
             resume: self.resume.clone(),
             bucket_mib: self.bucket_mib,
             moe_aux_coef: self.moe_aux_loss_coeff,
+            held_out: self.held_out,
+            val_every: self.val_every,
         }
     }
 }
@@ -200,14 +217,21 @@ pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
                 serde_json::json!({
                     "step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
                     "tokens": r.tokens, "seconds": r.seconds, "tokens_per_s": f.tokens_per_s,
-                    "mfu": f.mfu, "aux_loss": r.aux_loss,
+                    "mfu": f.mfu, "aux_loss": r.aux_loss, "val_loss": r.val_loss,
                 })
             );
         } else if let Some(b) = &bar {
             b.set_position(r.step);
             b.set_message(f.line);
-        } else if r.step.is_multiple_of(every) || r.step == p.spec.steps {
+        } else if r.step.is_multiple_of(every) || r.step == p.spec.steps || r.val_loss.is_some() {
             println!("step {}/{} {}", r.step, p.spec.steps, f.line);
+        }
+        if let (Some(v), false) = (r.val_loss, a.json) {
+            let line = format!("step {}/{} validation loss {v:.4}", r.step, p.spec.steps);
+            match &bar {
+                Some(b) => b.println(line),
+                None => println!("{line}"),
+            }
         }
     };
     let out = job.run(timeout, &opts, &progress)?;

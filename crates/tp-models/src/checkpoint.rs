@@ -228,6 +228,34 @@ impl WeightSlice {
             WeightSlice::Dense { values, .. } => values.len() * 4,
         }
     }
+
+    /// The slice as `[rows, cols]` row-major f32: quantized blocks dequantized (tp-train's
+    /// fine-tuning start reads whole weights this way).
+    pub fn into_f32(self) -> Result<Vec<f32>> {
+        match self {
+            WeightSlice::Dense { values, .. } => Ok(values),
+            WeightSlice::Quant {
+                dtype,
+                rows,
+                cols,
+                bytes,
+            } => crate::matrix::dequantize_blocks(dtype, &bytes, rows, cols),
+            WeightSlice::QuantSub {
+                dtype,
+                rows,
+                cols,
+                lead,
+                bytes,
+            } => {
+                let width = (lead + cols).div_ceil(256) * 256;
+                let all = crate::matrix::dequantize_blocks(dtype, &bytes, rows, width)?;
+                Ok(all
+                    .chunks_exact(width)
+                    .flat_map(|r| r[lead..lead + cols].iter().copied())
+                    .collect())
+            }
+        }
+    }
 }
 
 /// A model file (or directory) that can hand out any weight's row or column range.

@@ -499,44 +499,7 @@ fn merge_experts(
     out
 }
 
-/// llama.cpp's Q/K permutation (`convert_hf_to_gguf.py`): within each head, HF row
-/// `j * hd/2 + i` (rotate-half pairs i and i + hd/2) becomes row `2i + j` (adjacent pairs).
-pub fn permute_rows_for_interleaved(values: &[f32], shape: &[usize], head_dim: usize) -> Vec<f32> {
-    let half = head_dim / 2;
-    move_rows(values, shape, head_dim, |within| {
-        let (j, i) = (within / half, within % half);
-        2 * i + j
-    })
-}
-
-/// The inverse of [`permute_rows_for_interleaved`]: file row `2i + j` of a head back to HF
-/// row `j * hd/2 + i`.
-pub fn unpermute_rows(values: &[f32], shape: &[usize], head_dim: usize) -> Vec<f32> {
-    let half = head_dim / 2;
-    move_rows(values, shape, head_dim, |within| {
-        let (i, j) = (within / 2, within % 2);
-        j * half + i
-    })
-}
-
-/// `values` (`shape[0]` rows of `shape[1]`, or a vector) with row `within` of each head of
-/// `head_dim` rows moved to row `dst(within)` of the same head.
-fn move_rows(
-    values: &[f32],
-    shape: &[usize],
-    head_dim: usize,
-    dst: impl Fn(usize) -> usize,
-) -> Vec<f32> {
-    let rows = shape[0];
-    let cols = if shape.len() > 1 { shape[1] } else { 1 };
-    let mut out = vec![0f32; values.len()];
-    for r in 0..rows {
-        let (head, within) = (r / head_dim, r % head_dim);
-        let to = head * head_dim + dst(within);
-        out[to * cols..(to + 1) * cols].copy_from_slice(&values[r * cols..(r + 1) * cols]);
-    }
-    out
-}
+pub use tp_spec::rope_rows::{permute_rows_for_interleaved, unpermute_rows};
 
 /// Writes a GGUF file with candle's writer (version 2, alignment 32).
 pub fn write_gguf(

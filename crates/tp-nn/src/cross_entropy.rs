@@ -20,6 +20,37 @@ pub fn vocab_parallel_cross_entropy(
     vocab: &Partition,
     group: &Group,
 ) -> Result<Tensor> {
+    Ok(per_row(logits_local, targets, vocab, group)?.mean_all()?)
+}
+
+/// `sum_i weights[i] * ce_i` over the `n` rows (`weights [n]` f32: a loss mask divided by the
+/// number of tokens in the loss gives the masked mean). Otherwise as
+/// [`vocab_parallel_cross_entropy`].
+pub fn vocab_parallel_cross_entropy_weighted(
+    logits_local: &Tensor,
+    targets: &Tensor,
+    weights: &Tensor,
+    vocab: &Partition,
+    group: &Group,
+) -> Result<Tensor> {
+    let ce = per_row(logits_local, targets, vocab, group)?; // [n, 1]
+    if weights.dims() != [ce.dim(0)?] {
+        return Err(TpError::Shape(format!(
+            "expected weights [{}], got {:?}",
+            ce.dim(0)?,
+            weights.dims()
+        )));
+    }
+    Ok(ce.flatten_all()?.mul(weights)?.sum_all()?)
+}
+
+/// Each row's cross-entropy, `[n, 1]`.
+fn per_row(
+    logits_local: &Tensor,
+    targets: &Tensor,
+    vocab: &Partition,
+    group: &Group,
+) -> Result<Tensor> {
     let tp_rank = group.rank();
     if vocab.tp() != group.size() {
         return Err(TpError::Shape(format!(
@@ -59,5 +90,5 @@ pub fn vocab_parallel_cross_entropy(
     let both = reduce_from_tp(&both, group)?; // [n, 2]
     let log_z = both.narrow(1, 0, 1)?.log()?; // [n, 1]
     let tgt = both.narrow(1, 1, 1)?; // [n, 1]
-    Ok((log_z - tgt)?.mean_all()?)
+    Ok((log_z - tgt)?)
 }

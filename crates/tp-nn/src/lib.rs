@@ -25,7 +25,7 @@ pub mod rope;
 
 pub use attention::ParallelAttention;
 pub use block::{BlockConfig, BlockOutput, BlockWeights, LayerStyle, MlpWeights, ParallelBlock};
-pub use cross_entropy::vocab_parallel_cross_entropy;
+pub use cross_entropy::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_weighted};
 pub use embedding::VocabParallelEmbedding;
 pub use error::{Result, TpError};
 pub use linear::{ColumnParallelLinear, PartialSum, RowParallelLinear};

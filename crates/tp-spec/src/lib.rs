@@ -14,6 +14,7 @@ pub mod gguf;
 pub mod params;
 pub mod partition;
 pub mod rng;
+pub mod rope_rows;
 pub mod shard;
 pub mod weights;
 

@@ -7,8 +7,8 @@
 use crate::run::{launch, median};
 use crate::setup::default_micro_batches;
 use crate::{
-    flops, AdamWConfig, Corpus, ModelConfig, TrainError, TrainModel, TrainOptions, TrainSpec,
-    Trainer,
+    flops, AdamWConfig, Corpus, ModelConfig, Pretrained, TrainError, TrainModel, TrainOptions,
+    TrainSpec, Trainer,
 };
 use serde::Serialize;
 use std::time::Duration;
@@ -20,6 +20,9 @@ use tp_comm::{ParallelDims, ProcessGroups};
 pub struct BenchConfig {
     /// A preset (tiny, small, bench) or an HF config.json.
     pub model: String,
+    /// A pretrained model to start from instead (fine-tuning speed): a GGUF file or an HF
+    /// directory.
+    pub init: Option<std::path::PathBuf>,
     pub layouts: Vec<ParallelDims>,
     /// Sequences per step (the same for every layout).
     pub batch: usize,
@@ -101,6 +104,7 @@ struct Samples {
 pub struct Bench {
     cfg: BenchConfig,
     model: ModelConfig,
+    init: Option<Pretrained>,
     specs: Vec<TrainSpec>,
     threads: usize,
     /// Matmul FLOP/s of one rank measured alone.
@@ -112,7 +116,11 @@ impl Bench {
     /// compute threads per rank before.
     pub fn new(cfg: BenchConfig) -> Result<Bench, TrainError> {
         let threads = cfg.threads.max(1);
-        let model = ModelConfig::from_arg(&cfg.model)?;
+        let init = cfg.init.as_deref().map(Pretrained::open).transpose()?;
+        let model = match &init {
+            Some(p) => p.config.clone(),
+            None => ModelConfig::from_arg(&cfg.model)?,
+        };
         let specs = cfg
             .layouts
             .iter()
@@ -135,6 +143,7 @@ impl Bench {
                     save_every: 0,
                     keep: 0,
                     data_name: "built-in corpus".into(),
+                    val_every: 0,
                 };
                 spec.validate().map(|_| spec)
             })
@@ -143,6 +152,7 @@ impl Bench {
         Ok(Bench {
             cfg,
             model,
+            init,
             specs,
             threads,
             peak,
@@ -160,7 +170,10 @@ impl Bench {
              thread(s)): {:.1} GFLOP/s; MFU = 6 x params x tokens/s / (ranks x peak)\n\
              # conc_peak: per-rank peak with all the layout's ranks probing at once, just before \
              its steps (median over rounds); MFU_conc is against it",
-            a.model,
+            match &a.init {
+                Some(p) => p.display().to_string(),
+                None => a.model.clone(),
+            },
             m.num_params() as f64 / 1e6,
             m.hidden,
             m.layers,
@@ -193,8 +206,16 @@ impl Bench {
                     .push(flops::measure_concurrent_peak(1024, 5, ranks)?);
                 let out = launch(Backend::Local, ranks, self.cfg.timeout, |world| {
                     let groups = ProcessGroups::new(world, spec.dims)?;
-                    let mut t =
-                        Trainer::new(spec, groups, &corpus, &tok, None, TrainOptions::default())?;
+                    let mut t = Trainer::new(
+                        spec,
+                        groups,
+                        &corpus,
+                        &tok,
+                        self.init
+                            .as_ref()
+                            .map_or(crate::Start::Fresh, crate::Start::Init),
+                        TrainOptions::default(),
+                    )?;
                     let mut times = Vec::new();
                     let mut loss = 0.0;
                     for i in 0..spec.steps {

@@ -1,8 +1,8 @@
 //! The model trained here is tp-spec's [`ModelConfig`] (a Llama; a Qwen3, which adds an
 //! RMSNorm over each query and key head; or a Gemma-3, which adds Gemma's block to Qwen3's);
 //! this adds what training needs on top: presets (of each architecture), reading an HF
-//! `config.json` through tp-spec's reader, the checks training adds (untied embeddings, these
-//! architectures only, weights and optimizer state that fit), each layer's block for tp-nn
+//! `config.json` through tp-spec's reader, the checks training adds (these
+//! architectures only, no biases or experts, weights and optimizer state that fit), each layer's block for tp-nn
 //! and the `config.json` text a checkpoint carries.
 
 use crate::error::{Result, TrainError};
@@ -322,13 +322,6 @@ impl TrainModel for ModelConfig {
                 self.block.summary(self.layers).unwrap_or_default()
             ));
         }
-        if self.tied_embeddings {
-            return bad(
-                "tie_word_embeddings is true; training supports untied embeddings only: set \
-                 it to false"
-                    .into(),
-            );
-        }
         // Weights, gradients and two AdamW moments, f32 each: sizes whose bytes cannot even
         // be computed are refused before anything is allocated.
         let bytes = self
@@ -387,12 +380,9 @@ mod tests {
         let e = c.check_trainable().unwrap_err().to_string();
         assert!(e.contains("multiple of 3 KV heads"), "{e}");
         c.kv_heads = 2;
+        // Tied embeddings train (the head is the embedding; over stages, a summed copy).
         c.tied_embeddings = true;
-        assert!(c
-            .check_trainable()
-            .unwrap_err()
-            .to_string()
-            .contains("set it to false"));
+        c.check_trainable().unwrap();
         let e = ModelConfig::parse("{\"model_type\": \"gpt2\"}").unwrap_err();
         assert!(e.contains("only Llama, Qwen3 and Gemma-3 models"), "{e}");
         let e = ModelConfig::parse("{\"model_type\": \"llama\"}").unwrap_err();

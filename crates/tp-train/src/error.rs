@@ -49,6 +49,17 @@ pub enum TrainError {
         tensor: String,
         message: String,
     },
+    /// The model to fine-tune cannot be opened (not a GGUF file or HF directory, damaged).
+    #[error("cannot open the model to fine-tune, {path}")]
+    InitModel {
+        path: PathBuf,
+        #[source]
+        source: Box<tp_models::ModelError>,
+    },
+    /// The model to fine-tune is one the trainer cannot train; `what` names the architecture,
+    /// feature or tensor.
+    #[error("the model {path} cannot be fine-tuned: {what}")]
+    Untrainable { path: PathBuf, what: String },
     /// A fault injected by a test or drill (`TrainOptions::save_hook`).
     #[error("injected fault: {0}")]
     Injected(String),

@@ -76,6 +76,7 @@ pub fn spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
         save_every: 0,
         keep: 0,
         data_name: "test corpus".into(),
+        val_every: 0,
     }
 }
 

@@ -168,6 +168,59 @@ impl SharedRows {
     }
 }
 
+/// Tied embeddings over pipeline stages (Megatron's embedding group): the first stage's
+/// embedding and the last stage's copy used as the LM head each get part of the gradient;
+/// one all-reduce over the pp group (the stages between add zeros) gives both the sum, so
+/// the two copies take identical steps and stay equal.
+#[derive(Clone, Debug)]
+pub struct TiedCopy {
+    /// This stage's index of the embedding or its copy, if it holds one.
+    index: Option<usize>,
+    /// Elements of the tp rank's shard (the same on every stage).
+    len: usize,
+}
+
+impl TiedCopy {
+    /// `None` when the model has no tied copy at this pipeline depth; `len` is the local
+    /// shard's element count of the embedding on this tp rank.
+    pub fn plan(specs: &[ParamSpec], tied_over_stages: bool) -> Option<TiedCopy> {
+        if !tied_over_stages {
+            return None;
+        }
+        let index = specs
+            .iter()
+            .position(|s| s.weight == tp_spec::WeightName::Embed);
+        Some(TiedCopy { index, len: 0 })
+    }
+
+    /// Sets the shard length (`vocab_local x hidden`) that every stage exchanges.
+    pub fn with_len(mut self, len: usize) -> TiedCopy {
+        self.len = len;
+        self
+    }
+
+    /// Collective over `pp`: sums the embedding gradient of the first and last stage.
+    pub fn complete(&self, flat: &mut [f32], layout: &FlatLayout, pp: &Group) -> Result<()> {
+        let mut buf = vec![0f32; self.len];
+        if let Some(i) = self.index {
+            let r = layout.range(i);
+            if r.len() != self.len {
+                return Err(TrainError::Config(format!(
+                    "internal: the tied embedding shard holds {} elements, expected {}",
+                    r.len(),
+                    self.len
+                )));
+            }
+            buf.copy_from_slice(&flat[r]);
+        }
+        pp.all_reduce(&mut buf, ReduceOp::Sum)?;
+        if let Some(i) = self.index {
+            flat[layout.range(i)].copy_from_slice(&buf);
+        }
+        Ok(())
+    }
+}
+
 /// Sums gradients over the data-parallel group in buckets of `bucket_elems` elements of the
 /// flat buffer (one all-reduce per bucket, not per tensor). Returns the number of calls.
 pub fn all_reduce_buckets(flat: &mut [f32], dp: &Group, bucket_elems: usize) -> Result<usize> {
@@ -195,6 +248,10 @@ impl NormOwnership {
         let mut owned = Vec::new();
         if let Some(mine) = all_ranks.get(tp_rank) {
             for (i, spec) in mine.iter().enumerate() {
+                if spec.tied_copy {
+                    // Counted once, on the first stage.
+                    continue;
+                }
                 let places: Vec<Placement> =
                     all_ranks.iter().map(|s| s[i].placement.clone()).collect();
                 let Some(range) = owned_local(&places, tp_rank) else {

@@ -6,11 +6,12 @@ use crate::config::ModelConfig;
 use crate::error::Result;
 use candle_core::{Device, Tensor};
 use tp_nn::{RandomTensor, Rng};
+use tp_spec::WeightName;
 
-/// A source of global tensors by HF name.
+/// A source of global tensors: weight `w`, whose HF name is `name`.
 pub trait WeightSource {
-    /// The global tensor `name`, of `shape` (f32, CPU).
-    fn global(&self, name: &str, shape: &[usize]) -> Result<Tensor>;
+    /// The global tensor of `w` (HF name `name`), of `shape` (f32, CPU).
+    fn global(&self, w: WeightName, name: &str, shape: &[usize]) -> Result<Tensor>;
 }
 
 /// Fresh weights: linears uniform with standard deviation `1/sqrt(fan_in)` (output
@@ -50,7 +51,7 @@ impl SeededInit {
 }
 
 impl WeightSource for SeededInit {
-    fn global(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+    fn global(&self, _w: WeightName, name: &str, shape: &[usize]) -> Result<Tensor> {
         let dev = Device::Cpu;
         if shape.len() == 1 {
             return Ok(Tensor::full(self.norm_value, shape, &dev)?);
@@ -79,7 +80,7 @@ mod tests {
         let c = ModelConfig::preset("tiny").unwrap();
         let a = SeededInit::new(&c, 1);
         let t = |s: &SeededInit, n: &str| {
-            s.global(n, &[4, 8])
+            s.global(WeightName::Q(0), n, &[4, 8])
                 .unwrap()
                 .flatten_all()
                 .unwrap()

@@ -28,6 +28,10 @@ pub struct ParamSpec {
     /// Replicated, but each tp rank's backward gives only its heads' share of the gradient
     /// (Qwen3's per-head q/k norms, [`tp_nn::tp_partial_grad`]): summed over tp each step.
     pub tp_partial_grad: bool,
+    /// The last stage's copy of a tied embedding (pp > 1; Megatron's embedding group): its
+    /// gradient is summed with the first stage's each step, and only the first stage's is
+    /// counted in the gradient norm and saved.
+    pub tied_copy: bool,
 }
 
 impl ParamSpec {
@@ -118,19 +122,34 @@ pub fn stage_params(
 ) -> Result<Vec<ParamSpec>> {
     let layers = stage_layers(cfg.layers, pp, pp_rank)?;
     let plan = shard_plan(cfg, tp_rank, tp)?;
-    Ok(
-        tp_spec::stage_params(cfg, layers, pp_rank == 0, pp_rank + 1 == pp)
-            .into_iter()
-            .map(|p| ParamSpec {
-                weight: p.name,
-                name: hf_name(cfg.arch, p.name),
-                shape: p.dims(),
-                placement: plan.place(&p),
-                decay: p.decay(),
-                tp_partial_grad: p.partial_grad,
-            })
-            .collect(),
-    )
+    let last = pp_rank + 1 == pp;
+    let spec = |p: tp_spec::Param, tied_copy: bool| ParamSpec {
+        weight: p.name,
+        name: hf_name(cfg.arch, p.name),
+        shape: p.dims(),
+        placement: plan.place(&p),
+        decay: p.decay(),
+        tp_partial_grad: p.partial_grad,
+        tied_copy,
+    };
+    let mut out: Vec<ParamSpec> = tp_spec::stage_params(cfg, layers, pp_rank == 0, last)
+        .into_iter()
+        .map(|p| spec(p, false))
+        .collect();
+    if cfg.tied_embeddings && last && pp > 1 {
+        out.extend(
+            tp_spec::embed_params(cfg)
+                .into_iter()
+                .map(|p| spec(p, true)),
+        );
+    }
+    Ok(out)
+}
+
+/// Whether the model's LM head is the embedding held again by the last stage (tied
+/// embeddings split over pipeline stages): then the two copies' gradients are summed.
+pub fn has_tied_copy(cfg: &ModelConfig, pp: usize) -> bool {
+    cfg.tied_embeddings && pp > 1
 }
 
 /// Every parameter of the whole model with its global shape, in model order.

@@ -15,6 +15,7 @@
 //! tested against.
 
 pub mod bench;
+pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
@@ -28,6 +29,7 @@ pub mod model;
 pub mod optim;
 pub mod pipeline;
 pub mod plot;
+pub mod pretrained;
 pub mod run;
 pub mod schedule;
 pub mod setup;
@@ -38,4 +40,5 @@ pub use config::{ModelConfig, TrainModel};
 pub use data::{Corpus, TextTokenizer};
 pub use error::{Result, TrainError};
 pub use optim::AdamWConfig;
-pub use trainer::{StepReport, TrainOptions, TrainSpec, Trainer, DEFAULT_MOE_AUX_COEF};
+pub use pretrained::Pretrained;
+pub use trainer::{Start, StepReport, TrainOptions, TrainSpec, Trainer, DEFAULT_MOE_AUX_COEF};

@@ -12,8 +12,8 @@ use candle_core::{Tensor, Var};
 use std::ops::Range;
 use tp_comm::Group;
 use tp_nn::{
-    vocab_parallel_cross_entropy, BlockWeights, ColumnParallelLinear, ParallelBlock, Partition,
-    RmsNorm, VocabParallelEmbedding,
+    copy_to_tp, vocab_parallel_cross_entropy_weighted, BlockWeights, ColumnParallelLinear,
+    ParallelBlock, Partition, RmsNorm, VocabParallelEmbedding,
 };
 use tp_spec::{hf_name, WeightName};
 
@@ -25,7 +25,7 @@ pub struct StageModel {
     embed_scale: f64,
     blocks: Vec<ParallelBlock>,
     norm: Option<RmsNorm>,
-    head: Option<ColumnParallelLinear>,
+    head: Option<Head>,
     vocab: Partition,
     layers: Range<usize>,
     specs: Vec<ParamSpec>,
@@ -41,6 +41,17 @@ pub struct StageOutput {
     pub aux_share: Option<Tensor>,
     /// The sum over the stage's MoE layers of their whole load-balancing loss (for reports).
     pub aux: f64,
+}
+
+/// The last stage's LM head.
+#[derive(Debug)]
+enum Head {
+    /// Its own column-parallel weight: untied, or (tied embeddings over pipeline stages) the
+    /// last stage's copy of the embedding, whose gradient the trainer sums with the first's.
+    Linear(ColumnParallelLinear),
+    /// The stage's own embedding table (tied embeddings, one stage): `logits = x E_local^T`,
+    /// so both uses add into one gradient.
+    Tied,
 }
 
 /// What a stage consumes: token ids (first stage) or the previous stage's hidden states.
@@ -67,7 +78,11 @@ impl StageModel {
         let first = pp_rank == 0;
         let last = pp_rank + 1 == pp;
         let embed = if first {
-            let table = weights.global(&layout::global_name(WeightName::Embed), &[v, h])?; // [vocab, hidden]
+            let table = weights.global(
+                WeightName::Embed,
+                &layout::global_name(WeightName::Embed),
+                &[v, h],
+            )?; // [vocab, hidden]
             Some(VocabParallelEmbedding::from_global(&table, tp_rank, tp)?)
         } else {
             None
@@ -78,7 +93,8 @@ impl StageModel {
             let spec = cfg.layer_spec(layer);
             let mut global = Vec::new();
             for p in spec.params() {
-                global.push((p, weights.global(&hf_name(cfg.arch, p.name), &p.dims())?));
+                let name = hf_name(cfg.arch, p.name);
+                global.push((p, weights.global(p.name, &name, &p.dims())?));
             }
             let w = BlockWeights::from_params(global)?;
             blocks.push(ParallelBlock::from_plan(
@@ -89,15 +105,28 @@ impl StageModel {
             )?);
         }
         let (norm, head) = if last {
-            let w = weights.global(&layout::global_name(WeightName::OutputNorm), &[h])?; // [hidden]
-            let lm = weights.global(&layout::global_name(WeightName::Output), &[v, h])?; // [vocab, hidden]
+            let norm_w = WeightName::OutputNorm;
+            let w = weights.global(norm_w, &layout::global_name(norm_w), &[h])?; // [hidden]
+            let head = match (cfg.tied_embeddings, first) {
+                (true, true) => Head::Tied,
+                (tied, _) => {
+                    // The untied head, or the last stage's copy of the tied embedding.
+                    let lm_w = if tied {
+                        WeightName::Embed
+                    } else {
+                        WeightName::Output
+                    };
+                    let lm = weights.global(lm_w, &layout::global_name(lm_w), &[v, h])?; // [vocab, hidden]
+                    Head::Linear(ColumnParallelLinear::from_global(&lm, tp_rank, tp)?)
+                }
+            };
             (
                 Some(RmsNorm::from_global_offset(
                     &w,
                     cfg.rms_eps,
                     cfg.block.hf_norm_minus_one,
                 )?),
-                Some(ColumnParallelLinear::from_global(&lm, tp_rank, tp)?),
+                Some(head),
             )
         } else {
             (None, None)
@@ -146,10 +175,15 @@ impl StageModel {
     /// The shard of the weight `spec` names (`None`: not on this stage; [`StageModel::new`]
     /// refuses a stage that lacks one of its specs).
     fn var(&self, spec: &ParamSpec) -> Option<&Var> {
+        let own_head = match &self.head {
+            Some(Head::Linear(l)) => Some(l.weight()),
+            _ => None,
+        };
         match spec.weight {
+            WeightName::Embed if spec.tied_copy => own_head,
             WeightName::Embed => self.embed.as_ref().map(|e| e.weight()),
             WeightName::OutputNorm => self.norm.as_ref().map(|n| n.weight()),
-            WeightName::Output => self.head.as_ref().map(|h| h.weight()),
+            WeightName::Output => own_head,
             w => {
                 let l = w.layer()?.checked_sub(self.layers.start)?;
                 self.blocks.get(l)?.var(w)
@@ -158,11 +192,12 @@ impl StageModel {
     }
 
     /// Runs the stage. Returns hidden states `[batch, seq, hidden]`, or on the last stage
-    /// (with `targets [batch * seq]`) the mean cross-entropy, a replicated scalar.
+    /// (with `targets [batch * seq]` and their `weights [batch * seq]`) the weighted sum of
+    /// the cross-entropies, a replicated scalar.
     pub fn forward(
         &self,
         input: StageInput<'_>,
-        targets: Option<&Tensor>,
+        targets: Option<(&Tensor, &Tensor)>,
         tp: &Group,
     ) -> Result<Tensor> {
         Ok(self.forward_aux(input, targets, tp)?.value)
@@ -172,7 +207,7 @@ impl StageModel {
     pub fn forward_aux(
         &self,
         input: StageInput<'_>,
-        targets: Option<&Tensor>,
+        targets: Option<(&Tensor, &Tensor)>,
         tp: &Group,
     ) -> Result<StageOutput> {
         let (h, aux_share, aux) = self.hidden_aux(input, tp)?; // h: [b, s, hidden]
@@ -184,17 +219,28 @@ impl StageModel {
         })
     }
 
-    /// The last stage's mean cross-entropy of `h [b, s, hidden]` against `targets`; `h`
-    /// itself on the other stages.
-    fn head_loss(&self, h: Tensor, targets: Option<&Tensor>, tp: &Group) -> Result<Tensor> {
+    /// The last stage's weighted cross-entropy of `h [b, s, hidden]` against `targets` (and
+    /// their weights); `h` itself on the other stages.
+    fn head_loss(
+        &self,
+        h: Tensor,
+        targets: Option<(&Tensor, &Tensor)>,
+        tp: &Group,
+    ) -> Result<Tensor> {
         match (&self.norm, &self.head, targets) {
-            (Some(norm), Some(head), Some(t)) => {
+            (Some(norm), Some(_), Some((t, w))) => {
                 let (b, s, _) = h.dims3()?;
                 let n = norm.forward(&h)?; // [b, s, hidden]
-                let logits = head.forward(&n, tp)?; // [b, s, vocab_local]
+                let logits = self.head_logits(&n, tp)?; // [b, s, vocab_local]
                 let v_local = logits.dim(2)?;
                 let logits = logits.reshape((b * s, v_local))?; // [b*s, vocab_local]
-                Ok(vocab_parallel_cross_entropy(&logits, t, &self.vocab, tp)?)
+                Ok(vocab_parallel_cross_entropy_weighted(
+                    &logits,
+                    t,
+                    w,
+                    &self.vocab,
+                    tp,
+                )?)
             }
             (None, None, None) => Ok(h),
             _ => Err(TrainError::Config(
@@ -246,9 +292,26 @@ impl StageModel {
     /// Logits of the last stage for a hidden input: `[batch, seq, vocab_local]` (for tests
     /// and evaluation; training uses [`StageModel::forward`]).
     pub fn logits_local(&self, h: &Tensor, tp: &Group) -> Result<Option<Tensor>> {
-        match (&self.norm, &self.head) {
-            (Some(norm), Some(head)) => Ok(Some(head.forward(&norm.forward(h)?, tp)?)),
-            _ => Ok(None),
+        match &self.norm {
+            Some(norm) => Ok(Some(self.head_logits(&norm.forward(h)?, tp)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The LM head on normed hidden states `[batch, seq, hidden]`: `[batch, seq, vocab_local]`.
+    fn head_logits(&self, n: &Tensor, tp: &Group) -> Result<Tensor> {
+        match (&self.head, &self.embed) {
+            (Some(Head::Linear(l)), _) => Ok(l.forward(n, tp)?),
+            (Some(Head::Tied), Some(e)) => {
+                let (b, s, h) = n.dims3()?;
+                let x = copy_to_tp(n, tp)?.reshape((b * s, h))?; // [b*s, hidden]
+                let table = e.weight().as_tensor(); // [vocab_local, hidden]
+                let logits = x.matmul(&table.t()?)?; // [b*s, vocab_local]
+                Ok(logits.reshape((b, s, table.dim(0)?))?)
+            }
+            _ => Err(TrainError::Config(
+                "internal: the LM head lives on the last stage".into(),
+            )),
         }
     }
 }

@@ -140,6 +140,7 @@ mod tests {
             placement: tp_nn::Placement::Replicated,
             decay: false,
             tp_partial_grad: false,
+            tied_copy: false,
         };
         let specs = vec![spec];
         let layout = FlatLayout::new(&specs);

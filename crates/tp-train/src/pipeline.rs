@@ -20,14 +20,23 @@ const TAG_GRADIENT: u32 = 2;
 pub struct MicroBatch {
     pub ids: Tensor,     // [batch, seq] u32
     pub targets: Tensor, // [batch * seq] u32
+    /// Each target's weight in the loss: its mask over the tokens in the whole step's loss.
+    pub weights: Tensor, // [batch * seq] f32
 }
 
 impl MicroBatch {
-    pub fn new(ids: Vec<u32>, targets: Vec<u32>, batch: usize, seq: usize) -> Result<Self> {
+    pub fn new(
+        ids: Vec<u32>,
+        targets: Vec<u32>,
+        weights: Vec<f32>,
+        batch: usize,
+        seq: usize,
+    ) -> Result<Self> {
         let dev = Device::Cpu;
         Ok(MicroBatch {
             ids: Tensor::from_vec(ids, (batch, seq), &dev)?,
             targets: Tensor::from_vec(targets, batch * seq, &dev)?,
+            weights: Tensor::from_vec(weights, batch * seq, &dev)?,
         })
     }
 }
@@ -51,15 +60,14 @@ pub struct StageLosses {
 }
 
 /// Runs the stage's forwards and backwards for all `micro` batches, adding the gradients of
-/// `(loss + aux_coef * load-balancing loss) * loss_scale` into `grads`.
-#[allow(clippy::too_many_arguments)]
+/// their losses (each a weighted sum, [`MicroBatch::weights`]) plus `aux_scale` times each
+/// micro-batch's MoE load-balancing loss into `grads`.
 pub fn run_micro_batches(
     model: &StageModel,
     groups: &ProcessGroups,
     micro: &[MicroBatch],
     hidden: usize,
-    loss_scale: f64,
-    aux_coef: f64,
+    aux_scale: f64,
     grads: &mut [f32],
     layout: &FlatLayout,
 ) -> Result<StageLosses> {
@@ -85,14 +93,18 @@ pub fn run_micro_batches(
                     Some(v) => StageInput::Hidden(v.as_tensor()),
                     None => StageInput::Tokens(&mb.ids),
                 };
-                let out = model.forward_aux(stage_in, last.then_some(&mb.targets), &groups.tp)?;
+                let out = model.forward_aux(
+                    stage_in,
+                    last.then_some((&mb.targets, &mb.weights)),
+                    &groups.tp,
+                )?;
                 let output = out.value;
                 sums.aux += out.aux;
                 if last {
                     sums.loss += f64::from(output.to_scalar::<f32>()?);
                 } else {
-                    let out = output.flatten_all()?.to_vec1::<f32>()?; // [b * s * hidden]
-                    groups.pp.send(&out, pp_rank + 1, TAG_ACTIVATION)?;
+                    let acts = output.flatten_all()?.to_vec1::<f32>()?; // [b * s * hidden]
+                    groups.pp.send(&acts, pp_rank + 1, TAG_ACTIVATION)?;
                 }
                 in_flight.push_back(InFlight {
                     micro: m,
@@ -111,11 +123,11 @@ pub fn run_micro_batches(
                         ))
                     })?;
                 let aux = match &f.aux_share {
-                    Some(a) => Some((a * (aux_coef * loss_scale))?),
+                    Some(a) => Some((a * aux_scale)?),
                     None => None,
                 };
                 let objective = if last {
-                    (f.output * loss_scale)?
+                    f.output
                 } else {
                     let dims = f.output.dims().to_vec(); // [b, s, hidden]
                     let mut buf = vec![0f32; dims.iter().product()];
@@ -143,4 +155,41 @@ pub fn run_micro_batches(
         }
     }
     Ok(sums)
+}
+
+/// The losses of `micro` without backward (validation): each micro-batch's forward through
+/// the stages in order. Returns the sum of the weighted losses on the last stage (0 elsewhere).
+pub fn forward_only(
+    model: &StageModel,
+    groups: &ProcessGroups,
+    micro: &[MicroBatch],
+    hidden: usize,
+) -> Result<f64> {
+    let (pp_rank, pp) = (groups.coords.pp_rank, groups.dims.pp);
+    let (first, last) = (pp_rank == 0, pp_rank + 1 == pp);
+    let mut loss_sum = 0f64;
+    for mb in micro {
+        let (b, s) = mb.ids.dims2()?;
+        let received;
+        let stage_in = if first {
+            StageInput::Tokens(&mb.ids)
+        } else {
+            let mut buf = vec![0f32; b * s * hidden];
+            groups.pp.recv(&mut buf, pp_rank - 1, TAG_ACTIVATION)?;
+            received = Tensor::from_vec(buf, (b, s, hidden), &Device::Cpu)?; // [b, s, hidden]
+            StageInput::Hidden(&received)
+        };
+        let output = model.forward(
+            stage_in,
+            last.then_some((&mb.targets, &mb.weights)),
+            &groups.tp,
+        )?;
+        if last {
+            loss_sum += f64::from(output.to_scalar::<f32>()?);
+        } else {
+            let out = output.flatten_all()?.to_vec1::<f32>()?; // [b * s * hidden]
+            groups.pp.send(&out, pp_rank + 1, TAG_ACTIVATION)?;
+        }
+    }
+    Ok(loss_sum)
 }

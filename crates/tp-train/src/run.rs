@@ -186,9 +186,11 @@ fn rank_main(
         groups,
         &p.corpus,
         &p.tokenizer_json,
-        p.resume.as_ref(),
+        p.start(),
         opts.clone(),
-    )?;
+    )?
+    .with_validation(p.val.as_ref())
+    .with_tokenizer_config(p.tokenizer_config.as_deref());
     let mut reports = Vec::new();
     t.run(&mut |r| {
         if rank == 0 {

@@ -6,8 +6,8 @@
 
 use crate::config::{trainable_arch, TrainArch};
 use crate::{
-    AdamWConfig, Checkpoint, Corpus, ModelConfig, Result, TextTokenizer, TrainError, TrainModel,
-    TrainSpec,
+    AdamWConfig, Checkpoint, Corpus, ModelConfig, Pretrained, Result, Start, TextTokenizer,
+    TrainError, TrainModel, TrainSpec,
 };
 use std::path::PathBuf;
 use tp_comm::ParallelDims;
@@ -19,6 +19,9 @@ pub struct RunRequest {
     /// A preset (tiny, small, bench) or an HF Llama, Qwen3 or Gemma-3 config.json; default tiny, or
     /// the checkpoint's model.
     pub config: Option<String>,
+    /// A pretrained model to fine-tune (a GGUF file or an HF directory): its weights, config
+    /// and (unless `tokenizer` is given) its tokenizer.
+    pub init: Option<PathBuf>,
     /// The architecture (`llama`, `qwen3`) a preset is built as (default llama); with a
     /// config.json or a checkpoint it must be theirs.
     pub arch: Option<String>,
@@ -51,15 +54,36 @@ pub struct RunRequest {
     pub bucket_mib: f64,
     /// Weight of the MoE load-balancing loss (unused without experts).
     pub moe_aux_coef: f64,
+    /// Hold out one sequence in this many (seeded) as a validation split (0: none).
+    pub held_out: u64,
+    /// Validation loss every this many steps (and after the last) when data is held out.
+    pub val_every: u64,
 }
 
 /// A validated run: everything the ranks need.
 pub struct Prepared {
     pub spec: TrainSpec,
     pub corpus: Corpus,
+    /// The held-out validation split.
+    pub val: Option<Corpus>,
     pub tokenizer_json: String,
+    /// The checkpoints' `tokenizer_config.json` (chat template), if the tokenizer has one.
+    pub tokenizer_config: Option<String>,
     pub resume: Option<Checkpoint>,
+    /// The pretrained model a fine-tuning run starts from.
+    pub init: Option<Pretrained>,
     pub data_desc: String,
+}
+
+impl Prepared {
+    /// Where the ranks' weights come from.
+    pub fn start(&self) -> Start<'_> {
+        match (&self.resume, &self.init) {
+            (Some(ck), _) => Start::Resume(ck),
+            (None, Some(p)) => Start::Init(p),
+            (None, None) => Start::Fresh,
+        }
+    }
 }
 
 /// Default micro-batches: 1 without a pipeline; else the largest divisor of the per-replica
@@ -89,12 +113,32 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             )));
         }
     }
-    let tokenizer = match (&a.tokenizer, &resume) {
-        (Some(p), _) => TextTokenizer::from_file(p)?,
-        (None, Some(ck)) => TextTokenizer::of_checkpoint(&ck.dir.join("tokenizer.json"))?,
-        (None, None) => TextTokenizer::Bytes,
+    if a.init.is_some() && (resume.is_some() || a.config.is_some()) {
+        return Err(TrainError::Config(
+            "fine-tuning takes its model from the pretrained one: give no checkpoint to resume \
+             and no model config with it"
+                .into(),
+        ));
+    }
+    let init = a.init.as_deref().map(Pretrained::open).transpose()?;
+    let tokenizer = match (&a.tokenizer, &resume, &init) {
+        (Some(p), _, _) => TextTokenizer::from_file(p)?,
+        (None, Some(ck), _) => TextTokenizer::of_checkpoint(&ck.dir.join("tokenizer.json"))?,
+        (None, None, Some(init)) => TextTokenizer::from_file(&init.path)?,
+        (None, None, None) => TextTokenizer::Bytes,
     };
     let arch = a.arch.as_deref().map(trainable_arch).transpose()?;
+    if let (Some(arch), Some(init)) = (arch, &init) {
+        if arch.name() != TrainArch::of(&init.config).name() {
+            return Err(TrainError::Config(format!(
+                "the architecture {} was asked for, but {} is a {} model; leave the \
+                 architecture out to fine-tune it",
+                arch.name(),
+                init.path.display(),
+                TrainArch::of(&init.config).name()
+            )));
+        }
+    }
     // A preset or config.json, as the architecture asked for.
     let requested = |c: &str| -> Result<ModelConfig> {
         let m = ModelConfig::from_arg(c)?;
@@ -113,8 +157,9 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             _ => Ok(m),
         }
     };
-    let model = match (&a.config, &resume) {
-        (Some(c), Some(ck)) => {
+    let model = match (&a.config, &resume, &init) {
+        (_, _, Some(p)) => p.config.clone(),
+        (Some(c), Some(ck), None) => {
             let m = requested(c)?;
             if m != ck.config {
                 return Err(TrainError::Config(format!(
@@ -124,7 +169,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             }
             m
         }
-        (None, Some(ck)) => match arch {
+        (None, Some(ck), None) => match arch {
             Some(arch) if arch.name() != TrainArch::of(&ck.config).name() => {
                 return Err(TrainError::Config(format!(
                     "--arch {} but the checkpoint's model is a {}; leave --arch out to resume it",
@@ -134,7 +179,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             }
             _ => ck.config.clone(),
         },
-        (c, None) => {
+        (c, None, None) => {
             let name = c.as_deref().unwrap_or("tiny");
             let m = requested(name)?;
             if ModelConfig::preset(name).is_some() {
@@ -149,7 +194,6 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         Some(p) => format!("{} ({} bytes)", p.display(), text.len()),
         None => crate::data::DEFAULT_CORPUS_NAME.to_string(),
     };
-    let tokens = tokenizer.encode(&text)?;
     let seed = a
         .seed
         .or(resume.as_ref().map(|c| c.state.seed))
@@ -162,7 +206,13 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         .batch
         .or(resume.as_ref().map(|c| c.state.global_batch))
         .unwrap_or(8);
-    let corpus = Corpus::new(tokens, seq, seed)?;
+    let corpus = match a.data.as_deref() {
+        Some(path) if crate::chat::is_chat(path) => {
+            chat_corpus(&tokenizer, &text, path, seq, seed)?
+        }
+        _ => Corpus::new(tokenizer.encode(&text)?, seq, seed)?,
+    };
+    let (corpus, val) = corpus.split(a.held_out)?;
     let dims = a.dims;
     let micro_batches = a
         .micro_batches
@@ -198,6 +248,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             clip_norm: a.clip,
             ..AdamWConfig::default()
         },
+        val_every: if val.is_some() { a.val_every } else { 0 },
         bucket_elems: ((a.bucket_mib * (1 << 20) as f64) / 4.0).max(1.0) as usize,
         moe_aux_coef: a.moe_aux_coef,
         save_dir: a.save.clone(),
@@ -222,11 +273,53 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
     }
     Ok(Prepared {
         tokenizer_json: tokenizer.json()?,
+        tokenizer_config: tokenizer.config_json(),
         spec,
         corpus,
+        val,
         resume,
+        init,
         data_desc,
     })
+}
+
+/// Chat data (`path`'s JSONL `text`) rendered with the model's template, one conversation a
+/// sequence, the loss on the assistant's replies; a conversation longer than a sequence is an
+/// error naming its line.
+fn chat_corpus(
+    tokenizer: &TextTokenizer,
+    text: &[u8],
+    path: &std::path::Path,
+    seq: usize,
+    seed: u64,
+) -> Result<Corpus> {
+    let Some(tok) = tokenizer.model() else {
+        return Err(TrainError::Data(format!(
+            "{} is chat data, which is rendered with a model's chat template; train from a \
+             model (or give its tokenizer)",
+            path.display()
+        )));
+    };
+    let text = std::str::from_utf8(text)
+        .map_err(|e| TrainError::Data(format!("{} is not UTF-8 ({e})", path.display())))?;
+    let mut docs = Vec::new();
+    for c in crate::chat::parse_jsonl(text, path)? {
+        let (ids, mask) = crate::chat::render(tok, &c, path)?;
+        if ids.len() > seq + 1 {
+            return Err(TrainError::Data(format!(
+                "{} line {}: the conversation is {} tokens, longer than a sequence of {} \
+                 (+1 for the last target); raise the sequence length (at most the model's \
+                 context) or shorten it",
+                path.display(),
+                c.line,
+                ids.len(),
+                seq
+            )));
+        }
+        docs.push((ids, mask));
+    }
+    let pad = tok.pad_id().or(tok.eos_ids().first().copied()).unwrap_or(0);
+    Corpus::documents(&docs, seq, pad, seed)
 }
 
 /// Compute threads per rank: `requested`, else `inherited` (the thread count the process was
@@ -270,6 +363,7 @@ mod tests {
                 dp: 1,
             },
             config: config.map(str::to_string),
+            init: None,
             arch: arch.map(str::to_string),
             data: None,
             tokenizer: None,
@@ -289,6 +383,8 @@ mod tests {
             resume: None,
             bucket_mib: 1.0,
             moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
+            held_out: 0,
+            val_every: 0,
         }
     }
 

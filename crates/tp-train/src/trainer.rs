@@ -6,12 +6,13 @@ use crate::checkpoint::{self, Checkpoint, SaveHook, SaveInputs, TrainerState};
 use crate::config::ModelConfig;
 use crate::data::Corpus;
 use crate::error::{Result, TrainError};
-use crate::grads::{self, FlatLayout, NormOwnership, SharedRows};
+use crate::grads::{self, FlatLayout, NormOwnership, SharedRows, TiedCopy};
 use crate::init::SeededInit;
 use crate::layout::{self, stage_params, ParamSpec};
 use crate::model::StageModel;
 use crate::optim::{AdamW, AdamWConfig};
-use crate::pipeline::{run_micro_batches, MicroBatch};
+use crate::pipeline::{forward_only, run_micro_batches, MicroBatch};
+use crate::pretrained::Pretrained;
 use candle_core::{Device, Tensor};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -47,6 +48,9 @@ pub struct TrainSpec {
     pub keep: usize,
     /// Description of the data, recorded in checkpoints.
     pub data_name: String,
+    /// Validation loss on the held-out split every this many steps (0: never; also after
+    /// the last step when there is a split).
+    pub val_every: u64,
 }
 
 impl TrainSpec {
@@ -83,6 +87,18 @@ impl TrainSpec {
     }
 }
 
+/// Where a run's weights come from.
+#[derive(Clone, Copy, Debug, Default)]
+pub enum Start<'a> {
+    /// A fresh model from the run's seed.
+    #[default]
+    Fresh,
+    /// A checkpoint of an earlier run: weights, optimizer state, step and data position.
+    Resume(&'a Checkpoint),
+    /// A pretrained model to fine-tune (fresh optimizer state, step 0).
+    Init(&'a Pretrained),
+}
+
 /// Test and drill hooks.
 #[derive(Clone, Default)]
 pub struct TrainOptions {
@@ -107,6 +123,8 @@ pub struct StepReport {
     /// The load-balancing loss `E * sum_e f_e * P_e` of the batch, the mean over the MoE
     /// layers (1 when routing is balanced); `None` without experts.
     pub aux_loss: Option<f64>,
+    /// Mean loss on the held-out split after this step's update, when it was measured.
+    pub val_loss: Option<f64>,
 }
 
 /// One rank's training state.
@@ -114,7 +132,9 @@ pub struct Trainer<'a> {
     spec: &'a TrainSpec,
     groups: ProcessGroups,
     corpus: &'a Corpus,
+    val: Option<&'a Corpus>,
     tokenizer_json: &'a str,
+    tokenizer_config: Option<&'a str>,
     model: StageModel,
     specs: Vec<ParamSpec>,
     layout: FlatLayout,
@@ -122,6 +142,7 @@ pub struct Trainer<'a> {
     grads: Vec<f32>,
     adam: AdamW,
     shared: SharedRows,
+    tied: Option<TiedCopy>,
     norm: NormOwnership,
     step: u64,
     data_position: u64,
@@ -132,15 +153,20 @@ pub struct Trainer<'a> {
 }
 
 impl<'a> Trainer<'a> {
-    /// Builds this rank's stage, fresh from the seed or from `resume`.
+    /// Builds this rank's stage: fresh from the seed, from a checkpoint to resume, or from a
+    /// pretrained model.
     pub fn new(
         spec: &'a TrainSpec,
         groups: ProcessGroups,
         corpus: &'a Corpus,
         tokenizer_json: &'a str,
-        resume: Option<&Checkpoint>,
+        start: Start<'_>,
         opts: TrainOptions,
     ) -> Result<Trainer<'a>> {
+        let resume = match start {
+            Start::Resume(ck) => Some(ck),
+            _ => None,
+        };
         spec.validate()?;
         if groups.dims != spec.dims {
             return Err(TrainError::Config(format!(
@@ -169,14 +195,25 @@ impl<'a> Trainer<'a> {
                 }
                 StageModel::new(&spec.model, c.pp_rank, pp, c.tp_rank, tp, ck)?
             }
-            None => StageModel::new(
-                &spec.model,
-                c.pp_rank,
-                pp,
-                c.tp_rank,
-                tp,
-                &SeededInit::new(&spec.model, spec.seed),
-            )?,
+            None => match start {
+                Start::Init(init) => {
+                    if init.config != spec.model {
+                        return Err(TrainError::Config(format!(
+                            "the model to train differs from {}'s; fine-tune it as it is",
+                            init.path.display()
+                        )));
+                    }
+                    StageModel::new(&spec.model, c.pp_rank, pp, c.tp_rank, tp, init)?
+                }
+                _ => StageModel::new(
+                    &spec.model,
+                    c.pp_rank,
+                    pp,
+                    c.tp_rank,
+                    tp,
+                    &SeededInit::new(&spec.model, spec.seed),
+                )?,
+            },
         };
         let specs = model.specs().to_vec();
         let layout = FlatLayout::new(&specs);
@@ -198,9 +235,18 @@ impl<'a> Trainer<'a> {
             data_position = ck.state.data_position;
             history = ck.state.loss_history.clone();
         }
+        let embed_len = layout::vocab_partition(&spec.model, tp)?
+            .range(c.tp_rank)
+            .len()
+            * spec.model.hidden;
+        let tied = TiedCopy::plan(&specs, layout::has_tied_copy(&spec.model, pp))
+            .map(|t| t.with_len(embed_len));
         Ok(Trainer {
+            tied,
             spec,
             corpus,
+            val: None,
+            tokenizer_config: None,
             tokenizer_json,
             grads: vec![0.0; layout.total()],
             shared: SharedRows::plan(&all_tp, c.tp_rank)?,
@@ -217,6 +263,19 @@ impl<'a> Trainer<'a> {
             opts,
             last_aux: None,
         })
+    }
+
+    /// Measures the validation loss on `val` (a held-out split) every `spec.val_every` steps
+    /// and after the last.
+    pub fn with_validation(mut self, val: Option<&'a Corpus>) -> Self {
+        self.val = val;
+        self
+    }
+
+    /// Writes `config` as the checkpoints' `tokenizer_config.json` (the chat template).
+    pub fn with_tokenizer_config(mut self, config: Option<&'a str>) -> Self {
+        self.tokenizer_config = config;
+        self
     }
 
     pub fn step_count(&self) -> u64 {
@@ -261,10 +320,22 @@ impl<'a> Trainer<'a> {
         let (m, dp) = (s.micro_batches, s.dims.dp);
         let mbs = s.micro_batch_size();
         let first = self.data_position + (self.groups.coords.dp_rank * m * mbs) as u64;
+        // The step's loss is the mean over every target in the loss in the global batch
+        // (every rank reads the whole batch's masks to count them).
+        let (_, _, all) = self.corpus.batch(self.data_position, s.global_batch);
+        let count = all.iter().sum::<f32>();
+        if count == 0.0 {
+            return Err(TrainError::Data(format!(
+                "the batch at sequence {} has no token in the loss; every conversation \
+                 needs an assistant reply",
+                self.data_position
+            )));
+        }
         let micro = (0..m)
             .map(|i| {
-                let (ids, tgt) = self.corpus.batch(first + (i * mbs) as u64, mbs);
-                MicroBatch::new(ids, tgt, mbs, s.seq)
+                let (ids, tgt, mask) = self.corpus.batch(first + (i * mbs) as u64, mbs);
+                let weights = mask.iter().map(|w| w / count).collect();
+                MicroBatch::new(ids, tgt, weights, mbs, s.seq)
             })
             .collect::<Result<Vec<_>>>()?;
         self.grads.fill(0.0);
@@ -273,32 +344,66 @@ impl<'a> Trainer<'a> {
             &self.groups,
             &micro,
             s.model.hidden,
-            1.0 / (m * dp) as f64,
-            s.moe_aux_coef,
+            // The load-balancing loss of each micro-batch counts as a mean over the step's.
+            s.moe_aux_coef / (m * dp) as f64,
             &mut self.grads,
             &self.layout,
         )?;
         self.shared
             .complete(&mut self.grads, &self.layout, &self.groups.tp)?;
+        if let Some(t) = &self.tied {
+            t.complete(&mut self.grads, &self.layout, &self.groups.pp)?;
+        }
         grads::all_reduce_buckets(&mut self.grads, &self.groups.dp, s.bucket_elems)?;
         let sq = self.norm.sum_sq(&self.grads, &self.layout, &self.specs);
         let norm = grads::global_norm(sq, &self.groups.tp, &self.groups.pp)?;
-        // The loss lives on the last stage: sum over stages (the others add 0), mean over dp;
-        // the load-balancing losses of each stage's MoE layers are summed over the stages.
-        let mut loss = [sums.loss / m as f64, sums.aux / m as f64];
+        // The loss lives on the last stage: sum over stages (the others add 0) and over the
+        // replicas' shares of the weighted sum; the load-balancing losses of each stage's MoE
+        // layers are summed over micro-batches, stages and replicas.
+        let mut loss = [sums.loss, sums.aux];
         if s.dims.pp > 1 {
             self.groups.pp.all_reduce(&mut loss, ReduceOp::Sum)?;
         }
         if dp > 1 {
             self.groups.dp.all_reduce(&mut loss, ReduceOp::Sum)?;
-            loss.iter_mut().for_each(|l| *l /= dp as f64);
         }
         // Every layer of a model with experts is a mixture of experts.
         self.last_aux = s
             .model
             .experts
-            .map(|_| loss[1] / s.model.layers.max(1) as f64);
+            .map(|_| loss[1] / (m * dp * s.model.layers.max(1)) as f64);
         Ok((loss[0], norm))
+    }
+
+    /// Collective over the world: the mean loss over every target in the loss of the
+    /// held-out split `val` (each replica scores all of it; no update).
+    pub fn validation_loss(&self, val: &Corpus) -> Result<f64> {
+        let s = self.spec;
+        let batches = val.all_batches(s.micro_batch_size());
+        let count: f32 = batches.iter().flat_map(|b| b.2.iter()).sum();
+        if count == 0.0 {
+            return Err(TrainError::Data(
+                "the held-out split has no token in the loss".into(),
+            ));
+        }
+        let micro = batches
+            .into_iter()
+            .map(|(ids, tgt, mask)| {
+                let rows = ids.len() / s.seq;
+                let weights = mask.iter().map(|w| w / count).collect();
+                MicroBatch::new(ids, tgt, weights, rows, s.seq)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut loss = [forward_only(
+            &self.model,
+            &self.groups,
+            &micro,
+            s.model.hidden,
+        )?];
+        if s.dims.pp > 1 {
+            self.groups.pp.all_reduce(&mut loss, ReduceOp::Sum)?;
+        }
+        Ok(loss[0])
     }
 
     /// One optimizer step on the next global batch.
@@ -324,7 +429,13 @@ impl<'a> Trainer<'a> {
         self.step += 1;
         self.data_position += s.global_batch as u64;
         self.history.push((self.step, loss));
+        let due = s.val_every > 0 && self.step.is_multiple_of(s.val_every);
+        let val_loss = match self.val {
+            Some(v) if due || self.step == s.steps => Some(self.validation_loss(v)?),
+            _ => None,
+        };
         Ok(StepReport {
+            val_loss,
             step: self.step,
             loss,
             grad_norm: norm,
@@ -384,6 +495,7 @@ impl<'a> Trainer<'a> {
             state: &state,
             config: &self.spec.model,
             tokenizer_json: self.tokenizer_json,
+            tokenizer_config: self.tokenizer_config,
             groups: &self.groups,
             specs: &self.specs,
             layout: &self.layout,

@@ -96,7 +96,7 @@ fn checkpoint_is_an_hf_directory_an_independent_model_agrees_with() {
     })
     .swap_remove(0)
     .unwrap();
-    let (ids, tgt) = corpus().batch(pos, 4);
+    let (ids, tgt, _) = corpus().batch(pos, 4);
     let ids = Tensor::from_vec(ids, (4, 16), &Device::Cpu).unwrap();
     let tgt = Tensor::from_vec(tgt, 64, &Device::Cpu).unwrap();
     let want = dense_loss(&step, &ids, &tgt);

@@ -19,7 +19,14 @@ fn losses(world: Group, dims: ParallelDims, micro: usize) -> Result<Vec<f64>, Tr
     let corpus = fixtures::corpus()?;
     let tok = TextTokenizer::Bytes.json()?;
     let groups = ProcessGroups::new(world, dims)?;
-    let mut t = Trainer::new(&spec, groups, &corpus, &tok, None, TrainOptions::default())?;
+    let mut t = Trainer::new(
+        &spec,
+        groups,
+        &corpus,
+        &tok,
+        tp_train::Start::Fresh,
+        TrainOptions::default(),
+    )?;
     let mut out = Vec::new();
     t.run(&mut |r| out.push(r.loss))?;
     Ok(out)

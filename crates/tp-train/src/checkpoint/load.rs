@@ -162,7 +162,7 @@ impl Checkpoint {
 }
 
 impl WeightSource for Checkpoint {
-    fn global(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+    fn global(&self, _w: tp_spec::WeightName, name: &str, shape: &[usize]) -> Result<Tensor> {
         let mp = self.dir.join(MODEL_FILE);
         let st = parse_safetensors(&self.model, &mp)?;
         let data = tensor_f32(&st, &mp, name, shape)?;

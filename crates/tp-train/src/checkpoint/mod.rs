@@ -32,6 +32,8 @@ pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const CONFIG_FILE: &str = "config.json";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub const TRAINER_FILE: &str = "trainer.json";
+/// The chat template and special tokens, when the tokenizer has a template.
+pub const TOKENIZER_CONFIG_FILE: &str = crate::data::TOKENIZER_CONFIG;
 
 /// Name of the directory of step `step`.
 pub fn step_dir_name(step: u64) -> String {

@@ -7,7 +7,7 @@ use super::manifest::{Manifest, MANIFEST};
 use super::shards::place_local;
 use super::{
     step_dir_name, SavedLayout, TensorShards, TrainerState, CONFIG_FILE, LATEST, MODEL_FILE,
-    OPTIMIZER_FILE, TOKENIZER_FILE, TRAINER_FILE,
+    OPTIMIZER_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, TRAINER_FILE,
 };
 use crate::config::{ModelConfig, TrainModel};
 use crate::error::{Result, TrainError};
@@ -28,6 +28,8 @@ pub struct SaveInputs<'a> {
     pub state: &'a TrainerState,
     pub config: &'a ModelConfig,
     pub tokenizer_json: &'a str,
+    /// `tokenizer_config.json` (the chat template), when the tokenizer has one.
+    pub tokenizer_config: Option<&'a str>,
     pub groups: &'a ProcessGroups,
     /// This rank's flat shard buffers and their layout (this stage's specs, in order).
     pub specs: &'a [ParamSpec],
@@ -49,6 +51,9 @@ pub fn saved_layout(cfg: &ModelConfig, tp: usize, pp: usize, dp: usize) -> Resul
             .map(|t| stage_params(cfg, stage, pp, t, tp))
             .collect::<Result<_>>()?;
         for (i, spec) in per_rank[0].iter().enumerate() {
+            if spec.tied_copy {
+                continue;
+            }
             let (split_dim, tp_ranges) = match &spec.placement {
                 Placement::Replicated => (None, vec![]),
                 Placement::Sharded { dim, .. } => (
@@ -202,6 +207,11 @@ fn write_checkpoint(inp: &SaveInputs<'_>, stages: &[Vec<f32>]) -> Result<PathBuf
         for spec in stage_params(inp.config, q, inp.groups.dims.pp, 0, inp.groups.dims.tp)? {
             let n = spec.global_len();
             let part = &flat[at..at + 3 * n];
+            at += 3 * n;
+            if spec.tied_copy {
+                // The same tensor as the first stage's embedding (and its moments).
+                continue;
+            }
             model.push((spec.name.clone(), spec.shape.clone(), &part[..n]));
             optim.push((
                 format!("{}.exp_avg", spec.name),
@@ -213,12 +223,11 @@ fn write_checkpoint(inp: &SaveInputs<'_>, stages: &[Vec<f32>]) -> Result<PathBuf
                 spec.shape.clone(),
                 &part[2 * n..],
             ));
-            at += 3 * n;
         }
     }
     let trainer = serde_json::to_string_pretty(inp.state)
         .map_err(|e| TrainError::checkpoint(&tmp, format!("cannot encode trainer.json: {e}")))?;
-    let files: Vec<(&str, Vec<u8>)> = vec![
+    let mut files: Vec<(&str, Vec<u8>)> = vec![
         (CONFIG_FILE, inp.config.hf_json_text().into_bytes()),
         (TOKENIZER_FILE, inp.tokenizer_json.as_bytes().to_vec()),
         (
@@ -231,6 +240,9 @@ fn write_checkpoint(inp: &SaveInputs<'_>, stages: &[Vec<f32>]) -> Result<PathBuf
         ),
         (TRAINER_FILE, (trainer + "\n").into_bytes()),
     ];
+    if let Some(c) = inp.tokenizer_config {
+        files.push((TOKENIZER_CONFIG_FILE, c.as_bytes().to_vec()));
+    }
     let step = inp.state.step;
     let at = |p: SavePoint<'_>| inp.hook.map_or(Ok(()), |h| h(step, p));
     let mut manifest = Manifest::default();

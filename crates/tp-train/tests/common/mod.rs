@@ -36,7 +36,8 @@ pub fn with_trainers<R: Send>(
     let tok = tokenizer_json();
     let outs = run(spec.dims.world_size(), LocalOptions::default(), |world| {
         let groups = ProcessGroups::new(world, spec.dims)?;
-        let mut t = Trainer::new(spec, groups, &corpus, &tok, resume, opts.clone())?;
+        let start = resume.map_or(tp_train::Start::Fresh, tp_train::Start::Resume);
+        let mut t = Trainer::new(spec, groups, &corpus, &tok, start, opts.clone())?;
         f(&mut t)
     })
     .expect("world starts");
