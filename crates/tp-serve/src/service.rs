@@ -8,7 +8,7 @@ use crate::canary::{Canaries, CanaryConfig};
 use crate::client::Client;
 use crate::dashboard::RankSetup;
 use crate::error::{Result, ServeError};
-use crate::http::admin::AdminConfig;
+use crate::http::admin::{AdminConfig, Layout};
 use crate::http::conn::ConnLimits;
 use crate::http::server::{Server, ServerConfig, StopHandle};
 use crate::metrics::Metrics;
@@ -217,6 +217,14 @@ pub fn serve(
             canary: cfg.canary.clone(),
             canaries: Arc::clone(&canaries),
             load_timeout: RELOAD_TIMEOUT,
+            layout: session.worker.reload_spec().map(|spec| Layout {
+                weights: session.weights.clone(),
+                ctx: session.ctx_size,
+                load: spec.load,
+                local_ranks: (0..tp)
+                    .filter(|&r| tp_engine::launch::host_of(r) == tp_engine::launch::host_of(0))
+                    .collect(),
+            }),
         }),
     };
     let metrics = Arc::new(Metrics::new());

@@ -66,6 +66,11 @@ impl Worker {
         self.held.spec = Some(spec);
     }
 
+    /// How this rank loads further models (`None`: it cannot).
+    pub fn reload_spec(&self) -> Option<&ReloadSpec> {
+        self.held.spec.as_ref()
+    }
+
     /// The id of the model commands apply to now.
     pub fn selected_model(&self) -> u32 {
         self.held.selected

@@ -41,6 +41,18 @@ pub struct AdminConfig {
     pub canaries: Arc<Canaries>,
     /// Longest wait for every rank to load a model.
     pub load_timeout: Duration,
+    /// How ranks load a model (to price a second one before it loads); `None`: not priced.
+    pub layout: Option<Layout>,
+}
+
+/// The server's layout, to price a second model's weights on this host.
+#[derive(Clone, Debug)]
+pub struct Layout {
+    pub weights: tp_models::RankWeights,
+    pub ctx: usize,
+    pub load: tp_models::LoadOptions,
+    /// The ranks whose processes run on this host (all of them with the local backend).
+    pub local_ranks: Vec<usize>,
 }
 
 /// The admin endpoints' state.
@@ -166,10 +178,13 @@ async fn reload_inner(st: &AppState, headers: &HeaderMap, body: &Bytes) -> Resul
     // live one's shape, with the same tokenizer.
     let tokenizer = Arc::clone(&st.tokenizer);
     let shape = admin.cfg.model.clone();
+    let layout = admin.cfg.layout.clone();
     let checked = path.clone();
-    let (path, note) = tokio::task::spawn_blocking(move || preflight(&checked, &shape, &tokenizer))
-        .await
-        .map_err(|e| ApiError::internal(format!("the model check failed: {e}")))??;
+    let (path, note) = tokio::task::spawn_blocking(move || {
+        preflight(&checked, &shape, &tokenizer, layout.as_ref())
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("the model check failed: {e}")))??;
     let shown = path.display().to_string();
     let id = ask(
         st,
@@ -297,6 +312,7 @@ fn preflight(
     path: &std::path::Path,
     live: &ModelConfig,
     tokenizer: &Tokenizer,
+    layout: Option<&Layout>,
 ) -> Result<(PathBuf, Option<String>), ApiError> {
     let shown = path.display().to_string();
     let ckpt =
@@ -335,8 +351,55 @@ fn preflight(
             "{shown} carries no tokenizer; the live model's is used"
         )),
     };
+    if let Some(l) = layout {
+        check_room(&shown, &*ckpt, l, available_memory())?;
+    }
     let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     Ok((path, note))
+}
+
+/// Refuses a model whose weights (the shards of this host's ranks, by the memory plan) do not
+/// fit the memory available now beside the live one. Only this host is priced: under mpirun
+/// other hosts' ranks find out when they load (and the reload is then refused on every rank).
+fn check_room(
+    shown: &str,
+    ckpt: &dyn tp_models::Checkpoint,
+    l: &Layout,
+    available: Option<u64>,
+) -> Result<(), ApiError> {
+    let Some(available) = available else {
+        return Ok(());
+    };
+    let plan = tp_engine::session::memory_plan(ckpt, &l.weights, l.ctx, l.load)
+        .map_err(|e| invalid_model(shown, &tp_engine::report::chain(&e)))?;
+    let need: u64 = l
+        .local_ranks
+        .iter()
+        .filter_map(|&r| plan.get(r))
+        .map(|m| (m.sharded + m.replicated) as u64)
+        .sum();
+    if need > available {
+        return Err(ApiError {
+            status: 507,
+            message: format!(
+                "the memory plan says {shown} cannot be held beside the live model: its weights take {} on this host and {} is available; free memory, or restart the server on the new model (this server does not drain and swap in place)",
+                tp_engine::report::show_bytes(need),
+                tp_engine::report::show_bytes(available)
+            ),
+            kind: "server_error",
+            param: Some("path".into()),
+            code: Some("insufficient_memory"),
+        });
+    }
+    Ok(())
+}
+
+/// Memory available for new allocations now (Linux `MemAvailable`), `None` elsewhere.
+fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 /// The same vocabulary: as many tokens, each decoding to the same text.
@@ -391,5 +454,45 @@ pub(crate) async fn held_completions(
     match read_body(&st, req).await {
         Ok(body) => generate_on(st, Endpoint::Completions, body, Some(id)).await,
         Err(e) => answer(&st, Err(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tp_models::synthetic::{GgufTypes, SyntheticModel};
+    use tp_models::{Arch, LoadOptions, RankWeights};
+
+    #[test]
+    fn a_second_model_that_does_not_fit_is_refused_by_its_memory_plan() {
+        let dir = std::env::temp_dir().join(format!("tp-admin-room-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.gguf");
+        SyntheticModel::small(Arch::Llama, 3)
+            .write_gguf(&path, GgufTypes::F32)
+            .unwrap();
+        let ckpt = open_checkpoint(&path).unwrap();
+        let layout = Layout {
+            weights: RankWeights::even(2),
+            ctx: 128,
+            load: LoadOptions::default(),
+            local_ranks: vec![0, 1],
+        };
+        // The oracle: the memory plan's weights of both ranks.
+        let plan =
+            tp_engine::session::memory_plan(&*ckpt, &layout.weights, 128, layout.load).unwrap();
+        let need: u64 = plan.iter().map(|m| (m.sharded + m.replicated) as u64).sum();
+        assert!(check_room("m.gguf", &*ckpt, &layout, Some(need)).is_ok());
+        assert!(check_room("m.gguf", &*ckpt, &layout, None).is_ok());
+        let e = check_room("m.gguf", &*ckpt, &layout, Some(need - 1)).unwrap_err();
+        assert_eq!(e.status, 507);
+        assert!(e.message.contains("m.gguf cannot be held"), "{}", e.message);
+        // Only this host's ranks count.
+        let one = Layout {
+            local_ranks: vec![0],
+            ..layout
+        };
+        assert!(check_room("m.gguf", &*ckpt, &one, Some(need - 1)).is_ok());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
