@@ -525,3 +525,227 @@ impl<'a, 't> Fleet<'a, 't> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::scheduler::{run_models, Load, SchedulerConfig};
+    use std::collections::BTreeMap;
+    use std::sync::mpsc;
+    use tp_engine::{DecodeParams, ScriptedExecutor, Slots};
+    use tp_tokenizer::Tokenizer;
+
+    const VOCAB: usize = 257;
+
+    /// A byte model by name: "alphabet" answers the next letter; "nan" gives NaN logits (every
+    /// request on it fails, as on a broken model file).
+    fn scripted(name: &str) -> ScriptedExecutor {
+        let nan = name == "nan";
+        ScriptedExecutor::new(
+            VOCAB,
+            10_000,
+            Box::new(move |_, held| {
+                let mut row = vec![if nan { f32::NAN } else { 0.0 }; VOCAB];
+                if !nan {
+                    let next = match held.last().map(|&t| t as u8) {
+                        Some(c @ b'a'..=b'y') => (c + 1) as usize,
+                        _ => b'a' as usize,
+                    };
+                    row[next] = 10.0;
+                }
+                row
+            }),
+        )
+    }
+
+    /// Held models as the worker holds them: one executor per id, the selected one driven.
+    struct Models {
+        all: BTreeMap<u32, ScriptedExecutor>,
+        selected: u32,
+        loading: Option<(u32, String)>,
+    }
+
+    impl Models {
+        fn current(&mut self) -> &mut ScriptedExecutor {
+            self.all
+                .get_mut(&self.selected)
+                .expect("the selected model is held")
+        }
+    }
+
+    impl StepExecutor for Models {
+        fn submit(&mut self, cmd: Command) -> tp_engine::Result<Option<Vec<f32>>> {
+            self.current().submit(cmd)
+        }
+        fn slots(&self) -> &Slots {
+            self.all[&self.selected].slots()
+        }
+        fn set_block_limit(&mut self, blocks: usize) {
+            self.current().set_block_limit(blocks)
+        }
+        fn comm_time(&self) -> Duration {
+            Duration::ZERO
+        }
+        fn load_model(&mut self, id: u32, path: &str) -> tp_engine::Result<()> {
+            self.loading = Some((id, path.to_string()));
+            Ok(())
+        }
+        fn load_finished(&self) -> bool {
+            self.loading.is_some()
+        }
+        fn adopt_model(&mut self, id: u32) -> tp_engine::Result<Result<(), String>> {
+            let (loading, path) = self.loading.take().expect("a load to adopt");
+            assert_eq!(loading, id);
+            if path == "missing" {
+                return Ok(Err("no such file".into()));
+            }
+            self.all.insert(id, scripted(&path));
+            Ok(Ok(()))
+        }
+        fn select_model(&mut self, id: u32) -> tp_engine::Result<()> {
+            assert!(
+                self.all.contains_key(&id),
+                "model {id} selected but not held"
+            );
+            self.selected = id;
+            Ok(())
+        }
+        fn drop_model(&mut self, id: u32) -> tp_engine::Result<()> {
+            assert_ne!(id, self.selected, "the selected model dropped");
+            self.all.remove(&id);
+            Ok(())
+        }
+    }
+
+    fn job(prompt: &str, max: usize) -> (Job, tokio::sync::mpsc::UnboundedReceiver<Event>) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let job = Job {
+            prompt: prompt.bytes().map(u32::from).collect(),
+            params: DecodeParams::greedy(max),
+            events: tx,
+            arrived: Instant::now(),
+            model: None,
+        };
+        (job, rx)
+    }
+
+    /// A request's text, or its failure.
+    fn ask(tx: &mpsc::Sender<Control>, load: &Load, prompt: &str) -> Result<String, String> {
+        let (j, mut rx) = job(prompt, 4);
+        load.pending.fetch_add(1, Ordering::Relaxed);
+        tx.send(Control::Submit(j)).unwrap();
+        let mut text = String::new();
+        loop {
+            match rx.blocking_recv() {
+                Some(Event::Text { text: t, .. }) => text.push_str(&t),
+                Some(Event::Done { .. }) => return Ok(text),
+                Some(Event::Failed { message, .. }) => return Err(message),
+                None => panic!("no end event"),
+            }
+        }
+    }
+
+    fn admin<T>(tx: &mpsc::Sender<Control>, a: impl FnOnce(oneshot::Sender<T>) -> Admin) -> T {
+        let (reply, rx) = oneshot::channel();
+        tx.send(Control::Admin(a(reply))).unwrap();
+        rx.blocking_recv().expect("a reply")
+    }
+
+    #[test]
+    fn failing_requests_after_a_switch_roll_back_and_models_are_dropped_when_replaced() {
+        let mut exec = Models {
+            all: BTreeMap::from([(0, scripted("alphabet"))]),
+            selected: 0,
+            loading: None,
+        };
+        let cfg = SchedulerConfig {
+            max_seqs: 4,
+            kv_blocks: 100,
+            max_batch_tokens: 64,
+            heartbeat: Duration::from_millis(5),
+            prefix_sharing: true,
+            prefix_cache_entries: 4,
+        };
+        let tok = Tokenizer::bytes(&["<|endoftext|>"]);
+        let load = Load::default();
+        let metrics = Metrics::new();
+        let (tx, rx) = mpsc::channel();
+        std::thread::scope(|s| {
+            let (exec, tok, cfg, load, metrics) = (&mut exec, &tok, &cfg, &load, &metrics);
+            let sched = s.spawn(move || run_models(exec, tok, cfg, &rx, load, metrics, "a".into()));
+            assert_eq!(ask(&tx, load, "a").unwrap(), "bcde");
+            // A load that fails on the ranks changes nothing.
+            let e = admin(&tx, |reply| Admin::Load {
+                path: "missing".into(),
+                reply,
+            });
+            assert_eq!(e, Err("no such file".into()));
+            let id = admin(&tx, |reply| Admin::Load {
+                path: "nan".into(),
+                reply,
+            })
+            .unwrap();
+            // Requests naming the candidate run on it (the canary's way in).
+            let (mut j, mut rx_nan) = job("a", 4);
+            j.model = Some(id);
+            load.pending.fetch_add(1, Ordering::Relaxed);
+            tx.send(Control::Submit(j)).unwrap();
+            loop {
+                match rx_nan.blocking_recv() {
+                    Some(Event::Failed { message, .. }) => {
+                        assert!(message.contains("NaN"), "{message}");
+                        break;
+                    }
+                    Some(Event::Text { .. }) => {}
+                    other => panic!("{other:?}"),
+                }
+            }
+            let s1 = admin(&tx, |reply| Admin::Switch { id, reply }).unwrap();
+            assert_eq!((s1.live.id, s1.previous.map(|p| p.id)), (id, Some(0)));
+            // The live model fails every request: after 3 of 3, the previous one is back.
+            for _ in 0..WATCH_MIN_FAILURES {
+                assert!(ask(&tx, load, "a").is_err());
+            }
+            assert_eq!(ask(&tx, load, "a").unwrap(), "bcde");
+            let r = metrics.board.snapshot().rollout;
+            assert_eq!((r.live.id, r.switches, r.rollbacks), (0, 1, 1), "{r:?}");
+            assert!(r.last_event.contains("failed"), "{r:?}");
+            // An automatic rollback only undoes a switch: not this rollback.
+            let again = admin(&tx, |reply| Admin::Rollback {
+                reason: "test".into(),
+                automatic: true,
+                reply: Some(reply),
+            });
+            assert!(again.is_err());
+            // Two more switches: the model before the previous one is dropped once idle.
+            let b = admin(&tx, |reply| Admin::Load {
+                path: "alphabet".into(),
+                reply,
+            })
+            .unwrap();
+            admin(&tx, |reply| Admin::Switch { id: b, reply }).unwrap();
+            let t0 = Instant::now();
+            loop {
+                let ids: Vec<u32> = metrics
+                    .board
+                    .snapshot()
+                    .rollout
+                    .models
+                    .iter()
+                    .map(|m| m.id)
+                    .collect();
+                if ids == vec![0, b] {
+                    break;
+                }
+                assert!(t0.elapsed() < Duration::from_secs(5), "{ids:?}");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            // New requests run on the new live model.
+            assert_eq!(ask(&tx, load, "x").unwrap(), "yzab");
+            tx.send(Control::Shutdown).unwrap();
+            sched.join().unwrap().unwrap();
+        });
+        assert_eq!(exec.all.keys().copied().collect::<Vec<_>>(), vec![0, 3]);
+    }
+}
