@@ -261,6 +261,14 @@ impl<'a, 't> Fleet<'a, 't> {
                     let _ = reply.send(Err(format!("{} is still loading", l.name)));
                     return Ok(());
                 }
+                // A candidate left over (its reload was abandoned before the switch) goes.
+                let (live, previous) = (self.live, self.previous);
+                for m in &mut self.models {
+                    let id = m.sched.model;
+                    if id != live && Some(id) != previous {
+                        m.retiring = true;
+                    }
+                }
                 let id = self.next_id;
                 self.next_id += 1;
                 if let Err(e) = exec.load_model(id, &path) {
