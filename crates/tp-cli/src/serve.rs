@@ -193,7 +193,14 @@ fn key_from(flag: Option<&str>, flag_name: &str, var: &str) -> anyhow::Result<Op
             if source == flag_name { "out" } else { "unset" }
         );
     }
-    tp_serve::check_api_key(&key).map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
+    tp_serve::check_api_key(&key).map_err(|e| {
+        let e = if var == "TP_API_KEY" {
+            e
+        } else {
+            e.replace("the API key", "the key")
+        };
+        anyhow::anyhow!("{source}: {e}")
+    })?;
     Ok(Some(key))
 }
 
@@ -249,6 +256,12 @@ fn serve_config(
     connections: ConnLimits,
     drain: Duration,
 ) -> anyhow::Result<ServeConfig> {
+    let admin_key = match admin_key(args.admin_key.as_deref())? {
+        Some(k) if api_key.as_deref() == Some(k.as_str()) => bail!(
+            "the admin key is the API key; give --admin-key ($TP_ADMIN_KEY) a key of its own (every client holds the API key)"
+        ),
+        k => k,
+    };
     Ok(ServeConfig {
         host: args.host,
         port: args.port,
@@ -279,7 +292,7 @@ fn serve_config(
         auth_hint: Some("--api-key".into()),
         prefix_cache: !args.no_prefix_cache,
         canary: canary_config(args)?,
-        admin_key: admin_key(args.admin_key.as_deref())?,
+        admin_key,
     })
 }
 

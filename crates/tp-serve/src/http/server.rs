@@ -77,7 +77,7 @@ impl ServerConfig {
             if self.api_key.as_deref() == Some(a.key.as_str()) {
                 return Err(ServeError::Config {
                     name: "admin key",
-                    message: "is the API key; give the admin endpoints a key of their own (every client holds the API key)".into(),
+                    message: "must differ from the API key (every client holds the API key); give the admin endpoints a key of their own".into(),
                 });
             }
         }
