@@ -35,6 +35,12 @@ pub struct ServeArgs {
     /// (flag or variable) is refused rather than serving without authentication.
     #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,
+    /// Turn on the admin endpoints (POST /admin/reload to load a model or a `tp train`
+    /// checkpoint beside the live one, canary it and switch; POST /admin/rollback; GET
+    /// /admin/models), which need `Authorization: Bearer KEY` with this key (not the API
+    /// key). Prefer setting $TP_ADMIN_KEY: a flag's value shows in `ps`.
+    #[arg(long, value_name = "KEY")]
+    pub admin_key: Option<String>,
     /// With an API key: answer GET /health without it (for load-balancer probes); every
     /// other route still needs the key.
     #[arg(long)]
@@ -158,13 +164,25 @@ fn canary_prompts(args: &ServeArgs) -> anyhow::Result<Vec<String>> {
 
 /// The API key from --api-key or $TP_API_KEY (the flag wins); an empty one is an error.
 fn api_key(flag: Option<&str>) -> anyhow::Result<Option<String>> {
+    key_from(flag, "--api-key", "TP_API_KEY")
+}
+
+/// The admin key from --admin-key or $TP_ADMIN_KEY (the flag wins); an empty one is an error.
+fn admin_key(flag: Option<&str>) -> anyhow::Result<Option<String>> {
+    key_from(flag, "--admin-key", "TP_ADMIN_KEY")
+}
+
+/// A key from `flag_name` (given as `flag`) or the environment variable `var`.
+fn key_from(flag: Option<&str>, flag_name: &str, var: &str) -> anyhow::Result<Option<String>> {
     let (key, source) = match flag {
-        Some(k) => (k.to_string(), "--api-key"),
-        None => match std::env::var_os("TP_API_KEY") {
+        Some(k) => (k.to_string(), flag_name.to_string()),
+        None => match std::env::var_os(var) {
             None => return Ok(None),
             Some(v) => match v.into_string() {
-                Ok(k) => (k, "$TP_API_KEY"),
-                Err(_) => bail!("$TP_API_KEY is not valid UTF-8; set it to the key (printable ASCII) or unset it"),
+                Ok(k) => (k, format!("${var}")),
+                Err(_) => bail!(
+                    "${var} is not valid UTF-8; set it to the key (printable ASCII) or unset it"
+                ),
             },
         },
     };
@@ -172,10 +190,17 @@ fn api_key(flag: Option<&str>) -> anyhow::Result<Option<String>> {
         bail!(
             "{source} is {}: refusing to serve without authentication by accident. Set {source} to the key, or leave it {} to serve without one",
             if key.is_empty() { "empty" } else { "only whitespace" },
-            if source == "--api-key" { "out" } else { "unset" }
+            if source == flag_name { "out" } else { "unset" }
         );
     }
-    tp_serve::check_api_key(&key).map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
+    tp_serve::check_api_key(&key).map_err(|e| {
+        let e = if var == "TP_API_KEY" {
+            e
+        } else {
+            e.replace("the API key", "the key")
+        };
+        anyhow::anyhow!("{source}: {e}")
+    })?;
     Ok(Some(key))
 }
 
@@ -231,6 +256,12 @@ fn serve_config(
     connections: ConnLimits,
     drain: Duration,
 ) -> anyhow::Result<ServeConfig> {
+    let admin_key = match admin_key(args.admin_key.as_deref())? {
+        Some(k) if api_key.as_deref() == Some(k.as_str()) => bail!(
+            "the admin key is the API key; give --admin-key ($TP_ADMIN_KEY) a key of its own (every client holds the API key)"
+        ),
+        k => k,
+    };
     Ok(ServeConfig {
         host: args.host,
         port: args.port,
@@ -261,6 +292,7 @@ fn serve_config(
         auth_hint: Some("--api-key".into()),
         prefix_cache: !args.no_prefix_cache,
         canary: canary_config(args)?,
+        admin_key,
     })
 }
 

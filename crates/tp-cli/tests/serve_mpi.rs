@@ -71,3 +71,70 @@ fn serve_under_mpirun_answers_and_stops_cleanly() {
     let status = server.wait(Duration::from_secs(60));
     assert_eq!(status.code(), Some(0), "{}", server.stderr());
 }
+
+/// `tp serve --backend mpi --admin-key` under mpirun (2 processes): a reload loads the model
+/// on both processes (the follower learns the load, adopt and select commands from the step
+/// protocol) and traffic switches with the same answers (the same file: what this checks is
+/// that every rank loads, adopts and selects in step, not a change of answers, which the
+/// tp-serve tests check with two models at tp 2); a path that is no model is refused with
+/// 400 and the live model keeps serving; a rollback switches back; SIGTERM still ends the
+/// job with exit code 0.
+#[test]
+fn reload_under_mpirun_switches_every_rank() {
+    let Some(model) = tp_testkit::smollm2() else {
+        return;
+    };
+    let mpirun = tp_testkit::require_mpirun();
+    let mpirun = mpirun.to_str().expect("a UTF-8 path to mpirun");
+    let [root, oversubscribe] = tp_testkit::process::MPIRUN_FLAGS;
+    let mut server = ServerProc::start_with(
+        mpirun,
+        &[root, oversubscribe, "-n", "2", TP],
+        &model,
+        &[
+            "--backend",
+            "mpi",
+            "--ctx-size",
+            "256",
+            "--admin-key",
+            "mpi-admin-key",
+        ],
+    );
+    let admin = server.client.clone().with_api_key("mpi-admin-key");
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0});
+    let complete = || {
+        let r = server.client.post_json("/v1/completions", &body).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let before = complete();
+    let r = admin
+        .post_json(
+            "/admin/reload",
+            &json!({"path": model.to_str().expect("a UTF-8 model path")}),
+        )
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["live"]["id"], 1, "{}", r.text());
+    assert_eq!(complete(), before);
+    let r = admin
+        .post_json("/admin/reload", &json!({"path": "/no/such/model.gguf"}))
+        .unwrap();
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("/no/such/model.gguf"), "{}", r.text());
+    assert_eq!(complete(), before);
+    let r = admin.post("/admin/rollback", b"").unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["live"]["id"], 0, "{}", r.text());
+    assert_eq!(complete(), before);
+    let pid = server
+        .rank0_pid
+        .expect("the pid of rank 0 in the listening line");
+    let ok = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok);
+    let status = server.wait(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(0), "{}", server.stderr());
+}

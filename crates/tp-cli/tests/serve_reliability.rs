@@ -337,6 +337,49 @@ fn an_empty_api_key_is_refused() {
     }
 }
 
+/// `tp serve` refuses an admin key that is empty (flag or $TP_ADMIN_KEY), not printable, or
+/// the API key itself, before the model is opened.
+#[test]
+fn a_bad_admin_key_is_refused() {
+    let serve = |args: &[&str], env: Option<&str>| {
+        let mut cmd = std::process::Command::new(serve_util::TP);
+        cmd.args(["serve", "--model", "/nonexistent/model.gguf", "--port", "0"])
+            .args(args)
+            .env_remove("TP_API_KEY")
+            .env_remove("TP_ADMIN_KEY");
+        if let Some(v) = env {
+            cmd.env("TP_ADMIN_KEY", v);
+        }
+        let out = cmd.output().expect("run tp serve");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for (args, env, needle) in [
+        (&["--admin-key", ""][..], None, "--admin-key is empty"),
+        (&[][..], Some(" "), "$TP_ADMIN_KEY is only whitespace"),
+        (
+            &["--admin-key", "a b"][..],
+            None,
+            "--admin-key: the key contains ' '",
+        ),
+        (
+            &["--api-key", "k1", "--admin-key", "k1"][..],
+            None,
+            "the admin key is the API key",
+        ),
+    ] {
+        let (code, stderr) = serve(args, env);
+        assert_ne!(code, Some(0), "{args:?} {env:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?} {env:?}: {stderr}");
+        assert!(
+            !stderr.contains("/nonexistent"),
+            "checked before the model: {stderr}"
+        );
+    }
+}
+
 /// With $TP_API_KEY and --public-health, /health answers anyone and the rest needs the key;
 /// a stream the drain timeout cuts ends with an error event and `[DONE]`, and a whole
 /// answer still being generated gets 503.

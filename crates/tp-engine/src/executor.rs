@@ -7,6 +7,7 @@
 use crate::error::{EngineError, Result};
 use crate::protocol::{ChunkSpec, Command};
 use crate::slots::Slots;
+use crate::swap::ModelCommand;
 use crate::worker::{RankProfile, Worker};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -30,6 +31,35 @@ pub trait StepExecutor {
     fn rank_profiles(&mut self) -> Result<Option<Vec<RankProfile>>> {
         Ok(None)
     }
+    /// Starts loading the model at `path` on every rank, to be held as `id` beside the
+    /// selected one (see [`crate::swap`]); an executor without that ability refuses.
+    fn load_model(&mut self, id: u32, path: &str) -> Result<()> {
+        let _ = (id, path);
+        Err(one_model())
+    }
+    /// Rank 0's part of the load has ended: [`StepExecutor::adopt_model`] will not wait long.
+    fn load_finished(&self) -> bool {
+        false
+    }
+    /// Holds the loaded model `id` on every rank, or (`Ok(Err(why))`) drops it everywhere.
+    fn adopt_model(&mut self, id: u32) -> Result<std::result::Result<(), String>> {
+        let _ = id;
+        Err(one_model())
+    }
+    /// Later commands apply to model `id` (its own slots and KV pool).
+    fn select_model(&mut self, id: u32) -> Result<()> {
+        let _ = id;
+        Err(one_model())
+    }
+    /// Frees model `id` (not the selected one).
+    fn drop_model(&mut self, id: u32) -> Result<()> {
+        let _ = id;
+        Err(one_model())
+    }
+}
+
+fn one_model() -> EngineError {
+    EngineError::Internal("this executor holds one model".into())
 }
 
 impl StepExecutor for Worker {
@@ -48,6 +78,22 @@ impl StepExecutor for Worker {
     fn rank_profiles(&mut self) -> Result<Option<Vec<RankProfile>>> {
         Worker::submit(self, Command::ProfileReport)?;
         Ok(Some(Worker::rank_profiles(self).to_vec()))
+    }
+    fn load_model(&mut self, id: u32, path: &str) -> Result<()> {
+        let path = path.to_string();
+        Worker::submit(self, Command::Model(ModelCommand::Load { id, path })).map(drop)
+    }
+    fn load_finished(&self) -> bool {
+        Worker::load_finished(self)
+    }
+    fn adopt_model(&mut self, id: u32) -> Result<std::result::Result<(), String>> {
+        Worker::adopt_model(self, id)
+    }
+    fn select_model(&mut self, id: u32) -> Result<()> {
+        Worker::submit(self, Command::Model(ModelCommand::Select { id })).map(drop)
+    }
+    fn drop_model(&mut self, id: u32) -> Result<()> {
+        Worker::submit(self, Command::Model(ModelCommand::Drop { id })).map(drop)
     }
 }
 

@@ -27,6 +27,7 @@ pub mod slots;
 pub mod spec;
 pub mod start;
 pub mod stop;
+pub mod swap;
 pub mod worker;
 
 pub use decoder::{
@@ -46,4 +47,5 @@ pub use spec::{
     DraftTokens, Drafter, NgramDrafter, SpecMethod, SpecStats, Speculator, MAX_DRAFT_TOKENS,
 };
 pub use stop::StopMatcher;
-pub use worker::{RankProfile, Worker};
+pub use swap::ModelCommand;
+pub use worker::{RankProfile, ReloadSpec, Worker};

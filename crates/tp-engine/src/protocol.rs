@@ -5,6 +5,7 @@
 //! block tables stay identical.
 
 use crate::error::{EngineError, Result};
+use crate::swap::ModelCommand;
 use tp_comm::{CommExt, Group};
 
 /// Longest payload a follower accepts (words): bounds memory on a corrupted header.
@@ -60,6 +61,8 @@ pub enum Command {
     ProfileStart { barriers: bool },
     /// Every rank's profile, gathered on every rank.
     ProfileReport,
+    /// Load, adopt, select or drop a model held beside the live one (see [`crate::swap`]).
+    Model(ModelCommand),
     /// Followers return.
     Exit,
 }
@@ -73,6 +76,7 @@ const OP_EXIT: u32 = 6;
 const OP_PROFILE_START: u32 = 7;
 const OP_PROFILE_REPORT: u32 = 8;
 const OP_FORK: u32 = 9;
+const OP_MODEL: u32 = 10;
 
 impl Command {
     /// `(header, payload)`.
@@ -113,6 +117,10 @@ impl Command {
                 ([OP_PROFILE_START, u32::from(*barriers), 0, 0], Vec::new())
             }
             Command::ProfileReport => ([OP_PROFILE_REPORT, 0, 0, 0], Vec::new()),
+            Command::Model(m) => {
+                let (op, id, payload) = m.encode();
+                ([OP_MODEL, op, id, payload.len() as u32], payload)
+            }
             Command::Exit => ([OP_EXIT, 0, 0, 0], Vec::new()),
         }
     }
@@ -181,6 +189,7 @@ impl Command {
                 barriers: header[1] == 1,
             },
             OP_PROFILE_REPORT => Command::ProfileReport,
+            OP_MODEL => Command::Model(ModelCommand::decode(header[1], header[2], payload, bad)?),
             OP_EXIT => Command::Exit,
             op => return Err(bad(format!("unknown op {op}"))),
         })
@@ -254,6 +263,11 @@ mod tests {
             Command::Idle,
             Command::ProfileStart { barriers: true },
             Command::ProfileReport,
+            Command::Model(ModelCommand::Load {
+                id: 2,
+                path: "ckpt/step-00000300".into(),
+            }),
+            Command::Model(ModelCommand::Select { id: 2 }),
             Command::Exit,
         ];
         for c in cmds {

@@ -101,7 +101,8 @@ impl Slots {
             Command::Idle
             | Command::Exit
             | Command::ProfileStart { .. }
-            | Command::ProfileReport => {}
+            | Command::ProfileReport
+            | Command::Model(_) => {}
         }
         Ok(())
     }

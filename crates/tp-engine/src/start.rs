@@ -48,7 +48,7 @@ use crate::load_stats::{self, Counting, LoadStats};
 use crate::model_check::{check_same_model, open_and_identify, ModelCheckError};
 use crate::report::{chain, load_table, show_bytes};
 use crate::session::{self, Placement, Session, SessionError};
-use crate::{Command, Worker};
+use crate::{Command, ReloadSpec, Worker};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -439,6 +439,15 @@ fn run_rank<T, E>(
         }
     }
     let mut worker = Worker::new(model, g.clone());
+    // A server may load further models with the same layout; a rank that waits for its
+    // load longer than half the collective deadline gives up before rank 0's gather does.
+    worker.enable_reload(ReloadSpec {
+        weights: m.weights.clone(),
+        load: cfg.load,
+        ctx: m.ctx,
+        sync: cfg.sync,
+        deadline: cfg.timeout / 2,
+    });
     if rank != 0 {
         worker.follow().map_err(|e| words(e.into()))?;
         return Ok(None);

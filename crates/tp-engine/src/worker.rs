@@ -8,6 +8,9 @@ use crate::slots::Slots;
 use tp_comm::{CommExt, Group};
 use tp_models::{Chunk, Profile, ShardedModel};
 
+mod models;
+pub use models::ReloadSpec;
+
 /// One rank's model shard and caches.
 #[derive(Debug)]
 pub struct Worker {
@@ -17,6 +20,8 @@ pub struct Worker {
     /// Time split of every forward pass so far (reset freely).
     pub profile: Profile,
     rank_profiles: Vec<RankProfile>,
+    /// Models held beside this one (a server's reload; see [`crate::swap`]).
+    held: models::Held,
 }
 
 /// One rank's time split, in seconds.
@@ -54,6 +59,7 @@ impl Worker {
             slots,
             profile: Profile::default(),
             rank_profiles: Vec::new(),
+            held: models::Held::default(),
         }
     }
 
@@ -88,6 +94,9 @@ impl Worker {
             return Err(EngineError::Internal("only rank 0 submits commands".into()));
         }
         self.slots.check(&cmd)?;
+        if let Command::Model(m) = &cmd {
+            self.check_model(m)?;
+        }
         if let Command::Forward(chunks) = &mut cmd {
             self.slots.choose_blocks(chunks)?;
         }
@@ -102,7 +111,11 @@ impl Worker {
             if cmd == Command::Exit {
                 return Ok(());
             }
-            self.slots.check(&cmd).map_err(|e| EngineError::Protocol {
+            let checked = match &cmd {
+                Command::Model(m) => self.check_model(m),
+                other => self.slots.check(other),
+            };
+            checked.map_err(|e| EngineError::Protocol {
                 rank: self.group.rank(),
                 message: format!("rejected {cmd:?}: {e}"),
             })?;
@@ -122,6 +135,7 @@ impl Worker {
             }
             Command::ProfileReport => self.rank_profiles = self.report()?,
             Command::Idle | Command::Exit => {}
+            Command::Model(m) => self.execute_model(m)?,
             Command::Open { .. }
             | Command::Fork { .. }
             | Command::Close { .. }

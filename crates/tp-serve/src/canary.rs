@@ -125,12 +125,25 @@ impl Canary {
     }
 }
 
-/// One case's greedy continuation and mean log-probability from the server.
-fn ask(c: &Client, prompt: &str, max_tokens: usize) -> Result<(String, f64), String> {
+/// The completions endpoint of the live model.
+pub const LIVE: &str = "/v1/completions";
+
+/// The completions endpoint of held model `id` (the admin routes: a candidate's canary).
+pub fn held_endpoint(id: u32) -> String {
+    format!("/admin/models/{id}/v1/completions")
+}
+
+/// One case's greedy continuation and mean log-probability from `endpoint` of the server.
+fn ask(
+    c: &Client,
+    endpoint: &str,
+    prompt: &str,
+    max_tokens: usize,
+) -> Result<(String, f64), String> {
     let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "logprobs": 1});
     let r = c
-        .post_json("/v1/completions", &body)
+        .post_json(endpoint, &body)
         .map_err(|e| format!("the canary request failed: {e}"))?;
     if r.status != 200 {
         return Err(format!("the canary request got {}: {}", r.status, r.text()));
@@ -155,7 +168,7 @@ fn ask(c: &Client, prompt: &str, max_tokens: usize) -> Result<(String, f64), Str
 pub fn record(c: &Client, prompts: &[String], max_tokens: usize) -> Result<Canary, String> {
     let mut cases = Vec::new();
     for p in prompts {
-        let (expected, mean_logprob) = ask(c, p, max_tokens)?;
+        let (expected, mean_logprob) = ask(c, LIVE, p, max_tokens)?;
         cases.push(CanaryCase {
             prompt: p.clone(),
             expected,
@@ -189,13 +202,18 @@ pub struct Verdict {
     pub detail: String,
 }
 
-/// Runs every case against the server behind `c`.
+/// Runs every case against the live model of the server behind `c`.
 pub fn run(c: &Client, canary: &Canary, threshold: f64) -> Verdict {
+    run_at(c, LIVE, canary, threshold)
+}
+
+/// Runs every case against `endpoint` (a completions endpoint) of the server behind `c`.
+pub fn run_at(c: &Client, endpoint: &str, canary: &Canary, threshold: f64) -> Verdict {
     let mut mismatches = 0;
     let mut max_shift = 0f64;
     let mut detail = Vec::new();
     for (i, case) in canary.cases.iter().enumerate() {
-        match ask(c, &case.prompt, case.max_tokens) {
+        match ask(c, endpoint, &case.prompt, case.max_tokens) {
             Ok((text, mean)) => {
                 let shift = (mean - case.mean_logprob).abs();
                 max_shift = max_shift.max(shift);
@@ -231,11 +249,45 @@ pub fn run(c: &Client, canary: &Canary, threshold: f64) -> Verdict {
     }
 }
 
-/// Runs the canary now and then every `interval` until `stop` sends or hangs up; each run
-/// sets the drift alarm (metrics and dashboard) and logs a failure.
-pub(crate) fn monitor(c: Client, cfg: CanaryConfig, metrics: Arc<Metrics>, stop: Receiver<()>) {
+/// Each held model's canary (a reload may bring the new model's own); a model without one
+/// is checked with the server's.
+#[derive(Debug, Default)]
+pub struct Canaries(std::sync::Mutex<std::collections::BTreeMap<u32, Canary>>);
+
+impl Canaries {
+    /// Model `id`'s canary from now on.
+    pub fn set(&self, id: u32, canary: Canary) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, canary);
+    }
+
+    /// Model `id`'s canary, else `fallback`.
+    pub fn of(&self, id: u32, fallback: &Canary) -> Canary {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .unwrap_or(fallback)
+            .clone()
+    }
+}
+
+/// Runs the live model's canary now and then every `interval` until `stop` sends or hangs
+/// up; each run sets the drift alarm (metrics and dashboard) and logs a failure. A failure on
+/// a model that went live by a switch asks `rollback` to go back to the previous model.
+pub(crate) fn monitor(
+    c: Client,
+    cfg: CanaryConfig,
+    canaries: Arc<Canaries>,
+    metrics: Arc<Metrics>,
+    rollback: impl Fn(String),
+    stop: Receiver<()>,
+) {
     loop {
-        let v = run(&c, &cfg.canary, cfg.threshold);
+        let live = metrics.board.live_model();
+        let v = run(&c, &canaries.of(live, &cfg.canary), cfg.threshold);
         if matches!(
             stop.try_recv(),
             Err(std::sync::mpsc::TryRecvError::Disconnected)
@@ -243,12 +295,17 @@ pub(crate) fn monitor(c: Client, cfg: CanaryConfig, metrics: Arc<Metrics>, stop:
             // The server is stopping: its refusals say nothing about the model.
             return;
         }
+        if metrics.board.live_model() != live {
+            // A switch during the run: the answers came from two models.
+            continue;
+        }
         metrics.canary_ran(&v);
         if !v.passed {
             eprintln!(
-                "# tp serve: canary drift alarm: {} of {} cases differ, largest mean-logprob shift {:.4}: {}",
+                "# tp serve: canary drift alarm on model {live}: {} of {} cases differ, largest mean-logprob shift {:.4}: {}",
                 v.mismatches, v.cases, v.max_shift, v.detail
             );
+            rollback(format!("the canary failed: {}", v.detail));
         }
         match stop.recv_timeout(cfg.interval) {
             Err(RecvTimeoutError::Timeout) => continue,

@@ -120,7 +120,38 @@ pub struct Snapshot {
     pub collection: Collection,
     /// The canary's last run (`None` without a canary).
     pub canary: Option<CanaryStatus>,
+    /// The models held, which one is live, switches and rollbacks.
+    pub rollout: RolloutStatus,
     pub history: Vec<Sample>,
+}
+
+/// One held model.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct ModelEntry {
+    /// The id reloads and rollbacks name it by (0: the model the server started with).
+    pub id: u32,
+    /// Its path (or the server's model name for the first).
+    pub name: String,
+    /// live, previous (ready for a rollback), candidate (loaded, not live) or retiring.
+    pub role: String,
+    /// Seconds since the server started, when it was loaded.
+    pub loaded_t: f64,
+    /// Sequences running on it.
+    pub running: usize,
+}
+
+/// Models in rollout (see [`crate::rollout`]).
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct RolloutStatus {
+    pub live: ModelEntry,
+    pub models: Vec<ModelEntry>,
+    pub switches: u64,
+    pub rollbacks: u64,
+    pub reload_failures: u64,
+    /// The path loading now, if any.
+    pub loading: Option<String>,
+    /// The last switch or rollback, in words.
+    pub last_event: String,
 }
 
 /// The canary's last run and the drift alarm.
@@ -244,6 +275,16 @@ impl Board {
 
     pub fn preempted(&self) {
         self.lock().snapshot.server.preemptions += 1;
+    }
+
+    /// The live model's id.
+    pub fn live_model(&self) -> u32 {
+        self.lock().snapshot.rollout.live.id
+    }
+
+    /// Takes the models' new state.
+    pub fn rollout_changed(&self, r: &RolloutStatus) {
+        self.lock().snapshot.rollout = r.clone();
     }
 
     /// Takes a canary run's verdict.

@@ -13,6 +13,7 @@ pub mod fdlimit;
 pub mod http;
 pub mod load;
 pub mod metrics;
+pub mod rollout;
 pub mod scheduler;
 pub mod service;
 

@@ -65,6 +65,8 @@ pub struct Metrics {
     pub board: Board,
     /// Each rank's host (the `host` label of the per-rank series).
     hosts: std::sync::Mutex<Vec<String>>,
+    /// Every model held so far (`tp_model_live` keeps a series for each).
+    models: std::sync::Mutex<Vec<(u32, String)>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -114,6 +116,25 @@ impl Metrics {
         describe(
             "tp_rank_expert_rows_total",
             "Mixture of experts: (token, expert) rows this rank's experts computed, over layers (0 for a dense model)",
+        );
+        describe(
+            "tp_model_switches_total",
+            "Switches of traffic to a newly loaded model",
+        );
+        describe(
+            "tp_model_rollbacks_total",
+            "Switches back to the previous model (admin, canary or error rate)",
+        );
+        describe(
+            "tp_model_reload_failures_total",
+            "Reloads refused: the model could not be loaded, or its canary failed",
+        );
+        r.describe_gauge(
+            KeyName::from("tp_model_live"),
+            None,
+            SharedString::const_str(
+                "1 for the model serving new requests, 0 for the others held or once held",
+            ),
         );
         describe("tp_prompt_tokens_total", "Prompt tokens processed");
         describe("tp_generation_tokens_total", "Tokens generated");
@@ -224,6 +245,7 @@ impl Metrics {
             ),
             board: Board::default(),
             hosts: std::sync::Mutex::default(),
+            models: std::sync::Mutex::default(),
             recorder,
             handle,
         }
@@ -298,6 +320,38 @@ impl Metrics {
             )],
         );
         r.register_counter(&key, &META).increment(1);
+    }
+
+    /// Takes the models' new state: `tp_model_live{id, name}` (1 for the live model, 0 for the
+    /// others held or once held), switches, rollbacks and failed reloads.
+    pub fn rollout_changed(&self, s: &crate::dashboard::RolloutStatus) {
+        self.board.rollout_changed(s);
+        let r = &self.recorder;
+        let mut known = self.models.lock().unwrap_or_else(|e| e.into_inner());
+        for m in &s.models {
+            if !known.iter().any(|(id, _)| *id == m.id) {
+                known.push((m.id, m.name.clone()));
+            }
+        }
+        for (id, name) in known.iter() {
+            let key = Key::from_parts(
+                "tp_model_live",
+                vec![
+                    Label::new("id", id.to_string()),
+                    Label::new("name", name.clone()),
+                ],
+            );
+            r.register_gauge(&key, &META)
+                .set(if *id == s.live.id { 1.0 } else { 0.0 });
+        }
+        for (name, v) in [
+            ("tp_model_switches_total", s.switches),
+            ("tp_model_rollbacks_total", s.rollbacks),
+            ("tp_model_reload_failures_total", s.reload_failures),
+        ] {
+            r.register_counter(&Key::from_static_name(name), &META)
+                .absolute(v);
+        }
     }
 
     fn rank_gauge(&self, name: &'static str, rank: usize, host: &str) -> Gauge {

@@ -31,11 +31,10 @@
 //! The scheduler drives a [`StepExecutor`]: rank 0's [`tp_engine::Worker`] in the server, a
 //! [`tp_engine::ScriptedExecutor`] in the unit tests below.
 
-use crate::dashboard::SchedulerView;
 use crate::metrics::Metrics;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
@@ -81,6 +80,8 @@ pub struct Job {
     /// Where text goes; the request is cancelled at the next step once it is closed.
     pub events: UnboundedSender<Event>,
     pub arrived: Instant,
+    /// The held model to run on (a candidate's canary); `None`: the live one.
+    pub model: Option<u32>,
 }
 
 /// Token counts of a finished job: its prompt and what it generated.
@@ -138,6 +139,8 @@ impl Event {
 #[derive(Debug)]
 pub enum Control {
     Submit(Job),
+    /// Load, switch, roll back or discard a model (see [`crate::rollout`]).
+    Admin(crate::rollout::Admin),
     /// Cancel whatever is left and return (the HTTP side has drained or given up).
     Shutdown,
 }
@@ -225,21 +228,25 @@ pub fn run(
     load: &Load,
     metrics: &Metrics,
 ) -> crate::error::Result<()> {
+    run_models(exec, tokenizer, cfg, rx, load, metrics, String::new())
+}
+
+/// [`run`] with the first model's name (for the rollout's figures and log lines).
+pub fn run_models(
+    exec: &mut dyn StepExecutor,
+    tokenizer: &Tokenizer,
+    cfg: &SchedulerConfig,
+    rx: &Receiver<Control>,
+    load: &Load,
+    metrics: &Metrics,
+    name: String,
+) -> crate::error::Result<()> {
     exec.set_block_limit(cfg.kv_blocks);
-    let mut s = Scheduler {
-        cfg,
-        tokenizer,
-        load,
-        metrics,
-        waiting: VecDeque::new(),
-        running: Vec::new(),
-        cached: Vec::new(),
-        next_slot: 0,
-        steps: 0,
-        step_time: Duration::ZERO,
-    };
     metrics.kv_blocks_total.set(cfg.kv_blocks as f64);
-    let out = s.run(exec, rx);
+    // The executor's first model is model 0.
+    let first = Scheduler::new(cfg, tokenizer, load, metrics, 0);
+    let mut fleet = crate::rollout::Fleet::new(first, name);
+    let out = fleet.run(exec, rx);
     let end = match &out {
         Ok(()) => Event::Failed {
             message: "the server is shutting down".into(),
@@ -247,11 +254,18 @@ pub fn run(
         },
         Err(e) => Event::failed(format!("the inference engine failed: {e}")),
     };
-    s.abandon_all(exec, &end);
+    fleet.abandon_all(exec, &end);
     Ok(out?)
 }
 
-struct Scheduler<'a, 't> {
+/// The scheduler of one held model: its queue, running sequences and prefix cache (a
+/// sequence and a cached prefix belong to the model they were computed on).
+pub(crate) struct Scheduler<'a, 't> {
+    /// The held model (the executor's id) this one schedules on.
+    pub(crate) model: u32,
+    /// Requests that finished, and that failed, on this model (the rollout's error rate).
+    pub(crate) finished: u64,
+    pub(crate) failed: u64,
     cfg: &'a SchedulerConfig,
     tokenizer: &'t Tokenizer,
     load: &'a Load,
@@ -273,66 +287,90 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-impl<'t> Scheduler<'_, 't> {
-    fn run(&mut self, exec: &mut dyn StepExecutor, rx: &Receiver<Control>) -> StepResult<()> {
-        loop {
-            // Nothing to run (admission always succeeds for the queue's head when nothing runs,
-            // so this means nothing is queued): wait for input, telling followers we live.
-            self.poll_ranks(exec)?;
-            if self.running.is_empty() {
-                let wait = self.cfg.heartbeat.min(self.metrics.board.until_poll());
-                match rx.recv_timeout(wait.max(Duration::from_millis(1))) {
-                    Ok(Control::Submit(job)) => self.waiting.push_back(Queued::New(job)),
-                    Ok(Control::Shutdown) | Err(RecvTimeoutError::Disconnected) => return Ok(()),
-                    Err(RecvTimeoutError::Timeout) => {
-                        if self.waiting.is_empty() {
-                            if !self.metrics.board.poll_due() {
-                                exec.submit(Command::Idle)?;
-                            }
-                            continue;
-                        }
-                    }
-                }
-            }
-            loop {
-                match rx.try_recv() {
-                    Ok(Control::Submit(job)) => self.waiting.push_back(Queued::New(job)),
-                    Ok(Control::Shutdown) | Err(TryRecvError::Disconnected) => return Ok(()),
-                    Err(TryRecvError::Empty) => break,
-                }
-            }
-            self.drop_abandoned(exec)?;
-            self.admit(exec)?;
-            if self.running.is_empty() {
-                // With nothing running and the prefix cache given back, a request that fits
-                // the budget is always admitted: one left over never will be.
-                self.refuse(0);
-            }
-            self.publish(exec);
-            if !self.running.is_empty() {
-                self.step(exec)?;
-            }
+impl<'a, 't> Scheduler<'a, 't> {
+    pub(crate) fn new(
+        cfg: &'a SchedulerConfig,
+        tokenizer: &'t Tokenizer,
+        load: &'a Load,
+        metrics: &'a Metrics,
+        model: u32,
+    ) -> Self {
+        Scheduler {
+            model,
+            finished: 0,
+            failed: 0,
+            cfg,
+            tokenizer,
+            load,
+            metrics,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            cached: Vec::new(),
+            next_slot: 0,
+            steps: 0,
+            step_time: Duration::ZERO,
         }
     }
 
-    /// Gathers every rank's figures for the dashboard when a poll is due (the gather also
-    /// tells idle followers that rank 0 lives).
-    fn poll_ranks(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
-        if !self.metrics.board.poll_due() {
-            return Ok(());
+    pub(crate) fn cfg(&self) -> &'a SchedulerConfig {
+        self.cfg
+    }
+
+    pub(crate) fn metrics(&self) -> &'a Metrics {
+        self.metrics
+    }
+
+    pub(crate) fn tokenizer(&self) -> &'t Tokenizer {
+        self.tokenizer
+    }
+
+    pub(crate) fn load(&self) -> &'a Load {
+        self.load
+    }
+
+    /// Queues a new request.
+    pub(crate) fn push(&mut self, job: Job) {
+        self.waiting.push_back(Queued::New(job));
+    }
+
+    pub(crate) fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub(crate) fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub(crate) fn cached(&self) -> usize {
+        self.cached.len()
+    }
+
+    /// Forward steps, and their time, so far.
+    pub(crate) fn steps(&self) -> (u64, Duration) {
+        (self.steps, self.step_time)
+    }
+
+    /// One round on this model (selected in the executor): requests whose client left are
+    /// dropped, queued ones admitted, then one batched step.
+    pub(crate) fn turn(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
+        self.drop_abandoned(exec)?;
+        self.admit(exec)?;
+        if self.running.is_empty() {
+            // With nothing running and the prefix cache given back, a request that fits
+            // the budget is always admitted: one left over never will be.
+            self.refuse(0);
         }
-        let t0 = Instant::now();
-        let profiles = exec.rank_profiles()?;
-        let pool = exec.slots().pool();
-        let view = SchedulerView {
-            queue: self.waiting.len(),
-            running: self.running.len(),
-            steps: self.steps,
-            kv_blocks_used: pool.in_use(),
-            kv_blocks_total: self.cfg.kv_blocks,
-            step_time: self.step_time,
-        };
-        self.metrics.ranks_polled(profiles, view, t0.elapsed());
+        self.publish(exec);
+        if !self.running.is_empty() {
+            self.step(exec)?;
+        }
+        Ok(())
+    }
+
+    /// Gives every prefix-cache entry back (the model is no longer live: its blocks are
+    /// better free).
+    pub(crate) fn clear_cache(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
+        while self.evict_cached(exec, None)? {}
         Ok(())
     }
 
@@ -365,7 +403,7 @@ impl<'t> Scheduler<'_, 't> {
     }
 
     /// Fails queued request `i`: its tokens do not fit the whole KV cache.
-    fn refuse(&mut self, i: usize) {
+    pub(crate) fn refuse(&mut self, i: usize) {
         let Some(q) = self.waiting.remove(i) else {
             return;
         };
@@ -713,10 +751,12 @@ impl<'t> Scheduler<'_, 't> {
             let mut r = self.running.remove(i);
             match outcome {
                 Outcome::Finished(done) => {
+                    self.finished += 1;
                     r.finish(done, self.metrics);
                     self.keep_or_close(exec, r)?;
                 }
                 Outcome::Failed(msg) => {
+                    self.failed += 1;
                     let _ = r.job.events.send(Event::failed(msg));
                     self.close(exec, r)?;
                 }
@@ -753,7 +793,7 @@ impl<'t> Scheduler<'_, 't> {
     }
 
     /// Tells every request still held that it ends now, and closes what can be closed.
-    fn abandon_all(&mut self, exec: &mut dyn StepExecutor, end: &Event) {
+    pub(crate) fn abandon_all(&mut self, exec: &mut dyn StepExecutor, end: &Event) {
         for q in self.waiting.drain(..) {
             if let Queued::New(_) = q {
                 self.load.pending.fetch_sub(1, Ordering::Relaxed);
@@ -902,6 +942,7 @@ mod tests {
             params,
             events: tx,
             arrived: Instant::now(),
+            model: None,
         };
         (job, rx)
     }

@@ -4,13 +4,16 @@
 //! model), the HTTP front end, the continuous-batching scheduler on the calling thread, and
 //! the drain on shutdown. `tp serve` and `tp bench serve` both start servers through it.
 
-use crate::canary::CanaryConfig;
+use crate::canary::{Canaries, CanaryConfig};
 use crate::client::Client;
 use crate::dashboard::RankSetup;
 use crate::error::{Result, ServeError};
+use crate::http::admin::{AdminConfig, Layout};
 use crate::http::conn::ConnLimits;
 use crate::http::server::{Server, ServerConfig, StopHandle};
 use crate::metrics::Metrics;
+use crate::rollout::Admin;
+use crate::scheduler::Control;
 use crate::scheduler::{Load, SchedulerConfig, SchedulerHandle};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -64,7 +67,12 @@ pub struct ServeConfig {
     pub prefix_cache: bool,
     /// Run this canary once the server is up and then periodically (see [`crate::canary`]).
     pub canary: Option<CanaryConfig>,
+    /// The admin endpoints' key (reload, rollback; see [`crate::rollout`]): off when `None`.
+    pub admin_key: Option<String>,
 }
+
+/// Longest wait for every rank to load a model on a reload.
+pub const RELOAD_TIMEOUT: Duration = Duration::from_secs(1800);
 
 /// The KV budget of a running server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -184,6 +192,7 @@ pub fn serve(
             0
         },
     };
+    let canaries = Arc::new(Canaries::default());
     let server_cfg = ServerConfig {
         host: cfg.host,
         port: cfg.port,
@@ -202,13 +211,28 @@ pub fn serve(
         connections: cfg.connections,
         log: cfg.log,
         auth_hint: cfg.auth_hint.clone(),
+        admin: cfg.admin_key.as_ref().map(|key| AdminConfig {
+            key: key.clone(),
+            model: model.clone(),
+            canary: cfg.canary.clone(),
+            canaries: Arc::clone(&canaries),
+            load_timeout: RELOAD_TIMEOUT,
+            layout: session.worker.reload_spec().map(|spec| Layout {
+                weights: session.weights.clone(),
+                ctx: session.ctx_size,
+                load: spec.load,
+                local_ranks: (0..tp)
+                    .filter(|&r| tp_engine::launch::host_of(r) == tp_engine::launch::host_of(0))
+                    .collect(),
+            }),
+        }),
     };
     let metrics = Arc::new(Metrics::new());
     metrics.set_ranks(&cfg.model_name, rank_setup(session));
     let load = Arc::new(Load::default());
     let (tx, rx) = std::sync::mpsc::channel();
     let handle = SchedulerHandle {
-        control: tx,
+        control: tx.clone(),
         load: Arc::clone(&load),
     };
     let server = Server::start(
@@ -237,22 +261,38 @@ pub fn serve(
             if let Some(k) = &cfg.api_key {
                 client = client.with_api_key(k);
             }
-            let (tx, rx) = std::sync::mpsc::channel();
+            let (stop_tx, stop_rx) = std::sync::mpsc::channel();
             let m = Arc::clone(&metrics);
+            let canaries = Arc::clone(&canaries);
+            let control = std::sync::Mutex::new(tx.clone());
+            // A failure on a model that came in by a switch rolls it back.
+            let rollback = move |reason: String| {
+                if let Ok(c) = control.lock() {
+                    let _ = c.send(Control::Admin(Admin::Rollback {
+                        reason,
+                        automatic: true,
+                        reply: None,
+                    }));
+                }
+            };
             let t = std::thread::Builder::new()
                 .name("tp-canary".into())
-                .spawn(move || crate::canary::monitor(client, c, m, rx))?;
-            (Some(tx), Some(t))
+                .spawn(move || crate::canary::monitor(client, c, canaries, m, rollback, stop_rx))?;
+            (Some(stop_tx), Some(t))
         }
         None => (None, None),
     };
-    let result = crate::scheduler::run(
+    // The scheduler's own sender goes: the channel closes once the HTTP side and the
+    // canary have let theirs go.
+    drop(tx);
+    let result = crate::scheduler::run_models(
         &mut session.worker,
         &session.tokenizer,
         &sched_cfg,
         &rx,
         &load,
         &metrics,
+        cfg.model_name.clone(),
     );
     // New requests now fail at once; the HTTP side drains what it holds.
     drop(rx);
@@ -269,7 +309,7 @@ pub fn serve(
 }
 
 /// `addr` as this machine reaches it (an unspecified address becomes loopback).
-fn loopback(addr: SocketAddr) -> SocketAddr {
+pub(crate) fn loopback(addr: SocketAddr) -> SocketAddr {
     if addr.ip().is_unspecified() {
         let ip: IpAddr = match addr {
             SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),

@@ -27,11 +27,14 @@ pub fn check_api_key(key: &str) -> std::result::Result<(), String> {
 
 /// With an API key, every request needs `Authorization: Bearer KEY` (the scheme in any case,
 /// the key compared in constant time); `/health` is exempt when `public_health` is set, and
-/// the web pages and their assets always are (they hold no data; their API calls need the key).
+/// the web pages and their assets always are (they hold no data; their API calls need the key),
+/// and so are the admin endpoints, which check the admin key instead.
 pub(crate) async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.cfg.api_key {
         let path = req.uri().path();
-        let exempt = (st.cfg.public_health && path == "/health") || super::ui::is_public(path);
+        let exempt = (st.cfg.public_health && path == "/health")
+            || super::ui::is_public(path)
+            || path.starts_with("/admin/");
         let given = req
             .headers()
             .get(header::AUTHORIZATION)

@@ -23,6 +23,7 @@ pub(crate) fn submit(
     params: &DecodeParams,
     n: usize,
     arrived: Instant,
+    model: Option<u32>,
 ) -> std::result::Result<Choices, ApiError> {
     let max_queue = st.cfg.max_queue;
     if n > max_queue.max(1) {
@@ -58,6 +59,7 @@ pub(crate) fn submit(
             params,
             events: tx,
             arrived,
+            model,
         };
         if st.sched.control.send(Control::Submit(job)).is_err() {
             // Choices i.. never reached the scheduler; the ones before went down with it.
@@ -169,7 +171,7 @@ mod tests {
         rx.try_iter()
             .map(|c| match c {
                 Control::Submit(job) => job,
-                Control::Shutdown => panic!("a shutdown among the jobs"),
+                _ => panic!("not a job"),
             })
             .collect()
     }
@@ -181,7 +183,7 @@ mod tests {
         params.sampling.temperature = 1.0;
         params.sampling.seed = u64::MAX - 1;
         let now = Instant::now();
-        let choices = submit(&st, vec![5, 6, 7], &params, 3, now).unwrap();
+        let choices = submit(&st, vec![5, 6, 7], &params, 3, now, None).unwrap();
         assert_eq!(choices.len(), 3);
         let jobs = submitted(&rx);
         let seeds: Vec<u64> = jobs.iter().map(|j| j.params.sampling.seed).collect();
@@ -198,25 +200,27 @@ mod tests {
         }
         assert_eq!(st.sched.load.pending.load(Ordering::Relaxed), 3);
         // 3 of 8 places taken: 6 more choices do not fit, and none is queued.
-        let e = submit(&st, vec![1], &params, 6, now).err().unwrap();
+        let e = submit(&st, vec![1], &params, 6, now, None).err().unwrap();
         assert_eq!((e.status, e.code), (429, Some("queue_full")));
         assert!(e.message.contains("6 choices"), "{}", e.message);
         assert!(submitted(&rx).is_empty());
         assert_eq!(st.sched.load.pending.load(Ordering::Relaxed), 3);
         // 5 do.
-        let _more = submit(&st, vec![1], &params, 5, now).unwrap();
+        let _more = submit(&st, vec![1], &params, 5, now, None).unwrap();
         assert_eq!(submitted(&rx).len(), 5);
         assert_eq!(st.sched.load.pending.load(Ordering::Relaxed), 8);
-        let e = submit(&st, vec![1], &params, 1, now).err().unwrap();
+        let e = submit(&st, vec![1], &params, 1, now, None).err().unwrap();
         assert_eq!(e.status, 429);
         // More choices than the queue ever holds: a request to change, not to retry.
         let (small, _rx) = state(2);
-        let e = submit(&small, vec![1], &params, 3, now).err().unwrap();
+        let e = submit(&small, vec![1], &params, 3, now, None)
+            .err()
+            .unwrap();
         assert_eq!((e.status, e.param.as_deref()), (400, Some("n")));
         // A stopped scheduler: 503, and the places are given back.
         let (gone, rx) = state(8);
         drop(rx);
-        let e = submit(&gone, vec![1], &params, 4, now).err().unwrap();
+        let e = submit(&gone, vec![1], &params, 4, now, None).err().unwrap();
         assert_eq!(e.status, 503);
         assert_eq!(gone.sched.load.pending.load(Ordering::Relaxed), 0);
         drop(choices);
@@ -226,7 +230,7 @@ mod tests {
     async fn choices_are_read_as_their_events_arrive_and_dropped_together() {
         let (st, rx) = state(8);
         let params = DecodeParams::greedy(4);
-        let mut choices = submit(&st, vec![1, 2], &params, 3, Instant::now()).unwrap();
+        let mut choices = submit(&st, vec![1, 2], &params, 3, Instant::now(), None).unwrap();
         let jobs = submitted(&rx);
         let text = |t: &str| Event::Text {
             text: t.into(),

@@ -6,6 +6,7 @@
 //! answers), and [`ui`] (the built-in chat and dashboard pages). It talks to the scheduler only through channels, and the conversion of the
 //! scheduler's events to the OpenAI wire format happens here.
 
+pub mod admin;
 pub mod auth;
 pub(crate) mod choices;
 pub mod conn;

@@ -3,6 +3,7 @@
 //! body to response: read the body, [`prepare`] it, queue its choices, then stream or
 //! collect the answer.
 
+use super::admin;
 use super::auth::auth;
 use super::choices::{submit, Choices};
 use super::request::prepare::{prepare, Prepared};
@@ -38,6 +39,13 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/admin/reload", post(admin::reload))
+        .route("/admin/rollback", post(admin::rollback))
+        .route("/admin/models", get(admin::models))
+        .route(
+            "/admin/models/{id}/v1/completions",
+            post(admin::held_completions),
+        )
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
@@ -68,6 +76,7 @@ pub(crate) fn label(path: &str) -> &'static str {
         "/metrics" => "metrics",
         "/dashboard.json" => "dashboard",
         p if p.starts_with("/v1/models/") => "models",
+        p if p.starts_with("/admin/") => "admin",
         p if ui::is_public(p) => "ui",
         _ => "other",
     }
@@ -171,7 +180,7 @@ async fn completions(State(st): State<Arc<AppState>>, req: Request) -> Response 
 }
 
 /// The request body, which must arrive within the header timeout (as the headers must).
-async fn read_body(
+pub(crate) async fn read_body(
     st: &AppState,
     req: Request,
 ) -> std::result::Result<std::result::Result<Bytes, BytesRejection>, ApiError> {
@@ -197,8 +206,18 @@ async fn generate(
     endpoint: Endpoint,
     body: std::result::Result<Bytes, BytesRejection>,
 ) -> Response {
+    generate_on(st, endpoint, body, None).await
+}
+
+/// [`generate`] on held model `model` (`None`: the live one).
+pub(crate) async fn generate_on(
+    st: Arc<AppState>,
+    endpoint: Endpoint,
+    body: std::result::Result<Bytes, BytesRejection>,
+    model: Option<u32>,
+) -> Response {
     let arrived = Instant::now();
-    match start_request(&st, endpoint, body, arrived).await {
+    match start_request(&st, endpoint, body, arrived, model).await {
         Ok((req, prompt_tokens, choices)) => {
             st.metrics.request(endpoint.label(), 200);
             let meta = new_meta(&st, endpoint);
@@ -235,9 +254,10 @@ async fn start_request(
     endpoint: Endpoint,
     body: std::result::Result<Bytes, BytesRejection>,
     arrived: Instant,
+    model: Option<u32>,
 ) -> std::result::Result<(GenRequest, usize, Choices), ApiError> {
     let Prepared { req, ids, params } = prepare(st, endpoint, body).await?;
     let prompt_tokens = ids.len();
-    let choices = submit(st, ids, &params, req.n, arrived)?;
+    let choices = submit(st, ids, &params, req.n, arrived, model)?;
     Ok((req, prompt_tokens, choices))
 }

@@ -56,6 +56,8 @@ pub struct ServerConfig {
     pub log: bool,
     /// Added to the 401 message: how the key is given to the server (the CLI: `--api-key`).
     pub auth_hint: Option<String>,
+    /// The admin endpoints (reload, rollback) and their key; off when `None`.
+    pub admin: Option<super::admin::AdminConfig>,
 }
 
 impl ServerConfig {
@@ -66,6 +68,18 @@ impl ServerConfig {
                 name: "api key",
                 message,
             })?;
+        }
+        if let Some(a) = &self.admin {
+            check_api_key(&a.key).map_err(|message| ServeError::Config {
+                name: "admin key",
+                message: message.replace("API key", "admin key"),
+            })?;
+            if self.api_key.as_deref() == Some(a.key.as_str()) {
+                return Err(ServeError::Config {
+                    name: "admin key",
+                    message: "must differ from the API key (every client holds the API key); give the admin endpoints a key of their own".into(),
+                });
+            }
         }
         let c = &self.connections;
         for (name, d) in [
@@ -113,6 +127,9 @@ pub(crate) struct AppState {
     pub(crate) seeds: AtomicU64,
     /// Start time (Unix seconds): the model card's `created` and the response ids' prefix.
     pub(crate) started: u64,
+    /// The bound address (the admin side's canary calls the server itself).
+    pub(crate) addr: SocketAddr,
+    pub(crate) admin: Option<Arc<super::admin::AdminState>>,
 }
 
 /// Starts a graceful shutdown of a [`Server`] (as SIGTERM would) from any thread; the
@@ -154,6 +171,7 @@ impl Server {
         let addr = listener.local_addr()?;
         let stop = Arc::new(Notify::new());
         let (drain_tx, drain_expired) = watch::channel(None);
+        let admin = cfg.admin.clone();
         let state = Arc::new(AppState {
             cfg,
             drain_expired,
@@ -163,6 +181,8 @@ impl Server {
             next_id: AtomicU64::new(1),
             seeds: AtomicU64::new(1),
             started: unix_now(),
+            addr,
+            admin: admin.map(|a| Arc::new(super::admin::AdminState::new(a))),
         });
         let stop2 = Arc::clone(&stop);
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -380,6 +400,7 @@ pub(crate) mod tests {
             },
             log: false,
             auth_hint: None,
+            admin: None,
         }
     }
 
@@ -430,6 +451,8 @@ pub(crate) mod tests {
             next_id: AtomicU64::new(1),
             seeds: AtomicU64::new(1),
             started: 0,
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            admin: None,
         };
         (st, rx)
     }

@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 use tp_comm::local::{self, LocalOptions};
 use tp_engine::load_stats::{self, Counting, LoadStats};
-use tp_engine::{Command, Session, Worker};
+use tp_engine::{Command, ReloadSpec, Session, Worker};
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
 use tp_models::{open_checkpoint, Arch, LoadOptions, ModelConfig, ShardedModel};
 use tp_serve::client::Client;
@@ -43,6 +43,7 @@ pub fn config() -> ServeConfig {
         auth_hint: None,
         prefix_cache: true,
         canary: None,
+        admin_key: None,
     }
 }
 
@@ -55,24 +56,67 @@ pub fn with_server<T: Send>(
     serve_cfg: ServeConfig,
     drive: impl FnOnce(&Ready) -> T + Send,
 ) -> (Ready, T) {
-    let tokenizer = Tokenizer::bytes(&["<|endoftext|>"]);
-    let cfg = ModelConfig {
-        vocab: tokenizer.vocab_size(),
-        context: ctx.max(128),
-        ..SyntheticModel::small(Arch::Llama, 7).cfg
-    };
-    // Tests run in parallel in one process: each server its own directory.
-    static SERVERS: AtomicUsize = AtomicUsize::new(0);
+    with_model(tp, ctx, Model::default(), serve_cfg, drive)
+}
+
+/// A synthetic model of the shape [`with_server`] serves (the byte tokenizer's vocabulary).
+#[derive(Clone, Copy, Debug)]
+pub struct Model {
+    pub seed: u64,
+    /// The LM head is the embedding (a tied head mostly repeats the last token, whatever the
+    /// seed; an untied one answers differently per seed).
+    pub tied: bool,
+}
+
+impl Default for Model {
+    /// The model [`with_server`] serves.
+    fn default() -> Self {
+        Model {
+            seed: 7,
+            tied: true,
+        }
+    }
+}
+
+/// A fresh directory for one test's files.
+pub fn test_dir() -> std::path::PathBuf {
+    // Tests run in parallel in one process: each its own directory.
+    static DIRS: AtomicUsize = AtomicUsize::new(0);
     let dir = std::env::temp_dir().join(format!(
         "tp-serve-test-{}-{}",
         std::process::id(),
-        SERVERS.fetch_add(1, Ordering::Relaxed)
+        DIRS.fetch_add(1, Ordering::Relaxed)
     ));
     std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("m.gguf");
-    SyntheticModel::new(cfg, 7)
-        .write_gguf(&path, GgufTypes::F32)
+    dir
+}
+
+/// Writes `model` (a context of at least `ctx`) to `path`.
+pub fn write_model(path: &std::path::Path, ctx: usize, model: Model) {
+    let cfg = ModelConfig {
+        vocab: Tokenizer::bytes(&["<|endoftext|>"]).vocab_size(),
+        context: ctx.max(128),
+        tied_embeddings: model.tied,
+        ..SyntheticModel::small(Arch::Llama, 7).cfg
+    };
+    SyntheticModel::new(cfg, model.seed)
+        .write_gguf(path, GgufTypes::F32)
         .unwrap();
+}
+
+/// [`with_server`] serving `model`; every rank may load further models of the same layout
+/// (the admin reload).
+pub fn with_model<T: Send>(
+    tp: usize,
+    ctx: usize,
+    model: Model,
+    serve_cfg: ServeConfig,
+    drive: impl FnOnce(&Ready) -> T + Send,
+) -> (Ready, T) {
+    let tokenizer = Tokenizer::bytes(&["<|endoftext|>"]);
+    let dir = test_dir();
+    let path = dir.join("m.gguf");
+    write_model(&path, ctx, model);
     let ckpt = open_checkpoint(&path).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     let memory = tp_engine::session::memory_plan(
@@ -113,6 +157,13 @@ pub fn with_server<T: Send>(
                 };
                 let load = load_stats::gather(&g, mine).map_err(|e| e.to_string())?;
                 let mut worker = Worker::new(model, g);
+                worker.enable_reload(ReloadSpec {
+                    weights: tp_models::RankWeights::even(tp),
+                    load: LoadOptions::default(),
+                    ctx,
+                    sync: tp_models::SyncMode::Exact,
+                    deadline: Duration::from_secs(30),
+                });
                 if rank != 0 {
                     return worker.follow().map_err(|e| e.to_string());
                 }

@@ -74,6 +74,18 @@
     if (d.canary) {
       items.push(['Canary', (d.canary.drift ? 'DRIFT' : 'pass') + ' (' + d.canary.runs + ' runs)']);
     }
+    const r = d.rollout;
+    if (r && (r.switches > 0 || r.rollbacks > 0 || r.reload_failures > 0 || r.models.length > 1 || r.loading)) {
+      items.push(['Live model', 'model ' + r.live.id + (r.live.name ? ' (' + r.live.name + ')' : '')]);
+      items.push(['Switches / rollbacks', r.switches + ' / ' + r.rollbacks]);
+      items.push(['Failed reloads', r.reload_failures]);
+      if (r.loading) {
+        items.push(['Loading', r.loading]);
+      }
+      if (r.last_event) {
+        items.push(['Last model event', r.last_event]);
+      }
+    }
     $('cards').replaceChildren(
       ...items.map(([label, value]) => {
         const c = el('div', 'card');
