@@ -51,6 +51,9 @@ pub struct LoadOptions {
     /// Expert-parallel groups of a mixture of experts ([`tp_spec::ExpertShard`]): 1 slices
     /// every expert over all ranks, tp gives each rank whole experts. Must divide tp.
     pub expert_groups: usize,
+    /// Pipeline stages (`tp_spec::Stage`): the ranks form `pipeline_stages` groups of tp
+    /// ranks, each holding a contiguous range of layers. 1 without pipelining.
+    pub pipeline_stages: usize,
 }
 
 impl Default for LoadOptions {
@@ -60,6 +63,7 @@ impl Default for LoadOptions {
             dense: DenseDType::F32,
             kv_dtype: crate::KvDtype::F32,
             expert_groups: 1,
+            pipeline_stages: 1,
         }
     }
 }
