@@ -483,7 +483,7 @@ mod tests {
                 for r in 0..tp {
                     let plan = ShardPlan::new(&c, 32, r, tp).unwrap();
                     let whole = rank_weight_bytes(&c, &plan, f32s, 4).unwrap();
-                    let embed = (plan.vocab_rows().len() * c.hidden * 4) as usize;
+                    let embed = plan.vocab_rows().len() * c.hidden * 4;
                     for pp in 1..=5 {
                         let layer = |_| 1u64;
                         let staged: Vec<WeightBytes> = crate::stages(&c, pp, layer, 0)

@@ -116,8 +116,8 @@ pub fn balanced_stages(
     }
     let mut out = Vec::with_capacity(pp);
     let mut i = 0;
-    for s in 0..pp {
-        let e = best[s][i].1;
+    for row in &best[..pp] {
+        let e = row[i].1;
         out.push(i..e);
         i = e;
     }
