@@ -138,13 +138,13 @@ fn inspect_names_each_ranks_stage_layers_and_bytes() {
         })
         .collect();
     assert_eq!(rows.len(), 4, "{out}");
-    // Ranks 0, 1 are stage 0 from layer 0 with the embedding; 2, 3 stage 1 to layer 30
-    // with the head; both stages' tp ranks split the heads alike.
+    // Ranks 0, 1 (the leader's) are the last stage, to layer 30 with the head; 2, 3 are
+    // stage 0 from layer 0 with the embedding; both stages' tp ranks split the heads alike.
     for (r, row) in rows.iter().enumerate() {
         let w: Vec<&str> = row.split_whitespace().collect();
         assert_eq!(w[0], r.to_string(), "{row}");
-        assert_eq!(w[1], (r / 2).to_string(), "{row}");
-        if r < 2 {
+        assert_eq!(w[1], (1 - r / 2).to_string(), "{row}");
+        if r >= 2 {
             assert!(w[2].starts_with("0..") && w[3] == "+emb", "{row}");
         } else {
             assert!(w[2].ends_with("..30") && w[3] == "+head", "{row}");
@@ -152,7 +152,7 @@ fn inspect_names_each_ranks_stage_layers_and_bytes() {
     }
     let cut = |r: usize| rows[r].split_whitespace().nth(2).unwrap().to_string();
     assert_eq!(cut(0), cut(1));
-    assert_eq!(cut(0).split("..").nth(1), cut(2).split("..").next());
+    assert_eq!(cut(2).split("..").nth(1), cut(0).split("..").next());
 }
 
 #[test]

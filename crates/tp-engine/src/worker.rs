@@ -54,7 +54,8 @@ impl Worker {
 
     /// A rank of a pipeline: `world` carries the commands, `tp` is its stage's group and
     /// `pipe` its counterparts in every stage (rank = stage index; `None` without
-    /// pipelining). World rank 0 must be stage 0's tp rank 0.
+    /// pipelining). World rank 0 must be the last stage's tp rank 0 (it samples from the
+    /// logits that stage gathers).
     pub fn staged(model: ShardedModel, world: Group, tp: Group, pipe: Option<Group>) -> Self {
         let group = world;
         let slots = Slots::new(
@@ -216,18 +217,12 @@ impl Worker {
         };
         self.slots.put_back(taken);
         let local = result?;
-        let Some(pipe) = &self.pipe else {
-            return Ok(self
-                .model
-                .gather_logits(local, rows, &self.tp, &mut self.profile)?);
-        };
-        crate::pipeline::logits_to_leader(
-            &self.model,
-            local,
-            rows,
-            &self.tp,
-            pipe,
-            &mut self.profile,
-        )
+        // Only the last stage (world rank 0's, see `tp_spec::stage_of_rank`) has logits.
+        if !self.model.stage().is_last() {
+            return Ok(Vec::new());
+        }
+        Ok(self
+            .model
+            .gather_logits(local, rows, &self.tp, &mut self.profile)?)
     }
 }

@@ -76,22 +76,23 @@ fn layout_of(ckpt: &dyn Checkpoint, name: WeightName, quantized: bool) -> Result
     })
 }
 
-/// Every rank's plan of `ckpt` in world-rank order: `opts.pipeline_stages` stages (outermost)
-/// of `weights.tp()` tensor-parallel ranks (innermost; world rank = stage * tp + tp rank),
-/// each stage's ranks split its layers with shares in proportion to `weights`.
+/// Every rank's plan of `ckpt` in world-rank order: `opts.pipeline_stages` stages of
+/// `weights.tp()` consecutive tensor-parallel ranks, the last stage first
+/// ([`tp_spec::stage_of_rank`]: rank 0 holds the head), each stage's ranks splitting its
+/// layers with shares in proportion to `weights`.
 pub fn world_plans(
     ckpt: &dyn Checkpoint,
     weights: &RankWeights,
     opts: LoadOptions,
 ) -> Result<Vec<ShardPlan>> {
     let stages = checkpoint_stages(ckpt, opts)?;
-    let mut out = Vec::with_capacity(stages.len() * weights.tp());
-    for stage in stages {
-        for r in 0..weights.tp() {
-            out.push(rank_plan(ckpt, r, weights, opts.expert_groups)?.with_stage(stage.clone()));
-        }
-    }
-    Ok(out)
+    let (tp, pp) = (weights.tp(), stages.len());
+    (0..tp * pp)
+        .map(|rank| {
+            let (stage, t) = tp_spec::stage_of_rank(rank, tp, pp);
+            Ok(rank_plan(ckpt, t, weights, opts.expert_groups)?.with_stage(stages[stage].clone()))
+        })
+        .collect()
 }
 
 /// World rank `rank`'s plan ([`world_plans`]).
@@ -103,13 +104,14 @@ pub fn world_rank_plan(
 ) -> Result<ShardPlan> {
     let tp = weights.tp();
     let stages = checkpoint_stages(ckpt, opts)?;
-    let stage = stages.get(rank / tp).cloned().ok_or_else(|| {
-        crate::ModelError::Input(format!(
-            "rank {rank} is outside {} stages of {tp} ranks",
-            stages.len()
-        ))
-    })?;
-    Ok(rank_plan(ckpt, rank % tp, weights, opts.expert_groups)?.with_stage(stage))
+    let pp = stages.len();
+    if rank >= tp * pp {
+        return Err(crate::ModelError::Input(format!(
+            "rank {rank} is outside {pp} stages of {tp} ranks"
+        )));
+    }
+    let (stage, t) = tp_spec::stage_of_rank(rank, tp, pp);
+    Ok(rank_plan(ckpt, t, weights, opts.expert_groups)?.with_stage(stages[stage].clone()))
 }
 
 /// The FFN unit of a checkpoint's shards.

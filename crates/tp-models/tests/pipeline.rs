@@ -9,7 +9,7 @@ mod common;
 
 use common::Stepper;
 use tp_comm::local::{self, LocalOptions};
-use tp_comm::{ParallelDims, ProcessGroups};
+use tp_comm::CommExt;
 use tp_models::checkpoint::GgmlDType;
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
 use tp_models::{
@@ -18,7 +18,7 @@ use tp_models::{
 };
 
 /// Logits of the prompt (every position) and of 3 decode steps at `pp` x `tp`, taken from
-/// the last stage's tp rank 0 (the other ranks return none).
+/// the last stage's tp rank 0, world rank 0 (the other stages return none).
 fn logits(ckpt: &dyn Checkpoint, pp: usize, tp: usize, prompt: &[u32]) -> Vec<Vec<f32>> {
     let opts = LoadOptions {
         pipeline_stages: pp,
@@ -27,9 +27,11 @@ fn logits(ckpt: &dyn Checkpoint, pp: usize, tp: usize, prompt: &[u32]) -> Vec<Ve
     let weights = RankWeights::even(tp);
     let out = local::run(pp * tp, LocalOptions::default(), |world| {
         let rank = world.rank();
-        let groups = ProcessGroups::new(world, ParallelDims { tp, pp, dp: 1 }).unwrap();
+        let (stage, tp_rank) = tp_spec::stage_of_rank(rank, tp, pp);
+        let tp_group = world.split(Some(stage as u32), tp_rank).unwrap().unwrap();
+        let pp_group = world.split(Some(tp_rank as u32), stage).unwrap().unwrap();
         let m = ShardedModel::load_weighted(ckpt, rank, &weights, opts, 64).unwrap();
-        assert_eq!(m.stage().index, rank / tp);
+        assert_eq!(m.stage().index, stage);
         let mut pool = m.new_pool();
         let mut prof = tp_models::Profile::default();
         let mut table = m.new_table(64);
@@ -46,22 +48,22 @@ fn logits(ckpt: &dyn Checkpoint, pp: usize, tp: usize, prompt: &[u32]) -> Vec<Ve
                         all_logits: all,
                     }],
                     &mut pool,
-                    &groups.tp,
-                    Some(&groups.pp),
+                    &tp_group,
+                    Some(&pp_group),
                     &mut prof,
                 )
                 .unwrap();
             if m.stage().is_last() {
                 let n = if all { tokens.len() } else { 1 };
-                rows.push(m.gather_logits(local, n, &groups.tp, &mut prof).unwrap());
+                rows.push(m.gather_logits(local, n, &tp_group, &mut prof).unwrap());
             } else {
-                assert!(local.is_empty(), "stage {} returned logits", rank / tp);
+                assert!(local.is_empty(), "stage {stage} returned logits");
             }
         }
         rows
     })
     .unwrap();
-    out.into_iter().nth((pp - 1) * tp).unwrap().unwrap()
+    out.into_iter().next().unwrap().unwrap()
 }
 
 /// Unpipelined tp 1.

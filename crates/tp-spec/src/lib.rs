@@ -33,7 +33,7 @@ pub use shard::{
     ffn_split, params_weight_bytes, pipeline_stages, rank_weight_bytes, ExpertShard, Layout,
     ShardPlan, WeightBytes, DENSE_CHUNK,
 };
-pub use stage::{balanced_stages, stages, Stage};
+pub use stage::{balanced_stages, rank_of_stage, stage_of_rank, stages, Stage};
 pub use weights::{
     expected_weights, gguf_merged_name, gguf_name, hf_name, is_expert_tensor, parse_gguf_name,
     parse_hf_name, Expected, WeightName, TENSORS_PER_LAYER,

@@ -63,6 +63,22 @@ impl Stage {
     }
 }
 
+/// Where world rank `rank` of a mesh of `pp` stages of `tp` ranks sits: `(stage, tp rank)`.
+/// A stage is `tp` consecutive ranks (one host's, under mpirun), and the stages run in
+/// reverse rank order: ranks `0..tp` are the LAST stage, so rank 0 (the leader, which
+/// samples) holds the head and the logits never cross a host; the first stage (the
+/// embedding) is the highest ranks.
+pub fn stage_of_rank(rank: usize, tp: usize, pp: usize) -> (usize, usize) {
+    let tp = tp.max(1);
+    let pp = pp.max(1);
+    (pp - 1 - (rank / tp).min(pp - 1), rank % tp)
+}
+
+/// The world rank of `tp_rank` in stage `stage` ([`stage_of_rank`]'s inverse).
+pub fn rank_of_stage(stage: usize, tp_rank: usize, tp: usize, pp: usize) -> usize {
+    (pp - 1 - stage) * tp + tp_rank
+}
+
 /// Splits layers into `pp` contiguous stages, every stage at least one layer, minimising the
 /// largest stage's cost: `layer_costs[l]` is layer `l`'s, `head_cost` is added to the last
 /// stage (the final norm and the head it reads every token). Among splits with the same
@@ -210,6 +226,25 @@ mod tests {
         assert_eq!(uneven.iter().map(|r| r.len()).max(), Some(3));
         let headed = balanced_stages(&[10; 30], 40, 2).unwrap();
         assert_eq!(headed, vec![0..17, 17..30]);
+    }
+
+    #[test]
+    fn rank_zero_is_on_the_last_stage_and_stages_are_consecutive_ranks() {
+        for (tp, pp) in [(1, 1), (1, 3), (2, 2), (3, 2)] {
+            let mut seen = std::collections::BTreeSet::new();
+            for r in 0..tp * pp {
+                let (s, t) = stage_of_rank(r, tp, pp);
+                assert_eq!(rank_of_stage(s, t, tp, pp), r);
+                assert_eq!(
+                    stage_of_rank(r - r % tp, tp, pp).0,
+                    s,
+                    "a stage is consecutive"
+                );
+                seen.insert((s, t));
+            }
+            assert_eq!(seen.len(), tp * pp);
+            assert_eq!(stage_of_rank(0, tp, pp), (pp - 1, 0));
+        }
     }
 
     #[test]
