@@ -9,7 +9,6 @@ mod common;
 
 use common::Stepper;
 use tp_comm::local::{self, LocalOptions};
-use tp_comm::CommExt;
 use tp_models::checkpoint::GgmlDType;
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
 use tp_models::{
