@@ -73,12 +73,6 @@ impl PrefixCacheArg {
 }
 
 pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
-    if args.model.pp != 1 {
-        bail!(
-            "--pp {} is not supported by this command yet (the server's scheduler keeps one step in flight); use --pp 1, or --pp with generate, chat, perplexity, inspect or bench decode",
-            args.model.pp
-        );
-    }
     if args.tps.is_empty() || args.tps.contains(&0) {
         bail!("--tps needs tp sizes of at least 1, e.g. --tps 1,2");
     }

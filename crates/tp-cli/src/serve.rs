@@ -296,12 +296,6 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     if args.max_n == 0 {
         bail!("--max-n must be at least 1");
     }
-    if args.model.pp != 1 {
-        bail!(
-            "--pp {} is not supported by this command yet (the server's scheduler keeps one step in flight); use --pp 1, or --pp with generate, chat, perplexity, inspect or bench decode",
-            args.model.pp
-        );
-    }
     let drain = Duration::try_from_secs_f64(args.drain_timeout)
         .ok()
         .context("--drain-timeout must be a non-negative number of seconds")?;

@@ -3,10 +3,12 @@
 //! the logits bit for bit) on SmolLM2 and on a synthetic model of 5 layers (stages of uneven
 //! length) with SmolLM2's tokenizer; perplexity is tp 1's to every printed digit; `tp inspect
 //! --pp 2 --tp 2` names each rank's stage and layers; bad values are refused before anything
-//! loads; under mpirun each process holds one stage and prints the local text.
+//! loads; under mpirun each process holds one stage and prints the local text; `tp serve
+//! --pp 2` under 6 concurrent requests gives each the text a tp 1 server gives it alone.
 
 mod common;
 use common::TP;
+mod serve_util;
 use std::time::Duration;
 use tp_models::checkpoint::GgmlDType;
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
@@ -156,6 +158,62 @@ fn inspect_names_each_ranks_stage_layers_and_bytes() {
 }
 
 #[test]
+fn serve_at_pp_2_under_load_gives_every_request_its_lone_text() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let prompts = [
+        "The three primary colors are",
+        "Water boils at",
+        "A haiku about autumn:",
+        "def fibonacci(n):",
+        "The capital of Japan is",
+        "List three fruits:",
+    ];
+    let body = |p: &str| serde_json::json!({"prompt": p, "max_tokens": 16, "temperature": 0});
+    let ask = |client: &tp_serve::client::Client, p: &str| -> String {
+        let r = client.post_json("/v1/completions", &body(p)).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    // The oracle: a tp 1 server, one request at a time.
+    let mut alone_server = serve_util::ServerProc::start_with(serve_util::TP, &[], &model, &[]);
+    let alone: Vec<String> = prompts
+        .iter()
+        .map(|p| ask(&alone_server.client, p))
+        .collect();
+    alone_server.signal("TERM");
+    alone_server.wait(Duration::from_secs(60));
+    let mut server =
+        serve_util::ServerProc::start_with(serve_util::TP, &[], &model, &["--pp", "2"]);
+    let together: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let c = server.client.clone();
+                let ask = &ask;
+                s.spawn(move || ask(&c, p))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, p) in prompts.iter().enumerate() {
+        assert!(alone[i].len() > 5, "{p}: {:?}", alone[i]);
+        assert_eq!(
+            together[i], alone[i],
+            "{p}: pp 2 under load differs from tp 1 alone"
+        );
+    }
+    assert!(
+        server.stderr().contains("pp 2 x tp 1"),
+        "{}",
+        server.stderr()
+    );
+    server.signal("TERM");
+    server.wait(Duration::from_secs(60));
+}
+
+#[test]
 fn bad_pp_values_are_refused_before_loading() {
     let Some(model) = common::smollm2() else {
         return;
@@ -178,9 +236,9 @@ fn bad_pp_values_are_refused_before_loading() {
     let f = tp(&["generate", "--model", &m, "--pp", "0", "hi"]);
     assert_ne!(f.code, Some(0), "{}", f.output);
     assert!(f.stderr.contains("1 <= pp <= 30"), "{}", f.stderr);
-    let f = tp(&["serve", "--model", &m, "--pp", "2", "--port", "0"]);
+    let f = tp(&["serve", "--model", &m, "--pp", "31", "--port", "0"]);
     assert_ne!(f.code, Some(0), "{}", f.output);
-    assert!(f.stderr.contains("--pp 2 is not supported"), "{}", f.stderr);
+    assert!(f.stderr.contains("1 <= pp <= 30"), "{}", f.stderr);
 }
 
 /// `mpirun -n 2 tp generate --backend mpi --pp 2`: one stage per process, tp 1's text; a

@@ -133,6 +133,9 @@ pub struct RankMemory {
     pub replicated: usize,
     /// KV cache at the context length.
     pub kv_cache: usize,
+    /// Bytes of one KV block (`BLOCK_POSITIONS` positions of this rank's heads of its stage's
+    /// layers): what a server's per-rank budget is divided by.
+    pub kv_block_bytes: usize,
 }
 
 impl RankMemory {
@@ -164,6 +167,12 @@ pub fn rank_memory(
         sharded: w.sharded,
         replicated: w.replicated,
         kv_cache: 0,
+        kv_block_bytes: KvPool::bytes_per_block(
+            plan.stage.layers.len(),
+            plan.kv_heads().len(),
+            hd,
+            kv_dtype,
+        ),
     };
     let limit = crate::limits::memory_limit();
     let hint = "ask for a shorter context";
