@@ -22,6 +22,9 @@ pub struct InspectArgs {
     /// Ranks (default 1, or the count of --rank-weights).
     #[arg(long)]
     pub tp: Option<usize>,
+    /// Pipeline stages of --tp ranks each: each rank's row names its stage and layers.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
     /// One weight per rank (e.g. 2,1): shards in proportion to them, as the model commands'
     /// --rank-weights.
     #[arg(long, value_name = "W0,W1,..", value_parser = crate::model_run::parse_rank_weights, allow_hyphen_values = true)]
@@ -54,7 +57,10 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         kv_dtype: args.kv_dtype.kv_dtype(),
         expert_groups: args.ep,
         expert_capacity_percent: None,
+        pipeline_stages: args.pp,
     };
+    // The stages first: a pp the model cannot take names the valid range.
+    tp_models::checkpoint_stages(&*ckpt, opts).map_err(|e| anyhow::anyhow!("{e} (--pp)"))?;
     let tp = match (args.tp, &args.rank_weights) {
         (Some(tp), _) => tp,
         (None, Some(w)) => w.tp(),

@@ -77,6 +77,12 @@ pub struct ModelArgs {
     /// number of processes).
     #[arg(long)]
     pub tp: Option<usize>,
+    /// Pipeline stages: the ranks form pp stages of --tp ranks (tp innermost: a stage is
+    /// consecutive ranks, so under mpirun give each host a stage's ranks), each stage holding
+    /// a contiguous range of layers (the embedding on the first, the head on the last). The
+    /// logits are the same bits as at tp 1. Under mpirun: mpirun -n pp*tp.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
     /// Uneven hosts: one weight per rank, e.g. 2,1 gives rank 0 two thirds of the heads, FFN
     /// blocks and vocabulary (contiguous shards; same logits as even shards). Default: even.
     #[arg(long, value_name = "W0,W1,..", value_parser = parse_rank_weights, allow_hyphen_values = true)]
@@ -132,6 +138,7 @@ impl ModelArgs {
             kv_dtype: self.kv_dtype.kv_dtype(),
             expert_groups: self.ep,
             expert_capacity_percent: self.capacity_factor,
+            pipeline_stages: self.pp,
         }
     }
 
@@ -270,6 +277,8 @@ pub fn start_error(e: StartError, backend: Backend) -> anyhow::Error {
         }
         StartError::EmptyContext => anyhow!("--ctx-size must be at least 1"),
         StartError::ExpertGroups { source } => anyhow!("{source} (--ep)"),
+        StartError::Stages { source } => anyhow!("{} (--pp)", chain(&*source)),
+        e @ StartError::PipelineNotWorld { .. } => anyhow!("{e} (--pp, --tp)"),
         StartError::Session(e) => session_error(*e),
         e @ StartError::Open { .. } => anyhow!("{} (--model)", chain(&e)),
         e => anyhow::Error::new(e),

@@ -1,10 +1,11 @@
 //! A model's shapes and the shard each rank gets at a layout (heads, KV heads and whether
 //! they are shared, FFN columns, vocab rows, bytes, the KV cache per token, the balance), from
-//! the checkpoint's metadata without loading weights: the report `tp inspect` prints.
+//! the checkpoint's metadata without loading weights: the report `tp inspect` prints. Under
+//! pipelining each rank's row also names its stage and layers.
 
 use crate::report::show_bytes;
 use crate::session::memory_plan;
-use tp_models::{Checkpoint, CheckpointPlan, LoadOptions, RankWeights, ShardPlan, WeightName};
+use tp_models::{world_plans, Checkpoint, LoadOptions, RankWeights, WeightName};
 
 fn format_of(ckpt: &dyn Checkpoint, name: WeightName) -> String {
     match ckpt.meta(name) {
@@ -118,16 +119,42 @@ pub fn describe(
     } else {
         format!(", rank weights {weights}")
     };
+    let plans = world_plans(ckpt, weights, opts)?;
+    let pp = opts.pipeline_stages;
+    let staged = pp > 1;
     let _ = writeln!(
         s,
-        "\ntp {tp}{weighted}: per rank (KV cache for {ctx} positions, {}; taken in blocks of {} as tokens arrive)",
+        "\n{}tp {tp}{weighted}: per rank (KV cache for {ctx} positions, {}; taken in blocks of {} as tokens arrive)",
+        if staged { format!("pp {pp} x ") } else { String::new() },
         opts.kv_dtype,
         tp_models::BLOCK_POSITIONS
     );
+    // Under pipelining: the stage, its layers and what else it holds.
+    let stage_col = |p: &tp_models::ShardPlan| {
+        if !staged {
+            return String::new();
+        }
+        let st = &p.stage;
+        let ends = match (st.is_first(), st.is_last()) {
+            (true, _) => " +emb",
+            (_, true) => " +head",
+            _ => "",
+        };
+        format!(
+            "{:>5}  {:>13}  ",
+            st.index,
+            format!("{}{ends}", range(st.layers.clone()))
+        )
+    };
     let _ = writeln!(
         s,
-        "{:>4}  {:>9}  {:>9}  {:>11}  {:>13}  {:>10}  {:>10}  {:>10}  {:>10}",
+        "{:>4}  {}{:>9}  {:>9}  {:>11}  {:>13}  {:>10}  {:>10}  {:>10}  {:>10}",
         "rank",
+        if staged {
+            format!("{:>5}  {:>13}  ", "stage", "layers")
+        } else {
+            String::new()
+        },
         "q heads",
         "kv heads",
         "ffn cols",
@@ -137,14 +164,14 @@ pub fn describe(
         "kv cache",
         "total"
     );
-    for (r, m) in plan.iter().enumerate() {
-        let p = ShardPlan::for_checkpoint_weighted(ckpt, r, weights)?;
+    for (r, (m, p)) in plan.iter().zip(&plans).enumerate() {
         let kv = p.kv_heads();
         let shared = kv.len() * cfg.heads / cfg.kv_heads > p.q_heads().len();
         let _ = writeln!(
             s,
-            "{:>4}  {:>9}  {:>9}  {:>11}  {:>13}  {:>10}  {:>10}  {:>10}  {:>10}",
+            "{:>4}  {}{:>9}  {:>9}  {:>11}  {:>13}  {:>10}  {:>10}  {:>10}  {:>10}",
             r,
+            stage_col(p),
             range(p.q_heads()),
             format!("{}{}", range(kv), if shared { "*" } else { "" }),
             // A mixture of experts lists its experts per rank below.
@@ -186,18 +213,17 @@ pub fn describe(
         }
     }
     if tp > cfg.kv_heads
-        || (0..tp).any(|r| {
-            ShardPlan::for_checkpoint_weighted(ckpt, r, weights)
-                .is_ok_and(|p| p.kv_heads().len() * cfg.heads / cfg.kv_heads > p.q_heads().len())
-        })
+        || plans
+            .iter()
+            .any(|p| p.kv_heads().len() * cfg.heads / cfg.kv_heads > p.q_heads().len())
     {
         let _ = writeln!(s, "* KV heads shared with a neighbouring rank (replicated: their weights and cache are held twice)");
     }
-    let per_token = (0..tp)
-        .filter_map(|r| ShardPlan::for_checkpoint(ckpt, r, tp).ok())
+    let per_token = plans
+        .iter()
         .map(|p| {
             tp_models::KvPool::bytes_per_block(
-                cfg.layers,
+                p.stage.layers.len(),
                 p.kv_heads().len(),
                 cfg.head_dim,
                 opts.kv_dtype,

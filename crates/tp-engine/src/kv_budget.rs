@@ -62,6 +62,27 @@ pub fn block_bytes(
         .collect()
 }
 
+/// Each rank's bytes per KV block (world-rank order) under `opts.pipeline_stages` stages: a
+/// rank's block holds its stage's layers only ([`block_bytes`] without pipelining).
+pub fn stage_block_bytes(
+    ckpt: &dyn tp_models::Checkpoint,
+    weights: &RankWeights,
+    opts: tp_models::LoadOptions,
+) -> tp_models::Result<Vec<usize>> {
+    let cfg = ckpt.config();
+    Ok(tp_models::world_plans(ckpt, weights, opts)?
+        .iter()
+        .map(|plan| {
+            KvPool::bytes_per_block(
+                plan.stage.layers.len(),
+                plan.kv_heads().len(),
+                cfg.head_dim,
+                opts.kv_dtype,
+            )
+        })
+        .collect())
+}
+
 /// The rank that holds the fewest blocks with `budgets[r]` bytes of `block_bytes[r]` each,
 /// and that count (at most [`tp_models::kv_cache::MAX_BLOCKS`]): every rank holds every
 /// block, so it bounds them all. `None` without ranks.

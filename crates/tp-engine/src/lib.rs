@@ -19,6 +19,7 @@ pub mod load_stats;
 pub mod logits;
 pub mod model_check;
 pub mod perplexity;
+pub mod pipeline;
 pub mod protocol;
 pub mod report;
 pub mod sampling;

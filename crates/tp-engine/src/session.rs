@@ -4,7 +4,7 @@
 //! model, and what rank 0 holds to lead the group ([`Session`]). Errors are typed and worded
 //! without any front end's flags; the CLI adds those.
 
-use crate::kv_budget::{block_bytes, limiting_rank, KvBudget};
+use crate::kv_budget::{limiting_rank, stage_block_bytes, KvBudget};
 use crate::worker::Worker;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
@@ -132,7 +132,8 @@ pub enum SessionError {
     },
 }
 
-/// Every rank's memory at `tp` with a KV cache of `ctx` positions.
+/// Every rank's memory at `tp` (and `opts.pipeline_stages` stages: world-rank order) with a
+/// KV cache of `ctx` positions.
 pub fn memory_plan(
     ckpt: &dyn Checkpoint,
     weights: &RankWeights,
@@ -155,9 +156,9 @@ pub fn memory_plan_held(
     opts: LoadOptions,
 ) -> tp_models::Result<Vec<RankMemory>> {
     let cfg = ckpt.config();
-    (0..weights.tp())
-        .map(|r| {
-            let plan = tp_models::rank_plan(ckpt, r, weights, opts.expert_groups)?;
+    tp_models::world_plans(ckpt, weights, opts)?
+        .into_iter()
+        .map(|plan| {
             let mut m = rank_memory(
                 ckpt,
                 &plan,
@@ -170,7 +171,7 @@ pub fn memory_plan_held(
                 // The context was checked with the plan; `held` prices what the cache takes
                 // (saturating, like every size here).
                 m.kv_cache = KvPool::bytes_for(
-                    cfg.layers,
+                    plan.stage.layers.len(),
                     plan.kv_heads().len(),
                     cfg.head_dim,
                     held,
@@ -197,7 +198,7 @@ pub fn budget_positions(
         .iter()
         .map(|m| (m.sharded + m.replicated) as u64)
         .collect();
-    let per_block = block_bytes(ckpt.config(), weights, opts.kv_dtype)?;
+    let per_block = stage_block_bytes(ckpt, weights, opts)?;
     let budgets = budget.rank_bytes(&weight_bytes, &per_block);
     Ok(limiting_rank(&budgets, &per_block)
         .map_or(0, |(_, blocks)| blocks.saturating_mul(BLOCK_POSITIONS)))
@@ -315,8 +316,23 @@ pub fn describe_rank(
     ctx: usize,
     show_bytes: impl Fn(u64) -> String,
 ) -> String {
-    let Ok(plan) = tp_models::rank_plan(ckpt, rank, weights, opts.expert_groups) else {
+    let Ok(plan) = tp_models::world_rank_plan(ckpt, rank, weights, opts) else {
         return format!("rank {rank}: no shard");
+    };
+    let stage = if plan.stage.count > 1 {
+        format!(
+            "stage {} layers {:?}{}{}, ",
+            plan.stage.index,
+            plan.stage.layers,
+            if plan.stage.is_first() {
+                " + embedding"
+            } else {
+                ""
+            },
+            if plan.stage.is_last() { " + head" } else { "" }
+        )
+    } else {
+        String::new()
     };
     let cfg = ckpt.config();
     let kv = plan.kv_heads();
@@ -337,7 +353,7 @@ pub fn describe_rank(
         None => format!("FFN {:?}", plan.ffn_cols()),
     };
     format!(
-        "rank {rank}: heads {:?}, KV heads {kv:?}{shared}, {mlp}, vocab {:?}: {} sharded + {} replicated + {} KV cache ({ctx} positions at most, {} per token held) = {}",
+        "rank {rank}: {stage}heads {:?}, KV heads {kv:?}{shared}, {mlp}, vocab {:?}: {} sharded + {} replicated + {} KV cache ({ctx} positions at most, {} per token held) = {}",
         plan.q_heads(),
         plan.vocab_rows(),
         show_bytes(m.sharded as u64),

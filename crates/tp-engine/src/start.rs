@@ -124,6 +124,16 @@ pub enum StartError {
     NoRanks,
     #[error("tp is {tp} but mpirun started {world} processes")]
     TpNotWorld { tp: usize, world: usize },
+    /// A pp x tp mesh that is not the MPI world.
+    #[error("{pp} pipeline stages{} do not make the {world} processes mpirun started; use a pp that divides {world} (valid: {}) and tp = {world} / pp, or start pp x tp processes", tp.map_or(String::new(), |t| format!(" of tp {t} ({} ranks)", pp * t)), divisors(*world))]
+    PipelineNotWorld {
+        pp: usize,
+        tp: Option<usize>,
+        world: usize,
+    },
+    /// A pipeline the model cannot take (more stages than layers).
+    #[error(transparent)]
+    Stages { source: Box<ModelError> },
     #[error("the rank weights {weights} are {} weights for {tp} ranks", weights.tp())]
     WeightsCount { weights: RankWeights, tp: usize },
     #[error("the context size must be at least 1")]
@@ -189,10 +199,40 @@ pub fn weights_for(weights: Option<&RankWeights>, tp: usize) -> Result<RankWeigh
     }
 }
 
+/// `1, 2, 4` for 4.
+fn divisors(n: usize) -> String {
+    (1..=n.max(1))
+        .filter(|d| n.is_multiple_of(*d))
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 impl SessionConfig {
-    /// The tp size for `world` ranks: under MPI the world, else `tp` (default 1, or the count
-    /// of the rank weights).
+    /// Pipeline stages (1 without pipelining).
+    pub fn pp(&self) -> usize {
+        self.load.pipeline_stages.max(1)
+    }
+
+    /// The tp size inside each stage for `world` ranks: under MPI the world over the
+    /// stages, else `tp` (default 1, or the count of the rank weights).
     fn tp_for(&self, world: usize) -> Result<usize, StartError> {
+        let pp = self.pp();
+        if pp > 1 && self.backend == Backend::Mpi {
+            return match self.tp {
+                _ if !world.is_multiple_of(pp) => Err(StartError::PipelineNotWorld {
+                    pp,
+                    tp: self.tp,
+                    world,
+                }),
+                Some(tp) if tp * pp != world => Err(StartError::PipelineNotWorld {
+                    pp,
+                    tp: self.tp,
+                    world,
+                }),
+                _ => Ok(world / pp),
+            };
+        }
         match (self.backend, self.tp) {
             (Backend::Mpi, Some(tp)) if tp != world => Err(StartError::TpNotWorld { tp, world }),
             (Backend::Mpi, _) => Ok(world),
@@ -248,13 +288,18 @@ pub fn run_session<T: Send, E: RankError>(
             let held = held_positions(cfg, &tokenizer);
             let model = open(cfg, &path, &*ckpt, 1, true, file_bytes, held).map_err(&words)?;
             let tokenizer = Mutex::new(Some(tokenizer));
-            run_ranks(Backend::Local, model.weights.tp(), cfg.timeout, |g| {
-                let mine = match g.rank() {
-                    0 => tokenizer.lock().ok().and_then(|mut t| t.take()),
-                    _ => None,
-                };
-                run_rank(cfg, &model, g, mine, &words, &lead)
-            })
+            run_ranks(
+                Backend::Local,
+                model.weights.tp() * cfg.pp(),
+                cfg.timeout,
+                |g| {
+                    let mine = match g.rank() {
+                        0 => tokenizer.lock().ok().and_then(|mut t| t.take()),
+                        _ => None,
+                    };
+                    run_rank(cfg, &model, g, mine, &words, &lead)
+                },
+            )
         }
         Backend::Mpi => run_ranks(Backend::Mpi, 0, cfg.timeout, |g| {
             // Each host's own copy; every rank learns whether all hosts have the same.
@@ -330,10 +375,13 @@ fn open<'a>(
     let ctx = cfg.ctx_size.unwrap_or(ckpt.config().context);
     let tp = cfg.tp_for(world)?;
     let weights = weights_for(cfg.rank_weights.as_ref(), tp)?;
-    // The expert layout, before anything is priced or loaded.
+    // The expert layout and the pipeline stages, before anything is priced or loaded.
     tp_models::ShardPlan::new(ckpt.config(), 1, 0, tp)
         .and_then(|p| p.with_expert_groups(ckpt.config(), cfg.load.expert_groups))
         .map_err(|source| StartError::ExpertGroups { source })?;
+    tp_models::checkpoint_stages(ckpt, cfg.load).map_err(|source| StartError::Stages {
+        source: Box::new(source),
+    })?;
     let held =
         match cfg.kv_budget {
             Some(budget) => session::budget_positions(ckpt, &weights, ctx, cfg.load, budget)
@@ -376,7 +424,7 @@ fn report_layout(
 ) {
     let c = ckpt.config();
     eprintln!(
-        "# {}: {} {} layers, hidden {}, {} heads / {} KV heads, vocab {}; tp {}{} ({:?} backend{})",
+        "# {}: {} {} layers, hidden {}, {} heads / {} KV heads, vocab {}; {}tp {}{} ({:?} backend{})",
         path.display(),
         c.arch.name(),
         c.layers,
@@ -384,6 +432,10 @@ fn report_layout(
         c.heads,
         c.kv_heads,
         c.vocab,
+        match cfg.pp() {
+            1 => String::new(),
+            pp => format!("pp {pp} x "),
+        },
         weights.tp(),
         match &cfg.rank_weights {
             Some(w) => format!(", rank weights {w}"),
@@ -414,6 +466,10 @@ fn run_rank<T, E>(
     lead: &impl Fn(&mut Session) -> Result<T, E>,
 ) -> Result<Option<T>, E> {
     let rank = g.rank();
+    // Under pipelining: the stage's tp group and the pipeline group, before loading (a
+    // collective every rank reaches).
+    let (tp_group, pipe) =
+        crate::pipeline::stage_groups(&g, m.weights.tp(), cfg.pp()).map_err(|e| words(e.into()))?;
     let counting = Counting::new(m.ckpt);
     let started = Instant::now();
     let mut model = ShardedModel::load_weighted(&counting, rank, &m.weights, cfg.load, m.ctx)
@@ -438,16 +494,19 @@ fn run_rank<T, E>(
             eprintln!("# {line}");
         }
     }
-    let mut worker = Worker::new(model, g.clone());
-    // A server may load further models with the same layout; a rank that waits for its
-    // load longer than half the collective deadline gives up before rank 0's gather does.
-    worker.enable_reload(ReloadSpec {
-        weights: m.weights.clone(),
-        load: cfg.load,
-        ctx: m.ctx,
-        sync: cfg.sync,
-        deadline: cfg.timeout / 2,
-    });
+    let mut worker = Worker::staged(model, g.clone(), tp_group, pipe);
+    // A server may load further models with the same layout (not yet across pipeline
+    // stages); a rank that waits for its load longer than half the collective deadline gives
+    // up before rank 0's gather does.
+    if cfg.load.pipeline_stages == 1 {
+        worker.enable_reload(ReloadSpec {
+            weights: m.weights.clone(),
+            load: cfg.load,
+            ctx: m.ctx,
+            sync: cfg.sync,
+            deadline: cfg.timeout / 2,
+        });
+    }
     if rank != 0 {
         worker.follow().map_err(|e| words(e.into()))?;
         return Ok(None);

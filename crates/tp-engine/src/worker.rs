@@ -1,6 +1,9 @@
 //! A rank's executor: its model shard, its pool of KV blocks with the block table of every
 //! open sequence, and the loop that followers run. Rank 0 drives the same executor through
-//! [`Worker::submit`], choosing the blocks each forward step takes.
+//! [`Worker::submit`], choosing the blocks each forward step takes. Under pipelining
+//! ([`Worker::staged`]) the commands still go to every rank of the world, a forward runs on
+//! the rank's stage (tp collectives inside the stage, activations to the next stage), and the
+//! last stage's gathered logits go to rank 0.
 
 use crate::error::{EngineError, Result};
 use crate::protocol::{self, ChunkSpec, Command};
@@ -15,7 +18,12 @@ pub use models::ReloadSpec;
 #[derive(Debug)]
 pub struct Worker {
     model: ShardedModel,
+    /// Every rank: the commands go over it.
     group: Group,
+    /// This rank's stage's tp group (`group` itself without pipelining).
+    tp: Group,
+    /// This tp rank's counterparts in every stage (rank = stage), when pipelined.
+    pipe: Option<Group>,
     slots: Slots,
     /// Time split of every forward pass so far (reset freely).
     pub profile: Profile,
@@ -48,6 +56,15 @@ impl RankProfile {
 
 impl Worker {
     pub fn new(model: ShardedModel, group: Group) -> Self {
+        Self::staged(model, group.clone(), group, None)
+    }
+
+    /// A rank of a pipeline: `world` carries the commands, `tp` is its stage's group and
+    /// `pipe` its counterparts in every stage (rank = stage index; `None` without
+    /// pipelining). World rank 0 must be the last stage's tp rank 0 (it samples from the
+    /// logits that stage gathers).
+    pub fn staged(model: ShardedModel, world: Group, tp: Group, pipe: Option<Group>) -> Self {
+        let group = world;
         let slots = Slots::new(
             model.new_pool(),
             model.max_positions(),
@@ -56,6 +73,8 @@ impl Worker {
         Worker {
             model,
             group,
+            tp,
+            pipe,
             slots,
             profile: Profile::default(),
             rank_profiles: Vec::new(),
@@ -206,17 +225,22 @@ impl Worker {
                     all_logits: s.all_logits,
                 })
                 .collect();
-            self.model.forward(
+            self.model.forward_stage(
                 &mut chunks,
                 self.slots.pool_mut(),
-                &self.group,
+                &self.tp,
+                self.pipe.as_ref(),
                 &mut self.profile,
             )
         };
         self.slots.put_back(taken);
         let local = result?;
+        // Only the last stage (world rank 0's, see `tp_spec::stage_of_rank`) has logits.
+        if !self.model.stage().is_last() {
+            return Ok(Vec::new());
+        }
         Ok(self
             .model
-            .gather_logits(local, rows, &self.group, &mut self.profile)?)
+            .gather_logits(local, rows, &self.tp, &mut self.profile)?)
     }
 }

@@ -37,6 +37,9 @@ pub use matrix::{DenseDType, LoadOptions, Matrix};
 pub use model::{Chunk, ShardedModel};
 pub use open::open_checkpoint;
 pub use profile::Profile;
-pub use shard::{rank_memory, rank_plan, CheckpointPlan, RankMemory, ShardPlan};
+pub use shard::{
+    checkpoint_stages, rank_memory, rank_plan, world_plans, world_rank_plan, CheckpointPlan,
+    RankMemory, ShardPlan,
+};
 pub use sync::SyncMode;
-pub use tp_spec::RankWeights;
+pub use tp_spec::{RankWeights, Stage};

@@ -55,6 +55,9 @@ pub struct LoadOptions {
     /// of a step's tokens (GShard's capacity factor, in percent), the later ones in the
     /// step's token order dropped and counted; `None` (the default): no token is dropped.
     pub expert_capacity_percent: Option<u32>,
+    /// Pipeline stages (`tp_spec::Stage`): the ranks form `pipeline_stages` groups of tp
+    /// ranks, each holding a contiguous range of layers. 1 without pipelining.
+    pub pipeline_stages: usize,
 }
 
 impl Default for LoadOptions {
@@ -65,6 +68,7 @@ impl Default for LoadOptions {
             kv_dtype: crate::KvDtype::F32,
             expert_groups: 1,
             expert_capacity_percent: None,
+            pipeline_stages: 1,
         }
     }
 }

@@ -1,6 +1,9 @@
 //! The Llama-family model sharded over a tensor-parallel group for inference (Megatron §3):
 //! vocab-parallel embedding, attention split by heads (GQA-aware, KV cache of local heads),
 //! SwiGLU MLP split by FFN columns, LM head split by vocab rows. Two all-reduces per layer.
+//! Under pipelining a rank holds only its stage's layers (`tp_spec::Stage`): the first stage
+//! embeds, every later one receives the `[tokens, hidden]` activations from the stage before
+//! over the pipeline group, and the last one applies the final norm and the head.
 
 use crate::attention::{attend, AttendInput};
 use crate::checkpoint::{Checkpoint, Expected, WeightName};
@@ -73,9 +76,11 @@ pub struct Chunk<'a> {
 pub struct ShardedModel {
     cfg: ModelConfig,
     plan: ShardPlan,
-    embed: Matrix,        // [vocab_local, hidden]
-    head: Option<Matrix>, // [vocab_local, hidden]; None when tied to `embed`
-    norm: Vec<f32>,       // [hidden]
+    /// The first stage's embedding, or a tied head's matrix on the last stage.
+    embed: Option<Matrix>, // [vocab_local, hidden]
+    head: Option<Matrix>, // [vocab_local, hidden]; None when tied to `embed` or not last
+    norm: Vec<f32>,       // [hidden] on the last stage, empty elsewhere
+    /// The stage's layers, `plan.stage.layers` in order.
     layers: Vec<Layer>,
     /// RoPE of the global layers (every layer without sliding windows).
     rope: Rope,
@@ -106,20 +111,23 @@ impl ShardedModel {
         Self::load_plan(ckpt, plan, opts, max_pos)
     }
 
-    /// [`ShardedModel::load`] with shares in proportion to `weights` (one per rank of the
-    /// group, [`ShardPlan::weighted`]); every rank of the group must pass the same weights.
+    /// [`ShardedModel::load`] with shares in proportion to `weights` (one per rank of a
+    /// stage's tp group, [`ShardPlan::weighted`]) and `opts.pipeline_stages` stages: `rank`
+    /// is the world rank (stage `rank / tp`, tp rank `rank % tp`; the tp rank itself without
+    /// pipelining). Every rank must pass the same weights and options.
     pub fn load_weighted(
         ckpt: &dyn Checkpoint,
-        tp_rank: usize,
+        rank: usize,
         weights: &RankWeights,
         opts: LoadOptions,
         max_pos: usize,
     ) -> Result<Self> {
-        let plan = crate::shard::rank_plan(ckpt, tp_rank, weights, opts.expert_groups)?;
+        let plan = crate::shard::world_rank_plan(ckpt, rank, weights, opts)?;
         Self::load_plan(ckpt, plan, opts, max_pos)
     }
 
-    fn load_plan(
+    /// Loads the shard `plan` names (its tp slices of its stage's layers).
+    pub fn load_plan(
         ckpt: &dyn Checkpoint,
         plan: ShardPlan,
         opts: LoadOptions,
@@ -146,16 +154,33 @@ impl ShardedModel {
         for p in embed_params(&cfg).iter().chain(&head_params(&cfg)) {
             check_param(ckpt, p)?;
         }
-        // Repacked straight from the mapped file, its pages let go part by part (no slice copy).
-        let embed = Matrix::from_rows(ckpt, WeightName::Embed, vocab.clone(), opts)?;
-        let head = if cfg.tied_embeddings {
-            None
+        let stage = plan.stage.clone();
+        if stage.layers.end > cfg.layers || stage.layers.is_empty() {
+            return Err(ModelError::Input(format!(
+                "pipeline stage {} holds layers {:?}, but the model has {} layers",
+                stage.index, stage.layers, cfg.layers
+            )));
+        }
+        // Repacked straight from the mapped file, its pages let go part by part (no slice
+        // copy). The first stage embeds; the last reads the embedding as its tied head.
+        let embed = if stage.is_first() || (stage.is_last() && cfg.tied_embeddings) {
+            Some(Matrix::from_rows(
+                ckpt,
+                WeightName::Embed,
+                vocab.clone(),
+                opts,
+            )?)
         } else {
+            None
+        };
+        let head = if stage.is_last() && !cfg.tied_embeddings {
             Some(Matrix::from_rows(ckpt, WeightName::Output, vocab, opts)?)
+        } else {
+            None
         };
         ckpt.release_pages();
-        let mut layers = Vec::with_capacity(cfg.layers);
-        for l in 0..cfg.layers {
+        let mut layers = Vec::with_capacity(stage.layers.len());
+        for l in stage.layers.clone() {
             // The layer's weights as the table lists them, checked before any is read; below,
             // each goes to its slot.
             for p in cfg.layer_spec(l).params() {
@@ -237,7 +262,11 @@ impl ShardedModel {
             // load's peak is the weights plus one layer, not the weights plus the file.
             ckpt.release_pages();
         }
-        let norm = ckpt.vector(WeightName::OutputNorm, None)?;
+        let norm = if stage.is_last() {
+            ckpt.vector(WeightName::OutputNorm, None)?
+        } else {
+            Vec::new()
+        };
         // Everything is read: the last rank to finish leaves none of the file resident.
         ckpt.release_pages();
         let kv_of_q = plan
@@ -296,10 +325,16 @@ impl ShardedModel {
         self.plan.kv_heads().len() * self.cfg.head_dim
     }
 
-    /// An empty pool of KV blocks for this rank's heads (no limit until one is set).
+    /// This rank's pipeline stage (the whole model without pipelining).
+    pub fn stage(&self) -> &tp_spec::Stage {
+        &self.plan.stage
+    }
+
+    /// An empty pool of KV blocks for this rank's heads of its stage's layers (no limit until
+    /// one is set).
     pub fn new_pool(&self) -> KvPool {
         KvPool::new(
-            self.cfg.layers,
+            self.layers.len(),
             self.plan.kv_heads().len(),
             self.cfg.head_dim,
             self.kv_dtype,
@@ -331,7 +366,7 @@ impl ShardedModel {
             })
             .sum();
         layers
-            + self.embed.bytes()
+            + self.embed.as_ref().map_or(0, Matrix::bytes)
             + self.head.as_ref().map_or(0, Matrix::bytes)
             + self.norm.len() * 4
     }
@@ -344,7 +379,16 @@ impl ShardedModel {
             .iter()
             .map(|l| l.qkv.bytes() + l.o.bytes() + l.mlp.streamed_bytes_per_token())
             .sum();
-        layers + self.head.as_ref().unwrap_or(&self.embed).bytes()
+        layers + self.head_matrix().map_or(0, Matrix::bytes)
+    }
+
+    /// The LM head on the last stage (the embedding when tied); `None` on other stages.
+    fn head_matrix(&self) -> Option<&Matrix> {
+        if self.plan.stage.is_last() {
+            self.head.as_ref().or(self.embed.as_ref())
+        } else {
+            None
+        }
     }
 
     /// Storage format of the block weights and of the LM head ("Q4_1", "Q8_0", "f32", ...).
@@ -356,11 +400,8 @@ impl ShardedModel {
             .map_or_else(String::new, |m| m.format().to_string());
         (
             block,
-            self.head
-                .as_ref()
-                .unwrap_or(&self.embed)
-                .format()
-                .to_string(),
+            self.head_matrix()
+                .map_or_else(String::new, |m| m.format().to_string()),
         )
     }
 
@@ -368,7 +409,8 @@ impl ShardedModel {
     /// this rank's logits `[rows, vocab_local]`: one row per chunk, or one per token for chunks
     /// that ask for all logits. A table without blocks for its new positions takes the lowest
     /// free ones from `pool`. Tables advance only when the whole pass succeeds; on an error
-    /// they keep their first positions and release blocks taken for the rest.
+    /// they keep their first positions and release blocks taken for the rest. A model of
+    /// one pipeline stage only ([`ShardedModel::forward_stage`] for more).
     pub fn forward(
         &self,
         chunks: &mut [Chunk<'_>],
@@ -376,12 +418,39 @@ impl ShardedModel {
         group: &Group,
         prof: &mut Profile,
     ) -> Result<Vec<f32>> {
+        self.forward_stage(chunks, pool, group, None, prof)
+    }
+
+    /// [`ShardedModel::forward`] on a pipeline stage: `group` is the stage's tp group,
+    /// `pipeline` the group of this tp rank's counterparts in every stage (rank = stage
+    /// index), over which a later stage receives the activations `[tokens, hidden]` from the
+    /// stage before and an earlier one sends them on. Only the last stage returns logits
+    /// (every other returns none); every stage must run the same chunks.
+    pub fn forward_stage(
+        &self,
+        chunks: &mut [Chunk<'_>],
+        pool: &mut KvPool,
+        group: &Group,
+        pipeline: Option<&Group>,
+        prof: &mut Profile,
+    ) -> Result<Vec<f32>> {
+        let stage = &self.plan.stage;
+        let pipe = match pipeline {
+            Some(p) if p.size() == stage.count && p.rank() == stage.index => Some(p),
+            None if stage.count == 1 => None,
+            _ => {
+                return Err(ModelError::Input(format!(
+                    "stage {} of {} needs a pipeline group of {} ranks in which it is rank {}",
+                    stage.index, stage.count, stage.count, stage.index
+                )))
+            }
+        };
         let start_lens: Vec<usize> = chunks.iter().map(|c| c.table.len()).collect();
         let out = self.check_chunks(chunks).and_then(|()| {
             for c in chunks.iter_mut() {
                 pool.reserve(c.table, c.tokens.len())?;
             }
-            self.forward_inner(chunks, pool, group, prof)
+            self.forward_inner(chunks, pool, group, pipe, prof)
         });
         for (c, len) in chunks.iter_mut().zip(start_lens) {
             match &out {
@@ -418,6 +487,7 @@ impl ShardedModel {
         chunks: &mut [Chunk<'_>],
         pool: &mut KvPool,
         group: &Group,
+        pipe: Option<&Group>,
         prof: &mut Profile,
     ) -> Result<Vec<f32>> {
         let cfg = &self.cfg;
@@ -425,20 +495,33 @@ impl ShardedModel {
         let n: usize = chunks.iter().map(|c| c.tokens.len()).sum();
         prof.start_compute();
 
-        // Embedding: own vocab rows, zeros elsewhere, summed over ranks.
+        let stage = &self.plan.stage;
         let mut h = vec![0f32; n * hidden]; // [n, hidden]
-        let vocab = self.plan.vocab_rows();
-        for (t, id) in chunks.iter().flat_map(|c| c.tokens.iter()).enumerate() {
-            let id = *id as usize;
-            if vocab.contains(&id) {
-                self.embed
-                    .row_into(id - vocab.start, &mut h[t * hidden..(t + 1) * hidden])?;
+        match (pipe, &self.embed) {
+            // A later stage: the stage before's output, as it left it.
+            (Some(p), _) if !stage.is_first() => {
+                prof.stage_recv(|| p.recv(&mut h, stage.index - 1, ACTIVATIONS_TAG))?;
             }
-        }
-        all_reduce(&mut h, group, prof)?;
-        if cfg.block.embed_scale {
-            let s = (hidden as f32).sqrt();
-            h.iter_mut().for_each(|x| *x *= s);
+            // Embedding: own vocab rows, zeros elsewhere, summed over ranks.
+            (_, Some(embed)) => {
+                let vocab = self.plan.vocab_rows();
+                for (t, id) in chunks.iter().flat_map(|c| c.tokens.iter()).enumerate() {
+                    let id = *id as usize;
+                    if vocab.contains(&id) {
+                        embed.row_into(id - vocab.start, &mut h[t * hidden..(t + 1) * hidden])?;
+                    }
+                }
+                all_reduce(&mut h, group, prof)?;
+                if cfg.block.embed_scale {
+                    let s = (hidden as f32).sqrt();
+                    h.iter_mut().for_each(|x| *x *= s);
+                }
+            }
+            (_, None) => {
+                return Err(ModelError::Input(
+                    "the first pipeline stage holds no embedding".into(),
+                ))
+            }
         }
         // Every token's RoPE angles, in token order, for each base the layers use.
         let positions = || {
@@ -476,8 +559,9 @@ impl ShardedModel {
             }
         ];
         let mut out = vec![0f32; if cfg.block.post_norms { n * hidden } else { 0 }]; // [n, hidden]
+                                                                                     // `li` indexes this stage's layers (and its cache); the model's index is offset.
         for (li, layer) in self.layers.iter().enumerate() {
-            let window = cfg.window(li);
+            let window = cfg.window(stage.layers.start + li);
             let angles = match (window, &local_angles) {
                 (Some(_), Some(local)) => local,
                 _ => &global_angles,
@@ -575,6 +659,16 @@ impl ShardedModel {
             );
         }
 
+        if !stage.is_last() {
+            // The next stage continues from here; it returns the logits.
+            let p =
+                pipe.ok_or_else(|| ModelError::Input("a pipeline stage without its group".into()))?;
+            prof.stage_send(std::mem::size_of_val(h.as_slice()), || {
+                p.send(&h, stage.index + 1, ACTIVATIONS_TAG)
+            })?;
+            prof.stop_compute();
+            return Ok(Vec::new());
+        }
         // Final norm and the vocab-parallel head over the rows asked for.
         let mut picked: Vec<f32> = Vec::new(); // [rows, hidden]
         let mut t0 = 0;
@@ -587,7 +681,9 @@ impl ShardedModel {
         let rows = picked.len() / hidden;
         let mut normed = vec![0f32; picked.len()]; // [rows, hidden]
         rms_norm(&picked, &self.norm, eps, &mut normed);
-        let head = self.head.as_ref().unwrap_or(&self.embed);
+        let head = self
+            .head_matrix()
+            .ok_or_else(|| ModelError::Input("the last pipeline stage holds no head".into()))?;
         let mut logits = vec![0f32; rows * head.rows()]; // [rows, vocab_local]
         head.matmul(&normed, rows, &mut logits)?;
         prof.stop_compute();
@@ -652,6 +748,9 @@ fn add_residual(
         }
     }
 }
+
+/// The tag of the activations one pipeline stage sends the next.
+pub const ACTIVATIONS_TAG: u32 = 1;
 
 /// g: sums a partial result over the tp group (nothing to do at tp 1).
 fn all_reduce<T: tp_comm::Elem>(x: &mut [T], group: &Group, prof: &mut Profile) -> Result<()> {

@@ -54,6 +54,30 @@ impl Profile {
         }
     }
 
+    /// Times receiving a pipeline stage's input: waiting for the stage before.
+    pub(crate) fn stage_recv(
+        &mut self,
+        op: impl FnOnce() -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        let t = Instant::now();
+        let out = op();
+        self.wait += t.elapsed();
+        out
+    }
+
+    /// Times sending `bytes` to the next pipeline stage (buffered: no wait for the receiver).
+    pub(crate) fn stage_send(
+        &mut self,
+        bytes: usize,
+        op: impl FnOnce() -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        let t = Instant::now();
+        let out = op();
+        self.comm += t.elapsed();
+        self.sent_bytes += bytes as u64;
+        out
+    }
+
     /// Runs an all-reduce (with its barrier when profiling).
     pub(crate) fn all_reduce(
         &mut self,

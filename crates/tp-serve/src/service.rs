@@ -119,6 +119,12 @@ pub fn kv_plan(
 ) -> Result<KvPlan> {
     let per_rank =
         block_bytes(cfg, weights, kv_dtype).map_err(|e| ServeError::from(EngineError::from(e)))?;
+    kv_plan_blocks(&per_rank, budgets)
+}
+
+/// [`kv_plan`] from each rank's bytes per block (`per_rank[r]`, as the session's memory
+/// plan gives them: a pipeline stage's block holds only its layers).
+pub fn kv_plan_blocks(per_rank: &[usize], budgets: &[u64]) -> Result<KvPlan> {
     for &budget in budgets {
         // A budget is reserved as requests arrive; one larger than the machine would let
         // admissions outrun memory instead of queueing.
@@ -126,7 +132,7 @@ pub fn kv_plan(
             return Err(ServeError::KvOverMachine { budget, machine });
         }
     }
-    let kv = match limiting_rank(budgets, &per_rank) {
+    let kv = match limiting_rank(budgets, per_rank) {
         Some((r, blocks)) => KvPlan {
             budget_bytes: budgets[r],
             bytes_per_block: per_rank[r],
@@ -169,15 +175,15 @@ pub fn serve(
     }
     let tp = session.worker.group().size();
     let model = session.worker.model().config().clone();
-    let kv_dtype = session.worker.model().kv_dtype();
     let weight_bytes: Vec<u64> = session
         .memory
         .iter()
         .map(|m| (m.sharded + m.replicated) as u64)
         .collect();
-    let per_block = block_bytes(&model, &session.weights, kv_dtype).map_err(EngineError::from)?;
+    // Every rank's (of every stage), from the memory plan.
+    let per_block: Vec<usize> = session.memory.iter().map(|m| m.kv_block_bytes).collect();
     let budgets = cfg.kv_budget.rank_bytes(&weight_bytes, &per_block);
-    let kv = kv_plan(&model, &session.weights, kv_dtype, &budgets)?;
+    let kv = kv_plan_blocks(&per_block, &budgets)?;
     let sched_cfg = SchedulerConfig {
         max_seqs: cfg.max_seqs,
         kv_blocks: kv.blocks,

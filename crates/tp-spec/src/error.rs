@@ -82,6 +82,9 @@ pub enum ShardError {
     /// Expert groups asked of a dense model.
     #[error("an expert-parallel size of {ep} was asked for, but the model has no experts (it is dense); use 1")]
     NoExperts { ep: usize },
+    /// More pipeline stages than layers (or none).
+    #[error("{pp} pipeline stages cannot give each stage a layer of a model with {layers} layers; use 1 <= pp <= {layers}")]
+    InvalidPp { pp: usize, layers: usize },
     /// Query heads that KV heads cannot group.
     #[error("bad config: {0}")]
     Groups(String),

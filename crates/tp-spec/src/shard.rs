@@ -4,8 +4,9 @@
 
 use crate::config::ModelConfig;
 use crate::error::ShardError;
-use crate::params::{model_params, Placement, Split};
+use crate::params::{Placement, Split};
 use crate::partition::{HeadPlan, Partition, RankWeights};
+use crate::stage::Stage;
 use crate::weights::{Expected, WeightName};
 use std::ops::Range;
 
@@ -28,6 +29,9 @@ pub struct ShardPlan {
     pub head_dim: usize,
     /// How a mixture of experts is split (`None` for a dense model).
     pub experts: Option<ExpertShard>,
+    /// The pipeline stage this rank belongs to: the layers it holds, whether it holds the
+    /// embedding and the head ([`Stage::whole`] without pipelining).
+    pub stage: Stage,
 }
 
 /// One rank's share of the experts of every MoE layer (docs/moe.md). The tp ranks form `ep`
@@ -159,6 +163,7 @@ impl ShardPlan {
         Ok(ShardPlan {
             vocab,
             experts,
+            stage: Stage::whole(cfg.layers),
             ..block
         })
     }
@@ -175,6 +180,12 @@ impl ShardPlan {
         let unit = self.experts.as_ref().map_or(self.ffn_unit, |e| e.ffn_unit);
         let experts = ExpertShard::new(cfg, unit, self.tp_rank, self.tp, ep)?;
         Ok(ShardPlan { experts, ..self })
+    }
+
+    /// This plan for pipeline stage `stage` (from [`crate::stages`]): the same tensor-parallel
+    /// split of the stage's layers.
+    pub fn with_stage(self, stage: Stage) -> Self {
+        ShardPlan { stage, ..self }
     }
 
     /// Expert groups of the plan (1 for a dense model).
@@ -217,6 +228,7 @@ impl ShardPlan {
             vocab,
             head_dim: cfg.head_dim,
             experts,
+            stage: Stage::whole(cfg.layers),
         })
     }
 
@@ -243,6 +255,7 @@ impl ShardPlan {
             vocab: Partition::empty(tp),
             head_dim,
             experts: None,
+            stage: Stage::whole(1),
         })
     }
 
@@ -345,7 +358,43 @@ pub struct WeightBytes {
     pub replicated: usize,
 }
 
-/// The weight bytes of rank `plan.tp_rank`, from the parameter table: `layout` gives each
+/// The pipeline stages of `cfg` over `pp` stages, balanced by the bytes of weights each
+/// streams per token (layers whole, as at tp 1; the final norm and the head on the last stage,
+/// the embedding's row lookups counted as free): every tp size splits a stage's layers the
+/// same way, so the balance holds at any tp. `layout` and `dense_bytes` as for
+/// [`rank_weight_bytes`]; a `pp` the layers cannot take is a [`ShardError::InvalidPp`].
+pub fn pipeline_stages<E: From<ShardError>>(
+    cfg: &ModelConfig,
+    pp: usize,
+    layout: &mut dyn FnMut(WeightName) -> Result<Layout, E>,
+    dense_bytes: usize,
+) -> Result<Vec<Stage>, E> {
+    if pp == 0 || pp > cfg.layers {
+        return Err(ShardError::InvalidPp {
+            pp,
+            layers: cfg.layers,
+        }
+        .into());
+    }
+    if pp == 1 {
+        return Ok(vec![Stage::whole(cfg.layers)]);
+    }
+    let whole = ShardPlan::new(cfg, 1, 0, 1)?;
+    let bytes = |w: WeightBytes| (w.sharded + w.replicated) as u64;
+    let mut costs = Vec::with_capacity(cfg.layers);
+    for l in 0..cfg.layers {
+        let p = cfg.layer_spec(l).params();
+        costs.push(bytes(params_weight_bytes(&whole, &p, layout, dense_bytes)?));
+    }
+    let mut head = crate::params::head_params(cfg);
+    if cfg.tied_embeddings {
+        head.extend(crate::params::embed_params(cfg));
+    }
+    let head = bytes(params_weight_bytes(&whole, &head, layout, dense_bytes)?);
+    Ok(crate::stage::stages(cfg, pp, |l| costs[l], head)?)
+}
+
+/// The weight bytes of rank `plan.tp_rank` of its pipeline stage, from the parameter table: `layout` gives each
 /// matrix's storage (an error from it is returned as is), `dense_bytes` the element size of
 /// unquantized weights (4 for f32, 2 for f16/bf16). Vectors (norms, biases) are f32: split ones
 /// count as sharded, whole ones as replicated.
@@ -355,9 +404,19 @@ pub fn rank_weight_bytes<E>(
     layout: &mut dyn FnMut(WeightName) -> Result<Layout, E>,
     dense_bytes: usize,
 ) -> Result<WeightBytes, E> {
+    params_weight_bytes(plan, &plan.stage.params(cfg), layout, dense_bytes)
+}
+
+/// The bytes rank `plan.tp_rank` holds of `params` (as [`rank_weight_bytes`] counts them).
+pub fn params_weight_bytes<E>(
+    plan: &ShardPlan,
+    params: &[crate::params::Param],
+    layout: &mut dyn FnMut(WeightName) -> Result<Layout, E>,
+    dense_bytes: usize,
+) -> Result<WeightBytes, E> {
     let mut m = WeightBytes::default();
-    for p in model_params(cfg) {
-        let place = plan.place(&p);
+    for p in params {
+        let place = plan.place(p);
         let local = |extent: usize, dim: usize| match &place {
             Placement::Sharded { dim: d, range } if *d == dim => (range.len(), range.start),
             _ => (extent, 0),
@@ -410,6 +469,42 @@ mod tests {
             tied_embeddings: true,
             block: crate::BlockStyle::LLAMA,
             experts: None,
+        }
+    }
+
+    #[test]
+    fn stages_hold_every_weight_once_and_a_tied_head_twice() {
+        let mut c = cfg();
+        c.layers = 5;
+        let f32s = &mut |_| Ok::<_, ()>(Layout::Float);
+        for tied in [true, false] {
+            c.tied_embeddings = tied;
+            for tp in 1..=2 {
+                for r in 0..tp {
+                    let plan = ShardPlan::new(&c, 32, r, tp).unwrap();
+                    let whole = rank_weight_bytes(&c, &plan, f32s, 4).unwrap();
+                    let embed = plan.vocab_rows().len() * c.hidden * 4;
+                    for pp in 1..=5 {
+                        let layer = |_| 1u64;
+                        let staged: Vec<WeightBytes> = crate::stages(&c, pp, layer, 0)
+                            .unwrap()
+                            .into_iter()
+                            .map(|s| {
+                                rank_weight_bytes(&c, &plan.clone().with_stage(s), f32s, 4).unwrap()
+                            })
+                            .collect();
+                        let sharded: usize = staged.iter().map(|w| w.sharded).sum();
+                        let replicated: usize = staged.iter().map(|w| w.replicated).sum();
+                        let extra = if tied && pp > 1 { embed } else { 0 };
+                        assert_eq!(
+                            sharded,
+                            whole.sharded + extra,
+                            "tied {tied} tp {tp} pp {pp}"
+                        );
+                        assert_eq!(replicated, whole.replicated);
+                    }
+                }
+            }
         }
     }
 
