@@ -213,6 +213,7 @@ impl InProcessServer {
             auth_hint: None,
             prefix_cache,
             canary: None,
+            spec: None,
         };
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()

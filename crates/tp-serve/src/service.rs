@@ -64,6 +64,8 @@ pub struct ServeConfig {
     pub prefix_cache: bool,
     /// Run this canary once the server is up and then periodically (see [`crate::canary`]).
     pub canary: Option<CanaryConfig>,
+    /// Speculative decoding per request (see [`crate::spec`]); `None`: off.
+    pub spec: Option<crate::spec::ServeSpec>,
 }
 
 /// The KV budget of a running server.
@@ -183,6 +185,7 @@ pub fn serve(
         } else {
             0
         },
+        spec: cfg.spec.clone(),
     };
     let server_cfg = ServerConfig {
         host: cfg.host,

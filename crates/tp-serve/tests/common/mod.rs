@@ -43,6 +43,7 @@ pub fn config() -> ServeConfig {
         auth_hint: None,
         prefix_cache: true,
         canary: None,
+        spec: None,
     }
 }
 
