@@ -82,7 +82,7 @@ impl Drafter for SpoiledDrafter {
     fn draft(&mut self, history: &[u32], k: usize) -> tp_engine::error::Result<Vec<u32>> {
         self.0 += 1;
         let mut d = ngram_lookup(history, 4, k);
-        if self.0 % 2 == 0 {
+        if self.0.is_multiple_of(2) {
             if let Some(t) = d.first_mut() {
                 *t = (*t + 1) % 256;
             }
