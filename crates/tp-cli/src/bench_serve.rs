@@ -214,6 +214,7 @@ impl InProcessServer {
             prefix_cache,
             canary: None,
             admin_key: None,
+            spec: None,
         };
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()

@@ -5,11 +5,12 @@ use crate::model_run::{run_model_holding, ModelArgs};
 use anyhow::{anyhow, bail};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use tp_engine::draft_model::ModelDrafter;
+use std::sync::Arc;
+use tp_engine::draft_model::DraftModelSource;
 use tp_engine::Session;
 use tp_engine::{
-    DecodeParams, DraftTokens, Engine, EngineError, FinishReason, LogprobEntry, PromptIds, Reply,
-    SamplingParams, SpecMethod, Speculator,
+    DecodeParams, DraftTokens, DrafterSource, Engine, EngineError, FinishReason, LogprobEntry,
+    PromptIds, Reply, SamplingParams, SpecMethod, Speculator,
 };
 use tp_tokenizer::ChatMessage;
 
@@ -128,13 +129,18 @@ impl SpecArgs {
         })
     }
 
-    /// Rank 0's speculator for `s` (a draft model is loaded here), `None` when off.
-    pub fn speculator(&self, s: &Session, model: &ModelArgs) -> anyhow::Result<Option<Speculator>> {
+    /// Who drafts for `s` (a draft model is loaded here) and how many tokens, `None` when
+    /// off.
+    pub fn source(
+        &self,
+        s: &Session,
+        model: &ModelArgs,
+    ) -> anyhow::Result<Option<(Arc<dyn DrafterSource>, DraftTokens)>> {
         Ok(match self.drafting()? {
             Drafting::Off => None,
-            Drafting::Method(m, k) => Some(Speculator::for_method(m, k)),
+            Drafting::Method(m, k) => Some((Arc::new(m), k)),
             Drafting::Model(path, k) => {
-                let d = ModelDrafter::open(
+                let d = DraftModelSource::open(
                     &path,
                     &s.tokenizer,
                     s.worker.model().config().vocab,
@@ -142,9 +148,17 @@ impl SpecArgs {
                     model.load_options(),
                 )
                 .map_err(|e| anyhow::Error::new(e).context("--draft-model"))?;
-                Some(Speculator::new(Box::new(d), k))
+                Some((Arc::new(d), k))
             }
         })
+    }
+
+    /// Rank 0's speculator for `s` (a draft model is loaded here), `None` when off.
+    pub fn speculator(&self, s: &Session, model: &ModelArgs) -> anyhow::Result<Option<Speculator>> {
+        match self.source(s, model)? {
+            None => Ok(None),
+            Some((source, k)) => Ok(Some(Speculator::new(source.drafter()?, k))),
+        }
     }
 }
 

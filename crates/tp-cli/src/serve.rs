@@ -23,6 +23,11 @@ const MPI_TERM_DRAIN: Duration = Duration::from_millis(200);
 pub struct ServeArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Speculative decoding per request (--spec ngram: each request drafts from its own
+    /// prompt and output; --draft-model: each keeps its own cache of the draft model, held
+    /// once on rank 0). Clients see the same text (greedy) or distribution (sampling).
+    #[command(flatten)]
+    pub spec: crate::generate::SpecArgs,
     /// Address to listen on. Loopback by default; anything else is reachable from the network
     /// (set an API key then: $TP_API_KEY or --api-key).
     #[arg(long, default_value = "127.0.0.1")]
@@ -293,6 +298,7 @@ fn serve_config(
         prefix_cache: !args.no_prefix_cache,
         canary: canary_config(args)?,
         admin_key,
+        spec: None,
     })
 }
 
@@ -361,7 +367,14 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         None => None,
     };
     let canary_failed: Arc<Mutex<Option<String>>> = Arc::default();
+    // Checked before any rank starts; rank 0 builds the drafter source.
+    args.spec.drafting()?;
     let out = run_model_serving(&args.model, cfg.kv_budget, |s| {
+        let mut cfg = cfg.clone();
+        cfg.spec = args
+            .spec
+            .source(s, &args.model)?
+            .map(|(source, tokens)| tp_serve::ServeSpec { source, tokens });
         let ready = |r: &Ready| -> tp_serve::Result<()> {
             if !quiet {
                 eprintln!(

@@ -1,7 +1,8 @@
 //! A draft model for speculative decoding: a smaller model with the target's vocabulary,
 //! held whole by rank 0 (a group of one: no shards, no communication; the other ranks only
-//! see the drafted tokens in the verification step's command). It keeps its own KV cache in
-//! step with the sequence: each call drops what the sequence no longer holds (rejected
+//! see the drafted tokens in the verification step's command) and shared by every sequence
+//! that drafts with it (a server's requests). Each sequence's drafter keeps its own KV cache
+//! of the draft in step with the sequence: each call drops what the sequence no longer holds (rejected
 //! drafts), feeds what it gained, then drafts greedily one token at a time (a point-mass
 //! distribution, as the decoder's acceptance rule expects).
 
@@ -11,6 +12,7 @@ use crate::sampling::argmax;
 use crate::session::{load_tokenizer, SessionError};
 use crate::spec::Drafter;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use thiserror::Error;
 use tp_comm::Group;
 use tp_models::{open_checkpoint, BlockTable, Chunk, KvPool, LoadOptions, Profile, ShardedModel};
@@ -56,31 +58,56 @@ pub fn vocabulary_difference(target: &Tokenizer, draft: &Tokenizer) -> Option<St
     None
 }
 
-/// A draft model on rank 0 and its cache of one sequence.
-pub struct ModelDrafter {
+/// A draft model on rank 0: its weights and one pool of KV blocks for every sequence that
+/// drafts with it (a server's requests each keep their own table in it).
+struct DraftModel {
     model: ShardedModel,
     group: Group,
     pool: KvPool,
-    table: BlockTable,
-    /// The tokens the draft's cache holds, in order.
-    fed: Vec<u32>,
     prof: Profile,
+    /// Context of one sequence.
+    ctx: usize,
     /// Ids at or past this are not the target's: a draft stops before one.
     target_vocab: usize,
 }
 
-impl std::fmt::Debug for ModelDrafter {
+impl DraftModel {
+    /// The last position's logits `[vocab]` after feeding `tokens` to `table`.
+    fn forward(&mut self, table: &mut BlockTable, tokens: &[u32]) -> Result<Vec<f32>> {
+        let logits = self.model.forward(
+            &mut [Chunk {
+                tokens,
+                table,
+                all_logits: false,
+            }],
+            &mut self.pool,
+            &self.group,
+            &mut self.prof,
+        )?;
+        Ok(logits)
+    }
+}
+
+/// The draft model shared by many sequences: [`DrafterSource::drafter`] gives each its own
+/// [`ModelDrafter`] (its own KV cache of the draft; the weights are held once).
+#[derive(Clone)]
+pub struct DraftModelSource {
+    shared: Arc<Mutex<DraftModel>>,
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for DraftModelSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ModelDrafter")
-            .field("fed", &self.fed.len())
+        f.debug_struct("DraftModelSource")
+            .field("path", &self.path)
             .finish_non_exhaustive()
     }
 }
 
-impl ModelDrafter {
-    /// Loads the draft at `path` whole (a context of `ctx` positions) for a target with
-    /// `target` as tokenizer and `target_vocab` logits per row; its vocabulary must be the
-    /// target's, token for token.
+impl DraftModelSource {
+    /// Loads the draft at `path` whole (a context of `ctx` positions per sequence) for a
+    /// target with `target` as tokenizer and `target_vocab` logits per row; its vocabulary
+    /// must be the target's, token for token.
     pub fn open(
         path: &Path,
         target: &Tokenizer,
@@ -105,31 +132,81 @@ impl ModelDrafter {
         let model = ShardedModel::load(&*ckpt, 0, 1, opts, ctx).map_err(load)?;
         ckpt.release_pages();
         let pool = model.new_pool();
-        let table = model.new_table(ctx);
-        Ok(ModelDrafter {
-            model,
-            group: tp_comm::local::solo(),
-            pool,
-            table,
-            fed: Vec::new(),
-            prof: Profile::default(),
-            target_vocab,
+        Ok(DraftModelSource {
+            shared: Arc::new(Mutex::new(DraftModel {
+                model,
+                group: tp_comm::local::solo(),
+                pool,
+                prof: Profile::default(),
+                ctx,
+                target_vocab,
+            })),
+            path: path.to_path_buf(),
         })
     }
 
-    /// The last position's logits `[vocab]` after feeding `tokens`.
-    fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let logits = self.model.forward(
-            &mut [Chunk {
-                tokens,
-                table: &mut self.table,
-                all_logits: false,
-            }],
-            &mut self.pool,
-            &self.group,
-            &mut self.prof,
-        )?;
-        Ok(logits)
+    /// A drafter with its own (empty) cache of the draft.
+    pub fn sequence(&self) -> ModelDrafter {
+        let table = {
+            let m = lock(&self.shared);
+            m.model.new_table(m.ctx)
+        };
+        ModelDrafter {
+            shared: Arc::clone(&self.shared),
+            table,
+            fed: Vec::new(),
+        }
+    }
+}
+
+impl crate::spec::DrafterSource for DraftModelSource {
+    fn drafter(&self) -> Result<Box<dyn Drafter>> {
+        Ok(Box::new(self.sequence()))
+    }
+    fn describe(&self) -> String {
+        format!("draft model {}", self.path.display())
+    }
+}
+
+/// The draft model, also after a panic elsewhere (its state is only caches, which each
+/// drafter checks against its sequence).
+fn lock(m: &Mutex<DraftModel>) -> std::sync::MutexGuard<'_, DraftModel> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One sequence's drafter over a (shared) draft model: its cache of the draft, kept in
+/// step with the sequence by common prefix.
+pub struct ModelDrafter {
+    shared: Arc<Mutex<DraftModel>>,
+    table: BlockTable,
+    /// The tokens the draft's cache holds, in order.
+    fed: Vec<u32>,
+}
+
+impl std::fmt::Debug for ModelDrafter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelDrafter")
+            .field("fed", &self.fed.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for ModelDrafter {
+    fn drop(&mut self) {
+        lock(&self.shared).pool.release(&mut self.table);
+    }
+}
+
+impl ModelDrafter {
+    /// Loads the draft at `path` for one sequence (see [`DraftModelSource::open`]).
+    pub fn open(
+        path: &Path,
+        target: &Tokenizer,
+        target_vocab: usize,
+        ctx: usize,
+        opts: LoadOptions,
+    ) -> std::result::Result<Self, DraftModelError> {
+        Ok(DraftModelSource::open(path, target, target_vocab, ctx, opts)?.sequence())
     }
 }
 
@@ -138,6 +215,7 @@ impl Drafter for ModelDrafter {
         if history.is_empty() || k == 0 {
             return Ok(Vec::new());
         }
+        let mut m = lock(&self.shared);
         // Keep what the sequence still holds (at least one token is fed again, for logits).
         let common = self
             .fed
@@ -146,14 +224,14 @@ impl Drafter for ModelDrafter {
             .take_while(|(a, b)| a == b)
             .count()
             .min(history.len() - 1);
-        self.pool.truncate(&mut self.table, common);
+        m.pool.truncate(&mut self.table, common);
         self.fed.truncate(common);
         if history.len() > self.table.capacity() {
             return Ok(Vec::new());
         }
         let mut logits = Vec::new();
         for chunk in history[common..].chunks(PREFILL_CHUNK) {
-            logits = self.forward(chunk)?;
+            logits = m.forward(&mut self.table, chunk)?;
             self.fed.extend_from_slice(chunk);
         }
         let mut out = Vec::with_capacity(k);
@@ -164,14 +242,14 @@ impl Drafter for ModelDrafter {
                 ));
             }
             let t = argmax(&logits);
-            if t as usize >= self.target_vocab {
+            if t as usize >= m.target_vocab {
                 break;
             }
             out.push(t);
             if out.len() == k || self.table.len() >= self.table.capacity() {
                 break;
             }
-            logits = self.forward(&[t])?;
+            logits = m.forward(&mut self.table, &[t])?;
             self.fed.push(t);
         }
         Ok(out)

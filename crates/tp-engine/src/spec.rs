@@ -87,6 +87,28 @@ pub trait Drafter: Send {
     fn draft(&mut self, history: &[u32], k: usize) -> Result<Vec<u32>>;
 }
 
+/// Makes one drafter per sequence: a server's requests each draft from their own text (and,
+/// with a draft model, each keeps its own cache of it).
+pub trait DrafterSource: Send + Sync {
+    /// A drafter for a new sequence.
+    fn drafter(&self) -> Result<Box<dyn Drafter>>;
+    /// What drafts, for logs and figures (`ngram`, the draft model's file name).
+    fn describe(&self) -> String;
+}
+
+impl DrafterSource for SpecMethod {
+    fn drafter(&self) -> Result<Box<dyn Drafter>> {
+        Ok(match self {
+            SpecMethod::Ngram => Box::new(NgramDrafter),
+        })
+    }
+    fn describe(&self) -> String {
+        match self {
+            SpecMethod::Ngram => "ngram".into(),
+        }
+    }
+}
+
 /// Prompt lookup: the last `n` tokens (n from [`NgramDrafter::MAX_N`] down to 1, longest
 /// first) are searched for earlier in the history, latest occurrence first; the tokens that
 /// followed that occurrence are the draft. Free to compute, and right exactly when the model

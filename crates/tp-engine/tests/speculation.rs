@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 use tp_comm::local::{self, LocalOptions};
-use tp_engine::draft_model::{DraftModelError, ModelDrafter};
+use tp_engine::draft_model::{DraftModelError, DraftModelSource, ModelDrafter};
 use tp_engine::{
     generate, ChunkSpec, Command, DecodeParams, DraftTokens, Drafter, FinishReason, Flow,
     SequenceDecoder, SpecMethod, Speculator, Worker,
@@ -292,4 +292,42 @@ fn a_draft_model_with_another_vocabulary_is_refused() {
         msg.contains("151936 tokens") && msg.contains("49152"),
         "{msg}"
     );
+}
+
+/// One draft model shared by several sequences (as `tp serve` shares it between requests):
+/// each sequence's drafter, used in turns with the others and rolled back by rejections,
+/// drafts what a drafter of its own model drafts.
+#[test]
+fn sequences_sharing_a_draft_model_draft_as_alone() {
+    let Some(path) = tp_testkit::smollm2() else {
+        eprintln!("SmolLM2 is not installed: skipped");
+        return;
+    };
+    let tok = Tokenizer::from_gguf_file(&path).unwrap();
+    let vocab = tok.vocab_size();
+    let opts = LoadOptions::default();
+    let shared = DraftModelSource::open(&path, &tok, vocab, CTX, opts).unwrap();
+    let texts = [
+        "Repeat this list exactly: apples, bananas, cherries, dates, figs. Again: apples,",
+        "The quick brown fox jumps over the lazy dog. The quick brown",
+        "fn main() { let x = 1; let y = 2; println!(\"{}\", x + y); } fn main() {",
+    ];
+    let mut turns: Vec<(Vec<u32>, ModelDrafter, ModelDrafter)> = texts
+        .iter()
+        .map(|t| {
+            let alone = ModelDrafter::open(&path, &tok, vocab, CTX, opts).unwrap();
+            (tok.encode(t).unwrap(), shared.sequence(), alone)
+        })
+        .collect();
+    for round in 0..4 {
+        for (i, (history, mine, alone)) in turns.iter_mut().enumerate() {
+            let a = mine.draft(history, 4).unwrap();
+            let b = alone.draft(history, 4).unwrap();
+            assert_eq!(a, b, "round {round}, sequence {i}");
+            assert!(!a.is_empty());
+            // Keep the first draft and a token of our own (a rejection after one).
+            history.push(a[0]);
+            history.push(a[0]);
+        }
+    }
 }

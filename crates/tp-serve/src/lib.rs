@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod rollout;
 pub mod scheduler;
 pub mod service;
+pub mod spec;
 
 pub use error::{ApiError, Result, ServeError};
 pub use http::auth::check_api_key;
@@ -25,3 +26,4 @@ pub use http::server::{Server, ServerConfig, StopHandle, DEFAULT_MAX_BODY_BYTES}
 pub use metrics::Metrics;
 pub use scheduler::{Control, Event, Job, Load, SchedulerConfig, SchedulerHandle, Usage};
 pub use service::{kv_plan, serve, KvBudget, KvPlan, Ready, ServeConfig};
+pub use spec::ServeSpec;

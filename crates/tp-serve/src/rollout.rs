@@ -674,6 +674,7 @@ mod tests {
             heartbeat: Duration::from_millis(5),
             prefix_sharing: true,
             prefix_cache_entries: 4,
+            spec: None,
         };
         let tok = Tokenizer::bytes(&["<|endoftext|>"]);
         let load = Load::default();

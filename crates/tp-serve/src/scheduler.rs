@@ -32,6 +32,7 @@
 //! [`tp_engine::ScriptedExecutor`] in the unit tests below.
 
 use crate::metrics::Metrics;
+use crate::spec::{rejected_positions, SeqSpec};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::Receiver;
@@ -62,6 +63,9 @@ pub struct SchedulerConfig {
     /// Most finished sequences kept for later requests that begin alike (0: no prefix
     /// cache). Their blocks count in `kv_blocks` and are given back when needed.
     pub prefix_cache_entries: usize,
+    /// Speculative decoding: each request drafts with its own drafter from this source
+    /// (see [`crate::spec`]); `None`: one token per request per step.
+    pub spec: Option<crate::spec::ServeSpec>,
 }
 
 impl SchedulerConfig {
@@ -165,6 +169,8 @@ struct Running<'t> {
     resumed: bool,
     decoder: SequenceDecoder<'t>,
     first_token: Option<Instant>,
+    /// Its drafter and this step's drafts, when the server speculates.
+    spec: Option<SeqSpec>,
 }
 
 impl Running<'_> {
@@ -212,7 +218,7 @@ enum Outcome {
     Failed(String),
 }
 
-/// A step's chunks and, for each, (index into the running requests, sample its row).
+/// A step's chunks and, for each, (index into the running requests, sample its rows).
 type Plan = (Vec<ChunkSpec>, Vec<(usize, bool)>);
 
 /// Engine errors are boxed: they carry flight records and are large.
@@ -553,7 +559,16 @@ impl<'a, 't> Scheduler<'a, 't> {
                         return Ok(());
                     }
                 };
+                let spec = match self.cfg.spec.as_ref().map(|s| SeqSpec::new(s, &job.prompt)) {
+                    None => None,
+                    Some(Ok(s)) => Some(s),
+                    Some(Err(e)) => {
+                        let _ = job.events.send(Event::failed(chain(&e)));
+                        return Ok(());
+                    }
+                };
                 Running {
+                    spec,
                     context: job.prompt.clone(),
                     job,
                     slot: 0,
@@ -614,14 +629,18 @@ impl<'a, 't> Scheduler<'a, 't> {
                 continue;
             }
             if let Some(t) = r.decoder.next_input() {
-                chunks.push(ChunkSpec::new(r.slot, vec![t]));
+                let drafts = r.spec.as_ref().map_or(&[][..], |s| &s.drafts);
+                let mut chunk = ChunkSpec::new(r.slot, [&[t][..], drafts].concat());
+                chunk.all_logits = !drafts.is_empty();
+                chunks.push(chunk);
                 rows.push((i, true));
             }
         }
+        let decode_tokens: usize = chunks.iter().map(|c| c.tokens.len()).sum();
         let mut budget = self
             .cfg
             .max_batch_tokens
-            .saturating_sub(chunks.len())
+            .saturating_sub(decode_tokens)
             .max(1);
         for (i, r) in self.running.iter().enumerate() {
             let left = r.prefill_left();
@@ -648,6 +667,9 @@ impl<'a, 't> Scheduler<'a, 't> {
                 return Ok((chunks, rows));
             }
             if self.evict_cached(exec, None)? {
+                continue;
+            }
+            if self.drop_drafts() {
                 continue;
             }
             if self.running.len() > 1 {
@@ -696,17 +718,87 @@ impl<'a, 't> Scheduler<'a, 't> {
         Ok(())
     }
 
+    /// Asks every decoding request that speculates for this step's drafts, within its
+    /// sequence's room, the tokens it still wants and the step's token cap left over after
+    /// the decode tokens and the prefill chunks (prompts go first: drafts are optional). A
+    /// request whose drafter fails fails.
+    fn draft_all(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
+        if self.cfg.spec.is_none() {
+            return Ok(());
+        }
+        let decoding = self
+            .running
+            .iter()
+            .filter(|r| r.prefill_left() == 0 && r.decoder.next_input().is_some())
+            .count();
+        let prefill: usize = self.running.iter().map(Running::prefill_left).sum();
+        let mut budget = self.cfg.max_batch_tokens.saturating_sub(decoding + prefill);
+        let mut failed = Vec::new();
+        for (i, r) in self.running.iter_mut().enumerate() {
+            let decodes = r.prefill_left() == 0 && r.decoder.next_input().is_some();
+            let Some(spec) = r.spec.as_mut() else {
+                continue;
+            };
+            spec.drafts.clear();
+            if !decodes {
+                continue;
+            }
+            // The cache takes the next token and the drafts; rows past the tokens still
+            // wanted are wasted.
+            let room = exec
+                .slots()
+                .capacity(r.slot)
+                .saturating_sub(r.held.len() + 1);
+            let wanted = r
+                .decoder
+                .params()
+                .max_tokens
+                .saturating_sub(r.decoder.generated().len());
+            let limit = room.min(wanted.saturating_sub(1)).min(budget);
+            match spec.draft(r.decoder.generated(), limit) {
+                Ok(()) => budget -= spec.drafts.len().min(budget),
+                Err(e) => failed.push((i, chain(&e))),
+            }
+        }
+        for (i, msg) in failed.into_iter().rev() {
+            let r = self.running.remove(i);
+            let _ = r.job.events.send(Event::failed(msg));
+            self.close(exec, r)?;
+        }
+        Ok(())
+    }
+
+    /// Drops every request's drafts for this step (their blocks do not fit); false when
+    /// there were none.
+    fn drop_drafts(&mut self) -> bool {
+        let mut any = false;
+        for s in self.running.iter_mut().filter_map(|r| r.spec.as_mut()) {
+            any |= !s.drafts.is_empty();
+            s.drafts.clear();
+        }
+        any
+    }
+
     /// One batched forward and what its rows give.
     fn step(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
+        self.draft_all(exec)?;
+        if self.running.is_empty() {
+            return Ok(());
+        }
         let (chunks, rows) = self.plan_within_budget(exec)?;
         if chunks.is_empty() {
             return Ok(());
         }
         self.steps += 1;
         let fed: Vec<Vec<u32>> = chunks.iter().map(|c| c.tokens.clone()).collect();
+        // Rows of logits each chunk returns: every token's for a verification, else one.
+        let chunk_rows: Vec<usize> = chunks
+            .iter()
+            .map(|c| if c.all_logits { c.tokens.len() } else { 1 })
+            .collect();
         let comm_before = exec.comm_time();
         let t0 = Instant::now();
-        let n_rows = chunks.len();
+        let n_rows: usize = chunk_rows.iter().sum();
         let logits = exec
             .submit(Command::Forward(chunks))?
             .ok_or_else(|| EngineError::Internal("a forward step returned no logits".into()))?;
@@ -716,7 +808,7 @@ impl<'a, 't> Scheduler<'a, 't> {
         self.metrics
             .step_collective_seconds
             .record(exec.comm_time().saturating_sub(comm_before).as_secs_f64());
-        self.metrics.step_rows.record(n_rows as f64);
+        self.metrics.step_rows.record(chunk_rows.len() as f64);
         let vocab = logits.len() / n_rows.max(1);
         if vocab == 0 || logits.len() != n_rows * vocab {
             return Err(Box::new(EngineError::Internal(format!(
@@ -724,10 +816,13 @@ impl<'a, 't> Scheduler<'a, 't> {
                 logits.len()
             ))));
         }
-        let sampled = rows.iter().filter(|(_, sample)| *sample).count();
-        self.metrics.board.generated(sampled as u64);
+        let mut generated = 0;
         let mut ended: Vec<(usize, Outcome)> = Vec::new();
-        for (row, (&(i, sample), tokens)) in rows.iter().zip(fed).enumerate() {
+        let mut truncate = Vec::new();
+        let mut row = 0;
+        for ((&(i, sample), tokens), n) in rows.iter().zip(fed).zip(chunk_rows) {
+            let first = row;
+            row += n;
             let r = &mut self.running[i];
             if r.prefill_left() > 0 && !r.resumed {
                 self.metrics.prompt_tokens.increment(tokens.len() as u64);
@@ -739,11 +834,32 @@ impl<'a, 't> Scheduler<'a, 't> {
             if !sample {
                 continue;
             }
-            let outcome = r.advance(&logits[row * vocab..(row + 1) * vocab]);
+            let drafts = r.spec.as_ref().map_or(Vec::new(), |s| s.drafts.clone());
+            let (outcome, used, accepted) =
+                r.advance(&logits[first * vocab..row * vocab], vocab, &drafts);
+            generated += used;
+            if let Some(dropped) = rejected_positions(drafts.len(), used) {
+                if dropped > 0 {
+                    let keep = r.held.len() - dropped;
+                    r.held.truncate(keep);
+                    truncate.push((r.slot, keep));
+                }
+            }
+            if let Some(s) = r.spec.as_mut() {
+                s.record(used, accepted, took.as_secs_f64(), self.metrics);
+            }
             if let Outcome::Continue = outcome {
                 continue;
             }
             ended.push((i, outcome));
+        }
+        self.metrics.board.generated(generated as u64);
+        // The rejected drafts' positions leave the caches before anything else runs.
+        for (slot, len) in truncate {
+            exec.submit(Command::Truncate {
+                slot,
+                len: len as u32,
+            })?;
         }
         // Highest index first so removing keeps the others' indices and admission order.
         ended.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
@@ -813,20 +929,32 @@ impl<'a, 't> Scheduler<'a, 't> {
 }
 
 impl Running<'_> {
-    /// Samples this request's next token from its row and streams what it shows.
-    fn advance(&mut self, logits: &[f32]) -> Outcome {
+    /// Samples this request's next tokens from its `[rows, vocab]` logits and streams what
+    /// they show: one row, or a verification's (row `j` follows draft `j - 1`), taken in order
+    /// until the sequence ends or a token differs from the row's draft. Returns the outcome,
+    /// the rows used (tokens generated) and the drafts accepted.
+    fn advance(&mut self, logits: &[f32], vocab: usize, drafts: &[u32]) -> (Outcome, usize, usize) {
         if self.first_token.is_none() {
             self.first_token = Some(Instant::now());
         }
-        let step = match self.decoder.step(logits) {
-            Ok(s) => s,
-            Err(e) => return Outcome::Failed(chain(&e)),
-        };
-        self.send(step.shown);
-        match step.finished {
-            Some(done) => Outcome::Finished(done),
-            None => Outcome::Continue,
+        let mut accepted = 0;
+        for (j, row) in logits.chunks_exact(vocab).enumerate() {
+            let step = match self.decoder.step(row) {
+                Ok(s) => s,
+                Err(e) => return (Outcome::Failed(chain(&e)), j + 1, accepted),
+            };
+            let kept = drafts.get(j) == Some(&step.token);
+            accepted += usize::from(kept);
+            self.send(step.shown);
+            if let Some(done) = step.finished {
+                return (Outcome::Finished(done), j + 1, accepted);
+            }
+            if !kept {
+                return (Outcome::Continue, j + 1, accepted);
+            }
         }
+        // The last row has no draft: the loop returns at it.
+        (Outcome::Continue, logits.len() / vocab.max(1), accepted)
     }
 
     fn send(&self, shown: Emitted) {
@@ -886,17 +1014,17 @@ pub struct SchedulerHandle {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::sync::mpsc;
     use tp_engine::ScriptedExecutor;
 
     const VOCAB: usize = 257;
-    const EOS: usize = 256;
+    pub(crate) const EOS: usize = 256;
 
     /// A byte "model": after a lowercase letter the next one, after `z` the end token; after
     /// anything else `a`. With `endless`, `z` is followed by `a` instead.
-    fn alphabet(endless: bool) -> ScriptedExecutor {
+    pub(crate) fn alphabet(endless: bool) -> ScriptedExecutor {
         slow_alphabet(endless, Duration::ZERO)
     }
 
@@ -921,7 +1049,7 @@ mod tests {
 
     /// `blocks` KV blocks of 32 positions, `batch` tokens a step, prefix sharing but no prefix
     /// cache.
-    fn cfg(blocks: usize, batch: usize) -> SchedulerConfig {
+    pub(crate) fn cfg(blocks: usize, batch: usize) -> SchedulerConfig {
         SchedulerConfig {
             max_seqs: 4,
             kv_blocks: blocks,
@@ -929,10 +1057,11 @@ mod tests {
             heartbeat: Duration::from_millis(5),
             prefix_sharing: true,
             prefix_cache_entries: 0,
+            spec: None,
         }
     }
 
-    fn job(
+    pub(crate) fn job(
         prompt: &str,
         params: DecodeParams,
     ) -> (Job, tokio::sync::mpsc::UnboundedReceiver<Event>) {
@@ -948,7 +1077,7 @@ mod tests {
     }
 
     /// A request's events up to its end: the text, and the end event.
-    fn collect(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Event>) -> (String, Event) {
+    pub(crate) fn collect(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Event>) -> (String, Event) {
         let mut text = String::new();
         loop {
             match rx.blocking_recv() {
@@ -971,7 +1100,7 @@ mod tests {
     }
 
     /// [`with_scheduler`] recording into `metrics`.
-    fn with_metrics<T>(
+    pub(crate) fn with_metrics<T>(
         exec: &mut ScriptedExecutor,
         cfg: &SchedulerConfig,
         initial: Vec<Job>,
@@ -1047,7 +1176,7 @@ mod tests {
     }
 
     /// The value of the metric line that starts with `name ` in `text`.
-    fn metric(metrics: &Metrics, name: &str) -> f64 {
+    pub(crate) fn metric(metrics: &Metrics, name: &str) -> f64 {
         let text = metrics.render();
         text.lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
@@ -1070,7 +1199,7 @@ mod tests {
     }
 
     /// Text of a finished request, failing on any other end.
-    fn done_text((text, end): &(String, Event)) -> &str {
+    pub(crate) fn done_text((text, end): &(String, Event)) -> &str {
         match end {
             Event::Done { .. } => text,
             other => panic!("{other:?}"),

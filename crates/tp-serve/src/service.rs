@@ -69,6 +69,8 @@ pub struct ServeConfig {
     pub canary: Option<CanaryConfig>,
     /// The admin endpoints' key (reload, rollback; see [`crate::rollout`]): off when `None`.
     pub admin_key: Option<String>,
+    /// Speculative decoding per request (see [`crate::spec`]); `None`: off.
+    pub spec: Option<crate::spec::ServeSpec>,
 }
 
 /// Longest wait for every rank to load a model on a reload.
@@ -197,6 +199,7 @@ pub fn serve(
         } else {
             0
         },
+        spec: cfg.spec.clone(),
     };
     let canaries = Arc::new(Canaries::default());
     let server_cfg = ServerConfig {

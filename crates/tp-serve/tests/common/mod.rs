@@ -44,6 +44,7 @@ pub fn config() -> ServeConfig {
         prefix_cache: true,
         canary: None,
         admin_key: None,
+        spec: None,
     }
 }
 

@@ -1,0 +1,280 @@
+//! Speculative decoding inside continuous batching: each running request may carry its own
+//! [`Speculator`] (n-gram lookup in its own prompt and output, or its own cache of the
+//! server's draft model). Before a step the scheduler asks each decoding request for drafts
+//! ([`SeqSpec::draft`]); its decode chunk is then `[next, d1..dk]` with every row's logits,
+//! beside the other requests' rows in the same batched forward. The request's decoder walks
+//! the rows in order until a token differs from its draft (the rule and why it keeps greedy
+//! output and the sampled distribution: [`tp_engine::generate`]); the rejected positions are
+//! dropped from that sequence's KV cache with one [`tp_engine::Command::Truncate`].
+
+use crate::metrics::Metrics;
+use std::sync::Arc;
+use tp_engine::{DraftTokens, DrafterSource, EngineError, Speculator};
+
+/// Speculation settings of a server: who drafts, and how many tokens per step.
+#[derive(Clone)]
+pub struct ServeSpec {
+    pub source: Arc<dyn DrafterSource>,
+    pub tokens: DraftTokens,
+}
+
+impl std::fmt::Debug for ServeSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServeSpec")
+            .field("source", &self.source.describe())
+            .field("tokens", &self.tokens)
+            .finish()
+    }
+}
+
+/// One request's speculation: its speculator and the drafts of the step being planned.
+pub(crate) struct SeqSpec {
+    speculator: Speculator,
+    /// Tokens drafted for this step (fed after the request's next token); empty when it
+    /// drafts none this step.
+    pub(crate) drafts: Vec<u32>,
+}
+
+impl SeqSpec {
+    /// A request's speculation, its history starting with `prompt`.
+    pub(crate) fn new(spec: &ServeSpec, prompt: &[u32]) -> Result<Self, EngineError> {
+        let mut speculator = Speculator::new(spec.source.drafter()?, spec.tokens);
+        speculator.start(&[], prompt);
+        Ok(SeqSpec {
+            speculator,
+            drafts: Vec::new(),
+        })
+    }
+
+    /// Drafts at most `limit` tokens to follow the prompt and `generated` for this step.
+    pub(crate) fn draft(&mut self, generated: &[u32], limit: usize) -> Result<(), EngineError> {
+        self.drafts = if limit == 0 {
+            Vec::new()
+        } else {
+            self.speculator.draft(generated, limit)?
+        };
+        Ok(())
+    }
+
+    /// The step verified this step's drafts: `used` rows gave tokens, `accepted` drafts
+    /// matched them; the batched step took `seconds`.
+    pub(crate) fn record(&mut self, used: usize, accepted: usize, seconds: f64, m: &Metrics) {
+        let drafted = self.drafts.len();
+        self.speculator.record(drafted, accepted, seconds);
+        m.spec_step(used, drafted, accepted);
+        self.drafts.clear();
+    }
+}
+
+/// How many fed tokens a sequence keeps after a step that fed its next token and `drafted`
+/// drafts, of whose rows the first `used` gave tokens: the rows after the first rejected
+/// draft are dropped (`None`: every row was used, nothing to drop).
+pub(crate) fn rejected_positions(drafted: usize, used: usize) -> Option<usize> {
+    (used <= drafted).then(|| drafted + 1 - used)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::tests::{
+        alphabet, cfg, collect, done_text, job, metric, with_metrics, EOS,
+    };
+    use crate::scheduler::Event;
+    use tp_engine::{Command, DecodeParams, Drafter, SamplingParams, SpecMethod};
+
+    /// The alphabet script's next token after `last` (see `scheduler::tests::alphabet`).
+    fn next(last: u32, endless: bool) -> u32 {
+        match u8::try_from(last) {
+            Ok(b'z') if !endless => EOS as u32,
+            Ok(c @ b'a'..=b'y') => u32::from(c) + 1,
+            _ => u32::from(b'a'),
+        }
+    }
+
+    /// Drafts the script's own continuation (`right`: every draft accepted, the end token
+    /// included) or one off it (every draft rejected).
+    struct Scripted {
+        right: bool,
+        endless: bool,
+    }
+
+    impl Drafter for Scripted {
+        fn draft(&mut self, history: &[u32], k: usize) -> tp_engine::error::Result<Vec<u32>> {
+            let mut last = *history.last().unwrap_or(&0);
+            let mut out = Vec::new();
+            while out.len() < k && last != EOS as u32 {
+                last = next(last, self.endless);
+                out.push(if self.right { last } else { (last + 1) % 257 });
+            }
+            Ok(out)
+        }
+    }
+
+    struct ScriptedSource(bool, bool);
+
+    impl DrafterSource for ScriptedSource {
+        fn drafter(&self) -> tp_engine::error::Result<Box<dyn Drafter>> {
+            Ok(Box::new(Scripted {
+                right: self.0,
+                endless: self.1,
+            }))
+        }
+        fn describe(&self) -> String {
+            format!("scripted (right: {})", self.0)
+        }
+    }
+
+    /// Eight requests of mixed lengths: greedy ones ending by the end token (inside a run of
+    /// accepted drafts with the scripted drafter), by `max_tokens` and by a stop string, and
+    /// seeded sampled ones.
+    fn requests() -> Vec<(String, DecodeParams)> {
+        let sampled = |seed, top_k| DecodeParams {
+            sampling: SamplingParams {
+                temperature: 1.5,
+                top_k,
+                top_p: 0.95,
+                seed,
+            },
+            ..DecodeParams::greedy(30)
+        };
+        vec![
+            (
+                "abcdefghijklmnopqrstuvwxyzabc".into(),
+                DecodeParams::greedy(40),
+            ),
+            ("xyzab".into(), DecodeParams::greedy(100)),
+            (
+                "abcdefghij abcdef".into(),
+                DecodeParams {
+                    stop: vec!["klm".into()],
+                    ..DecodeParams::greedy(50)
+                },
+            ),
+            ("qrs".into(), DecodeParams::greedy(3)),
+            ("abcdefghijklmnop".into(), sampled(7, 0)),
+            ("klmnopqrstuvw klm".into(), sampled(3, 5)),
+            (
+                "abcdefghijklmnopqrstuvwxyz".repeat(2) + "ab",
+                DecodeParams::greedy(20),
+            ),
+            ("m".into(), DecodeParams::greedy(200)),
+        ]
+    }
+
+    /// Every request's (text, finish, completion tokens) served together with `spec` over
+    /// `blocks` KV blocks, the metrics and the executor.
+    fn serve_all(
+        spec: Option<ServeSpec>,
+        blocks: usize,
+        endless: bool,
+    ) -> (
+        Vec<(String, String, usize)>,
+        Metrics,
+        tp_engine::ScriptedExecutor,
+    ) {
+        let mut exec = alphabet(endless);
+        let mut c = cfg(blocks, 64);
+        c.max_seqs = 8;
+        c.spec = spec;
+        let metrics = Metrics::new();
+        let (jobs, mut rxs): (Vec<_>, Vec<_>) = requests()
+            .into_iter()
+            .map(|(p, params)| job(&p, params))
+            .unzip();
+        let (got, result) = with_metrics(&mut exec, &c, jobs, &metrics, |_| {
+            rxs.iter_mut().map(collect).collect::<Vec<_>>()
+        });
+        result.unwrap();
+        let got = got
+            .iter()
+            .map(|g| {
+                let text = done_text(g).to_string();
+                match &g.1 {
+                    Event::Done { finish, usage, .. } => {
+                        (text, finish.as_str().to_string(), usage.completion_tokens)
+                    }
+                    other => panic!("{other:?}"),
+                }
+            })
+            .collect();
+        assert!(exec.open_slots().is_empty(), "{:?}", exec.open_slots());
+        assert_eq!(metric(&metrics, "tp_kv_blocks_used"), 0.0);
+        (got, metrics, exec)
+    }
+
+    fn spec(source: Arc<dyn DrafterSource>, k: Option<usize>) -> Option<ServeSpec> {
+        Some(ServeSpec {
+            source,
+            tokens: DraftTokens::new(k).unwrap(),
+        })
+    }
+
+    #[test]
+    fn every_request_gets_its_text_without_speculation() {
+        for endless in [false, true] {
+            for blocks in [1000, 5] {
+                let (want, pm, plain) = serve_all(None, blocks, endless);
+                // The small budget preempts (and recomputes) requests.
+                // The small budget preempts (and recomputes) requests when they run long,
+                // and the 200-token request alone fills it: it ends with `length` early.
+                let small = endless && blocks < 1000;
+                assert_eq!(metric(&pm, "tp_preemptions_total") > 0.0, small);
+                assert_eq!(want[7].2 == 160, small, "{:?}", want[7]);
+                assert!(!plain
+                    .log
+                    .iter()
+                    .any(|c| matches!(c, Command::Truncate { .. })));
+                let sources: [(Arc<dyn DrafterSource>, &str); 3] = [
+                    (Arc::new(SpecMethod::Ngram), "ngram"),
+                    (Arc::new(ScriptedSource(true, endless)), "right"),
+                    (Arc::new(ScriptedSource(false, endless)), "wrong"),
+                ];
+                for (source, name) in sources {
+                    for k in [Some(1), Some(4), None] {
+                        let (got, m, exec) = serve_all(spec(source.clone(), k), blocks, endless);
+                        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                            assert_eq!(g, w, "{name} k {k:?} blocks {blocks} request {i}");
+                        }
+                        let (drafted, accepted) = (
+                            metric(&m, "tp_spec_drafted_tokens_total"),
+                            metric(&m, "tp_spec_accepted_tokens_total"),
+                        );
+                        let per_step = metric(&m, "tp_spec_tokens_per_step");
+                        let truncates = exec
+                            .log
+                            .iter()
+                            .filter(|c| matches!(c, Command::Truncate { .. }))
+                            .count();
+                        match name {
+                            "wrong" => {
+                                assert!(drafted > 0.0 && accepted == 0.0, "{drafted} {accepted}");
+                                assert_eq!(per_step, 1.0);
+                                assert!(truncates > 0);
+                            }
+                            "right" => {
+                                assert!(accepted > 0.0, "{name}");
+                                assert!(per_step > 1.5, "{name} k {k:?}: {per_step}");
+                            }
+                            _ => assert!(accepted > 0.0 && per_step > 1.0, "{per_step}"),
+                        }
+                        if blocks == 1000 {
+                            // Fewer forward steps than without speculation when drafts are
+                            // accepted.
+                            if name != "wrong" {
+                                assert!(exec.forwards < plain.forwards, "{name} {k:?}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rejected_positions_are_the_rows_after_the_first_rejection() {
+        assert_eq!(rejected_positions(0, 1), None);
+        assert_eq!(rejected_positions(3, 4), None);
+        assert_eq!(rejected_positions(3, 1), Some(3));
+        assert_eq!(rejected_positions(3, 3), Some(1));
+    }
+}
