@@ -57,11 +57,6 @@ impl Pretrained {
                 ckpt.describe(WeightName::QBias(0))
             )));
         }
-        if file.experts.is_some() {
-            return Err(untrainable(
-                "it is a mixture of experts, which training does not build".into(),
-            ));
-        }
         let interleaved = file.rope_style == RopeStyle::Interleaved;
         let config = ModelConfig {
             rope_style: RopeStyle::RotateHalf,
