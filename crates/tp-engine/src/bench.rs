@@ -45,6 +45,8 @@ pub enum BenchError {
 #[derive(Clone, Debug)]
 pub struct DecodeFigures {
     pub tp: usize,
+    /// Pipeline stages (1 without pipelining).
+    pub pp: usize,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
     /// Per decode step, milliseconds, of the slowest-computing rank.
@@ -116,6 +118,7 @@ pub fn measure(s: &mut Session, b: DecodeBench) -> Result<DecodeFigures, BenchEr
     let med = |f: fn(&Run) -> f64| median(runs.iter().map(f).collect());
     Ok(DecodeFigures {
         tp,
+        pp: (s.memory.len() / tp.max(1)).max(1),
         prefill_tok_s: med(|r| r.prefill_tok_s),
         decode_tok_s: med(|r| r.decode_tok_s),
         compute_ms: med(|r| r.compute) * 1e3,
@@ -149,14 +152,14 @@ pub fn header(b: DecodeBench, f: &DecodeFigures) -> String {
         "# tp bench decode: batch 1, {} prompt + {} generated tokens, median of {} runs, one thread per rank ({} weights, {} head)\n\
          # CPU: {}\n\
          # limit = read bandwidth with tp threads / weight bytes streamed per token; per-token times are per decode step\n\
-         {:>3}  {:>12}  {:>11}  {:>10}  {:>13}  {:>10}  {:>13}  {:>10}  {:>11}  {:>8}  {:>15}  {:>15}",
+         {:>7}  {:>12}  {:>11}  {:>10}  {:>13}  {:>10}  {:>13}  {:>10}  {:>11}  {:>8}  {:>15}  {:>15}",
         b.prompt_tokens,
         b.gen_tokens,
         b.repeats,
         f.formats.0,
         f.formats.1,
         tp_kernels::kernel_report(),
-        "tp",
+        "tp x pp",
         "prefill t/s",
         "decode t/s",
         "compute ms",
@@ -175,8 +178,8 @@ pub fn header(b: DecodeBench, f: &DecodeFigures) -> String {
 pub fn row(f: &DecodeFigures) -> String {
     let limit = f.limit_tok_s();
     format!(
-        "{:>3}  {:>12.1}  {:>11.1}  {:>10.3}  {:>13.3}  {:>10.3}  {:>13}  {:>10.2}  {:>11.1}  {:>7.0}%  {:>15}  {:>15}",
-        f.tp,
+        "{:>7}  {:>12.1}  {:>11.1}  {:>10.3}  {:>13.3}  {:>10.3}  {:>13}  {:>10.2}  {:>11.1}  {:>7.0}%  {:>15}  {:>15}",
+        format!("{} x {}", f.tp, f.pp),
         f.prefill_tok_s,
         f.decode_tok_s,
         f.compute_ms,
@@ -196,8 +199,9 @@ pub fn row(f: &DecodeFigures) -> String {
 /// One JSON object.
 pub fn json(f: &DecodeFigures) -> String {
     format!(
-        "{{\"tp\":{},\"prefill_tok_s\":{:.1},\"decode_tok_s\":{:.1},\"compute_ms\":{:.3},\"all_reduce_ms\":{:.3},\"wait_ms\":{:.3},\"bytes_per_token\":{:.0},\"read_gb_s\":{:.2},\"bandwidth_limit_tok_s\":{:.1},\"sent_bytes_per_token_per_rank\":{},\"expert_rank_load\":{},\"expert_tokens\":{:?},\"expert_dropped\":{}}}",
+        "{{\"tp\":{},\"pp\":{},\"prefill_tok_s\":{:.1},\"decode_tok_s\":{:.1},\"compute_ms\":{:.3},\"all_reduce_ms\":{:.3},\"wait_ms\":{:.3},\"bytes_per_token\":{:.0},\"read_gb_s\":{:.2},\"bandwidth_limit_tok_s\":{:.1},\"sent_bytes_per_token_per_rank\":{},\"expert_rank_load\":{},\"expert_tokens\":{:?},\"expert_dropped\":{}}}",
         f.tp,
+        f.pp,
         f.prefill_tok_s,
         f.decode_tok_s,
         f.compute_ms,
