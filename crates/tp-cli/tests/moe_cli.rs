@@ -4,9 +4,11 @@
 //! `tp generate` at tp 2 with expert parallelism 2 and 1 must print dense SmolLM2's greedy
 //! text and `tp perplexity` its mean NLL, `tp inspect` lists each rank's experts, `tp bench
 //! decode` counts the tokens of each expert and each rank's expert rows, and an
-//! expert-parallel size that does not divide tp is refused before anything loads.
+//! expert-parallel size that does not divide tp is refused before anything loads; `tp serve`
+//! over two pipeline stages reports the tokens routed to each expert on `/metrics`.
 
 mod common;
+mod serve_util;
 use std::time::Duration;
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
 use tp_models::GgufCheckpoint;
@@ -143,6 +145,35 @@ fn smollm2_as_eight_experts_generates_dense_text_at_every_expert_layout() {
         "{row}"
     );
     assert_eq!(row["expert_rank_load"].as_f64(), Some(1.0), "{row}");
+    // `/metrics` of a server at tp 2 x ep 2 over 2 pipeline stages (15 layers each): every
+    // token a forward takes reaches all 8 experts in all 30 layers, counted once per layer
+    // whichever stage and rank hold it. A request forwards its prompt and each generated
+    // token but the last.
+    let server = serve_util::ServerProc::start_with(
+        serve_util::TP,
+        &[],
+        std::path::Path::new(&*moe),
+        &["--tp", "2", "--ep", "2", "--pp", "2"],
+    );
+    let body = serde_json::json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0});
+    let r = server.client.post_json("/v1/completions", &body).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let usage = &r.json()["usage"];
+    let forwarded =
+        usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap() - 1;
+    let want = (30 * forwarded) as f64;
+    let series = |e: usize| format!("tp_expert_tokens_total{{expert=\"{e}\"}}");
+    let text = server.wait_metrics(Duration::from_secs(30), |t| {
+        serve_util::metric_value(t, &series(7)) == Some(want)
+    });
+    for e in 0..8 {
+        assert_eq!(
+            serve_util::metric_value(&text, &series(e)),
+            Some(want),
+            "expert {e}:\n{text}"
+        );
+    }
+    drop(server);
     let out = common::tp(
         &["generate", "--model", &moe, "--tp", "2", "--ep", "3", "hi"],
         LIMIT,

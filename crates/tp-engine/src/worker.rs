@@ -46,6 +46,10 @@ pub struct RankProfile {
     pub sent_bytes: u64,
     /// Mixture of experts: (token, expert) rows this rank's experts computed.
     pub expert_rows: u64,
+    /// Mixture of experts: the tokens the routers of this rank's layers sent to each expert,
+    /// reported by each stage's tp rank 0 only (its tp peers route the same tokens; empty
+    /// on them and for a dense model), so the sum over ranks counts every layer once.
+    pub routed_tokens: Vec<u64>,
 }
 
 impl RankProfile {
@@ -171,10 +175,12 @@ impl Worker {
     /// Every rank's profile, gathered (one collective on every rank): a follower takes part
     /// when rank 0 submits [`Command::ProfileReport`].
     fn report(&mut self) -> Result<Vec<RankProfile>> {
-        /// The figures of one rank in the gather.
-        const FIELDS: usize = 6;
+        /// The fixed figures of one rank in the gather; the tokens per expert follow.
+        const FIXED: usize = 6;
+        let experts = self.model.config().experts.as_ref().map_or(0, |e| e.count);
+        let fields = FIXED + experts;
         let p = &self.profile;
-        let mine = [
+        let mut mine = vec![
             p.total.as_secs_f64(),
             p.comm.as_secs_f64(),
             p.wait.as_secs_f64(),
@@ -182,14 +188,19 @@ impl Worker {
             p.sent_bytes as f64,
             p.expert_rows as f64,
         ];
-        let mut all = vec![0f64; FIELDS * self.group.size()];
+        let reports_routes = self.tp.rank() == 0;
+        mine.extend((0..experts).map(|e| match p.expert_tokens.get(e) {
+            Some(&n) if reports_routes => n as f64,
+            _ => 0.0,
+        }));
+        let mut all = vec![0f64; fields * self.group.size()];
         if self.group.size() == 1 {
             all.copy_from_slice(&mine);
         } else {
             self.group.all_gather(&mine, &mut all)?;
         }
         Ok(all
-            .chunks_exact(FIELDS)
+            .chunks_exact(fields)
             .map(|c| RankProfile {
                 total_s: c[0],
                 comm_s: c[1],
@@ -197,6 +208,11 @@ impl Worker {
                 all_reduces: c[3] as u64,
                 sent_bytes: c[4] as u64,
                 expert_rows: c[5] as u64,
+                routed_tokens: if c[FIXED..].iter().any(|&n| n > 0.0) {
+                    c[FIXED..].iter().map(|&n| n as u64).collect()
+                } else {
+                    Vec::new()
+                },
             })
             .collect())
     }

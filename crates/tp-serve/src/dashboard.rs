@@ -77,6 +77,9 @@ pub struct ServerFigures {
     pub generated_tokens: u64,
     pub steps: u64,
     pub kv_blocks_total: usize,
+    /// Mixture of experts: the tokens routed to each expert since the start, summed over
+    /// layers (empty for a dense model).
+    pub expert_tokens: Vec<u64>,
 }
 
 /// One point of the charts.
@@ -229,6 +232,21 @@ fn push_sample(q: &mut VecDeque<(Instant, f64)>, v: f64) {
     }
 }
 
+/// Tokens per expert over every layer: the sum of the ranks' reports (each stage's tp rank 0
+/// reports its layers, the others nothing).
+fn routed_tokens(profiles: &[RankProfile]) -> Vec<u64> {
+    let mut sum: Vec<u64> = Vec::new();
+    for p in profiles {
+        if sum.len() < p.routed_tokens.len() {
+            sum.resize(p.routed_tokens.len(), 0);
+        }
+        for (s, n) in sum.iter_mut().zip(&p.routed_tokens) {
+            *s += n;
+        }
+    }
+    sum
+}
+
 fn percentiles_ms(q: &VecDeque<(Instant, f64)>) -> (Option<f64>, Option<f64>) {
     let mut v: Vec<f64> = q.iter().map(|(_, s)| s * 1e3).collect();
     (quantile(&mut v, 0.5), quantile(&mut v, 0.99))
@@ -343,6 +361,7 @@ impl Board {
         let c = &mut snap.collection;
         c.polls += 1;
         let profiles = profiles.unwrap_or_default();
+        snap.server.expert_tokens = routed_tokens(&profiles);
         let n = profiles.len().max(snap.ranks.len());
         snap.ranks.resize_with(n, RankFigures::default);
         for (r, f) in snap.ranks.iter_mut().enumerate() {
@@ -467,7 +486,25 @@ mod tests {
             all_reduces: 0,
             sent_bytes: sent,
             expert_rows: 0,
+            routed_tokens: Vec::new(),
         }
+    }
+
+    #[test]
+    fn tokens_per_expert_add_the_stages_reports() {
+        let with = |routes: Vec<u64>| RankProfile {
+            routed_tokens: routes,
+            ..prof(1.0, 0.0, 0)
+        };
+        // Two stages of two tp ranks: each stage's tp rank 0 reports its layers' routes.
+        let profiles = [
+            with(vec![3, 1, 0, 2]),
+            with(vec![]),
+            with(vec![1, 1, 4, 0]),
+            with(vec![]),
+        ];
+        assert_eq!(routed_tokens(&profiles), vec![4, 2, 4, 2]);
+        assert!(routed_tokens(&[prof(1.0, 0.0, 0)]).is_empty());
     }
 
     #[test]

@@ -128,6 +128,10 @@ impl Metrics {
         );
         describe("tp_requests_total", "HTTP requests by endpoint and status");
         describe(
+            "tp_expert_tokens_total",
+            "Mixture of experts: tokens the routers sent to each expert, summed over layers",
+        );
+        describe(
             "tp_rank_expert_rows_total",
             "Mixture of experts: (token, expert) rows this rank's experts computed, over layers (0 for a dense model)",
         );
@@ -317,6 +321,13 @@ impl Metrics {
         self.board.ranks_polled(profiles, view, cost);
         self.stats_collection_seconds.increment(cost.as_secs_f64());
         let snap = self.board.snapshot();
+        for (e, &n) in snap.server.expert_tokens.iter().enumerate() {
+            let key = Key::from_parts(
+                "tp_expert_tokens_total",
+                vec![Label::new("expert", e.to_string())],
+            );
+            self.recorder.register_counter(&key, &META).absolute(n);
+        }
         for f in &snap.ranks {
             let host = &f.setup.host;
             for (name, v) in [
