@@ -4,8 +4,11 @@
 //! throughput, time to first token and time per output token (p50/p99), and how throughput
 //! grows with concurrency (continuous batching). With a shared system prompt, the same
 //! workload runs with and without the prefix cache (`--prefix-cache both`), and a KV budget
-//! of a few full contexts (`--kv-contexts`) makes the server preempt and recompute.
+//! of a few full contexts (`--kv-contexts`) makes the server preempt and recompute. With a
+//! drafter (`--spec ngram`, `--draft-model`), every server also runs without speculation, the
+//! baseline of the same run, and each level reports the drafts' acceptance.
 
+use crate::generate::{Drafting, SpecArgs};
 use crate::model_run::{run_model_serving, ModelArgs};
 use crate::serve::serve_error;
 use anyhow::{bail, Context};
@@ -14,9 +17,9 @@ use std::process::ExitCode;
 use std::sync::mpsc;
 use std::time::Duration;
 use tp_engine::launch::RanksFailed;
-use tp_serve::bench_report::{level_json, level_line, table, BenchShape, Measured};
+use tp_serve::bench_report::{level_json, level_line, table, BenchShape, Measured, Run, Variant};
 use tp_serve::client::Client;
-use tp_serve::load::{drive, one_request, Workload};
+use tp_serve::load::{drive, one_request, Prompts, Workload};
 use tp_serve::{ConnLimits, KvBudget, ServeConfig, StopHandle};
 
 #[derive(clap::Args, Clone, Debug)]
@@ -38,6 +41,11 @@ pub struct BenchServeArgs {
     /// Tokens generated per request (end-of-sequence ignored).
     #[arg(long, default_value_t = 64)]
     pub gen_tokens: usize,
+    /// What the requests ask: runs of words (about --prompt-tokens each), or to print a
+    /// piece of code again with a variable renamed (an answer that copies its prompt, as
+    /// speculative decoding likes).
+    #[arg(long, value_enum, default_value_t = PromptsArg::Words)]
+    pub prompts: PromptsArg,
     /// Tokens of a system prompt every request begins with (0: none).
     #[arg(long, default_value_t = 0)]
     pub system_prompt_tokens: usize,
@@ -52,6 +60,17 @@ pub struct BenchServeArgs {
     /// Print one JSON object per (tp, concurrency) on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Speculative decoding in the servers; with a drafter each server also runs without
+    /// it (the baseline).
+    #[command(flatten)]
+    pub spec: SpecArgs,
+}
+
+/// What the requests of `tp bench serve` ask.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PromptsArg {
+    Words,
+    Edit,
 }
 
 /// Which servers `tp bench serve` starts per tp.
@@ -92,30 +111,61 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
     let max_c = args.concurrency.iter().copied().max().unwrap_or(1);
     // Words of the prompts are about a token each; the margin covers the tokenizer's
     // rounding.
-    let ctx = args.system_prompt_tokens + args.prompt_tokens * 2 + args.gen_tokens + 64;
+    // An edit prompt has fewer tokens than characters.
+    let prompt_bound = match args.prompts {
+        PromptsArg::Words => args.prompt_tokens * 2,
+        PromptsArg::Edit => tp_engine::bench_spec::EDIT_SOURCE.len() + 128,
+    };
+    let ctx = args.system_prompt_tokens + prompt_bound + args.gen_tokens + 64;
     let budget = args.kv_contexts.map(|k| KvBudget::Positions(k * ctx));
     let w = Workload {
         prompt_tokens: args.prompt_tokens,
         gen_tokens: args.gen_tokens,
         system_prompt_tokens: args.system_prompt_tokens,
+        prompts: match args.prompts {
+            PromptsArg::Words => Prompts::Words,
+            PromptsArg::Edit => Prompts::Edit,
+        },
     };
     let shape = BenchShape {
         workload: w,
         rounds: args.rounds,
         kv_contexts: args.kv_contexts,
     };
+    let spec_label = match args.spec.drafting()? {
+        Drafting::Off => None,
+        Drafting::Method(..) => Some("ngram".to_string()),
+        Drafting::Model(path, _) => Some(
+            path.file_stem()
+                .map_or_else(|| "draft".into(), |s| s.to_string_lossy().into_owned()),
+        ),
+    };
+    let mut variants = Vec::new();
+    for &prefix_cache in args.prefix_cache.settings() {
+        variants.push(Variant {
+            prefix_cache,
+            spec: None,
+        });
+        if spec_label.is_some() {
+            variants.push(Variant {
+                prefix_cache,
+                spec: spec_label.clone(),
+            });
+        }
+    }
     let mut all: Vec<Measured> = Vec::new();
     for &tp in &args.tps {
-        let mut levels = Vec::new();
-        for &prefix_cache in args.prefix_cache.settings() {
+        let mut runs = Vec::new();
+        for variant in &variants {
             let server = InProcessServer::start(
                 &model,
                 ServerShape {
                     tp,
                     ctx,
                     max_seqs: max_c,
-                    prefix_cache,
+                    prefix_cache: variant.prefix_cache,
                     budget,
+                    spec: variant.spec.is_some().then(|| args.spec.clone()),
                 },
                 &args.model,
             )?;
@@ -123,23 +173,53 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
             // Warm-up (first touches of weights and caches).
             one_request(&client, 0, &w, 4).context("warm-up request")?;
             for &c in &args.concurrency {
+                let before = drafts(&client)?;
                 let level = drive(&client, c, (args.rounds * c).max(8), &w)
                     .with_context(|| format!("tp {tp}, concurrency {c}"))?;
+                let after = drafts(&client)?;
+                let drafted = after.0 - before.0;
+                let run = Run {
+                    variant: variant.clone(),
+                    level,
+                    acceptance: (variant.spec.is_some() && drafted > 0.0)
+                        .then(|| (after.1 - before.1) / drafted),
+                };
                 if args.json {
-                    println!("{}", level_json(tp, prefix_cache, &level, &shape));
+                    println!("{}", level_json(tp, &run, &shape));
                 } else {
-                    eprintln!("{}", level_line(tp, prefix_cache, &level));
+                    eprintln!("{}", level_line(tp, &run));
                 }
-                levels.push((prefix_cache, level));
+                runs.push(run);
             }
             server.stop()?;
         }
-        all.push((tp, levels));
+        all.push((tp, runs));
     }
     if !args.json {
         print!("{}", table(&all, &shape, &tp_kernels::kernel_report()));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The server's drafted and accepted tokens so far (0 without speculation), from `/metrics`.
+fn drafts(client: &Client) -> anyhow::Result<(f64, f64)> {
+    let text = client
+        .get("/metrics")
+        .context("cannot read the server's /metrics")?
+        .text();
+    let value = |name: &str| {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .find_map(|l| {
+                let (k, v) = l.rsplit_once(' ')?;
+                (k == name).then(|| v.parse::<f64>().ok()).flatten()
+            })
+            .unwrap_or(0.0)
+    };
+    Ok((
+        value("tp_spec_drafted_tokens_total"),
+        value("tp_spec_accepted_tokens_total"),
+    ))
 }
 
 /// A server in this process on a free loopback port, started through [`tp_serve::serve`] as
@@ -162,6 +242,8 @@ struct ServerShape {
     prefix_cache: bool,
     /// The default budget (or the rank memory limit) when `None`.
     budget: Option<KvBudget>,
+    /// Speculative decoding's flags, `None` when off.
+    spec: Option<SpecArgs>,
 }
 
 impl InProcessServer {
@@ -176,6 +258,7 @@ impl InProcessServer {
             max_seqs,
             prefix_cache,
             budget,
+            spec,
         } = shape;
         let mut m = margs.clone();
         m.model = Some(model.to_path_buf());
@@ -221,6 +304,12 @@ impl InProcessServer {
             .name("bench-serve".into())
             .spawn(move || -> RunOutcome {
                 run_model_serving(&m, cfg.kv_budget, |s| {
+                    let mut cfg = cfg.clone();
+                    if let Some(spec) = &spec {
+                        cfg.spec = spec
+                            .source(s, &m)?
+                            .map(|(source, tokens)| tp_serve::ServeSpec { source, tokens });
+                    }
                     tp_serve::serve(s, &cfg, |r| {
                         let _ = tx.send((r.addr, r.stop.clone()));
                         Ok(())

@@ -171,7 +171,7 @@ fn default_model_download_failures_are_explained() {
 /// `tp bench serve` starts its servers in its own process through `tp_serve::serve`: it
 /// measures every level of every tp, and the bench's model flags reach the server (a
 /// --max-rank-memory too small for any tp is refused, which a server spawned with
-/// re-spelled flags never saw).
+/// re-spelled flags never saw); with `--spec ngram` the baseline runs beside it.
 #[test]
 fn bench_serve_measures_in_process_with_the_benchs_model_flags() {
     let Some(model) = common::smollm2() else {
@@ -217,6 +217,31 @@ fn bench_serve_measures_in_process_with_the_benchs_model_flags() {
         assert_eq!(v["requests"], 8, "{v}");
         assert!(v["output_tok_s"].as_f64().unwrap() > 0.0, "{v}");
     }
+
+    // With a drafter, each server also runs without it: rows of both, the speculating one
+    // with the acceptance of its drafts (on the code-edit prompts).
+    let mut args = base.to_vec();
+    args[5] = "1"; // --tps
+    args[7] = "1"; // --concurrency
+    args[13] = "16"; // --gen-tokens
+    args.extend(["--prompts", "edit", "--spec", "ngram", "--json"]);
+    let f = common::run_with_deadline(TP, &args, Duration::from_secs(600));
+    assert_eq!(f.code, Some(0), "{}", f.output);
+    let rows: Vec<serde_json::Value> = f
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert_eq!(rows.len(), 2, "{}", f.output);
+    assert!(
+        rows[0]["spec"].is_null() && rows[0]["spec_acceptance"].is_null(),
+        "{}",
+        rows[0]
+    );
+    assert_eq!(rows[1]["spec"], "ngram", "{}", rows[1]);
+    assert_eq!(rows[1]["prompts"], "edit", "{}", rows[1]);
+    let a = rows[1]["spec_acceptance"].as_f64().unwrap_or(-1.0);
+    assert!((0.0..=1.0).contains(&a), "{}", rows[1]);
 
     let mut args = base.to_vec();
     args.extend(["--max-rank-memory", "1KB"]);

@@ -1,8 +1,9 @@
 //! The report of a serving benchmark (`tp bench serve`): a JSON line per measured level and
-//! the table of every level with its throughput against one client's, from the [`Level`]s
-//! [`crate::load::drive`] measured.
+//! the table of every level with its throughput against one client's (and, with speculative
+//! decoding, against the same level without it), from the [`Level`]s [`crate::load::drive`]
+//! measured.
 
-use crate::load::{percentile, Level, Workload};
+use crate::load::{percentile, Level, Prompts, Workload};
 use serde_json::json;
 
 /// What was measured: the workload, the requests per level and the KV budget.
@@ -15,8 +16,25 @@ pub struct BenchShape {
     pub kv_contexts: Option<usize>,
 }
 
-/// The levels of one server: `(tp, [(prefix cache on, level)])`.
-pub type Measured = (usize, Vec<(bool, Level)>);
+/// How a server of the bench was set up beside its tp.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Variant {
+    pub prefix_cache: bool,
+    /// The drafter of speculative decoding (`ngram`, a draft model's name), `None` when off.
+    pub spec: Option<String>,
+}
+
+/// One measured level of one server.
+pub struct Run {
+    pub variant: Variant,
+    pub level: Level,
+    /// With speculative decoding: accepted over drafted tokens during the level (`None`
+    /// without speculation or when nothing was drafted).
+    pub acceptance: Option<f64>,
+}
+
+/// The levels of one tp's servers: `(tp, runs)`.
+pub type Measured = (usize, Vec<Run>);
 
 fn on_off(on: bool) -> &'static str {
     if on {
@@ -27,15 +45,18 @@ fn on_off(on: bool) -> &'static str {
 }
 
 /// One level as a JSON line (times in ms).
-pub fn level_json(tp: usize, prefix_cache: bool, l: &Level, shape: &BenchShape) -> String {
-    let w = &shape.workload;
+pub fn level_json(tp: usize, r: &Run, shape: &BenchShape) -> String {
+    let (w, l) = (&shape.workload, &r.level);
     json!({
         "tp": tp,
-        "prefix_cache": prefix_cache,
+        "prefix_cache": r.variant.prefix_cache,
+        "spec": r.variant.spec,
+        "spec_acceptance": r.acceptance,
         "system_prompt_tokens": w.system_prompt_tokens,
         "kv_contexts": shape.kv_contexts,
         "concurrency": l.concurrency,
         "requests": l.requests,
+        "prompts": w.prompts.name(),
         "prompt_tokens": w.prompt_tokens,
         "gen_tokens": w.gen_tokens,
         "output_tok_s": (l.throughput() * 10.0).round() / 10.0,
@@ -48,13 +69,21 @@ pub fn level_json(tp: usize, prefix_cache: bool, l: &Level, shape: &BenchShape) 
 }
 
 /// The progress line of one level.
-pub fn level_line(tp: usize, prefix_cache: bool, l: &Level) -> String {
+pub fn level_line(tp: usize, r: &Run) -> String {
     format!(
-        "# tp {tp} prefix cache {} concurrency {}: {:.1} tok/s",
-        on_off(prefix_cache),
-        l.concurrency,
-        l.throughput()
+        "# tp {tp} prefix cache {} speculation {} concurrency {}: {:.1} tok/s",
+        on_off(r.variant.prefix_cache),
+        r.variant.spec.as_deref().unwrap_or("off"),
+        r.level.concurrency,
+        r.level.throughput()
     )
+}
+
+/// A ratio of throughputs, `-` without a base.
+fn ratio(l: &Level, base: Option<&Level>) -> String {
+    base.map_or(String::from("-"), |b| {
+        format!("{:.2}x", l.throughput() / b.throughput())
+    })
 }
 
 /// The table of every level, under a header naming the CPU (`cpu`, with its kernel path) and
@@ -63,10 +92,14 @@ pub fn table(all: &[Measured], shape: &BenchShape, cpu: &str) -> String {
     use std::fmt::Write as _;
     let w = &shape.workload;
     let mut out = format!("# CPU: {cpu}\n");
+    let prompt = match w.prompts {
+        Prompts::Words => format!("~{} prompt", w.prompt_tokens),
+        Prompts::Edit => "a code-edit prompt".to_string(),
+    };
     let _ = writeln!(
         out,
-        "# tp bench serve: streaming completions, ~{} prompt + {} generated tokens each (EOS ignored), greedy; requests per level = {} x concurrency (at least 8)",
-        w.prompt_tokens, w.gen_tokens, shape.rounds
+        "# tp bench serve: streaming completions, {prompt} + {} generated tokens each (EOS ignored), greedy; requests per level = {} x concurrency (at least 8)",
+        w.gen_tokens, shape.rounds
     );
     if w.system_prompt_tokens > 0 {
         let _ = writeln!(
@@ -78,11 +111,16 @@ pub fn table(all: &[Measured], shape: &BenchShape, cpu: &str) -> String {
     if let Some(k) = shape.kv_contexts {
         let _ = writeln!(out, "# KV budget: {k} full contexts per rank");
     }
-    let _ = writeln!(
+    let spec = all
+        .iter()
+        .flat_map(|(_, r)| r)
+        .any(|r| r.variant.spec.is_some());
+    let _ = write!(
         out,
-        "{:>3}  {:>6}  {:>5}  {:>8}  {:>12}  {:>13}  {:>13}  {:>13}  {:>13}  {:>8}",
+        "{:>3}  {:>6}  {:>8}  {:>5}  {:>8}  {:>12}  {:>13}  {:>13}  {:>13}  {:>13}  {:>8}",
         "tp",
         "prefix",
+        "spec",
         "conc",
         "requests",
         "output t/s",
@@ -92,18 +130,24 @@ pub fn table(all: &[Measured], shape: &BenchShape, cpu: &str) -> String {
         "TPOT p99 ms",
         "vs c=1"
     );
-    for (tp, levels) in all {
-        for (prefix_cache, l) in levels {
-            let base = levels
+    let _ = if spec {
+        writeln!(out, "  {:>8}  {:>10}", "accepted", "vs no spec")
+    } else {
+        writeln!(out)
+    };
+    for (tp, runs) in all {
+        for r in runs {
+            let (v, l) = (&r.variant, &r.level);
+            let alone = runs
                 .iter()
-                .find(|(p, b)| b.concurrency == 1 && p == prefix_cache)
-                .map(|(_, b)| b.throughput());
-            let ratio = base.map_or(String::from("-"), |b| format!("{:.2}x", l.throughput() / b));
-            let _ = writeln!(
+                .find(|b| b.level.concurrency == 1 && b.variant == *v)
+                .map(|b| &b.level);
+            let _ = write!(
                 out,
-                "{:>3}  {:>6}  {:>5}  {:>8}  {:>12.1}  {:>13.1}  {:>13.1}  {:>13.2}  {:>13.2}  {:>8}",
+                "{:>3}  {:>6}  {:>8}  {:>5}  {:>8}  {:>12.1}  {:>13.1}  {:>13.1}  {:>13.2}  {:>13.2}  {:>8}",
                 tp,
-                on_off(*prefix_cache),
+                on_off(v.prefix_cache),
+                v.spec.as_deref().unwrap_or("off"),
                 l.concurrency,
                 l.requests,
                 l.throughput(),
@@ -111,7 +155,31 @@ pub fn table(all: &[Measured], shape: &BenchShape, cpu: &str) -> String {
                 percentile(&l.ttft, 99.0) * 1e3,
                 percentile(&l.tpot, 50.0) * 1e3,
                 percentile(&l.tpot, 99.0) * 1e3,
-                ratio
+                ratio(l, alone)
+            );
+            if !spec {
+                let _ = writeln!(out);
+                continue;
+            }
+            // The same server without speculation at the same concurrency.
+            let plain = runs
+                .iter()
+                .find(|b| {
+                    b.level.concurrency == l.concurrency
+                        && b.variant.spec.is_none()
+                        && b.variant.prefix_cache == v.prefix_cache
+                })
+                .map(|b| &b.level);
+            let _ = writeln!(
+                out,
+                "  {:>8}  {:>10}",
+                r.acceptance
+                    .map_or(String::from("-"), |a| format!("{:.0}%", a * 100.0)),
+                if v.spec.is_some() {
+                    ratio(l, plain)
+                } else {
+                    String::from("-")
+                }
             );
         }
     }
@@ -140,18 +208,59 @@ mod tests {
                 prompt_tokens: 64,
                 gen_tokens: 64,
                 system_prompt_tokens: 0,
+                prompts: Prompts::Words,
             },
             rounds: 4,
             kv_contexts: Some(2),
         };
-        let all = vec![(2, vec![(true, level(1, 100)), (true, level(4, 250))])];
+        let run = |spec: Option<&str>, l: Level, acceptance: Option<f64>| Run {
+            variant: Variant {
+                prefix_cache: true,
+                spec: spec.map(String::from),
+            },
+            level: l,
+            acceptance,
+        };
+        let all = vec![(
+            2,
+            vec![
+                run(None, level(1, 100), None),
+                run(None, level(4, 250), None),
+            ],
+        )];
         let t = table(&all, &shape, "test cpu");
         assert!(t.starts_with("# CPU: test cpu\n"), "{t}");
         assert!(t.contains("# KV budget: 2 full contexts per rank"), "{t}");
         assert!(t.contains("2.50x") && t.contains("1.00x"), "{t}");
+        assert!(!t.contains("vs no spec"), "{t}");
         let j: serde_json::Value =
-            serde_json::from_str(&level_json(2, true, &all[0].1[1].1, &shape)).unwrap();
+            serde_json::from_str(&level_json(2, &all[0].1[1], &shape)).unwrap();
         assert_eq!(j["concurrency"], 4);
         assert_eq!(j["kv_contexts"], 2);
+        assert_eq!(j["spec"], serde_json::Value::Null);
+        // With a drafter: each speculating level against the same level without it.
+        let all = vec![(
+            1,
+            vec![
+                run(None, level(1, 100), None),
+                run(None, level(4, 200), None),
+                run(Some("ngram"), level(1, 150), Some(0.5)),
+                run(Some("ngram"), level(4, 260), Some(0.25)),
+            ],
+        )];
+        let t = table(&all, &shape, "test cpu");
+        let rows: Vec<&str> = t.lines().filter(|l| l.contains("ngram")).collect();
+        assert_eq!(rows.len(), 2, "{t}");
+        assert!(rows[0].ends_with("50%       1.50x"), "{t}");
+        assert!(
+            rows[1].contains("1.73x") && rows[1].ends_with("25%       1.30x"),
+            "{t}"
+        );
+        let j: serde_json::Value =
+            serde_json::from_str(&level_json(1, &all[0].1[3], &shape)).unwrap();
+        assert_eq!(
+            (j["spec"].as_str(), j["spec_acceptance"].as_f64()),
+            (Some("ngram"), Some(0.25))
+        );
     }
 }

@@ -1,7 +1,7 @@
 //! A load generator for a running server (what `tp bench serve` measures): streaming
 //! completion requests from `c` concurrent clients, each a shared system prompt (optional)
-//! and a distinct prompt of about a token per word, with time to first token, time per
-//! output token and output throughput per level.
+//! and a distinct prompt (about a token per word, or an edit of a piece of code), with time
+//! to first token, time per output token and output throughput per level.
 
 use crate::client::Client;
 use serde_json::json;
@@ -17,6 +17,27 @@ pub struct Workload {
     pub gen_tokens: usize,
     /// Tokens of a system prompt every request begins with (0: none).
     pub system_prompt_tokens: usize,
+    pub prompts: Prompts,
+}
+
+/// What the requests ask.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prompts {
+    /// Distinct runs of words, about `prompt_tokens` each.
+    Words,
+    /// A piece of Python code (`tp_engine::bench_spec::EDIT_SOURCE`) to print again with a
+    /// variable renamed (a name distinct per request): an answer that mostly copies its
+    /// prompt, where speculative decoding's drafts are accepted; `prompt_tokens` is unused.
+    Edit,
+}
+
+impl Prompts {
+    pub fn name(self) -> &'static str {
+        match self {
+            Prompts::Words => "words",
+            Prompts::Edit => "edit",
+        }
+    }
 }
 
 /// Why a level could not be measured.
@@ -131,10 +152,18 @@ pub fn one_request(
         }
         prompt.push('\n');
     }
-    prompt.push_str(&format!("Request {i}:"));
-    for k in 0..w.prompt_tokens.saturating_sub(3) {
-        prompt.push(' ');
-        prompt.push_str(WORDS[(i * 7 + k * 3) % WORDS.len()]);
+    match w.prompts {
+        Prompts::Words => {
+            prompt.push_str(&format!("Request {i}:"));
+            for k in 0..w.prompt_tokens.saturating_sub(3) {
+                prompt.push(' ');
+                prompt.push_str(WORDS[(i * 7 + k * 3) % WORDS.len()]);
+            }
+        }
+        Prompts::Edit => prompt.push_str(&format!(
+            "```python\n{}```\n\nThe same code with the variable `records` renamed to `rows{i}`, nothing else changed:\n\n```python\n",
+            tp_engine::bench_spec::EDIT_SOURCE
+        )),
     }
     let body = json!({
         "prompt": prompt,
