@@ -13,6 +13,7 @@ use crate::model::StageModel;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::pipeline::{forward_only, run_micro_batches, MicroBatch};
 use crate::pretrained::Pretrained;
+use crate::zero::{DistributedOptimizer, OptimizerMemory};
 use candle_core::{Device, Tensor};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -35,8 +36,13 @@ pub struct TrainSpec {
     pub seq: usize,
     pub seed: u64,
     pub optim: AdamWConfig,
-    /// Elements per data-parallel all-reduce bucket.
+    /// Elements per data-parallel all-reduce (or reduce-scatter) bucket.
     pub bucket_elems: usize,
+    /// Megatron's distributed optimizer (ZeRO-1): AdamW's moments and the master weights
+    /// sharded over the data-parallel replicas, gradients reduce-scattered and the updated
+    /// weights all-gathered (`crate::zero`); the same training, with dp times less optimizer
+    /// state per rank. No effect at dp 1.
+    pub distributed_optimizer: bool,
     /// Weight of the MoE load-balancing loss in the training objective (Switch Transformer's
     /// alpha; 0 turns it off); unused without experts.
     pub moe_aux_coef: f64,
@@ -140,7 +146,10 @@ pub struct Trainer<'a> {
     layout: FlatLayout,
     params: Vec<f32>,
     grads: Vec<f32>,
+    /// AdamW's moments: of the whole flat buffer, or of this rank's slice with `zero`.
     adam: AdamW,
+    /// The distributed optimizer's slice and master weights (dp > 1 and the spec asks).
+    zero: Option<DistributedOptimizer>,
     shared: SharedRows,
     tied: Option<TiedCopy>,
     norm: NormOwnership,
@@ -224,12 +233,20 @@ impl<'a> Trainer<'a> {
         let all_tp: Vec<Vec<ParamSpec>> = (0..tp)
             .map(|t| stage_params(&spec.model, c.pp_rank, pp, t, tp))
             .collect::<Result<_>>()?;
-        let mut adam = AdamW::new(layout.total());
+        let zero = if spec.distributed_optimizer && spec.dims.dp > 1 {
+            Some(DistributedOptimizer::new(&params, spec.dims.dp, c.dp_rank)?)
+        } else {
+            None
+        };
+        // The moments of the elements this rank updates.
+        let held = zero.as_ref().map_or(0..layout.total(), |z| z.slices.mine());
+        let mut adam = AdamW::new(held.len());
         let (mut step, mut data_position, mut history) = (0, 0, Vec::new());
         if let Some(ck) = resume {
+            // Checkpoints hold whole moments (a save gathers the slices): any layout resumes.
             let (m, v) = ck.optimizer_shards(&specs)?;
-            adam.exp_avg = m;
-            adam.exp_avg_sq = v;
+            adam.exp_avg = m[held.clone()].to_vec();
+            adam.exp_avg_sq = v[held].to_vec();
             adam.step = ck.state.step;
             step = ck.state.step;
             data_position = ck.state.data_position;
@@ -257,6 +274,7 @@ impl<'a> Trainer<'a> {
             layout,
             params,
             adam,
+            zero,
             step,
             data_position,
             history,
@@ -312,8 +330,19 @@ impl<'a> Trainer<'a> {
         &self.grads
     }
 
+    /// The optimizer arrays this rank holds (moments and master weights), by their lengths.
+    pub fn optimizer_memory(&self) -> OptimizerMemory {
+        OptimizerMemory {
+            local_params: self.layout.total(),
+            held: self.adam.exp_avg.len(),
+            dp: self.spec.dims.dp,
+            distributed: self.zero.is_some(),
+        }
+    }
+
     /// Forward and backward of the next global batch, without the update: afterwards
-    /// [`Trainer::grads_flat`] holds this rank's complete, dp-summed gradient shards.
+    /// [`Trainer::grads_flat`] holds this rank's complete, dp-summed gradient shards (with
+    /// the distributed optimizer: on this rank's slice, zeros elsewhere).
     /// Returns (loss, global gradient norm).
     pub fn compute_gradients(&mut self) -> Result<(f64, f64)> {
         let s = self.spec;
@@ -354,8 +383,21 @@ impl<'a> Trainer<'a> {
         if let Some(t) = &self.tied {
             t.complete(&mut self.grads, &self.layout, &self.groups.pp)?;
         }
-        grads::all_reduce_buckets(&mut self.grads, &self.groups.dp, s.bucket_elems)?;
-        let sq = self.norm.sum_sq(&self.grads, &self.layout, &self.specs);
+        let sq = match &self.zero {
+            None => {
+                grads::all_reduce_buckets(&mut self.grads, &self.groups.dp, s.bucket_elems)?;
+                self.norm.sum_sq(&self.grads, &self.layout, &self.specs)
+            }
+            Some(z) => {
+                // Each replica holds the sums of its slice only: its squares are summed over
+                // dp too, so the norm counts every element once, as with the all-reduce.
+                z.slices
+                    .reduce_scatter(&mut self.grads, &self.groups.dp, s.bucket_elems)?;
+                let mut v = [self.norm.sum_sq(&self.grads, &self.layout, &self.specs)];
+                self.groups.dp.all_reduce(&mut v, ReduceOp::Sum)?;
+                v[0]
+            }
+        };
         let norm = grads::global_norm(sq, &self.groups.tp, &self.groups.pp)?;
         // The loss lives on the last stage: sum over stages (the others add 0) and over the
         // replicas' shares of the weighted sum; the load-balancing losses of each stage's MoE
@@ -413,15 +455,28 @@ impl<'a> Trainer<'a> {
         let (loss, norm) = self.compute_gradients()?;
         let coef = grads::clip_coefficient(norm, s.optim.clip_norm);
         let lr = s.optim.lr_at(self.step, s.steps);
-        self.adam.update(
-            &mut self.params,
-            &self.grads,
-            &self.layout,
-            &self.specs,
-            &s.optim,
-            lr,
-            coef,
-        );
+        match &mut self.zero {
+            None => self.adam.update(
+                &mut self.params,
+                &self.grads,
+                &self.layout,
+                &self.specs,
+                &s.optim,
+                lr,
+                coef,
+            ),
+            Some(z) => z.step(
+                &mut self.adam,
+                &mut self.params,
+                &self.grads,
+                &self.layout,
+                &self.specs,
+                &s.optim,
+                lr,
+                coef,
+                &self.groups.dp,
+            )?,
+        }
         for (i, (spec, var)) in self.model.params().into_iter().enumerate() {
             let data = &self.params[self.layout.range(i)];
             var.set(&Tensor::from_slice(data, spec.local_shape(), &Device::Cpu)?)?;
@@ -490,6 +545,17 @@ impl<'a> Trainer<'a> {
     /// Like [`Trainer::save`], into `dir`.
     pub fn save_to(&mut self, dir: &Path) -> Result<Option<PathBuf>> {
         let state = self.state()?;
+        // Checkpoints hold whole moments whatever the optimizer: gather the slices.
+        let (exp_avg, exp_avg_sq) = match &self.zero {
+            None => (
+                std::borrow::Cow::Borrowed(&self.adam.exp_avg[..]),
+                std::borrow::Cow::Borrowed(&self.adam.exp_avg_sq[..]),
+            ),
+            Some(z) => (
+                z.gather(&self.adam.exp_avg, &self.groups.dp)?.into(),
+                z.gather(&self.adam.exp_avg_sq, &self.groups.dp)?.into(),
+            ),
+        };
         let out = checkpoint::save(&SaveInputs {
             dir,
             state: &state,
@@ -500,8 +566,8 @@ impl<'a> Trainer<'a> {
             specs: &self.specs,
             layout: &self.layout,
             params: &self.params,
-            exp_avg: &self.adam.exp_avg,
-            exp_avg_sq: &self.adam.exp_avg_sq,
+            exp_avg: &exp_avg,
+            exp_avg_sq: &exp_avg_sq,
             keep: self.spec.keep,
             hook: self.opts.save_hook.as_ref(),
         })?;
