@@ -245,8 +245,20 @@ impl<'a> Trainer<'a> {
         if let Some(ck) = resume {
             // Checkpoints hold whole moments (a save gathers the slices): any layout resumes.
             let (m, v) = ck.optimizer_shards(&specs)?;
-            adam.exp_avg = m[held.clone()].to_vec();
-            adam.exp_avg_sq = v[held].to_vec();
+            let slice = |x: &[f32]| {
+                x.get(held.clone()).map(<[f32]>::to_vec).ok_or_else(|| {
+                    TrainError::checkpoint(
+                        &ck.dir,
+                        format!(
+                            "its optimizer state holds {} elements for this rank, which needs {}",
+                            x.len(),
+                            layout.total()
+                        ),
+                    )
+                })
+            };
+            adam.exp_avg = slice(&m)?;
+            adam.exp_avg_sq = slice(&v)?;
             adam.step = ck.state.step;
             step = ck.state.step;
             data_position = ck.state.data_position;
