@@ -15,6 +15,7 @@ use crate::pipeline::{forward_only, run_micro_batches, MicroBatch};
 use crate::pretrained::Pretrained;
 use crate::zero::{DistributedOptimizer, OptimizerMemory};
 use candle_core::{Device, Tensor};
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tp_comm::{CommExt, ParallelDims, ProcessGroups, ReduceOp};
@@ -144,6 +145,7 @@ pub struct Trainer<'a> {
     model: StageModel,
     specs: Vec<ParamSpec>,
     layout: FlatLayout,
+    /// The flat weights AdamW updates (empty with `zero`, whose slice holds them).
     params: Vec<f32>,
     grads: Vec<f32>,
     /// AdamW's moments: of the whole flat buffer, or of this rank's slice with `zero`.
@@ -240,6 +242,10 @@ impl<'a> Trainer<'a> {
         };
         // The moments of the elements this rank updates.
         let held = zero.as_ref().map_or(0..layout.total(), |z| z.slices.mine());
+        if zero.is_some() {
+            // The slice holds this rank's master weights; the model's tensors hold the rest.
+            params = Vec::new();
+        }
         let mut adam = AdamW::new(held.len());
         let (mut step, mut data_position, mut history) = (0, 0, Vec::new());
         if let Some(ck) = resume {
@@ -335,6 +341,7 @@ impl<'a> Trainer<'a> {
     pub fn flat_layout(&self) -> &FlatLayout {
         &self.layout
     }
+    /// The flat weights (empty with the distributed optimizer: see `crate::zero`).
     pub fn params_flat(&self) -> &[f32] {
         &self.params
     }
@@ -467,31 +474,40 @@ impl<'a> Trainer<'a> {
         let (loss, norm) = self.compute_gradients()?;
         let coef = grads::clip_coefficient(norm, s.optim.clip_norm);
         let lr = s.optim.lr_at(self.step, s.steps);
-        match &mut self.zero {
-            None => self.adam.update(
-                &mut self.params,
-                &self.grads,
-                &self.layout,
-                &self.specs,
-                &s.optim,
-                lr,
-                coef,
-            ),
-            Some(z) => z.step(
-                &mut self.adam,
-                &mut self.params,
-                &self.grads,
-                &self.layout,
-                &self.specs,
-                &s.optim,
-                lr,
-                coef,
-                &self.groups.dp,
-            )?,
-        }
-        for (i, (spec, var)) in self.model.params().into_iter().enumerate() {
-            let data = &self.params[self.layout.range(i)];
+        let vars = self.model.params();
+        let mut set = |i: usize, data: &[f32]| -> Result<()> {
+            let (spec, var) = &vars[i];
             var.set(&Tensor::from_slice(data, spec.local_shape(), &Device::Cpu)?)?;
+            Ok(())
+        };
+        match &mut self.zero {
+            None => {
+                self.adam.update(
+                    &mut self.params,
+                    &self.grads,
+                    &self.layout,
+                    &self.specs,
+                    &s.optim,
+                    lr,
+                    coef,
+                );
+                for i in 0..self.layout.len() {
+                    set(i, &self.params[self.layout.range(i)])?;
+                }
+            }
+            Some(z) => {
+                let (layout, specs) = (&self.layout, &self.specs);
+                z.update(
+                    &mut self.adam,
+                    &self.grads,
+                    layout,
+                    specs,
+                    &s.optim,
+                    lr,
+                    coef,
+                );
+                z.all_gather_params(layout, &self.groups.dp, s.bucket_elems, &mut set)?;
+            }
         }
         self.step += 1;
         self.data_position += s.global_batch as u64;
@@ -557,13 +573,15 @@ impl<'a> Trainer<'a> {
     /// Like [`Trainer::save`], into `dir`.
     pub fn save_to(&mut self, dir: &Path) -> Result<Option<PathBuf>> {
         let state = self.state()?;
-        // Checkpoints hold whole moments whatever the optimizer: gather the slices.
-        let (exp_avg, exp_avg_sq) = match &self.zero {
+        // Checkpoints hold whole weights and moments whatever the optimizer: gather the slices.
+        let (params, exp_avg, exp_avg_sq) = match &self.zero {
             None => (
-                std::borrow::Cow::Borrowed(&self.adam.exp_avg[..]),
-                std::borrow::Cow::Borrowed(&self.adam.exp_avg_sq[..]),
+                Cow::Borrowed(&self.params[..]),
+                Cow::Borrowed(&self.adam.exp_avg[..]),
+                Cow::Borrowed(&self.adam.exp_avg_sq[..]),
             ),
             Some(z) => (
+                z.gather(&z.master, &self.groups.dp)?.into(),
                 z.gather(&self.adam.exp_avg, &self.groups.dp)?.into(),
                 z.gather(&self.adam.exp_avg_sq, &self.groups.dp)?.into(),
             ),
@@ -577,7 +595,7 @@ impl<'a> Trainer<'a> {
             groups: &self.groups,
             specs: &self.specs,
             layout: &self.layout,
-            params: &self.params,
+            params: &params,
             exp_avg: &exp_avg,
             exp_avg_sq: &exp_avg_sq,
             keep: self.spec.keep,

@@ -3,7 +3,7 @@
 //! Gradients are reduce-scattered over dp (each rank gets the sum of its slice only, bucket
 //! by bucket like the all-reduce), each rank keeps AdamW's moments and the f32 master weights
 //! of its slice and updates only that, and the updated slices are all-gathered into every
-//! replica's weights. The sums are the all-reduce's, so training is the same.
+//! replica's model, bucket by bucket. The sums are the all-reduce's, so training is the same.
 
 use crate::error::{Result, TrainError};
 use crate::grads::FlatLayout;
@@ -103,7 +103,9 @@ impl DpSlices {
 }
 
 /// This rank's part of the distributed optimizer: its slice, and the master weights of it.
-/// (AdamW's moments of the slice are the trainer's [`AdamW`], sized to the slice.)
+/// (AdamW's moments of the slice are the trainer's [`AdamW`], sized to the slice.) The
+/// replicas' weights are the model's tensors, set from the gathered slices each step; no
+/// rank keeps a whole flat copy.
 #[derive(Clone, Debug)]
 pub struct DistributedOptimizer {
     pub slices: DpSlices,
@@ -119,26 +121,24 @@ impl DistributedOptimizer {
         Ok(DistributedOptimizer { slices, master })
     }
 
-    /// Collective over `dp`: one AdamW update of this rank's slice from `grads` (the whole
-    /// buffer, reduce-scattered: only the slice is read), then every replica's `params` from
-    /// all the slices.
+    /// One AdamW update of this rank's slice of the master weights from `grads` (the whole
+    /// buffer, reduce-scattered: only the slice is read).
     #[allow(clippy::too_many_arguments)] // the buffers, their layout, the step's scalars
-    pub fn step(
+    pub fn update(
         &mut self,
         adam: &mut AdamW,
-        params: &mut [f32],
         grads: &[f32],
         layout: &FlatLayout,
         specs: &[ParamSpec],
         cfg: &AdamWConfig,
         lr: f64,
         grad_scale: f64,
-        dp: &Group,
-    ) -> Result<()> {
+    ) {
         let mine = self.slices.mine();
+        let g = &grads[mine.clone()];
         adam.update_window(
             &mut self.master,
-            &grads[mine.clone()],
+            g,
             mine,
             layout,
             specs,
@@ -146,10 +146,53 @@ impl DistributedOptimizer {
             lr,
             grad_scale,
         );
-        self.slices.all_gather(&self.master, params, dp)
     }
 
-    /// Collective over `dp`: the whole buffer of a per-slice array (a moment) for a save.
+    /// Collective over `dp`: the updated weights of every parameter, all-gathered from the
+    /// replicas' slices in buckets of whole parameters of about `bucket_elems` elements (no
+    /// whole flat weight buffer is ever held); `set(i, w)` receives parameter i's shard.
+    pub fn all_gather_params(
+        &self,
+        layout: &FlatLayout,
+        dp: &Group,
+        bucket_elems: usize,
+        set: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let mine = self.slices.mine();
+        let mut first = 0;
+        while first < layout.len() {
+            // Parameters first..end, at least one, up to about a bucket.
+            let start = layout.range(first).start;
+            let mut end = first + 1;
+            while end < layout.len() && layout.range(end).end - start <= bucket_elems.max(1) {
+                end += 1;
+            }
+            let stop = layout.range(end - 1).end;
+            let counts: Vec<usize> = (0..self.slices.counts().len())
+                .map(|r| {
+                    let s = self.slices.range_of(r);
+                    s.end.min(stop).saturating_sub(s.start.max(start))
+                })
+                .collect();
+            let (lo, hi) = (mine.start.max(start), mine.end.min(stop));
+            let part = if lo < hi {
+                &self.master[lo - mine.start..hi - mine.start]
+            } else {
+                &self.master[0..0]
+            };
+            let mut bucket = vec![0f32; stop - start];
+            dp.all_gather_v(part, &mut bucket, &counts)?;
+            for i in first..end {
+                let r = layout.range(i);
+                set(i, &bucket[r.start - start..r.end - start])?;
+            }
+            first = end;
+        }
+        Ok(())
+    }
+
+    /// Collective over `dp`: the whole buffer of a per-slice array (master weights or a
+    /// moment) for a save.
     pub fn gather(&self, slice: &[f32], dp: &Group) -> Result<Vec<f32>> {
         let mut all = vec![0f32; self.slices.counts().iter().sum()];
         self.slices.all_gather(slice, &mut all, dp)?;
