@@ -49,6 +49,25 @@ impl DpSlices {
         self.range_of(self.rank)
     }
 
+    /// Each rank's element count inside `window` of the flat buffer (its slice cut to it),
+    /// and this rank's part of the window as offsets into its slice: the counts and the
+    /// local part of one bucket's collective.
+    pub fn within(&self, window: Range<usize>) -> (Vec<usize>, Range<usize>) {
+        // Empty (start >= end) where a slice misses the window.
+        let cut = |s: Range<usize>| s.start.max(window.start)..s.end.min(window.end);
+        let counts = (0..self.counts.len())
+            .map(|r| cut(self.range_of(r)).len())
+            .collect();
+        let mine = self.mine();
+        let part = cut(mine.clone());
+        let local = if part.is_empty() {
+            0..0
+        } else {
+            part.start - mine.start..part.end - mine.start
+        };
+        (counts, local)
+    }
+
     /// Collective over `dp`: sums `flat` over the replicas in buckets of `bucket_elems`
     /// (one reduce-scatter per bucket, each rank receiving the part of the bucket inside its
     /// slice). Afterwards `flat[self.mine()]` holds the sum and every other element is 0, so
@@ -72,19 +91,8 @@ impl DpSlices {
         let mut at = 0;
         while at < total {
             let end = (at + bucket_elems.max(1)).min(total);
-            // Each rank's part of this bucket: its slice cut to [at, end).
-            let counts: Vec<usize> = (0..self.counts.len())
-                .map(|r| {
-                    let s = self.range_of(r);
-                    s.end.min(end).saturating_sub(s.start.max(at))
-                })
-                .collect();
-            let (lo, hi) = (mine.start.max(at), mine.end.min(end));
-            let recv = if lo < hi {
-                &mut summed[lo - mine.start..hi - mine.start]
-            } else {
-                &mut summed[0..0]
-            };
+            let (counts, local) = self.within(at..end);
+            let recv = &mut summed[local];
             dp.reduce_scatter_v(&flat[at..end], recv, &counts, ReduceOp::Sum)?;
             calls += 1;
             at = end;
@@ -158,7 +166,6 @@ impl DistributedOptimizer {
         bucket_elems: usize,
         set: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
     ) -> Result<()> {
-        let mine = self.slices.mine();
         let mut first = 0;
         while first < layout.len() {
             // Parameters first..end, at least one, up to about a bucket.
@@ -168,20 +175,9 @@ impl DistributedOptimizer {
                 end += 1;
             }
             let stop = layout.range(end - 1).end;
-            let counts: Vec<usize> = (0..self.slices.counts().len())
-                .map(|r| {
-                    let s = self.slices.range_of(r);
-                    s.end.min(stop).saturating_sub(s.start.max(start))
-                })
-                .collect();
-            let (lo, hi) = (mine.start.max(start), mine.end.min(stop));
-            let part = if lo < hi {
-                &self.master[lo - mine.start..hi - mine.start]
-            } else {
-                &self.master[0..0]
-            };
+            let (counts, local) = self.slices.within(start..stop);
             let mut bucket = vec![0f32; stop - start];
-            dp.all_gather_v(part, &mut bucket, &counts)?;
+            dp.all_gather_v(&self.master[local], &mut bucket, &counts)?;
             for i in first..end {
                 let r = layout.range(i);
                 set(i, &bucket[r.start - start..r.end - start])?;
@@ -277,6 +273,12 @@ mod tests {
         let s = DpSlices::new(2, 4, 3).unwrap();
         assert_eq!((s.counts(), s.mine()), (&[1, 1, 0, 0][..], 2..2));
         assert!(DpSlices::new(4, 2, 2).is_err());
+        // A window [3, 8) over slices [0, 4) [4, 7) [7, 10) seen from rank 1 and rank 0.
+        let s = DpSlices::new(10, 3, 1).unwrap();
+        assert_eq!(s.within(3..8), (vec![1, 3, 1], 0..3));
+        assert_eq!(s.within(8..10), (vec![0, 0, 2], 0..0));
+        let s = DpSlices::new(10, 3, 0).unwrap();
+        assert_eq!(s.within(3..8), (vec![1, 3, 1], 3..4));
     }
 
     /// The bucketed reduce-scatter gives each rank the all-reduce's sums on its slice (buckets
