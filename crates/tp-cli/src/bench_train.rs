@@ -39,6 +39,10 @@ pub struct BenchTrainArgs {
     /// Compute threads per rank (MFU is per rank against a one-thread peak when 1).
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Shard the optimizer state over dp (the distributed optimizer, as `tp train
+    /// --distributed-optimizer`).
+    #[arg(long)]
+    distributed_optimizer: bool,
     /// Print one JSON object per layout instead of the table.
     #[arg(long)]
     json: bool,
@@ -69,6 +73,7 @@ pub fn run(a: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
         steps: a.steps,
         rounds: a.rounds,
         threads: a.threads,
+        distributed_optimizer: a.distributed_optimizer,
         timeout,
     })?;
     if !a.json {

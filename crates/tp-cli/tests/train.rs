@@ -86,6 +86,40 @@ fn trains_saves_and_survives_an_abort_during_save() {
     let _ = std::fs::remove_dir_all(&crash);
 }
 
+/// Issue 34: `--distributed-optimizer` reaches the run (the start-up line reports rank 0's
+/// optimizer arrays halved at dp 2) and trains the same losses as without it.
+#[test]
+fn distributed_optimizer_flag_halves_the_optimizer_state_with_the_same_losses() {
+    let base = [
+        "train", "--dp", "2", "--steps", "6", "--seq", "32", "--batch", "4", "--json",
+    ];
+    let plain = tp(&base);
+    assert_eq!(plain.code, Some(0), "{}", plain.output);
+    let mut args = base.to_vec();
+    args.push("--distributed-optimizer");
+    let sharded = tp(&args);
+    assert_eq!(sharded.code, Some(0), "{}", sharded.output);
+    let want = losses(&plain.output);
+    assert_eq!(want.len(), 6, "{}", plain.output);
+    let got = losses(&sharded.output);
+    assert_eq!(got.len(), 6, "{}", sharded.output);
+    for ((s, g), (_, w)) in got.iter().zip(&want) {
+        assert!((g - w).abs() <= 1e-4 * w.abs(), "step {s}: {g} vs {w}");
+    }
+    // The tiny preset: P = 853120 elements on each replica, 426560 in each slice.
+    assert!(
+        plain.output.contains("3 x 853120 elements") && plain.output.contains("not sharded"),
+        "{}",
+        plain.output
+    );
+    assert!(
+        sharded.output.contains("3 x 426560 elements")
+            && sharded.output.contains("sharded over dp=2"),
+        "{}",
+        sharded.output
+    );
+}
+
 fn latest(dir: &Path) -> String {
     std::fs::read_to_string(dir.join("latest"))
         .unwrap()

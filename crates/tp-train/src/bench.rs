@@ -38,6 +38,8 @@ pub struct BenchConfig {
     pub rounds: usize,
     /// Compute threads per rank.
     pub threads: usize,
+    /// Shard the optimizer state over dp (the distributed optimizer).
+    pub distributed_optimizer: bool,
     /// Deadline of each collective.
     pub timeout: Duration,
 }
@@ -90,6 +92,11 @@ pub struct Row {
     /// Against that concurrent peak.
     pub mfu_vs_concurrent_peak: f64,
     pub final_loss: f64,
+    /// Whether the optimizer state was sharded over dp (the distributed optimizer).
+    pub distributed_optimizer: bool,
+    /// Rank 0's optimizer arrays (AdamW m, v and f32 master weights), bytes: 12 x the
+    /// elements it holds.
+    pub optimizer_bytes_rank0: usize,
 }
 
 /// Step times and probe results of one layout, over all rounds.
@@ -98,6 +105,7 @@ struct Samples {
     times: Vec<f64>,
     peaks: Vec<f64>,
     loss: f64,
+    optimizer_bytes: usize,
 }
 
 /// A bench ready to run: the model, every layout's checked spec, and the peak.
@@ -138,6 +146,7 @@ impl Bench {
                     seed: 0,
                     optim: AdamWConfig::default(),
                     bucket_elems: 4 << 20,
+                    distributed_optimizer: cfg.distributed_optimizer,
                     moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
                     save_dir: None,
                     save_every: 0,
@@ -169,7 +178,9 @@ impl Bench {
              # matmul peak (candle gemm, [1024,1024]x[1024,1024] f32, best of 10, {threads} \
              thread(s)): {:.1} GFLOP/s; MFU = 6 x params x tokens/s / (ranks x peak)\n\
              # conc_peak: per-rank peak with all the layout's ranks probing at once, just before \
-             its steps (median over rounds); MFU_conc is against it",
+             its steps (median over rounds); MFU_conc is against it\n\
+             # opt_MiB: rank 0's AdamW m, v and f32 master weights (12 bytes x the elements it \
+             holds); * = sharded over dp (distributed optimizer{})",
             match &a.init {
                 Some(p) => p.display().to_string(),
                 None => a.model.clone(),
@@ -184,7 +195,12 @@ impl Bench {
             a.seq,
             a.rounds.max(1),
             a.steps,
-            self.peak / 1e9
+            self.peak / 1e9,
+            if a.distributed_optimizer {
+                ": on"
+            } else {
+                ": off"
+            }
         )
     }
 
@@ -216,6 +232,7 @@ impl Bench {
                             .map_or(crate::Start::Fresh, crate::Start::Init),
                         TrainOptions::default(),
                     )?;
+                    let optimizer_bytes = t.optimizer_memory().bytes();
                     let mut times = Vec::new();
                     let mut loss = 0.0;
                     for i in 0..spec.steps {
@@ -225,12 +242,13 @@ impl Bench {
                         }
                         loss = r.loss;
                     }
-                    Ok((times, loss))
+                    Ok((times, loss, optimizer_bytes))
                 })?;
                 match out {
-                    Ok(Some((times, loss))) => {
+                    Ok(Some((times, loss, bytes))) => {
                         smp.times.extend(times);
                         smp.loss = loss;
+                        smp.optimizer_bytes = bytes;
                     }
                     Ok(None) => return Ok(Ok(None)),
                     Err(failed) => return Ok(Err(failed)),
@@ -268,6 +286,8 @@ impl Bench {
             concurrent_peak_gflops: conc / 1e9,
             mfu_vs_concurrent_peak: flops::mfu(&self.model, tps, d.world_size(), conc),
             final_loss: smp.loss,
+            distributed_optimizer: spec.distributed_optimizer && d.dp > 1,
+            optimizer_bytes_rank0: smp.optimizer_bytes,
         }
     }
 }
@@ -275,7 +295,7 @@ impl Bench {
 /// The table of `rows`: a `#` header line, then a line per layout.
 pub fn table(rows: &[Row]) -> String {
     let mut s = format!(
-        "# {:>3} {:>3} {:>3} {:>5} {:>5} {:>11} {:>9} {:>7} {:>10} {:>8}\n",
+        "# {:>3} {:>3} {:>3} {:>5} {:>5} {:>11} {:>9} {:>7} {:>10} {:>8} {:>9}\n",
         "tp",
         "pp",
         "dp",
@@ -285,11 +305,12 @@ pub fn table(rows: &[Row]) -> String {
         "tokens/s",
         "MFU",
         "conc_peak",
-        "MFU_conc"
+        "MFU_conc",
+        "opt_MiB"
     );
     for row in rows {
         s.push_str(&format!(
-            "  {:>3} {:>3} {:>3} {:>5} {:>5} {:>11.3} {:>9.0} {:>6.1}% {:>10.1} {:>7.1}%\n",
+            "  {:>3} {:>3} {:>3} {:>5} {:>5} {:>11.3} {:>9.0} {:>6.1}% {:>10.1} {:>7.1}% {:>8.2}{}\n",
             row.tp,
             row.pp,
             row.dp,
@@ -299,7 +320,9 @@ pub fn table(rows: &[Row]) -> String {
             row.tokens_per_s,
             100.0 * row.mfu,
             row.concurrent_peak_gflops,
-            100.0 * row.mfu_vs_concurrent_peak
+            100.0 * row.mfu_vs_concurrent_peak,
+            row.optimizer_bytes_rank0 as f64 / (1u64 << 20) as f64,
+            if row.distributed_optimizer { "*" } else { " " }
         ));
     }
     s

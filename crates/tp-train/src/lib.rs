@@ -7,6 +7,7 @@
 //! - [`pipeline`] and [`schedule`]: micro-batches on the 1F1B schedule over send/recv.
 //! - [`grads`]: the flat gradient buffer, tp completion, bucketed dp all-reduce, global norm.
 //! - [`optim`]: AdamW with state sharded like the weights; learning-rate schedule.
+//! - [`zero`]: the distributed optimizer (ZeRO-1): optimizer state sharded over dp too.
 //! - [`data`]: text to token windows; [`checkpoint`]: atomic, checksummed, any-layout resume.
 //! - [`trainer`]: the loop that ties them together; [`run`]: a prepared run on its ranks
 //!   (`tp train`); [`bench`]: training speed per layout (`tp bench train`).
@@ -34,6 +35,7 @@ pub mod run;
 pub mod schedule;
 pub mod setup;
 pub mod trainer;
+pub mod zero;
 
 pub use checkpoint::{Checkpoint, SaveHook, SavePoint};
 pub use config::{ModelConfig, TrainModel};

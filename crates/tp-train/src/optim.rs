@@ -6,6 +6,7 @@
 use crate::grads::FlatLayout;
 use crate::layout::ParamSpec;
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
 
 /// Optimizer hyper-parameters.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -79,6 +80,25 @@ impl AdamW {
         lr: f64,
         grad_scale: f64,
     ) {
+        let all = 0..layout.total();
+        self.update_window(params, grads, all, layout, specs, cfg, lr, grad_scale);
+    }
+
+    /// [`AdamW::update`] of the elements `window` of the flat buffer only (the distributed
+    /// optimizer's shard): `params`, `grads` and the moments hold just those elements, and a
+    /// parameter cut by the window's edges keeps its own weight decay on the part inside.
+    #[allow(clippy::too_many_arguments)] // buffers, their window and layout, the step's scalars
+    pub fn update_window(
+        &mut self,
+        params: &mut [f32],
+        grads: &[f32],
+        window: Range<usize>,
+        layout: &FlatLayout,
+        specs: &[ParamSpec],
+        cfg: &AdamWConfig,
+        lr: f64,
+        grad_scale: f64,
+    ) {
         self.step += 1;
         let t = self.step as i32;
         let bc1 = 1.0 - cfg.beta1.powi(t);
@@ -89,7 +109,13 @@ impl AdamW {
         let eps = cfg.eps as f32;
         let scale = grad_scale as f32;
         for (i, spec) in specs.iter().enumerate() {
-            let r = layout.range(i);
+            let full = layout.range(i);
+            // This parameter's elements inside the window, as offsets into the window.
+            let (lo, hi) = (full.start.max(window.start), full.end.min(window.end));
+            if lo >= hi {
+                continue;
+            }
+            let r = lo - window.start..hi - window.start;
             let decay = if spec.decay {
                 (1.0 - lr * cfg.weight_decay) as f32
             } else {
@@ -154,5 +180,36 @@ mod tests {
         for (got, want) in p.iter().zip([0.99f32, 2.01, 2.99]) {
             assert!((got - want).abs() < 1e-6, "{got} vs {want}");
         }
+    }
+    /// Three windows cutting a decayed matrix and a norm weight in the middle update exactly as
+    /// the whole buffer does (each element keeps its parameter's weight decay).
+    #[test]
+    fn windows_update_like_the_whole_buffer() {
+        let spec = |name: &str, n: usize, decay: bool| ParamSpec {
+            weight: tp_spec::WeightName::OutputNorm,
+            name: name.into(),
+            shape: vec![n],
+            placement: tp_nn::Placement::Replicated,
+            decay,
+            tp_partial_grad: false,
+            tied_copy: false,
+        };
+        let specs = vec![spec("a", 5, true), spec("b", 4, false), spec("c", 3, true)];
+        let layout = FlatLayout::new(&specs);
+        let p0: Vec<f32> = (0..12).map(|i| 0.1 * i as f32 - 0.5).collect();
+        let g: Vec<f32> = (0..12).map(|i| ((i * 7) % 5) as f32 - 2.0).collect();
+        let cfg = AdamWConfig::default();
+        let (mut whole, mut opt) = (p0.clone(), AdamW::new(12));
+        let mut cut = p0.clone();
+        let mut opts = [AdamW::new(3), AdamW::new(4), AdamW::new(5)];
+        for _ in 0..3 {
+            opt.update(&mut whole, &g, &layout, &specs, &cfg, 0.01, 0.5);
+            for (o, w) in opts.iter_mut().zip([0..3, 3..7, 7..12]) {
+                let (p, gw) = (&mut cut[w.clone()], &g[w.clone()]);
+                o.update_window(p, gw, w, &layout, &specs, &cfg, 0.01, 0.5);
+            }
+        }
+        assert_eq!(whole, cut);
+        assert_eq!(opt.exp_avg[3..7], opts[1].exp_avg[..]);
     }
 }

@@ -191,6 +191,10 @@ fn rank_main(
     )?
     .with_validation(p.val.as_ref())
     .with_tokenizer_config(p.tokenizer_config.as_deref());
+    if rank == 0 {
+        // The start-up line's memory figure: the arrays this rank holds, by their lengths.
+        eprintln!("  {}", t.optimizer_memory().line());
+    }
     let mut reports = Vec::new();
     t.run(&mut |r| {
         if rank == 0 {

@@ -13,7 +13,9 @@ use crate::model::StageModel;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::pipeline::{forward_only, run_micro_batches, MicroBatch};
 use crate::pretrained::Pretrained;
+use crate::zero::{DistributedOptimizer, OptimizerMemory};
 use candle_core::{Device, Tensor};
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tp_comm::{CommExt, ParallelDims, ProcessGroups, ReduceOp};
@@ -35,8 +37,13 @@ pub struct TrainSpec {
     pub seq: usize,
     pub seed: u64,
     pub optim: AdamWConfig,
-    /// Elements per data-parallel all-reduce bucket.
+    /// Elements per data-parallel all-reduce (or reduce-scatter) bucket.
     pub bucket_elems: usize,
+    /// Megatron's distributed optimizer (ZeRO-1): AdamW's moments and the master weights
+    /// sharded over the data-parallel replicas, gradients reduce-scattered and the updated
+    /// weights all-gathered (`crate::zero`); the same training, with dp times less optimizer
+    /// state per rank. No effect at dp 1.
+    pub distributed_optimizer: bool,
     /// Weight of the MoE load-balancing loss in the training objective (Switch Transformer's
     /// alpha; 0 turns it off); unused without experts.
     pub moe_aux_coef: f64,
@@ -138,9 +145,13 @@ pub struct Trainer<'a> {
     model: StageModel,
     specs: Vec<ParamSpec>,
     layout: FlatLayout,
+    /// The flat weights AdamW updates (empty with `zero`, whose slice holds them).
     params: Vec<f32>,
     grads: Vec<f32>,
+    /// AdamW's moments: of the whole flat buffer, or of this rank's slice with `zero`.
     adam: AdamW,
+    /// The distributed optimizer's slice and master weights (dp > 1 and the spec asks).
+    zero: Option<DistributedOptimizer>,
     shared: SharedRows,
     tied: Option<TiedCopy>,
     norm: NormOwnership,
@@ -224,12 +235,36 @@ impl<'a> Trainer<'a> {
         let all_tp: Vec<Vec<ParamSpec>> = (0..tp)
             .map(|t| stage_params(&spec.model, c.pp_rank, pp, t, tp))
             .collect::<Result<_>>()?;
-        let mut adam = AdamW::new(layout.total());
+        let zero = if spec.distributed_optimizer && spec.dims.dp > 1 {
+            Some(DistributedOptimizer::new(&params, spec.dims.dp, c.dp_rank)?)
+        } else {
+            None
+        };
+        // The moments of the elements this rank updates.
+        let held = zero.as_ref().map_or(0..layout.total(), |z| z.slices.mine());
+        if zero.is_some() {
+            // The slice holds this rank's master weights; the model's tensors hold the rest.
+            params = Vec::new();
+        }
+        let mut adam = AdamW::new(held.len());
         let (mut step, mut data_position, mut history) = (0, 0, Vec::new());
         if let Some(ck) = resume {
+            // Checkpoints hold whole moments (a save gathers the slices): any layout resumes.
             let (m, v) = ck.optimizer_shards(&specs)?;
-            adam.exp_avg = m;
-            adam.exp_avg_sq = v;
+            let slice = |x: &[f32]| {
+                x.get(held.clone()).map(<[f32]>::to_vec).ok_or_else(|| {
+                    TrainError::checkpoint(
+                        &ck.dir,
+                        format!(
+                            "its optimizer state holds {} elements for this rank, which needs {}",
+                            x.len(),
+                            layout.total()
+                        ),
+                    )
+                })
+            };
+            adam.exp_avg = slice(&m)?;
+            adam.exp_avg_sq = slice(&v)?;
             adam.step = ck.state.step;
             step = ck.state.step;
             data_position = ck.state.data_position;
@@ -257,6 +292,7 @@ impl<'a> Trainer<'a> {
             layout,
             params,
             adam,
+            zero,
             step,
             data_position,
             history,
@@ -305,6 +341,7 @@ impl<'a> Trainer<'a> {
     pub fn flat_layout(&self) -> &FlatLayout {
         &self.layout
     }
+    /// The flat weights (empty with the distributed optimizer: see `crate::zero`).
     pub fn params_flat(&self) -> &[f32] {
         &self.params
     }
@@ -312,8 +349,19 @@ impl<'a> Trainer<'a> {
         &self.grads
     }
 
+    /// The optimizer arrays this rank holds (moments and master weights), by their lengths.
+    pub fn optimizer_memory(&self) -> OptimizerMemory {
+        OptimizerMemory {
+            local_params: self.layout.total(),
+            held: self.adam.exp_avg.len(),
+            dp: self.spec.dims.dp,
+            distributed: self.zero.is_some(),
+        }
+    }
+
     /// Forward and backward of the next global batch, without the update: afterwards
-    /// [`Trainer::grads_flat`] holds this rank's complete, dp-summed gradient shards.
+    /// [`Trainer::grads_flat`] holds this rank's complete, dp-summed gradient shards (with
+    /// the distributed optimizer: on this rank's slice, zeros elsewhere).
     /// Returns (loss, global gradient norm).
     pub fn compute_gradients(&mut self) -> Result<(f64, f64)> {
         let s = self.spec;
@@ -354,8 +402,21 @@ impl<'a> Trainer<'a> {
         if let Some(t) = &self.tied {
             t.complete(&mut self.grads, &self.layout, &self.groups.pp)?;
         }
-        grads::all_reduce_buckets(&mut self.grads, &self.groups.dp, s.bucket_elems)?;
-        let sq = self.norm.sum_sq(&self.grads, &self.layout, &self.specs);
+        let sq = match &self.zero {
+            None => {
+                grads::all_reduce_buckets(&mut self.grads, &self.groups.dp, s.bucket_elems)?;
+                self.norm.sum_sq(&self.grads, &self.layout, &self.specs)
+            }
+            Some(z) => {
+                // Each replica holds the sums of its slice only: its squares are summed over
+                // dp too, so the norm counts every element once, as with the all-reduce.
+                z.slices
+                    .reduce_scatter(&mut self.grads, &self.groups.dp, s.bucket_elems)?;
+                let mut v = [self.norm.sum_sq(&self.grads, &self.layout, &self.specs)];
+                self.groups.dp.all_reduce(&mut v, ReduceOp::Sum)?;
+                v[0]
+            }
+        };
         let norm = grads::global_norm(sq, &self.groups.tp, &self.groups.pp)?;
         // The loss lives on the last stage: sum over stages (the others add 0) and over the
         // replicas' shares of the weighted sum; the load-balancing losses of each stage's MoE
@@ -413,18 +474,40 @@ impl<'a> Trainer<'a> {
         let (loss, norm) = self.compute_gradients()?;
         let coef = grads::clip_coefficient(norm, s.optim.clip_norm);
         let lr = s.optim.lr_at(self.step, s.steps);
-        self.adam.update(
-            &mut self.params,
-            &self.grads,
-            &self.layout,
-            &self.specs,
-            &s.optim,
-            lr,
-            coef,
-        );
-        for (i, (spec, var)) in self.model.params().into_iter().enumerate() {
-            let data = &self.params[self.layout.range(i)];
+        let vars = self.model.params();
+        let mut set = |i: usize, data: &[f32]| -> Result<()> {
+            let (spec, var) = &vars[i];
             var.set(&Tensor::from_slice(data, spec.local_shape(), &Device::Cpu)?)?;
+            Ok(())
+        };
+        match &mut self.zero {
+            None => {
+                self.adam.update(
+                    &mut self.params,
+                    &self.grads,
+                    &self.layout,
+                    &self.specs,
+                    &s.optim,
+                    lr,
+                    coef,
+                );
+                for i in 0..self.layout.len() {
+                    set(i, &self.params[self.layout.range(i)])?;
+                }
+            }
+            Some(z) => {
+                let (layout, specs) = (&self.layout, &self.specs);
+                z.update(
+                    &mut self.adam,
+                    &self.grads,
+                    layout,
+                    specs,
+                    &s.optim,
+                    lr,
+                    coef,
+                );
+                z.all_gather_params(layout, &self.groups.dp, s.bucket_elems, &mut set)?;
+            }
         }
         self.step += 1;
         self.data_position += s.global_batch as u64;
@@ -490,6 +573,19 @@ impl<'a> Trainer<'a> {
     /// Like [`Trainer::save`], into `dir`.
     pub fn save_to(&mut self, dir: &Path) -> Result<Option<PathBuf>> {
         let state = self.state()?;
+        // Checkpoints hold whole weights and moments whatever the optimizer: gather the slices.
+        let (params, exp_avg, exp_avg_sq) = match &self.zero {
+            None => (
+                Cow::Borrowed(&self.params[..]),
+                Cow::Borrowed(&self.adam.exp_avg[..]),
+                Cow::Borrowed(&self.adam.exp_avg_sq[..]),
+            ),
+            Some(z) => (
+                z.gather(&z.master, &self.groups.dp)?.into(),
+                z.gather(&self.adam.exp_avg, &self.groups.dp)?.into(),
+                z.gather(&self.adam.exp_avg_sq, &self.groups.dp)?.into(),
+            ),
+        };
         let out = checkpoint::save(&SaveInputs {
             dir,
             state: &state,
@@ -499,9 +595,9 @@ impl<'a> Trainer<'a> {
             groups: &self.groups,
             specs: &self.specs,
             layout: &self.layout,
-            params: &self.params,
-            exp_avg: &self.adam.exp_avg,
-            exp_avg_sq: &self.adam.exp_avg_sq,
+            params: &params,
+            exp_avg: &exp_avg,
+            exp_avg_sq: &exp_avg_sq,
             keep: self.spec.keep,
             hook: self.opts.save_hook.as_ref(),
         })?;

@@ -1,7 +1,8 @@
 //! Training under mpirun, one rank per process: at 4 processes every layout (tp2 x pp2,
 //! tp2 x dp2, pp2 x dp2, tp4, pp4, dp4) and at 3 processes the uneven ones (tp3: heads 2/1/1,
 //! a KV head on two ranks, FFN and vocabulary split unevenly; pp3: 4 layers over 3 stages)
-//! follow the tp1 loss curve within 1e-4 for 20 steps.
+//! follow the tp1 loss curve within 1e-4 for 20 steps; so do tp2 x dp2, pp2 x dp2 and dp4
+//! with the distributed optimizer (issue 34: optimizer state sharded over dp).
 #![cfg(feature = "mpi")]
 
 use std::time::Duration;
@@ -9,9 +10,16 @@ use tp_testkit::{mpirun, run};
 
 /// Runs `tp-train-mpi-check` under `mpirun -n n` (deadline 300 s); its whole output.
 fn mpi_check(n: usize) -> String {
+    mpi_check_with(n, &[])
+}
+
+fn mpi_check_with(n: usize, args: &[&str]) -> String {
     let check = env!("CARGO_BIN_EXE_tp-train-mpi-check");
     let f = run(
-        mpirun(n).arg(check).env("RAYON_NUM_THREADS", "1"),
+        mpirun(n)
+            .arg(check)
+            .args(args)
+            .env("RAYON_NUM_THREADS", "1"),
         Duration::from_secs(300),
     );
     assert_eq!(f.code, Some(0), "{}", f.output);
@@ -42,5 +50,19 @@ fn uneven_layouts_match_tp1_under_mpirun_with_3_processes() {
     assert!(text.contains("6 passed, 0 failed"), "{text}");
     for l in ["tp=3 pp=1 dp=1", "tp=1 pp=3 dp=1"] {
         assert!(text.contains(l), "{l} missing: {text}");
+    }
+}
+
+/// Issue 34: the distributed optimizer (reduce-scatter and all-gather over MPI's dp group).
+#[test]
+fn distributed_optimizer_matches_tp1_under_mpirun_with_4_processes() {
+    let text = mpi_check_with(4, &["--distributed-optimizer"]);
+    // The 3 layouts with dp > 1, checked by each of the 4 ranks.
+    assert!(text.contains("12 passed, 0 failed"), "{text}");
+    for l in ["tp=2 pp=1 dp=2", "tp=1 pp=2 dp=2", "tp=1 pp=1 dp=4"] {
+        assert!(
+            text.contains(&format!("{l} distributed optimizer")),
+            "{l} missing: {text}"
+        );
     }
 }

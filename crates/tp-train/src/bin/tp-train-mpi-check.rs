@@ -2,7 +2,8 @@
 //! number of processes (tp2 x pp2, tp2 x dp2, pp2 x dp2, tp4, pp4, dp4 at 4 processes; tp3
 //! and pp3 at 3), one rank per process, each against the tp1 loss curve computed inside this
 //! process on the local backend. Every rank checks every step; rank 0 prints `N passed, N
-//! failed`.
+//! failed`. With `--distributed-optimizer`, the layouts with dp > 1 train with the optimizer
+//! state sharded over dp (issue 34) against the same tp1 curve.
 
 use std::process::ExitCode;
 use tp_comm::local::{self, LocalOptions};
@@ -14,8 +15,14 @@ use tp_train::{fixtures, TextTokenizer, TrainError, TrainOptions, Trainer};
 const TOLERANCE: f64 = 1e-4;
 const STEPS: u64 = 20;
 
-fn losses(world: Group, dims: ParallelDims, micro: usize) -> Result<Vec<f64>, TrainError> {
-    let spec = fixtures::spec(dims, STEPS, micro);
+fn losses(
+    world: Group,
+    dims: ParallelDims,
+    micro: usize,
+    distributed_optimizer: bool,
+) -> Result<Vec<f64>, TrainError> {
+    let mut spec = fixtures::spec(dims, STEPS, micro);
+    spec.distributed_optimizer = distributed_optimizer;
     let corpus = fixtures::corpus()?;
     let tok = TextTokenizer::Bytes.json()?;
     let groups = ProcessGroups::new(world, dims)?;
@@ -57,6 +64,7 @@ fn main() -> ExitCode {
     };
     let world = runtime.world();
     let rank = world.rank();
+    let sharded = std::env::args().any(|a| a == "--distributed-optimizer");
     // The oracle: tp1 in this process, on a one-rank local world.
     let reference = match local::run(1, LocalOptions::default(), |w| {
         losses(
@@ -67,6 +75,7 @@ fn main() -> ExitCode {
                 dp: 1,
             },
             1,
+            false,
         )
     }) {
         Ok(mut v) => match v.pop() {
@@ -82,8 +91,11 @@ fn main() -> ExitCode {
         }
     };
     let (mut passed, mut failed) = (0u64, 0u64);
-    for (dims, micro) in layouts(world.size()) {
-        match losses(world.clone(), dims, micro) {
+    let layouts = layouts(world.size())
+        .into_iter()
+        .filter(|(d, _)| !sharded || d.dp > 1);
+    for (dims, micro) in layouts {
+        match losses(world.clone(), dims, micro, sharded) {
             Ok(got) => {
                 let worst = got
                     .iter()
@@ -94,8 +106,9 @@ fn main() -> ExitCode {
                     passed += 1;
                     if rank == 0 {
                         println!(
-                            "tp={} pp={} dp={}: {STEPS} steps, max relative loss difference {worst:.2e}",
-                            dims.tp, dims.pp, dims.dp
+                            "tp={} pp={} dp={}{}: {STEPS} steps, max relative loss difference {worst:.2e}",
+                            dims.tp, dims.pp, dims.dp,
+                            if sharded { " distributed optimizer" } else { "" }
                         );
                     }
                 } else {
