@@ -39,6 +39,10 @@ pub struct BenchTrainArgs {
     /// Compute threads per rank (MFU is per rank against a one-thread peak when 1).
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Sequence parallelism at every layout (--seq must divide by each tp); the header also
+    /// gives the activation bytes per layer with and without it.
+    #[arg(long)]
+    sequence_parallel: bool,
     /// Print one JSON object per layout instead of the table.
     #[arg(long)]
     json: bool,
@@ -70,9 +74,11 @@ pub fn run(a: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
         rounds: a.rounds,
         threads: a.threads,
         timeout,
+        sequence_parallel: a.sequence_parallel,
     })?;
     if !a.json {
         println!("{}", bench.header());
+        print!("{}", bench.activation_report()?);
     }
     let rows = match bench.run()? {
         Ok(Some(rows)) => rows,

@@ -116,6 +116,10 @@ pub struct TrainArgs {
     /// alpha; 0 turns it off).
     #[arg(long, default_value_t = tp_train::DEFAULT_MOE_AUX_COEF)]
     pub moe_aux_loss_coeff: f64,
+    /// Sequence parallelism (Megatron, Korthikanti et al. 2022): the norms and residual adds
+    /// hold seq/tp positions per tp rank (--seq must divide by --tp).
+    #[arg(long)]
+    pub sequence_parallel: bool,
     /// Print one JSON object per step on stdout instead of the progress bar.
     #[arg(long)]
     pub json: bool,
@@ -155,6 +159,7 @@ impl TrainArgs {
             resume: self.resume.clone(),
             bucket_mib: self.bucket_mib,
             moe_aux_coef: self.moe_aux_loss_coeff,
+            sequence_parallel: self.sequence_parallel,
             held_out: self.held_out,
             val_every: self.val_every,
         }

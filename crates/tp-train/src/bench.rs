@@ -40,6 +40,8 @@ pub struct BenchConfig {
     pub threads: usize,
     /// Deadline of each collective.
     pub timeout: Duration,
+    /// Sequence parallelism at every layout.
+    pub sequence_parallel: bool,
 }
 
 /// Why the bench cannot run.
@@ -139,6 +141,7 @@ impl Bench {
                     optim: AdamWConfig::default(),
                     bucket_elems: 4 << 20,
                     moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
+                    sequence_parallel: cfg.sequence_parallel,
                     save_dir: None,
                     save_every: 0,
                     keep: 0,
@@ -169,7 +172,8 @@ impl Bench {
              # matmul peak (candle gemm, [1024,1024]x[1024,1024] f32, best of 10, {threads} \
              thread(s)): {:.1} GFLOP/s; MFU = 6 x params x tokens/s / (ranks x peak)\n\
              # conc_peak: per-rank peak with all the layout's ranks probing at once, just before \
-             its steps (median over rounds); MFU_conc is against it",
+             its steps (median over rounds); MFU_conc is against it\n\
+             # sequence parallelism: {}",
             match &a.init {
                 Some(p) => p.display().to_string(),
                 None => a.model.clone(),
@@ -184,8 +188,28 @@ impl Bench {
             a.seq,
             a.rounds.max(1),
             a.steps,
-            self.peak / 1e9
+            self.peak / 1e9,
+            if a.sequence_parallel { "on" } else { "off" }
         )
+    }
+
+    /// `#` lines of the activation bytes per layer of each layout's tp with and without
+    /// sequence parallelism ([`crate::activations`]), measured on one micro-batch.
+    pub fn activation_report(&self) -> Result<String, TrainError> {
+        let mut tps: Vec<(usize, usize)> = self
+            .specs
+            .iter()
+            .filter(|s| s.dims.tp > 1)
+            .map(|s| (s.dims.tp, s.micro_batch_size()))
+            .collect();
+        tps.sort_unstable();
+        tps.dedup();
+        let mut out = String::new();
+        for (tp, micro) in tps {
+            let a = crate::activations::measure(&self.model, micro, self.cfg.seq, tp)?;
+            out.push_str(&a.report());
+        }
+        Ok(out)
     }
 
     /// Trains every layout in rounds (its ranks as threads of this process) and gives one row

@@ -1,7 +1,8 @@
 //! Under mpirun: 20 training steps of the fixture model at every layout whose size is the
 //! number of processes (tp2 x pp2, tp2 x dp2, pp2 x dp2, tp4, pp4, dp4 at 4 processes; tp3
 //! and pp3 at 3), one rank per process, each against the tp1 loss curve computed inside this
-//! process on the local backend. Every rank checks every step; rank 0 prints `N passed, N
+//! process on the local backend; the layouts with tp > 1 dividing the sequence (16) again with
+//! sequence parallelism. Every rank checks every step; rank 0 prints `N passed, N
 //! failed`.
 
 use std::process::ExitCode;
@@ -14,8 +15,16 @@ use tp_train::{fixtures, TextTokenizer, TrainError, TrainOptions, Trainer};
 const TOLERANCE: f64 = 1e-4;
 const STEPS: u64 = 20;
 
-fn losses(world: Group, dims: ParallelDims, micro: usize) -> Result<Vec<f64>, TrainError> {
-    let spec = fixtures::spec(dims, STEPS, micro);
+fn losses(
+    world: Group,
+    dims: ParallelDims,
+    micro: usize,
+    sequence_parallel: bool,
+) -> Result<Vec<f64>, TrainError> {
+    let spec = tp_train::TrainSpec {
+        sequence_parallel,
+        ..fixtures::spec(dims, STEPS, micro)
+    };
     let corpus = fixtures::corpus()?;
     let tok = TextTokenizer::Bytes.json()?;
     let groups = ProcessGroups::new(world, dims)?;
@@ -32,8 +41,9 @@ fn losses(world: Group, dims: ParallelDims, micro: usize) -> Result<Vec<f64>, Tr
     Ok(out)
 }
 
-/// Layouts of `n` ranks, with micro-batches that divide the 4-sequence batch.
-fn layouts(n: usize) -> Vec<(ParallelDims, usize)> {
+/// Layouts of `n` ranks, with micro-batches that divide the 4-sequence batch, and whether
+/// the run is sequence parallel.
+fn layouts(n: usize) -> Vec<(ParallelDims, usize, bool)> {
     let mut out = Vec::new();
     for tp in 1..=n {
         for pp in 1..=n {
@@ -41,7 +51,11 @@ fn layouts(n: usize) -> Vec<(ParallelDims, usize)> {
                 if tp * pp * dp == n && tp <= 4 && pp <= 4 && (tp, pp, dp) != (1, 1, 1) {
                     let per_replica = 4 / dp;
                     let micro = if pp > 1 { per_replica } else { 1 };
-                    out.push((ParallelDims { tp, pp, dp }, micro));
+                    let dims = ParallelDims { tp, pp, dp };
+                    out.push((dims, micro, false));
+                    if tp > 1 && fixtures::spec(dims, STEPS, micro).seq % tp == 0 {
+                        out.push((dims, micro, true));
+                    }
                 }
             }
         }
@@ -67,6 +81,7 @@ fn main() -> ExitCode {
                 dp: 1,
             },
             1,
+            false,
         )
     }) {
         Ok(mut v) => match v.pop() {
@@ -82,8 +97,9 @@ fn main() -> ExitCode {
         }
     };
     let (mut passed, mut failed) = (0u64, 0u64);
-    for (dims, micro) in layouts(world.size()) {
-        match losses(world.clone(), dims, micro) {
+    for (dims, micro, sp) in layouts(world.size()) {
+        let sp_name = if sp { " sequence-parallel" } else { "" };
+        match losses(world.clone(), dims, micro, sp) {
             Ok(got) => {
                 let worst = got
                     .iter()
@@ -94,14 +110,14 @@ fn main() -> ExitCode {
                     passed += 1;
                     if rank == 0 {
                         println!(
-                            "tp={} pp={} dp={}: {STEPS} steps, max relative loss difference {worst:.2e}",
+                            "tp={} pp={} dp={}{sp_name}: {STEPS} steps, max relative loss difference {worst:.2e}",
                             dims.tp, dims.pp, dims.dp
                         );
                     }
                 } else {
                     failed += 1;
                     eprintln!(
-                        "rank {rank}: FAILED tp={} pp={} dp={}: {} steps, max relative \
+                        "rank {rank}: FAILED tp={} pp={} dp={}{sp_name}: {} steps, max relative \
                          difference {worst:e} > {TOLERANCE:e}",
                         dims.tp,
                         dims.pp,
@@ -111,7 +127,7 @@ fn main() -> ExitCode {
                 }
             }
             Err(e) => {
-                eprintln!("rank {rank}: error at {dims:?}: {e}");
+                eprintln!("rank {rank}: error at {dims:?}{sp_name}: {e}");
                 if let Some(f) = e.as_comm().and_then(|c| c.flight_record()) {
                     eprint!("{f}");
                 }
