@@ -56,13 +56,6 @@ impl VocabParallelEmbedding {
         layout: SeqLayout<'_>,
     ) -> Result<Tensor> {
         check_group(group, self.tp_rank, self.vocab.tp())?;
-        let (local_ids, mask) = local_ids(ids, self.vocab.units(), self.vocab_range())?;
-        let hidden = self.table.dim(1)?;
-        let flat = self.table.embedding(&local_ids)?; // [n, hidden]
-        let flat = flat.broadcast_mul(&mask.unsqueeze(1)?)?; // [n, hidden]
-        let mut dims = ids.dims().to_vec();
-        dims.push(hidden);
-        let local = flat.reshape(dims)?; // [.., hidden], this rank's vocab rows only
         if let SeqLayout::Split(_) = layout {
             if ids.rank() != 2 {
                 return Err(TpError::Shape(format!(
@@ -71,6 +64,13 @@ impl VocabParallelEmbedding {
                 )));
             }
         }
+        let (local_ids, mask) = local_ids(ids, self.vocab.units(), self.vocab_range())?;
+        let hidden = self.table.dim(1)?;
+        let flat = self.table.embedding(&local_ids)?; // [n, hidden]
+        let flat = flat.broadcast_mul(&mask.unsqueeze(1)?)?; // [n, hidden]
+        let mut dims = ids.dims().to_vec();
+        dims.push(hidden);
+        let local = flat.reshape(dims)?; // [.., hidden], this rank's vocab rows only
         layout.exit(PartialSum::new(local, group))
     }
 }

@@ -10,6 +10,9 @@ use common::*;
 use tp_train::fixtures::{gemma3_spec, moe_spec, qwen3_spec};
 use tp_train::TrainSpec;
 
+/// A fixture's run at a layout: (dims, steps, micro-batches) -> spec.
+type MakeSpec = fn(tp_comm::ParallelDims, u64, usize) -> TrainSpec;
+
 /// `spec` with sequence parallelism on or off.
 fn sp(spec: TrainSpec, on: bool) -> TrainSpec {
     TrainSpec {
@@ -21,7 +24,7 @@ fn sp(spec: TrainSpec, on: bool) -> TrainSpec {
 #[test]
 fn sequence_parallel_follows_the_curve_without_it_at_tp2_and_tp2_x_pp2() {
     let steps = 20;
-    let models: [(&str, fn(tp_comm::ParallelDims, u64, usize) -> TrainSpec); 4] = [
+    let models: [(&str, MakeSpec); 4] = [
         ("Llama", spec),
         ("Qwen3", qwen3_spec),
         ("Gemma-3", gemma3_spec),

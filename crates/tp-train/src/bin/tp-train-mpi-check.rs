@@ -53,7 +53,7 @@ fn layouts(n: usize) -> Vec<(ParallelDims, usize, bool)> {
                     let micro = if pp > 1 { per_replica } else { 1 };
                     let dims = ParallelDims { tp, pp, dp };
                     out.push((dims, micro, false));
-                    if tp > 1 && fixtures::spec(dims, STEPS, micro).seq % tp == 0 {
+                    if tp > 1 && fixtures::spec(dims, STEPS, micro).seq.is_multiple_of(tp) {
                         out.push((dims, micro, true));
                     }
                 }
