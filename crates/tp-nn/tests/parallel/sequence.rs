@@ -227,3 +227,16 @@ fn a_split_over_another_tp_is_a_typed_error() {
         errs[0]
     );
 }
+
+#[test]
+fn an_uneven_sequence_is_refused_in_words() {
+    let e = SeqSplit::even(17, 2).unwrap_err().to_string();
+    assert!(e.contains("17 positions do not divide by tp=2"), "{e}");
+    assert!(SeqSplit::even(0, 2).is_err());
+    assert!(SeqSplit::even(4, 0).is_err());
+    let s = SeqSplit::even(16, 4).unwrap();
+    assert_eq!(
+        (s.sizes(), s.local(), s.total()),
+        (&[4, 4, 4, 4][..], 4, 16)
+    );
+}
