@@ -43,6 +43,10 @@ pub struct BenchTrainArgs {
     /// --distributed-optimizer`).
     #[arg(long)]
     distributed_optimizer: bool,
+    /// Sequence parallelism at every layout (--seq must divide by each tp); the header also
+    /// gives the activation bytes per layer with and without it.
+    #[arg(long)]
+    sequence_parallel: bool,
     /// Print one JSON object per layout instead of the table.
     #[arg(long)]
     json: bool,
@@ -75,9 +79,11 @@ pub fn run(a: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
         threads: a.threads,
         distributed_optimizer: a.distributed_optimizer,
         timeout,
+        sequence_parallel: a.sequence_parallel,
     })?;
     if !a.json {
         println!("{}", bench.header());
+        print!("{}", bench.activation_report()?);
     }
     let rows = match bench.run()? {
         Ok(Some(rows)) => rows,

@@ -121,6 +121,10 @@ pub struct TrainArgs {
     /// training with dp times less optimizer memory per rank. Checkpoints resume either way.
     #[arg(long)]
     pub distributed_optimizer: bool,
+    /// Sequence parallelism (Megatron, Korthikanti et al. 2022): the norms and residual adds
+    /// hold seq/tp positions per tp rank (--seq must divide by --tp).
+    #[arg(long)]
+    pub sequence_parallel: bool,
     /// Print one JSON object per step on stdout instead of the progress bar.
     #[arg(long)]
     pub json: bool,
@@ -161,6 +165,7 @@ impl TrainArgs {
             bucket_mib: self.bucket_mib,
             moe_aux_coef: self.moe_aux_loss_coeff,
             distributed_optimizer: self.distributed_optimizer,
+            sequence_parallel: self.sequence_parallel,
             held_out: self.held_out,
             val_every: self.val_every,
         }

@@ -120,6 +120,21 @@ fn distributed_optimizer_flag_halves_the_optimizer_state_with_the_same_losses() 
     );
 }
 
+/// `--sequence-parallel` reaches the trainer and changes no loss (issue 34; the oracle tests
+/// are tp-train's tests/sequence_parallel.rs).
+#[test]
+fn sequence_parallel_gives_the_losses_without_it() {
+    let plain = run(&with(&[]));
+    let sp = run(&with(&["--sequence-parallel"]));
+    assert_eq!(plain.code, Some(0), "{}", plain.output);
+    assert_eq!(sp.code, Some(0), "{}", sp.output);
+    let (want, got) = (losses(&plain.output), losses(&sp.output));
+    assert_eq!(got.len(), 12, "{}", sp.output);
+    for ((s, w), (_, g)) in want.iter().zip(&got) {
+        assert!((g - w).abs() <= 1e-4 * w.abs(), "step {s}: {g} vs {w}");
+    }
+}
+
 fn latest(dir: &Path) -> String {
     std::fs::read_to_string(dir.join("latest"))
         .unwrap()
@@ -159,6 +174,10 @@ fn bad_inputs_get_clear_errors() {
         (vec!["--arch", "qwen2"], "use one of llama, qwen3, gemma3"),
         (vec!["--resume", "/no/such/checkpoint"], "does not exist"),
         (vec!["--seq", "4096"], "max_position_embeddings"),
+        (
+            vec!["--tp", "2", "--seq", "17", "--sequence-parallel"],
+            "17 positions do not divide by tp=2",
+        ),
     ];
     for (extra, want) in cases {
         let mut args = vec!["train", "--steps", "2", "--batch", "4"];

@@ -6,12 +6,12 @@
 use crate::attention::ParallelAttention;
 use crate::error::{Result, TpError};
 use crate::linear::check_group;
-use crate::mappings::copy_to_tp;
 use crate::mlp::ParallelMlp;
 use crate::moe::ParallelMoe;
 use crate::norm::RmsNorm;
 use crate::rng::{RandomTensor, Rng};
 use crate::rope::{Rope, RopeLayout};
+use crate::sequence::SeqLayout;
 use candle_core::{Device, Tensor, Var};
 use tp_comm::Group;
 use tp_spec::{
@@ -442,12 +442,16 @@ enum BlockMlp {
 /// A block's output, with the load-balancing loss of a mixture-of-experts MLP.
 #[derive(Debug)]
 pub struct BlockOutput {
-    pub hidden: Tensor, // [b, s, hidden]
+    pub hidden: Tensor, // [b, s, hidden], or [b, s/tp, hidden] with sequence parallelism
     /// The share of the load-balancing loss this rank backpropagates (`aux / tp`, a scalar;
     /// [`crate::MoeOutput`]); `None` for a dense MLP.
     pub aux_share: Option<Tensor>,
     /// The whole load-balancing loss (for reports).
     pub aux: Option<f32>,
+    /// Bytes of the tensors this rank held outside the tensor-parallel regions (the block's
+    /// input, the norms' outputs, the regions' reduced outputs and the residual sum): the
+    /// activations sequence parallelism divides by tp.
+    pub outside_bytes: usize,
 }
 
 /// One rank's slice of a transformer block.
@@ -652,38 +656,76 @@ impl ParallelBlock {
 
     /// [`ParallelBlock::forward`] with the load-balancing loss of a mixture of experts.
     pub fn forward_aux(&self, h: &Tensor, group: &Group) -> Result<BlockOutput> {
+        self.forward_layout(h, group, SeqLayout::Replicated)
+    }
+
+    /// The block with its norms and residual adds laid out by `layout`: replicated
+    /// `h [b, s, hidden]`, or with sequence parallelism this rank's positions
+    /// `h [b, s/tp, hidden]` -> the same layout. Each tensor-parallel region (attention, MLP or
+    /// experts) is entered by [`SeqLayout::enter`] and left by [`SeqLayout::exit`]; a mixture
+    /// of experts routes the whole gathered sequence, as without sequence parallelism.
+    pub fn forward_layout(
+        &self,
+        h: &Tensor,
+        group: &Group,
+        layout: SeqLayout<'_>,
+    ) -> Result<BlockOutput> {
         check_group(group, self.tp_rank, self.tp)?;
-        let n = self.attn_norm.forward(h)?; // [b, s, hidden]
-        let x_par = copy_to_tp(&n, group)?; // [b, s, hidden]
-        let a = self
-            .attn
-            .forward_local(&x_par, &self.rope, 0, group)?
-            .reduce()?; // [b, s, hidden]
+        if let SeqLayout::Split(s) = layout {
+            if s.sizes().len() != self.tp {
+                return Err(TpError::Config(format!(
+                    "the sequence is split over {} ranks, the block over tp={}",
+                    s.sizes().len(),
+                    self.tp
+                )));
+            }
+        }
+        // Bytes of the tensors this rank holds outside the tensor-parallel regions.
+        let mut held = 0usize;
+        let mut hold = |t: &Tensor| held += t.elem_count() * t.dtype().size_in_bytes();
+        hold(h);
+        let n = self.attn_norm.forward(h)?; // [b, s_local, hidden]
+        hold(&n);
+        let x_par = layout.enter(&n, group)?; // [b, s, hidden]
+        let a = layout.exit(self.attn.forward_local(&x_par, &self.rope, 0, group)?)?; // [b, s_local, hidden]
+        hold(&a);
         let a = match &self.post_norms {
-            Some((post, _)) => post.forward(&a)?, // [b, s, hidden]
+            Some((post, _)) => {
+                let a = post.forward(&a)?; // [b, s_local, hidden]
+                hold(&a);
+                a
+            }
             None => a,
         };
-        let h = (h + a)?; // [b, s, hidden]
-        let n = self.mlp_norm.forward(&h)?; // [b, s, hidden]
-        let x_par = copy_to_tp(&n, group)?; // [b, s, hidden]
+        let h = (h + a)?; // [b, s_local, hidden]
+        hold(&h);
+        let n = self.mlp_norm.forward(&h)?; // [b, s_local, hidden]
+        hold(&n);
+        let x_par = layout.enter(&n, group)?; // [b, s, hidden]
         let (m, aux_share, aux) = match &self.mlp {
-            BlockMlp::Dense(mlp) => (mlp.forward_local(&x_par, group)?.reduce()?, None, None),
+            BlockMlp::Dense(mlp) => (layout.exit(mlp.forward_local(&x_par, group)?)?, None, None),
             BlockMlp::Moe(moe) => {
                 let dims = x_par.dims().to_vec(); // [b, s, hidden]
                 let flat = x_par.flatten_to(dims.len().saturating_sub(2))?; // [b*s, hidden]
                 let out = moe.forward_local(&flat, group)?;
-                let m = out.partial.reduce()?.reshape(dims)?; // [b, s, hidden]
+                let m = layout.exit(out.partial.reshape(&dims)?)?; // [b, s_local, hidden]
                 (m, Some(out.aux_share), Some(out.aux))
             }
-        }; // m: [b, s, hidden]
+        }; // m: [b, s_local, hidden]
+        hold(&m);
         let m = match &self.post_norms {
-            Some((_, post)) => post.forward(&m)?, // [b, s, hidden]
+            Some((_, post)) => {
+                let m = post.forward(&m)?; // [b, s_local, hidden]
+                hold(&m);
+                m
+            }
             None => m,
         };
         Ok(BlockOutput {
             hidden: (h + m)?,
             aux_share,
             aux,
+            outside_bytes: held,
         })
     }
 }

@@ -1,9 +1,11 @@
 //! Vocab-parallel embedding (Megatron §3, "input embedding"): each rank holds a contiguous
-//! range of vocab rows, looks up its own ids, zeros the rest, and g all-reduces the sum.
+//! range of vocab rows, looks up its own ids, zeros the rest, and g all-reduces the sum (with
+//! sequence parallelism a reduce-scatter of the sequence).
 
 use crate::error::{Result, TpError};
 use crate::linear::check_group;
-use crate::mappings::reduce_from_tp;
+use crate::linear::PartialSum;
+use crate::sequence::SeqLayout;
 use candle_core::{DType, Tensor, Var};
 use std::ops::Range;
 use tp_comm::Group;
@@ -41,15 +43,35 @@ impl VocabParallelEmbedding {
 
     /// `ids [..]` (u32, global ids) -> replicated `[.., hidden]`; one all-reduce.
     pub fn forward(&self, ids: &Tensor, group: &Group) -> Result<Tensor> {
+        self.forward_layout(ids, group, SeqLayout::Replicated)
+    }
+
+    /// `ids [b, s]` -> `[b, s, hidden]` laid out by `layout`: replicated (one all-reduce), or
+    /// with sequence parallelism this rank's positions `[b, s/tp, hidden]` (one
+    /// reduce-scatter of the sequence).
+    pub fn forward_layout(
+        &self,
+        ids: &Tensor,
+        group: &Group,
+        layout: SeqLayout<'_>,
+    ) -> Result<Tensor> {
         check_group(group, self.tp_rank, self.vocab.tp())?;
+        if let SeqLayout::Split(_) = layout {
+            if ids.rank() != 2 {
+                return Err(TpError::Shape(format!(
+                    "a sequence-parallel embedding takes ids [batch, seq], got {:?}",
+                    ids.dims()
+                )));
+            }
+        }
         let (local_ids, mask) = local_ids(ids, self.vocab.units(), self.vocab_range())?;
         let hidden = self.table.dim(1)?;
         let flat = self.table.embedding(&local_ids)?; // [n, hidden]
         let flat = flat.broadcast_mul(&mask.unsqueeze(1)?)?; // [n, hidden]
         let mut dims = ids.dims().to_vec();
         dims.push(hidden);
-        let local = flat.reshape(dims)?; // [.., hidden]
-        reduce_from_tp(&local, group)
+        let local = flat.reshape(dims)?; // [.., hidden], this rank's vocab rows only
+        layout.exit(PartialSum::new(local, group))
     }
 }
 

@@ -22,6 +22,7 @@ pub mod recording;
 pub mod reference;
 pub mod rng;
 pub mod rope;
+pub mod sequence;
 
 pub use attention::ParallelAttention;
 pub use block::{BlockConfig, BlockOutput, BlockWeights, LayerStyle, MlpWeights, ParallelBlock};
@@ -40,6 +41,7 @@ pub use recording::RecordingComm;
 pub use reference::DenseBlock;
 pub use rng::{RandomTensor, Rng};
 pub use rope::{Rope, RopeLayout};
+pub use sequence::{SeqLayout, SeqSplit};
 /// The shard arithmetic lives in tp-spec; re-exported for the layers' callers.
 pub use tp_spec::{
     Activation, HeadPlan, Partition, Placement, RankWeights, ShardError, ShardPlan, MAX_RANK_WEIGHT,

@@ -179,6 +179,14 @@ impl PartialSum {
         reduce_scatter_to_sequence_parallel(&self.partial, &self.group, seq_dim, seq_sizes)
     }
 
+    /// The same partial sum viewed as `dims` (a reshape commutes with the sum over ranks).
+    pub fn reshape(self, dims: &[usize]) -> Result<PartialSum> {
+        Ok(PartialSum {
+            partial: self.partial.reshape(dims)?,
+            group: self.group,
+        })
+    }
+
     /// Shape of the (eventual) result.
     pub fn dims(&self) -> &[usize] {
         self.partial.dims()

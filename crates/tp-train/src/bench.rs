@@ -42,6 +42,8 @@ pub struct BenchConfig {
     pub distributed_optimizer: bool,
     /// Deadline of each collective.
     pub timeout: Duration,
+    /// Sequence parallelism at every layout.
+    pub sequence_parallel: bool,
 }
 
 /// Why the bench cannot run.
@@ -148,6 +150,7 @@ impl Bench {
                     bucket_elems: 4 << 20,
                     distributed_optimizer: cfg.distributed_optimizer,
                     moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
+                    sequence_parallel: cfg.sequence_parallel,
                     save_dir: None,
                     save_every: 0,
                     keep: 0,
@@ -180,7 +183,8 @@ impl Bench {
              # conc_peak: per-rank peak with all the layout's ranks probing at once, just before \
              its steps (median over rounds); MFU_conc is against it\n\
              # opt_MiB: rank 0's AdamW m, v and f32 master weights (12 bytes x the elements it \
-             holds); * = sharded over dp (distributed optimizer{})",
+             holds); * = sharded over dp (distributed optimizer{})\n\
+             # sequence parallelism: {}",
             match &a.init {
                 Some(p) => p.display().to_string(),
                 None => a.model.clone(),
@@ -200,8 +204,28 @@ impl Bench {
                 ": on"
             } else {
                 ": off"
-            }
+            },
+            if a.sequence_parallel { "on" } else { "off" }
         )
+    }
+
+    /// `#` lines of the activation bytes per layer of each layout's tp with and without
+    /// sequence parallelism ([`crate::activations`]), measured on one micro-batch.
+    pub fn activation_report(&self) -> Result<String, TrainError> {
+        let mut tps: Vec<(usize, usize)> = self
+            .specs
+            .iter()
+            .filter(|s| s.dims.tp > 1)
+            .map(|s| (s.dims.tp, s.micro_batch_size()))
+            .collect();
+        tps.sort_unstable();
+        tps.dedup();
+        let mut out = String::new();
+        for (tp, micro) in tps {
+            let a = crate::activations::measure(&self.model, micro, self.cfg.seq, tp)?;
+            out.push_str(&a.report());
+        }
+        Ok(out)
     }
 
     /// Trains every layout in rounds (its ranks as threads of this process) and gives one row

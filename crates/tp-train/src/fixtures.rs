@@ -73,6 +73,7 @@ pub fn spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
         bucket_elems: 5000,
         distributed_optimizer: false,
         moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
+        sequence_parallel: false,
         save_dir: None,
         save_every: 0,
         keep: 0,

@@ -100,6 +100,21 @@ pub fn global_name(w: WeightName) -> String {
     hf_name(tp_spec::Arch::Llama, w)
 }
 
+/// With sequence parallelism every replicated weight (the norms, which see only the rank's
+/// positions; the q/k norms and the router, which see only its heads or experts) gets a
+/// partial gradient on each of `tp > 1` ranks, summed over tp once a step (Megatron marks the
+/// norms `sequence_parallel` and all-reduces their gradients).
+pub fn sequence_parallel_grads(specs: &mut [ParamSpec], tp: usize) {
+    if tp < 2 {
+        return;
+    }
+    for s in specs {
+        if s.placement == Placement::Replicated {
+            s.tp_partial_grad = true;
+        }
+    }
+}
+
 /// The vocabulary split of the embedding and the LM head.
 pub fn vocab_partition(cfg: &ModelConfig, tp: usize) -> Result<Partition> {
     Ok(shard_plan(cfg, 0, tp)?.vocab)

@@ -15,6 +15,7 @@
 //! Conventions: every tensor is f32 on the CPU; the tp1 run is the oracle every layout is
 //! tested against.
 
+pub mod activations;
 pub mod bench;
 pub mod chat;
 pub mod checkpoint;

@@ -2,7 +2,10 @@
 //! with its block and scaled embeddings) on one tp rank, built from tp-nn's layers:
 //! vocab-parallel embedding on the first stage, its share of the blocks, and the final
 //! RMSNorm, column-parallel LM head and vocab-parallel cross-entropy on the last (Megatron §3;
-//! Narayanan et al. 2021 §2.2 for the stages).
+//! Narayanan et al. 2021 §2.2 for the stages). With sequence parallelism (Korthikanti et al.
+//! 2022, §4.2.2) the embedding's output is reduce-scattered to `seq/tp` positions per rank,
+//! the blocks keep that layout outside their tensor-parallel regions, and the final norm runs
+//! on the rank's positions before the sequence is all-gathered for the LM head.
 
 use crate::config::{ModelConfig, TrainModel};
 use crate::error::{Result, TrainError};
@@ -12,8 +15,8 @@ use candle_core::{Tensor, Var};
 use std::ops::Range;
 use tp_comm::Group;
 use tp_nn::{
-    copy_to_tp, vocab_parallel_cross_entropy_weighted, BlockWeights, ColumnParallelLinear,
-    ParallelBlock, Partition, RmsNorm, VocabParallelEmbedding,
+    vocab_parallel_cross_entropy_weighted, BlockWeights, ColumnParallelLinear, ParallelBlock,
+    Partition, RmsNorm, SeqLayout, SeqSplit, VocabParallelEmbedding,
 };
 use tp_spec::{hf_name, WeightName};
 
@@ -29,6 +32,10 @@ pub struct StageModel {
     vocab: Partition,
     layers: Range<usize>,
     specs: Vec<ParamSpec>,
+    /// The tp group's size.
+    tp: usize,
+    /// Sequence parallelism ([`StageModel::with_sequence_parallel`]).
+    sequence_parallel: bool,
 }
 
 /// A stage's output with its mixture-of-experts layers' load-balancing loss.
@@ -144,6 +151,8 @@ impl StageModel {
             vocab: layout::vocab_partition(cfg, tp)?,
             layers,
             specs,
+            tp,
+            sequence_parallel: false,
         };
         if let Some(s) = model.specs.iter().find(|s| model.var(s).is_none()) {
             return Err(TrainError::Config(format!(
@@ -152,6 +161,43 @@ impl StageModel {
             )));
         }
         Ok(model)
+    }
+
+    /// The same stage with sequence parallelism (`on`): its hidden states, input and output,
+    /// are this rank's `seq/tp` positions `[batch, seq/tp, hidden]`, and its replicated
+    /// weights get partial gradients ([`crate::layout::sequence_parallel_grads`]).
+    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
+        self.sequence_parallel = on;
+        if on {
+            crate::layout::sequence_parallel_grads(&mut self.specs, self.tp);
+        }
+        self
+    }
+
+    /// Positions of a sequence of `seq` that this rank's hidden states hold: `seq`, or with
+    /// sequence parallelism `seq/tp` (an error when tp does not divide it).
+    pub fn local_seq(&self, seq: usize) -> Result<usize> {
+        Ok(match self.split(seq)? {
+            Some(s) => s.local(),
+            None => seq,
+        })
+    }
+
+    /// The split of a sequence of `seq` positions with sequence parallelism.
+    fn split(&self, seq: usize) -> Result<Option<SeqSplit>> {
+        if self.sequence_parallel {
+            Ok(Some(SeqSplit::even(seq, self.tp)?))
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// The split of the sequence `input` is part of.
+    fn input_split(&self, input: &StageInput<'_>) -> Result<Option<SeqSplit>> {
+        match input {
+            StageInput::Tokens(ids) => self.split(ids.dim(1)?),
+            StageInput::Hidden(h) => self.split(h.dim(1)? * self.tp),
+        }
     }
 
     /// The layer range of this stage.
@@ -210,8 +256,12 @@ impl StageModel {
         targets: Option<(&Tensor, &Tensor)>,
         tp: &Group,
     ) -> Result<StageOutput> {
-        let (h, aux_share, aux) = self.hidden_aux(input, tp)?; // h: [b, s, hidden]
-        let value = self.head_loss(h, targets, tp)?;
+        let split = self.input_split(&input)?;
+        let layout = split
+            .as_ref()
+            .map_or(SeqLayout::Replicated, SeqLayout::Split);
+        let (h, aux_share, aux) = self.hidden_aux(input, tp, layout)?; // h: [b, s_local, hidden]
+        let value = self.head_loss(h, targets, tp, layout)?;
         Ok(StageOutput {
             value,
             aux_share,
@@ -219,20 +269,20 @@ impl StageModel {
         })
     }
 
-    /// The last stage's weighted cross-entropy of `h [b, s, hidden]` against `targets` (and
-    /// their weights); `h` itself on the other stages.
+    /// The last stage's weighted cross-entropy of `h [b, s_local, hidden]` against `targets`
+    /// (and their weights); `h` itself on the other stages.
     fn head_loss(
         &self,
         h: Tensor,
         targets: Option<(&Tensor, &Tensor)>,
         tp: &Group,
+        layout: SeqLayout<'_>,
     ) -> Result<Tensor> {
         match (&self.norm, &self.head, targets) {
             (Some(norm), Some(_), Some((t, w))) => {
-                let (b, s, _) = h.dims3()?;
-                let n = norm.forward(&h)?; // [b, s, hidden]
-                let logits = self.head_logits(&n, tp)?; // [b, s, vocab_local]
-                let v_local = logits.dim(2)?;
+                let n = norm.forward(&h)?; // [b, s_local, hidden]
+                let logits = self.head_logits(&n, tp, layout)?; // [b, s, vocab_local]
+                let (b, s, v_local) = logits.dims3()?;
                 let logits = logits.reshape((b * s, v_local))?; // [b*s, vocab_local]
                 Ok(vocab_parallel_cross_entropy_weighted(
                     &logits,
@@ -250,9 +300,13 @@ impl StageModel {
     }
 
     /// The stage's embedding (first stage) and blocks, without the last stage's head: hidden
-    /// states `[batch, seq, hidden]`.
+    /// states `[batch, seq, hidden]` (`[batch, seq/tp, hidden]` with sequence parallelism).
     pub fn hidden(&self, input: StageInput<'_>, tp: &Group) -> Result<Tensor> {
-        Ok(self.hidden_aux(input, tp)?.0)
+        let split = self.input_split(&input)?;
+        let layout = split
+            .as_ref()
+            .map_or(SeqLayout::Replicated, SeqLayout::Split);
+        Ok(self.hidden_aux(input, tp, layout)?.0)
     }
 
     /// [`StageModel::hidden`] with the summed load-balancing loss shares and values of the
@@ -261,13 +315,14 @@ impl StageModel {
         &self,
         input: StageInput<'_>,
         tp: &Group,
+        layout: SeqLayout<'_>,
     ) -> Result<(Tensor, Option<Tensor>, f64)> {
         let mut h = match (input, &self.embed) {
             (StageInput::Tokens(ids), Some(e)) if self.embed_scale != 1.0 => {
-                (e.forward(ids, tp)? * self.embed_scale)? // [b, s, hidden]
+                (e.forward_layout(ids, tp, layout)? * self.embed_scale)? // [b, s_local, hidden]
             }
-            (StageInput::Tokens(ids), Some(e)) => e.forward(ids, tp)?, // [b, s, hidden]
-            (StageInput::Hidden(h), None) => h.clone(),                // [b, s, hidden]
+            (StageInput::Tokens(ids), Some(e)) => e.forward_layout(ids, tp, layout)?, // [b, s_local, hidden]
+            (StageInput::Hidden(h), None) => h.clone(), // [b, s_local, hidden]
             _ => {
                 return Err(TrainError::Config(
                     "internal: the first stage takes tokens, the others hidden states".into(),
@@ -276,8 +331,8 @@ impl StageModel {
         };
         let (mut share, mut aux): (Option<Tensor>, f64) = (None, 0.0);
         for b in &self.blocks {
-            let out = b.forward_aux(&h, tp)?;
-            h = out.hidden; // [b, s, hidden]
+            let out = b.forward_layout(&h, tp, layout)?;
+            h = out.hidden; // [b, s_local, hidden]
             if let Some(s) = out.aux_share {
                 share = Some(match share {
                     Some(acc) => (acc + s)?,
@@ -289,22 +344,29 @@ impl StageModel {
         Ok((h, share, aux))
     }
 
-    /// Logits of the last stage for a hidden input: `[batch, seq, vocab_local]` (for tests
-    /// and evaluation; training uses [`StageModel::forward`]).
+    /// Logits of the last stage for a replicated hidden input `[batch, seq, hidden]`:
+    /// `[batch, seq, vocab_local]` (for tests and evaluation; training uses
+    /// [`StageModel::forward`]).
     pub fn logits_local(&self, h: &Tensor, tp: &Group) -> Result<Option<Tensor>> {
         match &self.norm {
-            Some(norm) => Ok(Some(self.head_logits(&norm.forward(h)?, tp)?)),
+            Some(norm) => Ok(Some(self.head_logits(
+                &norm.forward(h)?,
+                tp,
+                SeqLayout::Replicated,
+            )?)),
             None => Ok(None),
         }
     }
 
-    /// The LM head on normed hidden states `[batch, seq, hidden]`: `[batch, seq, vocab_local]`.
-    fn head_logits(&self, n: &Tensor, tp: &Group) -> Result<Tensor> {
+    /// The LM head on normed hidden states `[batch, s_local, hidden]` (entered by f, or by an
+    /// all-gather of the sequence): `[batch, seq, vocab_local]`.
+    fn head_logits(&self, n: &Tensor, tp: &Group, layout: SeqLayout<'_>) -> Result<Tensor> {
+        let x = layout.enter(n, tp)?; // [b, s, hidden]
         match (&self.head, &self.embed) {
-            (Some(Head::Linear(l)), _) => Ok(l.forward(n, tp)?),
+            (Some(Head::Linear(l)), _) => Ok(l.forward_local(&x)?),
             (Some(Head::Tied), Some(e)) => {
-                let (b, s, h) = n.dims3()?;
-                let x = copy_to_tp(n, tp)?.reshape((b * s, h))?; // [b*s, hidden]
+                let (b, s, h) = x.dims3()?;
+                let x = x.reshape((b * s, h))?; // [b*s, hidden]
                 let table = e.weight().as_tensor(); // [vocab_local, hidden]
                 let logits = x.matmul(&table.t()?)?; // [b*s, vocab_local]
                 Ok(logits.reshape((b, s, table.dim(0)?))?)

@@ -1,7 +1,8 @@
 //! Runs one training step's forwards and backwards of a stage on the 1F1B schedule
 //! ([`crate::schedule`]), with activations sent to the next stage and input gradients sent
 //! back over the pipeline group (Narayanan et al. 2021, §2.2). Each tp rank of a stage
-//! talks to the same tp rank of its neighbours: activations are replicated across tp.
+//! talks to the same tp rank of its neighbours: activations are replicated across tp, or with
+//! sequence parallelism each rank sends its own `seq/tp` positions.
 
 use crate::error::{Result, TrainError};
 use crate::grads::{accumulate, FlatLayout};
@@ -81,12 +82,13 @@ pub fn run_micro_batches(
             Action::Forward(m) => {
                 let mb = &micro[m];
                 let (b, s) = mb.ids.dims2()?;
+                let s = model.local_seq(s)?; // seq, or seq/tp with sequence parallelism
                 let input = if first {
                     None
                 } else {
                     let mut buf = vec![0f32; b * s * hidden];
                     groups.pp.recv(&mut buf, pp_rank - 1, TAG_ACTIVATION)?;
-                    let t = Tensor::from_vec(buf, (b, s, hidden), &Device::Cpu)?; // [b, s, hidden]
+                    let t = Tensor::from_vec(buf, (b, s, hidden), &Device::Cpu)?; // [b, s_local, hidden]
                     Some(Var::from_tensor(&t)?)
                 };
                 let stage_in = match &input {
@@ -170,6 +172,7 @@ pub fn forward_only(
     let mut loss_sum = 0f64;
     for mb in micro {
         let (b, s) = mb.ids.dims2()?;
+        let s = model.local_seq(s)?; // seq, or seq/tp with sequence parallelism
         let received;
         let stage_in = if first {
             StageInput::Tokens(&mb.ids)

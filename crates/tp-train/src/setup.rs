@@ -56,6 +56,8 @@ pub struct RunRequest {
     pub moe_aux_coef: f64,
     /// Shard the optimizer state over the data-parallel replicas (ZeRO-1).
     pub distributed_optimizer: bool,
+    /// Sequence parallelism: the norms and residual adds hold `seq/tp` positions per tp rank.
+    pub sequence_parallel: bool,
     /// Hold out one sequence in this many (seeded) as a validation split (0: none).
     pub held_out: u64,
     /// Validation loss every this many steps (and after the last) when data is held out.
@@ -254,6 +256,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         bucket_elems: ((a.bucket_mib * (1 << 20) as f64) / 4.0).max(1.0) as usize,
         moe_aux_coef: a.moe_aux_coef,
         distributed_optimizer: a.distributed_optimizer,
+        sequence_parallel: a.sequence_parallel,
         save_dir: a.save.clone(),
         save_every: a.save_every,
         keep: a.keep,
@@ -387,6 +390,7 @@ mod tests {
             bucket_mib: 1.0,
             moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
             distributed_optimizer: false,
+            sequence_parallel: false,
             held_out: 0,
             val_every: 0,
         }

@@ -47,6 +47,9 @@ pub struct TrainSpec {
     /// Weight of the MoE load-balancing loss in the training objective (Switch Transformer's
     /// alpha; 0 turns it off); unused without experts.
     pub moe_aux_coef: f64,
+    /// Sequence parallelism (Korthikanti et al. 2022, §4.2.2): outside the tensor-parallel
+    /// regions each tp rank holds `seq/tp` positions; `seq` must divide by tp.
+    pub sequence_parallel: bool,
     /// Where checkpoints go (`None`: no checkpoints).
     pub save_dir: Option<PathBuf>,
     /// Save every this many steps (0: only at the end).
@@ -86,6 +89,9 @@ impl TrainSpec {
                 "--seq {} must be between 1 and the model's max_position_embeddings ({})",
                 self.seq, self.model.context
             ));
+        }
+        if self.sequence_parallel {
+            tp_nn::SeqSplit::even(self.seq, self.dims.tp)?;
         }
         if self.bucket_elems == 0 {
             return bad("the all-reduce bucket must hold at least one element".into());
@@ -225,7 +231,8 @@ impl<'a> Trainer<'a> {
                     &SeededInit::new(&spec.model, spec.seed),
                 )?,
             },
-        };
+        }
+        .with_sequence_parallel(spec.sequence_parallel);
         let specs = model.specs().to_vec();
         let layout = FlatLayout::new(&specs);
         let mut params = Vec::with_capacity(layout.total());
@@ -233,7 +240,13 @@ impl<'a> Trainer<'a> {
             params.extend(var.flatten_all()?.to_vec1::<f32>()?);
         }
         let all_tp: Vec<Vec<ParamSpec>> = (0..tp)
-            .map(|t| stage_params(&spec.model, c.pp_rank, pp, t, tp))
+            .map(|t| {
+                let mut specs = stage_params(&spec.model, c.pp_rank, pp, t, tp)?;
+                if spec.sequence_parallel {
+                    layout::sequence_parallel_grads(&mut specs, tp);
+                }
+                Ok(specs)
+            })
             .collect::<Result<_>>()?;
         let zero = if spec.distributed_optimizer && spec.dims.dp > 1 {
             Some(DistributedOptimizer::new(&params, spec.dims.dp, c.dp_rank)?)

@@ -2,7 +2,8 @@
 //! tp2 x dp2, pp2 x dp2, tp4, pp4, dp4) and at 3 processes the uneven ones (tp3: heads 2/1/1,
 //! a KV head on two ranks, FFN and vocabulary split unevenly; pp3: 4 layers over 3 stages)
 //! follow the tp1 loss curve within 1e-4 for 20 steps; so do tp2 x dp2, pp2 x dp2 and dp4
-//! with the distributed optimizer (issue 34: optimizer state sharded over dp).
+//! with the distributed optimizer, and tp2 x pp2, tp2 x dp2 and tp4 with sequence
+//! parallelism (issue 34; tp3 cannot split the 16 positions).
 #![cfg(feature = "mpi")]
 
 use std::time::Duration;
@@ -29,8 +30,8 @@ fn mpi_check_with(n: usize, args: &[&str]) -> String {
 #[test]
 fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
     let text = mpi_check(4);
-    // 6 layouts, checked by each of the 4 ranks.
-    assert!(text.contains("24 passed, 0 failed"), "{text}");
+    // 6 layouts and 3 of them again sequence parallel, checked by each of the 4 ranks.
+    assert!(text.contains("36 passed, 0 failed"), "{text}");
     for l in [
         "tp=2 pp=2 dp=1",
         "tp=2 pp=1 dp=2",
@@ -38,6 +39,9 @@ fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
         "tp=4 pp=1 dp=1",
         "tp=1 pp=4 dp=1",
         "tp=1 pp=1 dp=4",
+        "tp=2 pp=2 dp=1 sequence-parallel",
+        "tp=2 pp=1 dp=2 sequence-parallel",
+        "tp=4 pp=1 dp=1 sequence-parallel",
     ] {
         assert!(text.contains(l), "{l} missing: {text}");
     }
@@ -57,12 +61,15 @@ fn uneven_layouts_match_tp1_under_mpirun_with_3_processes() {
 #[test]
 fn distributed_optimizer_matches_tp1_under_mpirun_with_4_processes() {
     let text = mpi_check_with(4, &["--distributed-optimizer"]);
-    // The 3 layouts with dp > 1, checked by each of the 4 ranks.
-    assert!(text.contains("12 passed, 0 failed"), "{text}");
-    for l in ["tp=2 pp=1 dp=2", "tp=1 pp=2 dp=2", "tp=1 pp=1 dp=4"] {
-        assert!(
-            text.contains(&format!("{l} distributed optimizer")),
-            "{l} missing: {text}"
-        );
+    // The 3 layouts with dp > 1 and tp2 x dp2 also with sequence parallelism, checked by
+    // each of the 4 ranks.
+    assert!(text.contains("16 passed, 0 failed"), "{text}");
+    for l in [
+        "tp=2 pp=1 dp=2 distributed",
+        "tp=2 pp=1 dp=2 sequence-parallel distributed",
+        "tp=1 pp=2 dp=2 distributed",
+        "tp=1 pp=1 dp=4 distributed",
+    ] {
+        assert!(text.contains(l), "{l} missing: {text}");
     }
 }

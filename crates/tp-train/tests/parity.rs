@@ -31,6 +31,8 @@
 //! discontinuous, and a token whose k-th and (k+1)-th router probabilities are within a few
 //! ulps (measured: a gap of 1.9e-7 at step 3 of this run) is routed differently once the tp
 //! all-reduces sum in another order, after which the curves differ by ~1e-4 and grow apart.
+//!
+//! Sequence parallelism: tests/sequence_parallel.rs.
 
 mod common;
 use common::*;

@@ -12,4 +12,5 @@ mod block;
 mod end_to_end;
 mod layers;
 mod moe;
+mod sequence;
 mod support;

@@ -1,7 +1,8 @@
 //! Under mpirun: 20 training steps of the fixture model at every layout whose size is the
 //! number of processes (tp2 x pp2, tp2 x dp2, pp2 x dp2, tp4, pp4, dp4 at 4 processes; tp3
 //! and pp3 at 3), one rank per process, each against the tp1 loss curve computed inside this
-//! process on the local backend. Every rank checks every step; rank 0 prints `N passed, N
+//! process on the local backend; the layouts with tp > 1 dividing the sequence (16) again with
+//! sequence parallelism. Every rank checks every step; rank 0 prints `N passed, N
 //! failed`. With `--distributed-optimizer`, the layouts with dp > 1 train with the optimizer
 //! state sharded over dp (issue 34) against the same tp1 curve.
 
@@ -19,10 +20,14 @@ fn losses(
     world: Group,
     dims: ParallelDims,
     micro: usize,
+    sequence_parallel: bool,
     distributed_optimizer: bool,
 ) -> Result<Vec<f64>, TrainError> {
-    let mut spec = fixtures::spec(dims, STEPS, micro);
-    spec.distributed_optimizer = distributed_optimizer;
+    let spec = tp_train::TrainSpec {
+        sequence_parallel,
+        distributed_optimizer,
+        ..fixtures::spec(dims, STEPS, micro)
+    };
     let corpus = fixtures::corpus()?;
     let tok = TextTokenizer::Bytes.json()?;
     let groups = ProcessGroups::new(world, dims)?;
@@ -39,8 +44,9 @@ fn losses(
     Ok(out)
 }
 
-/// Layouts of `n` ranks, with micro-batches that divide the 4-sequence batch.
-fn layouts(n: usize) -> Vec<(ParallelDims, usize)> {
+/// Layouts of `n` ranks, with micro-batches that divide the 4-sequence batch, and whether
+/// the run is sequence parallel.
+fn layouts(n: usize) -> Vec<(ParallelDims, usize, bool)> {
     let mut out = Vec::new();
     for tp in 1..=n {
         for pp in 1..=n {
@@ -48,7 +54,11 @@ fn layouts(n: usize) -> Vec<(ParallelDims, usize)> {
                 if tp * pp * dp == n && tp <= 4 && pp <= 4 && (tp, pp, dp) != (1, 1, 1) {
                     let per_replica = 4 / dp;
                     let micro = if pp > 1 { per_replica } else { 1 };
-                    out.push((ParallelDims { tp, pp, dp }, micro));
+                    let dims = ParallelDims { tp, pp, dp };
+                    out.push((dims, micro, false));
+                    if tp > 1 && fixtures::spec(dims, STEPS, micro).seq.is_multiple_of(tp) {
+                        out.push((dims, micro, true));
+                    }
                 }
             }
         }
@@ -76,6 +86,7 @@ fn main() -> ExitCode {
             },
             1,
             false,
+            false,
         )
     }) {
         Ok(mut v) => match v.pop() {
@@ -93,9 +104,15 @@ fn main() -> ExitCode {
     let (mut passed, mut failed) = (0u64, 0u64);
     let layouts = layouts(world.size())
         .into_iter()
-        .filter(|(d, _)| !sharded || d.dp > 1);
-    for (dims, micro) in layouts {
-        match losses(world.clone(), dims, micro, sharded) {
+        .filter(|(d, _, _)| !sharded || d.dp > 1);
+    for (dims, micro, sp) in layouts {
+        let sp_name = match (sp, sharded) {
+            (false, false) => "",
+            (true, false) => " sequence-parallel",
+            (false, true) => " distributed optimizer",
+            (true, true) => " sequence-parallel distributed optimizer",
+        };
+        match losses(world.clone(), dims, micro, sp, sharded) {
             Ok(got) => {
                 let worst = got
                     .iter()
@@ -106,15 +123,14 @@ fn main() -> ExitCode {
                     passed += 1;
                     if rank == 0 {
                         println!(
-                            "tp={} pp={} dp={}{}: {STEPS} steps, max relative loss difference {worst:.2e}",
-                            dims.tp, dims.pp, dims.dp,
-                            if sharded { " distributed optimizer" } else { "" }
+                            "tp={} pp={} dp={}{sp_name}: {STEPS} steps, max relative loss difference {worst:.2e}",
+                            dims.tp, dims.pp, dims.dp
                         );
                     }
                 } else {
                     failed += 1;
                     eprintln!(
-                        "rank {rank}: FAILED tp={} pp={} dp={}: {} steps, max relative \
+                        "rank {rank}: FAILED tp={} pp={} dp={}{sp_name}: {} steps, max relative \
                          difference {worst:e} > {TOLERANCE:e}",
                         dims.tp,
                         dims.pp,
@@ -124,7 +140,7 @@ fn main() -> ExitCode {
                 }
             }
             Err(e) => {
-                eprintln!("rank {rank}: error at {dims:?}: {e}");
+                eprintln!("rank {rank}: error at {dims:?}{sp_name}: {e}");
                 if let Some(f) = e.as_comm().and_then(|c| c.flight_record()) {
                     eprint!("{f}");
                 }
