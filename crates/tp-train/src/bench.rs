@@ -139,6 +139,7 @@ impl Bench {
                     optim: AdamWConfig::default(),
                     bucket_elems: 4 << 20,
                     moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
+                    recompute: crate::Recompute::None,
                     save_dir: None,
                     save_every: 0,
                     keep: 0,

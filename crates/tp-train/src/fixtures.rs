@@ -72,6 +72,7 @@ pub fn spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
         },
         bucket_elems: 5000,
         moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
+        recompute: crate::Recompute::None,
         save_dir: None,
         save_every: 0,
         keep: 0,

@@ -15,6 +15,7 @@ use tp_nn::{
     copy_to_tp, vocab_parallel_cross_entropy_weighted, BlockWeights, ColumnParallelLinear,
     ParallelBlock, Partition, RmsNorm, VocabParallelEmbedding,
 };
+use tp_plan::workload::Recompute;
 use tp_spec::{hf_name, WeightName};
 
 /// A rank's part of the model: the stage's layers, sliced for its tp rank.
@@ -29,6 +30,8 @@ pub struct StageModel {
     vocab: Partition,
     layers: Range<usize>,
     specs: Vec<ParamSpec>,
+    /// What the backward recomputes instead of keeping from the forward.
+    recompute: Recompute,
 }
 
 /// A stage's output with its mixture-of-experts layers' load-balancing loss.
@@ -144,6 +147,7 @@ impl StageModel {
             vocab: layout::vocab_partition(cfg, tp)?,
             layers,
             specs,
+            recompute: Recompute::None,
         };
         if let Some(s) = model.specs.iter().find(|s| model.var(s).is_none()) {
             return Err(TrainError::Config(format!(
@@ -152,6 +156,25 @@ impl StageModel {
             )));
         }
         Ok(model)
+    }
+
+    /// Activation recomputation (Korthikanti et al. 2022): `Selective` makes each block's
+    /// attention core recompute its `[s, s]` parts in the backward; `Full` is run by
+    /// [`crate::recompute`] ([`crate::pipeline::run_micro_batches`] picks it).
+    pub fn set_recompute(&mut self, recompute: Recompute) {
+        self.recompute = recompute;
+        for b in &mut self.blocks {
+            b.set_recompute_core(recompute == Recompute::Selective);
+        }
+    }
+
+    pub fn recompute(&self) -> Recompute {
+        self.recompute
+    }
+
+    /// The stage's blocks, in layer order.
+    pub(crate) fn blocks(&self) -> &[ParallelBlock] {
+        &self.blocks
     }
 
     /// The layer range of this stage.
@@ -221,7 +244,7 @@ impl StageModel {
 
     /// The last stage's weighted cross-entropy of `h [b, s, hidden]` against `targets` (and
     /// their weights); `h` itself on the other stages.
-    fn head_loss(
+    pub(crate) fn head_loss(
         &self,
         h: Tensor,
         targets: Option<(&Tensor, &Tensor)>,
@@ -262,18 +285,7 @@ impl StageModel {
         input: StageInput<'_>,
         tp: &Group,
     ) -> Result<(Tensor, Option<Tensor>, f64)> {
-        let mut h = match (input, &self.embed) {
-            (StageInput::Tokens(ids), Some(e)) if self.embed_scale != 1.0 => {
-                (e.forward(ids, tp)? * self.embed_scale)? // [b, s, hidden]
-            }
-            (StageInput::Tokens(ids), Some(e)) => e.forward(ids, tp)?, // [b, s, hidden]
-            (StageInput::Hidden(h), None) => h.clone(),                // [b, s, hidden]
-            _ => {
-                return Err(TrainError::Config(
-                    "internal: the first stage takes tokens, the others hidden states".into(),
-                ))
-            }
-        };
+        let mut h = self.stage_input(input, tp)?; // [b, s, hidden]
         let (mut share, mut aux): (Option<Tensor>, f64) = (None, 0.0);
         for b in &self.blocks {
             let out = b.forward_aux(&h, tp)?;
@@ -287,6 +299,23 @@ impl StageModel {
             }
         }
         Ok((h, share, aux))
+    }
+
+    /// What the stage's first block takes: the (scaled) embedding of the tokens on the first
+    /// stage, the received hidden states on the others; `[batch, seq, hidden]`.
+    pub(crate) fn stage_input(&self, input: StageInput<'_>, tp: &Group) -> Result<Tensor> {
+        Ok(match (input, &self.embed) {
+            (StageInput::Tokens(ids), Some(e)) if self.embed_scale != 1.0 => {
+                (e.forward(ids, tp)? * self.embed_scale)? // [b, s, hidden]
+            }
+            (StageInput::Tokens(ids), Some(e)) => e.forward(ids, tp)?, // [b, s, hidden]
+            (StageInput::Hidden(h), None) => h.clone(),                // [b, s, hidden]
+            _ => {
+                return Err(TrainError::Config(
+                    "internal: the first stage takes tokens, the others hidden states".into(),
+                ))
+            }
+        })
     }
 
     /// Logits of the last stage for a hidden input: `[batch, seq, vocab_local]` (for tests

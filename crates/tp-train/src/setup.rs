@@ -54,6 +54,8 @@ pub struct RunRequest {
     pub bucket_mib: f64,
     /// Weight of the MoE load-balancing loss (unused without experts).
     pub moe_aux_coef: f64,
+    /// Activation recomputation ([`TrainSpec::recompute`]).
+    pub recompute: crate::Recompute,
     /// Hold out one sequence in this many (seeded) as a validation split (0: none).
     pub held_out: u64,
     /// Validation loss every this many steps (and after the last) when data is held out.
@@ -251,6 +253,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         val_every: if val.is_some() { a.val_every } else { 0 },
         bucket_elems: ((a.bucket_mib * (1 << 20) as f64) / 4.0).max(1.0) as usize,
         moe_aux_coef: a.moe_aux_coef,
+        recompute: a.recompute,
         save_dir: a.save.clone(),
         save_every: a.save_every,
         keep: a.keep,
@@ -383,6 +386,7 @@ mod tests {
             resume: None,
             bucket_mib: 1.0,
             moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
+            recompute: crate::Recompute::None,
             held_out: 0,
             val_every: 0,
         }

@@ -1,7 +1,8 @@
 //! Training under mpirun, one rank per process: at 4 processes every layout (tp2 x pp2,
 //! tp2 x dp2, pp2 x dp2, tp4, pp4, dp4) and at 3 processes the uneven ones (tp3: heads 2/1/1,
 //! a KV head on two ranks, FFN and vocabulary split unevenly; pp3: 4 layers over 3 stages)
-//! follow the tp1 loss curve within 1e-4 for 20 steps.
+//! follow the tp1 loss curve within 1e-4 for 20 steps; tp2 x pp2 and tp3 also with selective
+//! and with full activation recomputation (issue 34).
 #![cfg(feature = "mpi")]
 
 use std::time::Duration;
@@ -21,8 +22,8 @@ fn mpi_check(n: usize) -> String {
 #[test]
 fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
     let text = mpi_check(4);
-    // 6 layouts, checked by each of the 4 ranks.
-    assert!(text.contains("24 passed, 0 failed"), "{text}");
+    // 6 layouts and tp2 x pp2 with 2 recomputations, checked by each of the 4 ranks.
+    assert!(text.contains("32 passed, 0 failed"), "{text}");
     for l in [
         "tp=2 pp=2 dp=1",
         "tp=2 pp=1 dp=2",
@@ -30,6 +31,8 @@ fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
         "tp=4 pp=1 dp=1",
         "tp=1 pp=4 dp=1",
         "tp=1 pp=1 dp=4",
+        "tp=2 pp=2 dp=1 recompute=selective",
+        "tp=2 pp=2 dp=1 recompute=full",
     ] {
         assert!(text.contains(l), "{l} missing: {text}");
     }
@@ -38,9 +41,14 @@ fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
 #[test]
 fn uneven_layouts_match_tp1_under_mpirun_with_3_processes() {
     let text = mpi_check(3);
-    // tp3 and pp3, checked by each of the 3 ranks.
-    assert!(text.contains("6 passed, 0 failed"), "{text}");
-    for l in ["tp=3 pp=1 dp=1", "tp=1 pp=3 dp=1"] {
+    // tp3 (also with 2 recomputations) and pp3, checked by each of the 3 ranks.
+    assert!(text.contains("12 passed, 0 failed"), "{text}");
+    for l in [
+        "tp=3 pp=1 dp=1",
+        "tp=1 pp=3 dp=1",
+        "tp=3 pp=1 dp=1 recompute=selective",
+        "tp=3 pp=1 dp=1 recompute=full",
+    ] {
         assert!(text.contains(l), "{l} missing: {text}");
     }
 }

@@ -2,20 +2,30 @@
 //! number of processes (tp2 x pp2, tp2 x dp2, pp2 x dp2, tp4, pp4, dp4 at 4 processes; tp3
 //! and pp3 at 3), one rank per process, each against the tp1 loss curve computed inside this
 //! process on the local backend. Every rank checks every step; rank 0 prints `N passed, N
-//! failed`.
+//! failed`. The layouts with both tp and pp (tp2 x pp2) and tp3 also run with selective and
+//! with full activation recomputation (issue 34: the recomputed forwards repeat the tp
+//! collectives inside the backward), against the same tp1 curve.
 
 use std::process::ExitCode;
 use tp_comm::local::{self, LocalOptions};
 use tp_comm::mpi::{check, MpiOptions};
 use tp_comm::{Group, ParallelDims, ProcessGroups};
-use tp_train::{fixtures, TextTokenizer, TrainError, TrainOptions, Trainer};
+use tp_train::{fixtures, Recompute, TextTokenizer, TrainError, TrainOptions, TrainSpec, Trainer};
 
 /// Relative tolerance of the issue (see tests/parity.rs for why it holds).
 const TOLERANCE: f64 = 1e-4;
 const STEPS: u64 = 20;
 
-fn losses(world: Group, dims: ParallelDims, micro: usize) -> Result<Vec<f64>, TrainError> {
-    let spec = fixtures::spec(dims, STEPS, micro);
+fn losses(
+    world: Group,
+    dims: ParallelDims,
+    micro: usize,
+    recompute: Recompute,
+) -> Result<Vec<f64>, TrainError> {
+    let spec = TrainSpec {
+        recompute,
+        ..fixtures::spec(dims, STEPS, micro)
+    };
     let corpus = fixtures::corpus()?;
     let tok = TextTokenizer::Bytes.json()?;
     let groups = ProcessGroups::new(world, dims)?;
@@ -32,8 +42,9 @@ fn losses(world: Group, dims: ParallelDims, micro: usize) -> Result<Vec<f64>, Tr
     Ok(out)
 }
 
-/// Layouts of `n` ranks, with micro-batches that divide the 4-sequence batch.
-fn layouts(n: usize) -> Vec<(ParallelDims, usize)> {
+/// Layouts of `n` ranks, with micro-batches that divide the 4-sequence batch, and the
+/// recomputation each runs with.
+fn layouts(n: usize) -> Vec<(ParallelDims, usize, Recompute)> {
     let mut out = Vec::new();
     for tp in 1..=n {
         for pp in 1..=n {
@@ -41,7 +52,12 @@ fn layouts(n: usize) -> Vec<(ParallelDims, usize)> {
                 if tp * pp * dp == n && tp <= 4 && pp <= 4 && (tp, pp, dp) != (1, 1, 1) {
                     let per_replica = 4 / dp;
                     let micro = if pp > 1 { per_replica } else { 1 };
-                    out.push((ParallelDims { tp, pp, dp }, micro));
+                    out.push((ParallelDims { tp, pp, dp }, micro, Recompute::None));
+                    if (tp > 1 && pp > 1) || tp == 3 {
+                        for r in [Recompute::Selective, Recompute::Full] {
+                            out.push((ParallelDims { tp, pp, dp }, micro, r));
+                        }
+                    }
                 }
             }
         }
@@ -67,6 +83,7 @@ fn main() -> ExitCode {
                 dp: 1,
             },
             1,
+            Recompute::None,
         )
     }) {
         Ok(mut v) => match v.pop() {
@@ -82,8 +99,15 @@ fn main() -> ExitCode {
         }
     };
     let (mut passed, mut failed) = (0u64, 0u64);
-    for (dims, micro) in layouts(world.size()) {
-        match losses(world.clone(), dims, micro) {
+    for (dims, micro, recompute) in layouts(world.size()) {
+        let label = format!(
+            "tp={} pp={} dp={} recompute={}",
+            dims.tp,
+            dims.pp,
+            dims.dp,
+            format!("{recompute:?}").to_lowercase()
+        );
+        match losses(world.clone(), dims, micro, recompute) {
             Ok(got) => {
                 let worst = got
                     .iter()
@@ -94,24 +118,20 @@ fn main() -> ExitCode {
                     passed += 1;
                     if rank == 0 {
                         println!(
-                            "tp={} pp={} dp={}: {STEPS} steps, max relative loss difference {worst:.2e}",
-                            dims.tp, dims.pp, dims.dp
+                            "{label}: {STEPS} steps, max relative loss difference {worst:.2e}"
                         );
                     }
                 } else {
                     failed += 1;
                     eprintln!(
-                        "rank {rank}: FAILED tp={} pp={} dp={}: {} steps, max relative \
-                         difference {worst:e} > {TOLERANCE:e}",
-                        dims.tp,
-                        dims.pp,
-                        dims.dp,
+                        "rank {rank}: FAILED {label}: {} steps, max relative difference \
+                         {worst:e} > {TOLERANCE:e}",
                         got.len()
                     );
                 }
             }
             Err(e) => {
-                eprintln!("rank {rank}: error at {dims:?}: {e}");
+                eprintln!("rank {rank}: error at {label}: {e}");
                 if let Some(f) = e.as_comm().and_then(|c| c.flight_record()) {
                     eprint!("{f}");
                 }
