@@ -116,6 +116,11 @@ pub struct TrainArgs {
     /// alpha; 0 turns it off).
     #[arg(long, default_value_t = tp_train::DEFAULT_MOE_AUX_COEF)]
     pub moe_aux_loss_coeff: f64,
+    /// Activation recomputation (Korthikanti et al. 2022): none; selective: the backward
+    /// recomputes each attention core (scores, softmax, weighted sum of V) instead of keeping
+    /// it; full: each layer keeps only its input and is recomputed. Same losses, less memory.
+    #[arg(long, value_enum, default_value = "none")]
+    pub recompute: tp_train::Recompute,
     /// Print one JSON object per step on stdout instead of the progress bar.
     #[arg(long)]
     pub json: bool,
@@ -155,6 +160,7 @@ impl TrainArgs {
             resume: self.resume.clone(),
             bucket_mib: self.bucket_mib,
             moe_aux_coef: self.moe_aux_loss_coeff,
+            recompute: self.recompute,
             held_out: self.held_out,
             val_every: self.val_every,
         }

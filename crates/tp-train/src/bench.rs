@@ -4,11 +4,12 @@
 //! preceded by a peak probe on as many threads as it has ranks, so a shared, noisy machine
 //! shows up in the figures instead of skewing one layout.
 
+use crate::recompute;
 use crate::run::{launch, median};
 use crate::setup::default_micro_batches;
 use crate::{
-    flops, AdamWConfig, Corpus, ModelConfig, Pretrained, TrainError, TrainModel, TrainOptions,
-    TrainSpec, Trainer,
+    flops, AdamWConfig, Corpus, ModelConfig, Pretrained, Recompute, TrainError, TrainModel,
+    TrainOptions, TrainSpec, Trainer,
 };
 use serde::Serialize;
 use std::time::Duration;
@@ -40,6 +41,8 @@ pub struct BenchConfig {
     pub threads: usize,
     /// Deadline of each collective.
     pub timeout: Duration,
+    /// Activation recomputations to measure: every layout runs with each.
+    pub recompute: Vec<Recompute>,
 }
 
 /// Why the bench cannot run.
@@ -75,6 +78,7 @@ pub struct Row {
     pub tp: usize,
     pub pp: usize,
     pub dp: usize,
+    pub recompute: Recompute,
     pub ranks: usize,
     pub micro_batches: usize,
     pub params: usize,
@@ -90,6 +94,11 @@ pub struct Row {
     /// Against that concurrent peak.
     pub mfu_vs_concurrent_peak: f64,
     pub final_loss: f64,
+    /// Activation bytes a micro-batch keeps per rank between its forward and its backward,
+    /// by the formula of Korthikanti et al. ([`recompute::formula_bytes`], f32).
+    pub activation_bytes_formula: f64,
+    /// The same, counted (rank 0's kept block inputs): full recomputation only.
+    pub activation_bytes_counted: Option<u64>,
 }
 
 /// Step times and probe results of one layout, over all rounds.
@@ -98,6 +107,8 @@ struct Samples {
     times: Vec<f64>,
     peaks: Vec<f64>,
     loss: f64,
+    /// Rank 0's kept block-input bytes ([`Trainer::kept_input_bytes`]).
+    kept: u64,
 }
 
 /// A bench ready to run: the model, every layout's checked spec, and the peak.
@@ -121,10 +132,16 @@ impl Bench {
             Some(p) => p.config.clone(),
             None => ModelConfig::from_arg(&cfg.model)?,
         };
+        let modes = if cfg.recompute.is_empty() {
+            vec![Recompute::None]
+        } else {
+            cfg.recompute.clone()
+        };
         let specs = cfg
             .layouts
             .iter()
-            .map(|&d| {
+            .flat_map(|&d| modes.iter().map(move |&r| (d, r)))
+            .map(|(d, recompute)| {
                 let micro = cfg
                     .micro_batches
                     .unwrap_or_else(|| default_micro_batches(cfg.batch / d.dp.max(1), d.pp));
@@ -139,7 +156,7 @@ impl Bench {
                     optim: AdamWConfig::default(),
                     bucket_elems: 4 << 20,
                     moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
-                    recompute: crate::Recompute::None,
+                    recompute,
                     save_dir: None,
                     save_every: 0,
                     keep: 0,
@@ -170,7 +187,11 @@ impl Bench {
              # matmul peak (candle gemm, [1024,1024]x[1024,1024] f32, best of 10, {threads} \
              thread(s)): {:.1} GFLOP/s; MFU = 6 x params x tokens/s / (ranks x peak)\n\
              # conc_peak: per-rank peak with all the layout's ranks probing at once, just before \
-             its steps (median over rounds); MFU_conc is against it",
+             its steps (median over rounds); MFU_conc is against it\n\
+             # act_MiB: activations one micro-batch keeps per rank from its forward to its \
+             backward; (f) the formula of Korthikanti et al. 2022 (GPT layer, no sequence \
+             parallelism, f32: twice the paper's 2-byte figure), (c) counted: the block inputs \
+             full recomputation keeps on rank 0 (the embedding's and the head's graphs not counted)",
             match &a.init {
                 Some(p) => p.display().to_string(),
                 None => a.model.clone(),
@@ -226,12 +247,13 @@ impl Bench {
                         }
                         loss = r.loss;
                     }
-                    Ok((times, loss))
+                    Ok((times, loss, t.kept_input_bytes()))
                 })?;
                 match out {
-                    Ok(Some((times, loss))) => {
+                    Ok(Some((times, loss, kept))) => {
                         smp.times.extend(times);
                         smp.loss = loss;
+                        smp.kept = kept;
                     }
                     Ok(None) => return Ok(Ok(None)),
                     Err(failed) => return Ok(Err(failed)),
@@ -243,20 +265,22 @@ impl Bench {
                 .iter()
                 .zip(samples)
                 .map(|(spec, smp)| self.row(spec, smp))
-                .collect(),
+                .collect::<Result<_, _>>()?,
         )))
     }
 
-    fn row(&self, spec: &TrainSpec, smp: Samples) -> Row {
+    fn row(&self, spec: &TrainSpec, smp: Samples) -> Result<Row, TrainError> {
         let d = spec.dims;
         let med = median(smp.times.clone());
         let tokens = self.cfg.batch * self.cfg.seq;
         let tps = tokens as f64 / med.max(1e-9);
         let conc = median(smp.peaks);
-        Row {
+        let r = spec.recompute;
+        Ok(Row {
             tp: d.tp,
             pp: d.pp,
             dp: d.dp,
+            recompute: r,
             ranks: d.world_size(),
             micro_batches: spec.micro_batches,
             params: self.model.num_params(),
@@ -269,38 +293,56 @@ impl Bench {
             concurrent_peak_gflops: conc / 1e9,
             mfu_vs_concurrent_peak: flops::mfu(&self.model, tps, d.world_size(), conc),
             final_loss: smp.loss,
-        }
+            activation_bytes_formula: recompute::formula_bytes(
+                &self.model,
+                d,
+                spec.micro_batch_size(),
+                spec.seq,
+                r,
+            )?,
+            activation_bytes_counted: (r == Recompute::Full).then_some(smp.kept),
+        })
     }
 }
+
+const MIB: f64 = (1u64 << 20) as f64;
 
 /// The table of `rows`: a `#` header line, then a line per layout.
 pub fn table(rows: &[Row]) -> String {
     let mut s = format!(
-        "# {:>3} {:>3} {:>3} {:>5} {:>5} {:>11} {:>9} {:>7} {:>10} {:>8}\n",
+        "# {:>3} {:>3} {:>3} {:>9} {:>5} {:>5} {:>11} {:>9} {:>7} {:>10} {:>8} {:>10} {:>10}\n",
         "tp",
         "pp",
         "dp",
+        "recompute",
         "ranks",
         "micro",
         "step_s(med)",
         "tokens/s",
         "MFU",
         "conc_peak",
-        "MFU_conc"
+        "MFU_conc",
+        "act_MiB(f)",
+        "act_MiB(c)"
     );
     for row in rows {
         s.push_str(&format!(
-            "  {:>3} {:>3} {:>3} {:>5} {:>5} {:>11.3} {:>9.0} {:>6.1}% {:>10.1} {:>7.1}%\n",
+            "  {:>3} {:>3} {:>3} {:>9} {:>5} {:>5} {:>11.3} {:>9.0} {:>6.1}% {:>10.1} {:>7.1}% {:>10.2} \
+             {:>10}\n",
             row.tp,
             row.pp,
             row.dp,
+            format!("{:?}", row.recompute).to_lowercase(),
             row.ranks,
             row.micro_batches,
             row.step_s_median,
             row.tokens_per_s,
             100.0 * row.mfu,
             row.concurrent_peak_gflops,
-            100.0 * row.mfu_vs_concurrent_peak
+            100.0 * row.mfu_vs_concurrent_peak,
+            row.activation_bytes_formula / MIB,
+            row.activation_bytes_counted
+                .map_or("-".to_string(), |b| format!("{:.2}", b as f64 / MIB))
         ));
     }
     s

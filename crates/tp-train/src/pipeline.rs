@@ -156,9 +156,9 @@ pub fn run_micro_batches(
                         let objective = if last {
                             output
                         } else {
+                            // d/dx of sum(y * dy) with dy constant is dy^T dy/dx: the
+                            // vector-Jacobian product that backpropagates dy through the stage.
                             let dy = grad_out(output.dims())?; // [b, s, hidden]
-                                                               // d/dx of sum(y * dy) with dy constant is dy^T dy/dx: the
-                                                               // vector-Jacobian product that backpropagates dy through the stage.
                             (output * dy)?.sum_all()?
                         };
                         let store = match aux_share {
