@@ -59,7 +59,7 @@ enum Kept {
         aux_share: Option<Tensor>,
     },
     /// Each block's input only ([`recompute`]).
-    Inputs(recompute::FullForward),
+    Inputs(recompute::Kept),
 }
 
 /// What a stage's micro-batches add up to.
@@ -113,7 +113,7 @@ pub fn run_micro_batches(
                     let f = recompute::forward(model, stage_in, targets, &groups.tp)?;
                     sums.aux += f.aux;
                     sums.kept_input_bytes = sums.kept_input_bytes.max(f.kept.block_input_bytes());
-                    (f.value.clone(), Kept::Inputs(f))
+                    (f.value, Kept::Inputs(f.kept))
                 } else {
                     let out = model.forward_aux(stage_in, targets, &groups.tp)?;
                     sums.aux += out.aux;
@@ -181,7 +181,7 @@ pub fn run_micro_batches(
                         let dy = if last {
                             None
                         } else {
-                            Some(grad_out(full.value.dims())?) // [b, s, hidden]
+                            Some(grad_out(full.out_dims())?) // [b, s, hidden]
                         };
                         let mut seen = vec![false; params.len()];
                         let gx = recompute::backward(

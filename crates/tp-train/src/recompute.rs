@@ -23,8 +23,11 @@ pub struct Kept {
     embedded: Option<Tensor>,
     /// Each block's input, graph-free: `[b, s, hidden]` per block.
     inputs: Vec<Tensor>,
-    /// The last block's output as the leaf of the head's graph (last stage), `[b, s, hidden]`.
-    head_input: Option<Var>,
+    /// The last block's output as the leaf of the head's graph, and the loss computed from
+    /// it with that graph (last stage).
+    head: Option<(Var, Tensor)>, // [b, s, hidden], a scalar
+    /// The shape of the stage's output (`[b, s, hidden]`), whose gradient the backward takes.
+    out_dims: Vec<usize>,
 }
 
 impl Kept {
@@ -36,12 +39,17 @@ impl Kept {
             .map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
             .sum()
     }
+
+    /// The shape of the stage's output (`[b, s, hidden]`).
+    pub fn out_dims(&self) -> &[usize] {
+        &self.out_dims
+    }
 }
 
 /// What a forward under full recomputation gives.
 pub struct FullForward {
-    /// Hidden states `[b, s, hidden]` (graph-free) or, on the last stage, the loss (with the
-    /// head's graph).
+    /// Hidden states `[b, s, hidden]` (graph-free; the backward does not need them) or, on
+    /// the last stage, the loss.
     pub value: Tensor,
     /// The summed load-balancing loss of the stage's MoE layers (for reports; their shares
     /// are backpropagated in the recompute).
@@ -68,11 +76,12 @@ pub fn forward(
         // Detaching drops the block's graph, and with it its intermediates.
         x = out.hidden.detach(); // [b, s, hidden]
     }
-    let (value, head_input) = match targets {
+    let out_dims = x.dims().to_vec(); // [b, s, hidden]
+    let (value, head) = match targets {
         Some(_) => {
             let leaf = Var::from_tensor(&x)?; // [b, s, hidden]
             let loss = model.head_loss(leaf.as_tensor().clone(), targets, tp)?;
-            (loss, Some(leaf))
+            (loss.clone(), Some((leaf, loss)))
         }
         None => (model.head_loss(x, None, tp)?, None),
     };
@@ -82,19 +91,20 @@ pub fn forward(
         kept: Kept {
             embedded: first.then_some(embedded),
             inputs,
-            head_input,
+            head,
+            out_dims,
         },
     })
 }
 
-/// The backward of a micro-batch's [`forward`]. `grad_out` is the gradient of the stage's
+/// The backward of a micro-batch's [`forward`], from what it kept. `grad_out` is the gradient of the stage's
 /// output `[b, s, hidden]` (received from the next stage); `None` on the last stage, whose
 /// value is the loss. Each MoE layer's load-balancing share is backpropagated times
 /// `aux_scale`. Every part's gradients go to `on_grads`. Returns the gradient of the stage
 /// input `[b, s, hidden]` on the stages after the first.
 pub fn backward(
     model: &StageModel,
-    f: FullForward,
+    kept: Kept,
     grad_out: Option<Tensor>,
     aux_scale: f64,
     tp: &Group,
@@ -105,10 +115,9 @@ pub fn backward(
             "internal: {what} received no gradient in the recompute"
         ))
     };
-    let kept = f.kept;
-    let mut g = match (grad_out, &kept.head_input) {
-        (None, Some(leaf)) => {
-            let store = f.value.backward()?;
+    let mut g = match (grad_out, &kept.head) {
+        (None, Some((leaf, loss))) => {
+            let store = loss.backward()?;
             on_grads(&store)?;
             store
                 .get(leaf.as_tensor())
