@@ -53,6 +53,10 @@ pub struct BenchTrainArgs {
     /// Deadline of each collective, in seconds.
     #[arg(long, default_value_t = 300.0)]
     timeout: f64,
+    /// Activation recomputation, comma separated: every layout runs with each (none,
+    /// selective: the attention cores, full: every layer from its input).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "none")]
+    recompute: Vec<tp_train::Recompute>,
 }
 
 pub fn run(a: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
@@ -80,6 +84,7 @@ pub fn run(a: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
         distributed_optimizer: a.distributed_optimizer,
         timeout,
         sequence_parallel: a.sequence_parallel,
+        recompute: a.recompute.clone(),
     })?;
     if !a.json {
         println!("{}", bench.header());

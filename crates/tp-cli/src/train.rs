@@ -125,6 +125,11 @@ pub struct TrainArgs {
     /// hold seq/tp positions per tp rank (--seq must divide by --tp).
     #[arg(long)]
     pub sequence_parallel: bool,
+    /// Activation recomputation (Korthikanti et al. 2022): none; selective: the backward
+    /// recomputes each attention core (scores, softmax, weighted sum of V) instead of keeping
+    /// it; full: each layer keeps only its input and is recomputed. Same losses, less memory.
+    #[arg(long, value_enum, default_value = "none")]
+    pub recompute: tp_train::Recompute,
     /// Print one JSON object per step on stdout instead of the progress bar.
     #[arg(long)]
     pub json: bool,
@@ -166,6 +171,7 @@ impl TrainArgs {
             moe_aux_coef: self.moe_aux_loss_coeff,
             distributed_optimizer: self.distributed_optimizer,
             sequence_parallel: self.sequence_parallel,
+            recompute: self.recompute,
             held_out: self.held_out,
             val_every: self.val_every,
         }

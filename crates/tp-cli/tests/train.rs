@@ -143,6 +143,71 @@ fn latest(dir: &Path) -> String {
 }
 
 #[test]
+fn recompute_keeps_the_loss_curve_and_the_bench_reports_activation_memory() {
+    let curve = |mode: &str| {
+        let f = tp(&[
+            "train",
+            "--tp",
+            "2",
+            "--steps",
+            "4",
+            "--seq",
+            "32",
+            "--batch",
+            "4",
+            "--json",
+            "--recompute",
+            mode,
+        ]);
+        assert_eq!(f.code, Some(0), "{mode}: {}", f.output);
+        losses(&f.output)
+    };
+    let want = curve("none");
+    assert_eq!(want.len(), 4);
+    for mode in ["selective", "full"] {
+        let got = curve(mode);
+        assert_eq!(got.len(), want.len(), "{mode}");
+        for ((_, g), (step, w)) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-4 * w, "{mode} step {step}: {g} vs {w}");
+        }
+    }
+    let bench = tp(&[
+        "bench",
+        "train",
+        "--config",
+        "tiny",
+        "--layouts",
+        "2x1x1",
+        "--recompute",
+        "none,selective,full",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--warmup",
+        "0",
+        "--steps",
+        "1",
+        "--rounds",
+        "1",
+    ]);
+    assert_eq!(bench.code, Some(0), "{}", bench.output);
+    assert!(bench.output.contains("act_MiB(f)"), "{}", bench.output);
+    // Full recomputation: the counted layer inputs (4 layers x 2 x 32 x 128 x 4 bytes) are
+    // the formula's 2sbh per layer in f32.
+    let full = bench
+        .output
+        .lines()
+        .find(|l| !l.starts_with('#') && l.contains(" full "))
+        .unwrap_or_else(|| panic!("no full row: {}", bench.output));
+    let cols: Vec<&str> = full.split_whitespace().collect();
+    assert_eq!(cols[cols.len() - 1], cols[cols.len() - 2], "{full}");
+    let counted: f64 = cols[cols.len() - 1].parse().expect("MiB");
+    assert!((counted - 0.125).abs() < 0.006, "{full}");
+    assert!(bench.output.contains(" selective "), "{}", bench.output);
+}
+
+#[test]
 fn bad_inputs_get_clear_errors() {
     let dir = scratch("bad");
     let empty = dir.join("empty.txt");
@@ -177,6 +242,10 @@ fn bad_inputs_get_clear_errors() {
         (
             vec!["--tp", "2", "--seq", "17", "--sequence-parallel"],
             "17 positions do not divide by tp=2",
+        ),
+        (
+            vec!["--recompute", "sometimes"],
+            "possible values: none, selective, full",
         ),
     ];
     for (extra, want) in cases {

@@ -9,11 +9,12 @@
 //! Gemma-3's layers set the query scale and, on local layers, a sliding window
 //! ([`ParallelAttention::with_scores`]).
 
+use crate::attention_core::{core, core_recomputed};
 use crate::error::{Result, TpError};
 use crate::linear::{ColumnParallelLinear, PartialSum, RowParallelLinear};
 use crate::norm::RmsNorm;
 use crate::rope::Rope;
-use candle_core::{Device, Tensor, Var, D};
+use candle_core::{Device, Tensor, Var};
 use tp_comm::Group;
 use tp_spec::{HeadPlan, Partition};
 
@@ -31,6 +32,9 @@ pub struct ParallelAttention {
     scale: f64,
     /// Positions a query sees, its own included (`None`: every earlier one).
     window: Option<usize>,
+    /// Keep only q, k, v of the attention core for the backward and recompute its `[s, s]`
+    /// parts there (selective recomputation, [`crate::attention_core`]).
+    recompute_core: bool,
 }
 
 /// `[seq, seq]` additive causal mask: 0 on and below the diagonal, -inf above.
@@ -101,6 +105,7 @@ impl ParallelAttention {
             qk_norm: None,
             scale: 1.0 / (head_dim as f64).sqrt(),
             window: None,
+            recompute_core: false,
         })
     }
 
@@ -148,6 +153,13 @@ impl ParallelAttention {
             RmsNorm::from_global_offset(k_norm, eps, unit_offset)?,
         ));
         Ok(self)
+    }
+
+    /// Selective activation recomputation: the backward recomputes the attention core (scores,
+    /// softmax, weighted sum of V) instead of keeping its `[s, s]` tensors from the forward.
+    /// The results are bitwise those without it.
+    pub fn set_recompute_core(&mut self, on: bool) {
+        self.recompute_core = on;
     }
 
     /// The per-head norms' weights `(q_norm, k_norm)`, when the attention has them.
@@ -210,11 +222,11 @@ impl ParallelAttention {
         let idx = Tensor::from_vec(kv_of_q, hq_local, x_par.device())?; // [hq_local]
         let k = k.index_select(&idx, 1)?.contiguous()?; // [b, hq_local, s, hd]
         let v = v.index_select(&idx, 1)?.contiguous()?; // [b, hq_local, s, hd]
-        let scores = (q.matmul(&k.t()?.contiguous()?)? * self.scale)?; // [b, hq_local, s, s]
-        let mask = window_mask(s, self.window, x_par.device())?; // [s, s]
-        let scores = scores.broadcast_add(&mask)?; // [b, hq_local, s, s]
-        let probs = candle_nn::ops::softmax(&scores, D::Minus1)?; // [b, hq_local, s, s]
-        let ctx = probs.matmul(&v)?; // [b, hq_local, s, hd]
+        let ctx = if self.recompute_core {
+            core_recomputed(&q, &k, &v, self.scale, self.window)? // [b, hq_local, s, hd]
+        } else {
+            core(&q, &k, &v, self.scale, self.window)? // [b, hq_local, s, hd]
+        };
         let ctx = ctx
             .transpose(1, 2)?
             .contiguous()?

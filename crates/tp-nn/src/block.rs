@@ -596,6 +596,12 @@ impl ParallelBlock {
         &self.cfg
     }
 
+    /// Selective activation recomputation of the attention core
+    /// ([`ParallelAttention::set_recompute_core`]).
+    pub fn set_recompute_core(&mut self, on: bool) {
+        self.attn.set_recompute_core(on);
+    }
+
     /// Every parameter shard in the table's order ([`LayerSpec::params`]), with where it sits
     /// in the global tensor ([`ShardPlan::place`]).
     pub fn params(&self) -> Result<Vec<(Param, &Var, Placement)>> {

@@ -8,6 +8,7 @@
 //! computed on replicated values and counted once, so g's backward is the identity.
 
 pub mod attention;
+mod attention_core;
 pub mod block;
 pub mod cross_entropy;
 pub mod embedding;

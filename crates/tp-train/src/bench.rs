@@ -4,11 +4,12 @@
 //! preceded by a peak probe on as many threads as it has ranks, so a shared, noisy machine
 //! shows up in the figures instead of skewing one layout.
 
+use crate::recompute;
 use crate::run::{launch, median};
 use crate::setup::default_micro_batches;
 use crate::{
-    flops, AdamWConfig, Corpus, ModelConfig, Pretrained, TrainError, TrainModel, TrainOptions,
-    TrainSpec, Trainer,
+    flops, AdamWConfig, Corpus, ModelConfig, Pretrained, Recompute, TrainError, TrainModel,
+    TrainOptions, TrainSpec, Trainer,
 };
 use serde::Serialize;
 use std::time::Duration;
@@ -44,6 +45,8 @@ pub struct BenchConfig {
     pub timeout: Duration,
     /// Sequence parallelism at every layout.
     pub sequence_parallel: bool,
+    /// Activation recomputations to measure: every layout runs with each.
+    pub recompute: Vec<Recompute>,
 }
 
 /// Why the bench cannot run.
@@ -79,6 +82,7 @@ pub struct Row {
     pub tp: usize,
     pub pp: usize,
     pub dp: usize,
+    pub recompute: Recompute,
     pub ranks: usize,
     pub micro_batches: usize,
     pub params: usize,
@@ -99,6 +103,11 @@ pub struct Row {
     /// Rank 0's optimizer arrays (AdamW m, v and f32 master weights), bytes: 12 x the
     /// elements it holds.
     pub optimizer_bytes_rank0: usize,
+    /// Activation bytes a micro-batch keeps per rank between its forward and its backward,
+    /// by the formula of Korthikanti et al. ([`recompute::formula_bytes`], f32).
+    pub activation_bytes_formula: f64,
+    /// The same, counted (rank 0's kept block inputs): full recomputation only.
+    pub activation_bytes_counted: Option<u64>,
 }
 
 /// Step times and probe results of one layout, over all rounds.
@@ -108,6 +117,8 @@ struct Samples {
     peaks: Vec<f64>,
     loss: f64,
     optimizer_bytes: usize,
+    /// Rank 0's kept block-input bytes ([`Trainer::kept_input_bytes`]).
+    kept: u64,
 }
 
 /// A bench ready to run: the model, every layout's checked spec, and the peak.
@@ -131,10 +142,16 @@ impl Bench {
             Some(p) => p.config.clone(),
             None => ModelConfig::from_arg(&cfg.model)?,
         };
+        let modes = if cfg.recompute.is_empty() {
+            vec![Recompute::None]
+        } else {
+            cfg.recompute.clone()
+        };
         let specs = cfg
             .layouts
             .iter()
-            .map(|&d| {
+            .flat_map(|&d| modes.iter().map(move |&r| (d, r)))
+            .map(|(d, recompute)| {
                 let micro = cfg
                     .micro_batches
                     .unwrap_or_else(|| default_micro_batches(cfg.batch / d.dp.max(1), d.pp));
@@ -151,6 +168,7 @@ impl Bench {
                     distributed_optimizer: cfg.distributed_optimizer,
                     moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
                     sequence_parallel: cfg.sequence_parallel,
+                    recompute,
                     save_dir: None,
                     save_every: 0,
                     keep: 0,
@@ -184,7 +202,12 @@ impl Bench {
              its steps (median over rounds); MFU_conc is against it\n\
              # opt_MiB: rank 0's AdamW m, v and f32 master weights (12 bytes x the elements it \
              holds); * = sharded over dp (distributed optimizer{})\n\
-             # sequence parallelism: {}",
+             # sequence parallelism: {}\n\
+             # act_MiB: activations one micro-batch keeps per rank from its forward to its \
+             backward; (f) the formula of Korthikanti et al. 2022 (GPT layer, no sequence \
+             parallelism even when it is on, f32: twice the paper's 2-byte figure), (c) counted: \
+             the block inputs full recomputation keeps on rank 0 (the embedding's and the head's \
+             graphs not counted)",
             match &a.init {
                 Some(p) => p.display().to_string(),
                 None => a.model.clone(),
@@ -266,13 +289,14 @@ impl Bench {
                         }
                         loss = r.loss;
                     }
-                    Ok((times, loss, optimizer_bytes))
+                    Ok((times, loss, optimizer_bytes, t.kept_input_bytes()))
                 })?;
                 match out {
-                    Ok(Some((times, loss, bytes))) => {
+                    Ok(Some((times, loss, bytes, kept))) => {
                         smp.times.extend(times);
                         smp.loss = loss;
                         smp.optimizer_bytes = bytes;
+                        smp.kept = kept;
                     }
                     Ok(None) => return Ok(Ok(None)),
                     Err(failed) => return Ok(Err(failed)),
@@ -284,20 +308,22 @@ impl Bench {
                 .iter()
                 .zip(samples)
                 .map(|(spec, smp)| self.row(spec, smp))
-                .collect(),
+                .collect::<Result<_, _>>()?,
         )))
     }
 
-    fn row(&self, spec: &TrainSpec, smp: Samples) -> Row {
+    fn row(&self, spec: &TrainSpec, smp: Samples) -> Result<Row, TrainError> {
         let d = spec.dims;
         let med = median(smp.times.clone());
         let tokens = self.cfg.batch * self.cfg.seq;
         let tps = tokens as f64 / med.max(1e-9);
         let conc = median(smp.peaks);
-        Row {
+        let r = spec.recompute;
+        Ok(Row {
             tp: d.tp,
             pp: d.pp,
             dp: d.dp,
+            recompute: r,
             ranks: d.world_size(),
             micro_batches: spec.micro_batches,
             params: self.model.num_params(),
@@ -312,17 +338,28 @@ impl Bench {
             final_loss: smp.loss,
             distributed_optimizer: spec.distributed_optimizer && d.dp > 1,
             optimizer_bytes_rank0: smp.optimizer_bytes,
-        }
+            activation_bytes_formula: recompute::formula_bytes(
+                &self.model,
+                d,
+                spec.micro_batch_size(),
+                spec.seq,
+                r,
+            )?,
+            activation_bytes_counted: (r == Recompute::Full).then_some(smp.kept),
+        })
     }
 }
+
+const MIB: f64 = (1u64 << 20) as f64;
 
 /// The table of `rows`: a `#` header line, then a line per layout.
 pub fn table(rows: &[Row]) -> String {
     let mut s = format!(
-        "# {:>3} {:>3} {:>3} {:>5} {:>5} {:>11} {:>9} {:>7} {:>10} {:>8} {:>9}\n",
+        "# {:>3} {:>3} {:>3} {:>9} {:>5} {:>5} {:>11} {:>9} {:>7} {:>10} {:>8} {:>9} {:>10} {:>10}\n",
         "tp",
         "pp",
         "dp",
+        "recompute",
         "ranks",
         "micro",
         "step_s(med)",
@@ -330,14 +367,18 @@ pub fn table(rows: &[Row]) -> String {
         "MFU",
         "conc_peak",
         "MFU_conc",
-        "opt_MiB"
+        "opt_MiB",
+        "act_MiB(f)",
+        "act_MiB(c)"
     );
     for row in rows {
         s.push_str(&format!(
-            "  {:>3} {:>3} {:>3} {:>5} {:>5} {:>11.3} {:>9.0} {:>6.1}% {:>10.1} {:>7.1}% {:>8.2}{}\n",
+            "  {:>3} {:>3} {:>3} {:>9} {:>5} {:>5} {:>11.3} {:>9.0} {:>6.1}% {:>10.1} {:>7.1}% {:>8.2}{} \
+             {:>10.2} {:>10}\n",
             row.tp,
             row.pp,
             row.dp,
+            format!("{:?}", row.recompute).to_lowercase(),
             row.ranks,
             row.micro_batches,
             row.step_s_median,
@@ -345,8 +386,11 @@ pub fn table(rows: &[Row]) -> String {
             100.0 * row.mfu,
             row.concurrent_peak_gflops,
             100.0 * row.mfu_vs_concurrent_peak,
-            row.optimizer_bytes_rank0 as f64 / (1u64 << 20) as f64,
-            if row.distributed_optimizer { "*" } else { " " }
+            row.optimizer_bytes_rank0 as f64 / MIB,
+            if row.distributed_optimizer { "*" } else { " " },
+            row.activation_bytes_formula / MIB,
+            row.activation_bytes_counted
+                .map_or("-".to_string(), |b| format!("{:.2}", b as f64 / MIB))
         ));
     }
     s

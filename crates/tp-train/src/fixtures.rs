@@ -74,6 +74,7 @@ pub fn spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
         distributed_optimizer: false,
         moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
         sequence_parallel: false,
+        recompute: crate::Recompute::None,
         save_dir: None,
         save_every: 0,
         keep: 0,

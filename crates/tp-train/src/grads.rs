@@ -59,25 +59,67 @@ pub fn accumulate(
         if spec.local_len() == 0 {
             continue; // another expert group's expert: nothing of it here
         }
-        let g = grads.get(var.as_tensor()).ok_or_else(|| {
-            TrainError::Config(format!(
-                "{} received no gradient: an op without a backward is on its path",
-                spec.name
-            ))
-        })?;
-        let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let dst = &mut flat[layout.range(i)];
-        if g.len() != dst.len() {
-            return Err(TrainError::Config(format!(
-                "{}: gradient has {} elements, the shard {}",
-                spec.name,
-                g.len(),
-                dst.len()
-            )));
+        let g = grads
+            .get(var.as_tensor())
+            .ok_or_else(|| no_gradient(spec))?;
+        add_into(&mut flat[layout.range(i)], spec, g)?;
+    }
+    Ok(())
+}
+
+/// [`accumulate`] of a backward through a part of the stage (a recomputed segment): adds the
+/// gradients `grads` holds and marks their parameters in `seen`; [`all_seen`] checks, once
+/// every part has run, that no parameter was left without one.
+pub fn accumulate_present(
+    flat: &mut [f32],
+    layout: &FlatLayout,
+    params: &[(&ParamSpec, &Var)],
+    grads: &GradStore,
+    seen: &mut [bool],
+) -> Result<()> {
+    for (i, (spec, var)) in params.iter().enumerate() {
+        if let Some(g) = grads.get(var.as_tensor()) {
+            if spec.local_len() > 0 {
+                add_into(&mut flat[layout.range(i)], spec, g)?;
+            }
+            seen[i] = true;
         }
-        for (d, s) in dst.iter_mut().zip(&g) {
-            *d += s;
-        }
+    }
+    Ok(())
+}
+
+/// The error of the first parameter `seen` lacks ([`accumulate_present`]).
+pub fn all_seen(params: &[(&ParamSpec, &Var)], seen: &[bool]) -> Result<()> {
+    match params
+        .iter()
+        .zip(seen)
+        .find(|((s, _), seen)| s.local_len() > 0 && !**seen)
+    {
+        Some(((spec, _), _)) => Err(no_gradient(spec)),
+        None => Ok(()),
+    }
+}
+
+fn no_gradient(spec: &ParamSpec) -> TrainError {
+    TrainError::Config(format!(
+        "{} received no gradient: an op without a backward is on its path",
+        spec.name
+    ))
+}
+
+/// Adds the gradient `g` of the shard `spec` into `dst`, its range of the flat buffer.
+fn add_into(dst: &mut [f32], spec: &ParamSpec, g: &candle_core::Tensor) -> Result<()> {
+    let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    if g.len() != dst.len() {
+        return Err(TrainError::Config(format!(
+            "{}: gradient has {} elements, the shard {}",
+            spec.name,
+            g.len(),
+            dst.len()
+        )));
+    }
+    for (d, s) in dst.iter_mut().zip(&g) {
+        *d += s;
     }
     Ok(())
 }

@@ -6,6 +6,7 @@
 //! - [`model`]: one pipeline stage on one tp rank, built from tp-nn's layers.
 //! - [`pipeline`] and [`schedule`]: micro-batches on the 1F1B schedule over send/recv.
 //! - [`grads`]: the flat gradient buffer, tp completion, bucketed dp all-reduce, global norm.
+//! - [`recompute`]: full activation recomputation (selective lives in tp-nn's attention).
 //! - [`optim`]: AdamW with state sharded like the weights; learning-rate schedule.
 //! - [`zero`]: the distributed optimizer (ZeRO-1): optimizer state sharded over dp too.
 //! - [`data`]: text to token windows; [`checkpoint`]: atomic, checksummed, any-layout resume.
@@ -32,6 +33,7 @@ pub mod optim;
 pub mod pipeline;
 pub mod plot;
 pub mod pretrained;
+pub mod recompute;
 pub mod run;
 pub mod schedule;
 pub mod setup;
@@ -44,4 +46,6 @@ pub use data::{Corpus, TextTokenizer};
 pub use error::{Result, TrainError};
 pub use optim::AdamWConfig;
 pub use pretrained::Pretrained;
+/// Activation recomputation policy of a run (tp-plan's: the planner models the same three).
+pub use tp_plan::workload::Recompute;
 pub use trainer::{Start, StepReport, TrainOptions, TrainSpec, Trainer, DEFAULT_MOE_AUX_COEF};

@@ -18,6 +18,7 @@ use tp_nn::{
     vocab_parallel_cross_entropy_weighted, BlockWeights, ColumnParallelLinear, ParallelBlock,
     Partition, RmsNorm, SeqLayout, SeqSplit, VocabParallelEmbedding,
 };
+use tp_plan::workload::Recompute;
 use tp_spec::{hf_name, WeightName};
 
 /// A rank's part of the model: the stage's layers, sliced for its tp rank.
@@ -36,6 +37,8 @@ pub struct StageModel {
     tp: usize,
     /// Sequence parallelism ([`StageModel::with_sequence_parallel`]).
     sequence_parallel: bool,
+    /// What the backward recomputes instead of keeping from the forward.
+    recompute: Recompute,
 }
 
 /// A stage's output with its mixture-of-experts layers' load-balancing loss.
@@ -153,6 +156,7 @@ impl StageModel {
             specs,
             tp,
             sequence_parallel: false,
+            recompute: Recompute::None,
         };
         if let Some(s) = model.specs.iter().find(|s| model.var(s).is_none()) {
             return Err(TrainError::Config(format!(
@@ -193,11 +197,30 @@ impl StageModel {
     }
 
     /// The split of the sequence `input` is part of.
-    fn input_split(&self, input: &StageInput<'_>) -> Result<Option<SeqSplit>> {
+    pub(crate) fn input_split(&self, input: &StageInput<'_>) -> Result<Option<SeqSplit>> {
         match input {
             StageInput::Tokens(ids) => self.split(ids.dim(1)?),
             StageInput::Hidden(h) => self.split(h.dim(1)? * self.tp),
         }
+    }
+
+    /// Activation recomputation (Korthikanti et al. 2022): `Selective` makes each block's
+    /// attention core recompute its `[s, s]` parts in the backward; `Full` is run by
+    /// [`crate::recompute`] ([`crate::pipeline::run_micro_batches`] picks it).
+    pub fn set_recompute(&mut self, recompute: Recompute) {
+        self.recompute = recompute;
+        for b in &mut self.blocks {
+            b.set_recompute_core(recompute == Recompute::Selective);
+        }
+    }
+
+    pub fn recompute(&self) -> Recompute {
+        self.recompute
+    }
+
+    /// The stage's blocks, in layer order.
+    pub(crate) fn blocks(&self) -> &[ParallelBlock] {
+        &self.blocks
     }
 
     /// The layer range of this stage.
@@ -271,7 +294,7 @@ impl StageModel {
 
     /// The last stage's weighted cross-entropy of `h [b, s_local, hidden]` against `targets`
     /// (and their weights); `h` itself on the other stages.
-    fn head_loss(
+    pub(crate) fn head_loss(
         &self,
         h: Tensor,
         targets: Option<(&Tensor, &Tensor)>,
@@ -317,18 +340,7 @@ impl StageModel {
         tp: &Group,
         layout: SeqLayout<'_>,
     ) -> Result<(Tensor, Option<Tensor>, f64)> {
-        let mut h = match (input, &self.embed) {
-            (StageInput::Tokens(ids), Some(e)) if self.embed_scale != 1.0 => {
-                (e.forward_layout(ids, tp, layout)? * self.embed_scale)? // [b, s_local, hidden]
-            }
-            (StageInput::Tokens(ids), Some(e)) => e.forward_layout(ids, tp, layout)?, // [b, s_local, hidden]
-            (StageInput::Hidden(h), None) => h.clone(), // [b, s_local, hidden]
-            _ => {
-                return Err(TrainError::Config(
-                    "internal: the first stage takes tokens, the others hidden states".into(),
-                ))
-            }
-        };
+        let mut h = self.stage_input(input, tp, layout)?; // [b, s_local, hidden]
         let (mut share, mut aux): (Option<Tensor>, f64) = (None, 0.0);
         for b in &self.blocks {
             let out = b.forward_layout(&h, tp, layout)?;
@@ -342,6 +354,29 @@ impl StageModel {
             }
         }
         Ok((h, share, aux))
+    }
+
+    /// What the stage's first block takes: the (scaled) embedding of the tokens on the first
+    /// stage (this rank's positions with sequence parallelism), the received hidden states
+    /// on the others; `[batch, s_local, hidden]`.
+    pub(crate) fn stage_input(
+        &self,
+        input: StageInput<'_>,
+        tp: &Group,
+        layout: SeqLayout<'_>,
+    ) -> Result<Tensor> {
+        Ok(match (input, &self.embed) {
+            (StageInput::Tokens(ids), Some(e)) if self.embed_scale != 1.0 => {
+                (e.forward_layout(ids, tp, layout)? * self.embed_scale)? // [b, s_local, hidden]
+            }
+            (StageInput::Tokens(ids), Some(e)) => e.forward_layout(ids, tp, layout)?, // [b, s_local, hidden]
+            (StageInput::Hidden(h), None) => h.clone(), // [b, s_local, hidden]
+            _ => {
+                return Err(TrainError::Config(
+                    "internal: the first stage takes tokens, the others hidden states".into(),
+                ))
+            }
+        })
     }
 
     /// Logits of the last stage for a replicated hidden input `[batch, seq, hidden]`:

@@ -5,12 +5,14 @@
 //! sequence parallelism each rank sends its own `seq/tp` positions.
 
 use crate::error::{Result, TrainError};
-use crate::grads::{accumulate, FlatLayout};
+use crate::grads::{accumulate, accumulate_present, all_seen, FlatLayout};
 use crate::model::{StageInput, StageModel};
+use crate::recompute;
 use crate::schedule::{one_f_one_b, Action};
 use candle_core::{Device, Tensor, Var};
 use std::collections::VecDeque;
 use tp_comm::{CommExt, ProcessGroups};
+use tp_plan::workload::Recompute;
 
 /// Tag of activations (stage p -> p+1) and of their gradients (p+1 -> p).
 const TAG_ACTIVATION: u32 = 1;
@@ -46,9 +48,19 @@ impl MicroBatch {
 struct InFlight {
     micro: usize,
     input: Option<Var>, // [b, s, hidden] on stages after the first
-    output: Tensor,     // [b, s, hidden], or the scalar loss on the last stage
-    /// This rank's share of the stage's MoE load-balancing loss (a scalar), if any.
-    aux_share: Option<Tensor>,
+    kept: Kept,
+}
+
+/// What a forward keeps for its backward.
+enum Kept {
+    /// The whole graph (no recomputation, or selective: the attention cores' own nodes).
+    Graph {
+        output: Tensor, // [b, s, hidden], or the scalar loss on the last stage
+        /// This rank's share of the stage's MoE load-balancing loss (a scalar), if any.
+        aux_share: Option<Tensor>,
+    },
+    /// Each block's input only ([`recompute`]).
+    Inputs(recompute::Kept),
 }
 
 /// What a stage's micro-batches add up to.
@@ -58,6 +70,9 @@ pub struct StageLosses {
     pub loss: f64,
     /// The sum over micro-batches and the stage's MoE layers of their load-balancing loss.
     pub aux: f64,
+    /// Under full recomputation, the bytes of the block inputs one micro-batch keeps between
+    /// its forward and its backward (counted, the largest over micro-batches); 0 otherwise.
+    pub kept_input_bytes: u64,
 }
 
 /// Runs the stage's forwards and backwards for all `micro` batches, adding the gradients of
@@ -95,13 +110,22 @@ pub fn run_micro_batches(
                     Some(v) => StageInput::Hidden(v.as_tensor()),
                     None => StageInput::Tokens(&mb.ids),
                 };
-                let out = model.forward_aux(
-                    stage_in,
-                    last.then_some((&mb.targets, &mb.weights)),
-                    &groups.tp,
-                )?;
-                let output = out.value;
-                sums.aux += out.aux;
+                let targets = last.then_some((&mb.targets, &mb.weights));
+                let (output, kept) = if model.recompute() == Recompute::Full {
+                    let f = recompute::forward(model, stage_in, targets, &groups.tp)?;
+                    sums.aux += f.aux;
+                    sums.kept_input_bytes = sums.kept_input_bytes.max(f.kept.block_input_bytes());
+                    (f.value, Kept::Inputs(f.kept))
+                } else {
+                    let out = model.forward_aux(stage_in, targets, &groups.tp)?;
+                    sums.aux += out.aux;
+                    let output = out.value;
+                    let kept = Kept::Graph {
+                        output: output.clone(),
+                        aux_share: out.aux_share,
+                    };
+                    (output, kept)
+                };
                 if last {
                     sums.loss += f64::from(output.to_scalar::<f32>()?);
                 } else {
@@ -111,8 +135,7 @@ pub fn run_micro_batches(
                 in_flight.push_back(InFlight {
                     micro: m,
                     input,
-                    output,
-                    aux_share: out.aux_share,
+                    kept,
                 });
             }
             Action::Backward(m) => {
@@ -124,32 +147,60 @@ pub fn run_micro_batches(
                             "internal: backward of micro-batch {m} out of schedule order"
                         ))
                     })?;
-                let aux = match &f.aux_share {
-                    Some(a) => Some((a * aux_scale)?),
-                    None => None,
-                };
-                let objective = if last {
-                    f.output
-                } else {
-                    let dims = f.output.dims().to_vec(); // [b, s, hidden]
+                // The gradient of the stage's output, from the next stage: [b, s, hidden].
+                let grad_out = |dims: &[usize]| -> Result<Tensor> {
                     let mut buf = vec![0f32; dims.iter().product()];
                     groups.pp.recv(&mut buf, pp_rank + 1, TAG_GRADIENT)?;
-                    let dy = Tensor::from_vec(buf, dims, &Device::Cpu)?; // [b, s, hidden]
-                                                                         // d/dx of sum(y * dy) with dy constant is dy^T dy/dx: the vector-Jacobian
-                                                                         // product that backpropagates dy through this stage.
-                    (f.output * dy)?.sum_all()?
+                    Ok(Tensor::from_vec(buf, dims, &Device::Cpu)?)
                 };
-                let store = match aux {
-                    Some(a) => (objective + a)?.backward()?,
-                    None => objective.backward()?,
-                };
-                accumulate(grads, layout, &params, &store)?;
-                if let Some(input) = &f.input {
-                    let gx = store.get(input.as_tensor()).ok_or_else(|| {
-                        TrainError::Config(
-                            "internal: the stage input received no gradient".to_string(),
-                        )
-                    })?;
+                let gx = match f.kept {
+                    Kept::Graph { output, aux_share } => {
+                        let objective = if last {
+                            output
+                        } else {
+                            // d/dx of sum(y * dy) with dy constant is dy^T dy/dx: the
+                            // vector-Jacobian product that backpropagates dy through the stage.
+                            let dy = grad_out(output.dims())?; // [b, s, hidden]
+                            (output * dy)?.sum_all()?
+                        };
+                        let store = match aux_share {
+                            Some(a) => (objective + (a * aux_scale)?)?.backward()?,
+                            None => objective.backward()?,
+                        };
+                        accumulate(grads, layout, &params, &store)?;
+                        match &f.input {
+                            Some(input) => {
+                                Some(store.get(input.as_tensor()).cloned().ok_or_else(|| {
+                                    TrainError::Config(
+                                        "internal: the stage input received no gradient".into(),
+                                    )
+                                })?)
+                            }
+                            None => None,
+                        }
+                    }
+                    Kept::Inputs(full) => {
+                        let dy = if last {
+                            None
+                        } else {
+                            Some(grad_out(full.out_dims())?) // [b, s, hidden]
+                        };
+                        let mut seen = vec![false; params.len()];
+                        let gx = recompute::backward(
+                            model,
+                            full,
+                            dy,
+                            aux_scale,
+                            &groups.tp,
+                            &mut |store| {
+                                accumulate_present(grads, layout, &params, store, &mut seen)
+                            },
+                        )?;
+                        all_seen(&params, &seen)?;
+                        gx
+                    }
+                }; // [b, s, hidden] on stages after the first
+                if let Some(gx) = gx {
                     let gx = gx.flatten_all()?.to_vec1::<f32>()?; // [b * s * hidden]
                     groups.pp.send(&gx, pp_rank - 1, TAG_GRADIENT)?;
                 }

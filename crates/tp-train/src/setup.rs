@@ -58,6 +58,8 @@ pub struct RunRequest {
     pub distributed_optimizer: bool,
     /// Sequence parallelism: the norms and residual adds hold `seq/tp` positions per tp rank.
     pub sequence_parallel: bool,
+    /// Activation recomputation ([`TrainSpec::recompute`]).
+    pub recompute: crate::Recompute,
     /// Hold out one sequence in this many (seeded) as a validation split (0: none).
     pub held_out: u64,
     /// Validation loss every this many steps (and after the last) when data is held out.
@@ -257,6 +259,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         moe_aux_coef: a.moe_aux_coef,
         distributed_optimizer: a.distributed_optimizer,
         sequence_parallel: a.sequence_parallel,
+        recompute: a.recompute,
         save_dir: a.save.clone(),
         save_every: a.save_every,
         keep: a.keep,
@@ -391,6 +394,7 @@ mod tests {
             moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
             distributed_optimizer: false,
             sequence_parallel: false,
+            recompute: crate::Recompute::None,
             held_out: 0,
             val_every: 0,
         }

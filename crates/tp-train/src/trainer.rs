@@ -19,6 +19,7 @@ use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tp_comm::{CommExt, ParallelDims, ProcessGroups, ReduceOp};
+use tp_plan::workload::Recompute;
 
 /// The default weight of the MoE load-balancing loss (the Switch Transformer's alpha).
 pub const DEFAULT_MOE_AUX_COEF: f64 = 0.01;
@@ -50,6 +51,9 @@ pub struct TrainSpec {
     /// Sequence parallelism (Korthikanti et al. 2022, §4.2.2): outside the tensor-parallel
     /// regions each tp rank holds `seq/tp` positions; `seq` must divide by tp.
     pub sequence_parallel: bool,
+    /// What the backward recomputes instead of keeping from the forward (Korthikanti et al.
+    /// 2022): nothing, the attention cores, or every block. The results are the same.
+    pub recompute: Recompute,
     /// Where checkpoints go (`None`: no checkpoints).
     pub save_dir: Option<PathBuf>,
     /// Save every this many steps (0: only at the end).
@@ -167,6 +171,9 @@ pub struct Trainer<'a> {
     opts: TrainOptions,
     /// The mean over MoE layers of the load-balancing loss of the last batch computed.
     last_aux: Option<f64>,
+    /// Under full recomputation, the block-input bytes one micro-batch kept on this rank in
+    /// the last step (counted); 0 otherwise.
+    kept_input_bytes: u64,
 }
 
 impl<'a> Trainer<'a> {
@@ -201,7 +208,7 @@ impl<'a> Trainer<'a> {
         }
         let c = groups.coords;
         let (tp, pp) = (spec.dims.tp, spec.dims.pp);
-        let model = match resume {
+        let mut model = match resume {
             Some(ck) => {
                 if ck.config != spec.model {
                     return Err(TrainError::checkpoint(
@@ -233,6 +240,7 @@ impl<'a> Trainer<'a> {
             },
         }
         .with_sequence_parallel(spec.sequence_parallel);
+        model.set_recompute(spec.recompute);
         let specs = model.specs().to_vec();
         let layout = FlatLayout::new(&specs);
         let mut params = Vec::with_capacity(layout.total());
@@ -311,6 +319,7 @@ impl<'a> Trainer<'a> {
             history,
             opts,
             last_aux: None,
+            kept_input_bytes: 0,
         })
     }
 
@@ -372,6 +381,13 @@ impl<'a> Trainer<'a> {
         }
     }
 
+    /// Under full recomputation, the bytes of the block inputs one micro-batch kept on this
+    /// rank between its forward and its backward in the last step (counted, the largest
+    /// over its micro-batches); 0 without full recomputation.
+    pub fn kept_input_bytes(&self) -> u64 {
+        self.kept_input_bytes
+    }
+
     /// Forward and backward of the next global batch, without the update: afterwards
     /// [`Trainer::grads_flat`] holds this rank's complete, dp-summed gradient shards (with
     /// the distributed optimizer: on this rank's slice, zeros elsewhere).
@@ -410,6 +426,7 @@ impl<'a> Trainer<'a> {
             &mut self.grads,
             &self.layout,
         )?;
+        self.kept_input_bytes = sums.kept_input_bytes;
         self.shared
             .complete(&mut self.grads, &self.layout, &self.groups.tp)?;
         if let Some(t) = &self.tied {

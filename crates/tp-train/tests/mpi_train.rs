@@ -2,8 +2,10 @@
 //! tp2 x dp2, pp2 x dp2, tp4, pp4, dp4) and at 3 processes the uneven ones (tp3: heads 2/1/1,
 //! a KV head on two ranks, FFN and vocabulary split unevenly; pp3: 4 layers over 3 stages)
 //! follow the tp1 loss curve within 1e-4 for 20 steps; so do tp2 x dp2, pp2 x dp2 and dp4
-//! with the distributed optimizer, and tp2 x pp2, tp2 x dp2 and tp4 with sequence
-//! parallelism (issue 34; tp3 cannot split the 16 positions).
+//! with the distributed optimizer, tp2 x pp2, tp2 x dp2 and tp4 with sequence parallelism
+//! (tp3 cannot split the 16 positions), tp2 x pp2 and tp3 with selective and with full
+//! activation recomputation, and tp2 x pp2 with sequence parallelism and full recomputation
+//! together (issue 34).
 #![cfg(feature = "mpi")]
 
 use std::time::Duration;
@@ -30,8 +32,9 @@ fn mpi_check_with(n: usize, args: &[&str]) -> String {
 #[test]
 fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
     let text = mpi_check(4);
-    // 6 layouts and 3 of them again sequence parallel, checked by each of the 4 ranks.
-    assert!(text.contains("36 passed, 0 failed"), "{text}");
+    // 6 layouts, 3 of them again sequence parallel, tp2 x pp2 with 2 recomputations and with
+    // sequence parallelism and full recomputation, checked by each of the 4 ranks.
+    assert!(text.contains("48 passed, 0 failed"), "{text}");
     for l in [
         "tp=2 pp=2 dp=1",
         "tp=2 pp=1 dp=2",
@@ -39,9 +42,12 @@ fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
         "tp=4 pp=1 dp=1",
         "tp=1 pp=4 dp=1",
         "tp=1 pp=1 dp=4",
-        "tp=2 pp=2 dp=1 sequence-parallel",
-        "tp=2 pp=1 dp=2 sequence-parallel",
-        "tp=4 pp=1 dp=1 sequence-parallel",
+        "tp=2 pp=2 dp=1 sequence-parallel:",
+        "tp=2 pp=1 dp=2 sequence-parallel:",
+        "tp=4 pp=1 dp=1 sequence-parallel:",
+        "tp=2 pp=2 dp=1 recompute=selective:",
+        "tp=2 pp=2 dp=1 recompute=full:",
+        "tp=2 pp=2 dp=1 sequence-parallel recompute=full:",
     ] {
         assert!(text.contains(l), "{l} missing: {text}");
     }
@@ -50,9 +56,14 @@ fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
 #[test]
 fn uneven_layouts_match_tp1_under_mpirun_with_3_processes() {
     let text = mpi_check(3);
-    // tp3 and pp3, checked by each of the 3 ranks.
-    assert!(text.contains("6 passed, 0 failed"), "{text}");
-    for l in ["tp=3 pp=1 dp=1", "tp=1 pp=3 dp=1"] {
+    // tp3 (also with 2 recomputations) and pp3, checked by each of the 3 ranks.
+    assert!(text.contains("12 passed, 0 failed"), "{text}");
+    for l in [
+        "tp=3 pp=1 dp=1",
+        "tp=1 pp=3 dp=1",
+        "tp=3 pp=1 dp=1 recompute=selective",
+        "tp=3 pp=1 dp=1 recompute=full",
+    ] {
         assert!(text.contains(l), "{l} missing: {text}");
     }
 }

@@ -1,31 +1,67 @@
 //! Under mpirun: 20 training steps of the fixture model at every layout whose size is the
 //! number of processes (tp2 x pp2, tp2 x dp2, pp2 x dp2, tp4, pp4, dp4 at 4 processes; tp3
 //! and pp3 at 3), one rank per process, each against the tp1 loss curve computed inside this
-//! process on the local backend; the layouts with tp > 1 dividing the sequence (16) again with
-//! sequence parallelism. Every rank checks every step; rank 0 prints `N passed, N
-//! failed`. With `--distributed-optimizer`, the layouts with dp > 1 train with the optimizer
-//! state sharded over dp (issue 34) against the same tp1 curve.
+//! process on the local backend. The layouts with tp > 1 dividing the sequence (16) run again
+//! with sequence parallelism; tp2 x pp2 and tp3 with selective and with full activation
+//! recomputation (the recomputed forwards repeat the tp collectives inside the backward), and
+//! tp2 x pp2 with both sequence parallelism and full recomputation. With
+//! `--distributed-optimizer`, the layouts with dp > 1 train with the optimizer state sharded
+//! over dp. Every rank checks every step; rank 0 prints `N passed, N failed` (issue 34).
 
 use std::process::ExitCode;
 use tp_comm::local::{self, LocalOptions};
 use tp_comm::mpi::{check, MpiOptions};
 use tp_comm::{Group, ParallelDims, ProcessGroups};
-use tp_train::{fixtures, TextTokenizer, TrainError, TrainOptions, Trainer};
+use tp_train::{fixtures, Recompute, TextTokenizer, TrainError, TrainOptions, TrainSpec, Trainer};
 
 /// Relative tolerance of the issue (see tests/parity.rs for why it holds).
 const TOLERANCE: f64 = 1e-4;
 const STEPS: u64 = 20;
 
+/// A layout's training features.
+#[derive(Clone, Copy, Debug)]
+struct Features {
+    sequence_parallel: bool,
+    recompute: Recompute,
+    distributed_optimizer: bool,
+}
+
+impl Features {
+    const PLAIN: Features = Features {
+        sequence_parallel: false,
+        recompute: Recompute::None,
+        distributed_optimizer: false,
+    };
+
+    /// ` sequence-parallel recompute=full distributed optimizer`, as far as they are on.
+    fn label(self) -> String {
+        let mut s = String::new();
+        if self.sequence_parallel {
+            s.push_str(" sequence-parallel");
+        }
+        if self.recompute != Recompute::None {
+            s.push_str(&format!(
+                " recompute={}",
+                format!("{:?}", self.recompute).to_lowercase()
+            ));
+        }
+        if self.distributed_optimizer {
+            s.push_str(" distributed optimizer");
+        }
+        s
+    }
+}
+
 fn losses(
     world: Group,
     dims: ParallelDims,
     micro: usize,
-    sequence_parallel: bool,
-    distributed_optimizer: bool,
+    f: Features,
 ) -> Result<Vec<f64>, TrainError> {
-    let spec = tp_train::TrainSpec {
-        sequence_parallel,
-        distributed_optimizer,
+    let spec = TrainSpec {
+        sequence_parallel: f.sequence_parallel,
+        recompute: f.recompute,
+        distributed_optimizer: f.distributed_optimizer,
         ..fixtures::spec(dims, STEPS, micro)
     };
     let corpus = fixtures::corpus()?;
@@ -44,9 +80,9 @@ fn losses(
     Ok(out)
 }
 
-/// Layouts of `n` ranks, with micro-batches that divide the 4-sequence batch, and whether
-/// the run is sequence parallel.
-fn layouts(n: usize) -> Vec<(ParallelDims, usize, bool)> {
+/// Layouts of `n` ranks, with micro-batches that divide the 4-sequence batch, and the
+/// features each runs with.
+fn layouts(n: usize) -> Vec<(ParallelDims, usize, Features)> {
     let mut out = Vec::new();
     for tp in 1..=n {
         for pp in 1..=n {
@@ -55,9 +91,28 @@ fn layouts(n: usize) -> Vec<(ParallelDims, usize, bool)> {
                     let per_replica = 4 / dp;
                     let micro = if pp > 1 { per_replica } else { 1 };
                     let dims = ParallelDims { tp, pp, dp };
-                    out.push((dims, micro, false));
-                    if tp > 1 && fixtures::spec(dims, STEPS, micro).seq.is_multiple_of(tp) {
-                        out.push((dims, micro, true));
+                    let plain = Features::PLAIN;
+                    out.push((dims, micro, plain));
+                    let sp = tp > 1 && fixtures::spec(dims, STEPS, micro).seq.is_multiple_of(tp);
+                    if sp {
+                        let f = Features {
+                            sequence_parallel: true,
+                            ..plain
+                        };
+                        out.push((dims, micro, f));
+                    }
+                    if (tp > 1 && pp > 1) || tp == 3 {
+                        for recompute in [Recompute::Selective, Recompute::Full] {
+                            out.push((dims, micro, Features { recompute, ..plain }));
+                        }
+                    }
+                    if sp && pp > 1 {
+                        let f = Features {
+                            sequence_parallel: true,
+                            recompute: Recompute::Full,
+                            ..plain
+                        };
+                        out.push((dims, micro, f));
                     }
                 }
             }
@@ -76,18 +131,13 @@ fn main() -> ExitCode {
     let rank = world.rank();
     let sharded = std::env::args().any(|a| a == "--distributed-optimizer");
     // The oracle: tp1 in this process, on a one-rank local world.
+    let one = ParallelDims {
+        tp: 1,
+        pp: 1,
+        dp: 1,
+    };
     let reference = match local::run(1, LocalOptions::default(), |w| {
-        losses(
-            w,
-            ParallelDims {
-                tp: 1,
-                pp: 1,
-                dp: 1,
-            },
-            1,
-            false,
-            false,
-        )
+        losses(w, one, 1, Features::PLAIN)
     }) {
         Ok(mut v) => match v.pop() {
             Some(Ok(Ok(l))) => l,
@@ -104,15 +154,24 @@ fn main() -> ExitCode {
     let (mut passed, mut failed) = (0u64, 0u64);
     let layouts = layouts(world.size())
         .into_iter()
-        .filter(|(d, _, _)| !sharded || d.dp > 1);
-    for (dims, micro, sp) in layouts {
-        let sp_name = match (sp, sharded) {
-            (false, false) => "",
-            (true, false) => " sequence-parallel",
-            (false, true) => " distributed optimizer",
-            (true, true) => " sequence-parallel distributed optimizer",
-        };
-        match losses(world.clone(), dims, micro, sp, sharded) {
+        // With the distributed optimizer: the layouts with replicas, without recomputation.
+        .filter(|(d, _, f)| !sharded || (d.dp > 1 && f.recompute == Recompute::None))
+        .map(|(d, m, f)| {
+            let f = Features {
+                distributed_optimizer: sharded,
+                ..f
+            };
+            (d, m, f)
+        });
+    for (dims, micro, features) in layouts {
+        let label = format!(
+            "tp={} pp={} dp={}{}",
+            dims.tp,
+            dims.pp,
+            dims.dp,
+            features.label()
+        );
+        match losses(world.clone(), dims, micro, features) {
             Ok(got) => {
                 let worst = got
                     .iter()
@@ -123,24 +182,20 @@ fn main() -> ExitCode {
                     passed += 1;
                     if rank == 0 {
                         println!(
-                            "tp={} pp={} dp={}{sp_name}: {STEPS} steps, max relative loss difference {worst:.2e}",
-                            dims.tp, dims.pp, dims.dp
+                            "{label}: {STEPS} steps, max relative loss difference {worst:.2e}"
                         );
                     }
                 } else {
                     failed += 1;
                     eprintln!(
-                        "rank {rank}: FAILED tp={} pp={} dp={}{sp_name}: {} steps, max relative \
-                         difference {worst:e} > {TOLERANCE:e}",
-                        dims.tp,
-                        dims.pp,
-                        dims.dp,
+                        "rank {rank}: FAILED {label}: {} steps, max relative difference \
+                         {worst:e} > {TOLERANCE:e}",
                         got.len()
                     );
                 }
             }
             Err(e) => {
-                eprintln!("rank {rank}: error at {dims:?}{sp_name}: {e}");
+                eprintln!("rank {rank}: error at {label}: {e}");
                 if let Some(f) = e.as_comm().and_then(|c| c.flight_record()) {
                     eprint!("{f}");
                 }
