@@ -8,9 +8,10 @@
 //! drafter (`--spec ngram`, `--draft-model`), every server also runs without speculation, the
 //! baseline of the same run, and each level reports the drafts' acceptance.
 
-use crate::generate::{Drafting, SpecArgs};
+use crate::generate::Drafting;
 use crate::model_run::{run_model_serving, ModelArgs};
 use crate::serve::serve_error;
+use crate::serve::ServeSpecArgs;
 use anyhow::{bail, Context};
 use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
@@ -63,7 +64,7 @@ pub struct BenchServeArgs {
     /// Speculative decoding in the servers; with a drafter each server also runs without
     /// it (the baseline).
     #[command(flatten)]
-    pub spec: SpecArgs,
+    pub spec: ServeSpecArgs,
 }
 
 /// What the requests of `tp bench serve` ask.
@@ -132,7 +133,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
         rounds: args.rounds,
         kv_contexts: args.kv_contexts,
     };
-    let spec_label = match args.spec.drafting()? {
+    let spec_label = match args.spec.check()? {
         Drafting::Off => None,
         Drafting::Method(..) => Some("ngram".to_string()),
         Drafting::Model(path, _) => Some(
@@ -243,7 +244,7 @@ struct ServerShape {
     /// The default budget (or the rank memory limit) when `None`.
     budget: Option<KvBudget>,
     /// Speculative decoding's flags, `None` when off.
-    spec: Option<SpecArgs>,
+    spec: Option<ServeSpecArgs>,
 }
 
 impl InProcessServer {
@@ -306,9 +307,7 @@ impl InProcessServer {
                 run_model_serving(&m, cfg.kv_budget, |s| {
                     let mut cfg = cfg.clone();
                     if let Some(spec) = &spec {
-                        cfg.spec = spec
-                            .source(s, &m)?
-                            .map(|(source, tokens)| tp_serve::ServeSpec { source, tokens });
+                        cfg.spec = spec.serve_spec(s, &m)?;
                     }
                     tp_serve::serve(s, &cfg, |r| {
                         let _ = tx.send((r.addr, r.stop.clone()));

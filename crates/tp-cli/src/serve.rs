@@ -19,6 +19,50 @@ use tp_serve::{ConnLimits, KvBudget, Ready, ServeConfig, ServeError};
 /// Drain after SIGTERM under mpirun: short enough to finish before mpirun's SIGKILL.
 const MPI_TERM_DRAIN: Duration = Duration::from_millis(200);
 
+/// Speculative decoding flags of a server: the drafter, and up to how many decoding requests
+/// a step drafts for.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ServeSpecArgs {
+    #[command(flatten)]
+    pub drafting: crate::generate::SpecArgs,
+    /// With speculative decoding: draft only in steps where at most N requests decode. Every
+    /// draft costs a verification row, accepted or not, so a batch that already keeps the
+    /// cores busy gets slower with drafts (measured on 2 cores: 1.7x with one client, 0.7-0.9x
+    /// with four) [default: 1].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub spec_max_batch: Option<u64>,
+}
+
+impl ServeSpecArgs {
+    /// The server's speculation for `s` (a draft model is loaded here), `None` when off.
+    pub fn serve_spec(
+        &self,
+        s: &tp_engine::Session,
+        model: &ModelArgs,
+    ) -> anyhow::Result<Option<tp_serve::ServeSpec>> {
+        let max_batch = self.spec_max_batch.map_or(1, |n| n as usize);
+        Ok(self
+            .drafting
+            .source(s, model)?
+            .map(|(source, tokens)| tp_serve::ServeSpec {
+                source,
+                tokens,
+                max_batch: Some(max_batch),
+            }))
+    }
+
+    /// The flags checked (before any rank starts).
+    pub fn check(&self) -> anyhow::Result<crate::generate::Drafting> {
+        let drafting = self.drafting.drafting()?;
+        if self.spec_max_batch.is_some() && matches!(drafting, crate::generate::Drafting::Off) {
+            anyhow::bail!(
+                "--spec-max-batch needs --spec ngram or --draft-model FILE (speculative decoding is off)"
+            );
+        }
+        Ok(drafting)
+    }
+}
+
 #[derive(clap::Args, Clone, Debug)]
 pub struct ServeArgs {
     #[command(flatten)]
@@ -27,7 +71,7 @@ pub struct ServeArgs {
     /// prompt and output; --draft-model: each keeps its own cache of the draft model, held
     /// once on rank 0). Clients see the same text (greedy) or distribution (sampling).
     #[command(flatten)]
-    pub spec: crate::generate::SpecArgs,
+    pub spec: ServeSpecArgs,
     /// Address to listen on. Loopback by default; anything else is reachable from the network
     /// (set an API key then: $TP_API_KEY or --api-key).
     #[arg(long, default_value = "127.0.0.1")]
@@ -368,13 +412,10 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     };
     let canary_failed: Arc<Mutex<Option<String>>> = Arc::default();
     // Checked before any rank starts; rank 0 builds the drafter source.
-    args.spec.drafting()?;
+    args.spec.check()?;
     let out = run_model_serving(&args.model, cfg.kv_budget, |s| {
         let mut cfg = cfg.clone();
-        cfg.spec = args
-            .spec
-            .source(s, &args.model)?
-            .map(|(source, tokens)| tp_serve::ServeSpec { source, tokens });
+        cfg.spec = args.spec.serve_spec(s, &args.model)?;
         let ready = |r: &Ready| -> tp_serve::Result<()> {
             if !quiet {
                 eprintln!(

@@ -243,6 +243,24 @@ fn bench_serve_measures_in_process_with_the_benchs_model_flags() {
     let a = rows[1]["spec_acceptance"].as_f64().unwrap_or(-1.0);
     assert!((0.0..=1.0).contains(&a), "{}", rows[1]);
 
+    // --spec-max-batch without a drafter, or 0, is refused before any server starts.
+    for (extra, want) in [
+        (
+            &["--spec-max-batch", "2"][..],
+            "--spec-max-batch needs --spec ngram",
+        ),
+        (
+            &["--spec", "ngram", "--spec-max-batch", "0"][..],
+            "--spec-max-batch",
+        ),
+    ] {
+        let mut args = base.to_vec();
+        args.extend(extra);
+        let f = common::run_with_deadline(TP, &args, Duration::from_secs(60));
+        assert_ne!(f.code, Some(0), "{extra:?}: {}", f.output);
+        assert!(f.stderr.contains(want), "{extra:?}: {}", f.output);
+    }
+
     let mut args = base.to_vec();
     args.extend(["--max-rank-memory", "1KB"]);
     let f = common::run_with_deadline(TP, &args, Duration::from_secs(300));

@@ -721,16 +721,21 @@ impl<'a, 't> Scheduler<'a, 't> {
     /// Asks every decoding request that speculates for this step's drafts, within its
     /// sequence's room, the tokens it still wants and the step's token cap left over after
     /// the decode tokens and the prefill chunks (prompts go first: drafts are optional). A
-    /// request whose drafter fails fails.
+    /// request whose drafter fails fails. No request drafts in a step where more requests
+    /// decode than the speculation's `max_batch`.
     fn draft_all(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
-        if self.cfg.spec.is_none() {
+        let Some(max_batch) = self.cfg.spec.as_ref().map(|s| s.max_batch) else {
             return Ok(());
-        }
+        };
         let decoding = self
             .running
             .iter()
             .filter(|r| r.prefill_left() == 0 && r.decoder.next_input().is_some())
             .count();
+        if max_batch.is_some_and(|m| decoding > m) {
+            self.drop_drafts();
+            return Ok(());
+        }
         let prefill: usize = self.running.iter().map(Running::prefill_left).sum();
         let mut budget = self.cfg.max_batch_tokens.saturating_sub(decoding + prefill);
         let mut failed = Vec::new();

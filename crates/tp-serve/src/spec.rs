@@ -11,11 +11,16 @@ use crate::metrics::Metrics;
 use std::sync::Arc;
 use tp_engine::{DraftTokens, DrafterSource, EngineError, Speculator};
 
-/// Speculation settings of a server: who drafts, and how many tokens per step.
+/// Speculation settings of a server: who drafts, how many tokens per step, and up to how
+/// many decoding requests a step drafts for.
 #[derive(Clone)]
 pub struct ServeSpec {
     pub source: Arc<dyn DrafterSource>,
     pub tokens: DraftTokens,
+    /// Draft only in steps where at most this many requests decode (`None`: in every step).
+    /// A batch that already keeps the cores busy pays a verification row for every draft,
+    /// accepted or not, so speculation slows large batches down.
+    pub max_batch: Option<usize>,
 }
 
 impl std::fmt::Debug for ServeSpec {
@@ -23,6 +28,7 @@ impl std::fmt::Debug for ServeSpec {
         f.debug_struct("ServeSpec")
             .field("source", &self.source.describe())
             .field("tokens", &self.tokens)
+            .field("max_batch", &self.max_batch)
             .finish()
     }
 }
@@ -206,7 +212,30 @@ mod tests {
         Some(ServeSpec {
             source,
             tokens: DraftTokens::new(k).unwrap(),
+            max_batch: None,
         })
+    }
+
+    /// `max_batch`: no drafts in a step where more requests decode; the text stays.
+    #[test]
+    fn no_request_drafts_in_a_step_with_more_decoding_requests_than_max_batch() {
+        let (want, _, _) = serve_all(None, 1000, false);
+        let source: Arc<dyn DrafterSource> = Arc::new(ScriptedSource(true, false));
+        let drafted = |max_batch: Option<usize>| {
+            let mut s = spec(source.clone(), Some(4));
+            if let Some(s) = s.as_mut() {
+                s.max_batch = max_batch;
+            }
+            let (got, m, _) = serve_all(s, 1000, false);
+            assert_eq!(got, want, "max_batch {max_batch:?}");
+            metric(&m, "tp_spec_drafted_tokens_total")
+        };
+        let all = drafted(None);
+        // The 8 requests run together: with 1, only the last one left running drafts.
+        let tail = drafted(Some(1));
+        assert_eq!(drafted(Some(0)), 0.0);
+        assert!(tail > 0.0 && tail < all, "{tail} of {all}");
+        assert_eq!(drafted(Some(8)), all);
     }
 
     #[test]

@@ -156,6 +156,7 @@ fn ngram_speculation_changes_no_answer() {
             let spec = ServeSpec {
                 source: source.clone(),
                 tokens: DraftTokens::new(k).unwrap(),
+                max_batch: None,
             };
             let cfg = if budget == small {
                 unshared(small, Some(spec))
