@@ -13,64 +13,15 @@
 //! (checked below), so the comparison can fail.
 
 mod common;
-use candle_core::{Device, Tensor};
+use common::logits::{inference_logits, rel_diff, training_logits};
 use common::*;
 use safetensors::SafeTensors;
-use tp_comm::local::{self, LocalOptions};
-use tp_models::{open_checkpoint, Chunk, LoadOptions, Profile, ShardedModel};
+use tp_models::open_checkpoint;
 use tp_train::fixtures::{gemma3_spec, moe_spec, qwen3_spec};
-use tp_train::model::{StageInput, StageModel};
 use tp_train::TrainSpec;
 use tp_train::{Checkpoint, ModelConfig};
 
 const TOL: f32 = 1e-4;
-
-/// The training model's logits `[n, vocab]` for `tokens` at tp 1, built as `cfg` from `ck`.
-fn training_logits(cfg: &ModelConfig, ck: &Checkpoint, tokens: &[u32]) -> Vec<f32> {
-    let out = local::run(1, LocalOptions::default(), |g| {
-        let m = StageModel::new(cfg, 0, 1, 0, 1, ck)?;
-        let ids = Tensor::from_vec(tokens.to_vec(), (1, tokens.len()), &Device::Cpu)?; // [1, n]
-        let h = m.hidden(StageInput::Tokens(&ids), &g)?; // [1, n, hidden]
-        let logits = m
-            .logits_local(&h, &g)?
-            .ok_or_else(|| tp_train::TrainError::Config("a whole model has a head".into()))?; // [1, n, vocab]
-        Ok::<_, tp_train::TrainError>(logits.flatten_all()?.to_vec1::<f32>()?)
-    })
-    .expect("world starts");
-    out.into_iter()
-        .next()
-        .expect("one rank")
-        .expect("no panic")
-        .expect("training forward")
-}
-
-/// Inference logits `[n, vocab]` of every position of `tokens` at `tp`, from the directory.
-fn inference_logits(dir: &std::path::Path, tp: usize, tokens: &[u32]) -> Vec<f32> {
-    let ckpt = open_checkpoint(dir).expect("the checkpoint opens for inference");
-    let out = local::run(tp, LocalOptions::default(), |g| {
-        let m = ShardedModel::load(&*ckpt, g.rank(), tp, LoadOptions::default(), 64)?;
-        let mut pool = m.new_pool();
-        let mut table = m.new_table(64);
-        let mut prof = Profile::default();
-        let local = m.forward(
-            &mut [Chunk {
-                tokens,
-                table: &mut table,
-                all_logits: true,
-            }],
-            &mut pool,
-            &g,
-            &mut prof,
-        )?; // [n, vocab_local]
-        m.gather_logits(local, tokens.len(), &g, &mut prof) // [n, vocab]
-    })
-    .expect("world starts");
-    out.into_iter()
-        .next()
-        .expect("rank 0")
-        .expect("no panic")
-        .expect("inference forward")
-}
 
 /// Issue 32: a training rank's shard is the inference rank's. For every tp the model splits
 /// to (up to 4), the plan inference makes for the saved directory is training's plan, and
@@ -97,13 +48,6 @@ fn same_shards_as_inference(step: &std::path::Path, cfg: &ModelConfig) {
             }
         }
     }
-}
-
-/// max |a - b| / max |b|.
-fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "logit counts");
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
 /// Trains `s` at tp 2 x pp 2 for 6 steps, saves it, checks config.json names `model_type` /

@@ -2,6 +2,8 @@
 //! `tp_train::fixtures` (uneven at tp 3), and running a layout on rank threads.
 #![allow(dead_code)] // each test binary uses a subset
 
+pub mod logits;
+
 use std::path::PathBuf;
 use tp_comm::local::{run, LocalOptions};
 use tp_comm::{ParallelDims, ProcessGroups};
