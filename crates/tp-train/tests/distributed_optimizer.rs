@@ -29,16 +29,7 @@ fn assert_same_curve(what: &str, got: &[tp_train::StepReport], want: &[tp_train:
     let diff = max_rel_loss_diff(got, want);
     eprintln!("{what}: max relative loss difference {diff:.2e}");
     assert!(diff <= LOSS_TOL, "{what}: losses differ by {diff:e}");
-    for (g, w) in got.iter().zip(want) {
-        let rel = (g.grad_norm - w.grad_norm).abs() / w.grad_norm;
-        assert!(
-            rel <= LOSS_TOL,
-            "{what}: step {} grad norm {} vs {}",
-            g.step,
-            g.grad_norm,
-            w.grad_norm
-        );
-    }
+    assert_grad_norms_close(what, got, want, LOSS_TOL);
 }
 
 #[test]

@@ -68,16 +68,8 @@ fn every_layout_follows_the_tp1_loss_curve_for_20_steps() {
             d.pp,
             d.dp
         );
-        for (g, w) in got.iter().zip(&reference) {
-            let rel = (g.grad_norm - w.grad_norm).abs() / w.grad_norm;
-            assert!(
-                rel <= 1e-3,
-                "step {}: grad norm {} vs {}",
-                g.step,
-                g.grad_norm,
-                w.grad_norm
-            );
-        }
+        let what = format!("tp={} pp={} dp={} against tp1", d.tp, d.pp, d.dp);
+        assert_grad_norms_close(&what, &got, &reference, 1e-3);
     }
 }
 
@@ -160,15 +152,6 @@ fn follows_tp1(name: &str, spec: fn(tp_comm::ParallelDims, u64, usize) -> tp_tra
             d.tp,
             d.pp
         );
-        for (g, w) in got.iter().zip(&reference) {
-            let rel = (g.grad_norm - w.grad_norm).abs() / w.grad_norm;
-            assert!(
-                rel <= 1e-3,
-                "{name} step {}: grad norm {} vs {}",
-                g.step,
-                g.grad_norm,
-                w.grad_norm
-            );
-        }
+        assert_grad_norms_close(name, &got, &reference, 1e-3);
     }
 }

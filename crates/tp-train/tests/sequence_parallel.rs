@@ -47,16 +47,7 @@ fn sequence_parallel_follows_the_curve_without_it_at_tp2_and_tp2_x_pp2() {
                 d.tp,
                 d.pp
             );
-            for (g, w) in with.iter().zip(&without) {
-                let rel = (g.grad_norm - w.grad_norm).abs() / w.grad_norm;
-                assert!(
-                    rel <= 1e-3,
-                    "{name} step {}: grad norm {} vs {}",
-                    g.step,
-                    g.grad_norm,
-                    w.grad_norm
-                );
-            }
+            assert_grad_norms_close(name, &with, &without, 1e-3);
         }
     }
 }

@@ -83,3 +83,17 @@ pub fn max_rel_loss_diff(got: &[StepReport], want: &[StepReport]) -> f64 {
 pub fn scratch(name: &str) -> PathBuf {
     tp_testkit::scratch_dir(&format!("train-{name}"))
 }
+
+/// Every step's gradient norm in `got` within `tol` (relative) of `want`'s at the same step.
+pub fn assert_grad_norms_close(what: &str, got: &[StepReport], want: &[StepReport], tol: f64) {
+    for (g, w) in got.iter().zip(want) {
+        let rel = (g.grad_norm - w.grad_norm).abs() / w.grad_norm;
+        assert!(
+            rel <= tol,
+            "{what}: step {} grad norm {} vs {}",
+            g.step,
+            g.grad_norm,
+            w.grad_norm
+        );
+    }
+}
