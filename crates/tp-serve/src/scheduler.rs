@@ -708,12 +708,14 @@ impl<'a, 't> Scheduler<'a, 't> {
         self.metrics.preemptions.increment(1);
         self.metrics.board.preempted();
         if r.first_token.is_some() {
-            // Everything it held, recomputed; its pending token is fed after.
-            r.context = std::mem::take(&mut r.held);
+            // Everything it held, recomputed; its pending token is fed after. Preempted again
+            // before that recompute finished, it held a prefix of the context: keep the context.
+            if r.held.len() > r.context.len() {
+                r.context = std::mem::take(&mut r.held);
+            }
             r.resumed = true;
-        } else {
-            r.held.clear();
         }
+        r.held.clear();
         self.waiting.push_front(Queued::Preempted(Box::new(r)));
         Ok(())
     }
@@ -1190,10 +1192,18 @@ pub(crate) mod tests {
 
     /// Every request's text and end, run one at a time with memory to spare.
     fn alone(prompts: &[(String, usize)]) -> Vec<(String, Event)> {
+        alone_on(prompts, || alphabet(true))
+    }
+
+    /// [`alone`] on the model `model` makes.
+    fn alone_on(
+        prompts: &[(String, usize)],
+        model: impl Fn() -> ScriptedExecutor,
+    ) -> Vec<(String, Event)> {
         prompts
             .iter()
             .map(|(p, max)| {
-                let mut exec = alphabet(true);
+                let mut exec = model();
                 let (j, mut r) = job(p, DecodeParams::greedy(*max));
                 let (out, result) =
                     with_scheduler(&mut exec, &cfg(1000, 64), vec![j], |_| collect(&mut r));
@@ -1211,11 +1221,23 @@ pub(crate) mod tests {
         }
     }
 
-    #[test]
-    fn a_budget_too_small_for_everyone_preempts_and_every_request_completes() {
-        // 32 requests of mixed lengths over 6 blocks (192 positions): at most a few fit at
-        // once, so running requests are preempted and recomputed.
-        let prompts: Vec<(String, usize)> = (0..32)
+    /// A model whose next token is the letter of the position it goes to: a request that
+    /// lost part of its context (a recompute that skipped positions) gets other letters.
+    fn positional() -> ScriptedExecutor {
+        ScriptedExecutor::new(
+            VOCAB,
+            100_000,
+            Box::new(|_, held| {
+                let mut row = vec![0.0f32; VOCAB];
+                row[usize::from(b'a') + held.len() % 26] = 10.0;
+                row
+            }),
+        )
+    }
+
+    /// 32 requests of mixed lengths, prompts of 1 to 40 letters, 5 to 74 tokens each.
+    fn mixed_prompts() -> Vec<(String, usize)> {
+        (0..32)
             .map(|i| {
                 let start = b'a' + (i % 26) as u8;
                 let prompt: String = (0..1 + (i * 7) % 40)
@@ -1223,9 +1245,26 @@ pub(crate) mod tests {
                     .collect();
                 (prompt, 5 + (i * 13) % 70)
             })
-            .collect();
-        let want = alone(&prompts);
-        let mut exec = alphabet(true);
+            .collect()
+    }
+
+    #[test]
+    fn a_budget_too_small_for_everyone_preempts_and_every_request_completes() {
+        // 32 requests over 6 blocks (192 positions): at most a few fit at once, so running
+        // requests are preempted and recomputed, some again before their recompute ended.
+        // Both models: the alphabet (each token follows the last) and the positional one (each
+        // token names its position: a recompute that lost positions changes the text).
+        for model in [|| alphabet(true), positional] {
+            for batch in [64, 16, 8] {
+                preempted_requests_complete(model, batch);
+            }
+        }
+    }
+
+    fn preempted_requests_complete(model: fn() -> ScriptedExecutor, batch: usize) {
+        let prompts = mixed_prompts();
+        let want = alone_on(&prompts, model);
+        let mut exec = model();
         let metrics = Metrics::new();
         let mut jobs = Vec::new();
         let mut rxs = Vec::new();
@@ -1234,12 +1273,16 @@ pub(crate) mod tests {
             jobs.push(j);
             rxs.push(r);
         }
-        let (got, result) = with_metrics(&mut exec, &cfg(6, 64), jobs, &metrics, |_| {
+        let (got, result) = with_metrics(&mut exec, &cfg(6, batch), jobs, &metrics, |_| {
             rxs.iter_mut().map(collect).collect::<Vec<_>>()
         });
         result.unwrap();
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(done_text(g), done_text(w), "request {i}");
+            assert_eq!(
+                done_text(g),
+                done_text(w),
+                "request {i}, {batch} tokens a step"
+            );
         }
         assert!(metric(&metrics, "tp_preemptions_total") > 0.0);
         assert_eq!(metric(&metrics, "tp_kv_blocks_used"), 0.0);
