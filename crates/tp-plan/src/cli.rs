@@ -38,6 +38,17 @@ pub struct PlanArgs {
     /// Override inter-node bandwidth per device, GB/s.
     #[arg(long)]
     pub inter_node_gbs: Option<f64>,
+    /// Latency of one message between nodes (CPU machines), e.g. `200us`, `0.2ms`
+    /// [default: the accelerator's: 30 us for CPU machines, 10 us for GPU nodes].
+    #[arg(long, value_name = "TIME")]
+    pub link_latency: Option<String>,
+    /// Bandwidth between nodes per device, e.g. `1gbit`, `125MB/s`, or GB/s as a number
+    /// (replaces --inter-node-gbs).
+    #[arg(long, value_name = "RATE")]
+    pub link_bandwidth: Option<String>,
+    /// CPU machines: cores (rank threads) per machine [default: the preset's].
+    #[arg(long)]
+    pub cores: Option<u64>,
     /// Training sequence length.
     #[arg(long, default_value_t = 2048)]
     pub seq: u64,
@@ -104,6 +115,9 @@ impl Default for PlanArgs {
             cluster: None,
             intra_node_gbs: None,
             inter_node_gbs: None,
+            link_latency: None,
+            link_bandwidth: None,
+            cores: None,
             seq: 2048,
             global_batch: 512,
             precision: None,
@@ -142,9 +156,17 @@ pub fn resolve_model(spec: &str) -> Result<ModelSpec, PlanError> {
 
 fn resolve_cluster(args: &PlanArgs) -> Result<ClusterSpec, PlanError> {
     let mut cluster = match &args.cluster {
+        Some(_) if args.cores.is_some() => {
+            return Err(PlanError::InvalidCluster(
+                "--cores with --cluster: set cpu_cores in the cluster file instead".to_string(),
+            ))
+        }
         Some(path) => load_cluster_file(path)?,
         None => {
-            let accelerator = accelerator_preset(&args.gpu)?;
+            let mut accelerator = accelerator_preset(&args.gpu)?;
+            if let Some(n) = args.cores {
+                accelerator = accelerator.with_cores(n)?;
+            }
             let cpu = matches!(
                 accelerator.kind,
                 crate::hardware::AcceleratorKind::CpuMachine { .. }
@@ -168,8 +190,52 @@ fn resolve_cluster(args: &PlanArgs) -> Result<ClusterSpec, PlanError> {
     if let Some(bw) = args.inter_node_gbs {
         cluster.inter_node_bandwidth = bw * 1e9;
     }
+    if let Some(text) = &args.link_bandwidth {
+        cluster.inter_node_bandwidth = parse_rate(text)?;
+    }
+    if let Some(text) = &args.link_latency {
+        cluster.inter_node_latency_s = parse_duration(text)?;
+    }
     cluster.validate()?;
     Ok(cluster)
+}
+
+/// `200us`, `0.2ms`, `1s` (a bare number is microseconds) -> seconds.
+pub fn parse_duration(text: &str) -> Result<f64, PlanError> {
+    let t = text.trim().to_ascii_lowercase();
+    let (num, scale) = [("us", 1e-6), ("µs", 1e-6), ("ms", 1e-3), ("s", 1.0)]
+        .iter()
+        .find_map(|(unit, scale)| t.strip_suffix(unit).map(|n| (n.trim(), *scale)))
+        .unwrap_or((t.as_str(), 1e-6));
+    match num.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 && v * scale <= 60.0 => Ok(v * scale),
+        _ => Err(PlanError::InvalidCluster(format!(
+            "link latency {text:?} is not a time: give e.g. 200us, 0.2ms or 1s (0 to 60 s)"
+        ))),
+    }
+}
+
+/// `1gbit`, `100mbit`, `125MB/s`, `1.25GB/s` (a bare number is GB/s) -> bytes/s.
+pub fn parse_rate(text: &str) -> Result<f64, PlanError> {
+    let t = text.trim().to_ascii_lowercase();
+    let units = [
+        ("gbit/s", 1e9 / 8.0),
+        ("gbit", 1e9 / 8.0),
+        ("mbit/s", 1e6 / 8.0),
+        ("mbit", 1e6 / 8.0),
+        ("gb/s", 1e9),
+        ("mb/s", 1e6),
+    ];
+    let (num, scale) = units
+        .iter()
+        .find_map(|(unit, scale)| t.strip_suffix(unit).map(|n| (n.trim(), *scale)))
+        .unwrap_or((t.as_str(), 1e9));
+    match num.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v * scale),
+        _ => Err(PlanError::InvalidCluster(format!(
+            "link bandwidth {text:?} is not a rate: give e.g. 1gbit, 125MB/s or 1.25 (GB/s)"
+        ))),
+    }
 }
 
 fn list_presets() -> String {

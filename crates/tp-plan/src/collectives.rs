@@ -18,6 +18,18 @@ pub fn ring_all_reduce_s(bytes: f64, ranks: u64, link: Link) -> f64 {
     2.0 * (n - 1.0) / n * bytes / link.bandwidth + 2.0 * (n - 1.0) * link.latency_s
 }
 
+/// All-reduce of `bytes` over `ranks` as an engine picks for the buffer: the ring, or for
+/// small buffers every rank sending its whole buffer to every peer at once and reducing
+/// locally (one message step: α + (n-1)·bytes/bw; tp-comm's MPI backend does this up to
+/// 256 KiB at 2 ranks), whichever is faster. Decode's per-layer all-reduces are small.
+pub fn all_reduce_s(bytes: f64, ranks: u64, link: Link) -> f64 {
+    if ranks <= 1 {
+        return 0.0;
+    }
+    let direct = link.latency_s + (ranks - 1) as f64 * bytes / link.bandwidth;
+    ring_all_reduce_s(bytes, ranks, link).min(direct)
+}
+
 /// Ring all-gather (or reduce-scatter) whose full result is `bytes`.
 pub fn ring_all_gather_s(bytes: f64, ranks: u64, link: Link) -> f64 {
     if ranks <= 1 {

@@ -107,6 +107,34 @@ impl AcceleratorSpec {
         }
     }
 
+    /// This CPU machine with `n` cores: its FLOP/s and machine bandwidth scale with the
+    /// cores, the per-core bandwidth stays. An error for a GPU or a count out of 1..=65536.
+    pub fn with_cores(&self, n: u64) -> Result<AcceleratorSpec, PlanError> {
+        let AcceleratorKind::CpuMachine { cores } = self.kind else {
+            return Err(PlanError::InvalidCluster(format!(
+                "cores per machine are for CPU machines; {} is a GPU",
+                self.name
+            )));
+        };
+        if n == 0 || n > 1 << 16 {
+            return Err(PlanError::InvalidCluster(format!(
+                "{n} cores per machine: give 1 to 65536"
+            )));
+        }
+        let per_core = self
+            .per_core_memory_bandwidth()
+            .unwrap_or(self.memory_bandwidth);
+        let scale = n as f64 / cores.max(1) as f64;
+        Ok(AcceleratorSpec {
+            name: format!("{}-as-{n}-core", self.name),
+            kind: AcceleratorKind::CpuMachine { cores: n },
+            peak_flops: self.peak_flops * scale,
+            memory_bandwidth: (self.memory_bandwidth * scale).max(per_core),
+            memory_bandwidth_per_core: Some(per_core),
+            ..self.clone()
+        })
+    }
+
     /// Read bandwidth of one core of a CPU machine (`None` for a GPU).
     pub fn per_core_memory_bandwidth(&self) -> Option<f64> {
         match self.kind {
@@ -262,10 +290,46 @@ impl ClusterSpec {
         self.accelerator.memory_bytes * self.usable_memory_fraction
     }
 
-    /// Bandwidth and latency for a collective whose group of `group_span`
-    /// consecutive ranks does (not) stay inside one node.
+    /// Devices one tensor group of `tp` ranks occupies: `tp` GPUs; on CPU machines one
+    /// machine while its cores can hold the rank threads, else `tp / cores` machines (one
+    /// rank per core, a process per rank under mpirun; the search only offers multiples).
+    pub fn devices_per_tensor_group(&self, tp: u64) -> u64 {
+        match self.accelerator.kind {
+            AcceleratorKind::Gpu => tp,
+            AcceleratorKind::CpuMachine { cores } => tp.div_ceil(cores.max(1)).max(1),
+        }
+    }
+
+    /// Tensor ranks of a group of `tp` that share one device: 1 per GPU; on CPU machines
+    /// the threads on one machine (`min(tp, cores)`), what the per-rank FLOP/s and
+    /// bandwidth of [`AcceleratorSpec::rank_flops`] / [`AcceleratorSpec::rank_memory_bandwidth`]
+    /// are taken at.
+    pub fn ranks_per_device(&self, tp: u64) -> u64 {
+        match self.accelerator.kind {
+            AcceleratorKind::Gpu => 1,
+            AcceleratorKind::CpuMachine { cores } => tp.min(cores.max(1)).max(1),
+        }
+    }
+
+    /// Rank slots one tensor group of `tp` takes when groups are laid side by side (pipeline
+    /// stages, data-parallel replicas): `tp` on GPUs; on CPU machines whole machines of
+    /// `cores` slots, so that two groups never share one.
+    pub fn tensor_group_slots(&self, tp: u64) -> u64 {
+        match self.accelerator.kind {
+            AcceleratorKind::Gpu => tp,
+            AcceleratorKind::CpuMachine { cores } => self.devices_per_tensor_group(tp) * cores,
+        }
+    }
+
+    /// Bandwidth and latency for a collective whose group spans `group_span` consecutive
+    /// rank slots: within a node (a GPU node, or one CPU machine's cores) the intra-node
+    /// link, else the inter-node one.
     pub fn link_for_span(&self, group_span: u64) -> (f64, f64) {
-        if self.is_cpu() || group_span <= self.devices_per_node {
+        let per_node = match self.accelerator.kind {
+            AcceleratorKind::Gpu => self.devices_per_node,
+            AcceleratorKind::CpuMachine { cores } => cores,
+        };
+        if group_span <= per_node {
             (self.intra_node_bandwidth, self.intra_node_latency_s)
         } else {
             (self.inter_node_bandwidth, self.inter_node_latency_s)

@@ -52,18 +52,66 @@ impl StoredWeights {
     /// unquantized weights at `dense_bytes` per element: exactly what the runtime's memory
     /// report (`tp inspect`) gives. `None` when the model cannot be split `tp` ways.
     pub fn rank_bytes(&self, tp: usize, rank: usize, dense_bytes: usize) -> Option<u64> {
+        let stage = tp_spec::Stage::whole(self.config.layers);
+        self.stage_rank_bytes(&stage, tp, rank, dense_bytes)
+    }
+
+    /// [`StoredWeights::rank_bytes`] of tensor rank `rank` of pipeline stage `stage`.
+    pub fn stage_rank_bytes(
+        &self,
+        stage: &tp_spec::Stage,
+        tp: usize,
+        rank: usize,
+        dense_bytes: usize,
+    ) -> Option<u64> {
         let unit = self
             .layouts
             .get(&WeightName::Down(0))
             .copied()
             .unwrap_or(Layout::Float)
             .ffn_unit();
-        let plan = ShardPlan::new(&self.config, unit, rank, tp).ok()?;
-        let mut layout = |name: WeightName| -> Result<Layout, ()> {
-            Ok(self.layouts.get(&name).copied().unwrap_or(Layout::Float))
-        };
-        let w = rank_weight_bytes(&self.config, &plan, &mut layout, dense_bytes).ok()?;
+        let plan = ShardPlan::new(&self.config, unit, rank, tp)
+            .ok()?
+            .with_stage(stage.clone());
+        let w = rank_weight_bytes(&self.config, &plan, &mut self.layout(), dense_bytes).ok()?;
         u64::try_from(w.sharded + w.replicated).ok()
+    }
+
+    /// The bytes of [`StoredWeights::stage_rank_bytes`] a decode step reads: all but an
+    /// embedding only looked up (rows per token), not also used as the (tied) head here.
+    pub fn stage_rank_read_bytes(
+        &self,
+        stage: &tp_spec::Stage,
+        tp: usize,
+        rank: usize,
+        dense_bytes: usize,
+    ) -> Option<u64> {
+        let held = self.stage_rank_bytes(stage, tp, rank, dense_bytes)?;
+        let looked_up = stage.is_first() && !(self.config.tied_embeddings && stage.is_last());
+        if !looked_up {
+            return Some(held);
+        }
+        let plan = ShardPlan::new(&self.config, 1, rank, tp).ok()?;
+        let embed = tp_spec::embed_params(&self.config);
+        let w =
+            tp_spec::params_weight_bytes(&plan, &embed, &mut self.layout(), dense_bytes).ok()?;
+        held.checked_sub(u64::try_from(w.sharded + w.replicated).ok()?)
+    }
+
+    /// The runtime's pipeline stages over `pp` (balanced by the bytes each streams per
+    /// token, tp-spec's split): `None` when the layers cannot take `pp`.
+    pub fn stages(&self, pp: usize, dense_bytes: usize) -> Option<Vec<tp_spec::Stage>> {
+        tp_spec::pipeline_stages::<tp_spec::ShardError>(
+            &self.config,
+            pp,
+            &mut |name| Ok(self.layouts.get(&name).copied().unwrap_or(Layout::Float)),
+            dense_bytes,
+        )
+        .ok()
+    }
+
+    fn layout(&self) -> impl FnMut(WeightName) -> Result<Layout, ()> + '_ {
+        |name| Ok(self.layouts.get(&name).copied().unwrap_or(Layout::Float))
     }
 }
 

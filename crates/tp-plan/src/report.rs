@@ -100,14 +100,16 @@ fn header(out: &mut String, model: &ModelSpec, cluster: &ClusterSpec) {
     };
     let _ = writeln!(
         out,
-        "cluster {} x {} ({} per node): {:.1} TFLOP/s, {:.1} GiB, {memory}; links {:.0} GB/s intra, {:.2} GB/s inter",
+        "cluster {} x {} ({} per node): {:.1} TFLOP/s, {:.1} GiB, {memory}; links {:.0} GB/s + {:.0} us intra, {:.3} GB/s + {:.0} us inter",
         cluster.num_devices,
         a.name,
         cluster.devices_per_node,
         a.peak_flops / 1e12,
         a.memory_bytes / GIB,
         cluster.intra_node_bandwidth / 1e9,
+        cluster.intra_node_latency_s * 1e6,
         cluster.inter_node_bandwidth / 1e9,
+        cluster.inter_node_latency_s * 1e6,
     );
 }
 
@@ -280,7 +282,7 @@ pub fn serving_text(plan: &ServingPlan, limits: ReportLimits) -> String {
             .unwrap_or_else(|| "none".to_string()),
         if plan.model.stored.is_some() && !plan.model.is_moe() {
             format!(
-                "as stored in the file (quantized blocks kept, floats as {:?}; single-stage layouts exact)",
+                "as stored in the file (quantized blocks kept, floats as {:?}; each rank's bytes and the stages' layers as the runtime splits them)",
                 w.weight_precision
             )
         } else {
@@ -302,12 +304,42 @@ pub fn serving_text(plan: &ServingPlan, limits: ReportLimits) -> String {
     for (i, e) in head(&plan.ranked, limits.top).iter().enumerate() {
         serving_row(&mut out, i + 1, e);
     }
+    if let Some(fast) = fastest(&plan.ranked).filter(|_| plan.cluster.num_devices > 1) {
+        let c = fast.config;
+        let machines = if plan.cluster.is_cpu() {
+            format!(
+                " ({} machine(s) per replica)",
+                c.pp * plan.cluster.devices_per_tensor_group(c.tp)
+            )
+        } else {
+            String::new()
+        };
+        let _ = writeln!(
+            out,
+            "\nfastest per token: tp={} pp={} dp={}{machines}: TPOT {:.2} ms = {:.2} ms reading/computing + {:.2} ms tensor-parallel all-reduces + {:.2} ms stage sends + {:.2} ms step command",
+            c.tp,
+            c.pp,
+            c.dp,
+            fast.time_per_output_token_s * 1e3,
+            (fast.time_per_output_token_s
+                - fast.tensor_parallel_comm_s
+                - fast.pipeline_p2p_s
+                - fast.command_s)
+                * 1e3,
+            fast.tensor_parallel_comm_s * 1e3,
+            fast.pipeline_p2p_s * 1e3,
+            fast.command_s * 1e3,
+        );
+    }
     match plan.ranked.first() {
         None => out.push_str("  no layout fits and meets the target; see the rejections below\n"),
-        Some(best) if plan.cluster.is_cpu() => {
+        Some(best) if plan.cluster.is_cpu() && plan.cluster.num_devices == 1 => {
             // The busiest thread's reads bound the step; each thread reads at its rank bandwidth.
             let tp = best.config.tp;
-            let rank_bandwidth = plan.cluster.accelerator.rank_memory_bandwidth(tp);
+            let rank_bandwidth = plan
+                .cluster
+                .accelerator
+                .rank_memory_bandwidth(plan.cluster.ranks_per_device(tp));
             let busiest_rank_bytes = best.memory_read_s * rank_bandwidth;
             let _ = writeln!(
                 out,
@@ -337,4 +369,12 @@ pub fn serving_text(plan: &ServingPlan, limits: ReportLimits) -> String {
         limits.rejected,
     );
     out
+}
+
+/// The layout with the least time per output token (the cheaper one among equals).
+pub fn fastest(ranked: &[ServingEstimate]) -> Option<&ServingEstimate> {
+    ranked.iter().min_by(|a, b| {
+        a.time_per_output_token_s
+            .total_cmp(&b.time_per_output_token_s)
+    })
 }

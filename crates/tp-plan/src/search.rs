@@ -19,8 +19,10 @@ use std::collections::BTreeMap;
 pub enum RejectReason {
     #[error("tp={tp} crosses the node boundary ({per_node} devices per node)")]
     TpCrossesNode { tp: u64, per_node: u64 },
-    #[error("tp={tp} exceeds the {cores} cores of the machine")]
+    #[error("tp={tp} exceeds the {cores} cores of the machine(s)")]
     TpExceedsCores { tp: u64, cores: u64 },
+    #[error("tp={tp} spans machines of {cores} cores: give it whole machines (a multiple of {cores}, at most {machines} machines)")]
+    TpSpansPartMachines { tp: u64, cores: u64, machines: u64 },
     #[error("{devices} devices are not a multiple of {per_replica} per model replica")]
     DevicesNotDivisible { devices: u64, per_replica: u64 },
     #[error("pp={pp} exceeds the {layers} layers")]
@@ -38,6 +40,7 @@ impl RejectReason {
         match self {
             RejectReason::TpCrossesNode { .. } => "tp_crosses_node",
             RejectReason::TpExceedsCores { .. } => "tp_exceeds_cores",
+            RejectReason::TpSpansPartMachines { .. } => "tp_spans_part_machines",
             RejectReason::DevicesNotDivisible { .. } => "devices_not_divisible",
             RejectReason::PpExceedsLayers { .. } => "pp_exceeds_layers",
             RejectReason::BatchNotDivisible { .. } => "batch_not_divisible",
@@ -147,7 +150,8 @@ fn tensor_candidates(
     let mut out = Vec::new();
     let cap = match cluster.accelerator.kind {
         AcceleratorKind::Gpu => cluster.num_devices,
-        AcceleratorKind::CpuMachine { cores } => cores + 1,
+        // A tensor group may span whole machines (one rank per core, over their link).
+        AcceleratorKind::CpuMachine { cores } => cores * cluster.num_devices + 1,
     };
     for tp in 1..=model.num_query_heads.min(cap) {
         let reason = match cluster.accelerator.kind {
@@ -163,8 +167,22 @@ fn tensor_candidates(
                     per_replica: tp,
                 })
             }
-            AcceleratorKind::CpuMachine { cores } if tp > cores => {
-                Some(RejectReason::TpExceedsCores { tp, cores })
+            AcceleratorKind::CpuMachine { cores } if tp > cores * cluster.num_devices => {
+                Some(RejectReason::TpExceedsCores {
+                    tp,
+                    cores: cores * cluster.num_devices,
+                })
+            }
+            AcceleratorKind::CpuMachine { cores }
+                if tp > cores
+                    && (!tp.is_multiple_of(cores)
+                        || !cluster.num_devices.is_multiple_of(tp / cores)) =>
+            {
+                Some(RejectReason::TpSpansPartMachines {
+                    tp,
+                    cores,
+                    machines: cluster.num_devices,
+                })
             }
             _ => None,
         };
@@ -176,23 +194,10 @@ fn tensor_candidates(
     out
 }
 
-/// Devices a tensor group occupies: tp GPUs, or one CPU machine.
-fn devices_per_tensor_group(cluster: &ClusterSpec, tp: u64) -> u64 {
-    if cluster.is_cpu() {
-        1
-    } else {
-        tp
-    }
-}
-
-/// Memory a device must hold for a per-rank footprint: CPU machines host every
-/// tensor thread.
+/// Memory a device must hold for a per-rank footprint: a CPU machine hosts the tensor
+/// threads its cores run.
 fn device_memory_need(cluster: &ClusterSpec, tp: u64, per_rank: f64) -> f64 {
-    if cluster.is_cpu() {
-        per_rank * tp as f64
-    } else {
-        per_rank
-    }
+    per_rank * cluster.ranks_per_device(tp) as f64
 }
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
@@ -222,7 +227,7 @@ pub fn plan_training(
     let mut ranked = Vec::new();
     let usable = cluster.usable_memory_bytes();
     for tp in tensor_candidates(model, cluster, &mut rejected) {
-        let groups = cluster.num_devices / devices_per_tensor_group(cluster, tp);
+        let groups = cluster.num_devices / cluster.devices_per_tensor_group(tp);
         for pp in divisors(groups) {
             let dp = groups / pp;
             if pp > model.num_layers {
@@ -344,7 +349,7 @@ pub fn plan_serving(
     let mut ranked = Vec::new();
     let usable = cluster.usable_memory_bytes();
     for tp in tensor_candidates(model, cluster, &mut rejected) {
-        let groups = cluster.num_devices / devices_per_tensor_group(cluster, tp);
+        let groups = cluster.num_devices / cluster.devices_per_tensor_group(tp);
         for pp in divisors(groups) {
             let dp = groups / pp;
             if pp > model.num_layers {
@@ -490,5 +495,51 @@ mod tests {
         assert_eq!(best.config.tp, 2);
         assert!(best.memory_budget_bytes < 24.0 * GIB);
         assert_eq!(plan.rejected.by_kind.get("tp_exceeds_cores"), Some(&1));
+    }
+
+    /// Two one-core hosts: tp 2 spans them (its all-reduces over their link), pp 2 puts a
+    /// stage on each. Fast links favour tp 2; at 0.2 ms per message the 60 all-reduces of a
+    /// token cost more than tp saves and pp 2 (two messages a token) beats it, while one host
+    /// alone is fastest of all (a token passes both stages in turn).
+    #[test]
+    fn the_link_latency_decides_between_tp_across_hosts_and_pipeline_stages() {
+        let m = model_preset("smollm2-135m").unwrap();
+        let one_core = accelerator_preset("cpu-2core")
+            .unwrap()
+            .with_cores(1)
+            .unwrap();
+        let w = ServingWorkload {
+            context_len: 512,
+            concurrency: 1,
+            target_time_per_token_s: None,
+            weight_precision: Precision::Bf16,
+            kv_precision: Precision::Bf16,
+        };
+        let tpot = |latency_s: f64, tp: u64, pp: u64| {
+            let mut c = ClusterSpec::new(one_core.clone(), 2, 1).unwrap();
+            c.inter_node_latency_s = latency_s;
+            c.inter_node_bandwidth = 125e6;
+            let plan = plan_serving(&m, &c, &w).unwrap();
+            assert_eq!(plan.rejected.by_kind.get("tp_exceeds_cores"), Some(&1));
+            let e = plan
+                .ranked
+                .iter()
+                .find(|e| (e.config.tp, e.config.pp) == (tp, pp))
+                .unwrap_or_else(|| panic!("tp {tp} pp {pp} is offered"));
+            assert_eq!(e.command_s > 0.0, tp * pp > 1);
+            e.time_per_output_token_s
+        };
+        let fast = 5e-6;
+        assert!(tpot(fast, 2, 1) < tpot(fast, 1, 2));
+        assert!(tpot(fast, 2, 1) < tpot(fast, 1, 1));
+        let slow = 200e-6;
+        assert!(tpot(slow, 1, 2) < tpot(slow, 2, 1));
+        assert!(tpot(slow, 1, 1) < tpot(slow, 1, 2));
+        // A stage boundary costs one message per token, tp two all-reduces per layer.
+        let extra = tpot(slow, 1, 2) - tpot(fast, 1, 2);
+        assert!((extra - 2.0 * (slow - fast)).abs() < 1e-9, "{extra}");
+        let extra = tpot(slow, 2, 1) - tpot(fast, 2, 1);
+        let messages = (2 * m.num_layers + 1) as f64;
+        assert!((extra - messages * (slow - fast)).abs() < 1e-9, "{extra}");
     }
 }

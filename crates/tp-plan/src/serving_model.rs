@@ -4,7 +4,7 @@
 //! bound by FLOPs; tensor ranks add 2 all-reduces per layer (Shoeybi et al. 2019
 //! §3); pipeline stages run one after another for a given token.
 
-use crate::collectives::{ring_all_reduce_s, send_s, Link};
+use crate::collectives::{all_reduce_s, send_s, Link};
 use crate::hardware::ClusterSpec;
 use crate::model::ModelSpec;
 use crate::sharding::{stage_layer_counts, TensorShard};
@@ -43,6 +43,8 @@ pub struct ServingEstimate {
     pub compute_s: f64,
     pub tensor_parallel_comm_s: f64,
     pub pipeline_p2p_s: f64,
+    /// The leader's step command reaching the replica's other ranks (0 on one rank).
+    pub command_s: f64,
     pub bound: DecodeBound,
     pub tokens_per_s: f64,
     /// Device-seconds (GPU-seconds, or machine-seconds for CPU) per output token.
@@ -53,22 +55,46 @@ pub struct ServingEstimate {
     pub kv_replication: f64,
 }
 
-/// Every rank's weight bytes from the file's stored layouts ([`crate::model::StoredWeights`]),
-/// for a dense model on one pipeline stage; unquantized weights at the precision's size
-/// (f32 4 bytes, 2 otherwise). `None` otherwise: the parameter-count estimate applies.
-fn stored_rank_bytes(
+/// Each pipeline stage of a model file as the runtime splits it: its layer count and every
+/// tensor rank's weight bytes, from the file's stored layouts
+/// ([`crate::model::StoredWeights`]); unquantized weights at the precision's size (f32 4
+/// bytes, 2 otherwise). `None` for presets and MoE files: the parameter-count estimate
+/// applies.
+struct StoredStage {
+    layers: u64,
+    /// Each rank's weight bytes held, and read per decode step (the embedding is looked up).
+    rank_bytes: Vec<u64>,
+    read_bytes: Vec<u64>,
+}
+
+fn stored_stages(
     model: &ModelSpec,
     config: &ServingConfig,
     precision: Precision,
-) -> Option<Vec<u64>> {
+) -> Option<Vec<StoredStage>> {
     let stored = model.stored.as_ref()?;
-    if config.pp != 1 || model.is_moe() {
+    if model.is_moe() {
         return None;
     }
     let dense_bytes = if precision == Precision::Fp32 { 4 } else { 2 };
     let tp = usize::try_from(config.tp).ok()?;
-    (0..tp)
-        .map(|r| stored.rank_bytes(tp, r, dense_bytes))
+    let pp = usize::try_from(config.pp).ok()?;
+    stored
+        .stages(pp, dense_bytes)?
+        .iter()
+        .map(|stage| {
+            let rank_bytes = (0..tp)
+                .map(|r| stored.stage_rank_bytes(stage, tp, r, dense_bytes))
+                .collect::<Option<Vec<u64>>>()?;
+            let read_bytes = (0..tp)
+                .map(|r| stored.stage_rank_read_bytes(stage, tp, r, dense_bytes))
+                .collect::<Option<Vec<u64>>>()?;
+            Some(StoredStage {
+                layers: stage.layers.len() as u64,
+                rank_bytes,
+                read_bytes,
+            })
+        })
         .collect()
 }
 
@@ -89,9 +115,10 @@ pub fn estimate_serving(
     let acc = &cluster.accelerator;
     let tp = config.tp as f64;
     // GPU ranks own a device; CPU rank threads get a core each and
-    // min(per-core, machine / tp) of the memory bandwidth.
-    let rank_flops = acc.rank_flops(config.tp);
-    let rank_bw = acc.rank_memory_bandwidth(config.tp);
+    // min(per-core, machine / threads) of the memory bandwidth, the threads of one machine
+    // being min(tp, cores) (a larger tp spans machines).
+    let rank_flops = acc.rank_flops(cluster.ranks_per_device(config.tp));
+    let rank_bw = acc.rank_memory_bandwidth(cluster.ranks_per_device(config.tp));
     let seqs = workload.concurrency.div_ceil(config.dp).max(1);
     let w_bytes = workload.weight_precision.bytes();
     let kv_bytes = workload.kv_precision.bytes();
@@ -105,7 +132,12 @@ pub fn estimate_serving(
     let ctx = workload.context_len;
 
     let params = stage_rank_params(model, &shard, 1, config.pp);
-    let counts = stage_layer_counts(model.num_layers, config.pp);
+    // A model file's stages as the runtime splits and reads them.
+    let stored = stored_stages(model, config, workload.weight_precision);
+    let counts = match &stored {
+        Some(stages) => stages.iter().map(|s| s.layers).collect(),
+        None => stage_layer_counts(model.num_layers, config.pp),
+    };
     let expert_fraction_read = if model.is_moe() {
         expected_experts_touched(model.num_experts, model.experts_per_token, seqs)
             / model.num_experts as f64
@@ -130,14 +162,12 @@ pub fn estimate_serving(
     let mut tensor_parallel_comm_s = 0.0;
     let mut token_s = 0.0;
     let mut memory = MemoryBreakdown::default();
-    // A model file read layer by layer on one stage: the runtime's exact per-rank bytes.
-    let stored = stored_rank_bytes(model, config, workload.weight_precision);
     for (i, &layers) in counts.iter().enumerate() {
         let p = &params[i];
         let (weights, weights_read) = match &stored {
-            Some(ranks) => {
-                let most = ranks.iter().copied().max().unwrap_or(0) as f64;
-                (most, most)
+            Some(stages) => {
+                let most = |v: &[u64]| v.iter().copied().max().unwrap_or(0) as f64;
+                (most(&stages[i].rank_bytes), most(&stages[i].read_bytes))
             }
             None => (
                 (p.dense + p.expert) * w_bytes,
@@ -156,7 +186,7 @@ pub fn estimate_serving(
             + logits;
         let read_s = (weights_read + kv) / rank_bw;
         let flop_s = flops / rank_flops;
-        let comm = 2.0 * l * ring_all_reduce_s(seqs as f64 * h * act_bytes, config.tp, tp_link);
+        let comm = 2.0 * l * all_reduce_s(seqs as f64 * h * act_bytes, config.tp, tp_link);
         memory_read_s += read_s;
         compute_s += flop_s;
         tensor_parallel_comm_s += comm;
@@ -172,7 +202,7 @@ pub fn estimate_serving(
         }
     }
     let pipeline_p2p_s = if config.pp > 1 {
-        let (bw, lat) = cluster.link_for_span(2 * config.tp);
+        let (bw, lat) = cluster.link_for_span(2 * cluster.tensor_group_slots(config.tp));
         (config.pp - 1) as f64
             * send_s(
                 seqs as f64 * h * act_bytes,
@@ -184,11 +214,29 @@ pub fn estimate_serving(
     } else {
         0.0
     };
+    // The leader's step command (the tokens to feed) reaches every rank of the replica
+    // before it computes: one message over the widest link the replica spans.
+    let replica_slots = config.pp * cluster.tensor_group_slots(config.tp);
+    let command_s = if config.pp * config.tp > 1 {
+        let (bw, lat) = cluster.link_for_span(replica_slots);
+        send_s(
+            64.0 * seqs as f64,
+            Link {
+                bandwidth: bw,
+                latency_s: lat,
+            },
+        )
+    } else {
+        0.0
+    };
+    token_s += command_s;
     token_s += pipeline_p2p_s;
 
     let memory_budget_bytes = if cluster.is_cpu() {
-        // All tensor threads of a stage share the machine: count every rank's
-        // weights (replicated kv projections included) and KV cache.
+        // The tensor threads of a stage share a machine: count every rank's weights
+        // (replicated kv projections included) and KV cache; a tp spanning machines
+        // splits them evenly over its machines.
+        let machines = cluster.devices_per_tensor_group(config.tp) as f64;
         let largest_stage = counts.iter().copied().max().unwrap_or(0);
         let held_kv = shard.total_kv_heads_held as f64;
         let attention = 2.0 * h * d * (model.num_query_heads as f64 + held_kv);
@@ -201,20 +249,24 @@ pub fn estimate_serving(
             2.0
         };
         let weights = match &stored {
-            Some(ranks) => ranks.iter().sum::<u64>() as f64,
+            Some(stages) => stages
+                .iter()
+                .map(|s| s.rank_bytes.iter().sum::<u64>())
+                .max()
+                .unwrap_or(0) as f64,
             None => {
                 (largest_stage as f64 * per_layer + embeddings * model.embedding_params() as f64)
                     * w_bytes
             }
         };
         let kv = 2.0 * largest_stage as f64 * held_kv * d * ctx as f64 * seqs as f64 * kv_bytes;
-        weights + kv + tp * memory.activations
+        (weights + kv) / machines + cluster.ranks_per_device(config.tp) as f64 * memory.activations
     } else {
         memory.total()
     };
 
     let devices_per_replica = if cluster.is_cpu() {
-        config.pp
+        config.pp * cluster.devices_per_tensor_group(config.tp)
     } else {
         config.tp * config.pp
     };
@@ -234,6 +286,7 @@ pub fn estimate_serving(
         compute_s,
         tensor_parallel_comm_s,
         pipeline_p2p_s,
+        command_s,
         bound: if memory_read_s >= compute_s {
             DecodeBound::MemoryBandwidth
         } else {

@@ -71,8 +71,8 @@ struct RankResources {
 fn rank_resources(cluster: &ClusterSpec, tp: u64) -> RankResources {
     let a = &cluster.accelerator;
     RankResources {
-        flops: a.rank_flops(tp),
-        memory_bandwidth: a.rank_memory_bandwidth(tp),
+        flops: a.rank_flops(cluster.ranks_per_device(tp)),
+        memory_bandwidth: a.rank_memory_bandwidth(cluster.ranks_per_device(tp)),
     }
 }
 
@@ -137,7 +137,7 @@ fn layer_time(
     };
     let tensor_comm_s = all_reduces * ring_all_reduce_s(tokens * h * act_bytes, config.tp, tp_link);
     let expert_comm_s = if model.is_moe() && config.ep > 1 {
-        let (bw, lat) = cluster.link_for_span(config.tp * config.ep);
+        let (bw, lat) = cluster.link_for_span(cluster.tensor_group_slots(config.tp) * config.ep);
         let link = Link {
             bandwidth: bw,
             latency_s: lat,
@@ -178,7 +178,8 @@ pub fn estimate_training(
 
     // Scatter/gather p2p (Narayanan §4.1): b·s·h/t bytes each way per micro-batch.
     let p2p_per_micro_s = if config.pp > 1 {
-        let (bw, lat) = cluster.link_for_span(2 * config.tp * config.dp);
+        let (bw, lat) =
+            cluster.link_for_span(2 * cluster.tensor_group_slots(config.tp) * config.dp);
         let bytes = (b * s) as f64 * h * element / config.tp as f64;
         2.0 * send_s(
             bytes,
@@ -277,7 +278,7 @@ pub fn estimate_training(
             a
         }
     });
-    let (bw, lat) = cluster.link_for_span(config.tp * config.dp);
+    let (bw, lat) = cluster.link_for_span(cluster.tensor_group_slots(config.tp) * config.dp);
     let dp_link = Link {
         bandwidth: bw,
         latency_s: lat,

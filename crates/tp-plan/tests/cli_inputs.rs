@@ -178,3 +178,50 @@ fn megatron_table_and_presets_flags() {
     };
     assert!(run(&a).unwrap().contains("smollm2-135m"));
 }
+
+/// The link and the cores of CPU machines as given: a serving plan across two one-core hosts
+/// offers tp 2 over both; bad values are named.
+#[test]
+fn link_latency_bandwidth_and_cores() {
+    let mut a = args("smollm2-135m", 2);
+    a.gpu = "cpu-2core".to_string();
+    a.serve = true;
+    a.cores = Some(1);
+    a.link_latency = Some("200us".to_string());
+    a.link_bandwidth = Some("1gbit".to_string());
+    let text = run(&a).unwrap();
+    assert!(
+        text.contains("1 cores") && text.contains("0.125 GB/s + 200 us inter"),
+        "{text}"
+    );
+    assert!(text.contains("fastest per token: tp=1 pp=1 dp=2"), "{text}");
+    a.link_latency = Some("1us".to_string());
+    a.link_bandwidth = Some("100gbit".to_string());
+    let text = run(&a).unwrap();
+    assert!(
+        text.contains("fastest per token: tp=2 pp=1 dp=1 (2 machine(s)"),
+        "{text}"
+    );
+    for (latency, bandwidth, cores, want) in [
+        (
+            "2 fortnights",
+            "1gbit",
+            1,
+            "link latency \"2 fortnights\" is not a time",
+        ),
+        ("200us", "fast", 1, "link bandwidth \"fast\" is not a rate"),
+        ("-1ms", "1gbit", 1, "is not a time"),
+        ("200us", "0gbit", 1, "is not a rate"),
+        ("200us", "1gbit", 0, "0 cores per machine: give 1 to 65536"),
+    ] {
+        a.link_latency = Some(latency.to_string());
+        a.link_bandwidth = Some(bandwidth.to_string());
+        a.cores = Some(cores);
+        let e = run(&a).unwrap_err().to_string();
+        assert!(e.contains(want), "{latency} {bandwidth} {cores}: {e}");
+    }
+    let mut gpu = args("smollm2-135m", 8);
+    gpu.cores = Some(4);
+    let e = run(&gpu).unwrap_err().to_string();
+    assert!(e.contains("cores per machine are for CPU machines"), "{e}");
+}

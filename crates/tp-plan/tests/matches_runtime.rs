@@ -2,11 +2,14 @@
 //! per-rank weight bytes equal what the runtime's memory report (`tp inspect`, `rank_memory`)
 //! gives for every rank at tp 1..4, exactly (the same integers), on synthetic GGUFs whose
 //! K-quant shards cut super-blocks and on the real SmolLM2 (and Qwen2.5-Coder-0.5B where
-//! installed).
+//! installed); with pipeline stages (pp 2, 3), the same stages and every stage rank's bytes.
 
 use std::path::Path;
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
-use tp_models::{open_checkpoint, rank_memory, Arch, CheckpointPlan, KvDtype, ShardPlan};
+use tp_models::{
+    checkpoint_stages, open_checkpoint, rank_memory, Arch, CheckpointPlan, KvDtype, LoadOptions,
+    ShardPlan,
+};
 use tp_plan::hardware::{accelerator_preset, ClusterSpec};
 use tp_plan::serving_model::{estimate_serving, ServingConfig};
 use tp_plan::workload::{Precision, ServingWorkload};
@@ -48,6 +51,35 @@ fn assert_plan_matches_runtime(path: &Path, what: &str) {
         };
         let e = estimate_serving(&model, &cluster, &workload, &config);
         assert_eq!(e.memory.weights, most as f64, "{what}: tp {tp}");
+    }
+    // Pipeline stages: the same layers per stage as the runtime's split, and every rank of
+    // every stage the runtime's bytes.
+    for pp in [2, 3].into_iter().filter(|&pp| pp <= cfg.layers) {
+        let opts = LoadOptions {
+            pipeline_stages: pp,
+            ..LoadOptions::default()
+        };
+        let runtime_stages = checkpoint_stages(&*ckpt, opts).unwrap();
+        let planned_stages = stored.stages(pp, 4).unwrap();
+        assert_eq!(planned_stages, runtime_stages, "{what}: pp {pp} stages");
+        for stage in &runtime_stages {
+            for tp in 1..=2.min(cfg.heads) {
+                for r in 0..tp {
+                    let plan = ShardPlan::for_checkpoint(&*ckpt, r, tp)
+                        .unwrap()
+                        .with_stage(stage.clone());
+                    let m = rank_memory(&*ckpt, &plan, ctx, 4, true, KvDtype::F32).unwrap();
+                    let runtime = (m.sharded + m.replicated) as u64;
+                    let planned = stored.stage_rank_bytes(stage, tp, r, 4);
+                    assert_eq!(
+                        planned,
+                        Some(runtime),
+                        "{what}: pp {pp} stage {} tp {tp} rank {r}",
+                        stage.index
+                    );
+                }
+            }
+        }
     }
 }
 
