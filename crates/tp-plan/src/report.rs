@@ -242,11 +242,17 @@ pub fn training_text(plan: &TrainingPlan, limits: ReportLimits) -> String {
     out
 }
 
-fn serving_row(out: &mut String, rank: usize, e: &ServingEstimate) {
+/// One serving layout's row; `moe` adds the expert groups after tp.
+fn serving_row(out: &mut String, rank: usize, e: &ServingEstimate, moe: bool) {
     let c = &e.config;
+    let ep = if moe {
+        format!(" {:>3}", c.ep)
+    } else {
+        String::new()
+    };
     let _ = writeln!(
         out,
-        "{rank:>3} {:>3} {:>3} {:>4} {:>6} | {:>9.2} {:>10.1} {:>10.5} {:>9} {:>8.3} | {:>7.2} {:>7.2} {:>7.2} {:>8.2} | {:>5.2} {:>4.2}",
+        "{rank:>3} {:>3}{ep} {:>3} {:>4} {:>6} | {:>9.2} {:>10.1} {:>10.5} {:>9} {:>8.3} | {:>7.2} {:>7.2} {:>7.2} {:>8.2} | {:>5.2} {:>4.2}",
         c.tp,
         c.pp,
         c.dp,
@@ -296,13 +302,14 @@ pub fn serving_text(plan: &ServingPlan, limits: ReportLimits) -> String {
         plan.ranked.len(),
         if plan.cluster.is_cpu() { ", all threads of the machine" } else { "" }
     );
+    let moe = plan.model.is_moe();
     let _ = writeln!(
         out,
-        "  # {:>3} {:>3} {:>4} {:>6} | {:>9} {:>10} {:>10} {:>9} {:>8} | {:>7} {:>7} {:>7} {:>8} | {:>5} {:>4}",
-        "tp", "pp", "dp", "seqs", "TPOT_ms", "tokens/s", "dev-s/tok", "bound", "TTFT_s", "weights", "kv", "activ", "budget", "imbal", "kvx"
+        "  # {:>3}{} {:>3} {:>4} {:>6} | {:>9} {:>10} {:>10} {:>9} {:>8} | {:>7} {:>7} {:>7} {:>8} | {:>5} {:>4}",
+        "tp", if moe { "  ep" } else { "" }, "pp", "dp", "seqs", "TPOT_ms", "tokens/s", "dev-s/tok", "bound", "TTFT_s", "weights", "kv", "activ", "budget", "imbal", "kvx"
     );
     for (i, e) in head(&plan.ranked, limits.top).iter().enumerate() {
-        serving_row(&mut out, i + 1, e);
+        serving_row(&mut out, i + 1, e, moe);
     }
     if let Some(fast) = fastest(&plan.ranked).filter(|_| plan.cluster.num_devices > 1) {
         let c = fast.config;
@@ -316,8 +323,13 @@ pub fn serving_text(plan: &ServingPlan, limits: ReportLimits) -> String {
         };
         let _ = writeln!(
             out,
-            "\nfastest per token: tp={} pp={} dp={}{machines}: TPOT {:.2} ms = {:.2} ms reading/computing + {:.2} ms tensor-parallel all-reduces + {:.2} ms stage sends + {:.2} ms step command",
+            "\nfastest per token: tp={}{} pp={} dp={}{machines}: TPOT {:.2} ms = {:.2} ms reading/computing + {:.2} ms tensor-parallel all-reduces + {:.2} ms stage sends + {:.2} ms step command",
             c.tp,
+            if plan.model.is_moe() {
+                format!(" ep={}", c.ep)
+            } else {
+                String::new()
+            },
             c.pp,
             c.dp,
             fast.time_per_output_token_s * 1e3,

@@ -360,25 +360,40 @@ pub fn plan_serving(
                 rejected.push(Rejection::shape(tp, Some(pp), Some(dp), reason));
                 continue;
             }
-            let config = ServingConfig { tp, pp, dp };
-            let estimate = estimate_serving(model, cluster, workload, &config);
-            let reason = if estimate.memory_budget_bytes > usable {
-                Some(RejectReason::OutOfMemory {
-                    need_gib: estimate.memory_budget_bytes / GIB,
-                    usable_gib: usable / GIB,
-                })
+            // Expert groups (the runtime's --ep): any divisor of tp up to the expert count.
+            let eps: Vec<u64> = if model.is_moe() {
+                divisors(tp)
+                    .into_iter()
+                    .filter(|&ep| ep <= model.num_experts)
+                    .collect()
             } else {
-                workload
-                    .target_time_per_token_s
-                    .filter(|target| estimate.time_per_output_token_s > *target)
-                    .map(|target| RejectReason::LatencyTargetMissed {
-                        tpot_ms: estimate.time_per_output_token_s * 1e3,
-                        target_ms: target * 1e3,
-                    })
+                vec![1]
             };
-            match reason {
-                Some(r) => rejected.push(Rejection::shape(tp, Some(pp), Some(dp), r)),
-                None => ranked.push(estimate),
+            for ep in eps {
+                let config = ServingConfig { tp, pp, dp, ep };
+                let estimate = estimate_serving(model, cluster, workload, &config);
+                let reason = if estimate.memory_budget_bytes > usable {
+                    Some(RejectReason::OutOfMemory {
+                        need_gib: estimate.memory_budget_bytes / GIB,
+                        usable_gib: usable / GIB,
+                    })
+                } else {
+                    workload
+                        .target_time_per_token_s
+                        .filter(|target| estimate.time_per_output_token_s > *target)
+                        .map(|target| RejectReason::LatencyTargetMissed {
+                            tpot_ms: estimate.time_per_output_token_s * 1e3,
+                            target_ms: target * 1e3,
+                        })
+                };
+                match reason {
+                    Some(r) => {
+                        let mut rej = Rejection::shape(tp, Some(pp), Some(dp), r);
+                        rej.ep = (ep > 1).then_some(ep);
+                        rejected.push(rej)
+                    }
+                    None => ranked.push(estimate),
+                }
             }
         }
     }

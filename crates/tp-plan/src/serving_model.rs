@@ -12,12 +12,22 @@ use crate::state_memory::{kv_cache_bytes, stage_rank_params, MemoryBreakdown};
 use crate::workload::{Precision, ServingWorkload};
 use serde::Serialize;
 
-/// A serving layout: tp ranks per stage, pp stages, dp independent replicas.
+/// A serving layout: tp ranks per stage, pp stages, dp independent replicas; for a mixture
+/// of experts, `ep` expert groups of `tp / ep` consecutive ranks, each holding whole experts
+/// sliced over its ranks (the runtime's `--ep`; 1 slices every expert over all tp ranks).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct ServingConfig {
     pub tp: u64,
     pub pp: u64,
     pub dp: u64,
+    pub ep: u64,
+}
+
+impl ServingConfig {
+    /// A dense layout (one expert group).
+    pub fn dense(tp: u64, pp: u64, dp: u64) -> Self {
+        ServingConfig { tp, pp, dp, ep: 1 }
+    }
 }
 
 /// What bounds a decode step.
@@ -105,6 +115,40 @@ pub fn expected_experts_touched(experts: u64, top_k: u64, tokens: u64) -> f64 {
     e * (1.0 - (1.0 - top_k as f64 / e).powf(tokens as f64))
 }
 
+/// Expected largest number of touched experts in one expert group, over `groups` groups that
+/// split `experts` as evenly as they go (the first `experts % groups` one larger), when each
+/// expert is touched with probability `touched_fraction` independently (uniform routing; the
+/// experts a step touches are in fact drawn without replacement per token, a small
+/// correlation this ignores). A decode step waits for the busiest group.
+pub fn expected_busiest_group(experts: u64, groups: u64, touched_fraction: f64) -> f64 {
+    let groups = groups.clamp(1, experts.max(1));
+    let q = touched_fraction.clamp(0.0, 1.0);
+    let sizes: Vec<u64> = (0..groups)
+        .map(|g| experts / groups + u64::from(g < experts % groups))
+        .collect();
+    // P(Binomial(n, q) <= m).
+    let cdf = |n: u64, m: u64| -> f64 {
+        if m >= n || q <= 0.0 {
+            return 1.0;
+        }
+        if q >= 1.0 {
+            return 0.0;
+        }
+        let ratio = q / (1.0 - q);
+        let mut p = (1.0 - q).powi(i32::try_from(n).unwrap_or(i32::MAX));
+        let mut sum = p;
+        for i in 0..m {
+            p *= (n - i) as f64 / (i + 1) as f64 * ratio;
+            sum += p;
+        }
+        sum.min(1.0)
+    };
+    let largest = sizes.iter().copied().max().unwrap_or(0);
+    (1..=largest)
+        .map(|m| 1.0 - sizes.iter().map(|&n| cdf(n, m - 1)).product::<f64>())
+        .sum()
+}
+
 pub fn estimate_serving(
     model: &ModelSpec,
     cluster: &ClusterSpec,
@@ -131,18 +175,37 @@ pub fn estimate_serving(
     let d = model.head_dim as f64;
     let ctx = workload.context_len;
 
-    let params = stage_rank_params(model, &shard, 1, config.pp);
+    let mut params = stage_rank_params(model, &shard, 1, config.pp);
     // A model file's stages as the runtime splits and reads them.
     let stored = stored_stages(model, config, workload.weight_precision);
     let counts = match &stored {
         Some(stages) => stages.iter().map(|s| s.layers).collect(),
         None => stage_layer_counts(model.num_layers, config.pp),
     };
-    let expert_fraction_read = if model.is_moe() {
+    let touched = if model.is_moe() {
         expected_experts_touched(model.num_experts, model.experts_per_token, seqs)
             / model.num_experts as f64
     } else {
         1.0
+    };
+    // Expert parallelism: a rank holds its group's experts, each sliced over the group's
+    // tp / ep ranks, and a step waits for the group whose experts the tokens touched most.
+    let ep = config.ep.clamp(1, config.tp.max(1));
+    let expert_fraction_read = if model.is_moe() && ep > 1 {
+        let group = TensorShard::new(model, config.tp / ep);
+        let slice = (model.mlp_matrices() * model.hidden_size * group.max_ffn_columns) as f64;
+        let held = model.num_experts.div_ceil(ep) as f64 * slice;
+        for (p, &layers) in params
+            .iter_mut()
+            .zip(&stage_layer_counts(model.num_layers, config.pp))
+        {
+            p.expert = held * layers as f64;
+        }
+        let busiest = expected_busiest_group(model.num_experts, ep, touched);
+        // Of the rank's experts, the share the busiest group reads.
+        busiest / model.num_experts.div_ceil(ep) as f64
+    } else {
+        touched
     };
     let (tp_bw, tp_lat) = cluster.link_for_span(config.tp);
     let tp_link = Link {
@@ -326,11 +389,7 @@ mod tests {
             &m,
             &c,
             &serve(1, Precision::Bf16),
-            &ServingConfig {
-                tp: 1,
-                pp: 1,
-                dp: 1,
-            },
+            &ServingConfig::dense(1, 1, 1),
         );
         assert_eq!(e.bound, DecodeBound::MemoryBandwidth);
         let bytes = 2.0 * m.total_params() as f64 + 2.0 * 32.0 * 4096.0 * 1024.0 * 2.0;
@@ -340,7 +399,7 @@ mod tests {
 
     fn tp1_and_tp2(c: &ClusterSpec, w: &ServingWorkload) -> (ServingEstimate, ServingEstimate) {
         let m = model_preset("smollm2-135m").unwrap();
-        let at = |tp| estimate_serving(&m, c, w, &ServingConfig { tp, pp: 1, dp: 1 });
+        let at = |tp| estimate_serving(&m, c, w, &ServingConfig::dense(tp, 1, 1));
         (at(1), at(2))
     }
 
@@ -395,5 +454,99 @@ mod tests {
         // One token touches exactly k experts; many tokens touch nearly all.
         assert!((expected_experts_touched(8, 2, 1) - 2.0).abs() < 1e-12);
         assert!(expected_experts_touched(8, 2, 64) > 7.99);
+    }
+
+    /// The busiest group's expected touched experts, against every outcome of independent
+    /// touches enumerated (exact), and against routing simulated the way tokens pick
+    /// experts (top-k distinct experts per token, uniform): within 6%.
+    #[test]
+    fn the_busiest_expert_group_is_the_expected_maximum() {
+        for (experts, groups, q) in [(6, 3, 0.3), (7, 2, 0.5), (8, 4, 0.25), (5, 1, 0.6)] {
+            let mut exact = 0.0;
+            for outcome in 0u32..1 << experts {
+                let p: f64 = (0..experts)
+                    .map(|e| if outcome >> e & 1 == 1 { q } else { 1.0 - q })
+                    .product();
+                let busiest = (0..groups)
+                    .map(|g| {
+                        // The runtime's balanced split: the first experts % groups one larger.
+                        let start: u64 = (0..g)
+                            .map(|h| experts / groups + u64::from(h < experts % groups))
+                            .sum();
+                        let size = experts / groups + u64::from(g < experts % groups);
+                        (start..start + size)
+                            .filter(|&e| outcome >> e & 1 == 1)
+                            .count()
+                    })
+                    .max()
+                    .unwrap_or(0);
+                exact += p * busiest as f64;
+            }
+            let got = expected_busiest_group(experts, groups, q);
+            assert!(
+                (got - exact).abs() < 1e-12,
+                "{experts} {groups} {q}: {got} vs {exact}"
+            );
+        }
+        assert_eq!(expected_busiest_group(8, 2, 1.0), 4.0);
+        assert_eq!(expected_busiest_group(8, 2, 0.0), 0.0);
+        assert!((expected_busiest_group(8, 1, 0.25) - 2.0).abs() < 1e-12);
+        // Mixtral's routing, one token (top-2 of 8) over 2 and 4 groups.
+        let mut rng = tp_spec::Rng::new(3);
+        for (groups, tokens) in [(2u64, 1u64), (4, 1), (2, 4)] {
+            let trials = 20_000;
+            let mut total = 0usize;
+            for _ in 0..trials {
+                let mut touched = [false; 8];
+                for _ in 0..tokens {
+                    let a = rng.below(8) as usize;
+                    let mut b = rng.below(7) as usize;
+                    if b >= a {
+                        b += 1;
+                    }
+                    touched[a] = true;
+                    touched[b] = true;
+                }
+                let per = 8 / groups as usize;
+                total += touched
+                    .chunks(per)
+                    .map(|g| g.iter().filter(|&&t| t).count())
+                    .max()
+                    .unwrap_or(0);
+            }
+            let simulated = total as f64 / trials as f64;
+            let q = expected_experts_touched(8, 2, tokens) / 8.0;
+            let predicted = expected_busiest_group(8, groups, q);
+            assert!(
+                (predicted / simulated - 1.0).abs() < 0.06,
+                "{groups} groups, {tokens} tokens: {predicted} vs {simulated}"
+            );
+        }
+    }
+
+    /// Expert parallelism holds the same expert bytes per rank as slicing every expert, but a
+    /// step waits for the group its tokens touched most: slower at one sequence, the same
+    /// once every expert is touched.
+    #[test]
+    fn expert_groups_cost_routing_imbalance_until_every_expert_is_busy() {
+        let m = model_preset("mixtral-8x7b").unwrap();
+        let c = ClusterSpec::new(accelerator_preset("h100").unwrap(), 8, 8).unwrap();
+        let at = |concurrency, ep| {
+            let config = ServingConfig {
+                tp: 8,
+                pp: 1,
+                dp: 1,
+                ep,
+            };
+            estimate_serving(&m, &c, &serve(concurrency, Precision::Bf16), &config)
+        };
+        for ep in [2, 4, 8] {
+            let (one, sliced) = (at(1, ep), at(1, 1));
+            assert_eq!(one.memory.weights, sliced.memory.weights, "ep {ep}");
+            assert!(one.time_per_output_token_s > 1.2 * sliced.time_per_output_token_s);
+            let (busy, sliced) = (at(256, ep), at(256, 1));
+            let ratio = busy.time_per_output_token_s / sliced.time_per_output_token_s;
+            assert!((ratio - 1.0).abs() < 1e-6, "ep {ep}: {ratio}");
+        }
     }
 }

@@ -44,11 +44,7 @@ fn assert_plan_matches_runtime(path: &Path, what: &str) {
             weight_precision: Precision::Fp32,
             kv_precision: Precision::Fp32,
         };
-        let config = ServingConfig {
-            tp: tp as u64,
-            pp: 1,
-            dp: 1,
-        };
+        let config = ServingConfig::dense(tp as u64, 1, 1);
         let e = estimate_serving(&model, &cluster, &workload, &config);
         assert_eq!(e.memory.weights, most as f64, "{what}: tp {tp}");
     }
