@@ -79,7 +79,27 @@ fn negative_numbers_are_values(cmd: clap::Command) -> clap::Command {
     cmd.mut_subcommands(negative_numbers_are_values)
 }
 
+/// A reader that closes our stdout early (`tp plan ... | head`) ends the run quietly, as it
+/// ends other Unix tools (status 141 = 128 + SIGPIPE), not with a panic and a backtrace: Rust
+/// ignores SIGPIPE, so a print to a closed pipe panics instead.
+fn end_quietly_when_stdout_closes() {
+    let next = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if message.contains("failed printing to stdout") && message.contains("Broken pipe") {
+            std::process::exit(141);
+        }
+        next(info);
+    }));
+}
+
 fn main() -> ExitCode {
+    end_quietly_when_stdout_closes();
     let matches = negative_numbers_are_values(Cli::command()).get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {

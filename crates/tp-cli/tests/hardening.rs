@@ -2,7 +2,8 @@
 //! `tp generate --chat` and `tp chat`; `tp chat` refuses a line that is not UTF-8 and goes on;
 //! `--fault` that never fires fails; `tp inspect --model`; negative numbers reach the range
 //! checks; an error prints its whole cause chain, each cause once; an invalid `--canary` file
-//! is refused at start naming its line.
+//! is refused at start naming its line; a reader that closes stdout early ends the run
+//! quietly.
 
 mod common;
 use common::TP;
@@ -265,4 +266,30 @@ fn an_invalid_canary_file_is_refused_naming_its_line() {
         f.stderr
     );
     assert!(!f.stderr.contains("listening on"), "{}", f.stderr);
+}
+
+/// `tp plan ... | head`: the reader is gone before the plan prints; the run ends with status
+/// 141 (as by SIGPIPE) and no panic.
+#[test]
+fn a_closed_stdout_ends_the_run_quietly() {
+    let mut child = Command::new(TP)
+        .args([
+            "plan",
+            "--model",
+            "llama-2-70b",
+            "--gpus",
+            "64",
+            "--gpu",
+            "a100-80",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start tp");
+    // Close the read end before the plan (a tenth of a second of search) is printed.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("wait for tp");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.code(), Some(141), "{stderr}");
 }

@@ -126,6 +126,7 @@ pub fn compare_with_table1() -> Result<Vec<MegatronComparison>, PlanError> {
                         micro_batch,
                         sequence_parallel: false,
                         recompute: Recompute::Full,
+                        virtual_stages: 1,
                     };
                     estimate_training(&model, &cluster, &workload, &config)
                 })
@@ -160,12 +161,12 @@ pub fn compare_with_table1() -> Result<Vec<MegatronComparison>, PlanError> {
 /// checks the document still matches).
 pub fn render_markdown(rows: &[MegatronComparison]) -> String {
     let mut out = String::from(
-        "| model | t | p | GPUs | batch | reported TFLOP/s/GPU | predicted (b) | error | planner top (t, p, b, recompute, SP) | its speed-up | its MFU |\n\
+        "| model | t | p | GPUs | batch | reported TFLOP/s/GPU | predicted (b) | error | planner top (t, p, v, b, recompute, SP) | its speed-up | its MFU |\n\
          |---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for c in rows {
         out.push_str(&format!(
-            "| {} ({:.1}B) | {} | {} | {} | {} | {:.0} | {:.1} (b={}) | {:+.1}%{} | ({}, {}, {}, {:?}, {}) | {:.2}x | {:.1}% |\n",
+            "| {} ({:.1}B) | {} | {} | {} | {} | {:.0} | {:.1} (b={}) | {:+.1}%{} | ({}, {}, {}, {}, {:?}, {}) | {:.2}x | {:.1}% |\n",
             c.row.preset,
             c.row.params_billion,
             c.row.tp,
@@ -179,6 +180,7 @@ pub fn render_markdown(rows: &[MegatronComparison]) -> String {
             if c.within_tolerance() { "" } else { " (outside 15%)" },
             c.planner_top.tp,
             c.planner_top.pp,
+            c.planner_top.virtual_stages,
             c.planner_top.micro_batch,
             c.planner_top.recompute,
             if c.planner_top.sequence_parallel { "SP" } else { "no SP" },

@@ -150,6 +150,9 @@ fn rejections(
         if let Some(rc) = r.recompute {
             let _ = write!(shape, " recompute={}", recompute_name(rc));
         }
+        if let Some(v) = r.virtual_stages.filter(|v| *v > 1) {
+            let _ = write!(shape, " v={v}");
+        }
         let _ = writeln!(out, "  {shape:<44} {}", r.reason);
     }
     if list.len() > n {
@@ -167,9 +170,10 @@ fn training_row(out: &mut String, rank: usize, e: &TrainingEstimate) {
     let t = &e.time;
     let _ = writeln!(
         out,
-        "{rank:>3} {:>3} {:>3} {:>5} {:>3} {:>3} {:>3} {:>9} | {:>9.3} {:>5.1}% {:>6.1} | {:>6.1} {:>6.1} {:>6.1} {:>6.1} {:>6.1} | {:>7.3} {:>7.3} {:>7.3} {:>7.3} {:>7.3} | {:>5.2} {:>4.2}",
+        "{rank:>3} {:>3} {:>3} {:>2} {:>5} {:>3} {:>3} {:>3} {:>9} | {:>9.3} {:>5.1}% {:>6.1} | {:>6.1} {:>6.1} {:>6.1} {:>6.1} {:>6.1} | {:>7.3} {:>7.3} {:>7.3} {:>7.3} {:>7.3} | {:>5.2} {:>4.2}",
         c.tp,
         c.pp,
+        c.virtual_stages,
         c.dp,
         c.ep,
         c.micro_batch,
@@ -222,8 +226,8 @@ pub fn training_text(plan: &TrainingPlan, limits: ReportLimits) -> String {
     );
     let _ = writeln!(
         out,
-        "  # {:>3} {:>3} {:>5} {:>3} {:>3} {:>3} {:>9} | {:>9} {:>6} {:>6} | {:>6} {:>6} {:>6} {:>6} {:>6} | {:>7} {:>7} {:>7} {:>7} {:>7} | {:>5} {:>4}",
-        "tp", "pp", "dp", "ep", "mb", "sp", "recompute", "step_s", "MFU", "TF/s", "weight", "grad", "optim", "activ", "total",
+        "  # {:>3} {:>3} {:>2} {:>5} {:>3} {:>3} {:>3} {:>9} | {:>9} {:>6} {:>6} | {:>6} {:>6} {:>6} {:>6} {:>6} | {:>7} {:>7} {:>7} {:>7} {:>7} | {:>5} {:>4}",
+        "tp", "pp", "v", "dp", "ep", "mb", "sp", "recompute", "step_s", "MFU", "TF/s", "weight", "grad", "optim", "activ", "total",
         "compute", "comm", "pipe", "dp_comm", "optim", "imbal", "kvx"
     );
     for (i, e) in head(&plan.ranked, limits.top).iter().enumerate() {

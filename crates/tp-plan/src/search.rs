@@ -27,6 +27,10 @@ pub enum RejectReason {
     DevicesNotDivisible { devices: u64, per_replica: u64 },
     #[error("pp={pp} exceeds the {layers} layers")]
     PpExceedsLayers { pp: u64, layers: u64 },
+    #[error("{v} virtual stages need the {layers} layers in pp·v = {chunks} equal chunks")]
+    VirtualStagesUneven { v: u64, layers: u64, chunks: u64 },
+    #[error("an interleaved schedule needs the {micro_batches} micro-batches to be a multiple of pp={pp}")]
+    VirtualStagesMicroBatches { micro_batches: u64, pp: u64 },
     #[error("global batch {batch} is not divisible by dp={dp}")]
     BatchNotDivisible { batch: u64, dp: u64 },
     #[error("out of memory: needs {need_gib:.1} GiB of {usable_gib:.1} GiB usable")]
@@ -44,6 +48,8 @@ impl RejectReason {
             RejectReason::DevicesNotDivisible { .. } => "devices_not_divisible",
             RejectReason::PpExceedsLayers { .. } => "pp_exceeds_layers",
             RejectReason::BatchNotDivisible { .. } => "batch_not_divisible",
+            RejectReason::VirtualStagesUneven { .. } => "virtual_stages_uneven",
+            RejectReason::VirtualStagesMicroBatches { .. } => "virtual_stages_micro_batches",
             RejectReason::OutOfMemory { .. } => "out_of_memory",
             RejectReason::LatencyTargetMissed { .. } => "latency_target_missed",
         }
@@ -60,6 +66,7 @@ pub struct Rejection {
     pub micro_batch: Option<u64>,
     pub sequence_parallel: Option<bool>,
     pub recompute: Option<Recompute>,
+    pub virtual_stages: Option<u64>,
     pub reason: RejectReason,
 }
 
@@ -73,6 +80,7 @@ impl Rejection {
             micro_batch: None,
             sequence_parallel: None,
             recompute: None,
+            virtual_stages: None,
             reason,
         }
     }
@@ -134,6 +142,9 @@ fn divisors(n: u64) -> Vec<u64> {
     small.extend(large.into_iter().rev());
     small
 }
+
+/// Virtual pipeline stages (model chunks per stage) tried besides plain 1F1B.
+const VIRTUAL_STAGES: [u64; 3] = [2, 4, 8];
 
 /// Upper bounds on workload sizes (keep every product far from u64 overflow).
 const MAX_TOKENS_PER_SEQUENCE: u64 = 1 << 24;
@@ -269,35 +280,60 @@ pub fn plan_training(
                     .filter(|b| *b <= workload.max_micro_batch)
                 {
                     let sp_options: &[bool] = if tp > 1 { &[false, true] } else { &[false] };
+                    let micro_batches = per_replica_batch / micro_batch;
+                    let mut virtual_options = vec![1];
+                    for v in VIRTUAL_STAGES.into_iter().filter(|_| pp > 1) {
+                        let chunks = pp * v;
+                        let reason = if !model.num_layers.is_multiple_of(chunks) {
+                            RejectReason::VirtualStagesUneven {
+                                v,
+                                layers: model.num_layers,
+                                chunks,
+                            }
+                        } else if !micro_batches.is_multiple_of(pp) {
+                            RejectReason::VirtualStagesMicroBatches { micro_batches, pp }
+                        } else {
+                            virtual_options.push(v);
+                            continue;
+                        };
+                        let mut r = Rejection::shape(tp, Some(pp), Some(dp), reason);
+                        r.micro_batch = Some(micro_batch);
+                        r.virtual_stages = Some(v);
+                        rejected.push(r);
+                    }
                     for &sequence_parallel in sp_options {
                         for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
-                            let config = ParallelConfig {
-                                tp,
-                                pp,
-                                dp,
-                                ep,
-                                micro_batch,
-                                sequence_parallel,
-                                recompute,
-                            };
-                            let estimate = estimate_training(model, cluster, workload, &config);
-                            let need = device_memory_need(cluster, tp, estimate.memory.total());
-                            if need > usable {
-                                rejected.push(Rejection {
+                            for &virtual_stages in &virtual_options {
+                                let config = ParallelConfig {
                                     tp,
-                                    pp: Some(pp),
-                                    dp: Some(dp),
-                                    ep: Some(ep),
-                                    micro_batch: Some(micro_batch),
-                                    sequence_parallel: Some(sequence_parallel),
-                                    recompute: Some(recompute),
-                                    reason: RejectReason::OutOfMemory {
-                                        need_gib: need / GIB,
-                                        usable_gib: usable / GIB,
-                                    },
-                                });
-                            } else {
-                                ranked.push(estimate);
+                                    pp,
+                                    dp,
+                                    ep,
+                                    micro_batch,
+                                    sequence_parallel,
+                                    recompute,
+                                    virtual_stages,
+                                };
+                                let estimate = estimate_training(model, cluster, workload, &config);
+                                let need = device_memory_need(cluster, tp, estimate.memory.total());
+                                if need > usable {
+                                    rejected.push(Rejection {
+                                        tp,
+                                        pp: Some(pp),
+                                        dp: Some(dp),
+                                        ep: Some(ep),
+                                        micro_batch: Some(micro_batch),
+                                        sequence_parallel: Some(sequence_parallel),
+                                        recompute: Some(recompute),
+                                        virtual_stages: Some(virtual_stages),
+                                        reason: RejectReason::OutOfMemory {
+                                            need_gib: need / GIB,
+                                            usable_gib: usable / GIB,
+                                        },
+                                    });
+                                } else {
+                                    ranked.push(estimate);
+                                }
                             }
                         }
                     }
@@ -510,6 +546,63 @@ mod tests {
         assert_eq!(best.config.tp, 2);
         assert!(best.memory_budget_bytes < 24.0 * GIB);
         assert_eq!(plan.rejected.by_kind.get("tp_exceeds_cores"), Some(&1));
+    }
+
+    /// Virtual stages are tried where every stage's layers split into v equal chunks and the
+    /// micro-batches are a multiple of pp (Megatron's conditions), and refused otherwise with
+    /// the reason; with enough micro-batches the search prefers interleaving when the bubble
+    /// it saves outweighs the sends.
+    #[test]
+    fn virtual_stages_are_offered_where_megatron_allows_them() {
+        let m = model_preset("megatron-145b").unwrap(); // 80 layers
+        let c = ClusterSpec::new(accelerator_preset("a100-80").unwrap(), 64, 8).unwrap();
+        let mut w = training(64);
+        w.max_micro_batch = 1;
+        let plan = plan_training(&m, &c, &w).unwrap();
+        let offered = |tp: u64, pp: u64, v: u64| {
+            plan.ranked
+                .iter()
+                .any(|e| (e.config.tp, e.config.pp, e.config.virtual_stages) == (tp, pp, v))
+        };
+        // pp 8: 10 layers a stage, so v = 2 (5-layer chunks) but not 4 or 8.
+        assert!(offered(8, 8, 2));
+        assert!(!offered(8, 8, 4) && !offered(8, 8, 8));
+        assert!(plan.rejected.list.iter().any(|r| r.pp == Some(8)
+            && r.virtual_stages == Some(4)
+            && r.reason.kind() == "virtual_stages_uneven"));
+        // pp 1 has no virtual stages.
+        assert!(plan
+            .ranked
+            .iter()
+            .all(|e| e.config.pp > 1 || e.config.virtual_stages == 1));
+        // 64 sequences over dp 1 at b = 1: 64 micro-batches, a multiple of pp 8 (allowed);
+        // over dp 2 at pp 4 with tp 8: 32, a multiple of 4; a global batch of 36 over dp 1
+        // at pp 8 gives 36 micro-batches, not a multiple of 8: refused.
+        let plan36 = plan_training(&m, &c, &{
+            let mut w = training(36);
+            w.max_micro_batch = 1;
+            w
+        })
+        .unwrap();
+        assert!(plan36
+            .rejected
+            .list
+            .iter()
+            .any(|r| r.pp == Some(8) && r.reason.kind() == "virtual_stages_micro_batches"));
+        // Where it is allowed, interleaving shrinks the bubble of the same layout.
+        let same = |v: u64| {
+            plan.ranked
+                .iter()
+                .find(|e| {
+                    (e.config.tp, e.config.pp, e.config.virtual_stages) == (8, 8, v)
+                        && e.config.recompute == Recompute::Full
+                        && !e.config.sequence_parallel
+                })
+                .unwrap()
+                .time
+                .pipeline_bubble_s
+        };
+        assert!(same(2) < 0.6 * same(1));
     }
 
     /// Two one-core hosts: tp 2 spans them (its all-reduces over their link), pp 2 puts a

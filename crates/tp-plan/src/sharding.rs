@@ -20,6 +20,10 @@ pub struct ParallelConfig {
     pub micro_batch: u64,
     pub sequence_parallel: bool,
     pub recompute: Recompute,
+    /// Model chunks per pipeline stage (Narayanan et al. 2021 §2.2.2, Megatron's
+    /// `--num-layers-per-virtual-pipeline-stage`): 1 is plain 1F1B; `v` chunks shrink the
+    /// bubble by `v` for `v` times the stage-boundary sends.
+    pub virtual_stages: u64,
 }
 
 /// What the slowest tensor-parallel rank holds.

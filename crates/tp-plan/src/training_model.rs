@@ -1,5 +1,5 @@
 //! Predicted training step time and memory of one layout: 1F1B pipeline with
-//! bubble (p-1)/m (Narayanan et al. 2021 §2.2.1), tensor-parallel all-reduces
+//! bubble (p-1)/(v·m) (Narayanan et al. 2021 §2.2.1, §2.2.2 for v virtual stages), tensor-parallel all-reduces
 //! (Shoeybi et al. 2019 §3: 2 forward + 2 backward per layer, +2 with full
 //! recompute), expert all-to-all, data-parallel gradient all-reduce, GEMMs at a
 //! calibrated fraction of peak and element-wise work bound by memory bandwidth.
@@ -237,9 +237,20 @@ pub fn estimate_training(
     } else {
         (1.0, 1.0)
     };
+    let v = config.virtual_stages.max(1);
     let memory_of_stage = |i: usize, p: &RankParams| -> MemoryBreakdown {
-        let in_flight = (config.pp - i as u64).min(m) as f64;
-        let mut activations = counts[i] as f64 * in_flight * acts.stored(config.recompute);
+        // Layers whose activations are held at the peak: under 1F1B stage i runs p - i
+        // micro-batches forward before its first backward; interleaved (Megatron's warm-up),
+        // 2(p - i - 1) + (v - 1)p + 1 chunks of counts[i] / v layers, at most every chunk of
+        // every micro-batch. Stage 0 then holds (1 + (p - 1)/(p v)) times 1F1B's
+        // (Korthikanti et al. 2022 §4.2.3).
+        let layers_in_flight = if v == 1 {
+            counts[i] as f64 * (config.pp - i as u64).min(m) as f64
+        } else {
+            let chunks = 2 * (config.pp - i as u64 - 1) + (v - 1) * config.pp + 1;
+            counts[i] as f64 / v as f64 * chunks.min(m * v) as f64
+        };
+        let mut activations = layers_in_flight * acts.stored(config.recompute);
         if config.recompute == Recompute::Full {
             // Backward of one layer materialises its full activations again.
             activations += acts.all();
@@ -298,8 +309,12 @@ pub fn estimate_training(
         compute_s: m as f64 * slowest.0,
         tensor_parallel_comm_s: m as f64 * slowest.1,
         expert_parallel_comm_s: m as f64 * slowest.2,
-        pipeline_bubble_s: (config.pp - 1) as f64 * per_micro_s,
-        pipeline_p2p_s: m as f64 * p2p_per_micro_s,
+        // Interleaving: the bubble is (p - 1) chunks of 1/v of a stage's work (each with its
+        // send), and every micro-batch crosses v times as many stage boundaries (Narayanan
+        // et al. 2021 §2.2.2).
+        pipeline_bubble_s: (config.pp - 1) as f64
+            * ((per_micro_s - p2p_per_micro_s) / v as f64 + p2p_per_micro_s),
+        pipeline_p2p_s: (m * v) as f64 * p2p_per_micro_s,
         data_parallel_comm_s,
         optimizer_step_s,
     };
@@ -357,6 +372,7 @@ mod tests {
             micro_batch: mb,
             sequence_parallel: false,
             recompute: Recompute::Full,
+            virtual_stages: 1,
         }
     }
 
@@ -370,6 +386,42 @@ mod tests {
         let per_micro =
             (e.time.compute_s + e.time.tensor_parallel_comm_s + e.time.pipeline_p2p_s) / 96.0;
         assert!((e.time.pipeline_bubble_s / (96.0 * per_micro) - 7.0 / 96.0).abs() < 1e-9);
+    }
+
+    /// Interleaving with v chunks per stage (Narayanan et al. 2021 §2.2.2): the bubble is 1/v
+    /// of 1F1B's, every micro-batch makes v times the stage-boundary sends, and the first
+    /// stage holds (1 + (p-1)/(p v)) times 1F1B's activations (Korthikanti et al. 2022
+    /// §4.2.3); compute is unchanged.
+    #[test]
+    fn virtual_stages_shrink_the_bubble_and_grow_sends_and_first_stage_activations() {
+        let m = model_preset("megatron-145b").unwrap(); // 80 layers: 10 per stage at p = 8
+        let c = ClusterSpec::new(accelerator_preset("a100-80").unwrap(), 1536, 8).unwrap();
+        let at = |v: u64, recompute: Recompute| {
+            let mut cfg = config(8, 8, 24, 1);
+            cfg.virtual_stages = v;
+            cfg.recompute = recompute;
+            estimate_training(&m, &c, &workload(2304), &cfg)
+        };
+        let rel = |a: f64, b: f64| (a / b - 1.0).abs();
+        let plain = at(1, Recompute::Full);
+        let p2p = plain.time.pipeline_p2p_s / 96.0;
+        let work = (plain.time.compute_s + plain.time.tensor_parallel_comm_s) / 96.0;
+        let acts = at(1, Recompute::None).memory.activations;
+        for v in [2u64, 5, 10] {
+            let e = at(v, Recompute::Full);
+            assert!(rel(e.time.compute_s, plain.time.compute_s) < 1e-12);
+            assert!(rel(e.time.pipeline_p2p_s, v as f64 * plain.time.pipeline_p2p_s) < 1e-12);
+            assert!(rel(e.time.pipeline_bubble_s, 7.0 * (work / v as f64 + p2p)) < 1e-9);
+            // Without recompute the first stage (8 micro-batches in flight under 1F1B) holds
+            // the most: its activations grow by 1 + (p - 1)/(p v).
+            let factor = 1.0 + 7.0 / (8.0 * v as f64);
+            let got = at(v, Recompute::None).memory.activations;
+            assert!(
+                rel(got, acts * factor) < 1e-12,
+                "v {v}: {got} vs {}",
+                acts * factor
+            );
+        }
     }
 
     #[test]
