@@ -74,6 +74,11 @@ pub fn documents(count: usize) -> Vec<(Vec<u32>, Vec<bool>)> {
         .collect()
 }
 
+/// 60 of [`documents`] packed into windows of 17 tokens (sequences of 16, as [`corpus`]).
+pub fn packed_corpus() -> Result<Corpus> {
+    Corpus::packed(&documents(60), 16, 0, 7)
+}
+
 /// A run of `steps` steps of 4 sequences at `dims` with `micro_batches` per replica.
 pub fn spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
     TrainSpec {

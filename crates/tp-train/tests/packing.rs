@@ -122,7 +122,7 @@ fn gemma3_packed_loss_and_gradients_equal_unpacked() {
 #[test]
 fn packed_training_at_tp2_and_pp2_follows_tp1() {
     // More documents than one batch, so the steps see different windows.
-    let corpus = Corpus::packed(&documents(60), 16, PAD, 3).unwrap();
+    let corpus = tp_train::fixtures::packed_corpus().unwrap();
     let run = |d: ParallelDims, micro: usize| {
         let mut s = spec(d, 10, micro);
         s.pack = true;

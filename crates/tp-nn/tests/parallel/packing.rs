@@ -83,7 +83,7 @@ fn run(c: &BlockConfig, tp: usize, recompute: bool, packed: bool) -> Vec<Vec<Ten
             let objective = (&y * &r)?.sum_all()?;
             (y, objective)
         } else {
-            let mut rows = vec![Vec::new(), Vec::new()];
+            let mut rows = [Vec::new(), Vec::new()];
             let mut objective = Tensor::zeros((), candle_core::DType::F32, &d)?;
             for &(row, start, len) in &DOCS {
                 let xd = xv.as_tensor().narrow(0, row, 1)?.narrow(1, start, len)?; // [1, len, hidden]
