@@ -1,5 +1,6 @@
 //! Packed sequences (issue 34): the oracle is the same documents one per sequence, each
-//! padded alone. A packed batch's loss and every gradient shard of every rank equal the
+//! padded alone. A packed batch's loss (and the validation loss of the whole corpus, the
+//! forward-only path) and every gradient shard of every rank equal the
 //! unpacked batch's (the same targets in the loss, the same normalisation) within 1e-5, at
 //! tp 1, tp 2, tp 2 with sequence parallelism, pp 2, tp 2 x pp 2, and with selective and full
 //! recomputation, for the Llama of the test kit (RoPE: positions must restart at each
@@ -23,19 +24,20 @@ fn packed() -> Corpus {
     Corpus::packed(&documents(DOCS), 16, PAD, 3).unwrap()
 }
 
-/// One step's loss and each rank's gradient shards over all of `corpus`'s windows (one
-/// global batch of them, `micro` micro-batches).
-fn step(mut spec: TrainSpec, corpus: &Corpus, micro: usize) -> Vec<(f64, Vec<Vec<f32>>)> {
+/// The validation loss of all of `corpus` and one step's loss and each rank's gradient
+/// shards over all of its windows (one global batch of them, `micro` micro-batches).
+fn step(mut spec: TrainSpec, corpus: &Corpus, micro: usize) -> Vec<([f64; 2], Vec<Vec<f32>>)> {
     spec.global_batch = corpus.windows() as usize;
     spec.micro_batches = micro;
     spec.pack = corpus.is_packed();
     spec.steps = 1;
     with_trainers_on(&spec, corpus, None, TrainOptions::default(), |t| {
+        let val = t.validation_loss(corpus)?;
         let (loss, _) = t.compute_gradients()?;
         let per_param = (0..t.specs().len())
             .map(|i| t.grads_flat()[t.flat_layout().range(i)].to_vec())
             .collect();
-        Ok((loss, per_param))
+        Ok(([val, loss], per_param))
     })
     .into_iter()
     .map(|r| r.expect("rank"))
@@ -88,12 +90,14 @@ fn packed_gradients_equal_unpacked(name: &str, spec: fn(ParallelDims, u64, usize
         let got = step(with(spec(d, 1, 1), sp, r), &p, 1);
         let what = format!("{name} {d:?} sp={sp} {r:?}");
         for (rank, ((gl, g), (wl, w))) in got.iter().zip(&want).enumerate() {
-            let rel = (gl - wl).abs() / wl.abs();
-            worst = worst.max(rel);
-            assert!(
-                rel <= 1e-5,
-                "{what} rank {rank}: loss {gl} packed, {wl} unpacked"
-            );
+            for (kind, (gl, wl)) in ["validation", "training"].iter().zip(gl.iter().zip(wl)) {
+                let rel = (gl - wl).abs() / wl.abs();
+                worst = worst.max(rel);
+                assert!(
+                    rel <= 1e-5,
+                    "{what} rank {rank}: {kind} loss {gl} packed, {wl} unpacked"
+                );
+            }
             for (i, (g, w)) in g.iter().zip(w).enumerate() {
                 let scale = w.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
                 let err = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
