@@ -282,25 +282,11 @@ impl Corpus {
         pad: u32,
         seed: u64,
     ) -> Result<Corpus> {
-        if docs.is_empty() {
-            return Err(TrainError::Data(
-                "the data holds no conversations; give at least one".into(),
-            ));
-        }
-        if seq == 0 {
-            return Err(TrainError::Config("--seq must be at least 1".into()));
-        }
+        check_documents(docs, seq)?;
         let n = seq + 1;
         let mut tokens = Vec::with_capacity(docs.len() * n);
         let mut loss = Vec::with_capacity(docs.len() * n);
-        for (i, (ids, mask)) in docs.iter().enumerate() {
-            if ids.len() > n || ids.len() != mask.len() {
-                return Err(TrainError::Data(format!(
-                    "document {} has {} tokens, more than a sequence of seq + 1 = {n}",
-                    i + 1,
-                    ids.len()
-                )));
-            }
+        for (ids, mask) in docs {
             tokens.extend_from_slice(ids);
             loss.extend_from_slice(mask);
             tokens.resize(tokens.len() + n - ids.len(), pad);
@@ -330,8 +316,7 @@ impl Corpus {
         pad: u32,
         seed: u64,
     ) -> Result<Corpus> {
-        // Checks every document as the unpacked corpus does.
-        Corpus::documents(docs, seq, pad, seed)?;
+        check_documents(docs, seq)?;
         let n = seq + 1;
         // First fit: each window's documents, and the room left in it.
         let mut windows: Vec<(Vec<usize>, usize)> = Vec::new();
@@ -526,6 +511,29 @@ impl Corpus {
         }
         (ids, tgt, mask)
     }
+}
+
+/// Some documents, each with a loss flag per token and at most `seq + 1` tokens.
+fn check_documents(docs: &[(Vec<u32>, Vec<bool>)], seq: usize) -> Result<()> {
+    if docs.is_empty() {
+        return Err(TrainError::Data(
+            "the data holds no conversations; give at least one".into(),
+        ));
+    }
+    if seq == 0 {
+        return Err(TrainError::Config("--seq must be at least 1".into()));
+    }
+    let n = seq + 1;
+    for (i, (ids, mask)) in docs.iter().enumerate() {
+        if ids.len() > n || ids.len() != mask.len() {
+            return Err(TrainError::Data(format!(
+                "document {} has {} tokens, more than a sequence of seq + 1 = {n}",
+                i + 1,
+                ids.len()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Documents per window and the padding share of the windows' tokens, unpacked (one document

@@ -415,6 +415,18 @@ mod tests {
         }
     }
 
+    #[test]
+    fn packing_takes_documents_and_plain_text_has_none() {
+        let e = prepare(&RunRequest {
+            pack: true,
+            ..request(None, None)
+        })
+        .err()
+        .expect("plain text is refused")
+        .to_string();
+        assert!(e.contains("plain text, without documents to pack"), "{e}");
+    }
+
     fn prepared_arch(config: Option<&str>, arch: Option<&str>) -> Result<Arch> {
         prepare(&request(config, arch)).map(|p| p.spec.model.arch)
     }

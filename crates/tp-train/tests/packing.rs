@@ -59,6 +59,9 @@ fn packing_puts_several_documents_in_a_window_and_pads_less() {
     assert!(p.windows() < u.windows(), "{st:?}");
     assert!(st.padding_packed < st.padding_unpacked / 2.0, "{st:?}");
     assert!(u.pack_stats().is_none() && !u.is_packed());
+    // A document longer than a window is an error, as unpacked.
+    let e = Corpus::packed(&[(vec![1; 18], vec![true; 18])], 16, PAD, 0).unwrap_err();
+    assert!(e.to_string().contains("document 1 has 18 tokens"), "{e}");
     // The same targets are in the loss.
     let count = |c: &Corpus| c.all_batches(64)[0].2.iter().sum::<f32>();
     assert_eq!(count(&p), count(&u));
