@@ -377,4 +377,39 @@ fn packing_the_shipped_chat_set_puts_several_conversations_in_a_sequence() {
         "{packed}"
     );
     assert!(!run(args(false)).contains("packed:"));
+
+    // A packed run resumes packed without the flag (its data position counts packed
+    // sequences) and continues the uninterrupted run's losses: the tiny preset with SmolLM2's
+    // tokenizer on the first 8 conversations.
+    let dir = scratch("pack-resume");
+    let chat = dir.join("chat.jsonl");
+    let text = std::fs::read_to_string(data).unwrap();
+    let first8: Vec<&str> = text.lines().take(8).collect();
+    std::fs::write(&chat, first8.join("\n")).unwrap();
+    let (m, c) = (model.to_string_lossy(), chat.to_string_lossy());
+    let train = |steps: &str, extra: &[&str]| {
+        let mut a = vec![
+            "train", "--data", &c, "--seq", "128", "--batch", "2", "--steps", steps, "--json",
+        ];
+        a.extend(extra);
+        let f = tp(&a);
+        assert_eq!(f.code, Some(0), "{}", f.output);
+        f.output
+    };
+    let whole = common::losses(&train("2", &["--tokenizer", &m, "--pack"]));
+    let save = dir.join("run");
+    let s = save.to_string_lossy();
+    train("1", &["--tokenizer", &m, "--pack", "--save", &s]);
+    let resumed = train("2", &["--resume", &s]);
+    assert!(
+        resumed.contains("packed: 8 documents in 6 sequences"),
+        "{resumed}"
+    );
+    let resumed = common::losses(&resumed);
+    assert_eq!(resumed.len(), 1, "{resumed:?}");
+    assert_eq!(
+        resumed[0], whole[1],
+        "the resumed step 2 against the uninterrupted one"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -60,7 +60,8 @@ pub struct RunRequest {
     pub sequence_parallel: bool,
     /// Activation recomputation ([`TrainSpec::recompute`]).
     pub recompute: crate::Recompute,
-    /// Pack several documents (chat conversations) into each sequence ([`Corpus::packed`]).
+    /// Pack several documents (chat conversations) into each sequence ([`Corpus::packed`]);
+    /// a packed run resumes packed either way.
     pub pack: bool,
     /// Hold out one sequence in this many (seeded) as a validation split (0: none).
     pub held_out: u64,
@@ -214,11 +215,13 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         .batch
         .or(resume.as_ref().map(|c| c.state.global_batch))
         .unwrap_or(8);
+    // A packed run resumes packed: its data position counts packed windows.
+    let pack = a.pack || resume.as_ref().is_some_and(|c| c.state.pack);
     let corpus = match a.data.as_deref() {
         Some(path) if crate::chat::is_chat(path) => {
-            chat_corpus(&tokenizer, &text, path, seq, seed, a.pack)?
+            chat_corpus(&tokenizer, &text, path, seq, seed, pack)?
         }
-        _ if a.pack => {
+        _ if pack => {
             return Err(TrainError::Data(format!(
                 "{data_desc} is plain text, without documents to pack into sequences; packing \
                  takes chat data (JSONL of conversations)"
@@ -268,7 +271,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         distributed_optimizer: a.distributed_optimizer,
         sequence_parallel: a.sequence_parallel,
         recompute: a.recompute,
-        pack: a.pack,
+        pack,
         save_dir: a.save.clone(),
         save_every: a.save_every,
         keep: a.keep,

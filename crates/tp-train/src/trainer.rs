@@ -605,6 +605,7 @@ impl<'a> Trainer<'a> {
             seed: s.seed,
             global_batch: s.global_batch,
             seq: s.seq,
+            pack: s.pack,
             steps_target: s.steps,
             optim: s.optim.clone(),
             data: s.data_name.clone(),
