@@ -130,6 +130,10 @@ pub struct TrainArgs {
     /// it; full: each layer keeps only its input and is recomputed. Same losses, less memory.
     #[arg(long, value_enum, default_value = "none")]
     pub recompute: tp_train::Recompute,
+    /// Pack several conversations into each sequence (chat --data): each token keeps its
+    /// position in its conversation and attends within it only; padding only at the end.
+    #[arg(long)]
+    pub pack: bool,
     /// Print one JSON object per step on stdout instead of the progress bar.
     #[arg(long)]
     pub json: bool,
@@ -172,6 +176,7 @@ impl TrainArgs {
             distributed_optimizer: self.distributed_optimizer,
             sequence_parallel: self.sequence_parallel,
             recompute: self.recompute,
+            pack: self.pack,
             held_out: self.held_out,
             val_every: self.val_every,
         }

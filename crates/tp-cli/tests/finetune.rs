@@ -331,3 +331,85 @@ fn fine_tuning_from_an_hf_directory_starts_at_its_perplexity() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--pack` on the chat set shipped with the repo: the start-up line says how the 40
+/// conversations (about 60 tokens each with SmolLM2's template) fill sequences of 256
+/// (`--steps 0`: nothing trained). The packed loss itself is checked in tp-train's
+/// `tests/packing.rs`.
+#[test]
+fn packing_the_shipped_chat_set_puts_several_conversations_in_a_sequence() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let data = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tp-train/data/finetune-chat.jsonl"
+    );
+    let args = |pack: bool| {
+        let mut a = vec![
+            "train".to_string(),
+            "--init".into(),
+            model.to_string_lossy().to_string(),
+            "--data".into(),
+            data.into(),
+            "--seq".into(),
+            "256".into(),
+            "--steps".into(),
+            "0".into(),
+        ];
+        if pack {
+            a.push("--pack".into());
+        }
+        a
+    };
+    let run = |a: Vec<String>| {
+        let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+        let f = tp(&refs);
+        assert_eq!(f.code, Some(0), "{}", f.output);
+        f.output
+    };
+    let packed = run(args(true));
+    assert!(
+        packed.contains(
+            "packed: 40 documents in 11 sequences (3.64 per sequence); padding 76.5% of the \
+             tokens one document per sequence, 14.5% packed"
+        ),
+        "{packed}"
+    );
+    assert!(!run(args(false)).contains("packed:"));
+
+    // A packed run resumes packed without the flag (its data position counts packed
+    // sequences) and continues the uninterrupted run's losses: the tiny preset with SmolLM2's
+    // tokenizer on the first 8 conversations.
+    let dir = scratch("pack-resume");
+    let chat = dir.join("chat.jsonl");
+    let text = std::fs::read_to_string(data).unwrap();
+    let first8: Vec<&str> = text.lines().take(8).collect();
+    std::fs::write(&chat, first8.join("\n")).unwrap();
+    let (m, c) = (model.to_string_lossy(), chat.to_string_lossy());
+    let train = |steps: &str, extra: &[&str]| {
+        let mut a = vec![
+            "train", "--data", &c, "--seq", "128", "--batch", "2", "--steps", steps, "--json",
+        ];
+        a.extend(extra);
+        let f = tp(&a);
+        assert_eq!(f.code, Some(0), "{}", f.output);
+        f.output
+    };
+    let whole = common::losses(&train("2", &["--tokenizer", &m, "--pack"]));
+    let save = dir.join("run");
+    let s = save.to_string_lossy();
+    train("1", &["--tokenizer", &m, "--pack", "--save", &s]);
+    let resumed = train("2", &["--resume", &s]);
+    assert!(
+        resumed.contains("packed: 8 documents in 6 sequences"),
+        "{resumed}"
+    );
+    let resumed = common::losses(&resumed);
+    assert_eq!(resumed.len(), 1, "{resumed:?}");
+    assert_eq!(
+        resumed[0], whole[1],
+        "the resumed step 2 against the uninterrupted one"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

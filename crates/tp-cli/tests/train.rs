@@ -247,6 +247,7 @@ fn bad_inputs_get_clear_errors() {
             vec!["--recompute", "sometimes"],
             "possible values: none, selective, full",
         ),
+        (vec!["--pack"], "plain text, without documents to pack"),
     ];
     for (extra, want) in cases {
         let mut args = vec!["train", "--steps", "2", "--batch", "4"];

@@ -13,6 +13,7 @@ use crate::attention_core::{core, core_recomputed};
 use crate::error::{Result, TpError};
 use crate::linear::{ColumnParallelLinear, PartialSum, RowParallelLinear};
 use crate::norm::RmsNorm;
+use crate::packing::Segments;
 use crate::rope::Rope;
 use candle_core::{Device, Tensor, Var};
 use tp_comm::Group;
@@ -196,6 +197,20 @@ impl ParallelAttention {
         offset: usize,
         group: &Group,
     ) -> Result<PartialSum> {
+        self.forward_packed(x_par, rope, offset, None, group)
+    }
+
+    /// [`ParallelAttention::forward_local`], or with `segments` over packed sequences (the
+    /// whole `[batch, seq]`): each token rotated by its position in its document (`offset`
+    /// unused) and attention block-diagonal causal ([`Segments::mask`]).
+    pub fn forward_packed(
+        &self,
+        x_par: &Tensor,
+        rope: &Rope,
+        offset: usize,
+        segments: Option<&Segments>,
+        group: &Group,
+    ) -> Result<PartialSum> {
         let (b, s, _) = x_par.dims3()?;
         let hd = self.head_dim;
         let hq_local = self.plan.q_range().len();
@@ -216,16 +231,26 @@ impl ParallelAttention {
             .reshape((b, s, hkv_local, hd))?
             .transpose(1, 2)?
             .contiguous()?; // [b, hkv_local, s, hd]
-        let q = rope.apply(&q, offset)?; // [b, hq_local, s, hd]
-        let k = rope.apply(&k, offset)?; // [b, hkv_local, s, hd]
+        let (q, k, mask) = match segments {
+            Some(seg) => (
+                rope.apply_packed(&q, seg)?,            // [b, hq_local, s, hd]
+                rope.apply_packed(&k, seg)?,            // [b, hkv_local, s, hd]
+                seg.mask(self.window, x_par.device())?, // [b, 1, s, s]
+            ),
+            None => (
+                rope.apply(&q, offset)?,                      // [b, hq_local, s, hd]
+                rope.apply(&k, offset)?,                      // [b, hkv_local, s, hd]
+                window_mask(s, self.window, x_par.device())?, // [s, s]
+            ),
+        };
         let kv_of_q = self.plan.local_kv_of_q();
         let idx = Tensor::from_vec(kv_of_q, hq_local, x_par.device())?; // [hq_local]
         let k = k.index_select(&idx, 1)?.contiguous()?; // [b, hq_local, s, hd]
         let v = v.index_select(&idx, 1)?.contiguous()?; // [b, hq_local, s, hd]
         let ctx = if self.recompute_core {
-            core_recomputed(&q, &k, &v, self.scale, self.window)? // [b, hq_local, s, hd]
+            core_recomputed(&q, &k, &v, self.scale, &mask)? // [b, hq_local, s, hd]
         } else {
-            core(&q, &k, &v, self.scale, self.window)? // [b, hq_local, s, hd]
+            core(&q, &k, &v, self.scale, &mask)? // [b, hq_local, s, hd]
         };
         let ctx = ctx
             .transpose(1, 2)?

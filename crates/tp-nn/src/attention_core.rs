@@ -2,24 +2,24 @@
 //! the parts that grow with s^2) and its selectively recomputed form (Korthikanti et al. 2022
 //! §5): one candle op whose graph node keeps only its inputs `q, k, v` (and its output), and
 //! whose backward recomputes the core with a graph of its own to backpropagate through it.
-//! Both forms run the same ops on the same values, so their results are bitwise equal.
+//! Both forms run the same ops on the same values, so their results are bitwise equal. The
+//! additive mask is the caller's: causal (`[s, s]`, with a window or not) or, for packed
+//! sequences, block-diagonal causal per sequence (`[b, 1, s, s]`, [`crate::Segments::mask`]).
 
-use crate::attention::window_mask;
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor, Var, D};
 
-/// `q, k, v [b, heads, s, hd]` (k and v already expanded to the query heads) ->
-/// `ctx [b, heads, s, hd]`, with candle's graph over every intermediate.
+/// `q, k, v [b, heads, s, hd]` (k and v already expanded to the query heads) and the
+/// additive `mask [s, s]` or `[b, 1, s, s]` -> `ctx [b, heads, s, hd]`, with candle's graph
+/// over every intermediate.
 pub(crate) fn core(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f64,
-    window: Option<usize>,
+    mask: &Tensor,
 ) -> candle_core::Result<Tensor> {
-    let s = q.dim(2)?;
     let scores = (q.matmul(&k.t()?.contiguous()?)? * scale)?; // [b, heads, s, s]
-    let mask = window_mask(s, window, q.device()).map_err(candle_core::Error::wrap)?; // [s, s]
-    let scores = scores.broadcast_add(&mask)?; // [b, heads, s, s]
+    let scores = scores.broadcast_add(mask)?; // [b, heads, s, s]
     let probs = candle_nn::ops::softmax(&scores, D::Minus1)?; // [b, heads, s, s]
     probs.matmul(v) // [b, heads, s, hd]
 }
@@ -30,14 +30,15 @@ pub(crate) fn core_recomputed(
     k: &Tensor,
     v: &Tensor,
     scale: f64,
-    window: Option<usize>,
+    mask: &Tensor,
 ) -> candle_core::Result<Tensor> {
-    q.apply_op3(k, v, RecomputedCore { scale, window })
+    let mask = mask.detach();
+    q.apply_op3(k, v, RecomputedCore { scale, mask })
 }
 
 struct RecomputedCore {
     scale: f64,
-    window: Option<usize>,
+    mask: Tensor, // [s, s] or [b, 1, s, s], graph-free
 }
 
 /// A contiguous f32 CPU storage as a graph-free tensor (a copy; another dtype is an error).
@@ -65,7 +66,7 @@ impl CustomOp3 for RecomputedCore {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         // Graph-free inputs: the intermediates die when this returns.
         let (q, k, v) = (to_tensor(s1, l1)?, to_tensor(s2, l2)?, to_tensor(s3, l3)?);
-        let ctx = core(&q, &k, &v, self.scale, self.window)?; // [b, heads, s, hd]
+        let ctx = core(&q, &k, &v, self.scale, &self.mask)?; // [b, heads, s, hd]
         let shape = ctx.shape().clone();
         Ok((CpuStorage::F32(ctx.flatten_all()?.to_vec1::<f32>()?), shape))
     }
@@ -87,7 +88,7 @@ impl CustomOp3 for RecomputedCore {
             k.as_tensor(),
             v.as_tensor(),
             self.scale,
-            self.window,
+            &self.mask,
         )?;
         let grads = (ctx * grad_ctx.detach())?.sum_all()?.backward()?;
         let get = |x: &Var| grads.get(x.as_tensor()).cloned();

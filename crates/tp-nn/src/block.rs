@@ -9,6 +9,7 @@ use crate::linear::check_group;
 use crate::mlp::ParallelMlp;
 use crate::moe::ParallelMoe;
 use crate::norm::RmsNorm;
+use crate::packing::Segments;
 use crate::rng::{RandomTensor, Rng};
 use crate::rope::{Rope, RopeLayout};
 use crate::sequence::SeqLayout;
@@ -676,6 +677,19 @@ impl ParallelBlock {
         group: &Group,
         layout: SeqLayout<'_>,
     ) -> Result<BlockOutput> {
+        self.forward_packed(h, group, layout, None)
+    }
+
+    /// [`ParallelBlock::forward_layout`] over packed sequences when `segments` is given (for
+    /// the whole `[b, s]`, also with sequence parallelism): RoPE by each token's position in
+    /// its document, attention within documents ([`ParallelAttention::forward_packed`]).
+    pub fn forward_packed(
+        &self,
+        h: &Tensor,
+        group: &Group,
+        layout: SeqLayout<'_>,
+        segments: Option<&Segments>,
+    ) -> Result<BlockOutput> {
         check_group(group, self.tp_rank, self.tp)?;
         if let SeqLayout::Split(s) = layout {
             if s.sizes().len() != self.tp {
@@ -693,7 +707,10 @@ impl ParallelBlock {
         let n = self.attn_norm.forward(h)?; // [b, s_local, hidden]
         hold(&n);
         let x_par = layout.enter(&n, group)?; // [b, s, hidden]
-        let a = layout.exit(self.attn.forward_local(&x_par, &self.rope, 0, group)?)?; // [b, s_local, hidden]
+        let a = self
+            .attn
+            .forward_packed(&x_par, &self.rope, 0, segments, group)?;
+        let a = layout.exit(a)?; // [b, s_local, hidden]
         hold(&a);
         let a = match &self.post_norms {
             Some((post, _)) => {

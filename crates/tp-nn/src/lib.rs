@@ -19,6 +19,7 @@ pub mod mappings;
 pub mod mlp;
 pub mod moe;
 pub mod norm;
+pub mod packing;
 pub mod recording;
 pub mod reference;
 pub mod rng;
@@ -38,6 +39,7 @@ pub use mappings::{
 pub use mlp::ParallelMlp;
 pub use moe::{MoeOutput, ParallelMoe};
 pub use norm::RmsNorm;
+pub use packing::Segments;
 pub use recording::RecordingComm;
 pub use reference::DenseBlock;
 pub use rng::{RandomTensor, Rng};

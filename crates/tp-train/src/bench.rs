@@ -169,6 +169,7 @@ impl Bench {
                     moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
                     sequence_parallel: cfg.sequence_parallel,
                     recompute,
+                    pack: false,
                     save_dir: None,
                     save_every: 0,
                     keep: 0,

@@ -222,13 +222,18 @@ pub fn read_text(path: Option<&Path>) -> Result<Vec<u8>> {
 /// A tokenized corpus cut into windows of `seq + 1` tokens (inputs and shifted targets),
 /// visited epoch by epoch in a seeded affine order. Plain text: windows at stride `seq`,
 /// every target in the loss. Documents (chat conversations): one document per window,
-/// padded, with a loss mask (the assistant's tokens only, no padding). A held-out split
-/// ([`Corpus::split`]) keeps its own list of windows.
+/// padded, with a loss mask (the assistant's tokens only, no padding); or packed
+/// ([`Corpus::packed`]): several documents per window, each token with its document and
+/// position. A held-out split ([`Corpus::split`]) keeps its own list of windows.
 #[derive(Clone, Debug)]
 pub struct Corpus {
     tokens: Vec<u32>,
     /// Whether token i is in the loss as a target (`None`: every token).
     loss: Option<Vec<bool>>,
+    /// Packed documents: token i's document within its window and position in it.
+    segments: Option<(Vec<u32>, Vec<u32>)>,
+    /// What packing did to the padding.
+    pack_stats: Option<PackStats>,
     seq: usize,
     /// Tokens between window starts: `seq` for text, `seq + 1` for documents.
     stride: usize,
@@ -260,6 +265,8 @@ impl Corpus {
         Ok(Corpus {
             tokens,
             loss: None,
+            segments: None,
+            pack_stats: None,
             seq,
             stride: seq,
             windows: (0..windows).collect(),
@@ -275,25 +282,11 @@ impl Corpus {
         pad: u32,
         seed: u64,
     ) -> Result<Corpus> {
-        if docs.is_empty() {
-            return Err(TrainError::Data(
-                "the data holds no conversations; give at least one".into(),
-            ));
-        }
-        if seq == 0 {
-            return Err(TrainError::Config("--seq must be at least 1".into()));
-        }
+        check_documents(docs, seq)?;
         let n = seq + 1;
         let mut tokens = Vec::with_capacity(docs.len() * n);
         let mut loss = Vec::with_capacity(docs.len() * n);
-        for (i, (ids, mask)) in docs.iter().enumerate() {
-            if ids.len() > n || ids.len() != mask.len() {
-                return Err(TrainError::Data(format!(
-                    "document {} has {} tokens, more than a sequence of seq + 1 = {n}",
-                    i + 1,
-                    ids.len()
-                )));
-            }
+        for (ids, mask) in docs {
             tokens.extend_from_slice(ids);
             loss.extend_from_slice(mask);
             tokens.resize(tokens.len() + n - ids.len(), pad);
@@ -302,11 +295,87 @@ impl Corpus {
         Ok(Corpus {
             tokens,
             loss: Some(loss),
+            segments: None,
+            pack_stats: None,
             seq,
             stride: n,
             windows: (0..docs.len() as u64).collect(),
             seed,
         })
+    }
+
+    /// Documents packed into windows of `seq + 1` tokens (Megatron's reset position ids and
+    /// attention mask): first fit in the given order, each document whole in one window (one
+    /// longer than a window is an error, as for [`Corpus::documents`]), padding with `pad`
+    /// only at a window's end. Each token carries its document within the window and its
+    /// position in it (padding is a document of its own); a document's first token is out of
+    /// the loss as a target (the previous document's last token does not predict it).
+    pub fn packed(
+        docs: &[(Vec<u32>, Vec<bool>)],
+        seq: usize,
+        pad: u32,
+        seed: u64,
+    ) -> Result<Corpus> {
+        check_documents(docs, seq)?;
+        let n = seq + 1;
+        // First fit: each window's documents, and the room left in it.
+        let mut windows: Vec<(Vec<usize>, usize)> = Vec::new();
+        for (d, (ids, _)) in docs.iter().enumerate() {
+            match windows.iter_mut().find(|(_, room)| *room >= ids.len()) {
+                Some((ds, room)) => {
+                    ds.push(d);
+                    *room -= ids.len();
+                }
+                None => windows.push((vec![d], n - ids.len())),
+            }
+        }
+        let total = windows.len() * n;
+        let (mut tokens, mut loss) = (Vec::with_capacity(total), Vec::with_capacity(total));
+        let (mut doc, mut pos) = (Vec::with_capacity(total), Vec::with_capacity(total));
+        for (ds, room) in &windows {
+            for (k, &d) in ds.iter().enumerate() {
+                let (ids, mask) = &docs[d];
+                let Some((_, rest)) = mask.split_first() else {
+                    continue; // an empty document takes no room
+                };
+                tokens.extend_from_slice(ids);
+                loss.push(false);
+                loss.extend_from_slice(rest);
+                doc.resize(doc.len() + ids.len(), k as u32);
+                pos.extend(0..ids.len() as u32);
+            }
+            tokens.resize(tokens.len() + room, pad);
+            loss.resize(loss.len() + room, false);
+            doc.resize(doc.len() + room, ds.len() as u32);
+            pos.extend(0..*room as u32);
+        }
+        let real: usize = docs.iter().map(|(ids, _)| ids.len()).sum();
+        let stats = PackStats {
+            documents: docs.len(),
+            windows: windows.len(),
+            padding_unpacked: 1.0 - real as f64 / (docs.len() * n) as f64,
+            padding_packed: 1.0 - real as f64 / total as f64,
+        };
+        Ok(Corpus {
+            tokens,
+            loss: Some(loss),
+            segments: Some((doc, pos)),
+            pack_stats: Some(stats),
+            seq,
+            stride: n,
+            windows: (0..windows.len() as u64).collect(),
+            seed,
+        })
+    }
+
+    /// What packing did ([`Corpus::packed`]); `None` for a corpus that is not packed.
+    pub fn pack_stats(&self) -> Option<PackStats> {
+        self.pack_stats
+    }
+
+    /// Whether the windows hold packed documents ([`Corpus::packed`]).
+    pub fn is_packed(&self) -> bool {
+        self.segments.is_some()
     }
 
     /// Holds out every `1 / every`-th window (by a seeded hash) as a validation split:
@@ -395,6 +464,32 @@ impl Corpus {
         self.batch_of((0..count as u64).map(|i| self.window_of(first + i)))
     }
 
+    /// The packed documents of [`Corpus::batch`]'s inputs: (each input's document within its
+    /// window `[count * seq]`, its position in that document `[count * seq]`); `None` when
+    /// the corpus is not packed.
+    pub fn segments(&self, first: u64, count: usize) -> Option<(Vec<u32>, Vec<u32>)> {
+        self.segments_of((0..count as u64).map(|i| self.window_of(first + i)))
+    }
+
+    /// [`Corpus::segments`] of each of [`Corpus::all_batches`].
+    pub fn all_segments(&self, size: usize) -> Vec<Option<(Vec<u32>, Vec<u32>)>> {
+        self.windows
+            .chunks(size.max(1))
+            .map(|c| self.segments_of(c.iter().copied()))
+            .collect()
+    }
+
+    fn segments_of(&self, windows: impl Iterator<Item = u64>) -> Option<(Vec<u32>, Vec<u32>)> {
+        let (doc, pos) = self.segments.as_ref()?;
+        let (mut d, mut p) = (Vec::new(), Vec::new());
+        for w in windows {
+            let start = w as usize * self.stride;
+            d.extend_from_slice(&doc[start..start + self.seq]);
+            p.extend_from_slice(&pos[start..start + self.seq]);
+        }
+        Some((d, p))
+    }
+
     /// The validation batches: every window of this split once, `size` at a time.
     pub fn all_batches(&self, size: usize) -> Vec<(Vec<u32>, Vec<u32>, Vec<f32>)> {
         self.windows
@@ -415,6 +510,48 @@ impl Corpus {
             }
         }
         (ids, tgt, mask)
+    }
+}
+
+/// Some documents, each with a loss flag per token and at most `seq + 1` tokens.
+fn check_documents(docs: &[(Vec<u32>, Vec<bool>)], seq: usize) -> Result<()> {
+    if docs.is_empty() {
+        return Err(TrainError::Data(
+            "the data holds no conversations; give at least one".into(),
+        ));
+    }
+    if seq == 0 {
+        return Err(TrainError::Config("--seq must be at least 1".into()));
+    }
+    let n = seq + 1;
+    for (i, (ids, mask)) in docs.iter().enumerate() {
+        if ids.len() > n || ids.len() != mask.len() {
+            return Err(TrainError::Data(format!(
+                "document {} has {} tokens, more than a sequence of seq + 1 = {n}",
+                i + 1,
+                ids.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Documents per window and the padding share of the windows' tokens, unpacked (one document
+/// per window) and packed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PackStats {
+    pub documents: usize,
+    pub windows: usize,
+    /// Padding's share of the tokens with one document per window.
+    pub padding_unpacked: f64,
+    /// Padding's share of the tokens packed.
+    pub padding_packed: f64,
+}
+
+impl PackStats {
+    /// Documents per window on average.
+    pub fn per_window(&self) -> f64 {
+        self.documents as f64 / self.windows.max(1) as f64
     }
 }
 

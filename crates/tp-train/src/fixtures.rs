@@ -5,6 +5,7 @@
 //! as a Gemma-3 ([`gemma3_model`], [`gemma3_spec`]) they have one KV head (tp 2..4 above it),
 //! Gemma's block and a window of 6 positions on layers 0 and 2 (sequences of 16); as a
 //! Mixtral ([`moe_model`], [`moe_spec`]) every MLP is a mixture of 4 experts, top-2.
+//! [`documents`] are short documents of unequal lengths to pack.
 
 use crate::config::{ModelConfig, TrainModel};
 use crate::data::{Corpus, DEFAULT_CORPUS};
@@ -54,6 +55,30 @@ pub fn corpus() -> Result<Corpus> {
     Corpus::new(text.iter().map(|&b| u32::from(b)).collect(), 16, 7)
 }
 
+/// `count` documents of the built-in corpus as bytes, of unequal lengths 3..=17 (a window
+/// of [`corpus`]'s sequences of 16 holds one of 17), each with its first third out of the
+/// loss (a prompt) and the rest in it (a reply): data to pack ([`Corpus::packed`]).
+pub fn documents(count: usize) -> Vec<(Vec<u32>, Vec<bool>)> {
+    const LENGTHS: [usize; 11] = [17, 5, 9, 12, 3, 7, 11, 4, 6, 14, 8];
+    let mut at = 0;
+    (0..count)
+        .map(|i| {
+            let len = LENGTHS[i % LENGTHS.len()];
+            let ids = DEFAULT_CORPUS[at..at + len]
+                .iter()
+                .map(|&b| u32::from(b))
+                .collect();
+            at += len;
+            (ids, (0..len).map(|k| k >= len / 3).collect())
+        })
+        .collect()
+}
+
+/// 60 of [`documents`] packed into windows of 17 tokens (sequences of 16, as [`corpus`]).
+pub fn packed_corpus() -> Result<Corpus> {
+    Corpus::packed(&documents(60), 16, 0, 7)
+}
+
 /// A run of `steps` steps of 4 sequences at `dims` with `micro_batches` per replica.
 pub fn spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
     TrainSpec {
@@ -75,6 +100,7 @@ pub fn spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
         moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
         sequence_parallel: false,
         recompute: crate::Recompute::None,
+        pack: false,
         save_dir: None,
         save_every: 0,
         keep: 0,

@@ -42,7 +42,7 @@ pub mod zero;
 
 pub use checkpoint::{Checkpoint, SaveHook, SavePoint};
 pub use config::{ModelConfig, TrainModel};
-pub use data::{Corpus, TextTokenizer};
+pub use data::{Corpus, PackStats, TextTokenizer};
 pub use error::{Result, TrainError};
 pub use optim::AdamWConfig;
 pub use pretrained::Pretrained;

@@ -16,7 +16,7 @@ use std::ops::Range;
 use tp_comm::Group;
 use tp_nn::{
     vocab_parallel_cross_entropy_weighted, BlockWeights, ColumnParallelLinear, ParallelBlock,
-    Partition, RmsNorm, SeqLayout, SeqSplit, VocabParallelEmbedding,
+    Partition, RmsNorm, Segments, SeqLayout, SeqSplit, VocabParallelEmbedding,
 };
 use tp_plan::workload::Recompute;
 use tp_spec::{hf_name, WeightName};
@@ -279,11 +279,24 @@ impl StageModel {
         targets: Option<(&Tensor, &Tensor)>,
         tp: &Group,
     ) -> Result<StageOutput> {
+        self.forward_packed(input, None, targets, tp)
+    }
+
+    /// [`StageModel::forward_aux`], over packed sequences when `segments` is given (each
+    /// token's document and position, for the whole `[batch, seq]`,
+    /// [`ParallelBlock::forward_packed`]).
+    pub fn forward_packed(
+        &self,
+        input: StageInput<'_>,
+        segments: Option<&Segments>,
+        targets: Option<(&Tensor, &Tensor)>,
+        tp: &Group,
+    ) -> Result<StageOutput> {
         let split = self.input_split(&input)?;
         let layout = split
             .as_ref()
             .map_or(SeqLayout::Replicated, SeqLayout::Split);
-        let (h, aux_share, aux) = self.hidden_aux(input, tp, layout)?; // h: [b, s_local, hidden]
+        let (h, aux_share, aux) = self.hidden_aux(input, segments, tp, layout)?; // h: [b, s_local, hidden]
         let value = self.head_loss(h, targets, tp, layout)?;
         Ok(StageOutput {
             value,
@@ -329,7 +342,7 @@ impl StageModel {
         let layout = split
             .as_ref()
             .map_or(SeqLayout::Replicated, SeqLayout::Split);
-        Ok(self.hidden_aux(input, tp, layout)?.0)
+        Ok(self.hidden_aux(input, None, tp, layout)?.0)
     }
 
     /// [`StageModel::hidden`] with the summed load-balancing loss shares and values of the
@@ -337,13 +350,14 @@ impl StageModel {
     fn hidden_aux(
         &self,
         input: StageInput<'_>,
+        segments: Option<&Segments>,
         tp: &Group,
         layout: SeqLayout<'_>,
     ) -> Result<(Tensor, Option<Tensor>, f64)> {
         let mut h = self.stage_input(input, tp, layout)?; // [b, s_local, hidden]
         let (mut share, mut aux): (Option<Tensor>, f64) = (None, 0.0);
         for b in &self.blocks {
-            let out = b.forward_layout(&h, tp, layout)?;
+            let out = b.forward_packed(&h, tp, layout, segments)?;
             h = out.hidden; // [b, s_local, hidden]
             if let Some(s) = out.aux_share {
                 share = Some(match share {

@@ -12,6 +12,7 @@ use crate::schedule::{one_f_one_b, Action};
 use candle_core::{Device, Tensor, Var};
 use std::collections::VecDeque;
 use tp_comm::{CommExt, ProcessGroups};
+use tp_nn::Segments;
 use tp_plan::workload::Recompute;
 
 /// Tag of activations (stage p -> p+1) and of their gradients (p+1 -> p).
@@ -25,6 +26,9 @@ pub struct MicroBatch {
     pub targets: Tensor, // [batch * seq] u32
     /// Each target's weight in the loss: its mask over the tokens in the whole step's loss.
     pub weights: Tensor, // [batch * seq] f32
+    /// Packed sequences: each input's document and position (every stage reads them, as
+    /// the first reads the tokens); `None`: one document per sequence.
+    pub segments: Option<Segments>,
 }
 
 impl MicroBatch {
@@ -40,7 +44,18 @@ impl MicroBatch {
             ids: Tensor::from_vec(ids, (batch, seq), &dev)?,
             targets: Tensor::from_vec(targets, batch * seq, &dev)?,
             weights: Tensor::from_vec(weights, batch * seq, &dev)?,
+            segments: None,
         })
+    }
+
+    /// The same micro-batch over packed sequences: `segments` is (each input's document,
+    /// its position in it), `[batch * seq]` each ([`crate::Corpus::segments`]).
+    pub fn with_segments(mut self, segments: Option<(Vec<u32>, Vec<u32>)>) -> Result<Self> {
+        if let Some((docs, pos)) = segments {
+            let (b, s) = self.ids.dims2()?;
+            self.segments = Some(Segments::new(docs, pos, b, s)?);
+        }
+        Ok(self)
     }
 }
 
@@ -111,13 +126,14 @@ pub fn run_micro_batches(
                     None => StageInput::Tokens(&mb.ids),
                 };
                 let targets = last.then_some((&mb.targets, &mb.weights));
+                let seg = mb.segments.as_ref();
                 let (output, kept) = if model.recompute() == Recompute::Full {
-                    let f = recompute::forward(model, stage_in, targets, &groups.tp)?;
+                    let f = recompute::forward(model, stage_in, seg, targets, &groups.tp)?;
                     sums.aux += f.aux;
                     sums.kept_input_bytes = sums.kept_input_bytes.max(f.kept.block_input_bytes());
                     (f.value, Kept::Inputs(f.kept))
                 } else {
-                    let out = model.forward_aux(stage_in, targets, &groups.tp)?;
+                    let out = model.forward_packed(stage_in, seg, targets, &groups.tp)?;
                     sums.aux += out.aux;
                     let output = out.value;
                     let kept = Kept::Graph {
@@ -233,11 +249,14 @@ pub fn forward_only(
             received = Tensor::from_vec(buf, (b, s, hidden), &Device::Cpu)?; // [b, s, hidden]
             StageInput::Hidden(&received)
         };
-        let output = model.forward(
-            stage_in,
-            last.then_some((&mb.targets, &mb.weights)),
-            &groups.tp,
-        )?;
+        let output = model
+            .forward_packed(
+                stage_in,
+                mb.segments.as_ref(),
+                last.then_some((&mb.targets, &mb.weights)),
+                &groups.tp,
+            )?
+            .value;
         if last {
             loss_sum += f64::from(output.to_scalar::<f32>()?);
         } else {

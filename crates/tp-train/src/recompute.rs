@@ -14,7 +14,7 @@ use crate::model::{StageInput, StageModel};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use tp_comm::{Group, ParallelDims};
-use tp_nn::{SeqLayout, SeqSplit};
+use tp_nn::{Segments, SeqLayout, SeqSplit};
 use tp_plan::activation_memory::korthikanti_bytes_per_layer;
 use tp_plan::workload::Recompute;
 
@@ -32,6 +32,8 @@ pub struct Kept {
     out_dims: Vec<usize>,
     /// The sequence's split over tp with sequence parallelism.
     split: Option<SeqSplit>,
+    /// Packed sequences' documents and positions, for the recomputed blocks.
+    segments: Option<Segments>,
 }
 
 impl Kept {
@@ -61,10 +63,12 @@ pub struct FullForward {
     pub kept: Kept,
 }
 
-/// The stage's forward keeping only each block's input (and the embedding's and head's graphs).
+/// The stage's forward keeping only each block's input (and the embedding's and head's graphs),
+/// over packed sequences when `segments` is given.
 pub fn forward(
     model: &StageModel,
     input: StageInput<'_>,
+    segments: Option<&Segments>,
     targets: Option<(&Tensor, &Tensor)>,
     tp: &Group,
 ) -> Result<FullForward> {
@@ -78,7 +82,7 @@ pub fn forward(
     let mut inputs = Vec::with_capacity(model.blocks().len());
     let mut aux = 0.0;
     for b in model.blocks() {
-        let out = b.forward_layout(&x, tp, layout)?;
+        let out = b.forward_packed(&x, tp, layout, segments)?;
         aux += f64::from(out.aux.unwrap_or(0.0));
         inputs.push(x);
         // Detaching drops the block's graph, and with it its intermediates.
@@ -102,6 +106,7 @@ pub fn forward(
             head,
             out_dims,
             split,
+            segments: segments.cloned(),
         },
     })
 }
@@ -146,7 +151,7 @@ pub fn backward(
         .map_or(SeqLayout::Replicated, SeqLayout::Split);
     for (b, x) in model.blocks().iter().zip(kept.inputs).rev() {
         let leaf = Var::from_tensor(&x)?; // [b, s, hidden]
-        let out = b.forward_layout(leaf.as_tensor(), tp, layout)?;
+        let out = b.forward_packed(leaf.as_tensor(), tp, layout, kept.segments.as_ref())?;
         // d/dx of sum(y * g) with g constant: the vector-Jacobian product of g through it.
         let mut objective = (out.hidden * &g)?.sum_all()?;
         if let Some(share) = out.aux_share {

@@ -89,7 +89,18 @@ impl<'a> Job<'a> {
                 Some(ck) => format!("; resuming {} at step {}", ck.dir.display(), ck.state.step),
                 None => String::new(),
             }
-        )
+        ) + &match p.corpus.pack_stats() {
+            Some(st) => format!(
+                "\n  packed: {} documents in {} sequences ({:.2} per sequence); padding {:.1}% \
+                 of the tokens one document per sequence, {:.1}% packed",
+                st.documents,
+                st.windows,
+                st.per_window(),
+                100.0 * st.padding_unpacked,
+                100.0 * st.padding_packed
+            ),
+            None => String::new(),
+        }
     }
 
     /// One step's rate, MFU and line.

@@ -60,6 +60,9 @@ pub struct RunRequest {
     pub sequence_parallel: bool,
     /// Activation recomputation ([`TrainSpec::recompute`]).
     pub recompute: crate::Recompute,
+    /// Pack several documents (chat conversations) into each sequence ([`Corpus::packed`]);
+    /// a packed run resumes packed either way.
+    pub pack: bool,
     /// Hold out one sequence in this many (seeded) as a validation split (0: none).
     pub held_out: u64,
     /// Validation loss every this many steps (and after the last) when data is held out.
@@ -212,9 +215,17 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         .batch
         .or(resume.as_ref().map(|c| c.state.global_batch))
         .unwrap_or(8);
+    // A packed run resumes packed: its data position counts packed windows.
+    let pack = a.pack || resume.as_ref().is_some_and(|c| c.state.pack);
     let corpus = match a.data.as_deref() {
         Some(path) if crate::chat::is_chat(path) => {
-            chat_corpus(&tokenizer, &text, path, seq, seed)?
+            chat_corpus(&tokenizer, &text, path, seq, seed, pack)?
+        }
+        _ if pack => {
+            return Err(TrainError::Data(format!(
+                "{data_desc} is plain text, without documents to pack into sequences; packing \
+                 takes chat data (JSONL of conversations)"
+            )))
         }
         _ => Corpus::new(tokenizer.encode(&text)?, seq, seed)?,
     };
@@ -260,6 +271,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         distributed_optimizer: a.distributed_optimizer,
         sequence_parallel: a.sequence_parallel,
         recompute: a.recompute,
+        pack,
         save_dir: a.save.clone(),
         save_every: a.save_every,
         keep: a.keep,
@@ -293,14 +305,15 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
 }
 
 /// Chat data (`path`'s JSONL `text`) rendered with the model's template, one conversation a
-/// sequence, the loss on the assistant's replies; a conversation longer than a sequence is an
-/// error naming its line.
+/// sequence (or several, `pack`ed), the loss on the assistant's replies; a conversation longer
+/// than a sequence is an error naming its line.
 fn chat_corpus(
     tokenizer: &TextTokenizer,
     text: &[u8],
     path: &std::path::Path,
     seq: usize,
     seed: u64,
+    pack: bool,
 ) -> Result<Corpus> {
     let Some(tok) = tokenizer.model() else {
         return Err(TrainError::Data(format!(
@@ -328,7 +341,11 @@ fn chat_corpus(
         docs.push((ids, mask));
     }
     let pad = tok.pad_id().or(tok.eos_ids().first().copied()).unwrap_or(0);
-    Corpus::documents(&docs, seq, pad, seed)
+    if pack {
+        Corpus::packed(&docs, seq, pad, seed)
+    } else {
+        Corpus::documents(&docs, seq, pad, seed)
+    }
 }
 
 /// Compute threads per rank: `requested`, else `inherited` (the thread count the process was
@@ -395,9 +412,22 @@ mod tests {
             distributed_optimizer: false,
             sequence_parallel: false,
             recompute: crate::Recompute::None,
+            pack: false,
             held_out: 0,
             val_every: 0,
         }
+    }
+
+    #[test]
+    fn packing_takes_documents_and_plain_text_has_none() {
+        let e = prepare(&RunRequest {
+            pack: true,
+            ..request(None, None)
+        })
+        .err()
+        .expect("plain text is refused")
+        .to_string();
+        assert!(e.contains("plain text, without documents to pack"), "{e}");
     }
 
     fn prepared_arch(config: Option<&str>, arch: Option<&str>) -> Result<Arch> {

@@ -54,6 +54,10 @@ pub struct TrainSpec {
     /// What the backward recomputes instead of keeping from the forward (Korthikanti et al.
     /// 2022): nothing, the attention cores, or every block. The results are the same.
     pub recompute: Recompute,
+    /// The data's documents are packed several to a sequence ([`Corpus::packed`]): RoPE by
+    /// each token's position in its document, attention within documents. The corpus the
+    /// trainer is given must be packed exactly when this is set.
+    pub pack: bool,
     /// Where checkpoints go (`None`: no checkpoints).
     pub save_dir: Option<PathBuf>,
     /// Save every this many steps (0: only at the end).
@@ -196,6 +200,21 @@ impl<'a> Trainer<'a> {
             return Err(TrainError::Config(format!(
                 "the groups are {:?} but the run is {:?}",
                 groups.dims, spec.dims
+            )));
+        }
+        if spec.pack != corpus.is_packed() {
+            return Err(TrainError::Config(format!(
+                "the run {} packed sequences but its data is {}",
+                if spec.pack {
+                    "asks for"
+                } else {
+                    "does not ask for"
+                },
+                if corpus.is_packed() {
+                    "packed"
+                } else {
+                    "not packed"
+                }
             )));
         }
         let max = corpus.max_token() as usize;
@@ -410,9 +429,11 @@ impl<'a> Trainer<'a> {
         }
         let micro = (0..m)
             .map(|i| {
-                let (ids, tgt, mask) = self.corpus.batch(first + (i * mbs) as u64, mbs);
+                let at = first + (i * mbs) as u64;
+                let (ids, tgt, mask) = self.corpus.batch(at, mbs);
                 let weights = mask.iter().map(|w| w / count).collect();
-                MicroBatch::new(ids, tgt, weights, mbs, s.seq)
+                MicroBatch::new(ids, tgt, weights, mbs, s.seq)?
+                    .with_segments(self.corpus.segments(at, mbs))
             })
             .collect::<Result<Vec<_>>>()?;
         self.grads.fill(0.0);
@@ -479,10 +500,11 @@ impl<'a> Trainer<'a> {
         }
         let micro = batches
             .into_iter()
-            .map(|(ids, tgt, mask)| {
+            .zip(val.all_segments(s.micro_batch_size()))
+            .map(|((ids, tgt, mask), seg)| {
                 let rows = ids.len() / s.seq;
                 let weights = mask.iter().map(|w| w / count).collect();
-                MicroBatch::new(ids, tgt, weights, rows, s.seq)
+                MicroBatch::new(ids, tgt, weights, rows, s.seq)?.with_segments(seg)
             })
             .collect::<Result<Vec<_>>>()?;
         let mut loss = [forward_only(
@@ -583,6 +605,7 @@ impl<'a> Trainer<'a> {
             seed: s.seed,
             global_batch: s.global_batch,
             seq: s.seq,
+            pack: s.pack,
             steps_target: s.steps,
             optim: s.optim.clone(),
             data: s.data_name.clone(),

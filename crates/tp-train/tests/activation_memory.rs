@@ -74,8 +74,8 @@ fn recomputation_keeps_less_activation_memory_as_measured() {
             model.set_recompute(r);
             let before = LIVE.load(Ordering::SeqCst);
             let (kept, counted) = if r == Recompute::Full {
-                let f =
-                    recompute::forward(&model, StageInput::Tokens(&ids), tg, &groups.tp).unwrap();
+                let f = recompute::forward(&model, StageInput::Tokens(&ids), None, tg, &groups.tp)
+                    .unwrap();
                 let live = LIVE.load(Ordering::SeqCst) - before;
                 (live, f.kept.block_input_bytes())
             } else {

@@ -5,7 +5,9 @@
 //! with the distributed optimizer, tp2 x pp2, tp2 x dp2 and tp4 with sequence parallelism
 //! (tp3 cannot split the 16 positions), tp2 x pp2 and tp3 with selective and with full
 //! activation recomputation, and tp2 x pp2 with sequence parallelism and full recomputation
-//! together (issue 34).
+//! together; packed documents at tp2 x pp2 (also with sequence parallelism and full
+//! recomputation), tp2 x dp2 (also with the distributed optimizer) and tp3 follow the tp1
+//! packed curve (issue 34).
 #![cfg(feature = "mpi")]
 
 use std::time::Duration;
@@ -33,8 +35,9 @@ fn mpi_check_with(n: usize, args: &[&str]) -> String {
 fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
     let text = mpi_check(4);
     // 6 layouts, 3 of them again sequence parallel, tp2 x pp2 with 2 recomputations and with
-    // sequence parallelism and full recomputation, checked by each of the 4 ranks.
-    assert!(text.contains("48 passed, 0 failed"), "{text}");
+    // sequence parallelism and full recomputation, packed tp2 x pp2 (also with sequence
+    // parallelism and full recomputation) and tp2 x dp2, checked by each of the 4 ranks.
+    assert!(text.contains("60 passed, 0 failed"), "{text}");
     for l in [
         "tp=2 pp=2 dp=1",
         "tp=2 pp=1 dp=2",
@@ -48,6 +51,9 @@ fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
         "tp=2 pp=2 dp=1 recompute=selective:",
         "tp=2 pp=2 dp=1 recompute=full:",
         "tp=2 pp=2 dp=1 sequence-parallel recompute=full:",
+        "tp=2 pp=2 dp=1 packed:",
+        "tp=2 pp=2 dp=1 sequence-parallel recompute=full packed:",
+        "tp=2 pp=1 dp=2 packed:",
     ] {
         assert!(text.contains(l), "{l} missing: {text}");
     }
@@ -56,13 +62,14 @@ fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
 #[test]
 fn uneven_layouts_match_tp1_under_mpirun_with_3_processes() {
     let text = mpi_check(3);
-    // tp3 (also with 2 recomputations) and pp3, checked by each of the 3 ranks.
-    assert!(text.contains("12 passed, 0 failed"), "{text}");
+    // tp3 (also with 2 recomputations and packed) and pp3, checked by each of the 3 ranks.
+    assert!(text.contains("15 passed, 0 failed"), "{text}");
     for l in [
         "tp=3 pp=1 dp=1",
         "tp=1 pp=3 dp=1",
         "tp=3 pp=1 dp=1 recompute=selective",
         "tp=3 pp=1 dp=1 recompute=full",
+        "tp=3 pp=1 dp=1 packed",
     ] {
         assert!(text.contains(l), "{l} missing: {text}");
     }
@@ -72,14 +79,15 @@ fn uneven_layouts_match_tp1_under_mpirun_with_3_processes() {
 #[test]
 fn distributed_optimizer_matches_tp1_under_mpirun_with_4_processes() {
     let text = mpi_check_with(4, &["--distributed-optimizer"]);
-    // The 3 layouts with dp > 1 and tp2 x dp2 also with sequence parallelism, checked by
-    // each of the 4 ranks.
-    assert!(text.contains("16 passed, 0 failed"), "{text}");
+    // The 3 layouts with dp > 1 and tp2 x dp2 also with sequence parallelism and packed,
+    // checked by each of the 4 ranks.
+    assert!(text.contains("20 passed, 0 failed"), "{text}");
     for l in [
         "tp=2 pp=1 dp=2 distributed",
         "tp=2 pp=1 dp=2 sequence-parallel distributed",
         "tp=1 pp=2 dp=2 distributed",
         "tp=1 pp=1 dp=4 distributed",
+        "tp=2 pp=1 dp=2 distributed optimizer packed",
     ] {
         assert!(text.contains(l), "{l} missing: {text}");
     }

@@ -12,5 +12,6 @@ mod block;
 mod end_to_end;
 mod layers;
 mod moe;
+mod packing;
 mod sequence;
 mod support;

@@ -6,7 +6,9 @@
 //! recomputation (the recomputed forwards repeat the tp collectives inside the backward), and
 //! tp2 x pp2 with both sequence parallelism and full recomputation. With
 //! `--distributed-optimizer`, the layouts with dp > 1 train with the optimizer state sharded
-//! over dp. Every rank checks every step; rank 0 prints `N passed, N failed` (issue 34).
+//! over dp. Packed documents ([`fixtures::packed_corpus`]) train at tp2 x pp2 (also with
+//! sequence parallelism and full recomputation), tp2 x dp2 and tp3 against the tp1 packed
+//! curve. Every rank checks every step; rank 0 prints `N passed, N failed` (issue 34).
 
 use std::process::ExitCode;
 use tp_comm::local::{self, LocalOptions};
@@ -24,6 +26,8 @@ struct Features {
     sequence_parallel: bool,
     recompute: Recompute,
     distributed_optimizer: bool,
+    /// Several documents per sequence ([`fixtures::packed_corpus`]).
+    pack: bool,
 }
 
 impl Features {
@@ -31,6 +35,7 @@ impl Features {
         sequence_parallel: false,
         recompute: Recompute::None,
         distributed_optimizer: false,
+        pack: false,
     };
 
     /// ` sequence-parallel recompute=full distributed optimizer`, as far as they are on.
@@ -48,6 +53,9 @@ impl Features {
         if self.distributed_optimizer {
             s.push_str(" distributed optimizer");
         }
+        if self.pack {
+            s.push_str(" packed");
+        }
         s
     }
 }
@@ -62,9 +70,14 @@ fn losses(
         sequence_parallel: f.sequence_parallel,
         recompute: f.recompute,
         distributed_optimizer: f.distributed_optimizer,
+        pack: f.pack,
         ..fixtures::spec(dims, STEPS, micro)
     };
-    let corpus = fixtures::corpus()?;
+    let corpus = if f.pack {
+        fixtures::packed_corpus()?
+    } else {
+        fixtures::corpus()?
+    };
     let tok = TextTokenizer::Bytes.json()?;
     let groups = ProcessGroups::new(world, dims)?;
     let mut t = Trainer::new(
@@ -114,6 +127,21 @@ fn layouts(n: usize) -> Vec<(ParallelDims, usize, Features)> {
                         };
                         out.push((dims, micro, f));
                     }
+                    let packed = Features {
+                        pack: true,
+                        ..plain
+                    };
+                    if (tp > 1 && pp > 1) || tp == 3 || (tp, dp) == (2, 2) {
+                        out.push((dims, micro, packed));
+                    }
+                    if sp && pp > 1 {
+                        let f = Features {
+                            sequence_parallel: true,
+                            recompute: Recompute::Full,
+                            ..packed
+                        };
+                        out.push((dims, micro, f));
+                    }
                 }
             }
         }
@@ -136,20 +164,29 @@ fn main() -> ExitCode {
         pp: 1,
         dp: 1,
     };
-    let reference = match local::run(1, LocalOptions::default(), |w| {
-        losses(w, one, 1, Features::PLAIN)
-    }) {
-        Ok(mut v) => match v.pop() {
-            Some(Ok(Ok(l))) => l,
-            other => {
-                eprintln!("rank {rank}: the tp1 reference failed: {other:?}");
-                return ExitCode::from(1);
+    let reference = |f: Features| -> Option<Vec<f64>> {
+        match local::run(1, LocalOptions::default(), |w| losses(w, one, 1, f)) {
+            Ok(mut v) => match v.pop() {
+                Some(Ok(Ok(l))) => Some(l),
+                other => {
+                    eprintln!("rank {rank}: the tp1 reference failed: {other:?}");
+                    None
+                }
+            },
+            Err(e) => {
+                eprintln!("rank {rank}: error: {e}");
+                None
             }
-        },
-        Err(e) => {
-            eprintln!("rank {rank}: error: {e}");
-            return ExitCode::from(1);
         }
+    };
+    let packed = Features {
+        pack: true,
+        ..Features::PLAIN
+    };
+    let (Some(plain_reference), Some(packed_reference)) =
+        (reference(Features::PLAIN), reference(packed))
+    else {
+        return ExitCode::from(1);
     };
     let (mut passed, mut failed) = (0u64, 0u64);
     let layouts = layouts(world.size())
@@ -173,9 +210,14 @@ fn main() -> ExitCode {
         );
         match losses(world.clone(), dims, micro, features) {
             Ok(got) => {
+                let reference = if features.pack {
+                    &packed_reference
+                } else {
+                    &plain_reference
+                };
                 let worst = got
                     .iter()
-                    .zip(&reference)
+                    .zip(reference)
                     .map(|(g, w)| (g - w).abs() / w.abs())
                     .fold(0.0, f64::max);
                 if got.len() == reference.len() && worst <= TOLERANCE {

@@ -52,6 +52,10 @@ pub struct TrainerState {
     pub seed: u64,
     pub global_batch: usize,
     pub seq: usize,
+    /// The documents were packed several to a sequence (the data position counts packed
+    /// windows); absent in checkpoints of earlier versions: not packed.
+    #[serde(default)]
+    pub pack: bool,
     /// The run's step target when saved (sets the learning-rate schedule's length).
     pub steps_target: u64,
     pub optim: AdamWConfig,

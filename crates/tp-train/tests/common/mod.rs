@@ -34,12 +34,22 @@ pub fn with_trainers<R: Send>(
     opts: TrainOptions,
     f: impl Fn(&mut Trainer<'_>) -> tp_train::Result<R> + Sync,
 ) -> Vec<Result<R, String>> {
-    let corpus = corpus();
+    with_trainers_on(spec, &corpus(), resume, opts, f)
+}
+
+/// [`with_trainers`] on the data `corpus`.
+pub fn with_trainers_on<R: Send>(
+    spec: &TrainSpec,
+    corpus: &Corpus,
+    resume: Option<&Checkpoint>,
+    opts: TrainOptions,
+    f: impl Fn(&mut Trainer<'_>) -> tp_train::Result<R> + Sync,
+) -> Vec<Result<R, String>> {
     let tok = tokenizer_json();
     let outs = run(spec.dims.world_size(), LocalOptions::default(), |world| {
         let groups = ProcessGroups::new(world, spec.dims)?;
         let start = resume.map_or(tp_train::Start::Fresh, tp_train::Start::Resume);
-        let mut t = Trainer::new(spec, groups, &corpus, &tok, start, opts.clone())?;
+        let mut t = Trainer::new(spec, groups, corpus, &tok, start, opts.clone())?;
         f(&mut t)
     })
     .expect("world starts");
@@ -54,7 +64,12 @@ pub fn with_trainers<R: Send>(
 
 /// Trains `spec` (fresh or resumed) to `spec.steps`; rank 0's step reports.
 pub fn train(spec: &TrainSpec, resume: Option<&Checkpoint>) -> Vec<StepReport> {
-    let mut outs = with_trainers(spec, resume, TrainOptions::default(), |t| {
+    train_on(spec, &corpus(), resume)
+}
+
+/// [`train`] on the data `corpus`.
+pub fn train_on(spec: &TrainSpec, corpus: &Corpus, resume: Option<&Checkpoint>) -> Vec<StepReport> {
+    let mut outs = with_trainers_on(spec, corpus, resume, TrainOptions::default(), |t| {
         let mut reports = Vec::new();
         t.run(&mut |r| reports.push(r.clone()))?;
         Ok(reports)
