@@ -707,6 +707,17 @@ mod tests {
             self.all.remove(&id);
             Ok(())
         }
+        fn replace_model(&mut self, id: u32, path: &str) -> tp_engine::Result<Result<(), String>> {
+            // None held after a failed replacement.
+            assert!(self.all.len() <= 1, "a replacement beside other models");
+            self.all.clear();
+            if path == "missing" {
+                return Ok(Err("no such file".into()));
+            }
+            self.all.insert(id, scripted(path));
+            self.selected = id;
+            Ok(Ok(()))
+        }
     }
 
     fn job(prompt: &str, max: usize) -> (Job, tokio::sync::mpsc::UnboundedReceiver<Event>) {
@@ -843,5 +854,71 @@ mod tests {
             sched.join().unwrap().unwrap();
         });
         assert_eq!(exec.all.keys().copied().collect::<Vec<_>>(), vec![0, 3]);
+    }
+
+    #[test]
+    fn a_drain_swap_that_cannot_load_or_fails_its_requests_brings_the_old_model_back() {
+        let mut exec = Models {
+            all: BTreeMap::from([(0, scripted("alphabet"))]),
+            selected: 0,
+            loading: None,
+        };
+        let cfg = SchedulerConfig {
+            max_seqs: 4,
+            kv_blocks: 100,
+            max_batch_tokens: 64,
+            heartbeat: Duration::from_millis(5),
+            prefix_sharing: true,
+            prefix_cache_entries: 4,
+            spec: None,
+        };
+        let tok = Tokenizer::bytes(&["<|endoftext|>"]);
+        let load = Load::default();
+        let metrics = Metrics::new();
+        let (tx, rx) = mpsc::channel();
+        std::thread::scope(|s| {
+            let (exec, tok, cfg, load, metrics) = (&mut exec, &tok, &cfg, &load, &metrics);
+            let sched = s.spawn(move || {
+                let path = Some("alphabet".into());
+                run_models(exec, tok, cfg, &rx, load, metrics, "a".into(), path)
+            });
+            // A prefix is cached on the live model: the drain closes it before the swap.
+            assert_eq!(ask(&tx, load, "a").unwrap(), "bcde");
+            let drain = || Some("the test says so".to_string());
+            // The candidate cannot be loaded: the old model is loaded back (as model 2).
+            let e = admin(&tx, |reply| Admin::Load {
+                path: "missing".into(),
+                drain: drain(),
+                reply,
+            })
+            .unwrap_err();
+            assert!(
+                e.contains("no such file") && e.contains("was loaded back"),
+                "{e}"
+            );
+            assert_eq!(ask(&tx, load, "a").unwrap(), "bcde");
+            let r = metrics.board.snapshot().rollout;
+            assert_eq!((r.live.id, r.reload_failures), (2, 1), "{r:?}");
+            assert_eq!(r.live.path.as_deref(), Some("alphabet"), "{r:?}");
+            // Drained in, a model whose requests all fail is rolled back by draining.
+            let id = admin(&tx, |reply| Admin::Load {
+                path: "nan".into(),
+                drain: drain(),
+                reply,
+            })
+            .unwrap();
+            let s1 = admin(&tx, |reply| Admin::Switch { id, reply }).unwrap();
+            assert!(s1.drained.is_some() && s1.previous.is_none(), "{s1:?}");
+            for _ in 0..WATCH_MIN_FAILURES {
+                assert!(ask(&tx, load, "a").is_err());
+            }
+            assert_eq!(ask(&tx, load, "a").unwrap(), "bcde");
+            let r = metrics.board.snapshot().rollout;
+            assert_eq!((r.live.id, r.switches, r.rollbacks), (4, 1, 1), "{r:?}");
+            assert!(r.last_event.contains("reloaded by a drain swap"), "{r:?}");
+            tx.send(Control::Shutdown).unwrap();
+            sched.join().unwrap().unwrap();
+        });
+        assert_eq!(exec.all.keys().copied().collect::<Vec<_>>(), vec![4]);
     }
 }
