@@ -11,7 +11,7 @@
 //! within one model. A model that is neither live nor previous (a replaced previous one, a
 //! candidate that failed its canary) is dropped on every rank once its last sequence ends.
 //!
-//! When two models cannot be held at once, a swap drains first (see [`drain`]).
+//! When two models cannot be held at once, a swap drains first (see `rollout/drain.rs`).
 
 mod drain;
 
@@ -36,7 +36,7 @@ pub const WATCH_MIN_FAILURES: u64 = 3;
 pub enum Admin {
     /// Load `path` on every rank as a candidate (not live); the reply is its id once every
     /// rank holds it, or the loader's error. With `drain` (why, in words), a drain swap: the
-    /// held models go first (see [`drain`]) and the candidate is the only model held.
+    /// held models go first (see `rollout/drain.rs`) and the candidate is the only model held.
     Load {
         path: String,
         drain: Option<String>,
