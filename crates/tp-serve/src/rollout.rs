@@ -584,8 +584,10 @@ impl<'a, 't> Fleet<'a, 't> {
                 .find(|m| m.sched.model == id)
                 .map(|m| self.entry(m))
         };
+        // During a drain swap the live model may be dropped already: still the one named.
+        let dropped = || self.drain.as_ref().map(|d| d.dropped_live(self.live));
         Switched {
-            live: find(self.live).unwrap_or_default(),
+            live: find(self.live).or_else(dropped).unwrap_or_default(),
             previous: self.previous.and_then(find),
             drained: None,
         }
@@ -877,6 +879,8 @@ mod tests {
         let metrics = Metrics::new();
         let (tx, rx) = mpsc::channel();
         std::thread::scope(|s| {
+            // Owned here: a failed assertion drops it, and the scheduler ends (no hang).
+            let tx = tx;
             let (exec, tok, cfg, load, metrics) = (&mut exec, &tok, &cfg, &load, &metrics);
             let sched = s.spawn(move || {
                 let path = Some("alphabet".into());
@@ -907,6 +911,14 @@ mod tests {
                 reply,
             })
             .unwrap();
+            // Loaded in its place, not live yet: the live model is still the one named.
+            let r = metrics.board.snapshot().rollout;
+            assert_eq!(
+                (r.live.id, r.live.path.as_deref()),
+                (2, Some("alphabet")),
+                "{r:?}"
+            );
+            assert!(r.draining.is_some(), "{r:?}");
             let s1 = admin(&tx, |reply| Admin::Switch { id, reply }).unwrap();
             assert!(s1.drained.is_some() && s1.previous.is_none(), "{s1:?}");
             for _ in 0..WATCH_MIN_FAILURES {

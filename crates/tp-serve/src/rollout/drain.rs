@@ -8,6 +8,7 @@
 //! that downtime is reported with the swap.
 
 use super::{Fleet, Held, StepResult, Switched};
+use crate::dashboard::ModelEntry;
 use crate::scheduler::{Event, Job, Load, Scheduler};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -95,7 +96,18 @@ impl Drain {
         )
     }
 
-    fn report(&self) -> crate::rollout::DrainReport {
+    /// The live model `id` once the drain dropped it (until another goes live).
+    pub(super) fn dropped_live(&self, id: u32) -> ModelEntry {
+        ModelEntry {
+            id,
+            name: self.restore.0.clone(),
+            role: "live, dropped for a drain swap".into(),
+            path: Some(self.restore.1.clone()),
+            ..ModelEntry::default()
+        }
+    }
+
+    fn report(&self) -> DrainReport {
         let now = Instant::now();
         DrainReport {
             drain_seconds: self
@@ -262,6 +274,8 @@ impl<'a, 't> Fleet<'a, 't> {
                         eprintln!(
                             "# tp serve: drain swap: model {id} loaded on every rank; not live yet"
                         );
+                        // The dashboard shows it before the canary runs.
+                        self.publish();
                         let _ = reply.send(Ok(id));
                     }
                     Some(Purpose::Rollback { reason, reply }) => {
