@@ -6,7 +6,8 @@
 //!   streams finish with A's text, requests that arrive during the drain wait and get B's;
 //!   the answer says it drained and how long no model served. A rollback then drains and
 //!   loads A back from its path.
-//! - A drain swap whose canary fails loads A back from its path, and A serves.
+//! - A drain swap whose canary fails loads A back from its path, and A serves; one switched
+//!   in without the check fails the periodic canary and is rolled back by draining.
 //! - A switch to the NaN model (no canary) is rolled back by the error rate of the first
 //!   requests after it, holding both models and draining.
 
@@ -144,7 +145,8 @@ fn a_drain_swap_while_8_clients_stream_fails_no_request_and_a_rollback_drains_ba
 }
 
 #[test]
-fn a_drain_swap_whose_canary_fails_loads_the_old_model_back() {
+fn a_drain_swap_whose_canary_fails_loads_the_old_model_back_and_a_later_canary_failure_drains_back()
+{
     let (want_a, canary_a) = oracle(A, 16);
     let dir = test_dir();
     let b = dir.join("b.gguf");
@@ -165,6 +167,20 @@ fn a_drain_swap_whose_canary_fails_loads_the_old_model_back() {
         assert!(is_first_model(&m["live"]), "{m}");
         assert_eq!(m["reload_failures"], 1, "{m}");
         assert_eq!(m["switches"], 0, "{m}");
+        // Switched in without the check, B fails the periodic canary: the automatic rollback
+        // drains and loads A back from its path.
+        let (status, body) = reload(
+            &adm,
+            json!({"path": b.to_str().unwrap(), "skip_canary": true}),
+        );
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["swap"], "drain", "{body}");
+        let m = models_when(&adm, |m| m["rollbacks"] == 1);
+        assert!(is_first_model(&m["live"]), "{m}");
+        let event = m["last_event"].as_str().unwrap();
+        assert!(event.contains("reloaded by a drain swap"), "{m}");
+        assert!(event.contains("the canary failed"), "{m}");
+        assert_eq!(complete(&api, &prompts()[2], 16), want_a[2]);
     });
     let _ = std::fs::remove_dir_all(&dir);
 }
