@@ -606,7 +606,7 @@ mod tests {
     use tp_models::{Arch, LoadOptions, RankWeights};
 
     #[test]
-    fn a_second_model_that_does_not_fit_is_refused_by_its_memory_plan() {
+    fn the_memory_plan_decides_beside_the_live_model_after_a_drain_or_507() {
         let dir = std::env::temp_dir().join(format!("tp-admin-room-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("m.gguf");
