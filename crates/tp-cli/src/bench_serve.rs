@@ -299,6 +299,7 @@ impl InProcessServer {
             canary: None,
             admin_key: None,
             spec: None,
+            swap: Default::default(),
         };
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()

@@ -15,7 +15,7 @@ use tp_engine::launch::Backend;
 use tp_engine::report::{parse_bytes, show_bytes};
 use tp_serve::canary::{Canary, CanaryConfig};
 use tp_serve::fdlimit::{default_max_connections, fd_reserve};
-use tp_serve::{ConnLimits, KvBudget, Ready, ServeConfig, ServeError};
+use tp_serve::{ConnLimits, KvBudget, Ready, ServeConfig, ServeError, SwapConfig, SwapPolicy};
 /// Drain after SIGTERM under mpirun: short enough to finish before mpirun's SIGKILL.
 const MPI_TERM_DRAIN: Duration = Duration::from_millis(200);
 
@@ -90,6 +90,18 @@ pub struct ServeArgs {
     /// key). Prefer setting $TP_ADMIN_KEY: a flag's value shows in `ps`.
     #[arg(long, value_name = "KEY")]
     pub admin_key: Option<String>,
+    /// How POST /admin/reload makes room for the new model: auto holds it beside the live
+    /// one when the memory plan says both fit and otherwise drains first (new requests wait,
+    /// running ones finish, the live model is dropped on every rank, the new one loads in its
+    /// place: no model serves meanwhile); drain always drains first (a host that must never
+    /// hold two models).
+    #[arg(long, value_enum, default_value_t = SwapArg::Auto)]
+    pub swap: SwapArg,
+    /// Memory a reloaded model may take on this host, e.g. 2GiB, in place of what the system
+    /// reports available (MemAvailable) when the reload is asked for: decides between holding
+    /// both models and draining first.
+    #[arg(long, value_parser = parse_bytes, value_name = "BYTES")]
+    pub reload_memory: Option<u64>,
     /// With an API key: answer GET /health without it (for load-balancer probes); every
     /// other route still needs the key.
     #[arg(long)]
@@ -164,6 +176,13 @@ pub struct ServeArgs {
     /// Tokens of each continuation --write-canary records.
     #[arg(long, default_value_t = 16, value_name = "N")]
     pub canary_max_tokens: usize,
+}
+
+/// --swap's values.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SwapArg {
+    Auto,
+    Drain,
 }
 
 /// The canary settings from --canary and its companions, the file read and checked now (an
@@ -343,6 +362,14 @@ fn serve_config(
         canary: canary_config(args)?,
         admin_key,
         spec: None,
+        swap: SwapConfig {
+            policy: match args.swap {
+                SwapArg::Auto => SwapPolicy::Auto,
+                SwapArg::Drain => SwapPolicy::Drain,
+            },
+            reload_memory: args.reload_memory,
+            model_path: args.model.model_path().ok(),
+        },
     })
 }
 

@@ -9,6 +9,21 @@ use serde_json::json;
 use serve_util::{chat_body, read_stream, ServerProc, TP};
 use std::time::Duration;
 
+/// SIGTERM to rank 0 (its pid is printed with the address), not to mpirun: the job ends with
+/// exit code 0.
+fn terminate_rank0(server: &mut ServerProc) {
+    let pid = server
+        .rank0_pid
+        .expect("the pid of rank 0 in the listening line");
+    let ok = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok);
+    let status = server.wait(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(0), "{}", server.stderr());
+}
+
 #[test]
 fn serve_under_mpirun_answers_and_stops_cleanly() {
     let Some(model) = tp_testkit::smollm2() else {
@@ -59,17 +74,7 @@ fn serve_under_mpirun_answers_and_stops_cleanly() {
     let reference = String::from_utf8_lossy(&generated.stdout);
     assert_eq!(reference.strip_suffix('\n').unwrap_or(&reference), text);
 
-    // SIGTERM to rank 0 (its pid is printed with the address), not to mpirun.
-    let pid = server
-        .rank0_pid
-        .expect("the pid of rank 0 in the listening line");
-    let ok = std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(ok);
-    let status = server.wait(Duration::from_secs(60));
-    assert_eq!(status.code(), Some(0), "{}", server.stderr());
+    terminate_rank0(&mut server);
 }
 
 /// `tp serve --backend mpi --admin-key` under mpirun (2 processes): a reload loads the model
@@ -127,14 +132,59 @@ fn reload_under_mpirun_switches_every_rank() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["live"]["id"], 0, "{}", r.text());
     assert_eq!(complete(), before);
-    let pid = server
-        .rank0_pid
-        .expect("the pid of rank 0 in the listening line");
-    let ok = std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(ok);
-    let status = server.wait(Duration::from_secs(60));
-    assert_eq!(status.code(), Some(0), "{}", server.stderr());
+    terminate_rank0(&mut server);
+}
+
+/// `tp serve --backend mpi --swap drain` under mpirun (2 processes): a reload drains and
+/// replaces the model in place on both processes (the follower frees its shard and loads
+/// the new one on the step protocol's `Replace`), with the same answers (the same file: what
+/// this checks is that both processes replace in step); a rollback drains back to the first
+/// model, loaded again from its path; SIGTERM still ends the job with exit code 0.
+#[test]
+fn a_drain_swap_under_mpirun_replaces_the_model_on_every_rank() {
+    let Some(model) = tp_testkit::smollm2() else {
+        return;
+    };
+    let mpirun = tp_testkit::require_mpirun();
+    let mpirun = mpirun.to_str().expect("a UTF-8 path to mpirun");
+    let [root, oversubscribe] = tp_testkit::process::MPIRUN_FLAGS;
+    let mut server = ServerProc::start_with(
+        mpirun,
+        &[root, oversubscribe, "-n", "2", TP],
+        &model,
+        &[
+            "--backend",
+            "mpi",
+            "--ctx-size",
+            "256",
+            "--admin-key",
+            "mpi-admin-key",
+            "--swap",
+            "drain",
+        ],
+    );
+    let admin = server.client.clone().with_api_key("mpi-admin-key");
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0});
+    let complete = || {
+        let r = server.client.post_json("/v1/completions", &body).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let before = complete();
+    let r = admin
+        .post_json(
+            "/admin/reload",
+            &json!({"path": model.to_str().expect("a UTF-8 model path")}),
+        )
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["swap"], "drain", "{}", r.text());
+    assert_eq!(r.json()["live"]["id"], 1, "{}", r.text());
+    assert_eq!(complete(), before);
+    let r = admin.post("/admin/rollback", b"").unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["live"]["id"], 2, "{}", r.text());
+    assert!(r.json()["drained"].is_object(), "{}", r.text());
+    assert_eq!(complete(), before);
+    terminate_rank0(&mut server);
 }

@@ -5,7 +5,8 @@
 //! --public-health), and an empty key is refused; SIGTERM/SIGINT drain in-flight requests and
 //! exit 0, and those the drain timeout cuts end with an error (an SSE error event and
 //! `[DONE]` for streams, 503 otherwise); requests beyond the KV budget queue instead of
-//! failing.
+//! failing; a reload that the memory plan (`--reload-memory`) says cannot be held beside the
+//! live model drains first and fails no request.
 
 mod serve_util;
 
@@ -633,5 +634,120 @@ fn a_rank_memory_limit_below_one_context_serves_within_its_blocks() {
         server.stderr().contains("positions at most"),
         "{}",
         server.stderr()
+    );
+}
+
+/// SmolLM2 at tp 2 with `--reload-memory 50MB` (its weights take 98 MB on this host): a
+/// reload of the same file cannot be held beside the live model, so it drains first. The 4
+/// streams running then finish, the requests that arrive during the drain wait, and every
+/// text is the model's alone (the same file before and after); the answer and the log say it
+/// drained and why. A rollback drains back (the first model loaded again from its path).
+#[test]
+fn a_reload_that_does_not_fit_beside_the_live_model_drains_and_fails_no_request() {
+    const ADMIN: &str = "admin-key-9";
+    let Some(server) = ServerProc::start(&[
+        "--tp",
+        "2",
+        "--ctx-size",
+        "512",
+        "--admin-key",
+        ADMIN,
+        "--reload-memory",
+        "50MB",
+    ]) else {
+        return;
+    };
+    let c = &server.client;
+    let adm = c.clone().with_api_key(ADMIN);
+    let model = tp_testkit::smollm2().unwrap();
+    let body = |i: usize, max: usize, stream: bool| {
+        json!({"prompt": format!("Story {i}: once upon a time"), "max_tokens": max,
+            "temperature": 0, "ignore_eos": true, "stream": stream})
+    };
+    let text = |r: tp_serve::client::Response| {
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    // The oracle: each prompt alone.
+    let alone: Vec<String> = (0..6)
+        .map(|i| text(c.post_json("/v1/completions", &body(i, 64, false)).unwrap()))
+        .collect();
+    let started = std::sync::Barrier::new(5);
+    let (streams, late, answer) = std::thread::scope(|s| {
+        let streams: Vec<_> = (0..4)
+            .map(|i| {
+                let (c, started) = (c.clone(), &started);
+                s.spawn(move || {
+                    let mut st = c.stream("/v1/completions", &body(i, 64, true)).unwrap();
+                    let mut out = String::new();
+                    let mut first = true;
+                    while let Some(d) = st.next_data().unwrap() {
+                        if d == "[DONE]" {
+                            break;
+                        }
+                        let v: serde_json::Value = serde_json::from_str(&d).unwrap();
+                        assert!(v.get("error").is_none(), "{v}");
+                        out.push_str(v["choices"][0]["text"].as_str().unwrap_or(""));
+                        if first {
+                            first = false;
+                            started.wait();
+                        }
+                    }
+                    out
+                })
+            })
+            .collect();
+        started.wait();
+        let reloading = {
+            let adm = adm.clone();
+            let path = model.to_str().unwrap().to_string();
+            s.spawn(move || {
+                let r = adm
+                    .post_json("/admin/reload", &json!({"path": path}))
+                    .unwrap();
+                (r.status, r.json())
+            })
+        };
+        let t0 = Instant::now();
+        while adm.get("/admin/models").unwrap().json()["draining"].is_null() {
+            assert!(t0.elapsed() < Duration::from_secs(60), "no drain began");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let late: Vec<_> = (4..6)
+            .map(|i| {
+                let c = c.clone();
+                s.spawn(move || text(c.post_json("/v1/completions", &body(i, 64, false)).unwrap()))
+            })
+            .collect();
+        let answer = reloading.join().unwrap();
+        let streams: Vec<String> = streams.into_iter().map(|h| h.join().unwrap()).collect();
+        let late: Vec<String> = late.into_iter().map(|h| h.join().unwrap()).collect();
+        (streams, late, answer)
+    });
+    let (status, answer) = answer;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["swap"], "drain", "{answer}");
+    let why = answer["drained"]["why"].as_str().unwrap();
+    assert!(
+        why.contains("cannot be held beside the live model"),
+        "{why}"
+    );
+    assert!(why.contains("50.0 MB is available"), "{why}");
+    assert_eq!(answer["drained"]["waited"], 2, "{answer}");
+    assert!(answer["drained"]["downtime_seconds"].as_f64().unwrap() > 0.0);
+    assert_eq!(streams, alone[..4]);
+    assert_eq!(late, alone[4..]);
+    assert!(
+        server.stderr().contains("# tp serve: drain swap"),
+        "{}",
+        server.stderr()
+    );
+    // A rollback loads the first model back from its path.
+    let r = adm.post("/admin/rollback", b"").unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["live"]["id"], 2, "{}", r.text());
+    assert_eq!(
+        text(c.post_json("/v1/completions", &body(0, 64, false)).unwrap()),
+        alone[0]
     );
 }

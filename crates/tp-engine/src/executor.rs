@@ -56,6 +56,13 @@ pub trait StepExecutor {
         let _ = id;
         Err(one_model())
     }
+    /// Frees the selected model (the only one held, nothing open) on every rank, then loads
+    /// `path` as `id`, selected; `Ok(Err(why))` when some rank could not (no model is held
+    /// then: only another replace may follow).
+    fn replace_model(&mut self, id: u32, path: &str) -> Result<std::result::Result<(), String>> {
+        let _ = (id, path);
+        Err(one_model())
+    }
 }
 
 fn one_model() -> EngineError {
@@ -94,6 +101,9 @@ impl StepExecutor for Worker {
     }
     fn drop_model(&mut self, id: u32) -> Result<()> {
         Worker::submit(self, Command::Model(ModelCommand::Drop { id })).map(drop)
+    }
+    fn replace_model(&mut self, id: u32, path: &str) -> Result<std::result::Result<(), String>> {
+        Worker::replace_model(self, id, path)
     }
 }
 

@@ -116,6 +116,7 @@ impl Worker {
         if !self.is_leader() {
             return Err(EngineError::Internal("only rank 0 submits commands".into()));
         }
+        self.check_held(&cmd)?;
         self.slots.check(&cmd)?;
         if let Command::Model(m) = &cmd {
             self.check_model(m)?;
@@ -136,7 +137,9 @@ impl Worker {
             }
             let checked = match &cmd {
                 Command::Model(m) => self.check_model(m),
-                other => self.slots.check(other),
+                other => self
+                    .check_held(other)
+                    .and_then(|()| self.slots.check(other)),
             };
             checked.map_err(|e| EngineError::Protocol {
                 rank: self.group.rank(),

@@ -3,6 +3,9 @@
 //! (same layout, same kernels: the oracle is that fresh worker); the first model's open
 //! sequence continues untouched once selected back; a path that is no model is refused on
 //! every rank with the loader's words and changes nothing; a dropped model is gone.
+//! A replacement in place (a drain swap) frees the only model and loads another: its logits
+//! are the fresh worker's; one that fails on the ranks leaves no model (steps refused) until
+//! a replacement succeeds.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -144,6 +147,54 @@ fn a_second_model_is_held_selected_and_dropped_beside_the_first() {
         w.drop_model(1).unwrap();
         assert_eq!(w.held_models(), vec![0]);
         assert!(w.select_model(1).is_err());
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_model_replaced_in_place_serves_like_a_fresh_worker_and_a_failed_replace_holds_none() {
+    let dir = std::env::temp_dir().join(format!("tp-replace-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let a = write_model(&dir, 7);
+    let b = write_model(&dir, 8);
+    let prompt = [5u32, 9, 2, 77, 31];
+    let (a1, _) = oracle(&a, &prompt, 12);
+    let (b1, b2) = oracle(&b, &prompt, 12);
+    assert_ne!(a1, b1);
+    let missing = dir.join("no-such-model.gguf");
+    let open = |w: &mut Worker| {
+        w.submit(Command::Open {
+            slot: 0,
+            capacity: 64,
+        })
+    };
+    on_workers(&a, |w| {
+        open(w).unwrap();
+        assert_eq!(forward(w, 0, &prompt), a1);
+        // Not with a sequence open, nor with another model held.
+        assert!(w.replace_model(1, b.to_str().unwrap()).is_err());
+        w.submit(Command::Close { slot: 0 }).unwrap();
+        load(w, 1, &b).unwrap();
+        assert!(w.replace_model(2, b.to_str().unwrap()).is_err());
+        w.drop_model(1).unwrap();
+        // B in A's place: B's logits, model 2 the only one.
+        w.replace_model(2, b.to_str().unwrap()).unwrap().unwrap();
+        assert_eq!((w.held_models(), w.selected_model()), (vec![2], 2));
+        open(w).unwrap();
+        assert_eq!(forward(w, 0, &prompt), b1);
+        assert_eq!(forward(w, 0, &[12]), b2);
+        w.submit(Command::Close { slot: 0 }).unwrap();
+        // A path that fails on every rank: no model is held, steps are refused.
+        let e = w
+            .replace_model(3, missing.to_str().unwrap())
+            .unwrap()
+            .unwrap_err();
+        assert!(e.contains("does not exist"), "{e}");
+        assert!(open(w).is_err());
+        // Loading back works: A's logits again.
+        w.replace_model(4, a.to_str().unwrap()).unwrap().unwrap();
+        open(w).unwrap();
+        assert_eq!(forward(w, 0, &prompt), a1);
     });
     let _ = std::fs::remove_dir_all(&dir);
 }

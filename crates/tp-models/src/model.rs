@@ -330,6 +330,16 @@ impl ShardedModel {
         &self.plan.stage
     }
 
+    /// Frees the weights (layers, embedding, head, final norm) and keeps the shape: the model
+    /// cannot run a forward pass afterwards. For a server that must drop its model before the
+    /// next one fits (a drain swap, see `tp_engine::swap`).
+    pub fn release_weights(&mut self) {
+        self.layers = Vec::new();
+        self.embed = None;
+        self.head = None;
+        self.norm = Vec::new();
+    }
+
     /// An empty pool of KV blocks for this rank's heads of its stage's layers (no limit until
     /// one is set).
     pub fn new_pool(&self) -> KvPool {

@@ -141,6 +141,8 @@ pub struct ModelEntry {
     pub loaded_t: f64,
     /// Sequences running on it.
     pub running: usize,
+    /// The path it was loaded from (`None`: unknown, for a first model served without one).
+    pub path: Option<String>,
 }
 
 /// Models in rollout (see [`crate::rollout`]).
@@ -155,6 +157,11 @@ pub struct RolloutStatus {
     pub loading: Option<String>,
     /// The last switch or rollback, in words.
     pub last_event: String,
+    /// A drain swap in progress, in words.
+    pub draining: Option<String>,
+    /// The path a rollback loads back, when the previous model is not held (a drain swap
+    /// dropped it).
+    pub unheld_previous: Option<String>,
 }
 
 /// The canary's last run and the drift alarm.

@@ -24,6 +24,7 @@ pub use http::conn::ConnLimits;
 pub use http::request::DEFAULT_MAX_N;
 pub use http::server::{Server, ServerConfig, StopHandle, DEFAULT_MAX_BODY_BYTES};
 pub use metrics::Metrics;
+pub use rollout::{DrainReport, SwapPolicy};
 pub use scheduler::{Control, Event, Job, Load, SchedulerConfig, SchedulerHandle, Usage};
-pub use service::{kv_plan, serve, KvBudget, KvPlan, Ready, ServeConfig};
+pub use service::{kv_plan, serve, KvBudget, KvPlan, Ready, ServeConfig, SwapConfig};
 pub use spec::ServeSpec;

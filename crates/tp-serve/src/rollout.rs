@@ -10,9 +10,16 @@
 //! turn: a sequence finishes on the model it started on, and a prefix is only ever shared
 //! within one model. A model that is neither live nor previous (a replaced previous one, a
 //! candidate that failed its canary) is dropped on every rank once its last sequence ends.
+//!
+//! When two models cannot be held at once, a swap drains first (see `rollout/drain.rs`).
+
+mod drain;
+
+pub use drain::{DrainReport, SwapPolicy};
 
 use crate::dashboard::{ModelEntry, RolloutStatus, SchedulerView};
 use crate::scheduler::{Control, Event, Job, Scheduler};
+use drain::{Drain, Purpose};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
@@ -28,9 +35,11 @@ pub const WATCH_MIN_FAILURES: u64 = 3;
 #[derive(Debug)]
 pub enum Admin {
     /// Load `path` on every rank as a candidate (not live); the reply is its id once every
-    /// rank holds it, or the loader's error.
+    /// rank holds it, or the loader's error. With `drain` (why, in words), a drain swap: the
+    /// held models go first (see `rollout/drain.rs`) and the candidate is the only model held.
     Load {
         path: String,
+        drain: Option<String>,
         reply: oneshot::Sender<Result<u32, String>>,
     },
     /// Make candidate `id` live; the model live until now becomes the previous one.
@@ -46,14 +55,23 @@ pub enum Admin {
         reply: Option<oneshot::Sender<Result<Switched, String>>>,
     },
     /// Give candidate `id` up (`failed`: its canary failed): dropped once its requests end.
-    Discard { id: u32, failed: bool },
+    /// A drain swap's candidate is replaced by the model live before, loaded back from its
+    /// path; `reply` then tells how that went.
+    Discard {
+        id: u32,
+        failed: bool,
+        reply: Option<oneshot::Sender<Result<Switched, String>>>,
+    },
 }
 
 /// The models after a switch or a rollback.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct Switched {
     pub live: ModelEntry,
     pub previous: Option<ModelEntry>,
+    /// After a drain swap: how long it drained and how long no model served.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drained: Option<DrainReport>,
 }
 
 /// Engine errors are boxed: they carry flight records and are large.
@@ -62,6 +80,8 @@ type StepResult<T> = std::result::Result<T, Box<EngineError>>;
 struct Held<'a, 't> {
     sched: Scheduler<'a, 't>,
     name: String,
+    /// Where it was loaded from (to load it back after a drain swap); `None`: unknown.
+    path: Option<String>,
     /// Dropped on every rank once nothing runs on it.
     retiring: bool,
     loaded: Instant,
@@ -93,18 +113,24 @@ pub(crate) struct Fleet<'a, 't> {
     watch: Option<Watch>,
     /// The live model went live by a switch (an automatic rollback may undo it).
     switched_in: bool,
+    /// The model a rollback goes back to when it is no longer held (a drain swap dropped
+    /// it): its name and path.
+    unheld_previous: Option<(String, String)>,
+    /// A drain swap in progress.
+    drain: Option<Drain>,
     status: RolloutStatus,
     started: Instant,
 }
 
 impl<'a, 't> Fleet<'a, 't> {
     /// The fleet of the first model (the executor's model 0), live.
-    pub(crate) fn new(first: Scheduler<'a, 't>, name: String) -> Self {
+    pub(crate) fn new(first: Scheduler<'a, 't>, name: String, path: Option<String>) -> Self {
         let live = first.model;
         let mut f = Fleet {
             models: vec![Held {
                 sched: first,
                 name,
+                path,
                 retiring: false,
                 loaded: Instant::now(),
             }],
@@ -115,6 +141,8 @@ impl<'a, 't> Fleet<'a, 't> {
             loading: None,
             watch: None,
             switched_in: false,
+            unheld_previous: None,
+            drain: None,
             status: RolloutStatus::default(),
             started: Instant::now(),
         };
@@ -130,6 +158,7 @@ impl<'a, 't> Fleet<'a, 't> {
     ) -> StepResult<()> {
         loop {
             self.poll_ranks(exec)?;
+            self.progress_drain(exec)?;
             if self.running() == 0 {
                 // Nothing to run (admission always succeeds for a queue's head when nothing
                 // runs, so nothing is queued): wait for input, telling followers we live.
@@ -238,8 +267,12 @@ impl<'a, 't> Fleet<'a, 't> {
         Ok(())
     }
 
-    /// Queues a request on the live model, or on the one it names.
+    /// Queues a request on the live model, or on the one it names; during a drain swap, one
+    /// for the live model waits for the model that goes live.
     fn route(&mut self, job: Job) {
+        let Some(job) = self.park(job) else {
+            return;
+        };
         let id = job.model.unwrap_or(self.live);
         match self.held(id).filter(|m| !m.retiring) {
             Some(m) => m.sched.push(job),
@@ -256,9 +289,18 @@ impl<'a, 't> Fleet<'a, 't> {
 
     fn admin(&mut self, exec: &mut dyn StepExecutor, a: Admin) -> StepResult<()> {
         match a {
-            Admin::Load { path, reply } => {
+            Admin::Load { path, drain, reply } => {
                 if let Some(l) = &self.loading {
                     let _ = reply.send(Err(format!("{} is still loading", l.name)));
+                    return Ok(());
+                }
+                if self.drain.is_some() {
+                    let _ = reply.send(Err("a drain swap is in progress".into()));
+                    return Ok(());
+                }
+                if let Some(why) = drain {
+                    self.start_drain((path.clone(), path), Purpose::Reload { reply }, &why);
+                    self.publish();
                     return Ok(());
                 }
                 // A candidate left over (its reload was abandoned before the switch) goes.
@@ -285,7 +327,14 @@ impl<'a, 't> Fleet<'a, 't> {
                 self.status.loading = Some(path);
             }
             Admin::Switch { id, reply } => {
-                let _ = reply.send(self.switch(id));
+                let r = if self.awaits(id) {
+                    Ok(self.switch_drained(id))
+                } else if self.drain.is_some() {
+                    Err("a drain swap is in progress".into())
+                } else {
+                    self.switch(id)
+                };
+                let _ = reply.send(r);
             }
             Admin::Rollback {
                 reason,
@@ -294,6 +343,13 @@ impl<'a, 't> Fleet<'a, 't> {
             } => {
                 let r = if automatic && !self.switched_in {
                     Err("the live model did not come in by a switch".into())
+                } else if self.drain.is_some() {
+                    Err("a drain swap is in progress".into())
+                } else if self.previous.is_none() && self.unheld_previous.is_some() {
+                    // Reloaded from its path once nothing runs: the reply comes then.
+                    self.rollback_drained(reason, reply);
+                    self.publish();
+                    return Ok(());
                 } else {
                     self.rollback(&reason)
                 };
@@ -301,9 +357,22 @@ impl<'a, 't> Fleet<'a, 't> {
                     let _ = reply.send(r);
                 }
             }
-            Admin::Discard { id, failed } => {
+            Admin::Discard { id, failed, reply } => {
                 if failed {
                     self.status.reload_failures += 1;
+                }
+                if self.awaits(id) {
+                    let why = if failed {
+                        "it failed its canary"
+                    } else {
+                        "the reload was given up"
+                    };
+                    let r = self.restore(exec, why)?;
+                    if let Some(reply) = reply {
+                        let _ = reply.send(r);
+                    }
+                    self.publish();
+                    return Ok(());
                 }
                 if id != self.live {
                     if self.previous == Some(id) {
@@ -347,6 +416,7 @@ impl<'a, 't> Fleet<'a, 't> {
                 self.models.push(Held {
                     sched,
                     name: l.name.clone(),
+                    path: Some(l.name.clone()),
                     retiring: false,
                     loaded: Instant::now(),
                 });
@@ -382,6 +452,7 @@ impl<'a, 't> Fleet<'a, 't> {
             }
         }
         self.previous = Some(old);
+        self.unheld_previous = None;
         self.live = id;
         self.status.switches += 1;
         self.switched_in = true;
@@ -441,7 +512,12 @@ impl<'a, 't> Fleet<'a, 't> {
         let seen = m.sched.finished - f0 + failed;
         if failed >= WATCH_MIN_FAILURES && 2 * failed > seen && self.switched_in {
             let reason = format!("{failed} of the {seen} requests since the switch failed");
-            let _ = self.rollback(&reason);
+            if self.previous.is_none() && self.unheld_previous.is_some() {
+                self.watch = None;
+                self.rollback_drained(reason, None);
+            } else {
+                let _ = self.rollback(&reason);
+            }
             self.publish();
         } else if seen >= WATCH_REQUESTS {
             self.watch = None;
@@ -497,6 +573,7 @@ impl<'a, 't> Fleet<'a, 't> {
             .into(),
             loaded_t: m.loaded.duration_since(self.started).as_secs_f64(),
             running: m.sched.running(),
+            path: m.path.clone(),
         }
     }
 
@@ -507,9 +584,12 @@ impl<'a, 't> Fleet<'a, 't> {
                 .find(|m| m.sched.model == id)
                 .map(|m| self.entry(m))
         };
+        // During a drain swap the live model may be dropped already: still the one named.
+        let dropped = || self.drain.as_ref().map(|d| d.dropped_live(self.live));
         Switched {
-            live: find(self.live).unwrap_or_default(),
+            live: find(self.live).or_else(dropped).unwrap_or_default(),
             previous: self.previous.and_then(find),
+            drained: None,
         }
     }
 
@@ -517,6 +597,8 @@ impl<'a, 't> Fleet<'a, 't> {
     fn publish(&mut self) {
         self.status.models = self.models.iter().map(|m| self.entry(m)).collect();
         self.status.live = self.switched().live;
+        self.status.draining = self.drain.as_ref().map(Drain::describe);
+        self.status.unheld_previous = self.unheld_previous.as_ref().map(|(_, p)| p.clone());
         self.metrics().rollout_changed(&self.status);
     }
 
@@ -530,6 +612,9 @@ impl<'a, 't> Fleet<'a, 't> {
         }
         if let Some(l) = self.loading.take() {
             let _ = l.reply.send(Err("the server is shutting down".into()));
+        }
+        if let Some(d) = self.drain.take() {
+            d.abandon(self.models[0].sched.load(), end);
         }
     }
 }
@@ -624,6 +709,17 @@ mod tests {
             self.all.remove(&id);
             Ok(())
         }
+        fn replace_model(&mut self, id: u32, path: &str) -> tp_engine::Result<Result<(), String>> {
+            // None held after a failed replacement.
+            assert!(self.all.len() <= 1, "a replacement beside other models");
+            self.all.clear();
+            if path == "missing" {
+                return Ok(Err("no such file".into()));
+            }
+            self.all.insert(id, scripted(path));
+            self.selected = id;
+            Ok(Ok(()))
+        }
     }
 
     fn job(prompt: &str, max: usize) -> (Job, tokio::sync::mpsc::UnboundedReceiver<Event>) {
@@ -682,16 +778,19 @@ mod tests {
         let (tx, rx) = mpsc::channel();
         std::thread::scope(|s| {
             let (exec, tok, cfg, load, metrics) = (&mut exec, &tok, &cfg, &load, &metrics);
-            let sched = s.spawn(move || run_models(exec, tok, cfg, &rx, load, metrics, "a".into()));
+            let sched =
+                s.spawn(move || run_models(exec, tok, cfg, &rx, load, metrics, "a".into(), None));
             assert_eq!(ask(&tx, load, "a").unwrap(), "bcde");
             // A load that fails on the ranks changes nothing.
             let e = admin(&tx, |reply| Admin::Load {
                 path: "missing".into(),
+                drain: None,
                 reply,
             });
             assert_eq!(e, Err("no such file".into()));
             let id = admin(&tx, |reply| Admin::Load {
                 path: "nan".into(),
+                drain: None,
                 reply,
             })
             .unwrap();
@@ -730,6 +829,7 @@ mod tests {
             // Two more switches: the model before the previous one is dropped once idle.
             let b = admin(&tx, |reply| Admin::Load {
                 path: "alphabet".into(),
+                drain: None,
                 reply,
             })
             .unwrap();
@@ -756,5 +856,81 @@ mod tests {
             sched.join().unwrap().unwrap();
         });
         assert_eq!(exec.all.keys().copied().collect::<Vec<_>>(), vec![0, 3]);
+    }
+
+    #[test]
+    fn a_drain_swap_that_cannot_load_or_fails_its_requests_brings_the_old_model_back() {
+        let mut exec = Models {
+            all: BTreeMap::from([(0, scripted("alphabet"))]),
+            selected: 0,
+            loading: None,
+        };
+        let cfg = SchedulerConfig {
+            max_seqs: 4,
+            kv_blocks: 100,
+            max_batch_tokens: 64,
+            heartbeat: Duration::from_millis(5),
+            prefix_sharing: true,
+            prefix_cache_entries: 4,
+            spec: None,
+        };
+        let tok = Tokenizer::bytes(&["<|endoftext|>"]);
+        let load = Load::default();
+        let metrics = Metrics::new();
+        let (tx, rx) = mpsc::channel();
+        std::thread::scope(|s| {
+            // Owned here: a failed assertion drops it, and the scheduler ends (no hang).
+            let tx = tx;
+            let (exec, tok, cfg, load, metrics) = (&mut exec, &tok, &cfg, &load, &metrics);
+            let sched = s.spawn(move || {
+                let path = Some("alphabet".into());
+                run_models(exec, tok, cfg, &rx, load, metrics, "a".into(), path)
+            });
+            // A prefix is cached on the live model: the drain closes it before the swap.
+            assert_eq!(ask(&tx, load, "a").unwrap(), "bcde");
+            let drain = || Some("the test says so".to_string());
+            // The candidate cannot be loaded: the old model is loaded back (as model 2).
+            let e = admin(&tx, |reply| Admin::Load {
+                path: "missing".into(),
+                drain: drain(),
+                reply,
+            })
+            .unwrap_err();
+            assert!(
+                e.contains("no such file") && e.contains("was loaded back"),
+                "{e}"
+            );
+            assert_eq!(ask(&tx, load, "a").unwrap(), "bcde");
+            let r = metrics.board.snapshot().rollout;
+            assert_eq!((r.live.id, r.reload_failures), (2, 1), "{r:?}");
+            assert_eq!(r.live.path.as_deref(), Some("alphabet"), "{r:?}");
+            // Drained in, a model whose requests all fail is rolled back by draining.
+            let id = admin(&tx, |reply| Admin::Load {
+                path: "nan".into(),
+                drain: drain(),
+                reply,
+            })
+            .unwrap();
+            // Loaded in its place, not live yet: the live model is still the one named.
+            let r = metrics.board.snapshot().rollout;
+            assert_eq!(
+                (r.live.id, r.live.path.as_deref()),
+                (2, Some("alphabet")),
+                "{r:?}"
+            );
+            assert!(r.draining.is_some(), "{r:?}");
+            let s1 = admin(&tx, |reply| Admin::Switch { id, reply }).unwrap();
+            assert!(s1.drained.is_some() && s1.previous.is_none(), "{s1:?}");
+            for _ in 0..WATCH_MIN_FAILURES {
+                assert!(ask(&tx, load, "a").is_err());
+            }
+            assert_eq!(ask(&tx, load, "a").unwrap(), "bcde");
+            let r = metrics.board.snapshot().rollout;
+            assert_eq!((r.live.id, r.switches, r.rollbacks), (4, 1, 1), "{r:?}");
+            assert!(r.last_event.contains("reloaded by a drain swap"), "{r:?}");
+            tx.send(Control::Shutdown).unwrap();
+            sched.join().unwrap().unwrap();
+        });
+        assert_eq!(exec.all.keys().copied().collect::<Vec<_>>(), vec![4]);
     }
 }

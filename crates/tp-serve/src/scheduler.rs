@@ -234,10 +234,12 @@ pub fn run(
     load: &Load,
     metrics: &Metrics,
 ) -> crate::error::Result<()> {
-    run_models(exec, tokenizer, cfg, rx, load, metrics, String::new())
+    run_models(exec, tokenizer, cfg, rx, load, metrics, String::new(), None)
 }
 
-/// [`run`] with the first model's name (for the rollout's figures and log lines).
+/// [`run`] with the first model's name (for the rollout's figures and log lines) and the
+/// path it was loaded from (to load it back after a drain swap; `None`: unknown, no drain).
+#[allow(clippy::too_many_arguments)]
 pub fn run_models(
     exec: &mut dyn StepExecutor,
     tokenizer: &Tokenizer,
@@ -246,12 +248,13 @@ pub fn run_models(
     load: &Load,
     metrics: &Metrics,
     name: String,
+    path: Option<String>,
 ) -> crate::error::Result<()> {
     exec.set_block_limit(cfg.kv_blocks);
     metrics.kv_blocks_total.set(cfg.kv_blocks as f64);
     // The executor's first model is model 0.
     let first = Scheduler::new(cfg, tokenizer, load, metrics, 0);
-    let mut fleet = crate::rollout::Fleet::new(first, name);
+    let mut fleet = crate::rollout::Fleet::new(first, name, path);
     let out = fleet.run(exec, rx);
     let end = match &out {
         Ok(()) => Event::Failed {

@@ -71,6 +71,21 @@ pub struct ServeConfig {
     pub admin_key: Option<String>,
     /// Speculative decoding per request (see [`crate::spec`]); `None`: off.
     pub spec: Option<crate::spec::ServeSpec>,
+    /// How a reload makes room for the new model.
+    pub swap: SwapConfig,
+}
+
+/// How a reload makes room for the new model (see [`crate::rollout`]): beside the live one,
+/// or in its place after a drain.
+#[derive(Clone, Debug, Default)]
+pub struct SwapConfig {
+    pub policy: crate::rollout::SwapPolicy,
+    /// Memory a reload's model may take on this host, in place of what the system reports
+    /// available (`MemAvailable`) when the reload is asked for; `None`: what it reports.
+    pub reload_memory: Option<u64>,
+    /// Where the first model was loaded from, to load it back after a drain swap; `None`:
+    /// unknown (a swap that must drain is then refused).
+    pub model_path: Option<std::path::PathBuf>,
 }
 
 /// Longest wait for every rank to load a model on a reload.
@@ -202,6 +217,10 @@ pub fn serve(
         spec: cfg.spec.clone(),
     };
     let canaries = Arc::new(Canaries::default());
+    // The ranks whose processes run on this host (all of them with the local backend).
+    let local_ranks: Vec<usize> = (0..tp)
+        .filter(|&r| tp_engine::launch::host_of(r) == tp_engine::launch::host_of(0))
+        .collect();
     let server_cfg = ServerConfig {
         host: cfg.host,
         port: cfg.port,
@@ -230,10 +249,15 @@ pub fn serve(
                 weights: session.weights.clone(),
                 ctx: session.ctx_size,
                 load: spec.load,
-                local_ranks: (0..tp)
-                    .filter(|&r| tp_engine::launch::host_of(r) == tp_engine::launch::host_of(0))
-                    .collect(),
+                local_ranks: local_ranks.clone(),
             }),
+            swap: cfg.swap.policy,
+            reload_memory: cfg.swap.reload_memory,
+            first_weights: local_ranks
+                .iter()
+                .filter_map(|&r| session.memory.get(r))
+                .map(|m| (m.sharded + m.replicated) as u64)
+                .sum(),
         }),
     };
     let metrics = Arc::new(Metrics::new());
@@ -302,6 +326,11 @@ pub fn serve(
         &load,
         &metrics,
         cfg.model_name.clone(),
+        cfg.swap
+            .model_path
+            .as_ref()
+            .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()))
+            .map(|p| p.display().to_string()),
     );
     // New requests now fail at once; the HTTP side drains what it holds.
     drop(rx);

@@ -11,106 +11,13 @@
 
 mod common;
 
-use common::{config, metric, test_dir, with_model, write_model, Model};
+use common::reload::{
+    admin, ids, models, models_when, oracle, prompts, reload, with_admin, write, A, B, CTX,
+};
+use common::{complete, config, metric, test_dir, with_model, write_model};
 use serde_json::{json, Value};
-use std::path::Path;
-use std::time::{Duration, Instant};
-use tp_serve::canary::{self, Canary, CanaryConfig};
+use std::time::Duration;
 use tp_serve::client::Client;
-use tp_serve::ServeConfig;
-
-const CTX: usize = 256;
-/// Untied heads: models of two seeds answer differently.
-const A: Model = Model {
-    seed: 7,
-    tied: false,
-};
-const B: Model = Model {
-    seed: 8,
-    tied: false,
-};
-const ADMIN: &str = "admin-key-1";
-
-fn prompts() -> Vec<String> {
-    (0..8).map(|i| format!("request {i}: once upon")).collect()
-}
-
-/// A greedy completion of `max` tokens (end of sequence ignored).
-fn complete(c: &Client, prompt: &str, max: usize) -> String {
-    let body = json!({"prompt": prompt, "max_tokens": max, "temperature": 0, "ignore_eos": true});
-    let r = c.post_json("/v1/completions", &body).unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.json()["choices"][0]["text"].as_str().unwrap().to_string()
-}
-
-/// Every prompt's greedy text on `model` served alone (the oracle), and a canary
-/// written from it.
-fn oracle(model: Model, max: usize) -> (Vec<String>, Canary) {
-    with_model(2, CTX, model, config(), |ready| {
-        let c = Client::new(ready.addr);
-        let texts = prompts().iter().map(|p| complete(&c, p, max)).collect();
-        let canary = canary::record(&c, &prompts()[..3], 8).unwrap();
-        (texts, canary)
-    })
-    .1
-}
-
-fn with_admin(canary: Option<Canary>) -> ServeConfig {
-    ServeConfig {
-        admin_key: Some(ADMIN.into()),
-        api_key: Some("api-key-1".into()),
-        canary: canary.map(|canary| CanaryConfig {
-            canary,
-            interval: Duration::from_millis(200),
-            threshold: canary::DEFAULT_THRESHOLD,
-        }),
-        ..config()
-    }
-}
-
-fn admin(ready: &tp_serve::Ready) -> Client {
-    Client::new(ready.addr).with_api_key(ADMIN)
-}
-
-fn reload(c: &Client, body: Value) -> (u16, Value) {
-    let r = c.post_json("/admin/reload", &body).unwrap();
-    (r.status, r.json())
-}
-
-fn models(c: &Client) -> Value {
-    let r = c.get("/admin/models").unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.json()
-}
-
-/// `/admin/models` once `done` holds of it (the scheduler drops a model once idle), or a
-/// failure after 10 s.
-fn models_when(c: &Client, done: impl Fn(&Value) -> bool) -> Value {
-    let t0 = Instant::now();
-    loop {
-        let m = models(c);
-        if done(&m) {
-            return m;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "{m}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn ids(m: &Value) -> Vec<u64> {
-    m["models"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["id"].as_u64().unwrap())
-        .collect()
-}
-
-fn write(dir: &Path, name: &str, text: &str) -> String {
-    let p = dir.join(name);
-    std::fs::write(&p, text).unwrap();
-    p.to_str().unwrap().to_string()
-}
 
 #[test]
 fn a_switch_while_8_clients_stream_loses_no_request() {

@@ -1,9 +1,10 @@
 //! The models a rank holds beside the selected one, and the [`ModelCommand`]s that change
 //! them: a background load (this rank keeps executing steps meanwhile), its adoption (every
 //! rank learns whether all of them have their shard, so the group holds it on every rank or
-//! on none), selection and dropping. Each model keeps its own [`Slots`] (KV pool and block
-//! tables): selecting one swaps both in, so a sequence only ever runs on the model it was
-//! opened on.
+//! on none), selection and dropping; and the replacement of the only held model in place
+//! (its shard freed before the next one loads: a drain swap). Each model keeps its own
+//! [`Slots`] (KV pool and block tables): selecting one swaps both in, so a sequence only ever
+//! runs on the model it was opened on.
 
 use super::Worker;
 use crate::error::{EngineError, Result};
@@ -46,8 +47,10 @@ pub(super) struct Held {
     selected: u32,
     others: BTreeMap<u32, (ShardedModel, Slots)>,
     loading: Option<Loading>,
-    /// Rank 0: the last adoption's outcome (why it failed, in words).
+    /// Rank 0: the last adoption's (or replacement's) outcome (why it failed, in words).
     adopted: Option<std::result::Result<(), String>>,
+    /// A replacement failed: the selected model's weights are gone (only a replace runs).
+    pub(super) hollow: bool,
 }
 
 impl std::fmt::Debug for Held {
@@ -56,6 +59,7 @@ impl std::fmt::Debug for Held {
             .field("selected", &self.selected)
             .field("others", &self.others.keys().collect::<Vec<_>>())
             .field("loading", &self.loading.as_ref().map(|l| l.id))
+            .field("hollow", &self.hollow)
             .finish_non_exhaustive()
     }
 }
@@ -103,13 +107,61 @@ impl Worker {
             .unwrap_or_else(|| Err("the adoption left no outcome".into())))
     }
 
+    /// Leader: frees the selected model on every rank, then loads `path` as model `id` in its
+    /// place (see [`ModelCommand::Replace`]). `Ok(Err(why))` when some rank could not load
+    /// it: no rank holds a model then, and only another replace may follow.
+    pub fn replace_model(
+        &mut self,
+        id: u32,
+        path: &str,
+    ) -> Result<std::result::Result<(), String>> {
+        let path = path.to_string();
+        self.submit(crate::Command::Model(ModelCommand::Replace { id, path }))?;
+        Ok(self
+            .held
+            .adopted
+            .take()
+            .unwrap_or_else(|| Err("the replacement left no outcome".into())))
+    }
+
+    /// After a failed replacement only model commands (another replace) and heartbeats run.
+    pub(super) fn check_held(&self, cmd: &crate::Command) -> Result<()> {
+        use crate::Command as C;
+        if self.held.hollow && !matches!(cmd, C::Model(_) | C::Idle | C::Exit) {
+            return Err(EngineError::Internal(
+                "no model is held since a replacement failed on some rank".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Whether `m` can run on the state every rank shares (rank 0 checks before sending;
     /// a follower that disagrees has diverged).
     pub(super) fn check_model(&self, m: &ModelCommand) -> Result<()> {
         let h = &self.held;
         let bad = |message: String| Err(EngineError::Internal(message));
         let held = |id: &u32| *id == h.selected || h.others.contains_key(id);
+        if h.hollow && !matches!(m, ModelCommand::Replace { .. }) {
+            return bad(format!(
+                "{m:?} after a failed replacement: no model is held"
+            ));
+        }
         match m {
+            ModelCommand::Replace { id, path } => {
+                ModelCommand::check_path(path)?;
+                if h.spec.is_none() {
+                    return bad("this worker was started without a reload spec".into());
+                }
+                if let Some(l) = &h.loading {
+                    return bad(format!("model {} is still loading", l.id));
+                }
+                if !h.others.is_empty() || self.slots.open().next().is_some() {
+                    return bad("a replacement with other models held or sequences open".into());
+                }
+                if *id == h.selected {
+                    return bad(format!("model {id} is already held"));
+                }
+            }
             ModelCommand::Load { id, path } => {
                 ModelCommand::check_path(path)?;
                 if h.spec.is_none() {
@@ -144,6 +196,7 @@ impl Worker {
     pub(super) fn execute_model(&mut self, m: ModelCommand) -> Result<()> {
         match m {
             ModelCommand::Load { id, path } => self.start_load(id, path),
+            ModelCommand::Replace { id, path } => self.replace(id, &path)?,
             ModelCommand::Adopt { id } => self.adopt(id)?,
             ModelCommand::Select { id } => {
                 if id != self.held.selected {
@@ -179,14 +232,7 @@ impl Worker {
         };
         let rank = self.group.rank();
         let work = move || {
-            let r = (|| {
-                let ckpt = open_checkpoint(Path::new(&path)).map_err(|e| chain(&e))?;
-                let mut m =
-                    ShardedModel::load_weighted(&*ckpt, rank, &spec.weights, spec.load, spec.ctx)
-                        .map_err(|e| chain(&e))?;
-                m.set_sync(spec.sync);
-                Ok(m)
-            })();
+            let r = load_shard(&spec, rank, &path);
             done.store(true, Ordering::Release);
             let _ = tx.send(r);
         };
@@ -204,6 +250,64 @@ impl Worker {
             return;
         }
         self.held.loading = Some(loading);
+    }
+
+    /// Frees the selected model and its KV cache, loads `path` as `id` in its place, and
+    /// learns (one small all-gather) whether every rank did: selected everywhere, or no
+    /// model anywhere ([`Held::hollow`]).
+    fn replace(&mut self, id: u32, path: &str) -> Result<()> {
+        let rank = self.group.rank();
+        self.model.release_weights();
+        // [blocks of 0 layers]: the old pool's blocks go with it.
+        self.slots = Slots::new(self.model.new_pool(), 1, self.model.config().vocab);
+        crate::session::release_free_heap();
+        self.held.hollow = true;
+        let Some(spec) = self.held.spec.clone() else {
+            return Err(EngineError::Internal("no reload spec".into()));
+        };
+        let mine = load_shard(&spec, rank, path);
+        let failed = self.agree(mine.is_ok())?;
+        let outcome = match mine {
+            Ok(model) if failed.is_empty() => {
+                self.slots = Slots::new(
+                    model.new_pool(),
+                    model.max_positions(),
+                    model.config().vocab,
+                );
+                self.model = model;
+                self.held.selected = id;
+                self.held.hollow = false;
+                Ok(())
+            }
+            Ok(_) => Err(format!(
+                "rank(s) {failed:?} could not load their shard (their logs say why)"
+            )),
+            Err(e) => {
+                if rank != 0 {
+                    eprintln!("# rank {rank}: cannot load model {id}: {e}");
+                }
+                Err(e)
+            }
+        };
+        if outcome.is_err() {
+            crate::session::release_free_heap();
+        }
+        if rank == 0 {
+            self.held.adopted = Some(outcome);
+        }
+        Ok(())
+    }
+
+    /// The ranks that did not succeed, given whether this one did (every rank learns the same).
+    fn agree(&self, ok: bool) -> Result<Vec<usize>> {
+        let flag = [u32::from(ok)];
+        let mut all = vec![0u32; self.group.size()];
+        if all.len() == 1 {
+            all.copy_from_slice(&flag);
+        } else {
+            self.group.all_gather(&flag, &mut all)?;
+        }
+        Ok((0..all.len()).filter(|&r| all[r] != 1).collect())
     }
 
     /// Waits for this rank's load of `id`, then every rank learns whether all succeeded (one
@@ -228,14 +332,7 @@ impl Worker {
                 "rank {rank}'s loading thread ended without a result"
             )),
         };
-        let flag = [u32::from(mine.is_ok())];
-        let mut all = vec![0u32; self.group.size()];
-        if all.len() == 1 {
-            all.copy_from_slice(&flag);
-        } else {
-            self.group.all_gather(&flag, &mut all)?;
-        }
-        let failed: Vec<usize> = (0..all.len()).filter(|&r| all[r] != 1).collect();
+        let failed = self.agree(mine.is_ok())?;
         let outcome = match mine {
             Ok(model) if failed.is_empty() => {
                 let slots = Slots::new(
@@ -250,7 +347,7 @@ impl Worker {
                 "rank(s) {failed:?} could not load their shard (their logs say why)"
             )),
             Err(e) => {
-                if rank != 0 && all[0] == 1 {
+                if rank != 0 && !failed.contains(&0) {
                     eprintln!("# rank {rank}: cannot load model {id}: {e}");
                 }
                 Err(e)
@@ -264,4 +361,17 @@ impl Worker {
         }
         Ok(())
     }
+}
+
+/// This rank's shard of the model at `path`, loaded as `spec` says (the loader's error in words).
+fn load_shard(
+    spec: &ReloadSpec,
+    rank: usize,
+    path: &str,
+) -> std::result::Result<ShardedModel, String> {
+    let ckpt = open_checkpoint(Path::new(path)).map_err(|e| chain(&e))?;
+    let mut m = ShardedModel::load_weighted(&*ckpt, rank, &spec.weights, spec.load, spec.ctx)
+        .map_err(|e| chain(&e))?;
+    m.set_sync(spec.sync);
+    Ok(m)
 }

@@ -1,6 +1,7 @@
 //! The admin endpoints, behind their own key (`Authorization: Bearer ADMIN_KEY`; off without
 //! one): `POST /admin/reload` loads a model on every rank beside the live one, runs the
-//! canary against it and only then switches traffic (the previous model stays held);
+//! canary against it and only then switches traffic (the previous model stays held; when
+//! the memory plan says two cannot be held, or the swap policy says so, it drains first);
 //! `POST /admin/rollback` switches back; `GET /admin/models` lists the held models;
 //! `POST /admin/models/{id}/v1/completions` is a completion on one held model (what the
 //! candidate's canary asks). See [`crate::rollout`] for the scheduler's side.
@@ -12,7 +13,7 @@ use crate::canary::{self, Canaries, Canary, CanaryConfig, Verdict};
 use crate::client::Client;
 use crate::error::ApiError;
 use crate::http::request::Endpoint;
-use crate::rollout::{Admin, Switched};
+use crate::rollout::{Admin, SwapPolicy, Switched};
 use crate::scheduler::Control;
 use axum::body::Bytes;
 use axum::extract::{Path, Request, State};
@@ -43,6 +44,13 @@ pub struct AdminConfig {
     pub load_timeout: Duration,
     /// How ranks load a model (to price a second one before it loads); `None`: not priced.
     pub layout: Option<Layout>,
+    /// Hold the new model beside the live one when it fits, or always drain first.
+    pub swap: SwapPolicy,
+    /// Memory a reload's model may take on this host, in place of what the system reports
+    /// available now (`MemAvailable`); `None`: what the system reports.
+    pub reload_memory: Option<u64>,
+    /// The first model's weights on this host (its path may be unknown), by the memory plan.
+    pub first_weights: u64,
 }
 
 /// The server's layout, to price a second model's weights on this host.
@@ -180,22 +188,49 @@ async fn reload_inner(st: &AppState, headers: &HeaderMap, body: &Bytes) -> Resul
     let shape = admin.cfg.model.clone();
     let layout = admin.cfg.layout.clone();
     let checked = path.clone();
-    let (path, note) = tokio::task::spawn_blocking(move || {
-        preflight(&checked, &shape, &tokenizer, layout.as_ref())
+    let rollout = st.metrics.board.snapshot().rollout;
+    let memory = Memory {
+        policy: admin.cfg.swap,
+        available: admin.cfg.reload_memory.or_else(available_memory),
+        held: rollout.models.iter().map(|m| m.path.clone()).collect(),
+        first_weights: admin.cfg.first_weights,
+    };
+    let (path, note, room) = tokio::task::spawn_blocking(move || {
+        preflight(&checked, &shape, &tokenizer, layout.as_ref(), &memory)
     })
     .await
     .map_err(|e| ApiError::internal(format!("the model check failed: {e}")))??;
     let shown = path.display().to_string();
+    let drain = match room {
+        Room::Beside => None,
+        Room::Drain(why) => {
+            if rollout.live.path.is_none() {
+                return Err(no_room(format!(
+                    "{shown} must be swapped in by draining first ({why}) but the live model's path is unknown, so it could not be loaded back; restart the server on the new model (this server does not drain and swap in place)"
+                )));
+            }
+            Some(why)
+        }
+    };
+    let drained = drain.is_some();
     let id = ask(
         st,
         |reply| Admin::Load {
             path: shown.clone(),
+            drain,
             reply,
         },
         admin.cfg.load_timeout,
     )
     .await?
-    .map_err(|why| invalid_model(&shown, &why))?;
+    .map_err(|why| {
+        if drained {
+            // The scheduler's words say what became of the model live before.
+            ApiError::invalid("path", "invalid_model", why)
+        } else {
+            invalid_model(&shown, &why)
+        }
+    })?;
     let load_seconds = t0.elapsed().as_secs_f64();
     // The canary against the candidate, through the same HTTP path clients take.
     let canary = match (&own_canary, &admin.cfg.canary) {
@@ -216,29 +251,31 @@ async fn reload_inner(st: &AppState, headers: &HeaderMap, body: &Bytes) -> Resul
             let client =
                 Client::new(crate::service::loopback(st.addr)).with_api_key(&admin.cfg.key);
             let endpoint = canary::held_endpoint(id);
-            Some(
-                tokio::task::spawn_blocking(move || {
-                    canary::run_at(&client, &endpoint, &c, threshold)
-                })
-                .await
-                .map_err(|e| ApiError::internal(format!("the canary failed to run: {e}")))?,
-            )
+            let ran = tokio::task::spawn_blocking(move || {
+                canary::run_at(&client, &endpoint, &c, threshold)
+            })
+            .await;
+            match ran {
+                Ok(v) => Some(v),
+                Err(e) => {
+                    // A drained candidate is the only model held: give it up for the old one.
+                    let _ = discard(st, id, false, drained).await;
+                    return Err(ApiError::internal(format!("the canary failed to run: {e}")));
+                }
+            }
         }
         None => None,
     };
     if let Some(v) = verdict.as_ref().filter(|v| !v.passed) {
-        let _ = st
-            .sched
-            .control
-            .send(Control::Admin(Admin::Discard { id, failed: true }));
         eprintln!(
             "# tp serve: model {id} ({shown}) failed its canary and is not switched to: {}",
             v.detail
         );
+        let after = discard(st, id, true, drained).await?;
         return Err(ApiError {
             status: 409,
             message: format!(
-                "the canary failed on {shown} ({} of {} cases differ, largest mean-logprob shift {:.4}): {}; the live model keeps serving",
+                "the canary failed on {shown} ({} of {} cases differ, largest mean-logprob shift {:.4}): {}; {after}",
                 v.mismatches, v.cases, v.max_shift, v.detail
             ),
             kind: "invalid_request_error",
@@ -262,7 +299,52 @@ async fn reload_inner(st: &AppState, headers: &HeaderMap, body: &Bytes) -> Resul
         "canary": verdict,
         "note": note,
         "load_seconds": load_seconds,
+        "swap": if drained { "drain" } else { "beside" },
+        "drained": switched.drained,
     }))
+}
+
+/// Gives candidate `id` up; a drained one is replaced by the model live before, loaded back
+/// from its path. What became of the live model, in words.
+async fn discard(st: &AppState, id: u32, failed: bool, drained: bool) -> Result<String, ApiError> {
+    if !drained {
+        let _ = st.sched.control.send(Control::Admin(Admin::Discard {
+            id,
+            failed,
+            reply: None,
+        }));
+        return Ok("the live model keeps serving".into());
+    }
+    let back = ask(
+        st,
+        |reply| Admin::Discard {
+            id,
+            failed,
+            reply: Some(reply),
+        },
+        RESTORE_TIMEOUT,
+    )
+    .await?
+    .map_err(|why| ApiError::unavailable(503, "restore_failed", why))?;
+    Ok(format!(
+        "the model live before, {}, was loaded back and serves ({:.3} s without a model)",
+        back.live.name,
+        back.drained.map_or(0.0, |d| d.downtime_seconds)
+    ))
+}
+
+/// Longest wait for the model live before a drain swap to be loaded back.
+const RESTORE_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// 507: the memory plan leaves no room, in `message`'s words.
+fn no_room(message: String) -> ApiError {
+    ApiError {
+        status: 507,
+        message,
+        kind: "server_error",
+        param: Some("path".into()),
+        code: Some("insufficient_memory"),
+    }
 }
 
 /// 400 naming the model that could not be loaded, with the loader's words.
@@ -306,14 +388,35 @@ async fn ask<T>(
     }
 }
 
+/// What decides where a reload's model goes.
+struct Memory {
+    policy: SwapPolicy,
+    /// Bytes available to the new model on this host (`None`: unknown, not priced).
+    available: Option<u64>,
+    /// Each held model's path (`None`: the first model's, unknown).
+    held: Vec<Option<String>>,
+    first_weights: u64,
+}
+
+/// Where a reload's model goes.
+#[derive(Debug, PartialEq)]
+enum Room {
+    /// Loaded beside the held models.
+    Beside,
+    /// In their place, after a drain, because of the reason given (in words).
+    Drain(String),
+}
+
 /// The path (made absolute when it exists) once it opens as a model of the live one's
-/// shape with the live tokenizer, and a note when it carries no tokenizer of its own.
+/// shape with the live tokenizer, a note when it carries no tokenizer of its own, and where
+/// it goes by the memory plan.
 fn preflight(
     path: &std::path::Path,
     live: &ModelConfig,
     tokenizer: &Tokenizer,
     layout: Option<&Layout>,
-) -> Result<(PathBuf, Option<String>), ApiError> {
+    memory: &Memory,
+) -> Result<(PathBuf, Option<String>, Room), ApiError> {
     let shown = path.display().to_string();
     let ckpt =
         open_checkpoint(path).map_err(|e| invalid_model(&shown, &tp_engine::report::chain(&e)))?;
@@ -351,47 +454,84 @@ fn preflight(
             "{shown} carries no tokenizer; the live model's is used"
         )),
     };
-    if let Some(l) = layout {
-        check_room(&shown, &*ckpt, l, available_memory())?;
-    }
+    let room = match layout {
+        Some(l) => {
+            let need = host_weights(&shown, &*ckpt, l)?;
+            let held = memory
+                .held
+                .iter()
+                .map(|p| match p {
+                    Some(p) => open_checkpoint(std::path::Path::new(p))
+                        .ok()
+                        .and_then(|c| host_weights(p, &*c, l).ok())
+                        .unwrap_or(memory.first_weights),
+                    None => memory.first_weights,
+                })
+                .sum();
+            check_room(&shown, need, held, memory.available, memory.policy)?
+        }
+        None if memory.policy == SwapPolicy::Drain => {
+            Room::Drain("the server's swap policy is to drain first".into())
+        }
+        None => Room::Beside,
+    };
     let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-    Ok((path, note))
+    Ok((path, note, room))
 }
 
-/// Refuses a model whose weights (the shards of this host's ranks, by the memory plan) do not
-/// fit the memory available now beside the live one. Only this host is priced: under mpirun
-/// other hosts' ranks find out when they load (and the reload is then refused on every rank).
-fn check_room(
+/// The weights of `ckpt` on this host's ranks, by the memory plan. Only this host is priced:
+/// under mpirun other hosts' ranks find out when they load (and the reload is then refused
+/// on every rank).
+fn host_weights(
     shown: &str,
     ckpt: &dyn tp_models::Checkpoint,
     l: &Layout,
-    available: Option<u64>,
-) -> Result<(), ApiError> {
-    let Some(available) = available else {
-        return Ok(());
-    };
+) -> Result<u64, ApiError> {
     let plan = tp_engine::session::memory_plan(ckpt, &l.weights, l.ctx, l.load)
         .map_err(|e| invalid_model(shown, &tp_engine::report::chain(&e)))?;
-    let need: u64 = l
-        .local_ranks
+    Ok(l.local_ranks
         .iter()
         .filter_map(|&r| plan.get(r))
         .map(|m| (m.sharded + m.replicated) as u64)
-        .sum();
-    if need > available {
-        return Err(ApiError {
-            status: 507,
-            message: format!(
-                "the memory plan says {shown} cannot be held beside the live model: its weights take {} on this host and {} is available; free memory, or restart the server on the new model (this server does not drain and swap in place)",
-                tp_engine::report::show_bytes(need),
-                tp_engine::report::show_bytes(available)
-            ),
-            kind: "server_error",
-            param: Some("path".into()),
-            code: Some("insufficient_memory"),
-        });
+        .sum())
+}
+
+/// Where a model whose weights take `need` bytes on this host goes, with `held` bytes taken
+/// by the held models and `available` free for it: beside them when it fits (and the policy
+/// allows), in their place after a drain when it fits only without them, nowhere (507) when
+/// it does not fit even then.
+fn check_room(
+    shown: &str,
+    need: u64,
+    held: u64,
+    available: Option<u64>,
+    policy: SwapPolicy,
+) -> Result<Room, ApiError> {
+    let show = tp_engine::report::show_bytes;
+    if let Some(a) = available {
+        if need > a.saturating_add(held) {
+            return Err(no_room(format!(
+                "the memory plan says {shown} cannot be held even with the held models dropped: its weights take {} on this host, and the held models' {} with the {} available make {}; free memory, or restart the server on the new model",
+                show(need),
+                show(held),
+                show(a),
+                show(a.saturating_add(held))
+            )));
+        }
     }
-    Ok(())
+    Ok(match (policy, available) {
+        (SwapPolicy::Drain, _) => Room::Drain(format!(
+            "the server's swap policy is to drain first ({shown}'s weights take {} on this host)",
+            show(need)
+        )),
+        (SwapPolicy::Auto, Some(a)) if need > a => Room::Drain(format!(
+            "the memory plan says {shown} cannot be held beside the live model: its weights take {} on this host and {} is available; the held models' {} are freed first",
+            show(need),
+            show(a),
+            show(held)
+        )),
+        (SwapPolicy::Auto, _) => Room::Beside,
+    })
 }
 
 /// Memory available for new allocations now (Linux `MemAvailable`), `None` elsewhere.
@@ -415,10 +555,11 @@ fn same_tokenizer(a: &Tokenizer, b: &Tokenizer) -> bool {
         })
 }
 
-/// `POST /admin/rollback`: the previous model is live again.
+/// `POST /admin/rollback`: the previous model is live again (after a drain swap, which
+/// dropped it, it is drained back: loaded again from its path).
 pub(crate) async fn rollback(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     let r = async {
-        authorize(&st, &headers)?;
+        let admin = authorize(&st, &headers)?;
         let switched = ask(
             &st,
             |reply| Admin::Rollback {
@@ -426,11 +567,12 @@ pub(crate) async fn rollback(State(st): State<Arc<AppState>>, headers: HeaderMap
                 automatic: false,
                 reply: Some(reply),
             },
-            Duration::from_secs(60),
+            admin.cfg.load_timeout,
         )
         .await?
         .map_err(|why| ApiError::unavailable(409, "no_previous_model", why))?;
-        Ok(json!({"live": switched.live, "previous": switched.previous}))
+        Ok(json!({"live": switched.live, "previous": switched.previous,
+            "drained": switched.drained}))
     }
     .await;
     answer(&st, r)
@@ -464,7 +606,7 @@ mod tests {
     use tp_models::{Arch, LoadOptions, RankWeights};
 
     #[test]
-    fn a_second_model_that_does_not_fit_is_refused_by_its_memory_plan() {
+    fn the_memory_plan_decides_beside_the_live_model_after_a_drain_or_507() {
         let dir = std::env::temp_dir().join(format!("tp-admin-room-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("m.gguf");
@@ -482,17 +624,40 @@ mod tests {
         let plan =
             tp_engine::session::memory_plan(&*ckpt, &layout.weights, 128, layout.load).unwrap();
         let need: u64 = plan.iter().map(|m| (m.sharded + m.replicated) as u64).sum();
-        assert!(check_room("m.gguf", &*ckpt, &layout, Some(need)).is_ok());
-        assert!(check_room("m.gguf", &*ckpt, &layout, None).is_ok());
-        let e = check_room("m.gguf", &*ckpt, &layout, Some(need - 1)).unwrap_err();
+        assert_eq!(host_weights("m.gguf", &*ckpt, &layout).unwrap(), need);
+        let auto = SwapPolicy::Auto;
+        let room = |available, held, policy| check_room("m.gguf", need, held, available, policy);
+        assert_eq!(room(Some(need), need, auto).unwrap(), Room::Beside);
+        assert_eq!(room(None, need, auto).unwrap(), Room::Beside);
+        // Beside the live model it does not fit; in its place it does: drain first.
+        match room(Some(need - 1), need, auto).unwrap() {
+            Room::Drain(why) => assert!(why.contains("m.gguf cannot be held beside"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        // The drain policy drains even when both fit.
+        assert!(matches!(
+            room(Some(need), need, SwapPolicy::Drain).unwrap(),
+            Room::Drain(_)
+        ));
+        // Not even in the held models' place: 507 with both sizes.
+        let e = room(Some(need / 4), need / 2, auto).unwrap_err();
         assert_eq!(e.status, 507);
-        assert!(e.message.contains("m.gguf cannot be held"), "{}", e.message);
+        assert!(
+            e.message.contains("even with the held models dropped"),
+            "{}",
+            e.message
+        );
+        let show = tp_engine::report::show_bytes;
+        assert!(e.message.contains(&show(need)), "{}", e.message);
+        assert!(e.message.contains(&show(need / 2)), "{}", e.message);
+        let e = room(Some(0), 0, SwapPolicy::Drain).unwrap_err();
+        assert_eq!(e.status, 507);
         // Only this host's ranks count.
         let one = Layout {
             local_ranks: vec![0],
             ..layout
         };
-        assert!(check_room("m.gguf", &*ckpt, &one, Some(need - 1)).is_ok());
+        assert!(host_weights("m.gguf", &*ckpt, &one).unwrap() < need);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

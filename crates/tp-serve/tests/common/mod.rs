@@ -3,6 +3,8 @@
 //! calls and `/metrics` readings the tests share.
 #![allow(dead_code)] // each test binary uses its own part of the kit
 
+pub mod reload;
+
 use serde_json::json;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -45,6 +47,7 @@ pub fn config() -> ServeConfig {
         canary: None,
         admin_key: None,
         spec: None,
+        swap: Default::default(),
     }
 }
 
@@ -92,8 +95,8 @@ pub fn test_dir() -> std::path::PathBuf {
     dir
 }
 
-/// Writes `model` (a context of at least `ctx`) to `path`.
-pub fn write_model(path: &std::path::Path, ctx: usize, model: Model) {
+/// `model` as the synthetic model it is (a context of at least `ctx`).
+fn synthetic(ctx: usize, model: Model) -> SyntheticModel {
     let cfg = ModelConfig {
         vocab: Tokenizer::bytes(&["<|endoftext|>"]).vocab_size(),
         context: ctx.max(128),
@@ -101,17 +104,33 @@ pub fn write_model(path: &std::path::Path, ctx: usize, model: Model) {
         ..SyntheticModel::small(Arch::Llama, 7).cfg
     };
     SyntheticModel::new(cfg, model.seed)
+}
+
+/// Writes `model` (a context of at least `ctx`) to `path`.
+pub fn write_model(path: &std::path::Path, ctx: usize, model: Model) {
+    synthetic(ctx, model)
         .write_gguf(path, GgufTypes::F32)
         .unwrap();
 }
 
+/// Writes `model` with NaN in its final norm to `path`: it loads, and every request on it
+/// fails with the NaN-logits error (a broken model file).
+pub fn write_nan_model(path: &std::path::Path, ctx: usize, model: Model) {
+    let mut m = synthetic(ctx, model);
+    let hidden = m.cfg.hidden;
+    m.set_weight(tp_models::WeightName::OutputNorm, vec![f32::NAN; hidden])
+        .unwrap();
+    m.write_gguf(path, GgufTypes::F32).unwrap();
+}
+
 /// [`with_server`] serving `model`; every rank may load further models of the same layout
-/// (the admin reload).
+/// (the admin reload), and the model's file stays until the server stops (a drain swap
+/// loads it back from there).
 pub fn with_model<T: Send>(
     tp: usize,
     ctx: usize,
     model: Model,
-    serve_cfg: ServeConfig,
+    mut serve_cfg: ServeConfig,
     drive: impl FnOnce(&Ready) -> T + Send,
 ) -> (Ready, T) {
     let tokenizer = Tokenizer::bytes(&["<|endoftext|>"]);
@@ -119,7 +138,8 @@ pub fn with_model<T: Send>(
     let path = dir.join("m.gguf");
     write_model(&path, ctx, model);
     let ckpt = open_checkpoint(&path).unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    serve_cfg.swap.model_path.get_or_insert(path);
+    let _cleanup = RemoveOnDrop(dir);
     let memory = tp_engine::session::memory_plan(
         &*ckpt,
         &tp_models::RankWeights::even(tp),
@@ -190,6 +210,15 @@ pub fn with_model<T: Send>(
         }
         client.join().expect("the client thread panicked")
     })
+}
+
+/// Removes a test's directory when dropped (also when the test fails).
+struct RemoveOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// A metric without labels from the server's `/metrics` (0 before it is first set).
