@@ -1,7 +1,10 @@
 //! Generation on the leader: batched prefill of the prompt (in chunks of [`PREFILL_CHUNK`]), then one decode step
 //! per token, each step a [`Command::Forward`] that every rank executes. What each row's
-//! logits mean (sampling, penalties, stop strings, text) is the [`SequenceDecoder`]'s work.
+//! logits mean (sampling, penalties, stop strings, text) is the [`SequenceDecoder`]'s work;
+//! each step asks for what the decoder needs of its rows ([`SequenceDecoder::row_need`]):
+//! the whole rows, or only each rank's candidates merged.
 
+use crate::candidates::{RowNeed, StepLogits};
 use crate::decoder::{Emitted, SequenceDecoder};
 use crate::error::{EngineError, Result};
 use crate::executor::StepExecutor;
@@ -112,13 +115,12 @@ pub fn generate(
     let t0 = Instant::now();
     // The prompt goes in chunks: activation buffers stay bounded by the chunk, not the prompt
     // (the logits of all but the last chunk are not needed).
-    let mut logits = Vec::new();
+    let mut logits = StepLogits::default();
     for chunk in new_tokens.chunks(PREFILL_CHUNK) {
-        logits = step(exec, slot, chunk.to_vec(), false)?;
+        logits = step(exec, slot, chunk.to_vec(), false, decoder.row_need())?;
     }
     let prefill = t0.elapsed();
     let t1 = Instant::now();
-    let vocab = logits.len();
     // The drafts fed after the last token in the step whose rows `logits` holds.
     let mut drafts: Vec<u32> = Vec::new();
     let mut steps = 0;
@@ -127,10 +129,10 @@ pub fn generate(
         // Rows in order: row i follows draft i-1; the last row follows every draft.
         let (mut used, mut accepted) = (0, 0);
         let mut finished = None;
-        for (i, row) in logits.chunks_exact(vocab.max(1)).enumerate() {
+        for (i, row) in logits.rows().enumerate() {
             used = i + 1;
             let draft = drafts.get(i).copied();
-            let out = decoder.step(row)?;
+            let out = decoder.step_row(row)?;
             if draft == Some(out.token) {
                 accepted += 1;
             }
@@ -193,7 +195,7 @@ pub fn generate(
         fed.extend_from_slice(&drafts);
         steps += 1;
         let t = Instant::now();
-        logits = step(exec, slot, fed, !drafts.is_empty())?;
+        logits = step(exec, slot, fed, !drafts.is_empty(), decoder.row_need())?;
         step_time = t.elapsed().as_secs_f64();
     };
     Ok(GenerationStats {
@@ -206,18 +208,18 @@ pub fn generate(
     })
 }
 
-/// One forward of `tokens` on `slot`: the last position's logits, or every position's
-/// (`[tokens, vocab]`) with `all_logits`.
+/// One forward of `tokens` on `slot`: the last position's row, or every position's with
+/// `all_logits`, each as `need` says (the decoder's need does not change within a step).
 fn step(
     exec: &mut dyn StepExecutor,
     slot: u32,
     tokens: Vec<u32>,
     all_logits: bool,
-) -> Result<Vec<f32>> {
-    let mut chunk = ChunkSpec::new(slot, tokens);
+    need: RowNeed,
+) -> Result<StepLogits> {
+    let mut chunk = ChunkSpec::new(slot, tokens).with_need(need);
     chunk.all_logits = all_logits;
-    exec.submit(Command::Forward(vec![chunk]))?
-        .ok_or_else(|| EngineError::Internal("forward returned no logits".into()))
+    exec.forward(vec![chunk])
 }
 
 #[cfg(test)]
