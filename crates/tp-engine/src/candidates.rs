@@ -13,6 +13,7 @@
 
 use crate::error::{EngineError, Result};
 use crate::logits::{exp_sum, lse_from_sum};
+use crate::protocol::ChunkSpec;
 
 /// Most candidates a row may ask for; a request needing more gets the full row.
 pub const MAX_CANDIDATES: usize = 64;
@@ -165,7 +166,7 @@ enum Slot {
 impl StepLogits {
     /// Every row whole: `full [rows, vocab]`.
     pub fn full(full: Vec<f32>, vocab: usize) -> Self {
-        let rows = if vocab == 0 { 0 } else { full.len() / vocab };
+        let rows = full.len().checked_div(vocab).unwrap_or(0);
         StepLogits {
             vocab,
             full,
@@ -239,12 +240,20 @@ impl StepLogits {
 }
 
 /// Rows of logits each chunk returns: every token's with `all_logits`, else the last one.
-pub fn chunk_rows(c: &crate::protocol::ChunkSpec) -> usize {
+pub fn chunk_rows(c: &ChunkSpec) -> usize {
     if c.all_logits {
         c.tokens.len()
     } else {
         1
     }
+}
+
+/// What a step's rows are returned as, one per row in order.
+pub fn row_needs(chunks: &[ChunkSpec]) -> Vec<RowNeed> {
+    chunks
+        .iter()
+        .flat_map(|c| std::iter::repeat_n(c.need, chunk_rows(c)))
+        .collect()
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! and KV blocks as a worker does but takes its logits from a script, so schedulers and loops
 //! are tested in milliseconds without a model.
 
-use crate::candidates::{chunk_rows, split_candidates, RowNeed, StepLogits};
+use crate::candidates::{row_needs, split_candidates, RowNeed, StepLogits};
 use crate::error::{EngineError, Result};
 use crate::protocol::{ChunkSpec, Command};
 use crate::slots::Slots;
@@ -229,10 +229,7 @@ impl StepExecutor for ScriptedExecutor {
 impl ScriptedExecutor {
     /// The step's rows: whole, or candidates merged from [`ScriptedExecutor::shards`] parts.
     fn rows(&self, chunks: &[ChunkSpec], full: Vec<f32>) -> Result<StepLogits> {
-        let needs: Vec<RowNeed> = chunks
-            .iter()
-            .flat_map(|c| std::iter::repeat(c.need).take(chunk_rows(c)))
-            .collect();
+        let needs = row_needs(chunks);
         let mut whole = Vec::new();
         let mut cands = Vec::new();
         for (need, row) in needs.iter().zip(full.chunks_exact(self.vocab.max(1))) {

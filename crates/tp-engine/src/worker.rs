@@ -5,7 +5,7 @@
 //! the rank's stage (tp collectives inside the stage, activations to the next stage), and the
 //! last stage's gathered logits go to rank 0.
 
-use crate::candidates::{chunk_rows, StepLogits};
+use crate::candidates::{row_needs, StepLogits};
 use crate::error::{EngineError, Result};
 use crate::protocol::{self, ChunkSpec, Command};
 use crate::slots::Slots;
@@ -243,10 +243,7 @@ impl Worker {
                 rank,
                 message: format!("the KV blocks rank 0 chose do not fit this rank's cache: {e}"),
             })?;
-        let needs: Vec<_> = specs
-            .iter()
-            .flat_map(|s| std::iter::repeat(s.need).take(chunk_rows(s)))
-            .collect();
+        let needs = row_needs(&specs);
         let result = {
             let mut chunks: Vec<Chunk<'_>> = specs
                 .iter()

@@ -809,7 +809,7 @@ impl<'a, 't> Scheduler<'a, 't> {
         // Rows of logits each chunk returns: every token's for a verification, else one.
         let chunk_rows: Vec<usize> = chunks
             .iter()
-            .map(|c| if c.all_logits { c.tokens.len() } else { 1 })
+            .map(tp_engine::candidates::chunk_rows)
             .collect();
         let comm_before = exec.comm_time();
         let t0 = Instant::now();
