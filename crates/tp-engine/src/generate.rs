@@ -225,6 +225,7 @@ fn step(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::candidates::RowNeed;
     use crate::decoder::DecodeParams;
     use crate::executor::ScriptedExecutor;
     use crate::spec::{DraftTokens, SpecStats};
@@ -617,6 +618,106 @@ mod tests {
         // Seeded runs repeat, and give the tokens plain sampling gives with the seed.
         for seed in 0..200 {
             assert_eq!(run(seed, true), run(seed, false), "seed {seed}");
+        }
+    }
+
+    /// Candidates merged from 1..3 vocabulary shards (a scripted model: rows of random
+    /// logits with repeated values, so ties cross shard boundaries) give the gathered rows'
+    /// tokens and log-probability reports, bit for bit, greedy and seeded top-k/top-p, with
+    /// and without n-gram drafts; penalties and a nucleus over the whole vocabulary ask for
+    /// whole rows.
+    #[test]
+    fn candidates_from_shards_give_the_gathered_tokens_and_reports() {
+        let tok = Tokenizer::bytes(&["<|endoftext|>"]);
+        let run = |params: &DecodeParams, shards: usize, gather: bool, spec: bool| {
+            let mut ex = ScriptedExecutor::new(
+                257,
+                128,
+                Box::new(|_, held| {
+                    let mut rng = tp_spec::Rng::new(held.iter().map(|&t| u64::from(t)).sum());
+                    // Letters only, values on a coarse grid (ties), the end token unlikely.
+                    let mut row = vec![f32::NEG_INFINITY; 257];
+                    for l in &mut row[b'a' as usize..=b'z' as usize] {
+                        *l = rng.below(8) as f32 * 0.5;
+                    }
+                    row[256] = -3.0;
+                    row
+                }),
+            );
+            ex.shards = shards;
+            ex.submit(Command::Open {
+                slot: 0,
+                capacity: 128,
+            })
+            .unwrap();
+            let mut d = SequenceDecoder::new(&tok, params.clone()).unwrap();
+            d.set_gather_full(gather);
+            let need = d.row_need();
+            let prompt = b"abcabc".map(u32::from);
+            let mut s =
+                Speculator::for_method(crate::spec::SpecMethod::Ngram, DraftTokens::Fixed(3));
+            s.start(&[], &prompt);
+            let mut reports = Vec::new();
+            generate(&mut ex, 0, &prompt, &mut d, spec.then_some(&mut s), |e| {
+                reports.extend(e.logprobs.iter().cloned());
+                Flow::Continue
+            })
+            .unwrap();
+            let fed = ex.log.iter().filter_map(|c| match c {
+                Command::Forward(chunks) => Some(chunks[0].need),
+                _ => None,
+            });
+            assert!(fed.into_iter().all(|n| n == need), "{need:?}");
+            (need, format!("{:?} {reports:?}", d.generated()))
+        };
+        let sampled = |top_k, top_p| DecodeParams {
+            sampling: crate::SamplingParams {
+                temperature: 0.9,
+                top_k,
+                top_p,
+                seed: 11,
+            },
+            logprobs: Some(4),
+            ..DecodeParams::greedy(24)
+        };
+        let cases = [
+            (
+                DecodeParams {
+                    logprobs: Some(5),
+                    ..DecodeParams::greedy(24)
+                },
+                RowNeed::Candidates(5),
+            ),
+            (DecodeParams::greedy(24), RowNeed::Candidates(1)),
+            (sampled(6, 0.8), RowNeed::Candidates(6)),
+            (sampled(3, 1.0), RowNeed::Candidates(4)),
+            (sampled(0, 0.8), RowNeed::Full),
+            (
+                DecodeParams {
+                    presence_penalty: 0.5,
+                    ..sampled(6, 0.8)
+                },
+                RowNeed::Full,
+            ),
+            (
+                DecodeParams {
+                    logprobs: Some(2),
+                    ..sampled(65, 0.9)
+                },
+                RowNeed::Full,
+            ),
+        ];
+        for (params, need) in &cases {
+            for spec in [false, true] {
+                let (full, want) = run(params, 1, true, spec);
+                assert_eq!(full, RowNeed::Full);
+                assert!(want.len() > 100, "{want}");
+                for shards in 1..=3 {
+                    let (got_need, got) = run(params, shards, false, spec);
+                    assert_eq!(got_need, *need, "{params:?}");
+                    assert_eq!(got, want, "{params:?}, {shards} shards, drafts {spec}");
+                }
+            }
         }
     }
 }
