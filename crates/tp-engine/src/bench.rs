@@ -313,7 +313,7 @@ fn next_token(s: &mut Session, tokens: Vec<u32>) -> Result<u32, EngineError> {
     let need = if force_gather() {
         RowNeed::Full
     } else {
-        RowNeed::Candidates(1)
+        RowNeed::Candidates { k: 1, lse: false }
     };
     let out = s
         .worker

@@ -24,8 +24,9 @@ pub enum RowNeed {
     /// The whole `[vocab]` row, gathered from every rank.
     #[default]
     Full,
-    /// The `k` (1..=[`MAX_CANDIDATES`]) most likely ids and the softmax normalizer.
-    Candidates(u32),
+    /// The `k` (1..=[`MAX_CANDIDATES`]) most likely ids, and the softmax normalizer when
+    /// `lse` (log-probabilities need it, sampling does not: a second collective).
+    Candidates { k: u32, lse: bool },
 }
 
 /// Whether rows are always gathered whole: the environment variable `TP_GATHER_LOGITS=1`
@@ -40,8 +41,8 @@ pub fn force_gather() -> bool {
 pub struct Candidates {
     /// `(logit, id)`, highest first, ties by id: `min(k, vocab)` of them.
     pub top: Vec<(f32, u32)>,
-    /// `log_sum_exp` of the whole row (NaN when the row has a NaN).
-    pub lse: f64,
+    /// `log_sum_exp` of the whole row (NaN when the row has a NaN), when asked for.
+    pub lse: Option<f64>,
     /// Whether the row has a NaN logit (a broken model).
     pub nan: bool,
     /// The row's length.
@@ -104,17 +105,20 @@ pub fn shard_sum(row: &[f32], shift: Option<f64>) -> i128 {
     shift.map_or(0, |m| exp_sum(row, m))
 }
 
-/// The merged row: candidates `top`, the NaN flag and the shards' summed normalizer parts.
-pub fn finish(top: Vec<(f32, u32)>, nan: bool, sum: i128, vocab: usize) -> Candidates {
-    let lse = if nan {
-        f64::NAN
-    } else {
-        match shift(&top, nan) {
-            Some(max) => lse_from_sum(max, sum),
-            // All -inf (or +inf somewhere): the maximum, as `log_sum_exp` gives it.
-            None => top.first().map_or(f64::NEG_INFINITY, |t| f64::from(t.0)),
+/// The merged row: candidates `top`, the NaN flag and the shards' summed normalizer parts
+/// (`None`: not asked for).
+pub fn finish(top: Vec<(f32, u32)>, nan: bool, sum: Option<i128>, vocab: usize) -> Candidates {
+    let lse = sum.map(|sum| {
+        if nan {
+            f64::NAN
+        } else {
+            match shift(&top, nan) {
+                Some(max) => lse_from_sum(max, sum),
+                // All -inf (or +inf somewhere): the maximum, as `log_sum_exp` gives it.
+                None => top.first().map_or(f64::NEG_INFINITY, |t| f64::from(t.0)),
+            }
         }
-    };
+    });
     Candidates {
         top,
         lse,
@@ -125,8 +129,8 @@ pub fn finish(top: Vec<(f32, u32)>, nan: bool, sum: i128, vocab: usize) -> Candi
 
 /// Candidates of a whole row split into `shards` contiguous parts (as a vocab-parallel head
 /// splits it, the first ones one longer): what the ranks compute, without ranks. With one
-/// shard it is the gathered row's candidates.
-pub fn split_candidates(row: &[f32], k: usize, shards: usize) -> Candidates {
+/// shard it is the gathered row's candidates. The normalizer only `lse`.
+pub fn split_candidates(row: &[f32], k: usize, lse: bool, shards: usize) -> Candidates {
     let shards = shards.clamp(1, row.len().max(1));
     let (base, extra) = (row.len() / shards, row.len() % shards);
     let mut parts = Vec::with_capacity(shards);
@@ -143,7 +147,7 @@ pub fn split_candidates(row: &[f32], k: usize, shards: usize) -> Candidates {
     let nan = tops.iter().any(|t| t.1);
     let top = merge_top(tops.iter().map(|t| t.0.as_slice()), k);
     let m = shift(&top, nan);
-    let sum = parts.iter().map(|&(_, p)| shard_sum(p, m)).sum();
+    let sum = lse.then(|| parts.iter().map(|&(_, p)| shard_sum(p, m)).sum());
     finish(top, nan, sum, row.len())
 }
 
@@ -191,7 +195,7 @@ impl StepLogits {
                     next_full += 1;
                     Slot::Full(next_full - 1)
                 }
-                RowNeed::Candidates(_) => Slot::Candidates(cands.next().ok_or_else(|| {
+                RowNeed::Candidates { .. } => Slot::Candidates(cands.next().ok_or_else(|| {
                     EngineError::Internal("fewer candidate rows than asked for".into())
                 })?),
             });
@@ -272,15 +276,16 @@ mod tests {
     fn shards_merge_to_the_full_rows_top_and_normalizer() {
         for (n, k) in [(1000, 1), (1000, 40), (37, 64), (5, 3), (151_936, 20)] {
             let r = row(n, n as u64);
-            let whole = split_candidates(&r, k, 1);
+            let whole = split_candidates(&r, k, true, 1);
             let want = top_logprobs(&r, 0, k).unwrap();
             let ids: Vec<u32> = whole.top.iter().map(|t| t.1).collect();
             let want_ids: Vec<u32> = want.top.iter().map(|t| t.0).collect();
             assert_eq!(ids, want_ids, "n={n} k={k}");
-            assert_eq!(whole.lse.to_bits(), log_sum_exp(&r).to_bits());
+            assert_eq!(whole.lse.map(f64::to_bits), Some(log_sum_exp(&r).to_bits()));
+            assert_eq!(split_candidates(&r, k, false, 3).lse, None);
             for shards in [2, 3, 4, 7] {
                 assert_eq!(
-                    split_candidates(&r, k, shards),
+                    split_candidates(&r, k, true, shards),
                     whole,
                     "n={n} k={k} /{shards}"
                 );
@@ -296,7 +301,7 @@ mod tests {
         r[7] = 5.0;
         r[4] = 3.0;
         r[5] = 3.0;
-        let c = split_candidates(&r, 4, 2);
+        let c = split_candidates(&r, 4, true, 2);
         let ids: Vec<u32> = c.top.iter().map(|t| t.1).collect();
         assert_eq!(ids, vec![2, 7, 4, 5]);
         // The same when the later shard is searched first.
@@ -309,12 +314,12 @@ mod tests {
     fn nan_and_infinite_rows() {
         let mut r = row(100, 1);
         r[60] = f32::NAN;
-        let c = split_candidates(&r, 5, 3);
-        assert!(c.nan && c.lse.is_nan());
-        let c = split_candidates(&[f32::NEG_INFINITY; 6], 2, 2);
-        assert_eq!(c.lse, f64::NEG_INFINITY);
+        let c = split_candidates(&r, 5, true, 3);
+        assert!(c.nan && c.lse.is_some_and(f64::is_nan));
+        let c = split_candidates(&[f32::NEG_INFINITY; 6], 2, true, 2);
+        assert_eq!(c.lse, Some(f64::NEG_INFINITY));
         let mut r = vec![0.0f32; 6];
         r[4] = f32::INFINITY;
-        assert_eq!(split_candidates(&r, 2, 2).lse, log_sum_exp(&r));
+        assert_eq!(split_candidates(&r, 2, true, 2).lse, Some(log_sum_exp(&r)));
     }
 }

@@ -240,7 +240,10 @@ impl<'t> SequenceDecoder<'t> {
         {
             RowNeed::Full
         } else {
-            RowNeed::Candidates(k as u32)
+            RowNeed::Candidates {
+                k: k as u32,
+                lse: self.logprobs.is_some(),
+            }
         }
     }
 

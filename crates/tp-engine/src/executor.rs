@@ -235,8 +235,8 @@ impl ScriptedExecutor {
         for (need, row) in needs.iter().zip(full.chunks_exact(self.vocab.max(1))) {
             match *need {
                 RowNeed::Full => whole.extend_from_slice(row),
-                RowNeed::Candidates(k) => {
-                    cands.push(split_candidates(row, k as usize, self.shards))
+                RowNeed::Candidates { k, lse } => {
+                    cands.push(split_candidates(row, k as usize, lse, self.shards))
                 }
             }
         }

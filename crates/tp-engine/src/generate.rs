@@ -686,11 +686,21 @@ mod tests {
                     logprobs: Some(5),
                     ..DecodeParams::greedy(24)
                 },
-                RowNeed::Candidates(5),
+                RowNeed::Candidates { k: 5, lse: true },
             ),
-            (DecodeParams::greedy(24), RowNeed::Candidates(1)),
-            (sampled(6, 0.8), RowNeed::Candidates(6)),
-            (sampled(3, 1.0), RowNeed::Candidates(4)),
+            (
+                DecodeParams::greedy(24),
+                RowNeed::Candidates { k: 1, lse: false },
+            ),
+            (sampled(6, 0.8), RowNeed::Candidates { k: 6, lse: true }),
+            (sampled(3, 1.0), RowNeed::Candidates { k: 4, lse: true }),
+            (
+                DecodeParams {
+                    logprobs: None,
+                    ..sampled(7, 0.9)
+                },
+                RowNeed::Candidates { k: 7, lse: false },
+            ),
             (sampled(0, 0.8), RowNeed::Full),
             (
                 DecodeParams {

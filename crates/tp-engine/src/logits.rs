@@ -175,6 +175,11 @@ pub fn candidate_logprobs(c: &Candidates, token: u32, k: usize) -> Result<TokenL
     if c.nan {
         return Err(EngineError::NanLogits);
     }
+    let Some(lse) = c.lse else {
+        return Err(EngineError::Internal(
+            "log-probabilities from candidates without the normalizer".into(),
+        ));
+    };
     let Some(&(chosen, _)) = c.top.iter().find(|t| t.1 == token) else {
         return Err(EngineError::Internal(format!(
             "token {token} is not among the {} candidates",
@@ -190,10 +195,10 @@ pub fn candidate_logprobs(c: &Candidates, token: u32, k: usize) -> Result<TokenL
     }
     Ok(TokenLogprobs {
         token,
-        logprob: f64::from(chosen) - c.lse,
+        logprob: f64::from(chosen) - lse,
         top: c.top[..k]
             .iter()
-            .map(|&(l, id)| (id, f64::from(l) - c.lse))
+            .map(|&(l, id)| (id, f64::from(l) - lse))
             .collect(),
     })
 }

@@ -89,14 +89,14 @@ const OP_PROFILE_REPORT: u32 = 8;
 const OP_FORK: u32 = 9;
 const OP_MODEL: u32 = 10;
 
-/// A chunk's flags word: bit 0 `all_logits`, the bits above the candidates asked for (0 for
-/// whole rows).
+/// A chunk's flags word: bit 0 `all_logits`, bit 1 the normalizer of candidates, the bits
+/// above the candidates asked for (0 for whole rows).
 fn flags(c: &ChunkSpec) -> u32 {
-    let k = match c.need {
-        RowNeed::Full => 0,
-        RowNeed::Candidates(k) => k,
+    let (k, lse) = match c.need {
+        RowNeed::Full => (0, false),
+        RowNeed::Candidates { k, lse } => (k, lse),
     };
-    u32::from(c.all_logits) | k << 1
+    u32::from(c.all_logits) | u32::from(lse) << 1 | k << 2
 }
 
 impl Command {
@@ -179,8 +179,12 @@ impl Command {
                 let mut chunks = Vec::with_capacity(n);
                 for s in specs.chunks_exact(4) {
                     let len = s[1] as usize;
-                    let k = s[2] >> 1;
-                    if len == 0 || len > rest.len() || k as usize > MAX_CANDIDATES {
+                    let (k, lse) = (s[2] >> 2, s[2] & 2 != 0);
+                    if len == 0
+                        || len > rest.len()
+                        || k as usize > MAX_CANDIDATES
+                        || (k == 0 && lse)
+                    {
                         return Err(bad(format!("forward chunk {s:?} does not fit the payload")));
                     }
                     let (mine, tail) = rest.split_at(len);
@@ -191,7 +195,7 @@ impl Command {
                         need: if k == 0 {
                             RowNeed::Full
                         } else {
-                            RowNeed::Candidates(k)
+                            RowNeed::Candidates { k, lse }
                         },
                         blocks: Vec::new(),
                     });
@@ -278,7 +282,7 @@ mod tests {
                     slot: 0,
                     tokens: vec![5, 6, 7],
                     all_logits: false,
-                    need: RowNeed::Candidates(40),
+                    need: RowNeed::Candidates { k: 40, lse: true },
                     blocks: vec![3, 8],
                 },
                 ChunkSpec {
@@ -316,9 +320,11 @@ mod tests {
         assert!(Command::decode([OP_FORWARD, 1, 0, 6], &[0, 1, 0, 0, 1, 2], 1).is_err());
         // Zero-length chunk and more candidates than allowed.
         assert!(Command::decode([OP_FORWARD, 1, 0, 5], &[0, 0, 0, 0, 1], 1).is_err());
-        let many = (MAX_CANDIDATES as u32 + 1) << 1;
+        let many = (MAX_CANDIDATES as u32 + 1) << 2;
         assert!(Command::decode([OP_FORWARD, 1, 0, 5], &[0, 1, many, 0, 1], 1).is_err());
-        assert!(Command::decode([OP_FORWARD, 1, 0, 5], &[0, 1, many - 2, 0, 1], 1).is_ok());
+        assert!(Command::decode([OP_FORWARD, 1, 0, 5], &[0, 1, many - 4, 0, 1], 1).is_ok());
+        // A normalizer without candidates.
+        assert!(Command::decode([OP_FORWARD, 1, 0, 5], &[0, 1, 2, 0, 1], 1).is_err());
         // A fork without its two payload words.
         assert!(Command::decode([OP_FORK, 1, 0, 1], &[3], 1).is_err());
     }

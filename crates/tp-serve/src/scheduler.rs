@@ -657,7 +657,7 @@ impl<'a, 't> Scheduler<'a, 't> {
             let need = if sample {
                 r.decoder.row_need()
             } else {
-                RowNeed::Candidates(1)
+                RowNeed::Candidates { k: 1, lse: false }
             };
             let chunk = ChunkSpec::new(r.slot, r.context[from..from + n].to_vec());
             chunks.push(chunk.with_need(need));

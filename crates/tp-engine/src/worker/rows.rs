@@ -2,7 +2,8 @@
 //! of the vocab-parallel head: whole rows gathered ([`ShardedModel::gather_logits`]), the
 //! others as candidates ([`crate::candidates`]) by two small all-gathers over the tp group:
 //! each rank's top `k` of its shard with a NaN flag (`1 + 2k` u32 words a row), then, against
-//! the merged maximum, each rank's fixed-point part of the normalizer (two u64 words a row).
+//! the merged maximum, each rank's fixed-point part of the normalizer (two u64 words a row;
+//! only for rows that ask for it: log-probabilities need it, sampling does not).
 
 use crate::candidates::{
     finish, merge_top, shard_sum, shard_top, shift, Candidates, RowNeed, StepLogits,
@@ -50,11 +51,11 @@ fn candidates(
     tp: &Group,
     prof: &mut Profile,
 ) -> Result<Vec<Candidates>> {
-    let asked: Vec<(usize, usize)> = needs
+    let asked: Vec<(usize, usize, bool)> = needs
         .iter()
         .enumerate()
-        .filter_map(|(i, n)| match n {
-            RowNeed::Candidates(k) => Some((i, *k as usize)),
+        .filter_map(|(i, n)| match *n {
+            RowNeed::Candidates { k, lse } => Some((i, k as usize, lse)),
             RowNeed::Full => None,
         })
         .collect();
@@ -66,9 +67,9 @@ fn candidates(
     let ranks = tp.size();
     // Round 1: per row, the NaN flag and k (logit bits, id) pairs; a shard shorter than k
     // pads with ids u32::MAX, dropped in the merge.
-    let words: usize = asked.iter().map(|&(_, k)| 1 + 2 * k).sum();
+    let words: usize = asked.iter().map(|&(_, k, _)| 1 + 2 * k).sum();
     let mut mine: Vec<u32> = Vec::with_capacity(words);
-    for &(i, k) in &asked {
+    for &(i, k, _) in &asked {
         let (top, nan) = shard_top(row(i), offset, k);
         mine.push(u32::from(nan));
         for j in 0..k {
@@ -79,7 +80,7 @@ fn candidates(
     let all = gather(mine, tp, prof)?; // [ranks, words]
     let mut merged = Vec::with_capacity(asked.len());
     let mut at = 0;
-    for &(_, k) in &asked {
+    for &(_, k, _) in &asked {
         let mut nan = false;
         let mut parts = Vec::with_capacity(ranks * k);
         for r in 0..ranks {
@@ -95,23 +96,27 @@ fn candidates(
         at += 1 + 2 * k;
         merged.push((merge_top([&parts[..]], k), nan));
     }
-    // Round 2: each shard's fixed-point sum against the merged maximum, added as integers.
-    let shifts: Vec<Option<f64>> = merged.iter().map(|(t, nan)| shift(t, *nan)).collect();
-    let mut sums = vec![0i128; asked.len()];
-    if shifts.iter().any(Option::is_some) {
-        let mine: Vec<u64> = asked
-            .iter()
-            .zip(&shifts)
-            .flat_map(|(&(i, _), &m)| {
-                let s = shard_sum(row(i), m) as u128;
-                [s as u64, (s >> 64) as u64]
-            })
-            .collect();
-        let n = mine.len();
-        let all = gather(mine, tp, prof)?; // [ranks, rows * 2]
+    // Round 2, for the rows asking for it: each shard's fixed-point sum against the merged
+    // maximum, added as integers (0 where the row has a NaN or no finite maximum).
+    let mut sums: Vec<Option<i128>> = asked.iter().map(|a| a.2.then_some(0)).collect();
+    let mine: Vec<u64> = asked
+        .iter()
+        .zip(&merged)
+        .filter(|(a, _)| a.2)
+        .flat_map(|(&(i, _, _), (top, nan))| {
+            let s = shard_sum(row(i), shift(top, *nan)) as u128;
+            [s as u64, (s >> 64) as u64]
+        })
+        .collect();
+    let n = mine.len();
+    if n > 0 {
+        let all = gather(mine, tp, prof)?; // [ranks, rows asking * 2]
         for part in all.chunks_exact(n) {
-            for (sum, w) in sums.iter_mut().zip(part.chunks_exact(2)) {
-                *sum = sum.wrapping_add((u128::from(w[0]) | u128::from(w[1]) << 64) as i128);
+            let mut words = part.chunks_exact(2);
+            for sum in sums.iter_mut().flatten() {
+                if let Some(w) = words.next() {
+                    *sum = sum.wrapping_add((u128::from(w[0]) | u128::from(w[1]) << 64) as i128);
+                }
             }
         }
     }
