@@ -62,23 +62,21 @@ pub fn order(a: &(f32, u32), b: &(f32, u32)) -> std::cmp::Ordering {
 }
 
 /// The `k` most likely ids of a shard `row [vocab_shard]` whose first id is `offset`, in
-/// [`order`], and whether the shard has a NaN.
+/// [`order`], and whether the shard has a NaN. One pass keeping the best `k` sorted (k is
+/// small: a candidate is compared with the worst kept one first), no copy of the row.
 pub fn shard_top(row: &[f32], offset: u32, k: usize) -> (Vec<(f32, u32)>, bool) {
-    let nan = row.iter().any(|v| v.is_nan());
-    let mut top: Vec<(f32, u32)> = row
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| (l, offset + i as u32))
-        .collect();
-    let k = k.min(top.len());
-    if k == 0 {
-        return (Vec::new(), nan);
-    }
-    if k < top.len() {
-        top.select_nth_unstable_by(k - 1, order);
+    let mut nan = false;
+    let mut top: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
+    for (i, &l) in row.iter().enumerate() {
+        nan |= l.is_nan();
+        let c = (l, offset + i as u32);
+        if top.len() == k && top.last().is_none_or(|w| order(&c, w).is_ge()) {
+            continue;
+        }
+        let at = top.partition_point(|t| order(t, &c).is_lt());
+        top.insert(at, c);
         top.truncate(k);
     }
-    top.sort_unstable_by(order);
     (top, nan)
 }
 
