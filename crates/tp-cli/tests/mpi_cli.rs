@@ -169,3 +169,54 @@ fn bench_decode_under_mpirun_takes_the_world_size() {
         f.output
     );
 }
+
+/// `mpirun -n 3 tp generate` with seeded top-k/top-p sampling and `--logprobs 3`: the ranks'
+/// merged candidates give the text and table of the gathered rows (`TP_GATHER_LOGITS=1`).
+#[test]
+fn sampling_from_candidates_under_mpirun_is_the_gathered_paths() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let model = model.to_string_lossy().to_string();
+    let args = [
+        "generate",
+        "--model",
+        &model,
+        "--backend",
+        "mpi",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "40",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+        "--max-tokens",
+        "24",
+        "--logprobs",
+        "3",
+        "The three primary colors are",
+    ];
+    let run = |gather: &str| {
+        let f = common::run(
+            tp_testkit::mpirun(3)
+                .args(["-x", &format!("TP_GATHER_LOGITS={gather}")])
+                .arg(TP)
+                .args(args),
+            Duration::from_secs(300),
+        );
+        assert_eq!(f.code, Some(0), "{}", f.output);
+        // The logprobs table: stderr without the `#` lines (timings).
+        let table: Vec<String> = f
+            .stderr
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(str::to_string)
+            .collect();
+        (f.stdout, table)
+    };
+    let want = run("1");
+    assert!(want.0.trim().len() > 5 && want.1.len() > 10, "{want:?}");
+    assert_eq!(run("0"), want);
+}

@@ -292,3 +292,56 @@ fn pp_under_mpirun_gives_the_local_text() {
         bad.output
     );
 }
+
+/// Seeded top-k/top-p sampling with `--logprobs 3` at pp 2 x tp 2: the text and table from
+/// each rank's candidates (the last stage's tp group merges them) are those of the gathered
+/// rows (`TP_GATHER_LOGITS=1`).
+#[test]
+fn sampling_from_candidates_is_the_gathered_paths_at_pp_2_tp_2() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let model = model.to_string_lossy().to_string();
+    let args = [
+        "generate",
+        "--model",
+        &model,
+        "--pp",
+        "2",
+        "--tp",
+        "2",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "40",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+        "--max-tokens",
+        "24",
+        "--logprobs",
+        "3",
+        PROMPT,
+    ];
+    let run = |gather: &str| {
+        let f = common::run(
+            std::process::Command::new(TP)
+                .env("TP_GATHER_LOGITS", gather)
+                .args(args),
+            DEADLINE,
+        );
+        assert_eq!(f.code, Some(0), "{}", f.output);
+        // The logprobs table: stderr without the `#` lines (timings).
+        let table: Vec<String> = f
+            .stderr
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(str::to_string)
+            .collect();
+        (f.stdout, table)
+    };
+    let want = run("1");
+    assert!(want.0.trim().len() > 5 && want.1.len() > 10, "{want:?}");
+    assert_eq!(run("0"), want);
+}

@@ -1,11 +1,15 @@
 //! Batch-1 prefill and decode speed of a session (what `tp bench decode` reports per tp): the
 //! time per token split into compute, all-reduce and waiting for the slowest rank, and decode
 //! speed set against the memory-bandwidth limit (weight bytes streamed per token / measured
-//! read bandwidth with as many threads as ranks). On the MPI backend it also counts the bytes
-//! rank 0 hands to MPI per decoded token (all-reduce payloads, fingerprints, commands). For a
+//! read bandwidth with as many threads as ranks). It counts the bytes rank 0 sends per decoded
+//! token: on the MPI backend those it hands to MPI (all-reduce payloads, fingerprints,
+//! commands), else those of its collectives (the profile's count). Tokens are chosen from each
+//! rank's top candidate ([`crate::candidates`]); `TP_GATHER_LOGITS=1` gathers the whole rows
+//! as before, for comparison. For a
 //! mixture of experts it reports the expert load of the decode steps: tokens per expert and
 //! each rank's share of the expert rows (max over mean: 1 is balanced).
 
+use crate::candidates::{force_gather, Row, RowNeed};
 use crate::error::EngineError;
 use crate::protocol::{ChunkSpec, Command};
 use crate::report::show_bytes;
@@ -58,7 +62,8 @@ pub struct DecodeFigures {
     pub bytes_per_token: f64,
     /// Read bandwidth of `tp` threads, bytes/s.
     pub read_bandwidth: f64,
-    /// Bytes rank 0 sent per decoded token (MPI backend only).
+    /// Bytes rank 0 sent per decoded token: handed to MPI on the MPI backend, else in its
+    /// collectives.
     pub sent_per_token: Option<f64>,
     /// The weights' and the output head's formats.
     pub formats: (String, String),
@@ -243,22 +248,25 @@ fn one_run(s: &mut Session, ids: &[u32], gen: usize) -> Result<Run, EngineError>
             capacity: (ids.len() + gen) as u32,
         })?;
         let t = Instant::now();
-        let mut token = argmax(&forward(s, ids.to_vec())?);
+        let mut token = next_token(s, ids.to_vec())?;
         let prefill = t.elapsed().as_secs_f64();
         s.worker.submit(Command::ProfileStart { barriers })?;
         let sent0 = mpi_bytes_sent(s);
         let t = Instant::now();
         for _ in 1..gen {
-            token = argmax(&forward(s, vec![token])?);
+            token = next_token(s, vec![token])?;
         }
         let decode = t.elapsed().as_secs_f64();
+        s.worker.submit(Command::ProfileReport)?;
         if !barriers {
-            sent = match (sent0, mpi_bytes_sent(s)) {
-                (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / (gen - 1) as f64),
+            // MPI's own count where there is one, else the collectives' bytes rank 0 sent.
+            let profiled = s.worker.rank_profiles().first().map(|p| p.sent_bytes);
+            sent = match (sent0, mpi_bytes_sent(s), profiled) {
+                (Some(a), Some(b), _) => Some(b.saturating_sub(a) as f64 / (gen - 1) as f64),
+                (_, _, Some(p)) => Some(p as f64 / (gen - 1) as f64),
                 _ => None,
             };
         }
-        s.worker.submit(Command::ProfileReport)?;
         s.worker.submit(Command::Close { slot: 0 })?;
         let steps = (gen - 1) as f64;
         if barriers {
@@ -299,10 +307,26 @@ fn one_run(s: &mut Session, ids: &[u32], gen: usize) -> Result<Run, EngineError>
     })
 }
 
-fn forward(s: &mut Session, tokens: Vec<u32>) -> Result<Vec<f32>, EngineError> {
-    s.worker
-        .submit(Command::Forward(vec![ChunkSpec::new(0, tokens)]))?
-        .ok_or_else(|| EngineError::Internal("forward returned no logits".into()))
+/// The greedy next token after `tokens`: from every rank's top candidate, or from the whole
+/// row gathered when `TP_GATHER_LOGITS=1` (the path before distributed sampling).
+fn next_token(s: &mut Session, tokens: Vec<u32>) -> Result<u32, EngineError> {
+    let need = if force_gather() {
+        RowNeed::Full
+    } else {
+        RowNeed::Candidates { k: 1, lse: false }
+    };
+    let out = s
+        .worker
+        .forward_rows(vec![ChunkSpec::new(0, tokens).with_need(need)])?;
+    match out.row(0) {
+        Some(Row::Full(row)) => Ok(argmax(row)),
+        Some(Row::Candidates(c)) => c
+            .top
+            .first()
+            .map(|t| t.1)
+            .ok_or_else(|| EngineError::Internal("no candidates".into())),
+        None => Err(EngineError::Internal("forward returned no logits".into())),
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

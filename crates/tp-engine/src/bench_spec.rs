@@ -9,6 +9,7 @@
 //! answer quotes the prompt, as editing and summarising work does.
 
 use crate::bench::BenchError;
+use crate::candidates::{force_gather, RowNeed, StepLogits};
 use crate::decoder::{DecodeParams, SequenceDecoder};
 use crate::draft_model::ModelDrafter;
 use crate::error::{EngineError, Result};
@@ -102,7 +103,7 @@ pub struct SpecFigures {
     pub stats: SpecStats,
     /// Generated tokens (after the first) per target decode step.
     pub tokens_per_step: f64,
-    /// `(k, ms)`: a step of `1 + k` tokens (all rows' logits) over the prompt's cache.
+    /// `(k, ms)`: a step of `1 + k` tokens (every row's top candidate) over the prompt's cache.
     pub verify_ms: Vec<(usize, f64)>,
     /// Per target decode step of the speculative run: drafting, and the target's step.
     pub draft_ms: f64,
@@ -194,7 +195,7 @@ fn one_run(
     Ok((g.decode_tokens_per_s(), stats, g.decode_steps))
 }
 
-/// Median time of a step of `1 + k` tokens (every row's logits) after `ids`, for each `k`.
+/// Median time of a step of `1 + k` tokens (every row's top candidate) after `ids`, for each `k`.
 fn verify_cost(s: &mut Session, ids: &[u32], ks: &[usize]) -> Result<Vec<(usize, f64)>> {
     let max_k = ks.iter().copied().max().unwrap_or(0);
     s.worker.submit(Command::Open {
@@ -224,12 +225,17 @@ fn verify_cost(s: &mut Session, ids: &[u32], ks: &[usize]) -> Result<Vec<(usize,
     out
 }
 
-fn forward(s: &mut Session, tokens: Vec<u32>, all_logits: bool) -> Result<Vec<f32>> {
-    let mut c = ChunkSpec::new(0, tokens);
+/// One step's rows as greedy decoding asks for them: each rank's top candidate, or the whole
+/// rows with `TP_GATHER_LOGITS=1`.
+fn forward(s: &mut Session, tokens: Vec<u32>, all_logits: bool) -> Result<StepLogits> {
+    let need = if force_gather() {
+        RowNeed::Full
+    } else {
+        RowNeed::Candidates { k: 1, lse: false }
+    };
+    let mut c = ChunkSpec::new(0, tokens).with_need(need);
     c.all_logits = all_logits;
-    s.worker
-        .submit(Command::Forward(vec![c]))?
-        .ok_or_else(|| EngineError::Internal("forward returned no logits".into()))
+    s.worker.forward_rows(vec![c])
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -246,7 +252,7 @@ pub fn spec_header(b: &SpecBench, f: &SpecFigures) -> String {
     format!(
         "# tp bench decode, speculation by {}: edit workload (rename an identifier in {} tokens of prompt, chat template), {} generated tokens (greedy, EOS ignored), {k}, median of {} alternated runs\n\
          # CPU: {}\n\
-         # verify ms: one step of 1+k tokens (every row's logits) after the prompt; k=0 is a plain decode step\n\
+         # verify ms: one step of 1+k tokens (every row's top candidate, as greedy decoding asks) after the prompt; k=0 is a plain decode step\n\
          # draft ms, target ms: per decode step of the speculative run (drafting on rank 0; the target's step, verification included)\n\
          {:>3}  {:>12}  {:>11}  {:>8}  {:>9}  {:>11}  {:>12}  {:>9}  {:>10}  verify ms (k=0,1,2,4,8,16)",
         b.drafter.name(),

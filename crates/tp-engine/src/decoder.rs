@@ -12,9 +12,10 @@
 //! skipped special tokens) go with the text of the token that completes it. Streamed and
 //! whole answers therefore carry the same entries.
 
+use crate::candidates::{force_gather, Row, RowNeed, MAX_CANDIDATES};
 use crate::error::{EngineError, Result};
 use crate::generate::FinishReason;
-use crate::logits::{top_logprobs, Penalties};
+use crate::logits::{candidate_logprobs, top_logprobs, Penalties, TokenLogprobs};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::stop::StopMatcher;
 use std::collections::VecDeque;
@@ -161,6 +162,8 @@ pub struct SequenceDecoder<'t> {
     /// Tokens the sequence's cache can still take after the prompt (`None` = no limit).
     context_room: Option<usize>,
     finished: Option<FinishReason>,
+    /// Ask for whole rows always ([`SequenceDecoder::set_gather_full`]).
+    gather_full: bool,
 }
 
 impl<'t> SequenceDecoder<'t> {
@@ -181,6 +184,7 @@ impl<'t> SequenceDecoder<'t> {
             generated: Vec::new(),
             context_room: None,
             finished: None,
+            gather_full: false,
             params,
         })
     }
@@ -214,21 +218,64 @@ impl<'t> SequenceDecoder<'t> {
         }
     }
 
+    /// Always ask for whole rows ([`RowNeed::Full`]): the gathered path, the oracle of
+    /// distributed sampling.
+    pub fn set_gather_full(&mut self, full: bool) {
+        self.gather_full = full;
+    }
+
+    /// What the next step needs of its row: the whole row for penalties, a nucleus over the
+    /// whole vocabulary (temperature without top-k) or more than [`MAX_CANDIDATES`] ids (or
+    /// when [`SequenceDecoder::set_gather_full`] or [`force_gather`] says so); otherwise the
+    /// most likely ids the sampler and the log-probability report look at.
+    pub fn row_need(&self) -> RowNeed {
+        let s = &self.params.sampling;
+        let sampled = if s.temperature == 0.0 { 0 } else { s.top_k };
+        let k = sampled.max(self.params.logprobs.unwrap_or(0)).max(1);
+        if self.gather_full
+            || force_gather()
+            || self.penalties.is_active()
+            || k > MAX_CANDIDATES
+            || !self.sampler.candidates_suffice(k)
+        {
+            RowNeed::Full
+        } else {
+            RowNeed::Candidates {
+                k: k as u32,
+                lse: self.logprobs.is_some(),
+            }
+        }
+    }
+
     /// Samples the next token from the sequence's row `logits [vocab]` and says what it shows
     /// and whether the sequence ended. A finished decoder refuses further steps.
     pub fn step(&mut self, logits: &[f32]) -> Result<Step> {
+        self.step_row(Row::Full(logits))
+    }
+
+    /// [`SequenceDecoder::step`] from a row as the forward step returned it: whole, or as
+    /// the candidates [`SequenceDecoder::row_need`] asked for (the same token and reports).
+    pub fn step_row(&mut self, row: Row<'_>) -> Result<Step> {
         if self.finished.is_some() {
             return Err(EngineError::Internal(
                 "the sequence has finished; it takes no more steps".into(),
             ));
         }
-        let token = if self.penalties.is_active() {
-            self.scratch.clear();
-            self.scratch.extend_from_slice(logits);
-            self.penalties.apply(&mut self.scratch);
-            self.sampler.sample(&self.scratch)?
-        } else {
-            self.sampler.sample(logits)?
+        let token = match row {
+            Row::Full(logits) if self.penalties.is_active() => {
+                self.scratch.clear();
+                self.scratch.extend_from_slice(logits);
+                self.penalties.apply(&mut self.scratch);
+                self.sampler.sample(&self.scratch)?
+            }
+            Row::Full(logits) => self.sampler.sample(logits)?,
+            Row::Candidates(_) if self.penalties.is_active() => {
+                return Err(EngineError::Internal(
+                    "penalties need the whole row, not candidates".into(),
+                ))
+            }
+            Row::Candidates(c) if c.nan => return Err(EngineError::NanLogits),
+            Row::Candidates(c) => self.sampler.sample_candidates(&c.top, c.vocab)?,
         };
         if !self.params.ignore_eos && self.tokenizer.eos_ids().contains(&token) {
             let finished = self.finish(FinishReason::Eos)?;
@@ -241,7 +288,11 @@ impl<'t> SequenceDecoder<'t> {
         self.generated.push(token);
         self.penalties.observe(token);
         if let Some(track) = &mut self.logprobs {
-            let entry = logprob_entry(logits, token, track.k, self.tokenizer)?;
+            let lp = match row {
+                Row::Full(logits) => top_logprobs(logits, token, track.k)?,
+                Row::Candidates(c) => candidate_logprobs(c, token, track.k)?,
+            };
+            let entry = logprob_entry(lp, self.tokenizer)?;
             track.pending.push_back((entry, None));
         }
         let mut shown = Emitted::default();
@@ -380,14 +431,8 @@ impl LogprobTrack {
     }
 }
 
-/// The log-probability report of `token` sampled from the raw row `logits`.
-fn logprob_entry(
-    logits: &[f32],
-    token: u32,
-    k: usize,
-    tokenizer: &Tokenizer,
-) -> Result<LogprobEntry> {
-    let lp = top_logprobs(logits, token, k)?;
+/// The log-probability report of a sampled token (of the raw row).
+fn logprob_entry(lp: TokenLogprobs, tokenizer: &Tokenizer) -> Result<LogprobEntry> {
     let info = |id: u32, logprob: f64| {
         tokenizer
             .token_bytes(id)

@@ -4,6 +4,7 @@
 //! and KV blocks as a worker does but takes its logits from a script, so schedulers and loops
 //! are tested in milliseconds without a model.
 
+use crate::candidates::{row_needs, split_candidates, RowNeed, StepLogits};
 use crate::error::{EngineError, Result};
 use crate::protocol::{ChunkSpec, Command};
 use crate::slots::Slots;
@@ -20,6 +21,9 @@ pub trait StepExecutor {
     /// A forward takes the KV blocks its chunks need; [`StepExecutor::slots`] tells whether
     /// they are free.
     fn submit(&mut self, cmd: Command) -> Result<Option<Vec<f32>>>;
+    /// One forward step over `chunks`: each row whole or as the candidates its chunk asks
+    /// for ([`ChunkSpec::need`]).
+    fn forward(&mut self, chunks: Vec<ChunkSpec>) -> Result<StepLogits>;
     /// Open sequences and the KV blocks (of rank 0, the same on every rank).
     fn slots(&self) -> &Slots;
     /// Most KV blocks in use at once (rank 0 chooses every block, so its limit holds for all).
@@ -72,6 +76,9 @@ fn one_model() -> EngineError {
 impl StepExecutor for Worker {
     fn submit(&mut self, cmd: Command) -> Result<Option<Vec<f32>>> {
         Worker::submit(self, cmd)
+    }
+    fn forward(&mut self, chunks: Vec<ChunkSpec>) -> Result<StepLogits> {
+        Worker::forward_rows(self, chunks)
     }
     fn slots(&self) -> &Slots {
         Worker::slots(self)
@@ -126,6 +133,8 @@ pub struct ScriptedExecutor {
     pub forwards: usize,
     /// Fail the forward pass with this index (0-based), as a lost rank would.
     pub fail_forward: Option<usize>,
+    /// Vocabulary shards candidate rows are merged from, as ranks would (default 1).
+    pub shards: usize,
 }
 
 impl std::fmt::Debug for ScriptedExecutor {
@@ -149,6 +158,7 @@ impl ScriptedExecutor {
             log: Vec::new(),
             forwards: 0,
             fail_forward: None,
+            shards: 1,
         }
     }
 
@@ -206,12 +216,50 @@ impl ScriptedExecutor {
 }
 
 impl StepExecutor for ScriptedExecutor {
-    fn submit(&mut self, mut cmd: Command) -> Result<Option<Vec<f32>>> {
+    fn submit(&mut self, cmd: Command) -> Result<Option<Vec<f32>>> {
+        self.submit_rows(cmd)?
+            .map(StepLogits::into_full)
+            .transpose()
+    }
+    fn forward(&mut self, chunks: Vec<ChunkSpec>) -> Result<StepLogits> {
+        self.submit_rows(Command::Forward(chunks))?
+            .ok_or_else(|| EngineError::Internal("forward returned no logits".into()))
+    }
+    fn slots(&self) -> &Slots {
+        &self.slots
+    }
+    fn set_block_limit(&mut self, blocks: usize) {
+        self.slots.pool_mut().set_limit(blocks);
+    }
+    fn comm_time(&self) -> Duration {
+        Duration::ZERO
+    }
+}
+
+impl ScriptedExecutor {
+    /// The step's rows: whole, or candidates merged from [`ScriptedExecutor::shards`] parts.
+    fn rows(&self, chunks: &[ChunkSpec], full: Vec<f32>) -> Result<StepLogits> {
+        let needs = row_needs(chunks);
+        let mut whole = Vec::new();
+        let mut cands = Vec::new();
+        for (need, row) in needs.iter().zip(full.chunks_exact(self.vocab.max(1))) {
+            match *need {
+                RowNeed::Full => whole.extend_from_slice(row),
+                RowNeed::Candidates { k, lse } => {
+                    cands.push(split_candidates(row, k as usize, lse, self.shards))
+                }
+            }
+        }
+        StepLogits::assemble(&needs, whole, cands, self.vocab)
+    }
+
+    fn submit_rows(&mut self, mut cmd: Command) -> Result<Option<StepLogits>> {
         self.slots.check(&cmd)?;
         let out = match &mut cmd {
             Command::Forward(chunks) => {
                 self.slots.choose_blocks(chunks)?;
-                Some(self.forward(chunks)?)
+                let full = self.forward(chunks)?;
+                Some(self.rows(chunks, full)?)
             }
             other => {
                 self.slots.apply(other)?;
@@ -236,14 +284,5 @@ impl StepExecutor for ScriptedExecutor {
         };
         self.log.push(cmd);
         Ok(out)
-    }
-    fn slots(&self) -> &Slots {
-        &self.slots
-    }
-    fn set_block_limit(&mut self, blocks: usize) {
-        self.slots.pool_mut().set_limit(blocks);
-    }
-    fn comm_time(&self) -> Duration {
-        Duration::ZERO
     }
 }

@@ -1,7 +1,10 @@
 //! Generation on the leader: batched prefill of the prompt (in chunks of [`PREFILL_CHUNK`]), then one decode step
 //! per token, each step a [`Command::Forward`] that every rank executes. What each row's
-//! logits mean (sampling, penalties, stop strings, text) is the [`SequenceDecoder`]'s work.
+//! logits mean (sampling, penalties, stop strings, text) is the [`SequenceDecoder`]'s work;
+//! each step asks for what the decoder needs of its rows ([`SequenceDecoder::row_need`]):
+//! the whole rows, or only each rank's candidates merged.
 
+use crate::candidates::{RowNeed, StepLogits};
 use crate::decoder::{Emitted, SequenceDecoder};
 use crate::error::{EngineError, Result};
 use crate::executor::StepExecutor;
@@ -112,13 +115,12 @@ pub fn generate(
     let t0 = Instant::now();
     // The prompt goes in chunks: activation buffers stay bounded by the chunk, not the prompt
     // (the logits of all but the last chunk are not needed).
-    let mut logits = Vec::new();
+    let mut logits = StepLogits::default();
     for chunk in new_tokens.chunks(PREFILL_CHUNK) {
-        logits = step(exec, slot, chunk.to_vec(), false)?;
+        logits = step(exec, slot, chunk.to_vec(), false, decoder.row_need())?;
     }
     let prefill = t0.elapsed();
     let t1 = Instant::now();
-    let vocab = logits.len();
     // The drafts fed after the last token in the step whose rows `logits` holds.
     let mut drafts: Vec<u32> = Vec::new();
     let mut steps = 0;
@@ -127,10 +129,10 @@ pub fn generate(
         // Rows in order: row i follows draft i-1; the last row follows every draft.
         let (mut used, mut accepted) = (0, 0);
         let mut finished = None;
-        for (i, row) in logits.chunks_exact(vocab.max(1)).enumerate() {
+        for (i, row) in logits.rows().enumerate() {
             used = i + 1;
             let draft = drafts.get(i).copied();
-            let out = decoder.step(row)?;
+            let out = decoder.step_row(row)?;
             if draft == Some(out.token) {
                 accepted += 1;
             }
@@ -193,7 +195,7 @@ pub fn generate(
         fed.extend_from_slice(&drafts);
         steps += 1;
         let t = Instant::now();
-        logits = step(exec, slot, fed, !drafts.is_empty())?;
+        logits = step(exec, slot, fed, !drafts.is_empty(), decoder.row_need())?;
         step_time = t.elapsed().as_secs_f64();
     };
     Ok(GenerationStats {
@@ -206,23 +208,24 @@ pub fn generate(
     })
 }
 
-/// One forward of `tokens` on `slot`: the last position's logits, or every position's
-/// (`[tokens, vocab]`) with `all_logits`.
+/// One forward of `tokens` on `slot`: the last position's row, or every position's with
+/// `all_logits`, each as `need` says (the decoder's need does not change within a step).
 fn step(
     exec: &mut dyn StepExecutor,
     slot: u32,
     tokens: Vec<u32>,
     all_logits: bool,
-) -> Result<Vec<f32>> {
-    let mut chunk = ChunkSpec::new(slot, tokens);
+    need: RowNeed,
+) -> Result<StepLogits> {
+    let mut chunk = ChunkSpec::new(slot, tokens).with_need(need);
     chunk.all_logits = all_logits;
-    exec.submit(Command::Forward(vec![chunk]))?
-        .ok_or_else(|| EngineError::Internal("forward returned no logits".into()))
+    exec.forward(vec![chunk])
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::candidates::RowNeed;
     use crate::decoder::DecodeParams;
     use crate::executor::ScriptedExecutor;
     use crate::spec::{DraftTokens, SpecStats};
@@ -615,6 +618,116 @@ mod tests {
         // Seeded runs repeat, and give the tokens plain sampling gives with the seed.
         for seed in 0..200 {
             assert_eq!(run(seed, true), run(seed, false), "seed {seed}");
+        }
+    }
+
+    /// Candidates merged from 1..3 vocabulary shards (a scripted model: rows of random
+    /// logits with repeated values, so ties cross shard boundaries) give the gathered rows'
+    /// tokens and log-probability reports, bit for bit, greedy and seeded top-k/top-p, with
+    /// and without n-gram drafts; penalties and a nucleus over the whole vocabulary ask for
+    /// whole rows.
+    #[test]
+    fn candidates_from_shards_give_the_gathered_tokens_and_reports() {
+        let tok = Tokenizer::bytes(&["<|endoftext|>"]);
+        let run = |params: &DecodeParams, shards: usize, gather: bool, spec: bool| {
+            let mut ex = ScriptedExecutor::new(
+                257,
+                128,
+                Box::new(|_, held| {
+                    let mut rng = tp_spec::Rng::new(held.iter().map(|&t| u64::from(t)).sum());
+                    // Letters only, values on a coarse grid (ties), the end token unlikely.
+                    let mut row = vec![f32::NEG_INFINITY; 257];
+                    for l in &mut row[b'a' as usize..=b'z' as usize] {
+                        *l = rng.below(8) as f32 * 0.5;
+                    }
+                    row[256] = -3.0;
+                    row
+                }),
+            );
+            ex.shards = shards;
+            ex.submit(Command::Open {
+                slot: 0,
+                capacity: 128,
+            })
+            .unwrap();
+            let mut d = SequenceDecoder::new(&tok, params.clone()).unwrap();
+            d.set_gather_full(gather);
+            let need = d.row_need();
+            let prompt = b"abcabc".map(u32::from);
+            let mut s =
+                Speculator::for_method(crate::spec::SpecMethod::Ngram, DraftTokens::Fixed(3));
+            s.start(&[], &prompt);
+            let mut reports = Vec::new();
+            generate(&mut ex, 0, &prompt, &mut d, spec.then_some(&mut s), |e| {
+                reports.extend(e.logprobs.iter().cloned());
+                Flow::Continue
+            })
+            .unwrap();
+            let fed = ex.log.iter().filter_map(|c| match c {
+                Command::Forward(chunks) => Some(chunks[0].need),
+                _ => None,
+            });
+            assert!(fed.into_iter().all(|n| n == need), "{need:?}");
+            (need, format!("{:?} {reports:?}", d.generated()))
+        };
+        let sampled = |top_k, top_p| DecodeParams {
+            sampling: crate::SamplingParams {
+                temperature: 0.9,
+                top_k,
+                top_p,
+                seed: 11,
+            },
+            logprobs: Some(4),
+            ..DecodeParams::greedy(24)
+        };
+        let cases = [
+            (
+                DecodeParams {
+                    logprobs: Some(5),
+                    ..DecodeParams::greedy(24)
+                },
+                RowNeed::Candidates { k: 5, lse: true },
+            ),
+            (
+                DecodeParams::greedy(24),
+                RowNeed::Candidates { k: 1, lse: false },
+            ),
+            (sampled(6, 0.8), RowNeed::Candidates { k: 6, lse: true }),
+            (sampled(3, 1.0), RowNeed::Candidates { k: 4, lse: true }),
+            (
+                DecodeParams {
+                    logprobs: None,
+                    ..sampled(7, 0.9)
+                },
+                RowNeed::Candidates { k: 7, lse: false },
+            ),
+            (sampled(0, 0.8), RowNeed::Full),
+            (
+                DecodeParams {
+                    presence_penalty: 0.5,
+                    ..sampled(6, 0.8)
+                },
+                RowNeed::Full,
+            ),
+            (
+                DecodeParams {
+                    logprobs: Some(2),
+                    ..sampled(65, 0.9)
+                },
+                RowNeed::Full,
+            ),
+        ];
+        for (params, need) in &cases {
+            for spec in [false, true] {
+                let (full, want) = run(params, 1, true, spec);
+                assert_eq!(full, RowNeed::Full);
+                assert!(want.len() > 100, "{want}");
+                for shards in 1..=3 {
+                    let (got_need, got) = run(params, shards, false, spec);
+                    assert_eq!(got_need, *need, "{params:?}");
+                    assert_eq!(got, want, "{params:?}, {shards} shards, drafts {spec}");
+                }
+            }
         }
     }
 }

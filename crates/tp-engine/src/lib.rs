@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod bench_spec;
+pub mod candidates;
 pub mod decoder;
 pub mod draft_model;
 pub mod error;
@@ -31,6 +32,7 @@ pub mod stop;
 pub mod swap;
 pub mod worker;
 
+pub use candidates::{Candidates, Row, RowNeed, StepLogits, MAX_CANDIDATES};
 pub use decoder::{
     DecodeParams, Emitted, Finished, LogprobEntry, SequenceDecoder, Step, TokenInfo,
     MAX_TOP_LOGPROBS,
@@ -39,7 +41,9 @@ pub use error::{EngineError, Result};
 pub use executor::{ScriptedExecutor, StepExecutor};
 pub use generate::{generate, FinishReason, Flow, GenerationStats};
 pub use handle::{Engine, PromptIds, Reply};
-pub use logits::{log_softmax, log_sum_exp, top_logprobs, Penalties, TokenLogprobs};
+pub use logits::{
+    candidate_logprobs, log_softmax, log_sum_exp, top_logprobs, Penalties, TokenLogprobs,
+};
 pub use protocol::{ChunkSpec, Command};
 pub use sampling::{argmax, Sampler, SamplingParams};
 pub use session::{Placement, Session, SessionError};

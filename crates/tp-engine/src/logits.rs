@@ -5,6 +5,7 @@
 //! Log-probabilities are computed from the raw logits (before penalties, temperature, top-k
 //! or top-p), in f64 so that a row of 150k logits still sums to one within 1e-9.
 
+use crate::candidates::{order, Candidates};
 use crate::error::{EngineError, Result};
 use std::collections::HashMap;
 
@@ -67,17 +68,51 @@ impl Penalties {
     }
 }
 
-/// `ln(sum(exp(logits)))`, in f64, shifted by the maximum so it never overflows. NaN in, NaN out.
-pub fn log_sum_exp(logits: &[f32]) -> f64 {
-    let max = logits
+/// Fractional bits of the fixed-point sum in [`exp_sum`].
+const EXP_FRAC_BITS: i32 = 100;
+
+/// `sum(exp(l - max))` over `logits` as a fixed-point integer with [`EXP_FRAC_BITS`]
+/// fractional bits (`max` at least every logit, finite). Integer addition is associative, so
+/// the sum is the same bits in any order and over any split of the row: a rank sums its
+/// vocabulary shard and the shards' sums add up to the whole row's exactly (distributed
+/// sampling, [`crate::candidates`]).
+///
+/// Precision: each term is `exp(x)` in f64 (relative error about 2^-53, as in a plain f64
+/// sum), scaled by 2^100 and truncated, an absolute error below 2^-100 per term. The term of
+/// the maximum is 1, so the sum is at least 1 and the truncations add a relative error below
+/// `n * 2^-100` (2^-80 for 2^20 terms); the plain f64 sum's rounding grows with `n * 2^-53`
+/// instead. Terms are at most 2^100, so 2^26 of them fit an i128 (2^126): a row of
+/// up to 67M logits. Underflow: terms below e^-69 (2^-100) count as 0, far under the
+/// rounding of the result.
+pub fn exp_sum(logits: &[f32], max: f64) -> i128 {
+    let scale = 2f64.powi(EXP_FRAC_BITS);
+    logits
         .iter()
-        .fold(f64::NEG_INFINITY, |m, &l| m.max(f64::from(l)));
+        .map(|&l| ((f64::from(l) - max).exp() * scale) as i128)
+        .sum()
+}
+
+/// `max + ln(sum)` for a fixed-point `sum` from [`exp_sum`] (over the whole row, possibly
+/// added up from shards).
+pub fn lse_from_sum(max: f64, sum: i128) -> f64 {
+    max + (sum as f64 * 2f64.powi(-EXP_FRAC_BITS)).ln()
+}
+
+/// `ln(sum(exp(logits)))`, in f64, shifted by the maximum so it never overflows; the sum is
+/// the order-independent [`exp_sum`], so shards of a row give the same bits. NaN in, NaN out.
+pub fn log_sum_exp(logits: &[f32]) -> f64 {
+    let mut max = f64::NEG_INFINITY;
+    for &l in logits {
+        if l.is_nan() {
+            return f64::NAN;
+        }
+        max = max.max(f64::from(l));
+    }
     if !max.is_finite() {
         // All -inf (or +inf somewhere): the shift would give NaN; the max is the answer.
         return max;
     }
-    let sum: f64 = logits.iter().map(|&l| (f64::from(l) - max).exp()).sum();
-    max + sum.ln()
+    lse_from_sum(max, exp_sum(logits, max))
 }
 
 /// The log-probability of every id: `logit - log_sum_exp(logits)`.
@@ -113,7 +148,6 @@ pub fn top_logprobs(logits: &[f32], token: u32, k: usize) -> Result<TokenLogprob
     if k > 0 {
         // Highest first, ties by id: a total order, so the result never depends on the
         // selection algorithm.
-        let order = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
         top = logits
             .iter()
             .enumerate()
@@ -131,6 +165,40 @@ pub fn top_logprobs(logits: &[f32], token: u32, k: usize) -> Result<TokenLogprob
         top: top
             .into_iter()
             .map(|(l, id)| (id, f64::from(l) - lse))
+            .collect(),
+    })
+}
+
+/// [`top_logprobs`] from a row's candidates (`token` among them, at least `k` of them unless
+/// the row is shorter): the same bits, as the candidates are the row's top and its normalizer.
+pub fn candidate_logprobs(c: &Candidates, token: u32, k: usize) -> Result<TokenLogprobs> {
+    if c.nan {
+        return Err(EngineError::NanLogits);
+    }
+    let Some(lse) = c.lse else {
+        return Err(EngineError::Internal(
+            "log-probabilities from candidates without the normalizer".into(),
+        ));
+    };
+    let Some(&(chosen, _)) = c.top.iter().find(|t| t.1 == token) else {
+        return Err(EngineError::Internal(format!(
+            "token {token} is not among the {} candidates",
+            c.top.len()
+        )));
+    };
+    let k = k.min(c.vocab);
+    if k > c.top.len() {
+        return Err(EngineError::Internal(format!(
+            "{k} alternatives asked of {} candidates",
+            c.top.len()
+        )));
+    }
+    Ok(TokenLogprobs {
+        token,
+        logprob: f64::from(chosen) - lse,
+        top: c.top[..k]
+            .iter()
+            .map(|&(l, id)| (id, f64::from(l) - lse))
             .collect(),
     })
 }
@@ -166,6 +234,31 @@ mod tests {
         let lp = log_softmax(&[1000.0, 1000.0, f32::NEG_INFINITY]);
         assert!((lp[0] - 0.5f64.ln()).abs() < 1e-12);
         assert_eq!(lp[2], f64::NEG_INFINITY);
+    }
+
+    #[test]
+    fn fixed_point_sum_matches_the_f64_sum_and_ignores_order() {
+        for n in [1, 2, 1000, 151_936] {
+            let r = row(n);
+            let max = r
+                .iter()
+                .fold(f64::NEG_INFINITY, |m, &l| m.max(f64::from(l)));
+            let plain: f64 = r.iter().map(|&l| (f64::from(l) - max).exp()).sum();
+            let fixed = exp_sum(&r, max);
+            let got = fixed as f64 * 2f64.powi(-EXP_FRAC_BITS);
+            assert!(
+                ((got - plain) / plain).abs() < 1e-12,
+                "n={n}: {got} vs {plain}"
+            );
+            // Any split of the row adds up to the same integer.
+            let split: i128 = r.chunks(n.div_ceil(3)).map(|c| exp_sum(c, max)).sum();
+            assert_eq!(split, fixed, "n={n}");
+            let mut reversed = r.clone();
+            reversed.reverse();
+            assert_eq!(exp_sum(&reversed, max), fixed, "n={n}");
+        }
+        assert!(log_sum_exp(&[1.0, f32::NAN]).is_nan());
+        assert_eq!(log_sum_exp(&[f32::NEG_INFINITY; 3]), f64::NEG_INFINITY);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! chooses the KV blocks a forward step takes and names them in the command, so every rank's
 //! block tables stay identical.
 
+use crate::candidates::{RowNeed, MAX_CANDIDATES};
 use crate::error::{EngineError, Result};
 use crate::swap::ModelCommand;
 use tp_comm::{CommExt, Group};
@@ -18,6 +19,9 @@ pub struct ChunkSpec {
     pub tokens: Vec<u32>,
     /// Return logits for every token (perplexity), not only the last.
     pub all_logits: bool,
+    /// What the chunk's rows are returned as: whole, or the most likely ids (every row of
+    /// the chunk alike).
+    pub need: RowNeed,
     /// KV blocks the slot takes before this chunk is written (a copy of its shared last
     /// block first, when one is needed; then new blocks in position order). Leave empty when
     /// submitting: rank 0 fills them in.
@@ -31,8 +35,14 @@ impl ChunkSpec {
             slot,
             tokens,
             all_logits: false,
+            need: RowNeed::Full,
             blocks: Vec::new(),
         }
+    }
+
+    /// The same chunk returning its rows as `need` says.
+    pub fn with_need(self, need: RowNeed) -> Self {
+        ChunkSpec { need, ..self }
     }
 }
 
@@ -53,7 +63,8 @@ pub enum Command {
         len: u32,
         capacity: u32,
     },
-    /// One batched forward pass over the chunks; logits are gathered on every rank.
+    /// One batched forward pass over the chunks; whole rows are gathered on every rank, the
+    /// others merged from every rank's candidates ([`crate::candidates`]).
     Forward(Vec<ChunkSpec>),
     /// Nothing to do: keeps followers' waits bounded while the leader waits for input.
     Idle,
@@ -78,6 +89,16 @@ const OP_PROFILE_REPORT: u32 = 8;
 const OP_FORK: u32 = 9;
 const OP_MODEL: u32 = 10;
 
+/// A chunk's flags word: bit 0 `all_logits`, bit 1 the normalizer of candidates, the bits
+/// above the candidates asked for (0 for whole rows).
+fn flags(c: &ChunkSpec) -> u32 {
+    let (k, lse) = match c.need {
+        RowNeed::Full => (0, false),
+        RowNeed::Candidates { k, lse } => (k, lse),
+    };
+    u32::from(c.all_logits) | u32::from(lse) << 1 | k << 2
+}
+
 impl Command {
     /// `(header, payload)`.
     fn encode(&self) -> ([u32; 4], Vec<u32>) {
@@ -97,7 +118,7 @@ impl Command {
                     payload.extend([
                         c.slot,
                         c.tokens.len() as u32,
-                        u32::from(c.all_logits),
+                        flags(c),
                         c.blocks.len() as u32,
                     ]);
                 }
@@ -158,14 +179,24 @@ impl Command {
                 let mut chunks = Vec::with_capacity(n);
                 for s in specs.chunks_exact(4) {
                     let len = s[1] as usize;
-                    if len == 0 || len > rest.len() || s[2] > 1 {
+                    let (k, lse) = (s[2] >> 2, s[2] & 2 != 0);
+                    if len == 0
+                        || len > rest.len()
+                        || k as usize > MAX_CANDIDATES
+                        || (k == 0 && lse)
+                    {
                         return Err(bad(format!("forward chunk {s:?} does not fit the payload")));
                     }
                     let (mine, tail) = rest.split_at(len);
                     chunks.push(ChunkSpec {
                         slot: s[0],
                         tokens: mine.to_vec(),
-                        all_logits: s[2] == 1,
+                        all_logits: s[2] & 1 == 1,
+                        need: if k == 0 {
+                            RowNeed::Full
+                        } else {
+                            RowNeed::Candidates { k, lse }
+                        },
                         blocks: Vec::new(),
                     });
                     rest = tail;
@@ -251,12 +282,14 @@ mod tests {
                     slot: 0,
                     tokens: vec![5, 6, 7],
                     all_logits: false,
+                    need: RowNeed::Candidates { k: 40, lse: true },
                     blocks: vec![3, 8],
                 },
                 ChunkSpec {
                     slot: 9,
                     tokens: vec![1],
                     all_logits: true,
+                    need: RowNeed::Full,
                     blocks: vec![],
                 },
             ]),
@@ -285,8 +318,12 @@ mod tests {
         assert!(Command::decode([OP_FORWARD, 1, 0, 5], &[0, 1, 0, 2, 1], 1).is_err());
         // Leftover words.
         assert!(Command::decode([OP_FORWARD, 1, 0, 6], &[0, 1, 0, 0, 1, 2], 1).is_err());
-        // Zero-length chunk and a bad flag.
+        // Zero-length chunk and more candidates than allowed.
         assert!(Command::decode([OP_FORWARD, 1, 0, 5], &[0, 0, 0, 0, 1], 1).is_err());
+        let many = (MAX_CANDIDATES as u32 + 1) << 2;
+        assert!(Command::decode([OP_FORWARD, 1, 0, 5], &[0, 1, many, 0, 1], 1).is_err());
+        assert!(Command::decode([OP_FORWARD, 1, 0, 5], &[0, 1, many - 4, 0, 1], 1).is_ok());
+        // A normalizer without candidates.
         assert!(Command::decode([OP_FORWARD, 1, 0, 5], &[0, 1, 2, 0, 1], 1).is_err());
         // A fork without its two payload words.
         assert!(Command::decode([OP_FORK, 1, 0, 1], &[3], 1).is_err());

@@ -1,6 +1,7 @@
 //! Choosing the next token from logits: greedy, temperature, top-k, top-p, with a seeded
 //! generator so the same seed gives the same text on every run and at every tp.
 
+use crate::candidates::order;
 use crate::error::{EngineError, Result};
 use tp_spec::Rng;
 
@@ -96,13 +97,47 @@ impl Sampler {
             p.top_k.min(logits.len())
         };
         if k < self.candidates.len() {
-            self.candidates
-                .select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            self.candidates.select_nth_unstable_by(k - 1, order);
             self.candidates.truncate(k);
         }
         // Highest first, ties by id, so the order never depends on the selection algorithm.
-        self.candidates
-            .sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        self.candidates.sort_unstable_by(order);
+        Ok(self.pick())
+    }
+
+    /// Whether [`Sampler::sample_candidates`] can sample from the `k` most likely ids of a
+    /// row: greedy, or top-k within `k` (a nucleus over the whole vocabulary needs the row).
+    pub fn candidates_suffice(&self, k: usize) -> bool {
+        let p = &self.params;
+        p.temperature == 0.0 || (p.top_k > 0 && p.top_k <= k)
+    }
+
+    /// The next token from `top`, the most likely ids of a row of `vocab` logits (highest
+    /// first, ties by id; at least `min(top_k, vocab)` of them): the token [`Sampler::sample`]
+    /// draws from the whole row, for the same random state (it only ever looks at the top-k).
+    pub fn sample_candidates(&mut self, top: &[(f32, u32)], vocab: usize) -> Result<u32> {
+        let Some(&(_, first)) = top.first() else {
+            return Err(EngineError::Internal("no candidates to sample from".into()));
+        };
+        if self.params.temperature == 0.0 {
+            return Ok(first);
+        }
+        let k = self.params.top_k.min(vocab);
+        if self.params.top_k == 0 || k > top.len() {
+            return Err(EngineError::Internal(format!(
+                "sampling the top {} of {vocab} ids from {} candidates",
+                self.params.top_k,
+                top.len()
+            )));
+        }
+        self.candidates.clear();
+        self.candidates.extend_from_slice(&top[..k]);
+        Ok(self.pick())
+    }
+
+    /// Draws from `self.candidates` (sorted, at least one): temperature, then the nucleus.
+    fn pick(&mut self) -> u32 {
+        let p = &self.params;
         let max = self.candidates[0].0;
         let inv_t = 1.0 / p.temperature as f64;
         let mut probs: Vec<f64> = self
@@ -128,19 +163,20 @@ impl Sampler {
         let mut u = self.rng.unit_f64() * total;
         for (i, q) in probs.iter().enumerate() {
             if u < *q {
-                return Ok(self.candidates[i].1);
+                return self.candidates[i].1;
             }
             u -= q;
         }
-        Ok(self.candidates[keep - 1].1)
+        self.candidates[keep - 1].1
     }
 }
 
-/// Index of the largest logit (the lowest index among ties).
+/// Index of the largest logit (the lowest index among ties), in the order of `f32::total_cmp`
+/// as the candidates of distributed sampling are ordered ([`order`]).
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
+        if v.total_cmp(&logits[best]).is_gt() {
             best = i;
         }
     }

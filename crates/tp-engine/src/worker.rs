@@ -5,6 +5,7 @@
 //! the rank's stage (tp collectives inside the stage, activations to the next stage), and the
 //! last stage's gathered logits go to rank 0.
 
+use crate::candidates::{row_needs, StepLogits};
 use crate::error::{EngineError, Result};
 use crate::protocol::{self, ChunkSpec, Command};
 use crate::slots::Slots;
@@ -12,6 +13,7 @@ use tp_comm::{CommExt, Group};
 use tp_models::{Chunk, Profile, ShardedModel};
 
 mod models;
+mod rows;
 pub use models::ReloadSpec;
 
 /// One rank's model shard and caches.
@@ -111,8 +113,22 @@ impl Worker {
 
     /// Leader only: checks `cmd` against the local state (identical on every rank), names the
     /// KV blocks a forward step takes, sends it to the followers and executes it. Returns the
-    /// full `[rows, vocab]` logits of a forward.
-    pub fn submit(&mut self, mut cmd: Command) -> Result<Option<Vec<f32>>> {
+    /// full `[rows, vocab]` logits of a forward whose chunks all ask for whole rows (see
+    /// [`Worker::forward_rows`] for the others).
+    pub fn submit(&mut self, cmd: Command) -> Result<Option<Vec<f32>>> {
+        self.submit_rows(cmd)?
+            .map(StepLogits::into_full)
+            .transpose()
+    }
+
+    /// Leader only: one forward step over `chunks`, its rows whole or as candidates as each
+    /// chunk asks.
+    pub fn forward_rows(&mut self, chunks: Vec<ChunkSpec>) -> Result<StepLogits> {
+        self.submit_rows(Command::Forward(chunks))?
+            .ok_or_else(|| EngineError::Internal("forward returned no logits".into()))
+    }
+
+    fn submit_rows(&mut self, mut cmd: Command) -> Result<Option<StepLogits>> {
         if !self.is_leader() {
             return Err(EngineError::Internal("only rank 0 submits commands".into()));
         }
@@ -149,7 +165,7 @@ impl Worker {
         }
     }
 
-    fn execute(&mut self, cmd: Command) -> Result<Option<Vec<f32>>> {
+    fn execute(&mut self, cmd: Command) -> Result<Option<StepLogits>> {
         match cmd {
             Command::Forward(chunks) => return self.forward(chunks).map(Some),
             Command::ProfileStart { barriers } => {
@@ -220,7 +236,7 @@ impl Worker {
             .collect())
     }
 
-    fn forward(&mut self, specs: Vec<ChunkSpec>) -> Result<Vec<f32>> {
+    fn forward(&mut self, specs: Vec<ChunkSpec>) -> Result<StepLogits> {
         // The blocks rank 0 chose: the same on every rank, or this rank has diverged.
         let rank = self.group.rank();
         let mut taken = self
@@ -230,10 +246,7 @@ impl Worker {
                 rank,
                 message: format!("the KV blocks rank 0 chose do not fit this rank's cache: {e}"),
             })?;
-        let rows: usize = specs
-            .iter()
-            .map(|s| if s.all_logits { s.tokens.len() } else { 1 })
-            .sum();
+        let needs = row_needs(&specs);
         let result = {
             let mut chunks: Vec<Chunk<'_>> = specs
                 .iter()
@@ -256,10 +269,8 @@ impl Worker {
         let local = result?;
         // Only the last stage (world rank 0's, see `tp_spec::stage_of_rank`) has logits.
         if !self.model.stage().is_last() {
-            return Ok(Vec::new());
+            return Ok(StepLogits::default());
         }
-        Ok(self
-            .model
-            .gather_logits(local, rows, &self.tp, &mut self.profile)?)
+        rows::step_logits(&self.model, local, &needs, &self.tp, &mut self.profile)
     }
 }

@@ -5,17 +5,17 @@
 //! always rejected (the oracle's tokens off by one), with stop strings and end-of-sequence
 //! inside accepted runs and at the end of the context.
 
-use std::sync::Arc;
-use tp_comm::local::{self, LocalOptions};
 use tp_engine::draft_model::{DraftModelError, DraftModelSource, ModelDrafter};
 use tp_engine::{
     generate, ChunkSpec, Command, DecodeParams, DraftTokens, Drafter, FinishReason, Flow,
     SequenceDecoder, SpecMethod, Speculator, Worker,
 };
-use tp_models::{GgufCheckpoint, KvDtype, LoadOptions, ShardedModel};
+use tp_models::{GgufCheckpoint, KvDtype, LoadOptions};
 use tp_tokenizer::Tokenizer;
 
 const CTX: usize = 512;
+
+mod common;
 
 /// Runs `lead` on rank 0's worker of SmolLM2 at `tp` (the followers follow); its result.
 fn on_workers<T: Send>(
@@ -30,20 +30,7 @@ fn on_workers<T: Send>(
         kv_dtype: kv,
         ..LoadOptions::default()
     };
-    let out = local::run(tp, LocalOptions::default(), |g| {
-        let model = ShardedModel::load(&ckpt, g.rank(), tp, opts, CTX).unwrap();
-        let mut w = Worker::new(model, Arc::clone(&g));
-        if g.rank() == 0 {
-            let out = lead(&mut w, &tok);
-            w.submit(Command::Exit).unwrap();
-            Some(out)
-        } else {
-            w.follow().unwrap();
-            None
-        }
-    })
-    .unwrap();
-    out.into_iter().next().unwrap().unwrap()
+    Some(common::on_workers(&ckpt, tp, opts, CTX, |w| lead(w, &tok)))
 }
 
 fn forward(w: &mut Worker, slot: u32, tokens: &[u32], all: bool) -> Vec<f32> {

@@ -626,7 +626,7 @@ mod tests {
     use crate::scheduler::{run_models, Load, SchedulerConfig};
     use std::collections::BTreeMap;
     use std::sync::mpsc;
-    use tp_engine::{DecodeParams, ScriptedExecutor, Slots};
+    use tp_engine::{ChunkSpec, DecodeParams, ScriptedExecutor, Slots, StepLogits};
     use tp_tokenizer::Tokenizer;
 
     const VOCAB: usize = 257;
@@ -670,6 +670,9 @@ mod tests {
     impl StepExecutor for Models {
         fn submit(&mut self, cmd: Command) -> tp_engine::Result<Option<Vec<f32>>> {
             self.current().submit(cmd)
+        }
+        fn forward(&mut self, chunks: Vec<ChunkSpec>) -> tp_engine::Result<StepLogits> {
+            self.current().forward(chunks)
         }
         fn slots(&self) -> &Slots {
             self.all[&self.selected].slots()

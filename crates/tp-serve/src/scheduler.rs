@@ -24,9 +24,10 @@
 //! tokens alone, batched, forked from a shared prefix or recomputed after a preemption; the
 //! tests check it.
 //!
-//! Rank 0 holds every request's full row of logits, so each request's
-//! [`SequenceDecoder`] (penalties, sampling, log-probabilities, stop strings, text; the same
-//! one `tp generate` and `tp chat` use) is rank-0-only work.
+//! Rank 0 holds every request's row of logits (whole, or only the candidates its decoder
+//! needs, merged from every rank's vocabulary shard: [`SequenceDecoder::row_need`]), so each
+//! request's [`SequenceDecoder`] (penalties, sampling, log-probabilities, stop strings, text;
+//! the same one `tp generate` and `tp chat` use) is rank-0-only work.
 //!
 //! The scheduler drives a [`StepExecutor`]: rank 0's [`tp_engine::Worker`] in the server, a
 //! [`tp_engine::ScriptedExecutor`] in the unit tests below.
@@ -41,7 +42,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 use tp_engine::{
     ChunkSpec, Command, DecodeParams, Emitted, EngineError, FinishReason, Finished, LogprobEntry,
-    SequenceDecoder, StepExecutor,
+    RowNeed, SequenceDecoder, StepExecutor, StepLogits,
 };
 use tp_models::BLOCK_POSITIONS;
 use tp_tokenizer::Tokenizer;
@@ -633,7 +634,8 @@ impl<'a, 't> Scheduler<'a, 't> {
             }
             if let Some(t) = r.decoder.next_input() {
                 let drafts = r.spec.as_ref().map_or(&[][..], |s| &s.drafts);
-                let mut chunk = ChunkSpec::new(r.slot, [&[t][..], drafts].concat());
+                let mut chunk = ChunkSpec::new(r.slot, [&[t][..], drafts].concat())
+                    .with_need(r.decoder.row_need());
                 chunk.all_logits = !drafts.is_empty();
                 chunks.push(chunk);
                 rows.push((i, true));
@@ -653,8 +655,16 @@ impl<'a, 't> Scheduler<'a, 't> {
             let n = left.min(budget);
             budget -= n;
             let from = r.held.len();
-            chunks.push(ChunkSpec::new(r.slot, r.context[from..from + n].to_vec()));
-            rows.push((i, n == left && !r.resumed));
+            let sample = n == left && !r.resumed;
+            // A row nobody samples: the cheapest there is.
+            let need = if sample {
+                r.decoder.row_need()
+            } else {
+                RowNeed::Candidates { k: 1, lse: false }
+            };
+            let chunk = ChunkSpec::new(r.slot, r.context[from..from + n].to_vec());
+            chunks.push(chunk.with_need(need));
+            rows.push((i, sample));
         }
         (chunks, rows)
     }
@@ -804,14 +814,12 @@ impl<'a, 't> Scheduler<'a, 't> {
         // Rows of logits each chunk returns: every token's for a verification, else one.
         let chunk_rows: Vec<usize> = chunks
             .iter()
-            .map(|c| if c.all_logits { c.tokens.len() } else { 1 })
+            .map(tp_engine::candidates::chunk_rows)
             .collect();
         let comm_before = exec.comm_time();
         let t0 = Instant::now();
         let n_rows: usize = chunk_rows.iter().sum();
-        let logits = exec
-            .submit(Command::Forward(chunks))?
-            .ok_or_else(|| EngineError::Internal("a forward step returned no logits".into()))?;
+        let logits = exec.forward(chunks)?;
         let took = t0.elapsed();
         self.step_time += took;
         self.metrics.step_seconds.record(took.as_secs_f64());
@@ -819,10 +827,9 @@ impl<'a, 't> Scheduler<'a, 't> {
             .step_collective_seconds
             .record(exec.comm_time().saturating_sub(comm_before).as_secs_f64());
         self.metrics.step_rows.record(chunk_rows.len() as f64);
-        let vocab = logits.len() / n_rows.max(1);
-        if vocab == 0 || logits.len() != n_rows * vocab {
+        if logits.len() != n_rows {
             return Err(Box::new(EngineError::Internal(format!(
-                "{} logits for {n_rows} rows",
+                "{} rows of logits for {n_rows} rows",
                 logits.len()
             ))));
         }
@@ -845,8 +852,7 @@ impl<'a, 't> Scheduler<'a, 't> {
                 continue;
             }
             let drafts = r.spec.as_ref().map_or(Vec::new(), |s| s.drafts.clone());
-            let (outcome, used, accepted) =
-                r.advance(&logits[first * vocab..row * vocab], vocab, &drafts);
+            let (outcome, used, accepted) = r.advance(&logits, first..row, &drafts);
             generated += used;
             if let Some(dropped) = rejected_positions(drafts.len(), used) {
                 if dropped > 0 {
@@ -939,17 +945,23 @@ impl<'a, 't> Scheduler<'a, 't> {
 }
 
 impl Running<'_> {
-    /// Samples this request's next tokens from its `[rows, vocab]` logits and streams what
-    /// they show: one row, or a verification's (row `j` follows draft `j - 1`), taken in order
-    /// until the sequence ends or a token differs from the row's draft. Returns the outcome,
-    /// the rows used (tokens generated) and the drafts accepted.
-    fn advance(&mut self, logits: &[f32], vocab: usize, drafts: &[u32]) -> (Outcome, usize, usize) {
+    /// Samples this request's next tokens from its rows `mine` of the step's logits and
+    /// streams what they show: one row, or a verification's (row `j` follows draft `j - 1`),
+    /// taken in order until the sequence ends or a token differs from the row's draft.
+    /// Returns the outcome, the rows used (tokens generated) and the drafts accepted.
+    fn advance(
+        &mut self,
+        logits: &StepLogits,
+        mine: std::ops::Range<usize>,
+        drafts: &[u32],
+    ) -> (Outcome, usize, usize) {
         if self.first_token.is_none() {
             self.first_token = Some(Instant::now());
         }
         let mut accepted = 0;
-        for (j, row) in logits.chunks_exact(vocab).enumerate() {
-            let step = match self.decoder.step(row) {
+        let n = mine.len();
+        for (j, row) in mine.filter_map(|i| logits.row(i)).enumerate() {
+            let step = match self.decoder.step_row(row) {
                 Ok(s) => s,
                 Err(e) => return (Outcome::Failed(chain(&e)), j + 1, accepted),
             };
@@ -964,7 +976,7 @@ impl Running<'_> {
             }
         }
         // The last row has no draft: the loop returns at it.
-        (Outcome::Continue, logits.len() / vocab.max(1), accepted)
+        (Outcome::Continue, n, accepted)
     }
 
     fn send(&self, shown: Emitted) {

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 #[allow(unused_imports)] // each test binary uses a subset
-pub use tp_testkit::{gemma3, json_rows, run_with_deadline, smollm2, Finished};
+pub use tp_testkit::{gemma3, json_rows, run, run_with_deadline, smollm2, Finished};
 
 /// The `tp` binary under test.
 pub const TP: &str = env!("CARGO_BIN_EXE_tp");
