@@ -282,7 +282,11 @@ mod tests {
                             }
                             "right" => {
                                 assert!(accepted > 0.0, "{name}");
-                                assert!(per_step > 1.5, "{name} k {k:?}: {per_step}");
+                                // Adaptive lengths (k None) follow timed step costs: under
+                                // load they may stay short, so only fixed lengths are held
+                                // to 1.5 tokens a step.
+                                let least = if k.is_some() { 1.5 } else { 1.0 };
+                                assert!(per_step > least, "{name} k {k:?}: {per_step}");
                             }
                             _ => assert!(accepted > 0.0 && per_step > 1.0, "{per_step}"),
                         }
