@@ -7,6 +7,7 @@ mod serve_util;
 
 use serde_json::json;
 use serve_util::{chat_body, read_stream, ServerProc, TP};
+use std::path::Path;
 use std::time::Duration;
 
 /// SIGTERM to rank 0 (its pid is printed with the address), not to mpirun: the job ends with
@@ -22,6 +23,35 @@ fn terminate_rank0(server: &mut ServerProc) {
     assert!(ok);
     let status = server.wait(Duration::from_secs(60));
     assert_eq!(status.code(), Some(0), "{}", server.stderr());
+}
+
+/// The admin key of the reload tests' servers.
+const ADMIN_KEY: &str = "mpi-admin-key";
+
+/// `tp serve --backend mpi` of `model` under mpirun (2 processes) with an admin key and
+/// `extra` flags.
+fn admin_server_under_mpirun(model: &Path, extra: &[&str]) -> ServerProc {
+    let mpirun = tp_testkit::require_mpirun();
+    let mpirun = mpirun.to_str().expect("a UTF-8 path to mpirun");
+    let [root, oversubscribe] = tp_testkit::process::MPIRUN_FLAGS;
+    let mut flags = vec![
+        "--backend",
+        "mpi",
+        "--ctx-size",
+        "256",
+        "--admin-key",
+        ADMIN_KEY,
+    ];
+    flags.extend_from_slice(extra);
+    ServerProc::start_with(mpirun, &[root, oversubscribe, "-n", "2", TP], model, &flags)
+}
+
+/// The server's greedy completion of one prompt (12 tokens).
+fn complete(server: &ServerProc) -> String {
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0});
+    let r = server.client.post_json("/v1/completions", &body).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["choices"][0]["text"].as_str().unwrap().to_string()
 }
 
 #[test]
@@ -89,30 +119,9 @@ fn reload_under_mpirun_switches_every_rank() {
     let Some(model) = tp_testkit::smollm2() else {
         return;
     };
-    let mpirun = tp_testkit::require_mpirun();
-    let mpirun = mpirun.to_str().expect("a UTF-8 path to mpirun");
-    let [root, oversubscribe] = tp_testkit::process::MPIRUN_FLAGS;
-    let mut server = ServerProc::start_with(
-        mpirun,
-        &[root, oversubscribe, "-n", "2", TP],
-        &model,
-        &[
-            "--backend",
-            "mpi",
-            "--ctx-size",
-            "256",
-            "--admin-key",
-            "mpi-admin-key",
-        ],
-    );
-    let admin = server.client.clone().with_api_key("mpi-admin-key");
-    let body = json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0});
-    let complete = || {
-        let r = server.client.post_json("/v1/completions", &body).unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
-        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
-    };
-    let before = complete();
+    let mut server = admin_server_under_mpirun(&model, &[]);
+    let admin = server.client.clone().with_api_key(ADMIN_KEY);
+    let before = complete(&server);
     let r = admin
         .post_json(
             "/admin/reload",
@@ -121,17 +130,17 @@ fn reload_under_mpirun_switches_every_rank() {
         .unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["live"]["id"], 1, "{}", r.text());
-    assert_eq!(complete(), before);
+    assert_eq!(complete(&server), before);
     let r = admin
         .post_json("/admin/reload", &json!({"path": "/no/such/model.gguf"}))
         .unwrap();
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.text().contains("/no/such/model.gguf"), "{}", r.text());
-    assert_eq!(complete(), before);
+    assert_eq!(complete(&server), before);
     let r = admin.post("/admin/rollback", b"").unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["live"]["id"], 0, "{}", r.text());
-    assert_eq!(complete(), before);
+    assert_eq!(complete(&server), before);
     terminate_rank0(&mut server);
 }
 
@@ -145,32 +154,9 @@ fn a_drain_swap_under_mpirun_replaces_the_model_on_every_rank() {
     let Some(model) = tp_testkit::smollm2() else {
         return;
     };
-    let mpirun = tp_testkit::require_mpirun();
-    let mpirun = mpirun.to_str().expect("a UTF-8 path to mpirun");
-    let [root, oversubscribe] = tp_testkit::process::MPIRUN_FLAGS;
-    let mut server = ServerProc::start_with(
-        mpirun,
-        &[root, oversubscribe, "-n", "2", TP],
-        &model,
-        &[
-            "--backend",
-            "mpi",
-            "--ctx-size",
-            "256",
-            "--admin-key",
-            "mpi-admin-key",
-            "--swap",
-            "drain",
-        ],
-    );
-    let admin = server.client.clone().with_api_key("mpi-admin-key");
-    let body = json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0});
-    let complete = || {
-        let r = server.client.post_json("/v1/completions", &body).unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
-        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
-    };
-    let before = complete();
+    let mut server = admin_server_under_mpirun(&model, &["--swap", "drain"]);
+    let admin = server.client.clone().with_api_key(ADMIN_KEY);
+    let before = complete(&server);
     let r = admin
         .post_json(
             "/admin/reload",
@@ -180,11 +166,11 @@ fn a_drain_swap_under_mpirun_replaces_the_model_on_every_rank() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["swap"], "drain", "{}", r.text());
     assert_eq!(r.json()["live"]["id"], 1, "{}", r.text());
-    assert_eq!(complete(), before);
+    assert_eq!(complete(&server), before);
     let r = admin.post("/admin/rollback", b"").unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["live"]["id"], 2, "{}", r.text());
     assert!(r.json()["drained"].is_object(), "{}", r.text());
-    assert_eq!(complete(), before);
+    assert_eq!(complete(&server), before);
     terminate_rank0(&mut server);
 }

@@ -759,14 +759,18 @@ mod tests {
         rx.blocking_recv().expect("a reply")
     }
 
-    #[test]
-    fn failing_requests_after_a_switch_roll_back_and_models_are_dropped_when_replaced() {
-        let mut exec = Models {
+    /// Ranks that hold one scripted model, the alphabet, as model 0.
+    fn alphabet_only() -> Models {
+        Models {
             all: BTreeMap::from([(0, scripted("alphabet"))]),
             selected: 0,
             loading: None,
-        };
-        let cfg = SchedulerConfig {
+        }
+    }
+
+    /// A scheduler of 4 requests over 100 blocks, with a prefix cache.
+    fn rollout_config() -> SchedulerConfig {
+        SchedulerConfig {
             max_seqs: 4,
             kv_blocks: 100,
             max_batch_tokens: 64,
@@ -774,7 +778,13 @@ mod tests {
             prefix_sharing: true,
             prefix_cache_entries: 4,
             spec: None,
-        };
+        }
+    }
+
+    #[test]
+    fn failing_requests_after_a_switch_roll_back_and_models_are_dropped_when_replaced() {
+        let mut exec = alphabet_only();
+        let cfg = rollout_config();
         let tok = Tokenizer::bytes(&["<|endoftext|>"]);
         let load = Load::default();
         let metrics = Metrics::new();
@@ -863,20 +873,8 @@ mod tests {
 
     #[test]
     fn a_drain_swap_that_cannot_load_or_fails_its_requests_brings_the_old_model_back() {
-        let mut exec = Models {
-            all: BTreeMap::from([(0, scripted("alphabet"))]),
-            selected: 0,
-            loading: None,
-        };
-        let cfg = SchedulerConfig {
-            max_seqs: 4,
-            kv_blocks: 100,
-            max_batch_tokens: 64,
-            heartbeat: Duration::from_millis(5),
-            prefix_sharing: true,
-            prefix_cache_entries: 4,
-            spec: None,
-        };
+        let mut exec = alphabet_only();
+        let cfg = rollout_config();
         let tok = Tokenizer::bytes(&["<|endoftext|>"]);
         let load = Load::default();
         let metrics = Metrics::new();

@@ -12,10 +12,11 @@
 mod common;
 
 use common::reload::{
-    admin, ids, models, models_when, oracle, prompts, reload, with_admin, write, A, B, CTX,
+    admin, ids, models, models_when, oracle, prompts, reload, stream_greedy, with_admin, write, A,
+    B, CTX,
 };
 use common::{complete, config, metric, test_dir, with_model, write_model};
-use serde_json::{json, Value};
+use serde_json::json;
 use std::time::Duration;
 use tp_serve::client::Client;
 
@@ -40,28 +41,7 @@ fn a_switch_while_8_clients_stream_loses_no_request() {
                 .map(|p| {
                     let api = api.clone();
                     let (started, finished) = (&started, &finished);
-                    s.spawn(move || {
-                        let body = json!({"prompt": p, "max_tokens": MAX, "temperature": 0,
-                            "ignore_eos": true, "stream": true});
-                        let mut st = api.stream("/v1/completions", &body).unwrap();
-                        assert_eq!(st.status, 200);
-                        let mut text = String::new();
-                        let mut first = true;
-                        while let Some(d) = st.next_data().unwrap() {
-                            if d == "[DONE]" {
-                                break;
-                            }
-                            let v: Value = serde_json::from_str(&d).unwrap();
-                            assert!(v.get("error").is_none(), "{v}");
-                            text.push_str(v["choices"][0]["text"].as_str().unwrap_or(""));
-                            if first && !text.is_empty() {
-                                first = false;
-                                started.wait();
-                            }
-                        }
-                        finished.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                        text
-                    })
+                    s.spawn(move || stream_greedy(&api, &p, MAX, started, finished))
                 })
                 .collect();
             // Every client has its first text: all 8 run on A. Switch now.

@@ -289,13 +289,18 @@ impl Worker {
                 Err(e)
             }
         };
+        self.record_load(outcome);
+        Ok(())
+    }
+
+    /// Keeps a load's outcome for rank 0 to report; a failed one gives its memory back.
+    fn record_load(&mut self, outcome: std::result::Result<(), String>) {
         if outcome.is_err() {
             crate::session::release_free_heap();
         }
-        if rank == 0 {
+        if self.group.rank() == 0 {
             self.held.adopted = Some(outcome);
         }
-        Ok(())
     }
 
     /// The ranks that did not succeed, given whether this one did (every rank learns the same).
@@ -353,12 +358,7 @@ impl Worker {
                 Err(e)
             }
         };
-        if outcome.is_err() {
-            crate::session::release_free_heap();
-        }
-        if rank == 0 {
-            self.held.adopted = Some(outcome);
-        }
+        self.record_load(outcome);
         Ok(())
     }
 }

@@ -100,3 +100,35 @@ pub fn write(dir: &Path, name: &str, text: &str) -> String {
     std::fs::write(&p, text).unwrap();
     p.to_str().unwrap().to_string()
 }
+
+/// One client's greedy streamed completion of `prompt` (`max` tokens, end-of-sequence
+/// ignored): meets `started` once its first text arrives, counts itself `finished` at the
+/// end; no chunk may carry an error.
+pub fn stream_greedy(
+    api: &Client,
+    prompt: &str,
+    max: usize,
+    started: &std::sync::Barrier,
+    finished: &std::sync::atomic::AtomicUsize,
+) -> String {
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": max, "temperature": 0,
+        "ignore_eos": true, "stream": true});
+    let mut st = api.stream("/v1/completions", &body).unwrap();
+    assert_eq!(st.status, 200);
+    let mut text = String::new();
+    let mut first = true;
+    while let Some(d) = st.next_data().unwrap() {
+        if d == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(&d).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        text.push_str(v["choices"][0]["text"].as_str().unwrap_or(""));
+        if first && !text.is_empty() {
+            first = false;
+            started.wait();
+        }
+    }
+    finished.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    text
+}
