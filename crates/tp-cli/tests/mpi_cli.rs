@@ -178,43 +178,17 @@ fn sampling_from_candidates_under_mpirun_is_the_gathered_paths() {
         return;
     };
     let model = model.to_string_lossy().to_string();
-    let args = [
-        "generate",
-        "--model",
-        &model,
-        "--backend",
-        "mpi",
-        "--temperature",
-        "0.8",
-        "--top-k",
-        "40",
-        "--top-p",
-        "0.9",
-        "--seed",
-        "3",
-        "--max-tokens",
-        "24",
-        "--logprobs",
-        "3",
-        "The three primary colors are",
-    ];
     let run = |gather: &str| {
         let f = common::run(
             tp_testkit::mpirun(3)
                 .args(["-x", &format!("TP_GATHER_LOGITS={gather}")])
                 .arg(TP)
-                .args(args),
+                .args(["generate", "--model", &model, "--backend", "mpi"])
+                .args(common::SEEDED_SAMPLING)
+                .arg("The three primary colors are"),
             Duration::from_secs(300),
         );
-        assert_eq!(f.code, Some(0), "{}", f.output);
-        // The logprobs table: stderr without the `#` lines (timings).
-        let table: Vec<String> = f
-            .stderr
-            .lines()
-            .filter(|l| !l.starts_with('#'))
-            .map(str::to_string)
-            .collect();
-        (f.stdout, table)
+        common::text_and_logprobs(&f)
     };
     let want = run("1");
     assert!(want.0.trim().len() > 5 && want.1.len() > 10, "{want:?}");

@@ -302,44 +302,16 @@ fn sampling_from_candidates_is_the_gathered_paths_at_pp_2_tp_2() {
         return;
     };
     let model = model.to_string_lossy().to_string();
-    let args = [
-        "generate",
-        "--model",
-        &model,
-        "--pp",
-        "2",
-        "--tp",
-        "2",
-        "--temperature",
-        "0.8",
-        "--top-k",
-        "40",
-        "--top-p",
-        "0.9",
-        "--seed",
-        "3",
-        "--max-tokens",
-        "24",
-        "--logprobs",
-        "3",
-        PROMPT,
-    ];
     let run = |gather: &str| {
         let f = common::run(
             std::process::Command::new(TP)
                 .env("TP_GATHER_LOGITS", gather)
-                .args(args),
+                .args(["generate", "--model", &model, "--pp", "2", "--tp", "2"])
+                .args(common::SEEDED_SAMPLING)
+                .arg(PROMPT),
             DEADLINE,
         );
-        assert_eq!(f.code, Some(0), "{}", f.output);
-        // The logprobs table: stderr without the `#` lines (timings).
-        let table: Vec<String> = f
-            .stderr
-            .lines()
-            .filter(|l| !l.starts_with('#'))
-            .map(str::to_string)
-            .collect();
-        (f.stdout, table)
+        common::text_and_logprobs(&f)
     };
     let want = run("1");
     assert!(want.0.trim().len() > 5 && want.1.len() > 10, "{want:?}");

@@ -27,3 +27,32 @@ pub fn losses(out: &str) -> Vec<(u64, f64)> {
         .filter_map(|v| Some((v.get("step")?.as_u64()?, v.get("loss")?.as_f64()?)))
         .collect()
 }
+
+/// Seeded top-k/top-p sampling of 24 tokens with a table of 3 alternatives per token.
+pub const SEEDED_SAMPLING: [&str; 12] = [
+    "--temperature",
+    "0.8",
+    "--top-k",
+    "40",
+    "--top-p",
+    "0.9",
+    "--seed",
+    "3",
+    "--max-tokens",
+    "24",
+    "--logprobs",
+    "3",
+];
+
+/// A successful `tp generate`'s text and its log-probability table (stderr without the `#`
+/// timing lines).
+pub fn text_and_logprobs(f: &Finished) -> (String, Vec<String>) {
+    assert_eq!(f.code, Some(0), "{}", f.output);
+    let table = f
+        .stderr
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(str::to_string)
+        .collect();
+    (f.stdout.clone(), table)
+}
