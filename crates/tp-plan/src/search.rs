@@ -1,7 +1,7 @@
-//! Enumerates every (tp, pp, dp, ep, micro-batch, sequence parallel, recompute)
-//! layout, rejects the invalid ones with a reason, and ranks the rest: training
-//! by predicted step time, serving by device-seconds per token under the
-//! latency target.
+//! Enumerates every training (tp, pp, virtual stages, dp, ep, micro-batch, sequence
+//! parallel, recompute) and serving (tp, ep, pp, dp) layout, rejects the invalid ones with a
+//! reason, and ranks the rest: training by predicted step time, serving by device-seconds
+//! per token under the latency target.
 
 use crate::hardware::{AcceleratorKind, ClusterSpec};
 use crate::model::ModelSpec;
