@@ -203,6 +203,25 @@ impl<'a, 't> Fleet<'a, 't> {
         }
     }
 
+    /// A model just loaded as `id` (from `path`), with a scheduler of its own configured like
+    /// the others.
+    fn new_held(&self, id: u32, name: String, path: String) -> Held<'a, 't> {
+        let first = &self.models[0].sched;
+        Held {
+            sched: Scheduler::new(
+                first.cfg(),
+                first.tokenizer(),
+                first.load(),
+                first.metrics(),
+                id,
+            ),
+            name,
+            path: Some(path),
+            retiring: false,
+            loaded: Instant::now(),
+        }
+    }
+
     fn cfg(&self) -> &'a crate::scheduler::SchedulerConfig {
         self.models[0].sched.cfg()
     }
@@ -405,21 +424,8 @@ impl<'a, 't> Fleet<'a, 't> {
                 self.select(exec, l.id)?;
                 exec.set_block_limit(self.cfg().kv_blocks);
                 self.select(exec, live)?;
-                let first = &self.models[0].sched;
-                let sched = Scheduler::new(
-                    first.cfg(),
-                    first.tokenizer(),
-                    first.load(),
-                    first.metrics(),
-                    l.id,
-                );
-                self.models.push(Held {
-                    sched,
-                    name: l.name.clone(),
-                    path: Some(l.name.clone()),
-                    retiring: false,
-                    loaded: Instant::now(),
-                });
+                let held = self.new_held(l.id, l.name.clone(), l.name.clone());
+                self.models.push(held);
                 eprintln!(
                     "# tp serve: model {} ({}) loaded on every rank in {:.1} s; not live yet",
                     l.id,

@@ -14,8 +14,8 @@
 mod common;
 
 use common::reload::{
-    admin, api, ids, models, models_when, oracle, prompts, reload, stream_greedy, with_admin,
-    write, A, B, CTX,
+    admin, api, ids, models, models_when, oracle, prompts, reload, stream_all, with_admin, write,
+    A, B, CTX,
 };
 use common::{complete, metric, test_dir, with_model, write_model, write_nan_model};
 use serde_json::{json, Value};
@@ -58,14 +58,7 @@ fn a_drain_swap_while_8_clients_stream_fails_no_request_and_a_rollback_drains_ba
         let started = Barrier::new(9);
         let finished = AtomicUsize::new(0);
         let (streams, late, answer, running_at_drain) = std::thread::scope(|s| {
-            let clients: Vec<_> = prompts()
-                .into_iter()
-                .map(|p| {
-                    let api = api.clone();
-                    let (started, finished) = (&started, &finished);
-                    s.spawn(move || stream_greedy(&api, &p, MAX, started, finished))
-                })
-                .collect();
+            let clients = stream_all(s, &api, MAX, &started, &finished);
             // Every client has its first text: all 8 run on A. Reload now.
             started.wait();
             let adm2 = adm.clone();

@@ -12,8 +12,8 @@
 mod common;
 
 use common::reload::{
-    admin, ids, models, models_when, oracle, prompts, reload, stream_greedy, with_admin, write, A,
-    B, CTX,
+    admin, ids, models, models_when, oracle, prompts, reload, stream_all, with_admin, write, A, B,
+    CTX,
 };
 use common::{complete, config, metric, test_dir, with_model, write_model};
 use serde_json::json;
@@ -36,14 +36,7 @@ fn a_switch_while_8_clients_stream_loses_no_request() {
         let started = std::sync::Barrier::new(9);
         let finished = std::sync::atomic::AtomicUsize::new(0);
         let (texts, running_at_switch) = std::thread::scope(|s| {
-            let clients: Vec<_> = prompts()
-                .into_iter()
-                .map(|p| {
-                    let api = api.clone();
-                    let (started, finished) = (&started, &finished);
-                    s.spawn(move || stream_greedy(&api, &p, MAX, started, finished))
-                })
-                .collect();
+            let clients = stream_all(s, &api, MAX, &started, &finished);
             // Every client has its first text: all 8 run on A. Switch now.
             started.wait();
             let (status, body) = reload(

@@ -7,9 +7,9 @@
 //! live before is loaded back from its path. No model serves from the free to the switch:
 //! that downtime is reported with the swap.
 
-use super::{Fleet, Held, StepResult, Switched};
+use super::{Fleet, StepResult, Switched};
 use crate::dashboard::ModelEntry;
-use crate::scheduler::{Event, Job, Load, Scheduler};
+use crate::scheduler::{Event, Job, Load};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -320,21 +320,7 @@ impl<'a, 't> Fleet<'a, 't> {
     fn hold_only(&mut self, exec: &mut dyn StepExecutor, id: u32, name: String, path: String) {
         self.selected = id;
         exec.set_block_limit(self.cfg().kv_blocks);
-        let first = &self.models[0].sched;
-        let sched = Scheduler::new(
-            first.cfg(),
-            first.tokenizer(),
-            first.load(),
-            first.metrics(),
-            id,
-        );
-        self.models = vec![Held {
-            sched,
-            name,
-            path: Some(path),
-            retiring: false,
-            loaded: Instant::now(),
-        }];
+        self.models = vec![self.new_held(id, name, path)];
     }
 
     /// The drained candidate goes live (its canary passed, or none ran).

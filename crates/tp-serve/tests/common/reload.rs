@@ -132,3 +132,20 @@ pub fn stream_greedy(
     finished.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     text
 }
+
+/// [`stream_greedy`] of every one of [`prompts`], each on a thread of scope `s`.
+pub fn stream_all<'scope, 'env>(
+    s: &'scope std::thread::Scope<'scope, 'env>,
+    api: &Client,
+    max: usize,
+    started: &'env std::sync::Barrier,
+    finished: &'env std::sync::atomic::AtomicUsize,
+) -> Vec<std::thread::ScopedJoinHandle<'scope, String>> {
+    prompts()
+        .into_iter()
+        .map(|p| {
+            let api = api.clone();
+            s.spawn(move || stream_greedy(&api, &p, max, started, finished))
+        })
+        .collect()
+}
