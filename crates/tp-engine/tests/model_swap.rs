@@ -7,12 +7,13 @@
 //! are the fresh worker's; one that fails on the ranks leaves no model (steps refused) until
 //! a replacement succeeds.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use tp_comm::local::{self, LocalOptions};
 use tp_engine::{ChunkSpec, Command, ReloadSpec, StepExecutor, Worker};
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
-use tp_models::{open_checkpoint, Arch, LoadOptions, RankWeights, ShardedModel, SyncMode};
+use tp_models::{open_checkpoint, Arch, LoadOptions, RankWeights, SyncMode};
 
 const TP: usize = 2;
 const CTX: usize = 128;
@@ -29,27 +30,16 @@ fn write_model(dir: &Path, seed: u64) -> PathBuf {
 /// Runs `lead` on rank 0's worker of `path` at tp 2, reload enabled.
 fn on_workers<T: Send>(path: &Path, lead: impl Fn(&mut Worker) -> T + Sync) -> T {
     let ckpt = open_checkpoint(path).unwrap();
-    let out = local::run(TP, LocalOptions::default(), |g| {
-        let model = ShardedModel::load(&*ckpt, g.rank(), TP, LoadOptions::default(), CTX).unwrap();
-        let mut w = Worker::new(model, g.clone());
+    let reload = |w: &mut Worker| {
         w.enable_reload(ReloadSpec {
             weights: RankWeights::even(TP),
             load: LoadOptions::default(),
             ctx: CTX,
             sync: SyncMode::Exact,
             deadline: Duration::from_secs(30),
-        });
-        if g.rank() == 0 {
-            let out = lead(&mut w);
-            w.submit(Command::Exit).unwrap();
-            Some(out)
-        } else {
-            w.follow().unwrap();
-            None
-        }
-    })
-    .unwrap();
-    out.into_iter().next().unwrap().unwrap().unwrap()
+        })
+    };
+    common::on_set_workers(&*ckpt, TP, LoadOptions::default(), CTX, reload, lead)
 }
 
 fn forward(w: &mut Worker, slot: u32, tokens: &[u32]) -> Vec<u32> {

@@ -14,9 +14,22 @@ pub fn on_workers<T: Send>(
     ctx: usize,
     lead: impl Fn(&mut Worker) -> T + Sync,
 ) -> T {
+    on_set_workers(ckpt, tp, opts, ctx, |_| {}, lead)
+}
+
+/// [`on_workers`], every rank's worker first passed to `setup`.
+pub fn on_set_workers<T: Send>(
+    ckpt: &dyn Checkpoint,
+    tp: usize,
+    opts: LoadOptions,
+    ctx: usize,
+    setup: impl Fn(&mut Worker) + Sync,
+    lead: impl Fn(&mut Worker) -> T + Sync,
+) -> T {
     let out = local::run(tp, LocalOptions::default(), |g| {
         let model = ShardedModel::load(ckpt, g.rank(), tp, opts, ctx).unwrap();
         let mut w = Worker::new(model, Arc::clone(&g));
+        setup(&mut w);
         if g.rank() == 0 {
             let out = lead(&mut w);
             w.submit(Command::Exit).unwrap();

@@ -90,7 +90,7 @@ fn qwen3(c: BlockConfig) -> BlockConfig {
 
 /// The same block as a Gemma-3 layer: q/k norms and every Gemma departure; a local layer
 /// (`window`) or a global one with linearly scaled RoPE.
-fn gemma3(c: BlockConfig, window: Option<usize>) -> BlockConfig {
+pub(crate) fn gemma3(c: BlockConfig, window: Option<usize>) -> BlockConfig {
     BlockConfig {
         qk_norm: true,
         style: LayerStyle {

@@ -9,11 +9,10 @@
 //! rounding alone: the blocks here have RoPE tables of 5 positions, the longest document, so
 //! sequences of 8 rotated at 0..8 are refused and only each document's positions work.
 
+use crate::block::gemma3;
 use crate::support::{assert_close, dev, world};
 use candle_core::{Tensor, Var};
-use tp_nn::{
-    Activation, BlockConfig, LayerStyle, ParallelBlock, RandomTensor, Rng, RopeLayout, Segments,
-};
+use tp_nn::{BlockConfig, LayerStyle, ParallelBlock, RandomTensor, Rng, RopeLayout, Segments};
 
 fn llama(layout: RopeLayout) -> BlockConfig {
     BlockConfig {
@@ -31,20 +30,9 @@ fn llama(layout: RopeLayout) -> BlockConfig {
     }
 }
 
+/// A Gemma-3 local layer with a window of 2.
 fn gemma3_local() -> BlockConfig {
-    BlockConfig {
-        qk_norm: true,
-        style: LayerStyle {
-            activation: Activation::GeluTanh,
-            post_norms: true,
-            unit_offset_norms: true,
-            query_scale: Some(0.3),
-            window: Some(2),
-            rope_scale: 1.0,
-            experts: None,
-        },
-        ..llama(RopeLayout::RotateHalf)
-    }
+    gemma3(llama(RopeLayout::RotateHalf), Some(2))
 }
 
 /// Two sequences of 8: documents of 3 and 5 tokens; of 2 and 4 tokens then 2 of padding

@@ -6,12 +6,13 @@
 //! blocks at tp 2 and 4; the collectives pinned (no all-reduce: two all-gathers and two
 //! reduce-scatters each way).
 
+use crate::block::gemma3;
 use crate::support::{assert_close_tol, dev, world, TOL};
 use candle_core::{Tensor, Var};
 use tp_comm::OpKind;
 use tp_nn::{
-    Activation, BlockConfig, LayerStyle, ParallelBlock, Placement, RandomTensor, RecordingComm,
-    Rng, RopeLayout, SeqLayout, SeqSplit,
+    BlockConfig, LayerStyle, ParallelBlock, Placement, RandomTensor, RecordingComm, Rng,
+    RopeLayout, SeqLayout, SeqSplit,
 };
 
 fn llama() -> BlockConfig {
@@ -27,22 +28,6 @@ fn llama() -> BlockConfig {
         max_seq: 16,
         qk_norm: false,
         style: LayerStyle::LLAMA,
-    }
-}
-
-fn gemma3() -> BlockConfig {
-    BlockConfig {
-        qk_norm: true,
-        style: LayerStyle {
-            activation: Activation::GeluTanh,
-            post_norms: true,
-            unit_offset_norms: true,
-            query_scale: Some(0.3),
-            window: Some(3),
-            rope_scale: 1.0,
-            experts: None,
-        },
-        ..llama()
     }
 }
 
@@ -173,7 +158,7 @@ fn sequence_parallel_block_equals_the_replicated_block() {
             qk_norm: true,
             ..llama()
         },
-        gemma3(),
+        gemma3(llama(), Some(3)),
     ] {
         for (tp, batch, seq) in [(2, 2, 8), (4, 1, 8), (1, 2, 4)] {
             check(&c, tp, batch, seq, 7);
