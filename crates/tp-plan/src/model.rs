@@ -53,17 +53,19 @@ impl StoredWeights {
     /// report (`tp inspect`) gives. `None` when the model cannot be split `tp` ways.
     pub fn rank_bytes(&self, tp: usize, rank: usize, dense_bytes: usize) -> Option<u64> {
         let stage = tp_spec::Stage::whole(self.config.layers);
-        self.stage_rank_bytes(&stage, tp, rank, dense_bytes)
+        Some(self.stage_rank_bytes(&stage, tp, rank, dense_bytes)?.held)
     }
 
-    /// [`StoredWeights::rank_bytes`] of tensor rank `rank` of pipeline stage `stage`.
+    /// The weight bytes tensor rank `rank` of pipeline stage `stage` holds
+    /// ([`StoredWeights::rank_bytes`]'s count), and those of them a decode step reads: all
+    /// but an embedding only looked up (rows per token), not also used as the (tied) head here.
     pub fn stage_rank_bytes(
         &self,
         stage: &tp_spec::Stage,
         tp: usize,
         rank: usize,
         dense_bytes: usize,
-    ) -> Option<u64> {
+    ) -> Option<RankBytes> {
         let unit = self
             .layouts
             .get(&WeightName::Down(0))
@@ -73,29 +75,21 @@ impl StoredWeights {
         let plan = ShardPlan::new(&self.config, unit, rank, tp)
             .ok()?
             .with_stage(stage.clone());
-        let w = rank_weight_bytes(&self.config, &plan, &mut self.layout(), dense_bytes).ok()?;
-        u64::try_from(w.sharded + w.replicated).ok()
-    }
-
-    /// The bytes of [`StoredWeights::stage_rank_bytes`] a decode step reads: all but an
-    /// embedding only looked up (rows per token), not also used as the (tied) head here.
-    pub fn stage_rank_read_bytes(
-        &self,
-        stage: &tp_spec::Stage,
-        tp: usize,
-        rank: usize,
-        dense_bytes: usize,
-    ) -> Option<u64> {
-        let held = self.stage_rank_bytes(stage, tp, rank, dense_bytes)?;
+        let bytes = |w: tp_spec::WeightBytes| u64::try_from(w.sharded + w.replicated).ok();
+        let held = bytes(
+            rank_weight_bytes(&self.config, &plan, &mut self.layout::<()>(), dense_bytes).ok()?,
+        )?;
         let looked_up = stage.is_first() && !(self.config.tied_embeddings && stage.is_last());
-        if !looked_up {
-            return Some(held);
-        }
-        let plan = ShardPlan::new(&self.config, 1, rank, tp).ok()?;
-        let embed = tp_spec::embed_params(&self.config);
-        let w =
-            tp_spec::params_weight_bytes(&plan, &embed, &mut self.layout(), dense_bytes).ok()?;
-        held.checked_sub(u64::try_from(w.sharded + w.replicated).ok()?)
+        let read = if looked_up {
+            let embed = tp_spec::embed_params(&self.config);
+            let w =
+                tp_spec::params_weight_bytes(&plan, &embed, &mut self.layout::<()>(), dense_bytes)
+                    .ok()?;
+            held.checked_sub(bytes(w)?)?
+        } else {
+            held
+        };
+        Some(RankBytes { held, read })
     }
 
     /// The runtime's pipeline stages over `pp` (balanced by the bytes each streams per
@@ -104,15 +98,23 @@ impl StoredWeights {
         tp_spec::pipeline_stages::<tp_spec::ShardError>(
             &self.config,
             pp,
-            &mut |name| Ok(self.layouts.get(&name).copied().unwrap_or(Layout::Float)),
+            &mut self.layout(),
             dense_bytes,
         )
         .ok()
     }
 
-    fn layout(&self) -> impl FnMut(WeightName) -> Result<Layout, ()> + '_ {
+    /// Each weight's layout in the file (float where the file has none recorded).
+    fn layout<E>(&self) -> impl FnMut(WeightName) -> Result<Layout, E> + '_ {
         |name| Ok(self.layouts.get(&name).copied().unwrap_or(Layout::Float))
     }
+}
+
+/// One rank's weight bytes: held, and read by a decode step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankBytes {
+    pub held: u64,
+    pub read: u64,
 }
 
 impl ModelSpec {

@@ -93,12 +93,11 @@ fn stored_stages(
         .stages(pp, dense_bytes)?
         .iter()
         .map(|stage| {
-            let rank_bytes = (0..tp)
+            let ranks = (0..tp)
                 .map(|r| stored.stage_rank_bytes(stage, tp, r, dense_bytes))
-                .collect::<Option<Vec<u64>>>()?;
-            let read_bytes = (0..tp)
-                .map(|r| stored.stage_rank_read_bytes(stage, tp, r, dense_bytes))
-                .collect::<Option<Vec<u64>>>()?;
+                .collect::<Option<Vec<_>>>()?;
+            let rank_bytes = ranks.iter().map(|b| b.held).collect();
+            let read_bytes = ranks.iter().map(|b| b.read).collect();
             Some(StoredStage {
                 layers: stage.layers.len() as u64,
                 rank_bytes,

@@ -13,6 +13,7 @@ use tp_models::{
 use tp_plan::hardware::{accelerator_preset, ClusterSpec};
 use tp_plan::serving_model::{estimate_serving, ServingConfig};
 use tp_plan::workload::{Precision, ServingWorkload};
+use tp_spec::Stage;
 
 /// Every rank's weights at tp 1..4 as the runtime plans them and as the planner does.
 fn assert_plan_matches_runtime(path: &Path, what: &str) {
@@ -66,7 +67,7 @@ fn assert_plan_matches_runtime(path: &Path, what: &str) {
                         .with_stage(stage.clone());
                     let m = rank_memory(&*ckpt, &plan, ctx, 4, true, KvDtype::F32).unwrap();
                     let runtime = (m.sharded + m.replicated) as u64;
-                    let planned = stored.stage_rank_bytes(stage, tp, r, 4);
+                    let planned = stored.stage_rank_bytes(stage, tp, r, 4).map(|b| b.held);
                     assert_eq!(
                         planned,
                         Some(runtime),
@@ -119,6 +120,7 @@ fn planned_rank_bytes_equal_the_runtimes_on_real_models() {
         };
         let text = tp_plan::cli::run(&args).unwrap();
         assert!(text.contains("weights as stored in the file"), "{text}");
+        assert_embedding_is_not_read(&p);
     }
     if let Some(p) = tp_testkit::models::qwen25() {
         assert_plan_matches_runtime(&p, "Qwen2.5-Coder-0.5B Q4_K_M");
@@ -126,4 +128,32 @@ fn planned_rank_bytes_equal_the_runtimes_on_real_models() {
     if let Some(p) = tp_testkit::models::gemma3() {
         assert_plan_matches_runtime(&p, "Gemma-3-270M Q4_K_M");
     }
+}
+
+/// A decode step reads every weight a rank holds except an embedding it only looks up: at
+/// tp 1 the first of 2 stages reads its bytes less the embedding's, as stored in the file
+/// (the span of `token_embd.weight` to the next tensor, SmolLM2's sizes being multiples of
+/// the alignment); the last stage (the tied head) and the single stage read all they hold.
+fn assert_embedding_is_not_read(path: &Path) {
+    let model = tp_plan::cli::resolve_model(&path.display().to_string()).unwrap();
+    let stored = model.stored.as_ref().unwrap();
+    assert!(stored.config.tied_embeddings, "SmolLM2 ties its head");
+    let header = tp_spec::GgufHeader::read_file(path).unwrap();
+    let embed = header.tensor("token_embd.weight").unwrap();
+    let next = header
+        .tensors
+        .iter()
+        .map(|t| t.offset)
+        .filter(|&o| o > embed.offset)
+        .min()
+        .unwrap();
+    let whole = stored
+        .stage_rank_bytes(&Stage::whole(stored.config.layers), 1, 0, 4)
+        .unwrap();
+    assert_eq!(whole.read, whole.held);
+    let stages = stored.stages(2, 4).unwrap();
+    let first = stored.stage_rank_bytes(&stages[0], 1, 0, 4).unwrap();
+    assert_eq!(first.held - first.read, next - embed.offset);
+    let last = stored.stage_rank_bytes(&stages[1], 1, 0, 4).unwrap();
+    assert_eq!(last.read, last.held);
 }
