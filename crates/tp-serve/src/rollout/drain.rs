@@ -53,6 +53,22 @@ pub(super) enum Purpose {
     },
 }
 
+impl Purpose {
+    /// Tells the admin side (when it waits for an answer) that the swap failed: `why`.
+    fn refuse(self, why: String) {
+        match self {
+            Purpose::Reload { reply } => {
+                let _ = reply.send(Err(why));
+            }
+            Purpose::Rollback { reply, .. } => {
+                if let Some(reply) = reply {
+                    let _ = reply.send(Err(why));
+                }
+            }
+        }
+    }
+}
+
 /// A drain swap in progress.
 pub(super) struct Drain {
     purpose: Option<Purpose>,
@@ -129,17 +145,8 @@ impl Drain {
             load.pending.fetch_sub(1, Ordering::Relaxed);
             let _ = job.events.send(end.clone());
         }
-        let gone = "the server is shutting down".to_string();
-        match self.purpose {
-            Some(Purpose::Reload { reply }) => {
-                let _ = reply.send(Err(gone));
-            }
-            Some(Purpose::Rollback {
-                reply: Some(reply), ..
-            }) => {
-                let _ = reply.send(Err(gone));
-            }
-            _ => {}
+        if let Some(p) = self.purpose {
+            p.refuse("the server is shutting down".to_string());
         }
     }
 }
@@ -158,17 +165,7 @@ impl<'a, 't> Fleet<'a, 't> {
             .held(live)
             .and_then(|m| Some((m.name.clone(), m.path.clone()?)))
         else {
-            let no = "the live model's path is unknown, so it could not be loaded back: this server does not drain and swap in place".to_string();
-            match purpose {
-                Purpose::Reload { reply } => {
-                    let _ = reply.send(Err(no));
-                }
-                Purpose::Rollback { reply, .. } => {
-                    if let Some(reply) = reply {
-                        let _ = reply.send(Err(no));
-                    }
-                }
-            }
+            purpose.refuse("the live model's path is unknown, so it could not be loaded back: this server does not drain and swap in place".to_string());
             return;
         };
         let before_previous = match self.previous {
@@ -299,16 +296,8 @@ impl<'a, 't> Fleet<'a, 't> {
                     ),
                     Err(e) => e,
                 };
-                match purpose {
-                    Some(Purpose::Reload { reply }) => {
-                        let _ = reply.send(Err(message));
-                    }
-                    Some(Purpose::Rollback {
-                        reply: Some(reply), ..
-                    }) => {
-                        let _ = reply.send(Err(message));
-                    }
-                    _ => {}
+                if let Some(p) = purpose {
+                    p.refuse(message);
                 }
             }
         }
