@@ -4,7 +4,9 @@
 //! length) with SmolLM2's tokenizer; perplexity is tp 1's to every printed digit; `tp inspect
 //! --pp 2 --tp 2` names each rank's stage and layers; bad values are refused before anything
 //! loads; under mpirun each process holds one stage and prints the local text; `tp serve
-//! --pp 2` under 6 concurrent requests gives each the text a tp 1 server gives it alone.
+//! --pp 2` under 6 concurrent requests gives each the text a tp 1 server gives it alone, with
+//! steps in flight on both stages at once (their compute seconds add up to more than the
+//! wall time).
 
 mod common;
 use common::TP;
@@ -186,6 +188,8 @@ fn serve_at_pp_2_under_load_gives_every_request_its_lone_text() {
     alone_server.wait(Duration::from_secs(60));
     let mut server =
         serve_util::ServerProc::start_with(serve_util::TP, &[], &model, &["--pp", "2"]);
+    let before = compute_seconds(&server.client);
+    let t0 = std::time::Instant::now();
     let together: Vec<String> = std::thread::scope(|s| {
         let handles: Vec<_> = prompts
             .iter()
@@ -197,6 +201,10 @@ fn serve_at_pp_2_under_load_gives_every_request_its_lone_text() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
+    let wall = t0.elapsed().as_secs_f64();
+    // The ranks' figures are polled once a second: wait for a poll after the load.
+    std::thread::sleep(Duration::from_millis(1500));
+    let after = compute_seconds(&server.client);
     for (i, p) in prompts.iter().enumerate() {
         assert!(alone[i].len() > 5, "{p}: {:?}", alone[i]);
         assert_eq!(
@@ -209,8 +217,38 @@ fn serve_at_pp_2_under_load_gives_every_request_its_lone_text() {
         "{}",
         server.stderr()
     );
+    // Steps were in flight on both stages at once: steps launched while another was in
+    // flight, and the two stages' compute time adds up to more than the wall time (one
+    // step at a time, the stages take turns and it cannot).
+    let metrics = server.client.get("/metrics").unwrap().text();
+    let pipelined: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("tp_pipelined_steps_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0);
+    assert!(pipelined >= 5.0, "{pipelined} pipelined steps\n{metrics}");
+    let busy: f64 = after.iter().zip(&before).map(|(a, b)| a - b).sum();
+    assert!(
+        busy > 1.05 * wall,
+        "stages computed {busy:.2} s in {wall:.2} s: no overlap ({before:?} -> {after:?})"
+    );
     server.signal("TERM");
     server.wait(Duration::from_secs(60));
+}
+
+/// Each rank's compute seconds so far, as the dashboard last polled them.
+fn compute_seconds(client: &tp_serve::client::Client) -> Vec<f64> {
+    let d = client.get("/dashboard.json").unwrap().json();
+    d["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .map(|r| {
+            r["compute_seconds_total"]
+                .as_f64()
+                .expect("compute seconds")
+        })
+        .collect()
 }
 
 #[test]

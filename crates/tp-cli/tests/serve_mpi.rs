@@ -174,3 +174,49 @@ fn a_drain_swap_under_mpirun_replaces_the_model_on_every_rank() {
     assert_eq!(complete(&server), before);
     terminate_rank0(&mut server);
 }
+
+/// `tp serve --backend mpi --pp 2` under mpirun (one stage a process, commands point to
+/// point): 4 requests at once get the texts each gets alone, steps were in flight on both
+/// stages at once (`tp_pipelined_steps_total`), and SIGTERM ends the job with exit code 0.
+#[test]
+fn serve_at_pp_2_under_mpirun_keeps_both_stages_busy_and_every_text() {
+    let Some(model) = tp_testkit::smollm2() else {
+        return;
+    };
+    let mut server = admin_server_under_mpirun(&model, &["--pp", "2"]);
+    let prompts = [
+        "The capital of France is",
+        "Water boils at",
+        "def add(a, b):",
+        "Three primary colors are",
+    ];
+    let ask = |p: &str| -> String {
+        let body = json!({"prompt": p, "max_tokens": 12, "temperature": 0});
+        let r = server.client.post_json("/v1/completions", &body).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let alone: Vec<String> = prompts.iter().map(|p| ask(p)).collect();
+    let together: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let ask = &ask;
+                s.spawn(move || ask(p))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, p) in prompts.iter().enumerate() {
+        assert!(alone[i].len() > 3, "{p}: {:?}", alone[i]);
+        assert_eq!(together[i], alone[i], "{p}: differs under load at pp 2");
+    }
+    let metrics = server.client.get("/metrics").unwrap().text();
+    let pipelined: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("tp_pipelined_steps_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0);
+    assert!(pipelined >= 3.0, "{pipelined} pipelined steps");
+    terminate_rank0(&mut server);
+}

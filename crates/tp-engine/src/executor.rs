@@ -10,7 +10,7 @@ use crate::protocol::{ChunkSpec, Command};
 use crate::slots::Slots;
 use crate::swap::ModelCommand;
 use crate::worker::{RankProfile, Worker};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 use tp_models::KvPool;
 
@@ -24,6 +24,21 @@ pub trait StepExecutor {
     /// One forward step over `chunks`: each row whole or as the candidates its chunk asks
     /// for ([`ChunkSpec::need`]).
     fn forward(&mut self, chunks: Vec<ChunkSpec>) -> Result<StepLogits>;
+    /// Forward steps worth keeping in flight at once (a pipeline's stages): above 1, a loop
+    /// may [`StepExecutor::launch`] that many on disjoint slots before it lands the first.
+    fn pipeline_depth(&self) -> usize {
+        1
+    }
+    /// Begins a forward step over `chunks`; its rows come from [`StepExecutor::land`], in
+    /// launch order. Only for an executor whose [`StepExecutor::pipeline_depth`] is above 1.
+    fn launch(&mut self, chunks: Vec<ChunkSpec>) -> Result<()> {
+        let _ = chunks;
+        Err(one_at_a_time())
+    }
+    /// The rows of the oldest launched forward step.
+    fn land(&mut self) -> Result<StepLogits> {
+        Err(one_at_a_time())
+    }
     /// Open sequences and the KV blocks (of rank 0, the same on every rank).
     fn slots(&self) -> &Slots;
     /// Most KV blocks in use at once (rank 0 chooses every block, so its limit holds for all).
@@ -69,6 +84,10 @@ pub trait StepExecutor {
     }
 }
 
+fn one_at_a_time() -> EngineError {
+    EngineError::Internal("this executor runs one forward step at a time".into())
+}
+
 fn one_model() -> EngineError {
     EngineError::Internal("this executor holds one model".into())
 }
@@ -79,6 +98,15 @@ impl StepExecutor for Worker {
     }
     fn forward(&mut self, chunks: Vec<ChunkSpec>) -> Result<StepLogits> {
         Worker::forward_rows(self, chunks)
+    }
+    fn pipeline_depth(&self) -> usize {
+        Worker::pipeline_depth(self)
+    }
+    fn launch(&mut self, chunks: Vec<ChunkSpec>) -> Result<()> {
+        Worker::launch(self, chunks)
+    }
+    fn land(&mut self) -> Result<StepLogits> {
+        Worker::land(self)
     }
     fn slots(&self) -> &Slots {
         Worker::slots(self)
@@ -135,6 +163,15 @@ pub struct ScriptedExecutor {
     pub fail_forward: Option<usize>,
     /// Vocabulary shards candidate rows are merged from, as ranks would (default 1).
     pub shards: usize,
+    /// Forward steps a loop may keep in flight (default 1: none launched). Stricter than a
+    /// worker, which lands its launched steps first: a command touching a slot in flight,
+    /// or a plain forward while any is, is an error here, so a loop that relies on that
+    /// landing is caught.
+    pub depth: usize,
+    /// Launched steps: their slots and rows (computed at launch), oldest first.
+    flying: VecDeque<(Vec<u32>, StepLogits)>,
+    /// Most steps in flight at once so far.
+    pub most_in_flight: usize,
 }
 
 impl std::fmt::Debug for ScriptedExecutor {
@@ -159,6 +196,9 @@ impl ScriptedExecutor {
             forwards: 0,
             fail_forward: None,
             shards: 1,
+            depth: 1,
+            flying: VecDeque::new(),
+            most_in_flight: 0,
         }
     }
 
@@ -225,6 +265,32 @@ impl StepExecutor for ScriptedExecutor {
         self.submit_rows(Command::Forward(chunks))?
             .ok_or_else(|| EngineError::Internal("forward returned no logits".into()))
     }
+    fn pipeline_depth(&self) -> usize {
+        self.depth
+    }
+    fn launch(&mut self, chunks: Vec<ChunkSpec>) -> Result<()> {
+        if self.depth < 2 || self.flying.len() >= self.depth {
+            return Err(EngineError::Internal(format!(
+                "a launch with {} of {} forward steps in flight",
+                self.flying.len(),
+                self.depth
+            )));
+        }
+        let slots = chunks.iter().map(|c| c.slot).collect();
+        let rows = self
+            .submit_rows(Command::Launch(chunks))?
+            .ok_or_else(|| EngineError::Internal("a launch returned no logits".into()))?;
+        self.flying.push_back((slots, rows));
+        self.most_in_flight = self.most_in_flight.max(self.flying.len());
+        Ok(())
+    }
+    fn land(&mut self) -> Result<StepLogits> {
+        self.log.push(Command::Land);
+        self.flying
+            .pop_front()
+            .map(|(_, rows)| rows)
+            .ok_or_else(|| EngineError::Internal("no forward is in flight".into()))
+    }
     fn slots(&self) -> &Slots {
         &self.slots
     }
@@ -253,10 +319,30 @@ impl ScriptedExecutor {
         StepLogits::assemble(&needs, whole, cands, self.vocab)
     }
 
+    /// A command that a loop keeping steps in flight must not send yet: one touching a slot
+    /// in flight, or a plain forward while any step is.
+    fn check_flying(&self, cmd: &Command) -> Result<()> {
+        let flying = |slot: &u32| self.flying.iter().any(|(s, _)| s.contains(slot));
+        let clash = match cmd {
+            Command::Close { slot } | Command::Truncate { slot, .. } => flying(slot),
+            Command::Fork { src, dst, .. } => flying(src) || flying(dst),
+            Command::Launch(chunks) => chunks.iter().any(|c| flying(&c.slot)),
+            Command::Forward(_) => !self.flying.is_empty(),
+            _ => false,
+        };
+        if clash {
+            return Err(EngineError::Internal(format!(
+                "{cmd:?} while forward steps are in flight"
+            )));
+        }
+        Ok(())
+    }
+
     fn submit_rows(&mut self, mut cmd: Command) -> Result<Option<StepLogits>> {
+        self.check_flying(&cmd)?;
         self.slots.check(&cmd)?;
         let out = match &mut cmd {
-            Command::Forward(chunks) => {
+            Command::Forward(chunks) | Command::Launch(chunks) => {
                 self.slots.choose_blocks(chunks)?;
                 let full = self.forward(chunks)?;
                 Some(self.rows(chunks, full)?)

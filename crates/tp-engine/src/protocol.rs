@@ -66,6 +66,14 @@ pub enum Command {
     /// One batched forward pass over the chunks; whole rows are gathered on every rank, the
     /// others merged from every rank's candidates ([`crate::candidates`]).
     Forward(Vec<ChunkSpec>),
+    /// Pipelining (micro-batches in flight): the forward pass of [`Command::Forward`], begun.
+    /// Every stage but the last runs its part now (activations go on to the next stage); the
+    /// last stage takes the KV blocks and queues it for a [`Command::Land`]. Several may be
+    /// in flight, on disjoint slots, so that every stage computes at once.
+    Launch(Vec<ChunkSpec>),
+    /// The last stage runs the oldest launched forward and returns its rows; a no-op on the
+    /// other stages.
+    Land,
     /// Nothing to do: keeps followers' waits bounded while the leader waits for input.
     Idle,
     /// Reset every rank's time profile; `barriers` separates waiting from reducing.
@@ -88,6 +96,11 @@ const OP_PROFILE_START: u32 = 7;
 const OP_PROFILE_REPORT: u32 = 8;
 const OP_FORK: u32 = 9;
 const OP_MODEL: u32 = 10;
+const OP_LAUNCH: u32 = 11;
+const OP_LAND: u32 = 12;
+
+/// The tag of commands sent point to point (pipelined workers; see [`send`]).
+const COMMAND_TAG: u32 = 7;
 
 /// A chunk's flags word: bit 0 `all_logits`, bit 1 the normalizer of candidates, the bits
 /// above the candidates asked for (0 for whole rows).
@@ -112,7 +125,12 @@ impl Command {
                 len,
                 capacity,
             } => ([OP_FORK, *dst, *src, 2], vec![*len, *capacity]),
-            Command::Forward(chunks) => {
+            Command::Forward(chunks) | Command::Launch(chunks) => {
+                let op = if matches!(self, Command::Forward(_)) {
+                    OP_FORWARD
+                } else {
+                    OP_LAUNCH
+                };
                 let mut payload = Vec::new();
                 for c in chunks {
                     payload.extend([
@@ -128,11 +146,9 @@ impl Command {
                 for c in chunks {
                     payload.extend_from_slice(&c.blocks);
                 }
-                (
-                    [OP_FORWARD, chunks.len() as u32, 0, payload.len() as u32],
-                    payload,
-                )
+                ([op, chunks.len() as u32, 0, payload.len() as u32], payload)
             }
+            Command::Land => ([OP_LAND, 0, 0, 0], Vec::new()),
             Command::Idle => ([OP_IDLE, 0, 0, 0], Vec::new()),
             Command::ProfileStart { barriers } => {
                 ([OP_PROFILE_START, u32::from(*barriers), 0, 0], Vec::new())
@@ -167,54 +183,9 @@ impl Command {
                 },
                 _ => return Err(bad(format!("fork with {} payload words", payload.len()))),
             },
-            OP_FORWARD => {
-                let n = header[1] as usize;
-                if n == 0 || payload.len() < 4 * n {
-                    return Err(bad(format!(
-                        "forward with {n} chunks and a payload of {} words",
-                        payload.len()
-                    )));
-                }
-                let (specs, mut rest) = payload.split_at(4 * n);
-                let mut chunks = Vec::with_capacity(n);
-                for s in specs.chunks_exact(4) {
-                    let len = s[1] as usize;
-                    let (k, lse) = (s[2] >> 2, s[2] & 2 != 0);
-                    if len == 0
-                        || len > rest.len()
-                        || k as usize > MAX_CANDIDATES
-                        || (k == 0 && lse)
-                    {
-                        return Err(bad(format!("forward chunk {s:?} does not fit the payload")));
-                    }
-                    let (mine, tail) = rest.split_at(len);
-                    chunks.push(ChunkSpec {
-                        slot: s[0],
-                        tokens: mine.to_vec(),
-                        all_logits: s[2] & 1 == 1,
-                        need: if k == 0 {
-                            RowNeed::Full
-                        } else {
-                            RowNeed::Candidates { k, lse }
-                        },
-                        blocks: Vec::new(),
-                    });
-                    rest = tail;
-                }
-                for (c, s) in chunks.iter_mut().zip(specs.chunks_exact(4)) {
-                    let k = s[3] as usize;
-                    if k > rest.len() {
-                        return Err(bad(format!("forward chunk {s:?} does not fit the payload")));
-                    }
-                    let (mine, tail) = rest.split_at(k);
-                    c.blocks = mine.to_vec();
-                    rest = tail;
-                }
-                if !rest.is_empty() {
-                    return Err(bad(format!("{} payload words left over", rest.len())));
-                }
-                Command::Forward(chunks)
-            }
+            OP_FORWARD => Command::Forward(decode_chunks(header[1] as usize, payload, &bad)?),
+            OP_LAUNCH => Command::Launch(decode_chunks(header[1] as usize, payload, &bad)?),
+            OP_LAND => Command::Land,
             OP_IDLE => Command::Idle,
             OP_PROFILE_START => Command::ProfileStart {
                 barriers: header[1] == 1,
@@ -227,23 +198,98 @@ impl Command {
     }
 }
 
+/// The chunks of a forward's payload (`n` of them).
+fn decode_chunks(
+    n: usize,
+    payload: &[u32],
+    bad: &dyn Fn(String) -> EngineError,
+) -> Result<Vec<ChunkSpec>> {
+    if n == 0 || payload.len() < 4 * n {
+        return Err(bad(format!(
+            "forward with {n} chunks and a payload of {} words",
+            payload.len()
+        )));
+    }
+    let (specs, mut rest) = payload.split_at(4 * n);
+    let mut chunks = Vec::with_capacity(n);
+    for s in specs.chunks_exact(4) {
+        let len = s[1] as usize;
+        let (k, lse) = (s[2] >> 2, s[2] & 2 != 0);
+        if len == 0 || len > rest.len() || k as usize > MAX_CANDIDATES || (k == 0 && lse) {
+            return Err(bad(format!("forward chunk {s:?} does not fit the payload")));
+        }
+        let (mine, tail) = rest.split_at(len);
+        chunks.push(ChunkSpec {
+            slot: s[0],
+            tokens: mine.to_vec(),
+            all_logits: s[2] & 1 == 1,
+            need: if k == 0 {
+                RowNeed::Full
+            } else {
+                RowNeed::Candidates { k, lse }
+            },
+            blocks: Vec::new(),
+        });
+        rest = tail;
+    }
+    for (c, s) in chunks.iter_mut().zip(specs.chunks_exact(4)) {
+        let k = s[3] as usize;
+        if k > rest.len() {
+            return Err(bad(format!("forward chunk {s:?} does not fit the payload")));
+        }
+        let (mine, tail) = rest.split_at(k);
+        c.blocks = mine.to_vec();
+        rest = tail;
+    }
+    if !rest.is_empty() {
+        return Err(bad(format!("{} payload words left over", rest.len())));
+    }
+    Ok(chunks)
+}
+
+/// How commands travel from the leader to the followers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// One broadcast over the world: every rank takes each command at once.
+    Broadcast,
+    /// A send from rank 0 to each follower: the leader never waits for a follower to take a
+    /// command, so a follower busy with a launched forward (an earlier pipeline stage) may
+    /// lag behind while the leader goes on (the sends are buffered).
+    PointToPoint,
+}
+
 /// Leader: sends `cmd` to every follower.
-pub fn send(group: &Group, cmd: &Command) -> Result<()> {
+pub fn send(group: &Group, cmd: &Command, transport: Transport) -> Result<()> {
     if group.size() == 1 {
         return Ok(());
     }
     let (mut header, mut payload) = cmd.encode();
-    group.broadcast(&mut header, 0)?;
-    if !payload.is_empty() {
-        group.broadcast(&mut payload, 0)?;
+    match transport {
+        Transport::Broadcast => {
+            group.broadcast(&mut header, 0)?;
+            if !payload.is_empty() {
+                group.broadcast(&mut payload, 0)?;
+            }
+        }
+        Transport::PointToPoint => {
+            for rank in 1..group.size() {
+                group.send(&header, rank, COMMAND_TAG)?;
+                if !payload.is_empty() {
+                    group.send(&payload, rank, COMMAND_TAG)?;
+                }
+            }
+        }
     }
     Ok(())
 }
 
 /// Follower: the next command from the leader.
-pub fn receive(group: &Group) -> Result<Command> {
+pub fn receive(group: &Group, transport: Transport) -> Result<Command> {
     let mut header = [0u32; 4];
-    group.broadcast(&mut header, 0)?;
+    match transport {
+        Transport::Broadcast => group.broadcast(&mut header, 0)?,
+        Transport::PointToPoint => group.recv(&mut header, 0, COMMAND_TAG)?,
+    }
     let len = header[3] as usize;
     if len > MAX_PAYLOAD {
         return Err(EngineError::Protocol {
@@ -253,7 +299,10 @@ pub fn receive(group: &Group) -> Result<Command> {
     }
     let mut payload = vec![0u32; len];
     if len > 0 {
-        group.broadcast(&mut payload, 0)?;
+        match transport {
+            Transport::Broadcast => group.broadcast(&mut payload, 0)?,
+            Transport::PointToPoint => group.recv(&mut payload, 0, COMMAND_TAG)?,
+        }
     }
     Command::decode(header, &payload, group.rank())
 }
@@ -293,6 +342,8 @@ mod tests {
                     blocks: vec![],
                 },
             ]),
+            Command::Launch(vec![ChunkSpec::new(2, vec![4, 5])]),
+            Command::Land,
             Command::Idle,
             Command::ProfileStart { barriers: true },
             Command::ProfileReport,

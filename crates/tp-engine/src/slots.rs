@@ -77,7 +77,7 @@ impl Slots {
             Command::Close { slot } | Command::Truncate { slot, .. } => {
                 self.get(*slot)?;
             }
-            Command::Forward(chunks) => {
+            Command::Forward(chunks) | Command::Launch(chunks) => {
                 for (i, c) in chunks.iter().enumerate() {
                     if c.tokens.is_empty() {
                         return Err(EngineError::Internal(format!(
@@ -99,6 +99,7 @@ impl Slots {
                 }
             }
             Command::Idle
+            | Command::Land
             | Command::Exit
             | Command::ProfileStart { .. }
             | Command::ProfileReport

@@ -3,12 +3,15 @@
 //! [`Worker::submit`], choosing the blocks each forward step takes. Under pipelining
 //! ([`Worker::staged`]) the commands still go to every rank of the world, a forward runs on
 //! the rank's stage (tp collectives inside the stage, activations to the next stage), and the
-//! last stage's gathered logits go to rank 0.
+//! last stage's gathered logits go to rank 0. With several stages rank 0 may keep forwards
+//! in flight ([`Worker::launch`], [`Worker::land`]): the commands then go point to point, so
+//! an earlier stage runs the next micro-batch while the last stage still runs this one.
 
 use crate::candidates::{row_needs, StepLogits};
 use crate::error::{EngineError, Result};
-use crate::protocol::{self, ChunkSpec, Command};
+use crate::protocol::{self, ChunkSpec, Command, Transport};
 use crate::slots::Slots;
+use std::collections::VecDeque;
 use tp_comm::{CommExt, Group};
 use tp_models::{Chunk, Profile, ShardedModel};
 
@@ -32,6 +35,14 @@ pub struct Worker {
     rank_profiles: Vec<RankProfile>,
     /// Models held beside this one (a server's reload; see [`crate::swap`]).
     held: models::Held,
+    /// Broadcast, or point to point when pipelined (see [`Transport`]).
+    transport: Transport,
+    /// Forwards launched and not yet landed, oldest first: their chunks (KV blocks already
+    /// taken). Kept on the last stage's ranks only: the others ran theirs at launch.
+    in_flight: VecDeque<Vec<ChunkSpec>>,
+    /// Rank 0: rows of launched forwards landed before [`Worker::land`] asked (a command
+    /// that must not overtake them came first), oldest first.
+    landed: VecDeque<StepLogits>,
 }
 
 /// One rank's time split, in seconds.
@@ -80,11 +91,18 @@ impl Worker {
             model,
             group,
             tp,
-            pipe,
             slots,
             profile: Profile::default(),
             rank_profiles: Vec::new(),
             held: models::Held::default(),
+            transport: if pipe.is_some() {
+                Transport::PointToPoint
+            } else {
+                Transport::Broadcast
+            },
+            pipe,
+            in_flight: VecDeque::new(),
+            landed: VecDeque::new(),
         }
     }
 
@@ -128,26 +146,75 @@ impl Worker {
             .ok_or_else(|| EngineError::Internal("forward returned no logits".into()))
     }
 
+    /// Forwards worth keeping in flight at once: one per pipeline stage.
+    pub fn pipeline_depth(&self) -> usize {
+        self.model.stage().count
+    }
+
+    /// Leader only: begins a forward step over `chunks` (every stage but the last runs its
+    /// part now; see [`Command::Launch`]). Its rows come from a later [`Worker::land`], in
+    /// launch order. A command that touches a slot in flight, or must not overtake a launched
+    /// forward (another forward, a model or profile command), lands them first.
+    pub fn launch(&mut self, chunks: Vec<ChunkSpec>) -> Result<()> {
+        self.submit_rows(Command::Launch(chunks)).map(drop)
+    }
+
+    /// Leader only: the rows of the oldest launched forward.
+    pub fn land(&mut self) -> Result<StepLogits> {
+        if let Some(rows) = self.landed.pop_front() {
+            return Ok(rows);
+        }
+        if self.in_flight.is_empty() {
+            return Err(EngineError::Internal("no forward is in flight".into()));
+        }
+        self.submit_rows(Command::Land)?
+            .ok_or_else(|| EngineError::Internal("a landed forward returned no rows".into()))
+    }
+
+    /// Whether `cmd` must wait until every launched forward has landed.
+    fn waits_for_flights(&self, cmd: &Command) -> bool {
+        let flying = |slot: &u32| self.in_flight.iter().flatten().any(|c| c.slot == *slot);
+        match cmd {
+            Command::Open { .. } | Command::Idle | Command::Land => false,
+            Command::Close { slot } | Command::Truncate { slot, .. } => flying(slot),
+            Command::Fork { src, dst, .. } => flying(src) || flying(dst),
+            Command::Launch(chunks) => chunks.iter().any(|c| flying(&c.slot)),
+            Command::Forward(_)
+            | Command::ProfileStart { .. }
+            | Command::ProfileReport
+            | Command::Model(_)
+            | Command::Exit => true,
+        }
+    }
+
     fn submit_rows(&mut self, mut cmd: Command) -> Result<Option<StepLogits>> {
         if !self.is_leader() {
             return Err(EngineError::Internal("only rank 0 submits commands".into()));
+        }
+        if !self.in_flight.is_empty() && self.waits_for_flights(&cmd) {
+            while !self.in_flight.is_empty() {
+                let rows = self.submit_rows(Command::Land)?.ok_or_else(|| {
+                    EngineError::Internal("a landed forward returned no rows".into())
+                })?;
+                self.landed.push_back(rows);
+            }
         }
         self.check_held(&cmd)?;
         self.slots.check(&cmd)?;
         if let Command::Model(m) = &cmd {
             self.check_model(m)?;
         }
-        if let Command::Forward(chunks) = &mut cmd {
+        if let Command::Forward(chunks) | Command::Launch(chunks) = &mut cmd {
             self.slots.choose_blocks(chunks)?;
         }
-        protocol::send(&self.group, &cmd)?;
+        protocol::send(&self.group, &cmd, self.transport)?;
         self.execute(cmd)
     }
 
     /// Follower loop: executes the leader's commands until `Exit`.
     pub fn follow(&mut self) -> Result<()> {
         loop {
-            let cmd = protocol::receive(&self.group)?;
+            let cmd = protocol::receive(&self.group, self.transport)?;
             if cmd == Command::Exit {
                 return Ok(());
             }
@@ -168,6 +235,20 @@ impl Worker {
     fn execute(&mut self, cmd: Command) -> Result<Option<StepLogits>> {
         match cmd {
             Command::Forward(chunks) => return self.forward(chunks).map(Some),
+            Command::Launch(chunks) => self.launch_here(chunks)?,
+            Command::Land => {
+                if !self.model.stage().is_last() {
+                    return Ok(None);
+                }
+                let chunks = self
+                    .in_flight
+                    .pop_front()
+                    .ok_or_else(|| EngineError::Protocol {
+                        rank: self.group.rank(),
+                        message: "told to land a forward with none in flight".into(),
+                    })?;
+                return self.forward(chunks).map(Some);
+            }
             Command::ProfileStart { barriers } => {
                 self.profile = if barriers {
                     Profile::with_barriers()
@@ -234,6 +315,28 @@ impl Worker {
                 },
             })
             .collect())
+    }
+
+    /// This rank's part of a launch: the whole stage's part on an earlier stage; on the
+    /// last, the KV blocks rank 0 chose (taken now, so later commands see them taken) and a
+    /// place in the queue [`Command::Land`] takes from.
+    fn launch_here(&mut self, mut specs: Vec<ChunkSpec>) -> Result<()> {
+        if !self.model.stage().is_last() {
+            return self.forward(specs).map(drop);
+        }
+        let rank = self.group.rank();
+        let taken = self
+            .slots
+            .take_grown(&specs)
+            .map_err(|e| EngineError::Protocol {
+                rank,
+                message: format!("the KV blocks rank 0 chose do not fit this rank's cache: {e}"),
+            })?;
+        self.slots.put_back(taken);
+        // Taken: the landing forward finds them in place and takes no more.
+        specs.iter_mut().for_each(|c| c.blocks.clear());
+        self.in_flight.push_back(specs);
+        Ok(())
     }
 
     fn forward(&mut self, specs: Vec<ChunkSpec>) -> Result<StepLogits> {

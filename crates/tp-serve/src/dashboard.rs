@@ -52,6 +52,10 @@ pub struct RankFigures {
     pub wait_ms_per_step: f64,
     pub bytes_sent_per_step: f64,
     pub bytes_sent_total: u64,
+    /// Seconds computing (inside forward passes, less collectives and waiting for the stage
+    /// before) since the start: summed over the ranks of different stages and set against
+    /// the wall time, what pipelining overlapped.
+    pub compute_seconds_total: f64,
     /// Mixture of experts: (token, expert) rows this rank's experts computed (its share of
     /// the expert work: unequal under `--ep` when routing is unbalanced).
     pub expert_rows_total: u64,
@@ -377,6 +381,7 @@ impl Board {
             f.kv_blocks_free = view.kv_blocks_total.saturating_sub(view.kv_blocks_used);
             if let Some(p) = profiles.get(r) {
                 f.bytes_sent_total = p.sent_bytes;
+                f.compute_seconds_total = p.compute_s();
                 f.expert_rows_total = p.expert_rows;
             }
         }

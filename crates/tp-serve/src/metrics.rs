@@ -63,6 +63,8 @@ pub struct Metrics {
     pub prefix_cache_hits: Counter,
     pub prefix_cache_hit_tokens: Counter,
     pub preemptions: Counter,
+    /// Steps launched while another was still in flight (pipeline stages computing at once).
+    pub pipelined_steps: Counter,
     pub step_seconds: Histogram,
     pub step_collective_seconds: Histogram,
     pub step_rows: Histogram,
@@ -249,6 +251,10 @@ impl Metrics {
                 describe("tp_preemptions_total", "Running requests whose KV blocks were freed for older ones (recomputed later)");
                 c("tp_preemptions_total")
             },
+            pipelined_steps: {
+                describe("tp_pipelined_steps_total", "Forward steps launched while another was still in flight: with pipeline stages, the earlier stages computed this one while the last stage computed that one");
+                c("tp_pipelined_steps_total")
+            },
             step_seconds: h(
                 "tp_step_seconds",
                 "Duration of one batched forward step (all ranks, logits gathered)",
@@ -340,6 +346,7 @@ impl Metrics {
                     f.collective_ms_per_step / 1e3,
                 ),
                 ("tp_rank_wait_seconds_per_step", f.wait_ms_per_step / 1e3),
+                ("tp_rank_compute_seconds", f.compute_seconds_total),
                 ("tp_rank_bytes_sent_per_step", f.bytes_sent_per_step),
                 ("tp_rank_kv_blocks_used", f.kv_blocks_used as f64),
                 ("tp_rank_slowest", if f.slowest { 1.0 } else { 0.0 }),

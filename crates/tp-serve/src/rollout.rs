@@ -244,6 +244,11 @@ impl<'a, 't> Fleet<'a, 't> {
 
     fn select(&mut self, exec: &mut dyn StepExecutor, id: u32) -> StepResult<()> {
         if self.selected != id {
+            // Steps in flight belong to the selected model: they land on it.
+            let selected = self.selected;
+            if let Some(m) = self.held(selected) {
+                m.sched.land_all(exec)?;
+            }
             exec.select_model(id)?;
             self.selected = id;
         }

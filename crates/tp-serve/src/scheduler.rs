@@ -30,7 +30,9 @@
 //! the same one `tp generate` and `tp chat` use) is rank-0-only work.
 //!
 //! The scheduler drives a [`StepExecutor`]: rank 0's [`tp_engine::Worker`] in the server, a
-//! [`tp_engine::ScriptedExecutor`] in the unit tests below.
+//! [`tp_engine::ScriptedExecutor`] in the unit tests below. With pipeline stages it keeps one
+//! step in flight per stage, each over other requests ([`pipeline`]), so every stage computes
+//! at once.
 
 use crate::metrics::Metrics;
 use crate::spec::{rejected_positions, SeqSpec};
@@ -46,6 +48,9 @@ use tp_engine::{
 };
 use tp_models::BLOCK_POSITIONS;
 use tp_tokenizer::Tokenizer;
+
+mod pipeline;
+use pipeline::Flight;
 
 /// Limits of the scheduler.
 #[derive(Clone, Debug)]
@@ -172,12 +177,20 @@ struct Running<'t> {
     first_token: Option<Instant>,
     /// Its drafter and this step's drafts, when the server speculates.
     spec: Option<SeqSpec>,
+    /// In a launched step whose rows have not come back (pipelining): nothing may touch its
+    /// sequence until they do.
+    flying: bool,
 }
 
 impl Running<'_> {
     /// Context tokens still to prefill.
     fn prefill_left(&self) -> usize {
         self.context.len().saturating_sub(self.held.len())
+    }
+
+    /// Whether a step has something to feed it: prompt tokens or its next token.
+    fn has_work(&self) -> bool {
+        self.prefill_left() > 0 || self.decoder.next_input().is_some()
     }
 }
 
@@ -290,6 +303,8 @@ pub(crate) struct Scheduler<'a, 't> {
     steps: u64,
     /// Time in forward steps so far.
     step_time: Duration,
+    /// Steps launched and not yet landed, oldest first (pipelining; see [`pipeline`]).
+    flights: VecDeque<Flight>,
 }
 
 /// Length of the common prefix of `a` and `b`.
@@ -319,6 +334,7 @@ impl<'a, 't> Scheduler<'a, 't> {
             next_slot: 0,
             steps: 0,
             step_time: Duration::ZERO,
+            flights: VecDeque::new(),
         }
     }
 
@@ -401,7 +417,8 @@ impl<'a, 't> Scheduler<'a, 't> {
         }
         let mut i = 0;
         while i < self.running.len() {
-            if self.running[i].job.events.is_closed() {
+            // One in flight is dropped once its step has landed.
+            if self.running[i].job.events.is_closed() && !self.running[i].flying {
                 let r = self.running.remove(i);
                 self.metrics.cancelled.increment(1);
                 exec.submit(Command::Close { slot: r.slot })?;
@@ -433,7 +450,12 @@ impl<'a, 't> Scheduler<'a, 't> {
         if !self.cfg.prefix_sharing {
             return None;
         }
-        let running = self.running.iter().map(|r| (r.slot, r.held.as_slice()));
+        // A sequence in flight is written now: fork it once its step has landed.
+        let running = self
+            .running
+            .iter()
+            .filter(|r| !r.flying)
+            .map(|r| (r.slot, r.held.as_slice()));
         let cached = self.cached.iter().map(|c| (c.slot, c.tokens.as_slice()));
         running
             .chain(cached)
@@ -580,6 +602,7 @@ impl<'a, 't> Scheduler<'a, 't> {
                     resumed: false,
                     decoder,
                     first_token: None,
+                    flying: false,
                 }
             }
         };
@@ -623,13 +646,15 @@ impl<'a, 't> Scheduler<'a, 't> {
         m.kv_cache_bytes.set(pool.bytes() as f64);
     }
 
-    /// This step's chunks: a decode token for every running request that has one, then
-    /// prefill chunks in admission order within the per-step token cap.
-    fn plan(&self) -> Plan {
+    /// This step's chunks for the running requests in `chosen` (slots): a decode token for
+    /// every one that has one, then prefill chunks in admission order within the per-step
+    /// token cap.
+    fn plan(&self, chosen: &[u32]) -> Plan {
         let mut chunks: Vec<ChunkSpec> = Vec::with_capacity(self.running.len());
         let mut rows = Vec::with_capacity(self.running.len());
+        let mine = |r: &Running<'_>| chosen.contains(&r.slot);
         for (i, r) in self.running.iter().enumerate() {
-            if r.prefill_left() > 0 {
+            if r.prefill_left() > 0 || !mine(r) {
                 continue;
             }
             if let Some(t) = r.decoder.next_input() {
@@ -649,7 +674,7 @@ impl<'a, 't> Scheduler<'a, 't> {
             .max(1);
         for (i, r) in self.running.iter().enumerate() {
             let left = r.prefill_left();
-            if left == 0 || budget == 0 {
+            if left == 0 || budget == 0 || !mine(r) {
                 continue;
             }
             let n = left.min(budget);
@@ -669,12 +694,17 @@ impl<'a, 't> Scheduler<'a, 't> {
         (chunks, rows)
     }
 
-    /// Frees blocks until this step's chunks fit: the prefix cache first, then the newest
-    /// running request is preempted. Returns the chunks that fit (empty when the only running
-    /// request filled the whole budget and was finished).
-    fn plan_within_budget(&mut self, exec: &mut dyn StepExecutor) -> StepResult<Plan> {
+    /// Frees blocks until this step's chunks (for the requests in `chosen`) fit: the prefix
+    /// cache first, then drafts, then the steps in flight land, then the newest running
+    /// request is preempted. Returns the chunks that fit (empty when the only running request
+    /// filled the whole budget and was finished).
+    fn plan_within_budget(
+        &mut self,
+        exec: &mut dyn StepExecutor,
+        chosen: &[u32],
+    ) -> StepResult<Plan> {
         loop {
-            let (chunks, rows) = self.plan();
+            let (chunks, rows) = self.plan(chosen);
             let need: usize = exec.slots().blocks_needed_for(&chunks).iter().sum();
             if need <= exec.slots().pool().free_blocks() {
                 return Ok((chunks, rows));
@@ -683,6 +713,11 @@ impl<'a, 't> Scheduler<'a, 't> {
                 continue;
             }
             if self.drop_drafts() {
+                continue;
+            }
+            if !self.flights.is_empty() {
+                // Requests in flight cannot be preempted: let them land first.
+                self.land_all(exec)?;
                 continue;
             }
             if self.running.len() > 1 {
@@ -711,6 +746,7 @@ impl<'a, 't> Scheduler<'a, 't> {
             .running
             .iter()
             .enumerate()
+            .filter(|(_, r)| !r.flying)
             .max_by_key(|(_, r)| (r.job.arrived, r.slot))
             .map(|(i, _)| i)
         else {
@@ -737,24 +773,34 @@ impl<'a, 't> Scheduler<'a, 't> {
     /// sequence's room, the tokens it still wants and the step's token cap left over after
     /// the decode tokens and the prefill chunks (prompts go first: drafts are optional). A
     /// request whose drafter fails fails. No request drafts in a step where more requests
-    /// decode than the speculation's `max_batch`.
-    fn draft_all(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
+    /// decode than the speculation's `max_batch`. Only the requests in `chosen` (slots) draft:
+    /// the others are not in this step.
+    fn draft_all(&mut self, exec: &mut dyn StepExecutor, chosen: &[u32]) -> StepResult<()> {
         let Some(max_batch) = self.cfg.spec.as_ref().map(|s| s.max_batch) else {
             return Ok(());
         };
+        let mine = |r: &Running<'_>| chosen.contains(&r.slot);
         let decoding = self
             .running
             .iter()
-            .filter(|r| r.prefill_left() == 0 && r.decoder.next_input().is_some())
+            .filter(|r| mine(r) && r.prefill_left() == 0 && r.decoder.next_input().is_some())
             .count();
         if max_batch.is_some_and(|m| decoding > m) {
             self.drop_drafts();
             return Ok(());
         }
-        let prefill: usize = self.running.iter().map(Running::prefill_left).sum();
+        let prefill: usize = self
+            .running
+            .iter()
+            .filter(|r| mine(r))
+            .map(Running::prefill_left)
+            .sum();
         let mut budget = self.cfg.max_batch_tokens.saturating_sub(decoding + prefill);
         let mut failed = Vec::new();
         for (i, r) in self.running.iter_mut().enumerate() {
+            if !chosen.contains(&r.slot) {
+                continue;
+            }
             let decodes = r.prefill_left() == 0 && r.decoder.next_input().is_some();
             let Some(spec) = r.spec.as_mut() else {
                 continue;
@@ -788,45 +834,86 @@ impl<'a, 't> Scheduler<'a, 't> {
         Ok(())
     }
 
-    /// Drops every request's drafts for this step (their blocks do not fit); false when
-    /// there were none.
+    /// Drops every request's drafts for this step (their blocks do not fit; those of requests
+    /// in flight are sent already); false when there were none.
     fn drop_drafts(&mut self) -> bool {
         let mut any = false;
-        for s in self.running.iter_mut().filter_map(|r| r.spec.as_mut()) {
+        let idle = self.running.iter_mut().filter(|r| !r.flying);
+        for s in idle.filter_map(|r| r.spec.as_mut()) {
             any |= !s.drafts.is_empty();
             s.drafts.clear();
         }
         any
     }
 
-    /// One batched forward and what its rows give.
+    /// One batched forward and what its rows give; with pipeline stages, one launch and (when
+    /// every stage is busy or nothing else can start) one landing ([`pipeline`]).
     fn step(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
-        self.draft_all(exec)?;
-        if self.running.is_empty() {
-            return Ok(());
+        let depth = exec.pipeline_depth().max(1);
+        if depth > 1 {
+            return self.pump(exec, depth);
         }
-        let (chunks, rows) = self.plan_within_budget(exec)?;
-        if chunks.is_empty() {
+        let all: Vec<u32> = self.running.iter().map(|r| r.slot).collect();
+        let Some((chunks, flight)) = self.prepare(exec, &all)? else {
             return Ok(());
+        };
+        let logits = exec.forward(chunks)?;
+        self.sample(exec, flight, logits)
+    }
+
+    /// Drafts for the requests in `chosen` (slots), plans their step within the KV budget and
+    /// returns its chunks with what its rows belong to; `None` when nothing is left to run.
+    fn prepare(
+        &mut self,
+        exec: &mut dyn StepExecutor,
+        chosen: &[u32],
+    ) -> StepResult<Option<(Vec<ChunkSpec>, Flight)>> {
+        self.draft_all(exec, chosen)?;
+        if self.running.is_empty() {
+            return Ok(None);
+        }
+        let (chunks, rows) = self.plan_within_budget(exec, chosen)?;
+        if chunks.is_empty() {
+            return Ok(None);
         }
         self.steps += 1;
-        let fed: Vec<Vec<u32>> = chunks.iter().map(|c| c.tokens.clone()).collect();
-        // Rows of logits each chunk returns: every token's for a verification, else one.
-        let chunk_rows: Vec<usize> = chunks
-            .iter()
-            .map(tp_engine::candidates::chunk_rows)
-            .collect();
-        let comm_before = exec.comm_time();
-        let t0 = Instant::now();
-        let n_rows: usize = chunk_rows.iter().sum();
-        let logits = exec.forward(chunks)?;
-        let took = t0.elapsed();
+        let flight = Flight {
+            rows: rows
+                .iter()
+                .map(|&(i, sample)| {
+                    let r = &self.running[i];
+                    let drafts = r.spec.as_ref().map_or(Vec::new(), |s| s.drafts.clone());
+                    (r.slot, sample, drafts)
+                })
+                .collect(),
+            fed: chunks.iter().map(|c| c.tokens.clone()).collect(),
+            // Rows of logits each chunk returns: every token's for a verification, else one.
+            chunk_rows: chunks
+                .iter()
+                .map(tp_engine::candidates::chunk_rows)
+                .collect(),
+            t0: Instant::now(),
+            comm_before: exec.comm_time(),
+        };
+        Ok(Some((chunks, flight)))
+    }
+
+    /// What a step's rows give: each request's tokens sampled and streamed, rejected drafts
+    /// dropped from the caches, finished requests ended.
+    fn sample(
+        &mut self,
+        exec: &mut dyn StepExecutor,
+        f: Flight,
+        logits: StepLogits,
+    ) -> StepResult<()> {
+        let took = f.t0.elapsed();
         self.step_time += took;
         self.metrics.step_seconds.record(took.as_secs_f64());
         self.metrics
             .step_collective_seconds
-            .record(exec.comm_time().saturating_sub(comm_before).as_secs_f64());
-        self.metrics.step_rows.record(chunk_rows.len() as f64);
+            .record(exec.comm_time().saturating_sub(f.comm_before).as_secs_f64());
+        self.metrics.step_rows.record(f.chunk_rows.len() as f64);
+        let n_rows: usize = f.chunk_rows.iter().sum();
         if logits.len() != n_rows {
             return Err(Box::new(EngineError::Internal(format!(
                 "{} rows of logits for {n_rows} rows",
@@ -834,13 +921,17 @@ impl<'a, 't> Scheduler<'a, 't> {
             ))));
         }
         let mut generated = 0;
-        let mut ended: Vec<(usize, Outcome)> = Vec::new();
+        let mut ended: Vec<(u32, Outcome)> = Vec::new();
         let mut truncate = Vec::new();
         let mut row = 0;
-        for ((&(i, sample), tokens), n) in rows.iter().zip(fed).zip(chunk_rows) {
+        for (((slot, sample, drafts), tokens), n) in f.rows.into_iter().zip(f.fed).zip(f.chunk_rows)
+        {
             let first = row;
             row += n;
-            let r = &mut self.running[i];
+            let Some(r) = self.running.iter_mut().find(|r| r.slot == slot) else {
+                continue;
+            };
+            r.flying = false;
             if r.prefill_left() > 0 && !r.resumed {
                 self.metrics.prompt_tokens.increment(tokens.len() as u64);
             }
@@ -851,7 +942,6 @@ impl<'a, 't> Scheduler<'a, 't> {
             if !sample {
                 continue;
             }
-            let drafts = r.spec.as_ref().map_or(Vec::new(), |s| s.drafts.clone());
             let (outcome, used, accepted) = r.advance(&logits, first..row, &drafts);
             generated += used;
             if let Some(dropped) = rejected_positions(drafts.len(), used) {
@@ -867,7 +957,7 @@ impl<'a, 't> Scheduler<'a, 't> {
             if let Outcome::Continue = outcome {
                 continue;
             }
-            ended.push((i, outcome));
+            ended.push((slot, outcome));
         }
         self.metrics.board.generated(generated as u64);
         // The rejected drafts' positions leave the caches before anything else runs.
@@ -877,9 +967,13 @@ impl<'a, 't> Scheduler<'a, 't> {
                 len: len as u32,
             })?;
         }
-        // Highest index first so removing keeps the others' indices and admission order.
-        ended.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
-        for (i, outcome) in ended {
+        // Latest admitted first, as the prefix cache takes them.
+        let at = |slot: u32| self.running.iter().position(|r| r.slot == slot);
+        ended.sort_by_key(|(slot, _)| std::cmp::Reverse(at(*slot)));
+        for (slot, outcome) in ended {
+            let Some(i) = self.running.iter().position(|r| r.slot == slot) else {
+                continue;
+            };
             let mut r = self.running.remove(i);
             match outcome {
                 Outcome::Finished(done) => {
@@ -926,6 +1020,12 @@ impl<'a, 't> Scheduler<'a, 't> {
 
     /// Tells every request still held that it ends now, and closes what can be closed.
     pub(crate) fn abandon_all(&mut self, exec: &mut dyn StepExecutor, end: &Event) {
+        // Steps in flight land first (their rows unused), so the ranks agree on every slot.
+        while self.flights.pop_front().is_some() {
+            if exec.land().is_err() {
+                self.flights.clear();
+            }
+        }
         for q in self.waiting.drain(..) {
             if let Queued::New(_) = q {
                 self.load.pending.fetch_sub(1, Ordering::Relaxed);
@@ -1269,17 +1369,21 @@ pub(crate) mod tests {
         // requests are preempted and recomputed, some again before their recompute ended.
         // Both models: the alphabet (each token follows the last) and the positional one (each
         // token names its position: a recompute that lost positions changes the text).
+        // With 2 and 3 steps in flight (pipeline stages) too.
         for model in [|| alphabet(true), positional] {
             for batch in [64, 16, 8] {
-                preempted_requests_complete(model, batch);
+                for depth in [1, 2, 3] {
+                    preempted_requests_complete(model, batch, depth);
+                }
             }
         }
     }
 
-    fn preempted_requests_complete(model: fn() -> ScriptedExecutor, batch: usize) {
+    fn preempted_requests_complete(model: fn() -> ScriptedExecutor, batch: usize, depth: usize) {
         let prompts = mixed_prompts();
         let want = alone_on(&prompts, model);
         let mut exec = model();
+        exec.depth = depth;
         let metrics = Metrics::new();
         let mut jobs = Vec::new();
         let mut rxs = Vec::new();
@@ -1296,9 +1400,10 @@ pub(crate) mod tests {
             assert_eq!(
                 done_text(g),
                 done_text(w),
-                "request {i}, {batch} tokens a step"
+                "request {i}, {batch} tokens a step, {depth} in flight"
             );
         }
+        assert_eq!(exec.most_in_flight, if depth > 1 { depth } else { 0 });
         assert!(metric(&metrics, "tp_preemptions_total") > 0.0);
         assert_eq!(metric(&metrics, "tp_kv_blocks_used"), 0.0);
         assert!(exec.open_slots().is_empty(), "{:?}", exec.open_slots());
@@ -1329,6 +1434,41 @@ pub(crate) mod tests {
                 assert!(message.contains("64 positions"), "{message}");
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn steps_in_flight_over_pipeline_stages_give_every_request_its_lone_text() {
+        // 8 requests on 2 and 3 stages with room for all: a launch takes an even share of
+        // the requests not in flight, so every stage has a step; each request still gets the
+        // text it gets alone (the executor refuses any command touching a slot in flight).
+        let prompts: Vec<(String, usize)> = mixed_prompts().into_iter().take(8).collect();
+        for model in [|| alphabet(true), positional] {
+            let want = alone_on(&prompts, model);
+            for depth in [2, 3] {
+                let mut exec = model();
+                exec.depth = depth;
+                let metrics = Metrics::new();
+                let mut c = cfg(1000, 64);
+                c.max_seqs = 8;
+                let (jobs, mut rxs): (Vec<_>, Vec<_>) = prompts
+                    .iter()
+                    .map(|(p, max)| job(p, DecodeParams::greedy(*max)))
+                    .unzip();
+                let (got, result) = with_metrics(&mut exec, &c, jobs, &metrics, |_| {
+                    rxs.iter_mut().map(collect).collect::<Vec<_>>()
+                });
+                result.unwrap();
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(done_text(g), done_text(w), "request {i}, {depth} stages");
+                }
+                assert_eq!(exec.most_in_flight, depth, "{depth} stages");
+                let pipelined = metric(&metrics, "tp_pipelined_steps_total");
+                let steps = exec.log.iter().filter(|c| matches!(c, Command::Launch(_)));
+                // Every launch but those that found the stages idle overlapped another.
+                assert!(pipelined > 0.5 * steps.count() as f64, "{pipelined}");
+                assert!(exec.open_slots().is_empty(), "{:?}", exec.open_slots());
+            }
         }
     }
 
