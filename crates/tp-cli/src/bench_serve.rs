@@ -61,6 +61,11 @@ pub struct BenchServeArgs {
     /// Print one JSON object per (tp, concurrency) on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Measure the server listening at this address (HOST:PORT), started elsewhere (e.g.
+    /// `tp serve --backend mpi` under mpirun across hosts), instead of starting one at each
+    /// of --tps: its model, layout, prefix cache and speculation are its own.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub url: Option<SocketAddr>,
     /// Speculative decoding in the servers; with a drafter each server also runs without
     /// it (the baseline).
     #[command(flatten)]
@@ -106,9 +111,8 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
         bail!("--kv-contexts must be at least 1");
     }
     if args.model.backend != tp_engine::launch::Backend::Local {
-        bail!("tp bench serve starts its servers with the local backend; drop --backend");
+        bail!("tp bench serve starts its servers with the local backend; drop --backend (or measure a server started under mpirun with --url)");
     }
-    let model = args.model.model_path()?;
     let max_c = args.concurrency.iter().copied().max().unwrap_or(1);
     // Words of the prompts are about a token each; the margin covers the tokenizer's
     // rounding.
@@ -132,7 +136,13 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
         workload: w,
         rounds: args.rounds,
         kv_contexts: args.kv_contexts,
+        pp: if args.url.is_some() { 1 } else { args.model.pp },
+        server: args.url.map(|a| a.to_string()),
     };
+    if let Some(addr) = args.url {
+        return measure_elsewhere(args, addr, &shape);
+    }
+    let model = args.model.model_path()?;
     let spec_label = match args.spec.check()? {
         Drafting::Off => None,
         Drafting::Method(..) => Some("ngram".to_string()),
@@ -186,18 +196,55 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
                         .then(|| (after.1 - before.1) / drafted),
                 };
                 if args.json {
-                    println!("{}", level_json(tp, &run, &shape));
+                    println!("{}", level_json(Some(tp), &run, &shape));
                 } else {
-                    eprintln!("{}", level_line(tp, &run));
+                    eprintln!("{}", level_line(Some(tp), shape.pp, &run));
                 }
                 runs.push(run);
             }
             server.stop()?;
         }
-        all.push((tp, runs));
+        all.push((Some(tp), runs));
     }
     if !args.json {
         print!("{}", table(&all, &shape, &tp_kernels::kernel_report()));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The levels of a server started elsewhere, at `addr`.
+fn measure_elsewhere(
+    args: &BenchServeArgs,
+    addr: SocketAddr,
+    shape: &BenchShape,
+) -> anyhow::Result<ExitCode> {
+    let client = Client::new(addr);
+    let w = &shape.workload;
+    one_request(&client, 0, w, 4)
+        .with_context(|| format!("warm-up request to the server at {addr}"))?;
+    let variant = Variant {
+        prefix_cache: true,
+        spec: None,
+    };
+    let mut runs = Vec::new();
+    for &c in &args.concurrency {
+        let level = drive(&client, c, (args.rounds * c).max(8), w)
+            .with_context(|| format!("the server at {addr}, concurrency {c}"))?;
+        let run = Run {
+            variant: variant.clone(),
+            level,
+            acceptance: None,
+        };
+        if args.json {
+            println!("{}", level_json(None, &run, shape));
+        } else {
+            eprintln!("{}", level_line(None, 1, &run));
+        }
+        runs.push(run);
+    }
+    if !args.json {
+        let all = [(None, runs)];
+        print!("{}", table(&all, shape, &tp_kernels::kernel_report()));
     }
     Ok(ExitCode::SUCCESS)
 }

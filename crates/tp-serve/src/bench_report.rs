@@ -7,13 +7,18 @@ use crate::load::{percentile, Level, Prompts, Workload};
 use serde_json::json;
 
 /// What was measured: the workload, the requests per level and the KV budget.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct BenchShape {
     pub workload: Workload,
     /// Requests per level are `rounds x concurrency` (at least 8).
     pub rounds: usize,
     /// The KV budget in full contexts per rank (`None`: the default budget).
     pub kv_contexts: Option<usize>,
+    /// Pipeline stages of each server (each of a row's tp ranks); 1 without pipelining.
+    pub pp: usize,
+    /// A server started elsewhere (its address) that every row measured, instead of servers
+    /// started at each tp.
+    pub server: Option<String>,
 }
 
 /// How a server of the bench was set up beside its tp.
@@ -33,8 +38,9 @@ pub struct Run {
     pub acceptance: Option<f64>,
 }
 
-/// The levels of one tp's servers: `(tp, runs)`.
-pub type Measured = (usize, Vec<Run>);
+/// The levels of one tp's servers: `(tp, runs)`; the tp is `None` for a server started
+/// elsewhere ([`BenchShape::server`]).
+pub type Measured = (Option<usize>, Vec<Run>);
 
 fn on_off(on: bool) -> &'static str {
     if on {
@@ -45,10 +51,12 @@ fn on_off(on: bool) -> &'static str {
 }
 
 /// One level as a JSON line (times in ms).
-pub fn level_json(tp: usize, r: &Run, shape: &BenchShape) -> String {
+pub fn level_json(tp: Option<usize>, r: &Run, shape: &BenchShape) -> String {
     let (w, l) = (&shape.workload, &r.level);
     json!({
         "tp": tp,
+        "pp": tp.map(|_| shape.pp),
+        "server": shape.server,
         "prefix_cache": r.variant.prefix_cache,
         "spec": r.variant.spec,
         "spec_acceptance": r.acceptance,
@@ -69,9 +77,14 @@ pub fn level_json(tp: usize, r: &Run, shape: &BenchShape) -> String {
 }
 
 /// The progress line of one level.
-pub fn level_line(tp: usize, r: &Run) -> String {
+pub fn level_line(tp: Option<usize>, pp: usize, r: &Run) -> String {
+    let layout = match tp {
+        None => "the server".to_string(),
+        Some(tp) if pp > 1 => format!("pp {pp} x tp {tp}"),
+        Some(tp) => format!("tp {tp}"),
+    };
     format!(
-        "# tp {tp} prefix cache {} speculation {} concurrency {}: {:.1} tok/s",
+        "# {layout} prefix cache {} speculation {} concurrency {}: {:.1} tok/s",
         on_off(r.variant.prefix_cache),
         r.variant.spec.as_deref().unwrap_or("off"),
         r.level.concurrency,
@@ -111,6 +124,19 @@ pub fn table(all: &[Measured], shape: &BenchShape, cpu: &str) -> String {
     if let Some(k) = shape.kv_contexts {
         let _ = writeln!(out, "# KV budget: {k} full contexts per rank");
     }
+    if shape.pp > 1 {
+        let _ = writeln!(
+            out,
+            "# pipeline: {} stages of each row's tp ranks (pp x tp ranks in all)",
+            shape.pp
+        );
+    }
+    if let Some(addr) = &shape.server {
+        let _ = writeln!(
+            out,
+            "# the server at {addr}, started elsewhere (its layout and settings are its own; prefix and spec say what was asked of it)"
+        );
+    }
     let spec = all
         .iter()
         .flat_map(|(_, r)| r)
@@ -145,7 +171,7 @@ pub fn table(all: &[Measured], shape: &BenchShape, cpu: &str) -> String {
             let _ = write!(
                 out,
                 "{:>3}  {:>6}  {:>8}  {:>5}  {:>8}  {:>12.1}  {:>13.1}  {:>13.1}  {:>13.2}  {:>13.2}  {:>8}",
-                tp,
+                tp.map_or("-".to_string(), |t| t.to_string()),
                 on_off(v.prefix_cache),
                 v.spec.as_deref().unwrap_or("off"),
                 l.concurrency,
@@ -212,6 +238,8 @@ mod tests {
             },
             rounds: 4,
             kv_contexts: Some(2),
+            pp: 1,
+            server: None,
         };
         let run = |spec: Option<&str>, l: Level, acceptance: Option<f64>| Run {
             variant: Variant {
@@ -222,7 +250,7 @@ mod tests {
             acceptance,
         };
         let all = vec![(
-            2,
+            Some(2),
             vec![
                 run(None, level(1, 100), None),
                 run(None, level(4, 250), None),
@@ -234,13 +262,13 @@ mod tests {
         assert!(t.contains("2.50x") && t.contains("1.00x"), "{t}");
         assert!(!t.contains("vs no spec"), "{t}");
         let j: serde_json::Value =
-            serde_json::from_str(&level_json(2, &all[0].1[1], &shape)).unwrap();
+            serde_json::from_str(&level_json(Some(2), &all[0].1[1], &shape)).unwrap();
         assert_eq!(j["concurrency"], 4);
         assert_eq!(j["kv_contexts"], 2);
         assert_eq!(j["spec"], serde_json::Value::Null);
         // With a drafter: each speculating level against the same level without it.
         let all = vec![(
-            1,
+            Some(1),
             vec![
                 run(None, level(1, 100), None),
                 run(None, level(4, 200), None),
@@ -257,10 +285,41 @@ mod tests {
             "{t}"
         );
         let j: serde_json::Value =
-            serde_json::from_str(&level_json(1, &all[0].1[3], &shape)).unwrap();
+            serde_json::from_str(&level_json(Some(1), &all[0].1[3], &shape)).unwrap();
         assert_eq!(
             (j["spec"].as_str(), j["spec_acceptance"].as_f64()),
             (Some("ngram"), Some(0.25))
+        );
+        // Pipelined servers, and a server started elsewhere.
+        let piped = BenchShape {
+            pp: 2,
+            ..shape.clone()
+        };
+        let t = table(&all, &piped, "test cpu");
+        assert!(
+            t.contains("# pipeline: 2 stages of each row's tp ranks"),
+            "{t}"
+        );
+        assert!(level_line(Some(1), 2, &all[0].1[0]).starts_with("# pp 2 x tp 1 prefix"));
+        let elsewhere = BenchShape {
+            server: Some("10.0.0.1:8080".into()),
+            ..shape.clone()
+        };
+        let all = vec![(None, vec![run(None, level(1, 100), None)])];
+        let t = table(&all, &elsewhere, "test cpu");
+        assert!(
+            t.contains("# the server at 10.0.0.1:8080, started elsewhere"),
+            "{t}"
+        );
+        assert!(
+            t.lines().last().unwrap().trim_start().starts_with("-  "),
+            "{t}"
+        );
+        let j: serde_json::Value =
+            serde_json::from_str(&level_json(None, &all[0].1[0], &elsewhere)).unwrap();
+        assert_eq!(
+            (j["tp"].clone(), j["server"].as_str()),
+            (serde_json::Value::Null, Some("10.0.0.1:8080"))
         );
     }
 }
