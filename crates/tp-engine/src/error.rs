@@ -38,8 +38,40 @@ pub enum EngineError {
         #[source]
         source: tp_tokenizer::TokenizerError,
     },
+    /// A collective failed because a rank of a pipeline stage left or stalled: names the
+    /// stage, that rank and its host; the collective's own error follows as the cause.
+    #[error("pipeline stage {stage} of {stages} (rank {rank} on {host}) is lost or not answering")]
+    Stage {
+        stage: usize,
+        stages: usize,
+        rank: usize,
+        host: String,
+        #[source]
+        source: Box<EngineError>,
+    },
     #[error("{0}")]
     Internal(String),
+}
+
+impl EngineError {
+    /// The world rank a failed collective names as gone, or as the first it still waits
+    /// for; `None` for other errors.
+    pub fn culprit(&self) -> Option<usize> {
+        use tp_comm::CommError as C;
+        let comm = match self {
+            EngineError::Comm(c) => c,
+            EngineError::Model(m) => match &**m {
+                tp_models::ModelError::Comm(c) => c,
+                _ => return None,
+            },
+            _ => return None,
+        };
+        match &**comm {
+            C::PeerLost { lost_rank, .. } => Some(*lost_rank),
+            C::Timeout { missing, .. } => missing.first().copied(),
+            _ => None,
+        }
+    }
 }
 
 impl From<tp_models::ModelError> for EngineError {

@@ -207,12 +207,36 @@ impl Worker {
         if let Command::Forward(chunks) | Command::Launch(chunks) = &mut cmd {
             self.slots.choose_blocks(chunks)?;
         }
-        protocol::send(&self.group, &cmd, self.transport)?;
-        self.execute(cmd)
+        protocol::send(&self.group, &cmd, self.transport)
+            .and_then(|()| self.execute(cmd))
+            .map_err(|e| self.name_stage(e))
+    }
+
+    /// Under pipelining, a collective's failure that names a rank (gone, or not answering)
+    /// says which stage that rank holds, and its host.
+    fn name_stage(&self, e: EngineError) -> EngineError {
+        let stages = self.model.stage().count;
+        match e.culprit() {
+            Some(rank) if self.pipe.is_some() && rank < self.group.size() => {
+                let (stage, _) = tp_spec::stage_of_rank(rank, self.tp.size(), stages);
+                EngineError::Stage {
+                    stage,
+                    stages,
+                    rank,
+                    host: tp_comm::launch::host_of(rank),
+                    source: Box::new(e),
+                }
+            }
+            _ => e,
+        }
     }
 
     /// Follower loop: executes the leader's commands until `Exit`.
     pub fn follow(&mut self) -> Result<()> {
+        self.follow_commands().map_err(|e| self.name_stage(e))
+    }
+
+    fn follow_commands(&mut self) -> Result<()> {
         loop {
             let cmd = protocol::receive(&self.group, self.transport)?;
             if cmd == Command::Exit {
