@@ -347,6 +347,7 @@ impl InProcessServer {
             admin_key: None,
             spec: None,
             swap: Default::default(),
+            unhealthy_linger: Duration::ZERO,
         };
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()

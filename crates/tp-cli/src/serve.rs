@@ -139,6 +139,11 @@ pub struct ServeArgs {
     /// then end with an error event and `[DONE]`, other requests get 503.
     #[arg(long, default_value_t = 30.0)]
     pub drain_timeout: f64,
+    /// Seconds the server keeps answering after the inference engine failed (a lost or
+    /// stalled rank or stage): `/health` gives 503 with the error, requests 503; then it
+    /// exits with the error. 0 exits at once; SIGTERM ends it sooner.
+    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    pub unhealthy_linger: f64,
     /// Seconds a client has to send a request's headers (from connecting, or from the
     /// request's first byte), and then again its body; slower connections are closed.
     #[arg(long, default_value_t = 10.0, value_name = "SECS")]
@@ -370,6 +375,9 @@ fn serve_config(
             reload_memory: args.reload_memory,
             model_path: args.model.model_path().ok(),
         },
+        unhealthy_linger: Duration::try_from_secs_f64(args.unhealthy_linger)
+            .ok()
+            .context("--unhealthy-linger must be a non-negative number of seconds")?,
     })
 }
 

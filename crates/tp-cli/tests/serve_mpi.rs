@@ -220,3 +220,73 @@ fn serve_at_pp_2_under_mpirun_keeps_both_stages_busy_and_every_text() {
     assert!(pipelined >= 3.0, "{pipelined} pipelined steps");
     terminate_rank0(&mut server);
 }
+
+/// A stage that stops answering under `tp serve --pp 2` (its process stopped by SIGSTOP):
+/// the request in progress fails within the collective deadline (4 s here) with an error
+/// naming stage 0, rank 1 and its host; `/health` then answers 503 with that error and
+/// `tp_engine_healthy` is 0 while the server lingers; SIGTERM ends the job, not with 0.
+#[test]
+fn a_stalled_stage_under_mpirun_is_named_and_the_server_says_unhealthy() {
+    let Some(model) = tp_testkit::smollm2() else {
+        return;
+    };
+    let flags = ["--pp", "2", "--timeout", "4", "--unhealthy-linger", "120"];
+    let mut server = admin_server_under_mpirun(&model, &flags);
+    assert!(!complete(&server).is_empty());
+    assert_eq!(server.client.get("/health").unwrap().status, 200);
+    let rank0 = server.rank0_pid.expect("rank 0's pid");
+    let children = std::process::Command::new("pgrep")
+        .args(["-P", &server.child.id().to_string()])
+        .output()
+        .expect("pgrep");
+    let follower: u32 = String::from_utf8_lossy(&children.stdout)
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .find(|&p| p != rank0)
+        .expect("the process of rank 1 under mpirun");
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &follower.to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill {sig} {follower}");
+    };
+    signal("-STOP");
+    let t0 = std::time::Instant::now();
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0});
+    let r = server.client.post_json("/v1/completions", &body).unwrap();
+    let took = t0.elapsed();
+    signal("-CONT");
+    assert!(r.status >= 500, "{} {}", r.status, r.text());
+    // The stage, then the collective's own words.
+    let message = r.json()["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
+    assert!(
+        message.contains("pipeline stage 0 of 2 (rank 1 on ") && message.contains("timed out"),
+        "{message}"
+    );
+    assert!(took < Duration::from_secs(30), "the failure took {took:?}");
+    let h = server.client.get("/health").unwrap();
+    assert_eq!(h.status, 503, "{}", h.text());
+    let h = h.json();
+    assert_eq!(h["status"], "unhealthy", "{h}");
+    assert!(
+        h["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("pipeline stage 0 of 2 (rank 1 on ")),
+        "{h}"
+    );
+    assert_eq!(server.metric("tp_engine_healthy"), Some(0.0));
+    let later = server.client.post_json("/v1/completions", &body).unwrap();
+    assert_eq!(later.status, 503, "{}", later.text());
+    assert!(later.text().contains("engine_failed"), "{}", later.text());
+    let ok = std::process::Command::new("kill")
+        .args(["-TERM", &rank0.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok);
+    let status = server.wait(Duration::from_secs(60));
+    assert_ne!(status.code(), Some(0), "{}", server.stderr());
+}

@@ -83,6 +83,9 @@ pub struct Metrics {
     hosts: std::sync::Mutex<Vec<String>>,
     /// Every model held so far (`tp_model_live` keeps a series for each).
     models: std::sync::Mutex<Vec<(u32, String)>>,
+    /// Why the inference engine failed (a lost or stalled rank), once it has: the server
+    /// is then unhealthy.
+    engine_failure: std::sync::Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -156,6 +159,15 @@ impl Metrics {
                 "1 for the model serving new requests, 0 for the others held or once held",
             ),
         );
+        r.describe_gauge(
+            KeyName::from("tp_engine_healthy"),
+            None,
+            SharedString::const_str(
+                "1 while the inference engine runs; 0 once it failed (a lost or stalled rank): the server then only answers /health 503 until it exits",
+            ),
+        );
+        r.register_gauge(&Key::from_static_name("tp_engine_healthy"), &META)
+            .set(1.0);
         describe("tp_prompt_tokens_total", "Prompt tokens processed");
         describe("tp_generation_tokens_total", "Tokens generated");
         describe(
@@ -297,6 +309,7 @@ impl Metrics {
             board: Board::default(),
             hosts: std::sync::Mutex::default(),
             models: std::sync::Mutex::default(),
+            engine_failure: std::sync::Mutex::default(),
             recorder,
             handle,
         }
@@ -361,6 +374,26 @@ impl Metrics {
                 self.recorder.register_counter(&key, &META).absolute(v);
             }
         }
+    }
+
+    /// The inference engine failed with `why`: `/health` answers 503 with it, and
+    /// `tp_engine_healthy` drops to 0.
+    pub fn engine_failed(&self, why: String) {
+        *self
+            .engine_failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(why);
+        self.recorder
+            .register_gauge(&Key::from_static_name("tp_engine_healthy"), &META)
+            .set(0.0);
+    }
+
+    /// Why the inference engine failed, once it has.
+    pub fn engine_failure(&self) -> Option<String> {
+        self.engine_failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Takes a canary run: the drift alarm, the largest log-probability shift, the runs.

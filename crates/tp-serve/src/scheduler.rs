@@ -275,7 +275,7 @@ pub fn run_models(
             message: "the server is shutting down".into(),
             shutting_down: true,
         },
-        Err(e) => Event::failed(format!("the inference engine failed: {e}")),
+        Err(e) => Event::failed(format!("the inference engine failed: {}", chain(&**e))),
     };
     fleet.abandon_all(exec, &end);
     Ok(out?)

@@ -73,6 +73,10 @@ pub struct ServeConfig {
     pub spec: Option<crate::spec::ServeSpec>,
     /// How a reload makes room for the new model.
     pub swap: SwapConfig,
+    /// After the inference engine fails (a lost or stalled rank), how long the server keeps
+    /// answering (`/health` 503 with the error, requests 503) before it returns the error,
+    /// so that health checks see why; SIGTERM ends it sooner. Zero: it returns at once.
+    pub unhealthy_linger: Duration,
 }
 
 /// How a reload makes room for the new model (see [`crate::rollout`]): beside the live one,
@@ -338,8 +342,23 @@ pub fn serve(
     if let Some(t) = canary_thread {
         let _ = t.join();
     }
-    if result.is_err() {
-        server.stop();
+    if let Err(e) = &result {
+        let why = tp_engine::report::chain(e);
+        metrics.engine_failed(why.clone());
+        if cfg.unhealthy_linger.is_zero() {
+            server.stop();
+        } else {
+            eprintln!(
+                "# the inference engine failed: {why}\n# answering /health with 503 for {} s before exiting (SIGTERM ends it sooner)",
+                cfg.unhealthy_linger.as_secs_f64()
+            );
+            let stop = server.stop_handle();
+            let linger = cfg.unhealthy_linger;
+            std::thread::spawn(move || {
+                std::thread::sleep(linger);
+                stop.stop();
+            });
+        }
     }
     let joined = server.join();
     result?;

@@ -64,6 +64,13 @@ pub(crate) fn submit(
         if st.sched.control.send(Control::Submit(job)).is_err() {
             // Choices i.. never reached the scheduler; the ones before went down with it.
             pending.fetch_sub(n - i, Ordering::Relaxed);
+            if let Some(why) = st.metrics.engine_failure() {
+                return Err(ApiError::unavailable(
+                    503,
+                    "engine_failed",
+                    &format!("the inference engine failed: {why}"),
+                ));
+            }
             return Err(ApiError::unavailable(
                 503,
                 "shutting_down",

@@ -83,6 +83,12 @@ pub(crate) fn label(path: &str) -> &'static str {
 }
 
 async fn health(State(st): State<Arc<AppState>>) -> Response {
+    if let Some(why) = st.metrics.engine_failure() {
+        st.metrics.request("health", 503);
+        let body =
+            json!({"status": "unhealthy", "error": format!("the inference engine failed: {why}")});
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+    }
     st.metrics.request("health", 200);
     Json(json!({"status": "ok"})).into_response()
 }

@@ -48,6 +48,7 @@ pub fn config() -> ServeConfig {
         admin_key: None,
         spec: None,
         swap: Default::default(),
+        unhealthy_linger: Duration::ZERO,
     }
 }
 
