@@ -68,7 +68,7 @@ pub(crate) fn submit(
                 return Err(ApiError::unavailable(
                     503,
                     "engine_failed",
-                    &format!("the inference engine failed: {why}"),
+                    format!("the inference engine failed: {why}"),
                 ));
             }
             return Err(ApiError::unavailable(
