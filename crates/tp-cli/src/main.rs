@@ -2,6 +2,7 @@
 
 mod bench_collectives;
 mod bench_decode;
+mod bench_link;
 mod bench_serve;
 mod bench_train;
 mod chat;
@@ -58,6 +59,9 @@ enum Bench {
     Collectives(bench_collectives::BenchArgs),
     /// Batch-1 prefill and decode speed per tp, time split and bandwidth limit.
     Decode(bench_decode::BenchDecodeArgs),
+    /// Latency and bandwidth from rank 0 to every other rank (run under mpirun across the
+    /// hosts), with the `tp plan` flags of the slowest link.
+    Link(bench_link::BenchLinkArgs),
     /// Training step time, tokens/s and MFU at several tp x pp x dp layouts.
     Train(bench_train::BenchTrainArgs),
     /// `tp serve` under load: throughput, time to first token and per output token at each
@@ -114,6 +118,9 @@ fn main() -> ExitCode {
         Command::Bench {
             what: Bench::Decode(args),
         } => bench_decode::run(&args),
+        Command::Bench {
+            what: Bench::Link(args),
+        } => bench_link::run(&args),
         Command::Bench {
             what: Bench::Train(args),
         } => bench_train::run(&args),

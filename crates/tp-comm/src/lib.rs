@@ -31,6 +31,7 @@ pub mod fault;
 pub mod flight;
 pub mod intercept;
 pub mod launch;
+pub mod link;
 pub mod local;
 pub mod mesh;
 #[cfg(feature = "mpi")]

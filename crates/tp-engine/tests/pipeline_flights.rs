@@ -17,10 +17,11 @@ use tp_models::{Arch, GgufCheckpoint, LoadOptions};
 
 const CTX: usize = 64;
 
-fn five_layers() -> GgufCheckpoint {
+/// The model as a GGUF file of its own for test `name` (tests run at once).
+fn five_layers(name: &str) -> GgufCheckpoint {
     let mut cfg = SyntheticModel::small(Arch::Llama, 5).cfg;
     cfg.layers = 5;
-    let path = tp_testkit::scratch_dir("pipeline_flights").join("five.gguf");
+    let path = tp_testkit::scratch_dir("pipeline_flights").join(format!("{name}.gguf"));
     SyntheticModel::new(cfg, 5)
         .write_gguf(&path, GgufTypes::F32)
         .unwrap();
@@ -106,7 +107,7 @@ fn in_flight(w: &mut Worker, depth: usize) -> Vec<String> {
 
 #[test]
 fn steps_in_flight_give_the_bits_of_one_step_at_a_time() {
-    let ckpt = five_layers();
+    let ckpt = five_layers("bits");
     let want = on_workers(&ckpt, 1, LoadOptions::default(), CTX, one_at_a_time);
     assert_eq!(want.len(), 11);
     for (pp, tp, depth) in [(2, 1, 2), (3, 1, 3), (3, 1, 2), (2, 2, 2)] {
@@ -135,7 +136,7 @@ fn steps_in_flight_give_the_bits_of_one_step_at_a_time() {
 
 #[test]
 fn a_stage_whose_rank_leaves_is_named_with_its_rank_and_host() {
-    let ckpt = five_layers();
+    let ckpt = five_layers("leaves");
     let out = local::run(2, LocalOptions::default(), |g| {
         let mut w = staged_worker(&ckpt, &g, 2, 1, CTX);
         if g.rank() != 0 {

@@ -2,7 +2,12 @@
 //! Decode is a roofline: each step streams the rank's weights and the KV cache
 //! (time ≥ bytes / bandwidth, so tokens/s ≤ bandwidth / bytes per token) or is
 //! bound by FLOPs; tensor ranks add 2 all-reduces per layer (Shoeybi et al. 2019
-//! §3); pipeline stages run one after another for a given token.
+//! §3); pipeline stages run one after another for a given token. With `c` sequences and
+//! `pp` stages `tp serve` keeps `m = min(pp, c)` micro-batches in flight, so each stage step
+//! computes `c/m` sequences (and reads its weights once per micro-batch) while the other
+//! stages compute the other micro-batches: a token takes the sum of the stages' times at
+//! `c/m` sequences, and all `c` sequences advance in that time (compute-bound stages gain
+//! up to `m` times; memory-bound ones read their weights `m` times as often and gain nothing).
 
 use crate::collectives::{all_reduce_s, send_s, Link};
 use crate::hardware::ClusterSpec;
@@ -163,6 +168,8 @@ pub fn estimate_serving(
     let rank_flops = acc.rank_flops(cluster.ranks_per_device(config.tp));
     let rank_bw = acc.rank_memory_bandwidth(cluster.ranks_per_device(config.tp));
     let seqs = workload.concurrency.div_ceil(config.dp).max(1);
+    // Sequences one stage step computes: one micro-batch of those in flight.
+    let micro = seqs.div_ceil(config.pp.clamp(1, seqs));
     let w_bytes = workload.weight_precision.bytes();
     let kv_bytes = workload.kv_precision.bytes();
     let act_bytes = if workload.weight_precision == Precision::Fp32 {
@@ -237,18 +244,20 @@ pub fn estimate_serving(
             ),
         };
         let kv = kv_cache_bytes(model, &shard, layers, ctx, seqs, kv_bytes);
+        let kv_read = kv_cache_bytes(model, &shard, layers, ctx, micro, kv_bytes);
         let l = layers as f64;
+        let b = micro as f64;
         let logits = if i == last {
-            2.0 * seqs as f64 * h * vocab_rank
+            2.0 * b * h * vocab_rank
         } else {
             0.0
         };
-        let flops = 2.0 * seqs as f64 * rank_matmul_per_layer * l
-            + 4.0 * seqs as f64 * ctx as f64 * (shard.max_query_heads as f64 * d) * l
+        let flops = 2.0 * b * rank_matmul_per_layer * l
+            + 4.0 * b * ctx as f64 * (shard.max_query_heads as f64 * d) * l
             + logits;
-        let read_s = (weights_read + kv) / rank_bw;
+        let read_s = (weights_read + kv_read) / rank_bw;
         let flop_s = flops / rank_flops;
-        let comm = 2.0 * l * all_reduce_s(seqs as f64 * h * act_bytes, config.tp, tp_link);
+        let comm = 2.0 * l * all_reduce_s(b * h * act_bytes, config.tp, tp_link);
         memory_read_s += read_s;
         compute_s += flop_s;
         tensor_parallel_comm_s += comm;
@@ -256,7 +265,7 @@ pub fn estimate_serving(
         let stage_memory = MemoryBreakdown {
             weights,
             kv_cache: kv,
-            activations: 4.0 * seqs as f64 * vocab_rank + 2.0 * seqs as f64 * h * act_bytes,
+            activations: 4.0 * b * vocab_rank + 2.0 * b * h * act_bytes,
             ..MemoryBreakdown::default()
         };
         if stage_memory.total() > memory.total() {
@@ -267,7 +276,7 @@ pub fn estimate_serving(
         let (bw, lat) = cluster.link_for_span(2 * cluster.tensor_group_slots(config.tp));
         (config.pp - 1) as f64
             * send_s(
-                seqs as f64 * h * act_bytes,
+                micro as f64 * h * act_bytes,
                 Link {
                     bandwidth: bw,
                     latency_s: lat,
@@ -282,7 +291,7 @@ pub fn estimate_serving(
     let command_s = if config.pp * config.tp > 1 {
         let (bw, lat) = cluster.link_for_span(replica_slots);
         send_s(
-            64.0 * seqs as f64,
+            64.0 * micro as f64,
             Link {
                 bandwidth: bw,
                 latency_s: lat,
@@ -376,6 +385,37 @@ mod tests {
             weight_precision: precision,
             kv_precision: precision,
         }
+    }
+
+    #[test]
+    fn micro_batches_in_flight_let_compute_bound_stages_work_at_once() {
+        // Two one-core machines (cpu-2core cut to 1 core each), SmolLM2-135M f32: at 16
+        // sequences a step is bound by FLOPs, and pp 2 keeps two micro-batches of 8 in
+        // flight, so each stage computes half the sequences and the two stages run at once
+        // (one micro-batch at a time the two would take turns: about 1x).
+        let m = model_preset("smollm2-135m").unwrap();
+        let core = accelerator_preset("cpu-2core")
+            .unwrap()
+            .with_cores(1)
+            .unwrap();
+        let two = ClusterSpec::new(core.clone(), 2, 1).unwrap();
+        let one = ClusterSpec::new(core, 1, 1).unwrap();
+        let at = |c: &ClusterSpec, concurrency, pp| {
+            let w = serve(concurrency, Precision::Fp32);
+            estimate_serving(&m, c, &w, &ServingConfig::dense(1, pp, 1))
+        };
+        let (host, piped) = (at(&one, 16, 1), at(&two, 16, 2));
+        assert_eq!(host.bound, DecodeBound::Compute);
+        let gain = piped.tokens_per_s / host.tokens_per_s;
+        // Short of 2x: a micro-batch of 8 still reads the stage's weights, and the sends.
+        assert!(gain > 1.5 && gain < 2.0, "{gain}");
+        // One sequence: nothing to overlap, the stages take turns (and pay the send).
+        let gain = at(&two, 1, 2).tokens_per_s / at(&one, 1, 1).tokens_per_s;
+        assert!(gain <= 1.0, "{gain}");
+        // Memory bound (one sequence's weights dominate): micro-batches read the weights
+        // once each, so at 2 sequences pp 2 gains little over one machine.
+        let gain = at(&two, 2, 2).tokens_per_s / at(&one, 2, 1).tokens_per_s;
+        assert!(gain < 1.3, "{gain}");
     }
 
     #[test]
