@@ -27,6 +27,10 @@ pub struct BenchTrainArgs {
     /// Micro-batches per replica [default: 1 without a pipeline, else about 2 x pp].
     #[arg(long)]
     micro_batches: Option<usize>,
+    /// Model chunks per pipeline rank at the layouts with pp > 1 (the interleaved 1F1B
+    /// schedule, as `tp train --virtual-stages`); micro-batches must be a multiple of pp.
+    #[arg(long, default_value_t = 1)]
+    virtual_stages: usize,
     /// Untimed steps first (allocation, page faults).
     #[arg(long, default_value_t = 1)]
     warmup: u64,
@@ -77,6 +81,7 @@ pub fn run(a: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
         batch: a.batch,
         seq: a.seq,
         micro_batches: a.micro_batches,
+        virtual_stages: a.virtual_stages,
         warmup: a.warmup,
         steps: a.steps,
         rounds: a.rounds,
