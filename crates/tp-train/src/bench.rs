@@ -31,8 +31,9 @@ pub struct BenchConfig {
     pub seq: usize,
     /// Micro-batches per replica (default: 1 without a pipeline, else about 2 x pp).
     pub micro_batches: Option<usize>,
-    /// Model chunks per pipeline rank (interleaved 1F1B) at the layouts with pp > 1.
-    pub virtual_stages: usize,
+    /// Model chunks per pipeline rank (interleaved 1F1B) to measure: every layout with
+    /// pp > 1 runs with each (the others with 1).
+    pub virtual_stages: Vec<usize>,
     /// Untimed steps first.
     pub warmup: u64,
     /// Timed steps per layout and round.
@@ -158,13 +159,26 @@ impl Bench {
         } else {
             cfg.recompute.clone()
         };
+        let chunk_counts = if cfg.virtual_stages.is_empty() {
+            vec![1]
+        } else {
+            cfg.virtual_stages.clone()
+        };
         let specs = cfg
             .layouts
             .iter()
             .flat_map(|&d| modes.iter().map(move |&r| (d, r)))
-            .map(|(d, recompute)| {
+            .flat_map(|(d, r)| {
+                let mut vs: Vec<usize> = chunk_counts
+                    .iter()
+                    .map(|&v| if d.pp > 1 { v } else { 1 })
+                    .collect();
+                vs.dedup();
+                vs.into_iter().map(move |v| (d, r, v))
+            })
+            .map(|(d, recompute, virtual_stages)| {
                 let micro = cfg.micro_batches.unwrap_or_else(|| {
-                    default_micro_batches(cfg.batch / d.dp.max(1), d.pp, cfg.virtual_stages)
+                    default_micro_batches(cfg.batch / d.dp.max(1), d.pp, virtual_stages)
                 });
                 let spec = TrainSpec {
                     model: model.clone(),
@@ -172,7 +186,7 @@ impl Bench {
                     steps: cfg.warmup + cfg.steps,
                     global_batch: cfg.batch,
                     micro_batches: micro,
-                    virtual_stages: if d.pp > 1 { cfg.virtual_stages } else { 1 },
+                    virtual_stages,
                     seq: cfg.seq,
                     seed: 0,
                     optim: AdamWConfig::default(),

@@ -34,15 +34,15 @@ impl Msg {
         }
     }
 
-    /// The model chunk that sends it.
-    fn from_chunk(self) -> usize {
+    /// The model chunk that sends it (none for an activation to the first chunk).
+    fn sender_chunk(self) -> Option<usize> {
         match self {
-            Msg::Activation { chunk, .. } => chunk.wrapping_sub(1),
-            Msg::Gradient { chunk, .. } => chunk + 1,
+            Msg::Activation { chunk, .. } => chunk.checked_sub(1),
+            Msg::Gradient { chunk, .. } => Some(chunk + 1),
         }
     }
 
-    fn to_chunk(self) -> usize {
+    fn receiver_chunk(self) -> usize {
         match self {
             Msg::Activation { chunk, .. } | Msg::Gradient { chunk, .. } => chunk,
         }
@@ -89,7 +89,7 @@ impl<'g> Mailbox<'g> {
                         },
                         _ => return None,
                     };
-                    (msg.to_chunk() % p == me).then_some(msg)
+                    (msg.receiver_chunk() % p == me).then_some(msg)
                 })
                 .collect();
             expected.insert(q, sends);
@@ -107,7 +107,7 @@ impl<'g> Mailbox<'g> {
     pub fn send(&self, msg: Msg, data: &[f32]) -> Result<()> {
         Ok(self
             .pp
-            .send(data, msg.to_chunk() % self.pp.size(), msg.tag())?)
+            .send(data, msg.receiver_chunk() % self.pp.size(), msg.tag())?)
     }
 
     /// The time spent in receives so far.
@@ -118,7 +118,10 @@ impl<'g> Mailbox<'g> {
     /// Receives `msg` (blocking): first the messages its sender sends before it, kept for
     /// later.
     pub fn recv(&mut self, msg: Msg) -> Result<Vec<f32>> {
-        let from = msg.from_chunk() % self.pp.size();
+        let from = msg
+            .sender_chunk()
+            .ok_or_else(|| TrainError::Config(format!("internal: {msg:?} has no sender")))?
+            % self.pp.size();
         loop {
             if let Some(data) = self.early.remove(&msg) {
                 return Ok(data);

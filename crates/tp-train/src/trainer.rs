@@ -419,7 +419,8 @@ impl<'a> Trainer<'a> {
 
     /// Under full recomputation, the bytes of the block inputs one micro-batch kept on this
     /// rank between its forward and its backward in the last step (counted, the largest
-    /// over its micro-batches); 0 without full recomputation.
+    /// over its micro-batches; with virtual stages, over its chunks' micro-batches, each
+    /// chunk's counted alone); 0 without full recomputation.
     pub fn kept_input_bytes(&self) -> u64 {
         self.kept_input_bytes
     }
