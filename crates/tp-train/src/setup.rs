@@ -381,6 +381,18 @@ mod tests {
     use tp_spec::Arch;
 
     #[test]
+    fn default_micro_batches_are_a_multiple_of_pp_with_virtual_stages_where_one_divides() {
+        // 12 sequences at pp 4: up to 8 micro-batches; 6 for 1F1B, 4 (a group of 4) for
+        // the interleaved schedule.
+        assert_eq!(default_micro_batches(12, 4, 1), 6);
+        assert_eq!(default_micro_batches(12, 4, 2), 4);
+        assert_eq!(default_micro_batches(8, 2, 2), 4);
+        // No multiple of 3 divides 8: the 1F1B default (the run then says what to use).
+        assert_eq!(default_micro_batches(8, 3, 2), 4);
+        assert_eq!(default_micro_batches(8, 1, 2), 1);
+    }
+
+    #[test]
     fn compute_threads_prefers_the_request_then_the_inherited_count_then_shares_the_cores() {
         assert_eq!(compute_threads(Some(3), Some(5), 2, 2), 3);
         assert_eq!(compute_threads(None, Some(5), 2, 2), 5);

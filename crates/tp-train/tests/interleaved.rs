@@ -4,8 +4,8 @@
 //! (the embedding on the first), rank 1 layers 1 and 3 (the head on the last), messages
 //! wrapping from rank 1 back to rank 0 between them. 12 steps give the same loss at every
 //! step as 1F1B at the same layout and as tp 1 within 1e-4 relative, at pp 2 and tp 2 x pp 2,
-//! with tied embeddings, sequence parallelism, full recomputation, packed documents and the
-//! distributed optimizer at pp 2 x dp 2; a checkpoint of a run at 2 virtual stages resumes
+//! with tied embeddings, sequence parallelism, full and selective recomputation, packed
+//! documents, the distributed optimizer at pp 2 x dp 2, and for the Gemma-3 and the Mixtral; a checkpoint of a run at 2 virtual stages resumes
 //! at 1 and at other layouts; bad counts are refused naming the valid ones. The schedule's
 //! order, memory, deadlock freedom and bubble are tested in `tp_train::schedule`.
 
@@ -67,10 +67,27 @@ fn two_virtual_stages_with_tied_embeddings_sp_recompute_and_the_distributed_opti
     };
     same_curve("sequence parallel, full recompute", &s, &oracle);
     let s = TrainSpec {
+        recompute: Recompute::Selective,
+        ..spec(dims(2, 2, 1), STEPS, 4)
+    };
+    same_curve("selective recompute", &s, &oracle);
+    let s = TrainSpec {
         distributed_optimizer: true,
         ..spec(dims(1, 2, 2), STEPS, 2)
     };
     same_curve("distributed optimizer", &s, &oracle);
+}
+
+/// The other families: Gemma-3's layers differ by index (windows and RoPE bases on layers 0
+/// and 2, both on rank 0 at V = 2), the Mixtral adds each chunk's load-balancing loss.
+#[test]
+fn two_virtual_stages_for_gemma3_and_mixtral() {
+    use tp_train::fixtures::{gemma3_spec, moe_spec};
+    let gemma = train(&gemma3_spec(dims(1, 1, 1), STEPS, 1), None);
+    same_curve("Gemma-3", &gemma3_spec(dims(2, 2, 1), STEPS, 4), &gemma);
+    // One sequence per micro-batch, as tests/parity.rs runs the Mixtral.
+    let moe = train(&moe_spec(dims(1, 1, 1), STEPS, 4), None);
+    same_curve("Mixtral", &moe_spec(dims(1, 2, 1), STEPS, 4), &moe);
 }
 
 /// Packed documents: each step's loss and, after the last, the validation loss of the whole
