@@ -171,6 +171,11 @@ pub fn rank_chunks(pp_rank: usize, pp: usize, virtual_stages: usize) -> Vec<usiz
         .collect()
 }
 
+/// The pipeline rank of `pp` that holds the model's chunk `chunk` ([`rank_chunks`]).
+pub fn chunk_rank(chunk: usize, pp: usize) -> usize {
+    chunk % pp.max(1)
+}
+
 /// Every parameter shard of pipeline rank `pp_rank` on `tp_rank`: [`stage_params`] of each of
 /// its [`rank_chunks`] as a stage of `pp * virtual_stages`, chunk after chunk (with one chunk,
 /// the stage's).

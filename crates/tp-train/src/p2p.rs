@@ -6,7 +6,7 @@
 //! tp-comm's local backend delivers a pair's messages in order).
 
 use crate::error::{Result, TrainError};
-use crate::layout::rank_chunks;
+use crate::layout::{chunk_rank, rank_chunks};
 use crate::schedule::{rank_schedule, Action};
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -89,7 +89,7 @@ impl<'g> Mailbox<'g> {
                         },
                         _ => return None,
                     };
-                    (msg.receiver_chunk() % p == me).then_some(msg)
+                    (chunk_rank(msg.receiver_chunk(), p) == me).then_some(msg)
                 })
                 .collect();
             expected.insert(q, sends);
@@ -105,9 +105,11 @@ impl<'g> Mailbox<'g> {
 
     /// Sends `data` (`len` elements) to the rank of `msg`'s chunk.
     pub fn send(&self, msg: Msg, data: &[f32]) -> Result<()> {
-        Ok(self
-            .pp
-            .send(data, msg.receiver_chunk() % self.pp.size(), msg.tag())?)
+        Ok(self.pp.send(
+            data,
+            chunk_rank(msg.receiver_chunk(), self.pp.size()),
+            msg.tag(),
+        )?)
     }
 
     /// The time spent in receives so far.
@@ -118,10 +120,10 @@ impl<'g> Mailbox<'g> {
     /// Receives `msg` (blocking): first the messages its sender sends before it, kept for
     /// later.
     pub fn recv(&mut self, msg: Msg) -> Result<Vec<f32>> {
-        let from = msg
+        let sender = msg
             .sender_chunk()
-            .ok_or_else(|| TrainError::Config(format!("internal: {msg:?} has no sender")))?
-            % self.pp.size();
+            .ok_or_else(|| TrainError::Config(format!("internal: {msg:?} has no sender")))?;
+        let from = chunk_rank(sender, self.pp.size());
         loop {
             if let Some(data) = self.early.remove(&msg) {
                 return Ok(data);

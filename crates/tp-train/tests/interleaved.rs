@@ -3,7 +3,8 @@
 //! layers at pp 2 x 2 virtual stages are 4 chunks of one layer, rank 0 holding layers 0 and 2
 //! (the embedding on the first), rank 1 layers 1 and 3 (the head on the last), messages
 //! wrapping from rank 1 back to rank 0 between them. 12 steps give the same loss at every
-//! step as 1F1B at the same layout and as tp 1 within 1e-4 relative, at pp 2 and tp 2 x pp 2,
+//! step as 1F1B at the same layout and as tp 1 within 1e-4 relative, at pp 2, tp 2 x pp 2,
+//! pp 3 and pp 4 (6 and 8 layers),
 //! with tied embeddings, sequence parallelism, full and selective recomputation, packed
 //! documents, the distributed optimizer at pp 2 x dp 2, and for the Gemma-3 and the Mixtral; a checkpoint of a run at 2 virtual stages resumes
 //! at 1 and at other layouts; bad counts are refused naming the valid ones. The schedule's
@@ -76,6 +77,26 @@ fn two_virtual_stages_with_tied_embeddings_sp_recompute_and_the_distributed_opti
         ..spec(dims(1, 2, 2), STEPS, 2)
     };
     same_curve("distributed optimizer", &s, &oracle);
+}
+
+/// Deeper pipelines, where a rank's two neighbours differ: 8 layers at pp 4 x 2 virtual
+/// stages (4 micro-batches) and 6 layers at pp 3 x 2 (3 micro-batches of 2 sequences).
+#[test]
+fn two_virtual_stages_at_pp3_and_pp4() {
+    for (layers, pp, micro, batch) in [(8, 4, 4, 4), (6, 3, 3, 6)] {
+        let deeper = |d| {
+            let mut s = spec(d, STEPS, 1);
+            s.model.layers = layers;
+            s.global_batch = batch;
+            s
+        };
+        let oracle = train(&deeper(dims(1, 1, 1)), None);
+        let s = TrainSpec {
+            micro_batches: micro,
+            ..deeper(dims(1, pp, 1))
+        };
+        same_curve(&format!("{layers} layers"), &s, &oracle);
+    }
 }
 
 /// The other families: Gemma-3's layers differ by index (windows and RoPE bases on layers 0
