@@ -4,11 +4,11 @@
 //! (the embedding on the first), rank 1 layers 1 and 3 (the head on the last), messages
 //! wrapping from rank 1 back to rank 0 between them. 12 steps give the same loss at every
 //! step as 1F1B at the same layout and as tp 1 within 1e-4 relative, at pp 2, tp 2 x pp 2,
-//! pp 3 and pp 4 (6 and 8 layers),
-//! with tied embeddings, sequence parallelism, full and selective recomputation, packed
-//! documents, the distributed optimizer at pp 2 x dp 2, and for the Gemma-3 and the Mixtral; a checkpoint of a run at 2 virtual stages resumes
-//! at 1 and at other layouts; bad counts are refused naming the valid ones. The schedule's
-//! order, memory, deadlock freedom and bubble are tested in `tp_train::schedule`.
+//! pp 3 and pp 4 (6 and 8 layers), with tied embeddings, sequence parallelism, full and
+//! selective recomputation, packed documents, the distributed optimizer at pp 2 x dp 2, and
+//! for the Gemma-3 and the Mixtral; a checkpoint of a run at 2 virtual stages resumes at 1
+//! and at other layouts; bad counts are refused naming the valid ones. The schedule's order,
+//! memory, deadlock freedom and bubble are tested in `tp_train::schedule`.
 
 mod common;
 use common::*;
