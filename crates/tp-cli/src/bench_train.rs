@@ -27,6 +27,11 @@ pub struct BenchTrainArgs {
     /// Micro-batches per replica [default: 1 without a pipeline, else about 2 x pp].
     #[arg(long)]
     micro_batches: Option<usize>,
+    /// Model chunks per pipeline rank, comma separated: every layout with pp > 1 runs with
+    /// each (the interleaved 1F1B schedule above 1, as `tp train --virtual-stages`);
+    /// micro-batches must then be a multiple of pp.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    virtual_stages: Vec<usize>,
     /// Untimed steps first (allocation, page faults).
     #[arg(long, default_value_t = 1)]
     warmup: u64,
@@ -77,6 +82,7 @@ pub fn run(a: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
         batch: a.batch,
         seq: a.seq,
         micro_batches: a.micro_batches,
+        virtual_stages: a.virtual_stages.clone(),
         warmup: a.warmup,
         steps: a.steps,
         rounds: a.rounds,

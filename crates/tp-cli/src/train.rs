@@ -68,6 +68,11 @@ pub struct TrainArgs {
     /// pipeline, else about 2 x pp].
     #[arg(long)]
     pub micro_batches: Option<usize>,
+    /// Model chunks per pipeline rank: the interleaved 1F1B schedule (Narayanan et al. 2021
+    /// §2.2.2), a V times smaller pipeline bubble for V times the sends. Needs pp > 1, a layer
+    /// for each of the pp x V chunks and micro-batches a multiple of pp.
+    #[arg(long, default_value_t = 1)]
+    pub virtual_stages: usize,
     /// Tokens per sequence [default: 128, or the checkpoint's].
     #[arg(long)]
     pub seq: Option<usize>,
@@ -160,6 +165,7 @@ impl TrainArgs {
             steps: self.steps,
             batch: self.batch,
             micro_batches: self.micro_batches,
+            virtual_stages: self.virtual_stages,
             seq: self.seq,
             lr: self.lr,
             min_lr: self.min_lr,

@@ -135,6 +135,55 @@ fn sequence_parallel_gives_the_losses_without_it() {
     }
 }
 
+/// `--virtual-stages` reaches the trainer (interleaved 1F1B at pp 2: the tiny preset's 4
+/// layers in 4 chunks) and changes no loss; counts the run cannot take are refused naming
+/// the valid ones (issue 34; the oracle tests are tp-train's tests/interleaved.rs).
+#[test]
+fn virtual_stages_give_the_losses_without_them_and_bad_counts_are_refused() {
+    let base = [
+        "train",
+        "--pp",
+        "2",
+        "--steps",
+        "6",
+        "--seq",
+        "32",
+        "--batch",
+        "4",
+        "--micro-batches",
+        "2",
+        "--json",
+    ];
+    let with_v = |v: &str| {
+        let mut a = base.to_vec();
+        a.extend(["--virtual-stages", v]);
+        tp(&a)
+    };
+    let plain = tp(&base);
+    let v2 = with_v("2");
+    assert_eq!(plain.code, Some(0), "{}", plain.output);
+    assert_eq!(v2.code, Some(0), "{}", v2.output);
+    assert!(
+        v2.output
+            .contains("interleaved 1F1B, 2 virtual stages (4 chunks of the 4 layers)"),
+        "{}",
+        v2.output
+    );
+    let (want, got) = (losses(&plain.output), losses(&v2.output));
+    assert_eq!(got.len(), 6, "{}", v2.output);
+    for ((s, w), (_, g)) in want.iter().zip(&got) {
+        assert!((g - w).abs() <= 1e-4 * w.abs(), "step {s}: {g} vs {w}");
+    }
+    let bad = with_v("3");
+    assert_ne!(bad.code, Some(0), "{}", bad.output);
+    assert!(
+        bad.output.contains("use 1 to 2 virtual stages at pp=2"),
+        "{}",
+        bad.output
+    );
+    assert!(!bad.output.contains("panicked"), "{}", bad.output);
+}
+
 fn latest(dir: &Path) -> String {
     std::fs::read_to_string(dir.join("latest"))
         .unwrap()

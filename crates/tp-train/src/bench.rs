@@ -31,6 +31,9 @@ pub struct BenchConfig {
     pub seq: usize,
     /// Micro-batches per replica (default: 1 without a pipeline, else about 2 x pp).
     pub micro_batches: Option<usize>,
+    /// Model chunks per pipeline rank (interleaved 1F1B) to measure: every layout with
+    /// pp > 1 runs with each (the others with 1).
+    pub virtual_stages: Vec<usize>,
     /// Untimed steps first.
     pub warmup: u64,
     /// Timed steps per layout and round.
@@ -85,6 +88,13 @@ pub struct Row {
     pub recompute: Recompute,
     pub ranks: usize,
     pub micro_batches: usize,
+    /// Model chunks per pipeline rank (interleaved 1F1B when above 1).
+    pub virtual_stages: usize,
+    /// Rank 0's pipeline bubble, measured (median over the timed steps): the seconds its
+    /// forwards and backwards waited in pipeline receives over the seconds they computed.
+    pub bubble_measured: f64,
+    /// The schedule's bubble with equal stages, `(p - 1) / (v m)` of the ideal step.
+    pub bubble_schedule: f64,
     pub params: usize,
     pub tokens_per_step: usize,
     pub step_s_median: f64,
@@ -119,6 +129,8 @@ struct Samples {
     optimizer_bytes: usize,
     /// Rank 0's kept block-input bytes ([`Trainer::kept_input_bytes`]).
     kept: u64,
+    /// Rank 0's measured bubble of each timed step ([`Trainer::measured_bubble`]).
+    bubbles: Vec<f64>,
 }
 
 /// A bench ready to run: the model, every layout's checked spec, and the peak.
@@ -147,20 +159,34 @@ impl Bench {
         } else {
             cfg.recompute.clone()
         };
+        let chunk_counts = if cfg.virtual_stages.is_empty() {
+            vec![1]
+        } else {
+            cfg.virtual_stages.clone()
+        };
         let specs = cfg
             .layouts
             .iter()
             .flat_map(|&d| modes.iter().map(move |&r| (d, r)))
-            .map(|(d, recompute)| {
-                let micro = cfg
-                    .micro_batches
-                    .unwrap_or_else(|| default_micro_batches(cfg.batch / d.dp.max(1), d.pp));
+            .flat_map(|(d, r)| {
+                let mut vs: Vec<usize> = chunk_counts
+                    .iter()
+                    .map(|&v| if d.pp > 1 { v } else { 1 })
+                    .collect();
+                vs.dedup();
+                vs.into_iter().map(move |v| (d, r, v))
+            })
+            .map(|(d, recompute, virtual_stages)| {
+                let micro = cfg.micro_batches.unwrap_or_else(|| {
+                    default_micro_batches(cfg.batch / d.dp.max(1), d.pp, virtual_stages)
+                });
                 let spec = TrainSpec {
                     model: model.clone(),
                     dims: d,
                     steps: cfg.warmup + cfg.steps,
                     global_batch: cfg.batch,
                     micro_batches: micro,
+                    virtual_stages,
                     seq: cfg.seq,
                     seed: 0,
                     optim: AdamWConfig::default(),
@@ -208,7 +234,10 @@ impl Bench {
              backward; (f) the formula of Korthikanti et al. 2022 (GPT layer, no sequence \
              parallelism even when it is on, f32: twice the paper's 2-byte figure), (c) counted: \
              the block inputs full recomputation keeps on rank 0 (the embedding's and the head's \
-             graphs not counted)",
+             graphs not counted)\n\
+             # v: model chunks per pipeline rank (interleaved 1F1B above 1); bubble: rank 0's \
+             seconds waiting in pipeline receives over its seconds computing (median), beside \
+             the schedule's (p-1)/(v m)",
             match &a.init {
                 Some(p) => p.display().to_string(),
                 None => a.model.clone(),
@@ -281,20 +310,22 @@ impl Bench {
                         TrainOptions::default(),
                     )?;
                     let optimizer_bytes = t.optimizer_memory().bytes();
-                    let mut times = Vec::new();
+                    let (mut times, mut bubbles) = (Vec::new(), Vec::new());
                     let mut loss = 0.0;
                     for i in 0..spec.steps {
                         let r = t.step()?;
                         if i >= self.cfg.warmup {
                             times.push(r.seconds);
+                            bubbles.push(t.measured_bubble());
                         }
                         loss = r.loss;
                     }
-                    Ok((times, loss, optimizer_bytes, t.kept_input_bytes()))
+                    Ok((times, bubbles, loss, optimizer_bytes, t.kept_input_bytes()))
                 })?;
                 match out {
-                    Ok(Some((times, loss, bytes, kept))) => {
+                    Ok(Some((times, bubbles, loss, bytes, kept))) => {
                         smp.times.extend(times);
+                        smp.bubbles.extend(bubbles);
                         smp.loss = loss;
                         smp.optimizer_bytes = bytes;
                         smp.kept = kept;
@@ -327,6 +358,9 @@ impl Bench {
             recompute: r,
             ranks: d.world_size(),
             micro_batches: spec.micro_batches,
+            virtual_stages: spec.virtual_stages,
+            bubble_measured: median(smp.bubbles),
+            bubble_schedule: (d.pp - 1) as f64 / (spec.virtual_stages * spec.micro_batches) as f64,
             params: self.model.num_params(),
             tokens_per_step: tokens,
             step_s_median: med,
@@ -356,13 +390,17 @@ const MIB: f64 = (1u64 << 20) as f64;
 /// The table of `rows`: a `#` header line, then a line per layout.
 pub fn table(rows: &[Row]) -> String {
     let mut s = format!(
-        "# {:>3} {:>3} {:>3} {:>9} {:>5} {:>5} {:>11} {:>9} {:>7} {:>10} {:>8} {:>9} {:>10} {:>10}\n",
+        "# {:>3} {:>3} {:>3} {:>9} {:>5} {:>5} {:>2} {:>6} {:>8} {:>11} {:>9} {:>7} {:>10} {:>8} {:>9} \
+         {:>10} {:>10}\n",
         "tp",
         "pp",
         "dp",
         "recompute",
         "ranks",
         "micro",
+        "v",
+        "bubble",
+        "(p-1)/vm",
         "step_s(med)",
         "tokens/s",
         "MFU",
@@ -374,7 +412,7 @@ pub fn table(rows: &[Row]) -> String {
     );
     for row in rows {
         s.push_str(&format!(
-            "  {:>3} {:>3} {:>3} {:>9} {:>5} {:>5} {:>11.3} {:>9.0} {:>6.1}% {:>10.1} {:>7.1}% {:>8.2}{} \
+            "  {:>3} {:>3} {:>3} {:>9} {:>5} {:>5} {:>2} {:>5.1}% {:>7.1}% {:>11.3} {:>9.0} {:>6.1}% {:>10.1} {:>7.1}% {:>8.2}{} \
              {:>10.2} {:>10}\n",
             row.tp,
             row.pp,
@@ -382,6 +420,9 @@ pub fn table(rows: &[Row]) -> String {
             format!("{:?}", row.recompute).to_lowercase(),
             row.ranks,
             row.micro_batches,
+            row.virtual_stages,
+            100.0 * row.bubble_measured,
+            100.0 * row.bubble_schedule,
             row.step_s_median,
             row.tokens_per_s,
             100.0 * row.mfu,

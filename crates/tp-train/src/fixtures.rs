@@ -87,6 +87,7 @@ pub fn spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
         steps,
         global_batch: 4,
         micro_batches,
+        virtual_stages: 1,
         seq: 16,
         seed: 5,
         optim: AdamWConfig {

@@ -161,6 +161,82 @@ pub fn stage_params(
     Ok(out)
 }
 
+/// The model chunks pipeline rank `pp_rank` of `pp` holds with `virtual_stages` chunks a
+/// rank (interleaved 1F1B, Narayanan et al. 2021 §2.2.2): its chunk c is the model's chunk
+/// `c * pp + pp_rank` of `pp * virtual_stages`, each a stage of [`stage_layers`]. One chunk:
+/// the rank's stage.
+pub fn rank_chunks(pp_rank: usize, pp: usize, virtual_stages: usize) -> Vec<usize> {
+    (0..virtual_stages.max(1))
+        .map(|c| c * pp + pp_rank)
+        .collect()
+}
+
+/// The pipeline rank of `pp` that holds the model's chunk `chunk` ([`rank_chunks`]).
+pub fn chunk_rank(chunk: usize, pp: usize) -> usize {
+    chunk % pp.max(1)
+}
+
+/// Every parameter shard of pipeline rank `pp_rank` on `tp_rank`: [`stage_params`] of each of
+/// its [`rank_chunks`] as a stage of `pp * virtual_stages`, chunk after chunk (with one chunk,
+/// the stage's).
+pub fn rank_params(
+    cfg: &ModelConfig,
+    pp_rank: usize,
+    pp: usize,
+    virtual_stages: usize,
+    tp_rank: usize,
+    tp: usize,
+) -> Result<Vec<ParamSpec>> {
+    let chunks = pp * virtual_stages.max(1);
+    let mut out = Vec::new();
+    for g in rank_chunks(pp_rank, pp, virtual_stages) {
+        out.extend(stage_params(cfg, g, chunks, tp_rank, tp)?);
+    }
+    Ok(out)
+}
+
+/// Checks `virtual_stages` chunks per pipeline rank against the model and the pipeline:
+/// interleaving needs a pipeline, a layer for each of the `pp * virtual_stages` chunks, and
+/// micro-batches in whole groups of `pp` (Megatron-LM's condition); errors name the valid
+/// values.
+pub fn validate_virtual_stages(
+    cfg: &ModelConfig,
+    pp: usize,
+    virtual_stages: usize,
+    micro_batches: usize,
+) -> Result<()> {
+    let bad = |m: String| Err(TrainError::Config(m));
+    if virtual_stages == 0 {
+        return bad("the virtual stages per pipeline rank must be at least 1".into());
+    }
+    if virtual_stages == 1 {
+        return Ok(());
+    }
+    if pp < 2 {
+        return bad(format!(
+            "{virtual_stages} virtual stages interleave a pipeline, and this run has one stage; \
+             use 1 virtual stage, or 2 or more pipeline stages"
+        ));
+    }
+    let most = cfg.layers / pp;
+    if pp * virtual_stages > cfg.layers {
+        return bad(format!(
+            "{} layers cannot give each of {pp} pipeline stages x {virtual_stages} virtual \
+             stages a layer; use 1 to {most} virtual stages at pp={pp}",
+            cfg.layers
+        ));
+    }
+    if !micro_batches.is_multiple_of(pp) {
+        return bad(format!(
+            "the interleaved schedule takes micro-batches in groups of the {pp} pipeline \
+             stages, and {micro_batches} micro-batches per replica is not a multiple of {pp}; \
+             use {} (or 1 virtual stage)",
+            micro_batches.next_multiple_of(pp)
+        ));
+    }
+    Ok(())
+}
+
 /// Whether the model's LM head is the embedding held again by the last stage (tied
 /// embeddings split over pipeline stages): then the two copies' gradients are summed.
 pub fn has_tied_copy(cfg: &ModelConfig, pp: usize) -> bool {
@@ -357,5 +433,48 @@ mod tests {
                 }
             )
         );
+    }
+
+    #[test]
+    fn virtual_stages_give_each_rank_every_pth_chunk_and_name_the_valid_counts() {
+        let c = cfg(); // 3 layers
+        assert_eq!(rank_chunks(1, 2, 3), vec![1, 3, 5]);
+        assert_eq!(rank_chunks(0, 3, 1), vec![0]);
+        // 8 layers at pp 2 x 2 virtual stages: every tensor on exactly one rank.
+        let big = crate::config::llama(11, 16, 10, 8, 6, 2, 4, 8);
+        let mut held: Vec<String> = (0..2)
+            .flat_map(|r| rank_params(&big, r, 2, 2, 0, 1).unwrap())
+            .filter(|s| !s.tied_copy)
+            .map(|s| s.name)
+            .collect();
+        held.sort();
+        let mut want: Vec<String> = all_params(&big)
+            .unwrap()
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        want.sort();
+        assert_eq!(held, want);
+        let e = validate_virtual_stages(&c, 2, 2, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("use 1 to 1 virtual stages at pp=2"), "{e}");
+        validate_virtual_stages(&big, 2, 4, 4).unwrap();
+        validate_virtual_stages(&c, 1, 1, 3).unwrap();
+        let e = validate_virtual_stages(&big, 2, 2, 3)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a multiple of 2; use 4"), "{e}");
+        let e = validate_virtual_stages(&big, 1, 2, 4)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("one stage"), "{e}");
+        // Chunk 1 of rank 0 (the model's chunk 2 of 4) holds layers 4 and 5 of 8.
+        let r0 = rank_params(&big, 0, 2, 2, 0, 1).unwrap();
+        assert!(r0
+            .iter()
+            .any(|s| s.name == "model.layers.4.self_attn.q_proj.weight"));
+        assert!(!r0.iter().any(|s| s.name.starts_with("model.layers.2.")));
+        assert_eq!(r0[0].name, "model.embed_tokens.weight");
     }
 }

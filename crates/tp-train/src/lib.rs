@@ -30,6 +30,7 @@ pub mod init;
 pub mod layout;
 pub mod model;
 pub mod optim;
+pub mod p2p;
 pub mod pipeline;
 pub mod plot;
 pub mod pretrained;

@@ -1,23 +1,27 @@
-//! Runs one training step's forwards and backwards of a stage on the 1F1B schedule
-//! ([`crate::schedule`]), with activations sent to the next stage and input gradients sent
-//! back over the pipeline group (Narayanan et al. 2021, §2.2). Each tp rank of a stage
-//! talks to the same tp rank of its neighbours: activations are replicated across tp, or with
-//! sequence parallelism each rank sends its own `seq/tp` positions.
+//! Runs one training step's forwards and backwards of a pipeline rank's model chunks on the
+//! 1F1B schedule, or with several chunks a rank on the interleaved one ([`crate::schedule`]),
+//! with activations sent to the model's next chunk and input gradients sent back over the
+//! pipeline group (Narayanan et al. 2021, §2.2; [`crate::p2p`]). One chunk a rank is the
+//! rank's stage. Each tp rank of a stage talks to the same tp rank of its neighbours:
+//! activations are replicated across tp, or with sequence parallelism each rank sends its own
+//! `seq/tp` positions.
 
 use crate::error::{Result, TrainError};
 use crate::grads::{accumulate, accumulate_present, all_seen, FlatLayout};
+use crate::layout::rank_chunks;
 use crate::model::{StageInput, StageModel};
+use crate::p2p::{Mailbox, Msg};
 use crate::recompute;
-use crate::schedule::{one_f_one_b, Action};
+use crate::schedule::{rank_schedule, Action, ChunkAction};
 use candle_core::{Device, Tensor, Var};
 use std::collections::VecDeque;
+use std::ops::Range;
 use tp_comm::{CommExt, ProcessGroups};
 use tp_nn::Segments;
 use tp_plan::workload::Recompute;
 
-/// Tag of activations (stage p -> p+1) and of their gradients (p+1 -> p).
+/// Tag of activations in validation (chunk g -> g+1; training's are [`crate::p2p`]'s).
 const TAG_ACTIVATION: u32 = 1;
-const TAG_GRADIENT: u32 = 2;
 
 /// One micro-batch's tokens.
 #[derive(Clone, Debug)]
@@ -62,7 +66,7 @@ impl MicroBatch {
 /// A forward whose backward has not run yet.
 struct InFlight {
     micro: usize,
-    input: Option<Var>, // [b, s, hidden] on stages after the first
+    input: Option<Var>, // [b, s, hidden] on chunks after the model's first
     kept: Kept,
 }
 
@@ -70,8 +74,8 @@ struct InFlight {
 enum Kept {
     /// The whole graph (no recomputation, or selective: the attention cores' own nodes).
     Graph {
-        output: Tensor, // [b, s, hidden], or the scalar loss on the last stage
-        /// This rank's share of the stage's MoE load-balancing loss (a scalar), if any.
+        output: Tensor, // [b, s, hidden], or the scalar loss on the last chunk
+        /// This rank's share of the chunk's MoE load-balancing loss (a scalar), if any.
         aux_share: Option<Tensor>,
     },
     /// Each block's input only ([`recompute`]).
@@ -86,15 +90,34 @@ pub struct StageLosses {
     /// The sum over micro-batches and the stage's MoE layers of their load-balancing loss.
     pub aux: f64,
     /// Under full recomputation, the bytes of the block inputs one micro-batch keeps between
-    /// its forward and its backward (counted, the largest over micro-batches); 0 otherwise.
+    /// its forward and its backward (counted, the largest over micro-batches and chunks); 0
+    /// otherwise.
     pub kept_input_bytes: u64,
+    /// Wall seconds of the step's forwards and backwards on this rank.
+    pub pipeline_s: f64,
+    /// Of those, the seconds spent in pipeline receives: mostly waiting for the neighbours
+    /// (the bubble, with any imbalance between the stages).
+    pub wait_s: f64,
 }
 
-/// Runs the stage's forwards and backwards for all `micro` batches, adding the gradients of
-/// their losses (each a weighted sum, [`MicroBatch::weights`]) plus `aux_scale` times each
-/// micro-batch's MoE load-balancing loss into `grads`.
+/// One of the rank's model chunks in a step: the model's chunk `global` of `chunks`, its
+/// parameters' range of the rank's flat buffers and their layout within it.
+struct Chunk<'m> {
+    model: &'m StageModel,
+    global: usize,
+    range: Range<usize>,
+    layout: FlatLayout,
+    /// Forwards waiting for their backward, in micro-batch order.
+    in_flight: VecDeque<InFlight>,
+}
+
+/// Runs the rank's forwards and backwards for all `micro` batches on its `chunks` (the
+/// rank's model chunks in order, [`crate::layout::rank_chunks`]; one: its stage), adding the
+/// gradients of their losses (each a weighted sum, [`MicroBatch::weights`]) plus `aux_scale`
+/// times each micro-batch's MoE load-balancing loss into `grads` (the chunks' parameters in
+/// order, as `layout` lays them out).
 pub fn run_micro_batches(
-    model: &StageModel,
+    chunks: &[StageModel],
     groups: &ProcessGroups,
     micro: &[MicroBatch],
     hidden: usize,
@@ -102,12 +125,45 @@ pub fn run_micro_batches(
     grads: &mut [f32],
     layout: &FlatLayout,
 ) -> Result<StageLosses> {
+    let t0 = std::time::Instant::now();
     let (pp_rank, pp) = (groups.coords.pp_rank, groups.dims.pp);
-    let (first, last) = (pp_rank == 0, pp_rank + 1 == pp);
-    let params = model.params();
-    let mut in_flight: VecDeque<InFlight> = VecDeque::new();
+    let v = chunks.len();
+    let total_chunks = pp * v;
+    let mut at = 0;
+    let mut parts: Vec<Chunk<'_>> = Vec::with_capacity(v);
+    for (c, (model, global)) in chunks.iter().zip(rank_chunks(pp_rank, pp, v)).enumerate() {
+        let layout = FlatLayout::new(model.specs());
+        parts.push(Chunk {
+            model,
+            global,
+            range: at..at + layout.total(),
+            layout,
+            in_flight: VecDeque::new(),
+        });
+        at += parts[c].layout.total();
+    }
+    if at != layout.total() || at != grads.len() {
+        return Err(TrainError::Config(format!(
+            "internal: the rank's chunks hold {at} parameter elements, its buffers {}",
+            grads.len()
+        )));
+    }
+    let len = match (micro.first(), chunks.first()) {
+        (Some(mb), Some(model)) => {
+            let (b, s) = mb.ids.dims2()?;
+            b * model.local_seq(s)? * hidden // [b, s_local, hidden]
+        }
+        _ => 0,
+    };
+    let mut mail = Mailbox::new(&groups.pp, v, micro.len(), len);
     let mut sums = StageLosses::default();
-    for action in one_f_one_b(pp_rank, pp, micro.len()) {
+    for ChunkAction { chunk, action } in rank_schedule(pp_rank, pp, v, micro.len()) {
+        let part = parts.get_mut(chunk).ok_or_else(|| {
+            TrainError::Config(format!("internal: the schedule names chunk {chunk} of {v}"))
+        })?;
+        let (first, last) = (part.global == 0, part.global + 1 == total_chunks);
+        let model = part.model;
+        let g = part.global;
         match action {
             Action::Forward(m) => {
                 let mb = &micro[m];
@@ -116,13 +172,12 @@ pub fn run_micro_batches(
                 let input = if first {
                     None
                 } else {
-                    let mut buf = vec![0f32; b * s * hidden];
-                    groups.pp.recv(&mut buf, pp_rank - 1, TAG_ACTIVATION)?;
+                    let buf = mail.recv(Msg::Activation { chunk: g, micro: m })?;
                     let t = Tensor::from_vec(buf, (b, s, hidden), &Device::Cpu)?; // [b, s_local, hidden]
                     Some(Var::from_tensor(&t)?)
                 };
                 let stage_in = match &input {
-                    Some(v) => StageInput::Hidden(v.as_tensor()),
+                    Some(x) => StageInput::Hidden(x.as_tensor()),
                     None => StageInput::Tokens(&mb.ids),
                 };
                 let targets = last.then_some((&mb.targets, &mb.weights));
@@ -146,16 +201,23 @@ pub fn run_micro_batches(
                     sums.loss += f64::from(output.to_scalar::<f32>()?);
                 } else {
                     let acts = output.flatten_all()?.to_vec1::<f32>()?; // [b * s * hidden]
-                    groups.pp.send(&acts, pp_rank + 1, TAG_ACTIVATION)?;
+                    mail.send(
+                        Msg::Activation {
+                            chunk: g + 1,
+                            micro: m,
+                        },
+                        &acts,
+                    )?;
                 }
-                in_flight.push_back(InFlight {
+                part.in_flight.push_back(InFlight {
                     micro: m,
                     input,
                     kept,
                 });
             }
             Action::Backward(m) => {
-                let f = in_flight
+                let f = part
+                    .in_flight
                     .pop_front()
                     .filter(|f| f.micro == m)
                     .ok_or_else(|| {
@@ -163,10 +225,11 @@ pub fn run_micro_batches(
                             "internal: backward of micro-batch {m} out of schedule order"
                         ))
                     })?;
-                // The gradient of the stage's output, from the next stage: [b, s, hidden].
-                let grad_out = |dims: &[usize]| -> Result<Tensor> {
-                    let mut buf = vec![0f32; dims.iter().product()];
-                    groups.pp.recv(&mut buf, pp_rank + 1, TAG_GRADIENT)?;
+                let params = model.params();
+                let (grads, layout) = (&mut grads[part.range.clone()], &part.layout);
+                // The gradient of the chunk's output, from the next chunk: [b, s, hidden].
+                let mut grad_out = |dims: &[usize]| -> Result<Tensor> {
+                    let buf = mail.recv(Msg::Gradient { chunk: g, micro: m })?;
                     Ok(Tensor::from_vec(buf, dims, &Device::Cpu)?)
                 };
                 let gx = match f.kept {
@@ -175,7 +238,7 @@ pub fn run_micro_batches(
                             output
                         } else {
                             // d/dx of sum(y * dy) with dy constant is dy^T dy/dx: the
-                            // vector-Jacobian product that backpropagates dy through the stage.
+                            // vector-Jacobian product that backpropagates dy through the chunk.
                             let dy = grad_out(output.dims())?; // [b, s, hidden]
                             (output * dy)?.sum_all()?
                         };
@@ -215,29 +278,43 @@ pub fn run_micro_batches(
                         all_seen(&params, &seen)?;
                         gx
                     }
-                }; // [b, s, hidden] on stages after the first
+                }; // [b, s, hidden] on chunks after the model's first
                 if let Some(gx) = gx {
                     let gx = gx.flatten_all()?.to_vec1::<f32>()?; // [b * s * hidden]
-                    groups.pp.send(&gx, pp_rank - 1, TAG_GRADIENT)?;
+                    mail.send(
+                        Msg::Gradient {
+                            chunk: g - 1,
+                            micro: m,
+                        },
+                        &gx,
+                    )?;
                 }
             }
         }
     }
+    sums.pipeline_s = t0.elapsed().as_secs_f64();
+    sums.wait_s = mail.waited().as_secs_f64();
     Ok(sums)
 }
 
 /// The losses of `micro` without backward (validation): each micro-batch's forward through
-/// the stages in order. Returns the sum of the weighted losses on the last stage (0 elsewhere).
+/// the model's chunks in order (the rank's `chunks`, as [`run_micro_batches`] takes them).
+/// Returns the sum of the weighted losses on the rank of the last chunk (0 elsewhere).
 pub fn forward_only(
-    model: &StageModel,
+    chunks: &[StageModel],
     groups: &ProcessGroups,
     micro: &[MicroBatch],
     hidden: usize,
 ) -> Result<f64> {
     let (pp_rank, pp) = (groups.coords.pp_rank, groups.dims.pp);
-    let (first, last) = (pp_rank == 0, pp_rank + 1 == pp);
+    let total_chunks = pp * chunks.len();
     let mut loss_sum = 0f64;
-    for mb in micro {
+    let globals = rank_chunks(pp_rank, pp, chunks.len());
+    for (mb, (model, &g)) in micro
+        .iter()
+        .flat_map(|mb| chunks.iter().zip(&globals).map(move |c| (mb, c)))
+    {
+        let (first, last) = (g == 0, g + 1 == total_chunks);
         let (b, s) = mb.ids.dims2()?;
         let s = model.local_seq(s)?; // seq, or seq/tp with sequence parallelism
         let received;
@@ -245,7 +322,9 @@ pub fn forward_only(
             StageInput::Tokens(&mb.ids)
         } else {
             let mut buf = vec![0f32; b * s * hidden];
-            groups.pp.recv(&mut buf, pp_rank - 1, TAG_ACTIVATION)?;
+            groups
+                .pp
+                .recv(&mut buf, (pp_rank + pp - 1) % pp, TAG_ACTIVATION)?;
             received = Tensor::from_vec(buf, (b, s, hidden), &Device::Cpu)?; // [b, s, hidden]
             StageInput::Hidden(&received)
         };
@@ -261,7 +340,7 @@ pub fn forward_only(
             loss_sum += f64::from(output.to_scalar::<f32>()?);
         } else {
             let out = output.flatten_all()?.to_vec1::<f32>()?; // [b * s * hidden]
-            groups.pp.send(&out, pp_rank + 1, TAG_ACTIVATION)?;
+            groups.pp.send(&out, (pp_rank + 1) % pp, TAG_ACTIVATION)?;
         }
     }
     Ok(loss_sum)

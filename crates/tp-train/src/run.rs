@@ -69,7 +69,7 @@ impl<'a> Job<'a> {
         format!(
             "tp train: {:.2}M parameters (hidden {}, {} layers, {} heads / {} KV, vocab {}) on {}\n  \
              tp={} pp={} dp={} ({world} ranks, {} compute thread(s) each); batch {} x {} \
-             tokens in {} micro-batch(es) per replica; matmul peak {:.1} GFLOP/s per rank{}",
+             tokens in {} micro-batch(es) per replica{}; matmul peak {:.1} GFLOP/s per rank{}",
             cfg.num_params() as f64 / 1e6,
             cfg.hidden,
             cfg.layers,
@@ -84,6 +84,14 @@ impl<'a> Job<'a> {
             p.spec.global_batch,
             p.spec.seq,
             p.spec.micro_batches,
+            match p.spec.virtual_stages {
+                1 => String::new(),
+                v => format!(
+                    "; interleaved 1F1B, {v} virtual stages ({} chunks of the {} layers)",
+                    v * d.pp,
+                    cfg.layers
+                ),
+            },
             self.peak / 1e9,
             match &p.resume {
                 Some(ck) => format!("; resuming {} at step {}", ck.dir.display(), ck.state.step),

@@ -35,6 +35,8 @@ pub struct RunRequest {
     pub batch: Option<usize>,
     /// Micro-batches per step on each replica (default [`default_micro_batches`]).
     pub micro_batches: Option<usize>,
+    /// Model chunks per pipeline rank: the interleaved 1F1B schedule's V (1: plain 1F1B).
+    pub virtual_stages: usize,
     /// Tokens per sequence (default 128).
     pub seq: Option<usize>,
     pub lr: f64,
@@ -96,15 +98,21 @@ impl Prepared {
 }
 
 /// Default micro-batches: 1 without a pipeline; else the largest divisor of the per-replica
-/// batch up to 2 x pp (keeps the 1F1B bubble (pp-1)/(M+pp-1) small).
-pub fn default_micro_batches(batch_per_replica: usize, pp: usize) -> usize {
+/// batch up to 2 x pp (keeps the 1F1B bubble (pp-1)/(M+pp-1) small), with virtual stages
+/// the largest such multiple of pp (the interleaved schedule's groups), if one divides it.
+pub fn default_micro_batches(batch_per_replica: usize, pp: usize, virtual_stages: usize) -> usize {
     if pp == 1 {
         return 1;
     }
-    (1..=(2 * pp).min(batch_per_replica.max(1)))
+    let divisors = (1..=(2 * pp).min(batch_per_replica.max(1)))
         .rev()
-        .find(|m| batch_per_replica.is_multiple_of(*m))
-        .unwrap_or(1)
+        .filter(|m| batch_per_replica.is_multiple_of(*m));
+    let grouped = if virtual_stages > 1 {
+        divisors.clone().find(|m| m.is_multiple_of(pp))
+    } else {
+        None
+    };
+    grouped.or_else(|| divisors.clone().next()).unwrap_or(1)
 }
 
 /// Reads and checks everything before any rank starts.
@@ -231,9 +239,9 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
     };
     let (corpus, val) = corpus.split(a.held_out)?;
     let dims = a.dims;
-    let micro_batches = a
-        .micro_batches
-        .unwrap_or_else(|| default_micro_batches(batch / dims.dp.max(1), dims.pp));
+    let micro_batches = a.micro_batches.unwrap_or_else(|| {
+        default_micro_batches(batch / dims.dp.max(1), dims.pp, a.virtual_stages)
+    });
     if !(a.lr > 0.0 && a.lr.is_finite()) {
         return Err(TrainError::Config(
             "the learning rate must be a positive number".into(),
@@ -255,6 +263,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         steps: a.steps,
         global_batch: batch,
         micro_batches,
+        virtual_stages: a.virtual_stages,
         seq,
         seed,
         optim: AdamWConfig {
@@ -372,6 +381,18 @@ mod tests {
     use tp_spec::Arch;
 
     #[test]
+    fn default_micro_batches_are_a_multiple_of_pp_with_virtual_stages_where_one_divides() {
+        // 12 sequences at pp 4: up to 8 micro-batches; 6 for 1F1B, 4 (a group of 4) for
+        // the interleaved schedule.
+        assert_eq!(default_micro_batches(12, 4, 1), 6);
+        assert_eq!(default_micro_batches(12, 4, 2), 4);
+        assert_eq!(default_micro_batches(8, 2, 2), 4);
+        // No multiple of 3 divides 8: the 1F1B default (the run then says what to use).
+        assert_eq!(default_micro_batches(8, 3, 2), 4);
+        assert_eq!(default_micro_batches(8, 1, 2), 1);
+    }
+
+    #[test]
     fn compute_threads_prefers_the_request_then_the_inherited_count_then_shares_the_cores() {
         assert_eq!(compute_threads(Some(3), Some(5), 2, 2), 3);
         assert_eq!(compute_threads(None, Some(5), 2, 2), 5);
@@ -396,6 +417,7 @@ mod tests {
             steps: 1,
             batch: Some(2),
             micro_batches: None,
+            virtual_stages: 1,
             seq: Some(16),
             lr: 1e-3,
             min_lr: None,

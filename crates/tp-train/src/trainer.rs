@@ -1,4 +1,5 @@
-//! The training loop of one rank: micro-batches of the global batch on the 1F1B schedule,
+//! The training loop of one rank: micro-batches of the global batch on the 1F1B schedule
+//! (interleaved over the rank's model chunks with virtual stages),
 //! gradient completion over tp, the bucketed dp all-reduce, clipping by the global norm,
 //! sharded AdamW, and periodic atomic checkpoints (Megatron-LM's `train_step`, in order).
 
@@ -8,7 +9,7 @@ use crate::data::Corpus;
 use crate::error::{Result, TrainError};
 use crate::grads::{self, FlatLayout, NormOwnership, SharedRows, TiedCopy};
 use crate::init::SeededInit;
-use crate::layout::{self, stage_params, ParamSpec};
+use crate::layout::{self, ParamSpec};
 use crate::model::StageModel;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::pipeline::{forward_only, run_micro_batches, MicroBatch};
@@ -35,6 +36,10 @@ pub struct TrainSpec {
     pub global_batch: usize,
     /// Micro-batches per step on each data-parallel replica (the pipeline's M).
     pub micro_batches: usize,
+    /// Model chunks per pipeline rank (the interleaved 1F1B schedule's V, Narayanan et al.
+    /// 2021 §2.2.2): the layers split into `pp * V` chunks, rank s holding chunks s, s + pp,
+    /// ...; 1 is plain 1F1B. The same training, with a V times smaller pipeline bubble.
+    pub virtual_stages: usize,
     pub seq: usize,
     pub seed: u64,
     pub optim: AdamWConfig,
@@ -84,6 +89,12 @@ impl TrainSpec {
         if self.micro_batches == 0 || self.global_batch == 0 {
             return bad("--batch and --micro-batches must be at least 1".into());
         }
+        layout::validate_virtual_stages(
+            &self.model,
+            self.dims.pp,
+            self.virtual_stages,
+            self.micro_batches,
+        )?;
         let per = self.dims.dp * self.micro_batches;
         if !self.global_batch.is_multiple_of(per) {
             return bad(format!(
@@ -156,7 +167,8 @@ pub struct Trainer<'a> {
     val: Option<&'a Corpus>,
     tokenizer_json: &'a str,
     tokenizer_config: Option<&'a str>,
-    model: StageModel,
+    /// The rank's model chunks ([`layout::rank_chunks`]); one: its pipeline stage.
+    chunks: Vec<StageModel>,
     specs: Vec<ParamSpec>,
     layout: FlatLayout,
     /// The flat weights AdamW updates (empty with `zero`, whose slice holds them).
@@ -178,6 +190,8 @@ pub struct Trainer<'a> {
     /// Under full recomputation, the block-input bytes one micro-batch kept on this rank in
     /// the last step (counted); 0 otherwise.
     kept_input_bytes: u64,
+    /// The last step's (forward and backward seconds, of them waiting in pipeline receives).
+    pipeline_s: (f64, f64),
 }
 
 impl<'a> Trainer<'a> {
@@ -227,48 +241,48 @@ impl<'a> Trainer<'a> {
         }
         let c = groups.coords;
         let (tp, pp) = (spec.dims.tp, spec.dims.pp);
-        let mut model = match resume {
-            Some(ck) => {
-                if ck.config != spec.model {
-                    return Err(TrainError::checkpoint(
-                        &ck.dir,
-                        "its config.json differs from the model to train; resume with the \
-                         checkpoint's own config (give no model config)",
-                    ));
-                }
-                StageModel::new(&spec.model, c.pp_rank, pp, c.tp_rank, tp, ck)?
+        if let Start::Init(init) = start {
+            if init.config != spec.model {
+                return Err(TrainError::Config(format!(
+                    "the model to train differs from {}'s; fine-tune it as it is",
+                    init.path.display()
+                )));
             }
-            None => match start {
-                Start::Init(init) => {
-                    if init.config != spec.model {
-                        return Err(TrainError::Config(format!(
-                            "the model to train differs from {}'s; fine-tune it as it is",
-                            init.path.display()
-                        )));
-                    }
-                    StageModel::new(&spec.model, c.pp_rank, pp, c.tp_rank, tp, init)?
-                }
-                _ => StageModel::new(
-                    &spec.model,
-                    c.pp_rank,
-                    pp,
-                    c.tp_rank,
-                    tp,
-                    &SeededInit::new(&spec.model, spec.seed),
-                )?,
-            },
         }
-        .with_sequence_parallel(spec.sequence_parallel);
-        model.set_recompute(spec.recompute);
-        let specs = model.specs().to_vec();
+        if let Some(ck) = resume {
+            if ck.config != spec.model {
+                return Err(TrainError::checkpoint(
+                    &ck.dir,
+                    "its config.json differs from the model to train; resume with the \
+                     checkpoint's own config (give no model config)",
+                ));
+            }
+        }
+        let seeded = SeededInit::new(&spec.model, spec.seed);
+        let weights: &dyn crate::init::WeightSource = match start {
+            Start::Resume(ck) => ck,
+            Start::Init(init) => init,
+            Start::Fresh => &seeded,
+        };
+        let v = spec.virtual_stages.max(1);
+        let chunks = layout::rank_chunks(c.pp_rank, pp, v)
+            .into_iter()
+            .map(|g| {
+                let mut m = StageModel::new(&spec.model, g, pp * v, c.tp_rank, tp, weights)?
+                    .with_sequence_parallel(spec.sequence_parallel);
+                m.set_recompute(spec.recompute);
+                Ok(m)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let specs: Vec<ParamSpec> = chunks.iter().flat_map(|m| m.specs().to_vec()).collect();
         let layout = FlatLayout::new(&specs);
         let mut params = Vec::with_capacity(layout.total());
-        for (_, var) in model.params() {
+        for (_, var) in chunks.iter().flat_map(|m| m.params()) {
             params.extend(var.flatten_all()?.to_vec1::<f32>()?);
         }
         let all_tp: Vec<Vec<ParamSpec>> = (0..tp)
             .map(|t| {
-                let mut specs = stage_params(&spec.model, c.pp_rank, pp, t, tp)?;
+                let mut specs = layout::rank_params(&spec.model, c.pp_rank, pp, v, t, tp)?;
                 if spec.sequence_parallel {
                     layout::sequence_parallel_grads(&mut specs, tp);
                 }
@@ -327,7 +341,7 @@ impl<'a> Trainer<'a> {
             shared: SharedRows::plan(&all_tp, c.tp_rank)?,
             norm: NormOwnership::plan(&all_tp, c.tp_rank),
             groups,
-            model,
+            chunks,
             specs,
             layout,
             params,
@@ -339,6 +353,7 @@ impl<'a> Trainer<'a> {
             opts,
             last_aux: None,
             kept_input_bytes: 0,
+            pipeline_s: (0.0, 0.0),
         })
     }
 
@@ -371,8 +386,10 @@ impl<'a> Trainer<'a> {
         &self.groups
     }
 
-    pub fn model(&self) -> &StageModel {
-        &self.model
+    /// The rank's model chunks, in order ([`layout::rank_chunks`]): its stage without
+    /// virtual stages.
+    pub fn chunks(&self) -> &[StageModel] {
+        &self.chunks
     }
 
     /// This rank's shard specs and its flat buffers (weights, last step's gradients).
@@ -402,9 +419,18 @@ impl<'a> Trainer<'a> {
 
     /// Under full recomputation, the bytes of the block inputs one micro-batch kept on this
     /// rank between its forward and its backward in the last step (counted, the largest
-    /// over its micro-batches); 0 without full recomputation.
+    /// over its micro-batches; with virtual stages, over its chunks' micro-batches, each
+    /// chunk's counted alone); 0 without full recomputation.
     pub fn kept_input_bytes(&self) -> u64 {
         self.kept_input_bytes
+    }
+
+    /// The pipeline bubble of the last step on this rank, measured: the seconds its
+    /// forwards and backwards waited in pipeline receives over the seconds they computed
+    /// (the ideal step's; `(p - 1) / (v m)` under the schedule with equal stages).
+    pub fn measured_bubble(&self) -> f64 {
+        let (all, wait) = self.pipeline_s;
+        wait / (all - wait).max(1e-12)
     }
 
     /// Forward and backward of the next global batch, without the update: afterwards
@@ -438,7 +464,7 @@ impl<'a> Trainer<'a> {
             .collect::<Result<Vec<_>>>()?;
         self.grads.fill(0.0);
         let sums = run_micro_batches(
-            &self.model,
+            &self.chunks,
             &self.groups,
             &micro,
             s.model.hidden,
@@ -448,6 +474,7 @@ impl<'a> Trainer<'a> {
             &self.layout,
         )?;
         self.kept_input_bytes = sums.kept_input_bytes;
+        self.pipeline_s = (sums.pipeline_s, sums.wait_s);
         self.shared
             .complete(&mut self.grads, &self.layout, &self.groups.tp)?;
         if let Some(t) = &self.tied {
@@ -508,7 +535,7 @@ impl<'a> Trainer<'a> {
             })
             .collect::<Result<Vec<_>>>()?;
         let mut loss = [forward_only(
-            &self.model,
+            &self.chunks,
             &self.groups,
             &micro,
             s.model.hidden,
@@ -526,7 +553,7 @@ impl<'a> Trainer<'a> {
         let (loss, norm) = self.compute_gradients()?;
         let coef = grads::clip_coefficient(norm, s.optim.clip_norm);
         let lr = s.optim.lr_at(self.step, s.steps);
-        let vars = self.model.params();
+        let vars: Vec<_> = self.chunks.iter().flat_map(|m| m.params()).collect();
         let mut set = |i: usize, data: &[f32]| -> Result<()> {
             let (spec, var) = &vars[i];
             var.set(&Tensor::from_slice(data, spec.local_shape(), &Device::Cpu)?)?;
@@ -610,7 +637,7 @@ impl<'a> Trainer<'a> {
             optim: s.optim.clone(),
             data: s.data_name.clone(),
             loss_history: self.history.clone(),
-            saved_layout: checkpoint::saved_layout(&s.model, s.dims.tp, s.dims.pp, s.dims.dp)?,
+            saved_layout: checkpoint::saved_layout(&s.model, s.dims, s.virtual_stages)?,
         })
     }
 
@@ -646,6 +673,7 @@ impl<'a> Trainer<'a> {
             tokenizer_json: self.tokenizer_json,
             tokenizer_config: self.tokenizer_config,
             groups: &self.groups,
+            virtual_stages: self.spec.virtual_stages,
             specs: &self.specs,
             layout: &self.layout,
             params: &params,

@@ -7,7 +7,8 @@
 //! activation recomputation, and tp2 x pp2 with sequence parallelism and full recomputation
 //! together; packed documents at tp2 x pp2 (also with sequence parallelism and full
 //! recomputation), tp2 x dp2 (also with the distributed optimizer) and tp3 follow the tp1
-//! packed curve (issue 34).
+//! packed curve, and so do tp2 x pp2 (also with sequence parallelism and full recomputation)
+//! and pp2 x dp2 with 2 virtual stages (interleaved 1F1B; issue 34).
 #![cfg(feature = "mpi")]
 
 use std::time::Duration;
@@ -36,8 +37,10 @@ fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
     let text = mpi_check(4);
     // 6 layouts, 3 of them again sequence parallel, tp2 x pp2 with 2 recomputations and with
     // sequence parallelism and full recomputation, packed tp2 x pp2 (also with sequence
-    // parallelism and full recomputation) and tp2 x dp2, checked by each of the 4 ranks.
-    assert!(text.contains("60 passed, 0 failed"), "{text}");
+    // parallelism and full recomputation) and tp2 x dp2, tp2 x pp2 (also with sequence
+    // parallelism and full recomputation) and pp2 x dp2 at 2 virtual stages, checked by each
+    // of the 4 ranks.
+    assert!(text.contains("72 passed, 0 failed"), "{text}");
     for l in [
         "tp=2 pp=2 dp=1",
         "tp=2 pp=1 dp=2",
@@ -54,6 +57,9 @@ fn every_layout_matches_tp1_under_mpirun_with_4_processes() {
         "tp=2 pp=2 dp=1 packed:",
         "tp=2 pp=2 dp=1 sequence-parallel recompute=full packed:",
         "tp=2 pp=1 dp=2 packed:",
+        "tp=2 pp=2 dp=1 virtual-stages=2:",
+        "tp=2 pp=2 dp=1 sequence-parallel recompute=full virtual-stages=2:",
+        "tp=1 pp=2 dp=2 virtual-stages=2:",
     ] {
         assert!(text.contains(l), "{l} missing: {text}");
     }
@@ -79,15 +85,16 @@ fn uneven_layouts_match_tp1_under_mpirun_with_3_processes() {
 #[test]
 fn distributed_optimizer_matches_tp1_under_mpirun_with_4_processes() {
     let text = mpi_check_with(4, &["--distributed-optimizer"]);
-    // The 3 layouts with dp > 1 and tp2 x dp2 also with sequence parallelism and packed,
-    // checked by each of the 4 ranks.
-    assert!(text.contains("20 passed, 0 failed"), "{text}");
+    // The 3 layouts with dp > 1, tp2 x dp2 also with sequence parallelism and packed, pp2 x
+    // dp2 also at 2 virtual stages, checked by each of the 4 ranks.
+    assert!(text.contains("24 passed, 0 failed"), "{text}");
     for l in [
         "tp=2 pp=1 dp=2 distributed",
         "tp=2 pp=1 dp=2 sequence-parallel distributed",
         "tp=1 pp=2 dp=2 distributed",
         "tp=1 pp=1 dp=4 distributed",
         "tp=2 pp=1 dp=2 distributed optimizer packed",
+        "tp=1 pp=2 dp=2 distributed optimizer virtual-stages=2",
     ] {
         assert!(text.contains(l), "{l} missing: {text}");
     }

@@ -8,7 +8,9 @@
 //! `--distributed-optimizer`, the layouts with dp > 1 train with the optimizer state sharded
 //! over dp. Packed documents ([`fixtures::packed_corpus`]) train at tp2 x pp2 (also with
 //! sequence parallelism and full recomputation), tp2 x dp2 and tp3 against the tp1 packed
-//! curve. Every rank checks every step; rank 0 prints `N passed, N failed` (issue 34).
+//! curve. With 2 virtual stages (the interleaved 1F1B schedule), tp2 x pp2 (also with
+//! sequence parallelism and full recomputation) and pp2 x dp2 follow the tp1 curve. Every
+//! rank checks every step; rank 0 prints `N passed, N failed` (issue 34).
 
 use std::process::ExitCode;
 use tp_comm::local::{self, LocalOptions};
@@ -28,6 +30,8 @@ struct Features {
     distributed_optimizer: bool,
     /// Several documents per sequence ([`fixtures::packed_corpus`]).
     pack: bool,
+    /// Model chunks per pipeline rank (interleaved 1F1B above 1).
+    virtual_stages: usize,
 }
 
 impl Features {
@@ -36,6 +40,7 @@ impl Features {
         recompute: Recompute::None,
         distributed_optimizer: false,
         pack: false,
+        virtual_stages: 1,
     };
 
     /// ` sequence-parallel recompute=full distributed optimizer`, as far as they are on.
@@ -56,6 +61,9 @@ impl Features {
         if self.pack {
             s.push_str(" packed");
         }
+        if self.virtual_stages > 1 {
+            s.push_str(&format!(" virtual-stages={}", self.virtual_stages));
+        }
         s
     }
 }
@@ -71,6 +79,7 @@ fn losses(
         recompute: f.recompute,
         distributed_optimizer: f.distributed_optimizer,
         pack: f.pack,
+        virtual_stages: f.virtual_stages,
         ..fixtures::spec(dims, STEPS, micro)
     };
     let corpus = if f.pack {
@@ -141,6 +150,22 @@ fn layouts(n: usize) -> Vec<(ParallelDims, usize, Features)> {
                             ..packed
                         };
                         out.push((dims, micro, f));
+                    }
+                    // Interleaved: 2 chunks of one layer per rank at pp 2.
+                    if pp == 2 {
+                        let v2 = Features {
+                            virtual_stages: 2,
+                            ..plain
+                        };
+                        out.push((dims, micro, v2));
+                        if sp {
+                            let f = Features {
+                                sequence_parallel: true,
+                                recompute: Recompute::Full,
+                                ..v2
+                            };
+                            out.push((dims, micro, f));
+                        }
                     }
                 }
             }

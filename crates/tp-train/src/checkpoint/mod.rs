@@ -73,13 +73,22 @@ pub struct SavedLayout {
     pub tp: usize,
     pub pp: usize,
     pub dp: usize,
+    /// Model chunks per pipeline rank (interleaved 1F1B); absent in checkpoints of earlier
+    /// versions: 1.
+    #[serde(default = "one")]
+    pub virtual_stages: usize,
     pub tensors: Vec<TensorShards>,
+}
+
+fn one() -> usize {
+    1
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TensorShards {
     pub name: String,
     pub shape: Vec<usize>,
+    /// The pipeline rank that held it.
     pub pp_stage: usize,
     /// `None`: replicated on every tp rank; else the dim split and each tp rank's range.
     pub split_dim: Option<usize>,

@@ -1,6 +1,8 @@
 //! Saving, a collective over the world: each stage's tp ranks all-gather their shards (of
 //! weights and both AdamW moments) into global tensors, stage leaders send them to world
 //! rank 0, which writes the directory atomically; then every rank learns whether it worked.
+//! A pipeline rank's shards are those of its model chunks ([`rank_params`]): tensors are
+//! stored by name, so a checkpoint of any number of virtual stages loads at any other.
 
 use super::atomic::{replace_file, sync_dir, write_synced, SaveHook, SavePoint};
 use super::manifest::{Manifest, MANIFEST};
@@ -12,7 +14,7 @@ use super::{
 use crate::config::{ModelConfig, TrainModel};
 use crate::error::{Result, TrainError};
 use crate::grads::FlatLayout;
-use crate::layout::{stage_params, ParamSpec};
+use crate::layout::{rank_params, ParamSpec};
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -31,6 +33,8 @@ pub struct SaveInputs<'a> {
     /// `tokenizer_config.json` (the chat template), when the tokenizer has one.
     pub tokenizer_config: Option<&'a str>,
     pub groups: &'a ProcessGroups,
+    /// Model chunks per pipeline rank (1 without interleaving).
+    pub virtual_stages: usize,
     /// This rank's flat shard buffers and their layout (this stage's specs, in order).
     pub specs: &'a [ParamSpec],
     pub layout: &'a FlatLayout,
@@ -44,11 +48,16 @@ pub struct SaveInputs<'a> {
 }
 
 /// The shard metadata of a layout, for `trainer.json`.
-pub fn saved_layout(cfg: &ModelConfig, tp: usize, pp: usize, dp: usize) -> Result<SavedLayout> {
+pub fn saved_layout(
+    cfg: &ModelConfig,
+    dims: tp_comm::ParallelDims,
+    virtual_stages: usize,
+) -> Result<SavedLayout> {
+    let (tp, pp, dp) = (dims.tp, dims.pp, dims.dp);
     let mut tensors = Vec::new();
     for stage in 0..pp {
         let per_rank: Vec<Vec<ParamSpec>> = (0..tp)
-            .map(|t| stage_params(cfg, stage, pp, t, tp))
+            .map(|t| rank_params(cfg, stage, pp, virtual_stages, t, tp))
             .collect::<Result<_>>()?;
         for (i, spec) in per_rank[0].iter().enumerate() {
             if spec.tied_copy {
@@ -80,6 +89,7 @@ pub fn saved_layout(cfg: &ModelConfig, tp: usize, pp: usize, dp: usize) -> Resul
         tp,
         pp,
         dp,
+        virtual_stages,
         tensors,
     })
 }
@@ -89,7 +99,7 @@ fn gather_stage(inp: &SaveInputs<'_>) -> Result<Vec<f32>> {
     let g = inp.groups;
     let (tp, pp_rank, pp) = (g.dims.tp, g.coords.pp_rank, g.dims.pp);
     let per_rank: Vec<Vec<ParamSpec>> = (0..tp)
-        .map(|t| stage_params(inp.config, pp_rank, pp, t, tp))
+        .map(|t| rank_params(inp.config, pp_rank, pp, inp.virtual_stages, t, tp))
         .collect::<Result<_>>()?;
     let mut out = Vec::new();
     for (i, spec) in inp.specs.iter().enumerate() {
@@ -141,10 +151,11 @@ pub fn save(inp: &SaveInputs<'_>) -> Result<Option<PathBuf>> {
         if writer {
             stages.push(mine);
             for q in 1..g.dims.pp {
-                let n: usize = stage_params(inp.config, q, g.dims.pp, 0, g.dims.tp)?
-                    .iter()
-                    .map(|s| 3 * s.global_len())
-                    .sum();
+                let n: usize =
+                    rank_params(inp.config, q, g.dims.pp, inp.virtual_stages, 0, g.dims.tp)?
+                        .iter()
+                        .map(|s| 3 * s.global_len())
+                        .sum();
                 let mut buf = vec![0f32; n];
                 g.pp.recv(&mut buf, q, TAG_CHECKPOINT)?;
                 stages.push(buf);
@@ -199,12 +210,13 @@ fn write_checkpoint(inp: &SaveInputs<'_>, stages: &[Vec<f32>]) -> Result<PathBuf
     let tmp = dir.join(format!(".tmp-{name}-{}", std::process::id()));
     std::fs::create_dir(&tmp).map_err(|e| TrainError::io("create directory", &tmp, e))?;
 
-    // Global tensors of every stage, in model order.
+    // Global tensors of every pipeline rank (safetensors stores them sorted by name).
     let mut model = Vec::new();
     let mut optim = Vec::new();
     for (q, flat) in stages.iter().enumerate() {
         let mut at = 0;
-        for spec in stage_params(inp.config, q, inp.groups.dims.pp, 0, inp.groups.dims.tp)? {
+        let d = inp.groups.dims;
+        for spec in rank_params(inp.config, q, d.pp, inp.virtual_stages, 0, d.tp)? {
             let n = spec.global_len();
             let part = &flat[at..at + 3 * n];
             at += 3 * n;
