@@ -49,7 +49,7 @@ enum Command {
     Selftest(selftest::SelftestArgs),
     /// Chooses tp, pp, dp (and micro-batch, recompute, ...) for a model on a cluster.
     Plan(tp_plan::cli::PlanArgs),
-    /// Trains a Llama, Qwen3 or Gemma-3 model with tensor, pipeline and data parallelism.
+    /// Trains a Llama, Qwen2, Qwen3 or Gemma-3 model with tensor, pipeline and data parallelism.
     Train(Box<train::TrainArgs>),
 }
 

@@ -1,4 +1,4 @@
-//! `tp train`: trains a Llama, Qwen3 or Gemma-3 model with tensor, pipeline and data parallelism
+//! `tp train`: trains a Llama, Qwen2, Qwen3 or Gemma-3 model with tensor, pipeline and data parallelism
 //! (tp-train's `run::Job`). Validates everything on the main thread first (data, config,
 //! layout, checkpoint checksums), then starts the ranks; rank 0 shows progress with loss,
 //! tokens/s and MFU, and the run ends with a checkpoint and a loss curve beside it.
@@ -27,16 +27,16 @@ pub struct TrainArgs {
     /// Data-parallel replicas: each takes a share of every batch.
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
-    /// Model: a preset (tiny, small, bench) or an HF Llama, Qwen3 or Gemma-3 config.json
+    /// Model: a preset (tiny, small, bench) or an HF Llama, Qwen2, Qwen3 or Gemma-3 config.json
     /// [default: tiny, or the checkpoint's model with --resume].
     #[arg(long)]
     pub config: Option<String>,
     /// Fine-tune a pretrained model: a GGUF file (dequantized to f32) or an HF directory.
-    /// Its config, weights and tokenizer are used (a Llama, Qwen3 or Gemma-3 without Q/K/V
-    /// biases or experts).
+    /// Its config, weights and tokenizer are used (a Llama, Qwen2, Qwen3 or Gemma-3, or a
+    /// Mixtral or Qwen3-MoE).
     #[arg(long, conflicts_with_all = ["config", "resume"])]
     pub init: Option<PathBuf>,
-    /// Architecture of a preset: llama; qwen3 (adds an RMSNorm over each query and key head);
+    /// Architecture of a preset: llama; qwen2 (adds biases to Q, K and V); qwen3 (adds an RMSNorm over each query and key head);
     /// gemma3 (adds those and Gemma-3's block: GeGLU, post norms, scaled embeddings, a
     /// sliding window on every other layer); mixtral, qwen3moe (llama's, qwen3's with every
     /// MLP a mixture of 8 experts of the preset's FFN width, top-2) [default: llama; a

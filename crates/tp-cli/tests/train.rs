@@ -283,9 +283,12 @@ fn bad_inputs_get_clear_errors() {
         (vec!["--config", "enormous"], "no such preset or file"),
         (
             vec!["--config", b],
-            "not a Llama, Qwen3 or Gemma-3 config.json",
+            "not a Llama, Qwen2, Qwen3 or Gemma-3 config.json",
         ),
-        (vec!["--arch", "qwen2"], "use one of llama, qwen3, gemma3"),
+        (
+            vec!["--arch", "qwen2moe"],
+            "use one of llama, qwen2, qwen3, gemma3",
+        ),
         (vec!["--resume", "/no/such/checkpoint"], "does not exist"),
         (vec!["--seq", "4096"], "max_position_embeddings"),
         (

@@ -6,6 +6,9 @@
 //! With Qwen3's q/k norms ([`ParallelAttention::with_qk_norm`]) each query and key head is
 //! RMS-normalised over its `head_dim` before RoPE; the norm weights are replicated, and each
 //! rank's gradient of them covers only its own heads (the trainer sums it over tp).
+//! Qwen2's Q/K/V biases ([`ParallelAttention::with_qkv_bias`]) are added after the
+//! projections, before RoPE; each rank holds the entries of its own Q/K/V rows (a KV head's
+//! on every rank that holds the head, whose gradients the trainer sums like the K/V rows').
 //! Gemma-3's layers set the query scale and, on local layers, a sliding window
 //! ([`ParallelAttention::with_scores`]).
 
@@ -156,6 +159,24 @@ impl ParallelAttention {
         Ok(self)
     }
 
+    /// Adds Qwen2's Q/K/V biases: `bq [q_local]`, `bk`, `bv [kv_local]` are this rank's
+    /// shards, the entries of the rows its wq, wk, wv hold (cut where the parameter table
+    /// places them: the same heads).
+    pub fn with_qkv_bias(mut self, bq: &Tensor, bk: &Tensor, bv: &Tensor) -> Result<Self> {
+        self.wq = self.wq.with_bias(bq)?;
+        self.wk = self.wk.with_bias(bk)?;
+        self.wv = self.wv.with_bias(bv)?;
+        Ok(self)
+    }
+
+    /// The Q/K/V bias shards, when the attention has them.
+    pub fn qkv_bias_vars(&self) -> Option<[&Var; 3]> {
+        match (self.wq.bias(), self.wk.bias(), self.wv.bias()) {
+            (Some(q), Some(k), Some(v)) => Some([q, k, v]),
+            _ => None,
+        }
+    }
+
     /// Selective activation recomputation: the backward recomputes the attention core (scores,
     /// softmax, weighted sum of V) instead of keeping its `[s, s]` tensors from the forward.
     /// The results are bitwise those without it.
@@ -215,6 +236,7 @@ impl ParallelAttention {
         let hd = self.head_dim;
         let hq_local = self.plan.q_range().len();
         let hkv_local = self.plan.kv_range().len();
+        // With Qwen2's biases added, before the q/k norms and RoPE.
         let q = self.wq.forward_local(x_par)?; // [b, s, hq_local * hd]
         let k = self.wk.forward_local(x_par)?; // [b, s, hkv_local * hd]
         let v = self.wv.forward_local(x_par)?; // [b, s, hkv_local * hd]

@@ -1,7 +1,8 @@
 //! The pre-norm transformer block composed of the parallel layers (Megatron §3, Fig. 4:
 //! two all-reduces forward and two backward), with Gemma-3's departures per layer
 //! ([`LayerStyle`]): GeGLU, norms after the attention and MLP, `x * (1 + w)` norms, the query
-//! scale, a sliding window and linearly scaled RoPE.
+//! scale, a sliding window and linearly scaled RoPE; Qwen3's per-head q/k norms and Qwen2's
+//! Q/K/V biases ([`BlockConfig::qk_norm`], [`BlockConfig::qkv_bias`]).
 
 use crate::attention::ParallelAttention;
 use crate::error::{Result, TpError};
@@ -76,6 +77,8 @@ pub struct BlockConfig {
     pub max_seq: usize,
     /// Qwen3: an RMSNorm (eps `rms_eps`) over each query and key head before RoPE.
     pub qk_norm: bool,
+    /// Qwen2: biases added to the Q, K and V projections (before RoPE).
+    pub qkv_bias: bool,
     pub style: LayerStyle,
 }
 
@@ -96,6 +99,9 @@ pub struct BlockWeights {
     /// [`LayerStyle::post_norms`] is set.
     pub post_attn_norm: Option<Tensor>, // [hidden]
     pub post_mlp_norm: Option<Tensor>, // [hidden]
+    /// Qwen2's `(bq [heads * head_dim], bk [kv_heads * head_dim], bv [kv_heads * head_dim])`,
+    /// present exactly when [`BlockConfig::qkv_bias`] is set.
+    pub qkv_bias: Option<(Tensor, Tensor, Tensor)>,
 }
 
 /// The global weights of a block's MLP.
@@ -126,15 +132,9 @@ impl MlpWeights {
 
 impl BlockConfig {
     /// The block of a layer of the parameter table, for sequences of at most `max_seq`
-    /// positions (tp-nn's layers have no biases: a spec with them is refused).
+    /// positions (a shared expert, Qwen2-MoE's, is refused).
     pub fn from_spec(spec: &LayerSpec, max_seq: usize) -> Result<Self> {
         let a = &spec.attention;
-        if a.bias {
-            return Err(TpError::Config(format!(
-                "layer {} has Q/K/V biases, which the training layers do not have",
-                spec.layer
-            )));
-        }
         let (ffn, activation, experts) = match spec.mlp {
             MlpSpec::Dense { ffn, activation } => (ffn, activation, None),
             MlpSpec::Moe {
@@ -170,6 +170,7 @@ impl BlockConfig {
             rms_eps: spec.rms_eps,
             max_seq,
             qk_norm: a.qk_norm,
+            qkv_bias: a.bias,
             style: LayerStyle {
                 activation,
                 post_norms: spec.post_norms,
@@ -194,7 +195,7 @@ impl BlockConfig {
                 heads: self.heads,
                 kv_heads: self.kv_heads,
                 head_dim: self.head_dim,
-                bias: false,
+                bias: self.qkv_bias,
                 qk_norm: self.qk_norm,
                 window: st.window,
                 rope_theta: self.rope_theta,
@@ -228,7 +229,7 @@ impl BlockWeights {
     /// A block's global weights from one layer's parameters of the table with their tensors:
     /// the table says which weights a block has, this puts each in its slot.
     pub fn from_params(params: Vec<(Param, Tensor)>) -> Result<Self> {
-        let mut slots: [Option<Tensor>; 13] = Default::default();
+        let mut slots: [Option<Tensor>; 16] = Default::default();
         let mut router = None;
         let mut experts: Vec<[Option<Tensor>; 3]> = Vec::new();
         for (p, t) in params {
@@ -263,6 +264,9 @@ impl BlockWeights {
                 WeightName::KNorm(_) => 10,
                 WeightName::PostAttnNorm(_) => 11,
                 WeightName::PostFfnNorm(_) => 12,
+                WeightName::QBias(_) => 13,
+                WeightName::KBias(_) => 14,
+                WeightName::VBias(_) => 15,
                 other => {
                     return Err(TpError::Config(format!(
                         "{other:?} is not a weight of the training block"
@@ -271,7 +275,7 @@ impl BlockWeights {
             };
             slots[slot] = Some(t);
         }
-        let [attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down, q_norm, k_norm, post_attn_norm, post_mlp_norm] =
+        let [attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down, q_norm, k_norm, post_attn_norm, post_mlp_norm, bq, bk, bv] =
             slots;
         let need = |t: Option<Tensor>, what: &str| {
             t.ok_or_else(|| TpError::Config(format!("the layer's parameters lack {what}")))
@@ -302,6 +306,15 @@ impl BlockWeights {
                 down: need(w_down, "down")?,
             },
         };
+        let qkv_bias = match (bq, bk, bv) {
+            (Some(q), Some(k), Some(v)) => Some((q, k, v)),
+            (None, None, None) => None,
+            _ => {
+                return Err(TpError::Config(
+                    "the layer's parameters have some of the Q/K/V biases but not all three".into(),
+                ))
+            }
+        };
         Ok(BlockWeights {
             attn_norm: need(attn_norm, "the attention norm")?,
             wq: need(wq, "Q")?,
@@ -314,6 +327,7 @@ impl BlockWeights {
             k_norm,
             post_attn_norm,
             post_mlp_norm,
+            qkv_bias,
         })
     }
 }
@@ -335,8 +349,8 @@ impl BlockConfig {
     }
 
     /// Random weights scaled like a fresh init (1/sqrt(fan_in)), norms near 1 (near 0 when
-    /// they compute `x * (1 + w)`; the q/k norms, then the post norms drawn last, so a block
-    /// without them has the same other weights).
+    /// they compute `x * (1 + w)`; the q/k norms, then the post norms, then the Q/K/V
+    /// biases (near 0) drawn last, so a block without them has the same other weights).
     pub fn random_weights(&self, seed: u64, device: &Device) -> Result<BlockWeights> {
         self.validate()?;
         let mut rng = Rng::xorshift64_star(seed);
@@ -389,6 +403,7 @@ impl BlockConfig {
             k_norm: None,
             post_attn_norm: None,
             post_mlp_norm: None,
+            qkv_bias: None,
         };
         if self.qk_norm {
             w.q_norm = Some(rng.tensor(&[self.head_dim], one, 0.2, device)?);
@@ -397,6 +412,13 @@ impl BlockConfig {
         if self.style.post_norms {
             w.post_attn_norm = Some(rng.tensor(&[h], one, 0.2, device)?);
             w.post_mlp_norm = Some(rng.tensor(&[h], one, 0.2, device)?);
+        }
+        if self.qkv_bias {
+            w.qkv_bias = Some((
+                rng.tensor(&[q], 0.0, 0.5, device)?,
+                rng.tensor(&[kv], 0.0, 0.5, device)?,
+                rng.tensor(&[kv], 0.0, 0.5, device)?,
+            ));
         }
         Ok(w)
     }
@@ -411,6 +433,33 @@ impl BlockConfig {
             (false, None, None) => Ok(None),
             (want, ..) => Err(TpError::Config(format!(
                 "the block config says qk_norm = {want}, but the weights {} q_norm/k_norm",
+                if want { "lack" } else { "carry" }
+            ))),
+        }
+    }
+
+    /// The Q/K/V biases of `w`, checked against `qkv_bias` (`Some` exactly when it is set)
+    /// and against the projections' widths.
+    pub(crate) fn qkv_bias_weights<'a>(
+        &self,
+        w: &'a BlockWeights,
+    ) -> Result<Option<[&'a Tensor; 3]>> {
+        match (self.qkv_bias, &w.qkv_bias) {
+            (true, Some((q, k, v))) => {
+                let (qw, kvw) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
+                for (name, t, want) in [("bq", q, qw), ("bk", k, kvw), ("bv", v, kvw)] {
+                    if t.dims() != [want] {
+                        return Err(TpError::Shape(format!(
+                            "the bias {name} must be [{want}], got {:?}",
+                            t.dims()
+                        )));
+                    }
+                }
+                Ok(Some([q, k, v]))
+            }
+            (false, None) => Ok(None),
+            (want, _) => Err(TpError::Config(format!(
+                "the block config says qkv_bias = {want}, but the weights {} Q/K/V biases",
                 if want { "lack" } else { "carry" }
             ))),
         }
@@ -431,6 +480,19 @@ impl BlockConfig {
             ))),
         }
     }
+}
+
+/// This rank's shard of the global tensor `t` of weight `name`, cut where `plan` places the
+/// table's parameter of that name.
+fn shard(table: &[Param], plan: &ShardPlan, name: WeightName, t: &Tensor) -> Result<Tensor> {
+    let p = table
+        .iter()
+        .find(|p| p.name == name)
+        .ok_or_else(|| TpError::Config(format!("the layer's table has no {name:?}")))?;
+    Ok(match plan.place(p) {
+        Placement::Replicated => t.clone(),
+        Placement::Sharded { dim, range } => t.narrow(dim, range.start, range.len())?,
+    })
 }
 
 /// One rank's slice of a block's MLP.
@@ -531,6 +593,20 @@ impl ParallelBlock {
             Some((q, k)) => attn.with_qk_norm(q, k, eps, unit)?,
             None => attn,
         };
+        let attn = match cfg.qkv_bias_weights(w)? {
+            Some(b) => {
+                // Each bias cut where the parameter table places it on this rank.
+                let table = cfg.layer_spec(layer).params();
+                let names = [
+                    WeightName::QBias(layer),
+                    WeightName::KBias(layer),
+                    WeightName::VBias(layer),
+                ];
+                let [bq, bk, bv] = [0, 1, 2].map(|i| shard(&table, plan, names[i], b[i]));
+                attn.with_qkv_bias(&bq?, &bk?, &bv?)?
+            }
+            None => attn,
+        };
         let norm = |w: &Tensor| RmsNorm::from_global_offset(w, eps, unit);
         let post_norms = match cfg.post_norm_weights(w)? {
             Some((a, m)) => Some((norm(a)?, norm(m)?)),
@@ -621,6 +697,7 @@ impl ParallelBlock {
 
     /// The shard of weight `name` (`None` for a weight this block does not have).
     pub fn var(&self, name: WeightName) -> Option<&Var> {
+        let bias = self.attn.qkv_bias_vars();
         let [wq, wk, wv, wo] = self.attn.vars().map(|(_, v)| v);
         let mlp = match &self.mlp {
             BlockMlp::Dense(m) => Ok(m.vars().map(|(_, v)| v)),
@@ -650,6 +727,9 @@ impl ParallelBlock {
             WeightName::KNorm(_) => qk.map(|(_, k)| k),
             WeightName::PostAttnNorm(_) => post.map(|(a, _)| a),
             WeightName::PostFfnNorm(_) => post.map(|(_, m)| m),
+            WeightName::QBias(_) => bias.map(|b| b[0]),
+            WeightName::KBias(_) => bias.map(|b| b[1]),
+            WeightName::VBias(_) => bias.map(|b| b[2]),
             _ => None,
         }
     }

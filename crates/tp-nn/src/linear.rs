@@ -1,7 +1,7 @@
 //! Column- and row-parallel linear layers (Megatron §3, Eq. 3 and the MLP split of Fig. 3a).
 //!
-//! Weights follow candle's layout `[out, in]`, `y = x W^T`. A column-parallel layer holds a
-//! contiguous range of output rows; a row-parallel layer a range of input columns, and its
+//! Weights follow candle's layout `[out, in]`, `y = x W^T (+ b)`. A column-parallel layer
+//! holds a contiguous range of output rows (and those entries of its bias, if any); a row-parallel layer a range of input columns, and its
 //! output is a [`PartialSum`] that only [`PartialSum::reduce`] (g) or
 //! [`PartialSum::reduce_scatter_seq`] turns into a usable tensor.
 
@@ -72,6 +72,8 @@ fn slice_var(w: &Tensor, dim: usize, units: &Range<usize>, unit_len: usize) -> R
 #[derive(Debug)]
 pub struct ColumnParallelLinear {
     weight: Var, // [out_local, in]
+    /// The rank's entries of the bias, the same rows as the weight's (Qwen2's Q/K/V).
+    bias: Option<Var>, // [out_local]
     /// Every rank's output width, in rank order (for gathering the output).
     out_sizes: Vec<usize>,
     gather_output: bool,
@@ -115,6 +117,7 @@ impl ColumnParallelLinear {
         }
         Ok(ColumnParallelLinear {
             weight: slice_var(weight, 0, &units, unit_len)?,
+            bias: None,
             out_sizes,
             gather_output: false,
             tp_rank,
@@ -128,8 +131,27 @@ impl ColumnParallelLinear {
         self
     }
 
+    /// Adds a bias: `local [out_local]` is this rank's shard of it, the entries of the
+    /// weight's rows (the caller cuts it where the parameter table places it).
+    pub fn with_bias(mut self, local: &Tensor) -> Result<Self> {
+        let rows = self.weight.dim(0)?;
+        if local.dims() != [rows] {
+            return Err(TpError::Shape(format!(
+                "a bias shard of {:?} for a shard of {rows} output rows",
+                local.dims()
+            )));
+        }
+        self.bias = Some(Var::from_tensor(&local.contiguous()?)?);
+        Ok(self)
+    }
+
     pub fn weight(&self) -> &Var {
         &self.weight
+    }
+
+    /// The bias shard, when the layer has one.
+    pub fn bias(&self) -> Option<&Var> {
+        self.bias.as_ref()
     }
 
     /// Replicated `x [.., in]`: applies f, the local matmul, and gathers when configured.
@@ -146,8 +168,13 @@ impl ColumnParallelLinear {
     }
 
     /// Input already inside the parallel region (after f or a sequence-parallel gather).
+    /// Its gradient w.r.t. the bias is the sum of the output gradient over every position.
     pub fn forward_local(&self, x_par: &Tensor) -> Result<Tensor> {
-        matmul_t(x_par, self.weight.as_tensor())
+        let y = matmul_t(x_par, self.weight.as_tensor())?; // [.., out_local]
+        match &self.bias {
+            Some(b) => Ok(y.broadcast_add(b.as_tensor())?), // [.., out_local]
+            None => Ok(y),
+        }
     }
 }
 

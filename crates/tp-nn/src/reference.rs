@@ -3,7 +3,8 @@
 //! KV heads repeated by broadcasting). Same math as Llama's block, Qwen3's with the
 //! per-head q/k norms (`rms_norm_slow` over each head's `head_dim`, before RoPE), and
 //! Gemma-3's layer styles (GeGLU written out from its formula, post norms, `1 + w` norms,
-//! query scale, a windowed mask, scaled positions).
+//! query scale, a windowed mask, scaled positions), Qwen2's Q/K/V biases (added to the whole
+//! projections, before RoPE).
 
 use crate::block::{BlockConfig, BlockWeights};
 use crate::error::Result;
@@ -45,6 +46,11 @@ impl DenseBlock {
         if let Some((a, m)) = cfg.post_norm_weights(w)? {
             vars.push(("post_attn_norm", v(a)?));
             vars.push(("post_mlp_norm", v(m)?));
+        }
+        if let Some([q, k, b]) = cfg.qkv_bias_weights(w)? {
+            vars.push(("bq", v(q)?));
+            vars.push(("bk", v(k)?));
+            vars.push(("bv", v(b)?));
         }
         // Frequencies theta^(-2i/d), computed here as a tensor expression (not shared with
         // the parallel path's table builder).
@@ -99,9 +105,18 @@ impl DenseBlock {
         let c = &self.cfg;
         let (b, s, hidden) = h.dims3()?;
         let lin = |x: &Tensor, w: &Tensor| x.broadcast_matmul(&w.t()?);
+        // A projection with its bias (Qwen2) when the block has one.
+        let proj = |x: &Tensor, w: &str, bias: &str| -> Result<Tensor> {
+            let y = lin(x, self.w(w)?)?; // [b, s, out]
+            Ok(if c.qkv_bias {
+                y.broadcast_add(self.w(bias)?)? // [b, s, out]
+            } else {
+                y
+            })
+        };
         let n = self.norm(h, "attn_norm")?; // [b, s, hidden]
-        let q = lin(&n, self.w("wq")?)?.reshape((b, s, c.heads, c.head_dim))?; // [b, s, heads, hd]
-        let k = lin(&n, self.w("wk")?)?.reshape((b, s, c.kv_heads, c.head_dim))?; // [b, s, kv, hd]
+        let q = proj(&n, "wq", "bq")?.reshape((b, s, c.heads, c.head_dim))?; // [b, s, heads, hd]
+        let k = proj(&n, "wk", "bk")?.reshape((b, s, c.kv_heads, c.head_dim))?; // [b, s, kv, hd]
         let (q, k) = if c.qk_norm {
             (self.norm(&q, "q_norm")?, self.norm(&k, "k_norm")?) // [b, s, heads|kv, hd]
         } else {
@@ -109,7 +124,7 @@ impl DenseBlock {
         };
         let q = q.transpose(1, 2)?.contiguous()?; // [b, heads, s, hd]
         let k = k.transpose(1, 2)?.contiguous()?; // [b, kv, s, hd]
-        let v = lin(&n, self.w("wv")?)?
+        let v = proj(&n, "wv", "bv")?
             .reshape((b, s, c.kv_heads, c.head_dim))?
             .transpose(1, 2)?
             .contiguous()?; // [b, kv, s, hd]

@@ -96,6 +96,11 @@ pub struct PlanArgs {
     /// Print the comparison with Narayanan et al. 2021 Table 1 and exit.
     #[arg(long)]
     pub megatron_table: bool,
+    /// Print the comparisons with published runs beyond Megatron 2021 (Korthikanti et al.
+    /// 2022 Table 5: sequence parallelism and selective recomputation; Llama 3.1 405B) and
+    /// exit.
+    #[arg(long)]
+    pub published_runs: bool,
     /// List model and accelerator presets and exit.
     #[arg(long)]
     pub list_presets: bool,
@@ -134,6 +139,7 @@ impl Default for PlanArgs {
             show_rejected: 20,
             json: false,
             megatron_table: false,
+            published_runs: false,
             list_presets: false,
             host_speeds: None,
         }
@@ -260,6 +266,22 @@ pub fn run(args: &PlanArgs) -> Result<String, PlanError> {
             Ok(serde_json::to_string_pretty(&rows)?)
         } else {
             Ok(render_markdown(&rows))
+        };
+    }
+    if args.published_runs {
+        let rows = crate::korthikanti_table::compare_with_table5()?;
+        let llama3 = crate::llama3_run::compare_with_table4()?;
+        return if args.json {
+            Ok(serde_json::to_string_pretty(&serde_json::json!({
+                "korthikanti_2022": rows,
+                "llama3_405b": llama3,
+            }))?)
+        } else {
+            Ok(format!(
+                "{}\n{}",
+                crate::korthikanti_table::render_markdown(&rows),
+                crate::llama3_run::render_markdown(&llama3)
+            ))
         };
     }
     let model_name = args

@@ -11,6 +11,8 @@ pub mod flops;
 pub mod gguf;
 pub mod hardware;
 pub mod hf_config;
+pub mod korthikanti_table;
+pub mod llama3_run;
 pub mod megatron_table;
 pub mod model;
 pub mod model_presets;

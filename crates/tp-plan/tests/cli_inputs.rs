@@ -172,6 +172,26 @@ fn megatron_table_and_presets_flags() {
         ..PlanArgs::default()
     };
     assert!(run(&a).unwrap().contains("megatron-1t"));
+    // Both published-run tables, and as JSON.
+    let a = PlanArgs {
+        published_runs: true,
+        ..PlanArgs::default()
+    };
+    let text = run(&a).unwrap();
+    assert!(
+        text.contains("| gpt-1t |") && text.contains("| 16384 | 8 | 16 |"),
+        "{text}"
+    );
+    let json: serde_json::Value = serde_json::from_str(
+        &run(&PlanArgs {
+            json: true,
+            ..a.clone()
+        })
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(json["korthikanti_2022"].as_array().map(Vec::len), Some(4));
+    assert_eq!(json["llama3_405b"].as_array().map(Vec::len), Some(2));
     let a = PlanArgs {
         list_presets: true,
         ..PlanArgs::default()

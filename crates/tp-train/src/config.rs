@@ -1,9 +1,10 @@
-//! The model trained here is tp-spec's [`ModelConfig`] (a Llama; a Qwen3, which adds an
-//! RMSNorm over each query and key head; or a Gemma-3, which adds Gemma's block to Qwen3's);
-//! this adds what training needs on top: presets (of each architecture), reading an HF
-//! `config.json` through tp-spec's reader, the checks training adds (these
-//! architectures only, no biases or experts, weights and optimizer state that fit), each layer's block for tp-nn
-//! and the `config.json` text a checkpoint carries.
+//! The model trained here is tp-spec's [`ModelConfig`] (a Llama; a Qwen2, which adds biases
+//! to Q, K and V; a Qwen3, which adds an RMSNorm over each query and key head; or a Gemma-3,
+//! which adds Gemma's block to Qwen3's); this adds what training needs on top: presets (of
+//! each architecture), reading an HF `config.json` through tp-spec's reader, the checks
+//! training adds (these architectures only, Q/K/V biases exactly on Qwen2, no shared
+//! experts, weights and optimizer state that fit), each layer's block for tp-nn and the
+//! `config.json` text a checkpoint carries.
 
 use crate::error::{Result, TrainError};
 use std::path::Path;
@@ -15,7 +16,7 @@ use tp_spec::{Arch, BlockStyle, Experts, Gating, RopeStyle, SlidingWindow};
 pub const PRESETS: &[&str] = &["tiny", "small", "bench"];
 
 /// The architectures training supports, by the name `--arch` takes (tp-spec's).
-pub const TRAINABLE_ARCHS: [Arch; 3] = [Arch::Llama, Arch::Qwen3, Arch::Gemma3];
+pub const TRAINABLE_ARCHS: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
 
 /// What `--arch` names: a trainable family, with experts for the mixture-of-experts ones.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -59,7 +60,7 @@ impl TrainArch {
     }
 }
 
-/// The trainable architecture named `name` (`llama`, `qwen3`, `gemma3`, `mixtral`,
+/// The trainable architecture named `name` (`llama`, `qwen2`, `qwen3`, `gemma3`, `mixtral`,
 /// `qwen3moe`); the error lists them.
 pub fn trainable_arch(name: &str) -> Result<TrainArch> {
     let dense = TRAINABLE_ARCHS
@@ -92,8 +93,8 @@ fn arch_names() -> String {
 
 fn only_trainable(arch: &str) -> String {
     format!(
-        "model_type {arch:?}: only Llama, Qwen3 and Gemma-3 models (LlamaForCausalLM, \
-         Qwen3ForCausalLM, Gemma3ForCausalLM) can be trained"
+        "model_type {arch:?}: only Llama, Qwen2, Qwen3 and Gemma-3 models (LlamaForCausalLM, \
+         Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM) can be trained"
     )
 }
 
@@ -158,14 +159,14 @@ pub trait TrainModel: Sized {
     fn preset(name: &str) -> Option<Self>;
     /// A preset name or the path of an HF `config.json` (or of a directory holding one).
     fn from_arg(arg: &str) -> Result<Self>;
-    /// Reads an HF Llama, Qwen3 or Gemma-3 `config.json`.
+    /// Reads an HF Llama, Qwen2, Qwen3 or Gemma-3 `config.json`.
     fn read(path: &Path) -> Result<Self>;
     /// Parses the text of an HF `config.json`; the error says what is wrong.
     fn parse(text: &str) -> std::result::Result<Self, String>;
     /// The same model with another vocabulary size (a tokenizer's).
     fn with_vocab(self, vocab: usize) -> Self;
-    /// The same sizes as a model of `arch` (one of [`TRAINABLE_ARCHS`]): Qwen3 adds the
-    /// per-head q/k norms, Gemma-3 adds them and its block (GeGLU, post norms, scaled
+    /// The same sizes as a model of `arch` (one of [`TRAINABLE_ARCHS`]): Qwen2 adds the Q/K/V
+    /// biases, Qwen3 the per-head q/k norms, Gemma-3 adds them and its block (GeGLU, post norms, scaled
     /// embeddings, a window of a quarter of the context on every other layer, RoPE bases
     /// 10^6 global and 10^4 local), Llama drops them.
     fn with_arch(self, arch: Arch) -> Result<Self>;
@@ -233,7 +234,7 @@ impl TrainModel for ModelConfig {
     fn parse(text: &str) -> std::result::Result<ModelConfig, String> {
         let c = ModelConfig::from_hf_json(text).map_err(|e| match e {
             tp_spec::SpecError::UnsupportedArch { arch } => only_trainable(&arch),
-            other => format!("not a Llama, Qwen3 or Gemma-3 config.json ({other})"),
+            other => format!("not a Llama, Qwen2, Qwen3 or Gemma-3 config.json ({other})"),
         })?;
         if !TRAINABLE_ARCHS.contains(&c.arch) {
             return Err(only_trainable(c.arch.name()));
@@ -261,6 +262,7 @@ impl TrainModel for ModelConfig {
         let was_gemma = self.arch == Arch::Gemma3;
         self.arch = arch;
         self.qk_norm = matches!(arch, Arch::Qwen3 | Arch::Gemma3);
+        self.qkv_bias = arch == Arch::Qwen2;
         if arch == Arch::Gemma3 && !was_gemma {
             self.block = gemma3_preset_block(self.context);
             self.rope_theta = GEMMA3_ROPE_THETA;
@@ -280,16 +282,20 @@ impl TrainModel for ModelConfig {
         let bad = |m: String| Err(TrainError::Config(m));
         self.validate()
             .map_err(|e| TrainError::Config(e.to_string()))?;
-        if !TRAINABLE_ARCHS.contains(&self.arch) || self.qkv_bias {
+        if !TRAINABLE_ARCHS.contains(&self.arch) {
             return bad(format!(
-                "a {} model{}; training supports Llama, Qwen3 and Gemma-3 models (and their \
-                 mixtures of experts) without biases",
+                "a {} model; training supports Llama, Qwen2, Qwen3 and Gemma-3 models (and \
+                 their mixtures of experts)",
+                self.arch.name()
+            ));
+        }
+        if self.qkv_bias != (self.arch == Arch::Qwen2) {
+            // Qwen2ForCausalLM always has them; a Llama's `attention_bias` also biases the
+            // output projection, which the training layers do not have.
+            return bad(format!(
+                "a {} model {} Q/K/V biases: training has them on Qwen2 models, and only there",
                 self.arch.name(),
-                if self.qkv_bias {
-                    " with Q/K/V biases"
-                } else {
-                    ""
-                }
+                if self.qkv_bias { "with" } else { "without" }
             ));
         }
         if let Some(e) = &self.experts {
@@ -384,26 +390,34 @@ mod tests {
         c.tied_embeddings = true;
         c.check_trainable().unwrap();
         let e = ModelConfig::parse("{\"model_type\": \"gpt2\"}").unwrap_err();
-        assert!(e.contains("only Llama, Qwen3 and Gemma-3 models"), "{e}");
+        assert!(
+            e.contains("only Llama, Qwen2, Qwen3 and Gemma-3 models"),
+            "{e}"
+        );
         let e = ModelConfig::parse("{\"model_type\": \"llama\"}").unwrap_err();
         assert!(
-            e.contains("not a Llama, Qwen3 or Gemma-3 config.json"),
+            e.contains("not a Llama, Qwen2, Qwen3 or Gemma-3 config.json"),
             "{e}"
         );
-        let mut qwen2 = ModelConfig::preset("tiny").unwrap();
-        (qwen2.arch, qwen2.qkv_bias) = (Arch::Qwen2, true);
-        let e = ModelConfig::parse(&qwen2.hf_json_text()).unwrap_err();
+        // Q/K/V biases are Qwen2's: a Llama with them (HF's `attention_bias`, which also
+        // biases o_proj) or a Qwen2 without them is refused.
+        let mut biased = ModelConfig::preset("tiny").unwrap();
+        biased.qkv_bias = true;
+        let e = biased.check_trainable().unwrap_err().to_string();
         assert!(
-            e.contains("\"qwen2\": only Llama, Qwen3 and Gemma-3"),
+            e.contains("a llama model with Q/K/V biases: training has them on Qwen2"),
             "{e}"
         );
-        assert!(ModelConfig::preset("tiny")
+        let mut plain = ModelConfig::preset("tiny")
             .unwrap()
             .with_arch(Arch::Qwen2)
-            .is_err());
-        let e = trainable_arch("qwen2").unwrap_err().to_string();
+            .unwrap();
+        plain.qkv_bias = false;
+        let e = plain.check_trainable().unwrap_err().to_string();
+        assert!(e.contains("a qwen2 model without Q/K/V biases"), "{e}");
+        let e = trainable_arch("phi3").unwrap_err().to_string();
         assert!(
-            e.contains("use one of llama, qwen3, gemma3, mixtral, qwen3moe"),
+            e.contains("use one of llama, qwen2, qwen3, gemma3, mixtral, qwen3moe"),
             "{e}"
         );
         // Mixtures of experts: a shared expert (Qwen2-MoE) or a sigmoid router is refused.
@@ -459,6 +473,33 @@ mod tests {
             assert_eq!(ModelConfig::parse(&c.hf_json_text()).unwrap(), c, "{name}");
             assert_eq!(TrainArch::of(&c), a);
         }
+    }
+
+    #[test]
+    fn qwen2_presets_round_trip_with_their_biases() {
+        for name in PRESETS {
+            let c = ModelConfig::preset(name)
+                .unwrap()
+                .with_arch(trainable_arch("qwen2").unwrap().arch)
+                .unwrap();
+            assert!(c.qkv_bias && !c.qk_norm && c.block(0).unwrap().qkv_bias);
+            c.check_trainable().unwrap();
+            let json = c.to_hf_json();
+            assert_eq!(json["model_type"], "qwen2");
+            assert_eq!(json["architectures"][0], "Qwen2ForCausalLM");
+            assert_eq!(ModelConfig::parse(&c.hf_json_text()).unwrap(), c, "{name}");
+            let back = c.with_arch(Arch::Llama).unwrap();
+            assert_eq!(back, ModelConfig::preset(name).unwrap());
+        }
+        // Per layer, biases of Q (4 heads of 32) and K, V (2 KV heads of 32) more.
+        let q = ModelConfig::preset("tiny")
+            .unwrap()
+            .with_arch(Arch::Qwen2)
+            .unwrap();
+        assert_eq!(
+            q.num_params(),
+            ModelConfig::preset("tiny").unwrap().num_params() + 4 * (128 + 2 * 64)
+        );
     }
 
     #[test]

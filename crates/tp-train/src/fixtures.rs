@@ -1,7 +1,8 @@
 //! The small model, corpus slice and run settings that the tests and the MPI check share:
 //! 4 heads (2 KV heads), FFN 64 and a 256-byte vocabulary, so tp 3 splits heads 2/1/1 with a
 //! KV head held by two ranks, FFN 22/21/21 and vocabulary 86/85/85; 4 layers for pp up to 4.
-//! The same sizes as a Qwen3 ([`qwen3_model`], [`qwen3_spec`]) add the per-head q/k norms;
+//! The same sizes as a Qwen2 ([`qwen2_model`], [`qwen2_spec`]) add the Q/K/V biases; as a
+//! Qwen3 ([`qwen3_model`], [`qwen3_spec`]) the per-head q/k norms;
 //! as a Gemma-3 ([`gemma3_model`], [`gemma3_spec`]) they have one KV head (tp 2..4 above it),
 //! Gemma's block and a window of 6 positions on layers 0 and 2 (sequences of 16); as a
 //! Mixtral ([`moe_model`], [`moe_spec`]) every MLP is a mixture of 4 experts, top-2.
@@ -16,6 +17,13 @@ use tp_comm::ParallelDims;
 
 pub fn model() -> ModelConfig {
     crate::config::llama(256, 32, 64, 4, 4, 2, 8, 64)
+}
+
+/// [`model`] as a Qwen2: biases on Q, K and V.
+pub fn qwen2_model() -> ModelConfig {
+    model()
+        .with_arch(tp_spec::Arch::Qwen2)
+        .expect("Qwen2 is trainable")
 }
 
 /// [`model`] as a Qwen3: an RMSNorm over each query and key head.
@@ -107,6 +115,14 @@ pub fn spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
         keep: 0,
         data_name: "test corpus".into(),
         val_every: 0,
+    }
+}
+
+/// [`spec`] with [`qwen2_model`].
+pub fn qwen2_spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
+    TrainSpec {
+        model: qwen2_model(),
+        ..spec(dims, steps, micro_batches)
     }
 }
 

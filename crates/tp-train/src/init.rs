@@ -17,7 +17,8 @@ pub trait WeightSource {
 /// Fresh weights: linears uniform with standard deviation `1/sqrt(fan_in)` (output
 /// projections `o_proj` and `down_proj` further scaled by `1/sqrt(2 * layers)`, GPT-2's
 /// residual scaling), embeddings and LM head with standard deviation 0.02, norms 1 (stored
-/// as 0 where the norms compute `x * (1 + w)`: Gemma's).
+/// as 0 where the norms compute `x * (1 + w)`: Gemma's), Q/K/V biases 0 (as HF initializes
+/// Qwen2's).
 #[derive(Clone, Debug)]
 pub struct SeededInit {
     pub seed: u64,
@@ -51,8 +52,14 @@ impl SeededInit {
 }
 
 impl WeightSource for SeededInit {
-    fn global(&self, _w: WeightName, name: &str, shape: &[usize]) -> Result<Tensor> {
+    fn global(&self, w: WeightName, name: &str, shape: &[usize]) -> Result<Tensor> {
         let dev = Device::Cpu;
+        if matches!(
+            w,
+            WeightName::QBias(_) | WeightName::KBias(_) | WeightName::VBias(_)
+        ) {
+            return Ok(Tensor::zeros(shape, candle_core::DType::F32, &dev)?);
+        }
         if shape.len() == 1 {
             return Ok(Tensor::full(self.norm_value, shape, &dev)?);
         }

@@ -1,7 +1,7 @@
 //! Fine-tuning's starting point: a pretrained model (a GGUF file, dequantized to f32, or an
 //! HF directory) read by tp-models' checkpoint readers and handed to the stages as global f32
-//! tensors in training's conventions: HF's rotate-half RoPE (a GGUF Llama's Q/K rows are
-//! moved back from llama.cpp's interleaved order), Gemma's norms stored minus one (training's
+//! tensors in training's conventions: HF's rotate-half RoPE (a GGUF Llama's Q/K rows, and
+//! their biases' entries if any, are moved back from llama.cpp's interleaved order), Gemma's norms stored minus one (training's
 //! `x * (1 + w)` parameter), and the embedding standing in for a tied LM head.
 
 use crate::config::{ModelConfig, TrainModel, TRAINABLE_ARCHS};
@@ -49,12 +49,6 @@ impl Pretrained {
                 "its architecture is {}; training supports {}",
                 file.arch.name(),
                 TRAINABLE_ARCHS.map(|a| a.name()).join(", ")
-            )));
-        }
-        if file.qkv_bias {
-            return Err(untrainable(format!(
-                "it has Q/K/V biases ({}), which the training layers do not have",
-                ckpt.describe(WeightName::QBias(0))
             )));
         }
         let interleaved = file.rope_style == RopeStyle::Interleaved;
@@ -111,7 +105,13 @@ impl Pretrained {
                 .and_then(|s| s.into_f32())
                 .map_err(bad)?
         };
-        if self.interleaved && matches!(w, WeightName::Q(_) | WeightName::K(_)) {
+        if self.interleaved
+            && matches!(
+                w,
+                WeightName::Q(_) | WeightName::K(_) | WeightName::QBias(_) | WeightName::KBias(_)
+            )
+        {
+            // A bias's entries follow its projection's rows.
             values = unpermute_rows(&values, shape, self.config.head_dim);
         }
         let n: usize = shape.iter().product();

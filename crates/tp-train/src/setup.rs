@@ -16,7 +16,7 @@ use tp_comm::ParallelDims;
 #[derive(Clone, Debug)]
 pub struct RunRequest {
     pub dims: ParallelDims,
-    /// A preset (tiny, small, bench) or an HF Llama, Qwen3 or Gemma-3 config.json; default tiny, or
+    /// A preset (tiny, small, bench) or an HF Llama, Qwen2, Qwen3 or Gemma-3 config.json; default tiny, or
     /// the checkpoint's model.
     pub config: Option<String>,
     /// A pretrained model to fine-tune (a GGUF file or an HF directory): its weights, config
@@ -466,8 +466,12 @@ mod tests {
         let p = prepare(&request(None, Some("qwen3"))).unwrap();
         assert_eq!(p.spec.model.arch, Arch::Qwen3);
         assert!(p.spec.model.qk_norm);
-        let e = prepared_arch(None, Some("qwen2")).unwrap_err().to_string();
-        assert!(e.contains("use one of llama, qwen3, gemma3"), "{e}");
+        let p = prepare(&request(None, Some("qwen2"))).unwrap();
+        assert!(p.spec.model.arch == Arch::Qwen2 && p.spec.model.qkv_bias);
+        let e = prepared_arch(None, Some("qwen2moe"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("use one of llama, qwen2, qwen3, gemma3"), "{e}");
 
         // A config.json carries its own architecture: --arch must agree with it.
         let dir = std::env::temp_dir().join(format!("tp-train-arch-{}", std::process::id()));

@@ -1,7 +1,8 @@
 //! Gradients, step 0: every trainable parameter receives a non-zero gradient (candle's fused
 //! ops have no backward: a silent zero would never train), and at every layout each rank's
 //! completed, dp-summed gradient shard equals its slice of the tp1 gradient — for the Llama
-//! and for the Qwen3 of the same sizes (whose per-head q/k norm gradients are summed over tp)
+//! and for the Qwen2 of the same sizes (Q/K/V biases: at tp 3 and 4 a KV head's bias entries
+//! sit on two ranks, whose shares are summed like the K/V rows'), the Qwen3 (whose per-head q/k norm gradients are summed over tp)
 //! and the Gemma-3 (one KV head held by every rank; post norms, windows, scaled embeddings),
 //! and the Mixtral (4 experts a layer, top-2: every expert's shard, and the router, whose
 //! gradient is partial per tp rank through both the experts' outputs and the load-balancing
@@ -10,7 +11,7 @@
 mod common;
 use common::*;
 use tp_train::checkpoint::shards::slice_global;
-use tp_train::fixtures::{gemma3_spec, moe_spec, qwen3_spec};
+use tp_train::fixtures::{gemma3_spec, moe_spec, qwen2_spec, qwen3_spec};
 use tp_train::layout::ParamSpec;
 use tp_train::{TrainOptions, TrainSpec};
 
@@ -33,6 +34,11 @@ fn grads_at(spec: SpecFn, d: tp_comm::ParallelDims, micro: usize) -> Vec<RankGra
 #[test]
 fn every_parameter_gets_a_gradient_and_every_shard_matches_tp1() {
     check_every_shard(spec, 9);
+}
+
+#[test]
+fn qwen2_every_parameter_gets_a_gradient_and_every_shard_matches_tp1() {
+    check_every_shard(qwen2_spec, 12);
 }
 
 #[test]

@@ -54,6 +54,7 @@ fn dense_loss(dir: &std::path::Path, ids: &Tensor, targets: &Tensor) -> f32 {
             // (Gemma's post norms: its own test, gemma3_inference.rs.)
             post_attn_norm: None,
             post_mlp_norm: None,
+            qkv_bias: None,
         };
         h = DenseBlock::new(&cfg.block(i).unwrap(), &w)
             .unwrap()

@@ -8,7 +8,9 @@
 //! together; packed documents at tp2 x pp2 (also with sequence parallelism and full
 //! recomputation), tp2 x dp2 (also with the distributed optimizer) and tp3 follow the tp1
 //! packed curve, and so do tp2 x pp2 (also with sequence parallelism and full recomputation)
-//! and pp2 x dp2 with 2 virtual stages (interleaved 1F1B; issue 34).
+//! and pp2 x dp2 with 2 virtual stages (interleaved 1F1B; issue 34). The Qwen2 of the
+//! fixture's sizes (Q/K/V biases, a KV head's on two ranks at tp 3) does all of the 3-process
+//! ones.
 #![cfg(feature = "mpi")]
 
 use std::time::Duration;
@@ -95,6 +97,21 @@ fn distributed_optimizer_matches_tp1_under_mpirun_with_4_processes() {
         "tp=1 pp=1 dp=4 distributed",
         "tp=2 pp=1 dp=2 distributed optimizer packed",
         "tp=1 pp=2 dp=2 distributed optimizer virtual-stages=2",
+    ] {
+        assert!(text.contains(l), "{l} missing: {text}");
+    }
+}
+
+/// Issue 34: Qwen2's Q/K/V biases under MPI, tp3 sharing a KV head (and its bias entries)
+/// between two ranks, with recomputation and packing.
+#[test]
+fn qwen2_uneven_layouts_match_tp1_under_mpirun_with_3_processes() {
+    let text = mpi_check_with(3, &["--qwen2"]);
+    assert!(text.contains("15 passed, 0 failed"), "{text}");
+    for l in [
+        "tp=3 pp=1 dp=1",
+        "tp=3 pp=1 dp=1 recompute=full",
+        "tp=3 pp=1 dp=1 packed",
     ] {
         assert!(text.contains(l), "{l} missing: {text}");
     }

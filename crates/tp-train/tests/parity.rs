@@ -20,6 +20,9 @@
 //! the first stage's each step; measured at most 2.4e-7). Leaving that sum out moves the
 //! tp2 x pp2 loss by 4e-2 (mutation run).
 //!
+//! And for the Qwen2 of the same sizes (Q/K/V biases; at tp 3 a KV head's bias entries sit on
+//! two ranks, their gradients summed like the K/V rows').
+//!
 //! And for the Gemma-3 of the same sizes (one KV head, windows of 6 on layers 0 and 2, post
 //! norms, GeGLU, scaled embeddings; measured at most 9.6e-8).
 //!
@@ -36,7 +39,7 @@
 
 mod common;
 use common::*;
-use tp_train::fixtures::{gemma3_spec, moe_spec, qwen3_spec};
+use tp_train::fixtures::{gemma3_spec, moe_spec, qwen2_spec, qwen3_spec};
 
 #[test]
 fn every_layout_follows_the_tp1_loss_curve_for_20_steps() {
@@ -71,6 +74,11 @@ fn every_layout_follows_the_tp1_loss_curve_for_20_steps() {
         let what = format!("tp={} pp={} dp={} against tp1", d.tp, d.pp, d.dp);
         assert_grad_norms_close(&what, &got, &reference, 1e-3);
     }
+}
+
+#[test]
+fn qwen2_follows_the_tp1_loss_curve_at_tp2_pp2_and_tp2_x_pp2() {
+    follows_tp1("Qwen2", qwen2_spec);
 }
 
 #[test]

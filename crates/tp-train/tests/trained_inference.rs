@@ -1,4 +1,5 @@
-//! A Qwen3, Gemma-3 or Mixtral trained here is a model that inference runs (issues 14, 33): saved at
+//! A Qwen2, Qwen3, Gemma-3 or Mixtral trained here is a model that inference runs (issues 14,
+//! 33, 34; Qwen2's safetensors hold every layer's `self_attn.{q,k,v}_proj.bias`): saved at
 //! tp 2 x pp 2, its directory (config.json of `qwen3` / `Qwen3ForCausalLM` or `gemma3_text` /
 //! `Gemma3ForCausalLM`, safetensors holding every layer's `self_attn.q_norm.weight` and
 //! `k_norm.weight`, and Gemma's post norms) opens in tp-models' HF reader — the loader behind
@@ -17,7 +18,7 @@ use common::logits::{inference_logits, rel_diff, training_logits};
 use common::*;
 use safetensors::SafeTensors;
 use tp_models::open_checkpoint;
-use tp_train::fixtures::{gemma3_spec, moe_spec, qwen3_spec};
+use tp_train::fixtures::{gemma3_spec, moe_spec, qwen2_spec, qwen3_spec};
 use tp_train::TrainSpec;
 use tp_train::{Checkpoint, ModelConfig};
 
@@ -51,7 +52,8 @@ fn same_shards_as_inference(step: &std::path::Path, cfg: &ModelConfig) {
 }
 
 /// Trains `s` at tp 2 x pp 2 for 6 steps, saves it, checks config.json names `model_type` /
-/// `class` and that each layer's `extra` norms were stored and trained (moved off `init`),
+/// `class` and that each layer's `extra` vectors (`self_attn.q_norm.weight`: the name after
+/// `model.layers.L.`, with the length) were stored and trained (moved off `init`),
 /// then compares inference logits at tp 1 and 2 with the training forward. Returns the
 /// checkpoint directory, its config and the training logits of [`TOKENS`].
 fn train_save_and_compare(
@@ -79,7 +81,7 @@ fn train_save_and_compare(
     let st = SafeTensors::deserialize(&bytes).unwrap();
     for l in 0..s.model.layers {
         for (which, len) in extra {
-            let name = format!("model.layers.{l}.{which}.weight");
+            let name = format!("model.layers.{l}.{which}");
             let t = st
                 .tensor(&name)
                 .unwrap_or_else(|_| panic!("{name} missing"));
@@ -131,7 +133,10 @@ fn trained_qwen3_loads_in_inference_and_its_logits_match_training() {
         qwen3_spec(dims(1, 1, 1), 1, 1),
         "qwen3",
         "Qwen3ForCausalLM",
-        &[("self_attn.q_norm", hd), ("self_attn.k_norm", hd)],
+        &[
+            ("self_attn.q_norm.weight", hd),
+            ("self_attn.k_norm.weight", hd),
+        ],
         1.0,
     );
     // The norms matter: the same weights read as a Llama (no q/k norms) give other logits.
@@ -147,6 +152,36 @@ fn trained_qwen3_loads_in_inference_and_its_logits_match_training() {
 }
 
 #[test]
+fn trained_qwen2_loads_in_inference_and_its_logits_match_training() {
+    let m = qwen2_spec(dims(1, 1, 1), 1, 1).model;
+    let (q, kv) = (m.heads * m.head_dim, m.kv_heads * m.head_dim);
+    let (dir, ck, want) = train_save_and_compare(
+        "qwen2-inference",
+        qwen2_spec(dims(1, 1, 1), 1, 1),
+        "qwen2",
+        "Qwen2ForCausalLM",
+        &[
+            ("self_attn.q_proj.bias", q),
+            ("self_attn.k_proj.bias", kv),
+            ("self_attn.v_proj.bias", kv),
+        ],
+        // Fresh biases are 0, as HF initializes them.
+        0.0,
+    );
+    // The biases matter: the same weights without them (a Llama of the rest) give other
+    // logits, so the comparison can fail on them.
+    let llama = ModelConfig {
+        arch: tp_spec::Arch::Llama,
+        qkv_bias: false,
+        ..ck.config.clone()
+    };
+    let without = training_logits(&llama, &ck, &TOKENS);
+    let d = rel_diff(&without, &want);
+    assert!(d > 1e-3, "the biases should change the logits, got {d:e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn trained_gemma3_loads_in_inference_and_its_logits_match_training() {
     let m = gemma3_spec(dims(1, 1, 1), 1, 1).model;
     let (hd, h) = (m.head_dim, m.hidden);
@@ -157,11 +192,11 @@ fn trained_gemma3_loads_in_inference_and_its_logits_match_training() {
         "gemma3_text",
         "Gemma3ForCausalLM",
         &[
-            ("self_attn.q_norm", hd),
-            ("self_attn.k_norm", hd),
-            ("post_attention_layernorm", h),
-            ("pre_feedforward_layernorm", h),
-            ("post_feedforward_layernorm", h),
+            ("self_attn.q_norm.weight", hd),
+            ("self_attn.k_norm.weight", hd),
+            ("post_attention_layernorm.weight", h),
+            ("pre_feedforward_layernorm.weight", h),
+            ("post_feedforward_layernorm.weight", h),
         ],
         // Gemma stores its norms minus one: a norm scaling by 1 is stored as 0.
         0.0,

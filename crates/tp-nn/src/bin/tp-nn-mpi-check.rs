@@ -28,6 +28,7 @@ fn check(world: &tp_comm::Group) -> tp_nn::Result<Vec<(String, f32)>> {
         rms_eps: 1e-5,
         max_seq: 16,
         qk_norm: false,
+        qkv_bias: false,
         style: LayerStyle::LLAMA,
     };
     let dev = Device::Cpu;

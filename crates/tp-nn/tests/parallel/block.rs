@@ -1,5 +1,5 @@
-//! Transformer block at tp 1..9, even and uneven, Llama's, Qwen3's (per-head q/k norms) and
-//! Gemma-3's (GeGLU, post norms, `1 + w` norms, query scale, sliding window, scaled RoPE):
+//! Transformer block at tp 1..9, even and uneven, Llama's, Qwen2's (Q/K/V biases), Qwen3's
+//! (per-head q/k norms) and Gemma-3's (GeGLU, post norms, `1 + w` norms, query scale, sliding window, scaled RoPE):
 //! outputs and gradients equal the dense reference; collective counts pinned.
 
 use crate::support::{assert_close_tol, dev, embed, world, TOL};
@@ -28,6 +28,9 @@ fn reference_name(w: WeightName) -> &'static str {
         WeightName::KNorm(_) => "k_norm",
         WeightName::PostAttnNorm(_) => "post_attn_norm",
         WeightName::PostFfnNorm(_) => "post_mlp_norm",
+        WeightName::QBias(_) => "bq",
+        WeightName::KBias(_) => "bk",
+        WeightName::VBias(_) => "bv",
         other => panic!("{other:?} is not a block weight"),
     }
 }
@@ -51,6 +54,7 @@ fn cfg(
         rms_eps: 1e-5,
         max_seq: 16,
         qk_norm: false,
+        qkv_bias: false,
         style: LayerStyle::LLAMA,
     }
 }
@@ -82,6 +86,13 @@ fn smol() -> BlockConfig {
 }
 fn eight_two() -> BlockConfig {
     cfg(32, 8, 2, 4, 40, RopeLayout::RotateHalf)
+}
+/// The same block with Qwen2's Q/K/V biases.
+fn qwen2(c: BlockConfig) -> BlockConfig {
+    BlockConfig {
+        qkv_bias: true,
+        ..c
+    }
 }
 /// The same block with Qwen3's per-head q/k norms.
 fn qwen3(c: BlockConfig) -> BlockConfig {
@@ -281,6 +292,85 @@ fn eight_heads_two_kv_tp_4_and_8() {
     for tp in [4, 8] {
         check_block(&eight_two(), tp, 1, 9, 3);
     }
+}
+
+#[test]
+fn qwen2_qkv_bias_even_and_uneven_tp_1_to_3() {
+    // Outputs, the input gradient and every weight gradient, the biases' included (their
+    // shards summed into the dense gradient, the column sum of the projection's gradient).
+    for tp in 1..=3 {
+        check_block(&qwen2(even()), tp, 2, 5, 41);
+        check_block(&qwen2(smol()), tp, 2, 5, 42);
+    }
+}
+
+#[test]
+fn qwen2_qkv_bias_with_kv_heads_shared_by_ranks_tp_3_4_and_8() {
+    // 8 query heads over 2 KV heads: at tp 3 a rank's heads span both KV groups, at tp 4
+    // and 8 each KV head (its K/V rows and bias entries) sits on several ranks, whose
+    // gradient shards add up to the dense one (the trainer's SharedRows).
+    for tp in [3, 4, 8] {
+        check_block(&qwen2(eight_two()), tp, 1, 6, 43);
+    }
+}
+
+#[test]
+fn qwen2_biases_matter_and_must_match_the_config() {
+    // Other biases (or none) give another output, so the comparisons above can fail on them.
+    let c = qwen2(smol());
+    let d = dev();
+    let w = c.random_weights(44, &d).unwrap();
+    let dense = DenseBlock::new(&c, &w).unwrap();
+    let names: Vec<&str> = dense.vars().iter().map(|(n, _)| *n).collect();
+    assert_eq!(&names[9..], ["bq", "bk", "bv"]);
+    let h = Rng::xorshift64_star(45)
+        .tensor(&[1, 4, c.hidden], 0.0, 1.0, &d)
+        .unwrap();
+    let want = dense.forward(&h).unwrap();
+    let without = BlockConfig {
+        qkv_bias: false,
+        ..c.clone()
+    };
+    let mut plain = w.clone();
+    plain.qkv_bias = None;
+    // A block without biases has the same other weights (the biases are drawn last).
+    let plain_drawn = without.random_weights(44, &d).unwrap();
+    assert_eq!(
+        plain_drawn.wq.to_vec2::<f32>().unwrap(),
+        w.wq.to_vec2::<f32>().unwrap()
+    );
+    for k in 0..3 {
+        let mut other = w.clone();
+        if let Some(b) = other.qkv_bias.as_mut() {
+            let t = [&mut b.0, &mut b.1, &mut b.2][k].clone();
+            *[&mut b.0, &mut b.1, &mut b.2][k] = (t + 0.5).unwrap();
+        }
+        let outs = world(3, |g| {
+            ParallelBlock::from_global(&c, &other, g.rank(), 3)?.forward(&h, &g)
+        });
+        let err = crate::support::max_abs(&(&outs[0] - &want).unwrap());
+        assert!(err > 1e-3, "bias {k} should change the output, got {err}");
+    }
+    let outs = world(3, |g| {
+        ParallelBlock::from_global(&without, &plain, g.rank(), 3)?.forward(&h, &g)
+    });
+    let err = crate::support::max_abs(&(&outs[0] - &want).unwrap());
+    assert!(err > 1e-3, "the biases should change the output, got {err}");
+    // The config and the weights must agree on the biases, and a bias of the wrong width is
+    // a typed error.
+    let e = ParallelBlock::from_global(&c, &plain, 0, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("qkv_bias = true") && e.contains("lack"), "{e}");
+    assert!(ParallelBlock::from_global(&without, &w, 0, 1).is_err());
+    let mut short = w.clone();
+    if let Some(b) = short.qkv_bias.as_mut() {
+        b.1 = b.1.narrow(0, 0, 3).unwrap();
+    }
+    let e = ParallelBlock::from_global(&c, &short, 0, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("bias bk must be [24]"), "{e}");
 }
 
 #[test]
@@ -485,7 +575,12 @@ fn counts(c: &BlockConfig, tp: usize, seq: usize) -> Vec<[usize; 6]> {
 fn two_all_reduces_each_way() {
     // The q/k norms add none: their gradient is summed over tp by the trainer, once a step.
     for tp in [2, 3] {
-        for block in [smol(), qwen3(smol()), gemma3(smol(), Some(2))] {
+        for block in [
+            smol(),
+            qwen2(smol()),
+            qwen3(smol()),
+            gemma3(smol(), Some(2)),
+        ] {
             for c in counts(&block, tp, 4) {
                 assert_eq!(
                     c,

@@ -24,6 +24,7 @@ fn cfg() -> BlockConfig {
         rms_eps: 1e-5,
         max_seq: 8,
         qk_norm: false,
+        qkv_bias: false,
         style: LayerStyle::LLAMA,
     }
 }

@@ -26,6 +26,7 @@ fn llama(layout: RopeLayout) -> BlockConfig {
         rms_eps: 1e-5,
         max_seq: 5, // the longest document (see the module's note)
         qk_norm: false,
+        qkv_bias: false,
         style: LayerStyle::LLAMA,
     }
 }

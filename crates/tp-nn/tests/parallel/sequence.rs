@@ -27,6 +27,7 @@ fn llama() -> BlockConfig {
         rms_eps: 1e-5,
         max_seq: 16,
         qk_norm: false,
+        qkv_bias: false,
         style: LayerStyle::LLAMA,
     }
 }
@@ -156,6 +157,10 @@ fn sequence_parallel_block_equals_the_replicated_block() {
         llama(),
         BlockConfig {
             qk_norm: true,
+            ..llama()
+        },
+        BlockConfig {
+            qkv_bias: true,
             ..llama()
         },
         gemma3(llama(), Some(3)),

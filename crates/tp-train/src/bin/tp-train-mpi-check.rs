@@ -9,14 +9,18 @@
 //! over dp. Packed documents ([`fixtures::packed_corpus`]) train at tp2 x pp2 (also with
 //! sequence parallelism and full recomputation), tp2 x dp2 and tp3 against the tp1 packed
 //! curve. With 2 virtual stages (the interleaved 1F1B schedule), tp2 x pp2 (also with
-//! sequence parallelism and full recomputation) and pp2 x dp2 follow the tp1 curve. Every
-//! rank checks every step; rank 0 prints `N passed, N failed` (issue 34).
+//! sequence parallelism and full recomputation) and pp2 x dp2 follow the tp1 curve. With
+//! `--qwen2` every run trains the fixture's Qwen2 (Q/K/V biases; at tp 3 and 4 a KV head's
+//! bias entries sit on two ranks). Every rank checks every step; rank 0 prints `N passed, N
+//! failed` (issue 34).
 
 use std::process::ExitCode;
 use tp_comm::local::{self, LocalOptions};
 use tp_comm::mpi::{check, MpiOptions};
 use tp_comm::{Group, ParallelDims, ProcessGroups};
-use tp_train::{fixtures, Recompute, TextTokenizer, TrainError, TrainOptions, TrainSpec, Trainer};
+use tp_train::{
+    fixtures, ModelConfig, Recompute, TextTokenizer, TrainError, TrainOptions, TrainSpec, Trainer,
+};
 
 /// Relative tolerance of the issue (see tests/parity.rs for why it holds).
 const TOLERANCE: f64 = 1e-4;
@@ -70,11 +74,13 @@ impl Features {
 
 fn losses(
     world: Group,
+    model: &ModelConfig,
     dims: ParallelDims,
     micro: usize,
     f: Features,
 ) -> Result<Vec<f64>, TrainError> {
     let spec = TrainSpec {
+        model: model.clone(),
         sequence_parallel: f.sequence_parallel,
         recompute: f.recompute,
         distributed_optimizer: f.distributed_optimizer,
@@ -183,6 +189,11 @@ fn main() -> ExitCode {
     let world = runtime.world();
     let rank = world.rank();
     let sharded = std::env::args().any(|a| a == "--distributed-optimizer");
+    let model = if std::env::args().any(|a| a == "--qwen2") {
+        fixtures::qwen2_model()
+    } else {
+        fixtures::model()
+    };
     // The oracle: tp1 in this process, on a one-rank local world.
     let one = ParallelDims {
         tp: 1,
@@ -190,7 +201,7 @@ fn main() -> ExitCode {
         dp: 1,
     };
     let reference = |f: Features| -> Option<Vec<f64>> {
-        match local::run(1, LocalOptions::default(), |w| losses(w, one, 1, f)) {
+        match local::run(1, LocalOptions::default(), |w| losses(w, &model, one, 1, f)) {
             Ok(mut v) => match v.pop() {
                 Some(Ok(Ok(l))) => Some(l),
                 other => {
@@ -233,7 +244,7 @@ fn main() -> ExitCode {
             dims.dp,
             features.label()
         );
-        match losses(world.clone(), dims, micro, features) {
+        match losses(world.clone(), &model, dims, micro, features) {
             Ok(got) => {
                 let reference = if features.pack {
                     &packed_reference
