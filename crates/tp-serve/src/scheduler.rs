@@ -563,14 +563,12 @@ impl<'a, 't> Scheduler<'a, 't> {
                         return Ok(());
                     }
                 };
-                let spec = match self.cfg.spec.as_ref().map(|s| SeqSpec::new(s, &job.prompt)) {
-                    None => None,
-                    Some(Ok(s)) => Some(s),
-                    Some(Err(e)) => {
-                        let _ = job.events.send(Event::failed(chain(&e)));
-                        return Ok(());
-                    }
-                };
+                let metrics = &self.metrics;
+                let spec = self
+                    .cfg
+                    .spec
+                    .as_ref()
+                    .and_then(|s| SeqSpec::new(s, &job.prompt, metrics));
                 Running {
                     spec,
                     context: job.prompt.clone(),
@@ -736,8 +734,8 @@ impl<'a, 't> Scheduler<'a, 't> {
     /// Asks every decoding request that speculates for this step's drafts, within its
     /// sequence's room, the tokens it still wants and the step's token cap left over after
     /// the decode tokens and the prefill chunks (prompts go first: drafts are optional). A
-    /// request whose drafter fails fails. No request drafts in a step where more requests
-    /// decode than the speculation's `max_batch`.
+    /// request whose drafter fails goes on without drafts. No request drafts in a step where
+    /// more requests decode than the speculation's `max_batch`.
     fn draft_all(&mut self, exec: &mut dyn StepExecutor) -> StepResult<()> {
         let Some(max_batch) = self.cfg.spec.as_ref().map(|s| s.max_batch) else {
             return Ok(());
@@ -753,8 +751,7 @@ impl<'a, 't> Scheduler<'a, 't> {
         }
         let prefill: usize = self.running.iter().map(Running::prefill_left).sum();
         let mut budget = self.cfg.max_batch_tokens.saturating_sub(decoding + prefill);
-        let mut failed = Vec::new();
-        for (i, r) in self.running.iter_mut().enumerate() {
+        for r in self.running.iter_mut() {
             let decodes = r.prefill_left() == 0 && r.decoder.next_input().is_some();
             let Some(spec) = r.spec.as_mut() else {
                 continue;
@@ -775,15 +772,8 @@ impl<'a, 't> Scheduler<'a, 't> {
                 .max_tokens
                 .saturating_sub(r.decoder.generated().len());
             let limit = room.min(wanted.saturating_sub(1)).min(budget);
-            match spec.draft(r.decoder.generated(), limit) {
-                Ok(()) => budget -= spec.drafts.len().min(budget),
-                Err(e) => failed.push((i, chain(&e))),
-            }
-        }
-        for (i, msg) in failed.into_iter().rev() {
-            let r = self.running.remove(i);
-            let _ = r.job.events.send(Event::failed(msg));
-            self.close(exec, r)?;
+            spec.draft(r.decoder.generated(), limit, &self.metrics);
+            budget -= spec.drafts.len().min(budget);
         }
         Ok(())
     }
