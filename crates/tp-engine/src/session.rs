@@ -676,6 +676,124 @@ mod tests {
         assert!(plan.iter().all(|m| m.total() as u64 <= limit));
     }
 
+    /// A draft model (here the tiny model itself, priced from its file as the preflight does)
+    /// is charged to rank 0 only; a server's budget gives both pools the same blocks; a limit
+    /// the target fits but not beside the draft is refused in the draft's terms.
+    #[test]
+    fn the_draft_model_is_charged_to_rank_0() {
+        let dir =
+            std::env::temp_dir().join(format!("tp-engine-session-{}-draft", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.gguf");
+        SyntheticModel::small(Arch::Llama, 1)
+            .write_gguf(&path, GgufTypes::F32)
+            .unwrap();
+        let ckpt = open_checkpoint(&path).unwrap();
+        let ckpt = &*ckpt;
+        let opts = LoadOptions::default();
+        let d = crate::draft_model::draft_memory(&path, opts).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let (ctx, w) = (256, RankWeights::even(2));
+        let whole = memory_plan(ckpt, &RankWeights::even(1), ctx, opts).unwrap();
+        // Its weights and block bytes are the model's own at tp 1.
+        assert_eq!(d.weights, (whole[0].sharded + whole[0].replicated) as u64);
+        assert_eq!(d.block_bytes, whole[0].kv_block_bytes);
+        // 40 positions: two blocks of the draft on rank 0, nothing on rank 1.
+        let plain = memory_plan_held(ckpt, &w, ctx, 40, opts).unwrap();
+        let drafted = memory_plan_drafted(ckpt, &w, ctx, 40, opts, Some(&d)).unwrap();
+        assert_eq!(drafted[1], plain[1]);
+        assert_eq!(
+            drafted[0].total(),
+            plain[0].total() + d.weights as usize + 2 * d.block_bytes
+        );
+        // A budget of bytes: rank 0 pays a target block and a draft block per block.
+        let t = plain[0].kv_block_bytes;
+        let bytes = (5 * (t + d.block_bytes) + 7) as u64;
+        let p = budget_positions(ckpt, &w, ctx, opts, KvBudget::Bytes(bytes), Some(&d)).unwrap();
+        assert_eq!(p, 5 * BLOCK_POSITIONS);
+        let p = budget_positions(ckpt, &w, ctx, opts, KvBudget::Bytes(bytes), None).unwrap();
+        assert!(p > 5 * BLOCK_POSITIONS, "{p}");
+        // A rank's memory: the draft's weights come off rank 0's budget first.
+        let limit = (plain[0].sharded + plain[0].replicated) as u64 + d.weights + bytes;
+        let p = budget_positions(ckpt, &w, ctx, opts, KvBudget::RankMemory(limit), Some(&d));
+        assert_eq!(p.unwrap(), 5 * BLOCK_POSITIONS);
+        let plan = checked_memory_plan(
+            ckpt,
+            &w,
+            ctx,
+            p_ok(5),
+            opts,
+            Placement::OneProcess,
+            Some(&d),
+        )
+        .unwrap();
+        check_rank_limit(ckpt, &w, ctx, p_ok(5), opts, limit, &plan, Some(&d)).unwrap();
+        // The target fits these limits alone, not beside the draft (the first lacks the
+        // draft's KV, the second its weights too): the draft's error, with the tp at which rank
+        // 0 fits with it when one does (a smaller shard of the target makes room).
+        for (limit, more_ranks) in [
+            (plain[0].total() as u64 + d.weights, true),
+            (plain[0].total() as u64, false),
+        ] {
+            let e =
+                check_rank_limit(ckpt, &w, ctx, 40, opts, limit, &drafted, Some(&d)).unwrap_err();
+            match &e {
+                SessionError::DraftOverRankLimit {
+                    need,
+                    draft_weights,
+                    draft_kv,
+                    fits,
+                    ..
+                } => {
+                    assert_eq!(*need, drafted[0].total() as u64);
+                    assert_eq!(
+                        (*draft_weights, *draft_kv),
+                        (d.weights, 2 * d.block_bytes as u64)
+                    );
+                    assert_eq!(fits.is_some(), more_ranks, "{e}");
+                    if let Some(t) = *fits {
+                        assert!(t > 2, "{t}");
+                        let at = |t| {
+                            memory_plan_drafted(
+                                ckpt,
+                                &RankWeights::even(t),
+                                ctx,
+                                40,
+                                opts,
+                                Some(&d),
+                            )
+                            .unwrap()
+                            .iter()
+                            .all(|m| m.total() as u64 <= limit)
+                        };
+                        assert!(at(t) && !at(t - 1), "{t}");
+                    }
+                }
+                other => panic!("{other:?}"),
+            }
+            let msg = e.to_string();
+            assert!(
+                msg.contains("smaller draft model")
+                    && msg.contains("no draft model")
+                    && msg.contains(if more_ranks {
+                        "more ranks for the target"
+                    } else {
+                        "more ranks do not help"
+                    })
+                    && !msg.contains("--"),
+                "{msg}"
+            );
+        }
+        // Nothing fits one byte: the target's own error.
+        let e = check_rank_limit(ckpt, &w, ctx, 40, opts, 1, &drafted, Some(&d)).unwrap_err();
+        assert!(matches!(e, SessionError::OverRankLimit { .. }), "{e:?}");
+    }
+
+    /// `n` blocks' positions.
+    fn p_ok(n: usize) -> usize {
+        n * BLOCK_POSITIONS
+    }
+
     #[test]
     fn a_context_beyond_u32_is_refused_in_the_engines_words() {
         let ckpt = tiny("u32");
