@@ -281,3 +281,44 @@ fn the_draft_model_is_in_the_memory_preflight() {
     server.signal("TERM");
     server.wait(Duration::from_secs(60));
 }
+
+/// `mpirun -n 2` with `--draft-model`: every process prices the draft (rank 0 holds it), so
+/// the text is the plain greedy one, and a --max-rank-memory the tp 2 target fits alone but
+/// not beside the draft is refused by every process before loading (no rank waits for another).
+#[cfg(feature = "mpi")]
+#[test]
+fn a_draft_model_under_mpirun() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let m = model.to_string_lossy().to_string();
+    let want = ok_stdout(&generate(&m, &["--greedy", "-q"]));
+    let args = |extra: &[&'static str]| {
+        let mut a = vec![
+            "generate",
+            "--model",
+            &m,
+            "--max-tokens",
+            "40",
+            "--greedy",
+            "-q",
+            "--draft-model",
+            &m,
+            "--backend",
+            "mpi",
+        ];
+        a.extend_from_slice(extra);
+        a.push(QUOTE);
+        a
+    };
+    let got = common::mpirun_tp(2, &args(&[]), DEADLINE);
+    assert_eq!(ok_stdout(&got), want, "mpirun -n 2 with --draft-model");
+    // At tp 2 each rank holds about 50 MB of SmolLM2; the draft is 97 MB more on rank 0.
+    let refused = common::mpirun_tp(2, &args(&["--max-rank-memory", "80MB"]), DEADLINE);
+    assert_ne!(refused.code, Some(0), "{}", refused.output);
+    assert!(
+        refused.stderr.contains("with the --draft-model") && !refused.output.contains("panicked"),
+        "{}",
+        refused.output
+    );
+}
