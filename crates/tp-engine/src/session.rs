@@ -706,6 +706,11 @@ mod tests {
             drafted[0].total(),
             plain[0].total() + d.weights as usize + 2 * d.block_bytes
         );
+        // What a server divides its budget by on rank 0 (`Session::memory`): both blocks.
+        assert_eq!(
+            drafted[0].kv_block_bytes,
+            plain[0].kv_block_bytes + d.block_bytes
+        );
         // A budget of bytes: rank 0 pays a target block and a draft block per block.
         let t = plain[0].kv_block_bytes;
         let bytes = (5 * (t + d.block_bytes) + 7) as u64;
