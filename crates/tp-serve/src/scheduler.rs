@@ -772,7 +772,7 @@ impl<'a, 't> Scheduler<'a, 't> {
                 .max_tokens
                 .saturating_sub(r.decoder.generated().len());
             let limit = room.min(wanted.saturating_sub(1)).min(budget);
-            spec.draft(r.decoder.generated(), limit, &self.metrics);
+            spec.draft(r.decoder.generated(), limit, self.metrics);
             budget -= spec.drafts.len().min(budget);
         }
         Ok(())
