@@ -277,6 +277,15 @@ pub fn report(reply: &Reply) {
             s.generated_tokens.saturating_sub(1) as f64 / s.decode_steps.max(1) as f64,
             s.decode_steps,
         );
+        if st.kv_full > 0 {
+            eprintln!(
+                "# speculation: {} steps drafted nothing, the draft model's KV pool being full",
+                st.kv_full
+            );
+        }
+    }
+    if let Some(why) = &reply.spec_failure {
+        eprintln!("# speculation stopped (the reply went on without drafts): {why}");
     }
 }
 
