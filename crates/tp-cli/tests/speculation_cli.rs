@@ -236,6 +236,27 @@ fn the_draft_model_is_in_the_memory_preflight() {
             refused.stderr
         );
     }
+    // `tp inspect --draft-model`: the same line, for a pool of --ctx-size positions.
+    let inspect = common::tp(
+        &["inspect", &m, "--ctx-size", "64", "--draft-model", &m],
+        DEADLINE,
+    );
+    let row = ok_stdout(&inspect)
+        .lines()
+        .find(|l| l.starts_with("draft      draft model "))
+        .map(str::to_string)
+        .unwrap_or_else(|| panic!("no draft line in {}", inspect.stdout));
+    let weights = |l: &str| {
+        l.split(" weights")
+            .next()
+            .unwrap()
+            .rsplit(": ")
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    assert!(row.contains("(2 blocks of 32 positions at most"), "{row}");
+    assert_eq!(weights(&row), weights(&draft), "{row}\n{draft}");
     // A server: one budget, the same blocks for both pools.
     let mut server = serve_util::ServerProc::start_with(
         serve_util::TP,

@@ -70,6 +70,22 @@ impl DraftPlan {
     pub fn total(&self) -> u64 {
         self.memory.weights.saturating_add(self.kv_bytes())
     }
+
+    /// One line on what it takes on rank 0 (`rank0` bytes there in all, the target's
+    /// included), as the start-up report and `tp inspect` print it.
+    pub fn describe(&self, rank0: u64) -> String {
+        use crate::report::show_bytes;
+        format!(
+            "draft model {} on rank 0: {} weights + {} KV pool ({} blocks of {BLOCK_POSITIONS} positions at most, {} per block) = {}; rank 0 with it: {}",
+            self.path.display(),
+            show_bytes(self.memory.weights),
+            show_bytes(self.kv_bytes()),
+            self.blocks,
+            show_bytes(self.memory.block_bytes as u64),
+            show_bytes(self.total()),
+            show_bytes(rank0)
+        )
+    }
 }
 
 /// The load options of a draft model: the target's, but whole on one rank (no pipeline

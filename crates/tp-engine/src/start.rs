@@ -489,7 +489,7 @@ fn report_layout(
         );
     }
     if let (Some(d), Some(m0)) = (draft, memory.first()) {
-        eprintln!("# {}", describe_draft(d, m0.total() as u64));
+        eprintln!("# {}", d.describe(m0.total() as u64));
     }
 }
 
@@ -505,20 +505,6 @@ fn without_draft(m: &RankMemory, d: &DraftPlan) -> RankMemory {
         kv_block_bytes: m.kv_block_bytes.saturating_sub(d.memory.block_bytes),
         ..*m
     }
-}
-
-/// One line on the draft model rank 0 holds (`rank0` bytes in all there, target included).
-pub fn describe_draft(d: &DraftPlan, rank0: u64) -> String {
-    format!(
-        "draft model {} on rank 0: {} weights + {} KV pool ({} blocks of {BLOCK_POSITIONS} positions at most, {} per block) = {}; rank 0 with it: {}",
-        d.path.display(),
-        show_bytes(d.memory.weights),
-        show_bytes(d.kv_bytes()),
-        d.blocks,
-        show_bytes(d.memory.block_bytes as u64),
-        show_bytes(d.total()),
-        show_bytes(rank0)
-    )
 }
 
 /// One rank: load its shard (timed, bytes counted, reported by rank 0), then lead (with
