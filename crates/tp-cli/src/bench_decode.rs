@@ -4,7 +4,7 @@
 //! processes unless --tps or --tp says otherwise.
 
 use crate::generate::{Drafting, SpecArg, SpecArgs};
-use crate::model_run::{run_model, ModelArgs};
+use crate::model_run::{run_model, run_model_holding, ModelArgs};
 use anyhow::bail;
 use std::process::ExitCode;
 use tp_engine::bench::{header, json, measure, row, DecodeBench};
@@ -129,11 +129,17 @@ fn run_spec(
         margs.quiet = true;
         // The edit prompt is about 300 tokens.
         margs.ctx_size = Some(args.model.ctx_size.unwrap_or(1024 + args.gen_tokens));
-        let figures = match run_model(&margs, |s| Ok(measure_spec(s, &bench)?))? {
-            Ok(Some(f)) => f,
-            Ok(None) => return Ok(ExitCode::SUCCESS),
-            Err(failed) => return Ok(failed.into()),
+        // A draft model is priced by the preflight beside the target, as `tp generate` does.
+        let draft = match &bench.drafter {
+            BenchDrafter::Model { path, .. } => Some(path.clone()),
+            BenchDrafter::Method(_) => None,
         };
+        let figures =
+            match run_model_holding(&margs, None, draft, |s| Ok(measure_spec(s, &bench)?))? {
+                Ok(Some(f)) => f,
+                Ok(None) => return Ok(ExitCode::SUCCESS),
+                Err(failed) => return Ok(failed.into()),
+            };
         if args.json {
             println!("{}", spec_json(&figures));
             continue;

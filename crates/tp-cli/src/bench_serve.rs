@@ -353,7 +353,8 @@ impl InProcessServer {
         let thread = std::thread::Builder::new()
             .name("bench-serve".into())
             .spawn(move || -> RunOutcome {
-                run_model_serving(&m, cfg.kv_budget, |s| {
+                let draft = spec.as_ref().and_then(|s| s.drafting.draft_path());
+                run_model_serving(&m, cfg.kv_budget, draft, |s| {
                     let mut cfg = cfg.clone();
                     if let Some(spec) = &spec {
                         cfg.spec = spec.serve_spec(s, &m)?;

@@ -3,7 +3,7 @@
 //! the cache does not hold.
 
 use crate::generate::{engine_error, print_logprobs, report, SamplingArgs, SpecArgs};
-use crate::model_run::{run_model, ModelArgs};
+use crate::model_run::{run_model_holding, ModelArgs};
 use std::io::{BufRead, Write};
 use std::process::ExitCode;
 use std::sync::mpsc;
@@ -31,7 +31,7 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<ExitCode> {
     let params = args.sampling.params()?;
     // Checked before any rank starts; each lead builds its own.
     args.spec.drafting()?;
-    let out = run_model(&args.model, |s| {
+    let out = run_model_holding(&args.model, None, args.spec.draft_path(), |s| {
         let spec = args.spec.speculator(s, &args.model)?;
         let mut engine = Engine::new(s);
         engine.set_speculation(spec);

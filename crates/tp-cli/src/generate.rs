@@ -129,8 +129,13 @@ impl SpecArgs {
         })
     }
 
-    /// Who drafts for `s` (a draft model is loaded here) and how many tokens, `None` when
-    /// off.
+    /// The draft model's path, for the memory preflight (`None` without one).
+    pub fn draft_path(&self) -> Option<PathBuf> {
+        self.draft_model.clone()
+    }
+
+    /// Who drafts for `s` (a draft model is loaded here, its KV pool bounded as the
+    /// preflight planned) and how many tokens, `None` when off.
     pub fn source(
         &self,
         s: &Session,
@@ -140,14 +145,8 @@ impl SpecArgs {
             Drafting::Off => None,
             Drafting::Method(m, k) => Some((Arc::new(m), k)),
             Drafting::Model(path, k) => {
-                let d = DraftModelSource::open(
-                    &path,
-                    &s.tokenizer,
-                    s.worker.model().config().vocab,
-                    s.ctx_size,
-                    model.load_options(),
-                )
-                .map_err(|e| anyhow::Error::new(e).context("--draft-model"))?;
+                let d = DraftModelSource::for_session(&path, s, model.load_options())
+                    .map_err(|e| anyhow::Error::new(e).context("--draft-model"))?;
                 Some((Arc::new(d), k))
             }
         })
@@ -230,7 +229,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     // The one sequence holds the prompt and at most --max-tokens more: the memory preflight
     // prices those blocks, not the whole --ctx-size.
     let held = prompt.held(params.max_tokens);
-    let out = run_model_holding(&args.model, Some(held), |s| {
+    let out = run_model_holding(&args.model, Some(held), args.spec.draft_path(), |s| {
         let ids = prompt.ids(&s.tokenizer)?;
         let spec = args.spec.speculator(s, &args.model)?;
         let mut engine = Engine::new(s);
@@ -278,6 +277,15 @@ pub fn report(reply: &Reply) {
             s.generated_tokens.saturating_sub(1) as f64 / s.decode_steps.max(1) as f64,
             s.decode_steps,
         );
+        if st.kv_full > 0 {
+            eprintln!(
+                "# speculation: {} steps drafted nothing, the draft model's KV pool being full",
+                st.kv_full
+            );
+        }
+    }
+    if let Some(why) = &reply.spec_failure {
+        eprintln!("# speculation stopped (the reply went on without drafts): {why}");
     }
 }
 

@@ -6,8 +6,11 @@ use crate::model_run::{start_error, DTypeArg, KvDtypeArg};
 use anyhow::Context;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use tp_engine::draft_model::{draft_memory, DraftPlan};
 use tp_engine::inspect::describe;
 use tp_engine::launch::Backend;
+use tp_engine::report::chain;
+use tp_engine::session::memory_plan;
 use tp_engine::start::weights_for;
 use tp_models::{open_checkpoint, LoadOptions, RankWeights};
 
@@ -43,6 +46,10 @@ pub struct InspectArgs {
     /// Expert-parallel size of a mixture of experts (must divide --tp).
     #[arg(long, default_value_t = 1)]
     pub ep: usize,
+    /// A draft model for speculative decoding: one more line on what it takes on rank 0 (its
+    /// weights whole and a KV pool of --ctx-size positions) and rank 0's total with it.
+    #[arg(long, value_name = "FILE")]
+    pub draft_model: Option<PathBuf>,
 }
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
@@ -78,6 +85,23 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         r => r?,
     };
     print!("{text}");
+    if let Some(draft) = &args.draft_model {
+        let memory = draft_memory(draft, opts)
+            .map_err(|e| anyhow::anyhow!("{} (--draft-model)", chain(&e)))?;
+        let ctx = args.ctx_size.unwrap_or(ckpt.config().context);
+        let plan = DraftPlan {
+            path: draft.clone(),
+            memory,
+            blocks: ctx.div_ceil(tp_models::BLOCK_POSITIONS),
+        };
+        let rank0 = memory_plan(&*ckpt, &weights, ctx, opts)?
+            .first()
+            .map_or(0, |m| m.total() as u64);
+        println!(
+            "draft      {}",
+            plan.describe(rank0.saturating_add(plan.total()))
+        );
+    }
     println!("kernels    {}", tp_kernels::kernel_report());
     Ok(ExitCode::SUCCESS)
 }

@@ -182,6 +182,7 @@ impl ModelArgs {
             max_rank_memory: self.max_rank_memory,
             held: None,
             kv_budget: None,
+            draft: None,
             timeout: self.timeout()?,
             sync: self.sync.mode(),
             report: !self.quiet,
@@ -281,6 +282,7 @@ pub fn start_error(e: StartError, backend: Backend) -> anyhow::Error {
         e @ StartError::PipelineNotWorld { .. } => anyhow!("{e} (--pp, --tp)"),
         StartError::Session(e) => session_error(*e),
         e @ StartError::Open { .. } => anyhow!("{} (--model)", chain(&e)),
+        e @ StartError::Draft(_) => anyhow!("{} (--draft-model)", chain(&e)),
         e => anyhow::Error::new(e),
     }
 }
@@ -339,6 +341,27 @@ pub fn session_error(e: SessionError) -> anyhow::Error {
                 show_bytes(limit)
             )
         }
+        SessionError::DraftOverRankLimit {
+            tp,
+            need,
+            limit,
+            draft_weights,
+            draft_kv,
+            fits,
+            heads,
+        } => {
+            let more = match fits {
+                Some(t) => format!("a larger --tp (the model fits beside the draft at --tp {t})"),
+                None => format!("(no --tp up to {heads} fits beside the draft)"),
+            };
+            anyhow!(
+                "rank 0 needs {} at tp {tp} with the --draft-model ({} of weights and {} of KV cache) but --max-rank-memory is {}; use a smaller --draft-model, {more}, or no --draft-model",
+                show_bytes(need),
+                show_bytes(draft_weights),
+                show_bytes(draft_kv),
+                show_bytes(limit)
+            )
+        }
         SessionError::WeightsSplit { weights, source } => {
             anyhow::Error::new(*source).context(format!("--rank-weights {weights} cannot split the model"))
         }
@@ -352,18 +375,21 @@ pub fn run_model<T: Send>(
     args: &ModelArgs,
     lead: impl Fn(&mut Session) -> anyhow::Result<T> + Sync,
 ) -> anyhow::Result<Result<Option<T>, RanksFailed>> {
-    run_model_holding(args, None, lead)
+    run_model_holding(args, None, None, lead)
 }
 
 /// [`run_model`] for a server whose sequences together hold at most the KV blocks `budget`
-/// allows: the memory preflight and --max-rank-memory price those blocks, not one --ctx-size.
+/// allows: the memory preflight and --max-rank-memory price those blocks, not one --ctx-size,
+/// and the `draft` model rank 0 loads beside them (its pool as many blocks, from the budget).
 pub fn run_model_serving<T: Send>(
     args: &ModelArgs,
     budget: KvBudget,
+    draft: Option<PathBuf>,
     lead: impl Fn(&mut Session) -> anyhow::Result<T> + Sync,
 ) -> anyhow::Result<Result<Option<T>, RanksFailed>> {
     let cfg = SessionConfig {
         kv_budget: Some(budget),
+        draft,
         ..args.session_config()?
     };
     run_session(&cfg, |e| start_error(e, args.backend), lead)
@@ -371,14 +397,16 @@ pub fn run_model_serving<T: Send>(
 
 /// [`run_model`] for a run whose sequence holds at most the positions `held` tells (from the
 /// tokenizer): the memory preflight and --max-rank-memory price those KV blocks, not the whole
-/// --ctx-size.
+/// --ctx-size, and the `draft` model rank 0 loads (its weights and a cache as long).
 pub fn run_model_holding<T: Send>(
     args: &ModelArgs,
     held: Option<HeldPositions>,
+    draft: Option<PathBuf>,
     lead: impl Fn(&mut Session) -> anyhow::Result<T> + Sync,
 ) -> anyhow::Result<Result<Option<T>, RanksFailed>> {
     let cfg = SessionConfig {
         held,
+        draft,
         ..args.session_config()?
     };
     run_session(&cfg, |e| start_error(e, args.backend), lead)

@@ -448,7 +448,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let canary_failed: Arc<Mutex<Option<String>>> = Arc::default();
     // Checked before any rank starts; rank 0 builds the drafter source.
     args.spec.check()?;
-    let out = run_model_serving(&args.model, cfg.kv_budget, |s| {
+    let draft = args.spec.drafting.draft_path();
+    let out = run_model_serving(&args.model, cfg.kv_budget, draft, |s| {
         let mut cfg = cfg.clone();
         cfg.spec = args.spec.serve_spec(s, &args.model)?;
         let ready = |r: &Ready| -> tp_serve::Result<()> {
@@ -463,6 +464,15 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
                     args.max_seqs,
                     args.max_batch_tokens
                 );
+                if let Some(d) = &r.draft {
+                    eprintln!(
+                        "# KV budget with --draft-model: rank 0's pays {} blocks of the draft ({} each, {} in all) beside the target's, and holds its {} of weights",
+                        d.blocks,
+                        show_bytes(d.memory.block_bytes as u64),
+                        show_bytes(d.kv_bytes()),
+                        show_bytes(d.memory.weights)
+                    );
+                }
                 eprintln!(
                     "# connections: at most {max_connections} at once ({}); request headers within {} s, idle keep-alive {} s",
                     fd_limit.map_or("open-file limit unknown".to_string(), |l| format!("open-file limit {l}")),

@@ -1,8 +1,11 @@
 //! `tp generate --spec ngram` end to end on the real SmolLM2: greedy text identical to plain
 //! decoding at tp 1 and 2 (local ranks) and under `mpirun -n 2`, seeded sampling equal to plain,
-//! and errors that name the flag and its valid values for bad speculation flags.
+//! and errors that name the flag and its valid values for bad speculation flags; a draft model
+//! in the memory preflight (reported, refused past --max-rank-memory, a server's KV budget
+//! split between the two pools).
 
 mod common;
+mod serve_util;
 use common::TP;
 use std::time::Duration;
 
@@ -161,4 +164,204 @@ fn greedy_speculation_under_mpirun_matches_plain() {
     ];
     let got = common::mpirun_tp(2, &args, DEADLINE);
     assert_eq!(ok_stdout(&got), want, "mpirun -n 2 with --spec ngram");
+}
+
+/// Megabytes in a size as the reports show it ("105.3 MB").
+fn mb(shown: &str) -> f64 {
+    let (n, unit) = shown.trim().split_once(' ').expect("a number and a unit");
+    let n: f64 = n.parse().unwrap();
+    match unit {
+        "GB" => n * 1e3,
+        "MB" => n,
+        "kB" => n / 1e3,
+        _ => n / 1e6,
+    }
+}
+
+/// `--draft-model` in the memory preflight (SmolLM2 drafting for itself): the report has a
+/// line on what the draft takes on rank 0 and the text is the plain greedy one (its pool
+/// bounded by the plan); a --max-rank-memory the target fits alone but not beside the draft is
+/// refused before loading, naming the bytes and what to do; `tp serve --max-kv-memory` gives
+/// the draft's pool as many blocks as the target's and says so.
+#[test]
+fn the_draft_model_is_in_the_memory_preflight() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let m = model.to_string_lossy().to_string();
+    let want = ok_stdout(&generate(&m, &["--greedy", "-q"]));
+    let f = generate(&m, &["--greedy", "--draft-model", &m]);
+    assert_eq!(ok_stdout(&f), want);
+    let line = |start: &str| {
+        f.stderr
+            .lines()
+            .find(|l| l.starts_with(start))
+            .unwrap_or_else(|| panic!("no {start:?} line in {}", f.stderr))
+            .to_string()
+    };
+    let draft = line("# draft model ");
+    assert!(
+        draft.contains("on rank 0:") && draft.contains("blocks of 32 positions at most"),
+        "{draft}"
+    );
+    // The target alone: its rank 0 line's total; 1 MB more is room for it but not the draft.
+    let target = mb(line("# rank 0:").rsplit("= ").next().unwrap());
+    let limit = format!("{:.1}MB", target + 1.0);
+    let alone = generate(&m, &["--greedy", "-q", "--max-rank-memory", &limit]);
+    assert_eq!(ok_stdout(&alone), want);
+    let refused = generate(
+        &m,
+        &[
+            "--greedy",
+            "-q",
+            "--draft-model",
+            &m,
+            "--max-rank-memory",
+            &limit,
+        ],
+    );
+    assert_ne!(refused.code, Some(0), "{}", refused.output);
+    assert!(!refused.output.contains("panicked"), "{}", refused.output);
+    for words in [
+        "rank 0 needs",
+        "with the --draft-model",
+        "of weights and",
+        "--max-rank-memory is",
+        "use a smaller --draft-model",
+        "or no --draft-model",
+    ] {
+        assert!(
+            refused.stderr.contains(words),
+            "{words:?}: {}",
+            refused.stderr
+        );
+    }
+    // `tp inspect --draft-model`: the same line, for a pool of --ctx-size positions.
+    let inspect = common::tp(
+        &["inspect", &m, "--ctx-size", "64", "--draft-model", &m],
+        DEADLINE,
+    );
+    let row = ok_stdout(&inspect)
+        .lines()
+        .find(|l| l.starts_with("draft      draft model "))
+        .map(str::to_string)
+        .unwrap_or_else(|| panic!("no draft line in {}", inspect.stdout));
+    let weights = |l: &str| {
+        l.split(" weights")
+            .next()
+            .unwrap()
+            .rsplit(": ")
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    assert!(row.contains("(2 blocks of 32 positions at most"), "{row}");
+    assert_eq!(weights(&row), weights(&draft), "{row}\n{draft}");
+    // A server: one budget, the same blocks for both pools (12 MB: 8 of each). Four
+    // requests with one prompt decode together (all of them draft): the target shares the
+    // prompt's first block between them, the drafts' caches do not, so the draft pool (3
+    // blocks a request) runs full and requests decode on without drafts; every text is still
+    // the plain greedy one.
+    let mut server = serve_util::ServerProc::start_with(
+        serve_util::TP,
+        &[],
+        &model,
+        &[
+            "--draft-model",
+            &m,
+            "--max-kv-memory",
+            "12MB",
+            "--ctx-size",
+            "512",
+            "--spec-max-batch",
+            "4",
+        ],
+    );
+    let body = serde_json::json!({"prompt": QUOTE, "max_tokens": 40, "temperature": 0});
+    let texts: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..4)
+            .map(|_| {
+                let (c, body) = (server.client.clone(), body.clone());
+                s.spawn(move || {
+                    let r = c.post_json("/v1/completions", &body).unwrap();
+                    assert_eq!(r.status, 200, "{}", r.text());
+                    r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for text in &texts {
+        assert!(
+            text.len() > 20 && want.starts_with(text.as_str()),
+            "{text:?} is not how {want:?} starts"
+        );
+    }
+    assert!(
+        server
+            .metric("tp_spec_accepted_tokens_total")
+            .unwrap_or(0.0)
+            > 0.0
+    );
+    let full = server.metric("tp_spec_draft_kv_full_total").unwrap_or(0.0);
+    eprintln!("the draft pool was full in {full} request steps");
+    assert!(full > 0.0, "the draft pool never ran full");
+    assert_eq!(server.metric("tp_spec_draft_errors_total"), Some(0.0));
+    let stderr = server.stderr();
+    let blocks = |prefix: &str, before: &str| -> usize {
+        let l = stderr
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no {prefix:?} line in {stderr}"));
+        let head = l.split(before).next().unwrap();
+        head.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let target_blocks = blocks("# KV budget: ", " blocks of 32 positions");
+    let draft_blocks = blocks("# KV budget with --draft-model: ", " blocks of the draft");
+    assert_eq!(target_blocks, draft_blocks, "{stderr}");
+    // 12 MB pays for 8 blocks of each (SmolLM2's f16 block: 0.74 MB), not 16 of one.
+    assert_eq!(target_blocks, 8, "{stderr}");
+    server.signal("TERM");
+    server.wait(Duration::from_secs(60));
+}
+
+/// `mpirun -n 2` with `--draft-model`: every process prices the draft (rank 0 holds it), so
+/// the text is the plain greedy one, and a --max-rank-memory the tp 2 target fits alone but
+/// not beside the draft is refused by every process before loading (no rank waits for another).
+#[cfg(feature = "mpi")]
+#[test]
+fn a_draft_model_under_mpirun() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let m = model.to_string_lossy().to_string();
+    let want = ok_stdout(&generate(&m, &["--greedy", "-q"]));
+    let args = |extra: &[&'static str]| {
+        let mut a = vec![
+            "generate",
+            "--model",
+            &m,
+            "--max-tokens",
+            "40",
+            "--greedy",
+            "-q",
+            "--draft-model",
+            &m,
+            "--backend",
+            "mpi",
+        ];
+        a.extend_from_slice(extra);
+        a.push(QUOTE);
+        a
+    };
+    let got = common::mpirun_tp(2, &args(&[]), DEADLINE);
+    assert_eq!(ok_stdout(&got), want, "mpirun -n 2 with --draft-model");
+    // At tp 2 each rank holds about 50 MB of SmolLM2; the draft is 97 MB more on rank 0.
+    let refused = common::mpirun_tp(2, &args(&["--max-rank-memory", "80MB"]), DEADLINE);
+    assert_ne!(refused.code, Some(0), "{}", refused.output);
+    assert!(
+        refused.stderr.contains("with the --draft-model") && !refused.output.contains("panicked"),
+        "{}",
+        refused.output
+    );
 }

@@ -11,7 +11,7 @@
 use crate::bench::BenchError;
 use crate::candidates::{force_gather, RowNeed, StepLogits};
 use crate::decoder::{DecodeParams, SequenceDecoder};
-use crate::draft_model::ModelDrafter;
+use crate::draft_model::DraftModelSource;
 use crate::error::{EngineError, Result};
 use crate::generate::{generate, Flow};
 use crate::protocol::{ChunkSpec, Command};
@@ -59,7 +59,7 @@ pub fn edit_prompt(tok: &tp_tokenizer::Tokenizer) -> std::result::Result<Vec<u32
 #[derive(Clone, Debug)]
 pub enum BenchDrafter {
     Method(SpecMethod),
-    /// A draft model, whole on rank 0 ([`ModelDrafter`]).
+    /// A draft model, whole on rank 0 ([`crate::draft_model::ModelDrafter`]).
     Model {
         path: PathBuf,
         opts: LoadOptions,
@@ -126,8 +126,8 @@ pub fn measure_spec(
     let mut spec = match &b.drafter {
         BenchDrafter::Method(m) => Speculator::for_method(*m, b.tokens),
         BenchDrafter::Model { path, opts } => {
-            let vocab = s.worker.model().config().vocab;
-            let d = ModelDrafter::open(path, &s.tokenizer, vocab, s.ctx_size, *opts)?;
+            // Bounded as the session's preflight planned (when it was told of the draft).
+            let d = DraftModelSource::for_session(path, s, *opts)?.sequence();
             Speculator::new(Box::new(d), b.tokens)
         }
     };

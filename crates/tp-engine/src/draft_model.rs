@@ -5,6 +5,12 @@
 //! of the draft in step with the sequence: each call drops what the sequence no longer holds (rejected
 //! drafts), feeds what it gained, then drafts greedily one token at a time (a point-mass
 //! distribution, as the decoder's acceptance rule expects).
+//!
+//! The draft's memory is priced before anything loads ([`draft_memory`]: its weights whole and
+//! its bytes per KV block, both on rank 0; the session's preflight adds them to rank 0's plan)
+//! and its KV pool is bounded ([`DraftPlan::blocks`], from the same budget as the target's).
+//! A drafter whose next draft does not fit the pool drafts nothing
+//! ([`EngineError::DraftKvFull`]: the sequence goes on unspeculated that step).
 
 use crate::error::{EngineError, Result};
 use crate::generate::PREFILL_CHUNK;
@@ -15,7 +21,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use thiserror::Error;
 use tp_comm::Group;
-use tp_models::{open_checkpoint, BlockTable, Chunk, KvPool, LoadOptions, Profile, ShardedModel};
+use tp_models::{
+    open_checkpoint, BlockTable, Chunk, KvPool, LoadOptions, Profile, RankWeights, ShardedModel,
+    BLOCK_POSITIONS,
+};
 use tp_tokenizer::Tokenizer;
 
 /// Why a draft model cannot serve a target.
@@ -32,6 +41,87 @@ pub enum DraftModelError {
     /// The draft's tokens are not the target's: its drafts would mean other text.
     #[error("the draft model {} has another vocabulary than the target: {what}; use a draft of the target's family (e.g. Qwen2.5-Coder-0.5B for -1.5B)", path.display())]
     Vocabulary { path: PathBuf, what: String },
+}
+
+/// What a draft model takes on rank 0, the one rank that holds it: its weights (whole) and
+/// each block of [`BLOCK_POSITIONS`] positions of its KV pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DraftMemory {
+    pub weights: u64,
+    pub block_bytes: usize,
+}
+
+/// A session's draft model as its preflight priced it: where it is, what it takes, and the
+/// most KV blocks its pool holds (all its sequences together).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DraftPlan {
+    pub path: PathBuf,
+    pub memory: DraftMemory,
+    pub blocks: usize,
+}
+
+impl DraftPlan {
+    /// Bytes of its KV pool when full.
+    pub fn kv_bytes(&self) -> u64 {
+        (self.blocks as u64).saturating_mul(self.memory.block_bytes as u64)
+    }
+
+    /// Weights and a full KV pool.
+    pub fn total(&self) -> u64 {
+        self.memory.weights.saturating_add(self.kv_bytes())
+    }
+
+    /// One line on what it takes on rank 0 (`rank0` bytes there in all, the target's
+    /// included), as the start-up report and `tp inspect` print it.
+    pub fn describe(&self, rank0: u64) -> String {
+        use crate::report::show_bytes;
+        format!(
+            "draft model {} on rank 0: {} weights + {} KV pool ({} blocks of {BLOCK_POSITIONS} positions at most, {} per block) = {}; rank 0 with it: {}",
+            self.path.display(),
+            show_bytes(self.memory.weights),
+            show_bytes(self.kv_bytes()),
+            self.blocks,
+            show_bytes(self.memory.block_bytes as u64),
+            show_bytes(self.total()),
+            show_bytes(rank0)
+        )
+    }
+}
+
+/// The load options of a draft model: the target's, but whole on one rank (no pipeline
+/// stages, no expert groups).
+fn draft_options(opts: LoadOptions) -> LoadOptions {
+    LoadOptions {
+        pipeline_stages: 1,
+        expert_groups: 1,
+        ..opts
+    }
+}
+
+/// What the draft model at `path`, loaded with `opts`, takes on rank 0; reads its metadata
+/// only.
+pub fn draft_memory(
+    path: &Path,
+    opts: LoadOptions,
+) -> std::result::Result<DraftMemory, DraftModelError> {
+    let load = |source: tp_models::ModelError| DraftModelError::Load {
+        path: path.to_path_buf(),
+        source: Box::new(source),
+    };
+    let ckpt = open_checkpoint(path).map_err(load)?;
+    let opts = draft_options(opts);
+    let plan =
+        crate::session::memory_plan_held(&*ckpt, &RankWeights::even(1), BLOCK_POSITIONS, 0, opts)
+            .map_err(load)?;
+    let m = plan.first().ok_or_else(|| {
+        load(tp_models::ModelError::Config(
+            "the draft model has no rank plan".into(),
+        ))
+    })?;
+    Ok(DraftMemory {
+        weights: (m.sharded + m.replicated) as u64,
+        block_bytes: m.kv_block_bytes,
+    })
 }
 
 /// What differs between two tokenizers' token tables (`None`: the same tokens, id for id).
@@ -129,7 +219,7 @@ impl DraftModelSource {
             });
         }
         drop(tok);
-        let model = ShardedModel::load(&*ckpt, 0, 1, opts, ctx).map_err(load)?;
+        let model = ShardedModel::load(&*ckpt, 0, 1, draft_options(opts), ctx).map_err(load)?;
         ckpt.release_pages();
         let pool = model.new_pool();
         Ok(DraftModelSource {
@@ -143,6 +233,33 @@ impl DraftModelSource {
             })),
             path: path.to_path_buf(),
         })
+    }
+
+    /// [`DraftModelSource::open`] for `session`'s target (its tokenizer, vocabulary and
+    /// context), its KV pool bounded as the session's preflight planned (unbounded when the
+    /// session was started without the draft: [`crate::start::SessionConfig::draft`]).
+    pub fn for_session(
+        path: &Path,
+        session: &crate::Session,
+        opts: LoadOptions,
+    ) -> std::result::Result<Self, DraftModelError> {
+        let d = Self::open(
+            path,
+            &session.tokenizer,
+            session.worker.model().config().vocab,
+            session.ctx_size,
+            opts,
+        )?;
+        if let Some(plan) = &session.draft {
+            d.set_block_limit(plan.blocks);
+        }
+        Ok(d)
+    }
+
+    /// Bounds the draft's KV pool, all sequences together, to `blocks` blocks of
+    /// [`BLOCK_POSITIONS`] positions.
+    pub fn set_block_limit(&self, blocks: usize) {
+        lock(&self.shared).pool.set_limit(blocks);
     }
 
     /// A drafter with its own (empty) cache of the draft.
@@ -228,6 +345,21 @@ impl Drafter for ModelDrafter {
         self.fed.truncate(common);
         if history.len() > self.table.capacity() {
             return Ok(Vec::new());
+        }
+        // The pool must take what the sequence gained, then the drafts fed back (all but the
+        // last): draft fewer when only some fit, none when not even the catch-up does.
+        let (catch_up, free) = (history.len() - common, m.pool.free_blocks());
+        let needed = m.pool.blocks_needed(&self.table, catch_up);
+        if needed > free {
+            return Err(EngineError::DraftKvFull {
+                needed,
+                free,
+                limit: m.pool.limit(),
+            });
+        }
+        let mut k = k;
+        while k > 1 && m.pool.blocks_needed(&self.table, catch_up + k - 1) > free {
+            k -= 1;
         }
         let mut logits = Vec::new();
         for chunk in history[common..].chunks(PREFILL_CHUNK) {

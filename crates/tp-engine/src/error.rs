@@ -49,6 +49,16 @@ pub enum EngineError {
         #[source]
         source: Box<EngineError>,
     },
+    /// A draft model's KV pool has no room for what a sequence would draft now: that step
+    /// drafts nothing (the target decodes on unspeculated), the request is unaffected.
+    #[error(
+        "the draft model's KV pool has {free} of {limit} blocks free but drafting needs {needed}"
+    )]
+    DraftKvFull {
+        needed: usize,
+        free: usize,
+        limit: usize,
+    },
     #[error("{0}")]
     Internal(String),
 }

@@ -186,7 +186,7 @@ pub fn generate(
                 let room = capacity.saturating_sub(exec.slots().cached_len(slot) + 1);
                 let wanted =
                     (decoder.params().max_tokens).saturating_sub(decoder.generated().len());
-                s.draft(decoder.generated(), room.min(wanted.saturating_sub(1)))?
+                s.draft(decoder.generated(), room.min(wanted.saturating_sub(1)))
             }
             None => Vec::new(),
         };
@@ -512,6 +512,75 @@ mod tests {
                 for cap in [4, 5, 9, 13, 14, 15] {
                     same_with_speculation(b"hello world", cap, DecodeParams::greedy(100), right, k);
                 }
+            }
+        }
+    }
+
+    /// Right drafts (the [`Known`] script's) that fail on cue: every `full`-th call the draft
+    /// KV pool is full, and from call `fail_at` on the drafter errs.
+    struct Faulty {
+        known: Known,
+        calls: usize,
+        full: usize,
+        fail_at: usize,
+    }
+
+    impl crate::spec::Drafter for Faulty {
+        fn draft(&mut self, history: &[u32], k: usize) -> Result<Vec<u32>> {
+            self.calls += 1;
+            if self.calls >= self.fail_at {
+                return Err(EngineError::Internal("the draft forward broke".into()));
+            }
+            if self.calls.is_multiple_of(self.full) {
+                return Err(EngineError::DraftKvFull {
+                    needed: 1,
+                    free: 0,
+                    limit: 4,
+                });
+            }
+            self.known.draft(history, k)
+        }
+    }
+
+    /// A drafter's errors never fail the sequence: a full draft pool skips that step's
+    /// drafts, any other error stops drafting (told once); the output is plain decoding's.
+    #[test]
+    fn drafter_errors_leave_the_output_unchanged() {
+        let text: &'static [u8] = b"hello world, hello there";
+        let params = DecodeParams::greedy(100);
+        let (plain, plain_steps) = outcome(text, 64, &params, None);
+        for (full, fail_at) in [(2, usize::MAX), (3, 4), (usize::MAX, 1)] {
+            let known = Known {
+                text,
+                prompt: 3,
+                right: true,
+            };
+            let faulty = Faulty {
+                known,
+                calls: 0,
+                full,
+                fail_at,
+            };
+            let mut spec = Speculator::new(Box::new(faulty), DraftTokens::Fixed(2));
+            let (fast, steps) = outcome(text, 64, &params, Some(&mut spec));
+            assert_eq!(plain, fast, "full every {full}, failing at {fail_at}");
+            let st = spec.stats;
+            let failed = fail_at != usize::MAX;
+            assert_eq!(st.errors, usize::from(failed), "{st:?}");
+            if failed {
+                // Told once; the steps after the error decode one token each.
+                let why = spec.take_failure().map(str::to_string);
+                assert_eq!(why.as_deref(), Some("the draft forward broke"));
+                assert_eq!(spec.take_failure(), None);
+                assert!(steps > plain_steps / 2, "{steps}");
+            } else {
+                assert_eq!(spec.take_failure(), None);
+                // Every other call found the pool full; the others drafted and were kept.
+                assert!(st.kv_full > 2 && st.accepted > 0, "{st:?}");
+                assert!(steps < plain_steps, "{steps} vs {plain_steps}");
+            }
+            if full == 3 {
+                assert_eq!((st.kv_full, st.errors), (1, 1), "{st:?}");
             }
         }
     }

@@ -26,6 +26,9 @@ pub struct Reply {
     pub logprobs: Vec<LogprobEntry>,
     /// What speculative decoding did (when on).
     pub spec: Option<SpecStats>,
+    /// Why drafting stopped during this reply (a drafter error; the reply went on without
+    /// drafts), for the caller to tell.
+    pub spec_failure: Option<String>,
 }
 
 /// Rank 0's handle on one sequence (slot 0) of `session`.
@@ -139,6 +142,10 @@ impl<'s> Engine<'s> {
             tokens,
             logprobs,
             spec: self.spec.as_ref().map(|s| s.stats),
+            spec_failure: self
+                .spec
+                .as_mut()
+                .and_then(|s| s.take_failure().map(str::to_string)),
         })
     }
 

@@ -3,7 +3,12 @@
 //! per-rank memory limit with the smallest tp that fits), the tokenizer that belongs to the
 //! model, and what rank 0 holds to lead the group ([`Session`]). Errors are typed and worded
 //! without any front end's flags; the CLI adds those.
+//!
+//! A draft model for speculative decoding lives on rank 0 only: its weights and its KV pool
+//! are charged to rank 0's plan ([`charge_draft`]), so every check and a server's KV budget
+//! (which then pays a target block and a draft block per block) count it.
 
+use crate::draft_model::{DraftMemory, DraftPlan};
 use crate::kv_budget::{limiting_rank, stage_block_bytes, KvBudget};
 use crate::worker::Worker;
 use std::path::{Path, PathBuf};
@@ -28,6 +33,9 @@ pub struct Session {
     pub weights: RankWeights,
     /// What each rank read at load and how long it took, by rank (empty where not measured).
     pub load: Vec<crate::load_stats::LoadStats>,
+    /// The draft model rank 0 may load, as the preflight priced it (already charged to
+    /// `memory[0]`, see [`charge_draft`]); `None` when the run was started without one.
+    pub draft: Option<DraftPlan>,
 }
 
 /// Where the ranks of a layout live, for the machine-memory check.
@@ -109,6 +117,28 @@ pub enum SessionError {
         /// every rank fits; `None` when the weights alone exceed the limit.
         fits_positions: Option<usize>,
     },
+    /// The target fits the per-rank limit but not beside the draft model rank 0 holds.
+    #[error(
+        "rank 0 needs {} at tp {tp} with the draft model ({} of weights and {} of KV cache) but the per-rank memory limit is {}; use a smaller draft model, {}, or no draft model",
+        show(Some(u128::from(*need))),
+        show(Some(u128::from(*draft_weights))),
+        show(Some(u128::from(*draft_kv))),
+        show(Some(u128::from(*limit))),
+        match fits {
+            Some(t) => format!("more ranks for the target (it fits beside the draft at tp {t})"),
+            None => format!("(more ranks do not help: no tp up to {heads} fits beside the draft)"),
+        }
+    )]
+    DraftOverRankLimit {
+        tp: usize,
+        need: u64,
+        limit: u64,
+        draft_weights: u64,
+        draft_kv: u64,
+        /// The smallest even tp at which rank 0 fits with the draft.
+        fits: Option<usize>,
+        heads: usize,
+    },
     #[error("rank weights {weights} cannot split this model")]
     WeightsSplit {
         weights: RankWeights,
@@ -183,30 +213,68 @@ pub fn memory_plan_held(
         .collect()
 }
 
+/// Charges rank 0's plan (`plan[0]`) with the draft model it holds: its weights (whole, counted
+/// as replicated), a KV pool of `blocks` blocks, and its bytes per block beside the target's
+/// (a server's budget pays one block of each per block).
+pub fn charge_draft(plan: &mut [RankMemory], draft: &DraftMemory, blocks: usize) {
+    if let Some(m) = plan.first_mut() {
+        let w = usize::try_from(draft.weights).unwrap_or(usize::MAX);
+        m.replicated = m.replicated.saturating_add(w);
+        m.kv_cache = m
+            .kv_cache
+            .saturating_add(blocks.saturating_mul(draft.block_bytes));
+        m.kv_block_bytes = m.kv_block_bytes.saturating_add(draft.block_bytes);
+    }
+}
+
+/// [`memory_plan_held`] with the draft model (if any) charged to rank 0, its pool the blocks
+/// of `held` positions (a sequence's draft cache follows the sequence).
+pub fn memory_plan_drafted(
+    ckpt: &dyn Checkpoint,
+    weights: &RankWeights,
+    ctx: usize,
+    held: usize,
+    opts: LoadOptions,
+    draft: Option<&DraftMemory>,
+) -> tp_models::Result<Vec<RankMemory>> {
+    let mut plan = memory_plan_held(ckpt, weights, ctx, held, opts)?;
+    if let Some(d) = draft {
+        charge_draft(&mut plan, d, held.div_ceil(BLOCK_POSITIONS));
+    }
+    Ok(plan)
+}
+
 /// The positions (whole blocks, all sequences together) a server's KV `budget` gives every
 /// rank of this layout room for: each rank's budget in bytes over its bytes per block, the
-/// rank with the fewest bounding them (as the server allocates them).
+/// rank with the fewest bounding them (as the server allocates them). With a draft model,
+/// rank 0's weights include the draft's and each of its blocks pays a draft block too: the
+/// same count of blocks for both pools.
 pub fn budget_positions(
     ckpt: &dyn Checkpoint,
     weights: &RankWeights,
     ctx: usize,
     opts: LoadOptions,
     budget: KvBudget,
+    draft: Option<&DraftMemory>,
 ) -> tp_models::Result<usize> {
-    let bare = memory_plan_held(ckpt, weights, ctx, 0, opts)?;
+    let bare = memory_plan_drafted(ckpt, weights, ctx, 0, opts, draft)?;
     let weight_bytes: Vec<u64> = bare
         .iter()
         .map(|m| (m.sharded + m.replicated) as u64)
         .collect();
-    let per_block = stage_block_bytes(ckpt, weights, opts)?;
+    let mut per_block = stage_block_bytes(ckpt, weights, opts)?;
+    if let (Some(d), Some(b)) = (draft, per_block.first_mut()) {
+        *b = b.saturating_add(d.block_bytes);
+    }
     let budgets = budget.rank_bytes(&weight_bytes, &per_block);
     Ok(limiting_rank(&budgets, &per_block)
         .map_or(0, |(_, blocks)| blocks.saturating_mul(BLOCK_POSITIONS)))
 }
 
 /// The memory plan of a layout whose sequences hold at most `held` of `ctx` positions
-/// ([`memory_plan_held`]), refused when the context is more than a sequence can hold or the
-/// ranks would exceed this machine's memory, before any rank allocates.
+/// ([`memory_plan_held`], with `draft` charged to rank 0: [`memory_plan_drafted`]), refused
+/// when the context is more than a sequence can hold or the ranks would exceed this
+/// machine's memory, before any rank allocates.
 pub fn checked_memory_plan(
     ckpt: &dyn Checkpoint,
     weights: &RankWeights,
@@ -214,9 +282,10 @@ pub fn checked_memory_plan(
     held: usize,
     opts: LoadOptions,
     placement: Placement,
+    draft: Option<&DraftMemory>,
 ) -> Result<Vec<RankMemory>, SessionError> {
     let tp = weights.tp();
-    let plan = memory_plan_held(ckpt, weights, ctx, held, opts).map_err(|e| {
+    let plan = memory_plan_drafted(ckpt, weights, ctx, held, opts, draft).map_err(|e| {
         if !weights.is_even() && e.is_split_error() {
             SessionError::WeightsSplit {
                 weights: weights.clone(),
@@ -253,7 +322,10 @@ pub fn checked_memory_plan(
 }
 
 /// Refuses a layout whose busiest rank (in `plan`, of sequences holding at most `held` of
-/// `ctx` positions) exceeds `limit` bytes, naming the smallest tp that fits.
+/// `ctx` positions, `draft` charged to rank 0) exceeds `limit` bytes, naming the smallest tp
+/// that fits. A target that fits without the draft but not beside it is
+/// [`SessionError::DraftOverRankLimit`].
+#[allow(clippy::too_many_arguments)]
 pub fn check_rank_limit(
     ckpt: &dyn Checkpoint,
     weights: &RankWeights,
@@ -262,22 +334,36 @@ pub fn check_rank_limit(
     opts: LoadOptions,
     limit: u64,
     plan: &[RankMemory],
+    draft: Option<&DraftMemory>,
 ) -> Result<(), SessionError> {
     let need = plan.iter().map(RankMemory::total).max().unwrap_or(0) as u64;
     if need <= limit {
         return Ok(());
     }
+    let heads = ckpt.config().heads;
+    // Whether every rank fits the limit with these weights and a cache of `positions`.
+    let fits_with = |weights: &RankWeights, positions: usize, draft: Option<&DraftMemory>| {
+        memory_plan_drafted(ckpt, weights, ctx, positions, opts, draft)
+            .map(|p| p.iter().all(|m| m.total() as u64 <= limit))
+            .unwrap_or(false)
+    };
+    if let Some(d) = draft.filter(|_| fits_with(weights, held, None)) {
+        let blocks = held.div_ceil(BLOCK_POSITIONS) as u64;
+        return Err(SessionError::DraftOverRankLimit {
+            tp: weights.tp(),
+            need: plan.first().map_or(0, RankMemory::total) as u64,
+            limit,
+            draft_weights: d.weights,
+            draft_kv: blocks.saturating_mul(d.block_bytes as u64),
+            fits: (1..=heads).find(|&t| fits_with(&RankWeights::even(t), held, draft)),
+            heads,
+        });
+    }
+    let fits_with = |weights: &RankWeights, positions: usize| fits_with(weights, positions, draft);
     let busiest = plan
         .iter()
         .position(|m| m.total() as u64 == need)
         .unwrap_or(0);
-    let heads = ckpt.config().heads;
-    // Whether every rank fits the limit with these weights and a cache of `positions`.
-    let fits_with = |weights: &RankWeights, positions: usize| {
-        memory_plan_held(ckpt, weights, ctx, positions, opts)
-            .map(|p| p.iter().all(|m| m.total() as u64 <= limit))
-            .unwrap_or(false)
-    };
     let fits = (1..=heads).find(|&t| fits_with(&RankWeights::even(t), held));
     let fits_at = |positions: usize| fits_with(weights, positions);
     // The cache's bytes grow with the positions: the largest that fits, by bisection.
@@ -440,6 +526,7 @@ mod tests {
             ctx,
             opts,
             Placement::OneProcess,
+            None,
         )
         .unwrap();
         let two = memory_plan(ckpt, &RankWeights::even(2), ctx, opts).unwrap();
@@ -447,9 +534,28 @@ mod tests {
         let need2 = two.iter().map(RankMemory::total).max().unwrap() as u64;
         assert!(need2 < need1);
         // Enough for tp 1: no error.
-        check_rank_limit(ckpt, &RankWeights::even(1), ctx, ctx, opts, need1, &one).unwrap();
+        check_rank_limit(
+            ckpt,
+            &RankWeights::even(1),
+            ctx,
+            ctx,
+            opts,
+            need1,
+            &one,
+            None,
+        )
+        .unwrap();
         // Enough for tp 2 only.
-        match check_rank_limit(ckpt, &RankWeights::even(1), ctx, ctx, opts, need2, &one) {
+        match check_rank_limit(
+            ckpt,
+            &RankWeights::even(1),
+            ctx,
+            ctx,
+            opts,
+            need2,
+            &one,
+            None,
+        ) {
             Err(SessionError::OverRankLimit { fits, need, .. }) => {
                 assert_eq!(fits, Some(2));
                 assert_eq!(need, need1);
@@ -463,7 +569,16 @@ mod tests {
                 as u64
         };
         let half = at(ctx / 2);
-        match check_rank_limit(ckpt, &RankWeights::even(1), ctx, ctx, opts, half, &one) {
+        match check_rank_limit(
+            ckpt,
+            &RankWeights::even(1),
+            ctx,
+            ctx,
+            opts,
+            half,
+            &one,
+            None,
+        ) {
             Err(e @ SessionError::OverRankLimit { .. }) => {
                 let SessionError::OverRankLimit { fits_positions, .. } = &e else {
                     unreachable!()
@@ -480,7 +595,8 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // Nothing fits one byte.
-        let e = check_rank_limit(ckpt, &RankWeights::even(1), ctx, ctx, opts, 1, &one).unwrap_err();
+        let e = check_rank_limit(ckpt, &RankWeights::even(1), ctx, ctx, opts, 1, &one, None)
+            .unwrap_err();
         assert!(matches!(
             e,
             SessionError::OverRankLimit {
@@ -514,11 +630,12 @@ mod tests {
         assert_eq!(ten[0].sharded, whole[0].sharded);
         // A limit between the two: the run that holds 40 positions starts, the context does not.
         let limit = held[0].total() as u64;
-        let checked = checked_memory_plan(ckpt, &w, ctx, 40, opts, Placement::OneProcess).unwrap();
-        check_rank_limit(ckpt, &w, ctx, 40, opts, limit, &checked).unwrap();
-        let e = check_rank_limit(ckpt, &w, ctx, ctx, opts, limit, &whole).unwrap_err();
+        let checked =
+            checked_memory_plan(ckpt, &w, ctx, 40, opts, Placement::OneProcess, None).unwrap();
+        check_rank_limit(ckpt, &w, ctx, 40, opts, limit, &checked, None).unwrap();
+        let e = check_rank_limit(ckpt, &w, ctx, ctx, opts, limit, &whole, None).unwrap_err();
         assert!(e.to_string().contains("a KV cache of 256 positions"), "{e}");
-        match check_rank_limit(ckpt, &w, ctx, 1000, opts, 1, &whole) {
+        match check_rank_limit(ckpt, &w, ctx, 1000, opts, 1, &whole, None) {
             Err(SessionError::OverRankLimit { held, ctx: c, .. }) => {
                 assert_eq!((held, c), (1000, ctx))
             }
@@ -536,10 +653,10 @@ mod tests {
         let per_block = whole[0].kv_cache / (ctx / BLOCK_POSITIONS);
         // Bytes: whole blocks of the budget, on the rank with the fewest.
         let three = (3 * per_block + per_block / 2) as u64;
-        let p = budget_positions(ckpt, &w, ctx, opts, KvBudget::Bytes(three)).unwrap();
+        let p = budget_positions(ckpt, &w, ctx, opts, KvBudget::Bytes(three), None).unwrap();
         assert_eq!(p, 3 * BLOCK_POSITIONS);
         let n = 5 * ctx;
-        let p = budget_positions(ckpt, &w, ctx, opts, KvBudget::Positions(n)).unwrap();
+        let p = budget_positions(ckpt, &w, ctx, opts, KvBudget::Positions(n), None).unwrap();
         assert_eq!(p, n);
         // A rank limit that holds the weights and 2 blocks but not one context: the server
         // is priced at those blocks and starts, where the context's pricing refused it.
@@ -549,12 +666,137 @@ mod tests {
             .max()
             .unwrap();
         let limit = (weights_max + 2 * per_block) as u64;
-        assert!(check_rank_limit(ckpt, &w, ctx, ctx, opts, limit, &whole).is_err());
-        let held = budget_positions(ckpt, &w, ctx, opts, KvBudget::RankMemory(limit)).unwrap();
+        assert!(check_rank_limit(ckpt, &w, ctx, ctx, opts, limit, &whole, None).is_err());
+        let held =
+            budget_positions(ckpt, &w, ctx, opts, KvBudget::RankMemory(limit), None).unwrap();
         assert!((2 * BLOCK_POSITIONS..ctx).contains(&held), "{held}");
-        let plan = checked_memory_plan(ckpt, &w, ctx, held, opts, Placement::OneProcess).unwrap();
-        check_rank_limit(ckpt, &w, ctx, held, opts, limit, &plan).unwrap();
+        let plan =
+            checked_memory_plan(ckpt, &w, ctx, held, opts, Placement::OneProcess, None).unwrap();
+        check_rank_limit(ckpt, &w, ctx, held, opts, limit, &plan, None).unwrap();
         assert!(plan.iter().all(|m| m.total() as u64 <= limit));
+    }
+
+    /// A draft model (here the tiny model itself, priced from its file as the preflight does)
+    /// is charged to rank 0 only; a server's budget gives both pools the same blocks; a limit
+    /// the target fits but not beside the draft is refused in the draft's terms.
+    #[test]
+    fn the_draft_model_is_charged_to_rank_0() {
+        let dir =
+            std::env::temp_dir().join(format!("tp-engine-session-{}-draft", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.gguf");
+        SyntheticModel::small(Arch::Llama, 1)
+            .write_gguf(&path, GgufTypes::F32)
+            .unwrap();
+        let ckpt = open_checkpoint(&path).unwrap();
+        let ckpt = &*ckpt;
+        let opts = LoadOptions::default();
+        let d = crate::draft_model::draft_memory(&path, opts).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let (ctx, w) = (256, RankWeights::even(2));
+        let whole = memory_plan(ckpt, &RankWeights::even(1), ctx, opts).unwrap();
+        // Its weights and block bytes are the model's own at tp 1.
+        assert_eq!(d.weights, (whole[0].sharded + whole[0].replicated) as u64);
+        assert_eq!(d.block_bytes, whole[0].kv_block_bytes);
+        // 40 positions: two blocks of the draft on rank 0, nothing on rank 1.
+        let plain = memory_plan_held(ckpt, &w, ctx, 40, opts).unwrap();
+        let drafted = memory_plan_drafted(ckpt, &w, ctx, 40, opts, Some(&d)).unwrap();
+        assert_eq!(drafted[1], plain[1]);
+        assert_eq!(
+            drafted[0].total(),
+            plain[0].total() + d.weights as usize + 2 * d.block_bytes
+        );
+        // What a server divides its budget by on rank 0 (`Session::memory`): both blocks.
+        assert_eq!(
+            drafted[0].kv_block_bytes,
+            plain[0].kv_block_bytes + d.block_bytes
+        );
+        // A budget of bytes: rank 0 pays a target block and a draft block per block.
+        let t = plain[0].kv_block_bytes;
+        let bytes = (5 * (t + d.block_bytes) + 7) as u64;
+        let p = budget_positions(ckpt, &w, ctx, opts, KvBudget::Bytes(bytes), Some(&d)).unwrap();
+        assert_eq!(p, 5 * BLOCK_POSITIONS);
+        let p = budget_positions(ckpt, &w, ctx, opts, KvBudget::Bytes(bytes), None).unwrap();
+        assert!(p > 5 * BLOCK_POSITIONS, "{p}");
+        // A rank's memory: the draft's weights come off rank 0's budget first.
+        let limit = (plain[0].sharded + plain[0].replicated) as u64 + d.weights + bytes;
+        let p = budget_positions(ckpt, &w, ctx, opts, KvBudget::RankMemory(limit), Some(&d));
+        assert_eq!(p.unwrap(), 5 * BLOCK_POSITIONS);
+        let plan = checked_memory_plan(
+            ckpt,
+            &w,
+            ctx,
+            p_ok(5),
+            opts,
+            Placement::OneProcess,
+            Some(&d),
+        )
+        .unwrap();
+        check_rank_limit(ckpt, &w, ctx, p_ok(5), opts, limit, &plan, Some(&d)).unwrap();
+        // The target fits these limits alone, not beside the draft (the first lacks the
+        // draft's KV, the second its weights too): the draft's error, with the tp at which rank
+        // 0 fits with it when one does (a smaller shard of the target makes room).
+        for (limit, more_ranks) in [
+            (plain[0].total() as u64 + d.weights, true),
+            (plain[0].total() as u64, false),
+        ] {
+            let e =
+                check_rank_limit(ckpt, &w, ctx, 40, opts, limit, &drafted, Some(&d)).unwrap_err();
+            match &e {
+                SessionError::DraftOverRankLimit {
+                    need,
+                    draft_weights,
+                    draft_kv,
+                    fits,
+                    ..
+                } => {
+                    assert_eq!(*need, drafted[0].total() as u64);
+                    assert_eq!(
+                        (*draft_weights, *draft_kv),
+                        (d.weights, 2 * d.block_bytes as u64)
+                    );
+                    assert_eq!(fits.is_some(), more_ranks, "{e}");
+                    if let Some(t) = *fits {
+                        assert!(t > 2, "{t}");
+                        let at = |t| {
+                            memory_plan_drafted(
+                                ckpt,
+                                &RankWeights::even(t),
+                                ctx,
+                                40,
+                                opts,
+                                Some(&d),
+                            )
+                            .unwrap()
+                            .iter()
+                            .all(|m| m.total() as u64 <= limit)
+                        };
+                        assert!(at(t) && !at(t - 1), "{t}");
+                    }
+                }
+                other => panic!("{other:?}"),
+            }
+            let msg = e.to_string();
+            assert!(
+                msg.contains("smaller draft model")
+                    && msg.contains("no draft model")
+                    && msg.contains(if more_ranks {
+                        "more ranks for the target"
+                    } else {
+                        "more ranks do not help"
+                    })
+                    && !msg.contains("--"),
+                "{msg}"
+            );
+        }
+        // Nothing fits one byte: the target's own error.
+        let e = check_rank_limit(ckpt, &w, ctx, 40, opts, 1, &drafted, Some(&d)).unwrap_err();
+        assert!(matches!(e, SessionError::OverRankLimit { .. }), "{e:?}");
+    }
+
+    /// `n` blocks' positions.
+    fn p_ok(n: usize) -> usize {
+        n * BLOCK_POSITIONS
     }
 
     #[test]
@@ -569,6 +811,7 @@ mod tests {
             ctx,
             LoadOptions::default(),
             Placement::OneProcess,
+            None,
         )
         .unwrap_err();
         // Either the plan names the cost first or the u32 limit refuses it; never a flag.

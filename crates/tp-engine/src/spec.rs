@@ -7,6 +7,10 @@
 //!
 //! Drafters here are deterministic (their distribution is a point mass), so the
 //! speculative-sampling rule needs no draft probabilities ([`crate::generate`] says why).
+//!
+//! Drafting is optional: a drafter that fails never fails its sequence. A full draft KV
+//! pool ([`EngineError::DraftKvFull`]) skips drafting for that step; any other error stops
+//! drafting for the rest of the sequence, its message kept once for the caller to log.
 
 use crate::error::{EngineError, Result};
 
@@ -163,6 +167,10 @@ pub struct SpecStats {
     pub draft_s: f64,
     /// Seconds of the target's decode steps (verifications included).
     pub target_s: f64,
+    /// Steps that drafted nothing because the draft model's KV pool was full.
+    pub kv_full: usize,
+    /// Drafter errors (at most one per sequence: drafting stops after it).
+    pub errors: usize,
 }
 
 impl SpecStats {
@@ -186,6 +194,10 @@ pub struct Speculator {
     history: Vec<u32>,
     base: usize,
     pub stats: SpecStats,
+    /// Why drafting stopped for this sequence (a drafter error), once stopped.
+    stopped: Option<String>,
+    /// Whether [`Speculator::take_failure`] gave `stopped` out already.
+    told: bool,
 }
 
 impl std::fmt::Debug for Speculator {
@@ -207,6 +219,8 @@ impl Speculator {
             history: Vec::new(),
             base: 0,
             stats: SpecStats::default(),
+            stopped: None,
+            told: false,
         }
     }
 
@@ -225,27 +239,52 @@ impl Speculator {
         self.history.extend_from_slice(prompt);
         self.base = self.history.len();
         self.stats = SpecStats::default();
+        self.stopped = None;
+        self.told = false;
     }
 
-    /// At most `limit` drafts to follow the sequence after `generated`.
-    pub fn draft(&mut self, generated: &[u32], limit: usize) -> Result<Vec<u32>> {
+    /// At most `limit` drafts to follow the sequence after `generated`. Never fails: a
+    /// drafter error gives no drafts (counted in [`SpecStats`]; see the module's text).
+    pub fn draft(&mut self, generated: &[u32], limit: usize) -> Vec<u32> {
         let k = match self.tokens {
             DraftTokens::Fixed(k) => k,
             DraftTokens::Adaptive => self.policy.length(),
         }
         .min(limit);
-        if k == 0 {
-            return Ok(Vec::new());
+        if k == 0 || self.stopped.is_some() {
+            return Vec::new();
         }
         self.history.truncate(self.base);
         self.history.extend_from_slice(generated);
         let t = std::time::Instant::now();
-        let mut d = self.drafter.draft(&self.history, k)?;
+        let drafted = self.drafter.draft(&self.history, k);
         let seconds = t.elapsed().as_secs_f64();
         self.stats.draft_s += seconds;
+        let mut d = match drafted {
+            Ok(d) => d,
+            Err(EngineError::DraftKvFull { .. }) => {
+                self.stats.kv_full += 1;
+                return Vec::new();
+            }
+            Err(e) => {
+                self.stats.errors += 1;
+                self.stopped = Some(crate::report::chain(&e));
+                return Vec::new();
+            }
+        };
         d.truncate(k);
         self.policy.observe_draft(d.len(), seconds);
-        Ok(d)
+        d
+    }
+
+    /// Why drafting stopped for this sequence (a drafter error), the first time it is asked
+    /// after the error (to log it once); `None` otherwise.
+    pub fn take_failure(&mut self) -> Option<&str> {
+        if self.told {
+            return None;
+        }
+        self.told = self.stopped.is_some();
+        self.stopped.as_deref()
     }
 
     /// One target step verified `drafted` tokens, of which the first `accepted` were kept;
@@ -359,14 +398,14 @@ mod tests {
         let mut s = Speculator::new(Box::new(NgramDrafter), DraftTokens::Adaptive);
         s.start(&[], &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1]);
         // Before any step is timed: 4, bounded by the caller's limit.
-        assert_eq!(s.draft(&[], 100).unwrap(), vec![2, 3, 4, 5]);
-        assert_eq!(s.draft(&[], 2).unwrap(), vec![2, 3]);
+        assert_eq!(s.draft(&[], 100), vec![2, 3, 4, 5]);
+        assert_eq!(s.draft(&[], 2), vec![2, 3]);
         // One-token steps of 10 ms, cheap rows (1 ms) and every draft accepted: long drafts.
         s.record(0, 0, 0.010);
         for _ in 0..10 {
             s.record(8, 8, 0.018);
         }
-        assert_eq!(s.draft(&[], 100).unwrap().len(), 12);
+        assert_eq!(s.draft(&[], 100).len(), 12);
         // Acceptance falls to about 1 in 4: short drafts.
         for _ in 0..20 {
             s.record(4, 1, 0.014);
@@ -390,7 +429,7 @@ mod tests {
         let mut f = Speculator::new(Box::new(NgramDrafter), DraftTokens::Fixed(2));
         f.start(&[1, 2, 3], &[1]);
         f.record(2, 0, 0.1);
-        assert_eq!(f.draft(&[2], 100).unwrap(), vec![3, 1]);
+        assert_eq!(f.draft(&[2], 100), vec![3, 1]);
     }
 
     #[test]

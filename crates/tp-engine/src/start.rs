@@ -21,6 +21,7 @@
 //!     max_rank_memory: None,
 //!     held: None,
 //!     kv_budget: None,
+//!     draft: None,
 //!     timeout: Duration::from_secs(60),
 //!     sync: Default::default(),
 //!     report: false,
@@ -42,6 +43,7 @@
 //! # Ok::<(), anyhow::Error>(())
 //! ```
 
+use crate::draft_model::DraftPlan;
 use crate::kv_budget::KvBudget;
 use crate::launch::{run_ranks, Backend, LaunchError, RankError, RanksFailed};
 use crate::load_stats::{self, Counting, LoadStats};
@@ -55,7 +57,7 @@ use std::time::{Duration, Instant};
 use tp_comm::{CommError, Group};
 use tp_models::{
     open_checkpoint, Checkpoint, LoadOptions, ModelError, RankMemory, RankWeights, ShardedModel,
-    SyncMode,
+    SyncMode, BLOCK_POSITIONS,
 };
 use tp_tokenizer::Tokenizer;
 
@@ -88,6 +90,11 @@ pub struct SessionConfig {
     /// allows, so the preflight and `max_rank_memory` price those blocks (which may be more
     /// or fewer than one context's) instead of `held` or the context.
     pub kv_budget: Option<KvBudget>,
+    /// The draft model rank 0 will load for speculative decoding: the preflight charges its
+    /// weights and its KV pool (the blocks of `held`, or of the KV budget: a server's budget
+    /// then holds as many draft blocks as target blocks) to rank 0, and the session's
+    /// [`Session::draft`] bounds its pool.
+    pub draft: Option<PathBuf>,
     /// Deadline of every collective.
     pub timeout: Duration,
     pub sync: SyncMode,
@@ -167,6 +174,8 @@ pub enum StartError {
     Comm(Box<CommError>),
     #[error(transparent)]
     Engine(Box<crate::EngineError>),
+    #[error(transparent)]
+    Draft(Box<crate::draft_model::DraftModelError>),
 }
 
 macro_rules! boxed_from {
@@ -184,7 +193,8 @@ boxed_from!(
     Session(SessionError),
     Launch(LaunchError),
     Comm(CommError),
-    Engine(crate::EngineError)
+    Engine(crate::EngineError),
+    Draft(crate::draft_model::DraftModelError)
 );
 
 /// Each rank's weight at `tp`: `weights` (one per rank), else even.
@@ -249,8 +259,10 @@ struct Opened<'a> {
     ckpt: &'a dyn Checkpoint,
     ctx: usize,
     weights: RankWeights,
-    /// Every rank's memory plan (a KV cache of the positions a sequence holds at most).
+    /// Every rank's memory plan (a KV cache of the positions a sequence holds at most; the
+    /// draft model charged to rank 0).
     memory: Vec<RankMemory>,
+    draft: Option<DraftPlan>,
     file_bytes: Option<u64>,
 }
 
@@ -382,25 +394,41 @@ fn open<'a>(
     tp_models::checkpoint_stages(ckpt, cfg.load).map_err(|source| StartError::Stages {
         source: Box::new(source),
     })?;
-    let held =
-        match cfg.kv_budget {
-            Some(budget) => session::budget_positions(ckpt, &weights, ctx, cfg.load, budget)
-                .map_err(|source| SessionError::Context {
-                    ctx,
-                    source: Box::new(source),
-                })?,
-            None => held.map_or(ctx, |h| h.min(ctx)),
-        };
+    // The draft model's cost, from its metadata. Rank 0 loads it: there an unreadable draft
+    // is an error before anything loads; elsewhere (another host's files under mpirun) it is
+    // priced where it can be read, and rank 0's checks decide.
+    let draft_memory = match &cfg.draft {
+        Some(p) => match crate::draft_model::draft_memory(p, cfg.load) {
+            Ok(m) => Some((p, m)),
+            Err(e) if show => return Err(e.into()),
+            Err(_) => None,
+        },
+        None => None,
+    };
+    let dm = draft_memory.as_ref().map(|(_, m)| m);
+    let held = match cfg.kv_budget {
+        Some(budget) => session::budget_positions(ckpt, &weights, ctx, cfg.load, budget, dm)
+            .map_err(|source| SessionError::Context {
+                ctx,
+                source: Box::new(source),
+            })?,
+        None => held.map_or(ctx, |h| h.min(ctx)),
+    };
+    let draft = draft_memory.map(|(p, memory)| DraftPlan {
+        path: p.clone(),
+        memory,
+        blocks: held.div_ceil(BLOCK_POSITIONS),
+    });
     let placement = match cfg.backend {
         Backend::Local => Placement::OneProcess,
         Backend::Mpi => Placement::ProcessPerRank,
     };
-    let memory = session::checked_memory_plan(ckpt, &weights, ctx, held, cfg.load, placement)?;
+    let memory = session::checked_memory_plan(ckpt, &weights, ctx, held, cfg.load, placement, dm)?;
     if show && cfg.report {
-        report_layout(cfg, path, ckpt, &weights, held, &memory);
+        report_layout(cfg, path, ckpt, &weights, held, &memory, draft.as_ref());
     }
     if let Some(budget) = cfg.max_rank_memory {
-        session::check_rank_limit(ckpt, &weights, ctx, held, cfg.load, budget, &memory)?;
+        session::check_rank_limit(ckpt, &weights, ctx, held, cfg.load, budget, &memory, dm)?;
     }
     Ok(Opened {
         path,
@@ -408,12 +436,13 @@ fn open<'a>(
         ctx,
         weights,
         memory,
+        draft,
         file_bytes,
     })
 }
 
 /// The model's shape and the layout, then one line per rank's memory (a KV cache of `held`
-/// positions at most), on stderr.
+/// positions at most) and one on the draft model rank 0 holds, on stderr.
 fn report_layout(
     cfg: &SessionConfig,
     path: &Path,
@@ -421,6 +450,7 @@ fn report_layout(
     weights: &RankWeights,
     held: usize,
     memory: &[RankMemory],
+    draft: Option<&DraftPlan>,
 ) {
     let c = ckpt.config();
     eprintln!(
@@ -448,10 +478,32 @@ fn report_layout(
         }
     );
     for (r, m) in memory.iter().enumerate() {
+        // Rank 0's line is the target's; the draft has its own.
+        let target = match draft.filter(|_| r == 0) {
+            Some(d) => without_draft(m, d),
+            None => *m,
+        };
         eprintln!(
             "# {}",
-            session::describe_rank(ckpt, r, weights, cfg.load, m, held, show_bytes)
+            session::describe_rank(ckpt, r, weights, cfg.load, &target, held, show_bytes)
         );
+    }
+    if let (Some(d), Some(m0)) = (draft, memory.first()) {
+        eprintln!("# {}", d.describe(m0.total() as u64));
+    }
+}
+
+/// Rank 0's plan less the draft model [`session::charge_draft`] added.
+fn without_draft(m: &RankMemory, d: &DraftPlan) -> RankMemory {
+    RankMemory {
+        replicated: m
+            .replicated
+            .saturating_sub(usize::try_from(d.memory.weights).unwrap_or(usize::MAX)),
+        kv_cache: m
+            .kv_cache
+            .saturating_sub(usize::try_from(d.kv_bytes()).unwrap_or(usize::MAX)),
+        kv_block_bytes: m.kv_block_bytes.saturating_sub(d.memory.block_bytes),
+        ..*m
     }
 }
 
@@ -527,6 +579,7 @@ fn run_rank<T, E>(
         memory: m.memory.clone(),
         weights: m.weights.clone(),
         load: all,
+        draft: m.draft.clone(),
     };
     let out = lead(&mut session);
     // Release the followers whatever happened (a broken group fails here too, harmlessly).

@@ -318,3 +318,68 @@ fn sequences_sharing_a_draft_model_draft_as_alone() {
         }
     }
 }
+
+/// A bounded draft pool (SmolLM2 drafting for itself) changes no greedy token: room for the
+/// whole sequence drafts every step it can; one block fills mid-run, after which steps
+/// draft nothing (counted) and the target decodes on unspeculated; no block at all never
+/// drafts. Two sequences sharing one small pool take turns at it.
+#[test]
+fn a_bounded_draft_pool_changes_no_greedy_token() {
+    let Some(path) = tp_testkit::smollm2() else {
+        eprintln!("SmolLM2 is not installed: skipped");
+        return;
+    };
+    for tp in 1..=2 {
+        on_workers(tp, KvDtype::F16, |w, tok| {
+            let vocab = w.model().config().vocab;
+            let ids = tok
+                .encode("Repeat this list exactly: apples, bananas, cherries. Again: apples,")
+                .unwrap();
+            // Two rounds of 4 drafts (3 of them fed back) stay inside the first block.
+            assert!(ids.len() + 2 * 4 + 3 <= 32, "{}", ids.len());
+            let params = DecodeParams::greedy(40);
+            let plain = run(w, tok, &ids, &params, CTX, None);
+            let opts = LoadOptions::default();
+            let source = DraftModelSource::open(&path, tok, vocab, CTX, opts).unwrap();
+            let held = (ids.len() + 40).div_ceil(32);
+            for blocks in [held, 1, 0] {
+                source.set_block_limit(blocks);
+                let mut s = Speculator::new(Box::new(source.sequence()), DraftTokens::Fixed(4));
+                let got = run(w, tok, &ids, &params, CTX, Some(&mut s));
+                assert_eq!(got, plain, "tp {tp}, {blocks} draft blocks");
+                let st = s.stats;
+                assert_eq!(st.errors, 0, "{st:?}");
+                match blocks {
+                    // Every step but the last (one token left: nothing to draft) found it full.
+                    0 => assert_eq!((st.drafted, st.kv_full), (0, st.steps - 1), "{st:?}"),
+                    1 => assert!(st.accepted > 0 && st.kv_full > 0, "{st:?}"),
+                    _ => assert!(st.accepted > 0 && st.kv_full == 0, "{st:?}"),
+                }
+            }
+            // Two sequences over a pool of two blocks: each drafts as a drafter alone would
+            // while the pool has room for it.
+            source.set_block_limit(2);
+            let mut a = source.sequence();
+            let mut b = source.sequence();
+            let mut alone = ModelDrafter::open(&path, tok, vocab, CTX, opts).unwrap();
+            let mut history = ids.clone();
+            for _ in 0..2 {
+                let want = alone.draft(&history, 4).unwrap();
+                assert_eq!(a.draft(&history, 4).unwrap(), want);
+                assert_eq!(b.draft(&history, 4).unwrap(), want);
+                history.extend_from_slice(&want);
+            }
+            // Both tables now hold a block each and need a second: the pool is full.
+            history.extend(std::iter::repeat_n(ids[1], 40));
+            let full = a.draft(&history, 4).unwrap_err();
+            assert!(
+                matches!(full, tp_engine::EngineError::DraftKvFull { limit: 2, .. }),
+                "{full}"
+            );
+            // Once `b` is gone its block is free again for `a`.
+            drop(b);
+            let history = &history[..history.len() - 40 + 10];
+            assert!(!a.draft(history, 4).unwrap().is_empty());
+        });
+    }
+}

@@ -40,6 +40,10 @@ struct SpecFigures {
     accepted: Counter,
     acceptance: Gauge,
     tokens_per_step: Gauge,
+    /// Steps a request drafted nothing because the draft model's KV pool was full.
+    kv_full: Counter,
+    /// Requests whose drafter failed (they went on without drafts).
+    errors: Counter,
     /// Steps, tokens, drafted, accepted.
     totals: std::sync::Mutex<[u64; 4]>,
 }
@@ -304,6 +308,14 @@ impl Metrics {
                     "tp_spec_tokens_per_step",
                     "Tokens per decode step of a speculating request since the start (1 without drafts)",
                 ),
+                kv_full: {
+                    describe("tp_spec_draft_kv_full_total", "Decode steps of speculating requests that drafted nothing because the draft model's KV pool was full");
+                    c("tp_spec_draft_kv_full_total")
+                },
+                errors: {
+                    describe("tp_spec_draft_errors_total", "Requests whose drafter failed; each went on without drafts");
+                    c("tp_spec_draft_errors_total")
+                },
                 totals: std::sync::Mutex::default(),
             },
             board: Board::default(),
@@ -468,6 +480,13 @@ impl Metrics {
         if t[2] > 0 {
             f.acceptance.set(t[3] as f64 / t[2] as f64);
         }
+    }
+
+    /// Records a speculating request's drafting troubles since the last call: `kv_full`
+    /// steps without drafts for a full draft KV pool, `errors` drafter failures.
+    pub fn spec_draft_trouble(&self, kv_full: usize, errors: usize) {
+        self.spec.kv_full.increment(kv_full as u64);
+        self.spec.errors.increment(errors as u64);
     }
 
     /// Counts one answered HTTP request.

@@ -585,14 +585,12 @@ impl<'a, 't> Scheduler<'a, 't> {
                         return Ok(());
                     }
                 };
-                let spec = match self.cfg.spec.as_ref().map(|s| SeqSpec::new(s, &job.prompt)) {
-                    None => None,
-                    Some(Ok(s)) => Some(s),
-                    Some(Err(e)) => {
-                        let _ = job.events.send(Event::failed(chain(&e)));
-                        return Ok(());
-                    }
-                };
+                let metrics = &self.metrics;
+                let spec = self
+                    .cfg
+                    .spec
+                    .as_ref()
+                    .and_then(|s| SeqSpec::new(s, &job.prompt, metrics));
                 Running {
                     spec,
                     context: job.prompt.clone(),
@@ -772,9 +770,9 @@ impl<'a, 't> Scheduler<'a, 't> {
     /// Asks every decoding request that speculates for this step's drafts, within its
     /// sequence's room, the tokens it still wants and the step's token cap left over after
     /// the decode tokens and the prefill chunks (prompts go first: drafts are optional). A
-    /// request whose drafter fails fails. No request drafts in a step where more requests
-    /// decode than the speculation's `max_batch`. Only the requests in `chosen` (slots) draft:
-    /// the others are not in this step.
+    /// request whose drafter fails goes on without drafts. No request drafts in a step where
+    /// more requests decode than the speculation's `max_batch`. Only the requests in `chosen`
+    /// (slots) draft: the others are not in this step.
     fn draft_all(&mut self, exec: &mut dyn StepExecutor, chosen: &[u32]) -> StepResult<()> {
         let Some(max_batch) = self.cfg.spec.as_ref().map(|s| s.max_batch) else {
             return Ok(());
@@ -796,8 +794,7 @@ impl<'a, 't> Scheduler<'a, 't> {
             .map(Running::prefill_left)
             .sum();
         let mut budget = self.cfg.max_batch_tokens.saturating_sub(decoding + prefill);
-        let mut failed = Vec::new();
-        for (i, r) in self.running.iter_mut().enumerate() {
+        for r in self.running.iter_mut() {
             if !chosen.contains(&r.slot) {
                 continue;
             }
@@ -821,15 +818,8 @@ impl<'a, 't> Scheduler<'a, 't> {
                 .max_tokens
                 .saturating_sub(r.decoder.generated().len());
             let limit = room.min(wanted.saturating_sub(1)).min(budget);
-            match spec.draft(r.decoder.generated(), limit) {
-                Ok(()) => budget -= spec.drafts.len().min(budget),
-                Err(e) => failed.push((i, chain(&e))),
-            }
-        }
-        for (i, msg) in failed.into_iter().rev() {
-            let r = self.running.remove(i);
-            let _ = r.job.events.send(Event::failed(msg));
-            self.close(exec, r)?;
+            spec.draft(r.decoder.generated(), limit, self.metrics);
+            budget -= spec.drafts.len().min(budget);
         }
         Ok(())
     }

@@ -125,6 +125,9 @@ pub struct Ready {
     pub kv: KvPlan,
     pub tp: usize,
     pub ctx_size: usize,
+    /// The draft model rank 0 holds and its KV pool (as many blocks as `kv`, paid from rank
+    /// 0's budget beside the target's: `kv.bytes_per_block` includes its block there).
+    pub draft: Option<tp_engine::draft_model::DraftPlan>,
     /// Starts the graceful shutdown, as SIGTERM would.
     pub stop: StopHandle,
 }
@@ -283,6 +286,7 @@ pub fn serve(
         kv,
         tp,
         ctx_size: session.ctx_size,
+        draft: session.draft.clone(),
         stop: server.stop_handle(),
     };
     if let Err(e) = ready(&info) {

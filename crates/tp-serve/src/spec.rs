@@ -6,10 +6,14 @@
 //! the rows in order until a token differs from its draft (the rule and why it keeps greedy
 //! output and the sampled distribution: [`tp_engine::generate`]); the rejected positions are
 //! dropped from that sequence's KV cache with one [`tp_engine::Command::Truncate`].
+//!
+//! A drafter's trouble never fails its request: a full draft KV pool skips that step's drafts
+//! (`tp_spec_draft_kv_full_total`), a drafter error (or none to be had) stops drafting for
+//! the request, logged once for it (`tp_spec_draft_errors_total`).
 
 use crate::metrics::Metrics;
 use std::sync::Arc;
-use tp_engine::{DraftTokens, DrafterSource, EngineError, Speculator};
+use tp_engine::{DraftTokens, DrafterSource, Speculator};
 
 /// Speculation settings of a server: who drafts, how many tokens per step, and up to how
 /// many decoding requests a step drafts for.
@@ -39,27 +43,49 @@ pub(crate) struct SeqSpec {
     /// Tokens drafted for this step (fed after the request's next token); empty when it
     /// drafts none this step.
     pub(crate) drafts: Vec<u32>,
+    /// The speculator's trouble counts already added to the metrics: full pool, errors.
+    counted: (usize, usize),
 }
 
 impl SeqSpec {
-    /// A request's speculation, its history starting with `prompt`.
-    pub(crate) fn new(spec: &ServeSpec, prompt: &[u32]) -> Result<Self, EngineError> {
-        let mut speculator = Speculator::new(spec.source.drafter()?, spec.tokens);
+    /// A request's speculation, its history starting with `prompt`; `None` (logged, counted)
+    /// when no drafter can be had: the request runs without speculation.
+    pub(crate) fn new(spec: &ServeSpec, prompt: &[u32], m: &Metrics) -> Option<Self> {
+        let drafter = match spec.source.drafter() {
+            Ok(d) => d,
+            Err(e) => {
+                m.spec_draft_trouble(0, 1);
+                eprintln!(
+                    "# tp serve: no drafter for a request ({}), it runs without drafts: {}",
+                    spec.source.describe(),
+                    tp_engine::report::chain(&e)
+                );
+                return None;
+            }
+        };
+        let mut speculator = Speculator::new(drafter, spec.tokens);
         speculator.start(&[], prompt);
-        Ok(SeqSpec {
+        Some(SeqSpec {
             speculator,
             drafts: Vec::new(),
+            counted: (0, 0),
         })
     }
 
-    /// Drafts at most `limit` tokens to follow the prompt and `generated` for this step.
-    pub(crate) fn draft(&mut self, generated: &[u32], limit: usize) -> Result<(), EngineError> {
+    /// Drafts at most `limit` tokens to follow the prompt and `generated` for this step; a
+    /// drafter's trouble gives no drafts (counted in `m`; an error logged once per request).
+    pub(crate) fn draft(&mut self, generated: &[u32], limit: usize, m: &Metrics) {
         self.drafts = if limit == 0 {
             Vec::new()
         } else {
-            self.speculator.draft(generated, limit)?
+            self.speculator.draft(generated, limit)
         };
-        Ok(())
+        let st = self.speculator.stats;
+        m.spec_draft_trouble(st.kv_full - self.counted.0, st.errors - self.counted.1);
+        self.counted = (st.kv_full, st.errors);
+        if let Some(why) = self.speculator.take_failure() {
+            eprintln!("# tp serve: a request's drafter failed, it goes on without drafts: {why}");
+        }
     }
 
     /// The step verified this step's drafts: `used` rows gave tokens, `accepted` drafts
@@ -86,7 +112,7 @@ mod tests {
         alphabet, cfg, collect, done_text, job, metric, with_metrics, EOS,
     };
     use crate::scheduler::Event;
-    use tp_engine::{Command, DecodeParams, Drafter, SamplingParams, SpecMethod};
+    use tp_engine::{Command, DecodeParams, Drafter, EngineError, SamplingParams, SpecMethod};
 
     /// The alphabet script's next token after `last` (see `scheduler::tests::alphabet`).
     fn next(last: u32, endless: bool) -> u32 {
@@ -300,6 +326,72 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Right scripted drafts with faults: the `n`-th drafter made fails to be made when
+    /// `n % 4 == 1`, its draft KV pool is "full" every third call when `n % 4 == 2`, and its
+    /// fourth call is a forward error when `n % 4 == 3`.
+    struct FaultySource(std::sync::atomic::AtomicUsize);
+
+    struct Faulty {
+        n: usize,
+        calls: usize,
+        right: Scripted,
+    }
+
+    impl Drafter for Faulty {
+        fn draft(&mut self, history: &[u32], k: usize) -> tp_engine::error::Result<Vec<u32>> {
+            self.calls += 1;
+            match self.n % 4 {
+                2 if self.calls.is_multiple_of(3) => Err(EngineError::DraftKvFull {
+                    needed: 1,
+                    free: 0,
+                    limit: 8,
+                }),
+                3 if self.calls == 4 => Err(EngineError::Internal("draft forward failed".into())),
+                _ => self.right.draft(history, k),
+            }
+        }
+    }
+
+    impl DrafterSource for FaultySource {
+        fn drafter(&self) -> tp_engine::error::Result<Box<dyn Drafter>> {
+            let n = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if n % 4 == 1 {
+                return Err(EngineError::Internal("no draft today".into()));
+            }
+            Ok(Box::new(Faulty {
+                n,
+                calls: 0,
+                right: Scripted {
+                    right: true,
+                    endless: false,
+                },
+            }))
+        }
+        fn describe(&self) -> String {
+            "faulty".into()
+        }
+    }
+
+    /// A drafter that cannot be made, a full draft pool and a drafter error fail no request:
+    /// every text is the one without speculation, and the metrics count the trouble.
+    #[test]
+    fn drafter_faults_fail_no_request() {
+        for blocks in [1000, 5] {
+            let (want, _, _) = serve_all(None, blocks, false);
+            let source = Arc::new(FaultySource(Default::default()));
+            let (got, m, _) = serve_all(spec(source.clone(), Some(3)), blocks, false);
+            assert_eq!(got, want, "blocks {blocks}");
+            let made = source.0.load(std::sync::atomic::Ordering::Relaxed);
+            // Requests preempted and restarted keep their speculation: one drafter each.
+            assert_eq!(made, 8, "blocks {blocks}");
+            let errors = metric(&m, "tp_spec_draft_errors_total");
+            // Drafters 1 and 5 were not made; 3 and 7 failed if they drafted four times.
+            assert!((2.0..=4.0).contains(&errors), "{errors}");
+            assert!(metric(&m, "tp_spec_draft_kv_full_total") > 0.0);
+            assert!(metric(&m, "tp_spec_accepted_tokens_total") > 0.0);
         }
     }
 

@@ -196,6 +196,7 @@ pub fn with_model<T: Send>(
                     memory: memory.clone(),
                     weights: tp_models::RankWeights::even(tp),
                     load,
+                    draft: None,
                 };
                 let served = tp_serve::serve(&mut session, &serve_cfg, |r| {
                     let _ = tx.send(r.clone());
