@@ -204,7 +204,22 @@ mod tests {
         Metrics,
         tp_engine::ScriptedExecutor,
     ) {
+        serve_all_at(spec, blocks, endless, 1)
+    }
+
+    /// [`serve_all`] with `depth` steps in flight (pipeline stages).
+    fn serve_all_at(
+        spec: Option<ServeSpec>,
+        blocks: usize,
+        endless: bool,
+        depth: usize,
+    ) -> (
+        Vec<(String, String, usize)>,
+        Metrics,
+        tp_engine::ScriptedExecutor,
+    ) {
         let mut exec = alphabet(endless);
+        exec.depth = depth;
         let mut c = cfg(blocks, 64);
         c.max_seqs = 8;
         c.spec = spec;
@@ -392,6 +407,29 @@ mod tests {
             assert!((2.0..=4.0).contains(&errors), "{errors}");
             assert!(metric(&m, "tp_spec_draft_kv_full_total") > 0.0);
             assert!(metric(&m, "tp_spec_accepted_tokens_total") > 0.0);
+        }
+    }
+
+    /// Speculation with 2 steps in flight (pipeline stages): each launched step verifies the
+    /// drafts it was launched with, and every text is the one without speculation, with room
+    /// for all and under a budget that preempts.
+    #[test]
+    fn speculation_with_steps_in_flight_gives_every_request_its_text() {
+        for blocks in [1000, 5] {
+            let (want, _, _) = serve_all(None, blocks, true);
+            let sources: [(Arc<dyn DrafterSource>, &str); 3] = [
+                (Arc::new(SpecMethod::Ngram), "ngram"),
+                (Arc::new(ScriptedSource(true, true)), "right"),
+                (Arc::new(ScriptedSource(false, true)), "wrong"),
+            ];
+            for (source, name) in sources {
+                let (got, m, exec) = serve_all_at(spec(source, Some(3)), blocks, true, 2);
+                assert_eq!(got, want, "{name} blocks {blocks}");
+                assert_eq!(exec.most_in_flight, 2, "{name} blocks {blocks}");
+                if name == "right" {
+                    assert!(metric(&m, "tp_spec_accepted_tokens_total") > 0.0);
+                }
+            }
         }
     }
 
