@@ -221,6 +221,25 @@ fn serve_at_pp_2_under_mpirun_keeps_both_stages_busy_and_every_text() {
     terminate_rank0(&mut server);
 }
 
+/// The processes whose parent is `pid` (from /proc: no procps needed).
+fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| {
+            // /proc/P/stat: "P (comm) state ppid ...": the comm may hold spaces.
+            std::fs::read_to_string(format!("/proc/{p}/stat"))
+                .ok()
+                .and_then(|s| {
+                    let rest = &s[s.rfind(')')? + 1..];
+                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
+                })
+                == Some(pid)
+        })
+        .collect()
+}
+
 /// A stage that stops answering under `tp serve --pp 2` (its process stopped by SIGSTOP):
 /// the request in progress fails within the collective deadline (4 s here) with an error
 /// naming stage 0, rank 1 and its host; `/health` then answers 503 with that error and
@@ -235,13 +254,8 @@ fn a_stalled_stage_under_mpirun_is_named_and_the_server_says_unhealthy() {
     assert!(!complete(&server).is_empty());
     assert_eq!(server.client.get("/health").unwrap().status, 200);
     let rank0 = server.rank0_pid.expect("rank 0's pid");
-    let children = std::process::Command::new("pgrep")
-        .args(["-P", &server.child.id().to_string()])
-        .output()
-        .expect("pgrep");
-    let follower: u32 = String::from_utf8_lossy(&children.stdout)
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
+    let follower = children_of(server.child.id())
+        .into_iter()
         .find(|&p| p != rank0)
         .expect("the process of rank 1 under mpirun");
     let signal = |sig: &str| {
