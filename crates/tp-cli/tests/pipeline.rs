@@ -220,13 +220,8 @@ fn serve_at_pp_2_under_load_gives_every_request_its_lone_text() {
     // Steps were in flight on both stages at once: steps launched while another was in
     // flight, and the two stages' compute time adds up to more than the wall time (one
     // step at a time, the stages take turns and it cannot).
-    let metrics = server.client.get("/metrics").unwrap().text();
-    let pipelined: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("tp_pipelined_steps_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0);
-    assert!(pipelined >= 5.0, "{pipelined} pipelined steps\n{metrics}");
+    let pipelined = server.metric("tp_pipelined_steps_total").unwrap_or(0.0);
+    assert!(pipelined >= 5.0, "{pipelined} pipelined steps");
     // A rank the first poll had not reported yet had computed nothing.
     let at = |v: &[f64], r: usize| v.get(r).copied().unwrap_or(0.0);
     let busy: f64 = (0..after.len())

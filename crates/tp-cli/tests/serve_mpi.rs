@@ -211,12 +211,7 @@ fn serve_at_pp_2_under_mpirun_keeps_both_stages_busy_and_every_text() {
         assert!(alone[i].len() > 3, "{p}: {:?}", alone[i]);
         assert_eq!(together[i], alone[i], "{p}: differs under load at pp 2");
     }
-    let metrics = server.client.get("/metrics").unwrap().text();
-    let pipelined: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("tp_pipelined_steps_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0);
+    let pipelined = server.metric("tp_pipelined_steps_total").unwrap_or(0.0);
     assert!(pipelined >= 3.0, "{pipelined} pipelined steps");
     terminate_rank0(&mut server);
 }

@@ -13,7 +13,7 @@ use crate::protocol::{self, ChunkSpec, Command, Transport};
 use crate::slots::Slots;
 use std::collections::VecDeque;
 use tp_comm::{CommExt, Group};
-use tp_models::{Chunk, Profile, ShardedModel};
+use tp_models::{BlockTable, Chunk, Profile, ShardedModel};
 
 mod models;
 mod rows;
@@ -348,14 +348,7 @@ impl Worker {
         if !self.model.stage().is_last() {
             return self.forward(specs).map(drop);
         }
-        let rank = self.group.rank();
-        let taken = self
-            .slots
-            .take_grown(&specs)
-            .map_err(|e| EngineError::Protocol {
-                rank,
-                message: format!("the KV blocks rank 0 chose do not fit this rank's cache: {e}"),
-            })?;
+        let taken = self.take_chosen(&specs)?;
         self.slots.put_back(taken);
         // Taken: the landing forward finds them in place and takes no more.
         specs.iter_mut().for_each(|c| c.blocks.clear());
@@ -363,16 +356,20 @@ impl Worker {
         Ok(())
     }
 
-    fn forward(&mut self, specs: Vec<ChunkSpec>) -> Result<StepLogits> {
-        // The blocks rank 0 chose: the same on every rank, or this rank has diverged.
+    /// The tables of `specs`' slots, grown by the blocks rank 0 chose: the same on every
+    /// rank, or this rank has diverged.
+    fn take_chosen(&mut self, specs: &[ChunkSpec]) -> Result<Vec<(u32, BlockTable)>> {
         let rank = self.group.rank();
-        let mut taken = self
-            .slots
-            .take_grown(&specs)
+        self.slots
+            .take_grown(specs)
             .map_err(|e| EngineError::Protocol {
                 rank,
                 message: format!("the KV blocks rank 0 chose do not fit this rank's cache: {e}"),
-            })?;
+            })
+    }
+
+    fn forward(&mut self, specs: Vec<ChunkSpec>) -> Result<StepLogits> {
+        let mut taken = self.take_chosen(&specs)?;
         let needs = row_needs(&specs);
         let result = {
             let mut chunks: Vec<Chunk<'_>> = specs

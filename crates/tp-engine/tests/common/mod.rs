@@ -28,10 +28,27 @@ pub fn on_set_workers<T: Send>(
     setup: impl Fn(&mut Worker) + Sync,
     lead: impl Fn(&mut Worker) -> T + Sync,
 ) -> T {
-    let out = local::run(tp, LocalOptions::default(), |g| {
-        let model = ShardedModel::load(ckpt, g.rank(), tp, opts, ctx).unwrap();
-        let mut w = Worker::new(model, Arc::clone(&g));
-        setup(&mut w);
+    lead_and_follow(
+        tp,
+        |g| {
+            let model = ShardedModel::load(ckpt, g.rank(), tp, opts, ctx).unwrap();
+            let mut w = Worker::new(model, Arc::clone(g));
+            setup(&mut w);
+            w
+        },
+        lead,
+    )
+}
+
+/// `ranks` rank threads, each with the worker `worker` makes for it: rank 0 runs `lead`
+/// and then tells the others to exit, the others follow; rank 0's result.
+fn lead_and_follow<T: Send>(
+    ranks: usize,
+    worker: impl Fn(&Group) -> Worker + Sync,
+    lead: impl Fn(&mut Worker) -> T + Sync,
+) -> T {
+    let out = local::run(ranks, LocalOptions::default(), |g| {
+        let mut w = worker(&g);
         if g.rank() == 0 {
             let out = lead(&mut w);
             w.submit(Command::Exit).unwrap();
@@ -72,17 +89,5 @@ pub fn on_staged_workers<T: Send>(
     ctx: usize,
     lead: impl Fn(&mut Worker) -> T + Sync,
 ) -> T {
-    let out = local::run(pp * tp, LocalOptions::default(), |g| {
-        let mut w = staged_worker(ckpt, &g, pp, tp, ctx);
-        if g.rank() == 0 {
-            let out = lead(&mut w);
-            w.submit(Command::Exit).unwrap();
-            Some(out)
-        } else {
-            w.follow().unwrap();
-            None
-        }
-    })
-    .unwrap();
-    out.into_iter().next().unwrap().unwrap().unwrap()
+    lead_and_follow(pp * tp, |g| staged_worker(ckpt, g, pp, tp, ctx), lead)
 }
