@@ -7,7 +7,6 @@
 //! reference column.
 
 use std::process::ExitCode;
-use std::time::Duration;
 use tp_comm::bench::{Op, SweepConfig};
 use tp_comm::bench_report::{run_sweep, SweepError};
 use tp_comm::fault::FaultPlan;
@@ -88,10 +87,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         args.max_bytes
     );
     anyhow::ensure!(!args.ops.is_empty(), "--ops names no operation");
-    let timeout = Duration::try_from_secs_f64(args.timeout)
-        .ok()
-        .filter(|t| !t.is_zero())
-        .ok_or_else(|| anyhow::anyhow!("--timeout must be a positive number of seconds"))?;
+    let timeout = crate::model_run::seconds("--timeout", args.timeout)?;
     if let Some(plan) = &args.fault {
         if args.backend == Backend::Local && plan.rank >= args.ranks {
             anyhow::bail!(

@@ -4,7 +4,6 @@
 //! is for: `mpirun -n 2 --host a,b tp bench link --backend mpi`.
 
 use std::process::ExitCode;
-use std::time::Duration;
 use tp_comm::launch::{host_of, run_ranks, Backend};
 use tp_comm::link::{probe_links, slowest, LinkFigures, ProbeConfig};
 
@@ -66,10 +65,7 @@ fn report(links: &[LinkFigures], cfg: &ProbeConfig) -> String {
 }
 
 pub fn run(args: &BenchLinkArgs) -> anyhow::Result<ExitCode> {
-    let timeout = Duration::try_from_secs_f64(args.timeout)
-        .ok()
-        .filter(|t| !t.is_zero())
-        .ok_or_else(|| anyhow::anyhow!("--timeout must be a positive number of seconds"))?;
+    let timeout = crate::model_run::seconds("--timeout", args.timeout)?;
     anyhow::ensure!(
         args.rounds > 0 && args.mib > 0,
         "--rounds and --mib must be at least 1"

@@ -143,10 +143,7 @@ impl ModelArgs {
     }
 
     pub fn timeout(&self) -> anyhow::Result<Duration> {
-        Duration::try_from_secs_f64(self.timeout)
-            .ok()
-            .filter(|d| !d.is_zero())
-            .context("--timeout must be a positive number of seconds")
+        seconds("--timeout", self.timeout)
     }
 
     /// The model path: `--model` (a training checkpoint verified and resolved, see
@@ -410,4 +407,12 @@ pub fn run_model_holding<T: Send>(
         ..args.session_config()?
     };
     run_session(&cfg, |e| start_error(e, args.backend), lead)
+}
+
+/// A positive number of seconds for `flag`.
+pub fn seconds(flag: &str, v: f64) -> anyhow::Result<Duration> {
+    match Duration::try_from_secs_f64(v) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        _ => anyhow::bail!("{flag} must be a positive number of seconds, got {v}"),
+    }
 }

@@ -3,7 +3,7 @@
 //! drain); the other ranks follow its steps. The KV budget comes from --max-kv-memory, or
 //! from --max-rank-memory minus the weights, or defaults to 1 GiB per rank.
 
-use crate::model_run::{run_model_serving, ModelArgs};
+use crate::model_run::{run_model_serving, seconds, ModelArgs};
 use anyhow::{bail, Context};
 use std::io::Write;
 use std::net::IpAddr;
@@ -275,14 +275,6 @@ fn key_from(flag: Option<&str>, flag_name: &str, var: &str) -> anyhow::Result<Op
         anyhow::anyhow!("{source}: {e}")
     })?;
     Ok(Some(key))
-}
-
-/// A positive number of seconds for `flag`.
-fn seconds(flag: &str, v: f64) -> anyhow::Result<Duration> {
-    match Duration::try_from_secs_f64(v) {
-        Ok(d) if !d.is_zero() => Ok(d),
-        _ => bail!("{flag} must be a positive number of seconds, got {v}"),
-    }
 }
 
 /// Raises the soft open-file limit to the hard one (a warning if it cannot) and returns the
