@@ -792,8 +792,12 @@ mod tests {
         }
     }
 
-    #[test]
-    fn failing_requests_after_a_switch_roll_back_and_models_are_dropped_when_replaced() {
+    /// Runs the fleet over [`alphabet_only`] (its first model "a", loaded from `path`) on its
+    /// own thread while `drive` talks to it, then shuts it down; the executor afterwards.
+    fn with_fleet(
+        path: Option<String>,
+        drive: impl FnOnce(&mpsc::Sender<Control>, &Load, &Metrics),
+    ) -> Models {
         let mut exec = alphabet_only();
         let cfg = rollout_config();
         let tok = Tokenizer::bytes(&["<|endoftext|>"]);
@@ -801,18 +805,30 @@ mod tests {
         let metrics = Metrics::new();
         let (tx, rx) = mpsc::channel();
         std::thread::scope(|s| {
+            // Owned here: a failed assertion drops it, and the scheduler ends (no hang).
+            let tx = tx;
             let (exec, tok, cfg, load, metrics) = (&mut exec, &tok, &cfg, &load, &metrics);
             let sched =
-                s.spawn(move || run_models(exec, tok, cfg, &rx, load, metrics, "a".into(), None));
-            assert_eq!(ask(&tx, load, "a").unwrap(), "bcde");
+                s.spawn(move || run_models(exec, tok, cfg, &rx, load, metrics, "a".into(), path));
+            drive(&tx, load, metrics);
+            tx.send(Control::Shutdown).unwrap();
+            sched.join().unwrap().unwrap();
+        });
+        exec
+    }
+
+    #[test]
+    fn failing_requests_after_a_switch_roll_back_and_models_are_dropped_when_replaced() {
+        let exec = with_fleet(None, |tx, load, metrics| {
+            assert_eq!(ask(tx, load, "a").unwrap(), "bcde");
             // A load that fails on the ranks changes nothing.
-            let e = admin(&tx, |reply| Admin::Load {
+            let e = admin(tx, |reply| Admin::Load {
                 path: "missing".into(),
                 drain: None,
                 reply,
             });
             assert_eq!(e, Err("no such file".into()));
-            let id = admin(&tx, |reply| Admin::Load {
+            let id = admin(tx, |reply| Admin::Load {
                 path: "nan".into(),
                 drain: None,
                 reply,
@@ -833,31 +849,31 @@ mod tests {
                     other => panic!("{other:?}"),
                 }
             }
-            let s1 = admin(&tx, |reply| Admin::Switch { id, reply }).unwrap();
+            let s1 = admin(tx, |reply| Admin::Switch { id, reply }).unwrap();
             assert_eq!((s1.live.id, s1.previous.map(|p| p.id)), (id, Some(0)));
             // The live model fails every request: after 3 of 3, the previous one is back.
             for _ in 0..WATCH_MIN_FAILURES {
-                assert!(ask(&tx, load, "a").is_err());
+                assert!(ask(tx, load, "a").is_err());
             }
-            assert_eq!(ask(&tx, load, "a").unwrap(), "bcde");
+            assert_eq!(ask(tx, load, "a").unwrap(), "bcde");
             let r = metrics.board.snapshot().rollout;
             assert_eq!((r.live.id, r.switches, r.rollbacks), (0, 1, 1), "{r:?}");
             assert!(r.last_event.contains("failed"), "{r:?}");
             // An automatic rollback only undoes a switch: not this rollback.
-            let again = admin(&tx, |reply| Admin::Rollback {
+            let again = admin(tx, |reply| Admin::Rollback {
                 reason: "test".into(),
                 automatic: true,
                 reply: Some(reply),
             });
             assert!(again.is_err());
             // Two more switches: the model before the previous one is dropped once idle.
-            let b = admin(&tx, |reply| Admin::Load {
+            let b = admin(tx, |reply| Admin::Load {
                 path: "alphabet".into(),
                 drain: None,
                 reply,
             })
             .unwrap();
-            admin(&tx, |reply| Admin::Switch { id: b, reply }).unwrap();
+            admin(tx, |reply| Admin::Switch { id: b, reply }).unwrap();
             let t0 = Instant::now();
             loop {
                 let ids: Vec<u32> = metrics
@@ -875,34 +891,19 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(5));
             }
             // New requests run on the new live model.
-            assert_eq!(ask(&tx, load, "x").unwrap(), "yzab");
-            tx.send(Control::Shutdown).unwrap();
-            sched.join().unwrap().unwrap();
+            assert_eq!(ask(tx, load, "x").unwrap(), "yzab");
         });
         assert_eq!(exec.all.keys().copied().collect::<Vec<_>>(), vec![0, 3]);
     }
 
     #[test]
     fn a_drain_swap_that_cannot_load_or_fails_its_requests_brings_the_old_model_back() {
-        let mut exec = alphabet_only();
-        let cfg = rollout_config();
-        let tok = Tokenizer::bytes(&["<|endoftext|>"]);
-        let load = Load::default();
-        let metrics = Metrics::new();
-        let (tx, rx) = mpsc::channel();
-        std::thread::scope(|s| {
-            // Owned here: a failed assertion drops it, and the scheduler ends (no hang).
-            let tx = tx;
-            let (exec, tok, cfg, load, metrics) = (&mut exec, &tok, &cfg, &load, &metrics);
-            let sched = s.spawn(move || {
-                let path = Some("alphabet".into());
-                run_models(exec, tok, cfg, &rx, load, metrics, "a".into(), path)
-            });
+        let exec = with_fleet(Some("alphabet".into()), |tx, load, metrics| {
             // A prefix is cached on the live model: the drain closes it before the swap.
-            assert_eq!(ask(&tx, load, "a").unwrap(), "bcde");
+            assert_eq!(ask(tx, load, "a").unwrap(), "bcde");
             let drain = || Some("the test says so".to_string());
             // The candidate cannot be loaded: the old model is loaded back (as model 2).
-            let e = admin(&tx, |reply| Admin::Load {
+            let e = admin(tx, |reply| Admin::Load {
                 path: "missing".into(),
                 drain: drain(),
                 reply,
@@ -912,12 +913,12 @@ mod tests {
                 e.contains("no such file") && e.contains("was loaded back"),
                 "{e}"
             );
-            assert_eq!(ask(&tx, load, "a").unwrap(), "bcde");
+            assert_eq!(ask(tx, load, "a").unwrap(), "bcde");
             let r = metrics.board.snapshot().rollout;
             assert_eq!((r.live.id, r.reload_failures), (2, 1), "{r:?}");
             assert_eq!(r.live.path.as_deref(), Some("alphabet"), "{r:?}");
             // Drained in, a model whose requests all fail is rolled back by draining.
-            let id = admin(&tx, |reply| Admin::Load {
+            let id = admin(tx, |reply| Admin::Load {
                 path: "nan".into(),
                 drain: drain(),
                 reply,
@@ -931,17 +932,15 @@ mod tests {
                 "{r:?}"
             );
             assert!(r.draining.is_some(), "{r:?}");
-            let s1 = admin(&tx, |reply| Admin::Switch { id, reply }).unwrap();
+            let s1 = admin(tx, |reply| Admin::Switch { id, reply }).unwrap();
             assert!(s1.drained.is_some() && s1.previous.is_none(), "{s1:?}");
             for _ in 0..WATCH_MIN_FAILURES {
-                assert!(ask(&tx, load, "a").is_err());
+                assert!(ask(tx, load, "a").is_err());
             }
-            assert_eq!(ask(&tx, load, "a").unwrap(), "bcde");
+            assert_eq!(ask(tx, load, "a").unwrap(), "bcde");
             let r = metrics.board.snapshot().rollout;
             assert_eq!((r.live.id, r.switches, r.rollbacks), (4, 1, 1), "{r:?}");
             assert!(r.last_event.contains("reloaded by a drain swap"), "{r:?}");
-            tx.send(Control::Shutdown).unwrap();
-            sched.join().unwrap().unwrap();
         });
         assert_eq!(exec.all.keys().copied().collect::<Vec<_>>(), vec![4]);
     }
