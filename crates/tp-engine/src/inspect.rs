@@ -55,10 +55,10 @@ pub fn describe(
         "layout     rope {:?}, qkv bias {}, {}tied embeddings {}, rms eps {:e}, rope theta {}",
         cfg.rope_style,
         cfg.qkv_bias,
-        if cfg.qk_norm {
-            "q/k norm per head, "
-        } else {
-            ""
+        match (cfg.qk_norm, cfg.block.qk_norm_whole) {
+            (false, _) => "",
+            (true, false) => "q/k norm per head, ",
+            (true, true) => "q/k norm over all heads, ",
         },
         cfg.tied_embeddings,
         cfg.rms_eps,

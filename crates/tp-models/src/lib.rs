@@ -19,6 +19,7 @@ pub mod open;
 pub mod ops;
 mod path;
 pub mod profile;
+mod qk_norm;
 pub mod shard;
 pub mod sync;
 #[cfg(feature = "test-support")]

@@ -14,6 +14,7 @@ use crate::matrix::{LoadOptions, Matrix, Projection};
 use crate::moe::MoeLayer;
 use crate::ops::{gelu_tanh_mul, rms_norm, rms_norm_in_place, silu_mul, Rope};
 use crate::profile::Profile;
+use crate::qk_norm::WholeNorm;
 use crate::shard::{CheckpointPlan, ShardPlan};
 use crate::sync::{sum_partials, SyncMode};
 use tp_comm::{CommExt, Group, ReduceOp};
@@ -24,7 +25,9 @@ use tp_spec::{embed_params, head_params, Activation, Param, RankWeights, Units};
 struct Layer {
     attn_norm: Vec<f32>, // [hidden]
     qkv: Projection,     // [q_local*hd + 2*kv_local*hd, hidden]
-    /// Qwen3: RMSNorm weights of each query and key head, `([hd], [hd])`, before RoPE.
+    /// RMSNorm weights of the queries and keys, before RoPE: Qwen3's of each head, `([hd],
+    /// [hd])`; OLMoE's over the whole projections, this rank's slices `([q_local*hd],
+    /// [kv_local*hd])`.
     qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     o: Matrix, // [hidden, q_local*hd]
     /// Gemma: RMSNorm weights of the attention output and of the MLP output, `([hidden],
@@ -194,13 +197,16 @@ impl ShardedModel {
             } else {
                 None
             };
-            let qk_norm = if cfg.qk_norm {
-                Some((
+            let qk_norm = match (cfg.qk_norm, cfg.block.qk_norm_whole) {
+                (false, _) => None,
+                (true, false) => Some((
                     ckpt.vector(WeightName::QNorm(l), None)?,
                     ckpt.vector(WeightName::KNorm(l), None)?,
-                ))
-            } else {
-                None
+                )),
+                (true, true) => Some((
+                    ckpt.vector(WeightName::QNorm(l), Some(q_rows.clone()))?,
+                    ckpt.vector(WeightName::KNorm(l), Some(kv_rows.clone()))?,
+                )),
             };
             let bias =
                 |name: WeightName, range: std::ops::Range<usize>| -> Result<Option<Vec<f32>>> {
@@ -579,6 +585,23 @@ impl ShardedModel {
             // Attention half: f, local heads, row-parallel output, g.
             rms_norm(&h, &layer.attn_norm, eps, &mut xn);
             layer.qkv.forward(&xn, n, &mut qkv)?;
+            let per_head_norm = match &layer.qk_norm {
+                Some((qn, kn)) if cfg.block.qk_norm_whole => {
+                    let whole = WholeNorm {
+                        q_weight: qn,
+                        k_weight: kn,
+                        heads: cfg.heads,
+                        kv_heads: cfg.kv_heads,
+                        q_local: self.plan.q_heads(),
+                        kv_local: self.plan.kv_heads(),
+                        head_dim: hd,
+                        eps,
+                    };
+                    whole.apply(&mut qkv, n, group, prof)?;
+                    None
+                }
+                other => other.as_ref(),
+            };
             let mut t0 = 0;
             for (ci, c) in chunks.iter().enumerate() {
                 // The next sequence's cache is fetched while this one's attention runs.
@@ -593,7 +616,7 @@ impl ShardedModel {
                 for (i, row) in rows.chunks_exact_mut(qkv_w).enumerate() {
                     let (q, kv) = row.split_at_mut(q_w);
                     let (k, v) = kv.split_at_mut(kv_w);
-                    if let Some((qn, kn)) = &layer.qk_norm {
+                    if let Some((qn, kn)) = per_head_norm {
                         rms_norm_in_place(q, qn, eps);
                         rms_norm_in_place(k, kn, eps);
                     }

@@ -57,7 +57,8 @@ impl SyntheticModel {
     /// The test shape: 2 layers, hidden 256, 8 query / 2 KV heads of 32 (tp 4 > KV heads),
     /// FFN 544 (17 quant blocks: uneven at tp 2, 3, 4), vocab 1000 (divisible by neither 3
     /// nor 16), context 128. `llama` ties the head to the embedding; `qwen2` has QKV biases
-    /// and an untied head; `qwen3` has q/k norms, heads of 64 and an untied head; `gemma3`
+    /// and an untied head; `qwen3` has q/k norms, heads of 64 and an untied head; `olmoe` has
+    /// q/k norms over the whole projections and an untied head (give it experts); `gemma3`
     /// is Gemma-3's block with 4 query heads over one KV head of 64 (MQA: every tp > 1
     /// replicates it), layer 0 local with a window of 4 positions (local RoPE base 10 000),
     /// layer 1 global (base 10^6), a tied head.
@@ -82,7 +83,7 @@ impl SyntheticModel {
             rope_style: RopeStyle::RotateHalf,
             context: 128,
             qkv_bias: arch == Arch::Qwen2,
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            qk_norm: arch.has_qk_norm(),
             tied_embeddings: matches!(arch, Arch::Llama | Arch::Gemma3),
             block: if gemma {
                 let mut b = tp_spec::BlockStyle::gemma3(4);
@@ -90,6 +91,8 @@ impl SyntheticModel {
                     s.period = 2;
                 }
                 b
+            } else if arch == Arch::Olmoe {
+                tp_spec::BlockStyle::OLMOE
             } else {
                 tp_spec::BlockStyle::LLAMA
             },
@@ -133,7 +136,8 @@ impl SyntheticModel {
 
     /// [`SyntheticModel::small`] with a mixture of experts in every layer: `count` experts of
     /// FFN 160 (5 quant blocks: uneven at tp 2, 3 and 4), `per_token` per token, and for
-    /// `qwen2` a shared expert of 192 (its top-k weights not normalised, as Qwen2-MoE's).
+    /// `qwen2` a shared expert of 192 (its top-k weights not normalised, as Qwen2-MoE's; nor
+    /// are OLMoE's).
     pub fn small_moe(arch: Arch, count: usize, per_token: usize, seed: u64) -> Self {
         let base = Self::small(arch, seed).cfg;
         let mut experts = crate::Experts::new(count, per_token);
@@ -141,6 +145,8 @@ impl SyntheticModel {
             experts.normalize = false;
             experts.shared_ffn = Some(192);
         }
+        // OLMoE does not normalise its top-k weights.
+        experts.normalize &= arch != Arch::Olmoe;
         let cfg = ModelConfig {
             ffn: 160,
             experts: Some(experts),

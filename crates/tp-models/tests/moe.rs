@@ -145,11 +145,212 @@ fn qwen_moe_models_match_candle_from_gguf_and_hf() {
     }
 }
 
+/// OLMoE (merged 3-D expert tensors, q/k norms over the whole projections, top-k weights not
+/// normalised, rotate-half RoPE) against a reference written here from transformers'
+/// `OlmoeForCausalLM` with candle ops (candle-transformers has no OLMoE) on the same weights as
+/// an HF directory; the GGUF and the HF directory give the same bits. The whole-projection
+/// norm is the part a per-head norm would get wrong: replacing it by Qwen3's per-head norm
+/// moves the logits far past the tolerance (the test's last check).
+#[test]
+fn olmoe_matches_a_reference_from_gguf_and_hf() {
+    let mut model = SyntheticModel::small_moe(Arch::Olmoe, 8, 2, 17);
+    model.merged_experts = true;
+    let (_g, gguf) = write(&model, GgufTypes::F32, "olmoe.gguf");
+    assert_eq!(gguf.config().arch, Arch::Olmoe);
+    let hf_dir = tempfile::tempdir().unwrap();
+    model
+        .write_hf(hf_dir.path(), 2, tp_models::synthetic::HfDType::F32)
+        .unwrap();
+    let hf = tp_models::HfCheckpoint::open(hf_dir.path()).unwrap();
+    let tokens = prompt(1000, 6);
+    let got = sharded_logits(&gguf, &tokens, 1, dense());
+    assert_same_bits(
+        "olmoe: GGUF vs HF",
+        &sharded_logits(&hf, &tokens, 1, dense()),
+        &got,
+    );
+    let text = std::fs::read_to_string(hf_dir.path().join("config.json")).unwrap();
+    let cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(cfg["model_type"], "olmoe");
+    let mut files: Vec<_> = std::fs::read_dir(hf_dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    files.sort();
+    let rows = olmoe_reference(&files, &cfg, &tokens, true);
+    // `sharded_logits`' order: the whole prompt's last row, then each position fed alone.
+    let want: Vec<Vec<f32>> = std::iter::once(rows[tokens.len() - 1].clone())
+        .chain(rows)
+        .collect();
+    assert_close("olmoe vs the reference", &got, &want, TOL, true);
+    for tp in 2..=4 {
+        let at = sharded_logits(&gguf, &tokens, tp, dense());
+        assert_same_bits(&format!("olmoe tp {tp} vs tp 1"), &at, &got);
+    }
+    // The reference with per-head q/k norms instead: far from ours at the last position (at
+    // the first, a query sees only its own key, so q and k do not matter).
+    let per_head = olmoe_reference(&files, &cfg, &tokens, false);
+    let moved = per_head[tokens.len() - 1]
+        .iter()
+        .zip(&want[0])
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        moved > 100.0 * TOL * spread(&want[0]),
+        "per-head norms moved the logits by only {moved}"
+    );
+}
+
+/// transformers' `OlmoeForCausalLM` (pre-norm blocks; q and k RMS-normalised over the whole
+/// projection, `whole`, or per head when not; rotate-half RoPE; softmax router, top-k by
+/// probability with ties to the lower expert, weights normalised only with `norm_topk_prob`)
+/// in candle ops on an HF directory's f32 weights: the causal logits of every position.
+fn olmoe_reference(
+    files: &[std::path::PathBuf],
+    cfg: &serde_json::Value,
+    tokens: &[u32],
+    whole: bool,
+) -> Vec<Vec<f32>> {
+    use candle_core::D;
+    use candle_nn::VarBuilder;
+    let dev = Device::Cpu;
+    // SAFETY: the files are written by the test and not modified while mapped.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(files, DType::F32, &dev) }.unwrap();
+    let u = |k: &str| cfg[k].as_u64().unwrap() as usize;
+    let (h, heads, kvh, hd) = (
+        u("hidden_size"),
+        u("num_attention_heads"),
+        u("num_key_value_heads"),
+        u("head_dim"),
+    );
+    let (vocab, ffn, count, top) = (
+        u("vocab_size"),
+        u("intermediate_size"),
+        u("num_experts"),
+        u("num_experts_per_tok"),
+    );
+    let normalize = cfg["norm_topk_prob"].as_bool().unwrap();
+    let eps = cfg["rms_norm_eps"].as_f64().unwrap() as f32;
+    let theta = cfg["rope_theta"].as_f64().unwrap();
+    let n = tokens.len();
+    let w = |name: &str, shape: &[usize]| vb.get(shape, name).unwrap();
+    let rms = |x: &Tensor, weight: &Tensor| candle_nn::ops::rms_norm(x, weight, eps).unwrap();
+    let lin = |x: &Tensor, weight: &Tensor| x.matmul(&weight.t().unwrap()).unwrap();
+    // [n, width] normalised over the whole width, or over each `hd` slice.
+    let qk_norm = |x: &Tensor, weight: &Tensor, width: usize| -> Tensor {
+        if whole {
+            rms(x, weight)
+        } else {
+            let per = weight.reshape((width / hd, hd)).unwrap();
+            let ones = Tensor::ones(hd, DType::F32, &dev).unwrap();
+            let x = rms(&x.reshape((n, width / hd, hd)).unwrap(), &ones);
+            x.broadcast_mul(&per).unwrap().reshape((n, width)).unwrap()
+        }
+    };
+    let inv: Vec<f32> = (0..hd / 2)
+        .map(|i| 1.0 / theta.powf(2.0 * i as f64 / hd as f64) as f32)
+        .collect();
+    let angles: Vec<f32> = (0..n)
+        .flat_map(|p| inv.iter().map(move |f| p as f32 * f))
+        .collect();
+    let angles = Tensor::from_vec(angles, (n, hd / 2), &dev).unwrap();
+    let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+    let mask: Vec<f32> = (0..n * n)
+        .map(|i| {
+            if i % n > i / n {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (n, n), &dev).unwrap();
+    let ids = Tensor::new(tokens, &dev).unwrap();
+    let mut x = w("model.embed_tokens.weight", &[vocab, h])
+        .index_select(&ids, 0)
+        .unwrap(); // [n, h]
+    for l in 0..u("num_hidden_layers") {
+        let p = format!("model.layers.{l}.");
+        let g = |s: &str, shape: &[usize]| w(&format!("{p}{s}"), shape);
+        let xn = rms(&x, &g("input_layernorm.weight", &[h]));
+        let q = lin(&xn, &g("self_attn.q_proj.weight", &[heads * hd, h]));
+        let k = lin(&xn, &g("self_attn.k_proj.weight", &[kvh * hd, h]));
+        let v = lin(&xn, &g("self_attn.v_proj.weight", &[kvh * hd, h]));
+        let q = qk_norm(&q, &g("self_attn.q_norm.weight", &[heads * hd]), heads * hd);
+        let k = qk_norm(&k, &g("self_attn.k_norm.weight", &[kvh * hd]), kvh * hd);
+        // [1, heads, n, hd] with RoPE; keys and values repeated over their query group.
+        let split = |t: &Tensor, hs: usize| {
+            t.reshape((1, n, hs, hd))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+        };
+        let repeat = |t: Tensor| {
+            t.unsqueeze(2)
+                .unwrap()
+                .expand((1, kvh, heads / kvh, n, hd))
+                .unwrap()
+                .reshape((1, heads, n, hd))
+                .unwrap()
+        };
+        let q = candle_nn::rotary_emb::rope(&split(&q, heads), &cos, &sin).unwrap();
+        let k = repeat(candle_nn::rotary_emb::rope(&split(&k, kvh), &cos, &sin).unwrap());
+        let v = repeat(split(&v, kvh));
+        let scores = (q.matmul(&k.t().unwrap()).unwrap() / (hd as f64).sqrt()).unwrap();
+        let p_att =
+            candle_nn::ops::softmax(&scores.broadcast_add(&mask).unwrap(), D::Minus1).unwrap();
+        let ctx = p_att
+            .matmul(&v)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .reshape((n, heads * hd))
+            .unwrap();
+        x = (x + lin(&ctx, &g("self_attn.o_proj.weight", &[h, heads * hd]))).unwrap();
+        let xn = rms(&x, &g("post_attention_layernorm.weight", &[h]));
+        let probs =
+            candle_nn::ops::softmax(&lin(&xn, &g("mlp.gate.weight", &[count, h])), D::Minus1)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+        let mut rows = Vec::with_capacity(n);
+        for (t, pr) in probs.iter().enumerate() {
+            let mut order: Vec<usize> = (0..count).collect();
+            order.sort_by(|a, b| pr[*b].total_cmp(&pr[*a]).then(a.cmp(b)));
+            let chosen = &order[..top];
+            let total: f32 = chosen.iter().map(|&e| pr[e]).sum();
+            let xt = xn.narrow(0, t, 1).unwrap(); // [1, h]
+            let mut y = Tensor::zeros((1, h), DType::F32, &dev).unwrap();
+            for &e in chosen {
+                let ge = |s: &str, shape: &[usize]| g(&format!("mlp.experts.{e}.{s}"), shape);
+                let a = lin(&xt, &ge("gate_proj.weight", &[ffn, h])).silu().unwrap();
+                let b = lin(&xt, &ge("up_proj.weight", &[ffn, h]));
+                let out = lin(&(a * b).unwrap(), &ge("down_proj.weight", &[h, ffn]));
+                let weight = if normalize { pr[e] / total } else { pr[e] };
+                y = (y + (out * f64::from(weight)).unwrap()).unwrap();
+            }
+            rows.push(y);
+        }
+        x = (x + Tensor::cat(&rows, 0).unwrap()).unwrap();
+    }
+    let x = rms(&x, &w("model.norm.weight", &[h]));
+    lin(&x, &w("lm_head.weight", &[vocab, h]))
+        .to_vec2()
+        .unwrap()
+}
+
 /// Expert-TP at tp 1..4 and expert parallelism (whole experts per rank: 8 over 3 ranks is
 /// 3|3|2) and their mix at tp 4 x ep 2, on quantized weights: the same bits everywhere.
 #[test]
 fn every_tp_and_expert_parallel_size_gives_the_same_bits() {
-    for (arch, merged) in [(Arch::Qwen3, true), (Arch::Qwen2, false)] {
+    for (arch, merged) in [
+        (Arch::Qwen3, true),
+        (Arch::Qwen2, false),
+        (Arch::Olmoe, true),
+    ] {
         let mut model = SyntheticModel::small_moe(arch, 8, 2, 13);
         model.merged_experts = merged;
         let types = GgufTypes {

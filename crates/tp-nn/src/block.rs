@@ -135,6 +135,13 @@ impl BlockConfig {
     /// positions (a shared expert, Qwen2-MoE's, is refused).
     pub fn from_spec(spec: &LayerSpec, max_seq: usize) -> Result<Self> {
         let a = &spec.attention;
+        if a.qk_norm_whole {
+            return Err(TpError::Config(format!(
+                "layer {} normalises queries and keys over all heads at once (OLMoE), which the \
+                 training layers do not do (they normalise each head)",
+                spec.layer
+            )));
+        }
         let (ffn, activation, experts) = match spec.mlp {
             MlpSpec::Dense { ffn, activation } => (ffn, activation, None),
             MlpSpec::Moe {
@@ -197,6 +204,7 @@ impl BlockConfig {
                 head_dim: self.head_dim,
                 bias: self.qkv_bias,
                 qk_norm: self.qk_norm,
+                qk_norm_whole: false,
                 window: st.window,
                 rope_theta: self.rope_theta,
                 rope_scale: st.rope_scale,

@@ -15,14 +15,20 @@ pub enum Arch {
     /// Gemma-3: Qwen3's q/k norms plus the [`crate::BlockStyle::gemma3`] block (GeGLU, post
     /// norms, scaled embeddings, sliding-window layers).
     Gemma3,
+    /// OLMoE: Llama's block with experts, an RMSNorm over the whole query and the whole key
+    /// projection (all heads at once: [`crate::BlockStyle::qk_norm_whole`]) before RoPE, and
+    /// RoPE on rotate-half pairs.
+    Olmoe,
 }
 
 /// Every supported architecture: (family, GGUF `general.architecture`, HF `architectures[0]`).
-const SUPPORTED: [(Arch, &str, &str); 4] = [
+/// OLMoE exists only with experts; its names are also its mixture-of-experts names.
+const SUPPORTED: [(Arch, &str, &str); 5] = [
     (Arch::Llama, "llama", "LlamaForCausalLM"),
     (Arch::Qwen2, "qwen2", "Qwen2ForCausalLM"),
     (Arch::Qwen3, "qwen3", "Qwen3ForCausalLM"),
     (Arch::Gemma3, "gemma3", "Gemma3ForCausalLM"),
+    (Arch::Olmoe, "olmoe", "OlmoeForCausalLM"),
 ];
 
 /// HF `model_type` spellings besides the GGUF names: (family, model_type).
@@ -30,15 +36,16 @@ const HF_MODEL_TYPES: [(Arch, &str); 1] = [(Arch::Gemma3, "gemma3_text")];
 
 /// Mixture-of-experts spellings of a family: (family, GGUF `general.architecture`, HF class,
 /// HF `model_type`). Mixtral's GGUF says `llama` and carries `llama.expert_count`.
-const MOE_FAMILIES: [(Arch, &str, &str, &str); 3] = [
+const MOE_FAMILIES: [(Arch, &str, &str, &str); 4] = [
     (Arch::Llama, "llama", "MixtralForCausalLM", "mixtral"),
     (Arch::Qwen2, "qwen2moe", "Qwen2MoeForCausalLM", "qwen2_moe"),
     (Arch::Qwen3, "qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
+    (Arch::Olmoe, "olmoe", "OlmoeForCausalLM", "olmoe"),
 ];
 
 /// Mixture-of-experts names this project recognises but cannot run (their layers differ from
-/// the families above: OLMoE's q/k norms span all heads).
-const UNSUPPORTED_MOE: [&str; 3] = ["olmoe", "OlmoeForCausalLM", "deepseek2"];
+/// the families above: DeepSeek-V2/V3's latent attention and grouped sigmoid routing).
+const UNSUPPORTED_MOE: [&str; 2] = ["deepseek2", "DeepseekV3ForCausalLM"];
 
 impl Arch {
     /// The GGUF architecture name (`llama`, `qwen2`).
@@ -55,6 +62,12 @@ impl Arch {
             .iter()
             .find(|s| s.0 == self)
             .map_or("LlamaForCausalLM", |s| s.2)
+    }
+
+    /// Whether the family RMS-normalises queries and keys before RoPE (per head, or over the
+    /// whole projection for OLMoE).
+    pub fn has_qk_norm(self) -> bool {
+        matches!(self, Arch::Qwen3 | Arch::Gemma3 | Arch::Olmoe)
     }
 
     /// From a GGUF `general.architecture`.
@@ -154,7 +167,7 @@ impl RopeStyle {
     pub fn of_gguf(arch: Arch) -> RopeStyle {
         match arch {
             Arch::Llama => RopeStyle::Interleaved,
-            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeStyle::RotateHalf,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Olmoe => RopeStyle::RotateHalf,
         }
     }
 }
@@ -186,7 +199,10 @@ mod tests {
             Err(SpecError::MissingMetadata { .. })
         ));
         assert!(is_moe_name("qwen2moe") && is_moe_name("MixtralForCausalLM"));
-        assert!(!is_moe_name("llama") && is_unsupported_moe_name("olmoe"));
+        assert!(!is_moe_name("llama") && is_unsupported_moe_name("deepseek2"));
+        assert!(is_moe_name("olmoe") && !is_unsupported_moe_name("olmoe"));
+        assert_eq!(Arch::from_gguf("olmoe"), Ok(Arch::Olmoe));
+        assert_eq!(Arch::Olmoe.moe_gguf_name(), Some("olmoe"));
         assert_eq!(Arch::from_gguf("qwen3moe"), Ok(Arch::Qwen3));
         assert_eq!(Arch::from_hf("", &["MixtralForCausalLM"]), Ok(Arch::Llama));
         assert_eq!(Arch::from_hf("qwen2_moe", &[]), Ok(Arch::Qwen2));

@@ -68,6 +68,9 @@ pub struct BlockStyle {
     /// An HF checkpoint stores each RMSNorm weight minus one (Gemma computes `x * (1 + w)`;
     /// GGUF files store the sum).
     pub hf_norm_minus_one: bool,
+    /// The q/k norms span the whole query and the whole key projection (all heads at once,
+    /// weights `[heads x head_dim]` and `[kv_heads x head_dim]`: OLMoE) rather than each head.
+    pub qk_norm_whole: bool,
 }
 
 impl BlockStyle {
@@ -80,6 +83,13 @@ impl BlockStyle {
         sliding: None,
         rope_scale: 1.0,
         hf_norm_minus_one: false,
+        qk_norm_whole: false,
+    };
+
+    /// OLMoE's block: Llama's with the q/k norms over the whole projections.
+    pub const OLMOE: BlockStyle = BlockStyle {
+        qk_norm_whole: true,
+        ..BlockStyle::LLAMA
     };
 
     /// Gemma-3's block, with a window of `window` positions on 5 layers of every 6 and a local
@@ -97,6 +107,7 @@ impl BlockStyle {
             }),
             rope_scale: 1.0,
             hf_norm_minus_one: true,
+            qk_norm_whole: false,
         }
     }
 }
@@ -130,6 +141,9 @@ impl BlockStyle {
         }
         if self.rope_scale != 1.0 {
             parts.push(format!("linear rope scaling x{}", self.rope_scale));
+        }
+        if self.qk_norm_whole {
+            parts.push("q/k norms over all heads".into());
         }
         Some(parts.join(", "))
     }

@@ -198,7 +198,8 @@ impl Gguf<'_> {
 impl Gguf<'_> {
     /// The experts of a GGUF (`expert_count` above 1): top-k, gating function (llama.cpp's
     /// `expert_gating_func`: 1 softmax, 2 sigmoid), whether top-k weights are normalised
-    /// (`expert_weights_norm`; by default yes except for `qwen2moe`, as llama.cpp runs them)
+    /// (`expert_weights_norm`; by default yes except for `qwen2moe` and `olmoe`, as llama.cpp
+    /// runs them)
     /// and the shared expert's width.
     fn experts(&self) -> Result<Option<Experts>, SpecError> {
         let count = match self.opt_int("expert_count")? {
@@ -217,7 +218,7 @@ impl Gguf<'_> {
         };
         let key = format!("{}.expert_weights_norm", self.arch);
         let normalize = match self.md.meta(&key) {
-            None => self.arch != "qwen2moe",
+            None => !matches!(self.arch.as_str(), "qwen2moe" | "olmoe"),
             Some(MetaValue::Bool(b)) => b,
             Some(v) => {
                 return Err(SpecError::Config(format!(
@@ -480,6 +481,7 @@ impl ModelConfig {
         };
         let block = match arch {
             Arch::Gemma3 => gemma3::gguf_block(&g, &d)?,
+            Arch::Olmoe => BlockStyle::OLMOE,
             _ => BlockStyle::LLAMA,
         };
         let cfg = ModelConfig {
@@ -487,7 +489,7 @@ impl ModelConfig {
             rope_theta: g.float("rope.freq_base", 10_000.0)?,
             rope_style: RopeStyle::of_gguf(arch),
             qkv_bias: arch == Arch::Qwen2,
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            qk_norm: arch.has_qk_norm(),
             block,
             ..Self::from_dims(arch, d)
         };
@@ -522,15 +524,23 @@ impl ModelConfig {
         let hf = Hf(&v);
         let block = match arch {
             Arch::Gemma3 => gemma3::hf_block(&v, &d)?,
+            Arch::Olmoe => BlockStyle::OLMOE,
             _ => BlockStyle::LLAMA,
         };
+        if !matches!(v.get("clip_qkv"), None | Some(Json::Null)) {
+            return Err(SpecError::Config(format!(
+                "clip_qkv is {}: clamping the Q/K/V projections is not implemented here; only \
+                 configs with clip_qkv null (OLMoE-1B-7B's) run",
+                v["clip_qkv"]
+            )));
+        }
         let cfg = ModelConfig {
             // transformers' default for Llama and Qwen configs.
             rms_eps: hf.float("rms_norm_eps", 1e-6)?,
             rope_theta: hf.float("rope_theta", 10_000.0)?,
             rope_style: RopeStyle::RotateHalf,
             qkv_bias: arch == Arch::Qwen2 || hf.bool("attention_bias")? == Some(true),
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            qk_norm: arch.has_qk_norm(),
             // transformers' default is tied for Gemma (untied for the others); an explicit
             // `false` unties it there too.
             tied_embeddings: match arch {
@@ -751,7 +761,11 @@ impl ModelConfig {
             .checked_mul(qkv)?
             .checked_add(q.checked_mul(self.hidden)?)?;
         let bias = if self.qkv_bias { qkv } else { 0 };
-        let qk_norms = if self.qk_norm { 2 * self.head_dim } else { 0 };
+        let qk_norms = match (self.qk_norm, self.block.qk_norm_whole) {
+            (false, _) => 0,
+            (true, false) => 2 * self.head_dim,
+            (true, true) => q.checked_add(kv)?,
+        };
         let post_norms = if self.block.post_norms { 2 } else { 0 };
         let (experts, router) = match self.experts {
             Some(e) => (e.count, e.count.checked_mul(self.hidden)?),
@@ -924,10 +938,30 @@ mod tests {
                 .to_string();
             assert!(e.contains("between 1 and the expert count"), "{e}");
         }
-        let e = ModelConfig::from_gguf(&gguf("olmoe", &[("expert_count", 64)]), Some(100), true)
+        let e =
+            ModelConfig::from_gguf(&gguf("deepseek2", &[("expert_count", 64)]), Some(100), true)
+                .unwrap_err()
+                .to_string();
+        assert!(e.contains("deepseek2") && e.contains("cannot run"), "{e}");
+        // OLMoE: q/k norms over the whole projections, top-k weights not normalised (llama.cpp
+        // runs olmoe without `expert_weights_norm`), rotate-half RoPE; HF the same.
+        let md = gguf("olmoe", &[("expert_count", 64), ("expert_used_count", 8)]);
+        let o = ModelConfig::from_gguf(&md, Some(100), true).unwrap();
+        assert_eq!(o.arch, Arch::Olmoe);
+        assert!(o.qk_norm && o.block.qk_norm_whole && !o.experts.unwrap().normalize);
+        assert_eq!(o.rope_style, RopeStyle::RotateHalf);
+        o.check_runnable().unwrap();
+        let mut hf = o.to_hf_json();
+        assert_eq!(hf["model_type"], "olmoe");
+        assert_eq!(
+            ModelConfig::from_hf_json(&hf.to_string()).unwrap().block,
+            o.block
+        );
+        hf["clip_qkv"] = 8.into();
+        let e = ModelConfig::from_hf_json(&hf.to_string())
             .unwrap_err()
             .to_string();
-        assert!(e.contains("olmoe") && e.contains("cannot run"), "{e}");
+        assert!(e.contains("clip_qkv"), "{e}");
         let sig = gguf(
             "qwen3moe",
             &[

@@ -89,6 +89,9 @@ pub struct AttentionSpec {
     pub bias: bool,
     /// Each query and key head is RMS-normalised before RoPE (Qwen3, Gemma-3).
     pub qk_norm: bool,
+    /// The q/k norms span the whole projections (all heads; OLMoE): their weights are
+    /// `[heads x head_dim]` and `[kv_heads x head_dim]`, split by heads like the biases.
+    pub qk_norm_whole: bool,
     /// Positions a query sees, its own included (`None`: every earlier one).
     pub window: Option<usize>,
     /// RoPE base and linear position scale of this layer.
@@ -145,6 +148,7 @@ impl ModelConfig {
                 head_dim: self.head_dim,
                 bias: self.qkv_bias,
                 qk_norm: self.qk_norm,
+                qk_norm_whole: self.qk_norm && self.block.qk_norm_whole,
                 window: self.window(layer),
                 rope_theta,
                 rope_scale,
@@ -207,7 +211,10 @@ impl LayerSpec {
             out.push(vector(WeightName::KBias(l), kv, Rows(KvHeads)));
             out.push(vector(WeightName::VBias(l), kv, Rows(KvHeads)));
         }
-        if a.qk_norm {
+        if a.qk_norm_whole {
+            out.push(vector(WeightName::QNorm(l), q, Rows(QHeads)));
+            out.push(vector(WeightName::KNorm(l), kv, Rows(KvHeads)));
+        } else if a.qk_norm {
             for name in [WeightName::QNorm(l), WeightName::KNorm(l)] {
                 out.push(Param {
                     partial_grad: true,

@@ -173,6 +173,9 @@ impl GgufOracle {
             tp_models::Arch::Gemma3 => {
                 panic!("no GGUF oracle for gemma3; gemma3_oracle.rs uses candle's plain model")
             }
+            tp_models::Arch::Olmoe => {
+                panic!("no GGUF oracle for olmoe; moe.rs has a reference of its own")
+            }
         }
     }
 
