@@ -8,9 +8,12 @@
 use crate::config::{ModelConfig, TrainModel};
 use crate::error::{Result, TrainError};
 use crate::layout;
+use crate::schedule::{rank_schedule, Action};
 use candle_core::Device;
 use tp_comm::local::{run, LocalOptions};
+use tp_comm::ParallelDims;
 use tp_nn::{ParallelBlock, RandomTensor, Rng, SeqLayout, SeqSplit};
+use tp_plan::activation_memory::korthikanti_bytes_per_layer;
 use tp_plan::workload::Recompute;
 
 /// One layer's activation bytes on tp rank 0 for a micro-batch of `batch` x `seq` tokens.
@@ -334,39 +337,155 @@ impl RankShapes {
     }
 }
 
-/// This trainer's activation bytes on pipeline rank 0, tp rank 0 at its peak: the
-/// micro-batches of `micro_batch` sequences of `seq` tokens its schedule (1F1B, or
-/// interleaved with `virtual_stages` chunks) holds at once, each chunk's
-/// [`RankShapes::chunk_bytes`] (chunk 0 with the embedding, the model's last chunk with the
-/// head). Packed sequences are not modelled (their masks and RoPE tables are per batch).
-#[allow(clippy::too_many_arguments)]
-pub fn trainer_bytes(
-    model: &ModelConfig,
-    dims: tp_comm::ParallelDims,
-    micro_batch: usize,
-    seq: usize,
+/// The activation bytes pipeline rank 0 holds at its peak: each micro-batch's forward
+/// through one of its model chunks adds `chunk(layers, first, last)` bytes (`first`: the
+/// chunk with the embedding, `last`: the one with the head) until that chunk's backward, in
+/// the order of its schedule (1F1B, or interleaved with `virtual_stages` chunks of about
+/// `L / (p v)` layers; [`crate::schedule::rank_schedule`]) over `micro_batches`.
+pub fn peak_in_flight_bytes(
+    layers: usize,
+    dims: ParallelDims,
     micro_batches: usize,
     virtual_stages: usize,
-    sequence_parallel: bool,
-    recompute: Recompute,
+    chunk: impl Fn(usize, bool, bool) -> f64,
 ) -> Result<f64> {
-    let shapes = RankShapes::new(model, 0, dims.tp, micro_batch, seq, sequence_parallel)?;
     let (pp, v) = (dims.pp.max(1), virtual_stages.max(1));
-    let chunks = layout::rank_chunks(0, pp, v);
-    let bytes = chunks
-        .iter()
-        .map(|&g| {
-            let layers = layout::stage_layers(model.layers, pp * v, g)?.len();
-            Ok(shapes.chunk_bytes(layers, g == 0, g + 1 == pp * v, recompute))
+    let bytes = layout::rank_chunks(0, pp, v)
+        .into_iter()
+        .map(|g| {
+            let n = layout::stage_layers(layers, pp * v, g)?.len();
+            Ok(chunk(n, g == 0, g + 1 == pp * v))
         })
         .collect::<Result<Vec<f64>>>()?;
     let (mut live, mut peak) = (0.0f64, 0.0f64);
-    for a in crate::schedule::rank_schedule(0, pp, v, micro_batches.max(1)) {
+    for a in rank_schedule(0, pp, v, micro_batches.max(1)) {
         match a.action {
-            crate::schedule::Action::Forward(_) => live += bytes[a.chunk],
-            crate::schedule::Action::Backward(_) => live -= bytes[a.chunk],
+            Action::Forward(_) => live += bytes[a.chunk],
+            Action::Backward(_) => live -= bytes[a.chunk],
         }
         peak = peak.max(live);
     }
     Ok(peak)
+}
+
+/// A training layout's activations, for [`trainer_bytes`] and [`paper_bytes`].
+#[derive(Clone, Copy, Debug)]
+pub struct ActivationLayout {
+    pub dims: ParallelDims,
+    /// Sequences per micro-batch and tokens per sequence.
+    pub micro_batch: usize,
+    pub seq: usize,
+    /// Micro-batches per step and model chunks per pipeline rank.
+    pub micro_batches: usize,
+    pub virtual_stages: usize,
+    pub sequence_parallel: bool,
+    pub recompute: Recompute,
+}
+
+/// This trainer's activation bytes on pipeline rank 0, tp rank 0 at its peak
+/// ([`peak_in_flight_bytes`] of [`RankShapes::chunk_bytes`]). Packed sequences are not
+/// modelled (their masks and RoPE tables are per batch).
+pub fn trainer_bytes(model: &ModelConfig, l: &ActivationLayout) -> Result<f64> {
+    let shapes = RankShapes::new(
+        model,
+        0,
+        l.dims.tp,
+        l.micro_batch,
+        l.seq,
+        l.sequence_parallel,
+    )?;
+    peak_in_flight_bytes(
+        model.layers,
+        l.dims,
+        l.micro_batches,
+        l.virtual_stages,
+        |layers, first, last| shapes.chunk_bytes(layers, first, last, l.recompute),
+    )
+}
+
+/// The same peak by Korthikanti et al. 2022's closed form for a GPT layer (Table 2, tp-plan's
+/// [`korthikanti_bytes_per_layer`]: `sbh(10 + 24/t + 5as/(ht))` without recomputation and
+/// sequence parallelism, `sbh(34/t + 5as/(ht))` with SP, without the `5as/(ht)` selective,
+/// `2sbh` full (`/t` with SP)), doubled for f32; the layers only, as the paper counts. What a
+/// fused GPT layer would keep: these layers keep more ([`RankShapes::layer_elems`]).
+pub fn paper_bytes(model: &ModelConfig, l: &ActivationLayout) -> Result<f64> {
+    let per_layer = 2.0
+        * korthikanti_bytes_per_layer(
+            l.seq as f64,
+            l.micro_batch as f64,
+            model.hidden as f64,
+            model.heads as f64,
+            l.dims.tp.max(1) as f64,
+            l.sequence_parallel && l.dims.tp > 1,
+            l.recompute,
+        );
+    peak_in_flight_bytes(
+        model.layers,
+        l.dims,
+        l.micro_batches,
+        l.virtual_stages,
+        |layers, _, _| per_layer * layers as f64,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(pp: usize, m: usize, v: usize) -> ActivationLayout {
+        ActivationLayout {
+            dims: ParallelDims { tp: 2, pp, dp: 1 },
+            micro_batch: 2,
+            seq: 64,
+            micro_batches: m,
+            virtual_stages: v,
+            sequence_parallel: true,
+            recompute: Recompute::None,
+        }
+    }
+
+    #[test]
+    fn the_peak_is_the_micro_batches_the_first_stage_holds() {
+        let cfg = ModelConfig::preset("tiny").unwrap(); // 4 layers
+        let sh = RankShapes::new(&cfg, 0, 2, 2, 64, true).unwrap();
+        let r = Recompute::None;
+        // No pipeline: one micro-batch at a time through the whole model.
+        let whole = sh.chunk_bytes(4, true, true, r);
+        assert_eq!(trainer_bytes(&cfg, &layout(1, 4, 1)).unwrap(), whole);
+        // 1F1B at pp 2: stage 0 (layers 0-1, the embedding) runs 2 forwards first.
+        let stage0 = sh.chunk_bytes(2, true, false, r);
+        assert_eq!(trainer_bytes(&cfg, &layout(2, 4, 1)).unwrap(), 2.0 * stage0);
+        // Interleaved, p 2, v 2, m 4: chunks of one layer; the warm-up runs chunk 0 of
+        // micro-batches 0, 1, chunk 1 of 0, 1, then chunk 0 of 2 before the first backward
+        // (chunk 1 of 0): 2(p - 1) + (v - 1)p + 1 = 5 chunk micro-batches, then chunk 0 of 3
+        // keeps 5, 4 of them with the embedding (chunk 0's).
+        let (c0, c1) = (
+            sh.chunk_bytes(1, true, false, r),
+            sh.chunk_bytes(1, false, false, r),
+        );
+        assert_eq!(
+            trainer_bytes(&cfg, &layout(2, 4, 2)).unwrap(),
+            4.0 * c0 + c1
+        );
+        // The paper's per-layer figure times the same layers in flight.
+        let per_layer = paper_bytes(&cfg, &layout(1, 1, 1)).unwrap() / 4.0;
+        assert_eq!(
+            paper_bytes(&cfg, &layout(2, 4, 2)).unwrap(),
+            5.0 * per_layer
+        );
+    }
+
+    #[test]
+    fn a_mixture_of_experts_or_an_uneven_sequence_split_is_refused() {
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let e = RankShapes::new(&cfg, 0, 2, 1, 63, true).unwrap_err();
+        assert!(
+            e.to_string().contains("63 positions do not divide by tp=2"),
+            "{e}"
+        );
+        let experts = crate::config::trainable_arch("mixtral").unwrap().experts;
+        let moe = cfg.with_experts(experts);
+        let e = RankShapes::new(&moe, 0, 1, 1, 8, false).unwrap_err();
+        assert!(e.to_string().contains("mixtures of experts"), "{e}");
+    }
 }
