@@ -7,14 +7,17 @@
 //! terms dominate) and `tiny` with 4 x 64 (the per-token terms do). The allocator counts
 //! every thread, so at tp 2 it counts both rank threads together (between barriers, so
 //! neither allocates while the other reads): that is compared with the sum of the ranks'
-//! formulas (equal shares here, every split being even). One test in this binary, so no
-//! other test allocates meanwhile.
+//! formulas (equal shares here, every split being even). Qwen2 (Q/K/V biases), Qwen3 (q/k
+//! norms) and Gemma-3 (q/k norms, post-norms, scaled embeddings, GELU, windows) as `tiny`
+//! also: their totals within 5%, and their extra bytes over the Llama `tiny` within 5% of the
+//! formula's extra. One test in this binary, so no other test allocates meanwhile.
 
 use candle_core::{Device, Tensor};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 use tp_comm::local::{run, LocalOptions};
 use tp_comm::{ParallelDims, ProcessGroups};
+use tp_spec::Arch;
 use tp_train::activations::RankShapes;
 use tp_train::init::SeededInit;
 use tp_train::model::{StageInput, StageModel};
@@ -113,12 +116,41 @@ fn formula(cfg: &ModelConfig, tp: usize, sp: bool, b: usize, s: usize, r: Recomp
 #[test]
 fn activation_bytes_equal_the_formula_of_this_trainers_layer() {
     let mut failures = Vec::new();
-    for (preset, b, s) in [("small", 2usize, 256usize), ("tiny", 4, 64)] {
-        let cfg = ModelConfig::preset(preset).expect("preset");
+    let preset = |name: &str| ModelConfig::preset(name).expect("preset");
+    let tiny_as = |arch: Arch| preset("tiny").with_arch(arch).expect("arch");
+    let cases = [
+        ("small", preset("small"), 2usize, 256usize),
+        ("tiny", preset("tiny"), 4, 64),
+        // Q/K/V biases; q/k norms; those with post-norms, scaled embeddings, GELU, windows.
+        ("tiny qwen2", tiny_as(Arch::Qwen2), 4, 64),
+        ("tiny qwen3", tiny_as(Arch::Qwen3), 4, 64),
+        ("tiny gemma3", tiny_as(Arch::Gemma3), 4, 64),
+    ];
+    // The plain tiny's (measured, formula) per layout and mode, for the variants' deltas.
+    let mut plain = std::collections::HashMap::new();
+    for (preset, cfg, b, s) in cases {
         for (tp, sp) in [(1, false), (2, false), (2, true)] {
             let measured = measure(&cfg, tp, sp, b, s);
             for (&r, &kept) in MODES.iter().zip(&measured) {
                 let f = formula(&cfg, tp, sp, b, s, r);
+                let key = (tp, sp, format!("{r:?}"));
+                if preset == "tiny" {
+                    plain.insert(key, (kept as f64, f));
+                } else if let Some(&(pk, pf)) = plain.get(&key) {
+                    // A variant's own terms, too small to show in its total: its extra bytes
+                    // over the plain model, measured against the formula's, within 5% (or
+                    // 1% of the total where the formula adds nothing).
+                    let (dm, df) = (kept as f64 - pk, f - pf);
+                    let tol = if df > 0.0 { 0.05 * df } else { 0.01 * f };
+                    if (dm - df).abs() > tol {
+                        failures.push(format!(
+                            "{preset} tp {tp} sp {sp} {r:?}: {:.3} MiB over the plain model, \
+                             the formula {:.3} MiB",
+                            dm / MIB,
+                            df / MIB
+                        ));
+                    }
+                }
                 let rel = (kept as f64 - f) / f;
                 eprintln!(
                     "{preset} b {b} s {s} tp {tp} sp {sp:5} {r:?}: measured {:.2} MiB, \
