@@ -12,43 +12,17 @@
 //! also: their totals within 5%, and their extra bytes over the Llama `tiny` within 5% of the
 //! formula's extra. One test in this binary, so no other test allocates meanwhile.
 
-use candle_core::{Device, Tensor};
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
 use tp_comm::local::{run, LocalOptions};
 use tp_comm::{ParallelDims, ProcessGroups};
 use tp_spec::Arch;
 use tp_train::activations::RankShapes;
+use tp_train::alloc_count::{kept_by_forward, CountingAlloc};
 use tp_train::init::SeededInit;
-use tp_train::model::{StageInput, StageModel};
-use tp_train::{recompute, ModelConfig, Recompute, TrainModel};
-
-/// Heap bytes allocated and not yet freed, by every thread.
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-struct Counting;
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
-        System.alloc(l)
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
-        System.alloc_zeroed(l)
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        LIVE.fetch_sub(l.size() as isize, Ordering::Relaxed);
-        System.dealloc(p, l)
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
-        System.realloc(p, l, new)
-    }
-}
+use tp_train::model::StageModel;
+use tp_train::{ModelConfig, Recompute, TrainModel};
 
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: CountingAlloc = CountingAlloc;
 
 const MIB: f64 = (1u64 << 20) as f64;
 const MODES: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompute::Full];
@@ -59,42 +33,11 @@ fn measure(cfg: &ModelConfig, tp: usize, sp: bool, b: usize, s: usize) -> Vec<is
     let d = ParallelDims { tp, pp: 1, dp: 1 };
     let out = run(tp, LocalOptions::default(), |world| {
         let groups = ProcessGroups::new(world, d).expect("groups");
-        let sync = || groups.tp.barrier().expect("barrier");
         let rank = groups.tp.rank();
         let mut model = StageModel::new(cfg, 0, 1, rank, tp, &SeededInit::new(cfg, 3))
             .expect("model")
             .with_sequence_parallel(sp);
-        let dev = Device::Cpu;
-        let ids: Vec<u32> = (0..b * s).map(|i| (i * 7 % 251) as u32).collect();
-        let ids = Tensor::from_vec(ids, (b, s), &dev).unwrap(); // [b, s]
-        let targets = Tensor::from_vec(vec![1u32; b * s], b * s, &dev).unwrap(); // [b*s]
-        let w = Tensor::from_vec(vec![1f32 / (b * s) as f32; b * s], b * s, &dev).unwrap(); // [b*s]
-        let tg = Some((&targets, &w));
-        // A first forward, dropped: one-time allocations (thread pools, caches) not counted.
-        drop(
-            model
-                .forward(StageInput::Tokens(&ids), tg, &groups.tp)
-                .unwrap(),
-        );
-        let mut kept = Vec::new();
-        for r in MODES {
-            model.set_recompute(r);
-            sync();
-            let before = LIVE.load(Ordering::SeqCst);
-            sync();
-            let held: Box<dyn std::any::Any> = if r == Recompute::Full {
-                let f = recompute::forward(&model, StageInput::Tokens(&ids), None, tg, &groups.tp);
-                Box::new(f.unwrap())
-            } else {
-                let o = model.forward_aux(StageInput::Tokens(&ids), tg, &groups.tp);
-                Box::new(o.unwrap())
-            };
-            sync();
-            kept.push(LIVE.load(Ordering::SeqCst) - before);
-            sync();
-            drop(held);
-        }
-        kept
+        kept_by_forward(&mut model, b, s, &groups.tp, &MODES).expect("forward")
     })
     .expect("world");
     match out.into_iter().next() {
