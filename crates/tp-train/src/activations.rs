@@ -127,7 +127,7 @@ pub fn measure(
 }
 
 /// One tp rank's share of a micro-batch of `b` sequences of `s` tokens, as the formula of
-/// this trainer's layer ([`RankShapes::layer_bytes`]) sees it: every width is this rank's
+/// this trainer's layer ([`RankShapes::layer_elems`]) sees it: every width is this rank's
 /// (its query and KV heads, FFN columns and vocabulary rows, by the model's shard plan).
 #[derive(Clone, Debug, PartialEq)]
 pub struct RankShapes {

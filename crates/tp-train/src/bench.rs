@@ -116,8 +116,9 @@ pub struct Row {
     /// Activation bytes rank 0 (first pipeline stage, tp rank 0) keeps from forwards to
     /// backwards at its peak, by the formula of this trainer's layer
     /// ([`crate::activations::trainer_bytes`], f32): one micro-batch's bytes times the
-    /// micro-batches (chunks, interleaved) its schedule holds at once.
-    pub activation_bytes_formula: f64,
+    /// micro-batches (chunks, interleaved) its schedule holds at once. `None` for a mixture
+    /// of experts, which the formula does not cover.
+    pub activation_bytes_formula: Option<f64>,
     /// The same peak by Korthikanti et al.'s formula of a fused GPT layer
     /// ([`crate::activations::paper_bytes`], f32, the layers only).
     pub activation_bytes_paper: f64,
@@ -240,7 +241,7 @@ impl Bench {
              backwards at its peak (one micro-batch's times the micro-batches, or interleaved \
              chunks of L/(p v) layers, its schedule holds at once), f32; (f) the formula of this \
              trainer's layer (activations::RankShapes, within 5% of a counting allocator in \
-             tests/activation_memory.rs), embedding and head included; (p) Korthikanti et al. \
+             tests/activation_memory.rs), embedding and head included, - for experts; (p) Korthikanti et al. \
              2022's for a fused GPT layer (layers only, sequence parallelism as run; twice the \
              paper's 2-byte figure); (c) counted: the block inputs one micro-batch keeps under \
              full recomputation on rank 0 (the embedding's and the head's graphs not counted)\n\
@@ -391,7 +392,10 @@ impl Bench {
             final_loss: smp.loss,
             distributed_optimizer: spec.distributed_optimizer && d.dp > 1,
             optimizer_bytes_rank0: smp.optimizer_bytes,
-            activation_bytes_formula: trainer_bytes(&self.model, &acts)?,
+            activation_bytes_formula: match self.model.experts {
+                Some(_) => None,
+                None => Some(trainer_bytes(&self.model, &acts)?),
+            },
             activation_bytes_paper: paper_bytes(&self.model, &acts)?,
             activation_bytes_counted: (r == Recompute::Full).then_some(smp.kept),
         })
@@ -427,7 +431,7 @@ pub fn table(rows: &[Row]) -> String {
     for row in rows {
         s.push_str(&format!(
             "  {:>3} {:>3} {:>3} {:>9} {:>5} {:>5} {:>2} {:>5.1}% {:>7.1}% {:>11.3} {:>9.0} {:>6.1}% {:>10.1} {:>7.1}% {:>8.2}{} \
-             {:>10.2} {:>10.2} {:>10}\n",
+             {:>10} {:>10.2} {:>10}\n",
             row.tp,
             row.pp,
             row.dp,
@@ -444,7 +448,8 @@ pub fn table(rows: &[Row]) -> String {
             100.0 * row.mfu_vs_concurrent_peak,
             row.optimizer_bytes_rank0 as f64 / MIB,
             if row.distributed_optimizer { "*" } else { " " },
-            row.activation_bytes_formula / MIB,
+            row.activation_bytes_formula
+                .map_or("-".to_string(), |b| format!("{:.2}", b / MIB)),
             row.activation_bytes_paper / MIB,
             row.activation_bytes_counted
                 .map_or("-".to_string(), |b| format!("{:.2}", b as f64 / MIB))
