@@ -4,7 +4,7 @@
 //! preceded by a peak probe on as many threads as it has ranks, so a shared, noisy machine
 //! shows up in the figures instead of skewing one layout.
 
-use crate::recompute;
+use crate::activations::{paper_bytes, trainer_bytes, ActivationLayout};
 use crate::run::{launch, median};
 use crate::setup::default_micro_batches;
 use crate::{
@@ -113,10 +113,17 @@ pub struct Row {
     /// Rank 0's optimizer arrays (AdamW m, v and f32 master weights), bytes: 12 x the
     /// elements it holds.
     pub optimizer_bytes_rank0: usize,
-    /// Activation bytes a micro-batch keeps per rank between its forward and its backward,
-    /// by the formula of Korthikanti et al. ([`recompute::formula_bytes`], f32).
-    pub activation_bytes_formula: f64,
-    /// The same, counted (rank 0's kept block inputs): full recomputation only.
+    /// Activation bytes rank 0 (first pipeline stage, tp rank 0) keeps from forwards to
+    /// backwards at its peak, by the formula of this trainer's layer
+    /// ([`crate::activations::trainer_bytes`], f32): one micro-batch's bytes times the
+    /// micro-batches (chunks, interleaved) its schedule holds at once. `None` for a mixture
+    /// of experts, which the formula does not cover.
+    pub activation_bytes_formula: Option<f64>,
+    /// The same peak by Korthikanti et al.'s formula of a fused GPT layer
+    /// ([`crate::activations::paper_bytes`], f32, the layers only).
+    pub activation_bytes_paper: f64,
+    /// Counted: the block inputs rank 0's one micro-batch keeps under full recomputation
+    /// (its stage's chunks, without the embedding's and the head's graphs); full only.
     pub activation_bytes_counted: Option<u64>,
 }
 
@@ -230,11 +237,14 @@ impl Bench {
              # opt_MiB: rank 0's AdamW m, v and f32 master weights (12 bytes x the elements it \
              holds); * = sharded over dp (distributed optimizer{})\n\
              # sequence parallelism: {}\n\
-             # act_MiB: activations one micro-batch keeps per rank from its forward to its \
-             backward; (f) the formula of Korthikanti et al. 2022 (GPT layer, no sequence \
-             parallelism even when it is on, f32: twice the paper's 2-byte figure), (c) counted: \
-             the block inputs full recomputation keeps on rank 0 (the embedding's and the head's \
-             graphs not counted)\n\
+             # act_MiB: activations rank 0 (first stage, tp rank 0) keeps from forwards to \
+             backwards at its peak (one micro-batch's times the micro-batches, or interleaved \
+             chunks of L/(p v) layers, its schedule holds at once), f32; (f) the formula of this \
+             trainer's layer (activations::RankShapes, within 5% of a counting allocator in \
+             tests/activation_memory.rs), embedding and head included, - for experts; (p) Korthikanti et al. \
+             2022's for a fused GPT layer (layers only, sequence parallelism as run; twice the \
+             paper's 2-byte figure); (c) counted: the block inputs one micro-batch keeps under \
+             full recomputation on rank 0 (the embedding's and the head's graphs not counted)\n\
              # v: model chunks per pipeline rank (interleaved 1F1B above 1); bubble: rank 0's \
              seconds waiting in pipeline receives over its seconds computing (median), beside \
              the schedule's (p-1)/(v m)",
@@ -351,6 +361,15 @@ impl Bench {
         let tps = tokens as f64 / med.max(1e-9);
         let conc = median(smp.peaks);
         let r = spec.recompute;
+        let acts = ActivationLayout {
+            dims: d,
+            micro_batch: spec.micro_batch_size(),
+            seq: spec.seq,
+            micro_batches: spec.micro_batches,
+            virtual_stages: spec.virtual_stages,
+            sequence_parallel: spec.sequence_parallel,
+            recompute: r,
+        };
         Ok(Row {
             tp: d.tp,
             pp: d.pp,
@@ -373,13 +392,11 @@ impl Bench {
             final_loss: smp.loss,
             distributed_optimizer: spec.distributed_optimizer && d.dp > 1,
             optimizer_bytes_rank0: smp.optimizer_bytes,
-            activation_bytes_formula: recompute::formula_bytes(
-                &self.model,
-                d,
-                spec.micro_batch_size(),
-                spec.seq,
-                r,
-            )?,
+            activation_bytes_formula: match self.model.experts {
+                Some(_) => None,
+                None => Some(trainer_bytes(&self.model, &acts)?),
+            },
+            activation_bytes_paper: paper_bytes(&self.model, &acts)?,
             activation_bytes_counted: (r == Recompute::Full).then_some(smp.kept),
         })
     }
@@ -391,7 +408,7 @@ const MIB: f64 = (1u64 << 20) as f64;
 pub fn table(rows: &[Row]) -> String {
     let mut s = format!(
         "# {:>3} {:>3} {:>3} {:>9} {:>5} {:>5} {:>2} {:>6} {:>8} {:>11} {:>9} {:>7} {:>10} {:>8} {:>9} \
-         {:>10} {:>10}\n",
+         {:>10} {:>10} {:>10}\n",
         "tp",
         "pp",
         "dp",
@@ -408,12 +425,13 @@ pub fn table(rows: &[Row]) -> String {
         "MFU_conc",
         "opt_MiB",
         "act_MiB(f)",
+        "act_MiB(p)",
         "act_MiB(c)"
     );
     for row in rows {
         s.push_str(&format!(
             "  {:>3} {:>3} {:>3} {:>9} {:>5} {:>5} {:>2} {:>5.1}% {:>7.1}% {:>11.3} {:>9.0} {:>6.1}% {:>10.1} {:>7.1}% {:>8.2}{} \
-             {:>10.2} {:>10}\n",
+             {:>10} {:>10.2} {:>10}\n",
             row.tp,
             row.pp,
             row.dp,
@@ -430,7 +448,9 @@ pub fn table(rows: &[Row]) -> String {
             100.0 * row.mfu_vs_concurrent_peak,
             row.optimizer_bytes_rank0 as f64 / MIB,
             if row.distributed_optimizer { "*" } else { " " },
-            row.activation_bytes_formula / MIB,
+            row.activation_bytes_formula
+                .map_or("-".to_string(), |b| format!("{:.2}", b / MIB)),
+            row.activation_bytes_paper / MIB,
             row.activation_bytes_counted
                 .map_or("-".to_string(), |b| format!("{:.2}", b as f64 / MIB))
         ));

@@ -17,6 +17,7 @@
 //! tested against.
 
 pub mod activations;
+pub mod alloc_count;
 pub mod bench;
 pub mod chat;
 pub mod checkpoint;

@@ -7,16 +7,12 @@
 //! order on every tp rank of the stage. With sequence parallelism every tensor here holds this
 //! rank's `s_local = seq/tp` positions, and the blocks run on that split as without recompute.
 
-use crate::config::ModelConfig;
 use crate::error::{Result, TrainError};
-use crate::layout::stage_layers;
 use crate::model::{StageInput, StageModel};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
-use tp_comm::{Group, ParallelDims};
+use tp_comm::Group;
 use tp_nn::{Segments, SeqLayout, SeqSplit};
-use tp_plan::activation_memory::korthikanti_bytes_per_layer;
-use tp_plan::workload::Recompute;
 
 /// A micro-batch's forward under full recomputation, waiting for its backward.
 pub struct Kept {
@@ -171,36 +167,4 @@ pub fn backward(
         }
         None => Ok(Some(g)),
     }
-}
-
-/// Activation bytes one micro-batch of `micro_batch` sequences of `seq` tokens keeps per tp
-/// rank between its forward and its backward over the largest stage's blocks, by the closed
-/// form of Korthikanti et al. 2022 (Table 2, no sequence parallelism, tp-plan's
-/// [`korthikanti_bytes_per_layer`]): `sbh(10 + 24/t + 5as/(ht))` per layer without
-/// recomputation, `sbh(10 + 24/t)` selective, `2sbh` full, for 2-byte activations and a GPT
-/// layer, doubled here for f32. A formula, not a count: these layers are not GPT's (no
-/// dropout, RMSNorm, a gated MLP, GQA, candle's own intermediates).
-pub fn formula_bytes(
-    model: &ModelConfig,
-    dims: ParallelDims,
-    micro_batch: usize,
-    seq: usize,
-    recompute: Recompute,
-) -> Result<f64> {
-    let layers = (0..dims.pp.max(1))
-        .map(|p| stage_layers(model.layers, dims.pp, p).map(|r| r.len()))
-        .collect::<Result<Vec<_>>>()?
-        .into_iter()
-        .max()
-        .unwrap_or(0);
-    let per_layer = korthikanti_bytes_per_layer(
-        seq as f64,
-        micro_batch as f64,
-        model.hidden as f64,
-        model.heads as f64,
-        dims.tp.max(1) as f64,
-        false,
-        recompute,
-    );
-    Ok(2.0 * per_layer * layers as f64)
 }
