@@ -18,6 +18,7 @@ use std::process::ExitCode;
 use std::sync::mpsc;
 use std::time::Duration;
 use tp_engine::launch::RanksFailed;
+use tp_serve::bench_ranks::{level_ranks, ranks_line, RankLevel, Snapshot};
 use tp_serve::bench_report::{level_json, level_line, table, BenchShape, Measured, Run, Variant};
 use tp_serve::client::Client;
 use tp_serve::load::{drive, one_request, Prompts, Workload};
@@ -137,6 +138,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
         rounds: args.rounds,
         kv_contexts: args.kv_contexts,
         pp: if args.url.is_some() { 1 } else { args.model.pp },
+        ep: if args.url.is_some() { 1 } else { args.model.ep },
         server: args.url.map(|a| a.to_string()),
     };
     if let Some(addr) = args.url {
@@ -185,7 +187,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
             one_request(&client, 0, &w, 4).context("warm-up request")?;
             for &c in &args.concurrency {
                 let before = drafts(&client)?;
-                let level = drive(&client, c, (args.rounds * c).max(8), &w)
+                let (level, ranks) = drive_with_ranks(&client, c, args.rounds, &w)
                     .with_context(|| format!("tp {tp}, concurrency {c}"))?;
                 let after = drafts(&client)?;
                 let drafted = after.0 - before.0;
@@ -194,11 +196,15 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<ExitCode> {
                     level,
                     acceptance: (variant.spec.is_some() && drafted > 0.0)
                         .then(|| (after.1 - before.1) / drafted),
+                    ranks,
                 };
                 if args.json {
                     println!("{}", level_json(Some(tp), &run, &shape));
                 } else {
-                    eprintln!("{}", level_line(Some(tp), shape.pp, &run));
+                    eprintln!("{}", level_line(Some(tp), &shape, &run));
+                    if !run.ranks.is_empty() {
+                        eprintln!("{}", ranks_line(c, &run.ranks));
+                    }
                 }
                 runs.push(run);
             }
@@ -228,17 +234,21 @@ fn measure_elsewhere(
     };
     let mut runs = Vec::new();
     for &c in &args.concurrency {
-        let level = drive(&client, c, (args.rounds * c).max(8), w)
+        let (level, ranks) = drive_with_ranks(&client, c, args.rounds, w)
             .with_context(|| format!("the server at {addr}, concurrency {c}"))?;
         let run = Run {
             variant: variant.clone(),
             level,
             acceptance: None,
+            ranks,
         };
         if args.json {
             println!("{}", level_json(None, &run, shape));
         } else {
-            eprintln!("{}", level_line(None, 1, &run));
+            eprintln!("{}", level_line(None, shape, &run));
+            if !run.ranks.is_empty() {
+                eprintln!("{}", ranks_line(c, &run.ranks));
+            }
         }
         runs.push(run);
     }
@@ -247,6 +257,27 @@ fn measure_elsewhere(
         print!("{}", table(&all, shape, &tp_kernels::kernel_report()));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// One level at concurrency `c` (`rounds x c` requests, at least 8), with each rank's share
+/// read from the server's dashboard before and after it (after one collection interval, so
+/// the reading covers the level's last steps; none when the dashboard cannot be read).
+fn drive_with_ranks(
+    client: &Client,
+    c: usize,
+    rounds: usize,
+    w: &Workload,
+) -> anyhow::Result<(tp_serve::load::Level, Vec<RankLevel>)> {
+    let before = Snapshot::read(client);
+    let level = drive(client, c, (rounds * c).max(8), w)?;
+    let ranks = match before {
+        Some(b) => {
+            std::thread::sleep(Duration::from_secs_f64(b.poll_seconds.min(5.0) + 0.2));
+            Snapshot::read(client).map_or_else(Vec::new, |a| level_ranks(&b, &a, level.wall))
+        }
+        None => Vec::new(),
+    };
+    Ok((level, ranks))
 }
 
 /// The server's drafted and accepted tokens so far (0 without speculation), from `/metrics`.

@@ -216,6 +216,14 @@ fn bench_serve_measures_in_process_with_the_benchs_model_flags() {
     for v in &levels {
         assert_eq!(v["requests"], 8, "{v}");
         assert!(v["output_tok_s"].as_f64().unwrap() > 0.0, "{v}");
+        // Each rank's share of the level, from the server's dashboard: one entry per rank,
+        // each of which computed (a dense model runs no expert rows).
+        let ranks = v["ranks"].as_array().unwrap();
+        assert_eq!(ranks.len() as u64, v["tp"].as_u64().unwrap(), "{v}");
+        for r in ranks {
+            assert!(r["compute_ms_per_step"].as_f64().unwrap() > 0.0, "{v}");
+            assert_eq!(r["expert_rows"], 0.0, "{v}");
+        }
     }
 
     // With a drafter, each server also runs without it: rows of both, the speculating one

@@ -3,6 +3,7 @@
 //! decoding, against the same level without it), from the [`Level`]s [`crate::load::drive`]
 //! measured.
 
+use crate::bench_ranks::{ranks_json, RankLevel};
 use crate::load::{percentile, Level, Prompts, Workload};
 use serde_json::json;
 
@@ -16,6 +17,8 @@ pub struct BenchShape {
     pub kv_contexts: Option<usize>,
     /// Pipeline stages of each server (each of a row's tp ranks); 1 without pipelining.
     pub pp: usize,
+    /// Expert groups of each server's tp ranks (`--ep`); 1 for expert-TP or a dense model.
+    pub ep: usize,
     /// A server started elsewhere (its address) that every row measured, instead of servers
     /// started at each tp.
     pub server: Option<String>,
@@ -36,6 +39,9 @@ pub struct Run {
     /// With speculative decoding: accepted over drafted tokens during the level (`None`
     /// without speculation or when nothing was drafted).
     pub acceptance: Option<f64>,
+    /// Each rank's compute and expert rows during the level (empty when the server's
+    /// dashboard could not be read).
+    pub ranks: Vec<RankLevel>,
 }
 
 /// The levels of one tp's servers: `(tp, runs)`; the tp is `None` for a server started
@@ -56,6 +62,7 @@ pub fn level_json(tp: Option<usize>, r: &Run, shape: &BenchShape) -> String {
     json!({
         "tp": tp,
         "pp": tp.map(|_| shape.pp),
+        "ep": tp.map(|_| shape.ep),
         "server": shape.server,
         "prefix_cache": r.variant.prefix_cache,
         "spec": r.variant.spec,
@@ -72,16 +79,22 @@ pub fn level_json(tp: Option<usize>, r: &Run, shape: &BenchShape) -> String {
         "ttft_p99_ms": percentile(&l.ttft, 99.0) * 1e3,
         "tpot_p50_ms": percentile(&l.tpot, 50.0) * 1e3,
         "tpot_p99_ms": percentile(&l.tpot, 99.0) * 1e3,
+        "ranks": ranks_json(&r.ranks),
     })
     .to_string()
 }
 
 /// The progress line of one level.
-pub fn level_line(tp: Option<usize>, pp: usize, r: &Run) -> String {
+pub fn level_line(tp: Option<usize>, shape: &BenchShape, r: &Run) -> String {
+    let (pp, ep) = (shape.pp, shape.ep);
     let layout = match tp {
         None => "the server".to_string(),
         Some(tp) if pp > 1 => format!("pp {pp} x tp {tp}"),
         Some(tp) => format!("tp {tp}"),
+    };
+    let layout = match (tp, ep) {
+        (Some(_), ep) if ep > 1 => format!("{layout} ep {ep}"),
+        _ => layout,
     };
     format!(
         "# {layout} prefix cache {} speculation {} concurrency {}: {:.1} tok/s",
@@ -129,6 +142,13 @@ pub fn table(all: &[Measured], shape: &BenchShape, cpu: &str) -> String {
             out,
             "# pipeline: {} stages of each row's tp ranks (pp x tp ranks in all)",
             shape.pp
+        );
+    }
+    if shape.ep > 1 {
+        let _ = writeln!(
+            out,
+            "# experts: {} expert groups of each row's tp ranks (whole experts per group)",
+            shape.ep
         );
     }
     if let Some(addr) = &shape.server {
@@ -239,6 +259,7 @@ mod tests {
             rounds: 4,
             kv_contexts: Some(2),
             pp: 1,
+            ep: 1,
             server: None,
         };
         let run = |spec: Option<&str>, l: Level, acceptance: Option<f64>| Run {
@@ -248,6 +269,7 @@ mod tests {
             },
             level: l,
             acceptance,
+            ranks: Vec::new(),
         };
         let all = vec![(
             Some(2),
@@ -300,7 +322,13 @@ mod tests {
             t.contains("# pipeline: 2 stages of each row's tp ranks"),
             "{t}"
         );
-        assert!(level_line(Some(1), 2, &all[0].1[0]).starts_with("# pp 2 x tp 1 prefix"));
+        assert!(level_line(Some(1), &piped, &all[0].1[0]).starts_with("# pp 2 x tp 1 prefix"));
+        let grouped = BenchShape {
+            ep: 2,
+            ..shape.clone()
+        };
+        assert!(level_line(Some(2), &grouped, &all[0].1[0]).starts_with("# tp 2 ep 2 prefix"));
+        assert!(table(&all, &grouped, "cpu").contains("# experts: 2 expert groups"));
         let elsewhere = BenchShape {
             server: Some("10.0.0.1:8080".into()),
             ..shape.clone()

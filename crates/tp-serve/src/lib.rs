@@ -4,6 +4,7 @@
 //! through channels. [`service::serve`] starts both.
 
 pub mod banner;
+pub mod bench_ranks;
 pub mod bench_report;
 pub mod canary;
 pub mod client;
