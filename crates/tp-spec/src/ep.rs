@@ -7,7 +7,8 @@
 //!   all-to-all;
 //! - **across replicas** when N is tp times a divisor `b > 1` of dp: the `b` consecutive
 //!   replicas of an *ep block* hold whole experts, `E / N` per rank (uneven counts fine), rank
-//!   `(block position p, tp rank t)` holding slot `p * tp + t` of N balanced slots; tokens
+//!   `(block position p, tp rank t)` holding slot `t * b + p` of N balanced slots (so the
+//!   ranks of tp index t in a block hold one contiguous run of experts); tokens
 //!   reach their experts by all-to-all over the ranks of the block with the same tp index.
 //!
 //! Any other N is refused, naming the valid values. The rule is tried in that order, so at
@@ -29,7 +30,7 @@ pub enum EpLayout {
 }
 
 /// Expert parallelism across data-parallel replicas: `ep = tp * block` slots of whole
-/// experts, slot `p * tp + t` on tp rank `t` of the block's replica `p`.
+/// experts, slot `t * block + p` on tp rank `t` of the block's replica `p`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReplicaExperts {
     pub ep: usize,
@@ -107,7 +108,15 @@ impl EpLayout {
 impl ReplicaExperts {
     /// The experts of tp rank `tp_rank` on the block's replica `pos`.
     pub fn experts(&self, pos: usize, tp_rank: usize) -> Range<usize> {
-        self.slots.range(pos * self.tp + tp_rank)
+        self.slots.range(tp_rank * self.block + pos)
+    }
+
+    /// The experts the ranks of tp index `tp_rank` hold together over the block's replicas
+    /// (a checkpoint gathers them there before the tp gather).
+    pub fn block_experts(&self, tp_rank: usize) -> Range<usize> {
+        let first = self.experts(0, tp_rank);
+        let last = self.experts(self.block - 1, tp_rank);
+        first.start..last.end
     }
 
     /// The block position of the replica holding `expert` among those of tp index
@@ -128,19 +137,23 @@ impl ReplicaExperts {
         dp_rank % self.block
     }
 
-    /// The [`ExpertShard`] of tp rank `tp_rank` on block position `pos`: whole experts of FFN
-    /// `ffn` (in units of `ffn_unit` where they divide it), no expert-TP.
+    /// The [`ExpertShard`] of tp rank `tp_rank` on block position `pos` (`None`: the whole
+    /// block's experts of that tp index, [`ReplicaExperts::block_experts`]): whole experts of
+    /// FFN `ffn` (in units of `ffn_unit` where they divide it), no expert-TP.
     pub fn shard(
         &self,
         e: Experts,
         ffn: usize,
         ffn_unit: usize,
-        pos: usize,
+        pos: Option<usize>,
         tp_rank: usize,
     ) -> Result<ExpertShard, ShardError> {
         let mut shard = ExpertShard::for_experts(e, ffn, ffn_unit, 0, 1, 1)?;
         shard.ep = self.ep;
-        shard.local = self.experts(pos, tp_rank);
+        shard.local = match pos {
+            Some(p) => self.experts(p, tp_rank),
+            None => self.block_experts(tp_rank),
+        };
         Ok(shard)
     }
 }

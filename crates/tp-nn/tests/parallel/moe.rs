@@ -274,7 +274,7 @@ fn expert_parallel_over_replicas_matches_the_single_device_moe_per_replica() {
             let pg = ProcessGroups::new(world, dims)?;
             let (b, t) = (pg.coords.dp_rank, pg.coords.tp_rank);
             let (rec, ep_group) = RecordingComm::wrap(pg.dp.clone());
-            let shard = rep.shard(c.experts, FFN, 1, rep.position(b), t)?;
+            let shard = rep.shard(c.experts, FFN, 1, Some(rep.position(b)), t)?;
             let moe = ParallelMoe::from_global(
                 &c.router,
                 c.experts,
