@@ -117,10 +117,13 @@ impl Dispatch {
         // return's backward runs on every rank, also one whose experts got no rows.
         let zero = Tensor::zeros((1, 1), x_recv.dtype(), dev)?;
         let mut y_recv = x_recv.broadcast_mul(&zero)?; // [m_recv, hidden]
+                                                       // Zero terms of the experts no row reached, added to the output: candle drops the
+                                                       // other operand of a binary op on an empty tensor, and `y_recv` may be empty.
+        let mut idle = Tensor::zeros((), x_recv.dtype(), dev)?;
         for e in moe.local() {
             let rows = &rows_of[e.index];
             if rows.is_empty() {
-                y_recv = y_recv.broadcast_add(&ParallelMoe::idle(e)?)?;
+                idle = (idle + ParallelMoe::idle(e)?)?;
                 continue;
             }
             let rid = Tensor::from_vec(rows.clone(), rows.len(), dev)?; // [m_e]
@@ -129,12 +132,13 @@ impl Dispatch {
         }
         let y_send = all_to_all_rows(&y_recv, &self.group, &recv_rows, &send_rows)?; // [m_send, hidden]
 
-        let mut out = x_par.zeros_like()?; // [n, hidden]
+        let mut out = x_par.zeros_like()?.broadcast_add(&idle)?; // [n, hidden]
         if m_send > 0 {
             let fid = Tensor::from_vec(flat, m_send, dev)?; // [m_send]
             let w = weights.flatten_all()?.index_select(&fid, 0)?.unsqueeze(1)?; // [m_send, 1]
             out = out.index_add(&ids, &y_send.broadcast_mul(&w)?, 0)?;
         } else {
+            // Keeps the return's backward (a collective) in the graph with no row sent.
             out = out.broadcast_add(&y_send.sum_all()?.broadcast_mul(&zero)?)?;
         }
         let aux = balance_loss(&probs, &counts, experts)?;
