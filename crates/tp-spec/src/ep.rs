@@ -168,11 +168,14 @@ mod tests {
         assert_eq!(EpLayout::new(1, 1, 2, 8).unwrap(), EpLayout::InsideTp(1));
         let r = EpLayout::new(4, 2, 2, 8).unwrap();
         let r = r.across().unwrap();
-        assert_eq!((r.block, r.experts(0, 1), r.experts(1, 0)), (2, 2..4, 4..6));
+        // Slot t * block + p: tp rank 0 of the block holds 0..4 (0..2 and 2..4), tp rank 1 4..8.
+        assert_eq!((r.block, r.experts(0, 1), r.experts(1, 0)), (2, 4..6, 2..4));
         assert_eq!(
             r.peers(1),
-            [None, None, Some(0), Some(0), None, None, Some(1), Some(1)]
+            [None, None, None, None, Some(0), Some(0), Some(1), Some(1)]
         );
+        assert_eq!((r.block_experts(0), r.block_experts(1)), (0..4, 4..8));
+        assert_eq!((r.position(0), r.position(3)), (0, 1));
         // 8 experts over 3 slots: 3 | 3 | 2.
         let r = EpLayout::new(3, 1, 3, 8).unwrap();
         let r = r.across().unwrap();
