@@ -2,7 +2,9 @@
 //! (`reference::dense_moe`): outputs, the load-balancing loss and every gradient (input,
 //! router, each expert's shard) at tp 1, 2, 4 with expert-parallel sizes 1, 2, 4 and ep 2 x
 //! expert-TP 2, with 8 experts (even) and 6 (uneven over 4 groups: 2|2|1|1), normalised and
-//! not. Tolerance: as every layer test here (see main.rs).
+//! not; and expert parallelism over data-parallel replicas (tokens dispatched by
+//! all-to-all) against the single-device MoE on each replica's tokens. Tolerance: as every
+//! layer test here (see main.rs).
 
 use crate::support::{assert_close, dev, world};
 use candle_core::Tensor;
@@ -204,24 +206,39 @@ fn expert_parallel_over_replicas_matches_the_single_device_moe_per_replica() {
     use tp_comm::{OpKind, ParallelDims, ProcessGroups};
     use tp_nn::RecordingComm;
     use tp_spec::EpLayout;
-    for (count, normalize, tp, block) in [
-        (8, true, 1, 2),
-        (8, true, 1, 4),
-        (8, false, 1, 3), // 3 | 3 | 2 experts
-        (6, false, 1, 4), // 2 | 2 | 1 | 1
-        (8, true, 2, 2),  // ep 4: EP x tp
-        (6, true, 2, 2),
+    for (count, normalize, tp, block, skewed) in [
+        (8, true, 1, 2, false),
+        (8, true, 1, 4, false),
+        (8, false, 1, 3, false), // 3 | 3 | 2 experts
+        (6, false, 1, 4, false), // 2 | 2 | 1 | 1
+        (8, true, 2, 2, false),  // ep 4: EP x tp
+        (6, true, 2, 2, false),
+        (8, true, 1, 4, true), // every token to experts 0 and 1: 3 ranks receive no row
     ] {
         let ep = tp * block;
-        let what = format!("{count} experts, tp {tp} x {block} replicas (ep {ep})");
-        let c = case(count, normalize, 70 + count as u64);
+        let what =
+            format!("{count} experts, tp {tp} x {block} replicas (ep {ep}), skewed {skewed}");
+        let mut c = case(count, normalize, 70 + count as u64);
         let mut rng = Rng::xorshift64_star(90 + ep as u64);
-        let xs: Vec<Tensor> = (0..block)
+        let mut xs: Vec<Tensor> = (0..block)
             .map(|b| {
                 rng.tensor(&[replica_tokens(b), HIDDEN], 0.0, 1.0, &dev())
                     .unwrap()
             })
             .collect();
+        if skewed {
+            // Positive inputs and a router whose rows 0 and 1 are large positive multiples
+            // of one direction, the others 0: experts 0 and 1 win every token.
+            let ones = Tensor::ones(HIDDEN, candle_core::DType::F32, &dev()).unwrap();
+            let rows: Vec<Tensor> = (0..count)
+                .map(|e| (&ones * [3.0, 2.5].get(e).copied().unwrap_or(0.0)).unwrap())
+                .collect();
+            c.router = Tensor::stack(&rows, 0).unwrap();
+            xs = xs
+                .iter()
+                .map(|x| (x.abs().unwrap() + 0.5).unwrap())
+                .collect();
+        }
         let probes: Vec<Tensor> = (0..block)
             .map(|b| {
                 rng.tensor(&[replica_tokens(b), HIDDEN], 0.0, 1.0, &dev())
