@@ -201,6 +201,12 @@ fn experts_over_replicas_give_the_losses_of_expert_tp() {
     let (one, two) = (at("1"), at("2"));
     assert_eq!(one.code, Some(0), "{}", one.output);
     assert_eq!(two.code, Some(0), "{}", two.output);
+    assert!(
+        two.output
+            .contains("ep 2: whole experts over blocks of 2 replicas, tokens sent by all-to-all"),
+        "{}",
+        two.output
+    );
     let (want, got) = (losses(&one.output), losses(&two.output));
     assert_eq!(got.len(), 3, "{}", two.output);
     for ((s, w), (_, g)) in want.iter().zip(&got) {
