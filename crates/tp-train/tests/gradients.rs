@@ -92,6 +92,18 @@ fn mixtral_experts_over_replicas_give_the_expert_tp_gradients() {
         ],
     );
     check_shards_against(moe_spec, per_layer, 4, &[(dims(1, 1, 4), 1, 2)]);
+    // The dispatch inside sequence parallelism (the MoE's input gathered over tp first) and
+    // full recomputation (the forward's all-to-alls repeated inside the backward).
+    check_shards_against(moe_sp_full, per_layer, 2, &[(dims(2, 1, 2), 1, 4)]);
+}
+
+/// [`moe_spec`] with sequence parallelism and full activation recomputation.
+fn moe_sp_full(d: tp_comm::ParallelDims, steps: u64, micro: usize) -> TrainSpec {
+    TrainSpec {
+        sequence_parallel: d.tp > 1,
+        recompute: tp_train::Recompute::Full,
+        ..moe_spec(d, steps, micro)
+    }
 }
 
 /// The checks above for the model of `spec`, whose layers have `per_layer` tensors.
