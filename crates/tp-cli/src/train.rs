@@ -253,6 +253,7 @@ pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
                     "step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
                     "tokens": r.tokens, "seconds": r.seconds, "tokens_per_s": f.tokens_per_s,
                     "mfu": f.mfu, "aux_loss": r.aux_loss, "val_loss": r.val_loss,
+                    "expert_rows": r.expert_rows,
                 })
             );
         } else if let Some(b) = &bar {

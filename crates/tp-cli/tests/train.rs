@@ -207,6 +207,13 @@ fn experts_over_replicas_give_the_losses_of_expert_tp() {
         "{}",
         two.output
     );
+    // Each rank's expert load in the step's JSON (none at ep 1).
+    assert!(two.output.contains("\"expert_rows\":["), "{}", two.output);
+    assert!(
+        one.output.contains("\"expert_rows\":null"),
+        "{}",
+        one.output
+    );
     let (want, got) = (losses(&one.output), losses(&two.output));
     assert_eq!(got.len(), 3, "{}", two.output);
     for ((s, w), (_, g)) in want.iter().zip(&got) {

@@ -673,6 +673,14 @@ impl ParallelBlock {
         &self.cfg
     }
 
+    /// [`ParallelMoe::dispatched_rows`] of the block's mixture of experts.
+    pub fn dispatched_rows(&self) -> Option<u64> {
+        match &self.mlp {
+            BlockMlp::Moe(m) => m.dispatched_rows(),
+            BlockMlp::Dense(_) => None,
+        }
+    }
+
     /// This block with its mixture of experts' tokens dispatched over `group`
     /// ([`ParallelMoe::with_dispatch`]); a dense block is returned as it is.
     pub fn with_expert_dispatch(

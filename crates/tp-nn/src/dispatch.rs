@@ -16,17 +16,21 @@ use crate::error::{Result, TpError};
 use crate::linear::PartialSum;
 use crate::moe::{balance_loss, route, MoeOutput, ParallelMoe};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use tp_comm::{CommError, CommExt, Group};
 
 /// Where the experts of this rank's tokens are: the ep group (the block's ranks with this tp
 /// index) and, per expert, the rank of that group holding it.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Dispatch {
     group: Group,
     /// `peers[e]`: the rank of `group` holding expert `e`; `None` for an expert a rank of
     /// another tp index holds (its rows are that rank's to send).
     peers: Vec<Option<usize>>,
+    /// Rows this rank's experts computed, counted when the dispatch's backward runs (once a
+    /// trained micro-batch, also when the forward is recomputed).
+    rows: Arc<AtomicU64>,
 }
 
 impl Dispatch {
@@ -56,7 +60,16 @@ impl Dispatch {
                  experts {mine:?}"
             ));
         }
-        Ok(Dispatch { group, peers })
+        Ok(Dispatch {
+            group,
+            peers,
+            rows: Arc::new(AtomicU64::new(0)),
+        })
+    }
+
+    /// Rows this rank's experts have computed in trained micro-batches so far.
+    pub fn rows(&self) -> u64 {
+        self.rows.load(Ordering::Relaxed)
     }
 
     /// [`ParallelMoe::forward_local`] with the tokens dispatched: `x_par [n, hidden]` (this
@@ -101,7 +114,13 @@ impl Dispatch {
         let m_send = tokens.len();
         let ids = Tensor::from_vec(tokens, m_send, dev)?; // [m_send]
         let x_send = x_par.index_select(&ids, 0)?; // [m_send, hidden]
-        let x_recv = all_to_all_rows(&x_send, &self.group, &send_rows, &recv_rows)?; // [m_recv, hidden]
+        let x_recv = rows_op(
+            &x_send,
+            &self.group,
+            &send_rows,
+            &recv_rows,
+            Some(&self.rows),
+        )?; // [m_recv, hidden]
 
         // The received rows of each local expert: peer blocks in order, experts ascending.
         let mut rows_of: Vec<Vec<u32>> = vec![Vec::new(); count];
@@ -160,6 +179,17 @@ pub fn all_to_all_rows(
     send: &[usize],
     recv: &[usize],
 ) -> Result<Tensor> {
+    rows_op(x, group, send, recv, None)
+}
+
+/// [`all_to_all_rows`] adding, when its backward runs, the rows it received to `counter`.
+fn rows_op(
+    x: &Tensor,
+    group: &Group,
+    send: &[usize],
+    recv: &[usize],
+    counter: Option<&Arc<AtomicU64>>,
+) -> Result<Tensor> {
     let what = "all_to_all_rows";
     if x.dtype() != DType::F32 || !x.device().is_cpu() {
         return Err(TpError::Shape(format!(
@@ -184,6 +214,7 @@ pub fn all_to_all_rows(
         recv: recv.to_vec(),
         width,
         precomputed: Mutex::new(None),
+        counter: counter.cloned(),
     };
     let x = x.contiguous()?;
     // The collective runs here, with a typed error; the op hands its result to candle.
@@ -200,6 +231,8 @@ struct Rows {
     recv: Vec<usize>,
     width: usize,
     precomputed: Mutex<Option<Vec<f32>>>,
+    /// Counts the received rows when the backward runs (the dispatch's expert load).
+    counter: Option<Arc<AtomicU64>>,
 }
 
 impl Rows {
@@ -259,6 +292,9 @@ impl CustomOp1 for Rows {
         let grad = grad.to_dtype(DType::F32)?.contiguous()?;
         let x = grad.flatten_all()?.to_vec1::<f32>()?;
         let out = self.apply(&x, false).map_err(candle_core::Error::wrap)?;
+        if let Some(c) = &self.counter {
+            c.fetch_add(self.rows(true) as u64, Ordering::Relaxed);
+        }
         Ok(Some(Tensor::from_vec(
             out,
             (self.rows(false), self.width),

@@ -115,6 +115,12 @@ impl ParallelMoe {
         Ok(self)
     }
 
+    /// Rows this rank's experts computed in trained micro-batches so far, with tokens
+    /// dispatched ([`ParallelMoe::with_dispatch`]); `None` without.
+    pub fn dispatched_rows(&self) -> Option<u64> {
+        self.dispatch.as_ref().map(Dispatch::rows)
+    }
+
     /// The experts' count and routing rule.
     pub fn experts(&self) -> &Experts {
         &self.experts

@@ -189,6 +189,15 @@ impl StageModel {
         Ok(model)
     }
 
+    /// Rows the stage's experts computed in trained micro-batches so far, over its layers,
+    /// when its tokens are dispatched (`None` otherwise).
+    pub fn dispatched_rows(&self) -> Option<u64> {
+        self.blocks
+            .iter()
+            .map(ParallelBlock::dispatched_rows)
+            .sum::<Option<u64>>()
+    }
+
     /// The same stage with every mixture of experts' tokens dispatched over `group` (the ep
     /// block's ranks of this tp index; `peers[e]` the one holding expert `e`, docs/moe.md).
     pub fn with_expert_dispatch(mut self, group: &Group, peers: &[Option<usize>]) -> Result<Self> {

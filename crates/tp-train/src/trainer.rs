@@ -171,6 +171,9 @@ pub struct StepReport {
     pub aux_loss: Option<f64>,
     /// Mean loss on the held-out split after this step's update, when it was measured.
     pub val_loss: Option<f64>,
+    /// With experts over data-parallel replicas: the (token, expert) rows each world rank's
+    /// experts computed in this step, over its layers and micro-batches (the expert load).
+    pub expert_rows: Option<Vec<u64>>,
 }
 
 /// Expert parallelism across replicas: the rank's place, its ep group (the block's ranks of
@@ -240,6 +243,8 @@ pub struct Trainer<'a> {
     ep_rank: layout::EpRank,
     /// Expert parallelism across replicas (`None` inside the tp group).
     ep: Option<EpGroups>,
+    /// The rows this rank's experts had computed before this step.
+    expert_rows_before: u64,
 }
 
 impl<'a> Trainer<'a> {
@@ -412,6 +417,7 @@ impl<'a> Trainer<'a> {
             pipeline_s: (0.0, 0.0),
             ep_rank,
             ep,
+            expert_rows_before: 0,
         })
     }
 
@@ -686,7 +692,9 @@ impl<'a> Trainer<'a> {
             Some(v) if due || self.step == s.steps => Some(self.validation_loss(v)?),
             _ => None,
         };
+        let expert_rows = self.expert_load()?;
         Ok(StepReport {
+            expert_rows,
             val_loss,
             step: self.step,
             loss,
@@ -850,5 +858,25 @@ impl Trainer<'_> {
             }
         }
         Ok((specs, flat, view, out))
+    }
+}
+
+impl Trainer<'_> {
+    /// Collective over the world with experts across replicas: the rows each rank's experts
+    /// computed since the last call ([`StepReport::expert_rows`]); `None` otherwise.
+    fn expert_load(&mut self) -> Result<Option<Vec<u64>>> {
+        if self.ep.is_none() {
+            return Ok(None);
+        }
+        let total: u64 = self
+            .chunks
+            .iter()
+            .filter_map(StageModel::dispatched_rows)
+            .sum();
+        let mine = [total - self.expert_rows_before];
+        self.expert_rows_before = total;
+        let mut all = vec![0u64; self.groups.world.size()];
+        self.groups.world.all_gather(&mine, &mut all)?;
+        Ok(Some(all))
     }
 }

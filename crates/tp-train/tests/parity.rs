@@ -135,6 +135,20 @@ fn mixtral_with_experts_over_replicas_follows_the_tp1_loss_curve() {
             ..moe_spec(d, steps, micro)
         };
         let got = train(&s, None);
+        // Every (token, expert) pair of the step is computed once, by the rank holding the
+        // expert: the ranks' rows add up to layers x tokens x top-k.
+        let k = s.model.experts.map_or(0, |e| e.per_token);
+        let pairs = (s.model.layers * s.global_batch * s.seq * k) as u64;
+        for r in &got {
+            let rows = r.expert_rows.as_ref().expect("expert rows");
+            assert_eq!(rows.len(), d.world_size(), "{d:?}: {rows:?}");
+            assert_eq!(
+                rows.iter().sum::<u64>(),
+                pairs,
+                "{d:?} step {}: {rows:?}",
+                r.step
+            );
+        }
         let (first, last) = (got[0].loss, got[got.len() - 1].loss);
         assert!(
             last < first - 0.5,
