@@ -285,20 +285,6 @@ pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rates_read_at_a_glance() {
-        assert_eq!(fmt_rate(1_234_567.0), "1.23M");
-        assert_eq!(fmt_rate(45_600.0), "45.6k");
-        assert_eq!(fmt_rate(789.4), "789");
-        assert_eq!(median(vec![3.0, 1.0, 2.0, 9.0]), 3.0);
-        assert_eq!(median(Vec::new()), 0.0);
-    }
-}
-
 /// The header's words for the run's expert parallelism (nothing at ep 1).
 fn ep_text(spec: &crate::TrainSpec) -> String {
     let d = spec.dims;
@@ -312,5 +298,19 @@ fn ep_text(spec: &crate::TrainSpec) -> String {
             format!("; ep {n}: {n} expert groups of {} tp ranks", d.tp / n)
         }
         _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_read_at_a_glance() {
+        assert_eq!(fmt_rate(1_234_567.0), "1.23M");
+        assert_eq!(fmt_rate(45_600.0), "45.6k");
+        assert_eq!(fmt_rate(789.4), "789");
+        assert_eq!(median(vec![3.0, 1.0, 2.0, 9.0]), 3.0);
+        assert_eq!(median(Vec::new()), 0.0);
     }
 }
