@@ -86,7 +86,8 @@ impl Dispatch {
         let dev = x_par.device();
         let (probs, weights, counts) = route(x_par, moe.router().as_tensor(), experts)?;
         let picked: Vec<Vec<f32>> = weights.to_vec2()?; // [n][count]
-                                                        // The (token, expert) rows this tp index serves, by peer, then expert, then token.
+
+        // The (token, expert) rows this tp index serves, by peer, then expert, then token.
         let mut tokens: Vec<u32> = Vec::new();
         let mut flat: Vec<u32> = Vec::new(); // token * count + expert, into weights
         let mut send_counts = vec![0u64; size * count]; // [peer][expert]
@@ -136,8 +137,9 @@ impl Dispatch {
         // return's backward runs on every rank, also one whose experts got no rows.
         let zero = Tensor::zeros((1, 1), x_recv.dtype(), dev)?;
         let mut y_recv = x_recv.broadcast_mul(&zero)?; // [m_recv, hidden]
-                                                       // Zero terms of the experts no row reached, added to the output: candle drops the
-                                                       // other operand of a binary op on an empty tensor, and `y_recv` may be empty.
+
+        // Zero terms of the experts no row reached, added to the output: candle drops the
+        // other operand of a binary op on an empty tensor, and `y_recv` may be empty.
         let mut idle = Tensor::zeros((), x_recv.dtype(), dev)?;
         for e in moe.local() {
             let rows = &rows_of[e.index];

@@ -214,6 +214,7 @@ fn expert_parallel_over_replicas_matches_the_single_device_moe_per_replica() {
         (8, true, 2, 2, false),  // ep 4: EP x tp
         (6, true, 2, 2, false),
         (8, true, 1, 4, true), // every token to experts 0 and 1: 3 ranks receive no row
+        (8, true, 2, 2, true), // tp index 1's ranks send and receive no row
     ] {
         let ep = tp * block;
         let what =
