@@ -121,6 +121,12 @@ pub struct TrainArgs {
     /// alpha; 0 turns it off).
     #[arg(long, default_value_t = tp_train::DEFAULT_MOE_AUX_COEF)]
     pub moe_aux_loss_coeff: f64,
+    /// Expert-parallel size of a mixture of experts: a divisor of --tp gives expert groups
+    /// inside the tp group (1: every expert sliced over tp); --tp times a divisor of --dp
+    /// gives whole experts over that many data-parallel replicas, tokens sent to them by
+    /// all-to-all (docs/moe.md).
+    #[arg(long, default_value_t = 1)]
+    pub ep: usize,
     /// Megatron's distributed optimizer (ZeRO-1): AdamW's moments and master weights sharded
     /// over the dp replicas (gradients reduce-scattered, weights all-gathered); the same
     /// training with dp times less optimizer memory per rank. Checkpoints resume either way.
@@ -179,6 +185,7 @@ impl TrainArgs {
             resume: self.resume.clone(),
             bucket_mib: self.bucket_mib,
             moe_aux_coef: self.moe_aux_loss_coeff,
+            ep: self.ep,
             distributed_optimizer: self.distributed_optimizer,
             sequence_parallel: self.sequence_parallel,
             recompute: self.recompute,
@@ -246,6 +253,7 @@ pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
                     "step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
                     "tokens": r.tokens, "seconds": r.seconds, "tokens_per_s": f.tokens_per_s,
                     "mfu": f.mfu, "aux_loss": r.aux_loss, "val_loss": r.val_loss,
+                    "expert_rows": r.expert_rows,
                 })
             );
         } else if let Some(b) = &bar {

@@ -681,6 +681,28 @@ impl ParallelBlock {
         &self.cfg
     }
 
+    /// [`ParallelMoe::dispatched_rows`] of the block's mixture of experts.
+    pub fn dispatched_rows(&self) -> Option<u64> {
+        match &self.mlp {
+            BlockMlp::Moe(m) => m.dispatched_rows(),
+            BlockMlp::Dense(_) => None,
+        }
+    }
+
+    /// This block with its mixture of experts' tokens dispatched over `group`
+    /// ([`ParallelMoe::with_dispatch`]); a dense block is returned as it is.
+    pub fn with_expert_dispatch(
+        mut self,
+        group: &Group,
+        peers: Vec<Option<usize>>,
+    ) -> Result<Self> {
+        self.mlp = match self.mlp {
+            BlockMlp::Moe(m) => BlockMlp::Moe(m.with_dispatch(group.clone(), peers)?),
+            dense => dense,
+        };
+        Ok(self)
+    }
+
     /// Selective activation recomputation of the attention core
     /// ([`ParallelAttention::set_recompute_core`]).
     pub fn set_recompute_core(&mut self, on: bool) {

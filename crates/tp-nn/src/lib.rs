@@ -11,6 +11,7 @@ pub mod attention;
 mod attention_core;
 pub mod block;
 pub mod cross_entropy;
+pub mod dispatch;
 pub mod embedding;
 pub mod error;
 mod host;

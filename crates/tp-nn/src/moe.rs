@@ -13,6 +13,7 @@
 //! replicated router, so each rank backpropagates `aux / tp`: summed over the group (the
 //! router gradient, and the input's through f's all-reduce) it counts once.
 
+use crate::dispatch::Dispatch;
 use crate::error::{Result, TpError};
 use crate::linear::PartialSum;
 use candle_core::{Tensor, Var, D};
@@ -21,8 +22,8 @@ use tp_spec::{Activation, ExpertShard, Experts, Gating};
 
 /// One expert's columns on this rank.
 #[derive(Debug)]
-struct Expert {
-    index: usize,
+pub(crate) struct Expert {
+    pub(crate) index: usize,
     gate: Var, // [cols, hidden]
     up: Var,   // [cols, hidden]
     down: Var, // [hidden, cols]
@@ -51,6 +52,9 @@ pub struct ParallelMoe {
     empty_rows: Var,
     empty_cols: Var,
     tp: usize,
+    /// Expert parallelism across data-parallel replicas: tokens dispatched by all-to-all
+    /// ([`ParallelMoe::with_dispatch`]); `None` when every token stays on its rank.
+    dispatch: Option<Dispatch>,
 }
 
 impl ParallelMoe {
@@ -98,7 +102,54 @@ impl ParallelMoe {
             empty_rows: empty((0, hidden))?,
             empty_cols: empty((hidden, 0))?,
             tp,
+            dispatch: None,
         })
+    }
+
+    /// This layer with its tokens dispatched over `group`, the ranks of this rank's ep block
+    /// with its tp index (docs/moe.md "Expert parallelism in training"): `peers[e]` is the
+    /// rank of `group` holding expert `e` whole, `None` for an expert a rank of another tp
+    /// index holds. The layer must have been built with this rank's whole experts.
+    pub fn with_dispatch(mut self, group: Group, peers: Vec<Option<usize>>) -> Result<Self> {
+        self.dispatch = Some(Dispatch::new(group, peers, &self)?);
+        Ok(self)
+    }
+
+    /// Rows this rank's experts computed in trained micro-batches so far, with tokens
+    /// dispatched ([`ParallelMoe::with_dispatch`]); `None` without.
+    pub fn dispatched_rows(&self) -> Option<u64> {
+        self.dispatch.as_ref().map(Dispatch::rows)
+    }
+
+    /// The experts' count and routing rule.
+    pub fn experts(&self) -> &Experts {
+        &self.experts
+    }
+
+    /// `(index, cols)` of each local expert's shard.
+    pub(crate) fn local(&self) -> &[Expert] {
+        &self.local
+    }
+
+    /// `x [m, hidden]` (the rows routed to local expert `e`) through its shard: `[m, hidden]`.
+    pub(crate) fn run_expert(&self, e: &Expert, x: &Tensor) -> Result<Tensor> {
+        let g = x.matmul(&e.gate.as_tensor().t()?)?; // [m, cols]
+        let u = x.matmul(&e.up.as_tensor().t()?)?; // [m, cols]
+        let a = match self.activation {
+            Activation::Silu => g.silu()?,
+            Activation::GeluTanh => g.gelu()?,
+        };
+        Ok((a * u)?.matmul(&e.down.as_tensor().t()?)?) // [m, hidden]
+    }
+
+    /// A zero scalar that depends on idle expert `e`'s weights, so an expert no token chose
+    /// stays in the graph with a zero gradient (a product with a zero tensor; candle prunes a
+    /// multiplication by the constant 0).
+    pub(crate) fn idle(e: &Expert) -> Result<Tensor> {
+        let sum = (e.gate.as_tensor().sum_all()? + e.up.as_tensor().sum_all()?)?;
+        let sum = (sum + e.down.as_tensor().sum_all()?)?;
+        let zero = sum.zeros_like()?;
+        Ok((sum * zero)?)
     }
 
     /// The router (replicated; its gradient is partial per rank).
@@ -129,6 +180,9 @@ impl ParallelMoe {
     /// `x_par [n, hidden]` inside the parallel region (after f) -> this rank's partial
     /// `[n, hidden]` and the load-balancing loss.
     pub fn forward_local(&self, x_par: &Tensor, group: &Group) -> Result<MoeOutput> {
+        if let Some(d) = &self.dispatch {
+            return d.forward(self, x_par, group);
+        }
         let (probs, weights, counts) = route(x_par, self.router.as_tensor(), &self.experts)?;
         let picked: Vec<Vec<f32>> = weights.to_vec2()?; // [n][count]
         let mut out = x_par.zeros_like()?; // [n, hidden]
@@ -137,23 +191,12 @@ impl ParallelMoe {
                 .filter(|&t| picked[t as usize][e.index] != 0.0)
                 .collect();
             if rows.is_empty() {
-                // No token chose this expert: it stays in the graph with a zero gradient (a
-                // product with a zero tensor; candle prunes a multiplication by the constant 0).
-                let sum = (e.gate.as_tensor().sum_all()? + e.up.as_tensor().sum_all()?)?;
-                let sum = (sum + e.down.as_tensor().sum_all()?)?;
-                let zero = sum.zeros_like()?;
-                out = out.broadcast_add(&(sum * zero)?)?;
+                out = out.broadcast_add(&Self::idle(e)?)?;
                 continue;
             }
             let ids = Tensor::from_vec(rows.clone(), rows.len(), x_par.device())?; // [m]
             let x = x_par.index_select(&ids, 0)?; // [m, hidden]
-            let g = x.matmul(&e.gate.as_tensor().t()?)?; // [m, cols]
-            let u = x.matmul(&e.up.as_tensor().t()?)?; // [m, cols]
-            let a = match self.activation {
-                Activation::Silu => g.silu()?,
-                Activation::GeluTanh => g.gelu()?,
-            };
-            let y = (a * u)?.matmul(&e.down.as_tensor().t()?)?; // [m, hidden]
+            let y = self.run_expert(e, &x)?; // [m, hidden]
             let w = weights.index_select(&ids, 0)?.narrow(1, e.index, 1)?; // [m, 1]
             out = out.index_add(&ids, &y.broadcast_mul(&w)?, 0)?; // [n, hidden]
         }

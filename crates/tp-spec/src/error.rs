@@ -76,6 +76,16 @@ pub enum ShardError {
     /// Expert groups that do not divide the tensor-parallel ranks.
     #[error("{ep} expert-parallel groups cannot split {tp} ranks; the expert-parallel size must divide tp (valid: {})", divisors(*tp))]
     ExpertGroups { ep: usize, tp: usize },
+    /// An expert-parallel size that neither divides tp nor spans whole data-parallel
+    /// replicas (`crate::ep`).
+    #[error("an expert-parallel size of {ep} fits neither rule at tp={tp} x dp={dp}: it must divide tp (expert groups inside the tp group) or be tp times a divisor of dp (whole experts over data-parallel replicas), at most the {experts} experts; valid: {valid}")]
+    ExpertParallel {
+        ep: usize,
+        tp: usize,
+        dp: usize,
+        experts: usize,
+        valid: String,
+    },
     /// More expert groups than experts.
     #[error("{experts} experts cannot give each of {ep} expert-parallel groups an expert; use an expert-parallel size of at most {experts}")]
     TooFewExperts { experts: usize, ep: usize },

@@ -9,6 +9,7 @@
 pub mod arch;
 pub mod block;
 pub mod config;
+pub mod ep;
 pub mod error;
 pub mod gguf;
 pub mod params;
@@ -22,6 +23,7 @@ pub mod weights;
 pub use arch::{is_moe_name, is_unsupported_moe_name, supported_list, Arch, RopeStyle};
 pub use block::{Activation, BlockStyle, SlidingWindow};
 pub use config::{Dims, Experts, Gating, MetaValue, Metadata, ModelConfig};
+pub use ep::{EpLayout, ReplicaExperts};
 pub use error::{ShardError, SpecError};
 pub use gguf::{GgufError, GgufHeader, GgufValue, TensorInfo};
 pub use params::{

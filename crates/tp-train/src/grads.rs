@@ -277,6 +277,41 @@ pub fn all_reduce_buckets(flat: &mut [f32], dp: &Group, bucket_elems: usize) -> 
     Ok(calls)
 }
 
+/// The indices of `specs` where `pred` is false, then those where it is true.
+pub fn split_by(
+    specs: &[ParamSpec],
+    pred: impl Fn(&ParamSpec) -> bool,
+) -> (Vec<usize>, Vec<usize>) {
+    (0..specs.len()).partition(|&i| !pred(&specs[i]))
+}
+
+/// [`all_reduce_buckets`] of the parameters `which` lists only (gathered into one buffer,
+/// reduced over `group`, put back): the dense part of the gradients over dp, the experts'
+/// over their expert-data-parallel group. Returns the all-reduce calls.
+pub fn all_reduce_parts(
+    flat: &mut [f32],
+    layout: &FlatLayout,
+    which: &[usize],
+    group: &Group,
+    bucket_elems: usize,
+) -> Result<usize> {
+    if group.size() == 1 {
+        return Ok(0);
+    }
+    let mut buf: Vec<f32> = which
+        .iter()
+        .flat_map(|&i| flat[layout.range(i)].iter().copied())
+        .collect();
+    let calls = all_reduce_buckets(&mut buf, group, bucket_elems)?;
+    let mut at = 0;
+    for &i in which {
+        let r = layout.range(i);
+        flat[r.clone()].copy_from_slice(&buf[at..at + r.len()]);
+        at += r.len();
+    }
+    Ok(calls)
+}
+
 /// Which elements of each shard this rank counts in the global norm: for parameter i, a
 /// range of indices along its sharded dim (or all / none for replicated tensors).
 #[derive(Clone, Debug)]
@@ -321,8 +356,29 @@ impl NormOwnership {
 
     /// Sum of squares (f64) of the owned elements of `flat`.
     pub fn sum_sq(&self, flat: &[f32], layout: &FlatLayout, specs: &[ParamSpec]) -> f64 {
+        self.sum_sq_where(flat, layout, specs, |_| true)
+    }
+
+    /// [`NormOwnership::sum_sq`] of the parameters `which` lists (indices, ascending).
+    pub fn sum_sq_of(
+        &self,
+        flat: &[f32],
+        layout: &FlatLayout,
+        specs: &[ParamSpec],
+        which: &[usize],
+    ) -> f64 {
+        self.sum_sq_where(flat, layout, specs, |i| which.binary_search(&i).is_ok())
+    }
+
+    fn sum_sq_where(
+        &self,
+        flat: &[f32],
+        layout: &FlatLayout,
+        specs: &[ParamSpec],
+        keep: impl Fn(usize) -> bool,
+    ) -> f64 {
         let mut total = 0f64;
-        for (i, range, inner, dim) in &self.owned {
+        for (i, range, inner, dim) in self.owned.iter().filter(|o| keep(o.0)) {
             let data = &flat[layout.range(*i)];
             let local = specs[*i].local_shape();
             let extent = local.get(*dim).copied().unwrap_or(1);

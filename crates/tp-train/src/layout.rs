@@ -11,7 +11,47 @@ use crate::error::{Result, TrainError};
 use std::ops::Range;
 use tp_comm::ParallelDims;
 use tp_nn::{Partition, Placement};
-use tp_spec::{hf_name, ShardPlan, WeightName, DENSE_CHUNK};
+use tp_spec::{hf_name, EpLayout, ShardPlan, WeightName, DENSE_CHUNK};
+
+/// A rank's place in the run's expert parallelism (`--ep`, [`EpLayout`]; docs/moe.md "Expert
+/// parallelism in training").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EpRank {
+    pub layout: EpLayout,
+    /// Across replicas: the rank's position in its ep block; `None` is the view of the whole
+    /// block's experts of each tp index (what a checkpoint gathers before the tp gather).
+    pub pos: Option<usize>,
+}
+
+impl EpRank {
+    /// Expert-TP (`--ep 1`): every expert sliced over the tp ranks.
+    pub fn none() -> EpRank {
+        EpRank {
+            layout: EpLayout::InsideTp(1),
+            pos: None,
+        }
+    }
+
+    /// Data-parallel rank `dp_rank`'s place at expert-parallel size `ep` under `dims`; the
+    /// error names the valid sizes.
+    pub fn new(cfg: &ModelConfig, ep: usize, dims: ParallelDims, dp_rank: usize) -> Result<Self> {
+        let layout = match cfg.experts {
+            Some(e) => EpLayout::new(ep, dims.tp, dims.dp, e.count)?,
+            None if ep == 1 => EpLayout::InsideTp(1),
+            None => return Err(tp_spec::ShardError::NoExperts { ep }.into()),
+        };
+        let pos = layout.across().map(|r| r.position(dp_rank));
+        Ok(EpRank { layout, pos })
+    }
+
+    /// The view of the whole block's experts of each tp index ([`EpRank::pos`] `None`).
+    pub fn block_view(&self) -> EpRank {
+        EpRank {
+            layout: self.layout.clone(),
+            pos: None,
+        }
+    }
+}
 
 /// One parameter shard as a rank holds it.
 #[derive(Clone, Debug, PartialEq)]
@@ -126,6 +166,27 @@ pub fn shard_plan(cfg: &ModelConfig, tp_rank: usize, tp: usize) -> Result<ShardP
     Ok(ShardPlan::new(cfg, DENSE_CHUNK, tp_rank, tp)?)
 }
 
+/// [`shard_plan`] with the experts placed by `ep`: expert groups inside the tp group, or the
+/// rank's whole experts across replicas.
+pub fn shard_plan_ep(
+    cfg: &ModelConfig,
+    tp_rank: usize,
+    tp: usize,
+    ep: &EpRank,
+) -> Result<ShardPlan> {
+    let plan = shard_plan(cfg, tp_rank, tp)?;
+    match (&ep.layout, cfg.experts) {
+        (EpLayout::AcrossReplicas(r), Some(e)) => {
+            let shard = r.shard(e, cfg.ffn, DENSE_CHUNK, ep.pos, tp_rank)?;
+            Ok(ShardPlan {
+                experts: Some(shard),
+                ..plan
+            })
+        }
+        (layout, _) => Ok(plan.with_expert_groups(cfg, layout.inside_tp())?),
+    }
+}
+
 /// Every parameter shard of stage `pp_rank` on `tp_rank`, in the table's order (embedding,
 /// then each layer's tensors, then final norm and LM head), placed by the shard plan.
 pub fn stage_params(
@@ -135,8 +196,20 @@ pub fn stage_params(
     tp_rank: usize,
     tp: usize,
 ) -> Result<Vec<ParamSpec>> {
+    stage_params_ep(cfg, pp_rank, pp, tp_rank, tp, &EpRank::none())
+}
+
+/// [`stage_params`] with the experts placed by `ep` ([`shard_plan_ep`]).
+pub fn stage_params_ep(
+    cfg: &ModelConfig,
+    pp_rank: usize,
+    pp: usize,
+    tp_rank: usize,
+    tp: usize,
+    ep: &EpRank,
+) -> Result<Vec<ParamSpec>> {
     let layers = stage_layers(cfg.layers, pp, pp_rank)?;
-    let plan = shard_plan(cfg, tp_rank, tp)?;
+    let plan = shard_plan_ep(cfg, tp_rank, tp, ep)?;
     let last = pp_rank + 1 == pp;
     let spec = |p: tp_spec::Param, tied_copy: bool| ParamSpec {
         weight: p.name,
@@ -187,10 +260,31 @@ pub fn rank_params(
     tp_rank: usize,
     tp: usize,
 ) -> Result<Vec<ParamSpec>> {
+    rank_params_ep(
+        cfg,
+        pp_rank,
+        pp,
+        virtual_stages,
+        tp_rank,
+        tp,
+        &EpRank::none(),
+    )
+}
+
+/// [`rank_params`] with the experts placed by `ep` ([`shard_plan_ep`]).
+pub fn rank_params_ep(
+    cfg: &ModelConfig,
+    pp_rank: usize,
+    pp: usize,
+    virtual_stages: usize,
+    tp_rank: usize,
+    tp: usize,
+    ep: &EpRank,
+) -> Result<Vec<ParamSpec>> {
     let chunks = pp * virtual_stages.max(1);
     let mut out = Vec::new();
     for g in rank_chunks(pp_rank, pp, virtual_stages) {
-        out.extend(stage_params(cfg, g, chunks, tp_rank, tp)?);
+        out.extend(stage_params_ep(cfg, g, chunks, tp_rank, tp, ep)?);
     }
     Ok(out)
 }

@@ -81,8 +81,30 @@ impl StageModel {
         tp: usize,
         weights: &dyn WeightSource,
     ) -> Result<StageModel> {
-        let specs = layout::stage_params(cfg, pp_rank, pp, tp_rank, tp)?;
-        let plan = layout::shard_plan(cfg, tp_rank, tp)?;
+        Self::new_ep(
+            cfg,
+            pp_rank,
+            pp,
+            tp_rank,
+            tp,
+            &layout::EpRank::none(),
+            weights,
+        )
+    }
+
+    /// [`StageModel::new`] with the experts placed by `ep` ([`layout::shard_plan_ep`]); across
+    /// replicas, give the stage its dispatch with [`StageModel::with_expert_dispatch`].
+    pub fn new_ep(
+        cfg: &ModelConfig,
+        pp_rank: usize,
+        pp: usize,
+        tp_rank: usize,
+        tp: usize,
+        ep: &layout::EpRank,
+        weights: &dyn WeightSource,
+    ) -> Result<StageModel> {
+        let specs = layout::stage_params_ep(cfg, pp_rank, pp, tp_rank, tp, ep)?;
+        let plan = layout::shard_plan_ep(cfg, tp_rank, tp, ep)?;
         let layers = layout::stage_layers(cfg.layers, pp, pp_rank)?;
         let (v, h) = (cfg.vocab, cfg.hidden);
         let first = pp_rank == 0;
@@ -165,6 +187,26 @@ impl StageModel {
             )));
         }
         Ok(model)
+    }
+
+    /// Rows the stage's experts computed in trained micro-batches so far, over its layers,
+    /// when its tokens are dispatched (`None` otherwise).
+    pub fn dispatched_rows(&self) -> Option<u64> {
+        self.blocks
+            .iter()
+            .map(ParallelBlock::dispatched_rows)
+            .sum::<Option<u64>>()
+    }
+
+    /// The same stage with every mixture of experts' tokens dispatched over `group` (the ep
+    /// block's ranks of this tp index; `peers[e]` the one holding expert `e`, docs/moe.md).
+    pub fn with_expert_dispatch(mut self, group: &Group, peers: &[Option<usize>]) -> Result<Self> {
+        self.blocks = self
+            .blocks
+            .into_iter()
+            .map(|b| b.with_expert_dispatch(group, peers.to_vec()))
+            .collect::<tp_nn::Result<_>>()?;
+        Ok(self)
     }
 
     /// The same stage with sequence parallelism (`on`): its hidden states, input and output,

@@ -69,7 +69,7 @@ impl<'a> Job<'a> {
         format!(
             "tp train: {:.2}M parameters (hidden {}, {} layers, {} heads / {} KV, vocab {}) on {}\n  \
              tp={} pp={} dp={} ({world} ranks, {} compute thread(s) each); batch {} x {} \
-             tokens in {} micro-batch(es) per replica{}; matmul peak {:.1} GFLOP/s per rank{}",
+             tokens in {} micro-batch(es) per replica{}; matmul peak {:.1} GFLOP/s per rank{}{}",
             cfg.num_params() as f64 / 1e6,
             cfg.hidden,
             cfg.layers,
@@ -93,6 +93,7 @@ impl<'a> Job<'a> {
                 ),
             },
             self.peak / 1e9,
+            ep_text(&p.spec),
             match &p.resume {
                 Some(ck) => format!("; resuming {} at step {}", ck.dir.display(), ck.state.step),
                 None => String::new(),
@@ -282,6 +283,22 @@ pub fn fmt_rate(x: f64) -> String {
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// The header's words for the run's expert parallelism (nothing at ep 1).
+fn ep_text(spec: &crate::TrainSpec) -> String {
+    let d = spec.dims;
+    let count = spec.model.experts.map_or(1, |e| e.count);
+    match tp_spec::EpLayout::new(spec.ep, d.tp, d.dp, count) {
+        Ok(tp_spec::EpLayout::AcrossReplicas(r)) => format!(
+            "; ep {}: whole experts over blocks of {} replicas, tokens sent by all-to-all",
+            r.ep, r.block
+        ),
+        Ok(tp_spec::EpLayout::InsideTp(n)) if n > 1 => {
+            format!("; ep {n}: {n} expert groups of {} tp ranks", d.tp / n)
+        }
+        _ => String::new(),
+    }
 }
 
 #[cfg(test)]

@@ -56,6 +56,8 @@ pub struct RunRequest {
     pub bucket_mib: f64,
     /// Weight of the MoE load-balancing loss (unused without experts).
     pub moe_aux_coef: f64,
+    /// Expert-parallel size ([`crate::TrainSpec::ep`]).
+    pub ep: usize,
     /// Shard the optimizer state over the data-parallel replicas (ZeRO-1).
     pub distributed_optimizer: bool,
     /// Sequence parallelism: the norms and residual adds hold `seq/tp` positions per tp rank.
@@ -277,6 +279,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         val_every: if val.is_some() { a.val_every } else { 0 },
         bucket_elems: ((a.bucket_mib * (1 << 20) as f64) / 4.0).max(1.0) as usize,
         moe_aux_coef: a.moe_aux_coef,
+        ep: a.ep,
         distributed_optimizer: a.distributed_optimizer,
         sequence_parallel: a.sequence_parallel,
         recompute: a.recompute,
@@ -431,6 +434,7 @@ mod tests {
             resume: None,
             bucket_mib: 1.0,
             moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
+            ep: 1,
             distributed_optimizer: false,
             sequence_parallel: false,
             recompute: crate::Recompute::None,

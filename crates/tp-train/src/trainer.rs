@@ -50,6 +50,11 @@ pub struct TrainSpec {
     /// weights all-gathered (`crate::zero`); the same training, with dp times less optimizer
     /// state per rank. No effect at dp 1.
     pub distributed_optimizer: bool,
+    /// Expert-parallel size (`--ep`, docs/moe.md "Expert parallelism in training"): dividing
+    /// tp, expert groups inside the tp group (1: expert-TP); tp times a divisor of dp, whole
+    /// experts over the replicas of an ep block, tokens dispatched by all-to-all. 1 without
+    /// experts.
+    pub ep: usize,
     /// Weight of the MoE load-balancing loss in the training objective (Switch Transformer's
     /// alpha; 0 turns it off); unused without experts.
     pub moe_aux_coef: f64,
@@ -115,6 +120,15 @@ impl TrainSpec {
         if self.bucket_elems == 0 {
             return bad("the all-reduce bucket must hold at least one element".into());
         }
+        let ep = layout::EpRank::new(&self.model, self.ep, self.dims, 0)?;
+        if ep.layout.across().is_some() && self.distributed_optimizer && self.dims.dp > 1 {
+            return bad(format!(
+                "the distributed optimizer with experts over data-parallel replicas (ep {} at \
+                 tp {}) is not built yet; use an expert-parallel size dividing tp, or the \
+                 plain optimizer",
+                self.ep, self.dims.tp
+            ));
+        }
         Ok(())
     }
 }
@@ -157,6 +171,39 @@ pub struct StepReport {
     pub aux_loss: Option<f64>,
     /// Mean loss on the held-out split after this step's update, when it was measured.
     pub val_loss: Option<f64>,
+    /// With experts over data-parallel replicas: the (token, expert) rows each world rank's
+    /// experts computed in this step, over its layers and micro-batches (the expert load).
+    pub expert_rows: Option<Vec<u64>>,
+}
+
+/// Expert parallelism across replicas: the rank's place, its ep group (the block's ranks of
+/// its tp index and stage) and its expert-data-parallel group (the ranks holding the same
+/// experts: same tp index and stage, same block position in the other blocks).
+struct EpGroups {
+    rank: layout::EpRank,
+    ep: tp_comm::Group,
+    edp: tp_comm::Group,
+}
+
+impl EpGroups {
+    /// Collective over the world (every rank, the same `rank.layout`).
+    fn new(groups: &ProcessGroups, rank: layout::EpRank) -> Result<Option<EpGroups>> {
+        let Some(r) = rank.layout.across() else {
+            return Ok(None);
+        };
+        let (c, d) = (groups.coords, groups.dims);
+        let lane = c.pp_rank * d.tp + c.tp_rank;
+        let (block, blocks) = (r.block, d.dp / r.block);
+        let split = |color: usize, key: usize| -> Result<tp_comm::Group> {
+            groups
+                .world
+                .split(Some(color as u32), key)?
+                .ok_or_else(|| TrainError::Config("split with a color returned no group".into()))
+        };
+        let ep = split(lane * blocks + c.dp_rank / block, c.dp_rank % block)?;
+        let edp = split(lane * block + c.dp_rank % block, c.dp_rank / block)?;
+        Ok(Some(EpGroups { rank, ep, edp }))
+    }
 }
 
 /// One rank's training state.
@@ -192,6 +239,12 @@ pub struct Trainer<'a> {
     kept_input_bytes: u64,
     /// The last step's (forward and backward seconds, of them waiting in pipeline receives).
     pipeline_s: (f64, f64),
+    /// The rank's place in the expert parallelism ([`TrainSpec::ep`]).
+    ep_rank: layout::EpRank,
+    /// Expert parallelism across replicas (`None` inside the tp group).
+    ep: Option<EpGroups>,
+    /// The rows this rank's experts had computed before this step.
+    expert_rows_before: u64,
 }
 
 impl<'a> Trainer<'a> {
@@ -265,11 +318,18 @@ impl<'a> Trainer<'a> {
             Start::Fresh => &seeded,
         };
         let v = spec.virtual_stages.max(1);
+        let ep_rank = layout::EpRank::new(&spec.model, spec.ep, spec.dims, c.dp_rank)?;
+        let ep = EpGroups::new(&groups, ep_rank.clone())?;
         let chunks = layout::rank_chunks(c.pp_rank, pp, v)
             .into_iter()
             .map(|g| {
-                let mut m = StageModel::new(&spec.model, g, pp * v, c.tp_rank, tp, weights)?
-                    .with_sequence_parallel(spec.sequence_parallel);
+                let m =
+                    StageModel::new_ep(&spec.model, g, pp * v, c.tp_rank, tp, &ep_rank, weights)?;
+                let mut m = match (&ep, ep_rank.layout.across()) {
+                    (Some(e), Some(r)) => m.with_expert_dispatch(&e.ep, &r.peers(c.tp_rank))?,
+                    _ => m,
+                }
+                .with_sequence_parallel(spec.sequence_parallel);
                 m.set_recompute(spec.recompute);
                 Ok(m)
             })
@@ -282,7 +342,8 @@ impl<'a> Trainer<'a> {
         }
         let all_tp: Vec<Vec<ParamSpec>> = (0..tp)
             .map(|t| {
-                let mut specs = layout::rank_params(&spec.model, c.pp_rank, pp, v, t, tp)?;
+                let mut specs =
+                    layout::rank_params_ep(&spec.model, c.pp_rank, pp, v, t, tp, &ep_rank)?;
                 if spec.sequence_parallel {
                     layout::sequence_parallel_grads(&mut specs, tp);
                 }
@@ -354,6 +415,9 @@ impl<'a> Trainer<'a> {
             last_aux: None,
             kept_input_bytes: 0,
             pipeline_s: (0.0, 0.0),
+            ep_rank,
+            ep,
+            expert_rows_before: 0,
         })
     }
 
@@ -481,10 +545,42 @@ impl<'a> Trainer<'a> {
             t.complete(&mut self.grads, &self.layout, &self.groups.pp)?;
         }
         let sq = match &self.zero {
-            None => {
-                grads::all_reduce_buckets(&mut self.grads, &self.groups.dp, s.bucket_elems)?;
-                self.norm.sum_sq(&self.grads, &self.layout, &self.specs)
-            }
+            None => match &self.ep {
+                None => {
+                    grads::all_reduce_buckets(&mut self.grads, &self.groups.dp, s.bucket_elems)?;
+                    self.norm.sum_sq(&self.grads, &self.layout, &self.specs)
+                }
+                Some(e) => {
+                    // Dense gradients summed over dp; an expert's (already summed over its
+                    // ep block's tokens by the dispatch) over its expert-data-parallel group.
+                    let is_expert = |s: &ParamSpec| s.weight.expert().is_some();
+                    let (dense, experts) = grads::split_by(&self.specs, is_expert);
+                    grads::all_reduce_parts(
+                        &mut self.grads,
+                        &self.layout,
+                        &dense,
+                        &self.groups.dp,
+                        s.bucket_elems,
+                    )?;
+                    grads::all_reduce_parts(
+                        &mut self.grads,
+                        &self.layout,
+                        &experts,
+                        &e.edp,
+                        s.bucket_elems,
+                    )?;
+                    // Each expert is held by one rank of the block: its squares summed over
+                    // the ep group, so the norm counts it once.
+                    let mut sq =
+                        [self
+                            .norm
+                            .sum_sq_of(&self.grads, &self.layout, &self.specs, &experts)];
+                    e.ep.all_reduce(&mut sq, ReduceOp::Sum)?;
+                    self.norm
+                        .sum_sq_of(&self.grads, &self.layout, &self.specs, &dense)
+                        + sq[0]
+                }
+            },
             Some(z) => {
                 // Each replica holds the sums of its slice only: its squares are summed over
                 // dp too, so the norm counts every element once, as with the all-reduce.
@@ -596,7 +692,9 @@ impl<'a> Trainer<'a> {
             Some(v) if due || self.step == s.steps => Some(self.validation_loss(v)?),
             _ => None,
         };
+        let expert_rows = self.expert_load()?;
         Ok(StepReport {
+            expert_rows,
             val_loss,
             step: self.step,
             loss,
@@ -666,6 +764,25 @@ impl<'a> Trainer<'a> {
                 z.gather(&self.adam.exp_avg_sq, &self.groups.dp)?.into(),
             ),
         };
+        // Across replicas, the experts of each tp index are first gathered over the ep group
+        // (the block view), so the save's tp gather finds every expert.
+        let block = match &self.ep {
+            Some(e) => Some(self.block_view(e, [&params, &exp_avg, &exp_avg_sq])?),
+            None => None,
+        };
+        let (specs, layout, ep_rank, params, exp_avg, exp_avg_sq) = match &block {
+            Some((specs, layout, view, [p, m, v])) => {
+                (&specs[..], layout, view, &p[..], &m[..], &v[..])
+            }
+            None => (
+                &self.specs[..],
+                &self.layout,
+                &self.ep_rank,
+                &params[..],
+                &exp_avg[..],
+                &exp_avg_sq[..],
+            ),
+        };
         let out = checkpoint::save(&SaveInputs {
             dir,
             state: &state,
@@ -674,11 +791,12 @@ impl<'a> Trainer<'a> {
             tokenizer_config: self.tokenizer_config,
             groups: &self.groups,
             virtual_stages: self.spec.virtual_stages,
-            specs: &self.specs,
-            layout: &self.layout,
-            params: &params,
-            exp_avg: &exp_avg,
-            exp_avg_sq: &exp_avg_sq,
+            ep: ep_rank,
+            specs,
+            layout,
+            params,
+            exp_avg,
+            exp_avg_sq,
             keep: self.spec.keep,
             hook: self.opts.save_hook.as_ref(),
         })?;
@@ -687,5 +805,78 @@ impl<'a> Trainer<'a> {
             checkpoint::replace_file(dir, crate::plot::PLOT_FILE, &svg)?;
         }
         Ok(out)
+    }
+}
+
+/// A checkpoint's view of a rank's buffers across replicas: the specs and layout of the
+/// block view, and the weights and both moments in it.
+type BlockView = (Vec<ParamSpec>, FlatLayout, layout::EpRank, [Vec<f32>; 3]);
+
+impl Trainer<'_> {
+    /// Collective over the ep group: `bufs` (weights and both moments in this rank's layout)
+    /// with every expert of this tp index's block whole ([`layout::EpRank::block_view`]),
+    /// gathered from the rank holding it.
+    fn block_view(&self, e: &EpGroups, bufs: [&[f32]; 3]) -> Result<BlockView> {
+        let (c, s) = (self.groups.coords, self.spec);
+        let rep = e.rank.layout.across().ok_or_else(|| {
+            TrainError::Config("internal: a block view without experts across replicas".into())
+        })?;
+        let view = e.rank.block_view();
+        let specs = layout::rank_params_ep(
+            &s.model,
+            c.pp_rank,
+            s.dims.pp,
+            s.virtual_stages,
+            c.tp_rank,
+            s.dims.tp,
+            &view,
+        )?;
+        let flat = FlatLayout::new(&specs);
+        let mut out: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0f32; flat.total()]);
+        for (i, spec) in self.specs.iter().enumerate() {
+            let (mine, whole) = (self.layout.range(i), flat.range(i));
+            let expert = spec.weight.expert();
+            let Some(holder) = expert.and_then(|x| rep.peer_of(x, c.tp_rank)) else {
+                // Dense, or held by a rank of another tp index (empty in both views).
+                for k in 0..3 {
+                    out[k][whole.clone()].copy_from_slice(&bufs[k][mine.clone()]);
+                }
+                continue;
+            };
+            let n = whole.len();
+            let counts: Vec<usize> = (0..rep.block)
+                .map(|p| if p == holder { 3 * n } else { 0 })
+                .collect();
+            let send: Vec<f32> = bufs
+                .iter()
+                .flat_map(|b| b[mine.clone()].iter().copied())
+                .collect();
+            let mut all = vec![0f32; 3 * n];
+            e.ep.all_gather_v(&send, &mut all, &counts)?;
+            for k in 0..3 {
+                out[k][whole.clone()].copy_from_slice(&all[k * n..(k + 1) * n]);
+            }
+        }
+        Ok((specs, flat, view, out))
+    }
+}
+
+impl Trainer<'_> {
+    /// Collective over the world with experts across replicas: the rows each rank's experts
+    /// computed since the last call ([`StepReport::expert_rows`]); `None` otherwise.
+    fn expert_load(&mut self) -> Result<Option<Vec<u64>>> {
+        if self.ep.is_none() {
+            return Ok(None);
+        }
+        let total: u64 = self
+            .chunks
+            .iter()
+            .filter_map(StageModel::dispatched_rows)
+            .sum();
+        let mine = [total - self.expert_rows_before];
+        self.expert_rows_before = total;
+        let mut all = vec![0u64; self.groups.world.size()];
+        self.groups.world.all_gather(&mine, &mut all)?;
+        Ok(Some(all))
     }
 }

@@ -73,6 +73,73 @@ fn mixtral_saved_at_tp2_pp2_resumes_at_tp1_tp3_and_tp2_dp2() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Issue 33: a Mixtral trained with whole experts over data-parallel replicas (tp 2 x dp 2 x
+/// ep 4, one expert a rank) saves global tensors (each expert gathered from the replica
+/// holding it) and resumes with expert-TP at tp 2 x dp 2 and tp 1, and at tp 1 x dp 2 x
+/// ep 2: the resumed steps follow the uninterrupted ep 4 run (the first resumed step where
+/// the tp changes, as above).
+#[test]
+fn mixtral_saved_with_experts_over_replicas_resumes_at_ep1_and_another_ep() {
+    use tp_train::fixtures::moe_spec;
+    let dir = scratch("reshard-moe-ep");
+    let with_ep = |d, steps, micro, ep| tp_train::TrainSpec {
+        ep,
+        ..moe_spec(d, steps, micro)
+    };
+    let s = with_ep(dims(2, 1, 2), 12, 1, 4);
+    let full = train(&s, None);
+    with_trainers(&s, None, TrainOptions::default(), |t| {
+        for _ in 0..8 {
+            t.step()?;
+        }
+        t.save_to(&dir)
+    })
+    .swap_remove(0)
+    .expect("first part");
+    let ck = Checkpoint::open(&dir).expect("checkpoint opens");
+    for (d, micro, steps, ep) in [
+        (dims(2, 1, 2), 1, 4, 1),
+        (dims(1, 1, 1), 2, 1, 1),
+        (dims(1, 1, 2), 1, 1, 2),
+    ] {
+        let got = train(&with_ep(d, 8 + steps, micro, ep), Some(&ck));
+        let diff = max_rel_loss_diff(&got, &full[8..8 + steps as usize]);
+        eprintln!("Mixtral saved at ep 4, resumed at {d:?} ep {ep}: max relative loss difference {diff:.2e}");
+        assert!(
+            diff <= LOSS_TOL,
+            "Mixtral resumed at {d:?} ep {ep}: {diff:e}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A Mixtral trained with expert groups inside tp (tp 2 x ep 2: whole experts per rank, no
+/// all-to-all) saves global tensors and resumes at tp 1 (the first resumed step compared).
+#[test]
+fn mixtral_saved_with_expert_groups_inside_tp_resumes_at_tp1() {
+    use tp_train::fixtures::moe_spec;
+    let dir = scratch("reshard-moe-ep-inside");
+    let s = tp_train::TrainSpec {
+        ep: 2,
+        ..moe_spec(dims(2, 1, 1), 7, 2)
+    };
+    let full = train(&s, None);
+    with_trainers(&s, None, TrainOptions::default(), |t| {
+        for _ in 0..6 {
+            t.step()?;
+        }
+        t.save_to(&dir)
+    })
+    .swap_remove(0)
+    .expect("first part");
+    let ck = Checkpoint::open(&dir).expect("checkpoint opens");
+    let got = train(&moe_spec(dims(1, 1, 1), 7, 2), Some(&ck));
+    let diff = max_rel_loss_diff(&got, &full[6..]);
+    eprintln!("Mixtral saved at tp 2 ep 2, resumed at tp 1: relative loss difference {diff:.2e}");
+    assert!(diff <= LOSS_TOL, "Mixtral resumed at tp 1: {diff:e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A hook that fails at `point` of the save of step 8 (the second, saving every 4 steps).
 fn crash_at(point: &'static str) -> SaveHook {
     Arc::new(move |step: u64, p: SavePoint<'_>| {

@@ -116,3 +116,18 @@ fn qwen2_uneven_layouts_match_tp1_under_mpirun_with_3_processes() {
         assert!(text.contains(l), "{l} missing: {text}");
     }
 }
+
+/// Issue 33: experts over data-parallel replicas under MPI, the tokens dispatched by MPI's
+/// all-to-all: tp1 x dp4 x ep2 (two ep blocks), tp2 x dp2 x ep4 and pp2 x dp2 x ep2.
+#[test]
+fn mixtral_experts_over_replicas_match_tp1_under_mpirun_with_4_processes() {
+    let text = mpi_check_with(4, &["--moe-ep"]);
+    assert!(text.contains("12 passed, 0 failed"), "{text}");
+    for l in [
+        "tp=1 pp=1 dp=4 ep=2",
+        "tp=2 pp=1 dp=2 ep=4",
+        "tp=1 pp=2 dp=2 ep=2",
+    ] {
+        assert!(text.contains(l), "{l} missing: {text}");
+    }
+}

@@ -2,7 +2,9 @@
 //! (`reference::dense_moe`): outputs, the load-balancing loss and every gradient (input,
 //! router, each expert's shard) at tp 1, 2, 4 with expert-parallel sizes 1, 2, 4 and ep 2 x
 //! expert-TP 2, with 8 experts (even) and 6 (uneven over 4 groups: 2|2|1|1), normalised and
-//! not. Tolerance: as every layer test here (see main.rs).
+//! not; and expert parallelism over data-parallel replicas (tokens dispatched by
+//! all-to-all) against the single-device MoE on each replica's tokens. Tolerance: as every
+//! layer test here (see main.rs).
 
 use crate::support::{assert_close, dev, world};
 use candle_core::Tensor;
@@ -171,6 +173,201 @@ fn moe_layer_matches_the_single_device_moe_at_every_layout() {
                 &format!("{what}: d router"),
                 &router_grad,
                 grads.get(router.as_tensor()).unwrap(),
+            );
+        }
+    }
+}
+
+/// What an expert-parallel rank reports: its (replica, tp rank), y, aux, dx, its router
+/// gradient, each local (whole) expert's `(index, [d gate, d up, d down])`, and the
+/// all-to-alls of its ep group (forward, backward).
+type EpOut = (
+    (usize, usize),
+    Tensor,
+    f32,
+    Tensor,
+    Tensor,
+    Vec<(usize, [Tensor; 3])>,
+    (usize, usize),
+);
+
+/// Tokens of replica `b` (replica 1 has a single token: most peers get no rows from it).
+fn replica_tokens(b: usize) -> usize {
+    [TOKENS, 1, 5, 3][b % 4]
+}
+
+/// Expert parallelism across `block` data-parallel replicas at `tp` (ep = tp x block): every
+/// rank holds whole experts, each replica routes its own tokens, rows travel by all-to-all.
+/// Oracle: the single-device MoE on each replica's tokens; an expert's gradient is the sum
+/// over the replicas' references, each replica's router gradient the sum over its tp ranks.
+#[test]
+fn expert_parallel_over_replicas_matches_the_single_device_moe_per_replica() {
+    use candle_core::Var;
+    use tp_comm::{OpKind, ParallelDims, ProcessGroups};
+    use tp_nn::RecordingComm;
+    use tp_spec::EpLayout;
+    for (count, normalize, tp, block, skewed) in [
+        (8, true, 1, 2, false),
+        (8, true, 1, 4, false),
+        (8, false, 1, 3, false), // 3 | 3 | 2 experts
+        (6, false, 1, 4, false), // 2 | 2 | 1 | 1
+        (8, true, 2, 2, false),  // ep 4: EP x tp
+        (6, true, 2, 2, false),
+        (8, true, 1, 4, true), // every token to experts 0 and 1: 3 ranks receive no row
+        (8, true, 2, 2, true), // tp index 1's ranks send and receive no row
+    ] {
+        let ep = tp * block;
+        let what =
+            format!("{count} experts, tp {tp} x {block} replicas (ep {ep}), skewed {skewed}");
+        let mut c = case(count, normalize, 70 + count as u64);
+        let mut rng = Rng::xorshift64_star(90 + ep as u64);
+        let mut xs: Vec<Tensor> = (0..block)
+            .map(|b| {
+                rng.tensor(&[replica_tokens(b), HIDDEN], 0.0, 1.0, &dev())
+                    .unwrap()
+            })
+            .collect();
+        if skewed {
+            // Positive inputs and a router whose rows 0 and 1 are large positive multiples
+            // of one direction, the others 0: experts 0 and 1 win every token.
+            let ones = Tensor::ones(HIDDEN, candle_core::DType::F32, &dev()).unwrap();
+            let rows: Vec<Tensor> = (0..count)
+                .map(|e| (&ones * [3.0, 2.5].get(e).copied().unwrap_or(0.0)).unwrap())
+                .collect();
+            c.router = Tensor::stack(&rows, 0).unwrap();
+            xs = xs
+                .iter()
+                .map(|x| (x.abs().unwrap() + 0.5).unwrap())
+                .collect();
+        }
+        let probes: Vec<Tensor> = (0..block)
+            .map(|b| {
+                rng.tensor(&[replica_tokens(b), HIDDEN], 0.0, 1.0, &dev())
+                    .unwrap()
+            })
+            .collect();
+        // The references: one graph, the experts shared by the replicas (their gradients
+        // summed), a router and an input per replica.
+        let vars: Vec<[Var; 3]> = c
+            .weights
+            .iter()
+            .map(|(g, u, d)| [g, u, d].map(|w| Var::from_tensor(w).unwrap()))
+            .collect();
+        let tensors: Vec<_> = vars
+            .iter()
+            .map(|[g, u, d]| {
+                (
+                    g.as_tensor().clone(),
+                    u.as_tensor().clone(),
+                    d.as_tensor().clone(),
+                )
+            })
+            .collect();
+        let mut loss = Tensor::new(0f32, &dev()).unwrap();
+        let mut refs = Vec::new();
+        for b in 0..block {
+            let x = Var::from_tensor(&xs[b]).unwrap();
+            let router = Var::from_tensor(&c.router).unwrap();
+            let (y, aux) = dense_moe(
+                x.as_tensor(),
+                router.as_tensor(),
+                &tensors,
+                &c.experts,
+                Activation::Silu,
+            )
+            .unwrap();
+            let l = ((&y * &probes[b]).unwrap().sum_all().unwrap() + &aux).unwrap();
+            loss = (loss + l).unwrap();
+            refs.push((x, router, y, aux.to_scalar::<f32>().unwrap()));
+        }
+        let grads = loss.backward().unwrap();
+        let layout = EpLayout::new(ep, tp, block, count).unwrap();
+        let rep = layout.across().unwrap().clone();
+        let outs: Vec<EpOut> = world(ep, |world| {
+            let dims = ParallelDims {
+                tp,
+                pp: 1,
+                dp: block,
+            };
+            let pg = ProcessGroups::new(world, dims)?;
+            let (b, t) = (pg.coords.dp_rank, pg.coords.tp_rank);
+            let (rec, ep_group) = RecordingComm::wrap(pg.dp.clone());
+            let shard = rep.shard(c.experts, FFN, 1, Some(rep.position(b)), t)?;
+            let moe = ParallelMoe::from_global(
+                &c.router,
+                c.experts,
+                &c.weights,
+                &shard,
+                tp,
+                Activation::Silu,
+            )?
+            .with_dispatch(ep_group, rep.peers(t))?;
+            let xv = Var::from_tensor(&xs[b])?;
+            let x_par = copy_to_tp(xv.as_tensor(), &pg.tp)?;
+            let out = moe.forward_local(&x_par, &pg.tp)?;
+            let y = out.partial.reduce()?;
+            let fwd = rec.count(OpKind::AllToAll);
+            rec.reset();
+            let loss = ((&y * &probes[b])?.sum_all()? + &out.aux_share)?;
+            let gr = loss.backward()?;
+            let bwd = rec.count(OpKind::AllToAll);
+            let experts = moe
+                .expert_vars()
+                .into_iter()
+                .map(|(e, gv, uv, dv)| {
+                    (
+                        e,
+                        [gv, uv, dv].map(|v| gr.get(v.as_tensor()).unwrap().clone()),
+                    )
+                })
+                .collect();
+            Ok((
+                (b, t),
+                y,
+                out.aux,
+                gr.get(xv.as_tensor()).unwrap().clone(),
+                gr.get(moe.router().as_tensor()).unwrap().clone(),
+                experts,
+                (fwd, bwd),
+            ))
+        });
+        let mut router_grads: Vec<Tensor> =
+            (0..block).map(|_| c.router.zeros_like().unwrap()).collect();
+        let mut held = vec![0usize; count];
+        for ((b, t), y, aux, dx, dr, experts, calls) in &outs {
+            let r = format!("{what}: replica {b} tp rank {t}");
+            let (x_ref, _, y_ref, aux_ref) = &refs[*b];
+            assert_eq!(*calls, (3, 2), "{r}: all-to-alls (forward, backward)");
+            assert_close(&format!("{r}: y"), y, y_ref);
+            assert!(
+                (aux - aux_ref).abs() <= 1e-5 * aux_ref.abs().max(1.0),
+                "{r}: aux {aux} vs {aux_ref}"
+            );
+            assert_close(
+                &format!("{r}: dx"),
+                dx,
+                grads.get(x_ref.as_tensor()).unwrap(),
+            );
+            router_grads[*b] = (&router_grads[*b] + dr).unwrap();
+            for (e, d) in experts {
+                held[*e] += 1;
+                for (k, d) in d.iter().enumerate() {
+                    let v = &vars[*e][k];
+                    let want = match grads.get(v.as_tensor()) {
+                        Some(g) => g.clone(),
+                        None => v.as_tensor().zeros_like().unwrap(),
+                    };
+                    assert_close(&format!("{r}: expert {e} weight {k}"), d, &want);
+                }
+            }
+        }
+        // Every expert held once in each ep block (here: once).
+        assert!(held.iter().all(|&h| h == 1), "{what}: {held:?}");
+        for (b, dr) in router_grads.iter().enumerate() {
+            assert_close(
+                &format!("{what}: replica {b}'s router"),
+                dr,
+                grads.get(refs[b].1.as_tensor()).unwrap(),
             );
         }
     }

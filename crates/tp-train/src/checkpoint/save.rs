@@ -14,7 +14,7 @@ use super::{
 use crate::config::{ModelConfig, TrainModel};
 use crate::error::{Result, TrainError};
 use crate::grads::FlatLayout;
-use crate::layout::{rank_params, ParamSpec};
+use crate::layout::{rank_params, rank_params_ep, ParamSpec};
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -35,6 +35,9 @@ pub struct SaveInputs<'a> {
     pub groups: &'a ProcessGroups,
     /// Model chunks per pipeline rank (1 without interleaving).
     pub virtual_stages: usize,
+    /// The experts' placement of `specs` (across replicas: the block view, the experts
+    /// already gathered over the ep group).
+    pub ep: &'a crate::layout::EpRank,
     /// This rank's flat shard buffers and their layout (this stage's specs, in order).
     pub specs: &'a [ParamSpec],
     pub layout: &'a FlatLayout,
@@ -99,7 +102,7 @@ fn gather_stage(inp: &SaveInputs<'_>) -> Result<Vec<f32>> {
     let g = inp.groups;
     let (tp, pp_rank, pp) = (g.dims.tp, g.coords.pp_rank, g.dims.pp);
     let per_rank: Vec<Vec<ParamSpec>> = (0..tp)
-        .map(|t| rank_params(inp.config, pp_rank, pp, inp.virtual_stages, t, tp))
+        .map(|t| rank_params_ep(inp.config, pp_rank, pp, inp.virtual_stages, t, tp, inp.ep))
         .collect::<Result<_>>()?;
     let mut out = Vec::new();
     for (i, spec) in inp.specs.iter().enumerate() {
