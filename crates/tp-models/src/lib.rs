@@ -2,6 +2,7 @@
 //! checkpoint readers that hand each rank only its slice, and the sharded forward pass.
 
 mod attention;
+pub mod capacity;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
@@ -26,6 +27,7 @@ pub mod synthetic;
 #[cfg(test)]
 mod testutil;
 
+pub use capacity::CapacityFactor;
 pub use checkpoint::{Checkpoint, WeightName, WeightSlice};
 pub use config::{Arch, Experts, ModelConfig, RopeStyle};
 pub use error::{ModelError, Result};
