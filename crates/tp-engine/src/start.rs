@@ -152,7 +152,7 @@ pub enum StartError {
     ExpertGroups { source: tp_spec::ShardError },
     /// A capacity factor the model cannot take (it has no experts).
     #[error(transparent)]
-    Capacity { source: Box<ModelError> },
+    Capacity { source: tp_models::CapacityError },
     #[error("cannot load the model {}", path.display())]
     Open {
         path: PathBuf,
@@ -394,11 +394,8 @@ fn open<'a>(
     tp_models::ShardPlan::new(ckpt.config(), 1, 0, tp)
         .and_then(|p| p.with_expert_groups(ckpt.config(), cfg.load.expert_groups))
         .map_err(|source| StartError::ExpertGroups { source })?;
-    tp_models::capacity::check_capacity(ckpt.config(), cfg.load.expert_capacity).map_err(
-        |source| StartError::Capacity {
-            source: Box::new(source),
-        },
-    )?;
+    tp_models::check_capacity(ckpt.config(), cfg.load.expert_capacity)
+        .map_err(|source| StartError::Capacity { source })?;
     tp_models::checkpoint_stages(ckpt, cfg.load).map_err(|source| StartError::Stages {
         source: Box::new(source),
     })?;

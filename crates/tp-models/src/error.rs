@@ -78,10 +78,8 @@ pub enum ModelError {
     Inconsistent { path: String, reason: String },
     #[error("{0}")]
     Input(String),
-    #[error("{0} is not a capacity factor; give a number above 0 (1 lets each expert take its even share of a step's tokens, 1.25 a quarter more)")]
-    CapacityFactor(String),
-    #[error("a capacity factor of {0} was asked for, but the model has no experts (it is dense); leave it unset")]
-    CapacityOnDense(f64),
+    #[error(transparent)]
+    Capacity(#[from] tp_spec::CapacityError),
 }
 
 /// `"PATH: "`, or nothing when the path is not known yet.

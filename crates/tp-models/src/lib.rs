@@ -2,7 +2,6 @@
 //! checkpoint readers that hand each rank only its slice, and the sharded forward pass.
 
 mod attention;
-pub mod capacity;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
@@ -27,7 +26,6 @@ pub mod synthetic;
 #[cfg(test)]
 mod testutil;
 
-pub use capacity::CapacityFactor;
 pub use checkpoint::{Checkpoint, WeightName, WeightSlice};
 pub use config::{Arch, Experts, ModelConfig, RopeStyle};
 pub use error::{ModelError, Result};
@@ -44,4 +42,4 @@ pub use shard::{
     RankMemory, ShardPlan,
 };
 pub use sync::SyncMode;
-pub use tp_spec::{RankWeights, Stage};
+pub use tp_spec::{check_capacity, CapacityError, CapacityFactor, RankWeights, Stage};

@@ -54,7 +54,7 @@ pub struct LoadOptions {
     /// Mixture of experts: each expert takes at most `ceil(f x tokens x k / E)` of a step's
     /// (token, expert) pairs ([`crate::CapacityFactor`]), the later ones in the step's token
     /// order dropped and counted; `None` (the default): no pair is dropped. Refused on a
-    /// dense model ([`crate::capacity::check_capacity`]).
+    /// dense model ([`tp_spec::check_capacity`]).
     pub expert_capacity: Option<crate::CapacityFactor>,
     /// Pipeline stages (`tp_spec::Stage`): the ranks form `pipeline_stages` groups of tp
     /// ranks, each holding a contiguous range of layers. 1 without pipelining.

@@ -9,13 +9,12 @@
 //! block contributions are summed in f64 like the dense MLP's. The sum over experts and ranks
 //! is then the same set of exact f64 additions at every tp and every expert-parallel size.
 
-use crate::capacity::{drop_over, CapacityFactor};
 use crate::checkpoint::{Checkpoint, WeightName};
 use crate::error::{ModelError, Result};
 use crate::matrix::{LoadOptions, Matrix, Projection};
 use crate::ops::{gelu_tanh_mul, silu_mul};
 use crate::profile::Profile;
-use tp_spec::{Activation, Experts, Gating, ShardPlan};
+use tp_spec::{drop_over, Activation, CapacityFactor, Experts, Gating, ShardPlan};
 
 /// One expert's columns on this rank.
 #[derive(Debug)]

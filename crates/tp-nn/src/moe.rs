@@ -17,7 +17,7 @@ use crate::error::{Result, TpError};
 use crate::linear::PartialSum;
 use candle_core::{Tensor, Var, D};
 use tp_comm::Group;
-use tp_spec::{Activation, ExpertShard, Experts, Gating};
+use tp_spec::{drop_over, Activation, CapacityFactor, ExpertShard, Experts, Gating};
 
 /// One expert's columns on this rank.
 #[derive(Debug)]
@@ -37,6 +37,19 @@ pub struct MoeOutput {
     pub aux_share: Tensor,
     /// The load-balancing loss `E * sum_e f_e * P_e` (Switch Transformer; 1 when balanced).
     pub aux: f32,
+    /// (token, expert) pairs the capacity factor dropped, per expert (`[count]`; zeros
+    /// without a capacity).
+    pub dropped: Vec<u64>,
+}
+
+/// How [`route`] picks experts beyond the family's rule: the default routes every token to
+/// its top-k experts.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RouteOptions {
+    /// Each expert takes at most `ceil(f x n x k / E)` of the step's (token, expert) pairs in
+    /// token order ([`CapacityFactor`], the rule inference follows); the later ones are
+    /// dropped, the token keeping its other experts with their weights unchanged.
+    pub capacity: Option<CapacityFactor>,
 }
 
 /// A tensor-parallel mixture of experts.
@@ -51,6 +64,7 @@ pub struct ParallelMoe {
     empty_rows: Var,
     empty_cols: Var,
     tp: usize,
+    routing: RouteOptions,
 }
 
 impl ParallelMoe {
@@ -98,7 +112,13 @@ impl ParallelMoe {
             empty_rows: empty((0, hidden))?,
             empty_cols: empty((hidden, 0))?,
             tp,
+            routing: RouteOptions::default(),
         })
+    }
+
+    /// This layer routing with `routing` (a capacity factor).
+    pub fn with_routing(self, routing: RouteOptions) -> Self {
+        ParallelMoe { routing, ..self }
     }
 
     /// The router (replicated; its gradient is partial per rank).
@@ -129,7 +149,8 @@ impl ParallelMoe {
     /// `x_par [n, hidden]` inside the parallel region (after f) -> this rank's partial
     /// `[n, hidden]` and the load-balancing loss.
     pub fn forward_local(&self, x_par: &Tensor, group: &Group) -> Result<MoeOutput> {
-        let (probs, weights, counts) = route(x_par, self.router.as_tensor(), &self.experts)?;
+        let (probs, weights, counts, dropped) =
+            route(x_par, self.router.as_tensor(), &self.experts, &self.routing)?;
         let picked: Vec<Vec<f32>> = weights.to_vec2()?; // [n][count]
         let mut out = x_par.zeros_like()?; // [n, hidden]
         for e in &self.local {
@@ -163,18 +184,22 @@ impl ParallelMoe {
             partial: PartialSum::new(out, group),
             aux_share: (aux / self.tp as f64)?,
             aux: value,
+            dropped,
         })
     }
 }
 
 /// Router probabilities `[n, count]`, the top-k weights `[n, count]` (zero for experts a
-/// token is not routed to; divided by their sum when the family normalises) and the tokens
-/// routed to each expert. Top-k picks the highest probabilities, ties to the lower expert.
+/// token is not routed to or whose pair `opts`' capacity dropped; divided by the sum over
+/// the top-k when the family normalises, dropped pairs included), the tokens routed to each
+/// expert (before any drop: the load-balancing loss's `f_e`) and the pairs dropped per
+/// expert. Top-k picks the highest probabilities, ties to the lower expert.
 pub fn route(
     x: &Tensor,
     router: &Tensor,
     experts: &Experts,
-) -> Result<(Tensor, Tensor, Vec<usize>)> {
+    opts: &RouteOptions,
+) -> Result<(Tensor, Tensor, Vec<usize>, Vec<u64>)> {
     let scores = x.matmul(&router.t()?)?; // [n, count]
     let probs = match experts.gating {
         Gating::Softmax => candle_nn::ops::softmax(&scores, D::Minus1)?,
@@ -184,21 +209,38 @@ pub fn route(
     let count = experts.count;
     let mut mask = vec![0f32; rows.len() * count]; // [n, count]
     let mut counts = vec![0usize; count];
+    let mut routes: Vec<Vec<(usize, f32)>> = Vec::with_capacity(rows.len()); // [n][k]
     for (t, p) in rows.iter().enumerate() {
         let p: Vec<f64> = p.iter().map(|&x| f64::from(x)).collect();
-        for e in experts.top_k(&p) {
+        let top = experts.top_k(&p);
+        for &e in &top {
             mask[t * count + e] = 1.0;
             counts[e] += 1;
         }
+        routes.push(top.into_iter().map(|e| (e, 1.0)).collect());
     }
-    let mask = Tensor::from_vec(mask, (rows.len(), count), x.device())?;
+    let n = rows.len();
+    let dropped = match opts.capacity {
+        Some(f) => drop_over(&mut routes, f.capacity(n, experts.per_token, count), count),
+        None => vec![0; count],
+    };
+    let mask = Tensor::from_vec(mask, (n, count), x.device())?;
     let picked = (&probs * mask)?; // [n, count]
-    let weights = if experts.normalize {
+    let mut weights = if experts.normalize {
         picked.broadcast_div(&picked.sum_keepdim(1)?)?
     } else {
         picked
     };
-    Ok((probs, weights, counts))
+    if dropped.iter().any(|&d| d > 0) {
+        let mut keep = vec![0f32; n * count]; // [n, count]
+        for (t, r) in routes.iter().enumerate() {
+            for &(e, _) in r {
+                keep[t * count + e] = 1.0;
+            }
+        }
+        weights = (weights * Tensor::from_vec(keep, (n, count), x.device())?)?;
+    }
+    Ok((probs, weights, counts, dropped))
 }
 
 /// Switch Transformer's load-balancing loss `E * sum_e f_e * P_e`: `f_e` the fraction of

@@ -6,9 +6,9 @@
 
 use crate::support::{assert_close, dev, world};
 use candle_core::Tensor;
-use tp_nn::reference::dense_moe;
-use tp_nn::{copy_to_tp, Activation, ParallelMoe, RandomTensor, Rng};
-use tp_spec::{ExpertShard, Experts};
+use tp_nn::reference::{dense_moe, dense_moe_capped};
+use tp_nn::{copy_to_tp, Activation, ParallelMoe, RandomTensor, Rng, RouteOptions};
+use tp_spec::{CapacityFactor, ExpertShard, Experts};
 
 const HIDDEN: usize = 16;
 const FFN: usize = 8;
@@ -167,6 +167,83 @@ fn moe_layer_matches_the_single_device_moe_at_every_layout() {
             // Every column of every expert is held exactly once; the router's gradient is
             // the sum of the ranks' shares.
             assert!(seen.iter().all(|&s| s == FFN), "{what}: {seen:?}");
+            assert_close(
+                &format!("{what}: d router"),
+                &router_grad,
+                grads.get(router.as_tensor()).unwrap(),
+            );
+        }
+    }
+}
+
+/// Under a capacity factor (7 tokens, top-2 of 8 experts; f = 1: each expert keeps its first
+/// 2 tokens, f = 0.5: its first 1) the layer drops the reference's pairs
+/// (`reference::dense_moe_capped`, token by token in token order) at tp 1, 2 x ep 1 and 2,
+/// 4 x ep 4: the same pairs per expert, and y, the balance loss, dx and the router's
+/// gradient equal the reference's.
+#[test]
+fn a_capacity_factor_drops_the_reference_pairs() {
+    let c = case(8, true, 48);
+    for f in [1.0, 0.5] {
+        let x = candle_core::Var::from_tensor(&c.x).unwrap();
+        let router = candle_core::Var::from_tensor(&c.router).unwrap();
+        let (y, aux, dropped) = dense_moe_capped(
+            x.as_tensor(),
+            router.as_tensor(),
+            &c.weights,
+            &c.experts,
+            Activation::Silu,
+            Some(f),
+        )
+        .unwrap();
+        assert!(dropped.iter().sum::<u64>() > 0, "f {f}: the case must drop");
+        let loss = ((&y * &c.probe).unwrap().sum_all().unwrap() + &aux).unwrap();
+        let grads = loss.backward().unwrap();
+        let routing = RouteOptions {
+            capacity: Some(CapacityFactor::new(f).unwrap()),
+        };
+        for (tp, ep) in [(1, 1), (2, 1), (2, 2), (4, 4)] {
+            let what = format!("f {f}, tp {tp} ep {ep}");
+            let outs = world(tp, |g| {
+                let shard = ExpertShard::for_experts(c.experts, FFN, 1, g.rank(), tp, ep)?;
+                let moe = ParallelMoe::from_global(
+                    &c.router,
+                    c.experts,
+                    &c.weights,
+                    &shard,
+                    tp,
+                    Activation::Silu,
+                )?
+                .with_routing(routing);
+                let xv = candle_core::Var::from_tensor(&c.x)?;
+                let out = moe.forward_local(&copy_to_tp(xv.as_tensor(), &g)?, &g)?;
+                let y = out.partial.reduce()?;
+                let loss = ((&y * &c.probe)?.sum_all()? + &out.aux_share)?;
+                let gr = loss.backward()?;
+                Ok((
+                    y,
+                    out.aux,
+                    out.dropped,
+                    gr.get(xv.as_tensor()).unwrap().clone(),
+                    gr.get(moe.router().as_tensor()).unwrap().clone(),
+                ))
+            });
+            let mut router_grad = outs[0].4.zeros_like().unwrap();
+            for (r, (y_r, aux_r, dropped_r, dx, dr)) in outs.iter().enumerate() {
+                assert_eq!(dropped_r, &dropped, "{what}: pairs dropped on rank {r}");
+                assert_close(&format!("{what}: y on rank {r}"), y_r, &y);
+                let aux_want = aux.to_scalar::<f32>().unwrap();
+                assert!(
+                    (aux_r - aux_want).abs() <= 1e-5,
+                    "{what}: aux {aux_r} vs {aux_want}"
+                );
+                assert_close(
+                    &format!("{what}: dx on rank {r}"),
+                    dx,
+                    grads.get(x.as_tensor()).unwrap(),
+                );
+                router_grad = (router_grad + dr).unwrap();
+            }
             assert_close(
                 &format!("{what}: d router"),
                 &router_grad,

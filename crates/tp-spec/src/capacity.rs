@@ -1,8 +1,20 @@
 //! GShard's expert capacity factor of a mixture of experts: how many of a step's tokens each
-//! expert may take, and the (token, expert) pairs past it dropped in the step's token order.
+//! expert may take, and the (token, expert) pairs past it dropped in the step's token order;
+//! the one rule inference (tp-models) and training (tp-nn) follow.
 
-use crate::error::{ModelError, Result};
-use tp_spec::ModelConfig;
+use crate::config::ModelConfig;
+use thiserror::Error;
+
+/// A capacity factor that cannot be used.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum CapacityError {
+    #[error("{0} is not a capacity factor; give a number above 0 (1 lets each expert take its even share of a step's tokens, 1.25 a quarter more)")]
+    Invalid(String),
+    #[error("a capacity factor of {0} was asked for, but the model has no experts (it is dense); leave it unset")]
+    Dense(f64),
+}
+
+type Result<T> = std::result::Result<T, CapacityError>;
 
 /// A capacity factor `f`: each expert takes at most `ceil(f x n x k / E)` (at least 1) of the
 /// (token, expert) pairs a step of `n` tokens routes to it, first come first served. A
@@ -15,12 +27,12 @@ pub struct CapacityFactor(f64);
 impl Eq for CapacityFactor {}
 
 impl CapacityFactor {
-    /// `factor` if it is a finite number above 0, else [`ModelError::CapacityFactor`].
+    /// `factor` if it is a finite number above 0, else [`CapacityError::Invalid`].
     pub fn new(factor: f64) -> Result<Self> {
         if factor.is_finite() && factor > 0.0 {
             Ok(CapacityFactor(factor))
         } else {
-            Err(ModelError::CapacityFactor(factor.to_string()))
+            Err(CapacityError::Invalid(factor.to_string()))
         }
     }
 
@@ -38,12 +50,12 @@ impl CapacityFactor {
 }
 
 impl std::str::FromStr for CapacityFactor {
-    type Err = ModelError;
+    type Err = CapacityError;
 
     fn from_str(s: &str) -> Result<Self> {
         match s.trim().parse::<f64>() {
             Ok(f) => CapacityFactor::new(f),
-            Err(_) => Err(ModelError::CapacityFactor(format!("{s:?}"))),
+            Err(_) => Err(CapacityError::Invalid(format!("{s:?}"))),
         }
     }
 }
@@ -52,7 +64,7 @@ impl std::str::FromStr for CapacityFactor {
 /// says the user meant another model).
 pub fn check_capacity(cfg: &ModelConfig, capacity: Option<CapacityFactor>) -> Result<()> {
     match capacity {
-        Some(f) if cfg.experts.is_none() => Err(ModelError::CapacityOnDense(f.get())),
+        Some(f) if cfg.experts.is_none() => Err(CapacityError::Dense(f.get())),
         _ => Ok(()),
     }
 }
@@ -61,7 +73,7 @@ pub fn check_capacity(cfg: &ModelConfig, capacity: Option<CapacityFactor>) -> Re
 /// expert's pairs past `cap`: the first `cap` tokens routed to an expert keep it, the later
 /// ones lose it (their other experts and weights unchanged). Returns the pairs dropped per
 /// expert (`[count]`).
-pub(crate) fn drop_over(routes: &mut [Vec<(usize, f32)>], cap: usize, count: usize) -> Vec<u64> {
+pub fn drop_over(routes: &mut [Vec<(usize, f32)>], cap: usize, count: usize) -> Vec<u64> {
     let mut taken = vec![0usize; count];
     let mut dropped = vec![0u64; count];
     for r in routes.iter_mut() {
