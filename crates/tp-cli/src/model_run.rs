@@ -239,7 +239,7 @@ pub fn resolve_model_path(path: &Path) -> anyhow::Result<PathBuf> {
 }
 
 /// `--moe-capacity-factor`'s value, refused in the library's words.
-fn parse_capacity_factor(s: &str) -> Result<CapacityFactor, String> {
+pub fn parse_capacity_factor(s: &str) -> Result<CapacityFactor, String> {
     s.parse::<CapacityFactor>().map_err(|e| e.to_string())
 }
 

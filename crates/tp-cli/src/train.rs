@@ -121,6 +121,11 @@ pub struct TrainArgs {
     /// alpha; 0 turns it off).
     #[arg(long, default_value_t = tp_train::DEFAULT_MOE_AUX_COEF)]
     pub moe_aux_loss_coeff: f64,
+    /// Mixture of experts: each expert takes at most ceil(F x tokens x top-k / experts) of a
+    /// micro-batch's (token, expert) pairs, the later ones dropped and counted in the step
+    /// report (GShard's capacity factor, a number above 0) [default: no token is dropped].
+    #[arg(long, value_name = "F", value_parser = crate::model_run::parse_capacity_factor)]
+    pub moe_capacity_factor: Option<tp_models::CapacityFactor>,
     /// Megatron's distributed optimizer (ZeRO-1): AdamW's moments and master weights sharded
     /// over the dp replicas (gradients reduce-scattered, weights all-gathered); the same
     /// training with dp times less optimizer memory per rank. Checkpoints resume either way.
@@ -179,6 +184,7 @@ impl TrainArgs {
             resume: self.resume.clone(),
             bucket_mib: self.bucket_mib,
             moe_aux_coef: self.moe_aux_loss_coeff,
+            moe_capacity: self.moe_capacity_factor,
             distributed_optimizer: self.distributed_optimizer,
             sequence_parallel: self.sequence_parallel,
             recompute: self.recompute,
@@ -246,6 +252,7 @@ pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
                     "step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
                     "tokens": r.tokens, "seconds": r.seconds, "tokens_per_s": f.tokens_per_s,
                     "mfu": f.mfu, "aux_loss": r.aux_loss, "val_loss": r.val_loss,
+                    "moe_dropped": r.moe_dropped,
                 })
             );
         } else if let Some(b) = &bar {

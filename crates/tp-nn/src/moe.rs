@@ -117,8 +117,14 @@ impl ParallelMoe {
     }
 
     /// This layer routing with `routing` (a capacity factor).
-    pub fn with_routing(self, routing: RouteOptions) -> Self {
-        ParallelMoe { routing, ..self }
+    pub fn with_routing(mut self, routing: RouteOptions) -> Self {
+        self.set_routing(routing);
+        self
+    }
+
+    /// Routes with `routing` from now on.
+    pub fn set_routing(&mut self, routing: RouteOptions) {
+        self.routing = routing;
     }
 
     /// The router (replicated; its gradient is partial per rank).

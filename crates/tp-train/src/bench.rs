@@ -193,6 +193,7 @@ impl Bench {
                     bucket_elems: 4 << 20,
                     distributed_optimizer: cfg.distributed_optimizer,
                     moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
+                    moe_capacity: None,
                     sequence_parallel: cfg.sequence_parallel,
                     recompute,
                     pack: false,

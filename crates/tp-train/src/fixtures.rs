@@ -107,6 +107,7 @@ pub fn spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
         bucket_elems: 5000,
         distributed_optimizer: false,
         moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
+        moe_capacity: None,
         sequence_parallel: false,
         recompute: crate::Recompute::None,
         pack: false,

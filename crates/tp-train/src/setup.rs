@@ -56,6 +56,9 @@ pub struct RunRequest {
     pub bucket_mib: f64,
     /// Weight of the MoE load-balancing loss (unused without experts).
     pub moe_aux_coef: f64,
+    /// The MoE layers' capacity factor ([`TrainSpec::moe_capacity`]); refused for a dense
+    /// model.
+    pub moe_capacity: Option<tp_spec::CapacityFactor>,
     /// Shard the optimizer state over the data-parallel replicas (ZeRO-1).
     pub distributed_optimizer: bool,
     /// Sequence parallelism: the norms and residual adds hold `seq/tp` positions per tp rank.
@@ -252,6 +255,8 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             "the load-balancing loss weight must be a number >= 0".into(),
         ));
     }
+    tp_spec::check_capacity(&model, a.moe_capacity)
+        .map_err(|e| TrainError::Config(e.to_string()))?;
     if !(a.bucket_mib > 0.0 && a.bucket_mib.is_finite()) {
         return Err(TrainError::Config(
             "the all-reduce bucket size must be a positive number of MiB".into(),
@@ -277,6 +282,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         val_every: if val.is_some() { a.val_every } else { 0 },
         bucket_elems: ((a.bucket_mib * (1 << 20) as f64) / 4.0).max(1.0) as usize,
         moe_aux_coef: a.moe_aux_coef,
+        moe_capacity: a.moe_capacity,
         distributed_optimizer: a.distributed_optimizer,
         sequence_parallel: a.sequence_parallel,
         recompute: a.recompute,
@@ -431,6 +437,7 @@ mod tests {
             resume: None,
             bucket_mib: 1.0,
             moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
+            moe_capacity: None,
             distributed_optimizer: false,
             sequence_parallel: false,
             recompute: crate::Recompute::None,

@@ -53,6 +53,10 @@ pub struct TrainSpec {
     /// Weight of the MoE load-balancing loss in the training objective (Switch Transformer's
     /// alpha; 0 turns it off); unused without experts.
     pub moe_aux_coef: f64,
+    /// The MoE layers' capacity factor ([`tp_spec::CapacityFactor`]): each expert takes at
+    /// most `ceil(f x tokens x k / E)` of a micro-batch's (token, expert) pairs, the later
+    /// ones dropped and counted ([`StepReport::moe_dropped`]); `None`: no pair is dropped.
+    pub moe_capacity: Option<tp_spec::CapacityFactor>,
     /// Sequence parallelism (Korthikanti et al. 2022, §4.2.2): outside the tensor-parallel
     /// regions each tp rank holds `seq/tp` positions; `seq` must divide by tp.
     pub sequence_parallel: bool,
@@ -157,6 +161,9 @@ pub struct StepReport {
     pub aux_loss: Option<f64>,
     /// Mean loss on the held-out split after this step's update, when it was measured.
     pub val_loss: Option<f64>,
+    /// (token, expert) pairs the capacity factor dropped in the step, over the MoE layers,
+    /// micro-batches and data-parallel replicas; `None` without a capacity factor.
+    pub moe_dropped: Option<u64>,
 }
 
 /// One rank's training state.
@@ -187,6 +194,8 @@ pub struct Trainer<'a> {
     opts: TrainOptions,
     /// The mean over MoE layers of the load-balancing loss of the last batch computed.
     last_aux: Option<f64>,
+    /// The last step's dropped (token, expert) pairs ([`StepReport::moe_dropped`]).
+    last_dropped: Option<u64>,
     /// Under full recomputation, the block-input bytes one micro-batch kept on this rank in
     /// the last step (counted); 0 otherwise.
     kept_input_bytes: u64,
@@ -269,7 +278,10 @@ impl<'a> Trainer<'a> {
             .into_iter()
             .map(|g| {
                 let mut m = StageModel::new(&spec.model, g, pp * v, c.tp_rank, tp, weights)?
-                    .with_sequence_parallel(spec.sequence_parallel);
+                    .with_sequence_parallel(spec.sequence_parallel)
+                    .with_moe_routing(tp_nn::RouteOptions {
+                        capacity: spec.moe_capacity,
+                    });
                 m.set_recompute(spec.recompute);
                 Ok(m)
             })
@@ -352,6 +364,7 @@ impl<'a> Trainer<'a> {
             history,
             opts,
             last_aux: None,
+            last_dropped: None,
             kept_input_bytes: 0,
             pipeline_s: (0.0, 0.0),
         })
@@ -499,7 +512,7 @@ impl<'a> Trainer<'a> {
         // The loss lives on the last stage: sum over stages (the others add 0) and over the
         // replicas' shares of the weighted sum; the load-balancing losses of each stage's MoE
         // layers are summed over micro-batches, stages and replicas.
-        let mut loss = [sums.loss, sums.aux];
+        let mut loss = [sums.loss, sums.aux, sums.dropped as f64];
         if s.dims.pp > 1 {
             self.groups.pp.all_reduce(&mut loss, ReduceOp::Sum)?;
         }
@@ -511,6 +524,8 @@ impl<'a> Trainer<'a> {
             .model
             .experts
             .map(|_| loss[1] / (m * dp * s.model.layers.max(1)) as f64);
+        // Exact in f64: a count far below 2^53.
+        self.last_dropped = s.moe_capacity.map(|_| loss[2] as u64);
         Ok((loss[0], norm))
     }
 
@@ -605,6 +620,7 @@ impl<'a> Trainer<'a> {
             tokens: (s.global_batch * s.seq) as u64,
             seconds: t0.elapsed().as_secs_f64(),
             aux_loss: self.last_aux,
+            moe_dropped: self.last_dropped,
         })
     }
 

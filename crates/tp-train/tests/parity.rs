@@ -40,6 +40,7 @@
 mod common;
 use common::*;
 use tp_train::fixtures::{gemma3_spec, moe_spec, qwen2_spec, qwen3_spec};
+use tp_train::TrainSpec;
 
 #[test]
 fn every_layout_follows_the_tp1_loss_curve_for_20_steps() {
@@ -110,6 +111,53 @@ fn mixtral_follows_the_tp1_loss_curve_at_pp2_dp2_and_pp2_x_dp2() {
                 (a - b).abs() <= LOSS_TOL * b,
                 "Mixtral {d:?} step {}: balance loss {a} vs {b}",
                 g.step
+            );
+        }
+    }
+}
+
+/// A capacity factor of 0.75 on the Mixtral (one sequence of 16 tokens per micro-batch, top-2
+/// of 4 experts: each expert keeps 6 of a micro-batch's 32 pairs, so at least 8 are dropped
+/// per layer): the step report counts the drops, summed over layers, micro-batches, stages
+/// and replicas, so pp 2 and dp 2 count what tp 1 counts at every step and follow its loss;
+/// tp 2 routes the same at the first step (later, near-ties may route differently, see the
+/// module's note). The drops change the objective (the first loss moves) and without a
+/// factor nothing is counted.
+#[test]
+fn mixtral_counts_the_capacity_drops_at_every_layout() {
+    let steps = 3;
+    let capped = |d, micro| TrainSpec {
+        moe_capacity: Some(tp_spec::CapacityFactor::new(0.75).unwrap()),
+        ..moe_spec(d, steps, micro)
+    };
+    let reference = train(&capped(dims(1, 1, 1), 4), None);
+    let layers = moe_spec(dims(1, 1, 1), 1, 1).model.layers as u64;
+    for r in &reference {
+        // 4 micro-batches of at least 8 drops in each layer.
+        assert!(r.moe_dropped.unwrap() >= 4 * 8 * layers, "{r:?}");
+    }
+    let plain = train(&moe_spec(dims(1, 1, 1), steps, 4), None);
+    assert!(plain.iter().all(|r| r.moe_dropped.is_none()));
+    assert!(
+        (plain[0].loss - reference[0].loss).abs() > 1e-4 * plain[0].loss,
+        "dropping pairs did not change the loss: {} vs {}",
+        plain[0].loss,
+        reference[0].loss
+    );
+    for (d, micro, checked) in [
+        (dims(1, 2, 1), 4, steps),
+        (dims(1, 1, 2), 2, steps),
+        (dims(2, 1, 1), 4, 1),
+    ] {
+        let got = train(&capped(d, micro), None);
+        for (g, w) in got.iter().zip(&reference).take(checked as usize) {
+            assert_eq!(g.moe_dropped, w.moe_dropped, "{d:?} step {}", g.step);
+            assert!(
+                (g.loss - w.loss).abs() <= LOSS_TOL * w.loss,
+                "{d:?} step {}: loss {} vs {}",
+                g.step,
+                g.loss,
+                w.loss
             );
         }
     }
