@@ -275,7 +275,12 @@ fn moe_capacity_drops_are_in_the_step_report() {
             .map(|v| v["moe_dropped"].clone())
             .collect()
     };
-    let capped = dropped(&["--moe-capacity-factor", "0.25"]);
+    let capped = dropped(&[
+        "--moe-capacity-factor",
+        "0.25",
+        "--moe-bias-update-rate",
+        "0.001",
+    ]);
     assert_eq!(capped.len(), 2, "{capped:?}");
     assert!(capped.iter().all(|d| d.as_u64() > Some(0)), "{capped:?}");
     assert!(dropped(&[]).iter().all(serde_json::Value::is_null));
@@ -329,6 +334,14 @@ fn bad_inputs_get_clear_errors() {
         (
             vec!["--moe-capacity-factor", "1.25"],
             "the model has no experts (it is dense); leave it unset",
+        ),
+        (
+            vec!["--moe-bias-update-rate", "0.001"],
+            "a router bias update rate was given, but the model has no experts",
+        ),
+        (
+            vec!["--arch", "mixtral", "--moe-bias-update-rate", "-1"],
+            "the router bias update rate must be a number >= 0",
         ),
     ];
     for (extra, want) in cases {

@@ -677,9 +677,26 @@ impl ParallelBlock {
 
     /// A mixture-of-experts MLP routes with `routing` (a capacity factor) from now on; a
     /// dense MLP is unchanged.
-    pub fn set_moe_routing(&mut self, routing: crate::RouteOptions) {
+    pub fn set_moe_routing(&mut self, routing: &crate::RouteOptions) {
         if let BlockMlp::Moe(moe) = &mut self.mlp {
-            moe.set_routing(routing);
+            moe.set_routing(routing.clone());
+        }
+    }
+
+    /// A mixture-of-experts MLP selects experts with the aux-loss-free `bias` (`[count]`)
+    /// from now on ([`crate::RouteOptions::bias`]); a dense MLP is unchanged.
+    pub fn set_moe_bias(&mut self, bias: Vec<f32>) {
+        if let BlockMlp::Moe(moe) = &mut self.mlp {
+            moe.set_selection_bias(bias);
+        }
+    }
+
+    /// The tokens routed to each expert since the last call (`[count]`,
+    /// [`ParallelMoe::take_load`]); `None` for a dense MLP.
+    pub fn take_moe_load(&self) -> Option<Vec<u64>> {
+        match &self.mlp {
+            BlockMlp::Moe(moe) => Some(moe.take_load()),
+            BlockMlp::Dense(_) => None,
         }
     }
 

@@ -44,8 +44,12 @@ pub struct MoeOutput {
 
 /// How [`route`] picks experts beyond the family's rule: the default routes every token to
 /// its top-k experts.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct RouteOptions {
+    /// The aux-loss-free load-balancing bias (DeepSeek-V3; Wang et al. 2024), one per expert
+    /// (empty: none): added to the router probabilities for the top-k *selection only*; the
+    /// weights stay the unbiased probabilities, so the bias gets no gradient.
+    pub bias: Vec<f32>,
     /// Each expert takes at most `ceil(f x n x k / E)` of the step's (token, expert) pairs in
     /// token order ([`CapacityFactor`], the rule inference follows); the later ones are
     /// dropped, the token keeping its other experts with their weights unchanged.
@@ -65,6 +69,8 @@ pub struct ParallelMoe {
     empty_cols: Var,
     tp: usize,
     routing: RouteOptions,
+    /// Tokens routed to each expert since [`ParallelMoe::take_load`] (`[count]`).
+    load: std::sync::Mutex<Vec<u64>>,
 }
 
 impl ParallelMoe {
@@ -113,6 +119,7 @@ impl ParallelMoe {
             empty_cols: empty((hidden, 0))?,
             tp,
             routing: RouteOptions::default(),
+            load: std::sync::Mutex::new(vec![0; experts.count]),
         })
     }
 
@@ -125,6 +132,18 @@ impl ParallelMoe {
     /// Routes with `routing` from now on.
     pub fn set_routing(&mut self, routing: RouteOptions) {
         self.routing = routing;
+    }
+
+    /// Selects experts with the aux-loss-free `bias` (`[count]`) from now on.
+    pub fn set_selection_bias(&mut self, bias: Vec<f32>) {
+        self.routing.bias = bias;
+    }
+
+    /// The tokens routed to each expert (`[count]`, before capacity drops) by the forwards
+    /// since the last call, and starts counting anew.
+    pub fn take_load(&self) -> Vec<u64> {
+        let mut load = self.load.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::replace(&mut *load, vec![0; self.experts.count])
     }
 
     /// The router (replicated; its gradient is partial per rank).
@@ -157,6 +176,12 @@ impl ParallelMoe {
     pub fn forward_local(&self, x_par: &Tensor, group: &Group) -> Result<MoeOutput> {
         let (probs, weights, counts, dropped) =
             route(x_par, self.router.as_tensor(), &self.experts, &self.routing)?;
+        {
+            let mut load = self.load.lock().unwrap_or_else(|e| e.into_inner());
+            for (l, &c) in load.iter_mut().zip(&counts) {
+                *l += c as u64;
+            }
+        }
         let picked: Vec<Vec<f32>> = weights.to_vec2()?; // [n][count]
         let mut out = x_par.zeros_like()?; // [n, hidden]
         for e in &self.local {
@@ -217,7 +242,11 @@ pub fn route(
     let mut counts = vec![0usize; count];
     let mut routes: Vec<Vec<(usize, f32)>> = Vec::with_capacity(rows.len()); // [n][k]
     for (t, p) in rows.iter().enumerate() {
-        let p: Vec<f64> = p.iter().map(|&x| f64::from(x)).collect();
+        let p: Vec<f64> = p
+            .iter()
+            .enumerate()
+            .map(|(e, &x)| f64::from(x) + opts.bias.get(e).map_or(0.0, |&b| f64::from(b)))
+            .collect(); // biased for the selection only
         let top = experts.top_k(&p);
         for &e in &top {
             mask[t * count + e] = 1.0;

@@ -210,9 +210,28 @@ impl StageModel {
     /// factor); a dense stage is unchanged.
     pub fn with_moe_routing(mut self, routing: tp_nn::RouteOptions) -> Self {
         for b in &mut self.blocks {
-            b.set_moe_routing(routing);
+            b.set_moe_routing(&routing);
         }
         self
+    }
+
+    /// Sets the aux-loss-free router bias of the stage's MoE layers from `all [layers][count]`
+    /// (every layer of the model; [`crate::router_bias`]).
+    pub fn set_moe_bias(&mut self, all: &[Vec<f32>]) {
+        for (b, l) in self.blocks.iter_mut().zip(self.layers.clone()) {
+            if let Some(bias) = all.get(l) {
+                b.set_moe_bias(bias.clone());
+            }
+        }
+    }
+
+    /// `(layer, tokens routed to each expert)` of the stage's MoE layers since the last call.
+    pub fn take_moe_load(&self) -> Vec<(usize, Vec<u64>)> {
+        self.blocks
+            .iter()
+            .zip(self.layers.clone())
+            .filter_map(|(b, l)| Some((l, b.take_moe_load()?)))
+            .collect()
     }
 
     /// Activation recomputation (Korthikanti et al. 2022): `Selective` makes each block's

@@ -57,6 +57,10 @@ pub struct TrainSpec {
     /// most `ceil(f x tokens x k / E)` of a micro-batch's (token, expert) pairs, the later
     /// ones dropped and counted ([`StepReport::moe_dropped`]); `None`: no pair is dropped.
     pub moe_capacity: Option<tp_spec::CapacityFactor>,
+    /// The aux-loss-free router bias's update rate `u` ([`crate::router_bias`]; DeepSeek-V3
+    /// used 1e-3): `None` leaves it off; `Some(0)` counts the loads (and reports their
+    /// imbalance) without moving the bias.
+    pub moe_bias_rate: Option<f64>,
     /// Sequence parallelism (Korthikanti et al. 2022, §4.2.2): outside the tensor-parallel
     /// regions each tp rank holds `seq/tp` positions; `seq` must divide by tp.
     pub sequence_parallel: bool,
@@ -164,6 +168,9 @@ pub struct StepReport {
     /// (token, expert) pairs the capacity factor dropped in the step, over the MoE layers,
     /// micro-batches and data-parallel replicas; `None` without a capacity factor.
     pub moe_dropped: Option<u64>,
+    /// With the router bias on: the step's load imbalance (the mean over MoE layers of the
+    /// busiest expert's tokens over the mean, 1 balanced; [`crate::router_bias::update`]).
+    pub moe_imbalance: Option<f64>,
 }
 
 /// One rank's training state.
@@ -196,6 +203,9 @@ pub struct Trainer<'a> {
     last_aux: Option<f64>,
     /// The last step's dropped (token, expert) pairs ([`StepReport::moe_dropped`]).
     last_dropped: Option<u64>,
+    /// The aux-loss-free router bias `[layers][count]` of every layer (replicated on every
+    /// rank); empty while off.
+    moe_bias: Vec<Vec<f32>>,
     /// Under full recomputation, the block-input bytes one micro-batch kept on this rank in
     /// the last step (counted); 0 otherwise.
     kept_input_bytes: u64,
@@ -274,13 +284,14 @@ impl<'a> Trainer<'a> {
             Start::Fresh => &seeded,
         };
         let v = spec.virtual_stages.max(1);
-        let chunks = layout::rank_chunks(c.pp_rank, pp, v)
+        let mut chunks = layout::rank_chunks(c.pp_rank, pp, v)
             .into_iter()
             .map(|g| {
                 let mut m = StageModel::new(&spec.model, g, pp * v, c.tp_rank, tp, weights)?
                     .with_sequence_parallel(spec.sequence_parallel)
                     .with_moe_routing(tp_nn::RouteOptions {
                         capacity: spec.moe_capacity,
+                        ..Default::default()
                     });
                 m.set_recompute(spec.recompute);
                 Ok(m)
@@ -336,6 +347,19 @@ impl<'a> Trainer<'a> {
             data_position = ck.state.data_position;
             history = ck.state.loss_history.clone();
         }
+        // The router bias: the checkpoint's, else zeros when it is on.
+        let moe_bias = match (resume, spec.model.experts) {
+            (Some(ck), Some(_)) if !ck.state.moe_bias.is_empty() => ck.state.moe_bias.clone(),
+            (_, Some(e)) if spec.moe_bias_rate.is_some() => {
+                vec![vec![0.0; e.count]; spec.model.layers]
+            }
+            _ => Vec::new(),
+        };
+        if !moe_bias.is_empty() {
+            for m in &mut chunks {
+                m.set_moe_bias(&moe_bias);
+            }
+        }
         let embed_len = layout::vocab_partition(&spec.model, tp)?
             .range(c.tp_rank)
             .len()
@@ -365,6 +389,7 @@ impl<'a> Trainer<'a> {
             opts,
             last_aux: None,
             last_dropped: None,
+            moe_bias,
             kept_input_bytes: 0,
             pipeline_s: (0.0, 0.0),
         })
@@ -476,6 +501,10 @@ impl<'a> Trainer<'a> {
             })
             .collect::<Result<Vec<_>>>()?;
         self.grads.fill(0.0);
+        // The router loads count this step's forwards only.
+        for c in &self.chunks {
+            c.take_moe_load();
+        }
         let sums = run_micro_batches(
             &self.chunks,
             &self.groups,
@@ -607,6 +636,7 @@ impl<'a> Trainer<'a> {
         self.data_position += s.global_batch as u64;
         self.history.push((self.step, loss));
         let due = s.val_every > 0 && self.step.is_multiple_of(s.val_every);
+        let moe_imbalance = self.update_moe_bias()?;
         let val_loss = match self.val {
             Some(v) if due || self.step == s.steps => Some(self.validation_loss(v)?),
             _ => None,
@@ -621,6 +651,7 @@ impl<'a> Trainer<'a> {
             seconds: t0.elapsed().as_secs_f64(),
             aux_loss: self.last_aux,
             moe_dropped: self.last_dropped,
+            moe_imbalance,
         })
     }
 
@@ -638,6 +669,36 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
+    /// Collective (pp and dp): the step's router loads summed over stages and replicas, the
+    /// bias moved by them ([`crate::router_bias::update`]) alike on every rank and set in this
+    /// rank's layers; returns their imbalance. `None` while the bias is off.
+    fn update_moe_bias(&mut self) -> Result<Option<f64>> {
+        let s = self.spec;
+        let (Some(rate), Some(e)) = (s.moe_bias_rate, s.model.experts) else {
+            return Ok(None);
+        };
+        let count = e.count;
+        let mut load = vec![0f64; s.model.layers * count]; // [layers * count]
+        for m in &self.chunks {
+            for (l, c) in m.take_moe_load() {
+                for (a, &n) in load[l * count..(l + 1) * count].iter_mut().zip(&c) {
+                    *a += n as f64;
+                }
+            }
+        }
+        if s.dims.pp > 1 {
+            self.groups.pp.all_reduce(&mut load, ReduceOp::Sum)?;
+        }
+        if s.dims.dp > 1 {
+            self.groups.dp.all_reduce(&mut load, ReduceOp::Sum)?;
+        }
+        let imbalance = crate::router_bias::update(&mut self.moe_bias, &load, rate);
+        for m in &mut self.chunks {
+            m.set_moe_bias(&self.moe_bias);
+        }
+        Ok(Some(imbalance))
+    }
+
     /// The checkpoint state of now.
     pub fn state(&self) -> Result<TrainerState> {
         let s = self.spec;
@@ -653,6 +714,7 @@ impl<'a> Trainer<'a> {
             optim: s.optim.clone(),
             data: s.data_name.clone(),
             loss_history: self.history.clone(),
+            moe_bias: self.moe_bias.clone(),
             saved_layout: checkpoint::saved_layout(&s.model, s.dims, s.virtual_stages)?,
         })
     }

@@ -40,7 +40,7 @@
 mod common;
 use common::*;
 use tp_train::fixtures::{gemma3_spec, moe_spec, qwen2_spec, qwen3_spec};
-use tp_train::TrainSpec;
+use tp_train::{Checkpoint, StepReport, TrainOptions, TrainSpec};
 
 #[test]
 fn every_layout_follows_the_tp1_loss_curve_for_20_steps() {
@@ -161,6 +161,89 @@ fn mixtral_counts_the_capacity_drops_at_every_layout() {
             );
         }
     }
+}
+
+/// The aux-loss-free router bias on the Mixtral (the balance loss off, so only the bias
+/// balances): with u = 0 the training is the bias-free one bit for bit; with u = 0.1 the
+/// experts' load imbalance (busiest over mean, averaged over layers) of the later steps falls
+/// below the u = 0 run's; pp 2 and dp 2 (the loads summed over stages and replicas, every
+/// rank moving the same bias) give tp 1's imbalance and losses; a run saved at step 6
+/// resumes with its bias and continues exactly (the same layout).
+#[test]
+fn mixtral_router_bias_balances_the_experts_alike_at_every_layout() {
+    let steps = 12;
+    let biased = |d, micro, u| TrainSpec {
+        moe_bias_rate: u,
+        moe_aux_coef: 0.0,
+        ..moe_spec(d, steps, micro)
+    };
+    let off = train(&biased(dims(1, 1, 1), 4, None), None);
+    let zero = train(&biased(dims(1, 1, 1), 4, Some(0.0)), None);
+    for (z, o) in zero.iter().zip(&off) {
+        assert_eq!(z.loss.to_bits(), o.loss.to_bits(), "u = 0, step {}", z.step);
+        assert!(o.moe_imbalance.is_none());
+    }
+    let on = train(&biased(dims(1, 1, 1), 4, Some(0.1)), None);
+    let late = |r: &[StepReport]| -> f64 {
+        let tail = &r[steps as usize / 2..];
+        tail.iter().map(|r| r.moe_imbalance.unwrap()).sum::<f64>() / tail.len() as f64
+    };
+    eprintln!(
+        "imbalance per step: u = 0 {:?}, u = 0.1 {:?}",
+        zero.iter()
+            .map(|r| r.moe_imbalance.unwrap())
+            .collect::<Vec<_>>(),
+        on.iter()
+            .map(|r| r.moe_imbalance.unwrap())
+            .collect::<Vec<_>>()
+    );
+    eprintln!(
+        "imbalance of the later steps: u = 0 {:.3}, u = 0.1 {:.3}",
+        late(&zero),
+        late(&on)
+    );
+    assert!(
+        late(&on) < late(&zero) - 0.05,
+        "the bias did not balance: {} vs {}",
+        late(&on),
+        late(&zero)
+    );
+    for (d, micro) in [(dims(1, 2, 1), 4), (dims(1, 1, 2), 2)] {
+        let got = train(&biased(d, micro, Some(0.1)), None);
+        for (g, w) in got.iter().zip(&on) {
+            let (a, b) = (g.moe_imbalance.unwrap(), w.moe_imbalance.unwrap());
+            assert!(
+                (a - b).abs() <= 1e-12,
+                "{d:?} step {}: imbalance {a} vs {b}",
+                g.step
+            );
+            assert!(
+                (g.loss - w.loss).abs() <= LOSS_TOL * w.loss,
+                "{d:?} step {}: loss {} vs {}",
+                g.step,
+                g.loss,
+                w.loss
+            );
+        }
+    }
+    let dir = tp_testkit::scratch_dir("router-bias-resume");
+    let s = biased(dims(1, 1, 1), 4, Some(0.1));
+    with_trainers(&s, None, TrainOptions::default(), |t| {
+        for _ in 0..6 {
+            t.step()?;
+        }
+        t.save_to(&dir)
+    })
+    .swap_remove(0)
+    .expect("first part");
+    let ck = Checkpoint::open(&dir).expect("checkpoint opens");
+    assert_eq!(ck.state.moe_bias.len(), s.model.layers);
+    assert!(ck.state.moe_bias.iter().flatten().any(|&b| b != 0.0));
+    let resumed = train(&s, Some(&ck));
+    let want: Vec<f64> = on[6..].iter().map(|r| r.loss).collect();
+    let got: Vec<f64> = resumed.iter().map(|r| r.loss).collect();
+    assert_eq!(got, want, "resumed with the bias");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
