@@ -241,6 +241,29 @@ fn capacity_drops_are_counted_and_bad_factors_refused() {
         serde_json::json!(vec![60; 8]),
         "{row}"
     );
+    // The same in the table: the prefill's and the decode steps' drops.
+    let out = common::tp(
+        &[
+            "bench",
+            "decode",
+            "--model",
+            &moe,
+            "--tps",
+            "2",
+            "--moe-capacity-factor",
+            "0.5",
+            "--prompt-tokens",
+            "4",
+            "--gen-tokens",
+            "3",
+            "--repeats",
+            "1",
+        ],
+        LIMIT,
+    );
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(out.stdout.contains("dropped pf/dec"), "{}", out.stdout);
+    assert!(out.stdout.contains(" 480/0"), "{}", out.stdout);
 
     let server = serve_util::ServerProc::start_with(
         serve_util::TP,
