@@ -63,7 +63,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         dense: args.dtype.dense(),
         kv_dtype: args.kv_dtype.kv_dtype(),
         expert_groups: args.ep,
-        expert_capacity_percent: None,
+        expert_capacity: None,
         pipeline_stages: args.pp,
     };
     // The stages first: a pp the model cannot take names the valid range.

@@ -9,7 +9,7 @@ use tp_engine::launch::{Backend, RanksFailed};
 use tp_engine::report::{chain, parse_bytes, show_bytes};
 use tp_engine::session::SessionError;
 use tp_engine::start::{run_session, HeldPositions, SessionConfig, StartError};
-use tp_models::{fetch, DenseDType, KvDtype, LoadOptions, RankWeights, SyncMode};
+use tp_models::{fetch, CapacityFactor, DenseDType, KvDtype, LoadOptions, RankWeights, SyncMode};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DTypeArg {
@@ -121,10 +121,11 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = 1)]
     pub ep: usize,
     /// Mixture of experts: each expert takes at most ceil(F x tokens x top-k / experts) of a
-    /// step's tokens, the later ones dropped (GShard's capacity factor; the drops depend on
-    /// what shares the step) [default: no token is dropped].
-    #[arg(long, value_name = "F", value_parser = parse_capacity_factor)]
-    pub capacity_factor: Option<u32>,
+    /// step's (token, expert) pairs, the later ones dropped and counted (GShard's capacity
+    /// factor, a number above 0; the drops depend on what shares the step, docs/moe.md)
+    /// [default: no token is dropped].
+    #[arg(long, alias = "capacity-factor", value_name = "F", value_parser = parse_capacity_factor)]
+    pub moe_capacity_factor: Option<CapacityFactor>,
     /// Print only the generated text (no model and speed report on stderr).
     #[arg(long, short)]
     pub quiet: bool,
@@ -137,7 +138,7 @@ impl ModelArgs {
             dense: self.dtype.dense(),
             kv_dtype: self.kv_dtype.kv_dtype(),
             expert_groups: self.ep,
-            expert_capacity_percent: self.capacity_factor,
+            expert_capacity: self.moe_capacity_factor,
             pipeline_stages: self.pp,
         }
     }
@@ -237,18 +238,12 @@ pub fn resolve_model_path(path: &Path) -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
-/// `--rank-weights`' value: whole numbers separated by commas, each 1..=1000.
-/// A capacity factor (a number from 0.01 to 1000) in percent, rounded.
-fn parse_capacity_factor(s: &str) -> Result<u32, String> {
-    match s.trim().parse::<f64>() {
-        Ok(f) if (0.01..=1000.0).contains(&f) => Ok((f * 100.0).round() as u32),
-        _ => Err(format!(
-            "{s:?} is not a capacity factor; give a number from 0.01 to 1000 (1.25 lets each \
-             expert take 25% more than its even share of a step's tokens)"
-        )),
-    }
+/// `--moe-capacity-factor`'s value, refused in the library's words.
+pub fn parse_capacity_factor(s: &str) -> Result<CapacityFactor, String> {
+    s.parse::<CapacityFactor>().map_err(|e| e.to_string())
 }
 
+/// `--rank-weights`' value: whole numbers separated by commas, each 1..=1000.
 pub fn parse_rank_weights(s: &str) -> Result<RankWeights, String> {
     s.parse::<RankWeights>().map_err(|e| e.to_string())
 }
@@ -275,6 +270,7 @@ pub fn start_error(e: StartError, backend: Backend) -> anyhow::Error {
         }
         StartError::EmptyContext => anyhow!("--ctx-size must be at least 1"),
         StartError::ExpertGroups { source } => anyhow!("{source} (--ep)"),
+        StartError::Capacity { source } => anyhow!("{source} (--moe-capacity-factor)"),
         StartError::Stages { source } => anyhow!("{} (--pp)", chain(&*source)),
         e @ StartError::PipelineNotWorld { .. } => anyhow!("{e} (--pp, --tp)"),
         StartError::Session(e) => session_error(*e),

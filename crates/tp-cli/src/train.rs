@@ -127,6 +127,17 @@ pub struct TrainArgs {
     /// all-to-all (docs/moe.md).
     #[arg(long, default_value_t = 1)]
     pub ep: usize,
+    /// Mixture of experts: each expert takes at most ceil(F x tokens x top-k / experts) of a
+    /// micro-batch's (token, expert) pairs, the later ones dropped and counted in the step
+    /// report (GShard's capacity factor, a number above 0) [default: no token is dropped].
+    #[arg(long, value_name = "F", value_parser = crate::model_run::parse_capacity_factor)]
+    pub moe_capacity_factor: Option<tp_models::CapacityFactor>,
+    /// Mixture of experts: the aux-loss-free load-balancing bias (DeepSeek-V3): a per-expert
+    /// bias on the router's top-k choice (not its weights), moved by this rate after each
+    /// step towards balance, saved in checkpoints; 0 reports the imbalance without moving
+    /// it (DeepSeek-V3 used 0.001) [default: off].
+    #[arg(long, value_name = "U")]
+    pub moe_bias_update_rate: Option<f64>,
     /// Megatron's distributed optimizer (ZeRO-1): AdamW's moments and master weights sharded
     /// over the dp replicas (gradients reduce-scattered, weights all-gathered); the same
     /// training with dp times less optimizer memory per rank. Checkpoints resume either way.
@@ -186,6 +197,8 @@ impl TrainArgs {
             bucket_mib: self.bucket_mib,
             moe_aux_coef: self.moe_aux_loss_coeff,
             ep: self.ep,
+            moe_capacity: self.moe_capacity_factor,
+            moe_bias_rate: self.moe_bias_update_rate,
             distributed_optimizer: self.distributed_optimizer,
             sequence_parallel: self.sequence_parallel,
             recompute: self.recompute,
@@ -254,6 +267,7 @@ pub fn run(a: &TrainArgs) -> anyhow::Result<ExitCode> {
                     "tokens": r.tokens, "seconds": r.seconds, "tokens_per_s": f.tokens_per_s,
                     "mfu": f.mfu, "aux_loss": r.aux_loss, "val_loss": r.val_loss,
                     "expert_rows": r.expert_rows,
+                    "moe_dropped": r.moe_dropped, "moe_imbalance": r.moe_imbalance,
                 })
             );
         } else if let Some(b) = &bar {

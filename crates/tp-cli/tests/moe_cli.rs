@@ -5,7 +5,9 @@
 //! text and `tp perplexity` its mean NLL, `tp inspect` lists each rank's experts, `tp bench
 //! decode` counts the tokens of each expert and each rank's expert rows, and an
 //! expert-parallel size that does not divide tp is refused before anything loads; `tp serve`
-//! over two pipeline stages reports the tokens routed to each expert on `/metrics`.
+//! over two pipeline stages reports the tokens routed to each expert on `/metrics`. Under
+//! `--moe-capacity-factor` the dropped pairs are counted in `tp bench decode --json` and
+//! `/metrics`, and a bad factor or one given for a dense model is refused.
 
 mod common;
 mod serve_util;
@@ -184,4 +186,137 @@ fn smollm2_as_eight_experts_generates_dense_text_at_every_expert_layout() {
         "{}",
         out.stderr
     );
+}
+
+/// `--moe-capacity-factor 0.5` on SmolLM2 as 8 experts (every token routed to all 8): a step
+/// of `n` tokens lets each expert take `ceil(0.5 x n x 8 / 8)` of them, so in each of the 30
+/// layers each expert drops `n - ceil(n / 2)` (the later tokens). `tp bench decode` counts
+/// them in the prefill (4 tokens: 2 per expert and layer) and none in the one-token decode
+/// steps; `tp serve` exports them per expert as `tp_expert_tokens_dropped_total` beside the
+/// tokens each expert took. A factor of 0 and a factor for a dense model are refused.
+#[test]
+fn capacity_drops_are_counted_and_bad_factors_refused() {
+    let Some(dense) = common::smollm2() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let moe = moe_file(&dense, dir.path());
+    let moe = moe.to_string_lossy();
+    let out = common::tp(
+        &[
+            "bench",
+            "decode",
+            "--model",
+            &moe,
+            "--tps",
+            "2",
+            "--ep",
+            "2",
+            "--moe-capacity-factor",
+            "0.5",
+            "--prompt-tokens",
+            "4",
+            "--gen-tokens",
+            "3",
+            "--repeats",
+            "1",
+            "--json",
+        ],
+        LIMIT,
+    );
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let row: serde_json::Value = out
+        .stdout
+        .lines()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no JSON row in {}", out.stdout));
+    assert_eq!(row["prefill_expert_dropped"], 30 * 8 * 2, "{row}");
+    assert_eq!(
+        row["expert_dropped"],
+        serde_json::json!(vec![0; 8]),
+        "{row}"
+    );
+    assert_eq!(
+        row["expert_tokens"],
+        serde_json::json!(vec![60; 8]),
+        "{row}"
+    );
+    // The same in the table: the prefill's and the decode steps' drops.
+    let out = common::tp(
+        &[
+            "bench",
+            "decode",
+            "--model",
+            &moe,
+            "--tps",
+            "2",
+            "--moe-capacity-factor",
+            "0.5",
+            "--prompt-tokens",
+            "4",
+            "--gen-tokens",
+            "3",
+            "--repeats",
+            "1",
+        ],
+        LIMIT,
+    );
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(out.stdout.contains("dropped pf/dec"), "{}", out.stdout);
+    assert!(out.stdout.contains(" 480/0"), "{}", out.stdout);
+
+    let server = serve_util::ServerProc::start_with(
+        serve_util::TP,
+        &[],
+        std::path::Path::new(&*moe),
+        &["--tp", "2", "--ep", "2", "--moe-capacity-factor", "0.5"],
+    );
+    let body = serde_json::json!({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0});
+    let r = server.client.post_json("/v1/completions", &body).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let usage = &r.json()["usage"];
+    let prompt = usage["prompt_tokens"].as_u64().unwrap();
+    let forwarded = prompt + usage["completion_tokens"].as_u64().unwrap() - 1;
+    let dropped = (30 * (prompt - prompt.div_ceil(2))) as f64;
+    let series = |name: &str, e: usize| format!("{name}{{expert=\"{e}\"}}");
+    let text = server.wait_metrics(Duration::from_secs(30), |t| {
+        serve_util::metric_value(t, &series("tp_expert_tokens_total", 7))
+            == Some((30 * forwarded) as f64 - dropped)
+    });
+    for e in 0..8 {
+        let dropped_e =
+            serve_util::metric_value(&text, &series("tp_expert_tokens_dropped_total", e));
+        assert_eq!(dropped_e, Some(dropped), "expert {e}:\n{text}");
+        assert_eq!(
+            serve_util::metric_value(&text, &series("tp_expert_tokens_total", e)),
+            Some((30 * forwarded) as f64 - dropped),
+            "expert {e}:\n{text}"
+        );
+    }
+    drop(server);
+
+    let dense = dense.to_string_lossy();
+    for (model, factor, words) in [
+        (&*moe, "0", "a number above 0"),
+        (&*moe, "nan", "a number above 0"),
+        (
+            &*dense,
+            "1.25",
+            "the model has no experts (it is dense); leave it unset (--moe-capacity-factor)",
+        ),
+    ] {
+        let out = common::tp(
+            &[
+                "generate",
+                "--model",
+                model,
+                "--moe-capacity-factor",
+                factor,
+                "hi",
+            ],
+            LIMIT,
+        );
+        assert_ne!(out.code, Some(0), "{factor}");
+        assert!(out.stderr.contains(words), "{factor}: {}", out.stderr);
+    }
 }

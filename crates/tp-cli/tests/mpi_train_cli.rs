@@ -51,3 +51,49 @@ fn train_under_mpirun_matches_local_and_resumes_locally_at_another_tp() {
     close(&losses(&resumed.output), &want[4..]);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A Mixtral at dp 2 with a capacity factor and the router bias under mpirun: each step's
+/// dropped pairs and load imbalance (summed over the replicas through MPI) are the local
+/// backend's, and so are the losses.
+#[test]
+fn moe_capacity_and_router_bias_under_mpirun_match_local() {
+    let base = [
+        "train",
+        "--arch",
+        "mixtral",
+        "--dp",
+        "2",
+        "--seq",
+        "16",
+        "--batch",
+        "4",
+        "--steps",
+        "4",
+        "--json",
+        "--moe-capacity-factor",
+        "0.75",
+        "--moe-bias-update-rate",
+        "0.1",
+    ];
+    let local = common::run_with_deadline(TP, &base, Duration::from_secs(120));
+    assert_eq!(local.code, Some(0), "{}", local.output);
+    let mut mpi_args = base.to_vec();
+    mpi_args.extend(["--backend", "mpi"]);
+    let mpi = common::mpirun_tp(2, &mpi_args, Duration::from_secs(180));
+    assert_eq!(mpi.code, Some(0), "{}", mpi.output);
+    let moe = |out: &str| -> Vec<(serde_json::Value, serde_json::Value)> {
+        common::json_rows(out)
+            .iter()
+            .filter(|v| v.get("step").is_some())
+            .map(|v| (v["moe_dropped"].clone(), v["moe_imbalance"].clone()))
+            .collect()
+    };
+    let want = moe(&local.output);
+    assert_eq!(want.len(), 4, "{}", local.output);
+    assert!(
+        want.iter().all(|(d, i)| d.as_u64() > Some(0) && i.is_f64()),
+        "{want:?}"
+    );
+    assert_eq!(moe(&mpi.output), want);
+    close(&losses(&mpi.output), &losses(&local.output));
+}

@@ -293,6 +293,36 @@ fn recompute_keeps_the_loss_curve_and_the_bench_reports_activation_memory() {
     assert!(bench.output.contains(" selective "), "{}", bench.output);
 }
 
+/// `--moe-capacity-factor` on a Mixtral: each step's JSON counts the dropped (token, expert)
+/// pairs (at 0.25 each expert keeps a quarter of its even share of a micro-batch's pairs,
+/// so most are dropped); without the flag the field is null.
+#[test]
+fn moe_capacity_drops_are_in_the_step_report() {
+    let dropped = |extra: &[&str]| -> Vec<serde_json::Value> {
+        let mut args = vec![
+            "train", "--arch", "mixtral", "--steps", "2", "--seq", "16", "--batch", "2", "--json",
+        ];
+        args.extend(extra);
+        let f = tp(&args);
+        assert_eq!(f.code, Some(0), "{extra:?}: {}", f.output);
+        f.stdout
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v.get("step").is_some())
+            .map(|v| v["moe_dropped"].clone())
+            .collect()
+    };
+    let capped = dropped(&[
+        "--moe-capacity-factor",
+        "0.25",
+        "--moe-bias-update-rate",
+        "0.001",
+    ]);
+    assert_eq!(capped.len(), 2, "{capped:?}");
+    assert!(capped.iter().all(|d| d.as_u64() > Some(0)), "{capped:?}");
+    assert!(dropped(&[]).iter().all(serde_json::Value::is_null));
+}
+
 #[test]
 fn bad_inputs_get_clear_errors() {
     let dir = scratch("bad");
@@ -356,6 +386,19 @@ fn bad_inputs_get_clear_errors() {
                 "--distributed-optimizer",
             ],
             "with experts over data-parallel replicas (ep 2 at tp 1) is not built yet",
+        ),
+        (vec!["--moe-capacity-factor", "0"], "give a number above 0"),
+        (
+            vec!["--moe-capacity-factor", "1.25"],
+            "the model has no experts (it is dense); leave it unset",
+        ),
+        (
+            vec!["--moe-bias-update-rate", "0.001"],
+            "a router bias update rate was given, but the model has no experts",
+        ),
+        (
+            vec!["--arch", "mixtral", "--moe-bias-update-rate", "-1"],
+            "the router bias update rate must be a number >= 0",
         ),
     ];
     for (extra, want) in cases {

@@ -7,7 +7,9 @@
 //! rank's top candidate ([`crate::candidates`]); `TP_GATHER_LOGITS=1` gathers the whole rows
 //! as before, for comparison. For a
 //! mixture of experts it reports the expert load of the decode steps: tokens per expert and
-//! each rank's share of the expert rows (max over mean: 1 is balanced).
+//! each rank's share of the expert rows (max over mean: 1 is balanced), and under a capacity
+//! factor the (token, expert) pairs it dropped in the prefill and in the decode steps (a
+//! decode step of one token never drops: the capacity is at least 1).
 
 use crate::candidates::{force_gather, Row, RowNeed};
 use crate::error::EngineError;
@@ -73,9 +75,12 @@ pub struct DecodeFigures {
     /// Mixture of experts: tokens routed to each expert in the decode steps, over layers
     /// (the last measured run); empty for a dense model.
     pub expert_tokens: Vec<u64>,
-    /// Mixture of experts: (token, expert) pairs the capacity factor dropped in the decode
-    /// steps (the last measured run).
-    pub expert_dropped: u64,
+    /// Mixture of experts: (token, expert) pairs the capacity factor dropped per expert in
+    /// the decode steps, over layers (the last measured run); empty without a capacity.
+    pub expert_dropped: Vec<u64>,
+    /// Mixture of experts: pairs the capacity factor dropped in the prefill (the last
+    /// measured run); `None` without a capacity.
+    pub prefill_expert_dropped: Option<u64>,
 }
 
 impl DecodeFigures {
@@ -96,7 +101,8 @@ struct Run {
     sent_per_token: Option<f64>,
     expert_rank_load: Option<f64>,
     expert_tokens: Vec<u64>,
-    expert_dropped: u64,
+    expert_dropped: Vec<u64>,
+    prefill_expert_dropped: Option<u64>,
 }
 
 const TEXT: &str = "The history of the world is a story of people, places and ideas. \
@@ -147,7 +153,11 @@ pub fn measure(s: &mut Session, b: DecodeBench) -> Result<DecodeFigures, BenchEr
             .last()
             .map(|r| r.expert_tokens.clone())
             .unwrap_or_default(),
-        expert_dropped: runs.last().map_or(0, |r| r.expert_dropped),
+        expert_dropped: runs
+            .last()
+            .map(|r| r.expert_dropped.clone())
+            .unwrap_or_default(),
+        prefill_expert_dropped: runs.last().and_then(|r| r.prefill_expert_dropped),
     })
 }
 
@@ -157,7 +167,7 @@ pub fn header(b: DecodeBench, f: &DecodeFigures) -> String {
         "# tp bench decode: batch 1, {} prompt + {} generated tokens, median of {} runs, one thread per rank ({} weights, {} head)\n\
          # CPU: {}\n\
          # limit = read bandwidth with tp threads / weight bytes streamed per token; per-token times are per decode step\n\
-         {:>7}  {:>12}  {:>11}  {:>10}  {:>13}  {:>10}  {:>13}  {:>10}  {:>11}  {:>8}  {:>15}  {:>15}",
+         {:>7}  {:>12}  {:>11}  {:>10}  {:>13}  {:>10}  {:>13}  {:>10}  {:>11}  {:>8}  {:>15}  {:>15}  {:>15}",
         b.prompt_tokens,
         b.gen_tokens,
         b.repeats,
@@ -175,7 +185,8 @@ pub fn header(b: DecodeBench, f: &DecodeFigures) -> String {
         "limit t/s",
         "of limit",
         "sent/token/rank",
-        "expert max/mean"
+        "expert max/mean",
+        "dropped pf/dec"
     )
 }
 
@@ -183,7 +194,7 @@ pub fn header(b: DecodeBench, f: &DecodeFigures) -> String {
 pub fn row(f: &DecodeFigures) -> String {
     let limit = f.limit_tok_s();
     format!(
-        "{:>7}  {:>12.1}  {:>11.1}  {:>10.3}  {:>13.3}  {:>10.3}  {:>13}  {:>10.2}  {:>11.1}  {:>7.0}%  {:>15}  {:>15}",
+        "{:>7}  {:>12.1}  {:>11.1}  {:>10.3}  {:>13.3}  {:>10.3}  {:>13}  {:>10.2}  {:>11.1}  {:>7.0}%  {:>15}  {:>15}  {:>15}",
         format!("{} x {}", f.tp, f.pp),
         f.prefill_tok_s,
         f.decode_tok_s,
@@ -197,14 +208,18 @@ pub fn row(f: &DecodeFigures) -> String {
         f.sent_per_token
             .map_or_else(|| "-".to_string(), |b| show_bytes(b as u64)),
         f.expert_rank_load
-            .map_or_else(|| "-".to_string(), |l| format!("{l:.2}"))
+            .map_or_else(|| "-".to_string(), |l| format!("{l:.2}")),
+        f.prefill_expert_dropped.map_or_else(
+            || "-".to_string(),
+            |p| format!("{p}/{}", f.expert_dropped.iter().sum::<u64>())
+        )
     )
 }
 
 /// One JSON object.
 pub fn json(f: &DecodeFigures) -> String {
     format!(
-        "{{\"tp\":{},\"pp\":{},\"prefill_tok_s\":{:.1},\"decode_tok_s\":{:.1},\"compute_ms\":{:.3},\"all_reduce_ms\":{:.3},\"wait_ms\":{:.3},\"bytes_per_token\":{:.0},\"read_gb_s\":{:.2},\"bandwidth_limit_tok_s\":{:.1},\"sent_bytes_per_token_per_rank\":{},\"expert_rank_load\":{},\"expert_tokens\":{:?},\"expert_dropped\":{}}}",
+        "{{\"tp\":{},\"pp\":{},\"prefill_tok_s\":{:.1},\"decode_tok_s\":{:.1},\"compute_ms\":{:.3},\"all_reduce_ms\":{:.3},\"wait_ms\":{:.3},\"bytes_per_token\":{:.0},\"read_gb_s\":{:.2},\"bandwidth_limit_tok_s\":{:.1},\"sent_bytes_per_token_per_rank\":{},\"expert_rank_load\":{},\"expert_tokens\":{:?},\"expert_dropped\":{:?},\"prefill_expert_dropped\":{}}}",
         f.tp,
         f.pp,
         f.prefill_tok_s,
@@ -220,7 +235,9 @@ pub fn json(f: &DecodeFigures) -> String {
         f.expert_rank_load
             .map_or_else(|| "null".to_string(), |l| format!("{l:.3}")),
         f.expert_tokens,
-        f.expert_dropped
+        f.expert_dropped,
+        f.prefill_expert_dropped
+            .map_or_else(|| "null".to_string(), |p| p.to_string())
     )
 }
 
@@ -241,15 +258,21 @@ fn one_run(s: &mut Session, ids: &[u32], gen: usize) -> Result<Run, EngineError>
     let mut speeds = (0.0, 0.0);
     let mut split = (0.0, 0.0, 0.0);
     let mut sent = None;
-    let mut experts = (None, Vec::new(), 0);
+    let mut experts = (None, Vec::new(), Vec::new());
+    let mut prefill_dropped = None;
     for barriers in [false, true] {
         s.worker.submit(Command::Open {
             slot: 0,
             capacity: (ids.len() + gen) as u32,
         })?;
+        let dropped0 = s.worker.profile.expert_dropped_total();
         let t = Instant::now();
         let mut token = next_token(s, ids.to_vec())?;
         let prefill = t.elapsed().as_secs_f64();
+        // Rank 0's layers' drops in the prefill (its profile counts since the last start).
+        if barriers && !s.worker.profile.expert_dropped.is_empty() {
+            prefill_dropped = Some(s.worker.profile.expert_dropped_total() - dropped0);
+        }
         s.worker.submit(Command::ProfileStart { barriers })?;
         let sent0 = mpi_bytes_sent(s);
         let t = Instant::now();
@@ -283,7 +306,7 @@ fn one_run(s: &mut Session, ids: &[u32], gen: usize) -> Result<Run, EngineError>
             experts = (
                 (mean > 0.0).then(|| rows.iter().copied().fold(0.0, f64::max) / mean),
                 s.worker.profile.expert_tokens.clone(),
-                s.worker.profile.expert_dropped,
+                s.worker.profile.expert_dropped.clone(),
             );
             split = (
                 slowest.compute_s() / steps,
@@ -304,6 +327,7 @@ fn one_run(s: &mut Session, ids: &[u32], gen: usize) -> Result<Run, EngineError>
         expert_rank_load: experts.0,
         expert_tokens: experts.1,
         expert_dropped: experts.2,
+        prefill_expert_dropped: prefill_dropped,
     })
 }
 

@@ -150,6 +150,9 @@ pub enum StartError {
     /// An expert-parallel size the model or the tp cannot take.
     #[error(transparent)]
     ExpertGroups { source: tp_spec::ShardError },
+    /// A capacity factor the model cannot take (it has no experts).
+    #[error(transparent)]
+    Capacity { source: tp_models::CapacityError },
     #[error("cannot load the model {}", path.display())]
     Open {
         path: PathBuf,
@@ -391,6 +394,8 @@ fn open<'a>(
     tp_models::ShardPlan::new(ckpt.config(), 1, 0, tp)
         .and_then(|p| p.with_expert_groups(ckpt.config(), cfg.load.expert_groups))
         .map_err(|source| StartError::ExpertGroups { source })?;
+    tp_models::check_capacity(ckpt.config(), cfg.load.expert_capacity)
+        .map_err(|source| StartError::Capacity { source })?;
     tp_models::checkpoint_stages(ckpt, cfg.load).map_err(|source| StartError::Stages {
         source: Box::new(source),
     })?;

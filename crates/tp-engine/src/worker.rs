@@ -63,6 +63,9 @@ pub struct RankProfile {
     /// reported by each stage's tp rank 0 only (its tp peers route the same tokens; empty
     /// on them and for a dense model), so the sum over ranks counts every layer once.
     pub routed_tokens: Vec<u64>,
+    /// Mixture of experts: the (token, expert) pairs the capacity factor dropped per expert,
+    /// reported as `routed_tokens` is (empty without drops).
+    pub dropped_tokens: Vec<u64>,
 }
 
 impl RankProfile {
@@ -299,10 +302,11 @@ impl Worker {
     /// Every rank's profile, gathered (one collective on every rank): a follower takes part
     /// when rank 0 submits [`Command::ProfileReport`].
     fn report(&mut self) -> Result<Vec<RankProfile>> {
-        /// The fixed figures of one rank in the gather; the tokens per expert follow.
+        /// The fixed figures of one rank in the gather; the tokens each expert took, then
+        /// the pairs dropped per expert, follow.
         const FIXED: usize = 6;
         let experts = self.model.config().experts.as_ref().map_or(0, |e| e.count);
-        let fields = FIXED + experts;
+        let fields = FIXED + 2 * experts;
         let p = &self.profile;
         let mut mine = vec![
             p.total.as_secs_f64(),
@@ -313,16 +317,26 @@ impl Worker {
             p.expert_rows as f64,
         ];
         let reports_routes = self.tp.rank() == 0;
-        mine.extend((0..experts).map(|e| match p.expert_tokens.get(e) {
-            Some(&n) if reports_routes => n as f64,
-            _ => 0.0,
-        }));
+        for counts in [&p.expert_tokens, &p.expert_dropped] {
+            mine.extend((0..experts).map(|e| match counts.get(e) {
+                Some(&n) if reports_routes => n as f64,
+                _ => 0.0,
+            }));
+        }
         let mut all = vec![0f64; fields * self.group.size()];
         if self.group.size() == 1 {
             all.copy_from_slice(&mine);
         } else {
             self.group.all_gather(&mine, &mut all)?;
         }
+        // Per-expert counts, empty when all zero (a dense model, a peer of tp rank 0).
+        let counts = |c: &[f64]| -> Vec<u64> {
+            if c.iter().any(|&n| n > 0.0) {
+                c.iter().map(|&n| n as u64).collect()
+            } else {
+                Vec::new()
+            }
+        };
         Ok(all
             .chunks_exact(fields)
             .map(|c| RankProfile {
@@ -332,11 +346,8 @@ impl Worker {
                 all_reduces: c[3] as u64,
                 sent_bytes: c[4] as u64,
                 expert_rows: c[5] as u64,
-                routed_tokens: if c[FIXED..].iter().any(|&n| n > 0.0) {
-                    c[FIXED..].iter().map(|&n| n as u64).collect()
-                } else {
-                    Vec::new()
-                },
+                routed_tokens: counts(&c[FIXED..FIXED + experts]),
+                dropped_tokens: counts(&c[FIXED + experts..]),
             })
             .collect())
     }

@@ -1,10 +1,13 @@
 //! Writes a random mixture-of-experts GGUF (Mixtral layout: `llama` with experts, merged 3-D
-//! expert tensors) with a real model's tokenizer, for decode benchmarks of the MoE path against
-//! llama.cpp on the same file (no MoE model is installable on these machines). Its text is
-//! noise; its shapes and routing are an MoE's.
+//! expert tensors; or with ARCH `olmoe` OLMoE's: q/k norms over the whole projections, top-k
+//! weights not normalised, an untied head) with a real model's tokenizer, for decode
+//! benchmarks of the MoE path against llama.cpp on the same file and for comparing greedy text
+//! with llama.cpp's (no MoE model is installable on these machines). Its text is noise; its
+//! shapes and routing are an MoE's.
 //!
 //! `cargo run --release -p tp-models --features test-support --example random_moe -- \
-//!     TOKENIZER.gguf OUT.gguf [LAYERS HIDDEN EXPERTS FFN TOP_K TYPE]` (defaults: 8 1024 32 512 4 Q8_0)
+//!     TOKENIZER.gguf OUT.gguf [LAYERS HIDDEN EXPERTS FFN TOP_K TYPE ARCH]` (defaults: 8 1024
+//! 32 512 4 Q8_0 llama)
 
 use tp_models::checkpoint::GgmlDType;
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
@@ -14,7 +17,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [tok, out, rest @ ..] = args.as_slice() else {
         return Err(
-            "usage: random_moe TOKENIZER.gguf OUT.gguf [LAYERS HIDDEN EXPERTS FFN TOP_K TYPE]"
+            "usage: random_moe TOKENIZER.gguf OUT.gguf [LAYERS HIDDEN EXPERTS FFN TOP_K TYPE ARCH]"
                 .into(),
         );
     };
@@ -34,9 +37,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "F32" => GgmlDType::F32,
         other => return Err(format!("type {other}: use Q8_0, Q4_0 or F32").into()),
     };
+    let olmoe = match rest.get(6).map_or("llama", String::as_str) {
+        "llama" => false,
+        "olmoe" => true,
+        other => return Err(format!("arch {other}: use llama or olmoe").into()),
+    };
+    let mut experts = Experts::new(count, k);
+    experts.normalize = !olmoe;
     let source = GgufCheckpoint::open(std::path::Path::new(tok))?;
     let cfg = ModelConfig {
-        arch: Arch::Llama,
+        arch: if olmoe { Arch::Olmoe } else { Arch::Llama },
         layers,
         hidden,
         ffn,
@@ -49,10 +59,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         rope_style: RopeStyle::RotateHalf,
         context: 2048,
         qkv_bias: false,
-        qk_norm: false,
-        tied_embeddings: true,
-        block: tp_spec::BlockStyle::LLAMA,
-        experts: Some(Experts::new(count, k)),
+        qk_norm: olmoe,
+        tied_embeddings: !olmoe,
+        block: if olmoe {
+            tp_spec::BlockStyle::OLMOE
+        } else {
+            tp_spec::BlockStyle::LLAMA
+        },
+        experts: Some(experts),
     };
     cfg.validate()?;
     let mut model = SyntheticModel::new(cfg, 7);

@@ -78,6 +78,8 @@ pub enum ModelError {
     Inconsistent { path: String, reason: String },
     #[error("{0}")]
     Input(String),
+    #[error(transparent)]
+    Capacity(#[from] tp_spec::CapacityError),
 }
 
 /// `"PATH: "`, or nothing when the path is not known yet.

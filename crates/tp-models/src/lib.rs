@@ -43,4 +43,4 @@ pub use shard::{
     RankMemory, ShardPlan,
 };
 pub use sync::SyncMode;
-pub use tp_spec::{RankWeights, Stage};
+pub use tp_spec::{check_capacity, CapacityError, CapacityFactor, RankWeights, Stage};

@@ -51,10 +51,11 @@ pub struct LoadOptions {
     /// Expert-parallel groups of a mixture of experts ([`tp_spec::ExpertShard`]): 1 slices
     /// every expert over all ranks, tp gives each rank whole experts. Must divide tp.
     pub expert_groups: usize,
-    /// Mixture of experts: each expert takes at most `ceil(percent / 100 x tokens x k / E)`
-    /// of a step's tokens (GShard's capacity factor, in percent), the later ones in the
-    /// step's token order dropped and counted; `None` (the default): no token is dropped.
-    pub expert_capacity_percent: Option<u32>,
+    /// Mixture of experts: each expert takes at most `ceil(f x tokens x k / E)` of a step's
+    /// (token, expert) pairs ([`crate::CapacityFactor`]), the later ones in the step's token
+    /// order dropped and counted; `None` (the default): no pair is dropped. Refused on a
+    /// dense model ([`tp_spec::check_capacity`]).
+    pub expert_capacity: Option<crate::CapacityFactor>,
     /// Pipeline stages (`tp_spec::Stage`): the ranks form `pipeline_stages` groups of tp
     /// ranks, each holding a contiguous range of layers. 1 without pipelining.
     pub pipeline_stages: usize,
@@ -67,7 +68,7 @@ impl Default for LoadOptions {
             dense: DenseDType::F32,
             kv_dtype: crate::KvDtype::F32,
             expert_groups: 1,
-            expert_capacity_percent: None,
+            expert_capacity: None,
             pipeline_stages: 1,
         }
     }

@@ -140,6 +140,7 @@ impl ShardedModel {
         let hd = cfg.head_dim;
         // A context no sequence could ever hold is refused before any weight is read.
         crate::limits::check_context(&cfg, max_pos)?;
+        tp_spec::check_capacity(&cfg, opts.expert_capacity)?;
         let rope = Rope::new(hd, cfg.rope_theta, cfg.block.rope_scale, cfg.rope_style);
         let local_rope = cfg
             .block

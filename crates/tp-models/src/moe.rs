@@ -14,7 +14,7 @@ use crate::error::{ModelError, Result};
 use crate::matrix::{LoadOptions, Matrix, Projection};
 use crate::ops::{gelu_tanh_mul, silu_mul};
 use crate::profile::Profile;
-use tp_spec::{Activation, Experts, Gating, ShardPlan};
+use tp_spec::{drop_over, Activation, CapacityFactor, Experts, Gating, ShardPlan};
 
 /// One expert's columns on this rank.
 #[derive(Debug)]
@@ -41,8 +41,8 @@ pub(crate) struct MoeLayer {
     router: Vec<f32>, // [count, hidden]
     local: Vec<Expert>,
     shared: Option<Shared>,
-    /// The capacity factor in percent ([`LoadOptions::expert_capacity_percent`]).
-    capacity_percent: Option<u32>,
+    /// The capacity factor ([`LoadOptions::expert_capacity`]).
+    capacity: Option<CapacityFactor>,
 }
 
 /// Tokens per pass of one expert's products (bounds the `[rows, 2 cols]` scratch).
@@ -112,20 +112,8 @@ impl MoeLayer {
             router,
             local,
             shared,
-            capacity_percent: opts.expert_capacity_percent,
+            capacity: opts.expert_capacity,
         })
-    }
-
-    /// Tokens one expert may take of a step of `n` tokens: `ceil(factor x n x k / E)`, or
-    /// all of them without a capacity factor.
-    fn capacity(&self, n: usize) -> usize {
-        match self.capacity_percent {
-            None => n,
-            Some(p) => {
-                let e = &self.experts;
-                (p as usize * n * e.per_token).div_ceil(100 * e.count.max(1))
-            }
-        }
     }
 
     /// Bytes of weights this rank holds for the layer.
@@ -169,7 +157,12 @@ impl MoeLayer {
     ) -> Result<()> {
         let h = self.hidden;
         let mut routes = self.route(xn, n);
-        self.drop_over_capacity(&mut routes, n, prof);
+        if let Some(f) = self.capacity {
+            let cap = f.capacity(n, self.experts.per_token, self.experts.count);
+            // The routing is replicated: every rank drops the same pairs.
+            let dropped = drop_over(&mut routes, cap, self.experts.count);
+            prof.count_dropped(&dropped);
+        }
         prof.count_routes(&routes, self.experts.count);
         // Tokens of each local expert, with their weights.
         for ex in &self.local {
@@ -211,24 +204,6 @@ impl MoeLayer {
             }
         }
         Ok(())
-    }
-
-    /// Removes from `routes` each expert's tokens past its capacity (later tokens first),
-    /// counting them; every rank drops the same (the routing is replicated).
-    fn drop_over_capacity(&self, routes: &mut [Vec<(usize, f32)>], n: usize, prof: &mut Profile) {
-        let cap = self.capacity(n);
-        if cap >= n {
-            return;
-        }
-        let mut taken = vec![0usize; self.experts.count];
-        for r in routes.iter_mut() {
-            let before = r.len();
-            r.retain(|&(e, _)| {
-                taken[e] += 1;
-                taken[e] <= cap
-            });
-            prof.expert_dropped += (before - r.len()) as u64;
-        }
     }
 
     /// `out [m, hidden] += down(act(gate(xs)) * up(xs) * w)`, each row's activations scaled

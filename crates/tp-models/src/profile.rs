@@ -21,13 +21,15 @@ pub struct Profile {
     /// Bytes this rank sent in collectives, as a bandwidth-optimal algorithm sends them
     /// (see [`Profile::sent_all_reduce`] and [`Profile::sent_all_gather`]).
     pub sent_bytes: u64,
-    /// Mixture of experts: tokens routed to each expert, summed over layers (the routing is
-    /// replicated, so every rank counts the same).
+    /// Mixture of experts: tokens each expert took, summed over layers (the routing is
+    /// replicated, so every rank counts the same); without a capacity factor, the tokens
+    /// routed to it.
     pub expert_tokens: Vec<u64>,
     /// Mixture of experts: (token, expert) rows this rank's experts computed, over layers.
     pub expert_rows: u64,
-    /// Mixture of experts: (token, expert) pairs dropped by the capacity factor, over layers.
-    pub expert_dropped: u64,
+    /// Mixture of experts: (token, expert) pairs routed to each expert that the capacity
+    /// factor dropped, summed over layers (every rank counts the same).
+    pub expert_dropped: Vec<u64>,
     started: Option<Instant>,
 }
 
@@ -132,20 +134,35 @@ impl Profile {
         }
     }
 
+    /// Counts a layer's dropped pairs: `dropped[e]` of expert e.
+    pub(crate) fn count_dropped(&mut self, dropped: &[u64]) {
+        add_counts(&mut self.expert_dropped, dropped);
+    }
+
+    /// (token, expert) pairs the capacity factor dropped, over experts and layers.
+    pub fn expert_dropped_total(&self) -> u64 {
+        self.expert_dropped.iter().sum()
+    }
+
     /// Adds another profile's figures (e.g. per-step into per-run).
     pub fn add(&mut self, other: &Profile) {
-        if self.expert_tokens.len() < other.expert_tokens.len() {
-            self.expert_tokens.resize(other.expert_tokens.len(), 0);
-        }
-        for (a, b) in self.expert_tokens.iter_mut().zip(&other.expert_tokens) {
-            *a += b;
-        }
+        add_counts(&mut self.expert_tokens, &other.expert_tokens);
+        add_counts(&mut self.expert_dropped, &other.expert_dropped);
         self.expert_rows += other.expert_rows;
-        self.expert_dropped += other.expert_dropped;
         self.sent_bytes += other.sent_bytes;
         self.total += other.total;
         self.comm += other.comm;
         self.wait += other.wait;
         self.all_reduces += other.all_reduces;
+    }
+}
+
+/// `sum += add` per expert, `sum` grown to `add`'s length.
+fn add_counts(sum: &mut Vec<u64>, add: &[u64]) {
+    if sum.len() < add.len() {
+        sum.resize(add.len(), 0);
+    }
+    for (a, b) in sum.iter_mut().zip(add) {
+        *a += b;
     }
 }

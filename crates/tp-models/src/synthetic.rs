@@ -667,3 +667,22 @@ pub fn write_safetensors(
 pub fn metadata_map(md: &[(String, Value)]) -> HashMap<String, Value> {
     md.iter().cloned().collect()
 }
+
+/// Layer `l`'s mixture of experts alone, whole on one rank (what an oracle of the layer is
+/// compared with): its output for the normed input `xn [n, hidden]`, `[n, hidden]` in f64,
+/// and the step's expert counts (tokens taken and pairs dropped per expert).
+pub fn moe_layer_output(
+    ckpt: &dyn crate::Checkpoint,
+    l: usize,
+    opts: crate::LoadOptions,
+    xn: &[f32],
+    n: usize,
+) -> Result<(Vec<f64>, crate::Profile)> {
+    use crate::shard::CheckpointPlan;
+    let plan = crate::ShardPlan::for_checkpoint(ckpt, 0, 1)?;
+    let layer = crate::moe::MoeLayer::load(ckpt, &plan, l, opts)?;
+    let mut out = vec![0f64; n * ckpt.config().hidden]; // [n, hidden]
+    let mut prof = crate::Profile::default();
+    layer.forward(xn, n, &mut out, &mut prof)?;
+    Ok((out, prof))
+}

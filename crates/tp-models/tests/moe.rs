@@ -16,7 +16,7 @@ use candle_core::{DType, Device, Tensor};
 use common::{assert_close, prompt, sharded_logits, spread};
 use tp_models::checkpoint::GgmlDType;
 use tp_models::synthetic::{GgufTypes, SyntheticModel};
-use tp_models::{Arch, Checkpoint, GgufCheckpoint, LoadOptions};
+use tp_models::{Arch, CapacityFactor, Checkpoint, GgufCheckpoint, LoadOptions, WeightName};
 
 const TOL: f32 = 1e-4;
 
@@ -368,37 +368,231 @@ fn every_tp_and_expert_parallel_size_gives_the_same_bits() {
     }
 }
 
-/// A capacity factor drops each expert's tokens past `ceil(f x n x k / E)` of a step: the
-/// same drops on every rank (the routing is replicated), so the same bits at every tp and ep;
-/// a 7-token prompt at f = 0.5 (one token per expert) loses tokens and its logits move, a
-/// lone token (n = 1, capacity 1) loses none, and a factor of 100 drops nothing.
+fn capacity(f: f64) -> Option<CapacityFactor> {
+    Some(CapacityFactor::new(f).unwrap())
+}
+
+/// The oracle of one MoE layer under a capacity factor, all in f64 from the f32 weights:
+/// softmax router, top-k normalised, then each expert keeps the first `ceil(f x n x k / E)`
+/// of the (token, expert) pairs routed to it in token order, and each token sums its kept
+/// experts' weighted SwiGLU outputs. Returns the output `[n, hidden]` and the pairs dropped
+/// per expert.
+fn reference_moe_layer(
+    model: &SyntheticModel,
+    l: usize,
+    f: Option<f64>,
+    xn: &[f32],
+    n: usize,
+) -> (Vec<f64>, Vec<u64>) {
+    let cfg = &model.cfg;
+    let (h, ex) = (cfg.hidden, cfg.experts.unwrap());
+    let (count, k) = (ex.count, ex.per_token);
+    let w = |name| model.weight(name).unwrap().1;
+    let row = |m: &[f32], r: usize, x: &[f64]| -> f64 {
+        let cols = x.len();
+        m[r * cols..(r + 1) * cols]
+            .iter()
+            .zip(x)
+            .map(|(a, b)| f64::from(*a) * b)
+            .sum()
+    };
+    let cap = f.map_or(n, |f| {
+        ((f * (n * k) as f64 / count as f64).ceil() as usize).max(1)
+    });
+    let mut taken = vec![0usize; count];
+    let mut dropped = vec![0u64; count];
+    let mut out = vec![0f64; n * h];
+    for t in 0..n {
+        let x: Vec<f64> = xn[t * h..(t + 1) * h]
+            .iter()
+            .map(|v| f64::from(*v))
+            .collect();
+        let scores: Vec<f64> = (0..count)
+            .map(|e| row(w(WeightName::Router(l)), e, &x))
+            .collect();
+        let max = scores.iter().copied().fold(f64::MIN, f64::max);
+        let probs: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let mut order: Vec<usize> = (0..count).collect();
+        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+        order.truncate(k);
+        let total: f64 = order.iter().map(|&e| probs[e]).sum();
+        for e in order {
+            taken[e] += 1;
+            if taken[e] > cap {
+                dropped[e] += 1;
+                continue;
+            }
+            let (gate, up, down) = (
+                w(WeightName::ExpertGate(l, e)),
+                w(WeightName::ExpertUp(l, e)),
+                w(WeightName::ExpertDown(l, e)),
+            );
+            let ffn = gate.len() / h;
+            let act: Vec<f64> = (0..ffn)
+                .map(|c| {
+                    let g = row(gate, c, &x);
+                    g / (1.0 + (-g).exp()) * row(up, c, &x) * probs[e] / total
+                })
+                .collect();
+            for (i, o) in out[t * h..(t + 1) * h].iter_mut().enumerate() {
+                *o += row(down, i, &act);
+            }
+        }
+    }
+    (out, dropped)
+}
+
+/// One MoE layer against [`reference_moe_layer`] on 12 random tokens, top-2 of 8 experts:
+/// without a capacity, and with factors 0.5 (capacity 2: most pairs dropped), 1 (3) and 100
+/// (none). The pairs dropped per expert must be the reference's exactly, and the output equal
+/// it within 1e-5 of its largest value (f32 products and sums against f64; a wrong kept or
+/// dropped pair moves it by a whole expert's output).
+#[test]
+fn a_capacity_factor_drops_the_reference_pairs_of_a_layer() {
+    let model = SyntheticModel::small_moe(Arch::Qwen3, 8, 2, 21);
+    let (_dir, ckpt) = write(&model, GgufTypes::F32, "moe.gguf");
+    let (n, h) = (12, model.cfg.hidden);
+    let mut rng = tp_spec::Rng::new(5);
+    let xn: Vec<f32> = (0..n * h).map(|_| 2.0 * rng.signed_unit()).collect(); // [n, hidden]
+    let mut any_dropped = false;
+    for f in [None, Some(0.5), Some(1.0), Some(100.0)] {
+        let opts = LoadOptions {
+            expert_capacity: f.map(|f| CapacityFactor::new(f).unwrap()),
+            ..dense()
+        };
+        let (got, prof) = tp_models::synthetic::moe_layer_output(&ckpt, 1, opts, &xn, n).unwrap();
+        let (want, dropped) = reference_moe_layer(&model, 1, f, &xn, n);
+        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let err = got
+            .iter()
+            .zip(&want)
+            .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            err <= 1e-5 * scale,
+            "factor {f:?}: output off by {err} of {scale}"
+        );
+        let got_dropped = if prof.expert_dropped.is_empty() {
+            vec![0; 8]
+        } else {
+            prof.expert_dropped.clone()
+        };
+        assert_eq!(
+            got_dropped, dropped,
+            "factor {f:?}: pairs dropped per expert"
+        );
+        let kept: u64 = prof.expert_tokens.iter().sum();
+        assert_eq!(kept + prof.expert_dropped_total(), (n * 2) as u64, "{f:?}");
+        any_dropped |= dropped.iter().sum::<u64>() > 0;
+        if f == Some(100.0) {
+            assert_eq!(dropped, vec![0; 8]);
+            let (none, _) =
+                tp_models::synthetic::moe_layer_output(&ckpt, 1, dense(), &xn, n).unwrap();
+            assert!(
+                got.iter()
+                    .zip(&none)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "factor 100 vs none"
+            );
+        }
+    }
+    assert!(any_dropped, "the fixture must drop pairs");
+}
+
+/// Every row of `tokens` in one step at `tp` x `ep`, gathered, and rank 0's profile.
+fn step_rows(
+    ckpt: &dyn Checkpoint,
+    tokens: &[u32],
+    tp: usize,
+    opts: LoadOptions,
+) -> (Vec<Vec<f32>>, tp_models::Profile) {
+    use tp_comm::local::{self, LocalOptions};
+    let results = local::run(tp, LocalOptions::default(), |g| {
+        let model = tp_models::ShardedModel::load(ckpt, g.rank(), tp, opts, 64).unwrap();
+        let mut s = common::Stepper::new(&model, &g);
+        let rows = s.logits(&mut model.new_table(64), tokens, true);
+        let vocab = rows.len() / tokens.len();
+        let rows = rows.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
+        (rows, s.prof)
+    })
+    .unwrap();
+    results.into_iter().next().unwrap().unwrap()
+}
+
+/// A capacity factor over a whole model: the drops come from the replicated router, so every
+/// rank drops the same pairs and every row of a 7-token prompt (f = 0.5: capacity 1 of 8
+/// experts, top-2) has the same bits at tp 1-3 with ep 1 and 2 (and tp 4 x ep 4), with the
+/// same pairs dropped per expert. The drops move the logits; a lone token (n = 1, capacity 1)
+/// loses none; a factor of 100 is no capacity, bit for bit.
 #[test]
 fn a_capacity_factor_drops_the_same_tokens_at_every_layout() {
     let model = SyntheticModel::small_moe(Arch::Qwen3, 8, 2, 16);
     let (_dir, ckpt) = write(&model, GgufTypes::F32, "moe.gguf");
     let tokens = prompt(1000, 7);
-    let cap = |percent| LoadOptions {
-        expert_capacity_percent: Some(percent),
+    let cap = |f| LoadOptions {
+        expert_capacity: capacity(f),
         ..dense()
     };
-    let none = sharded_logits(&ckpt, &tokens, 1, dense());
-    let half = sharded_logits(&ckpt, &tokens, 1, cap(50));
-    for (tp, ep) in [(2, 1), (2, 2), (4, 4)] {
-        let got = sharded_logits(&ckpt, &tokens, tp, with_ep(cap(50), ep));
+    let (half, prof) = step_rows(&ckpt, &tokens, 1, cap(0.5));
+    // Every layer drops 7 x 2 routed pairs down to at most 8 kept.
+    let layers = model.cfg.layers as u64;
+    assert!(prof.expert_dropped_total() >= layers * 6, "{prof:?}");
+    assert_eq!(
+        prof.expert_dropped_total() + prof.expert_tokens.iter().sum::<u64>(),
+        layers * 14
+    );
+    for (tp, ep) in [(2, 1), (2, 2), (3, 1), (4, 4)] {
+        let (got, p) = step_rows(&ckpt, &tokens, tp, with_ep(cap(0.5), ep));
         assert_same_bits(&format!("capacity 0.5 at tp {tp} ep {ep}"), &got, &half);
+        assert_eq!(p.expert_dropped, prof.expert_dropped, "tp {tp} ep {ep}");
+        assert_eq!(p.expert_tokens, prof.expert_tokens, "tp {tp} ep {ep}");
     }
-    let moved = half[0]
+    let (none, p) = step_rows(&ckpt, &tokens, 1, dense());
+    assert!(p.expert_dropped.is_empty());
+    let last = tokens.len() - 1;
+    let moved = half[last]
         .iter()
-        .zip(&none[0])
+        .zip(&none[last])
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
     assert!(
-        moved > 1e-3 * spread(&none[0]),
+        moved > 1e-3 * spread(&none[last]),
         "dropping tokens moved the logits by {moved}"
     );
-    assert_same_bits("a lone token under capacity 0.5", &half[1..], &none[1..]);
-    let wide = sharded_logits(&ckpt, &tokens, 1, cap(10_000));
+    let (wide, _) = step_rows(&ckpt, &tokens, 1, cap(100.0));
     assert_same_bits("capacity 100", &wide, &none);
+    // A lone token per step: the capacity rounds up to 1, nothing is dropped.
+    let one_by_one = sharded_logits(&ckpt, &tokens, 1, cap(0.5));
+    let plain = sharded_logits(&ckpt, &tokens, 1, dense());
+    assert_same_bits(
+        "a lone token under capacity 0.5",
+        &one_by_one[1..],
+        &plain[1..],
+    );
+}
+
+/// A capacity factor is a number above 0, and a dense model takes none: typed errors before
+/// any weight is read, naming the valid values.
+#[test]
+fn a_bad_capacity_factor_is_refused() {
+    for bad in ["0", "-1", "NaN", "inf", "x"] {
+        let e = bad.parse::<CapacityFactor>().unwrap_err().to_string();
+        assert!(e.contains("a number above 0"), "{bad}: {e}");
+    }
+    let (_dir, ckpt) = write(
+        &SyntheticModel::small(Arch::Qwen3, 3),
+        GgufTypes::F32,
+        "dense.gguf",
+    );
+    let opts = LoadOptions {
+        expert_capacity: capacity(1.25),
+        ..dense()
+    };
+    let e = tp_models::ShardedModel::load(&ckpt, 0, 1, opts, 64).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("has no experts (it is dense); leave it unset"),
+        "{e}"
+    );
 }
 
 /// The weights each rank holds: whole experts under expert parallelism, slices of all of them

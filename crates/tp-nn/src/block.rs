@@ -519,6 +519,8 @@ pub struct BlockOutput {
     pub aux_share: Option<Tensor>,
     /// The whole load-balancing loss (for reports).
     pub aux: Option<f32>,
+    /// (token, expert) pairs the MoE's capacity factor dropped (0 without one).
+    pub dropped: u64,
     /// Bytes of the tensors this rank held outside the tensor-parallel regions (the block's
     /// input, the norms' outputs, the regions' reduced outputs and the residual sum): the
     /// activations sequence parallelism divides by tp.
@@ -689,6 +691,31 @@ impl ParallelBlock {
         }
     }
 
+    /// A mixture-of-experts MLP routes with `routing` (a capacity factor) from now on; a
+    /// dense MLP is unchanged.
+    pub fn set_moe_routing(&mut self, routing: &crate::RouteOptions) {
+        if let BlockMlp::Moe(moe) = &mut self.mlp {
+            moe.set_routing(routing.clone());
+        }
+    }
+
+    /// A mixture-of-experts MLP selects experts with the aux-loss-free `bias` (`[count]`)
+    /// from now on ([`crate::RouteOptions::bias`]); a dense MLP is unchanged.
+    pub fn set_moe_bias(&mut self, bias: Vec<f32>) {
+        if let BlockMlp::Moe(moe) = &mut self.mlp {
+            moe.set_selection_bias(bias);
+        }
+    }
+
+    /// The tokens routed to each expert since the last call (`[count]`,
+    /// [`ParallelMoe::take_load`]); `None` for a dense MLP.
+    pub fn take_moe_load(&self) -> Option<Vec<u64>> {
+        match &self.mlp {
+            BlockMlp::Moe(moe) => Some(moe.take_load()),
+            BlockMlp::Dense(_) => None,
+        }
+    }
+
     /// This block with its mixture of experts' tokens dispatched over `group`
     /// ([`ParallelMoe::with_dispatch`]); a dense block is returned as it is.
     pub fn with_expert_dispatch(
@@ -835,14 +862,20 @@ impl ParallelBlock {
         let n = self.mlp_norm.forward(&h)?; // [b, s_local, hidden]
         hold(&n);
         let x_par = layout.enter(&n, group)?; // [b, s, hidden]
-        let (m, aux_share, aux) = match &self.mlp {
-            BlockMlp::Dense(mlp) => (layout.exit(mlp.forward_local(&x_par, group)?)?, None, None),
+        let (m, aux_share, aux, dropped) = match &self.mlp {
+            BlockMlp::Dense(mlp) => (
+                layout.exit(mlp.forward_local(&x_par, group)?)?,
+                None,
+                None,
+                0,
+            ),
             BlockMlp::Moe(moe) => {
                 let dims = x_par.dims().to_vec(); // [b, s, hidden]
                 let flat = x_par.flatten_to(dims.len().saturating_sub(2))?; // [b*s, hidden]
                 let out = moe.forward_local(&flat, group)?;
                 let m = layout.exit(out.partial.reshape(&dims)?)?; // [b, s_local, hidden]
-                (m, Some(out.aux_share), Some(out.aux))
+                let dropped = out.dropped.iter().sum();
+                (m, Some(out.aux_share), Some(out.aux), dropped)
             }
         }; // m: [b, s_local, hidden]
         hold(&m);
@@ -858,6 +891,7 @@ impl ParallelBlock {
             hidden: (h + m)?,
             aux_share,
             aux,
+            dropped,
             outside_bytes: held,
         })
     }

@@ -14,7 +14,7 @@
 
 use crate::error::{Result, TpError};
 use crate::linear::PartialSum;
-use crate::moe::{balance_loss, route, MoeOutput, ParallelMoe};
+use crate::moe::{balance_loss, MoeOutput, ParallelMoe, Routed};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -73,18 +73,25 @@ impl Dispatch {
     }
 
     /// [`ParallelMoe::forward_local`] with the tokens dispatched: `x_par [n, hidden]` (this
-    /// replica's tokens, inside the tp region) -> this rank's partial `[n, hidden]`.
+    /// replica's tokens, inside the tp region, routed as `routed` says) -> this rank's partial
+    /// `[n, hidden]`.
     pub(crate) fn forward(
         &self,
         moe: &ParallelMoe,
         x_par: &Tensor,
         tp_group: &Group,
+        routed: Routed,
     ) -> Result<MoeOutput> {
         let experts = moe.experts();
         let count = experts.count;
         let size = self.group.size();
         let dev = x_par.device();
-        let (probs, weights, counts) = route(x_par, moe.router().as_tensor(), experts)?;
+        let Routed {
+            probs,
+            weights,
+            counts,
+            dropped,
+        } = routed;
         let picked: Vec<Vec<f32>> = weights.to_vec2()?; // [n][count]
 
         // The (token, expert) rows this tp index serves, by peer, then expert, then token.
@@ -168,6 +175,7 @@ impl Dispatch {
             partial: PartialSum::new(out, tp_group),
             aux_share: (aux / tp_group.size() as f64)?,
             aux: value,
+            dropped,
         })
     }
 }

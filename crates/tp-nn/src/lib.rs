@@ -38,7 +38,7 @@ pub use mappings::{
     reduce_scatter_to_sequence_parallel, scatter_last_dim,
 };
 pub use mlp::ParallelMlp;
-pub use moe::{MoeOutput, ParallelMoe};
+pub use moe::{MoeOutput, ParallelMoe, RouteOptions};
 pub use norm::RmsNorm;
 pub use packing::Segments;
 pub use recording::RecordingComm;

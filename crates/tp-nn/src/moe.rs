@@ -18,7 +18,7 @@ use crate::error::{Result, TpError};
 use crate::linear::PartialSum;
 use candle_core::{Tensor, Var, D};
 use tp_comm::Group;
-use tp_spec::{Activation, ExpertShard, Experts, Gating};
+use tp_spec::{drop_over, Activation, CapacityFactor, ExpertShard, Experts, Gating};
 
 /// One expert's columns on this rank.
 #[derive(Debug)]
@@ -38,6 +38,23 @@ pub struct MoeOutput {
     pub aux_share: Tensor,
     /// The load-balancing loss `E * sum_e f_e * P_e` (Switch Transformer; 1 when balanced).
     pub aux: f32,
+    /// (token, expert) pairs the capacity factor dropped, per expert (`[count]`; zeros
+    /// without a capacity).
+    pub dropped: Vec<u64>,
+}
+
+/// How [`route`] picks experts beyond the family's rule: the default routes every token to
+/// its top-k experts.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RouteOptions {
+    /// The aux-loss-free load-balancing bias (DeepSeek-V3; Wang et al. 2024), one per expert
+    /// (empty: none): added to the router probabilities for the top-k *selection only*; the
+    /// weights stay the unbiased probabilities, so the bias gets no gradient.
+    pub bias: Vec<f32>,
+    /// Each expert takes at most `ceil(f x n x k / E)` of the step's (token, expert) pairs in
+    /// token order ([`CapacityFactor`], the rule inference follows); the later ones are
+    /// dropped, the token keeping its other experts with their weights unchanged.
+    pub capacity: Option<CapacityFactor>,
 }
 
 /// A tensor-parallel mixture of experts.
@@ -55,6 +72,9 @@ pub struct ParallelMoe {
     /// Expert parallelism across data-parallel replicas: tokens dispatched by all-to-all
     /// ([`ParallelMoe::with_dispatch`]); `None` when every token stays on its rank.
     dispatch: Option<Dispatch>,
+    routing: RouteOptions,
+    /// Tokens routed to each expert since [`ParallelMoe::take_load`] (`[count]`).
+    load: std::sync::Mutex<Vec<u64>>,
 }
 
 impl ParallelMoe {
@@ -102,6 +122,8 @@ impl ParallelMoe {
             empty_rows: empty((0, hidden))?,
             empty_cols: empty((hidden, 0))?,
             tp,
+            routing: RouteOptions::default(),
+            load: std::sync::Mutex::new(vec![0; experts.count]),
             dispatch: None,
         })
     }
@@ -152,6 +174,29 @@ impl ParallelMoe {
         Ok((sum * zero)?)
     }
 
+    /// This layer routing with `routing` (a capacity factor).
+    pub fn with_routing(mut self, routing: RouteOptions) -> Self {
+        self.set_routing(routing);
+        self
+    }
+
+    /// Routes with `routing` from now on.
+    pub fn set_routing(&mut self, routing: RouteOptions) {
+        self.routing = routing;
+    }
+
+    /// Selects experts with the aux-loss-free `bias` (`[count]`) from now on.
+    pub fn set_selection_bias(&mut self, bias: Vec<f32>) {
+        self.routing.bias = bias;
+    }
+
+    /// The tokens routed to each expert (`[count]`, before capacity drops) by the forwards
+    /// since the last call, and starts counting anew.
+    pub fn take_load(&self) -> Vec<u64> {
+        let mut load = self.load.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::replace(&mut *load, vec![0; self.experts.count])
+    }
+
     /// The router (replicated; its gradient is partial per rank).
     pub fn router(&self) -> &Var {
         &self.router
@@ -180,10 +225,23 @@ impl ParallelMoe {
     /// `x_par [n, hidden]` inside the parallel region (after f) -> this rank's partial
     /// `[n, hidden]` and the load-balancing loss.
     pub fn forward_local(&self, x_par: &Tensor, group: &Group) -> Result<MoeOutput> {
-        if let Some(d) = &self.dispatch {
-            return d.forward(self, x_par, group);
+        let (probs, weights, counts, dropped) =
+            route(x_par, self.router.as_tensor(), &self.experts, &self.routing)?;
+        {
+            let mut load = self.load.lock().unwrap_or_else(|e| e.into_inner());
+            for (l, &c) in load.iter_mut().zip(&counts) {
+                *l += c as u64;
+            }
         }
-        let (probs, weights, counts) = route(x_par, self.router.as_tensor(), &self.experts)?;
+        if let Some(d) = &self.dispatch {
+            let routed = Routed {
+                probs,
+                weights,
+                counts,
+                dropped,
+            };
+            return d.forward(self, x_par, group, routed);
+        }
         let picked: Vec<Vec<f32>> = weights.to_vec2()?; // [n][count]
         let mut out = x_par.zeros_like()?; // [n, hidden]
         for e in &self.local {
@@ -206,18 +264,31 @@ impl ParallelMoe {
             partial: PartialSum::new(out, group),
             aux_share: (aux / self.tp as f64)?,
             aux: value,
+            dropped,
         })
     }
 }
 
+/// One forward's routing ([`route`]'s results), handed to the dispatch of expert parallelism
+/// across replicas.
+pub(crate) struct Routed {
+    pub probs: Tensor,   // [n, count]
+    pub weights: Tensor, // [n, count]
+    pub counts: Vec<usize>,
+    pub dropped: Vec<u64>,
+}
+
 /// Router probabilities `[n, count]`, the top-k weights `[n, count]` (zero for experts a
-/// token is not routed to; divided by their sum when the family normalises) and the tokens
-/// routed to each expert. Top-k picks the highest probabilities, ties to the lower expert.
+/// token is not routed to or whose pair `opts`' capacity dropped; divided by the sum over
+/// the top-k when the family normalises, dropped pairs included), the tokens routed to each
+/// expert (before any drop: the load-balancing loss's `f_e`) and the pairs dropped per
+/// expert. Top-k picks the highest probabilities, ties to the lower expert.
 pub fn route(
     x: &Tensor,
     router: &Tensor,
     experts: &Experts,
-) -> Result<(Tensor, Tensor, Vec<usize>)> {
+    opts: &RouteOptions,
+) -> Result<(Tensor, Tensor, Vec<usize>, Vec<u64>)> {
     let scores = x.matmul(&router.t()?)?; // [n, count]
     let probs = match experts.gating {
         Gating::Softmax => candle_nn::ops::softmax(&scores, D::Minus1)?,
@@ -227,21 +298,42 @@ pub fn route(
     let count = experts.count;
     let mut mask = vec![0f32; rows.len() * count]; // [n, count]
     let mut counts = vec![0usize; count];
+    let mut routes: Vec<Vec<(usize, f32)>> = Vec::with_capacity(rows.len()); // [n][k]
     for (t, p) in rows.iter().enumerate() {
-        let p: Vec<f64> = p.iter().map(|&x| f64::from(x)).collect();
-        for e in experts.top_k(&p) {
+        let p: Vec<f64> = p
+            .iter()
+            .enumerate()
+            .map(|(e, &x)| f64::from(x) + opts.bias.get(e).map_or(0.0, |&b| f64::from(b)))
+            .collect(); // biased for the selection only
+        let top = experts.top_k(&p);
+        for &e in &top {
             mask[t * count + e] = 1.0;
             counts[e] += 1;
         }
+        routes.push(top.into_iter().map(|e| (e, 1.0)).collect());
     }
-    let mask = Tensor::from_vec(mask, (rows.len(), count), x.device())?;
+    let n = rows.len();
+    let dropped = match opts.capacity {
+        Some(f) => drop_over(&mut routes, f.capacity(n, experts.per_token, count), count),
+        None => vec![0; count],
+    };
+    let mask = Tensor::from_vec(mask, (n, count), x.device())?;
     let picked = (&probs * mask)?; // [n, count]
-    let weights = if experts.normalize {
+    let mut weights = if experts.normalize {
         picked.broadcast_div(&picked.sum_keepdim(1)?)?
     } else {
         picked
     };
-    Ok((probs, weights, counts))
+    if dropped.iter().any(|&d| d > 0) {
+        let mut keep = vec![0f32; n * count]; // [n, count]
+        for (t, r) in routes.iter().enumerate() {
+            for &(e, _) in r {
+                keep[t * count + e] = 1.0;
+            }
+        }
+        weights = (weights * Tensor::from_vec(keep, (n, count), x.device())?)?;
+    }
+    Ok((probs, weights, counts, dropped))
 }
 
 /// Switch Transformer's load-balancing loss `E * sum_e f_e * P_e`: `f_e` the fraction of

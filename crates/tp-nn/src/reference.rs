@@ -204,8 +204,29 @@ pub fn dense_moe(
     experts: &tp_spec::Experts,
     activation: Activation,
 ) -> Result<(Tensor, Tensor)> {
+    let (y, aux, _) = dense_moe_capped(x, router, weights, experts, activation, None)?;
+    Ok((y, aux))
+}
+
+/// [`dense_moe`] under a capacity factor `f`: each expert keeps the first
+/// `ceil(f x n x k / E)` (at least 1) of the tokens routed to it in token order, a later
+/// token skipping it (its other experts' weights unchanged); the loss's `f_e` counts the
+/// routed tokens. Also returns the pairs dropped per expert.
+pub fn dense_moe_capped(
+    x: &Tensor,
+    router: &Tensor,
+    weights: &[(Tensor, Tensor, Tensor)],
+    experts: &tp_spec::Experts,
+    activation: Activation,
+    capacity: Option<f64>,
+) -> Result<(Tensor, Tensor, Vec<u64>)> {
     let (n, _) = x.dims2()?;
     let count = experts.count;
+    let cap = capacity.map_or(n, |f| {
+        ((f * (n * experts.per_token) as f64 / count as f64).ceil() as usize).max(1)
+    });
+    let mut taken = vec![0usize; count];
+    let mut dropped = vec![0u64; count];
     let mut rows = Vec::with_capacity(n);
     let mut probs_rows = Vec::with_capacity(n);
     let mut routed = vec![0f32; count];
@@ -224,6 +245,11 @@ pub fn dense_moe(
         let mut y = xt.zeros_like()?; // [1, hidden]
         for &e in chosen {
             routed[e] += 1.0;
+            taken[e] += 1;
+            if taken[e] > cap {
+                dropped[e] += 1;
+                continue;
+            }
             let (g, u, d) = &weights[e];
             let gate = xt.matmul(&g.t()?)?;
             let act = match activation {
@@ -247,5 +273,5 @@ pub fn dense_moe(
         .collect();
     let f = Tensor::from_vec(f, (count,), x.device())?;
     let aux = ((probs.mean(0)? * f)?.sum_all()? * count as f64)?;
-    Ok((Tensor::cat(&rows, 0)?, aux))
+    Ok((Tensor::cat(&rows, 0)?, aux, dropped))
 }

@@ -81,9 +81,12 @@ pub struct ServerFigures {
     pub generated_tokens: u64,
     pub steps: u64,
     pub kv_blocks_total: usize,
-    /// Mixture of experts: the tokens routed to each expert since the start, summed over
-    /// layers (empty for a dense model).
+    /// Mixture of experts: the tokens each expert took since the start, summed over layers
+    /// (empty for a dense model).
     pub expert_tokens: Vec<u64>,
+    /// Mixture of experts: the (token, expert) pairs routed to each expert that the capacity
+    /// factor dropped since the start, summed over layers (empty without a capacity).
+    pub expert_dropped: Vec<u64>,
 }
 
 /// One point of the charts.
@@ -243,15 +246,16 @@ fn push_sample(q: &mut VecDeque<(Instant, f64)>, v: f64) {
     }
 }
 
-/// Tokens per expert over every layer: the sum of the ranks' reports (each stage's tp rank 0
-/// reports its layers, the others nothing).
-fn routed_tokens(profiles: &[RankProfile]) -> Vec<u64> {
+/// A count per expert over every layer (`counts`: the tokens taken or the pairs dropped): the
+/// sum of the ranks' reports (each stage's tp rank 0 reports its layers, the others nothing).
+fn per_expert(profiles: &[RankProfile], counts: fn(&RankProfile) -> &[u64]) -> Vec<u64> {
     let mut sum: Vec<u64> = Vec::new();
     for p in profiles {
-        if sum.len() < p.routed_tokens.len() {
-            sum.resize(p.routed_tokens.len(), 0);
+        let c = counts(p);
+        if sum.len() < c.len() {
+            sum.resize(c.len(), 0);
         }
-        for (s, n) in sum.iter_mut().zip(&p.routed_tokens) {
+        for (s, n) in sum.iter_mut().zip(c) {
             *s += n;
         }
     }
@@ -372,7 +376,8 @@ impl Board {
         let c = &mut snap.collection;
         c.polls += 1;
         let profiles = profiles.unwrap_or_default();
-        snap.server.expert_tokens = routed_tokens(&profiles);
+        snap.server.expert_tokens = per_expert(&profiles, |p| &p.routed_tokens);
+        snap.server.expert_dropped = per_expert(&profiles, |p| &p.dropped_tokens);
         let n = profiles.len().max(snap.ranks.len());
         snap.ranks.resize_with(n, RankFigures::default);
         for (r, f) in snap.ranks.iter_mut().enumerate() {
@@ -499,24 +504,33 @@ mod tests {
             sent_bytes: sent,
             expert_rows: 0,
             routed_tokens: Vec::new(),
+            dropped_tokens: Vec::new(),
         }
     }
 
     #[test]
     fn tokens_per_expert_add_the_stages_reports() {
-        let with = |routes: Vec<u64>| RankProfile {
+        let with = |routes: Vec<u64>, dropped: Vec<u64>| RankProfile {
             routed_tokens: routes,
+            dropped_tokens: dropped,
             ..prof(1.0, 0.0, 0)
         };
         // Two stages of two tp ranks: each stage's tp rank 0 reports its layers' routes.
         let profiles = [
-            with(vec![3, 1, 0, 2]),
-            with(vec![]),
-            with(vec![1, 1, 4, 0]),
-            with(vec![]),
+            with(vec![3, 1, 0, 2], vec![0, 1, 0, 0]),
+            with(vec![], vec![]),
+            with(vec![1, 1, 4, 0], vec![0, 0, 2, 0]),
+            with(vec![], vec![]),
         ];
-        assert_eq!(routed_tokens(&profiles), vec![4, 2, 4, 2]);
-        assert!(routed_tokens(&[prof(1.0, 0.0, 0)]).is_empty());
+        assert_eq!(
+            per_expert(&profiles, |p| &p.routed_tokens),
+            vec![4, 2, 4, 2]
+        );
+        assert_eq!(
+            per_expert(&profiles, |p| &p.dropped_tokens),
+            vec![0, 1, 2, 0]
+        );
+        assert!(per_expert(&[prof(1.0, 0.0, 0)], |p| &p.routed_tokens).is_empty());
     }
 
     #[test]

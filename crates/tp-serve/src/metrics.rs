@@ -138,7 +138,11 @@ impl Metrics {
         describe("tp_requests_total", "HTTP requests by endpoint and status");
         describe(
             "tp_expert_tokens_total",
-            "Mixture of experts: tokens the routers sent to each expert, summed over layers",
+            "Mixture of experts: tokens each expert took, summed over layers",
+        );
+        describe(
+            "tp_expert_tokens_dropped_total",
+            "Mixture of experts: (token, expert) pairs routed to each expert that the capacity factor dropped, summed over layers",
         );
         describe(
             "tp_rank_expert_rows_total",
@@ -352,12 +356,17 @@ impl Metrics {
         self.board.ranks_polled(profiles, view, cost);
         self.stats_collection_seconds.increment(cost.as_secs_f64());
         let snap = self.board.snapshot();
-        for (e, &n) in snap.server.expert_tokens.iter().enumerate() {
-            let key = Key::from_parts(
-                "tp_expert_tokens_total",
-                vec![Label::new("expert", e.to_string())],
-            );
-            self.recorder.register_counter(&key, &META).absolute(n);
+        for (name, counts) in [
+            ("tp_expert_tokens_total", &snap.server.expert_tokens),
+            (
+                "tp_expert_tokens_dropped_total",
+                &snap.server.expert_dropped,
+            ),
+        ] {
+            for (e, &n) in counts.iter().enumerate() {
+                let key = Key::from_parts(name, vec![Label::new("expert", e.to_string())]);
+                self.recorder.register_counter(&key, &META).absolute(n);
+            }
         }
         for f in &snap.ranks {
             let host = &f.setup.host;

@@ -8,6 +8,7 @@
 
 pub mod arch;
 pub mod block;
+pub mod capacity;
 pub mod config;
 pub mod ep;
 pub mod error;
@@ -22,6 +23,7 @@ pub mod weights;
 
 pub use arch::{is_moe_name, is_unsupported_moe_name, supported_list, Arch, RopeStyle};
 pub use block::{Activation, BlockStyle, SlidingWindow};
+pub use capacity::{check_capacity, drop_over, CapacityError, CapacityFactor};
 pub use config::{Dims, Experts, Gating, MetaValue, Metadata, ModelConfig};
 pub use ep::{EpLayout, ReplicaExperts};
 pub use error::{ShardError, SpecError};

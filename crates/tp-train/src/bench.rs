@@ -201,6 +201,8 @@ impl Bench {
                     distributed_optimizer: cfg.distributed_optimizer,
                     moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
                     ep: 1,
+                    moe_capacity: None,
+                    moe_bias_rate: None,
                     sequence_parallel: cfg.sequence_parallel,
                     recompute,
                     pack: false,

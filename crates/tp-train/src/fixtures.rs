@@ -108,6 +108,8 @@ pub fn spec(dims: ParallelDims, steps: u64, micro_batches: usize) -> TrainSpec {
         distributed_optimizer: false,
         moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
         ep: 1,
+        moe_capacity: None,
+        moe_bias_rate: None,
         sequence_parallel: false,
         recompute: crate::Recompute::None,
         pack: false,

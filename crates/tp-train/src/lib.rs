@@ -36,6 +36,7 @@ pub mod pipeline;
 pub mod plot;
 pub mod pretrained;
 pub mod recompute;
+pub mod router_bias;
 pub mod run;
 pub mod schedule;
 pub mod setup;

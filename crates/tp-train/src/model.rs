@@ -51,6 +51,8 @@ pub struct StageOutput {
     pub aux_share: Option<Tensor>,
     /// The sum over the stage's MoE layers of their whole load-balancing loss (for reports).
     pub aux: f64,
+    /// (token, expert) pairs the stage's MoE layers dropped under a capacity factor.
+    pub dropped: u64,
 }
 
 /// The last stage's LM head.
@@ -246,6 +248,34 @@ impl StageModel {
         }
     }
 
+    /// The same stage with its mixture-of-experts layers routing by `routing` (a capacity
+    /// factor); a dense stage is unchanged.
+    pub fn with_moe_routing(mut self, routing: tp_nn::RouteOptions) -> Self {
+        for b in &mut self.blocks {
+            b.set_moe_routing(&routing);
+        }
+        self
+    }
+
+    /// Sets the aux-loss-free router bias of the stage's MoE layers from `all [layers][count]`
+    /// (every layer of the model; [`crate::router_bias`]).
+    pub fn set_moe_bias(&mut self, all: &[Vec<f32>]) {
+        for (b, l) in self.blocks.iter_mut().zip(self.layers.clone()) {
+            if let Some(bias) = all.get(l) {
+                b.set_moe_bias(bias.clone());
+            }
+        }
+    }
+
+    /// `(layer, tokens routed to each expert)` of the stage's MoE layers since the last call.
+    pub fn take_moe_load(&self) -> Vec<(usize, Vec<u64>)> {
+        self.blocks
+            .iter()
+            .zip(self.layers.clone())
+            .filter_map(|(b, l)| Some((l, b.take_moe_load()?)))
+            .collect()
+    }
+
     /// Activation recomputation (Korthikanti et al. 2022): `Selective` makes each block's
     /// attention core recompute its `[s, s]` parts in the backward; `Full` is run by
     /// [`crate::recompute`] ([`crate::pipeline::run_micro_batches`] picks it).
@@ -338,12 +368,13 @@ impl StageModel {
         let layout = split
             .as_ref()
             .map_or(SeqLayout::Replicated, SeqLayout::Split);
-        let (h, aux_share, aux) = self.hidden_aux(input, segments, tp, layout)?; // h: [b, s_local, hidden]
+        let (h, aux_share, aux, dropped) = self.hidden_aux(input, segments, tp, layout)?; // h: [b, s_local, hidden]
         let value = self.head_loss(h, targets, tp, layout)?;
         Ok(StageOutput {
             value,
             aux_share,
             aux,
+            dropped,
         })
     }
 
@@ -395,12 +426,14 @@ impl StageModel {
         segments: Option<&Segments>,
         tp: &Group,
         layout: SeqLayout<'_>,
-    ) -> Result<(Tensor, Option<Tensor>, f64)> {
+    ) -> Result<(Tensor, Option<Tensor>, f64, u64)> {
         let mut h = self.stage_input(input, tp, layout)?; // [b, s_local, hidden]
         let (mut share, mut aux): (Option<Tensor>, f64) = (None, 0.0);
+        let mut dropped = 0;
         for b in &self.blocks {
             let out = b.forward_packed(&h, tp, layout, segments)?;
             h = out.hidden; // [b, s_local, hidden]
+            dropped += out.dropped;
             if let Some(s) = out.aux_share {
                 share = Some(match share {
                     Some(acc) => (acc + s)?,
@@ -409,7 +442,7 @@ impl StageModel {
                 aux += f64::from(out.aux.unwrap_or(0.0));
             }
         }
-        Ok((h, share, aux))
+        Ok((h, share, aux, dropped))
     }
 
     /// What the stage's first block takes: the (scaled) embedding of the tokens on the first

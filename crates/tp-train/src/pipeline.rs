@@ -89,6 +89,9 @@ pub struct StageLosses {
     pub loss: f64,
     /// The sum over micro-batches and the stage's MoE layers of their load-balancing loss.
     pub aux: f64,
+    /// (token, expert) pairs the stage's MoE layers dropped under a capacity factor, over
+    /// micro-batches.
+    pub dropped: u64,
     /// Under full recomputation, the bytes of the block inputs one micro-batch keeps between
     /// its forward and its backward (counted, the largest over micro-batches and chunks); 0
     /// otherwise.
@@ -185,11 +188,13 @@ pub fn run_micro_batches(
                 let (output, kept) = if model.recompute() == Recompute::Full {
                     let f = recompute::forward(model, stage_in, seg, targets, &groups.tp)?;
                     sums.aux += f.aux;
+                    sums.dropped += f.dropped;
                     sums.kept_input_bytes = sums.kept_input_bytes.max(f.kept.block_input_bytes());
                     (f.value, Kept::Inputs(f.kept))
                 } else {
                     let out = model.forward_packed(stage_in, seg, targets, &groups.tp)?;
                     sums.aux += out.aux;
+                    sums.dropped += out.dropped;
                     let output = out.value;
                     let kept = Kept::Graph {
                         output: output.clone(),

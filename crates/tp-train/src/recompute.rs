@@ -56,6 +56,8 @@ pub struct FullForward {
     /// The summed load-balancing loss of the stage's MoE layers (for reports; their shares
     /// are backpropagated in the recompute).
     pub aux: f64,
+    /// (token, expert) pairs the stage's MoE layers dropped under a capacity factor.
+    pub dropped: u64,
     pub kept: Kept,
 }
 
@@ -76,10 +78,11 @@ pub fn forward(
     let embedded = model.stage_input(input, tp, layout)?; // [b, s, hidden]
     let mut x = embedded.detach(); // [b, s, hidden], sharing the storage
     let mut inputs = Vec::with_capacity(model.blocks().len());
-    let mut aux = 0.0;
+    let (mut aux, mut dropped) = (0.0, 0);
     for b in model.blocks() {
         let out = b.forward_packed(&x, tp, layout, segments)?;
         aux += f64::from(out.aux.unwrap_or(0.0));
+        dropped += out.dropped;
         inputs.push(x);
         // Detaching drops the block's graph, and with it its intermediates.
         x = out.hidden.detach(); // [b, s, hidden]
@@ -96,6 +99,7 @@ pub fn forward(
     Ok(FullForward {
         value,
         aux,
+        dropped,
         kept: Kept {
             embedded: first.then_some(embedded),
             inputs,

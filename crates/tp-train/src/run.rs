@@ -125,6 +125,14 @@ impl<'a> Job<'a> {
             .aux_loss
             .map(|a| format!(" | balance {a:.3}"))
             .unwrap_or_default();
+        let aux = match r.moe_dropped {
+            Some(d) => format!("{aux} | dropped {d}"),
+            None => aux,
+        };
+        let aux = match r.moe_imbalance {
+            Some(i) => format!("{aux} | expert max/mean {i:.2}"),
+            None => aux,
+        };
         let line = format!(
             "loss {:.4}{aux} | {} tok/s | MFU {:.1}% | lr {:.2e}",
             r.loss,

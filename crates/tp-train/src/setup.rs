@@ -58,6 +58,11 @@ pub struct RunRequest {
     pub moe_aux_coef: f64,
     /// Expert-parallel size ([`crate::TrainSpec::ep`]).
     pub ep: usize,
+    /// The MoE layers' capacity factor ([`TrainSpec::moe_capacity`]); refused for a dense
+    /// model.
+    pub moe_capacity: Option<tp_spec::CapacityFactor>,
+    /// The aux-loss-free router bias's update rate ([`TrainSpec::moe_bias_rate`]).
+    pub moe_bias_rate: Option<f64>,
     /// Shard the optimizer state over the data-parallel replicas (ZeRO-1).
     pub distributed_optimizer: bool,
     /// Sequence parallelism: the norms and residual adds hold `seq/tp` positions per tp rank.
@@ -254,6 +259,20 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             "the load-balancing loss weight must be a number >= 0".into(),
         ));
     }
+    tp_spec::check_capacity(&model, a.moe_capacity)
+        .map_err(|e| TrainError::Config(e.to_string()))?;
+    if let Some(u) = a.moe_bias_rate {
+        if !(u >= 0.0 && u.is_finite()) {
+            return Err(TrainError::Config(format!(
+                "the router bias update rate must be a number >= 0 (DeepSeek-V3 used 0.001), not {u}"
+            )));
+        }
+        if model.experts.is_none() {
+            return Err(TrainError::Config(
+                "a router bias update rate was given, but the model has no experts (it is dense); leave it unset".into(),
+            ));
+        }
+    }
     if !(a.bucket_mib > 0.0 && a.bucket_mib.is_finite()) {
         return Err(TrainError::Config(
             "the all-reduce bucket size must be a positive number of MiB".into(),
@@ -280,6 +299,8 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
         bucket_elems: ((a.bucket_mib * (1 << 20) as f64) / 4.0).max(1.0) as usize,
         moe_aux_coef: a.moe_aux_coef,
         ep: a.ep,
+        moe_capacity: a.moe_capacity,
+        moe_bias_rate: a.moe_bias_rate,
         distributed_optimizer: a.distributed_optimizer,
         sequence_parallel: a.sequence_parallel,
         recompute: a.recompute,
@@ -435,6 +456,8 @@ mod tests {
             bucket_mib: 1.0,
             moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
             ep: 1,
+            moe_capacity: None,
+            moe_bias_rate: None,
             distributed_optimizer: false,
             sequence_parallel: false,
             recompute: crate::Recompute::None,

@@ -58,6 +58,14 @@ pub struct TrainSpec {
     /// Weight of the MoE load-balancing loss in the training objective (Switch Transformer's
     /// alpha; 0 turns it off); unused without experts.
     pub moe_aux_coef: f64,
+    /// The MoE layers' capacity factor ([`tp_spec::CapacityFactor`]): each expert takes at
+    /// most `ceil(f x tokens x k / E)` of a micro-batch's (token, expert) pairs, the later
+    /// ones dropped and counted ([`StepReport::moe_dropped`]); `None`: no pair is dropped.
+    pub moe_capacity: Option<tp_spec::CapacityFactor>,
+    /// The aux-loss-free router bias's update rate `u` ([`crate::router_bias`]; DeepSeek-V3
+    /// used 1e-3): `None` leaves it off; `Some(0)` counts the loads (and reports their
+    /// imbalance) without moving the bias.
+    pub moe_bias_rate: Option<f64>,
     /// Sequence parallelism (Korthikanti et al. 2022, §4.2.2): outside the tensor-parallel
     /// regions each tp rank holds `seq/tp` positions; `seq` must divide by tp.
     pub sequence_parallel: bool,
@@ -174,6 +182,12 @@ pub struct StepReport {
     /// With experts over data-parallel replicas: the (token, expert) rows each world rank's
     /// experts computed in this step, over its layers and micro-batches (the expert load).
     pub expert_rows: Option<Vec<u64>>,
+    /// (token, expert) pairs the capacity factor dropped in the step, over the MoE layers,
+    /// micro-batches and data-parallel replicas; `None` without a capacity factor.
+    pub moe_dropped: Option<u64>,
+    /// With the router bias on: the step's load imbalance (the mean over MoE layers of the
+    /// busiest expert's tokens over the mean, 1 balanced; [`crate::router_bias::update`]).
+    pub moe_imbalance: Option<f64>,
 }
 
 /// Expert parallelism across replicas: the rank's place, its ep group (the block's ranks of
@@ -234,6 +248,11 @@ pub struct Trainer<'a> {
     opts: TrainOptions,
     /// The mean over MoE layers of the load-balancing loss of the last batch computed.
     last_aux: Option<f64>,
+    /// The last step's dropped (token, expert) pairs ([`StepReport::moe_dropped`]).
+    last_dropped: Option<u64>,
+    /// The aux-loss-free router bias `[layers][count]` of every layer (replicated on every
+    /// rank); empty while off.
+    moe_bias: Vec<Vec<f32>>,
     /// Under full recomputation, the block-input bytes one micro-batch kept on this rank in
     /// the last step (counted); 0 otherwise.
     kept_input_bytes: u64,
@@ -320,7 +339,7 @@ impl<'a> Trainer<'a> {
         let v = spec.virtual_stages.max(1);
         let ep_rank = layout::EpRank::new(&spec.model, spec.ep, spec.dims, c.dp_rank)?;
         let ep = EpGroups::new(&groups, ep_rank.clone())?;
-        let chunks = layout::rank_chunks(c.pp_rank, pp, v)
+        let mut chunks = layout::rank_chunks(c.pp_rank, pp, v)
             .into_iter()
             .map(|g| {
                 let m =
@@ -329,7 +348,11 @@ impl<'a> Trainer<'a> {
                     (Some(e), Some(r)) => m.with_expert_dispatch(&e.ep, &r.peers(c.tp_rank))?,
                     _ => m,
                 }
-                .with_sequence_parallel(spec.sequence_parallel);
+                .with_sequence_parallel(spec.sequence_parallel)
+                .with_moe_routing(tp_nn::RouteOptions {
+                    capacity: spec.moe_capacity,
+                    ..Default::default()
+                });
                 m.set_recompute(spec.recompute);
                 Ok(m)
             })
@@ -385,6 +408,19 @@ impl<'a> Trainer<'a> {
             data_position = ck.state.data_position;
             history = ck.state.loss_history.clone();
         }
+        // The router bias: the checkpoint's, else zeros when it is on.
+        let moe_bias = match (resume, spec.model.experts) {
+            (Some(ck), Some(_)) if !ck.state.moe_bias.is_empty() => ck.state.moe_bias.clone(),
+            (_, Some(e)) if spec.moe_bias_rate.is_some() => {
+                vec![vec![0.0; e.count]; spec.model.layers]
+            }
+            _ => Vec::new(),
+        };
+        if !moe_bias.is_empty() {
+            for m in &mut chunks {
+                m.set_moe_bias(&moe_bias);
+            }
+        }
         let embed_len = layout::vocab_partition(&spec.model, tp)?
             .range(c.tp_rank)
             .len()
@@ -413,6 +449,8 @@ impl<'a> Trainer<'a> {
             history,
             opts,
             last_aux: None,
+            last_dropped: None,
+            moe_bias,
             kept_input_bytes: 0,
             pipeline_s: (0.0, 0.0),
             ep_rank,
@@ -527,6 +565,10 @@ impl<'a> Trainer<'a> {
             })
             .collect::<Result<Vec<_>>>()?;
         self.grads.fill(0.0);
+        // The router loads count this step's forwards only.
+        for c in &self.chunks {
+            c.take_moe_load();
+        }
         let sums = run_micro_batches(
             &self.chunks,
             &self.groups,
@@ -595,7 +637,7 @@ impl<'a> Trainer<'a> {
         // The loss lives on the last stage: sum over stages (the others add 0) and over the
         // replicas' shares of the weighted sum; the load-balancing losses of each stage's MoE
         // layers are summed over micro-batches, stages and replicas.
-        let mut loss = [sums.loss, sums.aux];
+        let mut loss = [sums.loss, sums.aux, sums.dropped as f64];
         if s.dims.pp > 1 {
             self.groups.pp.all_reduce(&mut loss, ReduceOp::Sum)?;
         }
@@ -607,6 +649,8 @@ impl<'a> Trainer<'a> {
             .model
             .experts
             .map(|_| loss[1] / (m * dp * s.model.layers.max(1)) as f64);
+        // Exact in f64: a count far below 2^53.
+        self.last_dropped = s.moe_capacity.map(|_| loss[2] as u64);
         Ok((loss[0], norm))
     }
 
@@ -688,6 +732,7 @@ impl<'a> Trainer<'a> {
         self.data_position += s.global_batch as u64;
         self.history.push((self.step, loss));
         let due = s.val_every > 0 && self.step.is_multiple_of(s.val_every);
+        let moe_imbalance = self.update_moe_bias()?;
         let val_loss = match self.val {
             Some(v) if due || self.step == s.steps => Some(self.validation_loss(v)?),
             _ => None,
@@ -703,6 +748,8 @@ impl<'a> Trainer<'a> {
             tokens: (s.global_batch * s.seq) as u64,
             seconds: t0.elapsed().as_secs_f64(),
             aux_loss: self.last_aux,
+            moe_dropped: self.last_dropped,
+            moe_imbalance,
         })
     }
 
@@ -720,6 +767,36 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
+    /// Collective (pp and dp): the step's router loads summed over stages and replicas, the
+    /// bias moved by them ([`crate::router_bias::update`]) alike on every rank and set in this
+    /// rank's layers; returns their imbalance. `None` while the bias is off.
+    fn update_moe_bias(&mut self) -> Result<Option<f64>> {
+        let s = self.spec;
+        let (Some(rate), Some(e)) = (s.moe_bias_rate, s.model.experts) else {
+            return Ok(None);
+        };
+        let count = e.count;
+        let mut load = vec![0f64; s.model.layers * count]; // [layers * count]
+        for m in &self.chunks {
+            for (l, c) in m.take_moe_load() {
+                for (a, &n) in load[l * count..(l + 1) * count].iter_mut().zip(&c) {
+                    *a += n as f64;
+                }
+            }
+        }
+        if s.dims.pp > 1 {
+            self.groups.pp.all_reduce(&mut load, ReduceOp::Sum)?;
+        }
+        if s.dims.dp > 1 {
+            self.groups.dp.all_reduce(&mut load, ReduceOp::Sum)?;
+        }
+        let imbalance = crate::router_bias::update(&mut self.moe_bias, &load, rate);
+        for m in &mut self.chunks {
+            m.set_moe_bias(&self.moe_bias);
+        }
+        Ok(Some(imbalance))
+    }
+
     /// The checkpoint state of now.
     pub fn state(&self) -> Result<TrainerState> {
         let s = self.spec;
@@ -735,6 +812,7 @@ impl<'a> Trainer<'a> {
             optim: s.optim.clone(),
             data: s.data_name.clone(),
             loss_history: self.history.clone(),
+            moe_bias: self.moe_bias.clone(),
             saved_layout: checkpoint::saved_layout(&s.model, s.dims, s.virtual_stages)?,
         })
     }

@@ -40,6 +40,7 @@
 mod common;
 use common::*;
 use tp_train::fixtures::{gemma3_spec, moe_spec, qwen2_spec, qwen3_spec};
+use tp_train::{Checkpoint, StepReport, TrainOptions, TrainSpec};
 
 #[test]
 fn every_layout_follows_the_tp1_loss_curve_for_20_steps() {
@@ -174,6 +175,136 @@ fn mixtral_with_experts_over_replicas_follows_the_tp1_loss_curve() {
             );
         }
     }
+}
+
+/// A capacity factor of 0.75 on the Mixtral (one sequence of 16 tokens per micro-batch, top-2
+/// of 4 experts: each expert keeps 6 of a micro-batch's 32 pairs, so at least 8 are dropped
+/// per layer): the step report counts the drops, summed over layers, micro-batches, stages
+/// and replicas, so pp 2 and dp 2 count what tp 1 counts at every step and follow its loss;
+/// tp 2 routes the same at the first step (later, near-ties may route differently, see the
+/// module's note). The drops change the objective (the first loss moves) and without a
+/// factor nothing is counted.
+#[test]
+fn mixtral_counts_the_capacity_drops_at_every_layout() {
+    let steps = 3;
+    let capped = |d, micro| TrainSpec {
+        moe_capacity: Some(tp_spec::CapacityFactor::new(0.75).unwrap()),
+        ..moe_spec(d, steps, micro)
+    };
+    let reference = train(&capped(dims(1, 1, 1), 4), None);
+    let layers = moe_spec(dims(1, 1, 1), 1, 1).model.layers as u64;
+    for r in &reference {
+        // 4 micro-batches of at least 8 drops in each layer.
+        assert!(r.moe_dropped.unwrap() >= 4 * 8 * layers, "{r:?}");
+    }
+    let plain = train(&moe_spec(dims(1, 1, 1), steps, 4), None);
+    assert!(plain.iter().all(|r| r.moe_dropped.is_none()));
+    assert!(
+        (plain[0].loss - reference[0].loss).abs() > 1e-4 * plain[0].loss,
+        "dropping pairs did not change the loss: {} vs {}",
+        plain[0].loss,
+        reference[0].loss
+    );
+    for (d, micro, checked) in [
+        (dims(1, 2, 1), 4, steps),
+        (dims(1, 1, 2), 2, steps),
+        (dims(2, 1, 1), 4, 1),
+    ] {
+        let got = train(&capped(d, micro), None);
+        for (g, w) in got.iter().zip(&reference).take(checked as usize) {
+            assert_eq!(g.moe_dropped, w.moe_dropped, "{d:?} step {}", g.step);
+            assert!(
+                (g.loss - w.loss).abs() <= LOSS_TOL * w.loss,
+                "{d:?} step {}: loss {} vs {}",
+                g.step,
+                g.loss,
+                w.loss
+            );
+        }
+    }
+}
+
+/// The aux-loss-free router bias on the Mixtral (the balance loss off, so only the bias
+/// balances): with u = 0 the training is the bias-free one bit for bit; with u = 0.1 the
+/// experts' load imbalance (busiest over mean, averaged over layers) of the later steps falls
+/// below the u = 0 run's; pp 2 and dp 2 (the loads summed over stages and replicas, every
+/// rank moving the same bias) give tp 1's imbalance and losses; a run saved at step 6
+/// resumes with its bias and continues exactly (the same layout).
+#[test]
+fn mixtral_router_bias_balances_the_experts_alike_at_every_layout() {
+    let steps = 12;
+    let biased = |d, micro, u| TrainSpec {
+        moe_bias_rate: u,
+        moe_aux_coef: 0.0,
+        ..moe_spec(d, steps, micro)
+    };
+    let off = train(&biased(dims(1, 1, 1), 4, None), None);
+    let zero = train(&biased(dims(1, 1, 1), 4, Some(0.0)), None);
+    for (z, o) in zero.iter().zip(&off) {
+        assert_eq!(z.loss.to_bits(), o.loss.to_bits(), "u = 0, step {}", z.step);
+        assert!(o.moe_imbalance.is_none());
+    }
+    let on = train(&biased(dims(1, 1, 1), 4, Some(0.1)), None);
+    let late = |r: &[StepReport]| -> f64 {
+        let tail = &r[steps as usize / 2..];
+        tail.iter().map(|r| r.moe_imbalance.unwrap()).sum::<f64>() / tail.len() as f64
+    };
+    eprintln!(
+        "imbalance per step: u = 0 {:?}, u = 0.1 {:?}",
+        zero.iter()
+            .map(|r| r.moe_imbalance.unwrap())
+            .collect::<Vec<_>>(),
+        on.iter()
+            .map(|r| r.moe_imbalance.unwrap())
+            .collect::<Vec<_>>()
+    );
+    eprintln!(
+        "imbalance of the later steps: u = 0 {:.3}, u = 0.1 {:.3}",
+        late(&zero),
+        late(&on)
+    );
+    assert!(
+        late(&on) < late(&zero) - 0.05,
+        "the bias did not balance: {} vs {}",
+        late(&on),
+        late(&zero)
+    );
+    for (d, micro) in [(dims(1, 2, 1), 4), (dims(1, 1, 2), 2)] {
+        let got = train(&biased(d, micro, Some(0.1)), None);
+        for (g, w) in got.iter().zip(&on) {
+            let (a, b) = (g.moe_imbalance.unwrap(), w.moe_imbalance.unwrap());
+            assert!(
+                (a - b).abs() <= 1e-12,
+                "{d:?} step {}: imbalance {a} vs {b}",
+                g.step
+            );
+            assert!(
+                (g.loss - w.loss).abs() <= LOSS_TOL * w.loss,
+                "{d:?} step {}: loss {} vs {}",
+                g.step,
+                g.loss,
+                w.loss
+            );
+        }
+    }
+    let dir = tp_testkit::scratch_dir("router-bias-resume");
+    let s = biased(dims(1, 1, 1), 4, Some(0.1));
+    with_trainers(&s, None, TrainOptions::default(), |t| {
+        for _ in 0..6 {
+            t.step()?;
+        }
+        t.save_to(&dir)
+    })
+    .swap_remove(0)
+    .expect("first part");
+    let ck = Checkpoint::open(&dir).expect("checkpoint opens");
+    assert_eq!(ck.state.moe_bias.len(), s.model.layers);
+    assert!(ck.state.moe_bias.iter().flatten().any(|&b| b != 0.0));
+    let resumed = train(&s, Some(&ck));
+    let want: Vec<f64> = on[6..].iter().map(|r| r.loss).collect();
+    let got: Vec<f64> = resumed.iter().map(|r| r.loss).collect();
+    assert_eq!(got, want, "resumed with the bias");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

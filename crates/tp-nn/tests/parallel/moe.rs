@@ -8,9 +8,9 @@
 
 use crate::support::{assert_close, dev, world};
 use candle_core::Tensor;
-use tp_nn::reference::dense_moe;
-use tp_nn::{copy_to_tp, Activation, ParallelMoe, RandomTensor, Rng};
-use tp_spec::{ExpertShard, Experts};
+use tp_nn::reference::{dense_moe, dense_moe_capped};
+use tp_nn::{copy_to_tp, Activation, ParallelMoe, RandomTensor, Rng, RouteOptions};
+use tp_spec::{CapacityFactor, ExpertShard, Experts};
 
 const HIDDEN: usize = 16;
 const FFN: usize = 8;
@@ -370,5 +370,160 @@ fn expert_parallel_over_replicas_matches_the_single_device_moe_per_replica() {
                 grads.get(refs[b].1.as_tensor()).unwrap(),
             );
         }
+    }
+}
+
+/// Under a capacity factor (7 tokens, top-2 of 8 experts; f = 1: each expert keeps its first
+/// 2 tokens, f = 0.5: its first 1) the layer drops the reference's pairs
+/// (`reference::dense_moe_capped`, token by token in token order) at tp 1, 2 x ep 1 and 2,
+/// 4 x ep 4: the same pairs per expert, and y, the balance loss, dx and the router's
+/// gradient equal the reference's.
+#[test]
+fn a_capacity_factor_drops_the_reference_pairs() {
+    let c = case(8, true, 48);
+    for f in [1.0, 0.5] {
+        let x = candle_core::Var::from_tensor(&c.x).unwrap();
+        let router = candle_core::Var::from_tensor(&c.router).unwrap();
+        let (y, aux, dropped) = dense_moe_capped(
+            x.as_tensor(),
+            router.as_tensor(),
+            &c.weights,
+            &c.experts,
+            Activation::Silu,
+            Some(f),
+        )
+        .unwrap();
+        assert!(dropped.iter().sum::<u64>() > 0, "f {f}: the case must drop");
+        let loss = ((&y * &c.probe).unwrap().sum_all().unwrap() + &aux).unwrap();
+        let grads = loss.backward().unwrap();
+        let routing = RouteOptions {
+            capacity: Some(CapacityFactor::new(f).unwrap()),
+            ..RouteOptions::default()
+        };
+        for (tp, ep) in [(1, 1), (2, 1), (2, 2), (4, 4)] {
+            let what = format!("f {f}, tp {tp} ep {ep}");
+            let outs = world(tp, |g| {
+                let shard = ExpertShard::for_experts(c.experts, FFN, 1, g.rank(), tp, ep)?;
+                let moe = ParallelMoe::from_global(
+                    &c.router,
+                    c.experts,
+                    &c.weights,
+                    &shard,
+                    tp,
+                    Activation::Silu,
+                )?
+                .with_routing(routing.clone());
+                let xv = candle_core::Var::from_tensor(&c.x)?;
+                let out = moe.forward_local(&copy_to_tp(xv.as_tensor(), &g)?, &g)?;
+                let y = out.partial.reduce()?;
+                let loss = ((&y * &c.probe)?.sum_all()? + &out.aux_share)?;
+                let gr = loss.backward()?;
+                Ok((
+                    y,
+                    out.aux,
+                    out.dropped,
+                    gr.get(xv.as_tensor()).unwrap().clone(),
+                    gr.get(moe.router().as_tensor()).unwrap().clone(),
+                ))
+            });
+            let mut router_grad = outs[0].4.zeros_like().unwrap();
+            for (r, (y_r, aux_r, dropped_r, dx, dr)) in outs.iter().enumerate() {
+                assert_eq!(dropped_r, &dropped, "{what}: pairs dropped on rank {r}");
+                assert_close(&format!("{what}: y on rank {r}"), y_r, &y);
+                let aux_want = aux.to_scalar::<f32>().unwrap();
+                assert!(
+                    (aux_r - aux_want).abs() <= 1e-5,
+                    "{what}: aux {aux_r} vs {aux_want}"
+                );
+                assert_close(
+                    &format!("{what}: dx on rank {r}"),
+                    dx,
+                    grads.get(x.as_tensor()).unwrap(),
+                );
+                router_grad = (router_grad + dr).unwrap();
+            }
+            assert_close(
+                &format!("{what}: d router"),
+                &router_grad,
+                grads.get(router.as_tensor()).unwrap(),
+            );
+        }
+    }
+}
+
+/// The aux-loss-free bias moves the top-k selection only: the same bias on every expert
+/// selects the same experts, so y and every gradient are those without a bias, bit for bit
+/// (the bias never reaches the weights or the graph); a bias of 10 on expert 0 sends every
+/// token to it (its load counts them all) while the weights stay the unbiased probabilities,
+/// normalised over the chosen two.
+#[test]
+fn the_router_bias_moves_the_selection_not_the_weights() {
+    let c = case(8, true, 48);
+    let run = |bias: Vec<f32>| {
+        world(2, |g| {
+            let shard = ExpertShard::for_experts(c.experts, FFN, 1, g.rank(), 2, 1)?;
+            let mut moe = ParallelMoe::from_global(
+                &c.router,
+                c.experts,
+                &c.weights,
+                &shard,
+                2,
+                Activation::Silu,
+            )?;
+            moe.set_selection_bias(bias.clone());
+            let xv = candle_core::Var::from_tensor(&c.x)?;
+            let out = moe.forward_local(&copy_to_tp(xv.as_tensor(), &g)?, &g)?;
+            let y = out.partial.reduce()?;
+            let gr = ((&y * &c.probe)?.sum_all()? + &out.aux_share)?.backward()?;
+            let mut all = vec![y, gr.get(xv.as_tensor()).unwrap().clone()];
+            all.push(gr.get(moe.router().as_tensor()).unwrap().clone());
+            for (_, gv, uv, dv) in moe.expert_vars() {
+                for v in [gv, uv, dv] {
+                    if let Some(d) = gr.get(v.as_tensor()) {
+                        all.push(d.clone());
+                    }
+                }
+            }
+            Ok((all, moe.take_load()))
+        })
+    };
+    let bits = |t: &Tensor| -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    let plain = run(Vec::new());
+    let uniform = run(vec![0.3; 8]);
+    for (r, (p, u)) in plain.iter().zip(&uniform).enumerate() {
+        assert_eq!(p.0.len(), u.0.len());
+        for (i, (a, b)) in p.0.iter().zip(&u.0).enumerate() {
+            assert_eq!(bits(a), bits(b), "rank {r} tensor {i}");
+        }
+        assert_eq!(p.1, u.1, "rank {r}: loads");
+    }
+    assert_eq!(plain[0].1.iter().sum::<u64>(), (2 * TOKENS) as u64);
+    // Every token to expert 0.
+    let mut bias = vec![0.0; 8];
+    bias[0] = 10.0;
+    let skewed = run(bias.clone());
+    assert_eq!(skewed[0].1[0], TOKENS as u64, "{:?}", skewed[0].1);
+    let opts = RouteOptions {
+        bias,
+        ..RouteOptions::default()
+    };
+    let (probs, weights, counts, _) =
+        tp_nn::moe::route(&c.x, &c.router, &c.experts, &opts).unwrap();
+    assert_eq!(counts[0], TOKENS);
+    let (p, w): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
+        (probs.to_vec2().unwrap(), weights.to_vec2().unwrap());
+    for t in 0..TOKENS {
+        let other = (1..8).find(|&e| w[t][e] != 0.0).unwrap();
+        let sum = p[t][0] + p[t][other];
+        assert!((w[t][0] - p[t][0] / sum).abs() <= 1e-6, "token {t}");
+        assert!((w[t][other] - p[t][other] / sum).abs() <= 1e-6, "token {t}");
     }
 }

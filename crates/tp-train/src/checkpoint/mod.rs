@@ -63,6 +63,10 @@ pub struct TrainerState {
     pub data: String,
     /// (step, loss) of every step so far, for the loss curve.
     pub loss_history: Vec<(u64, f64)>,
+    /// The aux-loss-free router bias of every MoE layer (`[layers][experts]`,
+    /// [`crate::router_bias`]); empty when it was off (and in earlier checkpoints).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub moe_bias: Vec<Vec<f32>>,
     /// How the saving run was split; tensors are stored whole, so any layout can load.
     pub saved_layout: SavedLayout,
 }
