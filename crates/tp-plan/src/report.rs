@@ -221,8 +221,13 @@ pub fn training_text(plan: &TrainingPlan, limits: ReportLimits) -> String {
     );
     let _ = writeln!(
         out,
-        "\n{} valid layouts, fastest first (memory in GiB per device; time in s per step; comm = tp + ep; pipe = bubble + p2p)",
-        plan.ranked.len()
+        "\n{} valid layouts, fastest first (memory in GiB per device; time in s per step; comm = tp + ep; pipe = bubble + p2p{})",
+        plan.ranked.len(),
+        if plan.model.is_moe() {
+            "; ep = data-parallel replicas sharing the experts, `tp train --ep tp x ep`"
+        } else {
+            ""
+        }
     );
     let _ = writeln!(
         out,

@@ -142,7 +142,11 @@ fn layer_time(
             bandwidth: bw,
             latency_s: lat,
         };
-        let dispatched = tokens * model.experts_per_token as f64 * h * act_bytes;
+        // The trainer's layout (`tp train --ep t x e`): every rank holds whole experts, so a
+        // replica's t ranks each dispatch the rows of their own experts, 1/t of the
+        // replica's (token, expert) rows.
+        let dispatched =
+            tokens * model.experts_per_token as f64 * h * act_bytes / config.tp.max(1) as f64;
         all_reduces * all_to_all_s(dispatched, config.ep, link)
     } else {
         0.0
@@ -435,6 +439,25 @@ mod tests {
         let e = estimate_training(&m, &c, &workload(2304), &config(8, 8, 24, 1));
         let per = 2.0 * 7.0 / 8.0 * 50_331_648.0 / 300e9 + 14.0 * 5e-6;
         assert!((e.time.tensor_parallel_comm_s / (6.0 * 10.0 * 96.0 * per) - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn expert_all_to_alls_carry_a_ranks_own_experts_rows() {
+        // Mixtral 8x7B (32 layers, h 4096, top-2) on 64 A100s, t = 2, p = 1, d = 32, e = 2,
+        // b = 1, full recompute: 6 all-to-alls per layer over 2 ranks, each rank sending the
+        // rows of its own experts, b·s·k·h·2 B / t = 2048·2·4096·2 / 2 = 16_777_216 B, within
+        // a node (300 GB/s, α = 5 µs): 1/2 · 16_777_216 / 300e9 + 5e-6 s each.
+        let m = model_preset("mixtral-8x7b").unwrap();
+        let c = ClusterSpec::new(accelerator_preset("a100-80").unwrap(), 64, 8).unwrap();
+        let cfg = ParallelConfig {
+            ep: 2,
+            ..config(2, 1, 32, 1)
+        };
+        let e = estimate_training(&m, &c, &workload(64), &cfg);
+        let per = 0.5 * 16_777_216.0 / 300e9 + 5e-6;
+        let want = 6.0 * 32.0 * 2.0 * per; // x 2 micro-batches per replica
+        let got = e.time.expert_parallel_comm_s;
+        assert!((got / want - 1.0).abs() < 1e-12, "{got} vs {want}");
     }
 
     #[test]
