@@ -18,6 +18,36 @@ use tp_models::GgufCheckpoint;
 const LIMIT: Duration = Duration::from_secs(300);
 
 /// SmolLM2 as 8 experts in `dir`, with the dense file's tokenizer metadata.
+/// The JSON row of `tp bench decode` on `moe` at tp 2 x ep 2 (a 4-token prompt, `gen`
+/// tokens, one run) with `extra` flags.
+fn bench_decode_row(moe: &str, extra: &[&str], gen: usize) -> serde_json::Value {
+    let gen = gen.to_string();
+    let mut args = vec![
+        "bench",
+        "decode",
+        "--model",
+        moe,
+        "--tps",
+        "2",
+        "--ep",
+        "2",
+        "--prompt-tokens",
+        "4",
+        "--gen-tokens",
+        &gen,
+        "--repeats",
+        "1",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let out = common::tp(&args, LIMIT);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    out.stdout
+        .lines()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no JSON row in {}", out.stdout))
+}
+
 fn moe_file(dense: &std::path::Path, dir: &std::path::Path) -> std::path::PathBuf {
     let ckpt = GgufCheckpoint::open(dense).unwrap();
     let moe = SyntheticModel::dense_as_experts(&ckpt, 8).unwrap();
@@ -115,32 +145,7 @@ fn smollm2_as_eight_experts_generates_dense_text_at_every_expert_layout() {
     // Expert load in `tp bench decode`: every token reaches all 8 experts in each of
     // SmolLM2's 30 layers, so 4 decode steps route 120 tokens to each expert, and the two
     // ranks of --ep 2 compute the same number of rows (max over mean 1).
-    let out = common::tp(
-        &[
-            "bench",
-            "decode",
-            "--model",
-            &moe,
-            "--tps",
-            "2",
-            "--ep",
-            "2",
-            "--prompt-tokens",
-            "4",
-            "--gen-tokens",
-            "5",
-            "--repeats",
-            "1",
-            "--json",
-        ],
-        LIMIT,
-    );
-    assert_eq!(out.code, Some(0), "{}", out.stderr);
-    let row: serde_json::Value = out
-        .stdout
-        .lines()
-        .find_map(|l| serde_json::from_str(l).ok())
-        .unwrap_or_else(|| panic!("no JSON row in {}", out.stdout));
+    let row = bench_decode_row(&moe, &[], 5);
     assert_eq!(
         row["expert_tokens"],
         serde_json::json!(vec![120; 8]),
@@ -202,34 +207,7 @@ fn capacity_drops_are_counted_and_bad_factors_refused() {
     let dir = tempfile::tempdir().unwrap();
     let moe = moe_file(&dense, dir.path());
     let moe = moe.to_string_lossy();
-    let out = common::tp(
-        &[
-            "bench",
-            "decode",
-            "--model",
-            &moe,
-            "--tps",
-            "2",
-            "--ep",
-            "2",
-            "--moe-capacity-factor",
-            "0.5",
-            "--prompt-tokens",
-            "4",
-            "--gen-tokens",
-            "3",
-            "--repeats",
-            "1",
-            "--json",
-        ],
-        LIMIT,
-    );
-    assert_eq!(out.code, Some(0), "{}", out.stderr);
-    let row: serde_json::Value = out
-        .stdout
-        .lines()
-        .find_map(|l| serde_json::from_str(l).ok())
-        .unwrap_or_else(|| panic!("no JSON row in {}", out.stdout));
+    let row = bench_decode_row(&moe, &["--moe-capacity-factor", "0.5"], 3);
     assert_eq!(row["prefill_expert_dropped"], 30 * 8 * 2, "{row}");
     assert_eq!(
         row["expert_dropped"],

@@ -52,7 +52,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ffn,
         heads: hidden / 64,
         // OLMoE is multi-head (llama.cpp sizes its key norm by the hidden width).
-        kv_heads: if olmoe { hidden / 64 } else { (hidden / 64 / 4).max(1) },
+        kv_heads: if olmoe {
+            hidden / 64
+        } else {
+            (hidden / 64 / 4).max(1)
+        },
         head_dim: 64,
         vocab: source.config().vocab,
         rms_eps: 1e-5,

@@ -70,6 +70,52 @@ fn write(
     (dir, ckpt)
 }
 
+/// A model written as a GGUF and as an HF directory (2 safetensors shards) of the same f32
+/// values, which must give the same logits bits at tp 1.
+struct BothFiles {
+    _gguf_dir: tempfile::TempDir,
+    _hf_dir: tempfile::TempDir,
+    gguf: GgufCheckpoint,
+    /// The HF directory's config.json and shard files (sorted).
+    config: String,
+    shards: Vec<std::path::PathBuf>,
+    /// `sharded_logits` of the tokens at tp 1, the same from either file.
+    logits: Vec<Vec<f32>>,
+}
+
+impl BothFiles {
+    fn write(model: &SyntheticModel, tokens: &[u32]) -> BothFiles {
+        let (gguf_dir, gguf) = write(model, GgufTypes::F32, "moe.gguf");
+        let hf_dir = tempfile::tempdir().unwrap();
+        model
+            .write_hf(hf_dir.path(), 2, tp_models::synthetic::HfDType::F32)
+            .unwrap();
+        let hf = tp_models::HfCheckpoint::open(hf_dir.path()).unwrap();
+        let logits = sharded_logits(&gguf, tokens, 1, dense());
+        let arch = model.cfg.arch;
+        assert_same_bits(
+            &format!("{arch:?}: GGUF vs HF"),
+            &sharded_logits(&hf, tokens, 1, dense()),
+            &logits,
+        );
+        let config = std::fs::read_to_string(hf_dir.path().join("config.json")).unwrap();
+        let mut shards: Vec<_> = std::fs::read_dir(hf_dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        shards.sort();
+        BothFiles {
+            _gguf_dir: gguf_dir,
+            _hf_dir: hf_dir,
+            gguf,
+            config,
+            shards,
+            logits,
+        }
+    }
+}
+
 #[test]
 fn mixtral_per_expert_layout_matches_candle_at_every_tp() {
     // 8 experts, 2 per token, one GGUF tensor per expert (older Mixtral files).
@@ -101,26 +147,9 @@ fn qwen_moe_models_match_candle_from_gguf_and_hf() {
     for arch in [Arch::Qwen3, Arch::Qwen2] {
         let mut model = SyntheticModel::small_moe(arch, 8, 2, 12);
         model.merged_experts = true;
-        let (_g, gguf) = write(&model, GgufTypes::F32, "moe.gguf");
-        let hf_dir = tempfile::tempdir().unwrap();
-        model
-            .write_hf(hf_dir.path(), 2, tp_models::synthetic::HfDType::F32)
-            .unwrap();
-        let hf = tp_models::HfCheckpoint::open(hf_dir.path()).unwrap();
         let tokens = prompt(1000, 6);
-        let got = sharded_logits(&gguf, &tokens, 1, dense());
-        assert_same_bits(
-            &format!("{arch:?}: GGUF vs HF"),
-            &sharded_logits(&hf, &tokens, 1, dense()),
-            &got,
-        );
-        let text = std::fs::read_to_string(hf_dir.path().join("config.json")).unwrap();
-        let mut files: Vec<_> = std::fs::read_dir(hf_dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            .collect();
-        files.sort();
+        let both = BothFiles::write(&model, &tokens);
+        let (got, text, files) = (&both.logits, &both.config, &both.shards);
         let load = || -> Oracle {
             // SAFETY: the files are written by this test and not modified while mapped.
             let vb =
@@ -155,29 +184,12 @@ fn qwen_moe_models_match_candle_from_gguf_and_hf() {
 fn olmoe_matches_a_reference_from_gguf_and_hf() {
     let mut model = SyntheticModel::small_moe(Arch::Olmoe, 8, 2, 17);
     model.merged_experts = true;
-    let (_g, gguf) = write(&model, GgufTypes::F32, "olmoe.gguf");
-    assert_eq!(gguf.config().arch, Arch::Olmoe);
-    let hf_dir = tempfile::tempdir().unwrap();
-    model
-        .write_hf(hf_dir.path(), 2, tp_models::synthetic::HfDType::F32)
-        .unwrap();
-    let hf = tp_models::HfCheckpoint::open(hf_dir.path()).unwrap();
     let tokens = prompt(1000, 6);
-    let got = sharded_logits(&gguf, &tokens, 1, dense());
-    assert_same_bits(
-        "olmoe: GGUF vs HF",
-        &sharded_logits(&hf, &tokens, 1, dense()),
-        &got,
-    );
-    let text = std::fs::read_to_string(hf_dir.path().join("config.json")).unwrap();
-    let cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let both = BothFiles::write(&model, &tokens);
+    let (gguf, got, files) = (&both.gguf, &both.logits, &both.shards);
+    assert_eq!(gguf.config().arch, Arch::Olmoe);
+    let cfg: serde_json::Value = serde_json::from_str(&both.config).unwrap();
     assert_eq!(cfg["model_type"], "olmoe");
-    let mut files: Vec<_> = std::fs::read_dir(hf_dir.path())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-        .collect();
-    files.sort();
     let rows = olmoe_reference(&files, &cfg, &tokens, true);
     // `sharded_logits`' order: the whole prompt's last row, then each position fed alone.
     let want: Vec<Vec<f32>> = std::iter::once(rows[tokens.len() - 1].clone())
@@ -185,7 +197,7 @@ fn olmoe_matches_a_reference_from_gguf_and_hf() {
         .collect();
     assert_close("olmoe vs the reference", &got, &want, TOL, true);
     for tp in 2..=4 {
-        let at = sharded_logits(&gguf, &tokens, tp, dense());
+        let at = sharded_logits(gguf, &tokens, tp, dense());
         assert_same_bits(&format!("olmoe tp {tp} vs tp 1"), &at, &got);
     }
     // The reference with per-head q/k norms instead: far from ours at the last position (at
