@@ -326,13 +326,15 @@ pub fn check_layer_count(cfg: &ModelConfig, tensors: usize, source: &str) -> Res
     Ok(())
 }
 
-/// The weights of `cfg` by their name in a file format (`name_of`), with their shapes. Call
-/// after [`check_layer_count`], which bounds its size by the file's tensor count.
+/// The weights of `cfg` by their name in a file format (`name_of`), with their shapes, the
+/// optional ones ([`tp_spec::optional_weights`]) included. Call after [`check_layer_count`],
+/// which bounds its size by the file's tensor count.
 pub fn expected_by_name(
     cfg: &ModelConfig,
     name_of: impl Fn(WeightName) -> String,
 ) -> HashMap<String, (WeightName, Expected)> {
     expected_weights(cfg)
+        .chain(tp_spec::optional_weights(cfg))
         .map(|(w, e)| (name_of(w), (w, e)))
         .collect()
 }

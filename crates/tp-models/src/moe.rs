@@ -39,6 +39,9 @@ pub(crate) struct MoeLayer {
     hidden: usize,
     activation: Activation,
     router: Vec<f32>, // [count, hidden]
+    /// The aux-loss-free bias of the top-k choice (`[count]`, empty: none;
+    /// [`WeightName::RouterBias`], read when the file has it).
+    selection_bias: Vec<f32>,
     local: Vec<Expert>,
     shared: Option<Shared>,
     /// The capacity factor ([`LoadOptions::expert_capacity`]).
@@ -63,6 +66,17 @@ impl MoeLayer {
             )));
         };
         let router = ckpt.vector(WeightName::Router(l), None)?; // [count, hidden]
+        let selection_bias = match ckpt.meta(WeightName::RouterBias(l)) {
+            Ok(_) => ckpt.vector(WeightName::RouterBias(l), None)?, // [count]
+            Err(_) => Vec::new(),
+        };
+        if !selection_bias.is_empty() && selection_bias.len() != experts.count {
+            return Err(ModelError::Config(format!(
+                "layer {l}'s router bias has {} values for {} experts",
+                selection_bias.len(),
+                experts.count
+            )));
+        }
         let mut local = Vec::new();
         for e in shard.local.clone() {
             let cols = shard.expert_cols(e);
@@ -110,6 +124,7 @@ impl MoeLayer {
             hidden: cfg.hidden,
             activation: cfg.block.activation,
             router,
+            selection_bias,
             local,
             shared,
             capacity: opts.expert_capacity,
@@ -143,7 +158,14 @@ impl MoeLayer {
 
     /// Each token's experts and weights: `[n][per_token]` pairs, best first.
     pub(crate) fn route(&self, xn: &[f32], n: usize) -> Vec<Vec<(usize, f32)>> {
-        route(&self.router, &self.experts, xn, n, self.hidden)
+        route(
+            &self.router,
+            &self.selection_bias,
+            &self.experts,
+            xn,
+            n,
+            self.hidden,
+        )
     }
 
     /// Adds the layer's output for `xn [n, hidden]` into `partial [n, hidden]` (this rank's
@@ -249,9 +271,12 @@ fn sigmoid(x: f32) -> f32 {
 
 /// The router of `experts` over `xn [n, hidden]` with weights `router [count, hidden]`: per
 /// token the `per_token` best experts (ties to the lower index) and their weights (softmax over
-/// all experts, or sigmoid; divided by their sum when the family normalises).
+/// all experts, or sigmoid; divided by their sum when the family normalises). A `bias`
+/// (`[count]`, empty: none) is added to the probabilities for the choice only; the weights
+/// stay the unbiased probabilities (the aux-loss-free bias, as training applies it).
 pub(crate) fn route(
     router: &[f32],
+    bias: &[f32],
     experts: &Experts,
     xn: &[f32],
     n: usize,
@@ -273,7 +298,16 @@ pub(crate) fn route(
                 }
                 Gating::Sigmoid => scores.iter().map(|s| 1.0 / (1.0 + (-s).exp())).collect(),
             };
-            let order = experts.top_k(&probs);
+            let order = if bias.is_empty() {
+                experts.top_k(&probs)
+            } else {
+                let biased: Vec<f64> = probs
+                    .iter()
+                    .zip(bias)
+                    .map(|(p, b)| p + f64::from(*b))
+                    .collect();
+                experts.top_k(&biased)
+            };
             let total: f64 = order.iter().map(|&e| probs[e]).sum();
             order
                 .into_iter()
@@ -300,7 +334,7 @@ mod tests {
         let router = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, -1.0, 0.0];
         let x = [2.0f32, 1.0]; // scores 2, 1, 3, -2
         let mut e = Experts::new(4, 2);
-        let r = route(&router, &e, &x, 1, 2);
+        let r = route(&router, &[], &e, &x, 1, 2);
         assert_eq!(r[0].iter().map(|p| p.0).collect::<Vec<_>>(), [2, 0]);
         // Normalised: softmax over the two picked = 1 / (1 + e^-1) and its complement.
         let w0 = 1.0 / (1.0 + (-1.0f64).exp());
@@ -308,14 +342,22 @@ mod tests {
         assert!((r[0][0].1 + r[0][1].1 - 1.0).abs() < 1e-6);
         // Not normalised: the softmax over all four.
         e.normalize = false;
-        let r = route(&router, &e, &x, 1, 2);
+        let r = route(&router, &[], &e, &x, 1, 2);
         let z: f64 = [2.0f64, 1.0, 3.0, -2.0].iter().map(|s| s.exp()).sum();
         assert!(
             (f64::from(r[0][0].1) - 3f64.exp() / z).abs() < 1e-6,
             "{r:?}"
         );
+        // A bias moves the choice, not the weights: +1 on expert 3 (score -2) ranks it first
+        // and leaves expert 0 out; it is weighed by its own probability.
+        let r = route(&router, &[0.0, 0.0, 0.0, 1.0], &e, &x, 1, 2);
+        assert_eq!(r[0].iter().map(|p| p.0).collect::<Vec<_>>(), [3, 2]);
+        assert!(
+            (f64::from(r[0][0].1) - (-2f64).exp() / z).abs() < 1e-6,
+            "{r:?}"
+        );
         // Ties go to the lower expert.
-        let r = route(&[0.0; 8], &Experts::new(4, 2), &x, 1, 2);
+        let r = route(&[0.0; 8], &[], &Experts::new(4, 2), &x, 1, 2);
         assert_eq!(r[0].iter().map(|p| p.0).collect::<Vec<_>>(), [0, 1]);
     }
 }

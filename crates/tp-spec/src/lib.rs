@@ -40,6 +40,6 @@ pub use shard::{
 };
 pub use stage::{balanced_stages, rank_of_stage, stage_of_rank, stages, Stage};
 pub use weights::{
-    expected_weights, gguf_merged_name, gguf_name, hf_name, is_expert_tensor, parse_gguf_name,
-    parse_hf_name, Expected, WeightName, TENSORS_PER_LAYER,
+    expected_weights, gguf_merged_name, gguf_name, hf_name, is_expert_tensor, optional_weights,
+    parse_gguf_name, parse_hf_name, Expected, WeightName, TENSORS_PER_LAYER,
 };

@@ -32,6 +32,11 @@ pub enum WeightName {
     Down(usize),
     /// A mixture-of-experts router, `[experts, hidden]`.
     Router(usize),
+    /// The router's aux-loss-free load-balancing bias, `[experts]` (DeepSeek-V3's
+    /// `e_score_correction_bias`; llama.cpp's `exp_probs_b`): added to the router's
+    /// probabilities to choose the top-k experts, not to their weights. Optional: a file
+    /// without it routes unbiased.
+    RouterBias(usize),
     /// Expert `e`'s gate, up and down projections in layer `l`: `(l, e)`.
     ExpertGate(usize, usize),
     ExpertUp(usize, usize),
@@ -52,7 +57,7 @@ impl WeightName {
             Embed | Output | OutputNorm => None,
             AttnNorm(l) | Q(l) | K(l) | V(l) | QBias(l) | KBias(l) | VBias(l) | QNorm(l)
             | KNorm(l) | O(l) | PostAttnNorm(l) | FfnNorm(l) | PostFfnNorm(l) | Gate(l) | Up(l)
-            | Down(l) | Router(l) | SharedGate(l) | SharedUp(l) | SharedDown(l)
+            | Down(l) | Router(l) | RouterBias(l) | SharedGate(l) | SharedUp(l) | SharedDown(l)
             | SharedExpertGate(l) => Some(l),
             ExpertGate(l, _) | ExpertUp(l, _) | ExpertDown(l, _) => Some(l),
         }
@@ -211,12 +216,18 @@ const EXPERT_NAMES: [ExpertName; 3] = [
 
 /// The per-layer MoE weights that are not an expert's: (constructor, GGUF suffix, Mixtral's HF
 /// suffix, Qwen-MoE's HF suffix; `""` where the spelling has none).
-const MOE_LAYER_NAMES: [LayerName2; 5] = [
+const MOE_LAYER_NAMES: [LayerName2; 6] = [
     (
         WeightName::Router,
         "ffn_gate_inp.weight",
         "block_sparse_moe.gate.weight",
         "mlp.gate.weight",
+    ),
+    (
+        WeightName::RouterBias,
+        "exp_probs_b.bias",
+        "block_sparse_moe.gate.e_score_correction_bias",
+        "mlp.gate.e_score_correction_bias",
     ),
     (
         WeightName::SharedGate,
@@ -399,6 +410,14 @@ pub fn expected_weights(cfg: &ModelConfig) -> impl Iterator<Item = (WeightName, 
         .chain(crate::params::head_params(cfg).into_iter().rev());
     let layers = (0..cfg.layers).flat_map(move |l| cfg.layer_spec(l).params());
     global.chain(layers).map(|p| (p.name, p.shape))
+}
+
+/// Weights a file of `cfg` may hold beyond the table's, read when present: each MoE layer's
+/// router bias ([`WeightName::RouterBias`], `[experts]`).
+pub fn optional_weights(cfg: &ModelConfig) -> impl Iterator<Item = (WeightName, Expected)> + '_ {
+    let count = cfg.experts.map(|e| e.count);
+    (0..cfg.layers)
+        .filter_map(move |l| count.map(|len| (WeightName::RouterBias(l), Expected::Vector { len })))
 }
 
 #[cfg(test)]

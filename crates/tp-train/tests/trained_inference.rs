@@ -14,7 +14,7 @@
 //! (checked below), so the comparison can fail.
 
 mod common;
-use common::logits::{inference_logits, rel_diff, training_logits};
+use common::logits::{inference_logits, rel_diff, training_logits, training_logits_biased};
 use common::*;
 use safetensors::SafeTensors;
 use tp_models::open_checkpoint;
@@ -98,7 +98,8 @@ fn train_save_and_compare(
     let ck = Checkpoint::open(&step).unwrap();
     assert_eq!(ck.config, s.model);
     same_shards_as_inference(&step, &ck.config);
-    let want = training_logits(&ck.config, &ck, &TOKENS);
+    // With the aux-loss-free router bias, training chose experts with the saved bias.
+    let want = training_logits_biased(&ck.config, &ck, &ck.state.moe_bias, &TOKENS);
     for tp in [1, 2] {
         let got = inference_logits(&step, tp, &TOKENS);
         let d = rel_diff(&got, &want);
@@ -244,5 +245,41 @@ fn trained_mixtral_loads_in_inference_and_its_logits_match_training() {
         d > 1e-2,
         "routing to one expert should change the logits, got {d:e}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A Mixtral trained with the aux-loss-free router bias (rate 0.1, the balance loss off)
+/// stores each layer's bias beside its router (`block_sparse_moe.gate.e_score_correction_bias`,
+/// DeepSeek-V3's name), and inference chooses experts with it as training did: its logits at
+/// tp 1 and 2 equal the training forward with the saved bias (`train_save_and_compare`), and
+/// the same forward without the bias differs (a loader that ignored the tensor would fail).
+#[test]
+fn trained_router_bias_routes_inference_as_training_did() {
+    let s = TrainSpec {
+        moe_bias_rate: Some(0.1),
+        moe_aux_coef: 0.0,
+        ..moe_spec(dims(1, 1, 1), 1, 1)
+    };
+    let (dir, ck, want) = train_save_and_compare(
+        "mixtral-router-bias",
+        s,
+        "mixtral",
+        "MixtralForCausalLM",
+        &[],
+        1.0,
+    );
+    let bytes = std::fs::read(dir.join("step-00000006").join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let count = ck.config.experts.map_or(0, |e| e.count);
+    for l in 0..ck.config.layers {
+        let name = format!("model.layers.{l}.block_sparse_moe.gate.e_score_correction_bias");
+        let t = st
+            .tensor(&name)
+            .unwrap_or_else(|_| panic!("{name} missing"));
+        assert_eq!(t.shape(), [count], "{name}");
+    }
+    assert!(ck.state.moe_bias.iter().flatten().any(|&b| b != 0.0));
+    let d = rel_diff(&training_logits(&ck.config, &ck, &TOKENS), &want);
+    assert!(d > 1e-3, "the bias should change the routing, got {d:e}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -20,6 +20,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use tp_comm::{CommExt, ProcessGroups, ReduceOp};
 use tp_nn::Placement;
+use tp_spec::{hf_name, WeightName};
 
 const TAG_CHECKPOINT: u32 = 3;
 
@@ -238,6 +239,16 @@ fn write_checkpoint(inp: &SaveInputs<'_>, stages: &[Vec<f32>]) -> Result<PathBuf
                 spec.shape.clone(),
                 &part[2 * n..],
             ));
+        }
+    }
+    // The aux-loss-free router bias of each MoE layer beside its router, so inference routes
+    // as training did (it is also trainer state, in trainer.json, for resuming).
+    let bias_names: Vec<String> = (0..inp.state.moe_bias.len())
+        .map(|l| hf_name(inp.config.arch, WeightName::RouterBias(l)))
+        .collect();
+    for (name, bias) in bias_names.iter().zip(&inp.state.moe_bias) {
+        if !bias.is_empty() {
+            model.push((name.clone(), vec![bias.len()], &bias[..]));
         }
     }
     let trainer = serde_json::to_string_pretty(inp.state)

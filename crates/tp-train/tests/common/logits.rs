@@ -15,8 +15,20 @@ pub fn training_logits(
     weights: &(dyn WeightSource + Sync),
     tokens: &[u32],
 ) -> Vec<f32> {
+    training_logits_biased(cfg, weights, &[], tokens)
+}
+
+/// [`training_logits`] with the MoE layers choosing experts with the aux-loss-free router
+/// `bias` (`[layers][count]`; empty: none).
+pub fn training_logits_biased(
+    cfg: &ModelConfig,
+    weights: &(dyn WeightSource + Sync),
+    bias: &[Vec<f32>],
+    tokens: &[u32],
+) -> Vec<f32> {
     let out = local::run(1, LocalOptions::default(), |g| {
-        let m = StageModel::new(cfg, 0, 1, 0, 1, weights)?;
+        let mut m = StageModel::new(cfg, 0, 1, 0, 1, weights)?;
+        m.set_moe_bias(bias);
         let ids = Tensor::from_vec(tokens.to_vec(), (1, tokens.len()), &Device::Cpu)?; // [1, n]
         let h = m.hidden(StageInput::Tokens(&ids), &g)?; // [1, n, hidden]
         let logits = m
