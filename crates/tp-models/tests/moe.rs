@@ -153,24 +153,24 @@ fn qwen_moe_models_match_candle_from_gguf_and_hf() {
         let load = || -> Oracle {
             // SAFETY: the files are written by this test and not modified while mapped.
             let vb =
-                unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu) }
+                unsafe { VarBuilder::from_mmaped_safetensors(files, DType::F32, &Device::Cpu) }
                     .unwrap();
             let x = |t: &[u32]| Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
             let out = |y: candle_core::Result<Tensor>| -> Vec<f32> {
                 y.unwrap().flatten_all().unwrap().to_vec1().unwrap()
             };
             if arch == Arch::Qwen3 {
-                let cfg: qwen3_moe::Config = serde_json::from_str(&text).unwrap();
+                let cfg: qwen3_moe::Config = serde_json::from_str(text).unwrap();
                 let mut m = qwen3_moe::ModelForCausalLM::new(&cfg, vb).unwrap();
                 Box::new(move |t, pos| out(m.forward(&x(t), pos)))
             } else {
-                let cfg: qwen2_moe::Config = serde_json::from_str(&text).unwrap();
+                let cfg: qwen2_moe::Config = serde_json::from_str(text).unwrap();
                 let mut m = qwen2_moe::Model::new(&cfg, vb).unwrap();
                 Box::new(move |t, pos| out(m.forward(&x(t), pos)))
             }
         };
         let want = oracle_order(load, &tokens);
-        assert_close(&format!("{arch:?} MoE vs candle"), &got, &want, TOL, true);
+        assert_close(&format!("{arch:?} MoE vs candle"), got, &want, TOL, true);
     }
 }
 
@@ -190,19 +190,19 @@ fn olmoe_matches_a_reference_from_gguf_and_hf() {
     assert_eq!(gguf.config().arch, Arch::Olmoe);
     let cfg: serde_json::Value = serde_json::from_str(&both.config).unwrap();
     assert_eq!(cfg["model_type"], "olmoe");
-    let rows = olmoe_reference(&files, &cfg, &tokens, true);
+    let rows = olmoe_reference(files, &cfg, &tokens, true);
     // `sharded_logits`' order: the whole prompt's last row, then each position fed alone.
     let want: Vec<Vec<f32>> = std::iter::once(rows[tokens.len() - 1].clone())
         .chain(rows)
         .collect();
-    assert_close("olmoe vs the reference", &got, &want, TOL, true);
+    assert_close("olmoe vs the reference", got, &want, TOL, true);
     for tp in 2..=4 {
         let at = sharded_logits(gguf, &tokens, tp, dense());
-        assert_same_bits(&format!("olmoe tp {tp} vs tp 1"), &at, &got);
+        assert_same_bits(&format!("olmoe tp {tp} vs tp 1"), &at, got);
     }
     // The reference with per-head q/k norms instead: far from ours at the last position (at
     // the first, a query sees only its own key, so q and k do not matter).
-    let per_head = olmoe_reference(&files, &cfg, &tokens, false);
+    let per_head = olmoe_reference(files, &cfg, &tokens, false);
     let moved = per_head[tokens.len() - 1]
         .iter()
         .zip(&want[0])
