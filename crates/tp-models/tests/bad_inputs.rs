@@ -159,12 +159,12 @@ fn mixtures_of_experts_are_refused_before_loading() {
     // The dense MLP tensors are not weights of a mixture of experts.
     says(&open_err(&p), &p, &["blk.0.ffn_gate.weight", "llama"]);
     let p = write_model(dir.path(), Arch::Qwen2, |md| {
-        md[0].1 = Value::String("olmoe".into());
+        md[0].1 = Value::String("deepseek2".into());
     });
     says(
         &open_err(&p),
         &p,
-        &["olmoe", "mixture-of-experts", "cannot run"],
+        &["deepseek2", "mixture-of-experts", "cannot run"],
     );
 
     let m = SyntheticModel::small(Arch::Llama, 4);
