@@ -16,19 +16,10 @@ fn saved_at_tp2_pp2_resumes_at_tp1_tp4_and_pp2_dp2() {
     let s = spec(dims(2, 2, 1), 15, 4);
     let full = train(&s, None);
     // The same run, stopped after 10 steps and saved.
-    let first = with_trainers(&s, None, TrainOptions::default(), |t| {
-        let mut losses = Vec::new();
-        for _ in 0..10 {
-            losses.push(t.step()?.loss);
-        }
-        t.save_to(&dir)?;
-        Ok(losses)
-    })
-    .swap_remove(0)
-    .expect("first part");
+    let (first, ck) = train_and_save(&s, 10, &dir);
+    let first: Vec<f64> = first.iter().map(|r| r.loss).collect();
     let want: Vec<f64> = full[..10].iter().map(|r| r.loss).collect();
     assert_eq!(first, want, "same layout and seed must reproduce exactly");
-    let ck = Checkpoint::open(&dir).expect("checkpoint opens");
     assert_eq!((ck.state.step, ck.state.data_position), (10, 40));
     assert_eq!((ck.state.saved_layout.tp, ck.state.saved_layout.pp), (2, 2));
     for (d, micro) in [(dims(1, 1, 1), 2), (dims(4, 1, 1), 1), (dims(1, 2, 2), 2)] {
@@ -50,15 +41,7 @@ fn mixtral_saved_at_tp2_pp2_resumes_at_tp1_tp3_and_tp2_dp2() {
     let dir = scratch("reshard-moe");
     let s = moe_spec(dims(2, 2, 1), 12, 2);
     let full = train(&s, None);
-    with_trainers(&s, None, TrainOptions::default(), |t| {
-        for _ in 0..8 {
-            t.step()?;
-        }
-        t.save_to(&dir)
-    })
-    .swap_remove(0)
-    .expect("first part");
-    let ck = Checkpoint::open(&dir).expect("checkpoint opens");
+    let (_, ck) = train_and_save(&s, 8, &dir);
     assert_eq!(ck.config.experts.map(|e| e.count), Some(4));
     for (d, micro, steps) in [
         (dims(2, 1, 2), 1, 4),
@@ -88,15 +71,7 @@ fn mixtral_saved_with_experts_over_replicas_resumes_at_ep1_and_another_ep() {
     };
     let s = with_ep(dims(2, 1, 2), 12, 1, 4);
     let full = train(&s, None);
-    with_trainers(&s, None, TrainOptions::default(), |t| {
-        for _ in 0..8 {
-            t.step()?;
-        }
-        t.save_to(&dir)
-    })
-    .swap_remove(0)
-    .expect("first part");
-    let ck = Checkpoint::open(&dir).expect("checkpoint opens");
+    let (_, ck) = train_and_save(&s, 8, &dir);
     for (d, micro, steps, ep) in [
         (dims(2, 1, 2), 1, 4, 1),
         (dims(1, 1, 1), 2, 1, 1),
@@ -124,15 +99,7 @@ fn mixtral_saved_with_expert_groups_inside_tp_resumes_at_tp1() {
         ..moe_spec(dims(2, 1, 1), 7, 2)
     };
     let full = train(&s, None);
-    with_trainers(&s, None, TrainOptions::default(), |t| {
-        for _ in 0..6 {
-            t.step()?;
-        }
-        t.save_to(&dir)
-    })
-    .swap_remove(0)
-    .expect("first part");
-    let ck = Checkpoint::open(&dir).expect("checkpoint opens");
+    let (_, ck) = train_and_save(&s, 6, &dir);
     let got = train(&moe_spec(dims(1, 1, 1), 7, 2), Some(&ck));
     let diff = max_rel_loss_diff(&got, &full[6..]);
     eprintln!("Mixtral saved at tp 2 ep 2, resumed at tp 1: relative loss difference {diff:.2e}");

@@ -16,7 +16,7 @@
 
 mod common;
 use common::*;
-use tp_train::{Checkpoint, TrainOptions, TrainSpec};
+use tp_train::{TrainOptions, TrainSpec};
 
 const STEPS: u64 = 15;
 
@@ -104,18 +104,8 @@ fn checkpoints_resume_with_and_without_the_flag() {
     for saved_with in [true, false] {
         let dir = scratch(&format!("zero1-saved-{saved_with}"));
         let s = with_flag(base.clone(), saved_with);
-        let first = with_trainers(&s, None, TrainOptions::default(), |t| {
-            let mut reports = Vec::new();
-            for _ in 0..10 {
-                reports.push(t.step()?);
-            }
-            t.save_to(&dir)?;
-            Ok(reports)
-        })
-        .swap_remove(0)
-        .expect("first part");
+        let (first, ck) = train_and_save(&s, 10, &dir);
         assert_same_curve("first 10 steps", &first, &full[..10]);
-        let ck = Checkpoint::open(&dir).expect("checkpoint opens");
         assert_eq!(ck.state.step, 10);
         let resumed_at = if saved_with {
             [(dims(2, 1, 2), 1), (dims(1, 1, 1), 1)]

@@ -12,7 +12,7 @@
 
 mod common;
 use common::*;
-use tp_train::{Checkpoint, Recompute, TrainOptions, TrainSpec};
+use tp_train::{Recompute, TrainOptions, TrainSpec};
 
 const STEPS: u64 = 12;
 
@@ -152,19 +152,10 @@ fn a_checkpoint_at_two_virtual_stages_resumes_at_one_and_at_other_layouts() {
     let dir = scratch("interleaved-resume");
     let s = virt(spec(dims(1, 2, 1), STEPS, 4), 2);
     let full = train(&s, None);
-    let first = with_trainers(&s, None, TrainOptions::default(), |t| {
-        let mut losses = Vec::new();
-        for _ in 0..6 {
-            losses.push(t.step()?.loss);
-        }
-        t.save_to(&dir)?;
-        Ok(losses)
-    })
-    .swap_remove(0)
-    .expect("first part");
+    let (first, ck) = train_and_save(&s, 6, &dir);
+    let first: Vec<f64> = first.iter().map(|r| r.loss).collect();
     let want: Vec<f64> = full[..6].iter().map(|r| r.loss).collect();
     assert_eq!(first, want, "same layout and seed must reproduce exactly");
-    let ck = Checkpoint::open(&dir).expect("checkpoint opens");
     let saved = &ck.state.saved_layout;
     assert_eq!((saved.pp, saved.virtual_stages), (2, 2));
     // Layer 2 is rank 0's second chunk.

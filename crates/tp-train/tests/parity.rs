@@ -40,7 +40,7 @@
 mod common;
 use common::*;
 use tp_train::fixtures::{gemma3_spec, moe_spec, qwen2_spec, qwen3_spec};
-use tp_train::{Checkpoint, StepReport, TrainOptions, TrainSpec};
+use tp_train::{StepReport, TrainSpec};
 
 #[test]
 fn every_layout_follows_the_tp1_loss_curve_for_20_steps() {
@@ -289,15 +289,7 @@ fn mixtral_router_bias_balances_the_experts_alike_at_every_layout() {
     }
     let dir = tp_testkit::scratch_dir("router-bias-resume");
     let s = biased(dims(1, 1, 1), 4, Some(0.1));
-    with_trainers(&s, None, TrainOptions::default(), |t| {
-        for _ in 0..6 {
-            t.step()?;
-        }
-        t.save_to(&dir)
-    })
-    .swap_remove(0)
-    .expect("first part");
-    let ck = Checkpoint::open(&dir).expect("checkpoint opens");
+    let (_, ck) = train_and_save(&s, 6, &dir);
     assert_eq!(ck.state.moe_bias.len(), s.model.layers);
     assert!(ck.state.moe_bias.iter().flatten().any(|&b| b != 0.0));
     let resumed = train(&s, Some(&ck));

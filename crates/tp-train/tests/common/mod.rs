@@ -62,6 +62,26 @@ pub fn with_trainers_on<R: Send>(
         .collect()
 }
 
+/// Trains `spec` from scratch for its first `steps` steps, saves a checkpoint into `dir` and
+/// opens it: rank 0's step reports and the checkpoint.
+pub fn train_and_save(
+    spec: &TrainSpec,
+    steps: usize,
+    dir: &std::path::Path,
+) -> (Vec<StepReport>, Checkpoint) {
+    let reports = with_trainers(spec, None, TrainOptions::default(), |t| {
+        let mut reports = Vec::new();
+        for _ in 0..steps {
+            reports.push(t.step()?);
+        }
+        t.save_to(dir)?;
+        Ok(reports)
+    })
+    .swap_remove(0)
+    .expect("first part");
+    (reports, Checkpoint::open(dir).expect("checkpoint opens"))
+}
+
 /// Trains `spec` (fresh or resumed) to `spec.steps`; rank 0's step reports.
 pub fn train(spec: &TrainSpec, resume: Option<&Checkpoint>) -> Vec<StepReport> {
     train_on(spec, &corpus(), resume)
