@@ -99,20 +99,26 @@ fn mixtral_follows_the_tp1_loss_curve_at_pp2_dp2_and_pp2_x_dp2() {
     // One sequence per micro-batch everywhere.
     for (d, micro) in [(dims(1, 2, 1), 4), (dims(1, 1, 2), 2), (dims(1, 2, 2), 2)] {
         let got = train(&moe_spec(d, steps, micro), None);
-        let diff = max_rel_loss_diff(&got, &reference);
-        eprintln!(
-            "Mixtral pp={} dp={}: max relative loss difference {diff:.2e}",
-            d.pp, d.dp
+        assert_moe_curve(&format!("Mixtral {d:?}"), &got, &reference);
+    }
+}
+
+/// The loss (within [`LOSS_TOL`] relative, the largest difference printed) and the balance
+/// loss of every step of `got` follow `want`'s.
+fn assert_moe_curve(what: &str, got: &[StepReport], want: &[StepReport]) {
+    let diff = max_rel_loss_diff(got, want);
+    eprintln!(
+        "{what}: max relative loss difference over {} steps {diff:.2e}",
+        got.len()
+    );
+    assert!(diff <= LOSS_TOL, "{what}: loss differs by {diff:e}");
+    for (g, w) in got.iter().zip(want) {
+        let (a, b) = (g.aux_loss.unwrap(), w.aux_loss.unwrap());
+        assert!(
+            (a - b).abs() <= LOSS_TOL * b,
+            "{what} step {}: balance loss {a} vs {b}",
+            g.step
         );
-        assert!(diff <= LOSS_TOL, "Mixtral {d:?}: loss differs by {diff:e}");
-        for (g, w) in got.iter().zip(&reference) {
-            let (a, b) = (g.aux_loss.unwrap(), w.aux_loss.unwrap());
-            assert!(
-                (a - b).abs() <= LOSS_TOL * b,
-                "Mixtral {d:?} step {}: balance loss {a} vs {b}",
-                g.step
-            );
-        }
     }
 }
 
@@ -156,24 +162,8 @@ fn mixtral_with_experts_over_replicas_follows_the_tp1_loss_curve() {
             "{d:?} ep 2 did not learn: {first} -> {last}"
         );
         let (got, want) = (&got[..exact], &reference[..exact]);
-        let diff = max_rel_loss_diff(got, want);
-        eprintln!(
-            "Mixtral pp={} dp={} ep=2: max relative loss difference over {exact} steps {diff:.2e}",
-            d.pp, d.dp
-        );
-        assert!(
-            diff <= LOSS_TOL,
-            "Mixtral {d:?} ep 2: loss differs by {diff:e}"
-        );
+        assert_moe_curve(&format!("Mixtral {d:?} ep 2"), got, want);
         assert_grad_norms_close(&format!("Mixtral {d:?} ep 2"), got, want, 1e-3);
-        for (g, w) in got.iter().zip(want) {
-            let (a, b) = (g.aux_loss.unwrap(), w.aux_loss.unwrap());
-            assert!(
-                (a - b).abs() <= LOSS_TOL * b,
-                "Mixtral {d:?} ep 2 step {}: balance loss {a} vs {b}",
-                g.step
-            );
-        }
     }
 }
 
