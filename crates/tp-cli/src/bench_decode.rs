@@ -12,7 +12,7 @@ use tp_engine::bench_spec::{
     measure_spec, spec_header, spec_json, spec_row, BenchDrafter, SpecBench,
 };
 use tp_engine::launch::Backend;
-use tp_engine::DraftTokens;
+use tp_engine::{DraftAhead, DraftTokens};
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct BenchDecodeArgs {
@@ -45,6 +45,10 @@ pub struct BenchDecodeArgs {
     /// Tokens drafted per step with --spec, 1 to 32 [default: adaptive].
     #[arg(long, value_name = "K")]
     pub draft_tokens: Option<usize>,
+    /// With --draft-model: draft ahead on a free core while the model verifies (as tp
+    /// generate's --draft-ahead).
+    #[arg(long, value_name = "WHEN", default_value = "auto", value_parser = crate::generate::parse_draft_ahead)]
+    pub draft_ahead: DraftAhead,
 }
 
 pub fn run(args: &BenchDecodeArgs) -> anyhow::Result<ExitCode> {
@@ -71,6 +75,7 @@ pub fn run(args: &BenchDecodeArgs) -> anyhow::Result<ExitCode> {
         spec: args.spec,
         draft_model: args.draft_model.clone(),
         draft_tokens: args.draft_tokens,
+        draft_ahead: args.draft_ahead,
     };
     match spec.drafting()? {
         Drafting::Off => {}
@@ -116,11 +121,13 @@ fn run_spec(
     drafter: BenchDrafter,
     tokens: DraftTokens,
 ) -> anyhow::Result<ExitCode> {
-    let bench = SpecBench {
+    let mut bench = SpecBench {
         drafter,
         tokens,
         gen_tokens: args.gen_tokens,
         repeats: args.repeats,
+        ahead: args.draft_ahead,
+        ranks_here: 1,
     };
     let mut header_done = false;
     for &tp in tps {
@@ -129,6 +136,7 @@ fn run_spec(
         margs.quiet = true;
         // The edit prompt is about 300 tokens.
         margs.ctx_size = Some(args.model.ctx_size.unwrap_or(1024 + args.gen_tokens));
+        bench.ranks_here = crate::generate::ranks_in_process(&margs, tp.unwrap_or(1));
         // A draft model is priced by the preflight beside the target, as `tp generate` does.
         let draft = match &bench.drafter {
             BenchDrafter::Model { path, .. } => Some(path.clone()),

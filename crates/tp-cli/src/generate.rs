@@ -9,8 +9,8 @@ use std::sync::Arc;
 use tp_engine::draft_model::DraftModelSource;
 use tp_engine::Session;
 use tp_engine::{
-    DecodeParams, DraftTokens, DrafterSource, Engine, EngineError, FinishReason, LogprobEntry,
-    PromptIds, Reply, SamplingParams, SpecMethod, Speculator,
+    DecodeParams, DraftAhead, DraftTokens, DrafterSource, Engine, EngineError, FinishReason,
+    LogprobEntry, PromptIds, Reply, SamplingParams, SpecMethod, Speculator,
 };
 use tp_tokenizer::ChatMessage;
 
@@ -103,6 +103,30 @@ pub struct SpecArgs {
     /// measured cost of a step, 0 to 16].
     #[arg(long, value_name = "K")]
     pub draft_tokens: Option<usize>,
+    /// With --draft-model: draft the next step's tokens on a free core while the model
+    /// verifies the current ones (used when every draft is accepted). auto: on when this
+    /// process has more cores than rank threads (not under mpirun).
+    #[arg(long, value_name = "WHEN", default_value = "auto", value_parser = parse_draft_ahead)]
+    pub draft_ahead: DraftAhead,
+}
+
+/// `--draft-ahead`'s values.
+pub fn parse_draft_ahead(s: &str) -> Result<DraftAhead, String> {
+    DraftAhead::parse(s).map_err(|e| e.to_string())
+}
+
+/// Rank threads this process runs for `model` at `tp` (under mpirun the other processes'
+/// cores are unknown: as many as there are cores).
+pub fn ranks_in_process(model: &ModelArgs, tp: usize) -> usize {
+    match model.backend {
+        tp_engine::launch::Backend::Local => tp * model.pp,
+        tp_engine::launch::Backend::Mpi => usize::MAX,
+    }
+}
+
+/// Cores this process may use.
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
 }
 
 /// Who drafts, as the flags say.
@@ -119,6 +143,9 @@ impl SpecArgs {
         Ok(match (self.spec, &self.draft_model) {
             (SpecArg::None, None) if self.draft_tokens.is_some() => bail!(
                 "--draft-tokens needs --spec ngram or --draft-model FILE (speculative decoding is off)"
+            ),
+            (SpecArg::None, None) if self.draft_ahead != DraftAhead::Auto => bail!(
+                "--draft-ahead needs --spec ngram or --draft-model FILE (speculative decoding is off)"
             ),
             (SpecArg::None, None) => Drafting::Off,
             (SpecArg::Ngram, None) => Drafting::Method(SpecMethod::Ngram, tokens),
@@ -156,7 +183,15 @@ impl SpecArgs {
     pub fn speculator(&self, s: &Session, model: &ModelArgs) -> anyhow::Result<Option<Speculator>> {
         match self.source(s, model)? {
             None => Ok(None),
-            Some((source, k)) => Ok(Some(Speculator::new(source.drafter()?, k))),
+            Some((source, k)) => {
+                let mut sp = Speculator::new(source.drafter()?, k);
+                let here = ranks_in_process(model, s.weights.tp());
+                sp.set_draft_ahead(
+                    self.draft_ahead
+                        .resolve(sp.drafter_is_costly(), here, cores()),
+                );
+                Ok(Some(sp))
+            }
         }
     }
 }
@@ -277,6 +312,12 @@ pub fn report(reply: &Reply) {
             s.generated_tokens.saturating_sub(1) as f64 / s.decode_steps.max(1) as f64,
             s.decode_steps,
         );
+        if st.ahead > 0 {
+            eprintln!(
+                "# speculation: drafted ahead during {} verification steps ({:.3} s beside them), used in {}",
+                st.ahead, st.ahead_s, st.ahead_used
+            );
+        }
         if st.kv_full > 0 {
             eprintln!(
                 "# speculation: {} steps drafted nothing, the draft model's KV pool being full",

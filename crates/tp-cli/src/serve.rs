@@ -54,6 +54,11 @@ impl ServeSpecArgs {
     /// The flags checked (before any rank starts).
     pub fn check(&self) -> anyhow::Result<crate::generate::Drafting> {
         let drafting = self.drafting.drafting()?;
+        if self.drafting.draft_ahead != tp_engine::DraftAhead::Auto {
+            anyhow::bail!(
+                "tp serve does not draft ahead (its requests draft inside each batched step); leave --draft-ahead out"
+            );
+        }
         if self.spec_max_batch.is_some() && matches!(drafting, crate::generate::Drafting::Off) {
             anyhow::bail!(
                 "--spec-max-batch needs --spec ngram or --draft-model FILE (speculative decoding is off)"

@@ -261,6 +261,10 @@ fn bench_serve_measures_in_process_with_the_benchs_model_flags() {
             &["--spec", "ngram", "--spec-max-batch", "0"][..],
             "--spec-max-batch",
         ),
+        (
+            &["--spec", "ngram", "--draft-ahead", "on"][..],
+            "tp serve does not draft ahead",
+        ),
     ] {
         let mut args = base.to_vec();
         args.extend(extra);

@@ -85,6 +85,14 @@ fn bad_speculation_flags_name_the_flag_and_the_valid_values() {
             vec!["--spec", "ngram", "--draft-model", "/x.gguf"],
             "give one of them",
         ),
+        (
+            vec!["--draft-ahead", "on"],
+            "--draft-ahead needs --spec ngram",
+        ),
+        (
+            vec!["--spec", "ngram", "--draft-ahead", "maybe"],
+            "auto, on, off",
+        ),
     ] {
         let mut all = vec!["generate", "--model", "/nonexistent/model.gguf"];
         all.extend_from_slice(&args);
@@ -192,6 +200,27 @@ fn the_draft_model_is_in_the_memory_preflight() {
     let want = ok_stdout(&generate(&m, &["--greedy", "-q"]));
     let f = generate(&m, &["--greedy", "--draft-model", &m]);
     assert_eq!(ok_stdout(&f), want);
+    // Drafting ahead on another thread while the model verifies (forced on: the test
+    // machine may have one core): the same text, and the drafts made ahead are used (the
+    // draft is the model itself, so every draft and every guess is right).
+    let ahead = generate(
+        &m,
+        &["--greedy", "--draft-model", &m, "--draft-ahead", "on"],
+    );
+    assert_eq!(ok_stdout(&ahead), want);
+    let used = ahead
+        .stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("# speculation: drafted ahead during "))
+        .and_then(|l| l.rsplit("used in ").next())
+        .and_then(|n| n.trim().parse::<usize>().ok());
+    assert!(used.is_some_and(|n| n > 0), "{}", ahead.stderr);
+    let off = generate(
+        &m,
+        &["--greedy", "--draft-model", &m, "--draft-ahead", "off"],
+    );
+    assert_eq!(ok_stdout(&off), want);
+    assert!(!off.stderr.contains("drafted ahead"), "{}", off.stderr);
     let line = |start: &str| {
         f.stderr
             .lines()

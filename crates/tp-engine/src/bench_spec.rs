@@ -16,7 +16,7 @@ use crate::error::{EngineError, Result};
 use crate::generate::{generate, Flow};
 use crate::protocol::{ChunkSpec, Command};
 use crate::session::Session;
-use crate::spec::{DraftTokens, SpecMethod, SpecStats, Speculator};
+use crate::spec::{DraftAhead, DraftTokens, SpecMethod, SpecStats, Speculator};
 use std::path::PathBuf;
 use std::time::Instant;
 use tp_models::LoadOptions;
@@ -89,6 +89,10 @@ pub struct SpecBench {
     pub gen_tokens: usize,
     /// Measured runs of each kind after one warm-up of each; medians are reported.
     pub repeats: usize,
+    /// Drafting ahead during verification ([`Speculator::draft_ahead`]), resolved against
+    /// `ranks_here`, the rank threads of this process.
+    pub ahead: DraftAhead,
+    pub ranks_here: usize,
 }
 
 /// One tp's figures (medians).
@@ -105,7 +109,10 @@ pub struct SpecFigures {
     pub tokens_per_step: f64,
     /// `(k, ms)`: a step of `1 + k` tokens (every row's top candidate) over the prompt's cache.
     pub verify_ms: Vec<(usize, f64)>,
-    /// Per target decode step of the speculative run: drafting, and the target's step.
+    /// Whether the speculative runs drafted ahead during verification.
+    pub ahead: bool,
+    /// Per target decode step of the speculative run: drafting (not ahead), and the
+    /// target's step (with drafting ahead beside it).
     pub draft_ms: f64,
     pub target_ms: f64,
 }
@@ -131,6 +138,12 @@ pub fn measure_spec(
             Speculator::new(Box::new(d), b.tokens)
         }
     };
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    spec.set_draft_ahead(
+        b.ahead
+            .resolve(spec.drafter_is_costly(), b.ranks_here, cores),
+    );
+    let ahead = spec.drafts_ahead();
     let run_err = |run: usize| move |source: EngineError| BenchError::Run { run, tp, source };
     let mut plain = Vec::new();
     let mut fast = Vec::new();
@@ -156,6 +169,7 @@ pub fn measure_spec(
         stats: last_stats,
         tokens_per_step: median(tokens_per_step),
         verify_ms,
+        ahead,
         draft_ms: last_stats.draft_s * 1e3 / last_stats.steps.max(1) as f64,
         target_ms: last_stats.target_s * 1e3 / last_stats.steps.max(1) as f64,
     })
@@ -254,7 +268,8 @@ pub fn spec_header(b: &SpecBench, f: &SpecFigures) -> String {
          # CPU: {}\n\
          # verify ms: one step of 1+k tokens (every row's top candidate, as greedy decoding asks) after the prompt; k=0 is a plain decode step\n\
          # draft ms, target ms: per decode step of the speculative run (drafting on rank 0; the target's step, verification included)\n\
-         {:>3}  {:>12}  {:>11}  {:>8}  {:>9}  {:>11}  {:>12}  {:>9}  {:>10}  verify ms (k=0,1,2,4,8,16)",
+         # ahead used: steps whose drafts were made ahead, during the verification before, of those verifications that drafted ahead (- when off)\n\
+         {:>3}  {:>12}  {:>11}  {:>8}  {:>9}  {:>11}  {:>12}  {:>9}  {:>10}  {:>11}  verify ms (k=0,1,2,4,8,16)",
         b.drafter.name(),
         f.prompt_tokens,
         b.gen_tokens,
@@ -269,6 +284,7 @@ pub fn spec_header(b: &SpecBench, f: &SpecFigures) -> String {
         "verify steps",
         "draft ms",
         "target ms",
+        "ahead used",
     )
 }
 
@@ -280,7 +296,7 @@ pub fn spec_row(f: &SpecFigures) -> String {
         .map(|(_, ms)| format!("{ms:.1}"))
         .collect();
     format!(
-        "{:>3}  {:>12.1}  {:>11.1}  {:>7.2}x  {:>8.0}%  {:>11.2}  {:>12}  {:>9.2}  {:>10.2}  {}",
+        "{:>3}  {:>12.1}  {:>11.1}  {:>7.2}x  {:>8.0}%  {:>11.2}  {:>12}  {:>9.2}  {:>10.2}  {:>11}  {}",
         f.tp,
         f.plain_tok_s,
         f.spec_tok_s,
@@ -290,6 +306,11 @@ pub fn spec_row(f: &SpecFigures) -> String {
         f.stats.verify_steps,
         f.draft_ms,
         f.target_ms,
+        if f.ahead {
+            format!("{}/{}", f.stats.ahead_used, f.stats.ahead)
+        } else {
+            "-".into()
+        },
         verify.join(" "),
     )
 }
@@ -302,7 +323,7 @@ pub fn spec_json(f: &SpecFigures) -> String {
         .map(|(k, ms)| format!("\"{k}\":{ms:.3}"))
         .collect();
     format!(
-        "{{\"tp\":{},\"prompt_tokens\":{},\"plain_decode_tok_s\":{:.1},\"spec_decode_tok_s\":{:.1},\"speedup\":{:.3},\"acceptance\":{:.3},\"tokens_per_step\":{:.3},\"drafted\":{},\"accepted\":{},\"verify_steps\":{},\"draft_ms_per_step\":{:.3},\"target_ms_per_step\":{:.3},\"verify_ms\":{{{}}}}}",
+        "{{\"tp\":{},\"prompt_tokens\":{},\"plain_decode_tok_s\":{:.1},\"spec_decode_tok_s\":{:.1},\"speedup\":{:.3},\"acceptance\":{:.3},\"tokens_per_step\":{:.3},\"drafted\":{},\"accepted\":{},\"verify_steps\":{},\"draft_ms_per_step\":{:.3},\"target_ms_per_step\":{:.3},\"draft_ahead\":{},\"ahead_steps\":{},\"ahead_used\":{},\"verify_ms\":{{{}}}}}",
         f.tp,
         f.prompt_tokens,
         f.plain_tok_s,
@@ -315,6 +336,9 @@ pub fn spec_json(f: &SpecFigures) -> String {
         f.stats.verify_steps,
         f.draft_ms,
         f.target_ms,
+        f.ahead,
+        f.stats.ahead,
+        f.stats.ahead_used,
         verify.join(",")
     )
 }

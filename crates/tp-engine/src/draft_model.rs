@@ -388,6 +388,10 @@ impl Drafter for ModelDrafter {
         }
         Ok(out)
     }
+
+    fn costly(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

@@ -195,7 +195,24 @@ pub fn generate(
         fed.extend_from_slice(&drafts);
         steps += 1;
         let t = Instant::now();
-        logits = step(exec, slot, fed, !drafts.is_empty(), decoder.row_need())?;
+        let need = decoder.row_need();
+        logits = match spec.as_deref_mut().filter(|s| s.drafts_ahead()) {
+            Some(s) if !drafts.is_empty() => {
+                // The step after this one may feed the target's next token and drafts.
+                let limit = capacity.saturating_sub(exec.slots().cached_len(slot) + fed.len());
+                let generated = decoder.generated();
+                let (result, panicked) = std::thread::scope(|scope| {
+                    let ahead = scope.spawn(|| s.draft_ahead(generated, &drafts, limit));
+                    let result = step(exec, slot, fed, true, need);
+                    (result, ahead.join().is_err())
+                });
+                if panicked {
+                    s.stop("the drafter panicked while drafting ahead");
+                }
+                result?
+            }
+            _ => step(exec, slot, fed, !drafts.is_empty(), need)?,
+        };
         step_time = t.elapsed().as_secs_f64();
     };
     Ok(GenerationStats {
@@ -469,7 +486,67 @@ mod tests {
             // Rejected drafts cost nothing but rows: one token per step, as without.
             assert_eq!((steps, spec.stats.accepted), (plain_steps, 0));
         }
+        // Drafting ahead during the verification steps: the same output; right drafts are
+        // used ahead whenever a step follows a fully accepted one, wrong ones never.
+        spec.set_draft_ahead(true);
+        let (ahead, ahead_steps) = outcome(text, capacity, &params, Some(&mut spec));
+        assert_eq!(
+            plain, ahead,
+            "drafting ahead changed the output ({params:?})"
+        );
+        let st = spec.stats;
+        assert!(st.ahead_used <= st.ahead, "{st:?}");
+        if right && st.verify_steps > 2 && params.sampling.temperature == 0.0 {
+            assert!(st.ahead_used > 0, "{k:?} cap {capacity} {params:?}: {st:?}");
+            assert!(
+                ahead_steps <= steps,
+                "{ahead_steps} steps ahead, {steps} without"
+            );
+        }
+        if !right {
+            assert_eq!(st.ahead_used, 0, "{st:?}");
+        }
         (steps, spec.stats)
+    }
+
+    /// A drafter that panics on its second call, which drafting ahead makes on another
+    /// thread during the first verification: drafting stops, the output stays.
+    struct Panicky {
+        known: Known,
+        calls: usize,
+    }
+
+    impl crate::spec::Drafter for Panicky {
+        fn draft(&mut self, history: &[u32], k: usize) -> Result<Vec<u32>> {
+            self.calls += 1;
+            assert!(self.calls != 2, "the drafter broke on cue");
+            self.known.draft(history, k)
+        }
+        fn costly(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn a_drafter_panicking_ahead_stops_drafting_and_keeps_the_output() {
+        let text = b"hello world";
+        let params = DecodeParams::greedy(100);
+        let (plain, _) = outcome(text, 64, &params, None);
+        let known = Known {
+            text,
+            prompt: 3,
+            right: true,
+        };
+        let mut spec =
+            Speculator::new(Box::new(Panicky { known, calls: 0 }), DraftTokens::Fixed(2));
+        assert!(spec.drafter_is_costly());
+        spec.set_draft_ahead(true);
+        let (got, _) = outcome(text, 64, &params, Some(&mut spec));
+        assert_eq!(plain, got);
+        assert_eq!((spec.stats.errors, spec.stats.ahead_used), (1, 0));
+        assert!(spec
+            .take_failure()
+            .is_some_and(|w| w.contains("panicked while drafting ahead")));
     }
 
     #[test]

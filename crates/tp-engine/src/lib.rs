@@ -49,8 +49,8 @@ pub use sampling::{argmax, Sampler, SamplingParams};
 pub use session::{Placement, Session, SessionError};
 pub use slots::Slots;
 pub use spec::{
-    DraftTokens, Drafter, DrafterSource, NgramDrafter, SpecMethod, SpecStats, Speculator,
-    MAX_DRAFT_TOKENS,
+    DraftAhead, DraftTokens, Drafter, DrafterSource, NgramDrafter, SpecMethod, SpecStats,
+    Speculator, MAX_DRAFT_TOKENS,
 };
 pub use stop::StopMatcher;
 pub use swap::ModelCommand;

@@ -84,11 +84,56 @@ impl DraftTokens {
     }
 }
 
+/// Whether a costly drafter drafts ahead on a free core while the target verifies
+/// ([`Speculator::draft_ahead`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DraftAhead {
+    /// When the drafter is costly and this process has a core its ranks leave free.
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl DraftAhead {
+    /// Every value's name, as [`DraftAhead::parse`] takes them.
+    pub const NAMES: &'static [&'static str] = &["auto", "on", "off"];
+
+    /// A value by name; an unknown one is [`EngineError::Param`] listing the known ones.
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "auto" => Ok(DraftAhead::Auto),
+            "on" => Ok(DraftAhead::On),
+            "off" => Ok(DraftAhead::Off),
+            other => Err(EngineError::Param {
+                name: "draft_ahead",
+                message: format!("{other:?}; give one of {}", Self::NAMES.join(", ")),
+            }),
+        }
+    }
+
+    /// On or off for a drafter (`costly`: [`Drafter::costly`]) in a process running
+    /// `ranks_here` rank threads on `cores` cores.
+    pub fn resolve(self, costly: bool, ranks_here: usize, cores: usize) -> bool {
+        match self {
+            DraftAhead::On => true,
+            DraftAhead::Off => false,
+            DraftAhead::Auto => costly && cores > ranks_here,
+        }
+    }
+}
+
 /// Proposes tokens likely to follow a sequence.
 pub trait Drafter: Send {
     /// At most `k` tokens to follow `history` (the sequence's every token so far, prompt
     /// first). May return fewer, or none.
     fn draft(&mut self, history: &[u32], k: usize) -> Result<Vec<u32>>;
+    /// Whether drafting costs enough time to be worth doing ahead, on another core, while
+    /// the target verifies ([`Speculator::draft_ahead`]): a model's forward steps do, a
+    /// lookup does not.
+    fn costly(&self) -> bool {
+        false
+    }
 }
 
 /// Makes one drafter per sequence: a server's requests each draft from their own text (and,
@@ -171,6 +216,13 @@ pub struct SpecStats {
     pub kv_full: usize,
     /// Drafter errors (at most one per sequence: drafting stops after it).
     pub errors: usize,
+    /// Drafts made ahead, while the target verified the drafts before them
+    /// ([`Speculator::draft_ahead`]), and the steps that used them (every draft before was
+    /// accepted and the target's next token was the one drafted).
+    pub ahead: usize,
+    pub ahead_used: usize,
+    /// Seconds spent drafting ahead (beside the target's steps, not after them).
+    pub ahead_s: f64,
 }
 
 impl SpecStats {
@@ -188,6 +240,10 @@ impl SpecStats {
 pub struct Speculator {
     drafter: Box<dyn Drafter>,
     tokens: DraftTokens,
+    /// Whether the generation loop drafts ahead during verification steps.
+    ahead_on: bool,
+    /// The drafts made ahead during the last verification step, if any.
+    ahead: Option<Ahead>,
     /// The adaptive policy's estimates.
     policy: Adaptive,
     /// Tokens before the generated ones: cached ones, then the prompt fed now.
@@ -204,6 +260,7 @@ impl std::fmt::Debug for Speculator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Speculator")
             .field("tokens", &self.tokens)
+            .field("ahead_on", &self.ahead_on)
             .field("policy", &self.policy)
             .field("stats", &self.stats)
             .finish_non_exhaustive()
@@ -215,6 +272,8 @@ impl Speculator {
         Speculator {
             drafter,
             tokens,
+            ahead_on: false,
+            ahead: None,
             policy: Adaptive::default(),
             history: Vec::new(),
             base: 0,
@@ -238,6 +297,7 @@ impl Speculator {
         self.history.extend_from_slice(cached);
         self.history.extend_from_slice(prompt);
         self.base = self.history.len();
+        self.ahead = None;
         self.stats = SpecStats::default();
         self.stopped = None;
         self.told = false;
@@ -251,30 +311,101 @@ impl Speculator {
             DraftTokens::Adaptive => self.policy.length(),
         }
         .min(limit);
+        let ahead = self.ahead.take();
         if k == 0 || self.stopped.is_some() {
             return Vec::new();
+        }
+        if let Some(mut d) = ahead.and_then(|a| a.continuing(generated)) {
+            // Drafted while the target verified: no time on this step's path.
+            d.truncate(k);
+            self.stats.ahead_used += 1;
+            self.policy.observe_draft(d.len(), 0.0);
+            return d;
         }
         self.history.truncate(self.base);
         self.history.extend_from_slice(generated);
         let t = std::time::Instant::now();
-        let drafted = self.drafter.draft(&self.history, k);
+        let d = self.call_drafter(k);
         let seconds = t.elapsed().as_secs_f64();
         self.stats.draft_s += seconds;
-        let mut d = match drafted {
-            Ok(d) => d,
+        self.policy.observe_draft(d.len(), seconds);
+        d
+    }
+
+    /// Drafts ahead, meant to run on another core while the target verifies `drafts` (fed
+    /// after `generated`): the drafter continues as if every draft is accepted, guessing the
+    /// target's next token and the next step's drafts after it (the next draft length plus
+    /// one, at most `limit`). [`Speculator::draft`] uses them when the step went that way;
+    /// otherwise they are dropped. Nothing happens unless drafting ahead is on
+    /// ([`Speculator::set_draft_ahead`]) and `drafts` is not empty.
+    pub fn draft_ahead(&mut self, generated: &[u32], drafts: &[u32], limit: usize) {
+        self.ahead = None;
+        if !self.ahead_on || drafts.is_empty() || self.stopped.is_some() {
+            return;
+        }
+        let k = match self.tokens {
+            DraftTokens::Fixed(k) => k,
+            DraftTokens::Adaptive => self.policy.length().max(1),
+        };
+        let m = (k + 1).min(limit);
+        if m < 2 {
+            return;
+        }
+        self.history.truncate(self.base);
+        self.history.extend_from_slice(generated);
+        self.history.extend_from_slice(drafts);
+        let t = std::time::Instant::now();
+        let tokens = self.call_drafter(m);
+        self.stats.ahead_s += t.elapsed().as_secs_f64();
+        self.stats.ahead += 1;
+        let mut assumed = generated.to_vec();
+        assumed.extend_from_slice(drafts);
+        self.ahead = Some(Ahead { assumed, tokens });
+    }
+
+    /// Whether drafting ahead is on: worth it when the drafter is costly
+    /// ([`Drafter::costly`]) and a core is free while the target verifies.
+    pub fn set_draft_ahead(&mut self, on: bool) {
+        self.ahead_on = on;
+        self.ahead = None;
+    }
+
+    /// Whether this speculator's drafter is costly enough to draft ahead.
+    pub fn drafter_is_costly(&self) -> bool {
+        self.drafter.costly()
+    }
+
+    /// Whether the generation loop should call [`Speculator::draft_ahead`].
+    pub fn drafts_ahead(&self) -> bool {
+        self.ahead_on && self.stopped.is_none()
+    }
+
+    /// At most `k` drafts after `self.history`; trouble gives none (counted; an error stops
+    /// drafting for the sequence).
+    fn call_drafter(&mut self, k: usize) -> Vec<u32> {
+        match self.drafter.draft(&self.history, k) {
+            Ok(mut d) => {
+                d.truncate(k);
+                d
+            }
             Err(EngineError::DraftKvFull { .. }) => {
                 self.stats.kv_full += 1;
-                return Vec::new();
+                Vec::new()
             }
             Err(e) => {
                 self.stats.errors += 1;
                 self.stopped = Some(crate::report::chain(&e));
-                return Vec::new();
+                Vec::new()
             }
-        };
-        d.truncate(k);
-        self.policy.observe_draft(d.len(), seconds);
-        d
+        }
+    }
+
+    /// Drafting stops for the rest of the sequence for `why` (a drafter that panicked on
+    /// another thread).
+    pub fn stop(&mut self, why: &str) {
+        self.stats.errors += 1;
+        self.ahead = None;
+        self.stopped.get_or_insert_with(|| why.to_string());
     }
 
     /// Why drafting stopped for this sequence (a drafter error), the first time it is asked
@@ -299,6 +430,25 @@ impl Speculator {
         self.stats.verify_steps += 1;
         self.stats.drafted += drafted;
         self.stats.accepted += accepted;
+    }
+}
+
+/// Drafts made ahead: the generated tokens they assumed (ending with the drafts then being
+/// verified), then the guess of the target's next token and the drafts to follow it.
+#[derive(Clone, Debug)]
+struct Ahead {
+    assumed: Vec<u32>,
+    tokens: Vec<u32>,
+}
+
+impl Ahead {
+    /// The drafts for the step after `generated`, when it is what these assumed plus the
+    /// guessed token; `None` otherwise (a draft was rejected or the guess was wrong).
+    fn continuing(self, generated: &[u32]) -> Option<Vec<u32>> {
+        let (&last, before) = generated.split_last()?;
+        let (&guess, rest) = self.tokens.split_first()?;
+        (before == self.assumed.as_slice() && last == guess && !rest.is_empty())
+            .then(|| rest.to_vec())
     }
 }
 
@@ -376,6 +526,38 @@ impl Adaptive {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn drafting_ahead_is_on_for_a_costly_drafter_with_a_free_core() {
+        assert!(DraftAhead::Auto.resolve(true, 1, 2));
+        assert!(!DraftAhead::Auto.resolve(true, 2, 2));
+        assert!(!DraftAhead::Auto.resolve(false, 1, 2));
+        assert!(DraftAhead::On.resolve(false, 4, 2));
+        assert!(!DraftAhead::Off.resolve(true, 1, 8));
+        assert_eq!(DraftAhead::parse("on").ok(), Some(DraftAhead::On));
+        let e = DraftAhead::parse("yes").unwrap_err().to_string();
+        assert!(e.contains("auto, on, off"), "{e}");
+    }
+
+    /// Drafts made ahead are used only when the step went as they assumed.
+    #[test]
+    fn drafts_ahead_continue_only_the_assumed_sequence() {
+        let a = || Ahead {
+            assumed: vec![1, 2, 3],
+            tokens: vec![4, 5, 6],
+        };
+        assert_eq!(a().continuing(&[1, 2, 3, 4]), Some(vec![5, 6]));
+        // The target chose another token after the drafts, or rejected one of them.
+        assert_eq!(a().continuing(&[1, 2, 3, 7]), None);
+        assert_eq!(a().continuing(&[1, 2, 9]), None);
+        assert_eq!(a().continuing(&[1, 2, 3, 4, 5]), None);
+        // Only the guess, nothing after it: nothing to use.
+        let short = Ahead {
+            assumed: vec![1],
+            tokens: vec![2],
+        };
+        assert_eq!(short.continuing(&[1, 2]), None);
+    }
 
     #[test]
     fn lookup_continues_the_latest_longest_match() {
