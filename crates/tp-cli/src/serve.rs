@@ -25,12 +25,25 @@ const MPI_TERM_DRAIN: Duration = Duration::from_millis(200);
 pub struct ServeSpecArgs {
     #[command(flatten)]
     pub drafting: crate::generate::SpecArgs,
-    /// With speculative decoding: draft only in steps where at most N requests decode. Every
-    /// draft costs a verification row, accepted or not, so a batch that already keeps the
-    /// cores busy gets slower with drafts (measured on 2 cores: 1.7x with one client, 0.7-0.9x
-    /// with four) [default: 1].
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
-    pub spec_max_batch: Option<u64>,
+    /// With speculative decoding: which batched steps carry drafts. auto: each request's
+    /// drafts are kept when the step cost measured on this server (a fixed part and a part per
+    /// token fed) and the request's acceptance say they raise the step's tokens per second;
+    /// N: only steps where at most N requests decode (every draft costs a verification row,
+    /// accepted or not, so a batch that keeps the cores busy gets slower with drafts) [default:
+    /// auto].
+    #[arg(long, value_name = "N|auto", value_parser = parse_spec_batch)]
+    pub spec_max_batch: Option<tp_serve::SpecBatch>,
+}
+
+/// `--spec-max-batch`'s values: a count of at least 1, or auto.
+fn parse_spec_batch(s: &str) -> Result<tp_serve::SpecBatch, String> {
+    match s {
+        "auto" => Ok(tp_serve::SpecBatch::Adaptive),
+        n => match n.parse::<usize>() {
+            Ok(n) if n >= 1 => Ok(tp_serve::SpecBatch::UpTo(n)),
+            _ => Err(format!("{n:?}: give a count of at least 1, or auto")),
+        },
+    }
 }
 
 impl ServeSpecArgs {
@@ -40,14 +53,14 @@ impl ServeSpecArgs {
         s: &tp_engine::Session,
         model: &ModelArgs,
     ) -> anyhow::Result<Option<tp_serve::ServeSpec>> {
-        let max_batch = self.spec_max_batch.map_or(1, |n| n as usize);
+        let batch = self.spec_max_batch.unwrap_or(tp_serve::SpecBatch::Adaptive);
         Ok(self
             .drafting
             .source(s, model)?
             .map(|(source, tokens)| tp_serve::ServeSpec {
                 source,
                 tokens,
-                max_batch: Some(max_batch),
+                batch,
             }))
     }
 

@@ -172,6 +172,9 @@ pub struct ScriptedExecutor {
     flying: VecDeque<(Vec<u32>, StepLogits)>,
     /// Most steps in flight at once so far.
     pub most_in_flight: usize,
+    /// Time a forward step takes: `(fixed, per token fed)` (default none), to test what
+    /// callers decide from timed steps.
+    pub step_time: Option<(std::time::Duration, std::time::Duration)>,
 }
 
 impl std::fmt::Debug for ScriptedExecutor {
@@ -198,6 +201,7 @@ impl ScriptedExecutor {
             shards: 1,
             depth: 1,
             flying: VecDeque::new(),
+            step_time: None,
             most_in_flight: 0,
         }
     }
@@ -262,6 +266,10 @@ impl StepExecutor for ScriptedExecutor {
             .transpose()
     }
     fn forward(&mut self, chunks: Vec<ChunkSpec>) -> Result<StepLogits> {
+        if let Some((fixed, per)) = self.step_time {
+            let fed: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+            std::thread::sleep(fixed + per * fed as u32);
+        }
         self.submit_rows(Command::Forward(chunks))?
             .ok_or_else(|| EngineError::Internal("forward returned no logits".into()))
     }

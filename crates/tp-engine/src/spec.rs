@@ -370,6 +370,13 @@ impl Speculator {
         self.ahead = None;
     }
 
+    /// Drafts expected to be accepted out of `k` (a run that ends at the first rejection,
+    /// each draft accepted with the running estimate of the chance): `a + a^2 + .. + a^k`.
+    pub fn expected_accepted(&self, k: usize) -> f64 {
+        let a = self.policy.accept_rate();
+        (1..=k).map(|j| a.powi(j as i32)).sum()
+    }
+
     /// Whether this speculator's drafter is costly enough to draft ahead.
     pub fn drafter_is_costly(&self) -> bool {
         self.drafter.costly()

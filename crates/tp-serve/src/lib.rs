@@ -28,4 +28,4 @@ pub use metrics::Metrics;
 pub use rollout::{DrainReport, SwapPolicy};
 pub use scheduler::{Control, Event, Job, Load, SchedulerConfig, SchedulerHandle, Usage};
 pub use service::{kv_plan, serve, KvBudget, KvPlan, Ready, ServeConfig, SwapConfig};
-pub use spec::ServeSpec;
+pub use spec::{ServeSpec, SpecBatch};

@@ -44,6 +44,8 @@ struct SpecFigures {
     kv_full: Counter,
     /// Requests whose drafter failed (they went on without drafts).
     errors: Counter,
+    /// Drafted tokens the adaptive batch policy left out of a step (they would not pay).
+    dropped: Counter,
     /// Steps, tokens, drafted, accepted.
     totals: std::sync::Mutex<[u64; 4]>,
 }
@@ -320,6 +322,10 @@ impl Metrics {
                     describe("tp_spec_draft_errors_total", "Requests whose drafter failed; each went on without drafts");
                     c("tp_spec_draft_errors_total")
                 },
+                dropped: {
+                    describe("tp_spec_drafts_dropped_total", "Drafted tokens left out of a batched step because the measured step cost said they would not pay (adaptive speculation)");
+                    c("tp_spec_drafts_dropped_total")
+                },
                 totals: std::sync::Mutex::default(),
             },
             board: Board::default(),
@@ -496,6 +502,11 @@ impl Metrics {
     pub fn spec_draft_trouble(&self, kv_full: usize, errors: usize) {
         self.spec.kv_full.increment(kv_full as u64);
         self.spec.errors.increment(errors as u64);
+    }
+
+    /// Counts `n` drafted tokens the adaptive batch policy left out of a step.
+    pub fn spec_drafts_dropped(&self, n: usize) {
+        self.spec.dropped.increment(n as u64);
     }
 
     /// Counts one answered HTTP request.

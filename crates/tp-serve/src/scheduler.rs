@@ -35,7 +35,7 @@
 //! at once.
 
 use crate::metrics::Metrics;
-use crate::spec::{rejected_positions, SeqSpec};
+use crate::spec::{rejected_positions, SeqSpec, SpecBatch};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::Receiver;
@@ -305,6 +305,8 @@ pub(crate) struct Scheduler<'a, 't> {
     step_time: Duration,
     /// Steps launched and not yet landed, oldest first (pipelining; see [`pipeline`]).
     flights: VecDeque<Flight>,
+    /// What a step costs per token fed (adaptive speculation, [`crate::spec::SpecBatch`]).
+    step_cost: crate::spec::StepCost,
 }
 
 /// Length of the common prefix of `a` and `b`.
@@ -335,6 +337,7 @@ impl<'a, 't> Scheduler<'a, 't> {
             steps: 0,
             step_time: Duration::ZERO,
             flights: VecDeque::new(),
+            step_cost: crate::spec::StepCost::default(),
         }
     }
 
@@ -770,11 +773,12 @@ impl<'a, 't> Scheduler<'a, 't> {
     /// Asks every decoding request that speculates for this step's drafts, within its
     /// sequence's room, the tokens it still wants and the step's token cap left over after
     /// the decode tokens and the prefill chunks (prompts go first: drafts are optional). A
-    /// request whose drafter fails goes on without drafts. No request drafts in a step where
-    /// more requests decode than the speculation's `max_batch`. Only the requests in `chosen`
+    /// request whose drafter fails goes on without drafts. Which steps draft is the
+    /// speculation's [`SpecBatch`]: every one, those where at most N requests decode, or
+    /// (adaptive) the drafts the measured step cost says pay. Only the requests in `chosen`
     /// (slots) draft: the others are not in this step.
     fn draft_all(&mut self, exec: &mut dyn StepExecutor, chosen: &[u32]) -> StepResult<()> {
-        let Some(max_batch) = self.cfg.spec.as_ref().map(|s| s.max_batch) else {
+        let Some(batch) = self.cfg.spec.as_ref().map(|s| s.batch) else {
             return Ok(());
         };
         let mine = |r: &Running<'_>| chosen.contains(&r.slot);
@@ -783,7 +787,14 @@ impl<'a, 't> Scheduler<'a, 't> {
             .iter()
             .filter(|r| mine(r) && r.prefill_left() == 0 && r.decoder.next_input().is_some())
             .count();
-        if max_batch.is_some_and(|m| decoding > m) {
+        let cost = self.step_cost.line();
+        let limit = match batch {
+            SpecBatch::Always => None,
+            SpecBatch::UpTo(m) => Some(m),
+            SpecBatch::Adaptive if cost.is_none() => Some(1),
+            SpecBatch::Adaptive => None,
+        };
+        if limit.is_some_and(|m| decoding > m) {
             self.drop_drafts();
             return Ok(());
         }
@@ -821,7 +832,39 @@ impl<'a, 't> Scheduler<'a, 't> {
             spec.draft(r.decoder.generated(), limit, self.metrics);
             budget -= spec.drafts.len().min(budget);
         }
+        if let (SpecBatch::Adaptive, Some(cost)) = (batch, cost) {
+            if decoding > 1 {
+                let room = self.cfg.max_batch_tokens.saturating_sub(decoding);
+                self.keep_paying_drafts(chosen, cost, decoding + prefill.min(room), decoding);
+            }
+        }
         Ok(())
+    }
+
+    /// Keeps the drafts that raise the step's expected tokens per second
+    /// ([`crate::spec::choose_drafts`]) among the requests in `chosen` and drops the others
+    /// (the step feeds `fed` tokens and gives `given` without drafts).
+    fn keep_paying_drafts(&mut self, chosen: &[u32], cost: (f64, f64), fed: usize, given: usize) {
+        let drafting: Vec<usize> = (0..self.running.len())
+            .filter(|&i| {
+                let r = &self.running[i];
+                chosen.contains(&r.slot) && r.spec.as_ref().is_some_and(|s| !s.drafts.is_empty())
+            })
+            .collect();
+        let candidates: Vec<crate::spec::Candidate> = drafting
+            .iter()
+            .filter_map(|&i| self.running[i].spec.as_ref())
+            .map(SeqSpec::candidate)
+            .collect();
+        let kept = crate::spec::choose_drafts(cost, fed, given, &candidates);
+        for (j, &i) in drafting.iter().enumerate() {
+            if !kept.contains(&j) {
+                if let Some(s) = self.running[i].spec.as_mut() {
+                    self.metrics.spec_drafts_dropped(s.drafts.len());
+                    s.drafts.clear();
+                }
+            }
+        }
     }
 
     /// Drops every request's drafts for this step (their blocks do not fit; those of requests
@@ -903,6 +946,8 @@ impl<'a, 't> Scheduler<'a, 't> {
             .step_collective_seconds
             .record(exec.comm_time().saturating_sub(f.comm_before).as_secs_f64());
         self.metrics.step_rows.record(f.chunk_rows.len() as f64);
+        let fed: usize = f.fed.iter().map(Vec::len).sum();
+        self.step_cost.observe(fed, took.as_secs_f64());
         let n_rows: usize = f.chunk_rows.iter().sum();
         if logits.len() != n_rows {
             return Err(Box::new(EngineError::Internal(format!(

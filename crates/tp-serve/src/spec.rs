@@ -15,16 +15,13 @@ use crate::metrics::Metrics;
 use std::sync::Arc;
 use tp_engine::{DraftTokens, DrafterSource, Speculator};
 
-/// Speculation settings of a server: who drafts, how many tokens per step, and up to how
-/// many decoding requests a step drafts for.
+/// Speculation settings of a server: who drafts, how many tokens per step, and in which
+/// batched steps drafts are verified.
 #[derive(Clone)]
 pub struct ServeSpec {
     pub source: Arc<dyn DrafterSource>,
     pub tokens: DraftTokens,
-    /// Draft only in steps where at most this many requests decode (`None`: in every step).
-    /// A batch that already keeps the cores busy pays a verification row for every draft,
-    /// accepted or not, so speculation slows large batches down.
-    pub max_batch: Option<usize>,
+    pub batch: SpecBatch,
 }
 
 impl std::fmt::Debug for ServeSpec {
@@ -32,9 +29,125 @@ impl std::fmt::Debug for ServeSpec {
         f.debug_struct("ServeSpec")
             .field("source", &self.source.describe())
             .field("tokens", &self.tokens)
-            .field("max_batch", &self.max_batch)
+            .field("batch", &self.batch)
             .finish()
     }
+}
+
+/// In which batched steps requests draft. A batch pays a verification row for every draft,
+/// accepted or not, while the weights it streams are shared by all its rows: drafts pay when
+/// a row costs little beside the step (few requests, or many cores) and are accepted often.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpecBatch {
+    /// In every step.
+    Always,
+    /// Only in steps where at most this many requests decode.
+    UpTo(usize),
+    /// Each request's drafts are kept when they are expected to raise the step's tokens per
+    /// second, from the step cost measured on this server (a fixed part and a part per token
+    /// fed, [`StepCost`]) and each request's chance that a draft is accepted
+    /// ([`choose_drafts`]). Until steps of different sizes were timed: as `UpTo(1)`.
+    Adaptive,
+}
+
+/// Weight of the older steps in [`StepCost`]'s fit, per step.
+const COST_DECAY: f64 = 0.95;
+/// Least weight of steps and spread of their sizes (tokens) before the fit is used.
+const COST_MIN_WEIGHT: f64 = 3.0;
+const COST_MIN_SPREAD: f64 = 0.5;
+/// A fed token costs at least this fraction of a step's fixed part (a fit on noisy steps
+/// must not make drafts look free).
+const COST_MIN_PER_TOKEN: f64 = 0.01;
+
+/// A batched step's seconds against the tokens it feeds, `fixed + per_token x tokens`, by
+/// least squares over the steps so far, older ones decayed ([`COST_DECAY`] per step).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct StepCost {
+    w: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+impl StepCost {
+    /// A step fed `tokens` and took `seconds`.
+    pub(crate) fn observe(&mut self, tokens: usize, seconds: f64) {
+        let (x, d) = (tokens as f64, COST_DECAY);
+        self.w = self.w * d + 1.0;
+        self.x = self.x * d + x;
+        self.y = self.y * d + seconds;
+        self.xx = self.xx * d + x * x;
+        self.xy = self.xy * d + x * seconds;
+    }
+
+    /// `(fixed, per_token)` seconds, once enough steps of different sizes were timed.
+    pub(crate) fn line(&self) -> Option<(f64, f64)> {
+        if self.w < COST_MIN_WEIGHT {
+            return None;
+        }
+        let (mx, my) = (self.x / self.w, self.y / self.w);
+        let var = self.xx / self.w - mx * mx;
+        if var < COST_MIN_SPREAD * COST_MIN_SPREAD {
+            return None;
+        }
+        let per = (self.xy / self.w - mx * my) / var;
+        let fixed = (my - per * mx).max(0.0);
+        Some((fixed, per.max(COST_MIN_PER_TOKEN * fixed)))
+    }
+}
+
+/// Steps with drafts a request gets whatever they cost, so that its chance of acceptance is
+/// measured before the adaptive policy judges its drafts by it.
+pub(crate) const PROBE_STEPS: usize = 2;
+
+/// One request's drafts in a step, for [`choose_drafts`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Candidate {
+    /// Drafted tokens.
+    pub drafts: usize,
+    /// How many of them are expected to be accepted.
+    pub expected: f64,
+    /// Kept whatever they cost (its acceptance is not measured yet: [`PROBE_STEPS`]).
+    pub probe: bool,
+}
+
+/// Which requests keep their drafts in a step costing `cost` (`(fixed, per_token)` seconds)
+/// that feeds `base` tokens and gives `given` tokens without drafts. Probes are kept; the
+/// others are taken best first (expected accepted per draft) while each raises the step's
+/// expected tokens per second. Returns the indices into `candidates` kept.
+pub(crate) fn choose_drafts(
+    cost: (f64, f64),
+    base: usize,
+    given: usize,
+    candidates: &[Candidate],
+) -> Vec<usize> {
+    let (fixed, per) = cost;
+    let rate = |fed: f64, tokens: f64| tokens / (fixed + per * fed);
+    let (mut fed, mut tokens) = (base as f64, given as f64);
+    let mut kept = Vec::new();
+    for (i, c) in candidates.iter().enumerate() {
+        if c.probe && c.drafts > 0 {
+            fed += c.drafts as f64;
+            tokens += c.expected;
+            kept.push(i);
+        }
+    }
+    let mut order: Vec<usize> = (0..candidates.len())
+        .filter(|&i| candidates[i].drafts > 0 && !candidates[i].probe)
+        .collect();
+    let value = |i: usize| candidates[i].expected / candidates[i].drafts as f64;
+    order.sort_by(|&a, &b| value(b).total_cmp(&value(a)));
+    for i in order {
+        let (k, e) = (candidates[i].drafts as f64, candidates[i].expected);
+        if rate(fed + k, tokens + e) <= rate(fed, tokens) {
+            break;
+        }
+        fed += k;
+        tokens += e;
+        kept.push(i);
+    }
+    kept
 }
 
 /// One request's speculation: its speculator and the drafts of the step being planned.
@@ -85,6 +198,15 @@ impl SeqSpec {
         self.counted = (st.kv_full, st.errors);
         if let Some(why) = self.speculator.take_failure() {
             eprintln!("# tp serve: a request's drafter failed, it goes on without drafts: {why}");
+        }
+    }
+
+    /// This step's drafts for [`choose_drafts`].
+    pub(crate) fn candidate(&self) -> Candidate {
+        Candidate {
+            drafts: self.drafts.len(),
+            expected: self.speculator.expected_accepted(self.drafts.len()),
+            probe: self.speculator.stats.verify_steps < PROBE_STEPS,
         }
     }
 
@@ -220,6 +342,17 @@ mod tests {
     ) {
         let mut exec = alphabet(endless);
         exec.depth = depth;
+        let (got, metrics) = serve_on(&mut exec, spec, blocks);
+        (got, metrics, exec)
+    }
+
+    /// The test's requests served on `exec`: each one's text, finish and generated count,
+    /// and the metrics.
+    fn serve_on(
+        exec: &mut tp_engine::ScriptedExecutor,
+        spec: Option<ServeSpec>,
+        blocks: usize,
+    ) -> (Vec<(String, String, usize)>, Metrics) {
         let mut c = cfg(blocks, 64);
         c.max_seqs = 8;
         c.spec = spec;
@@ -228,7 +361,7 @@ mod tests {
             .into_iter()
             .map(|(p, params)| job(&p, params))
             .unzip();
-        let (got, result) = with_metrics(&mut exec, &c, jobs, &metrics, |_| {
+        let (got, result) = with_metrics(exec, &c, jobs, &metrics, |_| {
             rxs.iter_mut().map(collect).collect::<Vec<_>>()
         });
         result.unwrap();
@@ -246,37 +379,142 @@ mod tests {
             .collect();
         assert!(exec.open_slots().is_empty(), "{:?}", exec.open_slots());
         assert_eq!(metric(&metrics, "tp_kv_blocks_used"), 0.0);
-        (got, metrics, exec)
+        (got, metrics)
     }
 
     fn spec(source: Arc<dyn DrafterSource>, k: Option<usize>) -> Option<ServeSpec> {
         Some(ServeSpec {
             source,
             tokens: DraftTokens::new(k).unwrap(),
-            max_batch: None,
+            batch: SpecBatch::Always,
         })
     }
 
-    /// `max_batch`: no drafts in a step where more requests decode; the text stays.
+    /// `UpTo(n)`: no drafts in a step where more requests decode; adaptive: drafts kept as
+    /// the measured cost says; the text stays.
     #[test]
     fn no_request_drafts_in_a_step_with_more_decoding_requests_than_max_batch() {
         let (want, _, _) = serve_all(None, 1000, false);
         let source: Arc<dyn DrafterSource> = Arc::new(ScriptedSource(true, false));
-        let drafted = |max_batch: Option<usize>| {
+        let drafted = |batch: SpecBatch| {
             let mut s = spec(source.clone(), Some(4));
             if let Some(s) = s.as_mut() {
-                s.max_batch = max_batch;
+                s.batch = batch;
             }
             let (got, m, _) = serve_all(s, 1000, false);
-            assert_eq!(got, want, "max_batch {max_batch:?}");
+            assert_eq!(got, want, "{batch:?}");
             metric(&m, "tp_spec_drafted_tokens_total")
         };
-        let all = drafted(None);
+        let all = drafted(SpecBatch::Always);
         // The 8 requests run together: with 1, only the last one left running drafts.
-        let tail = drafted(Some(1));
-        assert_eq!(drafted(Some(0)), 0.0);
+        let tail = drafted(SpecBatch::UpTo(1));
+        assert_eq!(drafted(SpecBatch::UpTo(0)), 0.0);
         assert!(tail > 0.0 && tail < all, "{tail} of {all}");
-        assert_eq!(drafted(Some(8)), all);
+        assert_eq!(drafted(SpecBatch::UpTo(8)), all);
+        // Adaptive keeps the text whatever it decides (the scripted executor's steps take
+        // no real time here: its decisions are tested on timed steps below).
+        drafted(SpecBatch::Adaptive);
+    }
+
+    /// Adaptive speculation on steps that take time (a fixed part and a part per token
+    /// fed): right drafts are kept in large batches, wrong ones dropped when rows are dear;
+    /// the text stays.
+    #[test]
+    fn adaptive_speculation_keeps_the_drafts_that_pay() {
+        use std::time::Duration;
+        let (want, _, _) = serve_all(None, 1000, false);
+        let run = |right: bool, batch: SpecBatch, per_token_us: u64| {
+            let source: Arc<dyn DrafterSource> = Arc::new(ScriptedSource(right, false));
+            let mut s = spec(source, Some(4));
+            if let Some(s) = s.as_mut() {
+                s.batch = batch;
+            }
+            let mut exec = alphabet(false);
+            exec.step_time = Some((
+                Duration::from_micros(2000),
+                Duration::from_micros(per_token_us),
+            ));
+            let (got, m) = serve_on(&mut exec, s, 1000);
+            assert_eq!(got, want, "{batch:?} right {right}");
+            (
+                metric(&m, "tp_spec_drafted_tokens_total"),
+                metric(&m, "tp_spec_drafts_dropped_total"),
+            )
+        };
+        // Right drafts always pay (each verified row gives a token): kept in batches of
+        // several requests, far more than with drafts in lone steps only (measured: about
+        // 100 drafted tokens of 128 with every step drafting, 11 in lone steps, 63 when
+        // only the probes are kept).
+        let (all, _) = run(true, SpecBatch::Always, 200);
+        let (lone, _) = run(true, SpecBatch::UpTo(1), 200);
+        let (adaptive, _) = run(true, SpecBatch::Adaptive, 200);
+        assert!(
+            adaptive > lone && adaptive > 0.65 * all,
+            "{adaptive} vs {lone} lone, {all} all"
+        );
+        // Wrong drafts with rows as dear as the step's fixed part: dropped.
+        let (all, _) = run(false, SpecBatch::Always, 2000);
+        let (adaptive, dropped) = run(false, SpecBatch::Adaptive, 2000);
+        assert!(
+            dropped > 0.0 && adaptive < 0.5 * all,
+            "{adaptive} vs {all} all, {dropped} dropped"
+        );
+    }
+
+    /// The step cost's fit: a line through steps of two sizes, nothing before the sizes
+    /// differ, and a floor under the cost per token.
+    #[test]
+    fn the_step_cost_is_fitted_from_timed_steps() {
+        let mut c = StepCost::default();
+        for _ in 0..10 {
+            c.observe(4, 0.030);
+        }
+        assert_eq!(c.line(), None, "one size only");
+        for _ in 0..10 {
+            c.observe(12, 0.050);
+        }
+        let (fixed, per) = c.line().unwrap();
+        assert!(
+            (fixed - 0.020).abs() < 1e-9 && (per - 0.0025).abs() < 1e-9,
+            "{fixed} {per}"
+        );
+        // Bigger steps no slower (noise): the per-token cost is floored.
+        let mut flat = StepCost::default();
+        for t in [4, 12, 4, 12] {
+            flat.observe(t, 0.040);
+        }
+        let (fixed, per) = flat.line().unwrap();
+        assert!(
+            (per - COST_MIN_PER_TOKEN * fixed).abs() < 1e-12,
+            "{fixed} {per}"
+        );
+    }
+
+    /// Drafts are kept while they raise the step's expected tokens per second, best first.
+    #[test]
+    fn drafts_are_kept_while_they_pay() {
+        // Rows cheap beside the step (weights streamed once for all): every request's
+        // drafts pay, the most promising first.
+        let c = |drafts, expected| Candidate {
+            drafts,
+            expected,
+            probe: false,
+        };
+        let cheap = (0.020, 0.001);
+        let all = [c(4, 3.0), c(4, 2.0), c(2, 1.8)];
+        assert_eq!(choose_drafts(cheap, 8, 8, &all), vec![2, 0, 1]);
+        // Rows as dear as a step's fixed part: only drafts accepted nearly always pay.
+        let dear = (0.020, 0.020);
+        assert_eq!(choose_drafts(dear, 8, 8, &all), vec![2]);
+        assert!(choose_drafts(dear, 8, 8, &[c(4, 1.0)]).is_empty());
+        // A probe is kept whatever it costs.
+        let probe = Candidate {
+            probe: true,
+            ..c(4, 1.0)
+        };
+        assert_eq!(choose_drafts(dear, 8, 8, &[c(4, 1.0), probe]), vec![1]);
+        // Nothing drafted, nothing kept.
+        assert!(choose_drafts(cheap, 1, 1, &[c(0, 0.0)]).is_empty());
     }
 
     #[test]

@@ -159,7 +159,7 @@ fn ngram_speculation_changes_no_answer() {
             let spec = ServeSpec {
                 source: source.clone(),
                 tokens: DraftTokens::new(k).unwrap(),
-                max_batch: None,
+                batch: tp_serve::SpecBatch::Always,
             };
             let cfg = if budget == small {
                 unshared(small, Some(spec))
