@@ -165,13 +165,24 @@ pub struct ShardedPart {
 }
 
 impl ShardedPart {
-    /// The part's elements of a whole flat buffer of the rank's layout.
-    fn pack<'b>(&self, flat: &'b [f32], layout: &FlatLayout) -> Cow<'b, [f32]> {
+    /// This rank's slice of the part out of a whole flat buffer of the rank's layout
+    /// (`flat[which]` packed, then `[slices.mine()]`), copying only the slice's elements.
+    fn pack_mine<'b>(&self, flat: &'b [f32], layout: &FlatLayout) -> Cow<'b, [f32]> {
+        let mine = self.slices.mine();
         if self.whole {
-            Cow::Borrowed(flat)
-        } else {
-            Cow::Owned(grads::pack(flat, layout, &self.which))
+            return Cow::Borrowed(&flat[mine]);
         }
+        let mut out = Vec::with_capacity(mine.len());
+        let mut at = 0; // offset of parameter i in the packed part
+        for &i in &self.which {
+            let r = layout.range(i);
+            let (lo, hi) = (mine.start.max(at), mine.end.min(at + r.len()));
+            if lo < hi {
+                out.extend_from_slice(&flat[r.start + lo - at..r.start + hi - at]);
+            }
+            at += r.len();
+        }
+        Cow::Owned(out)
     }
 }
 
@@ -201,18 +212,19 @@ impl DistributedOptimizer {
                 let specs: Vec<ParamSpec> = which.iter().map(|&i| specs[i].clone()).collect();
                 let part_layout = FlatLayout::new(&specs);
                 let slices = DpSlices::new(part_layout.total(), size, rank)?;
-                let master = grads::pack(params, layout, &which)[slices.mine()].to_vec();
-                let adam = AdamW::new(master.len());
-                Ok(ShardedPart {
+                let adam = AdamW::new(slices.mine().len());
+                let mut part = ShardedPart {
                     which,
                     specs,
                     layout: part_layout,
                     replicas,
                     slices,
-                    master,
+                    master: Vec::new(),
                     adam,
                     whole,
-                })
+                };
+                part.master = part.pack_mine(params, layout).into_owned();
+                Ok(part)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(DistributedOptimizer { parts })
@@ -260,10 +272,10 @@ impl DistributedOptimizer {
     ) {
         for p in &mut self.parts {
             let mine = p.slices.mine();
-            let g = p.pack(grads, layout);
+            let g = p.pack_mine(grads, layout);
             p.adam.update_window(
                 &mut p.master,
-                &g[mine.clone()],
+                &g,
                 mine,
                 &p.layout,
                 &p.specs,
@@ -329,9 +341,8 @@ impl DistributedOptimizer {
     /// resume from.
     pub fn set_moments(&mut self, m: &[f32], v: &[f32], layout: &FlatLayout, step: u64) {
         for p in &mut self.parts {
-            let mine = p.slices.mine();
-            p.adam.exp_avg = p.pack(m, layout)[mine.clone()].to_vec();
-            p.adam.exp_avg_sq = p.pack(v, layout)[mine].to_vec();
+            p.adam.exp_avg = p.pack_mine(m, layout).into_owned();
+            p.adam.exp_avg_sq = p.pack_mine(v, layout).into_owned();
             p.adam.step = step;
         }
     }
@@ -445,6 +456,33 @@ mod tests {
         assert_eq!(s.within(8..10), (vec![0, 0, 2], 0..0));
         let s = DpSlices::new(10, 3, 0).unwrap();
         assert_eq!(s.within(3..8), (vec![1, 3, 1], 3..4));
+    }
+
+    /// A part of some parameters (0, 2 and 3 of lengths 3, 2, 4, 1) packed and cut over 3
+    /// ranks: rank 1's slice is elements 3..6 of the packed [0 1 2 | 5 6 7 8 | 9], i.e. flat
+    /// elements 5, 6, 7; the weights and a checkpoint's moments are cut alike.
+    #[test]
+    fn a_part_holds_its_slice_of_its_packed_parameters() {
+        let spec = |n: usize| ParamSpec {
+            weight: tp_spec::WeightName::OutputNorm,
+            name: format!("p{n}"),
+            shape: vec![n],
+            placement: tp_nn::Placement::Replicated,
+            decay: false,
+            tp_partial_grad: false,
+            tied_copy: false,
+        };
+        let specs: Vec<ParamSpec> = [3, 2, 4, 1].into_iter().map(spec).collect();
+        let layout = FlatLayout::new(&specs);
+        let flat: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        let part = (vec![0, 2, 3], Replicas::Edp, 3, 1);
+        let mut z = DistributedOptimizer::new(&flat, &layout, &specs, vec![part]).unwrap();
+        assert_eq!(z.parts[0].master, [5.0, 6.0, 7.0]);
+        assert_eq!(z.held(), 3);
+        let m: Vec<f32> = flat.iter().map(|x| x + 100.0).collect();
+        z.set_moments(&m, &flat, &layout, 4);
+        assert_eq!(z.parts[0].adam.exp_avg, [105.0, 106.0, 107.0]);
+        assert_eq!(z.parts[0].adam.step, 4);
     }
 
     /// The bucketed reduce-scatter gives each rank the all-reduce's sums on its slice (buckets
