@@ -16,7 +16,8 @@
 //!
 //! Issue 33, with experts over data-parallel replicas (ep = tp x b): the dense part sharded
 //! over dp, each rank's experts over their expert-data-parallel group (dp / b ranks). At
-//! tp 1 x dp 2 x ep 2, tp 2 x dp 2 x ep 4 (edp 1) and dp 4 x ep 2 (edp 2) 15 steps give the
+//! tp 1 x dp 2 x ep 2, tp 2 x dp 2 x ep 4, pp 2 x dp 2 x ep 2 (edp 1), dp 4 x ep 2 and
+//! tp 2 x dp 4 x ep 4 (edp 2) 15 steps give the
 //! plain optimizer's losses, and its saved weights and moments bit for bit (every element's
 //! gradient is the same sum over the same replicas, and AdamW treats each element alone),
 //! and follow tp 1 as the plain EP runs do (tests/parity.rs: 8 steps, 2 at tp 2). Each rank
@@ -141,11 +142,13 @@ fn checkpoints_resume_with_and_without_the_flag() {
 
 /// The Mixtral fixture with experts over data-parallel replicas ([`TrainSpec::ep`] = tp x b):
 /// (dims, micro-batches per replica, ep); one sequence per micro-batch where tp is 1.
-fn experts_across() -> [(tp_comm::ParallelDims, usize, usize); 3] {
+fn experts_across() -> [(tp_comm::ParallelDims, usize, usize); 5] {
     [
         (dims(1, 1, 2), 2, 2), // one block of 2 replicas: edp 1
         (dims(2, 1, 2), 2, 4), // tp 2 x a block of 2: edp 1
         (dims(1, 1, 4), 1, 2), // two blocks of 2: edp 2
+        (dims(1, 2, 2), 2, 2), // two stages, each with its block
+        (dims(2, 1, 4), 1, 4), // tp 2 x two blocks of 2: edp 2
     ]
 }
 
@@ -164,10 +167,10 @@ fn moe_ep(d: tp_comm::ParallelDims, steps: u64, micro: usize, ep: usize) -> Trai
 fn experts_across_replicas_follow_the_plain_optimizer_and_tp1() {
     let reference = train(&tp_train::fixtures::moe_spec(dims(1, 1, 1), STEPS, 4), None);
     for (d, micro, ep) in experts_across() {
-        let what = format!("Mixtral tp={} dp={} ep={ep}", d.tp, d.dp);
+        let what = format!("Mixtral tp={} pp={} dp={} ep={ep}", d.tp, d.pp, d.dp);
         let mut saved = Vec::new();
         for on in [false, true] {
-            let dir = scratch(&format!("zero1-ep-{}-{}-{ep}-{on}", d.tp, d.dp));
+            let dir = scratch(&format!("zero1-ep-{}-{}-{}-{ep}-{on}", d.tp, d.pp, d.dp));
             let s = with_flag(moe_ep(d, STEPS, micro, ep), on);
             let (reports, ck) = train_and_save(&s, STEPS as usize, &dir);
             saved.push((reports, saved_state(&ck)));
