@@ -11,6 +11,16 @@ pub struct BenchTrainArgs {
     /// Model: a preset (tiny, small, bench) or an HF Llama config.json.
     #[arg(long, default_value = "bench")]
     config: String,
+    /// Architecture of the preset, as `tp train --arch`: llama, qwen2, qwen3, gemma3, or the
+    /// mixtures of experts mixtral and qwen3moe (8 experts of the preset's FFN, top-2)
+    /// [default: llama; a config.json gives its own].
+    #[arg(long)]
+    arch: Option<String>,
+    /// Expert-parallel sizes, comma separated (as `tp train --ep`): every layout runs with
+    /// each that is valid for it (a divisor of its tp, or tp times a divisor of its dp:
+    /// whole experts over replicas, tokens dispatched by all-to-all).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    ep: Vec<usize>,
     /// Measure fine-tuning instead: start from this pretrained model (a GGUF file or an HF
     /// directory; the data stays the built-in corpus as bytes, which any vocabulary holds).
     #[arg(long, conflicts_with = "config")]
@@ -73,6 +83,8 @@ pub fn run(a: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
     crate::train::set_compute_threads(Some(a.threads.max(1)), 1);
     let bench = Bench::new(BenchConfig {
         model: a.config.clone(),
+        arch: a.arch.clone(),
+        ep: a.ep.clone(),
         init: a.init.clone(),
         layouts: a
             .layouts

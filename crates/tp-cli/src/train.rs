@@ -140,7 +140,8 @@ pub struct TrainArgs {
     pub moe_bias_update_rate: Option<f64>,
     /// Megatron's distributed optimizer (ZeRO-1): AdamW's moments and master weights sharded
     /// over the dp replicas (gradients reduce-scattered, weights all-gathered); the same
-    /// training with dp times less optimizer memory per rank. Checkpoints resume either way.
+    /// training with dp times less optimizer memory per rank (with --ep over replicas, a
+    /// rank's experts sharded over the replicas holding them). Checkpoints resume either way.
     #[arg(long)]
     pub distributed_optimizer: bool,
     /// Sequence parallelism (Megatron, Korthikanti et al. 2022): the norms and residual adds

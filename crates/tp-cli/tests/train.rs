@@ -186,7 +186,9 @@ fn virtual_stages_give_the_losses_without_them_and_bad_counts_are_refused() {
 
 /// Issue 33: `--ep 2` at dp 2 puts whole experts on each replica and dispatches the tokens by
 /// all-to-all: the first steps' losses are expert-TP's (tp 1: the same products, summed in
-/// another order; later steps may route a near-tied token differently, docs/moe.md).
+/// another order; later steps may route a near-tied token differently, docs/moe.md). With
+/// `--distributed-optimizer` (dense state over dp, the experts' over their edp group) the
+/// losses are ep 2's bit for bit (the same sums, tests/distributed_optimizer.rs).
 #[test]
 fn experts_over_replicas_give_the_losses_of_expert_tp() {
     let base = [
@@ -199,6 +201,18 @@ fn experts_over_replicas_give_the_losses_of_expert_tp() {
         tp(&a)
     };
     let (one, two) = (at("1"), at("2"));
+    let mut a = base.to_vec();
+    a.extend(["--ep", "2", "--distributed-optimizer"]);
+    let sharded = tp(&a);
+    assert_eq!(sharded.code, Some(0), "{}", sharded.output);
+    assert!(
+        sharded
+            .output
+            .contains("sharded over dp=2, its experts over edp=1"),
+        "{}",
+        sharded.output
+    );
+    assert_eq!(losses(&sharded.output), losses(&two.output));
     assert_eq!(one.code, Some(0), "{}", one.output);
     assert_eq!(two.code, Some(0), "{}", two.output);
     assert!(
@@ -375,18 +389,6 @@ fn bad_inputs_get_clear_errors() {
             vec!["--arch", "mixtral", "--tp", "2", "--dp", "2", "--ep", "3"],
             "valid: 1, 2, 4",
         ),
-        (
-            vec![
-                "--arch",
-                "mixtral",
-                "--dp",
-                "2",
-                "--ep",
-                "2",
-                "--distributed-optimizer",
-            ],
-            "with experts over data-parallel replicas (ep 2 at tp 1) is not built yet",
-        ),
         (vec!["--moe-capacity-factor", "0"], "give a number above 0"),
         (
             vec!["--moe-capacity-factor", "1.25"],
@@ -414,4 +416,73 @@ fn bad_inputs_get_clear_errors() {
         assert!(!f.output.contains("panicked"), "{extra:?}: {}", f.output);
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 33: `tp bench train --arch mixtral --ep 1,2` measures each ep at the layouts it is
+/// valid for (ep 2 needs tp 2 or dp 2: not at 1x1x1) and names the arch and ep in the table
+/// and the JSON rows; an ep valid for no layout is refused with the valid values.
+#[test]
+fn bench_train_measures_the_arch_and_each_valid_ep() {
+    let args = |ep: &'static str, json: bool| {
+        let mut a = vec![
+            "bench",
+            "train",
+            "--config",
+            "tiny",
+            "--arch",
+            "mixtral",
+            "--layouts",
+            "1x1x1,1x1x2",
+            "--ep",
+            ep,
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--warmup",
+            "0",
+            "--steps",
+            "1",
+            "--rounds",
+            "1",
+        ];
+        if json {
+            a.push("--json");
+        }
+        a
+    };
+    let f = tp(&args("1,2", true));
+    assert_eq!(f.code, Some(0), "{}", f.output);
+    let rows: Vec<(String, u64, u64)> = tp_testkit::json::rows_with(&f.output, "ep")
+        .iter()
+        .map(|r| {
+            (
+                r["arch"].as_str().unwrap_or_default().to_string(),
+                r["dp"].as_u64().unwrap_or(0),
+                r["ep"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    let m = "mixtral".to_string();
+    assert_eq!(
+        rows,
+        [(m.clone(), 1, 1), (m.clone(), 2, 1), (m, 2, 2)],
+        "{}",
+        f.output
+    );
+    let table = tp(&args("2", false));
+    assert_eq!(table.code, Some(0), "{}", table.output);
+    assert!(table.output.contains("    arch ep  tp"), "{}", table.output);
+    assert!(
+        table
+            .output
+            .lines()
+            .any(|l| l.starts_with("   mixtral  2   1   1   2 ")),
+        "{}",
+        table.output
+    );
+    let bad = tp(&args("3", false));
+    assert_ne!(bad.code, Some(0), "{}", bad.output);
+    assert!(bad.output.contains("valid: 1"), "{}", bad.output);
+    assert!(!bad.output.contains("panicked"), "{}", bad.output);
 }

@@ -5,6 +5,8 @@
 //! shows up in the figures instead of skewing one layout.
 
 use crate::activations::{paper_bytes, trainer_bytes, ActivationLayout};
+use crate::config::TrainArch;
+use crate::layout::EpRank;
 use crate::run::{launch, median};
 use crate::setup::default_micro_batches;
 use crate::{
@@ -21,6 +23,12 @@ use tp_comm::{ParallelDims, ProcessGroups};
 pub struct BenchConfig {
     /// A preset (tiny, small, bench) or an HF config.json.
     pub model: String,
+    /// The architecture a preset takes (`llama`, `qwen2`, `qwen3`, `gemma3`, `mixtral`,
+    /// `qwen3moe`: [`crate::config::trainable_arch`]); `None`: the preset's or the file's.
+    pub arch: Option<String>,
+    /// Expert-parallel sizes to measure ([`TrainSpec::ep`]): every layout runs with each that
+    /// is valid for it (a divisor of tp, or tp times a divisor of dp); empty: 1.
+    pub ep: Vec<usize>,
     /// A pretrained model to start from instead (fine-tuning speed): a GGUF file or an HF
     /// directory.
     pub init: Option<std::path::PathBuf>,
@@ -82,9 +90,13 @@ pub fn parse_layout(s: &str) -> Result<ParallelDims, BadLayout> {
 /// One layout's figures (a JSON object per layout with `--json`).
 #[derive(Serialize)]
 pub struct Row {
+    /// The architecture's name (`tp train --arch`'s: `llama`, `mixtral`, ...).
+    pub arch: &'static str,
     pub tp: usize,
     pub pp: usize,
     pub dp: usize,
+    /// Expert-parallel size (1: every expert sliced over tp, or no experts).
+    pub ep: usize,
     pub recompute: Recompute,
     pub ranks: usize,
     pub micro_batches: usize,
@@ -157,10 +169,47 @@ impl Bench {
     pub fn new(cfg: BenchConfig) -> Result<Bench, TrainError> {
         let threads = cfg.threads.max(1);
         let init = cfg.init.as_deref().map(Pretrained::open).transpose()?;
-        let model = match &init {
-            Some(p) => p.config.clone(),
-            None => ModelConfig::from_arg(&cfg.model)?,
+        let arch = cfg
+            .arch
+            .as_deref()
+            .map(crate::config::trainable_arch)
+            .transpose()?;
+        let model = match (&init, arch) {
+            (Some(p), Some(a)) if a.name() != TrainArch::of(&p.config).name() => {
+                return Err(TrainError::Config(format!(
+                    "the architecture {} was asked for, but {} is a {} model",
+                    a.name(),
+                    p.path.display(),
+                    TrainArch::of(&p.config).name()
+                )))
+            }
+            (Some(p), _) => p.config.clone(),
+            (None, arch) => crate::setup::requested_model(&cfg.model, arch)?,
         };
+        let eps = if cfg.ep.is_empty() {
+            vec![1]
+        } else {
+            cfg.ep.clone()
+        };
+        // Each expert-parallel size at the layouts it is valid for; one valid for none is
+        // an error (the first layout's).
+        let mut layouts = Vec::new();
+        for &ep in &eps {
+            let valid: Vec<_> = cfg
+                .layouts
+                .iter()
+                .filter(|&&d| EpRank::new(&model, ep, d, 0).is_ok())
+                .map(|&d| (d, ep))
+                .collect();
+            if valid.is_empty() {
+                if let Some(&d) = cfg.layouts.first() {
+                    EpRank::new(&model, ep, d, 0)?;
+                }
+            }
+            layouts.extend(valid);
+        }
+        // Layouts in the order given, each with its ep sizes in the order given.
+        layouts.sort_by_key(|&(d, _)| cfg.layouts.iter().position(|&l| l == d));
         let modes = if cfg.recompute.is_empty() {
             vec![Recompute::None]
         } else {
@@ -171,19 +220,18 @@ impl Bench {
         } else {
             cfg.virtual_stages.clone()
         };
-        let specs = cfg
-            .layouts
+        let specs = layouts
             .iter()
-            .flat_map(|&d| modes.iter().map(move |&r| (d, r)))
-            .flat_map(|(d, r)| {
+            .flat_map(|&(d, ep)| modes.iter().map(move |&r| (d, ep, r)))
+            .flat_map(|(d, ep, r)| {
                 let mut vs: Vec<usize> = chunk_counts
                     .iter()
                     .map(|&v| if d.pp > 1 { v } else { 1 })
                     .collect();
                 vs.dedup();
-                vs.into_iter().map(move |v| (d, r, v))
+                vs.into_iter().map(move |v| (d, ep, r, v))
             })
-            .map(|(d, recompute, virtual_stages)| {
+            .map(|(d, ep, recompute, virtual_stages)| {
                 let micro = cfg.micro_batches.unwrap_or_else(|| {
                     default_micro_batches(cfg.batch / d.dp.max(1), d.pp, virtual_stages)
                 });
@@ -200,7 +248,7 @@ impl Bench {
                     bucket_elems: 4 << 20,
                     distributed_optimizer: cfg.distributed_optimizer,
                     moe_aux_coef: crate::trainer::DEFAULT_MOE_AUX_COEF,
-                    ep: 1,
+                    ep,
                     moe_capacity: None,
                     moe_bias_rate: None,
                     sequence_parallel: cfg.sequence_parallel,
@@ -231,7 +279,7 @@ impl Bench {
         let (a, m, threads) = (&self.cfg, &self.model, self.threads);
         format!(
             "# tp bench train: model {}, {:.1}M parameters (hidden {}, {} layers, {} heads / {} \
-             KV, FFN {}); batch {} x {} tokens; {threads} compute thread(s) per rank; {} round(s) \
+             KV, FFN {}{}); batch {} x {} tokens; {threads} compute thread(s) per rank; {} round(s) \
              of {} timed step(s) per layout\n\
              # matmul peak (candle gemm, [1024,1024]x[1024,1024] f32, best of 10, {threads} \
              thread(s)): {:.1} GFLOP/s; MFU = 6 x params x tokens/s / (ranks x peak)\n\
@@ -261,6 +309,20 @@ impl Bench {
             m.heads,
             m.kv_heads,
             m.ffn,
+            match m.experts {
+                Some(e) => format!(
+                    "; {}: {} experts, top-{}; ep: the expert-parallel size, a divisor of tp \
+                     (expert groups inside tp) or tp x a divisor of dp (whole experts over \
+                     replicas, tokens dispatched by all-to-all)",
+                    TrainArch::of(m).name(),
+                    e.count,
+                    e.per_token
+                ),
+                None if TrainArch::of(m).name() != "llama" => {
+                    format!("; {}", TrainArch::of(m).name())
+                }
+                None => String::new(),
+            },
             a.batch,
             a.seq,
             a.rounds.max(1),
@@ -374,9 +436,11 @@ impl Bench {
             recompute: r,
         };
         Ok(Row {
+            arch: TrainArch::of(&self.model).name(),
             tp: d.tp,
             pp: d.pp,
             dp: d.dp,
+            ep: spec.ep,
             recompute: r,
             ranks: d.world_size(),
             micro_batches: spec.micro_batches,
@@ -409,9 +473,19 @@ const MIB: f64 = (1u64 << 20) as f64;
 
 /// The table of `rows`: a `#` header line, then a line per layout.
 pub fn table(rows: &[Row]) -> String {
+    // The arch and ep columns where a row is not the dense default (a Llama at ep 1).
+    let named = rows.iter().any(|r| r.arch != "llama" || r.ep > 1);
+    let arch_ep = |arch: &str, ep: &dyn std::fmt::Display| {
+        if named {
+            format!("{arch:>8} {ep:>2} ")
+        } else {
+            String::new()
+        }
+    };
     let mut s = format!(
-        "# {:>3} {:>3} {:>3} {:>9} {:>5} {:>5} {:>2} {:>6} {:>8} {:>11} {:>9} {:>7} {:>10} {:>8} {:>9} \
+        "# {}{:>3} {:>3} {:>3} {:>9} {:>5} {:>5} {:>2} {:>6} {:>8} {:>11} {:>9} {:>7} {:>10} {:>8} {:>9} \
          {:>10} {:>10} {:>10}\n",
+        arch_ep("arch", &"ep"),
         "tp",
         "pp",
         "dp",
@@ -433,8 +507,9 @@ pub fn table(rows: &[Row]) -> String {
     );
     for row in rows {
         s.push_str(&format!(
-            "  {:>3} {:>3} {:>3} {:>9} {:>5} {:>5} {:>2} {:>5.1}% {:>7.1}% {:>11.3} {:>9.0} {:>6.1}% {:>10.1} {:>7.1}% {:>8.2}{} \
+            "  {}{:>3} {:>3} {:>3} {:>9} {:>5} {:>5} {:>2} {:>5.1}% {:>7.1}% {:>11.3} {:>9.0} {:>6.1}% {:>10.1} {:>7.1}% {:>8.2}{} \
              {:>10} {:>10.2} {:>10}\n",
+            arch_ep(row.arch, &row.ep),
             row.tp,
             row.pp,
             row.dp,

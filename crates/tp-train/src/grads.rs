@@ -298,18 +298,29 @@ pub fn all_reduce_parts(
     if group.size() == 1 {
         return Ok(0);
     }
-    let mut buf: Vec<f32> = which
+    let mut buf = pack(flat, layout, which);
+    let calls = all_reduce_buckets(&mut buf, group, bucket_elems)?;
+    unpack(&buf, flat, layout, which);
+    Ok(calls)
+}
+
+/// The elements of the parameters `which` lists, in that order, out of `flat` (one buffer of
+/// a part of the flat layout: [`all_reduce_parts`], the distributed optimizer's parts).
+pub fn pack(flat: &[f32], layout: &FlatLayout, which: &[usize]) -> Vec<f32> {
+    which
         .iter()
         .flat_map(|&i| flat[layout.range(i)].iter().copied())
-        .collect();
-    let calls = all_reduce_buckets(&mut buf, group, bucket_elems)?;
+        .collect()
+}
+
+/// The inverse of [`pack`]: `buf`'s elements back into the ranges of `which` in `flat`.
+pub fn unpack(buf: &[f32], flat: &mut [f32], layout: &FlatLayout, which: &[usize]) {
     let mut at = 0;
     for &i in which {
         let r = layout.range(i);
         flat[r.clone()].copy_from_slice(&buf[at..at + r.len()]);
         at += r.len();
     }
-    Ok(calls)
 }
 
 /// Which elements of each shard this rank counts in the global norm: for parameter i, a

@@ -122,6 +122,24 @@ pub fn default_micro_batches(batch_per_replica: usize, pp: usize, virtual_stages
     grouped.or_else(|| divisors.clone().next()).unwrap_or(1)
 }
 
+/// The model `c` names (a preset or a config.json) as the architecture `arch` asks for: a
+/// preset takes the architecture (and its experts); a config.json must already be one.
+pub fn requested_model(c: &str, arch: Option<TrainArch>) -> Result<ModelConfig> {
+    let m = ModelConfig::from_arg(c)?;
+    match arch {
+        Some(arch) if ModelConfig::preset(c).is_some() => {
+            Ok(m.with_arch(arch.arch)?.with_experts(arch.experts))
+        }
+        Some(arch) if arch.name() != TrainArch::of(&m).name() => Err(TrainError::Config(format!(
+            "--arch {} but {c} is a {} model; leave --arch out or use a {} config.json",
+            arch.name(),
+            TrainArch::of(&m).name(),
+            arch.name()
+        ))),
+        _ => Ok(m),
+    }
+}
+
 /// Reads and checks everything before any rank starts.
 pub fn prepare(a: &RunRequest) -> Result<Prepared> {
     let resume = match &a.resume {
@@ -163,24 +181,7 @@ pub fn prepare(a: &RunRequest) -> Result<Prepared> {
             )));
         }
     }
-    // A preset or config.json, as the architecture asked for.
-    let requested = |c: &str| -> Result<ModelConfig> {
-        let m = ModelConfig::from_arg(c)?;
-        match arch {
-            Some(arch) if ModelConfig::preset(c).is_some() => {
-                Ok(m.with_arch(arch.arch)?.with_experts(arch.experts))
-            }
-            Some(arch) if arch.name() != TrainArch::of(&m).name() => {
-                Err(TrainError::Config(format!(
-                    "--arch {} but {c} is a {} model; leave --arch out or use a {} config.json",
-                    arch.name(),
-                    TrainArch::of(&m).name(),
-                    arch.name()
-                )))
-            }
-            _ => Ok(m),
-        }
-    };
+    let requested = |c: &str| requested_model(c, arch);
     let model = match (&a.config, &resume, &init) {
         (_, _, Some(p)) => p.config.clone(),
         (Some(c), Some(ck), None) => {

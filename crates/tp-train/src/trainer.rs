@@ -14,7 +14,7 @@ use crate::model::StageModel;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::pipeline::{forward_only, run_micro_batches, MicroBatch};
 use crate::pretrained::Pretrained;
-use crate::zero::{DistributedOptimizer, OptimizerMemory};
+use crate::zero::{DistributedOptimizer, OptimizerMemory, ReplicaGroups, Replicas};
 use candle_core::{Device, Tensor};
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
@@ -48,7 +48,8 @@ pub struct TrainSpec {
     /// Megatron's distributed optimizer (ZeRO-1): AdamW's moments and the master weights
     /// sharded over the data-parallel replicas, gradients reduce-scattered and the updated
     /// weights all-gathered (`crate::zero`); the same training, with dp times less optimizer
-    /// state per rank. No effect at dp 1.
+    /// state per rank. No effect at dp 1. With experts over replicas, a rank's experts are
+    /// sharded over their expert-data-parallel group instead (the replicas holding them).
     pub distributed_optimizer: bool,
     /// Expert-parallel size (`--ep`, docs/moe.md "Expert parallelism in training"): dividing
     /// tp, expert groups inside the tp group (1: expert-TP); tp times a divisor of dp, whole
@@ -128,15 +129,7 @@ impl TrainSpec {
         if self.bucket_elems == 0 {
             return bad("the all-reduce bucket must hold at least one element".into());
         }
-        let ep = layout::EpRank::new(&self.model, self.ep, self.dims, 0)?;
-        if ep.layout.across().is_some() && self.distributed_optimizer && self.dims.dp > 1 {
-            return bad(format!(
-                "the distributed optimizer with experts over data-parallel replicas (ep {} at \
-                 tp {}) is not built yet; use an expert-parallel size dividing tp, or the \
-                 plain optimizer",
-                self.ep, self.dims.tp
-            ));
-        }
+        layout::EpRank::new(&self.model, self.ep, self.dims, 0)?;
         Ok(())
     }
 }
@@ -197,6 +190,15 @@ struct EpGroups {
     rank: layout::EpRank,
     ep: tp_comm::Group,
     edp: tp_comm::Group,
+}
+
+/// The groups the distributed optimizer's parts are sharded over: dp, and with experts
+/// across replicas the expert-data-parallel group.
+fn replica_groups<'g>(groups: &'g ProcessGroups, ep: &'g Option<EpGroups>) -> ReplicaGroups<'g> {
+    ReplicaGroups {
+        dp: &groups.dp,
+        edp: ep.as_ref().map(|e| &e.edp),
+    }
 }
 
 impl EpGroups {
@@ -359,6 +361,7 @@ impl<'a> Trainer<'a> {
             .collect::<Result<Vec<_>>>()?;
         let specs: Vec<ParamSpec> = chunks.iter().flat_map(|m| m.specs().to_vec()).collect();
         let layout = FlatLayout::new(&specs);
+        let dp_size = spec.dims.dp;
         let mut params = Vec::with_capacity(layout.total());
         for (_, var) in chunks.iter().flat_map(|m| m.params()) {
             params.extend(var.flatten_all()?.to_vec1::<f32>()?);
@@ -373,36 +376,53 @@ impl<'a> Trainer<'a> {
                 Ok(specs)
             })
             .collect::<Result<_>>()?;
-        let zero = if spec.distributed_optimizer && spec.dims.dp > 1 {
-            Some(DistributedOptimizer::new(&params, spec.dims.dp, c.dp_rank)?)
+        let mut zero = if spec.distributed_optimizer && spec.dims.dp > 1 {
+            // Dense parameters sharded over dp; with experts across replicas, the rank's
+            // experts over their expert-data-parallel group (the only replicas holding them).
+            let parts = match &ep {
+                None => vec![((0..specs.len()).collect(), Replicas::Dp, dp_size, c.dp_rank)],
+                Some(e) => {
+                    let (dense, experts) = grads::split_by(&specs, |s| s.weight.expert().is_some());
+                    vec![
+                        (dense, Replicas::Dp, dp_size, c.dp_rank),
+                        (experts, Replicas::Edp, e.edp.size(), e.edp.rank()),
+                    ]
+                }
+            };
+            Some(DistributedOptimizer::new(&params, &layout, &specs, parts)?)
         } else {
             None
         };
-        // The moments of the elements this rank updates.
-        let held = zero.as_ref().map_or(0..layout.total(), |z| z.slices.mine());
+        // The moments of the elements this rank updates (with `zero`, its parts' own).
+        let mut adam = AdamW::new(if zero.is_some() { 0 } else { layout.total() });
         if zero.is_some() {
-            // The slice holds this rank's master weights; the model's tensors hold the rest.
+            // The slices hold this rank's master weights; the model's tensors hold the rest.
             params = Vec::new();
         }
-        let mut adam = AdamW::new(held.len());
         let (mut step, mut data_position, mut history) = (0, 0, Vec::new());
         if let Some(ck) = resume {
             // Checkpoints hold whole moments (a save gathers the slices): any layout resumes.
             let (m, v) = ck.optimizer_shards(&specs)?;
-            let slice = |x: &[f32]| {
-                x.get(held.clone()).map(<[f32]>::to_vec).ok_or_else(|| {
-                    TrainError::checkpoint(
-                        &ck.dir,
-                        format!(
-                            "its optimizer state holds {} elements for this rank, which needs {}",
-                            x.len(),
-                            layout.total()
-                        ),
-                    )
-                })
+            let short = |x: &[f32]| {
+                TrainError::checkpoint(
+                    &ck.dir,
+                    format!(
+                        "its optimizer state holds {} elements for this rank, which needs {}",
+                        x.len(),
+                        layout.total()
+                    ),
+                )
             };
-            adam.exp_avg = slice(&m)?;
-            adam.exp_avg_sq = slice(&v)?;
+            if m.len() != layout.total() || v.len() != layout.total() {
+                return Err(short(if m.len() != layout.total() { &m } else { &v }));
+            }
+            match &mut zero {
+                Some(z) => z.set_moments(&m, &v, &layout, ck.state.step),
+                None => {
+                    adam.exp_avg = m;
+                    adam.exp_avg_sq = v;
+                }
+            }
             adam.step = ck.state.step;
             step = ck.state.step;
             data_position = ck.state.data_position;
@@ -511,10 +531,22 @@ impl<'a> Trainer<'a> {
 
     /// The optimizer arrays this rank holds (moments and master weights), by their lengths.
     pub fn optimizer_memory(&self) -> OptimizerMemory {
+        let experts = match &self.ep {
+            Some(_) => {
+                let (_, experts) = grads::split_by(&self.specs, |s| s.weight.expert().is_some());
+                experts.iter().map(|&i| self.layout.range(i).len()).sum()
+            }
+            None => 0,
+        };
         OptimizerMemory {
             local_params: self.layout.total(),
-            held: self.adam.exp_avg.len(),
+            expert_params: experts,
+            held: self
+                .zero
+                .as_ref()
+                .map_or(self.adam.exp_avg.len(), DistributedOptimizer::held),
             dp: self.spec.dims.dp,
+            edp: self.ep.as_ref().map_or(self.spec.dims.dp, |e| e.edp.size()),
             distributed: self.zero.is_some(),
         }
     }
@@ -624,10 +656,13 @@ impl<'a> Trainer<'a> {
                 }
             },
             Some(z) => {
-                // Each replica holds the sums of its slice only: its squares are summed over
+                // Each replica holds the sums of its slices only: its squares are summed over
                 // dp too, so the norm counts every element once, as with the all-reduce.
-                z.slices
-                    .reduce_scatter(&mut self.grads, &self.groups.dp, s.bucket_elems)?;
+                // (With experts across replicas: the expert slices cut each expert over its
+                // edp group and the ep block's ranks hold other experts, so over dp =
+                // ep block x edp each expert is counted once, as the plain path's ep sum.)
+                let groups = replica_groups(&self.groups, &self.ep);
+                z.reduce_scatter(&mut self.grads, &self.layout, groups, s.bucket_elems)?;
                 let mut v = [self.norm.sum_sq(&self.grads, &self.layout, &self.specs)];
                 self.groups.dp.all_reduce(&mut v, ReduceOp::Sum)?;
                 v[0]
@@ -715,17 +750,9 @@ impl<'a> Trainer<'a> {
                 }
             }
             Some(z) => {
-                let (layout, specs) = (&self.layout, &self.specs);
-                z.update(
-                    &mut self.adam,
-                    &self.grads,
-                    layout,
-                    specs,
-                    &s.optim,
-                    lr,
-                    coef,
-                );
-                z.all_gather_params(layout, &self.groups.dp, s.bucket_elems, &mut set)?;
+                z.update(&self.grads, &self.layout, &s.optim, lr, coef);
+                let groups = replica_groups(&self.groups, &self.ep);
+                z.all_gather_params(groups, s.bucket_elems, &mut set)?;
             }
         }
         self.step += 1;
@@ -836,11 +863,11 @@ impl<'a> Trainer<'a> {
                 Cow::Borrowed(&self.adam.exp_avg[..]),
                 Cow::Borrowed(&self.adam.exp_avg_sq[..]),
             ),
-            Some(z) => (
-                z.gather(&z.master, &self.groups.dp)?.into(),
-                z.gather(&self.adam.exp_avg, &self.groups.dp)?.into(),
-                z.gather(&self.adam.exp_avg_sq, &self.groups.dp)?.into(),
-            ),
+            Some(z) => {
+                let groups = replica_groups(&self.groups, &self.ep);
+                let [p, m, v] = z.gather(&self.layout, groups)?;
+                (p.into(), m.into(), v.into())
+            }
         };
         // Across replicas, the experts of each tp index are first gathered over the ep group
         // (the block view), so the save's tp gather finds every expert.

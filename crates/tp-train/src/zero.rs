@@ -4,11 +4,16 @@
 //! by bucket like the all-reduce), each rank keeps AdamW's moments and the f32 master weights
 //! of its slice and updates only that, and the updated slices are all-gathered into every
 //! replica's model, bucket by bucket. The sums are the all-reduce's, so training is the same.
+//! With experts over data-parallel replicas the buffer has two parts with different
+//! replicas ([`Replicas`]): the dense parameters, sharded over dp, and the rank's experts,
+//! sharded over their expert-data-parallel group (Megatron-Core's separate expert
+//! distributed optimizer); each part is packed, reduce-scattered and gathered over its group.
 
 use crate::error::{Result, TrainError};
-use crate::grads::FlatLayout;
+use crate::grads::{self, FlatLayout};
 use crate::layout::ParamSpec;
 use crate::optim::{AdamW, AdamWConfig};
+use std::borrow::Cow;
 use std::ops::Range;
 use tp_comm::{CommExt, Group, ReduceOp};
 
@@ -110,89 +115,236 @@ impl DpSlices {
     }
 }
 
-/// This rank's part of the distributed optimizer: its slice, and the master weights of it.
-/// (AdamW's moments of the slice are the trainer's [`AdamW`], sized to the slice.) The
-/// replicas' weights are the model's tensors, set from the gathered slices each step; no
-/// rank keeps a whole flat copy.
+/// The replicas a part of the flat buffer is sharded over: all of dp for the dense
+/// parameters (every replica holds them), the expert-data-parallel group for the experts of
+/// a rank when experts are spread over the replicas of an ep block (only the ranks at the
+/// same place in the other blocks hold them; Megatron-Core's expert distributed optimizer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Replicas {
+    Dp,
+    Edp,
+}
+
+/// The groups a rank's parts are sharded over ([`Replicas`]).
+#[derive(Clone, Copy)]
+pub struct ReplicaGroups<'g> {
+    pub dp: &'g Group,
+    /// The expert-data-parallel group (experts across replicas only).
+    pub edp: Option<&'g Group>,
+}
+
+impl<'g> ReplicaGroups<'g> {
+    fn of(&self, r: Replicas) -> Result<&'g Group> {
+        match r {
+            Replicas::Dp => Ok(self.dp),
+            Replicas::Edp => self.edp.ok_or_else(|| {
+                TrainError::Config("internal: an expert part without an edp group".into())
+            }),
+        }
+    }
+}
+
+/// One part of a rank's flat buffer (some of its parameters, packed in order) sharded over
+/// one replica group: the part's slice, its master weights and AdamW's moments of it.
 #[derive(Clone, Debug)]
-pub struct DistributedOptimizer {
+pub struct ShardedPart {
+    /// Indices of the part's parameters in the rank's flat layout, ascending.
+    pub which: Vec<usize>,
+    /// The part's own specs and layout (its parameters packed in `which`'s order).
+    pub specs: Vec<ParamSpec>,
+    pub layout: FlatLayout,
+    pub replicas: Replicas,
+    /// The part's buffer cut over the group's ranks.
     pub slices: DpSlices,
     /// f32 master weights of this rank's slice: the only copy that AdamW updates.
     pub master: Vec<f32>,
+    /// AdamW's moments of the slice.
+    pub adam: AdamW,
+    /// The part is the whole flat buffer (no packing needed).
+    whole: bool,
+}
+
+impl ShardedPart {
+    /// This rank's slice of the part out of a whole flat buffer of the rank's layout
+    /// (`flat[which]` packed, then `[slices.mine()]`), copying only the slice's elements.
+    fn pack_mine<'b>(&self, flat: &'b [f32], layout: &FlatLayout) -> Cow<'b, [f32]> {
+        let mine = self.slices.mine();
+        if self.whole {
+            return Cow::Borrowed(&flat[mine]);
+        }
+        let mut out = Vec::with_capacity(mine.len());
+        let mut at = 0; // offset of parameter i in the packed part
+        for &i in &self.which {
+            let r = layout.range(i);
+            let (lo, hi) = (mine.start.max(at), mine.end.min(at + r.len()));
+            if lo < hi {
+                out.extend_from_slice(&flat[r.start + lo - at..r.start + hi - at]);
+            }
+            at += r.len();
+        }
+        Cow::Owned(out)
+    }
+}
+
+/// This rank's part of the distributed optimizer: one [`ShardedPart`] over dp, or with
+/// experts across replicas two (dense over dp, the rank's experts over edp). The replicas'
+/// weights are the model's tensors, set from the gathered slices each step; no rank keeps a
+/// whole flat copy.
+#[derive(Clone, Debug)]
+pub struct DistributedOptimizer {
+    pub parts: Vec<ShardedPart>,
 }
 
 impl DistributedOptimizer {
-    /// The slice of `params` (the whole flat buffer) that dp rank `rank` of `dp` owns.
-    pub fn new(params: &[f32], dp: usize, rank: usize) -> Result<DistributedOptimizer> {
-        let slices = DpSlices::new(params.len(), dp, rank)?;
-        let master = params[slices.mine()].to_vec();
-        Ok(DistributedOptimizer { slices, master })
-    }
-
-    /// One AdamW update of this rank's slice of the master weights from `grads` (the whole
-    /// buffer, reduce-scattered: only the slice is read).
-    #[allow(clippy::too_many_arguments)] // the buffers, their layout, the step's scalars
-    pub fn update(
-        &mut self,
-        adam: &mut AdamW,
-        grads: &[f32],
+    /// The slices of `params` (the whole flat buffer of `layout`) this rank owns: `parts`
+    /// lists each part's parameter indices, replicas, group size and rank in that group.
+    pub fn new(
+        params: &[f32],
         layout: &FlatLayout,
         specs: &[ParamSpec],
+        parts: Vec<(Vec<usize>, Replicas, usize, usize)>,
+    ) -> Result<DistributedOptimizer> {
+        let parts = parts
+            .into_iter()
+            .map(|(which, replicas, size, rank)| {
+                let whole =
+                    which.len() == layout.len() && which.iter().enumerate().all(|(k, &i)| k == i);
+                let specs: Vec<ParamSpec> = which.iter().map(|&i| specs[i].clone()).collect();
+                let part_layout = FlatLayout::new(&specs);
+                let slices = DpSlices::new(part_layout.total(), size, rank)?;
+                let adam = AdamW::new(slices.mine().len());
+                let mut part = ShardedPart {
+                    which,
+                    specs,
+                    layout: part_layout,
+                    replicas,
+                    slices,
+                    master: Vec::new(),
+                    adam,
+                    whole,
+                };
+                part.master = part.pack_mine(params, layout).into_owned();
+                Ok(part)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(DistributedOptimizer { parts })
+    }
+
+    /// Elements of the optimizer arrays this rank holds (each part's slice).
+    pub fn held(&self) -> usize {
+        self.parts.iter().map(|p| p.master.len()).sum()
+    }
+
+    /// Collective over each part's group: sums `flat` (whole gradients of `layout`) over the
+    /// replicas, part by part, in buckets of `bucket_elems` ([`DpSlices::reduce_scatter`]).
+    /// Afterwards each part's slice holds the sum and every other element is 0, so a sum of
+    /// squares over `flat` counts this rank's slices only. Returns the number of calls.
+    pub fn reduce_scatter(
+        &self,
+        flat: &mut [f32],
+        layout: &FlatLayout,
+        groups: ReplicaGroups<'_>,
+        bucket_elems: usize,
+    ) -> Result<usize> {
+        let mut calls = 0;
+        for p in &self.parts {
+            let g = groups.of(p.replicas)?;
+            if p.whole {
+                calls += p.slices.reduce_scatter(flat, g, bucket_elems)?;
+            } else {
+                let mut buf = grads::pack(flat, layout, &p.which);
+                calls += p.slices.reduce_scatter(&mut buf, g, bucket_elems)?;
+                grads::unpack(&buf, flat, layout, &p.which);
+            }
+        }
+        Ok(calls)
+    }
+
+    /// One AdamW update of each part's slice of the master weights from `grads` (the whole
+    /// buffer of `layout`, reduce-scattered: only the slices are read).
+    pub fn update(
+        &mut self,
+        grads: &[f32],
+        layout: &FlatLayout,
         cfg: &AdamWConfig,
         lr: f64,
         grad_scale: f64,
     ) {
-        let mine = self.slices.mine();
-        let g = &grads[mine.clone()];
-        adam.update_window(
-            &mut self.master,
-            g,
-            mine,
-            layout,
-            specs,
-            cfg,
-            lr,
-            grad_scale,
-        );
+        for p in &mut self.parts {
+            let mine = p.slices.mine();
+            let g = p.pack_mine(grads, layout);
+            p.adam.update_window(
+                &mut p.master,
+                &g,
+                mine,
+                &p.layout,
+                &p.specs,
+                cfg,
+                lr,
+                grad_scale,
+            );
+        }
     }
 
-    /// Collective over `dp`: the updated weights of every parameter, all-gathered from the
-    /// replicas' slices in buckets of whole parameters of about `bucket_elems` elements (no
-    /// whole flat weight buffer is ever held); `set(i, w)` receives parameter i's shard.
+    /// Collective over each part's group: the updated weights of every parameter,
+    /// all-gathered from the replicas' slices in buckets of whole parameters of about
+    /// `bucket_elems` elements (no whole flat weight buffer is ever held); `set(i, w)`
+    /// receives parameter i's shard (i in the rank's flat layout).
     pub fn all_gather_params(
         &self,
-        layout: &FlatLayout,
-        dp: &Group,
+        groups: ReplicaGroups<'_>,
         bucket_elems: usize,
         set: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
     ) -> Result<()> {
-        let mut first = 0;
-        while first < layout.len() {
-            // Parameters first..end, at least one, up to about a bucket.
-            let start = layout.range(first).start;
-            let mut end = first + 1;
-            while end < layout.len() && layout.range(end).end - start <= bucket_elems.max(1) {
-                end += 1;
+        for p in &self.parts {
+            let (layout, g) = (&p.layout, groups.of(p.replicas)?);
+            let mut first = 0;
+            while first < layout.len() {
+                // Parameters first..end, at least one, up to about a bucket.
+                let start = layout.range(first).start;
+                let mut end = first + 1;
+                while end < layout.len() && layout.range(end).end - start <= bucket_elems.max(1) {
+                    end += 1;
+                }
+                let stop = layout.range(end - 1).end;
+                let (counts, local) = p.slices.within(start..stop);
+                let mut bucket = vec![0f32; stop - start];
+                g.all_gather_v(&p.master[local], &mut bucket, &counts)?;
+                for i in first..end {
+                    let r = layout.range(i);
+                    set(p.which[i], &bucket[r.start - start..r.end - start])?;
+                }
+                first = end;
             }
-            let stop = layout.range(end - 1).end;
-            let (counts, local) = self.slices.within(start..stop);
-            let mut bucket = vec![0f32; stop - start];
-            dp.all_gather_v(&self.master[local], &mut bucket, &counts)?;
-            for i in first..end {
-                let r = layout.range(i);
-                set(i, &bucket[r.start - start..r.end - start])?;
-            }
-            first = end;
         }
         Ok(())
     }
 
-    /// Collective over `dp`: the whole buffer of a per-slice array (master weights or a
-    /// moment) for a save.
-    pub fn gather(&self, slice: &[f32], dp: &Group) -> Result<Vec<f32>> {
-        let mut all = vec![0f32; self.slices.counts().iter().sum()];
-        self.slices.all_gather(slice, &mut all, dp)?;
-        Ok(all)
+    /// Collective over each part's group: the whole buffers of `layout` (`total` elements)
+    /// of the master weights and both moments, for a save.
+    pub fn gather(&self, layout: &FlatLayout, groups: ReplicaGroups<'_>) -> Result<[Vec<f32>; 3]> {
+        let mut out: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0f32; layout.total()]);
+        for p in &self.parts {
+            let g = groups.of(p.replicas)?;
+            let arrays = [&p.master, &p.adam.exp_avg, &p.adam.exp_avg_sq];
+            for (o, slice) in out.iter_mut().zip(arrays) {
+                let mut all = vec![0f32; p.layout.total()];
+                p.slices.all_gather(slice, &mut all, g)?;
+                grads::unpack(&all, o, layout, &p.which);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Each part's slice of whole moments `m` and `v` of `layout` (a checkpoint's, each of
+    /// `layout.total()` elements: the caller checks), and `step` updates done: the state to
+    /// resume from.
+    pub fn set_moments(&mut self, m: &[f32], v: &[f32], layout: &FlatLayout, step: u64) {
+        for p in &mut self.parts {
+            p.adam.exp_avg = p.pack_mine(m, layout).into_owned();
+            p.adam.exp_avg_sq = p.pack_mine(v, layout).into_owned();
+            p.adam.step = step;
+        }
     }
 }
 
@@ -202,10 +354,15 @@ impl DistributedOptimizer {
 pub struct OptimizerMemory {
     /// Elements of this rank's flat shard buffer (its share of the model under tp x pp).
     pub local_params: usize,
+    /// Of them, the elements of the experts only an expert-data-parallel group holds (experts
+    /// across replicas; 0 otherwise).
+    pub expert_params: usize,
     /// Elements of each of the three arrays this rank holds (all of `local_params`, or its
-    /// slice under the distributed optimizer).
+    /// slices under the distributed optimizer).
     pub held: usize,
     pub dp: usize,
+    /// The expert-data-parallel group's size (`dp` without experts across replicas).
+    pub edp: usize,
     pub distributed: bool,
 }
 
@@ -215,38 +372,58 @@ impl OptimizerMemory {
         12 * self.held
     }
 
-    /// The formula: 12 x P bytes, or 12 x P / dp with the distributed optimizer (P: this
-    /// rank's parameter elements).
+    /// The formula: 12 x P bytes, or with the distributed optimizer
+    /// [`OptimizerMemory::sharded_bytes`].
     pub fn formula_bytes(&self) -> f64 {
-        let p = 12.0 * self.local_params as f64;
         if self.distributed {
-            p / self.dp as f64
+            self.sharded_bytes()
         } else {
-            p
+            12.0 * self.local_params as f64
         }
+    }
+
+    /// The distributed optimizer's share: 12 x (P - Pe) / dp + 12 x Pe / edp bytes (P: this
+    /// rank's parameter elements, Pe: those of its experts held over edp only; without
+    /// experts across replicas Pe = 0, 12 x P / dp).
+    pub fn sharded_bytes(&self) -> f64 {
+        let (p, pe) = (self.local_params as f64, self.expert_params as f64);
+        12.0 * ((p - pe) / self.dp as f64 + pe / self.edp.max(1) as f64)
     }
 
     /// One line for a run's start.
     pub fn line(&self) -> String {
         let mib = |b: f64| b / (1u64 << 20) as f64;
+        let sharded = if self.expert_params > 0 {
+            "12 x ((P - Pe) / dp + Pe / edp)"
+        } else {
+            "12 x P / dp"
+        };
         format!(
             "optimizer state on rank 0: AdamW m, v and f32 master weights, 3 x {} elements x 4 \
-             bytes = {:.2} MiB ({}; 12 x P{} = {:.2} MiB for its P = {} parameter elements; \
+             bytes = {:.2} MiB ({}; {} = {:.2} MiB for its P = {} parameter elements{}; \
              {:.2} MiB {})",
             self.held,
             mib(self.bytes() as f64),
-            if self.distributed {
-                format!("sharded over dp={}", self.dp)
-            } else {
-                "not sharded".into()
+            match (self.distributed, self.expert_params > 0) {
+                (true, true) => format!(
+                    "sharded over dp={}, its experts over edp={}",
+                    self.dp, self.edp
+                ),
+                (true, false) => format!("sharded over dp={}", self.dp),
+                (false, _) => "not sharded".into(),
             },
-            if self.distributed { " / dp" } else { "" },
+            if self.distributed { sharded } else { "12 x P" },
             mib(self.formula_bytes()),
             self.local_params,
+            if self.expert_params > 0 {
+                format!(", Pe = {} of its experts", self.expert_params)
+            } else {
+                String::new()
+            },
             if self.distributed {
                 mib(12.0 * self.local_params as f64)
             } else {
-                mib(12.0 * self.local_params as f64 / self.dp as f64)
+                mib(self.sharded_bytes())
             },
             if self.distributed {
                 "without the distributed optimizer"
@@ -279,6 +456,33 @@ mod tests {
         assert_eq!(s.within(8..10), (vec![0, 0, 2], 0..0));
         let s = DpSlices::new(10, 3, 0).unwrap();
         assert_eq!(s.within(3..8), (vec![1, 3, 1], 3..4));
+    }
+
+    /// A part of some parameters (0, 2 and 3 of lengths 3, 2, 4, 1) packed and cut over 3
+    /// ranks: rank 1's slice is elements 3..6 of the packed [0 1 2 | 5 6 7 8 | 9], i.e. flat
+    /// elements 5, 6, 7; the weights and a checkpoint's moments are cut alike.
+    #[test]
+    fn a_part_holds_its_slice_of_its_packed_parameters() {
+        let spec = |n: usize| ParamSpec {
+            weight: tp_spec::WeightName::OutputNorm,
+            name: format!("p{n}"),
+            shape: vec![n],
+            placement: tp_nn::Placement::Replicated,
+            decay: false,
+            tp_partial_grad: false,
+            tied_copy: false,
+        };
+        let specs: Vec<ParamSpec> = [3, 2, 4, 1].into_iter().map(spec).collect();
+        let layout = FlatLayout::new(&specs);
+        let flat: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        let part = (vec![0, 2, 3], Replicas::Edp, 3, 1);
+        let mut z = DistributedOptimizer::new(&flat, &layout, &specs, vec![part]).unwrap();
+        assert_eq!(z.parts[0].master, [5.0, 6.0, 7.0]);
+        assert_eq!(z.held(), 3);
+        let m: Vec<f32> = flat.iter().map(|x| x + 100.0).collect();
+        z.set_moments(&m, &flat, &layout, 4);
+        assert_eq!(z.parts[0].adam.exp_avg, [105.0, 106.0, 107.0]);
+        assert_eq!(z.parts[0].adam.step, 4);
     }
 
     /// The bucketed reduce-scatter gives each rank the all-reduce's sums on its slice (buckets

@@ -131,3 +131,18 @@ fn mixtral_experts_over_replicas_match_tp1_under_mpirun_with_4_processes() {
         assert!(text.contains(l), "{l} missing: {text}");
     }
 }
+
+/// Issue 33: the same layouts with the distributed optimizer (dense state over dp, each rank's
+/// experts over their expert-data-parallel group: edp 2 at dp 4 x ep 2, 1 at the others).
+#[test]
+fn mixtral_experts_over_replicas_with_the_distributed_optimizer_match_tp1_under_mpirun() {
+    let text = mpi_check_with(4, &["--moe-ep", "--distributed-optimizer"]);
+    assert!(text.contains("12 passed, 0 failed"), "{text}");
+    for l in [
+        "tp=1 pp=1 dp=4 distributed optimizer ep=2",
+        "tp=2 pp=1 dp=2 distributed optimizer ep=4",
+        "tp=1 pp=2 dp=2 distributed optimizer ep=2",
+    ] {
+        assert!(text.contains(l), "{l} missing: {text}");
+    }
+}

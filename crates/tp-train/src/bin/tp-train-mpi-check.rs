@@ -15,7 +15,9 @@
 //! with whole experts over data-parallel replicas, tokens dispatched by MPI all-to-alls, at
 //! tp1 x dp4 x ep2, tp2 x dp2 x ep4 and pp2 x dp2 x ep2 (4 processes), against tp1 with the
 //! same micro-batch size, compared over the first 8 steps at tp 1 and 2 at tp 2
-//! (tests/parity.rs and docs/moe.md say why not 20: routing flips).
+//! (tests/parity.rs and docs/moe.md say why not 20: routing flips); with
+//! `--distributed-optimizer` too, the dense state sharded over dp and the experts' over
+//! their expert-data-parallel group.
 //! Every rank checks every step; rank 0 prints `N passed, N failed` (issue 34).
 
 use std::process::ExitCode;
@@ -233,7 +235,7 @@ fn main() -> ExitCode {
     };
     let reference = |f: Features| reference_at(f, 1);
     if moe {
-        return moe_ep(&world, &model, &reference_at);
+        return moe_ep(&world, &model, sharded, &reference_at);
     }
     let packed = Features {
         pack: true,
@@ -306,10 +308,12 @@ fn main() -> ExitCode {
 }
 
 /// `--moe-ep`: the Mixtral's layouts with experts over replicas (4 processes), each against
-/// tp1 with the same micro-batch size over the first 8 steps.
+/// tp1 with the same micro-batch size over the first 8 steps; `sharded`: with the
+/// distributed optimizer.
 fn moe_ep(
     world: &Group,
     model: &ModelConfig,
+    sharded: bool,
     reference_at: &dyn Fn(Features, usize) -> Option<Vec<f64>>,
 ) -> ExitCode {
     let rank = world.rank();
@@ -326,6 +330,7 @@ fn moe_ep(
     for (d, micro, ep) in layouts {
         let f = Features {
             ep,
+            distributed_optimizer: sharded,
             ..Features::PLAIN
         };
         let label = format!("tp={} pp={} dp={}{}", d.tp, d.pp, d.dp, f.label());

@@ -132,3 +132,29 @@ pub fn assert_grad_norms_close(what: &str, got: &[StepReport], want: &[StepRepor
         );
     }
 }
+
+/// A checkpoint's whole state as three flat buffers in the tp 1 order of its parameters:
+/// the weights and AdamW's two moments (to compare two runs' saved state element by element).
+pub fn saved_state(ck: &Checkpoint) -> [Vec<f32>; 3] {
+    use tp_train::init::WeightSource;
+    let specs = tp_train::layout::rank_params(&ck.config, 0, 1, 1, 0, 1).expect("tp 1 specs");
+    let mut weights = Vec::new();
+    for s in &specs {
+        let t = ck
+            .global(s.weight, &s.name, &s.shape)
+            .expect("saved weight");
+        weights.extend(t.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    }
+    let (m, v) = ck.optimizer_shards(&specs).expect("saved moments");
+    [weights, m, v]
+}
+
+/// The largest difference of two buffers relative to `b`'s largest magnitude.
+pub fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "lengths differ");
+    let scale = b.iter().fold(0f64, |m, &x| m.max(f64::from(x).abs()));
+    let diff = a.iter().zip(b).fold(0f64, |m, (&x, &y)| {
+        m.max((f64::from(x) - f64::from(y)).abs())
+    });
+    diff / scale.max(f64::MIN_POSITIVE)
+}
