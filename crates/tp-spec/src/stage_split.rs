@@ -439,10 +439,10 @@ mod tests {
         }
     }
 
-    /// Qwen2.5-0.5B as Q4_K_M stores it: the layers at ~0.6 bytes per weight, the tied head
-    /// at Q8_0 (1.06). By bytes the head weighs ~16 layers and the last stage gets 4 of 24;
-    /// by multiply-adds it weighs ~9 and the last stage gets 7 (what the model says: 17
-    /// layers vs 7 + 9.1 x 1.1).
+    /// Qwen2.5-0.5B's shapes with 4-to-5-bit layers (~0.6 bytes per weight) and a tied Q8_0
+    /// head (1.06): by bytes the head weighs ~16 layers and the last stage gets 4 of 24; by
+    /// multiply-adds it weighs ~9.2 and the last stage gets 7 (17 layers against
+    /// (7 + 9.2) x 1.1).
     #[test]
     fn the_default_balances_compute_where_bytes_would_not() {
         let c = qwen05(24);
