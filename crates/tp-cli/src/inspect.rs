@@ -12,7 +12,7 @@ use tp_engine::launch::Backend;
 use tp_engine::report::chain;
 use tp_engine::session::memory_plan;
 use tp_engine::start::weights_for;
-use tp_models::{open_checkpoint, LoadOptions, RankWeights};
+use tp_models::{open_checkpoint, LastStageWeight, LayerCounts, LoadOptions, RankWeights};
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct InspectArgs {
@@ -28,6 +28,13 @@ pub struct InspectArgs {
     /// Pipeline stages of --tp ranks each: each rank's row names its stage and layers.
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
+    /// Layers per pipeline stage, first stage first (e.g. 14,10), as the model commands'
+    /// --pp-layers [default: balanced by a compute model].
+    #[arg(long, value_name = "N0,N1,..", value_parser = crate::model_run::parse_pp_layers, conflicts_with = "pp_last_stage_weight")]
+    pub pp_layers: Option<LayerCounts>,
+    /// The default split's last-stage cost weight, as the model commands'.
+    #[arg(long, value_name = "W", value_parser = crate::model_run::parse_last_stage_weight, default_value_t = LastStageWeight::DEFAULT)]
+    pub pp_last_stage_weight: LastStageWeight,
     /// One weight per rank (e.g. 2,1): shards in proportion to them, as the model commands'
     /// --rank-weights.
     #[arg(long, value_name = "W0,W1,..", value_parser = crate::model_run::parse_rank_weights, allow_hyphen_values = true)]
@@ -65,9 +72,11 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         expert_groups: args.ep,
         expert_capacity: None,
         pipeline_stages: args.pp,
+        stage_split: crate::model_run::stage_split(args.pp_layers, args.pp_last_stage_weight),
     };
-    // The stages first: a pp the model cannot take names the valid range.
-    tp_models::checkpoint_stages(&*ckpt, opts).map_err(|e| anyhow::anyhow!("{e} (--pp)"))?;
+    // The stages first: a pp (or a layer split) the model cannot take names the valid range.
+    tp_models::checkpoint_stages(&*ckpt, opts)
+        .map_err(|e| anyhow::anyhow!("{e} ({})", crate::model_run::stage_flags(&e)))?;
     let tp = match (args.tp, &args.rank_weights) {
         (Some(tp), _) => tp,
         (None, Some(w)) => w.tp(),

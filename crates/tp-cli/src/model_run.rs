@@ -9,7 +9,10 @@ use tp_engine::launch::{Backend, RanksFailed};
 use tp_engine::report::{chain, parse_bytes, show_bytes};
 use tp_engine::session::SessionError;
 use tp_engine::start::{run_session, HeldPositions, SessionConfig, StartError};
-use tp_models::{fetch, CapacityFactor, DenseDType, KvDtype, LoadOptions, RankWeights, SyncMode};
+use tp_models::{
+    fetch, CapacityFactor, DenseDType, KvDtype, LastStageWeight, LayerCounts, LoadOptions,
+    RankWeights, StageSplit, SyncMode,
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DTypeArg {
@@ -83,6 +86,15 @@ pub struct ModelArgs {
     /// logits are the same bits as at tp 1. Under mpirun: mpirun -n pp*tp.
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
+    /// Layers per pipeline stage, first stage (the embedding's) first, e.g. 14,10: one count
+    /// per --pp stage, each at least 1, summing to the model's layers [default: balanced by a
+    /// compute model, docs/multi-host.md].
+    #[arg(long, value_name = "N0,N1,..", value_parser = parse_pp_layers, conflicts_with = "pp_last_stage_weight")]
+    pub pp_layers: Option<LayerCounts>,
+    /// The default split's cost of the last stage (the head's, where rank 0 also samples,
+    /// schedules and serves) relative to the others, 0.1 to 10: above 1 moves layers off it.
+    #[arg(long, value_name = "W", value_parser = parse_last_stage_weight, default_value_t = LastStageWeight::DEFAULT)]
+    pub pp_last_stage_weight: LastStageWeight,
     /// Uneven hosts: one weight per rank, e.g. 2,1 gives rank 0 two thirds of the heads, FFN
     /// blocks and vocabulary (contiguous shards; same logits as even shards). Default: even.
     #[arg(long, value_name = "W0,W1,..", value_parser = parse_rank_weights, allow_hyphen_values = true)]
@@ -140,6 +152,7 @@ impl ModelArgs {
             expert_groups: self.ep,
             expert_capacity: self.moe_capacity_factor,
             pipeline_stages: self.pp,
+            stage_split: stage_split(self.pp_layers, self.pp_last_stage_weight),
         }
     }
 
@@ -243,6 +256,32 @@ pub fn parse_capacity_factor(s: &str) -> Result<CapacityFactor, String> {
     s.parse::<CapacityFactor>().map_err(|e| e.to_string())
 }
 
+/// `--pp-layers`' value: whole numbers separated by commas (checked against the model later).
+pub fn parse_pp_layers(s: &str) -> Result<LayerCounts, String> {
+    s.parse::<LayerCounts>().map_err(|e| e.to_string())
+}
+
+/// `--pp-last-stage-weight`'s value.
+pub fn parse_last_stage_weight(s: &str) -> Result<LastStageWeight, String> {
+    s.parse::<LastStageWeight>().map_err(|e| e.to_string())
+}
+
+/// The stage split `--pp-layers` and `--pp-last-stage-weight` give.
+pub fn stage_split(layers: Option<LayerCounts>, weight: LastStageWeight) -> StageSplit {
+    match layers {
+        Some(counts) => StageSplit::Layers(counts),
+        None => StageSplit::Balanced(weight),
+    }
+}
+
+/// The flags a pipeline the model cannot take names: `--pp-layers` for its counts.
+pub fn stage_flags(e: &tp_models::ModelError) -> &'static str {
+    match e {
+        tp_models::ModelError::Shard(s) if s.is_stage_split() => "--pp, --pp-layers",
+        _ => "--pp",
+    }
+}
+
 /// `--rank-weights`' value: whole numbers separated by commas, each 1..=1000.
 pub fn parse_rank_weights(s: &str) -> Result<RankWeights, String> {
     s.parse::<RankWeights>().map_err(|e| e.to_string())
@@ -271,7 +310,9 @@ pub fn start_error(e: StartError, backend: Backend) -> anyhow::Error {
         StartError::EmptyContext => anyhow!("--ctx-size must be at least 1"),
         StartError::ExpertGroups { source } => anyhow!("{source} (--ep)"),
         StartError::Capacity { source } => anyhow!("{source} (--moe-capacity-factor)"),
-        StartError::Stages { source } => anyhow!("{} (--pp)", chain(&*source)),
+        StartError::Stages { source } => {
+            anyhow!("{} ({})", chain(&*source), stage_flags(&source))
+        }
         e @ StartError::PipelineNotWorld { .. } => anyhow!("{e} (--pp, --tp)"),
         StartError::Session(e) => session_error(*e),
         e @ StartError::Open { .. } => anyhow!("{} (--model)", chain(&e)),

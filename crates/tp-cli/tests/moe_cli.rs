@@ -152,7 +152,7 @@ fn smollm2_as_eight_experts_generates_dense_text_at_every_expert_layout() {
         "{row}"
     );
     assert_eq!(row["expert_rank_load"].as_f64(), Some(1.0), "{row}");
-    // `/metrics` of a server at tp 2 x ep 2 over 2 pipeline stages (15 layers each): every
+    // `/metrics` of a server at tp 2 x ep 2 over 2 pipeline stages: every
     // token a forward takes reaches all 8 experts in all 30 layers, counted once per layer
     // whichever stage and rank hold it. A request forwards its prompt and each generated
     // token but the last.

@@ -2,11 +2,11 @@
 //! and pp 2 x tp 2 are tp 1's (printed to 4 decimals; tp-models' `tests/pipeline.rs` checks
 //! the logits bit for bit) on SmolLM2 and on a synthetic model of 5 layers (stages of uneven
 //! length) with SmolLM2's tokenizer; perplexity is tp 1's to every printed digit; `tp inspect
-//! --pp 2 --tp 2` names each rank's stage and layers; bad values are refused before anything
-//! loads; under mpirun each process holds one stage and prints the local text; `tp serve
-//! --pp 2` under 6 concurrent requests gives each the text a tp 1 server gives it alone, with
-//! steps in flight on both stages at once (their compute seconds add up to more than the
-//! wall time).
+//! --pp 2 --tp 2` names each rank's stage and layers; an explicit `--pp-layers` split gives
+//! the stages it names and tp 1's text; bad values are refused before anything loads; under
+//! mpirun each process holds one stage and prints the local text; `tp serve --pp 2` under 6
+//! concurrent requests gives each the text a tp 1 server gives it alone, with steps in
+//! flight on both stages at once (their compute seconds add up to more than the wall time).
 
 mod common;
 use common::TP;
@@ -100,6 +100,47 @@ fn an_uneven_five_layer_model_gives_tp_1_text_at_every_layout() {
     assert_eq!(f.code, Some(0), "{}", f.output);
     assert!(f.stdout.contains("pp 3 x tp 1"), "{}", f.stdout);
     assert_layouts_give_tp_1(&m, "5 layers");
+}
+
+/// `--pp-layers`: the stages `tp inspect` shows are the ones named, and generation at
+/// uneven explicit splits (pp 2, pp 3, pp 2 x tp 2) is tp 1's text and log-probabilities.
+#[test]
+fn explicit_layer_splits_give_their_stages_and_tp_1_text() {
+    let Some(dense) = common::smollm2() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let m = five_layer_file(&dense, dir.path());
+    let m = m.to_string_lossy();
+    let f = tp(&["inspect", &m, "--pp", "3", "--pp-layers", "1,1,3"]);
+    assert_eq!(f.code, Some(0), "{}", f.output);
+    assert!(
+        f.stdout
+            .contains("stages     1,1,3 layers, first stage first (as given)"),
+        "{}",
+        f.stdout
+    );
+    // Rank 0 is the last stage: layers 2..5 with the head; rank 2 the first, layer 0.
+    let row = |r: &str| {
+        f.stdout
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(r))
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(row("0").contains("2..5 +head"), "{}", f.stdout);
+    assert!(row("1").contains(" 1..2 "), "{}", f.stdout);
+    assert!(row("2").contains("0..1 +emb"), "{}", f.stdout);
+    let want = greedy(&m, &[]);
+    for extra in [
+        &["--pp", "2", "--pp-layers", "4,1"][..],
+        &["--pp", "3", "--pp-layers", "1,1,3"],
+        &["--pp", "2", "--tp", "2", "--pp-layers", "1,4"],
+    ] {
+        let got = greedy(&m, extra);
+        assert_eq!(got.0, want.0, "{extra:?}: text differs from tp 1");
+        assert_eq!(got.1, want.1, "{extra:?}: logprobs differ from tp 1");
+    }
 }
 
 fn perplexity(model: &str, extra: &[&str]) -> String {
@@ -278,6 +319,81 @@ fn bad_pp_values_are_refused_before_loading() {
     assert!(f.stderr.contains("1 <= pp <= 30"), "{}", f.stderr);
 }
 
+/// `--pp-layers` that the model or the pipeline cannot take is refused before anything
+/// loads, naming a split that fits; malformed values are refused by the parser.
+#[test]
+fn bad_layer_splits_are_refused_before_loading() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let m = model.to_string_lossy();
+    for (cmd, words) in [
+        (
+            &["generate", "--model", &m, "--pp", "2", "--pp-layers", "14,10", "hi"][..],
+            "covers 24 layers but the model has 30; give 2 layer counts, each at least 1, summing to 30 (e.g. 15,15)",
+        ),
+        (
+            &["perplexity", "--model", &m, "--pp", "3", "--pp-layers", "15,15", HELDOUT],
+            "names 2 stage(s) for 3 pipeline stages; give 3 layer counts",
+        ),
+        (
+            &["inspect", &m, "--pp", "2", "--pp-layers", "30,0"],
+            "gives stage 1 no layers",
+        ),
+        (
+            &["serve", "--model", &m, "--pp-layers", "15,15", "--port", "0"],
+            "names 2 stage(s) for 1 pipeline stages",
+        ),
+    ] {
+        let f = tp(cmd);
+        assert_ne!(f.code, Some(0), "{cmd:?}: {}", f.output);
+        assert!(
+            f.stderr.contains(words) && f.stderr.contains("(--pp, --pp-layers)"),
+            "{cmd:?}: {}",
+            f.stderr
+        );
+        assert!(!f.stderr.contains("# load"), "{cmd:?} loaded: {}", f.stderr);
+    }
+    for (cmd, words) in [
+        (
+            &[
+                "generate",
+                "--model",
+                &m,
+                "--pp",
+                "2",
+                "--pp-layers",
+                "15;15",
+                "hi",
+            ][..],
+            "not whole numbers separated by commas, like 14,10",
+        ),
+        (
+            &["inspect", &m, "--pp", "2", "--pp-last-stage-weight", "0"],
+            "not a number from 0.1 to 10",
+        ),
+        (
+            &[
+                "generate",
+                "--model",
+                &m,
+                "--pp",
+                "2",
+                "--pp-layers",
+                "15,15",
+                "--pp-last-stage-weight",
+                "2",
+                "hi",
+            ],
+            "cannot be used with",
+        ),
+    ] {
+        let f = tp(cmd);
+        assert_eq!(f.code, Some(2), "{cmd:?}: {}", f.output);
+        assert!(f.stderr.contains(words), "{cmd:?}: {}", f.stderr);
+    }
+}
+
 /// `mpirun -n 2 tp generate --backend mpi --pp 2`: one stage per process, tp 1's text; a
 /// world that pp x tp does not make is refused naming the valid values.
 #[cfg(feature = "mpi")]
@@ -305,7 +421,11 @@ fn pp_under_mpirun_gives_the_local_text() {
         a.push(PROMPT.into());
         a
     };
-    for (n, extra) in [(2, &["--pp", "2"][..]), (4, &["--pp", "2", "--tp", "2"])] {
+    for (n, extra) in [
+        (2, &["--pp", "2"][..]),
+        (4, &["--pp", "2", "--tp", "2"]),
+        (2, &["--pp", "2", "--pp-layers", "26,4"]),
+    ] {
         let a = args(extra);
         let a: Vec<&str> = a.iter().map(String::as_str).collect();
         let got = common::mpirun_tp(n, &a, DEADLINE);

@@ -135,8 +135,9 @@ pub fn measure(s: &mut Session, b: DecodeBench) -> Result<DecodeFigures, BenchEr
         compute_ms: med(|r| r.compute) * 1e3,
         all_reduce_ms: med(|r| r.all_reduce) * 1e3,
         wait_ms: med(|r| r.wait) * 1e3,
-        // Every rank streams about the same bytes (balanced shards, stages balanced by the
-        // bytes they stream); the total per token is what the whole machine must read. A
+        // Every rank of a stage streams about the same bytes (balanced shards); the total per
+        // token is what the whole machine must read. Stages are balanced by compute, not
+        // bytes, so at pp > 1 this is rank 0's stage's bytes times the ranks, an estimate. A
         // pipeline's stages take turns at batch 1, so tp threads read at a time.
         bytes_per_token: rank0_bytes as f64 * s.memory.len().max(tp) as f64,
         read_bandwidth: bw,

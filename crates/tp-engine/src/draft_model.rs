@@ -89,11 +89,12 @@ impl DraftPlan {
 }
 
 /// The load options of a draft model: the target's, but whole on one rank (no pipeline
-/// stages, no expert groups) and without the target's expert capacity (a dense draft could
-/// not take one; a draft only proposes tokens).
+/// stages or layer split, no expert groups) and without the target's expert capacity (a
+/// dense draft could not take one; a draft only proposes tokens).
 fn draft_options(opts: LoadOptions) -> LoadOptions {
     LoadOptions {
         pipeline_stages: 1,
+        stage_split: tp_models::StageSplit::default(),
         expert_groups: 1,
         expert_capacity: None,
         ..opts

@@ -122,6 +122,23 @@ pub fn describe(
     let plans = world_plans(ckpt, weights, opts)?;
     let pp = opts.pipeline_stages;
     let staged = pp > 1;
+    if staged {
+        let stages = tp_models::checkpoint_stages(ckpt, opts)?;
+        let counts: Vec<String> = stages
+            .iter()
+            .map(|st| st.layers.len().to_string())
+            .collect();
+        let _ = writeln!(
+            s,
+            "stages     {} layers, first stage first ({})",
+            counts.join(","),
+            match opts.stage_split {
+                tp_spec::StageSplit::Layers(_) => "as given".to_string(),
+                tp_spec::StageSplit::Balanced(w) =>
+                    format!("balanced by multiply-adds per token, the last stage's weighted {w}"),
+            }
+        );
+    }
     let _ = writeln!(
         s,
         "\n{}tp {tp}{weighted}: per rank (KV cache for {ctx} positions, {}; taken in blocks of {} as tokens arrive)",

@@ -1,7 +1,7 @@
 //! Pipeline-parallel inference on the engine's side: the groups a rank of a pp x tp mesh
-//! works in. The stage split is tp-spec's (`Stage`, balanced by bytes; `stage_of_rank`:
-//! stages of consecutive ranks, rank 0 on the last so the logits stay on the leader's host)
-//! and the forward tp-models' (`ShardedModel::forward_stage`).
+//! works in. The stage split is tp-spec's (`Stage`, `StageSplit`: balanced by compute, or
+//! given; `stage_of_rank`: stages of consecutive ranks, rank 0 on the last so the logits stay
+//! on the leader's host) and the forward tp-models' (`ShardedModel::forward_stage`).
 
 use crate::error::Result;
 use tp_comm::{CommError, Group};

@@ -43,4 +43,7 @@ pub use shard::{
     RankMemory, ShardPlan,
 };
 pub use sync::SyncMode;
-pub use tp_spec::{check_capacity, CapacityError, CapacityFactor, RankWeights, Stage};
+pub use tp_spec::{
+    check_capacity, CapacityError, CapacityFactor, LastStageWeight, LayerCounts, RankWeights,
+    Stage, StageSplit,
+};

@@ -59,6 +59,9 @@ pub struct LoadOptions {
     /// Pipeline stages (`tp_spec::Stage`): the ranks form `pipeline_stages` groups of tp
     /// ranks, each holding a contiguous range of layers. 1 without pipelining.
     pub pipeline_stages: usize,
+    /// How the layers are divided among the stages ([`tp_spec::StageSplit`]): balanced by
+    /// the cost model (the default) or as given.
+    pub stage_split: tp_spec::StageSplit,
 }
 
 impl Default for LoadOptions {
@@ -70,6 +73,7 @@ impl Default for LoadOptions {
             expert_groups: 1,
             expert_capacity: None,
             pipeline_stages: 1,
+            stage_split: tp_spec::StageSplit::default(),
         }
     }
 }

@@ -54,16 +54,15 @@ pub fn rank_plan(
         .with_expert_groups(ckpt.config(), expert_groups)?)
 }
 
-/// The pipeline stages of `ckpt` over `opts.pipeline_stages` stages
-/// ([`tp_spec::pipeline_stages`]: balanced by the bytes each streams per token, as loaded with
-/// `opts`). Every rank computes the same.
+/// The pipeline stages of `ckpt` over `opts.pipeline_stages` stages, divided as
+/// `opts.stage_split` says ([`tp_spec::pipeline_stages`]: by default balanced by the cost
+/// model). Every rank computes the same.
 pub fn checkpoint_stages(ckpt: &dyn Checkpoint, opts: LoadOptions) -> Result<Vec<Stage>> {
-    tp_spec::pipeline_stages(
+    Ok(tp_spec::pipeline_stages(
         ckpt.config(),
         opts.pipeline_stages,
-        &mut |name| layout_of(ckpt, name, opts.keep_quantized),
-        opts.dense.bytes(),
-    )
+        opts.stage_split,
+    )?)
 }
 
 /// The storage of weight `name` as a rank holds it: as in the file, or dense when

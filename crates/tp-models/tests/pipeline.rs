@@ -3,7 +3,8 @@
 //! logits of a pp x tp layout equal the unpipelined tp 1 model's bit for bit. Checked on
 //! synthetic models with an uneven layer count (5 layers: pp 2 and 3 split them unevenly;
 //! tied and untied heads, Gemma-3's per-layer windows and RoPE bases, which a stage must
-//! index by the model's layer) and on SmolLM2 where installed.
+//! index by the model's layer), with explicit uneven layer splits, and on SmolLM2 where
+//! installed.
 
 mod common;
 
@@ -23,6 +24,17 @@ fn logits(ckpt: &dyn Checkpoint, pp: usize, tp: usize, prompt: &[u32]) -> Vec<Ve
         pipeline_stages: pp,
         ..LoadOptions::default()
     };
+    logits_with(ckpt, opts, tp, prompt)
+}
+
+/// [`logits`] with `opts` (its `pipeline_stages` stages, split as it says).
+fn logits_with(
+    ckpt: &dyn Checkpoint,
+    opts: LoadOptions,
+    tp: usize,
+    prompt: &[u32],
+) -> Vec<Vec<f32>> {
+    let pp = opts.pipeline_stages;
     let weights = RankWeights::even(tp);
     let out = local::run(pp * tp, LocalOptions::default(), |world| {
         let rank = world.rank();
@@ -145,6 +157,46 @@ fn synthetic_models_give_tp_1_bits_at_pp_2_3_and_2x2() {
             assert!(lens.iter().min() < lens.iter().max(), "{lens:?}");
         }
         assert_pipeline_invariant(&*ckpt, &format!("{arch:?} GGUF {linear:?}"), &prompt);
+    }
+}
+
+/// An explicit layer split (`--pp-layers`) gives the stages it names, as uneven as asked,
+/// and the logits are still tp 1's bit for bit.
+#[test]
+fn explicit_uneven_layer_splits_give_their_stages_and_tp_1_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("x.gguf");
+    five_layers(Arch::Qwen2, 77)
+        .write_gguf(
+            &path,
+            GgufTypes {
+                linear: GgmlDType::Q8_0,
+                embed: GgmlDType::Q4_1,
+            },
+        )
+        .unwrap();
+    let ckpt = open_checkpoint(&path).unwrap();
+    let prompt: Vec<u32> = vec![1, 17, 256, 999, 3, 512, 64, 8];
+    let want = reference(&*ckpt, &prompt);
+    for (counts, tp) in [("4,1", 1), ("1,4", 2), ("1,3,1", 1), ("3,1,1", 1)] {
+        let split: tp_models::LayerCounts = counts.parse().unwrap();
+        let opts = LoadOptions {
+            pipeline_stages: split.len(),
+            stage_split: tp_models::StageSplit::Layers(split),
+            ..LoadOptions::default()
+        };
+        // World-rank order runs the last stage first: read the stages back first-first.
+        let plans = world_plans(&*ckpt, &RankWeights::even(tp), opts).unwrap();
+        let mut stages: Vec<(usize, usize)> = plans
+            .iter()
+            .step_by(tp)
+            .map(|p| (p.stage.index, p.stage.layers.len()))
+            .collect();
+        stages.sort();
+        let lens: Vec<String> = stages.iter().map(|(_, n)| n.to_string()).collect();
+        assert_eq!(lens.join(","), counts);
+        let got = logits_with(&*ckpt, opts, tp, &prompt);
+        assert_same_bits(&got, &want, &format!("layers {counts} x tp {tp}"));
     }
 }
 

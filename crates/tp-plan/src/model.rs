@@ -92,16 +92,11 @@ impl StoredWeights {
         Some(RankBytes { held, read })
     }
 
-    /// The runtime's pipeline stages over `pp` (balanced by the bytes each streams per
-    /// token, tp-spec's split): `None` when the layers cannot take `pp`.
-    pub fn stages(&self, pp: usize, dense_bytes: usize) -> Option<Vec<tp_spec::Stage>> {
-        tp_spec::pipeline_stages::<tp_spec::ShardError>(
-            &self.config,
-            pp,
-            &mut self.layout(),
-            dense_bytes,
-        )
-        .ok()
+    /// The runtime's pipeline stages over `pp` (its default split, tp-spec's
+    /// [`tp_spec::StageSplit`]: balanced by the cost model): `None` when the layers cannot
+    /// take `pp`.
+    pub fn stages(&self, pp: usize) -> Option<Vec<tp_spec::Stage>> {
+        tp_spec::pipeline_stages(&self.config, pp, tp_spec::StageSplit::default()).ok()
     }
 
     /// Each weight's layout in the file (float where the file has none recorded).

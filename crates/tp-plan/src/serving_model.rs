@@ -95,7 +95,7 @@ fn stored_stages(
     let tp = usize::try_from(config.tp).ok()?;
     let pp = usize::try_from(config.pp).ok()?;
     stored
-        .stages(pp, dense_bytes)?
+        .stages(pp)?
         .iter()
         .map(|stage| {
             let ranks = (0..tp)

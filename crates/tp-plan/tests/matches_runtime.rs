@@ -57,7 +57,7 @@ fn assert_plan_matches_runtime(path: &Path, what: &str) {
             ..LoadOptions::default()
         };
         let runtime_stages = checkpoint_stages(&*ckpt, opts).unwrap();
-        let planned_stages = stored.stages(pp, 4).unwrap();
+        let planned_stages = stored.stages(pp).unwrap();
         assert_eq!(planned_stages, runtime_stages, "{what}: pp {pp} stages");
         for stage in &runtime_stages {
             for tp in 1..=2.min(cfg.heads) {
@@ -151,7 +151,7 @@ fn assert_embedding_is_not_read(path: &Path) {
         .stage_rank_bytes(&Stage::whole(stored.config.layers), 1, 0, 4)
         .unwrap();
     assert_eq!(whole.read, whole.held);
-    let stages = stored.stages(2, 4).unwrap();
+    let stages = stored.stages(2).unwrap();
     let first = stored.stage_rank_bytes(&stages[0], 1, 0, 4).unwrap();
     assert_eq!(first.held - first.read, next - embed.offset);
     let last = stored.stage_rank_bytes(&stages[1], 1, 0, 4).unwrap();

@@ -95,12 +95,56 @@ pub enum ShardError {
     /// More pipeline stages than layers (or none).
     #[error("{pp} pipeline stages cannot give each stage a layer of a model with {layers} layers; use 1 <= pp <= {layers}")]
     InvalidPp { pp: usize, layers: usize },
+    /// An explicit layer split with another number of stages than the pipeline has.
+    #[error("the layer split {split} names {given} stage(s) for {pp} pipeline stages; give {pp} layer counts, each at least 1, summing to the model's {layers} layers (e.g. {example})")]
+    StageSplitCount {
+        split: String,
+        given: usize,
+        pp: usize,
+        layers: usize,
+        example: String,
+    },
+    /// An explicit layer split that leaves a stage without a layer.
+    #[error("the layer split {split} gives stage {stage} no layers; every stage needs at least 1 of the model's {layers} layers (e.g. {example})")]
+    StageSplitEmpty {
+        split: String,
+        stage: usize,
+        layers: usize,
+        example: String,
+    },
+    /// An explicit layer split that does not cover the model's layers exactly.
+    #[error("the layer split {split} covers {sum} layers but the model has {layers}; give {pp} layer counts, each at least 1, summing to {layers} (e.g. {example})")]
+    StageSplitSum {
+        split: String,
+        sum: usize,
+        pp: usize,
+        layers: usize,
+        example: String,
+    },
+    #[error("the layer split '{text}' is not whole numbers separated by commas, like 14,10")]
+    StageSplitSyntax { text: String },
+    #[error(
+        "a layer split of {given} stages cannot be taken; give 1 to {max} layer counts, like 14,10"
+    )]
+    StageSplitLength { given: usize, max: usize },
+    #[error("the last stage's weight '{text}' is not a number from 0.1 to 10 (at most 3 decimals, like 1.25)")]
+    LastStageWeight { text: String },
     /// Query heads that KV heads cannot group.
     #[error("bad config: {0}")]
     Groups(String),
 }
 
 impl ShardError {
+    /// An explicit layer split that the model or the pipeline cannot take.
+    pub fn is_stage_split(&self) -> bool {
+        matches!(
+            self,
+            ShardError::StageSplitCount { .. }
+                | ShardError::StageSplitEmpty { .. }
+                | ShardError::StageSplitSum { .. }
+        )
+    }
+
     /// The split itself failed: more ranks than units, or rank weights that leave a rank
     /// without a unit (the tp or the weights are what to change).
     pub fn is_split_error(&self) -> bool {

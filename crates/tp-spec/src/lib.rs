@@ -19,6 +19,7 @@ pub mod rng;
 pub mod rope_rows;
 pub mod shard;
 pub mod stage;
+pub mod stage_split;
 pub mod weights;
 
 pub use arch::{is_moe_name, is_unsupported_moe_name, supported_list, Arch, RopeStyle};
@@ -35,10 +36,15 @@ pub use params::{
 pub use partition::{HeadPlan, Partition, RankWeights, MAX_RANK_WEIGHT};
 pub use rng::{mix64, Rng};
 pub use shard::{
-    ffn_split, params_weight_bytes, pipeline_stages, rank_weight_bytes, ExpertShard, Layout,
-    ShardPlan, WeightBytes, DENSE_CHUNK,
+    ffn_split, params_weight_bytes, rank_weight_bytes, ExpertShard, Layout, ShardPlan, WeightBytes,
+    DENSE_CHUNK,
 };
-pub use stage::{balanced_stages, rank_of_stage, stage_of_rank, stages, Stage};
+pub use stage::{
+    balanced_stages, balanced_stages_weighted, rank_of_stage, stage_of_rank, stages, Stage,
+};
+pub use stage_split::{
+    pipeline_stages, LastStageWeight, LayerCounts, StageSplit, MAX_SPLIT_STAGES,
+};
 pub use weights::{
     expected_weights, gguf_merged_name, gguf_name, hf_name, is_expert_tensor, optional_weights,
     parse_gguf_name, parse_hf_name, Expected, WeightName, TENSORS_PER_LAYER,

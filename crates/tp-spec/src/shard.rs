@@ -358,42 +358,6 @@ pub struct WeightBytes {
     pub replicated: usize,
 }
 
-/// The pipeline stages of `cfg` over `pp` stages, balanced by the bytes of weights each
-/// streams per token (layers whole, as at tp 1; the final norm and the head on the last stage,
-/// the embedding's row lookups counted as free): every tp size splits a stage's layers the
-/// same way, so the balance holds at any tp. `layout` and `dense_bytes` as for
-/// [`rank_weight_bytes`]; a `pp` the layers cannot take is a [`ShardError::InvalidPp`].
-pub fn pipeline_stages<E: From<ShardError>>(
-    cfg: &ModelConfig,
-    pp: usize,
-    layout: &mut dyn FnMut(WeightName) -> Result<Layout, E>,
-    dense_bytes: usize,
-) -> Result<Vec<Stage>, E> {
-    if pp == 0 || pp > cfg.layers {
-        return Err(ShardError::InvalidPp {
-            pp,
-            layers: cfg.layers,
-        }
-        .into());
-    }
-    if pp == 1 {
-        return Ok(vec![Stage::whole(cfg.layers)]);
-    }
-    let whole = ShardPlan::new(cfg, 1, 0, 1)?;
-    let bytes = |w: WeightBytes| (w.sharded + w.replicated) as u64;
-    let mut costs = Vec::with_capacity(cfg.layers);
-    for l in 0..cfg.layers {
-        let p = cfg.layer_spec(l).params();
-        costs.push(bytes(params_weight_bytes(&whole, &p, layout, dense_bytes)?));
-    }
-    let mut head = crate::params::head_params(cfg);
-    if cfg.tied_embeddings {
-        head.extend(crate::params::embed_params(cfg));
-    }
-    let head = bytes(params_weight_bytes(&whole, &head, layout, dense_bytes)?);
-    Ok(crate::stage::stages(cfg, pp, |l| costs[l], head)?)
-}
-
 /// The weight bytes of rank `plan.tp_rank` of its pipeline stage, from the parameter table: `layout` gives each
 /// matrix's storage (an error from it is returned as is), `dense_bytes` the element size of
 /// unquantized weights (4 for f32, 2 for f16/bf16). Vectors (norms, biases) are f32: split ones

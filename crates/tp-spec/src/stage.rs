@@ -1,8 +1,8 @@
 //! Pipeline stages for inference: each stage holds a contiguous range of layers (the
 //! embedding on the first, the final norm and the LM head on the last), chosen so that the
-//! bytes each stage streams per token (its layers, and the head on the last) are as even as
-//! contiguous ranges allow. The ranks of a stage split its layers by tensor parallelism as
-//! [`crate::ShardPlan`] says.
+//! cost of each stage (its layers, and the head on the last: [`crate::stage_split`] says
+//! what a layer costs, or gives the ranges outright) is as even as contiguous ranges allow.
+//! The ranks of a stage split its layers by tensor parallelism as [`crate::ShardPlan`] says.
 
 use crate::config::ModelConfig;
 use crate::error::ShardError;
@@ -89,6 +89,17 @@ pub fn balanced_stages(
     head_cost: u64,
     pp: usize,
 ) -> Result<Vec<Range<usize>>, ShardError> {
+    balanced_stages_weighted(layer_costs, head_cost, 1000, pp)
+}
+
+/// [`balanced_stages`] with the last stage's cost (its layers and the head) multiplied by
+/// `last_permille / 1000`: a last stage whose core also does other work (rank 0's).
+pub fn balanced_stages_weighted(
+    layer_costs: &[u64],
+    head_cost: u64,
+    last_permille: u32,
+    pp: usize,
+) -> Result<Vec<Range<usize>>, ShardError> {
     let n = layer_costs.len();
     if pp == 0 || pp > n {
         return Err(ShardError::InvalidPp { pp, layers: n });
@@ -98,8 +109,12 @@ pub fn balanced_stages(
     for (i, c) in layer_costs.iter().enumerate() {
         prefix[i + 1] = prefix[i].saturating_add(*c);
     }
-    let cost = |a: usize, b: usize, last: bool| {
-        (prefix[b] - prefix[a]).saturating_add(if last { head_cost } else { 0 })
+    // In thousandths, so the last stage's weight scales it exactly.
+    let cost = |a: usize, b: usize, last: bool| match last {
+        true => (prefix[b] - prefix[a])
+            .saturating_add(head_cost)
+            .saturating_mul(u64::from(last_permille)),
+        false => (prefix[b] - prefix[a]).saturating_mul(1000),
     };
     // best[s][i]: the least largest cost of splitting layers i..n into stages s..pp, and
     // the end of stage s's range in that split.
@@ -140,8 +155,8 @@ pub fn balanced_stages(
     Ok(out)
 }
 
-/// The stages of `pp` over `cfg`'s layers with each layer's cost from `layer_cost` (its
-/// bytes), the head's from `head_cost`.
+/// The stages of `pp` over `cfg`'s layers with each layer's cost from `layer_cost`, the
+/// head's from `head_cost` (the last stage unweighted).
 pub fn stages(
     cfg: &ModelConfig,
     pp: usize,
