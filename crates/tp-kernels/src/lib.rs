@@ -44,9 +44,10 @@ mod quantize;
 mod quantize_iq4;
 mod quantize_k;
 mod tile;
+mod vnni;
 mod wide;
 
-pub use cpu::{cpu_model, force_scalar, kernel_path, kernel_report, simd_level};
+pub use cpu::{cpu_model, force_kernel, force_scalar, kernel_path, kernel_report, simd_level};
 pub use dense::{DenseData, DenseMatrix};
 pub use error::KernelError;
 pub use format::QuantType;
