@@ -62,6 +62,17 @@ pub(crate) fn supports(qtype: QuantType, simd: Simd) -> bool {
 /// Whether Q4_K takes these kernels on the `avx2+vnni` path (see [`supports`]).
 const Q4K_ON_VNNI: bool = true;
 
+/// Fewest tokens of a product the driver runs on these kernels: from two tiles, but Q4_K
+/// (only on the `avx2+vnni` path) from 32: it measured 1.06-1.17x the per-group kernels at
+/// 128 tokens and 0.90-0.96x at 16 (`cargo bench -p tp-kernels --bench gemm`, AMD EPYC).
+pub(crate) fn min_tokens(qtype: QuantType) -> usize {
+    if qtype == QuantType::Q4_K {
+        32
+    } else {
+        crate::tile::MAX_TILE + 1
+    }
+}
+
 /// Whether [`unpack`] and [`group_dot`] take `qtype` (Q4_K too, which the driver does not
 /// send here on the plain AVX2 path: see [`supports`]).
 #[cfg(test)]
@@ -303,19 +314,28 @@ unsafe fn kernel<
                 for m in 0..8 / WPM {
                     if V != crate::vnni::NONE {
                         // Two sums per token (even and odd words): twice the independent
-                        // `vpdpbusd` chains, to cover its latency.
+                        // `vpdpbusd` chains, to cover its latency. Each token's 16 activation
+                        // bytes of 4 words are loaded once (both 128-bit halves) and each word
+                        // broadcast within the halves by `pshufd`: a quarter of the loads of
+                        // one broadcast load per word and token, which bound this loop.
                         let (mut s0, mut s1) =
                             ([_mm256_setzero_si256(); T], [_mm256_setzero_si256(); T]);
-                        for w in (m * WPM..(m + 1) * WPM).step_by(2) {
-                            let q0 = _mm256_loadu_si256(u.add((8 * j + w) * 32) as *const __m256i);
-                            let q1 =
-                                _mm256_loadu_si256(u.add((8 * j + w + 1) * 32) as *const __m256i);
+                        for h in (m * WPM / 4)..((m + 1) * WPM / 4) {
+                            let at = |w: usize| u.add((8 * j + 4 * h + w) * 32) as *const __m256i;
+                            let q = [0, 1, 2, 3].map(|w| _mm256_loadu_si256(at(w)));
                             for t in 0..T {
-                                let xq = x[t].qs.as_ptr().add(32 * j + 4 * w);
-                                let x0 = crate::dot_avx2_k::bcast4(xq);
-                                let x1 = crate::dot_avx2_k::bcast4(xq.add(4));
-                                s0[t] = crate::vnni::dpbusd::<V>(s0[t], q0, x0);
-                                s1[t] = crate::vnni::dpbusd::<V>(s1[t], q1, x1);
+                                let xq = x[t].qs.as_ptr().add(32 * j + 16 * h);
+                                let xv = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                                    xq as *const __m128i,
+                                ));
+                                let x0 = _mm256_shuffle_epi32::<0x00>(xv);
+                                let x1 = _mm256_shuffle_epi32::<0x55>(xv);
+                                let x2 = _mm256_shuffle_epi32::<0xAA>(xv);
+                                let x3 = _mm256_shuffle_epi32::<0xFF>(xv);
+                                s0[t] = crate::vnni::dpbusd::<V>(s0[t], q[0], x0);
+                                s1[t] = crate::vnni::dpbusd::<V>(s1[t], q[1], x1);
+                                s0[t] = crate::vnni::dpbusd::<V>(s0[t], q[2], x2);
+                                s1[t] = crate::vnni::dpbusd::<V>(s1[t], q[3], x3);
                             }
                         }
                         let s: [__m256i; T] =
@@ -494,7 +514,10 @@ mod tests {
                 let m = QuantMatrix::from_ggml_bytes(qtype, rows, nb * 256, bytes.clone());
                 let s = QuantMatrix::from_ggml_sub_blocks(qtype, rows, 0, nb * 256, bytes);
                 for (m, sub) in [(m.unwrap(), false), (s.unwrap(), true)] {
-                    for (sign, n) in [8, 17].into_iter().flat_map(|n| [(1.0f32, n), (-1.0, n)]) {
+                    for (sign, n) in [8, 17, 33]
+                        .into_iter()
+                        .flat_map(|n| [(1.0f32, n), (-1.0, n)])
+                    {
                         let x: Vec<f32> = (0..n * m.cols())
                             .map(|i| if i % 3 == 0 { sign } else { -sign * 0.5 })
                             .collect();

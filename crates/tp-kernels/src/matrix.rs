@@ -606,7 +606,7 @@ impl QuantMatrix {
         // Weights unpacked once per group for all its tiles, where the kernels take that and
         // there are at least two tiles.
         let unpack_len = if n >= AVX2_MIN_TOKENS && !tile::legacy() {
-            A::unpacked_len(self.qtype, simd, nb)
+            A::unpacked_len(self.qtype, simd, nb, n)
         } else {
             0
         };
@@ -834,9 +834,9 @@ trait Activation: Sized {
     const PER_BLOCK: usize;
     /// Lays this block out for the AVX-512 kernels of `qtype` (`out.len() == PER_BLOCK`).
     fn expand(&self, qtype: QuantType, out: &mut [Expanded]);
-    /// Bytes of a group of `nb` blocks unpacked for the kernels of `simd` (0: they work on
-    /// the packed weights).
-    fn unpacked_len(_qtype: QuantType, _simd: Simd, _nb: usize) -> usize {
+    /// Bytes of a group of `nb` blocks unpacked for the kernels of `simd` in a product of `n`
+    /// tokens (0: they work on the packed weights).
+    fn unpacked_len(_qtype: QuantType, _simd: Simd, _nb: usize, _n: usize) -> usize {
         0
     }
     /// Unpacks `group` into `out` (`unpacked_len` bytes) for the kernels of `simd`.
@@ -882,7 +882,7 @@ impl Activation for ActBlock {
         expand::expand(self, out);
     }
 
-    fn unpacked_len(qtype: QuantType, simd: Simd, nb: usize) -> usize {
+    fn unpacked_len(qtype: QuantType, simd: Simd, nb: usize, _n: usize) -> usize {
         #[cfg(target_arch = "x86_64")]
         if simd.is_avx2() && crate::dot_avx2::unpacks(qtype) {
             return nb * crate::dot_avx2::UNPACKED_BLOCK;
@@ -986,12 +986,12 @@ impl Activation for ActBlockK {
         expand::expand_k(qtype, self, out);
     }
 
-    fn unpacked_len(qtype: QuantType, simd: Simd, nb: usize) -> usize {
+    fn unpacked_len(qtype: QuantType, simd: Simd, nb: usize, n: usize) -> usize {
         #[cfg(target_arch = "x86_64")]
-        if crate::gemm_avx2_k::supports(qtype, simd) {
+        if crate::gemm_avx2_k::supports(qtype, simd) && n >= crate::gemm_avx2_k::min_tokens(qtype) {
             return nb * crate::gemm_avx2_k::UNPACKED;
         }
-        let _ = (qtype, simd, nb);
+        let _ = (qtype, simd, nb, n);
         0
     }
 
