@@ -316,18 +316,35 @@ unsafe fn q8<const T: usize, const V: u8, const WIDE: bool>(
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
             let q = blk.add(sb);
             let mut s32 = [_mm256_setzero_si256(); T];
-            for c in 0..8 {
-                let w = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
-                let aw = _mm256_abs_epi8(w);
-                for t in 0..T {
-                    let xq = (*acts[t].add(b)).qs.as_ptr();
-                    let sx = _mm256_sign_epi8(bcast4(xq, 4 * c), w);
-                    if V == crate::vnni::NONE {
+            if V == crate::vnni::NONE {
+                for c in 0..8 {
+                    let w = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
+                    let aw = _mm256_abs_epi8(w);
+                    for t in 0..T {
+                        let xq = (*acts[t].add(b)).qs.as_ptr();
+                        let sx = _mm256_sign_epi8(bcast4(xq, 4 * c), w);
                         let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
                         s32[t] = _mm256_add_epi32(s32[t], p);
-                    } else {
-                        s32[t] = crate::vnni::dpbusd::<V>(s32[t], aw, sx);
                     }
+                }
+            } else {
+                // Two `vpdpbusd` chains per token (even and odd words): one chain is bound by
+                // its latency at 1 token (decode).
+                let mut odd = [_mm256_setzero_si256(); T];
+                for c in (0..8).step_by(2) {
+                    let w0 = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
+                    let w1 = _mm256_loadu_si256(q.add(32 * c + 32) as *const __m256i);
+                    let (a0, a1) = (_mm256_abs_epi8(w0), _mm256_abs_epi8(w1));
+                    for t in 0..T {
+                        let xq = (*acts[t].add(b)).qs.as_ptr();
+                        let s0 = _mm256_sign_epi8(bcast4(xq, 4 * c), w0);
+                        let s1 = _mm256_sign_epi8(bcast4(xq, 4 * c + 4), w1);
+                        s32[t] = crate::vnni::dpbusd::<V>(s32[t], a0, s0);
+                        odd[t] = crate::vnni::dpbusd::<V>(odd[t], a1, s1);
+                    }
+                }
+                for t in 0..T {
+                    s32[t] = _mm256_add_epi32(s32[t], odd[t]);
                 }
             }
             for t in 0..T {
