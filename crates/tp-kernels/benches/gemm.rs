@@ -13,13 +13,15 @@
 //! shapes, IQ4_XS at a square one; Qwen2.5-Coder-1.5B Q4_K_M's Q4_K and Q6_K products.
 //! Run: `cargo bench -p tp-kernels --bench gemm` (`TP_BENCH_ONLY=Q4_1` keeps the rows whose
 //! name (format, shape, what it is) contains the substring, `TP_BENCH_N=128,32` sets the token counts, `TP_BENCH_ROUNDS`
-//! the rounds, 7 by default).
+//! the rounds, 7 by default). `TP_BENCH_VS=avx2-novnni` (any `TP_KERNEL` name) makes "old"
+//! that kernel path (`tp_kernels::force_kernel`) instead of the previous schedule, and "new"
+//! the process default (e.g. plain AVX2 against `avx2+vnni`).
 
 mod timing;
 
 use std::hint::black_box;
 use timing::{ggml_bytes, load_average, values};
-use tp_kernels::{kernel_report, legacy_tiles, QuantMatrix, QuantType};
+use tp_kernels::{force_kernel, kernel_report, legacy_tiles, QuantMatrix, QuantType};
 
 /// (format, rows, cols, what it is).
 fn cases() -> Vec<(QuantType, usize, usize, &'static str)> {
@@ -109,9 +111,21 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(7);
+    let vs = std::env::var("TP_BENCH_VS").ok();
+    // "old": the previous schedule, or the kernel path `vs` names.
+    let set_old = |on: bool| match &vs {
+        Some(path) => force_kernel(on.then_some(path.as_str())).expect("TP_BENCH_VS"),
+        None => legacy_tiles(on),
+    };
     println!("# tp-kernels gemm bench: {}", kernel_report());
     println!("# load average before: {}", load_average());
-    println!("# {rounds} rounds, old (unpacked per tile) and new timed alternately in each; thread CPU time");
+    let what_old = match &vs {
+        Some(path) => format!("kernel path {path}"),
+        None => "unpacked per tile".into(),
+    };
+    println!(
+        "# {rounds} rounds, old ({what_old}) and new timed alternately in each; thread CPU time"
+    );
     println!();
     println!(
         "| weights | n | product | old ms | new ms | new GOP/s | old/new (median of rounds) |"
@@ -144,9 +158,9 @@ fn main() {
             };
             let (mut old, mut new, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
             for _ in 0..rounds {
-                legacy_tiles(true);
+                set_old(true);
                 let to = cpu_per_call(&mut call, 5, 0.02);
-                legacy_tiles(false);
+                set_old(false);
                 let tn = cpu_per_call(&mut call, 5, 0.02);
                 old.push(to);
                 new.push(tn);

@@ -1,5 +1,5 @@
 //! Kernel paths side by side: GOP/s (2 operations per multiply-add) of every quantized format
-//! on the scalar, AVX2 and AVX-512 paths, with the CPU model, the load average, this
+//! on the scalar, AVX2 (plain and with 256-bit VNNI) and AVX-512 paths, with the CPU model, the load average, this
 //! machine's single-thread read bandwidth and measured integer dot-product peaks for
 //! comparison. Run: `cargo bench -p tp-kernels --bench paths` (`TP_BENCH_ONLY=Q4_1` keeps the
 //! rows whose name contains the substring).
@@ -24,7 +24,9 @@ use timing::{ggml_bytes, load_average, values};
 use tp_kernels::{kernel_path, kernel_report, QuantMatrix, QuantType};
 
 const STREAM_BYTES: usize = 128 << 20;
-const PATHS: [&str; 3] = ["scalar", "avx2", "avx512"];
+/// `TP_KERNEL` values: `avx2-novnni` is the plain AVX2 path (the child reports `avx2`),
+/// `avx2+vnni` the AVX2 path with 256-bit VNNI.
+const PATHS: [&str; 4] = ["scalar", "avx2-novnni", "avx2+vnni", "avx512"];
 const ROUNDS: usize = 3;
 
 /// (format, rows, cols): SmolLM2-135M and Qwen2.5-0.5B shapes.
@@ -209,10 +211,16 @@ fn main() {
     let rounds: Vec<&str> = (0..ROUNDS)
         .flat_map(|r| PATHS.into_iter().filter(move |&p| r == 0 || p != "scalar"))
         .collect();
-    for want in rounds {
+    for asked in rounds {
+        // The name the child reports for the path it runs.
+        let want = if asked == "avx2-novnni" {
+            "avx2"
+        } else {
+            asked
+        };
         let out = Command::new(&exe)
             .env("TP_BENCH_PATHS_CHILD", "1")
-            .env("TP_KERNEL", want)
+            .env("TP_KERNEL", asked)
             .output()
             .expect("run the bench child");
         let text = String::from_utf8_lossy(&out.stdout);

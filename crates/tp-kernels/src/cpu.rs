@@ -1,12 +1,16 @@
-//! Run-time choice of the kernel path (scalar, AVX2, AVX-512), made once per process and
-//! cached: the default path for this CPU, unless `TP_KERNEL=scalar|avx2|avx512` asks for
-//! another one; plus the process-wide switch that forces the portable kernels.
+//! Run-time choice of the kernel path (scalar, AVX2, AVX2 with 256-bit VNNI, AVX-512), made
+//! once per process and cached: the default path for this CPU, unless
+//! `TP_KERNEL=scalar|avx2|avx2-novnni|avx512` asks for another one; plus the process-wide
+//! switch that forces the portable kernels.
 //!
 //! The default is the widest path that measured fastest on that kind of CPU: AVX-512 on
 //! Intel CPUs with AVX-512 VNNI (full-width 512-bit units; measured faster on the fleet's
 //! Intel kind, docs/performance.md), AVX2 elsewhere, AMD Zen 4 included: it runs 512-bit
 //! operations as two 256-bit halves, and batch-1 decode measured no faster with the AVX-512
-//! kernels there.
+//! kernels there. The AVX2 path takes 256-bit VNNI (`vpdpbusd ymm`, [`Simd::Avx2Vnni`]) where
+//! the CPU has it (AVX-512 VNNI + VL, or AVX-VNNI): `TP_KERNEL=avx2` means the best AVX2
+//! variant, `TP_KERNEL=avx2-novnni` the plain one (for comparisons, and what CPUs without VNNI
+//! run).
 //! Every path gives the same bits (`matmul_wide_acc`; `matmul` between AVX2 and AVX-512), so
 //! the choice only affects speed.
 //!
@@ -15,7 +19,8 @@
 //! [`kernel_report`] name the path really in use, so a benchmark figure is never labelled
 //! with a path that did not run.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use crate::error::KernelError;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 /// Which kernel family runs on this machine.
@@ -25,6 +30,9 @@ pub(crate) enum Simd {
     Scalar,
     /// x86-64 with AVX2, FMA and F16C (every AVX2 CPU shipped has F16C; it is checked anyway).
     Avx2,
+    /// The AVX2 kernels, with `vpdpbusd` on 256-bit registers (`crate::vnni`) in the Q8_0 and
+    /// the many-token K-quant kernels: the same exact integer sums, so the same bits.
+    Avx2Vnni,
     /// AVX2 as above plus AVX-512 F/BW/VL and VNNI (`vpdpbusd`): the quantized kernels use
     /// 512-bit registers and VNNI dot products; the dense kernels and the activation
     /// quantization stay on their AVX2 code (bit-identical either way).
@@ -37,21 +45,73 @@ impl Simd {
         match self {
             Simd::Scalar => "scalar",
             Simd::Avx2 => "avx2",
+            Simd::Avx2Vnni => "avx2+vnni",
             Simd::Avx512 => "avx512",
+        }
+    }
+
+    /// Whether this is one of the AVX2 variants (the AVX2 code, with or without VNNI).
+    pub(crate) fn is_avx2(self) -> bool {
+        matches!(self, Simd::Avx2 | Simd::Avx2Vnni)
+    }
+
+    /// The `vpdpbusd ymm` encoding the AVX2 kernels use on this path (`crate::vnni::NONE`
+    /// off [`Simd::Avx2Vnni`]).
+    pub(crate) fn vnni(self) -> u8 {
+        match self {
+            Simd::Avx2Vnni => crate::vnni::encoding(),
+            _ => crate::vnni::NONE,
         }
     }
 }
 
+/// Every kernel family, scalar first (tests and benchmarks go through them).
+pub(crate) const ALL: [Simd; 4] = [Simd::Scalar, Simd::Avx2, Simd::Avx2Vnni, Simd::Avx512];
+
 static SELECTED: OnceLock<Simd> = OnceLock::new();
 static FORCE_SCALAR: AtomicBool = AtomicBool::new(false);
+/// [`force_kernel`]'s path: 0 for none, else 1 + its index in [`ALL`].
+static FORCED: AtomicU8 = AtomicU8::new(0);
 
 /// The kernel family for the next kernel call: the portable one while [`force_scalar`] is on,
-/// otherwise the one chosen once for this process (see [`kernel_path`]).
+/// else the one [`force_kernel`] named, otherwise the one chosen once for this process (see
+/// [`kernel_path`]).
 pub(crate) fn simd() -> Simd {
     if FORCE_SCALAR.load(Ordering::Relaxed) {
         return Simd::Scalar;
     }
-    *SELECTED.get_or_init(select)
+    match FORCED.load(Ordering::Relaxed) {
+        0 => *SELECTED.get_or_init(select),
+        i => ALL[(i as usize - 1).min(ALL.len() - 1)],
+    }
+}
+
+/// Benchmarks and tests: makes every later kernel call in this process run the path `path`
+/// names (the names `TP_KERNEL` takes: `"avx2-novnni"`, `"avx2+vnni"`, ...), whatever the
+/// process default; `None` (or `"auto"`) goes back to the default. A name that is unknown or
+/// that this CPU cannot run is an error and changes nothing. [`force_scalar`] still wins
+/// while it is on; [`kernel_path`] names the path in use. Every path gives the same bits.
+#[doc(hidden)]
+pub fn force_kernel(path: Option<&str>) -> Result<(), KernelError> {
+    let want = path.unwrap_or("").trim().to_ascii_lowercase();
+    let simd = match named(&want) {
+        None => {
+            let reason = format!("not one of {NAMES}");
+            return Err(KernelError::KernelPath { path: want, reason });
+        }
+        Some(None) => {
+            FORCED.store(0, Ordering::Relaxed);
+            return Ok(());
+        }
+        Some(Some(s)) if !supports(s) => {
+            let reason = format!("this CPU ({}) cannot run it", cpu_model());
+            return Err(KernelError::KernelPath { path: want, reason });
+        }
+        Some(Some(s)) => s,
+    };
+    let i = ALL.iter().position(|&s| s == simd).unwrap_or(0);
+    FORCED.store(i as u8 + 1, Ordering::Relaxed);
+    Ok(())
 }
 
 /// The default path for this CPU, or the one `TP_KERNEL` names when the CPU supports it
@@ -69,14 +129,12 @@ fn select() -> Simd {
 fn resolve(want: Option<&str>) -> (Simd, Option<String>) {
     let best = default_path();
     let want = want.unwrap_or("").trim().to_ascii_lowercase();
-    let asked = match want.as_str() {
-        "" | "auto" => return (best, None),
-        "scalar" => Simd::Scalar,
-        "avx2" => Simd::Avx2,
-        "avx512" => Simd::Avx512,
-        _ => {
+    let asked = match named(&want) {
+        Some(Some(asked)) => asked,
+        Some(None) => return (best, None),
+        None => {
             let w = format!(
-                "TP_KERNEL={want} is not one of scalar, avx2, avx512, auto; using {}",
+                "TP_KERNEL={want} is not one of {NAMES}; using {}",
                 best.name()
             );
             return (best, Some(w));
@@ -94,11 +152,29 @@ fn resolve(want: Option<&str>) -> (Simd, Option<String>) {
     }
 }
 
+/// The names [`named`] takes.
+const NAMES: &str = "scalar, avx2, avx2-novnni, avx2+vnni, avx512, auto";
+
+/// The path a (lower-case, trimmed) name asks for: `Some(None)` for the default (`""`,
+/// `"auto"`), `None` for an unknown name. `"avx2"` is the best AVX2 variant this CPU runs.
+fn named(want: &str) -> Option<Option<Simd>> {
+    Some(Some(match want {
+        "" | "auto" => return Some(None),
+        "scalar" => Simd::Scalar,
+        "avx2" if supports(Simd::Avx2Vnni) => Simd::Avx2Vnni,
+        "avx2" | "avx2-novnni" => Simd::Avx2,
+        "avx2+vnni" => Simd::Avx2Vnni,
+        "avx512" => Simd::Avx512,
+        _ => return None,
+    }))
+}
+
 /// Whether this CPU can run the kernels of `simd`.
 pub(crate) fn supports(simd: Simd) -> bool {
     match simd {
         Simd::Scalar => true,
         Simd::Avx2 => has_avx2(),
+        Simd::Avx2Vnni => has_avx2() && crate::vnni::encoding() != crate::vnni::NONE,
         Simd::Avx512 => has_avx2() && has_avx512(),
     }
 }
@@ -134,7 +210,8 @@ pub(crate) fn default_path() -> Simd {
     let best = detect_hardware();
     let intel = cpu_vendor().is_some_and(|v| v == "GenuineIntel");
     if best == Simd::Avx512 && !intel {
-        Simd::Avx2
+        // AVX-512 VNNI + VL include `vpdpbusd ymm`.
+        Simd::Avx2Vnni
     } else {
         best
     }
@@ -156,18 +233,25 @@ fn cpuinfo_field(key: &str) -> Option<String> {
 
 /// The best kernel family this CPU supports (ignores `TP_KERNEL`).
 pub(crate) fn detect_hardware() -> Simd {
-    [Simd::Avx512, Simd::Avx2]
+    [Simd::Avx512, Simd::Avx2Vnni, Simd::Avx2]
         .into_iter()
         .find(|&s| supports(s))
         .unwrap_or(Simd::Scalar)
 }
 
-/// Every kernel family this CPU supports, scalar first (tests compare them all).
+/// Every kernel family this CPU supports, scalar first (tests compare them all), with a
+/// printed line for each one it cannot run (so a skipped variant is seen, not silently
+/// counted as passing).
 #[cfg(test)]
 pub(crate) fn available() -> Vec<Simd> {
-    [Simd::Scalar, Simd::Avx2, Simd::Avx512]
-        .into_iter()
-        .filter(|&s| supports(s))
+    ALL.into_iter()
+        .filter(|&s| {
+            let ok = supports(s);
+            if !ok {
+                eprintln!("skipped {s:?}: this CPU ({}) cannot run it", cpu_model());
+            }
+            ok
+        })
         .collect()
 }
 
@@ -180,18 +264,19 @@ pub fn force_scalar(on: bool) {
     FORCE_SCALAR.store(on, Ordering::Relaxed);
 }
 
-/// `"avx512+vnni"`, `"avx2+fma"` or `"scalar"`: the kernels the next call in this process
-/// will use (for logs and benchmarks).
+/// `"avx512+vnni"`, `"avx2+fma+vnni"`, `"avx2+fma"` or `"scalar"`: the kernels the next
+/// call in this process will use (for logs and benchmarks).
 pub fn simd_level() -> &'static str {
     match simd() {
         Simd::Avx512 => "avx512+vnni",
+        Simd::Avx2Vnni => "avx2+fma+vnni",
         Simd::Avx2 => "avx2+fma",
         Simd::Scalar => "scalar",
     }
 }
 
-/// `"avx512"`, `"avx2"` or `"scalar"`: the kernel path the next call will use, in the
-/// spelling `TP_KERNEL` takes.
+/// `"avx512"`, `"avx2+vnni"`, `"avx2"` or `"scalar"`: the kernel path the next call will
+/// use, in the spelling `TP_KERNEL` takes.
 pub fn kernel_path() -> &'static str {
     simd().name()
 }
@@ -207,6 +292,8 @@ pub fn kernel_report() -> String {
     let (path, best) = (simd(), detect_hardware());
     let how = if FORCE_SCALAR.load(Ordering::Relaxed) {
         "forced scalar; ".to_string()
+    } else if FORCED.load(Ordering::Relaxed) != 0 {
+        "forced; ".to_string()
     } else if std::env::var_os("TP_KERNEL").is_some() {
         "TP_KERNEL; ".to_string()
     } else {
@@ -234,7 +321,22 @@ mod tests {
         let (s, w) = resolve(Some("avx9000"));
         assert_eq!(s, best);
         assert!(w.is_some_and(|w| w.contains("not one of")));
-        for simd in [Simd::Avx2, Simd::Avx512] {
+        let avx2 = resolve(Some("avx2")).0;
+        let best_avx2 = [Simd::Avx2Vnni, Simd::Avx2]
+            .into_iter()
+            .find(|&s| supports(s));
+        assert_eq!(
+            avx2,
+            best_avx2.unwrap_or(best),
+            "avx2: the best AVX2 variant"
+        );
+        if supports(Simd::Avx2) {
+            assert_eq!(resolve(Some("AVX2-novnni")), (Simd::Avx2, None));
+        }
+        for simd in [Simd::Avx2, Simd::Avx2Vnni, Simd::Avx512] {
+            if simd == Simd::Avx2 {
+                continue; // "avx2" asks for the best variant, checked above
+            }
             let (s, w) = resolve(Some(simd.name()));
             if supports(simd) {
                 assert_eq!((s, w), (simd, None));

@@ -123,8 +123,8 @@ impl DenseMatrix {
         check_matmul_args(rows, cols, x, n, y.len())?;
         each_kind!(self, d => {
             #[cfg(target_arch = "x86_64")]
-            if matches!(simd, Simd::Avx2 | Simd::Avx512) {
-                // SAFETY: `Simd::Avx2` and `Simd::Avx512` are only chosen after runtime
+            if matches!(simd, Simd::Avx2 | Simd::Avx2Vnni | Simd::Avx512) {
+                // SAFETY: the AVX2 paths and `Simd::Avx512` are only chosen after runtime
                 // detection of AVX2, FMA and F16C; the lengths of `w`, `x` and `y` were
                 // checked above.
                 unsafe { crate::dense_avx2::matmul(&d.values, rows, cols, x, n, y) };
@@ -161,8 +161,8 @@ impl DenseMatrix {
         }
         each_kind!(self, d => {
             #[cfg(target_arch = "x86_64")]
-            if matches!(simd, Simd::Avx2 | Simd::Avx512) {
-                // SAFETY: `Simd::Avx2` and `Simd::Avx512` are only chosen after runtime
+            if matches!(simd, Simd::Avx2 | Simd::Avx2Vnni | Simd::Avx512) {
+                // SAFETY: the AVX2 paths and `Simd::Avx512` are only chosen after runtime
                 // detection of AVX2, FMA and F16C; the lengths of `w`, `x` and `y` were
                 // checked above.
                 unsafe { crate::dense_avx2::matmul_wide(&d.values, rows, cols, x, n, y) };

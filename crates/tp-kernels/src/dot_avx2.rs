@@ -9,7 +9,9 @@
 //! - Q4_0/Q4_1: nibbles (0..=15) are the unsigned side. Eight products summed in i16 stay
 //!   below 8 * 2 * 15 * 127 = 30480 < 32767. Q4_0's `-8` is `-8 * sum(x)` per block, in i32.
 //! - Q8_0: signed times signed, so `|w|` is the unsigned side and `x` takes `w`'s sign;
-//!   each pair sum is at most 2 * 128 * 127 = 32512 and goes to i32 at once.
+//!   each pair sum is at most 2 * 128 * 127 = 32512 and goes to i32 at once. With 256-bit
+//!   VNNI (`crate::vnni`, the `avx2+vnni` path) one `vpdpbusd` replaces `maddubs`, `madd`
+//!   and `add`: the same exact i32 sums.
 //! - Q5_0/Q5_1: nibbles plus the fifth bit (0..=31) are the unsigned side; four products per
 //!   i16 stay below 4 * 2 * 31 * 127 = 31496; Q5_0's `-16` is `-16 * sum(x)` per block, in
 //!   i32; Q5_1's minimum is added as Q4_1's.
@@ -24,13 +26,16 @@ use crate::tile::TileOut;
 use std::arch::x86_64::*;
 
 /// Outputs of one group for `tile` tokens into `out.f32s[..tile]` or, when `wide`, the f64
-/// sums of the block contributions into `out.f64s[..tile]`.
+/// sums of the block contributions into `out.f64s[..tile]`. `vnni`: the `vpdpbusd ymm`
+/// encoding Q8_0 uses (`crate::vnni::NONE`: the plain AVX2 code); the same bits either way.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C; `group.len() >= nb * group_block_bytes(qtype)`;
+/// The CPU must support AVX2, FMA and F16C, and `vnni` ([`crate::vnni::encoding`] returned
+/// it, or `NONE`); `group.len() >= nb * group_block_bytes(qtype)`;
 /// `acts.len() >= tile * nb` (token `t`'s blocks are `acts[t * nb..(t + 1) * nb]`);
 /// `1 <= tile <= MAX_TILE`.
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn group_dot(
     qtype: QuantType,
     group: &[u8],
@@ -38,6 +43,7 @@ pub(crate) unsafe fn group_dot(
     acts: &[ActBlock],
     tile: usize,
     wide: bool,
+    vnni: u8,
     out: &mut TileOut,
 ) {
     let g = group.as_ptr();
@@ -48,7 +54,7 @@ pub(crate) unsafe fn group_dot(
     unsafe {
         // `k::<tile, c.., wide>` for the tile size and `wide` of this call.
         macro_rules! by_tile {
-            ($k:ident $(, $c:literal)*) => {
+            ($k:ident $(, $c:tt)*) => {
                 match (tile, wide) {
                     (1, false) => $k::<1, $($c,)* false>(g, nb, ptrs(a, nb), out),
                     (2, false) => $k::<2, $($c,)* false>(g, nb, ptrs(a, nb), out),
@@ -64,7 +70,11 @@ pub(crate) unsafe fn group_dot(
         match qtype {
             QuantType::Q4_0 => by_tile!(q4, false),
             QuantType::Q4_1 => by_tile!(q4, true),
-            QuantType::Q8_0 => by_tile!(q8),
+            QuantType::Q8_0 => match vnni {
+                crate::vnni::EVEX => by_tile!(q8, { crate::vnni::EVEX }),
+                crate::vnni::VEX => by_tile!(q8, { crate::vnni::VEX }),
+                _ => by_tile!(q8, { crate::vnni::NONE }),
+            },
             QuantType::Q5_0 => by_tile!(q5, false),
             QuantType::Q5_1 => by_tile!(q5, true),
             QuantType::IQ4_NL => by_tile!(iq4nl),
@@ -279,13 +289,14 @@ unsafe fn q4<const T: usize, const MIN: bool, const WIDE: bool>(
     }
 }
 
-/// Q8_0 group against `T` tokens.
+/// Q8_0 group against `T` tokens, with `vpdpbusd` in VNNI encoding `V` (or the plain AVX2
+/// code: `crate::vnni::NONE`).
 ///
 /// # Safety
 /// As for [`group_dot`], with `acts[t]` pointing at token `t`'s `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8<const T: usize, const WIDE: bool>(
+unsafe fn q8<const T: usize, const V: u8, const WIDE: bool>(
     group: *const u8,
     nb: usize,
     acts: [*const ActBlock; T],
@@ -305,14 +316,35 @@ unsafe fn q8<const T: usize, const WIDE: bool>(
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
             let q = blk.add(sb);
             let mut s32 = [_mm256_setzero_si256(); T];
-            for c in 0..8 {
-                let w = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
-                let aw = _mm256_abs_epi8(w);
+            if V == crate::vnni::NONE {
+                for c in 0..8 {
+                    let w = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
+                    let aw = _mm256_abs_epi8(w);
+                    for t in 0..T {
+                        let xq = (*acts[t].add(b)).qs.as_ptr();
+                        let sx = _mm256_sign_epi8(bcast4(xq, 4 * c), w);
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
+                        s32[t] = _mm256_add_epi32(s32[t], p);
+                    }
+                }
+            } else {
+                // Two `vpdpbusd` chains per token (even and odd words): one chain is bound by
+                // its latency at 1 token (decode).
+                let mut odd = [_mm256_setzero_si256(); T];
+                for c in (0..8).step_by(2) {
+                    let w0 = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
+                    let w1 = _mm256_loadu_si256(q.add(32 * c + 32) as *const __m256i);
+                    let (a0, a1) = (_mm256_abs_epi8(w0), _mm256_abs_epi8(w1));
+                    for t in 0..T {
+                        let xq = (*acts[t].add(b)).qs.as_ptr();
+                        let s0 = _mm256_sign_epi8(bcast4(xq, 4 * c), w0);
+                        let s1 = _mm256_sign_epi8(bcast4(xq, 4 * c + 4), w1);
+                        s32[t] = crate::vnni::dpbusd::<V>(s32[t], a0, s0);
+                        odd[t] = crate::vnni::dpbusd::<V>(odd[t], a1, s1);
+                    }
+                }
                 for t in 0..T {
-                    let xq = (*acts[t].add(b)).qs.as_ptr();
-                    let sx = _mm256_sign_epi8(bcast4(xq, 4 * c), w);
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
-                    s32[t] = _mm256_add_epi32(s32[t], p);
+                    s32[t] = _mm256_add_epi32(s32[t], odd[t]);
                 }
             }
             for t in 0..T {

@@ -88,7 +88,7 @@ pub(crate) unsafe fn group_dot(
 /// `k::<T, c.., WIDE, SUB>(args..)` for a form (`Form`) and a `match` on the tile size whose
 /// arms give the argument tuples (tokens `T` = the length of the third argument, 1 to 4).
 macro_rules! by_form {
-    ($form:expr, $k:ident, [$($c:literal),*], match $tile:ident {
+    ($form:expr, $k:ident, [$($c:tt),*], match $tile:ident {
         1 => ($($a1:expr),*), 2 => ($($a2:expr),*), 3 => ($($a3:expr),*), _ => ($($a4:expr),*),
     }) => {
         match ($form, $tile) {

@@ -66,4 +66,7 @@ pub enum KernelError {
         lead: usize,
         cols: usize,
     },
+    /// A kernel path name that is unknown or that this CPU cannot run.
+    #[error("kernel path {path:?}: {reason}")]
+    KernelPath { path: String, reason: String },
 }

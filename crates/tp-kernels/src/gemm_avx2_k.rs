@@ -22,7 +22,14 @@
 //! tails are the same functions (`dot_avx2_k::block_end`, and for the sub-block form
 //! `sub_value`, called as each sub-block ends, in column order): every output has the
 //! per-group kernels' bits, hence the scalar path's.
+//!
+//! On the `avx2+vnni` path (`crate::vnni`) one `vpdpbusd` per word and token replaces the
+//! `maddubs` and the i16 `add`: the words of one scale ([`words_per_scale`]: a 32-wide
+//! sub-block for Q4_K and Q5_K, a 16-wide half for the others) are summed exactly in i32,
+//! then multiplied by the scale (`mullo`). No i16 sum saturates on the plain path, so the
+//! i32 sums, and every output, are the same.
 
+use crate::cpu::Simd;
 use crate::dot_avx2::{add_wide, ptrs, store};
 use crate::dot_avx2_k::{
     block_end, by_form, dup_half, k23_quants, pairs_i8, pairs_u8, q6_quarters, sub_scales,
@@ -40,21 +47,46 @@ const QUANTS: usize = 2048;
 /// Bytes of one unpacked group super-block: the quants, then 16 scale vectors.
 pub(crate) const UNPACKED: usize = QUANTS + 16 * 32;
 
-/// Whether the driver runs `qtype` on these kernels. Q4_K has them (and the tests check
-/// them) but stays on the per-group kernels: unpacked, its 4-bit quants take twice the bytes
-/// (2560 a super-block against 1184 packed), and the many-token products measured 0.81-1.03x
-/// the per-group kernels at 8 to 128 tokens (Q2_K 1.00-1.15x, Q3_K 1.27-1.51x, Q5_K
-/// 1.02-1.26x, Q6_K 1.04-1.38x; `cargo bench -p tp-kernels --bench gemm`, AMD EPYC).
-pub(crate) fn supports(qtype: QuantType) -> bool {
+/// Whether the driver runs `qtype` on these kernels on path `simd` (an AVX2 one). Q4_K has
+/// them (and the tests check them) but stays on the per-group kernels on the plain AVX2
+/// path: unpacked, its 4-bit quants take twice the bytes (2560 a super-block against 1184
+/// packed), and the many-token products measured 0.81-1.03x the per-group kernels at 8 to
+/// 128 tokens (Q2_K 1.00-1.15x, Q3_K 1.27-1.51x, Q5_K 1.02-1.26x, Q6_K 1.04-1.38x;
+/// `cargo bench -p tp-kernels --bench gemm`, AMD EPYC).
+pub(crate) fn supports(qtype: QuantType, simd: Simd) -> bool {
     use QuantType::*;
-    matches!(qtype, Q2_K | Q3_K | Q5_K | Q6_K)
+    let q4k = Q4K_ON_VNNI && simd == Simd::Avx2Vnni && qtype == Q4_K;
+    simd.is_avx2() && (matches!(qtype, Q2_K | Q3_K | Q5_K | Q6_K) || q4k)
+}
+
+/// Whether Q4_K takes these kernels on the `avx2+vnni` path (see [`supports`]).
+const Q4K_ON_VNNI: bool = true;
+
+/// Fewest tokens of a product the driver runs on these kernels: from two tiles, but Q4_K
+/// (only on the `avx2+vnni` path) from 32: it measured 1.06-1.17x the per-group kernels at
+/// 128 tokens and 0.90-0.96x at 16 (`cargo bench -p tp-kernels --bench gemm`, AMD EPYC).
+pub(crate) fn min_tokens(qtype: QuantType) -> usize {
+    if qtype == QuantType::Q4_K {
+        32
+    } else {
+        crate::tile::MAX_TILE + 1
+    }
 }
 
 /// Whether [`unpack`] and [`group_dot`] take `qtype` (Q4_K too, which the driver does not
-/// send here: see [`supports`]; its kernels stay for the tests and for the next measurement).
+/// send here on the plain AVX2 path: see [`supports`]).
 #[cfg(test)]
 pub(crate) fn has_kernels(qtype: QuantType) -> bool {
-    supports(qtype) || qtype == QuantType::Q4_K
+    supports(qtype, Simd::Avx2) || qtype == QuantType::Q4_K
+}
+
+/// Words that share one scale per row: a 32-wide sub-block (8) for Q4_K and Q5_K, a 16-wide
+/// half (4) for Q2_K, Q3_K and Q6_K; the VNNI kernels sum them in i32 before the scale.
+const fn words_per_scale(qtype: QuantType) -> usize {
+    match qtype {
+        QuantType::Q4_K | QuantType::Q5_K => 8,
+        _ => 4,
+    }
 }
 
 /// Words whose `maddubs` pair sums the per-group kernels add in i16 before one `madd` with the
@@ -177,10 +209,12 @@ pub(crate) unsafe fn unpack(qtype: QuantType, group: &[u8], nb: usize, out: &mut
 
 /// Outputs of one group, unpacked by [`unpack`] into `unpacked`, for `tile` tokens into
 /// `out.f32s[..tile]` or, for the wide forms, the f64 sums into `out.f64s[..tile]`: the bits
-/// of `dot_avx2_k::group_dot` on the packed group.
+/// of `dot_avx2_k::group_dot` on the packed group. `vnni`: the `vpdpbusd ymm` encoding to use
+/// (`crate::vnni::NONE`: the plain AVX2 code).
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C; `qtype` one of Q2_K to Q6_K;
+/// The CPU must support AVX2, FMA and F16C, and `vnni` ([`crate::vnni::encoding`] returned
+/// it, or `NONE`); `qtype` one of Q2_K to Q6_K;
 /// `group.len() >= nb * group_block_bytes(qtype)`; `unpacked.len() >= nb * UNPACKED`,
 /// unpacked from `group`; `acts.len() >= tile * nb`; `1 <= tile <= MAX_TILE`.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -193,8 +227,10 @@ pub(crate) unsafe fn group_dot(
     acts: &[ActBlockK],
     tile: usize,
     form: Form,
+    vnni: u8,
     out: &mut TileOut,
 ) {
+    use crate::vnni::{EVEX, NONE, VEX};
     let (g, u, a) = (group.as_ptr(), unpacked.as_ptr(), acts.as_ptr());
     let gb = group_block_bytes(qtype);
     let tail = match qtype {
@@ -206,11 +242,11 @@ pub(crate) unsafe fn group_dot(
     // SAFETY: the caller guarantees the CPU features and the slice lengths.
     unsafe {
         macro_rules! run {
-            ($wpm:literal) => {
+            ($wpm:literal, $v:ident) => {
                 by_form!(
                     form,
                     kernel,
-                    [$wpm],
+                    [$wpm, $v],
                     match tile {
                         1 => (tail, gb, g, u, nb, ptrs(a, nb), out),
                         2 => (tail, gb, g, u, nb, ptrs(a, nb), out),
@@ -220,16 +256,21 @@ pub(crate) unsafe fn group_dot(
                 )
             };
         }
-        match words_per_madd(qtype) {
-            8 => run!(8),
-            2 => run!(2),
-            _ => run!(4),
+        match (vnni, words_per_scale(qtype), words_per_madd(qtype)) {
+            (EVEX, 8, _) => run!(8, EVEX),
+            (EVEX, _, _) => run!(4, EVEX),
+            (VEX, 8, _) => run!(8, VEX),
+            (VEX, _, _) => run!(4, VEX),
+            (_, _, 8) => run!(8, NONE),
+            (_, _, 2) => run!(2, NONE),
+            _ => run!(4, NONE),
         }
     }
 }
 
 /// One unpacked group against `T` tokens (`acts[t]`: token `t`'s `nb` blocks), `WPM` words
-/// summed in i16 per `madd`.
+/// summed in i16 per `madd` (plain AVX2, `V == NONE`) or, with `vpdpbusd` in encoding `V`,
+/// in i32 per scale multiply (`WPM` is then [`words_per_scale`]).
 ///
 /// # Safety
 /// As for [`group_dot`]: `group` holds `nb` group super-blocks of `gb` bytes of the format
@@ -237,7 +278,13 @@ pub(crate) unsafe fn group_dot(
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn kernel<const T: usize, const WPM: usize, const WIDE: bool, const SUB: bool>(
+unsafe fn kernel<
+    const T: usize,
+    const WPM: usize,
+    const V: u8,
+    const WIDE: bool,
+    const SUB: bool,
+>(
     tail: Tail,
     gb: usize,
     group: *const u8,
@@ -265,6 +312,44 @@ unsafe fn kernel<const T: usize, const WPM: usize, const WIDE: bool, const SUB: 
             for j in 0..8 {
                 let mut sj = [_mm256_setzero_si256(); T];
                 for m in 0..8 / WPM {
+                    if V != crate::vnni::NONE {
+                        // Two sums per token (even and odd words): twice the independent
+                        // `vpdpbusd` chains, to cover its latency. Each token's 16 activation
+                        // bytes of 4 words are loaded once (both 128-bit halves) and each word
+                        // broadcast within the halves by `pshufd`: a quarter of the loads of
+                        // one broadcast load per word and token, which bound this loop.
+                        let (mut s0, mut s1) =
+                            ([_mm256_setzero_si256(); T], [_mm256_setzero_si256(); T]);
+                        for h in (m * WPM / 4)..((m + 1) * WPM / 4) {
+                            let at = |w: usize| u.add((8 * j + 4 * h + w) * 32) as *const __m256i;
+                            let q = [0, 1, 2, 3].map(|w| _mm256_loadu_si256(at(w)));
+                            for t in 0..T {
+                                let xq = x[t].qs.as_ptr().add(32 * j + 16 * h);
+                                let xv = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                                    xq as *const __m128i,
+                                ));
+                                let x0 = _mm256_shuffle_epi32::<0x00>(xv);
+                                let x1 = _mm256_shuffle_epi32::<0x55>(xv);
+                                let x2 = _mm256_shuffle_epi32::<0xAA>(xv);
+                                let x3 = _mm256_shuffle_epi32::<0xFF>(xv);
+                                s0[t] = crate::vnni::dpbusd::<V>(s0[t], q[0], x0);
+                                s1[t] = crate::vnni::dpbusd::<V>(s1[t], q[1], x1);
+                                s0[t] = crate::vnni::dpbusd::<V>(s0[t], q[2], x2);
+                                s1[t] = crate::vnni::dpbusd::<V>(s1[t], q[3], x3);
+                            }
+                        }
+                        let s: [__m256i; T] =
+                            std::array::from_fn(|t| _mm256_add_epi32(s0[t], s1[t]));
+                        // The scale, in both i16 halves of each lane: the high one, widened.
+                        let e = m * WPM / 4;
+                        let sc =
+                            _mm256_loadu_si256(u.add(QUANTS + (2 * j + e) * 32) as *const __m256i);
+                        let sc = _mm256_srai_epi32::<16>(sc);
+                        for t in 0..T {
+                            sj[t] = _mm256_add_epi32(sj[t], _mm256_mullo_epi32(s[t], sc));
+                        }
+                        continue;
+                    }
                     let mut s16 = [_mm256_setzero_si256(); T];
                     for w in m * WPM..(m + 1) * WPM {
                         let q = _mm256_loadu_si256(u.add((8 * j + w) * 32) as *const __m256i);
@@ -305,7 +390,7 @@ unsafe fn kernel<const T: usize, const WPM: usize, const WIDE: bool, const SUB: 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::{self, Simd};
+    use crate::cpu;
     use crate::matrix::tests::random_ggml;
     use crate::pack::GROUP_ROWS;
     use crate::tile::MAX_TILE;
@@ -331,19 +416,32 @@ mod tests {
         v.iter().map(|f| f.to_bits()).collect()
     }
 
-    /// `matmul` and `matmul_wide_acc` (from non-zero sums) on AVX2 and on the scalar path
-    /// give the same bits.
+    /// The AVX2 variants this CPU runs (plain, and with VNNI where it has it); a printed
+    /// line for each it cannot run.
+    fn avx2_paths() -> Vec<Simd> {
+        cpu::available()
+            .into_iter()
+            .filter(|s| s.is_avx2())
+            .collect()
+    }
+
+    /// `matmul` and `matmul_wide_acc` (from non-zero sums) on each AVX2 variant and on the
+    /// scalar path give the same bits.
     fn assert_scalar_bits(m: &QuantMatrix, x: &[f32], n: usize, what: &str) {
         let rows = m.rows();
-        let (mut ya, mut ys) = (vec![0.0f32; n * rows], vec![0.0f32; n * rows]);
-        m.matmul_with(Simd::Avx2, x, n, &mut ya).unwrap();
+        let mut ys = vec![0.0f32; n * rows];
         m.matmul_with(Simd::Scalar, x, n, &mut ys).unwrap();
-        assert_eq!(f32_bits(&ya), f32_bits(&ys), "{what} f32");
         let y0: Vec<f64> = (0..n * rows).map(|i| i as f64 * 0.25 - 3.0).collect();
-        let (mut wa, mut ws) = (y0.clone(), y0);
-        m.matmul_wide_acc_with(Simd::Avx2, x, n, &mut wa).unwrap();
+        let mut ws = y0.clone();
         m.matmul_wide_acc_with(Simd::Scalar, x, n, &mut ws).unwrap();
-        assert_eq!(f64_bits(&wa), f64_bits(&ws), "{what} wide");
+        for simd in avx2_paths() {
+            let mut ya = vec![0.0f32; n * rows];
+            m.matmul_with(simd, x, n, &mut ya).unwrap();
+            assert_eq!(f32_bits(&ya), f32_bits(&ys), "{what} {simd:?} f32");
+            let mut wa = y0.clone();
+            m.matmul_wide_acc_with(simd, x, n, &mut wa).unwrap();
+            assert_eq!(f64_bits(&wa), f64_bits(&ws), "{what} {simd:?} wide");
+        }
     }
 
     /// Whole super-blocks (`sub = false`) or the sub-block form from column 32 to 64 before
@@ -416,7 +514,10 @@ mod tests {
                 let m = QuantMatrix::from_ggml_bytes(qtype, rows, nb * 256, bytes.clone());
                 let s = QuantMatrix::from_ggml_sub_blocks(qtype, rows, 0, nb * 256, bytes);
                 for (m, sub) in [(m.unwrap(), false), (s.unwrap(), true)] {
-                    for (sign, n) in [8, 17].into_iter().flat_map(|n| [(1.0f32, n), (-1.0, n)]) {
+                    for (sign, n) in [8, 17, 33]
+                        .into_iter()
+                        .flat_map(|n| [(1.0f32, n), (-1.0, n)])
+                    {
                         let x: Vec<f32> = (0..n * m.cols())
                             .map(|i| if i % 3 == 0 { sign } else { -sign * 0.5 })
                             .collect();
@@ -431,7 +532,8 @@ mod tests {
     #[test]
     fn unpacked_kernels_give_the_per_group_kernels_bits_for_every_tile_and_form() {
         // The kernels themselves, called directly (the products above would also pass if the
-        // driver never took them): one group, tiles of 1 to 4 tokens, each form.
+        // driver never took them): one group, tiles of 1 to 4 tokens, each form, plain and
+        // (where the CPU has it) with VNNI.
         if !cpu::supports(Simd::Avx2) {
             eprintln!("skipped: this CPU has no AVX2");
             return;
@@ -450,18 +552,23 @@ mod tests {
             // SAFETY: AVX2 (checked above); `group` holds `nb` group super-blocks and
             // `unpacked` `nb * UNPACKED` bytes.
             unsafe { unpack(qtype, group, nb, &mut unpacked) };
-            for form in [Form::F32, Form::Wide, Form::WideSub] {
+            let encodings = avx2_paths().into_iter().map(|s| s.vnni());
+            for (form, v) in [Form::F32, Form::Wide, Form::WideSub]
+                .into_iter()
+                .flat_map(|f| encodings.clone().map(move |v| (f, v)))
+            {
                 let acts = if form == Form::WideSub { &subs } else { &acts };
                 for tile in 1..=MAX_TILE {
                     let (mut a, mut b) = (TileOut::default(), TileOut::default());
                     let acts = &acts[..tile * nb];
-                    // SAFETY: as above; `acts` holds `tile` tokens of `nb` blocks.
+                    // SAFETY: as above, and the CPU runs VNNI encoding `v` (`avx2_paths`);
+                    // `acts` holds `tile` tokens of `nb` blocks.
                     unsafe {
-                        group_dot(qtype, group, &unpacked, nb, acts, tile, form, &mut a);
+                        group_dot(qtype, group, &unpacked, nb, acts, tile, form, v, &mut a);
                         crate::dot_avx2_k::group_dot(qtype, group, nb, acts, tile, form, &mut b);
                     }
                     for t in 0..tile {
-                        let what = format!("{qtype} {form:?} tile {tile} token {t}");
+                        let what = format!("{qtype} {form:?} vnni {v} tile {tile} token {t}");
                         if form == Form::F32 {
                             assert_eq!(f32_bits(&a.f32s[t]), f32_bits(&b.f32s[t]), "{what}");
                         } else {

@@ -1,8 +1,8 @@
 //! tp-kernels: single-threaded CPU matrix-vector and small matrix-matrix products over GGUF
 //! quantized blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
 //! IQ4_XS) and dense
-//! f32/f16 weights, with AVX2+FMA and AVX-512 VNNI kernels chosen at run time (`TP_KERNEL`
-//! overrides) and a portable scalar fallback.
+//! f32/f16 weights, with AVX2+FMA (with 256-bit VNNI where the CPU has it) and AVX-512 VNNI
+//! kernels chosen at run time (`TP_KERNEL` overrides) and a portable scalar fallback.
 //!
 //! Every product runs on the calling thread only: a tensor-parallel rank is one thread.
 //! `matmul_wide_acc` accumulates in f64 from per-block f32 contributions, so a product split
@@ -44,9 +44,10 @@ mod quantize;
 mod quantize_iq4;
 mod quantize_k;
 mod tile;
+mod vnni;
 mod wide;
 
-pub use cpu::{cpu_model, force_scalar, kernel_path, kernel_report, simd_level};
+pub use cpu::{cpu_model, force_kernel, force_scalar, kernel_path, kernel_report, simd_level};
 pub use dense::{DenseData, DenseMatrix};
 pub use error::KernelError;
 pub use format::QuantType;

@@ -606,7 +606,7 @@ impl QuantMatrix {
         // Weights unpacked once per group for all its tiles, where the kernels take that and
         // there are at least two tiles.
         let unpack_len = if n >= AVX2_MIN_TOKENS && !tile::legacy() {
-            A::unpacked_len(self.qtype, simd, nb)
+            A::unpacked_len(self.qtype, simd, nb, n)
         } else {
             0
         };
@@ -834,9 +834,9 @@ trait Activation: Sized {
     const PER_BLOCK: usize;
     /// Lays this block out for the AVX-512 kernels of `qtype` (`out.len() == PER_BLOCK`).
     fn expand(&self, qtype: QuantType, out: &mut [Expanded]);
-    /// Bytes of a group of `nb` blocks unpacked for the kernels of `simd` (0: they work on
-    /// the packed weights).
-    fn unpacked_len(_qtype: QuantType, _simd: Simd, _nb: usize) -> usize {
+    /// Bytes of a group of `nb` blocks unpacked for the kernels of `simd` in a product of `n`
+    /// tokens (0: they work on the packed weights).
+    fn unpacked_len(_qtype: QuantType, _simd: Simd, _nb: usize, _n: usize) -> usize {
         0
     }
     /// Unpacks `group` into `out` (`unpacked_len` bytes) for the kernels of `simd`.
@@ -882,9 +882,9 @@ impl Activation for ActBlock {
         expand::expand(self, out);
     }
 
-    fn unpacked_len(qtype: QuantType, simd: Simd, nb: usize) -> usize {
+    fn unpacked_len(qtype: QuantType, simd: Simd, nb: usize, _n: usize) -> usize {
         #[cfg(target_arch = "x86_64")]
-        if simd == Simd::Avx2 && crate::dot_avx2::unpacks(qtype) {
+        if simd.is_avx2() && crate::dot_avx2::unpacks(qtype) {
             return nb * crate::dot_avx2::UNPACKED_BLOCK;
         }
         let _ = (qtype, simd, nb);
@@ -893,12 +893,12 @@ impl Activation for ActBlock {
 
     fn unpack(qtype: QuantType, simd: Simd, group: &[u8], nb: usize, out: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
-        if simd == Simd::Avx2
+        if simd.is_avx2()
             && crate::dot_avx2::unpacks(qtype)
             && group.len() >= nb * group_block_bytes(qtype)
             && out.len() >= nb * crate::dot_avx2::UNPACKED_BLOCK
         {
-            // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
+            // SAFETY: the AVX2 paths are only chosen after runtime detection of AVX2, FMA and
             // F16C; the slice lengths were checked just above.
             unsafe { crate::dot_avx2::unpack_group(qtype, group, nb, out) }
         }
@@ -917,10 +917,10 @@ impl Activation for ActBlock {
         let (acts, n, wide) = (tile.acts, tile.tokens, form.wide());
         match simd {
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx2
-                if !tile.unpacked.is_empty()
-                    && tile.unpacked.len() >= nb * crate::dot_avx2::UNPACKED_BLOCK
-                    && crate::dot_avx2::unpacks(qtype) =>
+            s if s.is_avx2()
+                && !tile.unpacked.is_empty()
+                && tile.unpacked.len() >= nb * crate::dot_avx2::UNPACKED_BLOCK
+                && crate::dot_avx2::unpacks(qtype) =>
             {
                 let u = tile.unpacked;
                 // SAFETY: as below, and `u` holds the group unpacked by `Self::unpack`
@@ -930,11 +930,13 @@ impl Activation for ActBlock {
                 }
             }
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx2 => {
-                // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
-                // F16C; `group` holds `nb` group blocks of this format and `acts` holds `n`
+            s if s.is_avx2() => {
+                // SAFETY: the AVX2 paths are only chosen after runtime detection of AVX2, FMA and
+                // F16C (and `Simd::Avx2Vnni` of the VNNI encoding `s.vnni()` names); `group`
+                // holds `nb` group blocks of this format and `acts` holds `n`
                 // (1..=MAX_TILE) tokens of `nb` blocks, as sliced by `run_tiles_with`.
-                unsafe { crate::dot_avx2::group_dot(qtype, group, nb, acts, n, wide, out) }
+                let v = s.vnni();
+                unsafe { crate::dot_avx2::group_dot(qtype, group, nb, acts, n, wide, v, out) }
             }
             #[cfg(target_arch = "x86_64")]
             Simd::Avx512 if tile.ex.len() == acts.len() * Self::PER_BLOCK && n <= MAX_TILE => {
@@ -950,7 +952,8 @@ impl Activation for ActBlock {
                 // Not reachable (`run_tiles` expands for AVX-512 and makes tiles of at most
                 // `MAX_TILE` tokens); stay correct anyway.
                 // SAFETY: AVX-512 implies the AVX2 features (checked at detection).
-                unsafe { crate::dot_avx2::group_dot(qtype, group, nb, acts, n, wide, out) }
+                let v = crate::vnni::NONE;
+                unsafe { crate::dot_avx2::group_dot(qtype, group, nb, acts, n, wide, v, out) }
             }
             _ => {
                 for t in 0..n {
@@ -983,23 +986,22 @@ impl Activation for ActBlockK {
         expand::expand_k(qtype, self, out);
     }
 
-    fn unpacked_len(qtype: QuantType, simd: Simd, nb: usize) -> usize {
+    fn unpacked_len(qtype: QuantType, simd: Simd, nb: usize, n: usize) -> usize {
         #[cfg(target_arch = "x86_64")]
-        if simd == Simd::Avx2 && crate::gemm_avx2_k::supports(qtype) {
+        if crate::gemm_avx2_k::supports(qtype, simd) && n >= crate::gemm_avx2_k::min_tokens(qtype) {
             return nb * crate::gemm_avx2_k::UNPACKED;
         }
-        let _ = (qtype, simd, nb);
+        let _ = (qtype, simd, nb, n);
         0
     }
 
     fn unpack(qtype: QuantType, simd: Simd, group: &[u8], nb: usize, out: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
-        if simd == Simd::Avx2
-            && crate::gemm_avx2_k::supports(qtype)
+        if crate::gemm_avx2_k::supports(qtype, simd)
             && group.len() >= nb * group_block_bytes(qtype)
             && out.len() >= nb * crate::gemm_avx2_k::UNPACKED
         {
-            // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
+            // SAFETY: the AVX2 paths are only chosen after runtime detection of AVX2, FMA and
             // F16C; the slice lengths were checked just above.
             unsafe { crate::gemm_avx2_k::unpack(qtype, group, nb, out) }
         }
@@ -1018,17 +1020,17 @@ impl Activation for ActBlockK {
         let (acts, n) = (tile.acts, tile.tokens);
         match simd {
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx2
-                if crate::gemm_avx2_k::supports(qtype)
-                    && tile.unpacked.len() >= nb * crate::gemm_avx2_k::UNPACKED =>
+            s if crate::gemm_avx2_k::supports(qtype, s)
+                && tile.unpacked.len() >= nb * crate::gemm_avx2_k::UNPACKED =>
             {
-                let u = tile.unpacked;
-                // SAFETY: as below, and `u` holds the group unpacked by `Self::unpack`
+                let (u, v) = (tile.unpacked, s.vnni());
+                // SAFETY: as below (and `Simd::Avx2Vnni` is only chosen where the CPU runs
+                // the VNNI encoding `v`), and `u` holds the group unpacked by `Self::unpack`
                 // (`nb * UNPACKED` bytes, checked above) for this format.
-                unsafe { crate::gemm_avx2_k::group_dot(qtype, group, u, nb, acts, n, form, out) }
+                unsafe { crate::gemm_avx2_k::group_dot(qtype, group, u, nb, acts, n, form, v, out) }
             }
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx2 => {
+            s if s.is_avx2() => {
                 // SAFETY: as for `ActBlock`, with K-quant group super-blocks.
                 unsafe { crate::dot_avx2_k::group_dot(qtype, group, nb, acts, n, form, out) }
             }
@@ -1170,11 +1172,6 @@ pub(crate) mod tests {
 
     /// The SIMD paths this CPU supports, with a printed line for each one it does not.
     fn simd_paths() -> Vec<Simd> {
-        for s in [Simd::Avx2, Simd::Avx512] {
-            if !cpu::supports(s) {
-                eprintln!("skipped {s:?}: this CPU does not support it");
-            }
-        }
         cpu::available().into_iter().skip(1).collect()
     }
 
@@ -1236,16 +1233,12 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn avx512_extreme_quants_match_scalar_bits() {
+    fn extreme_quants_match_scalar_bits_on_every_path() {
         // Every weight quant at its extremes (all bits set / all clear) and activations at
         // +-127: the integer sums must be exact on every path (`matmul_wide_acc`: the scalar
-        // bits; `matmul`: the AVX2 bits).
-        if !cpu::supports(Simd::Avx512) {
-            eprintln!("skipped: this CPU has no AVX-512 F/BW/VL + VNNI");
-            return;
-        }
+        // bits; `matmul`: the plain AVX2 bits).
         use QuantType::*;
-        for qtype in ALL {
+        for (simd, qtype) in simd_paths().into_iter().flat_map(|s| ALL.map(|q| (s, q))) {
             let (rows, cols) = (9, 3 * qtype.block_len());
             for fill in [0x00u8, 0xFF, 0x7F, 0x80] {
                 let mut bytes = random_ggml(qtype, rows, cols, 3);
@@ -1275,25 +1268,21 @@ pub(crate) mod tests {
                     let x: Vec<f32> = (0..n * cols)
                         .map(|i| if i % 3 == 0 { sign } else { -sign * 0.5 })
                         .collect();
+                    let what = format!("{simd:?} {qtype} fill {fill:#x} sign {sign} n={n}");
                     let mut ys = vec![0.0f64; n * rows];
                     let mut y5 = vec![0.0f64; n * rows];
                     m.matmul_wide_acc_with(Simd::Scalar, &x, n, &mut ys)
                         .unwrap();
-                    m.matmul_wide_acc_with(Simd::Avx512, &x, n, &mut y5)
-                        .unwrap();
+                    m.matmul_wide_acc_with(simd, &x, n, &mut y5).unwrap();
                     let bits = |v: &[f64]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&y5), bits(&ys), "{qtype} fill {fill:#x} sign {sign}");
-                    // And `matmul`: the AVX2 path's bits.
+                    assert_eq!(bits(&y5), bits(&ys), "{what}");
+                    // And `matmul`: the plain AVX2 path's bits.
                     let mut f2 = vec![0.0f32; n * rows];
                     let mut f5 = vec![0.0f32; n * rows];
                     m.matmul_with(Simd::Avx2, &x, n, &mut f2).unwrap();
-                    m.matmul_with(Simd::Avx512, &x, n, &mut f5).unwrap();
+                    m.matmul_with(simd, &x, n, &mut f5).unwrap();
                     let fbits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(
-                        fbits(&f5),
-                        fbits(&f2),
-                        "{qtype} fill {fill:#x} sign {sign} f32"
-                    );
+                    assert_eq!(fbits(&f5), fbits(&f2), "{what} f32");
                 }
             }
         }

@@ -72,8 +72,8 @@ pub(crate) fn quantize(simd: Simd, x: &[f32], out: &mut [ActBlock]) {
     }
     match simd {
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => {
-            // SAFETY: `Simd::Avx2` is only chosen after runtime detection of AVX2, FMA and
+        Simd::Avx2 | Simd::Avx2Vnni => {
+            // SAFETY: the AVX2 paths are only chosen after runtime detection of AVX2, FMA and
             // F16C, and the lengths were checked just above.
             unsafe { avx2::quantize(x, out) }
         }

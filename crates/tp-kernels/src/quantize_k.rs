@@ -96,9 +96,9 @@ pub(crate) fn quantize(simd: Simd, x: &[f32], out: &mut [ActBlockK]) {
     for (xs, b) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
         match simd {
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx2 | Simd::Avx512 => {
+            Simd::Avx2 | Simd::Avx2Vnni | Simd::Avx512 => {
                 *b = ActBlockK::default();
-                // SAFETY: `Simd::Avx2` and `Simd::Avx512` are only chosen after runtime
+                // SAFETY: the AVX2 paths and `Simd::Avx512` are only chosen after runtime
                 // detection of AVX2 (and FMA, F16C); `xs` and `b.qs` hold 256 each.
                 b.d = unsafe { avx2::quantize_run(xs, &mut b.qs) };
                 fill_sums(b);

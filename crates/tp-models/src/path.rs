@@ -18,7 +18,7 @@ impl Path {
             #[cfg(target_arch = "x86_64")]
             "avx512" => Path::Avx512,
             #[cfg(target_arch = "x86_64")]
-            "avx2" => Path::Avx2,
+            "avx2" | "avx2+vnni" => Path::Avx2,
             _ => Path::Portable,
         }
     }
