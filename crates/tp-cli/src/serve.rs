@@ -25,12 +25,12 @@ const MPI_TERM_DRAIN: Duration = Duration::from_millis(200);
 pub struct ServeSpecArgs {
     #[command(flatten)]
     pub drafting: crate::generate::SpecArgs,
-    /// With speculative decoding: which batched steps carry drafts. auto: each request's
-    /// drafts are kept when the step cost measured on this server (a fixed part and a part per
-    /// token fed) and the request's acceptance say they raise the step's tokens per second;
-    /// N: only steps where at most N requests decode (every draft costs a verification row,
-    /// accepted or not, so a batch that keeps the cores busy gets slower with drafts) [default:
-    /// auto].
+    /// With speculative decoding: which batched steps carry drafts. N: only steps where at
+    /// most N requests decode (every draft costs a verification row, accepted or not, so a
+    /// batch that keeps the cores busy gets slower with drafts); auto: each request's drafts
+    /// are kept when the step cost measured on this server (a fixed part and a part per token
+    /// fed) and the request's acceptance say they raise the step's tokens per second (for
+    /// machines where a row is cheap beside a step) [default: 1].
     #[arg(long, value_name = "N|auto", value_parser = parse_spec_batch)]
     pub spec_max_batch: Option<tp_serve::SpecBatch>,
 }
@@ -53,7 +53,7 @@ impl ServeSpecArgs {
         s: &tp_engine::Session,
         model: &ModelArgs,
     ) -> anyhow::Result<Option<tp_serve::ServeSpec>> {
-        let batch = self.spec_max_batch.unwrap_or(tp_serve::SpecBatch::Adaptive);
+        let batch = self.spec_max_batch.unwrap_or(tp_serve::SpecBatch::UpTo(1));
         Ok(self
             .drafting
             .source(s, model)?

@@ -377,6 +377,14 @@ impl Speculator {
         (1..=k).map(|j| a.powi(j as i32)).sum()
     }
 
+    /// Steps since the last one that verified drafts (all steps before the first).
+    pub fn steps_without_drafts(&self) -> usize {
+        self.policy.idle
+    }
+
+    /// When the drafts would not pay, one step in this many still drafts (a probe).
+    pub const PROBE_EVERY: usize = PROBE_EVERY;
+
     /// Whether this speculator's drafter is costly enough to draft ahead.
     pub fn drafter_is_costly(&self) -> bool {
         self.drafter.costly()

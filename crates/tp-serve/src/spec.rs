@@ -98,7 +98,9 @@ impl StepCost {
 }
 
 /// Steps with drafts a request gets whatever they cost, so that its chance of acceptance is
-/// measured before the adaptive policy judges its drafts by it.
+/// measured before the adaptive policy judges its drafts by it; later, one step in
+/// [`Speculator::PROBE_EVERY`] without verified drafts is a probe too (a quote that begins
+/// later in the answer is noticed).
 pub(crate) const PROBE_STEPS: usize = 2;
 
 /// One request's drafts in a step, for [`choose_drafts`].
@@ -108,7 +110,8 @@ pub(crate) struct Candidate {
     pub drafts: usize,
     /// How many of them are expected to be accepted.
     pub expected: f64,
-    /// Kept whatever they cost (its acceptance is not measured yet: [`PROBE_STEPS`]).
+    /// Kept whatever they cost (its acceptance is not measured yet, or not for a while:
+    /// [`PROBE_STEPS`]).
     pub probe: bool,
 }
 
@@ -206,7 +209,8 @@ impl SeqSpec {
         Candidate {
             drafts: self.drafts.len(),
             expected: self.speculator.expected_accepted(self.drafts.len()),
-            probe: self.speculator.stats.verify_steps < PROBE_STEPS,
+            probe: self.speculator.stats.verify_steps < PROBE_STEPS
+                || self.speculator.steps_without_drafts() >= Speculator::PROBE_EVERY,
         }
     }
 
