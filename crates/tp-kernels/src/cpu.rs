@@ -13,6 +13,10 @@
 //! run).
 //! Every path gives the same bits (`matmul_wide_acc`; `matmul` between AVX2 and AVX-512), so
 //! the choice only affects speed.
+//! Where that default is `avx2+vnni` on a CPU that also runs the AVX-512 path (AMD Zen 4),
+//! products of many tokens (prefill, verification) take the AVX-512 many-token kernels
+//! ([`wide_many_tokens`]: they prefilled 1.23x faster there, while one-token products are
+//! faster on the AVX2 code); `TP_KERNEL` naming a path turns that off.
 //!
 //! A `TP_KERNEL` value this CPU cannot run (or an unknown value) is not fatal: the library
 //! prints one warning on stderr and uses the default path, and [`kernel_path`] /
@@ -286,8 +290,28 @@ pub fn cpu_model() -> String {
     cpuinfo_field("model name").unwrap_or_else(|| "unknown CPU".into())
 }
 
+/// Whether quantized products of many tokens run on the AVX-512 kernels while the path is
+/// `avx2+vnni`: when that path is this CPU's default (not asked for by `TP_KERNEL`, not
+/// forced) and the CPU runs the AVX-512 path too. On the fleet's AMD kind (512-bit operations
+/// in two halves) the AVX-512 many-token kernels prefilled Qwen2.5-Coder-1.5B Q4_K_M 1.23x
+/// faster while one-token decode ran 0.67x (docs/performance.md), so each size takes the
+/// faster; every path gives the same bits.
+pub(crate) fn wide_many_tokens() -> bool {
+    static WIDE: OnceLock<bool> = OnceLock::new();
+    FORCED.load(Ordering::Relaxed) == 0
+        && !FORCE_SCALAR.load(Ordering::Relaxed)
+        && *WIDE.get_or_init(|| {
+            let asked = std::env::var("TP_KERNEL").ok();
+            let asked = asked.as_deref().map(|a| a.trim().to_ascii_lowercase());
+            matches!(asked.as_deref(), None | Some("") | Some("auto"))
+                && default_path() == Simd::Avx2Vnni
+                && supports(Simd::Avx512)
+        })
+}
+
 /// One line for logs and benchmark headers: the CPU model, the kernel path in use and the
-/// widest one this CPU supports, e.g. `"AMD EPYC, kernels avx2 (TP_KERNEL; cpu up to avx512)"`.
+/// widest one this CPU supports, e.g. `"AMD EPYC, kernels avx2 (TP_KERNEL; cpu up to avx512)"`
+/// (`avx2+vnni, many-token avx512` where [`wide_many_tokens`]).
 pub fn kernel_report() -> String {
     let (path, best) = (simd(), detect_hardware());
     let how = if FORCE_SCALAR.load(Ordering::Relaxed) {
@@ -299,8 +323,13 @@ pub fn kernel_report() -> String {
     } else {
         String::new()
     };
+    let wide = if path == Simd::Avx2Vnni && wide_many_tokens() {
+        ", many-token avx512"
+    } else {
+        ""
+    };
     format!(
-        "{}, kernels {} ({how}cpu up to {})",
+        "{}, kernels {}{wide} ({how}cpu up to {})",
         cpu_model(),
         path.name(),
         best.name()

@@ -447,7 +447,22 @@ impl QuantMatrix {
     /// Q4_0, Q8_0 and Q5_0; per 256-block as Q8_K for the K-quants Q2_K..Q6_K), then the
     /// products are integer dot products scaled per block.
     pub fn matmul(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
-        self.product(cpu::simd(), x, n, y)
+        self.product(self.default_simd(n), x, n, y)
+    }
+
+    /// The process's kernel path for a product of `n` tokens: [`cpu::simd`], except that
+    /// where the default path is `avx2+vnni` on a CPU that also runs the AVX-512 kernels
+    /// ([`cpu::wide_many_tokens`]), products of at least [`gemm_min_tokens`] tokens take the
+    /// AVX-512 ones (the same bits): on the fleet's AMD kind they prefill faster while its
+    /// one-token products are faster on the AVX2 code.
+    fn default_simd(&self, n: usize) -> Simd {
+        let simd = cpu::simd();
+        #[cfg(target_arch = "x86_64")]
+        if simd == Simd::Avx2Vnni && n >= gemm_min_tokens(self.qtype) && cpu::wide_many_tokens() {
+            return Simd::Avx512;
+        }
+        let _ = n;
+        simd
     }
 
     /// `y [n, rows] += x [n, cols] · Wᵀ` accumulated in f64 across blocks: each block's (or,
@@ -463,7 +478,7 @@ impl QuantMatrix {
     /// the same bits (formulas in the crate's `wide` module). Callers zero `y` first, or
     /// accumulate several matrices into it.
     pub fn matmul_wide_acc(&self, x: &[f32], n: usize, y: &mut [f64]) -> Result<(), KernelError> {
-        self.product(cpu::simd(), x, n, y)
+        self.product(self.default_simd(n), x, n, y)
     }
 
     /// [`QuantMatrix::matmul`] with an explicit kernel family (tests compare them).
@@ -1198,6 +1213,39 @@ pub(crate) mod tests {
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The process's default entry points (`matmul`, `matmul_wide_acc`), which on an
+    /// `avx2+vnni` default with AVX-512 run many-token products on the AVX-512 kernels
+    /// ([`cpu::wide_many_tokens`]), give the scalar bits below and above that size.
+    #[test]
+    fn the_default_path_gives_the_scalar_bits_at_every_size() {
+        eprintln!(
+            "default path: {} (many-token products on avx512: {})",
+            cpu::kernel_report(),
+            cpu::wide_many_tokens()
+        );
+        for qtype in ALL {
+            for (rows, cols) in shapes(qtype).into_iter().take(2) {
+                for n in [1usize, 7, 8, 16, 40] {
+                    let seed = (rows * 9000 + cols + n) as u64;
+                    let bytes = random_ggml(qtype, rows, cols, seed);
+                    let m = QuantMatrix::from_ggml_bytes(qtype, rows, cols, bytes).unwrap();
+                    let x = random_x(n * cols, seed ^ 3);
+                    let (mut yd, mut ys) = (vec![0.0f32; n * rows], vec![0.0f32; n * rows]);
+                    m.matmul(&x, n, &mut yd).unwrap();
+                    m.matmul_with(Simd::Scalar, &x, n, &mut ys).unwrap();
+                    let bits = |v: &[f32]| v.iter().map(|a| a.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&yd), bits(&ys), "{qtype} [{rows},{cols}] n={n}");
+                    let (mut wd, mut ws) = (vec![0.0f64; n * rows], vec![0.0f64; n * rows]);
+                    m.matmul_wide_acc(&x, n, &mut wd).unwrap();
+                    m.matmul_wide_acc_with(Simd::Scalar, &x, n, &mut ws)
+                        .unwrap();
+                    let wbits = |v: &[f64]| v.iter().map(|a| a.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(wbits(&wd), wbits(&ws), "wide {qtype} [{rows},{cols}] n={n}");
                 }
             }
         }
